@@ -1,0 +1,217 @@
+"""Run one Python function on N local ranks, each in its own process, and never hang.
+
+This is the harness under every multi-rank test and under ``tilescale-run``'s in-process
+mode: the ranks are started with the ``spawn`` method, optionally joined into a
+``torch.distributed`` process group, and watched by the parent.  When one rank raises, the
+others are stopped within seconds and :class:`RankFailure` carries the failing rank's
+traceback; when the deadline passes, every rank still running first dumps the Python stack
+of all its threads to stderr (so the report says where each rank was waiting), then is
+killed, and :class:`RankTimeout` names the ranks that did not finish.
+
+Example::
+
+    def body(rank, world_size, n):
+        import torch.distributed as dist
+        t = torch.full((n,), rank)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    results = run_ranks(body, 4, args=(3,), backend="gloo", timeout=60)
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["RankFailure", "RankTimeout", "find_free_port", "run_ranks"]
+
+
+class RankFailure(RuntimeError):
+    """A rank raised (or died). ``rank`` is the first failing rank, ``details`` its traceback."""
+
+    def __init__(self, rank: int, details: str):
+        super().__init__(f"rank {rank} failed:\n{details}")
+        self.rank = rank
+        self.details = details
+
+
+class RankTimeout(TimeoutError):
+    """Ranks did not finish within the deadline. ``ranks`` lists the unfinished ranks."""
+
+    def __init__(self, ranks: Sequence[int], timeout: float):
+        super().__init__(
+            f"ranks {list(ranks)} did not finish within {timeout:.0f} s; their Python stacks "
+            "were dumped to stderr just before they were killed"
+        )
+        self.ranks = list(ranks)
+        self.timeout = timeout
+
+
+def find_free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world_size, args, env, backend, port, group_timeout, results):
+    # Dump every thread's stack if the parent sends SIGUSR1 (it does so before a kill).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    os.environ.update(env)
+    try:
+        if backend is not None:
+            import datetime
+
+            import torch.distributed as dist
+
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=group_timeout),
+            )
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+    except BaseException:  # report everything, including SystemExit and KeyboardInterrupt
+        results.put((rank, False, traceback.format_exc()))
+        sys.stderr.flush()
+        os._exit(1)
+    finally:
+        if backend is not None:
+            try:
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout: float = 120.0,
+    backend: str | None = "gloo",
+    env: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
+    grace: float = 5.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+
+    Args:
+        fn: a picklable (module-level) function.
+        world_size: number of ranks, >= 1.
+        args: extra positional arguments, picklable.
+        timeout: seconds for the whole run; ranks still running then are killed.
+        backend: ``torch.distributed`` backend to initialise before ``fn`` runs
+            (``"gloo"`` or ``"nccl"``), or None to leave the process group to ``fn``.
+        env: environment variables for every rank, or one mapping per rank.
+        grace: seconds the other ranks get to exit after one fails before they are killed.
+
+    Returns:
+        ``fn``'s return values, indexed by rank.
+
+    Raises:
+        RankFailure: a rank raised or exited without a result.
+        RankTimeout: the deadline passed.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    if env is None or isinstance(env, Mapping):
+        envs = [dict(env or {})] * world_size
+    else:
+        envs = [dict(e) for e in env]
+        if len(envs) != world_size:
+            raise ValueError(f"env has {len(envs)} mappings for {world_size} ranks")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = find_free_port()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(fn, r, world_size, tuple(args), envs[r], backend, port, timeout, results),
+            name=f"tilescale-rank{r}",
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    values: dict[int, Any] = {}
+    failure: RankFailure | None = None
+    try:
+        while len(values) < world_size and failure is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                pending = [r for r in range(world_size) if r not in values]
+                _dump_stacks([procs[r] for r in pending])
+                raise RankTimeout(pending, timeout)
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r not in values and not p.is_alive() and p.exitcode not in (None,):
+                        # Drain a result that may have arrived just before the exit.
+                        try:
+                            rank, ok, payload = results.get(timeout=1.0)
+                        except queue.Empty:
+                            failure = RankFailure(
+                                r, f"process exited with code {p.exitcode} before reporting"
+                            )
+                            break
+                        else:
+                            if ok:
+                                values[rank] = payload
+                            else:
+                                failure = RankFailure(rank, payload)
+                            break
+                continue
+            if ok:
+                values[rank] = payload
+            else:
+                failure = RankFailure(rank, payload)
+        if failure is not None:
+            raise failure
+        return [values[r] for r in range(world_size)]
+    finally:
+        _stop(procs, grace if failure is not None else 10.0)
+        results.close()
+
+
+def _dump_stacks(procs) -> None:
+    for p in procs:
+        if p.is_alive() and p.pid is not None:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    time.sleep(0.5)
+
+
+def _stop(procs, grace: float) -> None:
+    end = time.monotonic() + grace
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=2.0)

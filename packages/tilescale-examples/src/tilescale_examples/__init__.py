@@ -1,0 +1,3 @@
+"""TileScale examples."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+"""TileScale host."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+"""TileScale lang."""
+
+__version__ = "0.1.0"
