@@ -1,0 +1,40 @@
+import io
+
+import pytest
+
+from tilescale_examples.report import format_bytes, format_table, gb_per_s, print_table, ratio, size_sweep
+
+
+def test_format_bytes_units():
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(4096) == "4 KiB"
+    assert format_bytes(64 * 2**20) == "64 MiB"
+    assert format_bytes(2**30) == "1 GiB"
+    with pytest.raises(ValueError, match="nbytes"):
+        format_bytes(-1)
+
+
+def test_bandwidth_and_ratio():
+    assert gb_per_s(2e9, 1000.0) == pytest.approx(2.0)
+    assert ratio(3.0, 4.0) == 0.75
+    assert ratio(1.0, 0.0) != ratio(1.0, 0.0)  # NaN
+    with pytest.raises(ValueError, match="milliseconds"):
+        gb_per_s(1, 0)
+
+
+def test_size_sweep():
+    assert size_sweep(4096, 2**20) == [4096, 16384, 65536, 262144, 1048576]
+    with pytest.raises(ValueError):
+        size_sweep(0, 10)
+
+
+def test_table_alignment_and_errors():
+    text = format_table(["size", "GB/s"], [["4 KiB", 1.23456], ["1 GiB", 4200.0]])
+    lines = text.splitlines()
+    assert len({len(line) for line in lines}) == 1
+    assert "1.235" in text and "4200.0" in text
+    with pytest.raises(ValueError, match="cells"):
+        format_table(["a", "b"], [[1]])
+    buf = io.StringIO()
+    print_table("t", ["a"], [[1]], file=buf)
+    assert buf.getvalue().startswith("\n== t\n")
