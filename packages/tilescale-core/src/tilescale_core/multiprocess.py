@@ -85,6 +85,10 @@ def _child(fn, rank, world_size, args, env, backend, port, group_timeout, result
         results.put((rank, True, value))
     except BaseException:  # report everything, including SystemExit and KeyboardInterrupt
         results.put((rank, False, traceback.format_exc()))
+        # os._exit skips the queue's feeder thread: flush the report into the pipe first,
+        # or the parent sees "exited before reporting" instead of the traceback.
+        results.close()
+        results.join_thread()
         sys.stderr.flush()
         os._exit(1)
     finally:
