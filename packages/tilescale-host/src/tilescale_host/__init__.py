@@ -1,3 +1,56 @@
-"""TileScale host."""
+"""TileScale host: process-group setup, a multi-rank launcher and pytest plugin, stream
+signals, topology probes, benchmarking and small helpers from Triton-distributed.
+
+Importing this package is cheap (standard library only); the public names load their
+modules, and with them torch and cuda-python, on first use.  The same names are reachable
+as ``tilelang.distributed.host`` (and ``tilelang.distributed``) once the wheel is installed.
+
+Modules: :mod:`~tilescale_host.dist_init` (``init_dist``), :mod:`~tilescale_host.launcher`
+(``tilescale-run``), :mod:`~tilescale_host.pytest_plugin` and :mod:`~tilescale_host.testing`
+(multi-rank tests), :mod:`~tilescale_host.signals`, :mod:`~tilescale_host.bench`,
+:mod:`~tilescale_host.topology`, :mod:`~tilescale_host.utils`, :mod:`~tilescale_host.doctor`.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "init_dist": "dist_init",
+    "set_signal": "signals",
+    "wait_eq": "signals",
+    "do_bench": "bench",
+    "perf_fn": "bench",
+    "NvidiaSmiUtil": "topology",
+    "cuda_stream_max_priority": "topology",
+    "has_fullmesh_nvlink": "topology",
+    "has_fullmesh_nvlink_pynvml": "topology",
+    "supports_p2p_native_atomic": "topology",
+    "dist_print": "utils",
+    "get_bool_env": "utils",
+    "get_current_gpu_clock_rate_in_khz": "utils",
+    "get_device_max_shared_memory_size": "utils",
+    "get_int_env": "utils",
+    "get_max_gpu_clock_rate_in_khz": "utils",
+    "get_numa_node": "utils",
+    "has_tma": "utils",
+    "init_seed": "utils",
+    "rand_tensor": "utils",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tilescale_host' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

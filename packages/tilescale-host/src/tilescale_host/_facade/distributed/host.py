@@ -1,0 +1,51 @@
+"""``tilelang.distributed.host``: TileScale's host utilities (from the tilescale-host wheel).
+
+``from tilelang.distributed.host import init_dist`` is the spelling of the spec; every name
+here is re-exported by ``tilelang.distributed`` too.  See :mod:`tilescale_host`.
+"""
+
+from tilescale_host.bench import do_bench, perf_fn
+from tilescale_host.dist_init import init_dist
+from tilescale_host.signals import set_signal, wait_eq
+from tilescale_host.topology import (
+    NvidiaSmiUtil,
+    cuda_stream_max_priority,
+    has_fullmesh_nvlink,
+    has_fullmesh_nvlink_pynvml,
+    supports_p2p_native_atomic,
+)
+from tilescale_host.utils import (
+    dist_print,
+    get_bool_env,
+    get_current_gpu_clock_rate_in_khz,
+    get_device_max_shared_memory_size,
+    get_int_env,
+    get_max_gpu_clock_rate_in_khz,
+    get_numa_node,
+    has_tma,
+    init_seed,
+    rand_tensor,
+)
+
+__all__ = [
+    "NvidiaSmiUtil",
+    "cuda_stream_max_priority",
+    "dist_print",
+    "do_bench",
+    "get_bool_env",
+    "get_current_gpu_clock_rate_in_khz",
+    "get_device_max_shared_memory_size",
+    "get_int_env",
+    "get_max_gpu_clock_rate_in_khz",
+    "get_numa_node",
+    "has_fullmesh_nvlink",
+    "has_fullmesh_nvlink_pynvml",
+    "has_tma",
+    "init_dist",
+    "init_seed",
+    "perf_fn",
+    "rand_tensor",
+    "set_signal",
+    "supports_p2p_native_atomic",
+    "wait_eq",
+]

@@ -1,0 +1,31 @@
+"""Entry point of one rank started by ``tilescale-run``: ``python -m tilescale_host._rank_main``.
+
+It registers a faulthandler on SIGUSR1 (the launcher sends it before killing ranks that
+overran the timeout, so their Python stacks show where they were waiting), then runs the
+user's script (``path [args...]``) or module (``-m name [args...]``) as ``__main__`` with
+``sys.argv`` set as if Python had been started on it directly.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import runpy
+import signal
+import sys
+
+
+def main(argv: list[str]) -> None:
+    """Run ``argv`` (``script args...`` or ``-m module args...``) as ``__main__``."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if argv[:1] == ["-m"]:
+        sys.argv = argv[1:]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

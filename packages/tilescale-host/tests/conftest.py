@@ -1,0 +1,22 @@
+"""Shared fixtures of the tilescale-host tests."""
+
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """Remove every launcher / TileScale variable from os.environ for the test."""
+    for name in (
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+        "ROLE_RANK", "ROLE_WORLD_SIZE", "NNODES", "MASTER_ADDR", "MASTER_PORT",
+        "TILESCALE_MASTER_PORT", "TILESCALE_SHARE_GPUS", "NCCL_IB_DISABLE", "NCCL_DEBUG",
+        "TILESCALE_VALIDATION_RECORD",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
