@@ -1,0 +1,590 @@
+"""The symmetric heap: :class:`BaseAllocator`, :func:`get_allocator` and memory-path selection.
+
+Every rank owns one base allocation of ``size`` bytes; the ranks exchange handles so that
+each process can address every peer's base.  Allocations are bump allocations at the same
+offset on every rank, so a peer's copy of a tensor lives at ``peer_base + offset``.  The
+CPU ``torch.uint64`` table ``[local_rank, num_ranks, base_0, ..., base_{n-1}]`` is what
+kernels receive (``kernel.initialize(allocator=...)``).
+
+Every rank must allocate the same sizes in the same order.  Each allocator keeps a running
+SHA-256 digest of its allocation sequence and compares it across ranks in :meth:`close`,
+and on every allocation in check mode (``check_alloc=True`` or ``TILESCALE_CHECK_ALLOC=1``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import _driver_multicast, probes
+from ._backends import HeapBackend, make_backend
+from ._comm import Comm, SetupError
+from .probes import Probe
+from .tensors import normalize_device, numel_of, resolve_dtype, view_at
+
+__all__ = [
+    "CHECK_ENV",
+    "DEFAULT_ALIGNMENT",
+    "MAX_TABLE_ENTRIES",
+    "PATHS",
+    "USE_VMM_ENV",
+    "AllocationLog",
+    "AllocationMismatchError",
+    "BaseAllocator",
+    "HeapExhaustedError",
+    "SetupError",
+    "VmmUnavailableError",
+    "check_multicast",
+    "get_allocator",
+    "select_path",
+]
+
+#: Environment override of the VMM choice: present and ``1`` -> VMM, present otherwise -> IPC.
+USE_VMM_ENV = "TILESCALE_USE_VMM"
+#: Environment switch of the per-allocation cross-rank check (``1`` enables it).
+CHECK_ENV = "TILESCALE_CHECK_ALLOC"
+#: Default alignment of allocations, bytes.
+DEFAULT_ALIGNMENT = 256
+#: Entries of the metadata table a kernel can hold (2 + number of ranks).
+MAX_TABLE_ENTRIES = 1024
+#: Memory path names, as found in :attr:`BaseAllocator.path`.
+PATHS = ("ipc", "vmm-fabric", "vmm-fd", "local")
+
+
+class HeapExhaustedError(MemoryError):
+    """An allocation does not fit. Attributes ``requested``, ``used``, ``capacity`` (bytes)."""
+
+    def __init__(self, region: str, requested: int, used: int, capacity: int, alignment: int):
+        self.requested = requested
+        self.used = used
+        self.capacity = capacity
+        super().__init__(
+            f"symmetric {region} exhausted: requested {requested} bytes (alignment {alignment}) "
+            f"with {used} of {capacity} bytes used; create the allocator with a larger size"
+        )
+
+
+class AllocationMismatchError(RuntimeError):
+    """Ranks allocated different sizes or in a different order (raised on every rank).
+
+    Attributes: ``index`` (0-based allocation number), ``ranks`` (the ranks that differ from
+    rank 0), ``records`` (``{rank: (region, nbytes, alignment) or None}``).
+    """
+
+    def __init__(self, index: int, records: dict[int, tuple | None], when: str):
+        self.index = index
+        self.records = dict(records)
+        reference = records[0]
+        self.ranks = [r for r, rec in sorted(records.items()) if rec != reference]
+        lines = [
+            f"rank {r} {_describe_record(rec)}" + ("" if r == 0 or rec == reference else "  <- differs from rank 0")
+            for r, rec in sorted(records.items())
+        ]
+        super().__init__(
+            f"allocation sequence differs across ranks ({when}): first difference at allocation "
+            f"#{index}, on rank(s) {self.ranks}:\n  " + "\n  ".join(lines)
+            + "\nevery rank must allocate the same sizes in the same order"
+        )
+
+
+class VmmUnavailableError(RuntimeError):
+    """VMM was requested but neither fabric nor POSIX-fd handles work here (no IPC fallback)."""
+
+
+def _describe_record(record: tuple | None) -> str:
+    if record is None:
+        return "made no such allocation"
+    region, nbytes, alignment = record
+    return f"allocated {nbytes} bytes (alignment {alignment}) in the {region}"
+
+
+def select_path(
+    *,
+    is_distributed: bool,
+    use_vmm: bool | None,
+    env_value: str | None,
+    fabric_probe: Callable[[], Probe],
+    fd_probe: Callable[[], Probe],
+) -> str:
+    """Choose the memory path; a pure function of its arguments (probes are called lazily).
+
+    Order (the spec's): ``env_value`` (``TILESCALE_USE_VMM``) present -> ``"1"`` selects VMM,
+    anything else IPC; else an explicit ``use_vmm``; else VMM only for a distributed
+    allocator whose fabric probe passes.  VMM uses fabric handles when the fabric probe
+    passes, else POSIX fds when their probe passes.  IPC is ``"local"`` for a
+    non-distributed allocator.
+
+    Returns:
+        one of :data:`PATHS`.
+
+    Raises:
+        VmmUnavailableError: VMM selected but neither handle kind works (no IPC fallback).
+    """
+    if env_value is not None:
+        want_vmm, why = env_value == "1", f"{USE_VMM_ENV}={env_value!r}"
+    elif use_vmm is not None:
+        want_vmm, why = bool(use_vmm), f"use_vmm={use_vmm!r}"
+    else:
+        want_vmm, why = bool(is_distributed and fabric_probe()), "the fabric probe"
+    if not want_vmm:
+        return "ipc" if is_distributed else "local"
+    fabric = fabric_probe()
+    if fabric:
+        return "vmm-fabric"
+    fd = fd_probe()
+    if fd:
+        return "vmm-fd"
+    raise VmmUnavailableError(
+        f"VMM was selected by {why} but cannot be used here, and there is no fallback to CUDA IPC: "
+        f"fabric handles: {fabric.reason}; POSIX fd handles: {fd.reason}. "
+        f"Unset {USE_VMM_ENV} / use_vmm to use CUDA IPC."
+    )
+
+
+def check_multicast(mcast_size: int | None, path: str, is_distributed: bool, probe: Callable[[], Probe]) -> None:
+    """Raise ValueError unless ``mcast_size`` is None or multicast can be set up on ``path``.
+
+    Multicast needs a distributed allocator on the ``"vmm-fabric"`` path and a passing
+    multicast probe; the probe is consulted only when the rest holds.
+    """
+    if mcast_size is None:
+        return
+    if isinstance(mcast_size, bool) or not isinstance(mcast_size, int) or mcast_size <= 0:
+        raise ValueError(f"mcast_size must be a positive number of bytes, got {mcast_size!r}")
+    if not is_distributed:
+        raise ValueError("mcast_size needs a distributed allocator (is_distributed=True)")
+    if path != "vmm-fabric":
+        raise ValueError(
+            f"mcast_size needs a VMM allocator with fabric handles, but this allocator uses {path!r} "
+            f"(set use_vmm=True or {USE_VMM_ENV}=1 on a fabric-capable host)"
+        )
+    result = probe()
+    if not result:
+        raise ValueError(f"mcast_size was given but multicast is unavailable: {result.reason}")
+
+
+@dataclass
+class AllocationLog:
+    """The allocation sequence of one allocator: records and a running SHA-256 digest.
+
+    A record is ``(region, nbytes, alignment)``; region is ``"heap"`` or ``"multicast heap"``.
+    """
+
+    records: list[tuple[str, int, int]] = field(default_factory=list)
+    digest: str = hashlib.sha256(b"tilescale-allocations").hexdigest()
+
+    @staticmethod
+    def chain(digest: str, record: tuple[str, int, int]) -> str:
+        """The digest after appending ``record`` to a log whose digest is ``digest``."""
+        return hashlib.sha256(f"{digest}|{record[0]}:{record[1]}:{record[2]}".encode()).hexdigest()
+
+    def append(self, record: tuple[str, int, int]) -> None:
+        """Append ``record`` and advance the digest."""
+        self.records.append(record)
+        self.digest = self.chain(self.digest, record)
+
+    @staticmethod
+    def first_difference(logs: Sequence[Sequence[tuple]]) -> tuple[int, dict[int, tuple | None]]:
+        """Index of the first position where ``logs`` (one per rank) differ, and each rank's record there."""
+        longest = max(len(log) for log in logs)
+        for i in range(longest):
+            at = {r: (tuple(log[i]) if i < len(log) else None) for r, log in enumerate(logs)}
+            if len(set(at.values())) > 1:
+                return i, at
+        raise ValueError("the logs do not differ")
+
+
+@dataclass
+class _Region:
+    name: str
+    base: int
+    capacity: int
+    used: int = 0
+
+
+@dataclass
+class _Multicast:
+    handle: int
+    local_ptr: int
+    mc_ptr: int
+    size: int
+
+
+def _align_up(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _resolve_group(is_distributed: bool, local_rank: int, num_local_ranks: int, group: Any) -> tuple[int, int, Any]:
+    if not is_distributed:
+        if (local_rank, num_local_ranks) != (0, 1):
+            raise ValueError(
+                f"is_distributed=False makes a single-rank heap; got local_rank={local_rank}, "
+                f"num_local_ranks={num_local_ranks}"
+            )
+        return 0, 1, None
+    _check_positive_int("num_local_ranks", num_local_ranks)
+    if isinstance(local_rank, bool) or not isinstance(local_rank, int) or not 0 <= local_rank < num_local_ranks:
+        raise ValueError(f"local_rank must be an int in [0, {num_local_ranks}), got {local_rank!r}")
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        if group is None and num_local_ranks == 1:
+            return 0, 1, None
+        raise ValueError("a distributed allocator needs an initialised torch.distributed process group")
+    group = group if group is not None else dist.group.WORLD
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if size != num_local_ranks:
+        raise ValueError(f"num_local_ranks={num_local_ranks} but the group has {size} ranks")
+    if rank != local_rank:
+        raise ValueError(f"local_rank={local_rank} but this process is rank {rank} of the group")
+    return rank, size, group
+
+
+def _resolve_device(device: Any, backend: HeapBackend) -> torch.device:
+    if backend.device_type == "cpu":
+        dev = torch.device(device)
+        if dev.type != "cpu":
+            raise ValueError(f"this backend holds host memory; device must be 'cpu', got {device!r}")
+        return dev
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"a CUDA heap needs a GPU, and CUDA is unavailable: {probes.probe_driver().reason}")
+    dev = normalize_device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"the symmetric heap lives on a CUDA device; got device={device!r}")
+    return dev
+
+
+class BaseAllocator:
+    """A bump allocator over one base allocation per rank, with every peer's base mapped here.
+
+    Construction is collective over ``group``: every rank allocates ``size`` bytes, the
+    handles are exchanged, and every peer base is mapped.  When any rank fails during set-up,
+    every rank raises :class:`~tilescale_core._comm.SetupError` naming it.  Use
+    :func:`get_allocator` (the spec's entry point); the arguments are the same.
+
+    Args:
+        size: heap bytes per rank (> 0).
+        device: ``"cuda"`` (the current device), ``"cuda:k"``, ``k`` or a ``torch.device``.
+        is_distributed: share the heap with the ranks of ``group``.
+        local_rank: this process's rank in ``group``.
+        num_local_ranks: ``group``'s size.
+        group: a ``torch.distributed`` group (default: the world group).  Several ranks may
+            share one GPU (use gloo there: NCCL refuses it).
+        use_vmm: force VMM (True) or CUDA IPC (False); None chooses (see :func:`select_path`).
+        mcast_size: bytes of an additional multicast region (VMM fabric + multicast only).
+        check_alloc: compare every allocation across ranks (default: ``TILESCALE_CHECK_ALLOC=1``).
+        backend: a :class:`~tilescale_core._backends.HeapBackend` replacing the path's own
+            (tests use :class:`tilescale_core.testing.HostBackend`).
+    """
+
+    def __init__(
+        self,
+        size: int = 2**30,
+        device: Any = "cuda",
+        is_distributed: bool = True,
+        local_rank: int = 0,
+        num_local_ranks: int = 1,
+        group: Any = None,
+        use_vmm: bool | None = None,
+        mcast_size: int | None = None,
+        *,
+        check_alloc: bool | None = None,
+        backend: HeapBackend | None = None,
+    ):
+        self._closed = True  # until set-up completes
+        _check_positive_int("size", size)
+        rank, num_ranks, group = _resolve_group(is_distributed, local_rank, num_local_ranks, group)
+        if 2 + num_ranks > MAX_TABLE_ENTRIES:
+            raise ValueError(f"{num_ranks} ranks need a {2 + num_ranks}-entry table; the limit is {MAX_TABLE_ENTRIES}")
+        self.path = select_path(
+            is_distributed=is_distributed,
+            use_vmm=use_vmm,
+            env_value=os.environ.get(USE_VMM_ENV),
+            fabric_probe=probes.probe_vmm_fabric,
+            fd_probe=probes.probe_vmm_fd,
+        )
+        check_multicast(mcast_size, self.path, is_distributed, probes.probe_multicast)
+        self._backend = backend if backend is not None else make_backend(self.path)
+        self.device = _resolve_device(device, self._backend)
+        self.local_rank = rank
+        self.num_ranks = num_ranks
+        self.size = size
+        self.mcast_size = mcast_size
+        self._comm = Comm(group, rank, num_ranks)
+        self._check = os.environ.get(CHECK_ENV) == "1" if check_alloc is None else bool(check_alloc)
+        self._log = AllocationLog()
+        self._mc: _Multicast | None = None
+        self._setup()
+
+    # --- set-up and teardown ---------------------------------------------------------
+
+    def _setup(self) -> None:
+        comm, backend = self._comm, self._backend
+        mine: list[int] = []
+
+        def allocate() -> int:
+            mine.append(backend.allocate(self.size, self.device))
+            return -1 if self.device.index is None else self.device.index
+
+        with backend.guard(self.device):
+            try:
+                self.device_ids = comm.phase(f"{self.path}: allocate {self.size} bytes", allocate)
+                self.peer_base_ptrs = backend.share(comm, mine[0], self.size, self.device)
+            except BaseException:
+                if mine:
+                    with contextlib.suppress(Exception):
+                        backend.free(mine[0])
+                raise
+            try:
+                if self.mcast_size is not None:
+                    self._mc = self._setup_multicast()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    backend.unshare(self.peer_base_ptrs, self.local_rank)
+                    backend.free(mine[0])
+                raise
+        self.base_ptr = mine[0]
+        self._heap = _Region("heap", self.base_ptr, self.size)
+        self._mc_region = None if self._mc is None else _Region("multicast heap", self._mc.local_ptr, self.mcast_size)
+        self.table = torch.tensor([self.local_rank, self.num_ranks, *self.peer_base_ptrs], dtype=torch.uint64)
+        self._closed = False
+
+    def _setup_multicast(self) -> _Multicast:
+        comm, mc, n = self._comm, _driver_multicast, self.num_ranks
+        state: dict[str, int] = {}
+        size = 0
+        try:
+            size = comm.phase("multicast: size", lambda: mc.aligned_size(self.mcast_size, n))[0]
+
+            def create() -> bytes | None:
+                if comm.rank != 0:
+                    return None
+                state["handle"] = mc.create(size, n)
+                return mc.export_handle(state["handle"])
+
+            exported = comm.phase("multicast: create", create)[0]
+
+            def attach() -> None:
+                if comm.rank != 0:
+                    state["handle"] = mc.import_handle(exported)
+                mc.add_device(state["handle"], self.device.index)
+
+            comm.phase("multicast: add devices", attach)
+
+            def bind() -> None:
+                state["local"] = self._backend.allocate(size, self.device)
+                mc.bind_mem(state["handle"], state["local"], size)
+                state["bound"] = 1
+                state["mc_ptr"] = mc.map(state["handle"], size, [self.device.index])
+
+            comm.phase("multicast: bind and map", bind)
+        except BaseException:
+            self._teardown_multicast(state, size)
+            raise
+        return _Multicast(state["handle"], state["local"], state["mc_ptr"], size)
+
+    def _teardown_multicast(self, state: dict[str, int], size: int) -> None:
+        mc = _driver_multicast
+        steps = [
+            ("mc_ptr", lambda: mc.unmap(state["mc_ptr"], size)),
+            ("bound", lambda: mc.unbind(state["handle"], self.device.index, size)),
+            ("local", lambda: self._backend.free(state["local"])),
+            ("handle", lambda: mc.release_handle(state["handle"])),
+        ]
+        for key, undo in steps:
+            if key in state:
+                with contextlib.suppress(Exception):
+                    undo()
+
+    def close(self) -> None:
+        """Collective and idempotent: check the allocation sequences, unmap peers, free the heap.
+
+        Every tensor over the heap becomes invalid.  Call it on every rank before destroying
+        the process group.
+
+        Raises:
+            AllocationMismatchError: the ranks' allocation sequences differed (the memory is
+                released anyway).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        comm, backend = self._comm, self._backend
+        mismatch = None
+        with backend.guard(self.device):
+            try:
+                backend.synchronize(self.device)
+                mismatch = self._compare_logs()
+                comm.barrier()  # nobody uses a peer's memory any more
+                if self._mc is not None:
+                    mc = self._mc
+                    state = {"mc_ptr": mc.mc_ptr, "bound": 1, "local": mc.local_ptr, "handle": mc.handle}
+                    self._teardown_multicast(state, mc.size)
+                backend.unshare(self.peer_base_ptrs, self.local_rank)
+                comm.barrier()  # every peer has unmapped this rank's memory
+            finally:
+                backend.free(self.base_ptr)
+        if mismatch is not None:
+            raise mismatch
+
+    def _compare_logs(self) -> AllocationMismatchError | None:
+        summaries = self._comm.all_gather((len(self._log.records), self._log.digest))
+        if len(set(summaries)) == 1:
+            return None
+        logs = self._comm.all_gather(self._log.records)
+        index, records = AllocationLog.first_difference(logs)
+        return AllocationMismatchError(index, records, "found at close()")
+
+    def __enter__(self) -> BaseAllocator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "_closed", True) is False:
+            warnings.warn(
+                f"{self!r} was garbage-collected without close(); its memory is leaked "
+                "(close() is collective and cannot run from a finaliser)",
+                ResourceWarning,
+                stacklevel=1,
+            )
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.used}/{self.size} bytes used"
+        return (
+            f"BaseAllocator(path={getattr(self, 'path', '?')!r}, rank={getattr(self, 'local_rank', '?')}"
+            f"/{getattr(self, 'num_ranks', '?')}, device={getattr(self, 'device', '?')}, {state})"
+        )
+
+    # --- allocation ------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (allocations then raise)."""
+        return self._closed
+
+    @property
+    def used(self) -> int:
+        """Bytes of the heap handed out so far (including alignment padding)."""
+        return self._heap.used if hasattr(self, "_heap") else 0
+
+    def _bump(self, region: _Region, nbytes: int, alignment: int) -> int:
+        if self._closed:
+            raise RuntimeError(f"the allocator is closed; cannot allocate {nbytes} bytes")
+        _check_positive_int("nbytes", nbytes)
+        _check_positive_int("alignment", alignment)
+        if alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        record = (region.name, nbytes, alignment)
+        if self._check:
+            self._check_record(record)
+        offset = _align_up(region.used, alignment)
+        if offset + nbytes > region.capacity:
+            raise HeapExhaustedError(region.name, nbytes, region.used, region.capacity, alignment)
+        self._log.append(record)
+        region.used = offset + nbytes
+        return offset
+
+    def _check_record(self, record: tuple[str, int, int]) -> None:
+        index = len(self._log.records)
+        gathered = self._comm.all_gather((index, self._log.digest, record))
+        if len(set(gathered)) == 1:
+            return
+        if len({(i, d) for i, d, _ in gathered}) > 1:  # histories already differ
+            logs = self._comm.all_gather(self._log.records + [record])
+            index, records = AllocationLog.first_difference(logs)
+        else:
+            records = {r: rec for r, (_, _, rec) in enumerate(gathered)}
+        raise AllocationMismatchError(index, records, f"check mode, {CHECK_ENV}=1")
+
+    def allocate(self, nbytes: int, alignment: int = DEFAULT_ALIGNMENT) -> int:
+        """Reserve ``nbytes`` bytes aligned to ``alignment``; return the offset from the base.
+
+        The same offset addresses the region on every rank (``peer_base_ptrs[r] + offset``).
+
+        Raises:
+            HeapExhaustedError: the region does not fit (message: requested, used, capacity).
+            RuntimeError: the allocator is closed.
+            AllocationMismatchError: check mode found that ranks disagree.
+        """
+        return self._bump(self._heap, nbytes, alignment)
+
+    def _allocate_tensor(self, shape: Any, dtype: str | torch.dtype, return_peers: bool = False):
+        """Allocate a tensor in the heap; with ``return_peers`` return one view per rank (index = rank)."""
+        dtype = resolve_dtype(dtype)
+        nbytes = numel_of(shape) * torch.empty((), dtype=dtype).element_size()
+        offset = self.allocate(max(nbytes, 1))
+        local = view_at(self.base_ptr + offset, shape, dtype, self.device)
+        if not return_peers:
+            return local
+        return [
+            local if r == self.local_rank else view_at(base + offset, shape, dtype, self.device)
+            for r, base in enumerate(self.peer_base_ptrs)
+        ]
+
+    def _allocate_mcast_tensor(self, shape: Any, dtype: str | torch.dtype):
+        """Allocate in the multicast region; return ``(multicast_view, local_physical_view)``.
+
+        Write this rank's contribution through the local view; ``multimem`` instructions use
+        the multicast view.
+        """
+        if self._mc_region is None or self._mc is None:
+            if self._closed:
+                raise RuntimeError("the allocator is closed")
+            raise RuntimeError("this allocator has no multicast region: pass mcast_size to get_allocator")
+        dtype = resolve_dtype(dtype)
+        nbytes = numel_of(shape) * torch.empty((), dtype=dtype).element_size()
+        offset = self._bump(self._mc_region, max(nbytes, 1), DEFAULT_ALIGNMENT)
+        mc_view = view_at(self._mc.mc_ptr + offset, shape, dtype, self.device)
+        local_view = view_at(self._mc.local_ptr + offset, shape, dtype, self.device)
+        return mc_view, local_view
+
+
+def get_allocator(
+    size: int = 2**30,
+    device: Any = "cuda",
+    is_distributed: bool = True,
+    local_rank: int = 0,
+    num_local_ranks: int = 1,
+    group: Any = None,
+    use_vmm: bool | None = None,
+    mcast_size: int | None = None,
+    *,
+    check_alloc: bool | None = None,
+) -> BaseAllocator:
+    """Create a :class:`BaseAllocator` (collective over ``group``); see its arguments.
+
+    Example::
+
+        allocator = tilelang.get_allocator(size=2**30, local_rank=rank,
+                                           num_local_ranks=world_size, group=group)
+        views = tilelang.tensor((1024,), "float32", allocator=allocator, return_peers=True)
+        views[rank].fill_(rank)  # this rank's tensor; views[r] is rank r's copy
+        ...
+        allocator.close()
+    """
+    return BaseAllocator(
+        size=size,
+        device=device,
+        is_distributed=is_distributed,
+        local_rank=local_rank,
+        num_local_ranks=num_local_ranks,
+        group=group,
+        use_vmm=use_vmm,
+        mcast_size=mcast_size,
+        check_alloc=check_alloc,
+    )

@@ -1,0 +1,91 @@
+"""CPU stand-ins for testing the allocator (and code built on it) without a GPU.
+
+:class:`HostBackend` is a real symmetric heap in host memory: each rank's base is a
+``memfd`` mapped shared; the descriptors travel between processes exactly like POSIX-fd
+VMM handles (:mod:`tilescale_core._fd_exchange`), and each rank maps every peer's memfd.
+Tensors over it are CPU tensors, and a write by one rank is visible in the others' peer
+views.  Pass it as ``BaseAllocator(..., device="cpu", backend=HostBackend())``.
+
+Linux only (``os.memfd_create``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+
+import torch
+
+from ._backends import FdSharingBackend
+
+__all__ = ["HostBackend"]
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map(fd: int, size: int) -> int:
+    ptr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if ptr in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
+    return ptr
+
+
+class HostBackend(FdSharingBackend):
+    """Host-memory heap backend (memfd + shared mmap), sharing descriptors over Unix sockets.
+
+    Attributes:
+        mappings: ``{address: (size, memfd or None)}`` of live mappings, for leak checks.
+    """
+
+    device_type = "cpu"
+    path = "host"
+
+    def __init__(self) -> None:
+        self.mappings: dict[int, tuple[int, int | None]] = {}
+
+    def guard(self, device: torch.device) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def synchronize(self, device: torch.device) -> None:
+        return None
+
+    def allocate(self, size: int, device: torch.device) -> int:
+        fd = os.memfd_create("tilescale-host-heap")
+        try:
+            os.ftruncate(fd, size)
+            ptr = _map(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.mappings[ptr] = (size, fd)
+        return ptr
+
+    def export_fd(self, ptr: int) -> int:
+        return os.dup(self.mappings[ptr][1])
+
+    def import_fd(self, fd: int, size: int, device: torch.device) -> int:
+        ptr = _map(fd, size)
+        self.mappings[ptr] = (size, None)
+        return ptr
+
+    def _unmap(self, ptr: int) -> int | None:
+        size, fd = self.mappings.pop(ptr)
+        if _libc.munmap(ptr, size) != 0:
+            raise OSError(ctypes.get_errno(), "munmap failed")
+        return fd
+
+    def close_peer(self, ptr: int) -> None:
+        self._unmap(ptr)
+
+    def free(self, ptr: int) -> None:
+        fd = self._unmap(ptr)
+        if fd is not None:
+            os.close(fd)
