@@ -265,7 +265,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
     parser.add_argument("target", help="script path, or module name with -m")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.nranks < 1:
+        parser.error(f"-n must be at least 1, got {args.nranks}")
+    if args.timeout is not None and args.timeout <= 0:
+        parser.error(f"--timeout must be positive, got {args.timeout:g}")
+    return args
 
 
 def _raise_interrupt(signum, frame):

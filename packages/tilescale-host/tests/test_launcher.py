@@ -1,0 +1,136 @@
+"""tilescale-run with real subprocesses: environment, failure propagation, timeout."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tilescale_host.launcher import build_rank_env, parse_args
+
+
+def run_launcher(tmp_path, body: str, *args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(body))
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tilescale_host.launcher", *args, str(script), "--flag", "x"],
+        capture_output=True, text=True, timeout=timeout,
+    )
+    return proc, time.monotonic() - start
+
+
+def test_every_rank_gets_torchrun_variables(tmp_path, clean_env):
+    proc, _ = run_launcher(
+        tmp_path,
+        """
+        import json, os, sys
+        keys = ["LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                "MASTER_PORT", "TILESCALE_SHARE_GPUS"]
+        print(json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv, "name": __name__}))
+        """,
+        "-n", "3", "--share-gpus", "--master-port", "29555",
+    )
+    assert proc.returncode == 0, proc.stderr
+    seen = {}
+    for line in proc.stdout.splitlines():
+        prefix, _, payload = line.partition("] ")
+        seen[prefix] = json.loads(payload)
+    assert sorted(seen) == ["[rank 0", "[rank 1", "[rank 2"]
+    for r in range(3):
+        got = seen[f"[rank {r}"]
+        assert got["env"] == {
+            "LOCAL_RANK": str(r), "RANK": str(r), "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555", "TILESCALE_SHARE_GPUS": "1",
+        }
+        assert got["argv"][1:] == ["--flag", "x"] and got["name"] == "__main__"
+
+
+def test_one_failing_rank_stops_the_others_and_shows_its_traceback(tmp_path, clean_env):
+    proc, elapsed = run_launcher(
+        tmp_path,
+        """
+        import os, time
+        if os.environ["RANK"] == "1":
+            time.sleep(0.5)
+            raise ValueError("boom from rank one")
+        time.sleep(120)
+        """,
+        "-n", "3", "--grace", "2",
+    )
+    assert proc.returncode == 1
+    assert elapsed < 20, f"the other ranks were not stopped promptly ({elapsed:.1f} s)"
+    assert "[rank 1] Traceback (most recent call last):" in proc.stdout
+    assert "rank 1 failed (exit code 1); stopped ranks [0, 2]" in proc.stderr
+    assert "[rank 1] ValueError: boom from rank one" in proc.stderr
+
+
+def test_rank_ignoring_sigterm_is_killed(tmp_path, clean_env):
+    proc, elapsed = run_launcher(
+        tmp_path,
+        """
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if os.environ["RANK"] == "0":
+            time.sleep(0.3)
+            sys.exit(3)
+        time.sleep(120)
+        """,
+        "-n", "2", "--grace", "1",
+    )
+    assert proc.returncode == 3
+    assert elapsed < 20
+
+
+def test_overall_timeout_dumps_stacks_and_exits_124(tmp_path, clean_env):
+    proc, elapsed = run_launcher(
+        tmp_path,
+        """
+        import time
+        def waiting_for_peers():
+            time.sleep(120)
+        waiting_for_peers()
+        """,
+        "-n", "2", "--timeout", "2", "--grace", "1",
+    )
+    assert proc.returncode == 124
+    assert elapsed < 20
+    assert "timed out after 2 s; ranks [0, 1]" in proc.stderr
+    assert "waiting_for_peers" in proc.stdout  # faulthandler's stack dump, prefixed by rank
+
+
+def test_module_mode_and_argument_parsing(tmp_path, clean_env):
+    (tmp_path / "tsjob_mod.py").write_text("import os, sys\nprint('mod', os.environ['RANK'], sys.argv[1:])\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tilescale_host.launcher", "-n", "2", "-m", "tsjob_mod", "a", "--b"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["[rank 0] mod 0 ['a', '--b']", "[rank 1] mod 1 ['a', '--b']"]
+    args = parse_args(["--nproc_per_node", "4", "--timeout", "9", "s.py", "--timeout", "1"])
+    assert (args.nranks, args.timeout, args.target, args.args) == (4, 9.0, "s.py", ["--timeout", "1"])
+
+
+def test_rank_env_keeps_base_and_sets_defaults():
+    env = build_rank_env(1, 2, 4000, base={"MASTER_ADDR": "10.1.1.1", "KEEP": "yes"})
+    assert env["MASTER_ADDR"] == "10.1.1.1" and env["KEEP"] == "yes"
+    assert env["TILESCALE_MASTER_PORT"] == env["MASTER_PORT"] == "4000"
+    assert "TILESCALE_SHARE_GPUS" not in env
+
+
+def test_console_script_is_installed():
+    import shutil
+
+    exe = shutil.which("tilescale-run") or str((__import__("pathlib").Path(sys.executable).parent / "tilescale-run"))
+    proc = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and "--share-gpus" in proc.stdout
+
+
+@pytest.mark.parametrize("argv", [["-n", "0", "x.py"]])
+def test_bad_rank_count(tmp_path, argv):
+    proc = subprocess.run([sys.executable, "-m", "tilescale_host.launcher", *argv], capture_output=True, text=True)
+    assert proc.returncode != 0 and "at least 1" in proc.stderr
