@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from . import _driver
 
-__all__ = ["HANDLE_BYTES", "close_handle", "free", "get_handle", "malloc", "open_handle"]
+__all__ = ["HANDLE_BYTES", "check_handle", "close_handle", "free", "get_handle", "malloc", "open_handle"]
 
 #: Size of a ``cudaIpcMemHandle_t`` in bytes.
 HANDLE_BYTES = 64
@@ -29,10 +29,15 @@ def get_handle(ptr: int) -> bytes:
     return _driver.bytes_of(handle, HANDLE_BYTES)
 
 
-def open_handle(handle: bytes) -> int:
-    """Map a peer's IPC handle with lazy peer access; return the address in this process."""
+def check_handle(handle: bytes) -> None:
+    """Raise ValueError unless ``handle`` is a 64-byte ``bytes`` value."""
     if not isinstance(handle, (bytes, bytearray)) or len(handle) != HANDLE_BYTES:
         raise ValueError(f"an IPC handle is {HANDLE_BYTES} bytes, got {len(handle)!r}")
+
+
+def open_handle(handle: bytes) -> int:
+    """Map a peer's IPC handle with lazy peer access; return the address in this process."""
+    check_handle(handle)
     rt = _driver.runtime_module()
     h = _driver.fill_struct(rt.cudaIpcMemHandle_t(), bytes(handle))
     return int(_driver.rt_call("cudaIpcOpenMemHandle", h, rt.cudaIpcMemLazyEnablePeerAccess))

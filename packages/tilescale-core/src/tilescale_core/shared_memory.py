@@ -148,6 +148,7 @@ def _sync(open_fn: Callable[[bytes], int], rank: int, num_ranks: int, table_addr
 
 
 def _impl_open_ipc_handle(handle: bytes) -> int:
+    _ipc.check_handle(handle)
     _current_device()
     return _ipc.open_handle(handle)
 
@@ -242,7 +243,7 @@ def _ffi(name: str) -> Callable[..., Any]:
 
 def _create_ipc_handle(ptr: int) -> bytes:
     """Return the 64-byte CUDA IPC handle of the ``cudaMalloc`` allocation at ``ptr``."""
-    return _ffi("create_ipc_handle")(ptr)
+    return bytes(_ffi("create_ipc_handle")(ptr))
 
 
 def _open_ipc_handle(handle: bytes) -> int:
@@ -288,7 +289,7 @@ def _vmm_free(ptr: int) -> None:
 
 def _create_vmm_handle(ptr: int) -> bytes:
     """Serialise the shareable handle of :func:`_vmm_malloc` memory at ``ptr``."""
-    return _ffi("create_vmm_handle")(ptr)
+    return bytes(_ffi("create_vmm_handle")(ptr))
 
 
 def _open_vmm_handle(handle: bytes) -> int:
@@ -323,7 +324,7 @@ def _mc_create(size: int, num_devices: int) -> int:
 
 def _mc_export_handle(handle: int) -> bytes:
     """Export a multicast object as 64 fabric-handle bytes."""
-    return _ffi("mc_export_handle")(handle)
+    return bytes(_ffi("mc_export_handle")(handle))
 
 
 def _mc_import_handle(handle_bytes: bytes) -> int:
