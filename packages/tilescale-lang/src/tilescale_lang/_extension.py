@@ -1,0 +1,95 @@
+"""The tilescale-lang extension of stock tilelang (entry point ``lang``).
+
+Called by tilescale-core's import hook right after ``import tilelang``; attaches:
+
+* the intrinsics to ``tilelang.language`` (``T.get_rank``, ``T.put_warp``, ``T.wait_eq``,
+  ...), and ``T.copy`` / ``T.tma_copy`` wrappers that accept ``src_pe``/``dst_pe`` and are
+  stock TileLang when no peer is given;
+* ``JITKernel.initialize(allocator=..., stream=None)``;
+* the CUDA post-processing callback that includes the TileScale headers, the
+  ``runtime.nvshmem.cumodule_init`` module hook (before any launch), and the compile
+  wrappers that add the header flags (``tilelang.compile(..., compile_once=True,
+  compile_group=group)`` too).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Stock callables replaced by TileScale wrappers, by name.
+STOCK: dict[str, Any] = {}
+
+
+def intrinsics() -> dict[str, Any]:
+    """Name -> callable of every intrinsic exported on ``tilelang.language``."""
+    from . import barrier, memory, peer_copy, rank, wait
+
+    names = {
+        "get_rank": rank.get_rank,
+        "get_num_ranks": rank.get_num_ranks,
+        "symm_at": rank.symm_at,
+        "put_warp": peer_copy.put_warp,
+        "get_warp": peer_copy.get_warp,
+        "put_block": peer_copy.put_block,
+        "get_block": peer_copy.get_block,
+        "ld": memory.ld,
+        "st": memory.st,
+        "atom_add": memory.atom_add,
+        "fence_cta": memory.fence_cta,
+        "fence_gpu": memory.fence_gpu,
+        "fence_sys": memory.fence_sys,
+        "init_barrier_gpu": barrier.init_barrier_gpu,
+        "arrive_barrier_gpu": barrier.arrive_barrier_gpu,
+        "wait_barrier_gpu": barrier.wait_barrier_gpu,
+        "sync_barrier_gpu": barrier.sync_barrier_gpu,
+        "barrier_blocks": barrier.barrier_blocks,
+        "sync_blocks": barrier.sync_blocks,
+        "notify": barrier.notify,
+    }
+    names.update(wait.WAITS)
+    return names
+
+
+def _initialize(self, allocator=None, stream=None):
+    """Copy ``allocator.table`` ([local_rank, num_ranks, base_0, ...], <= 1024 uint64) into
+    this kernel's metadata table, before or after its module is loaded.
+
+    Args:
+        allocator: the distributed allocator (``tilelang.get_allocator(...)``).
+        stream: raw CUDA stream handle (non-negative int) for the copy; None means 0.
+
+    Returns:
+        the kernel itself.
+    """
+    from .metadata import initialize
+
+    return initialize(self, allocator=allocator, stream=stream)
+
+
+def extend(tilelang_module) -> None:
+    """Attach tilescale-lang to the freshly imported ``tilelang`` module."""
+    import importlib
+
+    import tilelang.language as T
+    from tilelang.jit.kernel import JITKernel
+
+    from . import codegen, metadata, peer_copy
+
+    for name, fn in intrinsics().items():
+        setattr(T, name, fn)
+    for name, wrapper in (("copy", peer_copy.copy), ("tma_copy", peer_copy.tma_copy)):
+        current = getattr(T, name)
+        if current is not wrapper:
+            STOCK.setdefault(name, current)
+            setattr(T, name, wrapper)
+
+    JITKernel.initialize = _initialize
+    tl_jit = importlib.import_module("tilelang.jit")  # the package (tilelang.jit is the decorator)
+
+    codegen.install_postproc()
+    metadata.install_module_hook()
+
+    tl_jit.cached = codegen.wrap_cached(tl_jit.cached)
+    wrapped = codegen.wrap_compile(tl_jit.compile)
+    tl_jit.compile = wrapped
+    tilelang_module.compile = wrapped

@@ -1,0 +1,93 @@
+"""Barriers and signals: ``T.init_barrier_gpu``, ``T.arrive_barrier_gpu``,
+``T.wait_barrier_gpu``, ``T.sync_barrier_gpu`` (blocks of one grid), ``T.barrier_blocks`` /
+``T.sync_blocks`` (all blocks of every rank) and ``T.notify``.
+
+All barrier helpers are block-collective (every thread of the block calls them) and are
+safe to repeat: they count generations instead of resetting, so there is no race between
+initialisation and early arrivals.  Their storage must be zeroed once before first use
+(allocator memory, or ``torch.zeros``).
+
+* GPU barrier storage: two uint32 words in global memory (``bar[0]`` phase/arrivals,
+  ``bar[1]`` expected count).  Block 0 must take part.
+* ``barrier_blocks``/``sync_blocks`` storage: a symmetric (allocator) buffer of
+  ``num_ranks`` uint32 counters; needs ``kernel.initialize``; every rank launches the same
+  number of blocks, all co-resident.
+"""
+
+from __future__ import annotations
+
+from . import validation as V
+
+
+def _barrier(barrier, name: str = "barrier", min_elems: int = 1) -> V.Operand:
+    op = V.operand(barrier, name)
+    dtype = V.require_dtype(op, name, (32,))
+    if dtype not in ("uint32", "int32"):
+        raise TypeError(f"{name} must be uint32 (or int32) storage, got {dtype}")
+    V.require_global(op, name, "(barriers synchronise blocks through global memory)")
+    if min_elems > 1 and op.buffer is not None:
+        total = 1
+        for extent in op.buffer.shape:
+            if not hasattr(extent, "value"):
+                total = None
+                break
+            total *= int(extent.value)
+        if total is not None and total < min_elems:
+            raise ValueError(f"{name} needs at least {min_elems} uint32 elements, buffer {op.buffer.name!r} has {total}")
+    return op
+
+
+def init_barrier_gpu(barrier, expected):
+    """Set the number of blocks taking part in the GPU barrier at ``barrier`` (2 uint32).
+
+    Idempotent; block 0 must run it before its first arrival (running it in every block is
+    fine).  ``expected`` is any integer expression (e.g. the grid size).
+    """
+    op = _barrier(barrier, min_elems=2)
+    return V.extern("handle", "tilescale::init_barrier_gpu", op.ptr, V.cast_to(expected, "uint32", "expected"))
+
+
+def arrive_barrier_gpu(barrier):
+    """Arrive at the GPU barrier (release, gpu scope); pair with :func:`wait_barrier_gpu`."""
+    return V.extern("handle", "tilescale::arrive_barrier_gpu", _barrier(barrier, min_elems=2).ptr)
+
+
+def wait_barrier_gpu(barrier):
+    """Wait until every expected block arrived in this block's generation (acquire, gpu)."""
+    return V.extern("handle", "tilescale::wait_barrier_gpu", _barrier(barrier, min_elems=2).ptr)
+
+
+def sync_barrier_gpu(barrier):
+    """:func:`arrive_barrier_gpu` then :func:`wait_barrier_gpu`."""
+    return V.extern("handle", "tilescale::sync_barrier_gpu", _barrier(barrier, min_elems=2).ptr)
+
+
+def barrier_blocks(barrier):
+    """Rendezvous of all blocks of every rank, with system-scope release before arriving and
+    acquire after (writes before the call are visible to every block of every rank after
+    it).  ``barrier``: symmetric buffer of ``num_ranks`` zeroed uint32 counters."""
+    return V.extern("handle", "tilescale::barrier_blocks", _barrier(barrier).ptr)
+
+
+def sync_blocks(barrier):
+    """Like :func:`barrier_blocks` but without memory ordering (a counter rendezvous)."""
+    return V.extern("handle", "tilescale::sync_blocks", _barrier(barrier).ptr)
+
+
+def notify(ptr, peer, signal=1, sig_op: str = "set"):
+    """Signal the flag at ``ptr`` on rank ``peer`` (-1: local) with release semantics at
+    system scope: ``sig_op="set"`` stores ``signal``; ``"add"`` atomically adds it (32-bit
+    flags).  Pairs with ``T.wait_*`` on the receiving side."""
+    op = V.operand(ptr, "ptr")
+    dtype = V.require_dtype(op, "ptr")
+    sig_op = V.choice(sig_op, ("set", "add"), "sig_op")
+    if sig_op == "add" and V.tvm_dtype(dtype).bits != 32:
+        raise TypeError(f"sig_op='add' needs a 32-bit flag, got {dtype}")
+    pe_val = V.pe_expr(peer, "peer")
+    if pe_val is not None:
+        V.require_global(op, "ptr", "when peer selects a rank")
+    import tvm.tirx as tirx
+
+    pe_arg = pe_val if pe_val is not None else tirx.IntImm("int32", -1)
+    add = "true" if sig_op == "add" else "false"
+    return V.extern("handle", f"tilescale::notify<{add}>", op.ptr, pe_arg, V.cast_to(signal, dtype, "signal"))

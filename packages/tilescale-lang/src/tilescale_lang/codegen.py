@@ -1,0 +1,160 @@
+"""Tie generated CUDA to the TileScale headers: the include line, the compile flags, the cache.
+
+* :func:`postproc` (registered as TileLang's CUDA post-processing callback, chaining any
+  callback registered before) puts ``#include <tilescale/tilescale.cuh>`` at the top of every
+  generated CUDA file that calls into ``tilescale::``.  It runs for every backend and also
+  for ``tilelang.lower`` without nvcc.
+* :func:`wrap_cached` wraps TileLang's compile entry (``tilelang.jit.cached``, used by
+  ``tilelang.compile``, ``tilelang.par_compile`` and ``@tilelang.jit``) so that a PrimFunc
+  that uses an intrinsic is compiled with :func:`tilescale_lang.headers.compile_flags`
+  (include path, header hash, wait timeout).  Kernels that use no intrinsic go through
+  untouched.  The flags are part of TileLang's kernel-cache key.
+* :func:`wrap_compile` adds ``compile_once=`` / ``compile_group=`` to ``tilelang.compile``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from . import headers
+
+#: Namespace of every device helper; its presence marks a TileScale kernel.
+NAMESPACE = "tilescale::"
+INCLUDE_LINE = f"#include <{headers.MAIN_HEADER}>\n"
+_POSTPROC_NAME = "tilelang_callback_cuda_postproc"
+
+_state: dict[str, Any] = {"previous": None, "installed": False}
+
+
+def add_include(code: str) -> str:
+    """Return ``code`` with the TileScale include at the top if it calls ``tilescale::``."""
+    if NAMESPACE in code and INCLUDE_LINE not in code:
+        return INCLUDE_LINE + code
+    return code
+
+
+def postproc(code: str, target: Any) -> str:
+    """TileLang CUDA post-processing callback: earlier callback first, then the include."""
+    previous = _state["previous"]
+    if previous is not None:
+        code = previous(code, target)
+    return add_include(str(code))
+
+
+def install_postproc() -> None:
+    """Register :func:`postproc` (once), keeping any earlier callback in the chain."""
+    if _state["installed"]:
+        return
+    import tvm_ffi
+
+    _state["previous"] = tvm_ffi.get_global_func(_POSTPROC_NAME, allow_missing=True)
+    tvm_ffi.register_global_func(_POSTPROC_NAME, f=postproc, override=True)
+    _state["installed"] = True
+
+
+def uses_tilescale(func: Any) -> bool:
+    """True when the PrimFunc calls a ``tilescale::`` helper (a TileScale intrinsic)."""
+    from tvm import tirx
+
+    body = getattr(func, "body", None)
+    if body is None:
+        return False
+    found = []
+
+    def visit(node):
+        if found or not isinstance(node, tirx.Call):
+            return
+        op = getattr(node.op, "name", "")
+        if op == "tirx.call_extern" and node.args and isinstance(node.args[0], tirx.StringImm):
+            if node.args[0].value.startswith(NAMESPACE):
+                found.append(node)
+
+    tirx.stmt_functor.post_order_visit(body, visit)
+    return bool(found)
+
+
+def merge_flags(compile_flags: list[str] | str | None) -> list[str]:
+    """``compile_flags`` plus the TileScale flags (not repeated)."""
+    if compile_flags is None:
+        flags: list[str] = []
+    elif isinstance(compile_flags, str):
+        flags = [compile_flags]
+    else:
+        flags = list(compile_flags)
+    for flag in headers.compile_flags():
+        if flag not in flags:
+            flags.append(flag)
+    return flags
+
+
+def wrap_cached(cached):
+    """Wrap ``tilelang.cache.cached``: add the flags for TileScale kernels, capture modules."""
+    if getattr(cached, "__tilescale_wrapped__", False):
+        return cached
+
+    @functools.wraps(cached)
+    def tilescale_cached(func=None, out_idx=None, *args, **kwargs):
+        if func is not None and uses_tilescale(func):
+            install_postproc()
+            kwargs["compile_flags"] = merge_flags(kwargs.get("compile_flags"))
+            kernel = cached(func, out_idx, *args, **kwargs)
+            from .metadata import track_kernel
+
+            track_kernel(kernel)
+            return kernel
+        return cached(func, out_idx, *args, **kwargs)
+
+    tilescale_cached.__tilescale_wrapped__ = True
+    return tilescale_cached
+
+
+def wrap_compile(compile_fn):
+    """Wrap ``tilelang.compile`` with ``compile_once`` / ``compile_group``.
+
+    ``tilelang.compile(func, ..., compile_once=True, compile_group=group)`` compiles on the
+    group's rank 0 first (filling TileLang's disk cache), then the other ranks compile the
+    same function after a barrier, which is a cache hit when the disk cache is enabled (the
+    kernels are rank-agnostic, so the key is identical on every rank).  Without a group, or
+    with ``compile_once=False``, it is plain ``tilelang.compile``.
+    """
+    if getattr(compile_fn, "__tilescale_wrapped__", False):
+        return compile_fn
+
+    @functools.wraps(compile_fn)
+    def tilescale_compile(*args, compile_once: bool = False, compile_group: Any = None, **kwargs):
+        if not compile_once:
+            return compile_fn(*args, **kwargs)
+        return compile_once_in_group(lambda: compile_fn(*args, **kwargs), compile_group)
+
+    tilescale_compile.__tilescale_wrapped__ = True
+    tilescale_compile.__wrapped_compile__ = compile_fn
+    return tilescale_compile
+
+
+def compile_once_in_group(build, group: Any = None):
+    """Run ``build()`` on rank 0 of ``group`` first, then on the others after a barrier."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a tilelang dependency
+        return build()
+    if not (dist.is_available() and dist.is_initialized()):
+        return build()
+    if group is None:
+        group = dist.group.WORLD
+    if dist.get_world_size(group) <= 1:
+        return build()
+    first = dist.get_rank(group) == 0
+    kernel = None
+    error: BaseException | None = None
+    if first:
+        try:
+            kernel = build()
+        except BaseException as exc:  # release the others before re-raising
+            error = exc
+    dist.barrier(group=group)
+    if error is not None:
+        raise error
+    if not first:
+        kernel = build()
+    return kernel

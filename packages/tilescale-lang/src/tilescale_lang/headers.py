@@ -1,0 +1,80 @@
+"""Where the TileScale CUDA headers live, and the flags that tie a kernel to them.
+
+The device code of every intrinsic lives in ``include/tilescale/*.cuh`` inside this wheel.
+Kernels that use an intrinsic are compiled with :func:`compile_flags`: the include path, a
+hash of the headers (``-DTILESCALE_ABI=<sha>``) and, when enabled, the wait timeout
+(``-DTILESCALE_WAIT_TIMEOUT_MS=<ms>``).  TileLang's kernel cache hashes the compile flags, so
+a kernel built against other headers or another timeout is never returned from the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+#: Directory to pass as ``-I`` (it contains ``tilescale/tilescale.cuh``).
+INCLUDE_DIR = Path(__file__).with_name("include")
+#: The one header the generated kernels include.
+MAIN_HEADER = "tilescale/tilescale.cuh"
+#: Environment variable holding the wait timeout in milliseconds (read at compile time).
+WAIT_TIMEOUT_ENV = "TILESCALE_WAIT_TIMEOUT_MS"
+
+
+def include_dir() -> str:
+    """Absolute path of the header include directory."""
+    return str(INCLUDE_DIR)
+
+
+def header_files(root: str | os.PathLike | None = None) -> list[Path]:
+    """All ``*.cuh`` headers under ``root/tilescale`` (default: the shipped ones), sorted."""
+    base = Path(root) if root is not None else INCLUDE_DIR
+    return sorted((base / "tilescale").glob("*.cuh"))
+
+
+def abi_hash(root: str | os.PathLike | None = None) -> str:
+    """A 16-hex-digit SHA-256 over the names and contents of the headers under ``root``."""
+    h = hashlib.sha256()
+    for path in header_files(root):
+        h.update(path.name.encode())
+        h.update(b"\0")
+        h.update(path.read_bytes())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+_ABI_CACHE: dict[str, str] = {}
+
+
+def _cached_abi() -> str:
+    key = str(INCLUDE_DIR)
+    if key not in _ABI_CACHE:
+        _ABI_CACHE[key] = abi_hash()
+    return _ABI_CACHE[key]
+
+
+def wait_timeout_ms() -> int:
+    """The wait timeout (ms) from ``TILESCALE_WAIT_TIMEOUT_MS``; 0 when unset (no timeout).
+
+    Raises:
+        ValueError: the variable is not a non-negative integer.
+    """
+    raw = os.environ.get(WAIT_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{WAIT_TIMEOUT_ENV} must be a non-negative integer (ms), got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{WAIT_TIMEOUT_ENV} must be a non-negative integer (ms), got {raw!r}")
+    return value
+
+
+def compile_flags() -> list[str]:
+    """The flags every kernel that uses a TileScale intrinsic is compiled with."""
+    flags = [f"-I{include_dir()}", f"-DTILESCALE_ABI={_cached_abi()}"]
+    timeout = wait_timeout_ms()
+    if timeout:
+        flags.append(f"-DTILESCALE_WAIT_TIMEOUT_MS={timeout}")
+    return flags

@@ -1,0 +1,8 @@
+// TileScale device runtime: everything.  The generated kernels include this one header.
+#pragma once
+#include "common.cuh"
+#include "memory.cuh"
+#include "copy.cuh"
+#include "wait.cuh"
+#include "barrier.cuh"
+#include "host.cuh"

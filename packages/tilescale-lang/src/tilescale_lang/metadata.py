@@ -1,0 +1,318 @@
+"""``kernel.initialize(allocator=..., stream=None)``: copy the allocator's table into a module.
+
+Every compiled module that includes the TileScale headers owns one
+``extern "C" __constant__ unsigned long long meta_data[1024]`` holding
+``[local_rank, num_ranks, base_0, ..., base_{n-1}]``.  :func:`initialize` copies the
+allocator's table into it, before or after the module is loaded:
+
+* ``tvm_ffi`` (default backend): TVM loads the cubin lazily at the first launch and then
+  calls the global function ``runtime.nvshmem.cumodule_init`` with the ``CUmodule``
+  (looked up once per process, so :func:`install_module_hook` registers it when the
+  extension loads, before any launch).  A TileScale kernel's first launch runs under a
+  one-shot wrapper that tells the hook which kernel the module belongs to; the hook records
+  the module and applies a pending table.  ``initialize`` on an already loaded module copies
+  directly (``cuModuleGetGlobal`` + ``cuMemcpyHtoDAsync`` on ``stream``).
+* ``nvrtc``: the adapter's ``CUlibrary`` (``cuLibraryGetGlobal``).
+* ``cython``: the generated library exports ``tilescale_set_meta_data`` (see
+  ``include/tilescale/host.cuh``), called with the table and the stream.
+
+The table is the same binary layout on every rank; only the values differ, so one compiled
+kernel (and the disk cache) serves every rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from typing import Any
+
+#: Capacity of ``meta_data`` in uint64 entries.
+MAX_TABLE_ENTRIES = 1024
+SYMBOL = b"meta_data"
+HOOK_NAME = "runtime.nvshmem.cumodule_init"
+
+_local = threading.local()
+_lock = threading.RLock()
+# Modules the hook saw while no TileScale kernel was launching (stock kernels, mostly).
+_orphans: list[int] = []
+_hook_state = {"installed": False}
+
+
+# ------------------------------------------------------------------------------ validation
+def table_from_allocator(allocator: Any) -> list[int]:
+    """Validate ``allocator.table`` and return it as a list of Python ints (uint64 values).
+
+    Raises:
+        TypeError: ``allocator`` is missing/None or has no usable ``table``.
+        ValueError: the table is empty, too large (> 1024 entries) or inconsistent
+            (``table[1]`` must equal ``len(table) - 2`` and ``table[0] < table[1]``).
+    """
+    if allocator is None:
+        raise TypeError("initialize() needs allocator=<tilescale allocator>; got None")
+    table = getattr(allocator, "table", None)
+    if table is None:
+        raise TypeError(
+            f"allocator {type(allocator).__name__!r} has no 'table' (expected the distributed "
+            "allocator's CPU uint64 metadata table [local_rank, num_ranks, base_0, ...])"
+        )
+    values = _to_ints(table)
+    if len(values) < 2:
+        raise ValueError(f"allocator.table must hold at least [local_rank, num_ranks]; got {len(values)} entries")
+    if len(values) > MAX_TABLE_ENTRIES:
+        raise ValueError(
+            f"allocator.table has {len(values)} entries; the kernel's meta_data holds at most "
+            f"{MAX_TABLE_ENTRIES} (at most {MAX_TABLE_ENTRIES - 2} ranks)"
+        )
+    rank, num_ranks = values[0], values[1]
+    if num_ranks != len(values) - 2 or not (0 <= rank < max(num_ranks, 1)):
+        raise ValueError(
+            f"allocator.table is inconsistent: local_rank={rank}, num_ranks={num_ranks}, "
+            f"{len(values) - 2} base pointers"
+        )
+    return values
+
+
+def _to_ints(table: Any) -> list[int]:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        torch = None
+    if torch is not None and isinstance(table, torch.Tensor):
+        if table.device.type != "cpu":
+            table = table.cpu()
+        if table.dim() != 1:
+            raise ValueError(f"allocator.table must be 1-D, got shape {tuple(table.shape)}")
+        if table.dtype in (torch.uint64, torch.int64):
+            return [v & 0xFFFFFFFFFFFFFFFF for v in table.view(torch.int64).tolist()]
+        raise TypeError(f"allocator.table must be a uint64 (or int64) tensor, got {table.dtype}")
+    try:
+        return [int(v) & 0xFFFFFFFFFFFFFFFF for v in table]
+    except TypeError:
+        raise TypeError(f"allocator.table must be a sequence of integers, got {type(table).__name__}") from None
+
+
+def check_stream(stream: Any) -> int:
+    """Validate ``stream``: a raw non-negative CUDA stream handle, None meaning 0."""
+    if stream is None:
+        return 0
+    if isinstance(stream, bool) or not isinstance(stream, int):
+        raise TypeError(
+            f"stream must be a raw CUDA stream handle (non-negative int) or None, got "
+            f"{type(stream).__name__}; pass e.g. torch.cuda.current_stream().cuda_stream"
+        )
+    if stream < 0:
+        raise ValueError(f"stream must be a non-negative CUDA stream handle, got {stream}")
+    return stream
+
+
+# ------------------------------------------------------------------------------ CUDA calls
+def _driver():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _check(result, what: str):
+    err = result[0]
+    driver = _driver()
+    if err != driver.CUresult.CUDA_SUCCESS:
+        name = driver.cuGetErrorName(err)[1]
+        raise RuntimeError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
+
+
+def _host_buffer(values: list[int]):
+    return (ctypes.c_uint64 * len(values))(*values)
+
+
+def _copy_to_global(dptr, nbytes_symbol: int, values: list[int], stream: int, keep: list) -> None:
+    nbytes = 8 * len(values)
+    if nbytes > nbytes_symbol:
+        raise ValueError(f"table of {len(values)} entries exceeds meta_data ({nbytes_symbol} bytes)")
+    buf = _host_buffer(values)
+    keep.append(buf)  # keep the host buffer alive for the asynchronous copy
+    driver = _driver()
+    _check(
+        driver.cuMemcpyHtoDAsync(dptr, ctypes.addressof(buf), nbytes, driver.CUstream(stream)),
+        "cuMemcpyHtoDAsync(meta_data)",
+    )
+
+
+def _ensure_context() -> None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.current_device()
+            from cuda.bindings import runtime
+
+            runtime.cudaSetDevice(torch.cuda.current_device())
+    except Exception:  # the caller's CUDA call will report a missing context
+        pass
+
+
+def apply_to_module(module_handle: int, values: list[int], stream: int, keep: list) -> None:
+    """Copy ``values`` into ``meta_data`` of the loaded ``CUmodule`` ``module_handle``."""
+    driver = _driver()
+    dptr, size = _check(driver.cuModuleGetGlobal(driver.CUmodule(module_handle), SYMBOL), "cuModuleGetGlobal(meta_data)")
+    _copy_to_global(dptr, int(size), values, stream, keep)
+
+
+def apply_to_library(culib: Any, values: list[int], stream: int, keep: list) -> None:
+    """Copy ``values`` into ``meta_data`` of an NVRTC-backend ``CUlibrary``."""
+    driver = _driver()
+    dptr, size = _check(driver.cuLibraryGetGlobal(culib, SYMBOL), "cuLibraryGetGlobal(meta_data)")
+    _copy_to_global(dptr, int(size), values, stream, keep)
+
+
+# ------------------------------------------------------------------------------ module hook
+def _handle_to_int(handle: Any) -> int:
+    if isinstance(handle, int):
+        return handle
+    value = getattr(handle, "value", None)  # ctypes.c_void_p
+    if value is not None or isinstance(handle, ctypes.c_void_p):
+        return int(value or 0)
+    return int(handle)
+
+
+def _state(kernel: Any) -> dict:
+    st = kernel.__dict__.get("_tilescale_state")
+    if st is None:
+        st = {"modules": [], "pending": None, "keep": [], "capturing": False}
+        kernel.__dict__["_tilescale_state"] = st
+    return st
+
+
+def on_module_load(handle: Any) -> None:
+    """``runtime.nvshmem.cumodule_init``: record the module, apply a pending table."""
+    module = _handle_to_int(handle)
+    kernel_ref = getattr(_local, "kernel", None)
+    kernel = kernel_ref() if kernel_ref is not None else None
+    with _lock:
+        if kernel is None:
+            _orphans.append(module)
+            return
+        st = _state(kernel)
+        if module not in st["modules"]:
+            st["modules"].append(module)
+        pending = st["pending"]
+    if pending is not None:
+        values, stream = pending
+        apply_to_module(module, values, stream, st["keep"])
+
+
+def install_module_hook() -> None:
+    """Register ``runtime.nvshmem.cumodule_init`` (TVM looks it up once, at the first load).
+
+    Does not override a hook someone else registered (it is then chained: it still runs).
+    """
+    if _hook_state["installed"]:
+        return
+    import tvm_ffi
+
+    previous = tvm_ffi.get_global_func(HOOK_NAME, allow_missing=True)
+
+    def hook(handle):
+        if previous is not None:
+            previous(handle)
+        on_module_load(handle)
+
+    tvm_ffi.register_global_func(HOOK_NAME, f=hook, override=True)
+    _hook_state["installed"] = True
+
+
+def track_kernel(kernel: Any) -> None:
+    """Arrange for a tvm_ffi kernel's first launch to report its module to the hook."""
+    if getattr(kernel, "execution_backend", None) != "tvm_ffi":
+        return
+    with _lock:
+        st = _state(kernel)
+        if st["modules"] or st["capturing"]:
+            return
+        original = kernel.torch_function
+        if original is None:
+            return
+        st["capturing"] = True
+    ref = weakref.ref(kernel)
+
+    def first_launch(*args, **kwargs):
+        previous = getattr(_local, "kernel", None)
+        _local.kernel = ref
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _local.kernel = previous
+            k = ref()
+            if k is not None:
+                kst = _state(k)
+                if kst["modules"]:
+                    kst["capturing"] = False
+                    # Back to the untouched launch path: no per-call overhead from here on.
+                    k.__dict__["torch_function"] = original
+
+    kernel.__dict__["torch_function"] = first_launch
+
+
+# ------------------------------------------------------------------------------ initialize
+def initialize(kernel: Any, allocator: Any = None, stream: int | None = None) -> Any:
+    """Copy ``allocator.table`` into the kernel module's ``meta_data``.
+
+    Args:
+        kernel: a compiled ``tilelang.JITKernel``.
+        allocator: the distributed allocator (anything with a CPU uint64 ``table``
+            ``[local_rank, num_ranks, base_0, ..., base_{n-1}]``, at most 1024 entries).
+        stream: raw CUDA stream handle (non-negative int) for the copy; None means 0.
+
+    Returns:
+        the kernel, so that ``kernel = tilelang.compile(f).initialize(allocator=a)`` works.
+
+    Raises:
+        TypeError: allocator missing or without a table; stream not an int.
+        ValueError: stream negative; table too large or inconsistent.
+        NotImplementedError: an execution backend without a way to set the table.
+    """
+    values = table_from_allocator(allocator)
+    stream = check_stream(stream)
+    backend = getattr(kernel, "execution_backend", None)
+    adapter = getattr(kernel, "adapter", None)
+    st = _state(kernel)
+    if backend == "tvm_ffi":
+        install_module_hook()
+        with _lock:
+            st["pending"] = (values, stream)
+            modules = list(st["modules"])
+        if modules:
+            _ensure_context()
+            for module in modules:
+                apply_to_module(module, values, stream, st["keep"])
+        else:
+            track_kernel(kernel)
+        return kernel
+    if backend == "nvrtc":
+        culib = getattr(getattr(adapter, "lib_generator", None), "culib", None)
+        if culib is None:
+            raise RuntimeError("nvrtc kernel has no loaded CUlibrary (adapter.lib_generator.culib)")
+        _ensure_context()
+        apply_to_library(culib, values, stream, st["keep"])
+        return kernel
+    if backend == "cython":
+        lib = getattr(adapter, "lib", None)
+        setter = getattr(lib, "tilescale_set_meta_data", None) if lib is not None else None
+        if setter is None:
+            raise NotImplementedError(
+                "kernel.initialize on the cython backend needs the tilescale_set_meta_data host "
+                "setter in the kernel library; this kernel was built without it (use the "
+                "default tvm_ffi backend or nvrtc)"
+            )
+        buf = _host_buffer(values)
+        st["keep"].append(buf)
+        setter.restype = ctypes.c_int
+        setter.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        err = setter(ctypes.addressof(buf), len(values), ctypes.c_void_p(stream))
+        if err != 0:
+            raise RuntimeError(f"tilescale_set_meta_data failed with cudaError {err}")
+        return kernel
+    raise NotImplementedError(
+        f"kernel.initialize supports the tvm_ffi, nvrtc and cython execution backends, not {backend!r}"
+    )

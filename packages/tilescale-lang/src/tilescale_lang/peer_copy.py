@@ -1,0 +1,166 @@
+"""Peer copies: ``T.put_warp``, ``T.get_warp``, ``T.put_block``, ``T.get_block`` and the
+remote forms of ``T.copy`` / ``T.tma_copy``.
+
+``size`` counts elements of the source's element type (the destination's when the source
+is an untyped pointer).  A PE of -1 (or omitted) keeps the address local; a PE >= 0 remaps
+the remote side by allocator-relative offset: ``ptr - base[rank] + base[pe]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tvm import tirx
+
+from . import validation as V
+
+_LOCAL = tirx.IntImm("int32", -1)
+
+
+def _peer_copy(kind: str, src, dst, size, pe, pe_name: str, remote_side: str, template: str):
+    s = V.operand(src, "src")
+    d = V.operand(dst, "dst")
+    if s.itemsize is not None and d.itemsize is not None and s.itemsize != d.itemsize:
+        raise TypeError(f"{kind}: src ({s.dtype}) and dst ({d.dtype}) element sizes differ")
+    itemsize = s.itemsize or d.itemsize
+    if itemsize is None:
+        raise TypeError(f"{kind}: element type unknown for both src and dst; pass typed pointers (T.address_of(buf[i]))")
+    nbytes = V.size_bytes(size, itemsize, "size")
+    pe_val = V.pe_expr(pe, pe_name)
+    if pe_val is not None:
+        remote = s if remote_side == "src" else d
+        V.require_global(remote, remote_side, f"when {pe_name} selects a peer")
+    return V.extern(
+        "handle", f"tilescale::{kind}<{template}>", s.ptr, d.ptr, nbytes, _LOCAL if pe_val is None else pe_val
+    )
+
+
+def _unroll(unroll_factor, aggressive) -> str:
+    u = V.const_int(unroll_factor, "unroll_factor", minimum=1)
+    a = V.const_bool(aggressive, "enable_aggressive_vectorize")
+    return f"{u}, {'true' if a else 'false'}"
+
+
+def put_warp(src, dst, size, dst_pe=-1, unroll_factor: int = 4, enable_aggressive_vectorize: bool = False):
+    """Warp-scope put: the 32 lanes of the calling warp copy ``size`` elements from local
+    ``src`` to ``dst`` on rank ``dst_pe`` (-1: local).
+
+    Args:
+        src, dst: buffers, regions (``buf[a:b]``), elements (``buf[i]``) or pointers
+            (``T.address_of(buf[i])``); the copy starts at their first element.
+        size: number of elements (any integer expression).
+        dst_pe: destination rank, any integer expression; -1 keeps ``dst`` local.
+        unroll_factor: 16-byte vectors each lane keeps in flight (compile-time int >= 1).
+        enable_aggressive_vectorize: assume 16-byte aligned addresses and skip the run-time
+            alignment check (otherwise the widest legal vector width is chosen at run time;
+            any size is exact thanks to a scalar tail).
+    """
+    return _peer_copy("put_warp", src, dst, size, dst_pe, "dst_pe", "dst", _unroll(unroll_factor, enable_aggressive_vectorize))
+
+
+def get_warp(src, dst, size, src_pe=-1, unroll_factor: int = 4, enable_aggressive_vectorize: bool = False):
+    """Warp-scope get: copy ``size`` elements from ``src`` on rank ``src_pe`` (-1: local) to
+    local ``dst``.  Arguments as in :func:`put_warp`."""
+    return _peer_copy("get_warp", src, dst, size, src_pe, "src_pe", "src", _unroll(unroll_factor, enable_aggressive_vectorize))
+
+
+def put_block(src, dst, size, dst_pe=-1):
+    """Block-scope put: all threads of the block copy ``size`` elements from local ``src``
+    to ``dst`` on rank ``dst_pe`` (-1: local)."""
+    return _peer_copy("put_block", src, dst, size, dst_pe, "dst_pe", "dst", "4")
+
+
+def get_block(src, dst, size, src_pe=-1):
+    """Block-scope get: all threads of the block copy ``size`` elements from ``src`` on rank
+    ``src_pe`` (-1: local) to local ``dst``."""
+    return _peer_copy("get_block", src, dst, size, src_pe, "src_pe", "src", "4")
+
+
+# ------------------------------------------------------------------------------ T.copy
+def _remapped_view(x, pe_val, name: str):
+    """A global buffer aliasing ``x``'s buffer on rank ``pe_val``, and ``x`` re-expressed on it.
+
+    The caller emits ``Bind(ptr = tilescale::remap(buf.data, pe))`` + ``DeclBuffer``.
+    """
+    from tilelang import tvm  # noqa: F401
+    from tvm import ir
+    from tvm.tirx.script.builder import ir as IB
+
+    if isinstance(x, tirx.Buffer):
+        buf = x
+    elif isinstance(x, (tirx.BufferRegion, tirx.BufferLoad)):
+        buf = x.buffer
+    else:
+        raise TypeError(f"{name} of a remote T.copy must be a buffer, region or element, got {type(x).__name__}")
+    V.require_global(V.operand(x, name), name, "for a remote T.copy")
+    ptr_type = ir.PointerType(ir.PrimType(buf.dtype), "global")
+    remapped = V.extern("handle", "tilescale::remap_ptr", buf.data, pe_val)
+    return buf, remapped, ptr_type, IB
+
+
+def _rebind(x, new_buf):
+    if isinstance(x, tirx.Buffer):
+        return new_buf
+    if isinstance(x, tirx.BufferRegion):
+        return tirx.BufferRegion(new_buf, x.region)
+    return tirx.BufferLoad(new_buf, x.indices)
+
+
+def _stock(name: str):
+    from . import _extension
+
+    return _extension.STOCK[name]
+
+
+def copy(src, dst, src_pe=None, dst_pe=None, **kwargs):
+    """``T.copy`` with optional peers.
+
+    With neither ``src_pe`` nor ``dst_pe`` (or both -1) this is stock ``T.copy`` untouched.
+    With one of them, the remote side (a global buffer, region or element) is re-addressed
+    on that rank and the copy is lowered by stock TileLang as a SIMT copy (TMA is disabled:
+    a TMA descriptor cannot follow a run-time peer address).  Both sides remote is an error.
+    """
+    stock = _stock("copy")
+    if src_pe is None and dst_pe is None:
+        return stock(src, dst, **kwargs)
+    s_pe = V.pe_expr(src_pe, "src_pe")
+    d_pe = V.pe_expr(dst_pe, "dst_pe")
+    if s_pe is None and d_pe is None:
+        return stock(src, dst, **kwargs)
+    if s_pe is not None and d_pe is not None:
+        raise ValueError("T.copy: src_pe and dst_pe cannot both select a peer (one side must stay local)")
+    kwargs["disable_tma"] = True
+    name, x, pe_val = ("src", src, s_pe) if s_pe is not None else ("dst", dst, d_pe)
+    buf, remapped, ptr_type, IB = _remapped_view(x, pe_val, name)
+    ptr = IB.bind(remapped, type_annotation=ptr_type)
+    vbuf = IB.decl_buffer(buf.shape, buf.dtype, data=ptr, strides=buf.strides, elem_offset=buf.elem_offset, scope="global")
+    new_x = _rebind(x, vbuf)
+    call = stock(new_x, dst, **kwargs) if name == "src" else stock(src, new_x, **kwargs)
+    if isinstance(call, tirx.PrimExpr):
+        IB.evaluate(call)
+    elif isinstance(call, tirx.Stmt):
+        _emit_stmt(call, IB)
+    return None
+
+
+def _emit_stmt(stmt, IB):
+    if isinstance(stmt, tirx.BufferStore):
+        IB.buffer_store(stmt.buffer, stmt.value, stmt.indices)
+    else:  # pragma: no cover - stock copy returns a call or a BufferStore
+        raise TypeError(f"unexpected statement from T.copy: {type(stmt).__name__}")
+
+
+def tma_copy(src, dst, src_pe=None, dst_pe=None, **kwargs):
+    """``T.tma_copy`` with ``src_pe``/``dst_pe`` accepted for signature compatibility.
+
+    Without a peer (None or -1) it is stock ``T.tma_copy``.  Remote TMA is not implemented
+    in this release (a TMA descriptor per peer would be needed): a peer raises
+    NotImplementedError; use ``T.copy(..., src_pe=/dst_pe=)`` (SIMT) instead.
+    """
+    stock = _stock("tma_copy")
+    if V.pe_expr(src_pe, "src_pe") is None and V.pe_expr(dst_pe, "dst_pe") is None:
+        return stock(src, dst, **kwargs)
+    raise NotImplementedError(
+        "T.tma_copy with src_pe/dst_pe (remote TMA) is not implemented in tilescale-lang; "
+        "use T.copy(src, dst, src_pe=..., dst_pe=...) for a SIMT remote copy"
+    )

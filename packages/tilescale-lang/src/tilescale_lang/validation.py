@@ -1,0 +1,225 @@
+"""Argument checks and operand normalisation shared by every TileScale intrinsic.
+
+Everything here runs while the kernel is traced (inside ``@T.prim_func``), so a bad
+argument is a Python ``TypeError``/``ValueError`` naming it, never an nvcc template error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tvm import tirx
+
+NS = "tilescale::"
+
+SCOPES = {"cta": "tilescale::Scope::CTA", "gpu": "tilescale::Scope::GPU", "sys": "tilescale::Scope::SYS"}
+SEMS = {
+    "weak": "tilescale::Sem::WEAK",
+    "volatile": "tilescale::Sem::VOLATILE",
+    "relaxed": "tilescale::Sem::RELAXED",
+    "acquire": "tilescale::Sem::ACQUIRE",
+    "release": "tilescale::Sem::RELEASE",
+    "acq_rel": "tilescale::Sem::ACQ_REL",
+}
+
+
+@dataclass
+class Operand:
+    """A memory operand reduced to a pointer expression plus what is known about it."""
+
+    ptr: tirx.PrimExpr
+    dtype: str | None  # element type, when known
+    scope: str | None  # storage scope ("global", "shared.dyn", ...), when known
+    buffer: tirx.Buffer | None = None
+    indices: list | None = None  # element indices, when the operand is one element
+
+    @property
+    def itemsize(self) -> int | None:
+        if self.dtype is None:
+            return None
+        dt = tvm_dtype(self.dtype)
+        return dt.bits * dt.lanes // 8
+
+
+def tvm_dtype(dtype: Any):
+    from tilelang import tvm
+
+    return tvm.DataType(str(dtype))
+
+
+def _addr(buffer: tirx.Buffer, indices) -> tirx.PrimExpr:
+    return tirx.address_of(tirx.BufferLoad(buffer, list(indices)))
+
+
+def _scope_of(buffer: tirx.Buffer) -> str:
+    return str(buffer.scope())
+
+
+def operand(x: Any, name: str) -> Operand:
+    """Reduce ``x`` (Buffer, BufferRegion, BufferLoad, ``T.address_of(...)`` or a handle) to
+    an :class:`Operand`.
+
+    Raises:
+        TypeError: ``x`` is not a memory operand.
+    """
+    if isinstance(x, tirx.Buffer):
+        idx = [tirx.IntImm("int32", 0) for _ in x.shape] or [tirx.IntImm("int32", 0)]
+        return Operand(_addr(x, idx), str(x.dtype), _scope_of(x), x, None)
+    if isinstance(x, tirx.BufferRegion):
+        idx = [r.min for r in x.region]
+        return Operand(_addr(x.buffer, idx), str(x.buffer.dtype), _scope_of(x.buffer), x.buffer, None)
+    if isinstance(x, tirx.BufferLoad):
+        idx = [i.base if isinstance(i, tirx.Ramp) else i for i in x.indices]
+        return Operand(_addr(x.buffer, idx), str(x.buffer.dtype), _scope_of(x.buffer), x.buffer, idx)
+    if isinstance(x, tirx.Call) and getattr(x.op, "name", "") == "tirx.address_of":
+        inner = x.args[0]
+        if isinstance(inner, tirx.BufferLoad):
+            return Operand(x, str(inner.buffer.dtype), _scope_of(inner.buffer), inner.buffer, list(inner.indices))
+        return Operand(x, None, None)
+    if isinstance(x, tirx.PrimExpr) and str(x.dtype) == "handle":
+        dtype = scope = None
+        ann = getattr(x, "type_annotation", None)
+        elem = getattr(ann, "element_type", None)
+        if elem is not None and hasattr(elem, "dtype"):
+            dtype = str(elem.dtype)
+            scope = str(getattr(ann, "storage_scope", "") or "") or None
+        return Operand(x, dtype, scope)
+    raise TypeError(
+        f"{name} must be a buffer, a buffer region (buf[a:b]), a buffer element (buf[i]) or a "
+        f"pointer (T.address_of(buf[i])); got {type(x).__name__}: {x!r}"
+    )
+
+
+def element_operand(x: Any, name: str) -> Operand:
+    """An operand that designates one element (flags, ld/st targets); same forms as
+    :func:`operand`, the element being the first one of a buffer or region."""
+    return operand(x, name)
+
+
+def require_dtype(op: Operand, name: str, allowed_bits=(32, 64)) -> str:
+    """The operand's element type; TypeError when unknown or not 32/64-bit scalar."""
+    if op.dtype is None:
+        raise TypeError(f"{name}: element type unknown (pass a buffer element such as buf[i] or T.address_of(buf[i]))")
+    dt = tvm_dtype(op.dtype)
+    if dt.lanes != 1 or dt.bits not in allowed_bits:
+        raise TypeError(f"{name} must be a {' or '.join(map(str, allowed_bits))}-bit scalar, got {op.dtype}")
+    return op.dtype
+
+
+def require_global(op: Operand, name: str, why: str) -> None:
+    """Reject operands known not to live in global memory."""
+    if op.scope is not None and op.scope not in ("global", ""):
+        raise ValueError(f"{name} must be in global memory {why}, but it is in '{op.scope}' memory")
+
+
+def choice(value: Any, allowed: tuple[str, ...], name: str) -> str:
+    """``value`` as a lower-case string from ``allowed``; ValueError/TypeError otherwise."""
+    if hasattr(value, "value") and isinstance(getattr(value, "value"), str):  # enums
+        value = value.value
+    if hasattr(value, "name") and not isinstance(value, str):
+        value = value.name
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {allowed}, got {value!r}")
+    low = value.lower()
+    if low not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return low
+
+
+def const_int(value: Any, name: str, minimum: int | None = None) -> int:
+    """A compile-time integer (Python int or IntImm)."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        v = value
+    elif isinstance(value, tirx.IntImm):
+        v = int(value.value)
+    else:
+        raise TypeError(f"{name} must be a compile-time integer constant, got {value!r}")
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return v
+
+
+def const_bool(value: Any, name: str) -> bool:
+    """A compile-time boolean (Python bool/int or IntImm)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, tirx.IntImm)):
+        return bool(const_int(value, name))
+    raise TypeError(f"{name} must be a compile-time boolean, got {value!r}")
+
+
+def is_int_dtype(dtype: Any) -> bool:
+    dt = tvm_dtype(dtype)
+    return dt.lanes == 1 and (str(dtype).startswith("int") or str(dtype).startswith("uint"))
+
+
+def pe_expr(pe: Any, name: str) -> tirx.PrimExpr | None:
+    """Normalise a PE argument: None for local (omitted, None or constant -1), otherwise an
+    int32 expression (a run-time -1 is local too, handled on the device).
+
+    Raises:
+        TypeError: ``pe`` is not an integer (float, bool, handle, ...).
+        ValueError: a constant below -1.
+    """
+    if pe is None:
+        return None
+    if isinstance(pe, bool):
+        raise TypeError(f"{name} must be an integer PE (or -1/None for local), got {pe!r}")
+    if isinstance(pe, int):
+        if pe < -1:
+            raise ValueError(f"{name} must be -1 (local) or a rank >= 0, got {pe}")
+        return None if pe == -1 else tirx.IntImm("int32", pe)
+    if isinstance(pe, tirx.Buffer):
+        raise TypeError(f"{name} must be an integer expression, got buffer {pe.name!r} (did you mean {pe.name}[0]?)")
+    if not isinstance(pe, tirx.PrimExpr):
+        raise TypeError(f"{name} must be an integer PE expression, got {type(pe).__name__}: {pe!r}")
+    if not is_int_dtype(pe.dtype):
+        raise TypeError(f"{name} must be an integer expression, got dtype {pe.dtype}")
+    if isinstance(pe, tirx.IntImm):
+        return pe_expr(int(pe.value), name)
+    return pe if str(pe.dtype) == "int32" else tirx.Cast("int32", pe)
+
+
+def size_bytes(size: Any, itemsize: int, name: str = "size") -> tirx.PrimExpr:
+    """``size`` elements of ``itemsize`` bytes, as a uint64 byte count."""
+    if isinstance(size, bool):
+        raise TypeError(f"{name} must be an integer number of elements, got {size!r}")
+    if isinstance(size, int):
+        if size < 0:
+            raise ValueError(f"{name} must be >= 0, got {size}")
+        return tirx.IntImm("uint64", size * itemsize)
+    if not isinstance(size, tirx.PrimExpr) or not is_int_dtype(size.dtype):
+        raise TypeError(f"{name} must be an integer number of elements, got {size!r}")
+    if isinstance(size, tirx.IntImm):
+        return size_bytes(int(size.value), itemsize, name)
+    return tirx.Cast("uint64", size) * tirx.IntImm("uint64", itemsize)
+
+
+def cast_to(value: Any, dtype: str, name: str) -> tirx.PrimExpr:
+    """``value`` converted to ``dtype`` (Python numbers become immediates)."""
+    if isinstance(value, tirx.Buffer):
+        raise TypeError(f"{name} must be a scalar expression, got buffer {value.name!r}")
+    if isinstance(value, bool):
+        value = int(value)
+    if isinstance(value, (int, float)):
+        dt = tvm_dtype(dtype)
+        if str(dtype).startswith(("int", "uint")):
+            if isinstance(value, float):
+                raise TypeError(f"{name} must be an integer for a {dtype} flag, got {value!r}")
+            mask = (1 << dt.bits) - 1
+            v = value & mask
+            if str(dtype).startswith("int") and v >= 1 << (dt.bits - 1):
+                v -= 1 << dt.bits
+            return tirx.IntImm(dtype, v)
+        return tirx.FloatImm(dtype, float(value))
+    if not isinstance(value, tirx.PrimExpr):
+        raise TypeError(f"{name} must be a scalar expression, got {type(value).__name__}")
+    return value if str(value.dtype) == dtype else tirx.Cast(dtype, value)
+
+
+def extern(dtype: str, name: str, *args) -> tirx.PrimExpr:
+    """``T.call_extern(dtype, name, *args)``."""
+    return tirx.call_extern(dtype, name, *args)
