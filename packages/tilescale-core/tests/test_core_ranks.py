@@ -1,0 +1,89 @@
+"""Multi-process tests over gloo: the heap on the host backend, digests, set-up failures, fd exchange."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import core_rank_bodies as bodies
+from tilescale_core.multiprocess import RankFailure, RankTimeout, run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_heap_roundtrip_every_peer_view(clean_env, world_size):
+    results = run_ranks(bodies.heap_roundtrip, world_size, args=(1000,), timeout=60)
+    offsets = {tuple(r["offsets"]) for r in results}
+    assert offsets == {(0, 4096)}  # same offsets on every rank: 1000 floats -> 4000 B -> next 256-aligned 4096
+    bases = [r["table"][2:] for r in results]
+    assert all(len(b) == world_size for b in bases)
+
+
+@pytest.mark.parametrize("order_swap,index", [(False, 1), (True, 0)])
+def test_digest_mismatch_detected_at_close(clean_env, order_swap, index):
+    results = run_ranks(bodies.mismatch_at_close, 3, args=(order_swap,), timeout=60)
+    for r in results:
+        assert r is not None, "close() did not detect the mismatch"
+        assert r["ranks"] == [1] and r["index"] == index and r["leaks"] == 0
+        assert f"allocation #{index}" in r["message"] and "rank 1 allocated" in r["message"]
+
+
+@pytest.mark.parametrize("use_env", [False, True])
+def test_check_mode_detects_mismatch_at_the_allocation(clean_env, use_env):
+    results = run_ranks(bodies.mismatch_check_mode, 3, args=(use_env,), timeout=60)
+    for r in results:
+        assert r is not None and r["ranks"] == [2] and r["index"] == 1 and r["used"] == 64
+        assert "rank 2 allocated 100 bytes" in r["message"] and "rank 0 allocated 96 bytes" in r["message"]
+
+
+@pytest.mark.parametrize(
+    "where,phase_fragment", [("allocate", "allocate"), ("export", "export descriptor"), ("import", "map peer descriptors")]
+)
+def test_setup_failure_raises_on_every_rank(clean_env, where, phase_fragment):
+    start = time.monotonic()
+    results = run_ranks(bodies.setup_failure, 3, args=(1, where), timeout=60)
+    assert time.monotonic() - start < 40
+    for r in results:
+        assert r is not None, "a rank finished set-up although rank 1 failed"
+        assert r["failed"] == [1] and phase_fragment in r["phase"]
+        assert f"injected {where} failure" in r["message"] and r["leaks"] == 0
+
+
+def test_fd_exchange(clean_env):
+    results = run_ranks(bodies.fd_exchange, 3, timeout=60)
+    for rank, seen in enumerate(results):
+        assert seen == {r: f"hello from rank {r}" for r in range(3) if r != rank}
+
+
+def test_multicast_setup_and_teardown_with_mocked_driver(clean_env):
+    results = run_ranks(bodies.multicast_mocked, 2, timeout=60)
+    for rank, info in enumerate(results):
+        assert info["mc_offset"] == 0 and info["local_is_physical"]
+        assert info["second_offsets"] == (256, 256) and info["heap_used"] == 0 and info["leaks"] == 0
+        names = [c[0] for c in info["calls"]]
+        setup = ["aligned_size", "create", "export_handle", "add_device", "bind_mem", "map"]
+        if rank != 0:
+            setup = ["aligned_size", "import_handle", "add_device", "bind_mem", "map"]
+        assert names == setup + ["unmap", "unbind", "release_handle"]
+        assert ("aligned_size", 10000, 2) in info["calls"]
+        handle = 77 if rank == 0 else 88
+        assert ("bind_mem", handle, 16384) in info["calls"] and ("unmap", True, 16384) in info["calls"]
+
+
+def test_run_ranks_reports_failing_rank_traceback():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(bodies.fail_with_message, 3, backend=None, timeout=60, grace=1.0)
+    assert info.value.rank == 2
+    assert "deliberate failure on rank 2" in info.value.details and "Traceback" in info.value.details
+    assert time.monotonic() - start < 20
+
+
+def test_run_ranks_timeout_names_stuck_rank():
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        run_ranks(bodies.stuck_rank, 2, backend=None, timeout=6)
+    assert info.value.ranks == [1]
+    assert time.monotonic() - start < 20
