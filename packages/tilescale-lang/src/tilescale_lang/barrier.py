@@ -25,16 +25,43 @@ def _barrier(barrier, name: str = "barrier", min_elems: int = 1) -> V.Operand:
     if dtype not in ("uint32", "int32"):
         raise TypeError(f"{name} must be uint32 (or int32) storage, got {dtype}")
     V.require_global(op, name, "(barriers synchronise blocks through global memory)")
-    if min_elems > 1 and op.buffer is not None:
-        total = 1
-        for extent in op.buffer.shape:
-            if not hasattr(extent, "value"):
-                total = None
-                break
-            total *= int(extent.value)
-        if total is not None and total < min_elems:
-            raise ValueError(f"{name} needs at least {min_elems} uint32 elements, buffer {op.buffer.name!r} has {total}")
+    if min_elems > 1:
+        avail = _available_elements(barrier)
+        if avail is not None and avail < min_elems:
+            raise ValueError(f"{name} needs at least {min_elems} uint32 elements from its start, got {avail}")
     return op
+
+
+def _available_elements(x) -> int | None:
+    """Elements from ``x``'s start to the end of its region/buffer, when static."""
+    from tvm import tirx
+
+    def static(e):
+        return int(e.value) if isinstance(e, tirx.IntImm) else None
+
+    if isinstance(x, tirx.BufferRegion):
+        total = 1
+        for r in x.region:
+            e = static(r.extent)
+            if e is None:
+                return None
+            total *= e
+        return total
+    buf = x if isinstance(x, tirx.Buffer) else getattr(x, "buffer", None)
+    if buf is None:
+        if isinstance(x, tirx.Call) and x.args and isinstance(x.args[0], tirx.BufferLoad):
+            return _available_elements(x.args[0])
+        return None
+    total = 1
+    for e in buf.shape:
+        e = static(e)
+        if e is None:
+            return None
+        total *= e
+    if isinstance(x, tirx.BufferLoad) and len(x.indices) == 1:
+        i = static(x.indices[0])
+        return None if i is None else total - i
+    return total
 
 
 def init_barrier_gpu(barrier, expected):

@@ -3,6 +3,10 @@
 #include "common.cuh"
 #include "memory.cuh"
 
+#if TILESCALE_WAIT_TIMEOUT_MS > 0 && !defined(__CUDACC_RTC__)
+#include <cstdio>  // device printf (NVRTC declares it itself)
+#endif
+
 namespace tilescale {
 
 template <Cmp C, typename T> TILESCALE_DEVICE bool compare(T observed, T expected) {

@@ -1,0 +1,78 @@
+"""Shared helpers for the tilescale-lang tests (CPU: codegen, nvcc; GPU: marked ``gpu``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
+
+import tilelang  # noqa: E402  (the import hook attaches tilescale-lang)
+from tilelang import tvm  # noqa: E402
+
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+NVCC = os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
+
+
+def have_nvcc() -> bool:
+    return os.path.exists(NVCC) or shutil.which("nvcc") is not None
+
+
+def have_gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+needs_nvcc = pytest.mark.skipif(not have_nvcc(), reason="nvcc not found (set CUDA_HOME)")
+
+
+def lower_source(func) -> str:
+    """CUDA source of ``func`` without nvcc (the postproc include is applied)."""
+    with tvm.target.Target(TARGET):
+        return tilelang.lower(func, target=TARGET).kernel_source
+
+
+def kernel_body(src: str) -> str:
+    return src[src.index('extern "C" __global__') :]
+
+
+def nvcc_ptx(src: str, tmp_path, extra=()) -> str:
+    """PTX of a generated source, compiled the way TileLang compiles kernels."""
+    from tilelang.contrib.nvcc import default_compile_options
+
+    from tilescale_lang import headers
+
+    cu = tmp_path / "k.cu"
+    cu.write_text(src)
+    out = tmp_path / "k.ptx"
+    opts = default_compile_options(headers.compile_flags() + list(extra))
+    cmd = [NVCC if os.path.exists(NVCC) else "nvcc", "-ptx", "-arch=sm_90a", *opts, "-w", "-o", str(out), str(cu)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return out.read_text()
+
+
+class FakeAllocator:
+    """Stand-in for tilescale-core's allocator: only ``table`` matters to initialize()."""
+
+    def __init__(self, table, local_rank=0, num_ranks=1, device="cuda:0"):
+        self.table = table
+        self.local_rank = local_rank
+        self.num_ranks = num_ranks
+        self.device = device
+
+
+def pytest_collection_modifyitems(config, items):
+    if have_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
