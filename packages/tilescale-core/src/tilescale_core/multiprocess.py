@@ -158,12 +158,14 @@ def run_ranks(
     deadline = time.monotonic() + timeout
     values: dict[int, Any] = {}
     failure: RankFailure | None = None
+    timed_out = False
     try:
         while len(values) < world_size and failure is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 pending = [r for r in range(world_size) if r not in values]
                 _dump_stacks([procs[r] for r in pending])
+                timed_out = True
                 raise RankTimeout(pending, timeout)
             try:
                 rank, ok, payload = results.get(timeout=min(remaining, 0.5))
@@ -193,7 +195,8 @@ def run_ranks(
             raise failure
         return [values[r] for r in range(world_size)]
     finally:
-        _stop(procs, grace if failure is not None else 10.0)
+        # Hung or failed ranks get ``grace`` seconds; ranks that all reported get 10 s to exit.
+        _stop(procs, grace if failure is not None or timed_out else 10.0)
         results.close()
 
 
