@@ -97,10 +97,19 @@ def _session_facts() -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "gpu_count": count,
-        "gpu_names": [torch.cuda.get_device_name(i) for i in range(count)],
+        "gpu_names": _gpu_names(count),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "mode": "shared" if _share_mode() else "one-rank-per-GPU",
     }
+
+
+def _gpu_names(count: int) -> list[str]:
+    import torch
+
+    try:
+        return [torch.cuda.get_device_name(i) for i in range(count)]
+    except Exception as exc:  # a CUDA-less build or a broken driver: say so in the record
+        return [f"unknown ({type(exc).__name__}: {exc})"] * count
 
 
 # --------------------------------------------------------------------------- hooks
@@ -213,7 +222,7 @@ def pytest_pyfunc_call(pyfuncitem):
     n, timeout, cpu_only = ranks
     spec = _spec(pyfuncitem, timeout, cpu_only)
     try:
-        results = run_ranks(testing.run_test_on_rank, n, args=(spec,), timeout=timeout, backend=None)
+        results = run_ranks(testing.run_test_on_rank, n, args=(spec,), timeout=timeout, backend=None, grace=2.0)
     except RankFailure as exc:
         pytest.fail(f"rank {exc.rank} of {n} failed:\n{exc.details}", pytrace=False)
     except RankTimeout as exc:
