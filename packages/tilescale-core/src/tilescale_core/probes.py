@@ -70,8 +70,8 @@ def probe_driver() -> Probe:
     """Whether the CUDA driver loads and shows at least one device."""
     try:
         _driver.init()
-    except _driver.CudaUnavailableError as exc:
-        return Probe(False, f"no usable CUDA driver: {exc}")
+    except _driver.CudaUnavailableError:
+        return Probe(False, "no CUDA driver: libcuda could not be loaded (no NVIDIA driver here?)")
     except _driver.CudaError as exc:
         return Probe(False, f"CUDA driver present but unusable: {exc}")
     n = _driver.device_count()
