@@ -174,3 +174,24 @@ def test_compile_once_without_group_is_plain_compile(monkeypatch):
     assert calls == [(("f",), {"target": "x"})]
     assert wrapped("g") == "kernel"
     assert codegen.wrap_compile(wrapped) is wrapped
+
+
+@needs_nvcc
+def test_gpu_test_kernels_compile(tmp_path, monkeypatch):
+    """The GPU suite's kernels lower and compile to cubins here (tvm_ffi), and the PE paths
+    they use are in the source."""
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
+    import gpu_kernels
+
+    gpu_kernels._cache.clear()
+    kernels = [
+        gpu_kernels.copy_kernel("float16"),
+        gpu_kernels.rank_kernel(),
+        gpu_kernels.exchange_kernel(),
+        gpu_kernels.barrier_blocks_kernel(),
+        gpu_kernels.grid_barrier_kernel(),
+    ]
+    for k in kernels:
+        assert codegen.INCLUDE_LINE in k.get_kernel_source()
+    assert "tilescale::get_warp<2, false>" in kernels[0].get_kernel_source()
+    gpu_kernels._cache.clear()

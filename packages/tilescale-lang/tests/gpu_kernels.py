@@ -1,0 +1,343 @@
+"""Kernels and per-rank bodies for the GPU tests (importable by spawned rank processes).
+
+Every kernel is rank-agnostic: compiled once (the first run fills TileLang's disk cache,
+later ranks and runs load it) and given its rank through ``kernel.initialize``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import tilelang
+import tilelang.language as T
+
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+NMAX = 1 << 20  # elements per copy buffer
+GRID = 4  # blocks per rank for barrier_blocks
+GPU_GRID = 32  # blocks for the grid barrier
+
+_cache: dict = {}
+
+
+def _compile(key, build, **kw):
+    if key not in _cache:
+        import torch.distributed as dist
+
+        group = dist.group.WORLD if dist.is_initialized() else None
+        _cache[key] = tilelang.compile(build(), target=TARGET, compile_once=True, compile_group=group, **kw)
+    return _cache[key]
+
+
+def copy_kernel(dtype: str):
+    """mode 0 put_warp, 1 get_warp, 2 put_block, 3 get_block of n elements at offset off."""
+
+    def build():
+        @T.prim_func
+        def copies(A: T.Tensor((NMAX,), dtype), B: T.Tensor((NMAX,), dtype), n: T.int32, pe: T.int32, mode: T.int32, off: T.int32):
+            with T.Kernel(1, threads=128) as _:
+                tx = T.get_thread_binding()
+                _unused = T.alloc_local((1,), dtype)  # noqa: F841 (keeps dtype in the closure)
+                if mode == 0:
+                    if tx < 32:
+                        T.put_warp(T.address_of(A[off]), T.address_of(B[off]), n, dst_pe=pe)
+                elif mode == 1:
+                    if tx < 32:
+                        T.get_warp(T.address_of(A[off]), T.address_of(B[off]), n, src_pe=pe, unroll_factor=2)
+                elif mode == 2:
+                    T.put_block(T.address_of(A[off]), T.address_of(B[off]), n, dst_pe=pe)
+                else:
+                    T.get_block(T.address_of(A[off]), T.address_of(B[off]), n, src_pe=pe)
+
+        return copies
+
+    return _compile(("copy", dtype), build)
+
+
+def rank_kernel(backend: str = "tvm_ffi"):
+    def build():
+        @T.prim_func
+        def ranks(R: T.Tensor((2,), "int32")):
+            with T.Kernel(1, threads=32) as _:
+                R[0] = T.get_rank()
+                R[1] = T.get_num_ranks()
+
+        return ranks
+
+    return _compile(("rank", backend), build, execution_backend=backend)
+
+
+def exchange_kernel():
+    """ld/st/atom_add/notify/wait between ring neighbours, one thread per rank."""
+
+    def build():
+        @T.prim_func
+        def exchange(Flag: T.Tensor((4,), "uint32"), Data: T.Tensor((4,), "uint64"), Cnt: T.Tensor((4,), "uint32"), Out: T.Tensor((8,), "uint64"), step: T.int32):
+            with T.Kernel(1, threads=32) as _:
+                tx = T.get_thread_binding()
+                if tx == 0:
+                    me = T.get_rank()
+                    n = T.get_num_ranks()
+                    nxt = (me + 1) % n
+                    prv = (me + n - 1) % n
+                    v = T.alloc_var("uint64")
+                    T.st(Data[0], step * 100 + me, scope="sys", sem="relaxed", dst_pe=nxt)
+                    T.st(Flag[0], step, scope="sys", sem="release", dst_pe=nxt)
+                    Out[3] = T.wait_eq(Flag[0], step)
+                    T.ld(Data[0], v, scope="sys", sem="acquire")
+                    Out[0] = v
+                    T.ld(Data[0], v, scope="sys", sem="relaxed", src_pe=nxt)
+                    Out[1] = v
+                    T.notify(Cnt[0], 0, 1, sig_op="add")
+                    Out[2] = T.atom_add(Cnt[1], 1, scope="sys", sem="acq_rel")
+                    if me == 0:
+                        T.wait_ge(Cnt[0], step * n, scope="gpu")
+                    T.wait_ge(Flag[0], step, peer=prv)
+                    T.wait_lt(Flag[1], 1)
+                    T.wait_ne(Data[1], 1, semantics="volatile")
+                    T.ld(Flag[0], v, nc=True, na=True)
+                    Out[4] = v
+
+        return exchange
+
+    return _compile(("exchange",), build)
+
+
+def barrier_blocks_kernel():
+    def build():
+        @T.prim_func
+        def bblocks(Bar: T.Tensor((8,), "uint32"), Cnt: T.Tensor((4,), "uint32"), Err: T.Tensor((4,), "int32"), iters: T.int32):
+            with T.Kernel(GRID, threads=128) as _:
+                tx = T.get_thread_binding()
+                v = T.alloc_var("uint32")
+                for i in T.serial(iters):
+                    if tx == 0:
+                        for p in T.serial(T.get_num_ranks()):
+                            T.notify(Cnt[0], p, 1, sig_op="add")
+                    T.barrier_blocks(Bar)
+                    if tx == 0:
+                        T.ld(Cnt[0], v, scope="sys", sem="acquire")
+                        if v < T.Cast("uint32", (i + 1) * GRID * T.get_num_ranks()):
+                            Err[0] = 1
+                for i in T.serial(8):
+                    T.sync_blocks(Bar)
+
+        return bblocks
+
+    return _compile(("barrier_blocks",), build)
+
+
+def grid_barrier_kernel():
+    def build():
+        @T.prim_func
+        def gridbar(Bar: T.Tensor((2,), "uint32"), Slots: T.Tensor((GPU_GRID,), "int32"), Err: T.Tensor((4,), "int32"), iters: T.int32):
+            with T.Kernel(GPU_GRID, threads=128) as bx:
+                tx = T.get_thread_binding()
+                v = T.alloc_var("int32")
+                T.init_barrier_gpu(Bar, GPU_GRID)
+                for i in T.serial(iters):
+                    if tx == 0:
+                        T.st(Slots[bx], i, scope="gpu", sem="relaxed")
+                    if i % 2 == 0:
+                        T.sync_barrier_gpu(Bar)
+                    else:
+                        T.arrive_barrier_gpu(Bar)
+                        T.wait_barrier_gpu(Bar)
+                    if tx == 0:
+                        for b in T.serial(GPU_GRID):
+                            T.ld(Slots[b], v, scope="gpu", sem="relaxed")
+                            if v < i:
+                                Err[0] = 1
+
+        return gridbar
+
+    return _compile(("grid_barrier",), build)
+
+
+# ------------------------------------------------------------------------------ rank bodies
+def _seed(tag: int, rank: int, step: int) -> int:
+    return (tag * 1_000_003 + rank * 7919 + step) & 0x7FFFFFFF
+
+
+def _random(n: int, dtype, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g, dtype=torch.float32).to(dtype)
+    return torch.randint(0, 255, (n,), generator=g, dtype=torch.int32).to(dtype)
+
+
+def rank_body(rank: int, world: int, cache_dir: str) -> dict:
+    """Everything one rank checks; returns a report (errors collected, not raised)."""
+    os.environ["TILELANG_CACHE_DIR"] = cache_dir
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    alloc = tilelang.get_allocator(size=2**27, device="cuda:0", is_distributed=True, local_rank=rank, num_local_ranks=world, group=dist.group.WORLD)
+    report: dict = {"rank": rank, "errors": [], "checks": 0}
+
+    def check(cond, what):
+        report["checks"] += 1
+        if not cond:
+            report["errors"].append(what)
+
+    def sync():
+        torch.cuda.synchronize()
+        dist.barrier()
+
+    try:
+        _copies(rank, world, alloc, check, sync)
+        _exchange(rank, world, alloc, check, sync)
+        _barriers(rank, world, alloc, check, sync)
+    finally:
+        sync()
+        alloc.close()
+    return report
+
+
+def _copies(rank, world, alloc, check, sync):
+    import torch
+
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    names = {0: "put_warp", 1: "get_warp", 2: "put_block", 3: "get_block"}
+    for dtype_name, tdtype in (("uint8", torch.uint8), ("float16", torch.float16), ("float32", torch.float32)):
+        k = copy_kernel(dtype_name).initialize(allocator=alloc)
+        A = tilelang.tensor((NMAX,), tdtype, allocator=alloc)
+        B = tilelang.tensor((NMAX,), tdtype, allocator=alloc)
+        step = 0
+        for n in (1, 3, 8, 31, 257, 4096 + 5, 65536, NMAX - 16):
+            for off in (0, 1):
+                for mode in range(4):
+                    step += 1
+                    poison = torch.full((NMAX,), 7, dtype=tdtype)
+                    a = _random(NMAX, tdtype, _seed(mode, rank, step))
+                    A.copy_(a)
+                    B.copy_(poison)
+                    sync()
+                    put = mode in (0, 2)
+                    k(A, B, n, nxt if put else prv, mode, off)
+                    sync()
+                    # put: my B holds prv's A; get: my B holds prv's A (read from prv)
+                    src_rank = prv
+                    expect = poison.clone()
+                    expect[off : off + n] = _random(NMAX, tdtype, _seed(mode, src_rank, step))[off : off + n]
+                    got = B.cpu()
+                    check(torch.equal(got.view(torch.uint8) if tdtype.itemsize == 1 else got, expect), f"{names[mode]} {dtype_name} n={n} off={off} world={world}")
+        # PE -1 at run time is local
+        A.copy_(_random(NMAX, tdtype, 99))
+        B.fill_(0)
+        sync()
+        k(A, B, 100, -1, 2, 0)
+        sync()
+        check(torch.equal(B[:100].cpu(), A[:100].cpu()), f"run-time pe=-1 local {dtype_name}")
+        sync()
+
+
+def _exchange(rank, world, alloc, check, sync):
+    import torch
+
+    k = exchange_kernel()
+    k.initialize(allocator=alloc, stream=torch.cuda.current_stream().cuda_stream)
+    Flag = tilelang.tensor((4,), torch.uint32, allocator=alloc)
+    Data = tilelang.tensor((4,), torch.uint64, allocator=alloc)
+    Cnt = tilelang.tensor((4,), torch.uint32, allocator=alloc)
+    Out = torch.zeros(8, dtype=torch.uint64, device="cuda:0")
+    for t in (Flag, Data, Cnt):
+        t.zero_()
+    sync()
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    for step in range(1, 6):
+        k(Flag, Data, Cnt, Out, step)
+        sync()
+        o = [int(x) for x in Out.view(torch.int64).cpu()]
+        check(o[0] == step * 100 + prv, f"exchange st/wait/ld step {step}: {o[0]}")
+        check(o[1] == step * 100 + rank, f"exchange remote ld step {step}: {o[1]}")
+        check(o[2] == step - 1, f"exchange atom_add old value step {step}: {o[2]}")
+        check(o[3] == step and o[4] == step, f"exchange wait return / nc ld step {step}: {o[3]} {o[4]}")
+        sync()
+    if rank == 0:
+        check(int(Cnt[0].item()) == 5 * world, f"notify add total {int(Cnt[0].item())}")
+
+
+def _barriers(rank, world, alloc, check, sync):
+    import torch
+
+    kb = barrier_blocks_kernel().initialize(allocator=alloc)
+    Bar = tilelang.tensor((8,), torch.uint32, allocator=alloc)
+    Cnt = tilelang.tensor((4,), torch.uint32, allocator=alloc)
+    Err = torch.zeros(4, dtype=torch.int32, device="cuda:0")
+    Bar.zero_()
+    Cnt.zero_()
+    sync()
+    kb(Bar, Cnt, Err, 1000)
+    sync()
+    check(int(Err[0].item()) == 0, "barrier_blocks x1000 ordering")
+    check(int(Cnt[0].item()) == 1000 * GRID * world, f"barrier_blocks count {int(Cnt[0].item())}")
+    kb(Bar, Cnt, Err, 10)  # repeated launches reuse the counters (no reset)
+    sync()
+    check(int(Err[0].item()) == 0, "barrier_blocks relaunch")
+    if rank == 0:
+        kg = grid_barrier_kernel().initialize(allocator=alloc)
+        GB = torch.zeros(2, dtype=torch.uint32, device="cuda:0")
+        Slots = torch.zeros(GPU_GRID, dtype=torch.int32, device="cuda:0")
+        Err.zero_()
+        for _ in range(3):
+            kg(GB, Slots, Err, 500)
+        torch.cuda.synchronize()
+        check(int(Err[0].item()) == 0, "grid barrier ordering")
+    sync()
+
+
+def initialize_orders_body(rank: int, world: int, cache_dir: str) -> dict:
+    """initialize after the first launch, before it, and on nvrtc / cython."""
+    os.environ["TILESCALE_CACHE_DIR_UNUSED"] = ""
+    os.environ["TILELANG_CACHE_DIR"] = cache_dir
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    alloc = tilelang.get_allocator(size=2**24, device="cuda:0", is_distributed=True, local_rank=rank, num_local_ranks=world, group=dist.group.WORLD)
+    out: dict = {}
+    try:
+        R = torch.full((2,), -5, dtype=torch.int32, device="cuda:0")
+        k = rank_kernel("tvm_ffi")
+        k(R)  # loads the module with an empty table
+        torch.cuda.synchronize()
+        out["before_init"] = R.tolist()
+        k.initialize(allocator=alloc)
+        k(R)
+        torch.cuda.synchronize()
+        out["after_load_init"] = R.tolist()
+        for backend in ("nvrtc", "cython"):
+            try:
+                kb = rank_kernel(backend).initialize(allocator=alloc)
+                R.fill_(-5)
+                kb(R)
+                torch.cuda.synchronize()
+                out[backend] = R.tolist()
+            except Exception as exc:  # reported, asserted by the test
+                out[backend] = f"{type(exc).__name__}: {exc}"[:500]
+    finally:
+        torch.cuda.synchronize()
+        dist.barrier()
+        alloc.close()
+    return out
+
+
+TIMEOUT_SCRIPT = r"""
+import os, sys, torch, tilelang, tilelang.language as T
+@T.prim_func
+def stuck(F: T.Tensor((4,), "uint32")):
+    with T.Kernel(2, threads=32) as _:
+        T.wait_eq(F[1], 12345)
+k = tilelang.compile(stuck, target={"kind": "cuda", "arch": "sm_90a"})
+F = torch.zeros(4, dtype=torch.uint32, device="cuda")
+try:
+    k(F)
+    torch.cuda.synchronize()
+except Exception as exc:
+    print("HOST-ERROR:", type(exc).__name__, str(exc)[:300], flush=True)
+    sys.exit(3)
+print("NO-ERROR", flush=True)
+"""
