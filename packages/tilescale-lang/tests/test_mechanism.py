@@ -195,3 +195,12 @@ def test_gpu_test_kernels_compile(tmp_path, monkeypatch):
         assert codegen.INCLUDE_LINE in k.get_kernel_source()
     assert "tilescale::get_warp<2, false>" in kernels[0].get_kernel_source()
     gpu_kernels._cache.clear()
+
+
+def test_putget_benchmark_kernels_lower():
+    """The benchmark's kernels (tilescale-examples) lower with the intrinsics they promise."""
+    putget = pytest.importorskip("tilescale_examples.benchmarks.putget")
+    for op in ("put_warp", "get_warp", "put_block", "get_block"):
+        assert f"tilescale::{op}<" in lower_source(putget.build_copy(op, 1 << 20, 8))
+    assert "tilescale::put_block<4>" in lower_source(putget.build_overhead(True))
+    assert "tilescale::" not in lower_source(putget.build_overhead(False))
