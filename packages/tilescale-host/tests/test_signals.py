@@ -124,3 +124,11 @@ def test_stream_on_another_device_is_rejected(driver_spy):
         pytest.skip("needs 2 GPUs")
     with pytest.raises(ValueError, match="stream is on cuda:1 but the signal tensor is on cuda:0"):
         set_signal(torch.zeros(1, dtype=torch.int32, device="cuda:0"), 1, torch.cuda.Stream(device=1))
+
+
+@pytest.mark.gpu
+def test_signals_benchmark_prints_its_table(capsys):
+    bench = pytest.importorskip("tilescale_examples.benchmarks.signals")
+    assert bench.main(["--rounds", "50", "--samples", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "ping-pong round trip, two streams" in out and "ratio" in out

@@ -1,0 +1,21 @@
+"""The host sections of the doctor report."""
+
+from __future__ import annotations
+
+from tilescale_host import doctor
+
+
+def test_sections_shape_and_content(clean_env):
+    sections = doctor.sections()
+    assert [title for title, _ in sections] == ["Topology", "Process group"]
+    for _, lines in sections:
+        assert lines and all(isinstance(line, str) for line in lines)
+    topo = "\n".join(sections[0][1])
+    assert "NVLink full mesh:" in topo and "P2P native atomics" in topo
+    assert sections[1][1][0].startswith("2-rank gloo process group") and ": ok in" in sections[1][1][0]
+
+
+def test_a_failing_probe_becomes_a_line():
+    line = doctor._probe("thing", lambda: 1 / 0)
+    assert line == "thing: unavailable (ZeroDivisionError: division by zero)"
+    assert doctor._probe("flag", lambda: True) == "flag: yes"
