@@ -127,7 +127,11 @@ def unpack_handles(packed: bytes, num_ranks: int) -> list[bytes]:
 
 
 def _current_device() -> int:
-    device = int(_driver.rt_call("cudaGetDevice"))
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"CUDA is unavailable: {probes.probe_driver().reason}")
+    device = torch.cuda.current_device()
     _driver.ensure_context(device)
     return device
 

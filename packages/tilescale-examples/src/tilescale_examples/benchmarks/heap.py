@@ -1,0 +1,166 @@
+"""Symmetric-heap benchmark: time-to-ready of a heap and the latency of ``tilelang.tensor``.
+
+Run ``python -m tilescale_examples.benchmarks.heap`` on a GPU machine.  For each memory path
+(CUDA IPC, VMM) and each rank count (1, 2, 4 by default; ranks share GPUs when there are
+fewer GPUs than ranks, over a gloo group) it measures:
+
+* time-to-ready: wall time of ``tilelang.get_allocator(size=1 GiB, ...)`` on every rank
+  (the slowest rank counts; median of ``--repeats`` after one small warm-up heap), against
+  ``cudaMalloc`` of the same size measured in the same processes;
+* ``tilelang.tensor`` latency on the initialised heap (µs per call, with and without
+  ``return_peers``), against ``torch.empty`` of the same shape on the same device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from tilescale_examples.report import format_bytes, print_table, ratio
+
+__all__ = ["bench_rank", "main"]
+
+
+def _timed(fn) -> float:
+    """Seconds taken by ``fn()``."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _slowest(value: float) -> float:
+    import torch.distributed as dist
+
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return max(values)
+
+
+def _time_to_ready(rank, world_size, size, use_vmm, repeats):
+    import torch.distributed as dist
+
+    import tilelang
+
+    def make(nbytes):
+        return tilelang.get_allocator(
+            size=nbytes, local_rank=rank, num_local_ranks=world_size, group=dist.group.WORLD, use_vmm=use_vmm
+        )
+
+    make(1 << 20).close()  # warm-up: driver IPC/VMM state, socket paths, gloo buffers
+    samples, path = [], None
+    for _ in range(repeats):
+        dist.barrier()
+        box = []
+        elapsed = _timed(lambda: box.append(make(size)))
+        samples.append(_slowest(elapsed))
+        path = box[0].path
+        box[0].close()
+    return path, statistics.median(samples)
+
+
+def _cuda_malloc_time(size, repeats):
+    import torch
+
+    from tilescale_core import _driver, _ipc
+
+    _driver.ensure_context(torch.cuda.current_device())
+    samples = []
+    for _ in range(repeats):
+        box = []
+        samples.append(_slowest(_timed(lambda: box.append(_ipc.malloc(size)))))
+        _ipc.free(box[0])
+    return statistics.median(samples)
+
+
+def _per_call_us(fn, calls):
+    import torch
+
+    fn()  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def _tensor_latency(rank, world_size, use_vmm, calls, shape):
+    import torch
+    import torch.distributed as dist
+
+    import tilelang
+
+    nbytes = 4 * shape[0] * (2 * calls + 4) + (1 << 20)
+    with tilelang.get_allocator(
+        size=nbytes, local_rank=rank, num_local_ranks=world_size, group=dist.group.WORLD, use_vmm=use_vmm
+    ) as a:
+        plain = _per_call_us(lambda: tilelang.tensor(shape, "float32", allocator=a), calls)
+        peers = _per_call_us(lambda: tilelang.tensor(shape, "float32", allocator=a, return_peers=True), calls)
+        torch.cuda.synchronize()
+        dist.barrier()
+    baseline = _per_call_us(lambda: torch.empty(shape, dtype=torch.float32, device="cuda"), calls)
+    return plain, peers, baseline
+
+
+def bench_rank(rank: int, world_size: int, use_vmm: bool, size: int, repeats: int, calls: int) -> dict:
+    """Rank body: every measurement of one (path, world size) pair; rank 0's dict is reported."""
+    import torch
+
+    os.environ.pop("TILESCALE_USE_VMM", None)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.empty(1, device="cuda")  # CUDA context outside the timings
+    path, ready = _time_to_ready(rank, world_size, size, use_vmm, repeats)
+    malloc = _cuda_malloc_time(size, repeats)
+    plain, peers, empty = _tensor_latency(rank, world_size, use_vmm, calls, (1024,))
+    return {"path": path, "ready_s": ready, "malloc_s": malloc, "tensor_us": plain, "peers_us": peers, "empty_us": empty}
+
+
+def main(argv=None) -> int:
+    """Parse arguments, run every (path, ranks) case, print two tables."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=1 << 30, help="heap bytes per rank (default 1 GiB)")
+    parser.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts")
+    parser.add_argument("--paths", default="ipc,vmm", help="ipc and/or vmm")
+    parser.add_argument("--repeats", type=int, default=3, help="heaps timed per case (median)")
+    parser.add_argument("--calls", type=int, default=2000, help="tilelang.tensor calls timed per case")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from tilescale_core.multiprocess import run_ranks
+
+    if not torch.cuda.is_available():
+        print("no GPU on this machine: nothing to benchmark")
+        return 0
+    ready_rows, tensor_rows = [], []
+    for label in args.paths.split(","):
+        use_vmm = {"ipc": False, "vmm": True}[label.strip()]
+        for n in (int(x) for x in args.ranks.split(",")):
+            try:
+                r = run_ranks(bench_rank, n, args=(use_vmm, args.size, args.repeats, args.calls), timeout=300)[0]
+            except Exception as exc:  # report and go on with the other cases
+                print(f"{label} x{n}: failed: {type(exc).__name__}: {str(exc)[-1500:]}")
+                continue
+            ready_rows.append(
+                [r["path"], n, r["ready_s"] * 1e3, r["malloc_s"] * 1e3, ratio(r["ready_s"], r["malloc_s"])]
+            )
+            tensor_rows.append(
+                [r["path"], n, r["tensor_us"], r["peers_us"], r["empty_us"], ratio(r["tensor_us"], r["empty_us"])]
+            )
+    gpus = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    print_table(
+        f"time-to-ready of a {format_bytes(args.size)} heap per rank ({gpus}; median of {args.repeats})",
+        ["path", "ranks", "ready ms", "cudaMalloc ms", "ratio"],
+        ready_rows,
+    )
+    print_table(
+        f"tilelang.tensor latency on an initialised heap (1024 float32, {args.calls} calls)",
+        ["path", "ranks", "tensor us", "return_peers us", "torch.empty us", "ratio"],
+        tensor_rows,
+    )
+    return 0 if len(ready_rows) == len(args.paths.split(",")) * len(args.ranks.split(",")) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
