@@ -97,7 +97,8 @@ def test_failing_rank_traceback_is_the_failure(result):
 
 def test_timeout_fails_instead_of_hanging(result):
     res, _ = result
-    res.stdout.fnmatch_lines(["*ranks [[]0[]] did not finish within 3 s*test timeout 3 s*"])
+    # rank 0 hangs; on a loaded machine rank 1 may still be starting when the deadline passes
+    res.stdout.fnmatch_lines(["*ranks [[]0*[]] did not finish within 3 s*test timeout 3 s*"])
 
 
 def test_skip_reasons(result):

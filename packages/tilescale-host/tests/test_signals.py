@@ -81,12 +81,16 @@ def test_i64_wait_checks_before_the_driver(driver_spy):
 def test_round_trip_one_stream():
     flag = torch.zeros(4, dtype=torch.int32, device="cuda")
     stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for i in range(1, 50):
-            set_signal(flag, i, stream)
-            wait_eq(flag, i, stream)
+    stream.wait_stream(torch.cuda.current_stream())  # after the zero fill
+    for i in range(1, 50):
+        set_signal(flag, i, stream)
+        wait_eq(flag, i, stream)
     stream.synchronize()
     assert flag.tolist() == [49, 0, 0, 0]
+    set_signal(flag, 2**32 - 1)  # the default stream; an unsigned value stored bit-for-bit
+    wait_eq(flag, 2**32 - 1)
+    torch.cuda.synchronize()
+    assert flag[0].item() == -1
 
 
 @pytest.mark.gpu
