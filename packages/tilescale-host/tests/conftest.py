@@ -1,12 +1,8 @@
 """Shared fixtures of the tilescale-host tests."""
 
-from pathlib import Path
-
 import pytest
 
 pytest_plugins = ["pytester"]
-
-FIXTURES = Path(__file__).parent / "fixtures"
 
 
 @pytest.fixture

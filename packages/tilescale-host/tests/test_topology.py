@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from conftest import FIXTURES
 
 from tilescale_host import _cuda, topology
 from tilescale_host.topology import is_fullmesh, nvlink_adjacency, numa_node_of_bus_id, parse_topo_matrix
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def layout(name: str) -> list[list[str]]:

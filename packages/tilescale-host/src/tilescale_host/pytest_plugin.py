@@ -153,32 +153,46 @@ def _ranks_marker(item):
     return n, float(marker.kwargs.get("timeout", testing.DEFAULT_RANK_TIMEOUT)), bool(marker.kwargs.get("cpu_only", False))
 
 
-def _gate_ranks(gate: _Gate, n: int, cpu_only: bool) -> None:
-    """Fill ``gate`` for a ranks test and skip when the GPUs do not allow it."""
-    gate.ranks, gate.cpu_only = n, cpu_only
-    if cpu_only:
-        gate.mode = "cpu"
-        return
-    count, share = testing.gpu_count(), _share_mode()
-    gate.mode = "shared" if share and n > count else "one-rank-per-GPU"
+def _make_gate(item) -> _Gate:
+    """Describe a gated test: its rank count, mode and required capabilities."""
+    gate = _Gate(capabilities=[name for m in item.iter_markers("requires_capability") for name in m.args])
+    ranks = _ranks_marker(item)
+    if ranks is not None:
+        gate.ranks, gate.cpu_only = ranks[0], ranks[2]
+        if gate.cpu_only:
+            gate.mode = "cpu"
+        else:
+            shared = _share_mode() and gate.ranks > testing.gpu_count()
+            gate.mode = "shared" if shared else "one-rank-per-GPU"
+    return gate
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Note every gated test at collection, so that skips added by other plugins are recorded too."""
+    gates = config.stash[_GATES]
+    for item in items:
+        if any(item.get_closest_marker(m) for m in _GATED):
+            gates[item.nodeid] = _make_gate(item)
+
+
+def _skip_unless_gpus(n: int) -> None:
+    count = testing.gpu_count()
     if count == 0:
         pytest.skip(f"no CUDA GPU is visible; this test runs {n} ranks on GPUs")
-    if count < n and not share:
+    if count < n and not _share_mode():
         pytest.skip(f"needs {n} GPUs (one rank per GPU) but {count} visible; "
                     "set TILESCALE_SHARE_GPUS=1 to run several ranks per GPU")
 
 
 def pytest_runtest_setup(item) -> None:
-    if not any(item.get_closest_marker(m) for m in _GATED):
+    gate = item.config.stash[_GATES].get(item.nodeid)
+    if gate is None:
         return
-    gate = item.config.stash[_GATES].setdefault(item.nodeid, _Gate())
-    for marker in item.iter_markers("requires_capability"):
-        gate.capabilities += list(marker.args)
     if item.get_closest_marker("gpu") and testing.gpu_count() == 0:
         pytest.skip("no CUDA GPU is visible (torch.cuda.device_count() == 0)")
-    ranks = _ranks_marker(item)
-    if ranks is not None:
-        _gate_ranks(gate, ranks[0], ranks[2])
+    if gate.ranks is not None and not gate.cpu_only:
+        _skip_unless_gpus(gate.ranks)
     for name in gate.capabilities:
         ok, reason = testing.capability(name)
         if not ok:
