@@ -165,3 +165,18 @@ def test_no_record_by_default(pytester, clean_env):
     pytester.makepyfile("import pytest\n@pytest.mark.gpu\ndef test_x():\n    pass\n")
     pytester.runpytest_subprocess()
     assert not list(pytester.path.rglob("tilescale-validation-*.jsonl"))
+
+
+def test_skips_added_by_other_plugins_are_recorded(pytester, clean_env):
+    pytester.makeconftest('''
+        import pytest
+
+        def pytest_collection_modifyitems(config, items):
+            for item in items:
+                item.add_marker(pytest.mark.skip(reason="skipped by a conftest"))
+    ''')
+    pytester.makepyfile("import pytest\n@pytest.mark.requires_capability('tma')\ndef test_x():\n    pass\n")
+    pytester.runpytest_subprocess("--tilescale-record", str(pytester.path / "rec")).assert_outcomes(skipped=1)
+    (path,) = (pytester.path / "rec").glob("*.jsonl")
+    summary = json.loads(path.read_text().splitlines()[-1])
+    assert list(summary["skipped"].values()) == ["skipped by a conftest"]
