@@ -236,3 +236,17 @@ def stuck_rank(rank, world_size):
     if rank == 1:
         time.sleep(60)
     return rank
+
+
+def bad_arguments(rank, world_size, case):
+    """case "invalid": rank 1 passes size=0; case "disagree": rank 2 asks for a bigger heap."""
+    size = 1 << 16
+    if case == "invalid" and rank == 1:
+        size = 0
+    if case == "disagree" and rank == 2:
+        size = 1 << 17
+    try:
+        _allocator(rank, world_size, size=size)
+    except Exception as err:
+        return type(err).__name__, str(err)
+    return None

@@ -82,7 +82,6 @@ def test_tensors_are_zero_copy_views_at_offsets(clean_env):
         y = tilescale_core.tensor((3,), torch.int64, allocator=a)
         assert x.data_ptr() == a.base_ptr and y.data_ptr() == a.base_ptr + 256
         x.fill_(1.5)
-        again = torch.utils.dlpack.from_dlpack  # noqa: F841 - keep import side effects explicit
         from tilescale_core.tensors import view_at
 
         alias = view_at(a.base_ptr, (16,), torch.float32, a.device)

@@ -87,3 +87,17 @@ def test_run_ranks_timeout_names_stuck_rank():
         run_ranks(bodies.stuck_rank, 2, backend=None, timeout=6)
     assert info.value.ranks == [1]
     assert time.monotonic() - start < 20
+
+
+def test_bad_argument_on_one_rank_stops_every_rank(clean_env):
+    results = run_ranks(bodies.bad_arguments, 3, args=("invalid",), timeout=60)
+    assert results[1][0] == "ValueError" and "size must be a positive int" in results[1][1]
+    for r in (0, 2):
+        kind, message = results[r]
+        assert kind == "SetupError" and "validate arguments" in message and "rank(s) [1]" in message
+
+
+def test_ranks_disagreeing_on_the_heap(clean_env):
+    results = run_ranks(bodies.bad_arguments, 3, args=("disagree",), timeout=60)
+    for kind, message in results:
+        assert kind == "ValueError" and "disagree" in message and "rank 2: size=131072" in message

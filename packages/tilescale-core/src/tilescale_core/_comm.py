@@ -63,18 +63,29 @@ class Comm:
         """Wait until every rank arrives (an all-gather of nothing, works on every backend)."""
         self.all_gather(None)
 
-    def phase(self, name: str, step: Callable[[], Any]) -> list[Any]:
+    def phase(self, name: str, step: Callable[[], Any], reraise_own: bool = False) -> list[Any]:
         """Run ``step()`` here, then share the outcome; return every rank's value.
+
+        Args:
+            name: the step's name, for error messages.
+            step: the local work; its return value must be picklable.
+            reraise_own: a rank whose own step failed re-raises its exception (for example
+                a ``ValueError`` about its arguments) instead of the :class:`SetupError`.
 
         Raises:
             SetupError: on every rank, when ``step`` raised on any rank.
         """
+        own_error: Exception | None = None
         try:
             outcome = (True, step())
-        except Exception:
+        except Exception as exc:
+            own_error = exc
             outcome = (False, traceback.format_exc())
         gathered = self.all_gather(outcome)
         failures = {r: value for r, (ok, value) in enumerate(gathered) if not ok}
         if failures:
-            raise SetupError(name, failures)
+            error = SetupError(name, failures)
+            if reraise_own and own_error is not None:
+                raise own_error from error if self.world_size > 1 else None
+            raise error
         return [value for _, value in gathered]

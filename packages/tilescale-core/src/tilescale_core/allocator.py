@@ -305,10 +305,32 @@ class BaseAllocator:
         backend: HeapBackend | None = None,
     ):
         self._closed = True  # until set-up completes
-        _check_positive_int("size", size)
         rank, num_ranks, group = _resolve_group(is_distributed, local_rank, num_local_ranks, group)
-        if 2 + num_ranks > MAX_TABLE_ENTRIES:
-            raise ValueError(f"{num_ranks} ranks need a {2 + num_ranks}-entry table; the limit is {MAX_TABLE_ENTRIES}")
+        self.local_rank = rank
+        self.num_ranks = num_ranks
+        self._comm = Comm(group, rank, num_ranks)
+
+        def validate() -> tuple:
+            self._validate(size, device, is_distributed, use_vmm, mcast_size, backend)
+            return (self.size, self.path, self.mcast_size)
+
+        # Checked even for bad input, so that one rank's mistake stops every rank.
+        agreed = self._comm.phase("validate arguments", validate, reraise_own=True)
+        if len(set(agreed)) > 1:
+            listing = "; ".join(f"rank {r}: size={a[0]}, path={a[1]!r}, mcast_size={a[2]}" for r, a in enumerate(agreed))
+            raise ValueError(f"the ranks disagree on the heap ({listing}); every rank must pass the same arguments")
+        self._check = os.environ.get(CHECK_ENV) == "1" if check_alloc is None else bool(check_alloc)
+        self._log = AllocationLog()
+        self._mc: _Multicast | None = None
+        self._setup()
+
+    def _validate(self, size, device, is_distributed, use_vmm, mcast_size, backend) -> None:
+        """Check the arguments and choose the path and backend; no driver work."""
+        _check_positive_int("size", size)
+        if 2 + self.num_ranks > MAX_TABLE_ENTRIES:
+            raise ValueError(
+                f"{self.num_ranks} ranks need a {2 + self.num_ranks}-entry table; the limit is {MAX_TABLE_ENTRIES}"
+            )
         self.path = select_path(
             is_distributed=is_distributed,
             use_vmm=use_vmm,
@@ -319,15 +341,8 @@ class BaseAllocator:
         check_multicast(mcast_size, self.path, is_distributed, probes.probe_multicast)
         self._backend = backend if backend is not None else make_backend(self.path)
         self.device = _resolve_device(device, self._backend)
-        self.local_rank = rank
-        self.num_ranks = num_ranks
         self.size = size
         self.mcast_size = mcast_size
-        self._comm = Comm(group, rank, num_ranks)
-        self._check = os.environ.get(CHECK_ENV) == "1" if check_alloc is None else bool(check_alloc)
-        self._log = AllocationLog()
-        self._mc: _Multicast | None = None
-        self._setup()
 
     # --- set-up and teardown ---------------------------------------------------------
 
