@@ -94,4 +94,5 @@ def open_close_cycles(rank, world_size, use_vmm, cycles):
     torch.cuda.synchronize()
     dist.barrier()
     after = _driver.mem_get_info(device)[0]
+    dist.barrier()  # no rank tears its context down while another one measures
     return {"path": path, "before": before, "after": after}
