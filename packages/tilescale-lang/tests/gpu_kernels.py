@@ -53,6 +53,23 @@ def copy_kernel(dtype: str):
     return _compile(("copy", dtype), build)
 
 
+def remote_copy_kernel():
+    """T.copy with dst_pe (put through shared memory) and with src_pe (get), 2-D tiles."""
+
+    def build():
+        @T.prim_func
+        def rcopy(A: T.Tensor((64, 256), "float32"), B: T.Tensor((64, 256), "float32"), C: T.Tensor((64, 256), "float32"), pe: T.int32):
+            with T.Kernel(4, threads=128) as bx:
+                s = T.alloc_shared((16, 256), "float32")
+                T.copy(A[bx * 16 : bx * 16 + 16, :], s)
+                T.copy(s, B[bx * 16 : bx * 16 + 16, :], dst_pe=pe)
+                T.copy(A[bx * 16 : bx * 16 + 16, :], C[bx * 16 : bx * 16 + 16, :], src_pe=pe)
+
+        return rcopy
+
+    return _compile(("rcopy",), build)
+
+
 def rank_kernel(backend: str = "tvm_ffi"):
     def build():
         @T.prim_func
@@ -188,6 +205,7 @@ def rank_body(rank: int, world: int, cache_dir: str) -> dict:
 
     try:
         _copies(rank, world, alloc, check, sync)
+        _remote_copy(rank, world, alloc, check, sync)
         _exchange(rank, world, alloc, check, sync)
         _barriers(rank, world, alloc, check, sync)
     finally:
@@ -231,6 +249,26 @@ def _copies(rank, world, alloc, check, sync):
         k(A, B, 100, -1, 2, 0)
         sync()
         check(torch.equal(B[:100].cpu(), A[:100].cpu()), f"run-time pe=-1 local {dtype_name}")
+        sync()
+
+
+def _remote_copy(rank, world, alloc, check, sync):
+    import torch
+
+    k = remote_copy_kernel().initialize(allocator=alloc)
+    A = tilelang.tensor((64, 256), torch.float32, allocator=alloc)
+    B = tilelang.tensor((64, 256), torch.float32, allocator=alloc)
+    C = tilelang.tensor((64, 256), torch.float32, allocator=alloc)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    for step in range(3):
+        A.copy_(_random(64 * 256, torch.float32, _seed(7, rank, step)).view(64, 256))
+        B.fill_(-1)
+        C.fill_(-1)
+        sync()
+        k(A, B, C, nxt)  # B on nxt <- my A; my C <- A on nxt
+        sync()
+        check(torch.equal(B.cpu().flatten(), _random(64 * 256, torch.float32, _seed(7, prv, step))), f"T.copy dst_pe step {step}")
+        check(torch.equal(C.cpu().flatten(), _random(64 * 256, torch.float32, _seed(7, nxt, step))), f"T.copy src_pe step {step}")
         sync()
 
 
