@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from tilescale_host import signals
-from tilescale_host.signals import check_signal_tensor, check_signal_value, set_signal, wait_eq
+from tilescale_host.signals import (
+    check_signal_tensor,
+    check_signal_value,
+    set_signal,
+    synchronize_streams,
+    wait_eq,
+)
 
 
 @pytest.fixture
@@ -85,7 +91,7 @@ def test_round_trip_one_stream():
     for i in range(1, 50):
         set_signal(flag, i, stream)
         wait_eq(flag, i, stream)
-    stream.synchronize()
+    synchronize_streams([stream], timeout=30.0)
     assert flag.tolist() == [49, 0, 0, 0]
     set_signal(flag, 2**32 - 1)  # the default stream; an unsigned value stored bit-for-bit
     wait_eq(flag, 2**32 - 1)
@@ -95,21 +101,43 @@ def test_round_trip_one_stream():
 
 @pytest.mark.gpu
 def test_wait_on_b_released_by_set_on_a_orders_data():
-    """B waits; A writes data, then sets; a torch op on B after the wait sees A's data."""
+    """B waits; A writes data, then sets; a torch op on B after the wait sees A's data.
+
+    A's work is enqueued before B's wait: two streams can share one hardware queue, and a
+    wait enqueued ahead of its producer in a shared queue would block the producer forever.
+    """
     a, b = torch.cuda.Stream(), torch.cuda.Stream()
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     data = torch.zeros(1 << 20, device="cuda")
-    out = torch.empty_like(data)
+    out = torch.full_like(data, -1.0)
     torch.cuda.synchronize()
-    wait_eq(flag, 1, b)
-    with torch.cuda.stream(b):
-        out.copy_(data)  # must not run before A's set
     with torch.cuda.stream(a):
         torch.cuda._sleep(50_000_000)  # ~25 ms of spinning: B would copy zeros if it did not wait
         data.fill_(3.0)
     set_signal(flag, 1, a)
-    torch.cuda.synchronize()
+    wait_eq(flag, 1, b)
+    with torch.cuda.stream(b):
+        out.copy_(data)  # must not run before A's set
+    synchronize_streams([a, b], timeout=30.0)
     assert torch.all(out == 3.0)
+
+
+@pytest.mark.gpu
+def test_synchronize_streams_times_out_on_a_signal_that_never_comes():
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    stuck = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    wait_eq(flag, 7, stuck)
+    with pytest.raises(TimeoutError, match="still busy after 0.5 s"):
+        synchronize_streams([stuck], timeout=0.5)
+    releaser = torch.cuda.Stream()  # the next pool stream: a different hardware queue
+    set_signal(flag, 7, releaser)  # release it, so the process can exit
+    synchronize_streams([stuck, releaser], timeout=30.0)
+
+
+def test_synchronize_streams_rejects_bad_timeout():
+    with pytest.raises(ValueError, match="timeout"):
+        synchronize_streams([], timeout=0)
 
 
 @pytest.mark.gpu
@@ -119,7 +147,7 @@ def test_i64_wait_with_require_i64():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     wait_eq(flag, 2**40 + 5, stream, require_i64=True)
-    stream.synchronize()
+    synchronize_streams([stream], timeout=30.0)
 
 
 @pytest.mark.gpu

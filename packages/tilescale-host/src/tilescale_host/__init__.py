@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "init_dist": "dist_init",
     "set_signal": "signals",
+    "synchronize_streams": "signals",
     "wait_eq": "signals",
     "do_bench": "bench",
     "perf_fn": "bench",

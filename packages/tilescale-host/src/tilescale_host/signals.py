@@ -18,6 +18,7 @@ tensor, then that an explicit stream is on the tensor's device.
 from __future__ import annotations
 
 import operator
+import time
 from typing import TYPE_CHECKING
 
 from . import _cuda
@@ -25,7 +26,7 @@ from . import _cuda
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["set_signal", "wait_eq"]
+__all__ = ["set_signal", "wait_eq", "synchronize_streams"]
 
 
 def _dtypes(bits: int) -> tuple:
@@ -145,3 +146,35 @@ def wait_eq(
         ),
         f"cuStreamWaitValue{bits}",
     )
+
+
+def synchronize_streams(streams, timeout: float = 60.0, poll_interval: float = 1e-3) -> None:
+    """Wait until every stream in ``streams`` is idle, or raise TimeoutError after ``timeout`` s.
+
+    Unlike ``stream.synchronize()``, which blocks inside the driver for as long as a
+    ``wait_eq`` is unsatisfied, this polls ``stream.query()`` so a signal that never comes
+    ends in a Python error naming the streams still busy.
+
+    Hazard worth knowing: two streams may share one hardware queue, so a wait enqueued before
+    the work that releases it, on another stream, can block that work forever. Enqueue the
+    producer's work first, or give each stream its own queue (``CUDA_DEVICE_MAX_CONNECTIONS``).
+
+    Args:
+        streams: iterable of ``torch.cuda.Stream``.
+        timeout: seconds to wait in total, > 0.
+        poll_interval: seconds between polls.
+    """
+    if timeout <= 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    pending = list(streams)
+    deadline = time.monotonic() + timeout
+    while pending:
+        pending = [s for s in pending if not s.query()]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            names = ", ".join(f"stream 0x{s.cuda_stream:x} on {s.device}" for s in pending)
+            raise TimeoutError(
+                f"{names} still busy after {timeout:g} s: a wait_eq whose signal never came?"
+            )
+        time.sleep(poll_interval)

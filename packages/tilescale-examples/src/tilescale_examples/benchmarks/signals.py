@@ -41,7 +41,9 @@ def _timed(stream, enqueue: Callable[[], None], rounds: int, lead_cycles: int) -
         start.record(stream)
         enqueue()
         end.record(stream)
-    torch.cuda.synchronize()
+    from tilescale_host import synchronize_streams
+
+    synchronize_streams([stream], timeout=60.0)  # a lost signal fails the run instead of hanging it
     return start.elapsed_time(end) * 1000.0 / rounds
 
 

@@ -6,7 +6,7 @@ here is re-exported by ``tilelang.distributed`` too.  See :mod:`tilescale_host`.
 
 from tilescale_host.bench import do_bench, perf_fn
 from tilescale_host.dist_init import init_dist
-from tilescale_host.signals import set_signal, wait_eq
+from tilescale_host.signals import set_signal, synchronize_streams, wait_eq
 from tilescale_host.topology import (
     NvidiaSmiUtil,
     cuda_stream_max_priority,
@@ -46,6 +46,7 @@ __all__ = [
     "perf_fn",
     "rand_tensor",
     "set_signal",
+    "synchronize_streams",
     "supports_p2p_native_atomic",
     "wait_eq",
 ]
