@@ -2,8 +2,9 @@
 # The whole GPU check in one command, for a GPU machine without a package registry
 # (the device tool's machines). Run from the repository root, with .device/ carried:
 #   bash ci/device-check.sh [STEP ...] [-- PYTEST_ARGS ...]
-# STEPs: doctor, tests (GPU suite, ranks sharing the GPUs), tests-4 (one rank per GPU),
-# bench, all (default: doctor tests bench). Logs go to $OUT (or ./device-logs) and a summary
+# STEPs: doctor; tests (GPU suite of every package, ranks sharing the GPUs); tests-4 (one
+# rank per GPU); tests-core, tests-host, tests-lang, tests-examples (one package, shared);
+# bench (every benchmark); bench-NAME (one); all (default: doctor tests bench). Logs go to $OUT (or ./device-logs) and a summary
 # table is printed last.
 set -uo pipefail
 steps=() pytest_args=()
@@ -30,17 +31,27 @@ run_step() {  # name, command...
   local rc=${PIPESTATUS[0]}
   summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$(grep -E '^(=+ )?[0-9]+ (passed|failed)|passed|failed' "$logs/$name.log" | tail -1)")")
 }
-tests=(packages/tilescale-core/tests packages/tilescale-host/tests packages/tilescale-lang/tests packages/tilescale-examples/tests)
+# One pytest per package, each under its own deadline, so one hang cannot eat the whole call.
+declare -A limit=([core]=240 [host]=150 [lang]=360 [examples]=240)
+gpu_tests() {  # step name, TILESCALE_SHARE_GPUS value
+  for p in core host lang examples; do
+    run_step "$1-$p" env TILESCALE_SHARE_GPUS="$2" timeout -k 10 "${limit[$p]}" python3 -m pytest \
+      "packages/tilescale-$p/tests" -m gpu -q -rfEs --tb=short -p no:cacheprovider \
+      --tilescale-record "$logs" --junitxml "$logs/junit-$1-$p.xml" "${pytest_args[@]}"
+  done
+}
 for step in "${steps[@]}"; do
   case "$step" in
-    doctor) run_step doctor python3 -m tilescale_core.doctor ;;
-    tests) run_step tests env TILESCALE_SHARE_GPUS=1 python3 -m pytest "${tests[@]}" -m gpu -q -rs \
-             -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
-    tests-4) run_step tests-4 env TILESCALE_SHARE_GPUS=0 python3 -m pytest "${tests[@]}" -m gpu -q -rs \
-             -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
+    doctor) run_step doctor timeout -k 10 180 python3 -m tilescale_core.doctor ;;
+    tests) gpu_tests tests 1 ;;
+    tests-4) gpu_tests tests-4 0 ;;
     bench) for b in heap signals putget; do
-             run_step "bench-$b" python3 -m "tilescale_examples.benchmarks.$b"
+             run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
            done ;;
+    bench-*) run_step "$step" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.${step#bench-}" ;;
+    tests-*) p=${step#tests-}; run_step "$step" env TILESCALE_SHARE_GPUS=1 timeout -k 10 "${limit[$p]}" \
+               python3 -m pytest "packages/tilescale-$p/tests" -m gpu -q -rfEs --tb=short \
+               -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -51,6 +51,8 @@ def peer_views(rank, world_size, use_vmm, numel):
         assert not torch.isnan(floats[r]).any(), f"rank {rank} sees poison in rank {r}'s tensor"
         assert torch.equal(floats[r].cpu(), expected[r][0]), f"rank {rank}: rank {r}'s float view differs"
         assert torch.equal(ints[r].cpu(), expected[r][1]), f"rank {rank}: rank {r}'s int view differs"
+    # every rank has finished reading before anyone writes into a peer's tensor
+    dist.barrier()
     # write into a peer's memory through its view, and let the peer check it
     peer = (rank + 1) % world_size
     floats[peer][rank] = 1000.0 + rank

@@ -105,3 +105,17 @@ def test_without_gpu(monkeypatch):
         topology.has_fullmesh_nvlink.cache_clear()
         topology.has_fullmesh_nvlink_pynvml.cache_clear()
         topology.supports_p2p_native_atomic.cache_clear()
+
+
+def test_pci_bus_id_stops_at_the_c_string_terminator(monkeypatch):
+    """cuDeviceGetPCIBusId fills a fixed-size buffer: text after the first NUL is junk."""
+
+    class FakeDriver:
+        @staticmethod
+        def cuDeviceGetPCIBusId(length, dev):
+            return (0, b"0000:00:06.0\x00\x07junk" + b"\x00" * 40)
+
+    monkeypatch.setattr(_cuda, "driver", lambda: FakeDriver)
+    monkeypatch.setattr(_cuda, "device", lambda ordinal: ordinal)
+    monkeypatch.setattr(_cuda, "check", lambda result, what: result[1])
+    assert _cuda.pci_bus_id(0) == "0000:00:06.0"

@@ -26,7 +26,7 @@ def test_intrinsics_across_ranks(world, cache_dir):
 
     import gpu_kernels
 
-    reports = run_ranks(gpu_kernels.rank_body, world, args=(cache_dir,), backend="gloo", timeout=240)
+    reports = run_ranks(gpu_kernels.rank_body, world, args=(cache_dir,), backend="gloo", timeout=150)
     for rep in reports:
         assert rep["checks"] > 100
         assert rep["errors"] == [], f"rank {rep['rank']}: {rep['errors'][:10]}"

@@ -96,8 +96,8 @@ def device_attribute(name: str, ordinal: int) -> int:
 def pci_bus_id(ordinal: int) -> str:
     """PCI bus id of device ``ordinal``, normalised to ``dddd:bb:dd.f`` in lower case."""
     raw = check(driver().cuDeviceGetPCIBusId(64, device(ordinal)), "cuDeviceGetPCIBusId")
-    text = raw.decode() if isinstance(raw, bytes) else str(raw)
-    return normalize_bus_id(text.rstrip("\x00"))
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+    return normalize_bus_id(text.split("\x00", 1)[0])  # a C string in a fixed-size buffer
 
 
 def normalize_bus_id(bus_id: str) -> str:
