@@ -203,14 +203,15 @@ def rank_body(rank: int, world: int, cache_dir: str) -> dict:
         torch.cuda.synchronize()
         dist.barrier()
 
-    try:
-        _copies(rank, world, alloc, check, sync)
-        _remote_copy(rank, world, alloc, check, sync)
-        _exchange(rank, world, alloc, check, sync)
-        _barriers(rank, world, alloc, check, sync)
-    finally:
-        sync()
-        alloc.close()
+    # No collective after a failure: a rank that raises skips the closing barrier, and
+    # run_ranks reports its traceback and stops the peers (a barrier here would pair with a
+    # different collective on the peers and hang instead).
+    _copies(rank, world, alloc, check, sync)
+    _remote_copy(rank, world, alloc, check, sync)
+    _exchange(rank, world, alloc, check, sync)
+    _barriers(rank, world, alloc, check, sync)
+    sync()
+    alloc.close()
     return report
 
 
@@ -315,8 +316,9 @@ def _barriers(rank, world, alloc, check, sync):
     kb(Bar, Cnt, Err, 10)  # repeated launches reuse the counters (no reset)
     sync()
     check(int(Err[0].item()) == 0, "barrier_blocks relaunch")
+    # Compiling with compile_group is collective: every rank compiles, only rank 0 runs it.
+    kg = grid_barrier_kernel().initialize(allocator=alloc)
     if rank == 0:
-        kg = grid_barrier_kernel().initialize(allocator=alloc)
         GB = torch.zeros(2, dtype=torch.uint32, device="cuda:0")
         Slots = torch.zeros(GPU_GRID, dtype=torch.int32, device="cuda:0")
         Err.zero_()
@@ -337,29 +339,28 @@ def initialize_orders_body(rank: int, world: int, cache_dir: str) -> dict:
     torch.cuda.set_device(0)
     alloc = tilelang.get_allocator(size=2**24, device="cuda:0", is_distributed=True, local_rank=rank, num_local_ranks=world, group=dist.group.WORLD)
     out: dict = {}
-    try:
-        R = torch.full((2,), -5, dtype=torch.int32, device="cuda:0")
-        k = rank_kernel("tvm_ffi")
-        k(R)  # loads the module with an empty table
-        torch.cuda.synchronize()
-        out["before_init"] = R.tolist()
-        k.initialize(allocator=alloc)
-        k(R)
-        torch.cuda.synchronize()
-        out["after_load_init"] = R.tolist()
-        for backend in ("nvrtc", "cython"):
-            try:
-                kb = rank_kernel(backend).initialize(allocator=alloc)
-                R.fill_(-5)
-                kb(R)
-                torch.cuda.synchronize()
-                out[backend] = R.tolist()
-            except Exception as exc:  # reported, asserted by the test
-                out[backend] = f"{type(exc).__name__}: {exc}"[:500]
-    finally:
-        torch.cuda.synchronize()
-        dist.barrier()
-        alloc.close()
+    # no collective after a failure (see rank_body)
+    R = torch.full((2,), -5, dtype=torch.int32, device="cuda:0")
+    k = rank_kernel("tvm_ffi")
+    k(R)  # loads the module with an empty table
+    torch.cuda.synchronize()
+    out["before_init"] = R.tolist()
+    k.initialize(allocator=alloc)
+    k(R)
+    torch.cuda.synchronize()
+    out["after_load_init"] = R.tolist()
+    for backend in ("nvrtc", "cython"):
+        try:
+            kb = rank_kernel(backend).initialize(allocator=alloc)
+            R.fill_(-5)
+            kb(R)
+            torch.cuda.synchronize()
+            out[backend] = R.tolist()
+        except Exception as exc:  # reported, asserted by the test
+            out[backend] = f"{type(exc).__name__}: {exc}"[:500]
+    torch.cuda.synchronize()
+    dist.barrier()
+    alloc.close()
     return out
 
 

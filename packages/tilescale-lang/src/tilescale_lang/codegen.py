@@ -117,6 +117,11 @@ def wrap_compile(compile_fn):
     same function after a barrier, which is a cache hit when the disk cache is enabled (the
     kernels are rank-agnostic, so the key is identical on every rank).  Without a group, or
     with ``compile_once=False``, it is plain ``tilelang.compile``.
+
+    With a group of more than one rank the call is collective: every rank of the group must
+    make it, for the same kernels in the same order.  A rank that skips one (say, a kernel
+    only rank 0 launches) pairs the barrier inside with an unrelated collective of its peers
+    and the ranks hang; compile such a kernel on every rank, or without ``compile_group``.
     """
     if getattr(compile_fn, "__tilescale_wrapped__", False):
         return compile_fn
