@@ -17,4 +17,5 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_default_options = {"members": True, "undoc-members": False, "show-inheritance": False}
 napoleon_google_docstring = True
+napoleon_use_ivar = True
 html_theme = "alabaster"

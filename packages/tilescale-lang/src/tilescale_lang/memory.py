@@ -15,7 +15,7 @@ PTX, so it is ignored for them.  Values are 32- or 64-bit.
 
 from __future__ import annotations
 
-from tvm import tirx
+from ._tvm import tirx
 
 from . import validation as V
 

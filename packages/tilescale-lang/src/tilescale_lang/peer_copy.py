@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tvm import tirx
+from ._tvm import tirx
 
 from . import validation as V
 

@@ -6,7 +6,7 @@ compiled kernel stays rank-agnostic.
 
 from __future__ import annotations
 
-from tvm import tirx
+from ._tvm import tirx
 
 from .validation import extern
 

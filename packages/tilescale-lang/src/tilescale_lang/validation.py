@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tvm import tirx
+from ._tvm import tirx
 
 NS = "tilescale::"
 
