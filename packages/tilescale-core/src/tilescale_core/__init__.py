@@ -8,24 +8,18 @@ through stock TileLang's namespace once the package is installed: ``tilelang.get
 
 from __future__ import annotations
 
-import importlib
+from ._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "BaseAllocator": "tilescale_core.allocator",
-    "get_allocator": "tilescale_core.allocator",
-    "tensor": "tilescale_core.tensors",
-    "tensor_from_ptr": "tilescale_core.tensors",
+    "BaseAllocator": "allocator",
+    "get_allocator": "allocator",
+    "tensor": "tensors",
+    "tensor_from_ptr": "tensors",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tilescale_core' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(globals(), _LAZY)

@@ -13,7 +13,7 @@ Modules: :mod:`~tilescale_host.dist_init` (``init_dist``), :mod:`~tilescale_host
 
 from __future__ import annotations
 
-import importlib
+from tilescale_core._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -44,14 +44,4 @@ _LAZY = {
 __all__ = sorted(_LAZY) + ["__version__"]
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tilescale_host' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__ = lazy_getattr(globals(), _LAZY)
