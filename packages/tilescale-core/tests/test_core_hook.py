@@ -75,3 +75,43 @@ def test_doctor_runs_and_exits_zero():
 
     if not torch.cuda.is_available():
         assert "no GPU" in out
+
+
+class _FakeEntryPoint:
+    def __init__(self, name, fn):
+        self.name, self.value, self._fn = name, f"fake:{name}", fn
+
+    def load(self):
+        return self._fn
+
+
+def test_a_broken_extension_warns_and_the_others_still_apply(monkeypatch):
+    import types
+
+    import pytest
+
+    from tilescale_core import _bootstrap
+
+    calls = []
+
+    def broken(module):
+        raise RuntimeError("boom")
+
+    eps = [_FakeEntryPoint("a_broken", broken), _FakeEntryPoint("b_good", lambda m: calls.append(m.__name__))]
+    monkeypatch.setattr(_bootstrap, "extension_entry_points", lambda: eps)
+    module = types.ModuleType("fake_tilelang")
+    with pytest.warns(RuntimeWarning, match=r"'a_broken' \(fake:a_broken\) failed and was skipped: RuntimeError: boom"):
+        assert _bootstrap.extend(module) == ["b_good"]
+    assert calls == ["fake_tilelang"]
+    assert _bootstrap.extend(module) == ["b_good"]  # idempotent: nothing runs twice
+    assert calls == ["fake_tilelang"]
+
+
+def test_finder_only_answers_for_top_level_tilelang():
+    from tilescale_core._bootstrap import TilelangFinder, _ExtendingLoader
+
+    finder = TilelangFinder()
+    assert finder.find_spec("tilelang.language", None) is None
+    assert finder.find_spec("numpy", None) is None
+    spec = finder.find_spec("tilelang", None)
+    assert spec is not None and isinstance(spec.loader, _ExtendingLoader)
