@@ -198,11 +198,3 @@ def test_gpu_test_kernels_compile(tmp_path, monkeypatch):
     assert kernels[-1].get_kernel_source().count("tilescale::remap_ptr") == 2
     gpu_kernels._cache.clear()
 
-
-def test_putget_benchmark_kernels_lower():
-    """The benchmark's kernels (tilescale-examples) lower with the intrinsics they promise."""
-    putget = pytest.importorskip("tilescale_examples.benchmarks.putget")
-    for op in ("put_warp", "get_warp", "put_block", "get_block"):
-        assert f"tilescale::{op}<" in lower_source(putget.build_copy(op, 1 << 20, 8))
-    assert "tilescale::put_block<4>" in lower_source(putget.build_overhead(True))
-    assert "tilescale::" not in lower_source(putget.build_overhead(False))

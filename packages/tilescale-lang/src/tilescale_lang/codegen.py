@@ -163,3 +163,26 @@ def compile_once_in_group(build, group: Any = None):
     if not first:
         kernel = build()
     return kernel
+
+
+#: The default target for :func:`cuda_source`: Hopper with its architecture-specific features.
+DEFAULT_TARGET = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def cuda_source(func: Any, target: Any = None) -> str:
+    """Return the CUDA C++ that TileLang generates for ``func``, without running nvcc.
+
+    Works on machines without a GPU (it only lowers), so tests and users can inspect which
+    TileScale helpers a kernel calls.  The TileScale include line is in the result.
+
+    Args:
+        func: a ``T.prim_func``.
+        target: a TileLang target (a dict such as ``{"kind": "cuda", "arch": "sm_90a"}``);
+            default :data:`DEFAULT_TARGET`.
+    """
+    import tilelang
+    from tilelang import tvm
+
+    target = DEFAULT_TARGET if target is None else target
+    with tvm.target.Target(target):  # kernels using T.copy need the target context
+        return tilelang.lower(func, target=target).kernel_source
