@@ -110,9 +110,7 @@ def notify(ptr, peer, signal=1, sig_op: str = "set"):
     sig_op = V.choice(sig_op, ("set", "add"), "sig_op")
     if sig_op == "add" and V.tvm_dtype(dtype).bits != 32:
         raise TypeError(f"sig_op='add' needs a 32-bit flag, got {dtype}")
-    pe_val = V.pe_expr(peer, "peer")
-    if pe_val is not None:
-        V.require_global(op, "ptr", "when peer selects a rank")
+    pe_val = V.remote_pe(peer, "peer", op, "ptr")
     import tvm.tirx as tirx
 
     pe_arg = pe_val if pe_val is not None else tirx.IntImm("int32", -1)

@@ -62,11 +62,8 @@ def ld(src, value=None, scope: str = "gpu", sem: str = "weak", na: bool = False,
         raise ValueError("na=True (.L1::no_allocate) is not available with sem='volatile'")
     if nc:
         V.require_global(op, "src", "for nc=True (ld.global.nc)")
-    pe_val = V.pe_expr(src_pe, "src_pe")
-    args = [op.ptr]
-    if pe_val is not None:
-        V.require_global(op, "src", "when src_pe selects a peer")
-        args.append(pe_val)
+    pe_val = V.remote_pe(src_pe, "src_pe", op, "src")
+    args = [op.ptr] if pe_val is None else [op.ptr, pe_val]
     call = V.extern(dtype, f"tilescale::ld<{V.SCOPES[scope]}, {V.SEMS[sem]}, {_b(na)}, {_b(nc)}>", *args)
     if value is None:
         return call
@@ -109,11 +106,8 @@ def st(dst, value, scope: str = "gpu", sem: str = "weak", na: bool = False, dst_
     if na and sem == "volatile":
         raise ValueError("na=True (.L1::no_allocate) is not available with sem='volatile'")
     val = V.cast_to(value, dtype, "value")
-    pe_val = V.pe_expr(dst_pe, "dst_pe")
-    args = [op.ptr, val]
-    if pe_val is not None:
-        V.require_global(op, "dst", "when dst_pe selects a peer")
-        args.append(pe_val)
+    pe_val = V.remote_pe(dst_pe, "dst_pe", op, "dst")
+    args = [op.ptr, val] if pe_val is None else [op.ptr, val, pe_val]
     return V.extern("handle", f"tilescale::st<{V.SCOPES[scope]}, {V.SEMS[sem]}, {_b(na)}>", *args)
 
 

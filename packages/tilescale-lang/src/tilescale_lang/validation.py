@@ -183,6 +183,15 @@ def pe_expr(pe: Any, name: str) -> tirx.PrimExpr | None:
     return pe if str(pe.dtype) == "int32" else tirx.Cast("int32", pe)
 
 
+
+def remote_pe(pe: Any, name: str, op: Operand, operand_name: str) -> tirx.PrimExpr | None:
+    """:func:`pe_expr` of ``pe``; when it selects a peer, also require that ``op`` (the
+    operand called ``operand_name``) is in global memory, the only memory a peer can map."""
+    pe_val = pe_expr(pe, name)
+    if pe_val is not None:
+        require_global(op, operand_name, f"when {name} selects a peer")
+    return pe_val
+
 def size_bytes(size: Any, itemsize: int, name: str = "size") -> tirx.PrimExpr:
     """``size`` elements of ``itemsize`` bytes, as a uint64 byte count."""
     if isinstance(size, bool):

@@ -33,11 +33,8 @@ def wait(relation: str, value, expected, peer=-1, scope: str = "sys", semantics:
     scope = V.choice(scope, ("sys", "gpu"), "scope")
     semantics = V.choice(semantics, ("acquire", "volatile"), "semantics")
     exp = V.cast_to(expected, dtype, "expected")
-    pe_val = V.pe_expr(peer, "peer")
-    args = [op.ptr, exp]
-    if pe_val is not None:
-        V.require_global(op, "value", "when peer selects a rank")
-        args.append(pe_val)
+    pe_val = V.remote_pe(peer, "peer", op, "value")
+    args = [op.ptr, exp] if pe_val is None else [op.ptr, exp, pe_val]
     name = f"tilescale::wait_until<tilescale::Cmp::{relation.upper()}, {V.SCOPES[scope]}, {V.SEMS[semantics]}>"
     return V.extern(dtype, name, *args)
 
