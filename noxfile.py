@@ -91,7 +91,8 @@ def docs(session: nox.Session) -> None:
     """Build the documentation with Sphinx (warnings are errors)."""
     _install(session, "core", "host", "lang", "examples")
     if session.venv_backend != "none":
-        session.install("-c", str(CONSTRAINTS), "sphinx>=7", "myst-parser>=2")
+        # pytest: autodoc imports tilescale_host.pytest_plugin
+        session.install("-c", str(CONSTRAINTS), "sphinx>=7", "myst-parser>=2", "pytest>=8")
     session.run(
         "python", "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
         str(ROOT / "docs"), str(ROOT / "docs" / "_build" / "html"),

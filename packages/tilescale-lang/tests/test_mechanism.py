@@ -198,3 +198,16 @@ def test_gpu_test_kernels_compile(tmp_path, monkeypatch):
     assert kernels[-1].get_kernel_source().count("tilescale::remap_ptr") == 2
     gpu_kernels._cache.clear()
 
+
+
+@pytest.mark.parametrize("first", ["tilescale_lang.rank", "tilescale_lang.validation", "tilescale_lang.wait", "tilescale_lang._extension"])
+def test_any_module_imported_first_still_extends_tilelang(first):
+    """Importing a tilescale_lang module before tilelang (as autodoc does) must not leave the
+    extension half-applied: the intrinsics are on T and no RuntimeWarning is raised."""
+    import sys
+
+    code = f"import {first}; import tilelang.language as T; assert callable(T.put_warp) and callable(T.wait_eq)"
+    proc = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -9,3 +9,9 @@ Installed, it extends ``tilelang`` at import time (through tilescale-core's hook
 """
 
 __version__ = "0.1.0"
+
+# Import stock tilelang first, whichever tilescale_lang module is imported first: tilelang's
+# import runs the TileScale extensions (this package's among them) and puts TileLang's bundled
+# ``tvm`` on sys.path, which the intrinsic modules need.  Importing it here, before any
+# sub-module body runs, keeps that re-entry from meeting a half-imported sub-module.
+import tilelang  # noqa: E402,F401
