@@ -1,0 +1,314 @@
+"""The put_block all-gather: plan, generated CUDA, real nvcc compiles and argument checks on
+the CPU; the result on 1, 2 and 4 ranks sharing one GPU (``-m gpu``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+if "CUDA_HOME" not in os.environ and os.path.isdir("/usr/local/cuda"):
+    # /usr/local/bin/nvcc may be a shim that misleads TileLang's CUDA_HOME detection
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+import tilelang  # noqa: E402  (the import hook attaches tilescale-lang)
+import torch  # noqa: E402
+from tilelang import tvm  # noqa: E402
+
+from tilescale_examples import allgather as ag_mod  # noqa: E402
+from tilescale_examples.allgather import AllGather, build_allgather_kernel, plan_chunks, torch_reference  # noqa: E402
+
+NVCC = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+needs_nvcc = pytest.mark.skipif(not (os.path.exists(NVCC) or shutil.which("nvcc")), reason="nvcc not found (set CUDA_HOME)")
+
+
+def _have_gpu() -> bool:
+    try:
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def lower_source(func) -> str:
+    """CUDA source of ``func`` under the cuda target, without nvcc."""
+    with tvm.target.Target(ag_mod.TARGET):
+        return tilelang.lower(func, target=ag_mod.TARGET).kernel_source
+
+
+class CpuAllocator:
+    """Stand-in for a tilescale-core allocator on the CPU: hands out CPU tensors filled with
+    garbage (so zeroing is observable) and records every allocation."""
+
+    def __init__(self, num_ranks=2, rank=0):
+        self.num_ranks = num_ranks
+        self.local_rank = rank
+        self.device = torch.device("cpu")
+        self.closed = False
+        self.table = torch.tensor([rank, num_ranks] + [(i + 1) << 32 for i in range(num_ranks)], dtype=torch.uint64)
+        self.allocations = []
+
+    def _allocate_tensor(self, shape, dtype, return_peers=False):
+        self.allocations.append((tuple(shape), dtype))
+        return torch.full(tuple(shape), 7, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------ plan
+@pytest.mark.parametrize("numel,itemsize,world,max_blocks", [
+    (1, 2, 1, 128), (7, 2, 4, 128), (1000, 4, 4, 132), (4096 // 4 // 2, 2, 4, 132),
+    ((1 << 28) // 4, 4, 4, 132), ((1 << 30) // 8 // 2, 2, 8, 132), (123457, 1, 3, 16), (5, 8, 8, 4),
+])
+def test_plan_chunks_tiles_the_shard(numel, itemsize, world, max_blocks):
+    chunks, chunk = plan_chunks(numel, itemsize, world, max_blocks)
+    assert chunks >= 1 and (chunks - 1) * chunk < numel <= chunks * chunk  # no empty chunk
+    assert (chunk * itemsize) % 16 == 0  # chunk starts keep the 16-byte alignment
+    assert chunks * world <= max(max_blocks, world)  # the grid stays co-resident
+    if numel * itemsize >= ag_mod.MIN_CHUNK_BYTES * max_blocks:
+        assert chunks == max_blocks // world  # big shards use the whole grid
+
+
+def test_plan_chunks_rejects_bad_values():
+    with pytest.raises(ValueError, match="shard_numel"):
+        plan_chunks(0, 2, 2)
+    with pytest.raises(ValueError, match="world_size"):
+        plan_chunks(10, 2, 0)
+    with pytest.raises(ValueError, match="does not tile"):
+        build_allgather_kernel(100, "float16", 2, 4, 8)
+
+
+def test_torch_reference():
+    shards = [torch.full((3, 2), float(r)) for r in range(4)]
+    ref = torch_reference(shards)
+    assert ref.shape == (4, 3, 2) and torch.equal(ref[2], shards[2])
+    with pytest.raises(ValueError, match="one tensor per rank"):
+        torch_reference([])
+
+
+# ------------------------------------------------------------------------------ codegen
+def test_generated_cuda_puts_fences_signals_and_waits():
+    S, W = 1000, 4
+    C, CH = plan_chunks(S, 2, W, max_blocks=16, min_chunk_bytes=256)
+    assert C == 4 and CH == 256
+    src = lower_source(build_allgather_kernel(S, "float16", W, C, CH, threads=256))
+    assert "#include <tilescale/tilescale.cuh>" in src
+    body = src[src.index('extern "C" __global__ void __launch_bounds__'):]
+    assert "__launch_bounds__(256" in body
+    assert "int64_t epoch" in body
+    # rank-agnostic: the rank comes from the table, never a constant
+    assert "tilescale::get_rank()" in body
+    # block (c, p): put chunk c into rank p's output at me * S + c * CH (p = blockIdx.y)
+    put = body.index("tilescale::put_block<4>(")
+    put_call = body[put:body.index(";", put)]
+    assert f"start = (((int)blockIdx.x) * {CH});" in body[:put]
+    assert "(&(In[start]))" in put_call
+    assert f"(&(Out[((((int64_t)me) * (int64_t){S}) + ((int64_t)start))]))" in put_call
+    assert f"min({CH}, ({S} - start))" in put_call and "* (uint64_t)2" in put_call
+    assert put_call.rstrip(")").endswith("((int)blockIdx.y")
+    # ready handshake before the put; barrier, system fence, release signal, acquire wait after
+    notify = "tilescale::notify<false>("
+    wait = "tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>("
+    ready_notify = body.index(notify)
+    ready_wait = body.index(wait)
+    first_sync = body.index("__syncthreads();")
+    second_sync = body.index("__syncthreads();", put)
+    fence = body.index("tilescale::fence_sys();")
+    data_notify = body.index(notify, fence)
+    data_wait = body.index(wait, data_notify)
+    assert ready_notify < ready_wait < first_sync < put < second_sync < fence < data_notify < data_wait
+    assert body.count(notify) == 2 and body.count(wait) == 2 and body.count("__syncthreads();") == 2
+    # the ready flags live after the W * C data flags; every signal carries the epoch
+    assert f"Flags[(((me * {C}) + ((int)blockIdx.x)) + {W * C})]" in body[ready_notify:ready_wait]
+    assert f"Flags[((me * {C}) + ((int)blockIdx.x))]" in body[data_notify:data_wait]
+    assert f"Flags[((((int)blockIdx.y) * {C}) + ((int)blockIdx.x))]" in body[data_wait:]
+    assert body.count("((uint64_t)epoch)") == 4
+
+
+@pytest.mark.parametrize("world,numel,dtype", [
+    (4, (1 << 30) // 4 // 2, "float16"), (8, (1 << 30) // 8 // 4, "float32"), (2, (1 << 30) // 2, "uint8"),
+    (4, (1 << 20) + 3, "float32"), (2, 1, "float16"),
+])
+def test_benchmark_sized_kernels_lower(world, numel, dtype):
+    """Up to 1 GiB outputs: chunks of >= 32768 elements once tripped a TileLang pass."""
+    itemsize = {"float16": 2, "float32": 4, "uint8": 1}[dtype]
+    C, CH = plan_chunks(numel, itemsize, world, 132)
+    assert "tilescale::put_block<4>" in lower_source(build_allgather_kernel(numel, dtype, world, C, CH))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_real_compile_to_cubin(dtype, tmp_path, monkeypatch):
+    """nvcc compiles the kernel (with the tilescale headers and flags) into a CUDA module."""
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
+    from tilescale_lang import headers
+
+    S, W = 1 << 20 | 3, 4  # odd size (unaligned slots, byte tails), chunks above 32768 elements
+    C, CH = plan_chunks(S, 2 if dtype == "float16" else 4, W, max_blocks=32, min_chunk_bytes=1024)
+    assert CH >= 32768
+    kernel = tilelang.compile(build_allgather_kernel(S, dtype, W, C, CH), target=ag_mod.TARGET, execution_backend="tvm_ffi")
+    assert f"-I{headers.include_dir()}" in kernel.compile_flags
+    assert kernel.adapter.rt_mod.imports[0].kind == "cuda"
+    assert "tilescale::put_block<4>" in kernel.get_kernel_source()
+
+
+# ------------------------------------------------------------------------------ the class
+@needs_nvcc
+def test_allgather_object_on_cpu_allocator(tmp_path, monkeypatch):
+    """Construction (buffers, zeroed flags, a real compile, initialize) and every argument
+    check of ``__call__``, which fail before any kernel runs."""
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
+    alloc = CpuAllocator(num_ranks=2)
+    ag = AllGather(alloc, (3, 5), "float32", threads=128)
+    assert alloc.allocations == [((3, 5), torch.float32), ((2, 3, 5), torch.float32), ((2 * 2 * ag.chunks,), torch.uint64)]
+    assert ag.output.shape == (2, 3, 5) and ag.input.shape == (3, 5)
+    assert not ag.flags.ne(0).any()
+    assert (ag.chunks, ag.chunk) == (1, 16)
+    assert ag.bus_bytes() == 0.5 * 2 * 15 * 4
+    assert "AllGather(shard_shape=(3, 5)" in repr(ag)
+
+    launched = []
+    ag.kernel = lambda *a: launched.append(a)  # stands in for the GPU launch
+    with pytest.raises(TypeError, match="input must be a torch.Tensor"):
+        ag([0.0] * 15)
+    with pytest.raises(TypeError, match="input has dtype torch.float16"):
+        ag(torch.zeros(3, 5, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"input has shape \(15,\), expected the shard shape \(3, 5\)"):
+        ag(torch.zeros(15))
+    with pytest.raises(ValueError, match="input must be contiguous"):
+        ag(torch.zeros(5, 3).t())
+    assert launched == [] and ag.epoch == 0
+    out = ag(torch.ones(3, 5))
+    assert out is ag.output and ag.epoch == 1 and launched[0][3] == 1  # epoch passed to the kernel
+    assert launched[0][1].shape == (30,)
+    ag(torch.ones(3, 5))
+    assert launched[1][3] == 2
+    alloc.closed = True
+    with pytest.raises(RuntimeError, match="allocator of this AllGather is closed"):
+        ag(torch.ones(3, 5))
+    ag.close()
+    ag.close()
+    assert ag.closed
+    with pytest.raises(RuntimeError, match="AllGather is closed"):
+        ag(torch.ones(3, 5))
+
+
+def test_allgather_device_check():
+    ag = object.__new__(AllGather)
+    ag.shard_shape, ag.dtype, ag.device = (4,), torch.float32, torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="input is on cpu, the allocator's heap is on cuda:1"):
+        ag.check_input(torch.zeros(4))
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(allocator=None), TypeError, "allocator must be a tilescale-core allocator"),
+    (dict(shard_shape=0), ValueError, "shard_shape must be non-empty positive ints"),
+    (dict(shard_shape=(4, -1)), ValueError, "shard_shape"),
+    (dict(shard_shape="x"), ValueError, "shard_shape"),
+    (dict(dtype="complex64"), TypeError, "dtype must be one of"),
+    (dict(dtype=torch.bool), TypeError, "dtype must be one of"),
+    (dict(world_size=3), ValueError, r"world_size=3 but the allocator spans 2 rank\(s\)"),
+    (dict(world_size=0), ValueError, "world_size must be a positive int"),
+    (dict(threads=100), ValueError, "threads must be a multiple of 32"),
+    (dict(shard_shape=(1 << 30,)), ValueError, "int32 indexing"),
+])
+def test_constructor_rejects_before_allocating(kwargs, exc, match):
+    alloc = CpuAllocator(num_ranks=2)
+    args = dict(allocator=alloc, shard_shape=(16,), dtype=torch.float16)
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        AllGather(**args)
+    assert alloc.allocations == []
+
+
+def test_constructor_rejects_closed_allocator():
+    alloc = CpuAllocator()
+    alloc.closed = True
+    with pytest.raises(RuntimeError, match="allocator is closed"):
+        AllGather(alloc, 16, torch.float16)
+
+
+# ------------------------------------------------------------------------------ benchmark
+def test_benchmark_helpers_and_title():
+    from tilescale_examples.benchmarks import allgather as bench
+
+    assert bench.bus_bandwidth(4 << 30, 4, 1000.0) == pytest.approx(0.75 * (4 << 30) / 1e9)
+    assert bench._iters_for(4096, 20) == 20 and bench._iters_for(1 << 30, 20) == 3
+    assert bench._heap_bytes([4096, 1 << 30], 4, 2) > (1 << 30) * 5 // 4
+    gloo = bench._title(4, "gloo", 1, "float16")
+    assert "over gloo" in gloo and "NOT NCCL" in gloo and "sharing 1 GPU" in gloo
+    nccl = bench._title(4, "nccl", 4, "float16")
+    assert "over NCCL" in nccl and "one rank per GPU (4 GPUs)" in nccl and "NOT" not in nccl
+    with pytest.raises(SystemExit):
+        bench.main(["--ranks", "1"])
+
+
+# ------------------------------------------------------------------------------ GPU
+#: (shard shape, dtype): 2, 14, 4000 B ... 4 MiB; most sizes are not multiples of 16 bytes,
+#: so every rank's slot (rank * shard bytes) is misaligned for 16-byte vectors somewhere.
+GPU_CASES = [((1,), torch.float16), ((7,), torch.float16), ((1000,), torch.float32), ((3, 333), torch.float16),
+             ((4096 + 5,), torch.float32), ((1 << 16,), torch.float16), (((1 << 20) + 3,), torch.float32)]
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def gpu_rank_body(rank: int, world: int, cache_dir: str, device: str = "cuda:0") -> dict:
+    """Per rank: several shapes and dtypes, poisoned outputs, fresh shards, repeated calls,
+    each compared with the shards gathered through the (gloo) group."""
+    os.environ["TILELANG_CACHE_DIR"] = cache_dir
+    # a lost signal traps (a CUDA error naming the wait) instead of hanging the rank
+    os.environ.setdefault("TILESCALE_WAIT_TIMEOUT_MS", "30000")
+    import torch.distributed as dist
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    alloc = tilelang.get_allocator(size=2**27, device=device, is_distributed=True, local_rank=rank,
+                                   num_local_ranks=world, group=dist.group.WORLD)
+    checks = 0
+    # No collective after a failure: a rank raises, run_ranks reports it and stops the peers.
+    for case, (shape, dtype) in enumerate(GPU_CASES):
+        ag = AllGather(alloc, shape, dtype, min_chunk_bytes=4096)  # small chunks: many blocks
+        for step in range(4):
+            g = torch.Generator().manual_seed(rank * 1000003 + case * 7919 + step)
+            shard = torch.randn(shape, generator=g).to(dtype).to(dev)
+            ag.output.fill_(float("nan") if step % 2 else -7.0)  # poison, no barrier needed
+            src = ag.input if step % 2 else shard.clone()  # symmetric or plain input
+            if step % 2:
+                src.copy_(shard)
+            out = ag(src)
+            _sync(dev)
+            gathered = [torch.empty_like(shard) for _ in range(world)]
+            dist.all_gather(gathered, shard)
+            expect = torch_reference(gathered)
+            if not torch.equal(out, expect):
+                bad = (out != expect).nonzero()[:5].tolist()
+                raise AssertionError(f"rank {rank} world {world} shape {shape} {dtype} step {step} "
+                                     f"(chunks {ag.chunks}x{ag.chunk}): first mismatches at {bad}")
+            checks += 1
+        # back-to-back calls with no host synchronisation in between (the handshake orders them)
+        for step in range(20):
+            ag(ag.input)
+        _sync(dev)
+        gathered = [torch.empty_like(ag.input) for _ in range(world)]
+        dist.all_gather(gathered, ag.input)
+        if not torch.equal(ag.output, torch_reference(gathered)):
+            raise AssertionError(f"rank {rank} world {world} shape {shape}: back-to-back calls differ")
+        checks += 1
+        ag.close()
+    _sync(dev)
+    dist.barrier()
+    alloc.close()
+    return {"rank": rank, "checks": checks}
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_allgather_on_gpu(world, tmp_path_factory):
+    if not _have_gpu():
+        pytest.skip("needs a CUDA GPU (none visible)")
+    from tilescale_core.multiprocess import run_ranks
+
+    cache = str(tmp_path_factory.getbasetemp() / "tilelang-cache-allgather")
+    reports = run_ranks(gpu_rank_body, world, args=(cache,), backend="gloo", timeout=240)
+    assert [r["checks"] for r in reports] == [len(GPU_CASES) * 5] * world
