@@ -316,7 +316,7 @@ def _barriers(rank, world, alloc, check, sync):
     kb(Bar, Cnt, Err, 10)  # repeated launches reuse the counters (no reset)
     sync()
     check(int(Err[0].item()) == 0, "barrier_blocks relaunch")
-    # Compiling with compile_group is collective: every rank compiles, only rank 0 runs it.
+    # Every rank compiles (a cache hit after the first); only rank 0 runs it.
     kg = grid_barrier_kernel().initialize(allocator=alloc)
     if rank == 0:
         GB = torch.zeros(2, dtype=torch.uint32, device="cuda:0")

@@ -167,7 +167,8 @@ def test_timeout_changes_cache_key(tmp_path, monkeypatch):
     assert "-DTILESCALE_WAIT_TIMEOUT_MS=123" not in k0.compile_flags
 
 
-def test_compile_once_without_group_is_plain_compile(monkeypatch):
+def test_compile_once_without_group_is_plain_compile(monkeypatch, tmp_path):
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
     calls = []
     wrapped = codegen.wrap_compile(lambda *a, **k: calls.append((a, k)) or "kernel")
     assert wrapped("f", compile_once=True, compile_group=None, target="x") == "kernel"

@@ -173,7 +173,7 @@ class AllGather:
         dtype: torch dtype (or its name) of the shards: float16, bfloat16, float32,
             float64, int8, uint8, int16, int32 or int64.
         world_size: number of ranks; defaults to ``allocator.num_ranks`` and must equal it.
-        group: process group for the collective compile and the closing barrier; default
+        group: process group for the closing barrier (and the compile's ``compile_group``); default
             ``torch.distributed``'s world group when it is initialised, else none.
         threads: threads per block (multiple of 32, at most 1024).
         max_blocks: grid cap (all blocks must be co-resident); default the device's SM count.
@@ -235,7 +235,7 @@ class AllGather:
         self.flags = tilelang.tensor((2 * world_size * self.chunks,), torch.uint64, allocator=allocator)
         self.flags.zero_()
 
-        # ---- one rank-agnostic kernel, compiled once per group (collective)
+        # ---- one rank-agnostic kernel, compiled once per host (the first rank; the rest hit the cache)
         func = build_allgather_kernel(self.shard_numel, _DTYPES[self.dtype], world_size,
                                       self.chunks, self.chunk, threads)
         self.kernel = tilelang.compile(func, target=target or TARGET, compile_once=True,

@@ -9,7 +9,8 @@
   that uses an intrinsic is compiled with :func:`tilescale_lang.headers.compile_flags`
   (include path, header hash, wait timeout).  Kernels that use no intrinsic go through
   untouched.  The flags are part of TileLang's kernel-cache key.
-* :func:`wrap_compile` adds ``compile_once=`` / ``compile_group=`` to ``tilelang.compile``.
+* :func:`wrap_compile` adds ``compile_once=`` / ``compile_group=`` to ``tilelang.compile``
+  (see :mod:`tilescale_lang.compile_lock`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from . import headers
+from . import compile_lock, headers
 
 #: Namespace of every device helper; its presence marks a TileScale kernel.
 NAMESPACE = "tilescale::"
@@ -112,16 +113,12 @@ def wrap_cached(cached):
 def wrap_compile(compile_fn):
     """Wrap ``tilelang.compile`` with ``compile_once`` / ``compile_group``.
 
-    ``tilelang.compile(func, ..., compile_once=True, compile_group=group)`` compiles on the
-    group's rank 0 first (filling TileLang's disk cache), then the other ranks compile the
-    same function after a barrier, which is a cache hit when the disk cache is enabled (the
-    kernels are rank-agnostic, so the key is identical on every rank).  Without a group, or
-    with ``compile_once=False``, it is plain ``tilelang.compile``.
-
-    With a group of more than one rank the call is collective: every rank of the group must
-    make it, for the same kernels in the same order.  A rank that skips one (say, a kernel
-    only rank 0 launches) pairs the barrier inside with an unrelated collective of its peers
-    and the ranks hang; compile such a kernel on every rank, or without ``compile_group``.
+    ``tilelang.compile(func, ..., compile_once=True, compile_group=group)`` compiles under a
+    host-wide file lock beside TileLang's disk cache (:mod:`tilescale_lang.compile_lock`):
+    the first rank compiles, every later rank loads the cached result (kernels are
+    rank-agnostic, so the cache key is the same on every rank).  No collective is involved,
+    so a kernel that only some ranks compile is fine.  ``compile_group`` is accepted and not
+    needed.  With ``compile_once=False`` (the default) it is plain ``tilelang.compile``.
     """
     if getattr(compile_fn, "__tilescale_wrapped__", False):
         return compile_fn
@@ -130,39 +127,11 @@ def wrap_compile(compile_fn):
     def tilescale_compile(*args, compile_once: bool = False, compile_group: Any = None, **kwargs):
         if not compile_once:
             return compile_fn(*args, **kwargs)
-        return compile_once_in_group(lambda: compile_fn(*args, **kwargs), compile_group)
+        return compile_lock.compile_once(lambda: compile_fn(*args, **kwargs), compile_group)
 
     tilescale_compile.__tilescale_wrapped__ = True
     tilescale_compile.__wrapped_compile__ = compile_fn
     return tilescale_compile
-
-
-def compile_once_in_group(build, group: Any = None):
-    """Run ``build()`` on rank 0 of ``group`` first, then on the others after a barrier."""
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch is a tilelang dependency
-        return build()
-    if not (dist.is_available() and dist.is_initialized()):
-        return build()
-    if group is None:
-        group = dist.group.WORLD
-    if dist.get_world_size(group) <= 1:
-        return build()
-    first = dist.get_rank(group) == 0
-    kernel = None
-    error: BaseException | None = None
-    if first:
-        try:
-            kernel = build()
-        except BaseException as exc:  # release the others before re-raising
-            error = exc
-    dist.barrier(group=group)
-    if error is not None:
-        raise error
-    if not first:
-        kernel = build()
-    return kernel
 
 
 #: The default target for :func:`cuda_source`: Hopper with its architecture-specific features.
