@@ -159,6 +159,13 @@ def run_ranks(
     values: dict[int, Any] = {}
     failure: RankFailure | None = None
     timed_out = False
+
+    def record(rank: int, ok: bool, payload: Any) -> RankFailure | None:
+        if ok:
+            values[rank] = payload
+            return None
+        return RankFailure(rank, payload)
+
     try:
         while len(values) < world_size and failure is None:
             remaining = deadline - time.monotonic()
@@ -168,29 +175,16 @@ def run_ranks(
                 timed_out = True
                 raise RankTimeout(pending, timeout)
             try:
-                rank, ok, payload = results.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                for r, p in enumerate(procs):
-                    if r not in values and not p.is_alive() and p.exitcode not in (None,):
-                        # Drain a result that may have arrived just before the exit.
-                        try:
-                            rank, ok, payload = results.get(timeout=1.0)
-                        except queue.Empty:
-                            failure = RankFailure(
-                                r, f"process exited with code {p.exitcode} before reporting"
-                            )
-                            break
-                        else:
-                            if ok:
-                                values[rank] = payload
-                            else:
-                                failure = RankFailure(rank, payload)
-                            break
+                failure = record(*results.get(timeout=min(remaining, 0.5)))
                 continue
-            if ok:
-                values[rank] = payload
-            else:
-                failure = RankFailure(rank, payload)
+            except queue.Empty:
+                pass
+            dead = next((r for r, p in enumerate(procs) if r not in values and not p.is_alive()), None)
+            if dead is not None:
+                try:  # a result may have arrived just before the exit
+                    failure = record(*results.get(timeout=1.0))
+                except queue.Empty:
+                    failure = RankFailure(dead, f"process exited with code {procs[dead].exitcode} before reporting")
         if failure is not None:
             raise failure
         return [values[r] for r in range(world_size)]
