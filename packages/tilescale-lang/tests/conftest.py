@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -61,6 +62,23 @@ def nvcc_ptx(src: str, tmp_path, extra=()) -> str:
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-4000:]
     return out.read_text()
+
+
+def nvcc_registers(src: str, tmp_path) -> int:
+    """Registers per thread of the one kernel in a generated source (ptxas -v, sm_90a)."""
+    from tilelang.contrib.nvcc import default_compile_options
+
+    from tilescale_lang import headers
+
+    cu = tmp_path / "r.cu"
+    cu.write_text(src)
+    opts = default_compile_options(headers.compile_flags())
+    cmd = [NVCC, "-cubin", "-arch=sm_90a", *opts, "-w", "-Xptxas", "-v", "-o", str(tmp_path / "r.cubin"), str(cu)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-4000:]
+    found = re.findall(r"Used (\d+) registers", res.stdout + res.stderr)
+    assert len(found) == 1, res.stdout + res.stderr
+    return int(found[0])
 
 
 class FakeAllocator:
