@@ -73,10 +73,12 @@ def remote_copy_kernel():
 def rank_kernel(backend: str = "tvm_ffi"):
     def build():
         @T.prim_func
-        def ranks(R: T.Tensor((2,), "int32")):
+        # Two parameters: stock tilelang 0.1.15's nvrtc launcher builds a malformed
+        # kernelParams tuple for a kernel with a single parameter (a stock bug).
+        def ranks(R: T.Tensor((2,), "int32"), Scale: T.int32):
             with T.Kernel(1, threads=32) as _:
-                R[0] = T.get_rank()
-                R[1] = T.get_num_ranks()
+                R[0] = T.get_rank() * Scale
+                R[1] = T.get_num_ranks() * Scale
 
         return ranks
 
@@ -313,6 +315,7 @@ def _barriers(rank, world, alloc, check, sync):
     sync()
     check(int(Err[0].item()) == 0, "barrier_blocks x1000 ordering")
     check(int(Cnt[0].item()) == 1000 * GRID * world, f"barrier_blocks count {int(Cnt[0].item())}")
+    sync()  # every rank has read its count before any rank's relaunch adds to it
     kb(Bar, Cnt, Err, 10)  # repeated launches reuse the counters (no reset)
     sync()
     check(int(Err[0].item()) == 0, "barrier_blocks relaunch")
@@ -342,18 +345,18 @@ def initialize_orders_body(rank: int, world: int, cache_dir: str) -> dict:
     # no collective after a failure (see rank_body)
     R = torch.full((2,), -5, dtype=torch.int32, device="cuda:0")
     k = rank_kernel("tvm_ffi")
-    k(R)  # loads the module with an empty table
+    k(R, 1)  # loads the module with an empty table
     torch.cuda.synchronize()
     out["before_init"] = R.tolist()
     k.initialize(allocator=alloc)
-    k(R)
+    k(R, 1)
     torch.cuda.synchronize()
     out["after_load_init"] = R.tolist()
     for backend in ("nvrtc", "cython"):
         try:
             kb = rank_kernel(backend).initialize(allocator=alloc)
             R.fill_(-5)
-            kb(R)
+            kb(R, 1)
             torch.cuda.synchronize()
             out[backend] = R.tolist()
         except Exception as exc:  # reported, asserted by the test

@@ -60,7 +60,9 @@ def test_wait_timeout_reports_and_traps(tmp_path):
     import gpu_kernels
 
     env = dict(os.environ, TILESCALE_WAIT_TIMEOUT_MS="200", TILELANG_CACHE_DIR=str(tmp_path / "cache"))
-    res = subprocess.run([sys.executable, "-c", gpu_kernels.TIMEOUT_SCRIPT], capture_output=True, text=True, env=env, timeout=180)
+    script = tmp_path / "stuck_wait.py"  # a file, not -c: T.prim_func reads its source
+    script.write_text(gpu_kernels.TIMEOUT_SCRIPT)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=180)
     text = res.stdout + res.stderr
     assert res.returncode != 0, text[-3000:]
     assert "[tilescale] wait timed out after 200 ms" in text, text[-3000:]
