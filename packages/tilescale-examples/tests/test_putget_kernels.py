@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tilescale_lang.codegen import cuda_source
 
 from tilescale_examples.benchmarks import putget
@@ -15,3 +17,15 @@ def test_copy_kernels_call_their_helper():
 def test_overhead_kernels_differ_only_by_the_intrinsic():
     assert "tilescale::put_block<4>" in cuda_source(putget.build_overhead(True))
     assert "tilescale::" not in cuda_source(putget.build_overhead(False))
+
+
+def test_round_robin_units_loop_over_the_helper():
+    src = cuda_source(putget.build_copy("put_block", 1 << 20, 8, unit_bytes=64 << 10))
+    body = src[src.index('extern "C" __global__') :]
+    assert "for (int k = 0;" in body and "tilescale::put_block<4>" in body
+    assert "min(16384," in body  # 64 KiB units of int32
+
+
+def test_unit_bytes_must_keep_16_byte_alignment():
+    with pytest.raises(ValueError, match="unit_bytes must be a multiple of 16"):
+        putget.build_copy("get_block", 1 << 20, 8, unit_bytes=1000)

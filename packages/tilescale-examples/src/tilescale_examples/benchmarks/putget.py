@@ -25,9 +25,13 @@ WARPS_PER_BLOCK = 16
 THREADS = 32 * WARPS_PER_BLOCK
 
 
-def build_copy(op: str, nmax: int, blocks: int):
+def build_copy(op: str, nmax: int, blocks: int, unroll: int = 4, unit_bytes: int = 0):
     """A bandwidth kernel: ``op`` in put_warp|get_warp|put_block|get_block over ``n`` int32
-    elements, split into 16-byte aligned chunks per warp (warp ops) or per block."""
+    elements.  The workers are the warps (warp ops) or the blocks (block ops) of a
+    ``blocks``-block grid.  ``unit_bytes`` 0: one contiguous 16-byte aligned chunk per worker;
+    otherwise units of ``unit_bytes`` dealt round-robin (worker w copies units w, w + W, ...),
+    so that at any moment the grid works on one contiguous window.  ``unroll`` is the warp
+    ops' ``unroll_factor``."""
     import tilelang.language as T
 
     warp_op = op.endswith("_warp")
@@ -35,18 +39,37 @@ def build_copy(op: str, nmax: int, blocks: int):
     intrinsic = getattr(T, op)
     warp_mul = WARPS_PER_BLOCK if warp_op else 1
     warp_flag = 1 if warp_op else 0
+    extra = {"unroll_factor": unroll} if warp_op else {}
+    if unit_bytes % 16:
+        raise ValueError(f"unit_bytes must be a multiple of 16, got {unit_bytes}")
+    unit = unit_bytes // 4
+
+    if unit == 0:
+
+        @T.prim_func
+        def copy_kernel(A: T.Tensor((nmax,), "int32"), B: T.Tensor((nmax,), "int32"), n: T.int32, pe: T.int32):
+            with T.Kernel(blocks, threads=THREADS) as bx:
+                tx = T.get_thread_binding()
+                worker = bx * warp_mul + tx // 32 * warp_flag
+                chunk = ((n + workers - 1) // workers + 3) // 4 * 4
+                start = worker * chunk
+                if start < n:
+                    intrinsic(T.address_of(A[start]), T.address_of(B[start]), T.min(chunk, n - start), pe, **extra)
+
+        return copy_kernel
 
     @T.prim_func
-    def copy_kernel(A: T.Tensor((nmax,), "int32"), B: T.Tensor((nmax,), "int32"), n: T.int32, pe: T.int32):
+    def copy_units(A: T.Tensor((nmax,), "int32"), B: T.Tensor((nmax,), "int32"), n: T.int32, pe: T.int32):
         with T.Kernel(blocks, threads=THREADS) as bx:
             tx = T.get_thread_binding()
             worker = bx * warp_mul + tx // 32 * warp_flag
-            chunk = ((n + workers - 1) // workers + 3) // 4 * 4
-            start = worker * chunk
-            if start < n:
-                intrinsic(T.address_of(A[start]), T.address_of(B[start]), T.min(chunk, n - start), pe)
+            units = (n + unit - 1) // unit
+            for k in T.serial((units + workers - 1) // workers):
+                start = (worker + k * workers) * unit
+                if start < n:
+                    intrinsic(T.address_of(A[start]), T.address_of(B[start]), T.min(unit, n - start), pe, **extra)
 
-    return copy_kernel
+    return copy_units
 
 
 def build_overhead(distributed: bool):
@@ -103,7 +126,13 @@ def _host_us(fn, calls: int) -> float:
     return best
 
 
-def run(rank: int, world: int, max_bytes: int, iters: int, calls: int) -> list | None:
+# Work split measured best on the H200 (docs/benchmarks.md): warps each copy one contiguous
+# chunk; blocks take 64 KiB units round-robin (one contiguous chunk per block reached only
+# 0.77-0.80 of torch's copy at 1 GiB, units 0.93).
+DEFAULT_UNIT_BYTES = {"warp": 0, "block": 64 << 10}
+
+
+def run(rank: int, world: int, max_bytes: int, iters: int, calls: int, min_bytes: int = 4096, blocks_per_sm: int = 2, unroll: int = 4, unit_bytes: dict | None = None) -> list | None:
     import tilelang
     import torch
     import torch.distributed as dist
@@ -114,19 +143,23 @@ def run(rank: int, world: int, max_bytes: int, iters: int, calls: int) -> list |
     try:
         A = tilelang.tensor((nmax,), torch.int32, allocator=alloc)
         B = tilelang.tensor((nmax,), torch.int32, allocator=alloc)
-        A.copy_(torch.arange(nmax, dtype=torch.int32, device="cuda:0"))
-        B.zero_()
+        A.copy_(_pattern(nmax, rank))
         peer = (rank + 1) % world
-        blocks = torch.cuda.get_device_properties(0).multi_processor_count * 4
+        # One full wave: the copy kernels fit two 512-thread blocks per SM (<= 64 registers
+        # per thread, checked by the CPU suite); a second wave would leave SMs idle at the end.
+        blocks = torch.cuda.get_device_properties(0).multi_processor_count * blocks_per_sm
         ops = ("put_warp", "get_warp", "put_block", "get_block")
+        units = dict(DEFAULT_UNIT_BYTES, **(unit_bytes or {}))
         kernels = {}
         for op in ops:
-            k = tilelang.compile(build_copy(op, nmax, blocks), target=TARGET, compile_once=True, compile_group=dist.group.WORLD)
+            k = tilelang.compile(build_copy(op, nmax, blocks, unroll, units[op.split("_")[1]]), target=TARGET, compile_once=True, compile_group=dist.group.WORLD)
             kernels[op] = k.initialize(allocator=alloc)
         dist.barrier()
-        rows = []
-        for nbytes in size_sweep(4096, max_bytes, 4):
+        rows, failures = [], []
+        for nbytes in size_sweep(min_bytes, max_bytes, 4):
             n = nbytes // 4
+            for op in ops:  # correctness first, on a poisoned destination
+                failures += _check_copy(op, kernels[op], A, B, n, rank, world)
             it = iters if nbytes < (64 << 20) else max(5, iters // 4)
             ref_ms = _time_ms(lambda: B[:n].copy_(A[:n]), it)
             ref_bw = gb_per_s(2 * nbytes, ref_ms)
@@ -138,10 +171,6 @@ def run(rank: int, world: int, max_bytes: int, iters: int, calls: int) -> list |
                 row += [f"{bw:.1f}", ratio(bw, ref_bw)]
             rows.append(row)
             dist.barrier()
-        # correctness spot check of the last put: B on `peer` holds our A prefix
-        torch.cuda.synchronize()
-        dist.barrier()
-        check = bool(torch.equal(B[:1024].cpu(), torch.arange(1024, dtype=torch.int32)))
         # call overhead
         tiny_a = torch.arange(1024, dtype=torch.int32, device="cuda:0")
         tiny_b = tilelang.tensor((1024,), torch.int32, allocator=alloc)
@@ -150,17 +179,47 @@ def run(rank: int, world: int, max_bytes: int, iters: int, calls: int) -> list |
         dist_us = _host_us(lambda: dist_k(tiny_a, tiny_b, -1), calls)
         stock_us = _host_us(lambda: stock_k(tiny_a, tiny_b, -1), calls)
         dist.barrier()
-        if rank != 0:
-            return None
-        return [rows, check, dist_us, stock_us, alloc.path if hasattr(alloc, "path") else "?"]
+        return [rows, failures, dist_us, stock_us, alloc.path if hasattr(alloc, "path") else "?"]
     finally:
         torch.cuda.synchronize()
         dist.barrier()
         alloc.close()
 
 
-def _rank_main(rank, world, max_bytes, iters, calls):
-    return run(rank, world, max_bytes, iters, calls)
+def _pattern(n: int, rank: int):
+    """The source data of ``rank``: distinct per element and per rank (int32, on cuda:0)."""
+    import torch
+
+    return torch.arange(n, dtype=torch.int32, device="cuda:0") * 3 + rank
+
+
+def _check_copy(op: str, kernel, A, B, n: int, rank: int, world: int) -> list[str]:
+    """Run ``op`` once over ``n`` elements into a poisoned ``B`` and compare this rank's ``B``
+    with the rank that fed it (put: the rank whose peer is us; get: our peer); the element
+    after the range must keep its poison.  Returns failure messages (empty when correct)."""
+    import torch
+    import torch.distributed as dist
+
+    peer = (rank + 1) % world
+    B.fill_(-7)
+    torch.cuda.synchronize()
+    dist.barrier()
+    kernel(A, B, n, peer)
+    torch.cuda.synchronize()
+    dist.barrier()
+    source = (rank - 1) % world if op.startswith("put") else peer
+    bad = []
+    if not torch.equal(B[:n], _pattern(n, source)):
+        wrong = int((B[:n] != _pattern(n, source)).sum())
+        bad.append(f"rank {rank} {op} n={n}: {wrong} wrong elements")
+    if n < B.numel() and int(B[n]) != -7:
+        bad.append(f"rank {rank} {op} n={n}: wrote past the end")
+    dist.barrier()
+    return bad
+
+
+def _rank_main(rank, world, *args):
+    return run(rank, world, *args)
 
 
 def main(argv=None) -> int:
@@ -169,20 +228,29 @@ def main(argv=None) -> int:
     p.add_argument("--max-bytes", type=int, default=1 << 30)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--min-bytes", type=int, default=4096)
+    p.add_argument("--blocks-per-sm", type=int, default=2, help="grid = SMs x this (default 2: one full wave)")
+    p.add_argument("--unroll", type=int, default=4, help="unroll_factor of the warp ops")
+    p.add_argument("--warp-unit-bytes", type=int, default=DEFAULT_UNIT_BYTES["warp"], help="warp ops: 0 = one contiguous chunk per warp, else round-robin units of this size")
+    p.add_argument("--block-unit-bytes", type=int, default=DEFAULT_UNIT_BYTES["block"], help="block ops: as --warp-unit-bytes, per block")
     args = p.parse_args(argv)
     from tilescale_core.multiprocess import run_ranks
 
     os.environ.setdefault("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
-    results = run_ranks(_rank_main, args.ranks, args=(args.max_bytes, args.iters, args.calls), backend="gloo", timeout=900)
-    rows, check, dist_us, stock_us, path = results[0]
+    results = run_ranks(_rank_main, args.ranks, args=(args.max_bytes, args.iters, args.calls, args.min_bytes, args.blocks_per_sm, args.unroll, {"warp": args.warp_unit_bytes, "block": args.block_unit_bytes}), backend="gloo", timeout=900)
+    rows, _, dist_us, stock_us, path = results[0]
+    failures = [f for r in results for f in r[1]]
     heads = ["size", "torch GB/s"]
     for op in ("put_warp", "get_warp", "put_block", "get_block"):
         heads += [f"{op} GB/s", "ratio"]
-    print_table(f"put/get through a peer mapping ({args.ranks} rank(s), heap path {path}; GB/s = (read+write)/s)", heads, rows)
+    print_table(f"put/get through a peer mapping ({args.ranks} rank(s), heap path {path}, grid SMs x {args.blocks_per_sm} x 512 threads, warp unroll {args.unroll}, units warp {args.warp_unit_bytes or 'one chunk'} / block {args.block_unit_bytes or 'one chunk'} B; GB/s = (read+write)/s)", heads, rows)
     print_table("call overhead (host us per launch)", ["distributed", "stock", "ratio"], [[dist_us, stock_us, ratio(dist_us, stock_us)]])
     big = [r for r in rows if r[0].endswith("GiB") or (r[0].endswith("MiB") and float(r[0].split()[0]) >= 64)]
     worst = min((r[i] for r in big for i in range(3, len(r), 2)), default=float("nan"))
-    print(f"\ncorrectness spot check: {'ok' if check else 'FAILED'}; worst ratio from 64 MiB up: {worst:.3f} (goal >= 0.9); "
+    check = not failures
+    for f in failures[:20]:
+        print("FAILED:", f)
+    print(f"\ncorrectness (every op and size, poisoned destination, vs torch): {'ok' if check else 'FAILED'}; worst ratio from 64 MiB up: {worst:.3f} (goal >= 0.9); "
           f"overhead ratio {ratio(dist_us, stock_us):.3f} (goal <= 1.05)")
     return 0 if check else 1
 
