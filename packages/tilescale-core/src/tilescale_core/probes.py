@@ -34,6 +34,8 @@ __all__ = [
 MIN_FABRIC_DRIVER_VERSION = 12040
 #: Device nodes of the NVIDIA IMEX channels that fabric handles need.
 IMEX_CHANNEL_GLOB = "/dev/nvidia-caps-imex-channels/channel*"
+#: The IMEX channel setup script shipped as tilelang/distributed/scripts/conf_vmm.sh.
+CONF_VMM_SCRIPT = os.path.join(os.path.dirname(__file__), "_facade", "distributed", "scripts", "conf_vmm.sh")
 #: Environment settings under which multicast objects must never be created.
 MULTICAST_DISABLE_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -127,7 +129,7 @@ def _imex_channel() -> Probe:
         return Probe(
             False,
             f"no IMEX channel ({IMEX_CHANNEL_GLOB} absent); an administrator can create one "
-            "with tilelang/distributed/scripts/conf_vmm.sh",
+            f"with {CONF_VMM_SCRIPT} [channel_id] (tilelang/distributed/scripts/conf_vmm.sh)",
         )
     usable = [c for c in channels if os.access(c, os.R_OK | os.W_OK)]
     if not usable:
