@@ -96,6 +96,8 @@ def test_torchrun_mode():
         (1, 4, {"LOCAL_WORLD_SIZE": "4", "RANK": "2"}, r"RANK='2' disagrees with local_rank=1"),
         (1, 4, {"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "3"}, r"LOCAL_RANK='3' disagrees with local_rank=1"),
         (0, 4, {"LOCAL_WORLD_SIZE": "four"}, r"LOCAL_WORLD_SIZE='four' is not an integer"),
+        (1, 4, {"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}, r"LOCAL_WORLD_SIZE is set but RANK is not"),
+        (0, 4, {"LOCAL_WORLD_SIZE": "4"}, r"but WORLD_SIZE, RANK, LOCAL_RANK are not"),
         (0, 2, {"TILESCALE_SHARE_GPUS": "maybe"}, r"TILESCALE_SHARE_GPUS='maybe' is not a boolean"),
     ],
 )

@@ -179,6 +179,13 @@ def _check_torchrun(env: Mapping[str, str], local_rank: int, num_local_ranks: in
                 f"{name}={env[name]!r} disagrees with {arg}={want}: under torchrun the "
                 "arguments must match the launcher's variables"
             )
+    missing = [name for name in expected if name not in env]
+    if missing:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+            "not: single-node torchrun sets LOCAL_WORLD_SIZE, WORLD_SIZE, RANK and LOCAL_RANK, and "
+            "all four must agree with the arguments"
+        )
 
 
 def _check_spawn(env: Mapping[str, str]) -> None:
