@@ -3,7 +3,7 @@
 Installed, it extends ``tilelang`` at import time (through tilescale-core's hook):
 ``T.get_rank``, ``T.put_warp`` / ``T.get_warp`` / ``T.put_block`` / ``T.get_block``,
 ``T.copy(..., src_pe=, dst_pe=)``, ``T.ld`` / ``T.st`` / ``T.atom_add``, fences,
-``T.wait_*``, GPU and cross-rank barriers, ``T.notify``, and
+``T.wait_*``, GPU and cross-rank barriers, ``T.notify``, the ``T.multimem_*`` operations, and
 ``JITKernel.initialize(allocator=..., stream=None)``.  Device code ships as CUDA headers in
 ``tilescale_lang/include/tilescale``; see :mod:`tilescale_lang.headers`.
 """

@@ -5,4 +5,5 @@
 #include "copy.cuh"
 #include "wait.cuh"
 #include "barrier.cuh"
+#include "multimem.cuh"
 #include "host.cuh"
