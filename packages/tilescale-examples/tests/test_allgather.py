@@ -4,52 +4,15 @@ the CPU; the result on 1, 2 and 4 ranks sharing one GPU (``-m gpu``)."""
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
+import tilelang  # noqa: F401  (the import hook attaches tilescale-lang)
+import torch
+from conftest import CpuAllocator, lower_source, needs_nvcc, run_gpu_ranks
 
-if "CUDA_HOME" not in os.environ and os.path.isdir("/usr/local/cuda"):
-    # /usr/local/bin/nvcc may be a shim that misleads TileLang's CUDA_HOME detection
-    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+from tilescale_examples import allgather as ag_mod
+from tilescale_examples.allgather import AllGather, build_allgather_kernel, plan_chunks, torch_reference
 
-import tilelang  # noqa: E402  (the import hook attaches tilescale-lang)
-import torch  # noqa: E402
-from tilescale_lang.codegen import cuda_source  # noqa: E402
-
-from tilescale_examples import allgather as ag_mod  # noqa: E402
-from tilescale_examples.allgather import AllGather, build_allgather_kernel, plan_chunks, torch_reference  # noqa: E402
-
-NVCC = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
-needs_nvcc = pytest.mark.skipif(not (os.path.exists(NVCC) or shutil.which("nvcc")), reason="nvcc not found (set CUDA_HOME)")
-
-
-def _have_gpu() -> bool:
-    try:
-        return torch.cuda.is_available()
-    except Exception:
-        return False
-
-
-def lower_source(func) -> str:
-    """CUDA source of ``func`` under the all-gather's target, without nvcc."""
-    return cuda_source(func, ag_mod.TARGET)
-
-
-class CpuAllocator:
-    """Stand-in for a tilescale-core allocator on the CPU: hands out CPU tensors filled with
-    garbage (so zeroing is observable) and records every allocation."""
-
-    def __init__(self, num_ranks=2, rank=0):
-        self.num_ranks = num_ranks
-        self.local_rank = rank
-        self.device = torch.device("cpu")
-        self.closed = False
-        self.table = torch.tensor([rank, num_ranks] + [(i + 1) << 32 for i in range(num_ranks)], dtype=torch.uint64)
-        self.allocations = []
-
-    def _allocate_tensor(self, shape, dtype, return_peers=False):
-        self.allocations.append((tuple(shape), dtype))
-        return torch.full(tuple(shape), 7, dtype=dtype)
 
 
 # ------------------------------------------------------------------------------ plan
@@ -304,10 +267,5 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str, device: str = "cuda:0")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_allgather_on_gpu(world, tmp_path_factory):
-    if not _have_gpu():
-        pytest.skip("needs a CUDA GPU (none visible)")
-    from tilescale_core.multiprocess import run_ranks
-
-    cache = str(tmp_path_factory.getbasetemp() / "tilelang-cache-allgather")
-    reports = run_ranks(gpu_rank_body, world, args=(cache,), backend="gloo", timeout=240)
+    reports = run_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "allgather")
     assert [r["checks"] for r in reports] == [len(GPU_CASES) * 5] * world

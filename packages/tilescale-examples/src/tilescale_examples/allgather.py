@@ -57,56 +57,17 @@ tensor returned by a call is overwritten by the next call (copy it if it must su
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
 
-import math
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
+from tilescale_examples.collective import DTYPES as _DTYPES
+from tilescale_examples.collective import TARGET, SymmetricCollective, plan_chunks
+
 __all__ = ["AllGather", "plan_chunks", "build_allgather_kernel", "torch_reference", "TARGET"]
 
-#: Default TileLang target (H100/H200).
-TARGET = {"kind": "cuda", "arch": "sm_90a"}
 #: Smallest chunk a block is given before the grid grows (bytes).
 MIN_CHUNK_BYTES = 64 * 1024
-#: Grid cap when the device cannot be queried (CPU-only builds).
-DEFAULT_MAX_BLOCKS = 128
-
-_DTYPES = {
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.int16: "int16",
-    torch.int32: "int32",
-    torch.int64: "int64",
-}
-
-
-def plan_chunks(shard_numel: int, itemsize: int, world_size: int,
-                max_blocks: int = DEFAULT_MAX_BLOCKS,
-                min_chunk_bytes: int = MIN_CHUNK_BYTES) -> Tuple[int, int]:
-    """Split a shard into ``(chunks, chunk)``: ``chunks`` pieces of ``chunk`` elements.
-
-    ``chunk`` is a multiple of 16 bytes (so chunk starts keep the shard's alignment), each
-    piece holds at least ``min_chunk_bytes`` unless the shard is smaller, no piece is empty
-    (``(chunks - 1) * chunk < shard_numel <= chunks * chunk``) and ``chunks * world_size <=
-    max(max_blocks, world_size)``.
-    """
-    for name, value in (("shard_numel", shard_numel), ("itemsize", itemsize),
-                        ("world_size", world_size), ("max_blocks", max_blocks),
-                        ("min_chunk_bytes", min_chunk_bytes)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    align = max(1, 16 // itemsize)
-    max_chunks = max(1, max_blocks // world_size)
-    wanted = -(-shard_numel * itemsize // min_chunk_bytes)
-    chunks = min(max(wanted, 1), max_chunks)
-    chunk = -(-shard_numel // chunks)
-    chunk = -(-chunk // align) * align
-    chunks = -(-shard_numel // chunk)
-    return chunks, chunk
 
 
 def build_allgather_kernel(shard_numel: int, dtype: str, world_size: int, chunks: int,
@@ -157,13 +118,7 @@ def torch_reference(shards: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([s.detach() for s in shards], dim=0)
 
 
-def _default_group():
-    import torch.distributed as dist
-
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-
-
-class AllGather:
+class AllGather(SymmetricCollective):
     """A reusable all-gather of one shard shape and dtype over an allocator's ranks.
 
     Args:
@@ -194,86 +149,31 @@ class AllGather:
                  dtype: Union[torch.dtype, str], world_size: Optional[int] = None, *,
                  group=None, threads: int = 512, max_blocks: Optional[int] = None,
                  min_chunk_bytes: int = MIN_CHUNK_BYTES, target=None):
-        # ---- arguments, checked before any allocation or compile
-        if allocator is None or not hasattr(allocator, "table") or not hasattr(allocator, "num_ranks"):
-            raise TypeError(f"allocator must be a tilescale-core allocator (with table and num_ranks), got {type(allocator).__name__}")
-        if getattr(allocator, "closed", False):
-            raise RuntimeError("allocator is closed")
-        self.shard_shape = _shape(shard_shape)
-        self.dtype = _dtype(dtype)
-        num_ranks = int(allocator.num_ranks)
-        if world_size is None:
-            world_size = num_ranks
-        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        if world_size != num_ranks:
-            raise ValueError(f"world_size={world_size} but the allocator spans {num_ranks} rank(s)")
-        if not isinstance(threads, int) or threads < 32 or threads > 1024 or threads % 32:
-            raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads!r}")
-        self.world_size = world_size
-        self.shard_numel = math.prod(self.shard_shape)
-        if world_size * self.shard_numel >= 2**31:
-            raise ValueError(f"output of {world_size} x {self.shard_numel} elements exceeds the kernel's int32 indexing (< 2**31 elements)")
-        self.device = torch.device(allocator.device)
-        if max_blocks is None:
-            max_blocks = DEFAULT_MAX_BLOCKS
-            if self.device.type == "cuda":
-                max_blocks = torch.cuda.get_device_properties(self.device).multi_processor_count
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        self.chunks, self.chunk = plan_chunks(self.shard_numel, itemsize, world_size, max_blocks, min_chunk_bytes)
-        self.group = _default_group() if group is None else group
-        self.allocator = allocator
-        self.threads = threads
-        self.epoch = 0
-        self._closed = False
+        self._setup(allocator, shard_shape, dtype, world_size, group, threads, max_blocks)
+        self.chunks, self.chunk = plan_chunks(self.shard_numel, self.itemsize, self.world_size,
+                                              self.max_blocks, min_chunk_bytes)
 
         # ---- symmetric buffers (same order on every rank)
-        import tilelang
-
-        self.input = tilelang.tensor(self.shard_shape, self.dtype, allocator=allocator)
-        self.output = tilelang.tensor((world_size, *self.shard_shape), self.dtype, allocator=allocator)
-        self.flags = tilelang.tensor((2 * world_size * self.chunks,), torch.uint64, allocator=allocator)
+        self.input = self._tensor(self.shard_shape)
+        self.output = self._tensor((self.world_size, *self.shard_shape))
+        self.flags = self._tensor((2 * self.world_size * self.chunks,), torch.uint64)
         self.flags.zero_()
 
-        # ---- one rank-agnostic kernel, compiled once per host (the first rank; the rest hit the cache)
-        func = build_allgather_kernel(self.shard_numel, _DTYPES[self.dtype], world_size,
-                                      self.chunks, self.chunk, threads)
-        self.kernel = tilelang.compile(func, target=target or TARGET, compile_once=True,
-                                       compile_group=self.group)
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
-        self.kernel.initialize(allocator=allocator, stream=stream)
-
-        # ---- every rank's flags are zero before any peer can signal them
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if self.group is not None:
-            import torch.distributed as dist
-
-            dist.barrier(group=self.group)
+        # ---- one rank-agnostic kernel, compiled once per host; flags zero everywhere after
+        self._finish(build_allgather_kernel(self.shard_numel, _DTYPES[self.dtype], self.world_size,
+                                            self.chunks, self.chunk, threads), target)
 
     # ------------------------------------------------------------------ calls
     def check_input(self, input) -> None:
         """Raise ``TypeError`` / ``ValueError`` naming ``input`` unless it is a contiguous
         tensor of the shard's shape and dtype on the allocator's device."""
-        if not isinstance(input, torch.Tensor):
-            raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
-        if input.dtype != self.dtype:
-            raise TypeError(f"input has dtype {input.dtype}, this AllGather was built for {self.dtype}")
-        if tuple(input.shape) != self.shard_shape:
-            raise ValueError(f"input has shape {tuple(input.shape)}, expected the shard shape {self.shard_shape}")
-        if input.device != self.device:
-            raise ValueError(f"input is on {input.device}, the allocator's heap is on {self.device}")
-        if not input.is_contiguous():
-            raise ValueError("input must be contiguous (call .contiguous() first)")
+        self.check_tensor(input, self.shard_shape, "input", "the shard shape")
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
         """Gather ``input`` (this rank's shard) from every rank; returns ``self.output``,
         ``(world_size, *shard_shape)``, complete when the kernel finishes on the current
         stream. Every rank must call it the same number of times."""
-        if self._closed:
-            raise RuntimeError("this AllGather is closed")
-        if getattr(self.allocator, "closed", False):
-            raise RuntimeError("the allocator of this AllGather is closed")
+        self._check_open()
         self.check_input(input)
         self.epoch += 1
         self.kernel(input.view(-1), self.output.view(-1), self.flags, self.epoch)
@@ -284,45 +184,10 @@ class AllGather:
         n = self.world_size
         return (n - 1) / n * self.output.numel() * self.output.element_size()
 
-    # ------------------------------------------------------------------ lifetime
-    def close(self) -> None:
-        """Drop the kernel and the tensors (idempotent). Heap bytes return with
-        ``allocator.close()``; a closed instance refuses calls."""
-        self._closed = True
-        self.kernel = None
+    def _drop_buffers(self) -> None:
         self.input = self.output = self.flags = None
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"AllGather(shard_shape={self.shard_shape}, dtype={self.dtype}, world_size={self.world_size}, "
                 f"chunks={self.chunks}, chunk={self.chunk}, threads={self.threads}, epoch={self.epoch}"
                 f"{', closed' if self._closed else ''})")
-
-
-def _shape(shape) -> Tuple[int, ...]:
-    if isinstance(shape, int) and not isinstance(shape, bool):
-        shape = (shape,)
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        raise TypeError(f"shard_shape must be an int or a sequence of ints, got {shape!r}") from None
-    if not dims or any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in dims):
-        raise ValueError(f"shard_shape must be non-empty positive ints, got {shape!r}")
-    return dims
-
-
-def _dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None) if dtype.isidentifier() else None
-    if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
-        raise TypeError(f"dtype must be one of {sorted(_DTYPES.values())}, got {dtype!r}")
-    return dtype

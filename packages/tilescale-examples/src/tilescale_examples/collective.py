@@ -1,0 +1,204 @@
+"""What the example collectives share: argument checks, symmetric buffers, the
+compile-once/initialise step and the lifetime (``close`` / context manager).
+
+A collective built on this class is **collective to construct**: every rank must build the
+same collectives (same shapes, dtypes and order), because the heap hands out the same offsets
+on every rank only when the allocation sequence is the same, and the constructor ends with a
+barrier so that no peer signals a flag before its owner has zeroed it.
+"""
+
+# (no `from __future__ import annotations`: subclasses define TileLang kernels)
+
+import math
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+__all__ = ["SymmetricCollective", "plan_chunks", "TARGET", "DTYPES"]
+
+#: Default TileLang target (H100/H200).
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+#: Grid cap when the device cannot be queried (CPU-only builds).
+DEFAULT_MAX_BLOCKS = 128
+
+#: torch dtype -> TileLang dtype name, for the dtypes the examples accept.
+DTYPES = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
+
+
+def plan_chunks(shard_numel: int, itemsize: int, world_size: int,
+                max_blocks: int = DEFAULT_MAX_BLOCKS,
+                min_chunk_bytes: int = 64 * 1024) -> Tuple[int, int]:
+    """Split a shard into ``(chunks, chunk)``: ``chunks`` pieces of ``chunk`` elements.
+
+    ``chunk`` is a multiple of 16 bytes (so chunk starts keep the shard's alignment), each
+    piece holds at least ``min_chunk_bytes`` unless the shard is smaller, no piece is empty
+    (``(chunks - 1) * chunk < shard_numel <= chunks * chunk``) and ``chunks * world_size <=
+    max(max_blocks, world_size)``.
+    """
+    for name, value in (("shard_numel", shard_numel), ("itemsize", itemsize),
+                        ("world_size", world_size), ("max_blocks", max_blocks),
+                        ("min_chunk_bytes", min_chunk_bytes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    align = max(1, 16 // itemsize)
+    max_chunks = max(1, max_blocks // world_size)
+    wanted = -(-shard_numel * itemsize // min_chunk_bytes)
+    chunks = min(max(wanted, 1), max_chunks)
+    chunk = -(-shard_numel // chunks)
+    chunk = -(-chunk // align) * align
+    chunks = -(-shard_numel // chunk)
+    return chunks, chunk
+
+
+def default_group():
+    """``torch.distributed``'s world group when it is initialised, else None."""
+    import torch.distributed as dist
+
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def check_shape(shape, name: str = "shard_shape") -> Tuple[int, ...]:
+    """``shape`` (an int or a sequence of positive ints) as a tuple; errors name ``name``."""
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"{name} must be an int or a sequence of ints, got {shape!r}") from None
+    if not dims or any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in dims):
+        raise ValueError(f"{name} must be non-empty positive ints, got {shape!r}")
+    return dims
+
+
+def check_dtype(dtype, allowed=None) -> torch.dtype:
+    """``dtype`` (a torch dtype or its name) if it is in ``allowed`` (default: ``DTYPES``)."""
+    allowed = DTYPES if allowed is None else allowed
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None) if dtype.isidentifier() else None
+    if not isinstance(dtype, torch.dtype) or dtype not in allowed:
+        raise TypeError(f"dtype must be one of {sorted(DTYPES[d] for d in allowed)}, got {dtype!r}")
+    return dtype
+
+
+class SymmetricCollective:
+    """Base of the example collectives: validated arguments, buffers on the symmetric heap,
+    one rank-agnostic kernel compiled once per host, and an explicit lifetime.
+
+    Subclasses call ``_setup(...)`` from their constructor, allocate their symmetric tensors
+    (same order on every rank), then call ``_finish(kernel_func, target)``. Attributes set
+    here: ``allocator``, ``shard_shape``, ``shard_numel``, ``dtype``, ``world_size``,
+    ``device``, ``group``, ``threads``, ``max_blocks``, ``epoch`` (calls made so far),
+    ``kernel``.
+    """
+
+    #: int32 indexing bound of the kernels (elements).
+    MAX_ELEMENTS = 2**31
+
+    def _setup(self, allocator, shard_shape: Union[int, Sequence[int]], dtype, world_size: Optional[int],
+               group, threads: int, max_blocks: Optional[int], allowed_dtypes=None) -> None:
+        if allocator is None or not hasattr(allocator, "table") or not hasattr(allocator, "num_ranks"):
+            raise TypeError(f"allocator must be a tilescale-core allocator (with table and num_ranks), got {type(allocator).__name__}")
+        if getattr(allocator, "closed", False):
+            raise RuntimeError("allocator is closed")
+        self.shard_shape = check_shape(shard_shape)
+        self.dtype = check_dtype(dtype, allowed_dtypes)
+        num_ranks = int(allocator.num_ranks)
+        if world_size is None:
+            world_size = num_ranks
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if world_size != num_ranks:
+            raise ValueError(f"world_size={world_size} but the allocator spans {num_ranks} rank(s)")
+        if not isinstance(threads, int) or threads < 32 or threads > 1024 or threads % 32:
+            raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads!r}")
+        self.world_size = world_size
+        self.shard_numel = math.prod(self.shard_shape)
+        if world_size * self.shard_numel >= self.MAX_ELEMENTS:
+            raise ValueError(f"{world_size} x {self.shard_numel} elements exceeds the kernel's int32 indexing (< 2**31 elements)")
+        self.device = torch.device(allocator.device)
+        if max_blocks is None:
+            max_blocks = DEFAULT_MAX_BLOCKS
+            if self.device.type == "cuda":
+                max_blocks = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.max_blocks = max_blocks
+        self.itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.group = default_group() if group is None else group
+        self.allocator = allocator
+        self.threads = threads
+        self.epoch = 0
+        self.kernel = None
+        self._closed = False
+
+    def _tensor(self, shape, dtype=None):
+        """A symmetric tensor on the allocator's heap (same offset on every rank)."""
+        import tilelang
+
+        return tilelang.tensor(tuple(shape), self.dtype if dtype is None else dtype, allocator=self.allocator)
+
+    def _finish(self, func, target=None) -> None:
+        """Compile ``func`` once per host, initialise it with the allocator's table, then make
+        sure every rank's flags are zero (device sync + barrier) before anyone signals."""
+        import tilelang
+
+        self.kernel = tilelang.compile(func, target=target or TARGET, compile_once=True, compile_group=self.group)
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
+        self.kernel.initialize(allocator=self.allocator, stream=stream)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def check_tensor(self, tensor, shape: Tuple[int, ...], name: str = "input", shape_name: str = "the shape") -> None:
+        """Raise ``TypeError`` / ``ValueError`` naming ``name`` unless ``tensor`` is a contiguous
+        tensor of ``shape`` (called ``shape_name`` in the message) and this collective's dtype
+        on the allocator's device."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != self.dtype:
+            raise TypeError(f"{name} has dtype {tensor.dtype}, this {type(self).__name__} was built for {self.dtype}")
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape_name} {tuple(shape)}")
+        if tensor.device != self.device:
+            raise ValueError(f"{name} is on {tensor.device}, the allocator's heap is on {self.device}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"this {type(self).__name__} is closed")
+        if getattr(self.allocator, "closed", False):
+            raise RuntimeError(f"the allocator of this {type(self).__name__} is closed")
+
+    # ------------------------------------------------------------------ lifetime
+    def _drop_buffers(self) -> None:
+        """Subclasses drop their tensors here."""
+
+    def close(self) -> None:
+        """Drop the kernel and the tensors (idempotent). Heap bytes return with
+        ``allocator.close()``; a closed instance refuses calls."""
+        self._closed = True
+        self.kernel = None
+        self._drop_buffers()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` has been called."""
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
