@@ -237,6 +237,21 @@ def _prepare(mc_x, local_x, mc_name, local_name):
     return mc, local
 
 
+def _reduction(legal: dict, op: str, mc, local, instr: str, operand: str) -> tuple[str, bool]:
+    """``(template arguments, packed)`` of a reduction ``op`` on ``mc``'s dtype, checked against
+    ``legal`` (op -> dtype -> PTX type); a pair PTX lacks is a ValueError naming ``reduce_op``."""
+    ptx = legal[op].get(mc.dtype)
+    if ptx is None:
+        raise ValueError(
+            f"reduce_op={op.upper()} is not a PTX {instr} operation for dtype {mc.dtype} ({operand}); "
+            f"supported: {sorted(legal[op])}"
+        )
+    packed = mc.dtype in _PACKED
+    if packed:
+        _check_pairs(mc, local)
+    return f"{_MMOP}{op.upper()}, {_MMTYPE}{ptx}", packed
+
+
 def multimem_ld_reduce(src, dst, reduce_op=MultimemReduceOp.ADD):
     """Reduce-load: ``dst[...] = reduce over all replicas of src[...]``, element-wise.
 
@@ -260,16 +275,7 @@ def multimem_ld_reduce(src, dst, reduce_op=MultimemReduceOp.ADD):
 
     op = _reduce_op(reduce_op)
     mc, local = _prepare(src, dst, "src", "dst")
-    ptx = _LD_RED_LEGAL[op].get(mc.dtype)
-    if ptx is None:
-        raise ValueError(
-            f"reduce_op={op.upper()} is not a PTX multimem.ld_reduce operation for dtype {mc.dtype} (src); "
-            f"supported: {sorted(_LD_RED_LEGAL[op])}"
-        )
-    packed = mc.dtype in _PACKED
-    if packed:
-        _check_pairs(mc, local)
-    tmpl = f"{_MMOP}{op.upper()}, {_MMTYPE}{ptx}"
+    tmpl, packed = _reduction(_LD_RED_LEGAL, op, mc, local, "multimem.ld_reduce", "src")
 
     def one(idx):
         IB.buffer_store(local.buffer, V.extern(mc.dtype, f"tilescale::multimem_ld_reduce<{tmpl}>", mc.addr(idx)),
@@ -325,16 +331,7 @@ def multimem_red(src, dst, reduce_op=MultimemReduceOp.ADD):
 
     op = _reduce_op(reduce_op)
     mc, local = _prepare(dst, src, "dst", "src")
-    ptx = _RED_LEGAL[op].get(mc.dtype)
-    if ptx is None:
-        raise ValueError(
-            f"reduce_op={op.upper()} is not a PTX multimem.red operation for dtype {mc.dtype} (dst); "
-            f"supported: {sorted(_RED_LEGAL[op])}"
-        )
-    packed = mc.dtype in _PACKED
-    if packed:
-        _check_pairs(mc, local)
-    tmpl = f"{_MMOP}{op.upper()}, {_MMTYPE}{ptx}"
+    tmpl, packed = _reduction(_RED_LEGAL, op, mc, local, "multimem.red", "dst")
 
     def one(idx):
         IB.evaluate(V.extern("handle", f"tilescale::multimem_red<{tmpl}>", mc.addr(idx), local.at(idx)))
