@@ -383,3 +383,40 @@ except Exception as exc:
     sys.exit(3)
 print("NO-ERROR", flush=True)
 """
+
+
+# ------------------------------------------------------------------------------ profiler
+PROFILER_SCRIPT = r"""
+import json, sys, torch, tilelang, tilelang.language as T
+from tilescale_lang.profiler import EventProfiler
+
+BLOCKS, WARPS = 8, 4
+prof = EventProfiler(blocks=BLOCKS, capacity=4, device="cuda")
+
+@T.prim_func
+def work(A: T.Tensor((BLOCKS * 128,), "float32"), Prof: T.Tensor((BLOCKS, 9), "uint64")):
+    with T.Kernel(BLOCKS, threads=128) as bx:
+        tx = T.get_thread_binding()
+        if tx % 32 == 0:
+            T.profile_event(Prof, tx // 32, is_start=True)
+        for _ in T.serial(1000):
+            A[bx * 128 + tx] = A[bx * 128 + tx] * 1.0001 + 1.0
+        if tx % 32 == 0:
+            T.profile_event(Prof, tx // 32, is_start=False)
+            T.profile_event(Prof, 7, is_start=True)   # 3 records per warp and 4 warps: 12 > 4 slots
+            T.profile_event(Prof, 7, is_start=False)
+
+k = tilelang.compile(work, target={"kind": "cuda", "arch": "sm_90a"})
+A = torch.zeros(BLOCKS * 128, device="cuda")
+k(A, prof.buffer)
+torch.cuda.synchronize()
+events, dropped = prof.events()
+spans, unmatched = prof.spans()
+sms = torch.cuda.get_device_properties(0).multi_processor_count
+print(json.dumps({"events": len(events), "dropped": dropped, "spans": len(spans), "unmatched": len(unmatched),
+                  "blocks": sorted({e.block for e in events}), "sm_ok": all(e.sm < sms for e in events),
+                  "durations_ok": all(0 <= s.duration_ns < 10**9 for s in spans),
+                  "trace_events": len(prof.chrome_trace(["w0", "w1", "w2", "w3"])["traceEvents"])}))
+prof.reset()
+print(json.dumps({"after_reset": len(prof.events()[0])}))
+"""

@@ -68,3 +68,22 @@ def test_wait_timeout_reports_and_traps(tmp_path):
     assert "[tilescale] wait timed out after 200 ms" in text, text[-3000:]
     assert "expected 12345" in text and "observed 0" in text and "rank 0" in text
     assert "HOST-ERROR" in text or "CUDA" in text, text[-3000:]
+
+
+def test_profiler_records_every_block_and_counts_overflow(tmp_path):
+    """T.profile_event on a GPU: 8 blocks x 4 warps x 6 events into 4 slots per block."""
+    import json
+
+    import gpu_kernels
+
+    script = tmp_path / "profile.py"
+    script.write_text(gpu_kernels.PROFILER_SCRIPT)
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path / "cache"))
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=180)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    lines = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    first, second = lines
+    assert first["events"] == 8 * 4 and first["dropped"] == 8 * (4 * 4 - 4)  # 16 recorded per block, 4 kept
+    assert first["blocks"] == list(range(8)) and first["sm_ok"] and first["durations_ok"]
+    assert first["spans"] + first["unmatched"] <= first["events"]
+    assert second == {"after_reset": 0}

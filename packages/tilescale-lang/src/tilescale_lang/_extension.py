@@ -22,7 +22,7 @@ STOCK: dict[str, Any] = {}
 
 def intrinsics() -> dict[str, Any]:
     """Name -> callable of every intrinsic exported on ``tilelang.language``."""
-    from . import barrier, memory, multimem, peer_copy, rank, wait
+    from . import barrier, memory, multimem, peer_copy, profiler, rank, wait
 
     names = {
         "get_rank": rank.get_rank,
@@ -45,6 +45,7 @@ def intrinsics() -> dict[str, Any]:
         "barrier_blocks": barrier.barrier_blocks,
         "sync_blocks": barrier.sync_blocks,
         "notify": barrier.notify,
+        "profile_event": profiler.profile_event,
         "multimem_ld_reduce": multimem.multimem_ld_reduce,
         "multimem_st": multimem.multimem_st,
         "multimem_red": multimem.multimem_red,

@@ -6,4 +6,5 @@
 #include "wait.cuh"
 #include "barrier.cuh"
 #include "multimem.cuh"
+#include "profiler.cuh"
 #include "host.cuh"
