@@ -65,3 +65,27 @@ def run_gpu_ranks(body, world: int, tmp_path_factory, name: str) -> list:
 
     cache = str(tmp_path_factory.getbasetemp() / f"tilelang-cache-{name}")
     return run_ranks(body, world, args=(cache,), backend="gloo", timeout=240)
+
+
+def open_rank_heap(rank: int, world: int, cache_dir: str, size: int, device: str = "cuda:0"):
+    """A GPU rank body's setup: the shared TileLang cache, a 30 s wait timeout (a lost signal
+    traps instead of hanging), the device and a distributed heap of ``size`` bytes."""
+    os.environ["TILELANG_CACHE_DIR"] = cache_dir
+    os.environ.setdefault("TILESCALE_WAIT_TIMEOUT_MS", "30000")
+    import torch.distributed as dist
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(device)
+    return tilelang.get_allocator(size=size, device=device, is_distributed=True, local_rank=rank,
+                                  num_local_ranks=world, group=dist.group.WORLD)
+
+
+def close_rank_heap(alloc, rank: int, checks: int) -> dict:
+    """A GPU rank body's teardown (device sync, barrier, collective close); its report."""
+    import torch.distributed as dist
+
+    if torch.device(alloc.device).type == "cuda":
+        torch.cuda.synchronize(alloc.device)
+    dist.barrier()
+    alloc.close()
+    return {"rank": rank, "checks": checks}

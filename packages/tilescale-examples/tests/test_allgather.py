@@ -3,12 +3,10 @@ the CPU; the result on 1, 2 and 4 ranks sharing one GPU (``-m gpu``)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import tilelang  # noqa: F401  (the import hook attaches tilescale-lang)
 import torch
-from conftest import CpuAllocator, lower_source, needs_nvcc, run_gpu_ranks
+from conftest import CpuAllocator, close_rank_heap, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
 
 from tilescale_examples import allgather as ag_mod
 from tilescale_examples.allgather import AllGather, build_allgather_kernel, plan_chunks, torch_reference
@@ -208,6 +206,8 @@ def test_benchmark_helpers_and_title():
 #: so every rank's slot (rank * shard bytes) is misaligned for 16-byte vectors somewhere.
 GPU_CASES = [((1,), torch.float16), ((7,), torch.float16), ((1000,), torch.float32), ((3, 333), torch.float16),
              ((4096 + 5,), torch.float32), ((1 << 16,), torch.float16), (((1 << 20) + 3,), torch.float32)]
+
+
 def _sync(dev) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -216,16 +216,10 @@ def _sync(dev) -> None:
 def gpu_rank_body(rank: int, world: int, cache_dir: str, device: str = "cuda:0") -> dict:
     """Per rank: several shapes and dtypes, poisoned outputs, fresh shards, repeated calls,
     each compared with the shards gathered through the (gloo) group."""
-    os.environ["TILELANG_CACHE_DIR"] = cache_dir
-    # a lost signal traps (a CUDA error naming the wait) instead of hanging the rank
-    os.environ.setdefault("TILESCALE_WAIT_TIMEOUT_MS", "30000")
     import torch.distributed as dist
 
+    alloc = open_rank_heap(rank, world, cache_dir, 2**27, device)
     dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    alloc = tilelang.get_allocator(size=2**27, device=device, is_distributed=True, local_rank=rank,
-                                   num_local_ranks=world, group=dist.group.WORLD)
     checks = 0
     # No collective after a failure: a rank raises, run_ranks reports it and stops the peers.
     for case, (shape, dtype) in enumerate(GPU_CASES):
@@ -257,10 +251,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str, device: str = "cuda:0")
             raise AssertionError(f"rank {rank} world {world} shape {shape}: back-to-back calls differ")
         checks += 1
         ag.close()
-    _sync(dev)
-    dist.barrier()
-    alloc.close()
-    return {"rank": rank, "checks": checks}
+    return close_rank_heap(alloc, rank, checks)
 
 
 @pytest.mark.gpu

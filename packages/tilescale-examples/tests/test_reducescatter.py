@@ -3,12 +3,11 @@ checks on the CPU; the result on 1, 2 and 4 ranks sharing one GPU (``-m gpu``)."
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import tilelang
 import torch
-from conftest import CpuAllocator, kernel_body, lower_source, needs_nvcc, run_gpu_ranks
+from conftest import CpuAllocator, close_rank_heap, kernel_body, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
 
 from tilescale_examples.collective import TARGET, plan_chunks
 from tilescale_examples.reducescatter import ReduceScatter, build_reducescatter_kernel, torch_reference
@@ -137,14 +136,10 @@ GPU_CASES = [((1,), torch.float32), ((7,), torch.float16), ((1000,), torch.bfloa
 def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     """Per rank: several shapes and dtypes, poisoned outputs, fresh inputs, repeated and
     back-to-back calls, each compared with ``torch_reference`` over the gathered inputs."""
-    os.environ["TILELANG_CACHE_DIR"] = cache_dir
-    os.environ.setdefault("TILESCALE_WAIT_TIMEOUT_MS", "30000")  # a lost signal traps, never hangs
     import torch.distributed as dist
 
+    alloc = open_rank_heap(rank, world, cache_dir, 2**28)
     dev = torch.device("cuda:0")
-    torch.cuda.set_device(dev)
-    alloc = tilelang.get_allocator(size=2**28, device="cuda:0", is_distributed=True, local_rank=rank,
-                                   num_local_ranks=world, group=dist.group.WORLD)
     checks = 0
 
     def expect_equal(out, inputs, what):
@@ -178,10 +173,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
         expect_equal(rs.output, inputs, f"shape {shape} back-to-back")
         checks += 1
         rs.close()
-    torch.cuda.synchronize()
-    dist.barrier()
-    alloc.close()
-    return {"rank": rank, "checks": checks}
+    return close_rank_heap(alloc, rank, checks)
 
 
 @pytest.mark.gpu

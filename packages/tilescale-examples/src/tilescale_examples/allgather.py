@@ -63,6 +63,7 @@ import torch
 
 from tilescale_examples.collective import DTYPES as _DTYPES
 from tilescale_examples.collective import TARGET, SymmetricCollective, plan_chunks
+from tilescale_examples.put_exchange import build_put_exchange_kernel
 
 __all__ = ["AllGather", "plan_chunks", "build_allgather_kernel", "torch_reference", "TARGET"]
 
@@ -78,36 +79,8 @@ def build_allgather_kernel(shard_numel: int, dtype: str, world_size: int, chunks
     world_size * chunks,) uint64, epoch: int64)``; ``Flags[:world_size*chunks]`` are the data
     flags ``data[src, c]``, the rest the ready flags ``ready[src, c]``.
     """
-    import tilelang.language as T
-
-    S, W, C, CH = shard_numel, world_size, chunks, chunk
-    if (C - 1) * CH >= S or C * CH < S:
-        raise ValueError(f"chunks={C} x chunk={CH} does not tile shard_numel={S} (use plan_chunks)")
-    READY = W * C
-
-    @T.prim_func
-    def allgather(In: T.Tensor((S,), dtype), Out: T.Tensor((W * S,), dtype),
-                  Flags: T.Tensor((2 * W * C,), "uint64"), epoch: T.int64):
-        with T.Kernel(C, W, threads=threads) as (c, p):
-            tx = T.get_thread_binding()
-            me = T.get_rank()
-            # A variable, not the expression c * CH: TileLang 0.1.15's pointer-type pass fails
-            # ("Can't fetch the lanes of a scalable vector") on In[c * CH] once CH >= 32768.
-            start = T.alloc_var("int32")
-            start = c * CH
-            if tx == 0:
-                T.notify(Flags[READY + me * C + c], p, epoch)  # my slot for p's chunk c is free
-                T.wait_ge(Flags[READY + p * C + c], epoch)  # p's slot for my chunk c is free
-            T.sync_threads()
-            T.put_block(T.address_of(In[start]), T.address_of(Out[me * S + start]),
-                        T.min(CH, S - start), dst_pe=p)
-            T.sync_threads()
-            if tx == 0:
-                T.fence_sys()
-                T.notify(Flags[me * C + c], p, epoch)  # release: chunk c is on p
-                T.wait_ge(Flags[p * C + c], epoch)  # acquire: p's chunk c is here
-
-    return allgather
+    return build_put_exchange_kernel(shard_numel, dtype, world_size, chunks, chunk, threads,
+                                     row_per_peer=False)
 
 
 def torch_reference(shards: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -164,10 +137,12 @@ class AllGather(SymmetricCollective):
                                             self.chunks, self.chunk, threads), target)
 
     # ------------------------------------------------------------------ calls
-    def check_input(self, input) -> None:
-        """Raise ``TypeError`` / ``ValueError`` naming ``input`` unless it is a contiguous
-        tensor of the shard's shape and dtype on the allocator's device."""
-        self.check_tensor(input, self.shard_shape, "input", "the shard shape")
+    INPUT_SHAPE_NAME = "the shard shape"
+
+    @property
+    def input_shape(self):
+        """A call's input is one shard: ``shard_shape``."""
+        return self.shard_shape
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
         """Gather ``input`` (this rank's shard) from every rank; returns ``self.output``,
@@ -178,16 +153,3 @@ class AllGather(SymmetricCollective):
         self.epoch += 1
         self.kernel(input.view(-1), self.output.view(-1), self.flags, self.epoch)
         return self.output
-
-    def bus_bytes(self) -> float:
-        """Bytes per call for the bus bandwidth: ``(n - 1) / n * output bytes`` (nccl-tests)."""
-        n = self.world_size
-        return (n - 1) / n * self.output.numel() * self.output.element_size()
-
-    def _drop_buffers(self) -> None:
-        self.input = self.output = self.flags = None
-
-    def __repr__(self) -> str:
-        return (f"AllGather(shard_shape={self.shard_shape}, dtype={self.dtype}, world_size={self.world_size}, "
-                f"chunks={self.chunks}, chunk={self.chunk}, threads={self.threads}, epoch={self.epoch}"
-                f"{', closed' if self._closed else ''})")

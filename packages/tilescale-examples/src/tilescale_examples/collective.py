@@ -175,15 +175,46 @@ class SymmetricCollective:
         if not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
 
+    #: How error messages call the expected input shape (``input_shape``).
+    INPUT_SHAPE_NAME = "(world_size, *shard_shape) ="
+
+    @property
+    def input_shape(self) -> Tuple[int, ...]:
+        """Shape a call's ``input`` must have (default ``(world_size, *shard_shape)``)."""
+        return (self.world_size, *self.shard_shape)
+
+    def check_input(self, input) -> None:
+        """Raise ``TypeError`` / ``ValueError`` naming ``input`` unless it is a contiguous
+        tensor of ``input_shape`` and this collective's dtype on the allocator's device."""
+        self.check_tensor(input, self.input_shape, "input", self.INPUT_SHAPE_NAME)
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"this {type(self).__name__} is closed")
         if getattr(self.allocator, "closed", False):
             raise RuntimeError(f"the allocator of this {type(self).__name__} is closed")
 
+    def bus_bytes(self) -> float:
+        """Bytes per call for the bus bandwidth as nccl-tests count it for all-gather,
+        reduce-scatter and all-to-all: ``(n - 1) / n`` times the larger of the input and
+        output sizes (the ``world_size`` rows)."""
+        n = self.world_size
+        return (n - 1) / n * self.world_size * self.shard_numel * self.itemsize
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(shard_shape={self.shard_shape}, dtype={self.dtype}, "
+                f"world_size={self.world_size}, chunks={getattr(self, 'chunks', '?')}, "
+                f"chunk={getattr(self, 'chunk', '?')}, threads={self.threads}, epoch={self.epoch}"
+                f"{', closed' if self._closed else ''})")
+
     # ------------------------------------------------------------------ lifetime
+    #: Attributes holding tensors, dropped by ``close()``.
+    _BUFFERS = ("input", "output", "flags", "stage")
+
     def _drop_buffers(self) -> None:
-        """Subclasses drop their tensors here."""
+        for name in self._BUFFERS:
+            if hasattr(self, name):
+                setattr(self, name, None)
 
     def close(self) -> None:
         """Drop the kernel and the tensors (idempotent). Heap bytes return with

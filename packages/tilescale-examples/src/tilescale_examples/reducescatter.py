@@ -185,11 +185,6 @@ class ReduceScatter(SymmetricCollective):
         self._finish(build_reducescatter_kernel(self.shard_numel, _ALLOWED[self.dtype], self.world_size,
                                                 self.chunks, self.chunk, threads), target)
 
-    def check_input(self, input) -> None:
-        """Raise ``TypeError`` / ``ValueError`` naming ``input`` unless it is a contiguous
-        ``(world_size, *shard_shape)`` tensor of this dtype on the allocator's device."""
-        self.check_tensor(input, (self.world_size, *self.shard_shape), "input", "(world_size, *shard_shape) =")
-
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
         """Sum shard ``rank`` of ``input`` over all ranks; returns ``self.output``
         (``shard_shape``), complete when the kernel finishes on the current stream. Copies
@@ -201,16 +196,3 @@ class ReduceScatter(SymmetricCollective):
         self.epoch += 1
         self.kernel(self.input.view(-1), self.stage, self.output.view(-1), self.flags, self.epoch)
         return self.output
-
-    def bus_bytes(self) -> float:
-        """Bytes per call for the bus bandwidth: ``(n - 1) / n * input bytes`` (nccl-tests)."""
-        n = self.world_size
-        return (n - 1) / n * self.input.numel() * self.input.element_size()
-
-    def _drop_buffers(self) -> None:
-        self.input = self.output = self.flags = self.stage = None
-
-    def __repr__(self) -> str:
-        return (f"ReduceScatter(shard_shape={self.shard_shape}, dtype={self.dtype}, world_size={self.world_size}, "
-                f"chunks={self.chunks}, chunk={self.chunk}, threads={self.threads}, epoch={self.epoch}"
-                f"{', closed' if self._closed else ''})")

@@ -1,0 +1,60 @@
+"""The put-based exchange kernel shared by the all-gather and the all-to-all.
+
+Rank ``me`` sends ``S`` elements to every rank ``p`` (``p == me`` included) into row ``me``
+of ``p``'s output, chunk by chunk, with ``T.put_block`` and epoch flags:
+
+* all-gather (``row_per_peer=False``): the same input row (``In: (S,)``) goes to every rank;
+* all-to-all (``row_per_peer=True``): row ``p`` of the input (``In: (W * S,)``) goes to rank ``p``.
+
+The protocol (ready handshake, put, ``__syncthreads``, ``fence_sys`` + release signal,
+acquire wait for the peer's chunk) is described in :mod:`tilescale_examples.allgather`.
+"""
+
+# (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
+
+__all__ = ["build_put_exchange_kernel"]
+
+
+def build_put_exchange_kernel(shard_numel: int, dtype: str, world_size: int, chunks: int,
+                              chunk: int, threads: int = 512, row_per_peer: bool = False,
+                              name: str = "allgather"):
+    """The exchange ``T.prim_func``: grid ``chunks x world_size`` blocks of ``threads``.
+
+    Signature: ``(In: (R * shard_numel,), Out: (world_size * shard_numel,), Flags: (2 *
+    world_size * chunks,) uint64, epoch: int64)`` with ``R = world_size`` when
+    ``row_per_peer`` else 1; ``Flags[:world_size*chunks]`` are the data flags ``data[src,
+    c]``, the rest the ready flags ``ready[src, c]``. ``name`` names the kernel.
+    """
+    import tilelang.language as T
+
+    S, W, C, CH = shard_numel, world_size, chunks, chunk
+    if (C - 1) * CH >= S or C * CH < S:
+        raise ValueError(f"chunks={C} x chunk={CH} does not tile shard_numel={S} (use plan_chunks)")
+    READY = W * C
+    IN_ROWS, ROW = (W, S) if row_per_peer else (1, 0)  # source row of peer p: p * ROW
+
+    @T.prim_func
+    def exchange(In: T.Tensor((IN_ROWS * S,), dtype), Out: T.Tensor((W * S,), dtype),
+                 Flags: T.Tensor((2 * W * C,), "uint64"), epoch: T.int64):
+        with T.Kernel(C, W, threads=threads) as (c, p):
+            tx = T.get_thread_binding()
+            me = T.get_rank()
+            # A variable, not the expression c * CH: TileLang 0.1.15's pointer-type pass fails
+            # ("Can't fetch the lanes of a scalable vector") on In[c * CH] once CH >= 32768.
+            start = T.alloc_var("int32")
+            start = c * CH
+            if tx == 0:
+                T.notify(Flags[READY + me * C + c], p, epoch)  # my slot for p's chunk c is free
+                T.wait_ge(Flags[READY + p * C + c], epoch)  # p's slot for my chunk c is free
+            T.sync_threads()
+            T.put_block(T.address_of(In[p * ROW + start]), T.address_of(Out[me * S + start]),
+                        T.min(CH, S - start), dst_pe=p)
+            T.sync_threads()
+            if tx == 0:
+                T.fence_sys()
+                T.notify(Flags[me * C + c], p, epoch)  # release: chunk c is on p
+                T.wait_ge(Flags[p * C + c], epoch)  # acquire: p's chunk c is here
+
+    return exchange.with_attr("global_symbol", name)
+
+
