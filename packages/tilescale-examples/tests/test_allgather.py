@@ -186,21 +186,6 @@ def test_constructor_rejects_closed_allocator():
         AllGather(alloc, 16, torch.float16)
 
 
-# ------------------------------------------------------------------------------ benchmark
-def test_benchmark_helpers_and_title():
-    from tilescale_examples.benchmarks import allgather as bench
-
-    assert bench.bus_bandwidth(4 << 30, 4, 1000.0) == pytest.approx(0.75 * (4 << 30) / 1e9)
-    assert bench._iters_for(4096, 20) == 20 and bench._iters_for(1 << 30, 20) == 3
-    assert bench._heap_bytes([4096, 1 << 30], 4, 2) > (1 << 30) * 5 // 4
-    gloo = bench._title(4, "gloo", 1, "float16")
-    assert "over gloo" in gloo and "NOT NCCL" in gloo and "sharing 1 GPU" in gloo
-    nccl = bench._title(4, "nccl", 4, "float16")
-    assert "over NCCL" in nccl and "one rank per GPU (4 GPUs)" in nccl and "NOT" not in nccl
-    with pytest.raises(SystemExit):
-        bench.main(["--ranks", "1"])
-
-
 # ------------------------------------------------------------------------------ GPU
 #: (shard shape, dtype): 2, 14, 4000 B ... 4 MiB; most sizes are not multiples of 16 bytes,
 #: so every rank's slot (rank * shard bytes) is misaligned for 16-byte vectors somewhere.

@@ -1,0 +1,399 @@
+"""Bus bandwidth of the example collectives against torch.distributed, measured in the same run.
+
+What the all-gather, reduce-scatter and all-to-all benchmarks share; each has a thin entry
+module (``python -m tilescale_examples.benchmarks.allgather | reducescatter | alltoall``
+``[--ranks 4] [--min-bytes 4096] [--max-bytes 1073741824] [--iters 20] [--dtype float16]``).
+Without a launcher the benchmark spawns its ranks (one per GPU with an NCCL group when there
+are enough GPUs, else sharing the GPUs with a gloo group); under ``tilescale-run -n 4
+[--share-gpus] -m ...`` it uses the launcher's ranks and ``init_dist``'s group.
+
+For every total size S (4 KiB .. 1 GiB by 4x; shard = S / ranks; S is the all-gather's
+output, the reduce-scatter's input, the all-to-all's input) it builds the collective, fills
+its symmetric input with random values, checks its output once against the baseline's (bit
+exact, except a floating-point reduce-scatter: ``torch.allclose``, because the order of the
+additions differs), then times back-to-back calls of both with CUDA events (the slowest
+rank's time). A failed check is counted, printed in the row and makes the exit status 1.
+
+The baseline is the torch.distributed collective on the host group, chosen by a probe on
+every run (the first candidate that gives the right answer on a small input): NCCL with one
+rank per GPU; gloo when ranks share a GPU (host staging, not NCCL, and time-sliced: the title
+says so). Bus bandwidth as nccl-tests define it for these three: ``busbw = (n - 1) / n * S /
+t``. The ratio column is TileScale / baseline (above 1: faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+from tilescale_examples.report import format_bytes, gb_per_s, print_table, ratio, size_sweep
+
+__all__ = ["Op", "Baseline", "OPS", "bus_bandwidth", "pick_baseline", "outputs_match", "tolerance",
+           "heap_bytes", "title", "run", "main", "entry"]
+
+HEADERS = ["size", "shard", "blocks", "TileScale GB/s", "baseline GB/s", "ratio",
+           "TileScale us", "baseline us", "check"]
+#: Relative tolerance of a floating-point reduction, about one ulp of the dtype (bfloat16 has 8
+#: significant bits: one ulp is up to 2**-7 relative). The absolute one is ``rtol * n * (n +
+#: 1) / 2`` for ``n`` ranks: inputs lie in [-1, 1), and a baseline that rounds each of its
+#: partial sums (of at most ``k`` terms) in the dtype errs by up to half an ulp of ``k`` each.
+RTOL = {"float16": 1e-3, "bfloat16": 8e-3, "float32": 1e-5, "float64": 1e-12}
+#: Grid cap assumed for the flags when sizing the heap (chunks <= max_blocks <= SM count).
+MAX_BLOCKS = 256
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A torch.distributed way to compute the collective: ``call(dist, out, x, group, rank,
+    world)`` on flat tensors (``x`` the rank's input, ``out`` the rank's output); ``name`` goes
+    into the table title."""
+
+    name: str
+    call: Callable
+
+
+@dataclass(frozen=True)
+class Op:
+    """One collective: its class (``module.cls`` in :mod:`tilescale_examples`), the baselines
+    to try in order (the last one must work on any backend), the dtypes the benchmark offers,
+    the symmetric heap it needs per size (``input_rows`` + ``output_rows`` shards, plus flags),
+    its bus-bandwidth factor, and whether it sums (tolerance for floats) or moves data (exact)."""
+
+    name: str
+    module: str
+    cls: str
+    baselines: tuple
+    dtypes: tuple
+    input_rows: Callable[[int], int]
+    output_rows: Callable[[int], int]
+    bus_factor: Callable[[int], float]
+    reduces: bool = False
+    grid_per_peer: bool = True  # grid chunks x world (else chunks)
+
+    def collective(self):
+        return getattr(importlib.import_module(f"tilescale_examples.{self.module}"), self.cls)
+
+    def reference(self, inputs, rank: int):
+        """The expected output on ``rank`` from every rank's input (the example's
+        ``torch_reference``)."""
+        ref = importlib.import_module(f"tilescale_examples.{self.module}").torch_reference
+        return ref(inputs) if self.module == "allgather" else ref(inputs, rank)
+
+
+def _all_gather_into_tensor(dist, out, x, group, rank, world):
+    dist.all_gather_into_tensor(out, x, group=group)
+
+
+def _all_gather_views(dist, out, x, group, rank, world):
+    dist.all_gather(list(out.chunk(world)), x, group=group)
+
+
+def _reduce_scatter_tensor(dist, out, x, group, rank, world):
+    dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group)
+
+
+def _all_reduce_slice(dist, out, x, group, rank, world):
+    total = x.clone()  # all_reduce works in place; the input must survive the call
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    out.copy_(total.view(world, -1)[rank])
+
+
+def _all_to_all_single(dist, out, x, group, rank, world):
+    dist.all_to_all_single(out, x, group=group)
+
+
+def _all_to_all_lists(dist, out, x, group, rank, world):
+    dist.all_to_all(list(out.chunk(world)), list(x.chunk(world)), group=group)
+
+
+def _all_gather_select(dist, out, x, group, rank, world):
+    import torch
+
+    gathered = torch.empty((world, x.numel()), dtype=x.dtype, device=x.device)
+    dist.all_gather(list(gathered.unbind(0)), x, group=group)
+    out.view(world, -1).copy_(gathered.view(world, world, -1)[:, rank])
+
+
+def _ring(world: int) -> float:
+    """nccl-tests' bus factor of all-gather, reduce-scatter and all-to-all: ``(n - 1) / n``."""
+    return (world - 1) / world
+
+
+_COPY_DTYPES = ("float16", "bfloat16", "float32", "uint8")
+OPS = {
+    "allgather": Op("all-gather", "allgather", "AllGather",
+                    (Baseline("all_gather_into_tensor", _all_gather_into_tensor),
+                     Baseline("all_gather", _all_gather_views)),
+                    _COPY_DTYPES, lambda n: 1, lambda n: n, _ring),
+    "reducescatter": Op("reduce-scatter", "reducescatter", "ReduceScatter",
+                        (Baseline("reduce_scatter_tensor", _reduce_scatter_tensor),
+                         Baseline("all_reduce + slice", _all_reduce_slice)),
+                        ("float16", "bfloat16", "float32", "int32"), lambda n: n, lambda n: 1, _ring,
+                        reduces=True, grid_per_peer=False),
+    "alltoall": Op("all-to-all", "alltoall", "AllToAll",
+                   (Baseline("all_to_all_single", _all_to_all_single),
+                    Baseline("all_to_all", _all_to_all_lists),
+                    Baseline("all_gather + select", _all_gather_select)),
+                   _COPY_DTYPES, lambda n: n, lambda n: n, _ring),
+}
+
+
+def _op(op) -> Op:
+    return OPS[op] if isinstance(op, str) else op
+
+
+# ------------------------------------------------------------------------------ numbers
+def bus_bandwidth(total_bytes: int, world: int, milliseconds: float, op="allgather") -> float:
+    """nccl-tests' bus bandwidth in GB/s: ``factor(n) * total_bytes / t`` (``(n - 1) / n`` for
+    the three collectives here; ``total_bytes`` is S, the larger of input and output)."""
+    return gb_per_s(_op(op).bus_factor(world) * total_bytes, milliseconds)
+
+
+def iters_for(nbytes: int, iters: int) -> int:
+    """Fewer timed calls for large sizes (at least 3)."""
+    return max(3, min(iters, iters * (64 << 20) // max(nbytes, 1)))
+
+
+def shard_numel(nbytes: int, world: int, itemsize: int) -> int:
+    """Elements per shard for a total size of ``nbytes`` (at least 1)."""
+    return max(1, nbytes // world // itemsize)
+
+
+def heap_bytes(op, sizes, world: int, itemsize: int, max_blocks: int = MAX_BLOCKS) -> int:
+    """Symmetric heap per rank for one collective of every size in ``sizes`` (the heap is
+    only returned at ``allocator.close()``): input and output rows, flags, alignment, plus
+    64 MiB of slack."""
+    op = _op(op)
+    total = 64 << 20
+    for nbytes in sizes:
+        shard = shard_numel(nbytes, world, itemsize) * itemsize
+        rows = op.input_rows(world) + op.output_rows(world)
+        total += shard * rows + 2 * world * max_blocks * 8 + 3 * 256
+    return total
+
+
+def tolerance(op, dtype: str, world: int):
+    """``(rtol, atol)`` of the check against the baseline, or None for a bit-exact check."""
+    if not _op(op).reduces or dtype not in RTOL:
+        return None
+    return RTOL[dtype], RTOL[dtype] * world * (world + 1) / 2
+
+
+def outputs_match(out, ref, tol) -> bool:
+    """Whether ``out`` equals ``ref`` (``tol`` None) or is ``allclose`` within ``tol``."""
+    import torch
+
+    if tol is None:
+        return torch.equal(out, ref)
+    return out.shape == ref.shape and torch.allclose(out, ref, rtol=tol[0], atol=tol[1])
+
+
+def _check_name(tol) -> str:
+    return "bit-exact" if tol is None else f"allclose rtol={tol[0]:g} atol={tol[1]:g}"
+
+
+def random_input(shape, dtype, generator):
+    """Floats uniform in [-1, 1) (rounding to the dtype may reach 1); ints in [0, 256) for uint8, [-1000, 1000) otherwise."""
+    import torch
+
+    if dtype.is_floating_point:
+        return (torch.rand(shape, generator=generator) * 2 - 1).to(dtype)
+    lo, hi = (0, 256) if dtype == torch.uint8 else (-1000, 1000)
+    return torch.randint(lo, hi, tuple(shape), generator=generator).to(dtype)
+
+
+# ------------------------------------------------------------------------------ baseline
+def pick_baseline(op, group, device, dtype, dist=None):
+    """``(name, fn)``: the first of ``op.baselines`` that computes the right answer for a small
+    input on this group (a backend may lack a collective, or, like older gloo with CUDA
+    tensors, refuse it); ``fn(out, x)`` runs it on flat tensors. Every rank probes the same
+    candidates in the same order, and a backend refuses on every rank alike."""
+    import torch
+
+    if dist is None:
+        import torch.distributed as dist
+    op = _op(op)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = op.input_rows(world)
+    inputs = [((torch.arange(rows * 2) + p * rows * 2) % 61).to(dtype).to(device).view(rows, 2)
+              for p in range(world)]
+    expect = op.reference(inputs, rank).reshape(-1)
+    tol = tolerance(op, str(dtype).removeprefix("torch."), world)
+    for baseline in op.baselines:
+        out = torch.zeros_like(expect)
+        try:
+            baseline.call(dist, out, inputs[rank].reshape(-1), group, rank, world)
+            ok = outputs_match(out, expect, tol)
+        except (RuntimeError, NotImplementedError, ValueError, TypeError, AttributeError):
+            ok = False
+        if ok:
+            return baseline.name, functools.partial(baseline.call, dist, group=group, rank=rank, world=world)
+    raise RuntimeError(f"no torch.distributed baseline for {op.name} works on this group")
+
+
+# ------------------------------------------------------------------------------ timing
+def _time_ms(fn, iters: int, group, device) -> float:
+    """Milliseconds per call of ``iters`` back-to-back calls (after 2 warm-up calls), timed
+    with CUDA events on each rank; the slowest rank's time (every rank gets the same)."""
+    import torch
+    import torch.distributed as dist
+
+    from tilescale_host import synchronize_streams
+
+    stream = torch.cuda.current_stream(device)
+    for _ in range(2):
+        fn()
+    synchronize_streams([stream], timeout=300.0)
+    dist.barrier(group=group)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    for _ in range(iters):
+        fn()
+    end.record(stream)
+    synchronize_streams([stream], timeout=300.0)  # a lost signal fails instead of hanging
+    ms = torch.tensor([start.elapsed_time(end) / iters], dtype=torch.float64,
+                      device=device if dist.get_backend(group) == "nccl" else "cpu")
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)
+    return float(ms.item())
+
+
+def run(op, rank: int, world: int, group, device, args) -> list | None:
+    """One rank's part of the benchmark of ``op``; returns ``[rows, failures, baseline name]``
+    on rank 0 (None elsewhere)."""
+    import tilelang
+    import torch
+    import torch.distributed as dist
+
+    op = _op(op)
+    cls = op.collective()
+    dtype = getattr(torch, args.dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = size_sweep(args.min_bytes, args.max_bytes, 4)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    alloc = tilelang.get_allocator(size=heap_bytes(op, sizes, world, itemsize, max(sms, MAX_BLOCKS)),
+                                   device=device, is_distributed=True, local_rank=rank,
+                                   num_local_ranks=world, group=group)
+    flag_device = device if dist.get_backend(group) == "nccl" else "cpu"
+    tol = tolerance(op, args.dtype, world)
+    rows, failures = [], 0
+    name, baseline = pick_baseline(op, group, device, dtype)
+    for nbytes in sizes:
+        shard = shard_numel(nbytes, world, itemsize)
+        coll = cls(alloc, (shard,), dtype, group=group)  # collective: every rank, same order
+        x = coll.input
+        x.copy_(random_input(x.shape, dtype, torch.Generator().manual_seed(rank * 7919 + nbytes % 1000003)))
+        ref = torch.empty(coll.output.numel(), dtype=dtype, device=device)
+        baseline(ref, x.view(-1))
+        out = coll(x)
+        torch.cuda.synchronize(device)
+        flag = torch.tensor([0 if outputs_match(out.view(-1), ref, tol) else 1], dtype=torch.int32, device=flag_device)
+        dist.all_reduce(flag, group=group)  # every rank makes this collective, ok or not
+        bad = int(flag.item())
+        failures += bad
+        total = world * shard * itemsize
+        it = iters_for(total, args.iters)
+        ts_ms = _time_ms(lambda: coll(x), it, group, device)
+        ref_ms = _time_ms(lambda: baseline(ref, x.view(-1)), it, group, device)
+        ts_bw, ref_bw = bus_bandwidth(total, world, ts_ms, op), bus_bandwidth(total, world, ref_ms, op)
+        grid = f"{coll.chunks}x{world}" if op.grid_per_peer else f"{coll.chunks}"
+        rows.append([format_bytes(total), format_bytes(shard * itemsize), grid, ts_bw, ref_bw,
+                     ratio(ts_bw, ref_bw), ts_ms * 1e3, ref_ms * 1e3,
+                     "ok" if bad == 0 else f"FAIL ({bad} rank(s))"])
+        coll.close()
+        del ref
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group)
+    alloc.close()
+    return [rows, failures, name] if rank == 0 else None
+
+
+# ------------------------------------------------------------------------------ report
+def title(op, world: int, backend: str, gpus: int, dtype: str, baseline: str | None = None) -> str:
+    """The table title: collective, ranks, dtype, GPU mode and which baseline ran over what."""
+    op = _op(op)
+    baseline = baseline or op.baselines[0].name
+    if backend == "nccl":
+        base = f"baseline torch.distributed.{baseline} over NCCL"
+        mode = f"one rank per GPU ({gpus} GPUs)"
+    else:
+        base = (f"baseline torch.distributed.{baseline} over {backend} (host staging, NOT NCCL: "
+                "ranks share a GPU)")
+        mode = f"{world} ranks sharing {gpus} GPU(s): time-sliced, not a bandwidth measurement"
+    return f"{op.name} bus bandwidth, {world} ranks, {dtype}, {mode}; {base}; busbw = (n-1)/n * size / t"
+
+
+def _spawned_rank(rank: int, world: int, op: str, args, share: bool):
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # *_into_tensor renames
+    device = torch.device("cuda", rank % torch.cuda.device_count() if share else rank)
+    torch.cuda.set_device(device)
+    return run(op, rank, world, dist.group.WORLD, device, args)
+
+
+def parser(op) -> argparse.ArgumentParser:
+    op = _op(op)
+    p = argparse.ArgumentParser(prog=f"python -m tilescale_examples.benchmarks.{op.module}",
+                                description=f"{op.name} bus bandwidth: TileScale's {op.cls} against "
+                                            "torch.distributed, same run.")
+    p.add_argument("--ranks", type=int, default=4, help="ranks to spawn (ignored under tilescale-run)")
+    p.add_argument("--min-bytes", type=int, default=4096, help="smallest total size in bytes")
+    p.add_argument("--max-bytes", type=int, default=1 << 30, help="largest total size in bytes")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per size (fewer above 64 MiB)")
+    p.add_argument("--dtype", default="float16", choices=list(op.dtypes))
+    return p
+
+
+def main(op, argv=None) -> int:
+    """Run the benchmark of ``op`` (a key of :data:`OPS`); 0 when every check passed (or there
+    is no GPU to measure on), 1 otherwise."""
+    op = _op(op)
+    p = parser(op)
+    args = p.parse_args(argv)
+    if args.ranks < 2:
+        p.error("--ranks must be >= 2 (the bus bandwidth of one rank is 0)")
+    if not 0 < args.min_bytes <= args.max_bytes:
+        p.error("need 0 < --min-bytes <= --max-bytes")
+    os.environ.setdefault("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        print(f"{op.name} benchmark: no CUDA GPU visible, nothing to measure")
+        return 0
+    if "LOCAL_RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:  # under tilescale-run / torchrun
+        import torch.distributed as dist
+
+        from tilelang.distributed.host import init_dist
+
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        rank, world, group = init_dist(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
+        result = run(op, rank, world, group, torch.device("cuda", torch.cuda.current_device()), args)
+        backend = dist.get_backend(group)
+        dist.destroy_process_group()
+        if rank != 0:
+            return 0
+    else:
+        from tilescale_core.multiprocess import run_ranks
+
+        world = args.ranks
+        share = gpus < world
+        backend = "gloo" if share else "nccl"
+        result = run_ranks(_spawned_rank, world, args=(op.module, args, share), backend=backend, timeout=1200)[0]
+    rows, failures, baseline = result
+    print_table(title(op, world, backend, min(gpus, world), args.dtype, baseline), HEADERS, rows)
+    print(f"\ncorrectness ({_check_name(tolerance(op, args.dtype, world))} vs the baseline's output, "
+          f"every size): {'ok' if failures == 0 else f'{failures} FAILURE(S)'}")
+    return 0 if failures == 0 else 1
+
+
+def entry(name: str):
+    """``(main, run, bus_bandwidth)`` of one collective, for its entry module."""
+    return (functools.partial(main, name), functools.partial(run, name),
+            functools.partial(bus_bandwidth, op=name))
