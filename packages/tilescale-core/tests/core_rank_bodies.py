@@ -250,3 +250,10 @@ def bad_arguments(rank, world_size, case):
     except Exception as err:
         return type(err).__name__, str(err)
     return None
+
+
+def group_backend(rank, world_size):
+    """The backend run_ranks gave this rank's process group."""
+    import torch.distributed as dist
+
+    return dist.get_backend()

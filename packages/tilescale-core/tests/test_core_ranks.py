@@ -7,7 +7,7 @@ import time
 import pytest
 
 import core_rank_bodies as bodies
-from tilescale_core.multiprocess import RankFailure, RankTimeout, run_ranks
+from tilescale_core.multiprocess import RankFailure, RankTimeout, auto_backend, rank_device, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -101,3 +101,27 @@ def test_ranks_disagreeing_on_the_heap(clean_env):
     results = run_ranks(bodies.bad_arguments, 3, args=("disagree",), timeout=60)
     for kind, message in results:
         assert kind == "ValueError" and "disagree" in message and "rank 2: size=131072" in message
+
+
+@pytest.mark.parametrize("world,count,share,want", [
+    (2, 2, False, "nccl"), (4, 8, False, "nccl"),  # one GPU per rank
+    (4, 1, False, "gloo"), (2, 0, False, "gloo"),  # ranks would share a GPU / no GPU
+    (2, 2, True, "gloo"),  # sharing requested
+])
+def test_auto_backend(world, count, share, want):
+    assert auto_backend(world, device_count=count, share=share) == want
+
+
+def test_auto_backend_reads_share_env():
+    assert auto_backend(2, device_count=2, env={"TILESCALE_SHARE_GPUS": "1"}) == "gloo"
+    assert auto_backend(2, device_count=2, env={"TILESCALE_SHARE_GPUS": "0"}) == "nccl"
+    assert auto_backend(2, device_count=2, env={}) == "nccl"
+
+
+def test_rank_device_round_robin():
+    assert [rank_device(r, 4) for r in range(6)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:0", "cuda:1"]
+    assert rank_device(3, 1) == "cuda:0" and rank_device(0, 0) == "cpu"
+
+
+def test_run_ranks_auto_backend_without_gpus_is_gloo():
+    assert run_ranks(bodies.group_backend, 2, backend="auto", timeout=60) == ["gloo", "gloo"]

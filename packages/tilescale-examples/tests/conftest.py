@@ -57,22 +57,27 @@ class CpuAllocator:
 
 
 def run_gpu_ranks(body, world: int, tmp_path_factory, name: str) -> list:
-    """Run ``body(rank, world, cache_dir)`` on ``world`` ranks sharing the GPU (gloo group,
-    240 s deadline) with a TileLang cache shared by the session; skips without a GPU."""
+    """Run ``body(rank, world, cache_dir)`` on ``world`` ranks (NCCL with one GPU per rank,
+    gloo when they share GPUs: ``run_ranks(backend="auto")``; 240 s deadline) with a
+    TileLang cache shared by the session; skips without a GPU."""
     if not have_gpu():
         pytest.skip("needs a CUDA GPU (none visible)")
     from tilescale_core.multiprocess import run_ranks
 
     cache = str(tmp_path_factory.getbasetemp() / f"tilelang-cache-{name}")
-    return run_ranks(body, world, args=(cache,), backend="gloo", timeout=240)
+    return run_ranks(body, world, args=(cache,), backend="auto", timeout=240)
 
 
-def open_rank_heap(rank: int, world: int, cache_dir: str, size: int, device: str = "cuda:0"):
+def open_rank_heap(rank: int, world: int, cache_dir: str, size: int, device: str | None = None):
     """A GPU rank body's setup: the shared TileLang cache, a 30 s wait timeout (a lost signal
-    traps instead of hanging), the device and a distributed heap of ``size`` bytes."""
+    traps instead of hanging), the device (default: ``rank_device(rank)``, i.e. cuda:0 when
+    the ranks share one GPU, the rank's own GPU otherwise) and a distributed heap."""
     os.environ["TILELANG_CACHE_DIR"] = cache_dir
     os.environ.setdefault("TILESCALE_WAIT_TIMEOUT_MS", "30000")
     import torch.distributed as dist
+    from tilescale_core.multiprocess import rank_device
+
+    device = rank_device(rank) if device is None else device
 
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(device)

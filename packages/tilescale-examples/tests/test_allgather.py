@@ -198,13 +198,13 @@ def _sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
-def gpu_rank_body(rank: int, world: int, cache_dir: str, device: str = "cuda:0") -> dict:
+def gpu_rank_body(rank: int, world: int, cache_dir: str, device: str | None = None) -> dict:
     """Per rank: several shapes and dtypes, poisoned outputs, fresh shards, repeated calls,
     each compared with the shards gathered through the (gloo) group."""
     import torch.distributed as dist
 
     alloc = open_rank_heap(rank, world, cache_dir, 2**27, device)
-    dev = torch.device(device)
+    dev = torch.device(alloc.device)
     checks = 0
     # No collective after a failure: a rank raises, run_ranks reports it and stops the peers.
     for case, (shape, dtype) in enumerate(GPU_CASES):

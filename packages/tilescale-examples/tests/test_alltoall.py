@@ -94,7 +94,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     import torch.distributed as dist
 
     alloc = open_rank_heap(rank, world, cache_dir, 2**27)
-    dev = torch.device("cuda:0")
+    dev = torch.device(alloc.device)
     checks = 0
     for case, (shape, dtype) in enumerate(GPU_CASES):
         a2a = AllToAll(alloc, shape, dtype, min_chunk_bytes=4096)

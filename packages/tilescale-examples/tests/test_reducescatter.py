@@ -139,7 +139,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     import torch.distributed as dist
 
     alloc = open_rank_heap(rank, world, cache_dir, 2**28)
-    dev = torch.device("cuda:0")
+    dev = torch.device(alloc.device)
     checks = 0
 
     def expect_equal(out, inputs, what):

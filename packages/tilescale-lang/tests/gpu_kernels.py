@@ -192,8 +192,11 @@ def rank_body(rank: int, world: int, cache_dir: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    torch.cuda.set_device(0)
-    alloc = tilelang.get_allocator(size=2**27, device="cuda:0", is_distributed=True, local_rank=rank, num_local_ranks=world, group=dist.group.WORLD)
+    from tilescale_core.multiprocess import rank_device
+
+    dev = rank_device(rank)  # cuda:0 when ranks share one GPU; its own GPU otherwise
+    torch.cuda.set_device(dev)
+    alloc = tilelang.get_allocator(size=2**27, device=dev, is_distributed=True, local_rank=rank, num_local_ranks=world, group=dist.group.WORLD)
     report: dict = {"rank": rank, "errors": [], "checks": 0}
 
     def check(cond, what):
@@ -283,7 +286,7 @@ def _exchange(rank, world, alloc, check, sync):
     Flag = tilelang.tensor((4,), torch.uint32, allocator=alloc)
     Data = tilelang.tensor((4,), torch.uint64, allocator=alloc)
     Cnt = tilelang.tensor((4,), torch.uint32, allocator=alloc)
-    Out = torch.zeros(8, dtype=torch.uint64, device="cuda:0")
+    Out = torch.zeros(8, dtype=torch.uint64, device=alloc.device)
     for t in (Flag, Data, Cnt):
         t.zero_()
     sync()
@@ -307,7 +310,7 @@ def _barriers(rank, world, alloc, check, sync):
     kb = barrier_blocks_kernel().initialize(allocator=alloc)
     Bar = tilelang.tensor((8,), torch.uint32, allocator=alloc)
     Cnt = tilelang.tensor((4,), torch.uint32, allocator=alloc)
-    Err = torch.zeros(4, dtype=torch.int32, device="cuda:0")
+    Err = torch.zeros(4, dtype=torch.int32, device=alloc.device)
     Bar.zero_()
     Cnt.zero_()
     sync()
@@ -322,8 +325,8 @@ def _barriers(rank, world, alloc, check, sync):
     # Every rank compiles (a cache hit after the first); only rank 0 runs it.
     kg = grid_barrier_kernel().initialize(allocator=alloc)
     if rank == 0:
-        GB = torch.zeros(2, dtype=torch.uint32, device="cuda:0")
-        Slots = torch.zeros(GPU_GRID, dtype=torch.int32, device="cuda:0")
+        GB = torch.zeros(2, dtype=torch.uint32, device=alloc.device)
+        Slots = torch.zeros(GPU_GRID, dtype=torch.int32, device=alloc.device)
         Err.zero_()
         for _ in range(3):
             kg(GB, Slots, Err, 500)
@@ -339,11 +342,14 @@ def initialize_orders_body(rank: int, world: int, cache_dir: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    torch.cuda.set_device(0)
-    alloc = tilelang.get_allocator(size=2**24, device="cuda:0", is_distributed=True, local_rank=rank, num_local_ranks=world, group=dist.group.WORLD)
+    from tilescale_core.multiprocess import rank_device
+
+    dev = rank_device(rank)
+    torch.cuda.set_device(dev)
+    alloc = tilelang.get_allocator(size=2**24, device=dev, is_distributed=True, local_rank=rank, num_local_ranks=world, group=dist.group.WORLD)
     out: dict = {}
     # no collective after a failure (see rank_body)
-    R = torch.full((2,), -5, dtype=torch.int32, device="cuda:0")
+    R = torch.full((2,), -5, dtype=torch.int32, device=dev)
     k = rank_kernel("tvm_ffi")
     k(R, 1)  # loads the module with an empty table
     torch.cuda.synchronize()

@@ -26,7 +26,7 @@ def test_intrinsics_across_ranks(world, cache_dir):
 
     import gpu_kernels
 
-    reports = run_ranks(gpu_kernels.rank_body, world, args=(cache_dir,), backend="gloo", timeout=150)
+    reports = run_ranks(gpu_kernels.rank_body, world, args=(cache_dir,), backend="auto", timeout=150)
     for rep in reports:
         assert rep["checks"] > 100
         assert rep["errors"] == [], f"rank {rep['rank']}: {rep['errors'][:10]}"
@@ -37,7 +37,7 @@ def test_initialize_orders_and_backends(cache_dir):
 
     import gpu_kernels
 
-    out = run_ranks(gpu_kernels.initialize_orders_body, 2, args=(cache_dir,), backend="gloo", timeout=180)
+    out = run_ranks(gpu_kernels.initialize_orders_body, 2, args=(cache_dir,), backend="auto", timeout=180)
     unavailable = []
     for rank, o in enumerate(out):
         assert o["before_init"] == [0, 0], o  # an empty table before initialize

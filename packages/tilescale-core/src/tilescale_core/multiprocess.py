@@ -33,7 +33,10 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["RankFailure", "RankTimeout", "find_free_port", "run_ranks"]
+__all__ = ["RankFailure", "RankTimeout", "auto_backend", "find_free_port", "rank_device", "run_ranks"]
+
+#: Environment variable that makes ranks share GPUs (as in tilescale-host's ``init_dist``).
+SHARE_GPUS_ENV = "TILESCALE_SHARE_GPUS"
 
 
 class RankFailure(RuntimeError):
@@ -64,6 +67,34 @@ def find_free_port() -> int:
         return s.getsockname()[1]
 
 
+def _visible_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # no torch or no driver: no GPU
+        return 0
+
+
+def rank_device(rank: int, device_count: int | None = None) -> str:
+    """The CUDA device of ``rank``: ``cuda:{rank % device_count}`` (its own GPU when there
+    are at least as many GPUs as ranks, shared round-robin otherwise). ``device_count``
+    defaults to the GPUs torch sees; with none, ``"cpu"``."""
+    count = _visible_gpus() if device_count is None else device_count
+    return f"cuda:{rank % count}" if count > 0 else "cpu"
+
+
+def auto_backend(world_size: int, device_count: int | None = None, share: bool | None = None,
+                 env: Mapping[str, str] | None = None) -> str:
+    """``"nccl"`` when every rank can have its own GPU and GPUs are not shared, else
+    ``"gloo"`` (NCCL refuses two ranks on one GPU). ``share`` None reads
+    ``TILESCALE_SHARE_GPUS`` from ``env`` (default ``os.environ``): ``1`` shares."""
+    if share is None:
+        share = (os.environ if env is None else env).get(SHARE_GPUS_ENV, "0").strip() == "1"
+    count = _visible_gpus() if device_count is None else device_count
+    return "nccl" if count >= world_size and not share else "gloo"
+
+
 def _child(fn, rank, world_size, args, env, backend, port, group_timeout, results):
     # Dump every thread's stack if the parent sends SIGUSR1 (it does so before a kill).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -74,6 +105,10 @@ def _child(fn, rank, world_size, args, env, backend, port, group_timeout, result
 
             import torch.distributed as dist
 
+            if backend == "nccl":  # NCCL needs the rank's own device before the group forms
+                import torch
+
+                torch.cuda.set_device(rank_device(rank))
             dist.init_process_group(
                 backend,
                 init_method=f"tcp://127.0.0.1:{port}",
@@ -120,7 +155,9 @@ def run_ranks(
         args: extra positional arguments, picklable.
         timeout: seconds for the whole run; ranks still running then are killed.
         backend: ``torch.distributed`` backend to initialise before ``fn`` runs
-            (``"gloo"`` or ``"nccl"``), or None to leave the process group to ``fn``.
+            (``"gloo"`` or ``"nccl"``; ``"auto"``: :func:`auto_backend`, NCCL with one GPU
+            per rank, gloo when ranks share GPUs), or None to leave the group to ``fn``.
+            With NCCL each rank's current device is :func:`rank_device` before ``fn`` runs.
         env: environment variables for every rank, or one mapping per rank.
         grace: seconds the other ranks get to exit after one fails before they are killed.
 
@@ -135,6 +172,8 @@ def run_ranks(
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout!r}")
+    if backend == "auto":
+        backend = auto_backend(world_size)
     if env is None or isinstance(env, Mapping):
         envs = [dict(env or {})] * world_size
     else:
