@@ -79,3 +79,32 @@ def test_view_at_every_dtype_is_zero_copy(dtype):
     assert v.shape == (2, 2) and v.dtype == SPEC_DTYPES[dtype] and v.data_ptr() == backing.data_ptr()
     v.view(torch.uint8).fill_(1)
     assert int(backing[: v.numel() * v.element_size()].sum()) == v.numel() * v.element_size()
+
+
+def test_slice_view_aliases_its_region():
+    from tilescale_core.tensors import slice_view
+
+    region = torch.zeros(1024, dtype=torch.uint8)
+    v = slice_view(region, 256, (2, 3), torch.float32)
+    assert v.shape == (2, 3) and v.dtype == torch.float32
+    v.fill_(1.5)
+    assert torch.equal(region[256:280].view(torch.float32), torch.full((6,), 1.5))
+    assert not region[:256].any() and not region[280:].any()
+    assert slice_view(region, 1024, (0,), torch.float16).numel() == 0
+    with pytest.raises(ValueError, match="exceed the 1024-byte region"):
+        slice_view(region, 1000, (8,), torch.float32)
+    with pytest.raises(ValueError, match="exceed"):
+        slice_view(region, -4, (1,), torch.float32)
+
+
+def test_allocator_tensors_share_one_cached_heap_view():
+    from tilescale_core.allocator import BaseAllocator
+    from tilescale_core.testing import HostBackend
+
+    a = BaseAllocator(1 << 16, device="cpu", is_distributed=False, backend=HostBackend())
+    x = a._allocate_tensor((4,), torch.int32)
+    y = a._allocate_tensor((4,), torch.int32)
+    assert x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() == a.base_ptr
+    assert y.data_ptr() - x.data_ptr() == 256  # bump offsets, default alignment
+    a.close()
+    assert a._heap_bytes == {}

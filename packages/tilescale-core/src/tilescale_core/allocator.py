@@ -27,7 +27,8 @@ from . import _driver_multicast, probes
 from ._backends import HeapBackend, make_backend
 from ._comm import Comm, SetupError
 from .probes import Probe
-from .tensors import normalize_device, numel_of, resolve_dtype, view_at
+from ._dlpack import byte_view
+from .tensors import normalize_device, numel_of, resolve_dtype, slice_view, view_at
 
 __all__ = [
     "CHECK_ENV",
@@ -373,6 +374,9 @@ class BaseAllocator:
                 raise
         self.base_ptr = mine[0]
         self._heap = _Region("heap", self.base_ptr, self.size)
+        # Whole-heap byte views (this rank's now, peers' on first use): a tensor is a slice
+        # of one, which costs a few microseconds instead of a DLPack import per tensor.
+        self._heap_bytes: dict[int, torch.Tensor] = {}
         self._mc_region = None if self._mc is None else _Region("multicast heap", self._mc.local_ptr, self.mcast_size)
         self.table = torch.tensor([self.local_rank, self.num_ranks, *self.peer_base_ptrs], dtype=torch.uint64)
         self._closed = False
@@ -437,6 +441,7 @@ class BaseAllocator:
         if self._closed:
             return
         self._closed = True
+        self._heap_bytes = {}
         comm, backend = self._comm, self._backend
         mismatch = None
         with backend.guard(self.device):
@@ -541,15 +546,23 @@ class BaseAllocator:
     def _allocate_tensor(self, shape: Any, dtype: str | torch.dtype, return_peers: bool = False):
         """Allocate a tensor in the heap; with ``return_peers`` return one view per rank (index = rank)."""
         dtype = resolve_dtype(dtype)
-        nbytes = numel_of(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel_of(shape) * dtype.itemsize
         offset = self.allocate(max(nbytes, 1))
-        local = view_at(self.base_ptr + offset, shape, dtype, self.device)
+        local = slice_view(self._heap_view(self.local_rank), offset, shape, dtype)
         if not return_peers:
             return local
         return [
-            local if r == self.local_rank else view_at(base + offset, shape, dtype, self.device)
-            for r, base in enumerate(self.peer_base_ptrs)
+            local if r == self.local_rank else slice_view(self._heap_view(r), offset, shape, dtype)
+            for r in range(len(self.peer_base_ptrs))
         ]
+
+    def _heap_view(self, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s whole heap as a 1-D uint8 tensor in this process (cached)."""
+        view = self._heap_bytes.get(rank)
+        if view is None:
+            base = self.base_ptr if rank == self.local_rank else self.peer_base_ptrs[rank]
+            view = self._heap_bytes[rank] = byte_view(base, self.size, self.device)
+        return view
 
     def _allocate_mcast_tensor(self, shape: Any, dtype: str | torch.dtype):
         """Allocate in the multicast region; return ``(multicast_view, local_physical_view)``.
@@ -562,7 +575,7 @@ class BaseAllocator:
                 raise RuntimeError("the allocator is closed")
             raise RuntimeError("this allocator has no multicast region: pass mcast_size to get_allocator")
         dtype = resolve_dtype(dtype)
-        nbytes = numel_of(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel_of(shape) * dtype.itemsize
         offset = self._bump(self._mc_region, max(nbytes, 1), DEFAULT_ALIGNMENT)
         mc_view = view_at(self._mc.mc_ptr + offset, shape, dtype, self.device)
         local_view = view_at(self._mc.local_ptr + offset, shape, dtype, self.device)

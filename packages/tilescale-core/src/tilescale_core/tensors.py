@@ -96,6 +96,17 @@ def normalize_device(device: DeviceLike) -> torch.device:
     return dev
 
 
+def slice_view(region: torch.Tensor, offset: int, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
+    """Zero-copy tensor of ``shape`` and ``dtype`` at byte ``offset`` of ``region``, a 1-D
+    ``torch.uint8`` tensor (for example a whole heap from ``byte_view``). ``offset`` must be a
+    multiple of the dtype's size. Much cheaper than :func:`view_at` (no DLPack import)."""
+    dims = _shape_tuple(shape)
+    nbytes = numel_of(dims) * dtype.itemsize
+    if offset < 0 or offset + nbytes > region.numel():
+        raise ValueError(f"{nbytes} bytes at offset {offset} exceed the {region.numel()}-byte region")
+    return region[offset : offset + nbytes].view(dtype).view(dims)
+
+
 def view_at(ptr: int, shape: Shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zero-copy tensor of ``shape`` and ``dtype`` at address ``ptr`` (bytes) on ``device``."""
     dims = _shape_tuple(shape)
