@@ -277,3 +277,13 @@ def test_entry_points_pickle_for_spawned_ranks():
         run = pickle.loads(pickle.dumps(ENTRIES[name].run))
         assert run.func is C.run and run.args == (name,)
     assert pickle.loads(pickle.dumps(C._spawned_rank)) is C._spawned_rank
+
+
+def test_heap_benchmark_host_mode_prints_its_table(capsys):
+    from tilescale_examples.benchmarks import heap
+
+    assert heap.main(["--host", "--calls", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "tilelang.tensor latency on a host-memory heap" in out and "torch.empty us" in out
+    plain, empty = heap.host_tensor_latency(20)
+    assert plain > 0 and empty > 0

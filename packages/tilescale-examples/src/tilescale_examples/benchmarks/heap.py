@@ -9,6 +9,9 @@ fewer GPUs than ranks, over a gloo group) it measures:
   ``cudaMalloc`` of the same size measured in the same processes;
 * ``tilelang.tensor`` latency on the initialised heap (µs per call, with and without
   ``return_peers``), against ``torch.empty`` of the same shape on the same device.
+
+Without a GPU (or with ``--host``) it measures what a CPU can: the ``tilelang.tensor`` latency
+on a one-rank heap over host memory (the same Python path) against CPU ``torch.empty``.
 """
 
 from __future__ import annotations
@@ -74,11 +77,12 @@ def _cuda_malloc_time(size, repeats):
     return statistics.median(samples)
 
 
-def _per_call_us(fn, calls):
+def _per_call_us(fn, calls, cuda: bool = True):
     import torch
 
     fn()  # warm-up
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
@@ -103,6 +107,23 @@ def _tensor_latency(rank, world_size, use_vmm, calls, shape):
     return plain, peers, baseline
 
 
+def host_tensor_latency(calls: int, shape=(1024,)) -> tuple[float, float]:
+    """``(tilelang.tensor µs, torch.empty µs)`` per call on a one-rank heap over host memory
+    (tilescale_core.testing.HostBackend) and on the CPU."""
+    import tilelang
+    import torch
+    from tilescale_core.allocator import BaseAllocator
+    from tilescale_core.testing import HostBackend
+
+    nbytes = 256 * (calls + 4) + 4 * shape[0] * (calls + 4)
+    heap = BaseAllocator(nbytes, device="cpu", is_distributed=False, backend=HostBackend())
+    try:
+        plain = _per_call_us(lambda: tilelang.tensor(shape, "float32", allocator=heap), calls, cuda=False)
+    finally:
+        heap.close()
+    return plain, _per_call_us(lambda: torch.empty(shape, dtype=torch.float32), calls, cuda=False)
+
+
 def bench_rank(rank: int, world_size: int, use_vmm: bool, size: int, repeats: int, calls: int) -> dict:
     """Rank body: every measurement of one (path, world size) pair; rank 0's dict is reported."""
     import torch
@@ -124,14 +145,21 @@ def main(argv=None) -> int:
     parser.add_argument("--paths", default="ipc,vmm", help="ipc and/or vmm")
     parser.add_argument("--repeats", type=int, default=3, help="heaps timed per case (median)")
     parser.add_argument("--calls", type=int, default=2000, help="tilelang.tensor calls timed per case")
+    parser.add_argument("--host", action="store_true", help="only the host-memory tensor latency (also the default without a GPU)")
     args = parser.parse_args(argv)
 
     import torch
 
     from tilescale_core.multiprocess import run_ranks
 
-    if not torch.cuda.is_available():
-        print("no GPU on this machine: nothing to benchmark")
+    if args.host or not torch.cuda.is_available():
+        plain, empty = host_tensor_latency(args.calls)
+        print_table(
+            f"tilelang.tensor latency on a host-memory heap (CPU, 1 rank, 1024 float32, {args.calls} calls"
+            f"{'' if args.host else '; no GPU here: heap time-to-ready not measured'})",
+            ["tensor us", "torch.empty us", "ratio"],
+            [[plain, empty, ratio(plain, empty)]],
+        )
         return 0
     ready_rows, tensor_rows = [], []
     for label in args.paths.split(","):
