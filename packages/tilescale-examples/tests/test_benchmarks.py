@@ -11,19 +11,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tilescale_examples.benchmarks import allgather, alltoall, reducescatter
+from tilescale_examples.benchmarks import allgather, allreduce, alltoall, reducescatter
 from tilescale_examples.benchmarks import collectives as C
 
-NAMES = ["allgather", "reducescatter", "alltoall"]
-ENTRIES = {"allgather": allgather, "reducescatter": reducescatter, "alltoall": alltoall}
+NAMES = ["allgather", "reducescatter", "alltoall", "allreduce"]
+ENTRIES = {"allgather": allgather, "reducescatter": reducescatter, "alltoall": alltoall, "allreduce": allreduce}
+#: nccl-tests' bus factors: (n - 1) / n, twice that for all-reduce.
+TWICE = {"allreduce": 2}
 
 
 # ------------------------------------------------------------------------------ numbers
 @pytest.mark.parametrize("name", NAMES)
 def test_bus_bandwidth_is_nccl_tests_factor(name):
-    op = C.OPS[name]
-    assert [op.bus_factor(n) for n in (2, 4, 8)] == [1 / 2, 3 / 4, 7 / 8]
-    expect = 0.75 * (4 << 30) / 1e9
+    op, k = C.OPS[name], TWICE.get(name, 1)
+    assert [op.bus_factor(n) for n in (2, 4, 8)] == [k / 2, k * 3 / 4, k * 7 / 8]
+    expect = k * 0.75 * (4 << 30) / 1e9
     assert C.bus_bandwidth(4 << 30, 4, 1000.0, name) == pytest.approx(expect)
     assert ENTRIES[name].bus_bandwidth(4 << 30, 4, 1000.0) == pytest.approx(expect)
 
@@ -32,7 +34,8 @@ def test_bus_bandwidth_is_nccl_tests_factor(name):
 def test_bus_factor_matches_the_collectives_bus_bytes(name):
     """The benchmark counts the same bytes as the class's ``bus_bytes()`` (S = world shards)."""
     op, world, shard = C.OPS[name], 4, 10
-    fake = SimpleNamespace(world_size=world, shard_numel=shard, itemsize=2,
+    fake = SimpleNamespace(world_size=world, shard_numel=shard, itemsize=2, numel=world * shard,
+                           reduce_scatter=SimpleNamespace(itemsize=2),
                            input=torch.zeros(op.input_rows(world), shard, dtype=torch.float16),
                            output=torch.zeros(op.output_rows(world), shard, dtype=torch.float16))
     assert op.collective().bus_bytes(fake) == pytest.approx(op.bus_factor(world) * world * shard * 2)
@@ -45,7 +48,8 @@ def test_iters_and_shards():
 
 def test_heap_bytes_per_op():
     sizes, world, big = [4096, 1 << 30], 4, (1 << 30) // 4  # shard bytes at 1 GiB
-    ag, rs, a2a = (C.heap_bytes(n, sizes, world, 2) for n in NAMES)
+    ag, rs, a2a, ar = (C.heap_bytes(n, sizes, world, 2) for n in NAMES)
+    assert ar - a2a == 2 * big + 2 * 4096 // 4  # all-reduce: 2 * world + 2 shards
     assert ag == rs > (1 << 30) * 5 // 4  # world + 1 shards each: input + output
     assert a2a - ag == 3 * big + 3 * 4096 // 4  # 2 * world shards
     flags = 2 * world * 132 * 8

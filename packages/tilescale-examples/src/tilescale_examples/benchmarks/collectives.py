@@ -1,7 +1,8 @@
 """Bus bandwidth of the example collectives against torch.distributed, measured in the same run.
 
-What the all-gather, reduce-scatter and all-to-all benchmarks share; each has a thin entry
-module (``python -m tilescale_examples.benchmarks.allgather | reducescatter | alltoall``
+What the all-gather, reduce-scatter, all-to-all and all-reduce benchmarks share; each has a
+thin entry module (``python -m tilescale_examples.benchmarks.allgather | reducescatter |
+alltoall | allreduce``
 ``[--ranks 4] [--min-bytes 4096] [--max-bytes 1073741824] [--iters 20] [--dtype float16]``).
 Without a launcher the benchmark spawns its ranks (one per GPU with an NCCL group when there
 are enough GPUs, else sharing the GPUs with a gloo group); under ``tilescale-run -n 4
@@ -17,8 +18,8 @@ rank's time). A failed check is counted, printed in the row and makes the exit s
 The baseline is the torch.distributed collective on the host group, chosen by a probe on
 every run (the first candidate that gives the right answer on a small input): NCCL with one
 rank per GPU; gloo when ranks share a GPU (host staging, not NCCL, and time-sliced: the title
-says so). Bus bandwidth as nccl-tests define it for these three: ``busbw = (n - 1) / n * S /
-t``. The ratio column is TileScale / baseline (above 1: faster).
+says so). Bus bandwidth as nccl-tests define it: ``busbw = (n - 1) / n * S / t`` for the first
+three and ``2 (n - 1) / n * S / t`` for all-reduce (S its size). The ratio column is TileScale / baseline (above 1: faster).
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class Op:
     bus_factor: Callable[[int], float]
     reduces: bool = False
     grid_per_peer: bool = True  # grid chunks x world (else chunks)
+    #: The collective's shape argument for ``shard`` elements per rank and ``world`` ranks.
+    shape: Callable[[int, int], tuple] = lambda shard, world: (shard,)
 
     def collective(self):
         return getattr(importlib.import_module(f"tilescale_examples.{self.module}"), self.cls)
@@ -82,7 +85,7 @@ class Op:
         """The expected output on ``rank`` from every rank's input (the example's
         ``torch_reference``)."""
         ref = importlib.import_module(f"tilescale_examples.{self.module}").torch_reference
-        return ref(inputs) if self.module == "allgather" else ref(inputs, rank)
+        return ref(inputs) if self.module in ("allgather", "allreduce") else ref(inputs, rank)
 
 
 def _all_gather_into_tensor(dist, out, x, group, rank, world):
@@ -101,6 +104,11 @@ def _all_reduce_slice(dist, out, x, group, rank, world):
     total = x.clone()  # all_reduce works in place; the input must survive the call
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     out.copy_(total.view(world, -1)[rank])
+
+
+def _all_reduce(dist, out, x, group, rank, world):
+    out.copy_(x)  # all_reduce works in place; the input must survive the call
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
 
 
 def _all_to_all_single(dist, out, x, group, rank, world):
@@ -124,6 +132,11 @@ def _ring(world: int) -> float:
     return (world - 1) / world
 
 
+def _ring_twice(world: int) -> float:
+    """nccl-tests' bus factor of all-reduce: ``2 (n - 1) / n``."""
+    return 2 * (world - 1) / world
+
+
 _COPY_DTYPES = ("float16", "bfloat16", "float32", "uint8")
 OPS = {
     "allgather": Op("all-gather", "allgather", "AllGather",
@@ -140,6 +153,12 @@ OPS = {
                     Baseline("all_to_all", _all_to_all_lists),
                     Baseline("all_gather + select", _all_gather_select)),
                    _COPY_DTYPES, lambda n: n, lambda n: n, _ring),
+    # input: the reduce-scatter's (n rows); output: its shard, the all-gather's input shard
+    # and its n rows
+    "allreduce": Op("all-reduce", "allreduce", "AllReduce",
+                    (Baseline("all_reduce", _all_reduce),),
+                    ("float16", "bfloat16", "float32", "int32"), lambda n: n, lambda n: n + 2, _ring_twice,
+                    reduces=True, grid_per_peer=False, shape=lambda shard, world: (world * shard,)),
 }
 
 
@@ -284,7 +303,7 @@ def run(op, rank: int, world: int, group, device, args) -> list | None:
     name, baseline = pick_baseline(op, group, device, dtype)
     for nbytes in sizes:
         shard = shard_numel(nbytes, world, itemsize)
-        coll = cls(alloc, (shard,), dtype, group=group)  # collective: every rank, same order
+        coll = cls(alloc, op.shape(shard, world), dtype, group=group)  # collective: every rank, same order
         x = coll.input
         x.copy_(random_input(x.shape, dtype, torch.Generator().manual_seed(rank * 7919 + nbytes % 1000003)))
         ref = torch.empty(coll.output.numel(), dtype=dtype, device=device)
