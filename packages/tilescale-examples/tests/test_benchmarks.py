@@ -291,3 +291,20 @@ def test_heap_benchmark_host_mode_prints_its_table(capsys):
     assert "tilelang.tensor latency on a host-memory heap" in out and "torch.empty us" in out
     plain, empty = heap.host_tensor_latency(20)
     assert plain > 0 and empty > 0
+
+
+def test_ag_gemm_benchmark_numbers_and_arguments(monkeypatch, capsys):
+    from tilescale_examples.benchmarks import ag_gemm
+
+    assert ag_gemm.tflops(2e12, 1000.0) == pytest.approx(2.0)
+    for argv, message in ((["--ranks", "0"], "--ranks must be >= 1"),
+                          (["--m-local", "a,b"], "--m-local must be comma-separated ints"),
+                          (["--k", "0"], "must be positive")):
+        with pytest.raises(SystemExit):
+            ag_gemm.main(argv)
+        assert message in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert ag_gemm.main([]) == 0
+    assert "no CUDA GPU visible, nothing to measure" in capsys.readouterr().out
+    assert pickle.loads(pickle.dumps(ag_gemm.run)) is ag_gemm.run
+    assert pickle.loads(pickle.dumps(C._run_op)) is C._run_op

@@ -35,7 +35,7 @@ from typing import Callable
 from tilescale_examples.report import format_bytes, gb_per_s, print_table, ratio, size_sweep
 
 __all__ = ["Op", "Baseline", "OPS", "bus_bandwidth", "pick_baseline", "outputs_match", "tolerance",
-           "heap_bytes", "title", "run", "main", "entry"]
+           "heap_bytes", "title", "run", "main", "entry", "run_on_ranks", "time_ms"]
 
 HEADERS = ["size", "shard", "blocks", "TileScale GB/s", "baseline GB/s", "ratio",
            "TileScale us", "baseline us", "check"]
@@ -256,7 +256,7 @@ def pick_baseline(op, group, device, dtype, dist=None):
 
 
 # ------------------------------------------------------------------------------ timing
-def _time_ms(fn, iters: int, group, device) -> float:
+def time_ms(fn, iters: int, group, device) -> float:
     """Milliseconds per call of ``iters`` back-to-back calls (after 2 warm-up calls), timed
     with CUDA events on each rank; the slowest rank's time (every rank gets the same)."""
     import torch
@@ -316,8 +316,8 @@ def run(op, rank: int, world: int, group, device, args) -> list | None:
         failures += bad
         total = world * shard * itemsize
         it = iters_for(total, args.iters)
-        ts_ms = _time_ms(lambda: coll(x), it, group, device)
-        ref_ms = _time_ms(lambda: baseline(ref, x.view(-1)), it, group, device)
+        ts_ms = time_ms(lambda: coll(x), it, group, device)
+        ref_ms = time_ms(lambda: baseline(ref, x.view(-1)), it, group, device)
         ts_bw, ref_bw = bus_bandwidth(total, world, ts_ms, op), bus_bandwidth(total, world, ref_ms, op)
         grid = f"{coll.chunks}x{world}" if op.grid_per_peer else f"{coll.chunks}"
         rows.append([format_bytes(total), format_bytes(shard * itemsize), grid, ts_bw, ref_bw,
@@ -346,14 +346,44 @@ def title(op, world: int, backend: str, gpus: int, dtype: str, baseline: str | N
     return f"{op.name} bus bandwidth, {world} ranks, {dtype}, {mode}; {base}; busbw = (n-1)/n * size / t"
 
 
-def _spawned_rank(rank: int, world: int, op: str, args, share: bool):
+def _spawned_rank(rank: int, world: int, fn, fn_args, share: bool):
     import torch
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # *_into_tensor renames
     device = torch.device("cuda", rank % torch.cuda.device_count() if share else rank)
     torch.cuda.set_device(device)
-    return run(op, rank, world, dist.group.WORLD, device, args)
+    return fn(rank, world, dist.group.WORLD, device, *fn_args)
+
+
+def run_on_ranks(fn, ranks: int, *fn_args):
+    """Run ``fn(rank, world, group, device, *fn_args)`` on every rank and return ``(rank 0's
+    result, backend, world)``: under ``tilescale-run``/torchrun on the launcher's ranks (group
+    from ``init_dist``), otherwise on ``ranks`` spawned ranks (NCCL with one GPU each, gloo
+    when they share GPUs). ``fn`` must be picklable (module level)."""
+    import torch
+
+    if "LOCAL_RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:  # under tilescale-run / torchrun
+        import torch.distributed as dist
+
+        from tilelang.distributed.host import init_dist
+
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        rank, world, group = init_dist(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
+        result = fn(rank, world, group, torch.device("cuda", torch.cuda.current_device()), *fn_args)
+        backend = dist.get_backend(group)
+        dist.destroy_process_group()
+        return (result if rank == 0 else None), backend, world
+    from tilescale_core.multiprocess import run_ranks
+
+    share = torch.cuda.device_count() < ranks
+    backend = "gloo" if share else "nccl"
+    result = run_ranks(_spawned_rank, ranks, args=(fn, fn_args, share), backend=backend, timeout=1200)[0]
+    return result, backend, ranks
+
+
+def _run_op(rank: int, world: int, group, device, op: str, args):
+    return run(op, rank, world, group, device, args)
 
 
 def parser(op) -> argparse.ArgumentParser:
@@ -386,25 +416,9 @@ def main(op, argv=None) -> int:
     if gpus == 0:
         print(f"{op.name} benchmark: no CUDA GPU visible, nothing to measure")
         return 0
-    if "LOCAL_RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:  # under tilescale-run / torchrun
-        import torch.distributed as dist
-
-        from tilelang.distributed.host import init_dist
-
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        rank, world, group = init_dist(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
-        result = run(op, rank, world, group, torch.device("cuda", torch.cuda.current_device()), args)
-        backend = dist.get_backend(group)
-        dist.destroy_process_group()
-        if rank != 0:
-            return 0
-    else:
-        from tilescale_core.multiprocess import run_ranks
-
-        world = args.ranks
-        share = gpus < world
-        backend = "gloo" if share else "nccl"
-        result = run_ranks(_spawned_rank, world, args=(op.module, args, share), backend=backend, timeout=1200)[0]
+    result, backend, world = run_on_ranks(_run_op, args.ranks, op.module, args)
+    if result is None:  # a launcher rank other than 0
+        return 0
     rows, failures, baseline = result
     print_table(title(op, world, backend, min(gpus, world), args.dtype, baseline), HEADERS, rows)
     print(f"\ncorrectness ({_check_name(tolerance(op, args.dtype, world))} vs the baseline's output, "
