@@ -43,7 +43,7 @@ from typing import Optional, Union
 import torch
 
 from tilescale_examples.allgather import AllGather
-from tilescale_examples.collective import TARGET, SymmetricCollective, check_dtype
+from tilescale_examples.collective import TARGET, Closable, check_dtype, check_tensor
 
 __all__ = ["AllGatherGEMM", "build_gemm_kernel", "torch_reference"]
 
@@ -100,7 +100,7 @@ def torch_reference(a_shards, b: torch.Tensor) -> torch.Tensor:
     return torch.cat([a.float() for a in a_shards], dim=0) @ b.float()
 
 
-class AllGatherGEMM:
+class AllGatherGEMM(Closable):
     """``out = all_gather(a) @ b`` with the all-gather overlapped with the GEMM.
 
     Args:
@@ -150,8 +150,8 @@ class AllGatherGEMM:
     def check_inputs(self, a, b) -> None:
         """Raise ``TypeError`` / ``ValueError`` naming ``a`` or ``b`` unless they are contiguous
         ``(m_local, k)`` and ``(k, n)`` tensors of this dtype on the allocator's device."""
-        SymmetricCollective.check_tensor(self, a, (self.m_local, self.k), "a", "(m_local, k) =")
-        SymmetricCollective.check_tensor(self, b, (self.k, self.n), "b", "(k, n) =")
+        check_tensor(a, (self.m_local, self.k), self.dtype, self.device, "a", "(m_local, k) =", "AllGatherGEMM")
+        check_tensor(b, (self.k, self.n), self.dtype, self.device, "b", "(k, n) =", "AllGatherGEMM")
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``all_gather(a) @ b`` on the current stream; returns ``self.output``."""
@@ -182,12 +182,6 @@ class AllGatherGEMM:
     def closed(self) -> bool:
         """Whether ``close()`` has been called."""
         return self.kernel is None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"AllGatherGEMM(m_local={self.m_local}, k={self.k}, n={self.n}, dtype={self.dtype}, "

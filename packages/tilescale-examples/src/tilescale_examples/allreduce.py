@@ -29,7 +29,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from tilescale_examples.allgather import AllGather
-from tilescale_examples.collective import SymmetricCollective, check_shape
+from tilescale_examples.collective import Closable, check_shape, check_tensor
 from tilescale_examples.reducescatter import ReduceScatter
 from tilescale_examples.reducescatter import torch_reference as _rs_reference
 
@@ -46,7 +46,7 @@ def torch_reference(inputs: Sequence[torch.Tensor], rank: int = 0) -> torch.Tens
     return _rs_reference([x.reshape(1, -1) for x in inputs], 0).view(inputs[0].shape)
 
 
-class AllReduce:
+class AllReduce(Closable):
     """A reusable sum all-reduce of one shape and dtype over an allocator's ranks.
 
     Args:
@@ -96,7 +96,7 @@ class AllReduce:
         if self.closed:
             raise RuntimeError("this AllReduce is closed")
         self.reduce_scatter._check_open()
-        SymmetricCollective.check_tensor(self, input, self.shape, "input", "the shape")
+        check_tensor(input, self.shape, self.dtype, self.device, "input", "the shape", "AllReduce")
         if input.data_ptr() != self.input.data_ptr():
             self.input.copy_(input)
         part = self.reduce_scatter(self.reduce_scatter.input)
@@ -118,12 +118,6 @@ class AllReduce:
     def closed(self) -> bool:
         """Whether ``close()`` has been called."""
         return self.reduce_scatter.closed
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"AllReduce(shape={self.shape}, dtype={self.dtype}, world_size={self.world_size}, "

@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["SymmetricCollective", "plan_chunks", "TARGET", "DTYPES"]
+__all__ = ["SymmetricCollective", "Closable", "check_tensor", "plan_chunks", "TARGET", "DTYPES"]
 
 #: Default TileLang target (H100/H200).
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -90,7 +90,38 @@ def check_dtype(dtype, allowed=None) -> torch.dtype:
     return dtype
 
 
-class SymmetricCollective:
+def check_tensor(tensor, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device, name: str = "input",
+                 shape_name: str = "the shape", owner: str = "collective") -> None:
+    """Raise ``TypeError`` / ``ValueError`` naming ``name`` unless ``tensor`` is a contiguous
+    tensor of ``shape`` (called ``shape_name`` in the message), ``dtype`` and ``device``;
+    ``owner`` names what was built for that dtype."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != dtype:
+        raise TypeError(f"{name} has dtype {tensor.dtype}, this {owner} was built for {dtype}")
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape_name} {tuple(shape)}")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, the allocator's heap is on {device}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+
+
+class Closable:
+    """Context-manager lifetime: ``with X(...) as x:`` calls ``x.close()`` on exit.
+    Subclasses define ``close()`` (idempotent) and ``closed``."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class SymmetricCollective(Closable):
     """Base of the example collectives: validated arguments, buffers on the symmetric heap,
     one rank-agnostic kernel compiled once per host, and an explicit lifetime.
 
@@ -161,19 +192,8 @@ class SymmetricCollective:
             dist.barrier(group=self.group)
 
     def check_tensor(self, tensor, shape: Tuple[int, ...], name: str = "input", shape_name: str = "the shape") -> None:
-        """Raise ``TypeError`` / ``ValueError`` naming ``name`` unless ``tensor`` is a contiguous
-        tensor of ``shape`` (called ``shape_name`` in the message) and this collective's dtype
-        on the allocator's device."""
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype != self.dtype:
-            raise TypeError(f"{name} has dtype {tensor.dtype}, this {type(self).__name__} was built for {self.dtype}")
-        if tuple(tensor.shape) != tuple(shape):
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape_name} {tuple(shape)}")
-        if tensor.device != self.device:
-            raise ValueError(f"{name} is on {tensor.device}, the allocator's heap is on {self.device}")
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+        """:func:`check_tensor` against this collective's dtype and device."""
+        check_tensor(tensor, shape, self.dtype, self.device, name, shape_name, type(self).__name__)
 
     #: How error messages call the expected input shape (``input_shape``).
     INPUT_SHAPE_NAME = "(world_size, *shard_shape) ="
@@ -227,9 +247,3 @@ class SymmetricCollective:
     def closed(self) -> bool:
         """Whether ``close()`` has been called."""
         return self._closed
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
