@@ -112,8 +112,9 @@ def roundtrip_rank(rank: int, world_size: int, use_vmm: bool, numel: int = 1 << 
     import torch.distributed as dist
 
     import tilescale_core
+    from tilescale_core.multiprocess import rank_device
 
-    torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.cuda.set_device(rank_device(rank))
     allocator = tilescale_core.get_allocator(
         size=64 << 20, local_rank=rank, num_local_ranks=world_size, group=dist.group.WORLD, use_vmm=use_vmm
     )

@@ -346,12 +346,13 @@ def title(op, world: int, backend: str, gpus: int, dtype: str, baseline: str | N
     return f"{op.name} bus bandwidth, {world} ranks, {dtype}, {mode}; {base}; busbw = (n-1)/n * size / t"
 
 
-def _spawned_rank(rank: int, world: int, fn, fn_args, share: bool):
+def _spawned_rank(rank: int, world: int, fn, fn_args):
     import torch
     import torch.distributed as dist
+    from tilescale_core.multiprocess import rank_device
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # *_into_tensor renames
-    device = torch.device("cuda", rank % torch.cuda.device_count() if share else rank)
+    device = torch.device(rank_device(rank))  # its own GPU, or shared round-robin
     torch.cuda.set_device(device)
     return fn(rank, world, dist.group.WORLD, device, *fn_args)
 
@@ -374,11 +375,10 @@ def run_on_ranks(fn, ranks: int, *fn_args):
         backend = dist.get_backend(group)
         dist.destroy_process_group()
         return (result if rank == 0 else None), backend, world
-    from tilescale_core.multiprocess import run_ranks
+    from tilescale_core.multiprocess import auto_backend, run_ranks
 
-    share = torch.cuda.device_count() < ranks
-    backend = "gloo" if share else "nccl"
-    result = run_ranks(_spawned_rank, ranks, args=(fn, fn_args, share), backend=backend, timeout=1200)[0]
+    backend = auto_backend(ranks, share=False)  # NCCL when every rank has a GPU, else gloo
+    result = run_ranks(_spawned_rank, ranks, args=(fn, fn_args), backend=backend, timeout=1200)[0]
     return result, backend, ranks
 
 

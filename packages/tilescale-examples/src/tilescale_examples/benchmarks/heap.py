@@ -129,7 +129,9 @@ def bench_rank(rank: int, world_size: int, use_vmm: bool, size: int, repeats: in
     import torch
 
     os.environ.pop("TILESCALE_USE_VMM", None)
-    torch.cuda.set_device(rank % torch.cuda.device_count())
+    from tilescale_core.multiprocess import rank_device
+
+    torch.cuda.set_device(rank_device(rank))
     torch.empty(1, device="cuda")  # CUDA context outside the timings
     path, ready = _time_to_ready(rank, world_size, size, use_vmm, repeats)
     malloc = _cuda_malloc_time(size, repeats)
