@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import tilelang
 import torch
-from conftest import CpuAllocator, close_rank_heap, kernel_body, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
+from examples_helpers import CpuAllocator, close_rank_heap, kernel_body, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
 
 from tilescale_examples.ag_gemm import AllGatherGEMM, build_gemm_kernel, torch_reference
 from tilescale_examples.collective import TARGET, plan_chunks

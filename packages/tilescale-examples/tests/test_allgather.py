@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import tilelang  # noqa: F401  (the import hook attaches tilescale-lang)
 import torch
-from conftest import CpuAllocator, close_rank_heap, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
+from examples_helpers import CpuAllocator, close_rank_heap, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
 
 from tilescale_examples import allgather as ag_mod
 from tilescale_examples.allgather import AllGather, build_allgather_kernel, plan_chunks, torch_reference

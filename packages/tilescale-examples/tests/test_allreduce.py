@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CpuAllocator, close_rank_heap, open_rank_heap, run_gpu_ranks
+from examples_helpers import CpuAllocator, close_rank_heap, open_rank_heap, run_gpu_ranks
 
 from tilescale_examples.allreduce import AllReduce, torch_reference
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import tilelang
 import torch
-from conftest import CpuAllocator, close_rank_heap, kernel_body, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
+from examples_helpers import CpuAllocator, close_rank_heap, kernel_body, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
 
 from tilescale_examples.collective import TARGET, plan_chunks
 from tilescale_examples.reducescatter import ReduceScatter, build_reducescatter_kernel, torch_reference

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import tilelang.language as T
-from conftest import kernel_body, lower_source, needs_nvcc, nvcc_ptx, nvcc_registers
+from lang_helpers import kernel_body, lower_source, needs_nvcc, nvcc_ptx, nvcc_registers
 
 S = "tilescale::Scope::"
 _WAIT_DTYPE = "uint32"

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import tilelang
 import tilelang.language as T
-from conftest import NVCC, TARGET, lower_source, needs_nvcc
+from lang_helpers import NVCC, TARGET, lower_source, needs_nvcc
 
 from tilescale_lang import codegen, headers
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 import tilelang.language as T
-from conftest import NVCC, kernel_body, lower_source, needs_nvcc, nvcc_ptx
+from lang_helpers import NVCC, kernel_body, lower_source, needs_nvcc, nvcc_ptx
 
 from tilescale_lang.multimem import MultimemReduceOp
 

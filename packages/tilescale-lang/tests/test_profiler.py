@@ -8,7 +8,7 @@ import json
 import pytest
 import tilelang.language as T
 import torch
-from conftest import kernel_body, lower_source, needs_nvcc, nvcc_ptx
+from lang_helpers import kernel_body, lower_source, needs_nvcc, nvcc_ptx
 
 from tilescale_lang import profiler as P
 

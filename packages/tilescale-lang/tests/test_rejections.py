@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import tilelang.language as T
-from conftest import FakeAllocator
+from lang_helpers import FakeAllocator
 
 from tilescale_lang import metadata
 

@@ -1,0 +1,99 @@
+"""Shared helpers of the examples' tests: a CPU stand-in allocator, lowering, nvcc/GPU gates.
+
+A module of its own, with a name no other package's tests use, so that one pytest run can
+collect every package's tests (``conftest`` is not importable by name across packages)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+if "CUDA_HOME" not in os.environ and os.path.isdir("/usr/local/cuda"):
+    # /usr/local/bin/nvcc may be a shim that misleads TileLang's CUDA_HOME detection
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+import tilelang  # noqa: E402,F401  (the import hook attaches tilescale-lang)
+import torch  # noqa: E402
+from tilescale_lang.codegen import cuda_source  # noqa: E402
+
+from tilescale_examples.collective import TARGET  # noqa: E402
+
+NVCC = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+needs_nvcc = pytest.mark.skipif(not (os.path.exists(NVCC) or shutil.which("nvcc")), reason="nvcc not found (set CUDA_HOME)")
+
+
+def have_gpu() -> bool:
+    """Whether torch sees a CUDA GPU."""
+    try:
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def lower_source(func) -> str:
+    """CUDA source of ``func`` under the examples' target, without nvcc."""
+    return cuda_source(func, TARGET)
+
+
+def kernel_body(src: str) -> str:
+    """The ``__global__`` function of a generated source."""
+    return src[src.index('extern "C" __global__ void __launch_bounds__'):]
+
+
+class CpuAllocator:
+    """Stand-in for a tilescale-core allocator on the CPU: hands out CPU tensors filled with
+    garbage (so zeroing is observable) and records every allocation."""
+
+    def __init__(self, num_ranks=2, rank=0):
+        self.num_ranks = num_ranks
+        self.local_rank = rank
+        self.device = torch.device("cpu")
+        self.closed = False
+        self.table = torch.tensor([rank, num_ranks] + [(i + 1) << 32 for i in range(num_ranks)], dtype=torch.uint64)
+        self.allocations = []
+
+    def _allocate_tensor(self, shape, dtype, return_peers=False):
+        self.allocations.append((tuple(shape), dtype))
+        return torch.full(tuple(shape), 7, dtype=dtype)
+
+
+def run_gpu_ranks(body, world: int, tmp_path_factory, name: str) -> list:
+    """Run ``body(rank, world, cache_dir)`` on ``world`` ranks (NCCL with one GPU per rank,
+    gloo when they share GPUs: ``run_ranks(backend="auto")``; 240 s deadline) with a
+    TileLang cache shared by the session; skips without a GPU."""
+    if not have_gpu():
+        pytest.skip("needs a CUDA GPU (none visible)")
+    from tilescale_core.multiprocess import run_ranks
+
+    cache = str(tmp_path_factory.getbasetemp() / f"tilelang-cache-{name}")
+    return run_ranks(body, world, args=(cache,), backend="auto", timeout=240)
+
+
+def open_rank_heap(rank: int, world: int, cache_dir: str, size: int, device: str | None = None):
+    """A GPU rank body's setup: the shared TileLang cache, a 30 s wait timeout (a lost signal
+    traps instead of hanging), the device (default: ``rank_device(rank)``, i.e. cuda:0 when
+    the ranks share one GPU, the rank's own GPU otherwise) and a distributed heap."""
+    os.environ["TILELANG_CACHE_DIR"] = cache_dir
+    os.environ.setdefault("TILESCALE_WAIT_TIMEOUT_MS", "30000")
+    import torch.distributed as dist
+    from tilescale_core.multiprocess import rank_device
+
+    device = rank_device(rank) if device is None else device
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(device)
+    return tilelang.get_allocator(size=size, device=device, is_distributed=True, local_rank=rank,
+                                  num_local_ranks=world, group=dist.group.WORLD)
+
+
+def close_rank_heap(alloc, rank: int, checks: int) -> dict:
+    """A GPU rank body's teardown (device sync, barrier, collective close); its report."""
+    import torch.distributed as dist
+
+    if torch.device(alloc.device).type == "cuda":
+        torch.cuda.synchronize(alloc.device)
+    dist.barrier()
+    alloc.close()
+    return {"rank": rank, "checks": checks}
