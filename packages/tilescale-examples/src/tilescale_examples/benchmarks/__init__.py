@@ -1,0 +1,5 @@
+"""TileScale's benchmarks; each prints a table with ratios to a baseline measured in the same
+run. ``python -m tilescale_examples.benchmarks`` runs them all (see :mod:`.__main__`)."""
+
+#: Every benchmark module, in the order ``python -m tilescale_examples.benchmarks`` runs them.
+BENCHMARKS = ("heap", "signals", "putget", "allgather", "reducescatter", "alltoall", "allreduce", "ag_gemm")

@@ -1,0 +1,99 @@
+"""``python -m tilescale_examples.demo``: end to end without a GPU (every kernel lowered and
+compiled by nvcc for sm_90a, every row in the table and the JSON), and on GPUs (marked ``gpu``:
+every row checked against torch.distributed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from examples_helpers import have_gpu, needs_nvcc
+
+from tilescale_examples import demo
+
+
+def _run_demo(tmp_path, timeout: float):
+    out_json = tmp_path / "demo.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    res = subprocess.run([sys.executable, "-m", "tilescale_examples.demo", "--json", str(out_json),
+                          "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=timeout, env=env)
+    return res, (json.loads(out_json.read_text()) if out_json.exists() else None)
+
+
+def _expected_rows(world: int) -> list[tuple[str, str]]:
+    return [(c.op, c.label(world)) for c in demo.CASES]
+
+
+def test_cases_cover_every_op_at_two_sizes():
+    ops = [c.op for c in demo.CASES]
+    assert ops == ["ring put"] * 2 + ["all-gather"] * 2 + ["all-reduce"] * 2 + ["AllGatherGEMM"] * 2
+    for op in set(ops):
+        assert len({c.size for c in demo.CASES if c.op == op}) == 2, op
+
+
+@needs_nvcc
+@pytest.mark.timeout(600)
+def test_demo_without_gpu_compiles_every_kernel(tmp_path):
+    if have_gpu():
+        pytest.skip("a GPU is visible: the demo takes its GPU path (test_demo_on_gpus)")
+    res, report = _run_demo(tmp_path, timeout=580)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    out = res.stdout
+    # the doctor's summary first, then one progress line per step, the table, the closing line
+    assert out.index("doctor:") < out.index("step 1/8") < out.index("step 8/8") < out.index("== no GPU here")
+    assert "VMM fabric:" in out and "toolkit:" in out
+    assert "On a GPU machine the same command runs these kernels" in out
+    assert report["mode"] == "compile"
+    assert [(r["op"], r["size"]) for r in report["rows"]] == _expected_rows(demo.MIN_RANKS)
+    table = out[out.index("== no GPU here"):]
+    for op, size in _expected_rows(demo.MIN_RANKS):
+        assert any(line.split()[:1] and op in line and size in line for line in table.splitlines()), (op, size)
+    cubins = 0
+    for row in report["rows"]:
+        assert row["compile_s"] > 0
+        for path in row["files"]:
+            assert path.startswith(str(tmp_path / "out")) and os.path.getsize(path) > 0, path
+            if path.endswith(".cubin"):
+                cubins += 1
+                with open(path, "rb") as f:
+                    assert f.read(4) == b"\x7fELF", path
+            if path.endswith("device_kernel.cu"):
+                assert "tilescale::" in open(path).read(), path  # TileScale's device code inside
+        assert row["kernels"] == sum(p.endswith(".cubin") for p in row["files"])
+    # ring put, all-gather and all-reduce x 2, AllGatherGEMM x 2 (all-gather + GEMM): at least 9
+    # distinct kernels (an all-reduce's all-gather may equal an all-gather row's kernel)
+    assert cubins >= 9
+
+
+def test_render_gpu_table_has_every_column():
+    rows = [dict(op="all-gather", size="1 MiB", tilescale_us=12.0, baseline_us=24.0, ratio=2.0,
+                 baseline="all_gather_into_tensor", check="ok")]
+    text = demo.render("gpu", "T", rows)
+    assert text.splitlines()[1].split() == ["op", "size", "TileScale", "us", "baseline", "us", "ratio", "check"]
+    assert "all-gather: all_gather_into_tensor" in text and "2.000" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(400)
+def test_demo_on_gpus(tmp_path):
+    """One rank per GPU (2 sharing one GPU): every row checked against torch.distributed."""
+    if not have_gpu():
+        pytest.skip("needs a CUDA GPU (none visible)")
+    import torch
+
+    res, report = _run_demo(tmp_path, timeout=380)
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-4000:]
+    gpus = torch.cuda.device_count()
+    world = max(demo.MIN_RANKS, gpus)
+    assert report["mode"] == "gpu"
+    assert [(r["op"], r["size"]) for r in report["rows"]] == _expected_rows(world)
+    assert all(r["check"] == "ok" for r in report["rows"]), report["rows"]
+    assert all(r["tilescale_us"] > 0 and r["baseline_us"] > 0 for r in report["rows"])
+    if gpus == 1:
+        assert "SHARING 1 GPU: times are time-sliced, NOT a speed measurement" in report["title"]
+    else:
+        assert "one per GPU" in report["title"] and "NCCL" in report["title"]
+    print(res.stdout[res.stdout.index("== TileScale vs torch"):])
