@@ -5,12 +5,26 @@ Sessions (``nox -l`` lists them):
 - ``tests``: the CPU suite. Each wheel is installed, with only the tilescale wheels it
   depends on, into its own virtual environment and its tests run there (``-m "not gpu"``).
   ``nox -s "tests(package='core')"`` runs one package.
-- ``doctor``: the main job until the examples exist: versions, CUDA, GPUs, memory paths,
-  topology, and on a GPU machine a 2-rank heap round trip.
+- ``demo``: the README's main job (``python -m tilescale_examples.demo``): the doctor's
+  summary, then the ring put, all-gather, all-reduce and AllGatherGEMM against torch on the
+  GPUs (or, without one, their nvcc compiles for sm_90a).
+- ``collect``: every package's tests collected in ONE pytest run (``-m gpu --collect-only``),
+  so helper modules that collide across packages cannot come back.
+- ``doctor``: versions, CUDA, GPUs, memory paths, topology, and on a GPU machine a 2-rank heap
+  round trip.
 - ``docs``: builds ``docs/`` with Sphinx, warnings as errors, API pages from docstrings.
-- ``gpu``: the GPU suite of every package with ranks sharing the visible GPUs
-  (``TILESCALE_SHARE_GPUS=1``); ``gpu-4`` runs it with one rank per GPU on 4 GPUs.
-- ``bench``: every benchmark in tilescale-examples, each printing ratios to its baseline.
+- ``gpu``: the GPU suite of every package in one pytest run, ranks sharing the visible GPUs
+  (``TILESCALE_SHARE_GPUS=1``); ``gpu-4`` runs it with one rank per GPU and NCCL, and stops
+  with a message when fewer than 4 GPUs are visible.
+- ``bench``: every benchmark in tilescale-examples, each printing ratios to its baseline
+  (without a GPU: one line per benchmark, exit 0).
+- ``matrix(cuda=...)``: the lang and examples CPU suites against CUDA toolkit 12.1, 12.2, 13.1
+  (installed from the registry's wheels) or the machine's own (``local``); :data:`MATRIX` is
+  the compatibility table (``nox -s matrix_table`` prints it; ``docs/compatibility.md``).
+- ``lower-bounds``: each wheel with every dependency at its declared lowest version.
+- ``build``: each package's wheel and sdist into ``dist/``; ``install-parts(part=...)``
+  installs tilescale-lang alone, tilescale-host alone, the meta package with ``[distributed]``
+  and the examples, each into a fresh environment from ``dist/``, and smoke-tests them.
 
 On a machine without a package registry (the GPU machines), run a session against the
 already-installed packages with ``nox --no-venv -s gpu`` (or use ``ci/device-check.sh``).
@@ -19,6 +33,7 @@ already-installed packages with ``nox --no-venv -s gpu`` (or use ``ci/device-che
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import nox
@@ -33,6 +48,41 @@ LOCAL_DEPENDENCIES = {
     "examples": ["core", "host", "lang"],
 }
 CONSTRAINTS = ROOT / "ci" / "constraints.txt"
+DIST = ROOT / "dist"
+#: Wheels built by ``nox -s build``: directory -> distribution name.
+WHEELS = {"tilescale-core": "tilescale-core", "tilescale-host": "tilescale-host",
+          "tilescale-lang": "tilescale-lang", "tilescale-examples": "tilescale-examples", "tilescale": "tilescale"}
+
+#: The CUDA toolkit compatibility matrix, in one place: per toolkit, the registry wheels that
+#: make it (``toolkit``), how kernels are compiled with it, and the torch, cuda-bindings and
+#: tilelang it is tested with. The CUDA 12.1/12.2 nvcc wheels hold ptxas but no nvcc driver:
+#: kernels compile with that toolkit's NVRTC and ptxas; CCCL comes from 12.9 because stock
+#: tilelang's CUTLASS 4.1 needs libcu++'s <cuda/std/cassert> under NVRTC, which 12.1/12.2's
+#: CCCL lacks. ``local`` is the machine's toolkit ($CUDA_HOME or /usr/local/cuda).
+MATRIX = {
+    "12.1": {
+        "toolkit": ["nvidia-cuda-nvcc-cu12==12.1.105", "nvidia-cuda-nvrtc-cu12==12.1.105",
+                    "nvidia-cuda-runtime-cu12==12.1.105", "nvidia-cuda-cccl-cu12==12.9.27"],
+        "layout": "cu12", "compiler": "NVRTC 12.1 + ptxas 12.1",
+        "torch": "2.13.0", "cuda-bindings": "12.9.4", "tilelang": "0.1.15",
+    },
+    "12.2": {
+        "toolkit": ["nvidia-cuda-nvcc-cu12==12.2.140", "nvidia-cuda-nvrtc-cu12==12.2.140",
+                    "nvidia-cuda-runtime-cu12==12.2.140", "nvidia-cuda-cccl-cu12==12.9.27"],
+        "layout": "cu12", "compiler": "NVRTC 12.2 + ptxas 12.2",
+        "torch": "2.13.0", "cuda-bindings": "12.9.4", "tilelang": "0.1.15",
+    },
+    "13.1": {
+        "toolkit": ["nvidia-cuda-nvcc==13.1.115", "nvidia-cuda-crt==13.1.115", "nvidia-nvvm==13.1.115",
+                    "nvidia-cuda-runtime==13.1.80", "nvidia-cuda-cccl==13.1.115"],
+        "layout": "cu13", "compiler": "nvcc 13.1",
+        "torch": "2.13.0", "cuda-bindings": "13.1.1", "tilelang": "0.1.15",
+    },
+    "local": {
+        "toolkit": [], "layout": "local", "compiler": "nvcc of $CUDA_HOME (or /usr/local/cuda)",
+        "torch": "2.13.0", "cuda-bindings": "any >= 12.8 (newest)", "tilelang": "0.1.15",
+    },
+}
 
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"
@@ -99,11 +149,18 @@ def docs(session: nox.Session) -> None:
     )
 
 
+def _visible_gpus(session: nox.Session) -> int:
+    out = session.run("python", "-c", "import torch; print(torch.cuda.device_count())", silent=True)
+    return int(str(out).strip().splitlines()[-1]) if out else 0
+
+
 def _gpu_suite(session: nox.Session, share_gpus: bool) -> None:
+    """Every package's GPU tests in ONE pytest run (the helpers' module names are unique)."""
     _install(session, "examples", extras="test", editable=True)
     env = {**_cuda_env(), "TILESCALE_SHARE_GPUS": "1" if share_gpus else "0"}
     tests = [str(PACKAGES / f"tilescale-{p}" / "tests") for p in LOCAL_DEPENDENCIES]
-    session.run("python", "-m", "pytest", *tests, "-m", "gpu", "-q", "-rs", *session.posargs, env=env)
+    session.run("python", "-m", "pytest", *tests, "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
+                *session.posargs, env=env)
 
 
 @nox.session
@@ -112,15 +169,222 @@ def gpu(session: nox.Session) -> None:
     _gpu_suite(session, share_gpus=True)
 
 
+#: GPUs ``gpu-4`` needs: its 4-rank tests run one rank per GPU over NCCL.
+GPU4_GPUS = 4
+
+
 @nox.session(name="gpu-4")
 def gpu_4(session: nox.Session) -> None:
-    """GPU suite with one rank per GPU on a 4-GPU machine (NCCL host groups)."""
+    """GPU suite with one rank per GPU and NCCL host groups; needs 4 or more visible GPUs."""
+    _install(session, "examples", extras="test", editable=True)
+    gpus = _visible_gpus(session)
+    if gpus < GPU4_GPUS:
+        session.error(
+            f"gpu-4 needs {GPU4_GPUS} or more visible CUDA GPUs (one rank per GPU, NCCL host groups); "
+            f"this machine has {gpus}. Run `nox -s gpu` instead: ranks share the visible GPUs over gloo."
+        )
     _gpu_suite(session, share_gpus=False)
 
 
 @nox.session
-def bench(session: nox.Session) -> None:
-    """Run every benchmark of tilescale-examples (GPU machine)."""
+def collect(session: nox.Session) -> None:
+    """Collect every package's tests in ONE pytest run (``-m gpu --collect-only``): a test
+    helper module that two packages both name (``conftest`` imports, ``helpers.py``) fails here."""
+    _install(session, "examples", extras="test")
+    tests = [str(PACKAGES / f"tilescale-{p}" / "tests") for p in LOCAL_DEPENDENCIES]
+    out = session.run("python", "-m", "pytest", *tests, "-m", "gpu", "--collect-only", "-q",
+                      "-p", "no:cacheprovider", env=_cuda_env(), silent=True)
+    lines = str(out).splitlines()
+    print("\n".join(lines[-3:]))
+    for p in LOCAL_DEPENDENCIES:  # each package contributes GPU tests to the one run
+        if not any(f"tilescale-{p}/tests/" in line for line in lines):
+            session.error(f"the one-run collection has no GPU test of tilescale-{p}:\n" + "\n".join(lines[-20:]))
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The README's main job: the doctor's summary, then the kernels users come for (on the
+    GPUs against torch; without one, their nvcc compiles for sm_90a)."""
     _install(session, "examples")
-    for name in ("heap", "signals", "putget", "allgather", "reducescatter", "alltoall", "allreduce", "ag_gemm"):
-        session.run("python", "-m", f"tilescale_examples.benchmarks.{name}", env=_cuda_env())
+    session.run("python", "-m", "tilescale_examples.demo", *session.posargs, env=_cuda_env())
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run every benchmark of tilescale-examples (GPU machine; without a GPU each says so)."""
+    _install(session, "examples")
+    session.run("python", "-m", "tilescale_examples.benchmarks", *session.posargs, env=_cuda_env())
+
+
+# ------------------------------------------------------------------------------ toolkit matrix
+def _site_packages(session: nox.Session) -> Path:
+    out = session.run("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True)
+    return Path(str(out).strip().splitlines()[-1])
+
+
+def _link_tree(dst: Path, sources: list[Path]) -> None:
+    """``dst`` as the union of ``sources``: symlinks to their entries, merging directories."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for src in sources:
+        if not src.is_dir():
+            continue
+        for entry in src.iterdir():
+            if entry.name in ("__init__.py", "__pycache__"):
+                continue
+            target = dst / entry.name
+            if target.is_symlink() and target.resolve().is_dir() and entry.is_dir():
+                first = target.resolve()
+                target.unlink()
+                _link_tree(target, [first, entry])
+            elif target.is_dir() and not target.is_symlink() and entry.is_dir():
+                _link_tree(target, [entry])
+            elif not target.exists() and not target.is_symlink():
+                target.symlink_to(entry)
+
+
+def _cuda_home(session: nox.Session, layout: str) -> Path:
+    """The CUDA_HOME the installed toolkit wheels make."""
+    site = _site_packages(session)
+    if layout == "cu13":
+        return site / "nvidia" / "cu13"  # the 13.x wheels share one toolkit tree
+    nv = site / "nvidia"
+    home = Path(session.virtualenv.location) / "cuda-home"
+    if home.exists():
+        shutil.rmtree(home)
+    (home / "bin").mkdir(parents=True)
+    (home / "bin" / "ptxas").symlink_to(nv / "cuda_nvcc" / "bin" / "ptxas")
+    _link_tree(home / "include", [nv / "cuda_runtime" / "include", nv / "cuda_nvcc" / "include",
+                                  nv / "cuda_cccl" / "include"])
+    _link_tree(home / "lib", [nv / "cuda_nvrtc" / "lib", nv / "cuda_runtime" / "lib"])
+    _link_tree(home / "nvvm", [nv / "cuda_nvcc" / "nvvm"])
+    return home
+
+
+@nox.session
+@nox.parametrize("cuda", list(MATRIX))
+def matrix(session: nox.Session, cuda: str) -> None:
+    """The lang and examples CPU suites against one CUDA toolkit of :data:`MATRIX`: every
+    header, intrinsic and example kernel compiles for sm_90a with it and the PTX checks pass."""
+    entry = MATRIX[cuda]
+    _install(session, "examples", extras="test")
+    if entry["layout"] == "local":
+        env = _cuda_env()
+    else:
+        session.install("-c", str(CONSTRAINTS), f"cuda-bindings=={entry['cuda-bindings']}", *entry["toolkit"])
+        home = _cuda_home(session, entry["layout"])
+        env = {"CUDA_HOME": str(home), "LD_LIBRARY_PATH": str(home / "lib"),
+               "PATH": f"{home / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+    session.run("python", "-c", "from tilescale_lang.toolkit import find_toolkit; t = find_toolkit(); "
+                "print('toolkit:', t); assert t is not None", env=env)
+    if cuda != "local":
+        session.run("python", "-c", f"from tilescale_lang.toolkit import find_toolkit; "
+                    f"assert find_toolkit().version == {tuple(int(x) for x in cuda.split('.'))}", env=env)
+    session.run("python", "-m", "pytest", str(PACKAGES / "tilescale-lang" / "tests"),
+                str(PACKAGES / "tilescale-examples" / "tests"), "-m", "not gpu", "-q", "-rs",
+                "-p", "no:cacheprovider", *session.posargs, env=env)
+
+
+def matrix_table() -> str:
+    """:data:`MATRIX` as a Markdown table (``docs/compatibility.md`` carries it)."""
+    rows = ["| CUDA toolkit | compiled with | torch | cuda-bindings | tilelang | toolkit wheels |",
+            "|---|---|---|---|---|---|"]
+    for cuda, e in MATRIX.items():
+        wheels = ", ".join(f"`{w}`" for w in e["toolkit"]) or "the machine's"
+        rows.append(f"| {cuda} | {e['compiler']} | {e['torch']} | {e['cuda-bindings']} | {e['tilelang']} | {wheels} |")
+    return "\n".join(rows)
+
+
+@nox.session(name="matrix_table", venv_backend="none")
+def matrix_table_session(session: nox.Session) -> None:
+    """Print the compatibility matrix; ``-- --check FILE`` fails unless FILE carries it."""
+    table = matrix_table()
+    print(table)
+    if session.posargs[:1] == ["--check"]:
+        text = Path(session.posargs[1]).read_text()
+        if table not in text:
+            session.error(f"{session.posargs[1]} does not carry the current matrix table (nox -s matrix_table)")
+
+
+# ------------------------------------------------------------------------------ lower bounds
+def lower_bounds(package: str) -> list[str]:
+    """``name==lowest`` for every third-party dependency of ``package`` (its ``>=`` floors)."""
+    import re
+    import tomllib
+
+    data = tomllib.loads((Path(_pkg(package)) / "pyproject.toml").read_text())
+    pins = []
+    for dep in data["project"]["dependencies"]:
+        m = re.match(r"^([A-Za-z0-9_.\-]+)\s*>=\s*([0-9][^,;\s]*)", dep)
+        if m and not m.group(1).startswith("tilescale"):
+            pins.append(f"{m.group(1)}=={m.group(2)}")
+    return pins
+
+
+@nox.session(name="lower-bounds")
+@nox.parametrize("package", list(LOCAL_DEPENDENCIES))
+def lower_bounds_session(session: nox.Session, package: str) -> None:
+    """One wheel's CPU suite with torch, cuda-bindings, tilelang, ... at their declared lowest
+    versions and the sibling tilescale wheels at 0.1.0 (the lowest each range allows). torch's
+    lowest release comes from the registry as a CUDA build (several GB)."""
+    pins = []
+    for dep in [*LOCAL_DEPENDENCIES[package], package]:
+        pins += lower_bounds(dep)
+    pins = sorted(set(pins))
+    session.log("lower bounds: " + " ".join(pins))
+    targets = [_pkg(d) for d in LOCAL_DEPENDENCIES[package]] + [_pkg(package) + "[test]"]
+    session.install(*pins, *targets)
+    session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
+    session.run("python", "-m", "pytest", str(PACKAGES / f"tilescale-{package}" / "tests"), "-m", "not gpu",
+                "-q", "-p", "no:cacheprovider", *session.posargs, env=_cuda_env())
+
+
+# ------------------------------------------------------------------------------ build and install
+@nox.session
+def build(session: nox.Session) -> None:
+    """Each package's wheel and sdist into ``dist/`` (each with its own version)."""
+    session.install("build>=1")
+    if DIST.exists():
+        shutil.rmtree(DIST)
+    for directory in WHEELS:
+        session.run("python", "-m", "build", "--outdir", str(DIST), str(PACKAGES / directory))
+    for f in sorted(DIST.iterdir()):
+        session.log(f.name)
+
+
+#: install-parts cases: what to ask pip for, and the tilescale distributions it must bring.
+PARTS = {
+    "lang": ("tilescale-lang=={lang}", {"tilescale-core", "tilescale-lang"}),
+    "host": ("tilescale-host=={host}", {"tilescale-core", "tilescale-host"}),
+    "meta": ("tilescale[distributed]>={meta}", {"tilescale", "tilescale-core", "tilescale-lang", "tilescale-host"}),
+    "examples": ("tilescale-examples=={examples}", {"tilescale-core", "tilescale-host", "tilescale-lang", "tilescale-examples"}),
+}
+
+
+def _dist_versions() -> dict[str, str]:
+    """``{short name: version}`` of the wheels in ``dist/``."""
+    versions = {}
+    for whl in DIST.glob("*.whl"):
+        name, version = whl.name.split("-")[:2]
+        versions[{"tilescale": "meta"}.get(name, name.removeprefix("tilescale_"))] = version
+    return versions
+
+
+@nox.session(name="install-parts")
+@nox.parametrize("part", list(PARTS))
+def install_parts(session: nox.Session, part: str) -> None:
+    """Install one part from ``dist/`` (``nox -s build`` first) into a fresh environment, check
+    which tilescale distributions came with it, smoke-import it and lower a kernel on the CPU."""
+    versions = _dist_versions()
+    if not versions:
+        session.error("dist/ has no wheels: run `nox -s build` first")
+    spec, expected = PARTS[part]
+    spec = spec.format(**versions)
+    session.install("-c", str(CONSTRAINTS), "--find-links", str(DIST), spec)
+    out = session.run("python", "-m", "pip", "list", "--format=freeze", silent=True)
+    have = {line.split("==")[0].lower() for line in str(out).splitlines() if line.lower().startswith("tilescale")}
+    if have != expected:
+        session.error(f"{spec} installed the tilescale distributions {sorted(have)}, expected {sorted(expected)}")
+    if "tilelang==" not in str(out):
+        session.error(f"{spec} did not install tilelang")
+    session.log(f"{spec}: {sorted(have)} + tilelang")
+    session.run("python", str(ROOT / "ci" / "smoke.py"), part, env=_cuda_env())

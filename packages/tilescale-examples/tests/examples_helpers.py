@@ -6,7 +6,6 @@ collect every package's tests (``conftest`` is not importable by name across pac
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 
@@ -20,8 +19,15 @@ from tilescale_lang.codegen import cuda_source  # noqa: E402
 
 from tilescale_examples.collective import TARGET  # noqa: E402
 
-NVCC = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
-needs_nvcc = pytest.mark.skipif(not (os.path.exists(NVCC) or shutil.which("nvcc")), reason="nvcc not found (set CUDA_HOME)")
+from tilescale_lang.toolkit import find_toolkit  # noqa: E402
+
+#: The CUDA toolkit of $CUDA_HOME (nvcc, or NVRTC + ptxas for the CUDA 12.1/12.2 wheels).
+TOOLKIT = find_toolkit()
+#: Tests that run ``tilelang.compile`` (TileLang calls the toolkit's nvcc).
+needs_nvcc = pytest.mark.skipif(TOOLKIT is None or TOOLKIT.nvcc is None,
+                                reason=f"needs the nvcc driver (toolkit: {TOOLKIT or 'none; set CUDA_HOME'})")
+#: Tests that compile generated CUDA with the toolkit (nvcc, or NVRTC + ptxas).
+needs_toolkit = pytest.mark.skipif(TOOLKIT is None, reason="no CUDA toolkit found (set CUDA_HOME)")
 
 
 def have_gpu() -> bool:

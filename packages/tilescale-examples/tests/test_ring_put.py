@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from examples_helpers import needs_nvcc
 from tilescale_lang.codegen import cuda_source
 
 from tilescale_examples.ring_put import build_ring_put
@@ -38,8 +39,7 @@ def test_ring_put_on_ranks_sharing_a_gpu(world, tmp_path):
     assert run_ranks(_ring_put_body, world, backend="gloo", timeout=180, env=env) == ["ok"] * world
 
 
-@pytest.mark.skipif(not os.path.exists("/usr/local/cuda/bin/nvcc") and not os.environ.get("CUDA_HOME"),
-                    reason="nvcc not found (set CUDA_HOME)")
+@needs_nvcc
 def test_kernel_compiles_with_nvcc(tmp_path, monkeypatch):
     import tilelang
 

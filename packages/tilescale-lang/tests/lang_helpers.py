@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
 
 import pytest
 
@@ -20,14 +18,18 @@ import tilelang  # noqa: E402  (the import hook attaches tilescale-lang)
 
 from tilescale_lang.codegen import cuda_source  # noqa: E402
 
+from tilescale_lang.toolkit import find_toolkit  # noqa: E402
+
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
-NVCC = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
-if not os.path.exists(NVCC):
-    NVCC = shutil.which("nvcc") or NVCC
+#: The CUDA toolkit the compile tests use ($CUDA_HOME): nvcc, or NVRTC + ptxas (CUDA 12.1/12.2
+#: from the registry's wheels, which have no nvcc driver); None when there is none.
+TOOLKIT = find_toolkit()
+NVCC = TOOLKIT.nvcc if TOOLKIT and TOOLKIT.nvcc else os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
 
 
 def have_nvcc() -> bool:
-    return os.path.exists(NVCC) or shutil.which("nvcc") is not None
+    """Whether the toolkit has the nvcc driver (``tilelang.compile`` with nvcc works)."""
+    return TOOLKIT is not None and TOOLKIT.nvcc is not None
 
 
 def have_gpu() -> bool:
@@ -39,7 +41,10 @@ def have_gpu() -> bool:
         return False
 
 
-needs_nvcc = pytest.mark.skipif(not have_nvcc(), reason="nvcc not found (set CUDA_HOME)")
+#: Tests that run ``tilelang.compile`` (TileLang calls nvcc).
+needs_nvcc = pytest.mark.skipif(not have_nvcc(), reason=f"needs the nvcc driver (toolkit: {TOOLKIT or 'none; set CUDA_HOME'})")
+#: Tests that compile generated CUDA with the toolkit, by nvcc or by NVRTC + ptxas.
+needs_toolkit = pytest.mark.skipif(TOOLKIT is None, reason="no CUDA toolkit found (set CUDA_HOME)")
 
 
 def lower_source(func) -> str:
@@ -52,35 +57,16 @@ def kernel_body(src: str) -> str:
 
 
 def nvcc_ptx(src: str, tmp_path, extra=()) -> str:
-    """PTX of a generated source, compiled the way TileLang compiles kernels."""
-    from tilelang.contrib.nvcc import default_compile_options
-
-    from tilescale_lang import headers
-
-    cu = tmp_path / "k.cu"
-    cu.write_text(src)
-    out = tmp_path / "k.ptx"
-    opts = default_compile_options(headers.compile_flags() + list(extra))
-    cmd = [NVCC, "-ptx", "-arch=sm_90a", *opts, "-w", "-o", str(out), str(cu)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-4000:]
+    """PTX of a generated source, compiled by the toolkit the way TileLang compiles kernels."""
+    out, _, _ = TOOLKIT.compile(src, tmp_path / "ptx", "ptx", TARGET["arch"], extra)
     return out.read_text()
 
 
 def nvcc_registers(src: str, tmp_path) -> int:
     """Registers per thread of the one kernel in a generated source (ptxas -v, sm_90a)."""
-    from tilelang.contrib.nvcc import default_compile_options
-
-    from tilescale_lang import headers
-
-    cu = tmp_path / "r.cu"
-    cu.write_text(src)
-    opts = default_compile_options(headers.compile_flags())
-    cmd = [NVCC, "-cubin", "-arch=sm_90a", *opts, "-w", "-Xptxas", "-v", "-o", str(tmp_path / "r.cubin"), str(cu)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-4000:]
-    found = re.findall(r"Used (\d+) registers", res.stdout + res.stderr)
-    assert len(found) == 1, res.stdout + res.stderr
+    _, log, _ = TOOLKIT.compile(src, tmp_path / "cubin", "cubin", TARGET["arch"], ptxas_verbose=True)
+    found = re.findall(r"Used (\d+) registers", log)
+    assert len(found) == 1, log
     return int(found[0])
 
 

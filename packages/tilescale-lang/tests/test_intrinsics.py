@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import tilelang.language as T
-from lang_helpers import kernel_body, lower_source, needs_nvcc, nvcc_ptx, nvcc_registers
+from lang_helpers import kernel_body, lower_source, needs_toolkit, nvcc_ptx, nvcc_registers
 
 S = "tilescale::Scope::"
 _WAIT_DTYPE = "uint32"
@@ -256,7 +256,7 @@ def test_symm_at():
 
 
 # ------------------------------------------------------------------------------ PTX
-@needs_nvcc
+@needs_toolkit
 @pytest.mark.parametrize("op", ["put_warp", "get_warp", "put_block", "get_block"])
 def test_copy_fits_two_512_thread_blocks_per_sm(op, tmp_path):
     """A bulk copy at 1024 threads per SM needs <= 64 registers per thread; the H200 put/get
@@ -271,7 +271,7 @@ def test_copy_fits_two_512_thread_blocks_per_sm(op, tmp_path):
     assert nvcc_registers(lower_source(k), tmp_path) <= 64
 
 
-@needs_nvcc
+@needs_toolkit
 def test_ptx_memory_model_instructions(tmp_path):
     @T.prim_func
     def k(F: T.Tensor((8,), "uint32"), G: T.Tensor((4,), "uint64"), H: T.Tensor((64,), "float32"), O: T.Tensor((8,), "uint32")):
@@ -330,7 +330,7 @@ def _nc_na_kernel():
     return k
 
 
-@needs_nvcc
+@needs_toolkit
 def test_ptx_wait_timeout_compiled_in(tmp_path):
     @T.prim_func
     def k(F: T.Tensor((8,), "uint32")):

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import tilelang
 import tilelang.language as T
-from lang_helpers import NVCC, TARGET, lower_source, needs_nvcc
+from lang_helpers import TARGET, TOOLKIT, lower_source, needs_nvcc, needs_toolkit
 
 from tilescale_lang import codegen, headers
 
@@ -118,22 +118,18 @@ def test_abi_hash_changes_with_headers(tmp_path):
     assert len(headers.header_files(copy)) == len(headers.header_files()) + 1
 
 
-@needs_nvcc
+@needs_toolkit
 @pytest.mark.parametrize("timeout", [0, 100])
-def test_every_header_compiles_with_nvcc(tmp_path, timeout):
+def test_every_header_compiles(tmp_path, timeout):
+    """Every header together, and each on its own (self-contained), compiles for sm_90a with the
+    toolkit (nvcc, or NVRTC + ptxas), under TileLang's options."""
     files = headers.header_files()
     assert {f.name for f in files} >= {"common.cuh", "copy.cuh", "memory.cuh", "wait.cuh", "barrier.cuh", "host.cuh", "tilescale.cuh"}
-    cu = tmp_path / "all.cu"
-    cu.write_text("".join(f"#include <tilescale/{f.name}>\n" for f in files) + "__global__ void k() {}\n")
-    cmd = [NVCC, "-arch=sm_90a", "-std=c++17", f"-I{headers.include_dir()}", f"-DTILESCALE_WAIT_TIMEOUT_MS={timeout}", "-c", str(cu), "-o", str(tmp_path / "all.o")]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-    # each header on its own, too (self-contained)
+    kernel = 'extern "C" __global__ void k() {}\n'
+    src = "".join(f"#include <tilescale/{f.name}>\n" for f in files) + kernel
+    TOOLKIT.compile(src, tmp_path / "all", "cubin", options=[f"-DTILESCALE_WAIT_TIMEOUT_MS={timeout}"])
     for f in files:
-        one = tmp_path / f"one_{f.stem}.cu"
-        one.write_text(f"#include <tilescale/{f.name}>\n")
-        res = subprocess.run([NVCC, "-arch=sm_90a", "-std=c++17", f"-I{headers.include_dir()}", "-c", str(one), "-o", str(tmp_path / f"{f.stem}.o")], capture_output=True, text=True)
-        assert res.returncode == 0, (f.name, res.stderr)
+        TOOLKIT.compile(f"#include <tilescale/{f.name}>\n" + kernel, tmp_path / f.stem, "ptx")
 
 
 @needs_nvcc

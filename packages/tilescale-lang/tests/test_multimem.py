@@ -4,11 +4,11 @@ No multicast object is created anywhere: these are codegen/compile proofs only."
 
 from __future__ import annotations
 
-import subprocess
 
 import pytest
+import tilelang
 import tilelang.language as T
-from lang_helpers import NVCC, kernel_body, lower_source, needs_nvcc, nvcc_ptx
+from lang_helpers import TOOLKIT, kernel_body, lower_source, needs_nvcc, needs_toolkit, nvcc_ptx
 
 from tilescale_lang.multimem import MultimemReduceOp
 
@@ -145,7 +145,7 @@ def test_reduce_op_enum_exported():
 
 
 # ------------------------------------------------------------------------------ PTX
-@needs_nvcc
+@needs_toolkit
 def test_ptx_exact_instructions(tmp_path):
     @T.prim_func
     def k(A: T.Tensor((64, 64), "float32"), H: T.Tensor((64, 64), "float16"), B: T.Tensor((64, 64), "bfloat16"),
@@ -194,7 +194,7 @@ def test_ptx_exact_instructions(tmp_path):
         assert ins + " " in ptx, ins
 
 
-@needs_nvcc
+@needs_toolkit
 def test_ptx_f64_and_64bit_store(tmp_path):
     @T.prim_func
     def k(A: T.Tensor((64, 64), "float64")):
@@ -208,41 +208,74 @@ def test_ptx_f64_and_64bit_store(tmp_path):
     assert "multimem.st.relaxed.sys.global.b64 " in ptx
 
 
-def _nvcc(src: str, tmp_path, arch="sm_90a"):
-    from tilelang.contrib.nvcc import default_compile_options
-
-    from tilescale_lang import headers
-
-    cu = tmp_path / "m.cu"
-    cu.write_text(src)
-    opts = default_compile_options(headers.compile_flags())
-    return subprocess.run([NVCC, "-ptx", f"-arch={arch}", *opts, "-w", "-o", str(tmp_path / "m.ptx"), str(cu)],
-                          capture_output=True, text=True)
+def _compile_error(src: str, tmp_path, arch="sm_90a") -> str:
+    """The toolkit's error message for ``src`` (the test fails if it compiles)."""
+    with pytest.raises(RuntimeError) as info:
+        TOOLKIT.compile(src, tmp_path / "m", "ptx", arch)
+    return str(info.value)
 
 
-def _nvcc_version() -> tuple[int, int]:
-    import re
-
-    out = subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout
-    m = re.search(r"release (\d+)\.(\d+)", out)
-    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+@needs_toolkit
+def test_tma_store_header_needs_cuda_13_1(tmp_path):
+    """Below 13.1 the header itself refuses the bulk store (the backstop behind the gate)."""
+    if TOOLKIT.version >= (13, 1):
+        pytest.skip(f"{TOOLKIT}: the gate does not apply")
+    assert "multimem_tma_store needs CUDA Toolkit 13.1+" in _compile_error(lower_source(tma_kernel("float16", None)), tmp_path)
 
 
 @needs_nvcc
-def test_tma_store_needs_cuda_13_1(tmp_path):
-    if _nvcc_version() >= (13, 1):
-        pytest.skip("nvcc >= 13.1: the gate does not apply")
-    res = _nvcc(lower_source(tma_kernel("float16", None)), tmp_path)
-    assert res.returncode != 0
-    assert "multimem_tma_store needs CUDA Toolkit 13.1+" in res.stderr
+def test_tma_store_rejected_at_compile_below_13_1(tmp_path, monkeypatch):
+    """tilelang.compile of a kernel using T.multimem_tma_store with a toolkit older than 13.1
+    fails before nvcc runs, naming the feature, the version it needs and the toolkit found."""
+    if TOOLKIT.version >= (13, 1):
+        pytest.skip(f"{TOOLKIT}: the gate does not apply")
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
+    from tilescale_lang.toolkit import ToolkitFeatureError
+
+    with pytest.raises(ToolkitFeatureError) as info:
+        tilelang.compile(tma_kernel("float16", None), target={"kind": "cuda", "arch": "sm_90a"})
+    msg = str(info.value)
+    assert "T.multimem_tma_store" in msg and "multimem bulk store" in msg
+    assert "needs CUDA Toolkit 13.1 or newer" in msg
+    assert f"CUDA {TOOLKIT.version[0]}.{TOOLKIT.version[1]} ({TOOLKIT.home})" in msg
 
 
-@needs_nvcc
+@pytest.mark.parametrize("version,rejected", [((12, 1), True), ((12, 2), True), ((13, 0), True), ((13, 1), False), ((13, 2), False)])
+def test_tma_store_gate_by_toolkit_version(version, rejected):
+    from tilescale_lang.codegen import tilescale_helpers
+    from tilescale_lang.toolkit import Toolkit, ToolkitFeatureError, check_features
+
+    used = tilescale_helpers(tma_kernel("float16", "add"))
+    assert any(h.startswith("tilescale::multimem_tma_store") for h in used)
+    fake = Toolkit(f"/opt/cuda-{version[0]}.{version[1]}", version, None, None)
+    if rejected:
+        with pytest.raises(ToolkitFeatureError, match=rf"needs CUDA Toolkit 13\.1 or newer, .* is CUDA {version[0]}\.{version[1]} \(/opt/cuda-"):
+            check_features(used, fake)
+    else:
+        check_features(used, fake)
+    check_features({"tilescale::multimem_st"}, Toolkit("/x", (12, 1), None, None))  # other helpers: no gate
+
+
+@needs_toolkit
+@pytest.mark.parametrize("dtype,reduce_op,ptx", [
+    ("float16", None, "multimem.cp.async.bulk.global.shared::cta.bulk_group"),
+    ("float32", "add", "multimem.cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"),
+    ("bfloat16", "max", "multimem.cp.reduce.async.bulk.global.shared::cta.bulk_group.max.bf16"),
+])
+def test_tma_store_compiles_with_13_1(dtype, reduce_op, ptx, tmp_path):
+    """From CUDA 13.1 the bulk store compiles (and ptxas assembles it) for sm_90a."""
+    if TOOLKIT.version < (13, 1):
+        pytest.skip(f"{TOOLKIT} is older than 13.1 (the matrix entry cuda='13.1' runs this)")
+    src = lower_source(tma_kernel(dtype, reduce_op))
+    assert ptx in nvcc_ptx(src, tmp_path)
+    out, _, _ = TOOLKIT.compile(src, tmp_path / "cubin", "cubin")
+    assert out.read_bytes()[:4] == b"\x7fELF"
+
+
+@needs_toolkit
 def test_multimem_on_pre_sm90_fails_to_compile(tmp_path):
     src = lower_source(build(lambda MC, L, l, *f: T.multimem_ld_reduce(MC, l)))
-    res = _nvcc(src, tmp_path, arch="sm_80")
-    assert res.returncode != 0
-    assert "tilescale multimem operations need sm_90 or newer" in res.stderr
+    assert "tilescale multimem operations need sm_90 or newer" in _compile_error(src, tmp_path, arch="sm_80")
 
 
 # ------------------------------------------------------------------------------ rejections

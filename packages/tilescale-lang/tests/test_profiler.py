@@ -8,7 +8,7 @@ import json
 import pytest
 import tilelang.language as T
 import torch
-from lang_helpers import kernel_body, lower_source, needs_nvcc, nvcc_ptx
+from lang_helpers import kernel_body, lower_source, needs_toolkit, nvcc_ptx
 
 from tilescale_lang import profiler as P
 
@@ -44,7 +44,7 @@ def test_codegen_capacity_task_and_start_flag():
     assert body_src.count("profile_event") == 2  # enabled=False emits nothing
 
 
-@needs_nvcc
+@needs_toolkit
 def test_ptx_reads_globaltimer_and_smid_and_takes_slot_atomically(tmp_path):
     @T.prim_func
     def k(Prof: T.Tensor((2, 9), "uint64")):

@@ -13,7 +13,7 @@ Modules: :mod:`~tilescale_host.dist_init` (``init_dist``), :mod:`~tilescale_host
 
 from __future__ import annotations
 
-from tilescale_core._lazy import lazy_getattr
+from tilescale_core.interface import lazy_getattr
 
 __version__ = "0.1.0"
 

@@ -14,6 +14,6 @@ FACADE_DIR = Path(__file__).with_name("_facade")
 
 def extend(tilelang_module) -> None:
     """Make ``tilelang.distributed.host`` importable."""
-    from tilescale_core._extension import add_facade_dir
+    from tilescale_core.interface import add_facade_dir
 
     add_facade_dir(tilelang_module, FACADE_DIR)

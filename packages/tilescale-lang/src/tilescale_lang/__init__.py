@@ -10,6 +10,10 @@ Installed, it extends ``tilelang`` at import time (through tilescale-core's hook
 
 __version__ = "0.1.0"
 
+from tilescale_lang.core_check import check_core  # noqa: E402
+
+check_core()  # a tilescale-core with another metadata table layout: a clear ImportError
+
 # Import stock tilelang first, whichever tilescale_lang module is imported first: tilelang's
 # import runs the TileScale extensions (this package's among them) and puts TileLang's bundled
 # ``tvm`` on sys.path, which the intrinsic modules need.  Importing it here, before any

@@ -9,6 +9,8 @@
   that uses an intrinsic is compiled with :func:`tilescale_lang.headers.compile_flags`
   (include path, header hash, wait timeout).  Kernels that use no intrinsic go through
   untouched.  The flags are part of TileLang's kernel-cache key.
+  A kernel that calls a helper the CUDA toolkit cannot compile is rejected there
+  (:func:`tilescale_lang.toolkit.check_features`).
 * :func:`wrap_compile` adds ``compile_once=`` / ``compile_group=`` to ``tilelang.compile``
   (see :mod:`tilescale_lang.compile_lock`).
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from . import compile_lock, headers
+from . import compile_lock, headers, toolkit
 
 #: Namespace of every device helper; its presence marks a TileScale kernel.
 NAMESPACE = "tilescale::"
@@ -54,25 +56,30 @@ def install_postproc() -> None:
     _state["installed"] = True
 
 
-def uses_tilescale(func: Any) -> bool:
-    """True when the PrimFunc calls a ``tilescale::`` helper (a TileScale intrinsic)."""
+def tilescale_helpers(func: Any) -> set[str]:
+    """The ``tilescale::`` helpers (TileScale intrinsics) the PrimFunc calls, by extern name."""
     from tvm import tirx
 
     body = getattr(func, "body", None)
     if body is None:
-        return False
-    found = []
+        return set()
+    found: set[str] = set()
 
     def visit(node):
-        if found or not isinstance(node, tirx.Call):
+        if not isinstance(node, tirx.Call):
             return
         op = getattr(node.op, "name", "")
         if op == "tirx.call_extern" and node.args and isinstance(node.args[0], tirx.StringImm):
             if node.args[0].value.startswith(NAMESPACE):
-                found.append(node)
+                found.add(node.args[0].value)
 
     tirx.stmt_functor.post_order_visit(body, visit)
-    return bool(found)
+    return found
+
+
+def uses_tilescale(func: Any) -> bool:
+    """True when the PrimFunc calls a ``tilescale::`` helper (a TileScale intrinsic)."""
+    return bool(tilescale_helpers(func))
 
 
 def merge_flags(compile_flags: list[str] | str | None) -> list[str]:
@@ -96,7 +103,9 @@ def wrap_cached(cached):
 
     @functools.wraps(cached)
     def tilescale_cached(func=None, out_idx=None, *args, **kwargs):
-        if func is not None and uses_tilescale(func):
+        helpers_used = tilescale_helpers(func) if func is not None else set()
+        if helpers_used:
+            toolkit.check_features(helpers_used)  # a feature the toolkit lacks: a clear error, before nvcc
             install_postproc()
             kwargs["compile_flags"] = merge_flags(kwargs.get("compile_flags"))
             kernel = cached(func, out_idx, *args, **kwargs)
