@@ -2,9 +2,9 @@
 # The whole GPU check in one command, for a GPU machine without a package registry
 # (the device tool's machines). Run from the repository root, with .device/ carried:
 #   bash ci/device-check.sh [STEP ...] [-- PYTEST_ARGS ...]
-# STEPs: doctor; tests (GPU suite of every package, ranks sharing the GPUs); tests-4 (one
+# STEPs: doctor; demo (python -m tilescale_examples.demo: the README's main job); tests (GPU suite of every package, ranks sharing the GPUs); tests-4 (one
 # rank per GPU); tests-core, tests-host, tests-lang, tests-examples (one package, shared);
-# bench (every benchmark); bench-NAME (one); all (default: doctor tests bench). Logs go to $OUT (or ./device-logs) and a summary
+# bench (every benchmark); bench-NAME (one); all (default: doctor demo tests bench). Logs go to $OUT (or ./device-logs) and a summary
 # table is printed last.
 set -uo pipefail
 steps=() pytest_args=()
@@ -14,7 +14,7 @@ while [[ $# -gt 0 ]]; do
     *) steps+=("$1"); shift ;;
   esac
 done
-[[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor tests bench)
+[[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 logs=${OUT:-device-logs}
 mkdir -p "$logs"
 source .device/install.sh || exit 1
@@ -44,6 +44,7 @@ gpu_tests() {  # step name, TILESCALE_SHARE_GPUS value
 for step in "${steps[@]}"; do
   case "$step" in
     doctor) run_step doctor timeout -k 10 180 python3 -m tilescale_core.doctor ;;
+    demo) run_step demo timeout -k 10 300 python3 -m tilescale_examples.demo --json "$logs/demo.json" ;;
     tests) gpu_tests tests 1 ;;
     tests-4) gpu_tests tests-4 0 ;;
     bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm; do

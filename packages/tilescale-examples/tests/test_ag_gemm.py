@@ -54,6 +54,7 @@ def test_real_compile_to_cubin(tmp_path, monkeypatch):
     assert kernel.adapter.rt_mod.imports[0].kind == "cuda"
 
 
+@needs_nvcc
 def test_object_on_cpu_allocator(tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
     alloc = CpuAllocator(num_ranks=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from examples_helpers import CpuAllocator, close_rank_heap, open_rank_heap, run_gpu_ranks
+from examples_helpers import CpuAllocator, close_rank_heap, open_rank_heap, run_gpu_ranks, needs_nvcc
 
 from tilescale_examples.allreduce import AllReduce, torch_reference
 
@@ -21,6 +21,7 @@ def test_torch_reference_is_the_rank_order_sum():
         torch_reference([])
 
 
+@needs_nvcc
 def test_allreduce_composes_reduce_scatter_and_all_gather(tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
     alloc = CpuAllocator(num_ranks=2)

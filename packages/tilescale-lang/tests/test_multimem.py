@@ -157,7 +157,7 @@ def test_ptx_exact_instructions(tmp_path):
             T.multimem_red(f, A)
             T.multimem_st(f, A)
             h = T.alloc_shared((64, 64), "float16")
-            T.multimem_ld_reduce(H, h)
+            T.multimem_ld_reduce(H, h, "max")
             T.multimem_red(h, H)
             b = T.alloc_shared((64, 64), "bfloat16")
             T.multimem_ld_reduce(B, b, "max")
@@ -178,7 +178,7 @@ def test_ptx_exact_instructions(tmp_path):
         "multimem.ld_reduce.relaxed.sys.global.add.f32",
         "multimem.red.relaxed.sys.global.add.f32",
         "multimem.st.relaxed.sys.global.b32",
-        "multimem.ld_reduce.relaxed.sys.global.add.acc::f32.f16x2",
+        "multimem.ld_reduce.relaxed.sys.global.max.f16x2",
         "multimem.red.relaxed.sys.global.add.f16x2",
         "multimem.ld_reduce.relaxed.sys.global.max.bf16x2",
         "multimem.red.relaxed.sys.global.add.bf16x2",
@@ -192,6 +192,41 @@ def test_ptx_exact_instructions(tmp_path):
         "multimem.red.release.sys.global.add.u64",
     ]:
         assert ins + " " in ptx, ins
+
+
+def packed_add_kernel(dtype="float16"):
+    @T.prim_func
+    def k(H: T.Tensor((64, 64), dtype)):
+        with T.Kernel(1, threads=128) as _:
+            h = T.alloc_shared((64, 64), dtype)
+            T.multimem_ld_reduce(H, h)
+
+    return k
+
+
+@needs_toolkit
+@pytest.mark.parametrize("dtype,ptx", [("float16", "f16x2"), ("bfloat16", "bf16x2")])
+def test_ptx_packed_ld_reduce_add(dtype, ptx, tmp_path):
+    """From CUDA 12.2 (PTX ISA 8.2): packed ADD reduce-loads accumulate in float32."""
+    if TOOLKIT.version < (12, 2):
+        pytest.skip(f"{TOOLKIT} is older than 12.2 (test_packed_add_gate covers it)")
+    assert f"multimem.ld_reduce.relaxed.sys.global.add.acc::f32.{ptx} " in nvcc_ptx(lower_source(packed_add_kernel(dtype)), tmp_path)
+
+
+@pytest.mark.parametrize("version,rejected", [((12, 1), True), ((12, 2), False), ((13, 0), False)])
+def test_packed_add_gate(version, rejected):
+    """Packed float16/bfloat16 ADD reduce-loads need CUDA 12.2: rejected at compile below it."""
+    from tilescale_lang.codegen import tilescale_helpers
+    from tilescale_lang.toolkit import Toolkit, ToolkitFeatureError, check_features
+
+    used = tilescale_helpers(packed_add_kernel())
+    fake = Toolkit("/opt/cuda", version, None, None)
+    if rejected:
+        with pytest.raises(ToolkitFeatureError, match=r"ADD of float16/bfloat16 pairs .* needs CUDA Toolkit 12\.2 or newer.*CUDA 12\.1"):
+            check_features(used, fake)
+    else:
+        check_features(used, fake)
+    check_features(tilescale_helpers(tma_kernel("float16", "max")) - {h for h in used}, Toolkit("/x", (13, 1), None, None))
 
 
 @needs_toolkit

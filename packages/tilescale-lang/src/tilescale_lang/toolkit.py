@@ -33,6 +33,8 @@ __all__ = ["FEATURES", "Toolkit", "ToolkitFeatureError", "check_features", "find
 #: TileScale device helpers that need a minimum toolkit: ``helper -> ((major, minor), what)``.
 FEATURES = {
     "tilescale::multimem_tma_store": ((13, 1), "T.multimem_tma_store (PTX multimem.cp.async.bulk, the multimem bulk store)"),
+    "tilescale::multimem_ld_reduce_x2<tilescale::MMOp::ADD": (
+        (12, 2), "T.multimem_ld_reduce ADD of float16/bfloat16 pairs (PTX multimem.ld_reduce .acc::f32)"),
 }
 
 
@@ -148,7 +150,8 @@ class Toolkit:
                                "put the toolkit's lib directory first on LD_LIBRARY_PATH")
         keep = [o for o in opts if o.startswith(("-I", "-D", "-std"))]
         keep += [f"-I{d}" for d in self.include_dirs()]
-        return bytes(nvrtc.compile_cuda(source, "ptx", int(m.group(1)), keep))
+        # verbose: a failed compile raises with NVRTC's log in the message
+        return bytes(nvrtc.compile_cuda(source, "ptx", int(m.group(1)), keep, verbose=True)).rstrip(b"\0")
 
 
 def _home() -> str | None:
