@@ -63,16 +63,16 @@ class CpuAllocator:
                 for r in range(self.num_ranks)]
 
 
-def run_gpu_ranks(body, world: int, tmp_path_factory, name: str) -> list:
+def run_gpu_ranks(body, world: int, tmp_path_factory, name: str, timeout: float = 240) -> list:
     """Run ``body(rank, world, cache_dir)`` on ``world`` ranks (NCCL with one GPU per rank,
-    gloo when they share GPUs: ``run_ranks(backend="auto")``; 240 s deadline) with a
+    gloo when they share GPUs: ``run_ranks(backend="auto")``; ``timeout`` s deadline) with a
     TileLang cache shared by the session; skips without a GPU."""
     if not have_gpu():
         pytest.skip("needs a CUDA GPU (none visible)")
     from tilescale_core.multiprocess import run_ranks
 
     cache = str(tmp_path_factory.getbasetemp() / f"tilelang-cache-{name}")
-    return run_ranks(body, world, args=(cache,), backend="auto", timeout=240)
+    return run_ranks(body, world, args=(cache,), backend="auto", timeout=timeout)
 
 
 def open_rank_heap(rank: int, world: int, cache_dir: str, size: int, device: str | None = None):

@@ -210,7 +210,7 @@ class GemmReduceScatter(OverlappedGemm):
         if self.plan == "fused":
             self.partials = tilelang.tensor((2, W, m_local, n), self.dtype, allocator=allocator)
             self.counters = tilelang.tensor((W,), torch.uint32, allocator=allocator)
-            self.counters.zero_()
+            self.counters.view(torch.int32).zero_()
             self.output = torch.empty((m_local, n), dtype=self.dtype, device=self.device)
             self.kernel = compile_symmetric(build_gemm_rs_kernel(m_local, k, n, W, name, tiles),
                                             allocator, self.group, target)
