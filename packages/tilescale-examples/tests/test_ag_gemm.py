@@ -25,23 +25,24 @@ def test_torch_reference_is_gathered_matmul():
         torch_reference([], b)
 
 
-def test_tile_order_starts_with_own_rows_then_follows_chunk_arrival():
+def test_tile_order_follows_chunk_arrival_over_the_peers():
     chunks = plan_row_chunks(8)  # [(0, 1), (1, 2), (3, 5)]
     order = tile_order(3, chunks, 8).tolist()
-    assert order[:8] == [[0, 0], [1, 1], [2, 1], [3, 2], [4, 2], [5, 2], [6, 2], [7, 2]]  # own rows, j = 0
-    # chunk 0 of ranks +1, +2, then chunk 1 of +1, +2, ...
-    assert order[8:12] == [[8, 0], [16, 0], [9, 1], [10, 1]]
-    assert sorted(code for code, _ in order) == list(range(24))
+    # chunk 0 of ranks +1, +2, then chunk 1 (units 1, 2) of +1, then of +2, ...
+    assert order[:6] == [[8, 0], [16, 0], [9, 1], [10, 1], [17, 1], [18, 1]]
+    assert sorted(code for code, _ in order) == list(range(8, 24))  # every peer unit once, no own unit
     for code, c in order:  # each unit is tagged with the chunk that carries it
         first, n = chunks[c]
         assert first <= code % 8 < first + n
     with pytest.raises(ValueError, match="do not cover 8 units"):
         tile_order(2, [(0, 4)], 8)
+    assert tile_order(1, chunks, 8).shape == (0, 2)
 
 
 def test_generated_cuda_waits_for_its_chunk_then_fences_then_tma():
     m_local, k, n, W, C = 512, 256, 512, 4, 3
-    body = kernel_body(lower_source(build_ag_gemm_kernel(m_local, k, n, W, C)))
+    src = lower_source(build_ag_gemm_kernel(m_local, k, n, W, C))
+    body = kernel_body(src)
     assert "tilescale::get_rank()" in body
     wait = body.index("tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>(")
     sync = body.index("__syncthreads();", wait)
@@ -53,10 +54,12 @@ def test_generated_cuda_waits_for_its_chunk_then_fences_then_tma():
     # the A rows come from parity epoch % 2 of the double buffer: (epoch & 1) * M + row
     assert f"(epoch & (int64_t)1) * (int64_t){W * m_local})" in body[tma_a:body.index(";", tma_a)]
     assert "wgmma" in body and "tl::tma_load(B_desc" in body
+    with pytest.raises(ValueError, match="world_size must be an int >= 2"):
+        build_ag_gemm_kernel(m_local, k, n, 1, C)
 
 
 @needs_nvcc
-@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("world", [2, 3])
 def test_fused_kernel_compiles_for_sm90a(world, tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
     kernel = tilelang.compile(build_ag_gemm_kernel(256, 128, 256, world, 2, "bfloat16"), target=TARGET,
@@ -119,8 +122,19 @@ def test_fused_plan_allocates_the_double_buffer_and_flags(no_compile, monkeypatc
     assert agg.chunks == [(0, 1), (1, 2), (3, 5)]
     assert alloc.allocations == [((2, 3, 1024, 128), torch.float16), ((3 * 3,), torch.uint64)]
     assert agg.gathered.shape == (2, 3, 1024, 128) and int(agg.flags.sum()) == 0  # zeroed
-    assert no_compile == ["ag_gemm"]
-    assert agg._order.tolist()[:3] == [[0, 0], [1, 1], [2, 1]]
+    assert no_compile == ["gemm", "ag_gemm"]  # this rank's rows (stock), then the peers' rows
+    assert agg._order.tolist()[:3] == [[8, 0], [16, 0], [9, 1]]
+    agg.close()
+    assert agg.closed and agg.own_kernel is None and agg.gathered is None
+
+
+def test_fused_plan_on_one_rank_is_the_gemm_alone(no_compile, monkeypatch):
+    monkeypatch.setattr("tilescale_examples.stream_ops.stream_ops_available", lambda device: (True, "stub"))
+    alloc = CpuAllocator(num_ranks=1)
+    agg = AllGatherGEMM(alloc, 256, 128, 256, torch.bfloat16)
+    assert agg.plan == "fused" and "nothing to communicate" in agg.plan_reason
+    assert alloc.allocations == [] and no_compile == ["gemm"]
+    assert agg.kernel is agg.own_kernel and agg.output.shape == (256, 256)
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [

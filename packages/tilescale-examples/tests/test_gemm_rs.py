@@ -121,6 +121,15 @@ def test_fused_plan_allocates_double_partials_and_counters(no_compile, monkeypat
     assert grs.output.shape == (256, 512)
 
 
+def test_fused_plan_on_one_rank_is_the_gemm_alone(no_compile, monkeypatch):
+    monkeypatch.setattr("tilescale_examples.stream_ops.stream_ops_available", lambda device: (True, "stub"))
+    alloc = CpuAllocator(num_ranks=1)
+    grs = GemmReduceScatter(alloc, 256, 128, 256, torch.float16)
+    assert grs.plan == "fused" and "nothing to communicate" in grs.plan_reason
+    assert alloc.allocations == [] and no_compile == ["gemm"] and grs.reduce_kernel is None
+    assert grs.output.shape == (256, 256)
+
+
 @pytest.mark.parametrize("kwargs,exc,match", [
     (dict(dtype="float32"), TypeError, "dtype must be one of"),
     (dict(m_local=192), ValueError, "GemmReduceScatter: m_local=192 is not a multiple of block_m=128"),

@@ -7,11 +7,11 @@ running every case of that size:
   back-to-back calls with fresh inputs and poisoned outputs, no host synchronisation between
   them, every output checked element-wise against the float32 torch reference with
   :func:`~tilescale_examples.gemm.error_bound`;
-* world 1: the producer is started only after the GEMM's spinning tiles hold every SM
-  (the deadlock the fused plan must be free of, made to happen on purpose);
-* world 2: float16, the sequential plans, and 1000 back-to-back calls of each op at a
-  moderate shape with a random rank delayed before each call (a host sleep or a busy kernel
-  on its stream), every output checked on the GPU without host synchronisation.
+* world 2: the producer started only after the peer GEMM's spinning tiles hold every SM
+  (the deadlock the fused plan must be free of, made to happen on purpose); float16; the
+  sequential plans; and 1000 back-to-back calls of each op at a moderate shape with a random
+  rank delayed before each call (a host sleep or a busy kernel on its stream), every output
+  checked on the GPU without host synchronisation.
 
 Inputs come from seeded CUDA generators, so every rank regenerates every other rank's inputs
 for its reference instead of gathering them. Kernels compile with
@@ -116,34 +116,43 @@ def check_calls(op: str, alloc, rank: int, world: int, m_local: int, k: int, n: 
     return calls
 
 
-def producer_after_the_gemm_holds_every_sm(alloc, m_local: int, k: int, n: int) -> int:
-    """World 1: launch the fused GEMM first (every tile spins: nothing was pushed), wait
-    200 ms, then start the copy-engine pushes from another stream. With an SM-based producer
-    this is the reported deadlock; here the copies and flag writes need no SM."""
-    from tilescale_examples.ag_gemm import AllGatherGEMM, torch_reference
+def producer_after_the_gemm_holds_every_sm(alloc, rank: int, world: int, m_local: int, k: int, n: int) -> int:
+    """Every rank launches its peer GEMM first, on a grid larger than the GPU, with nothing
+    pushed yet (every tile spins), waits 200 ms, then enqueues the copy-engine pushes, then
+    the GEMM of its own rows. With an SM-based producer this is the deadlock the fused plan
+    must be free of; here the copies and flag writes need no SM."""
+    import torch.distributed as dist
+
+    from tilescale_examples.ag_gemm import AllGatherGEMM
     from tilescale_examples.gemm import count_outside
     from tilescale_examples.stream_ops import CopyEnginePush
 
     device = torch.device(alloc.device)
     agg = AllGatherGEMM(alloc, m_local, k, n, torch.bfloat16)
-    assert agg.plan == "fused" and agg.world_size == 1
-    a, b = _ag_inputs(0, 0, m_local, k, n, torch.bfloat16, device)
-    push = CopyEnginePush(*agg._peers, 0, 1, agg.chunks, agg.tiles.block_m, device)
+    assert agg.plan == "fused" and agg.world_size == world >= 2
+    a, b = _ag_inputs(rank, 0, m_local, k, n, torch.bfloat16, device)
+    push = CopyEnginePush(*agg._peers, rank, world, agg.chunks, agg.tiles.block_m, device)
     main, other = torch.cuda.current_stream(device), torch.cuda.Stream(device=device)
     agg.output.fill_(float("nan"))
-    torch.cuda.synchronize(device)
-    epoch = 1
-    tiles = (m_local // agg.tiles.block_m) * (n // agg.tiles.block_n)
+    tiles = (world - 1) * (m_local // agg.tiles.block_m) * (n // agg.tiles.block_n)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     assert tiles > sms, f"{tiles} tiles do not fill {sms} SMs"
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    epoch = 1
+    push.mark(other)  # the copies follow nothing on the GEMM's stream
     agg.kernel(agg.gathered.view(-1, k), b, agg.output, agg.flags, agg._order, epoch)
     time.sleep(0.2)
-    assert not main.query(), "the GEMM finished before anything was pushed"
-    push.start(a.data_ptr(), epoch, other)
+    spinning = not main.query()
+    dist.barrier()  # no rank pushes before every rank has looked at its spinning GEMM
+    assert spinning, f"rank {rank}: the peer GEMM finished before anything was pushed"
+    push.enqueue(a.data_ptr(), epoch)
     push.finish(main)
+    agg.own_kernel(a, b, agg.output[rank * m_local:(rank + 1) * m_local])
     _sync(device)
-    bad, worst = count_outside(agg.output, torch_reference([a], b), torch.bfloat16)
-    assert bad == 0, f"{bad} element(s) outside the bound (worst {worst:.3g}x)"
+    ref, _ = _ag_expected(rank, world, 0, m_local, k, n, torch.bfloat16, device)
+    bad, worst = count_outside(agg.output, ref, torch.bfloat16)
+    assert bad == 0, f"rank {rank}: {bad} element(s) outside the bound (worst {worst:.3g}x)"
     agg.close()
     return 1
 
@@ -204,15 +213,13 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
         extra = [(op, small["m_local"], small["k"], small["n"], dt) for op in ("ag", "rs")
                  for dt in (torch.float16, torch.bfloat16)]
         extra += [(op, STRESS["m_local"], STRESS["k"], STRESS["n"], torch.bfloat16) for op in ("ag", "rs")]
-    if world == 1:
-        extra = [("ag", M_LOCAL, K, N, torch.bfloat16)]
+        extra += [("ag", M_LOCAL, K, N, torch.bfloat16)]  # the SM-starved producer
     alloc = open_rank_heap(rank, world, cache_dir, _heap(world, big + extra))
     checks = 0
     for op in ("ag", "rs"):
         checks += check_calls(op, alloc, rank, world, M_LOCAL, K, N, torch.bfloat16)
-    if world == 1:
-        checks += producer_after_the_gemm_holds_every_sm(alloc, M_LOCAL, K, N)
     if world == 2:
+        checks += producer_after_the_gemm_holds_every_sm(alloc, rank, world, M_LOCAL, K, N)
         for op in ("ag", "rs"):
             checks += check_calls(op, alloc, rank, world, **small, dtype=torch.float16, calls=2)
             checks += check_calls(op, alloc, rank, world, **small, dtype=torch.bfloat16, calls=2,
@@ -222,7 +229,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return close_rank_heap(alloc, rank, checks)
 
 
-EXPECTED = {1: 3 + 3 + 1, 2: 3 + 3 + 2 * (2 + 2 + STRESS["calls"]), 4: 3 + 3}
+EXPECTED = {1: 3 + 3, 2: 3 + 3 + 1 + 2 * (2 + 2 + STRESS["calls"]), 4: 3 + 3}
 
 
 @pytest.mark.gpu

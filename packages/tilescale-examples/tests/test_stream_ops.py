@@ -70,24 +70,25 @@ def _push(world=3, rank=1, m_local=512, k=64, chunks=((0, 1), (1, 3))):
     return CopyEnginePush(gathered, flags, rank, world, list(chunks), 128, "cpu"), gathered, flags
 
 
-def test_copy_engine_ops_cover_every_chunk_of_every_destination_in_order():
+def test_copy_engine_ops_cover_every_chunk_of_every_peer_in_order():
     world, rank, m_local, k = 3, 1, 512, 64
     push, gathered, flags = _push(world, rank, m_local, k)
     row = k * 2
     a = 1 << 40
     for epoch in (1, 2):
         ops = push.ops(a, epoch)
-        assert len(ops) == 2 * world
-        # chunk 0 to ranks 1, 2, 0 (this rank first), then chunk 1 likewise
-        assert [j for j, *_ in ops] == [0, 1, 2, 0, 1, 2]
+        assert len(ops) == 2 * (world - 1)
+        # chunk 0 to ranks 2, 0 (rank + 1, rank + 2), then chunk 1 likewise; never to itself
+        assert [j for j, *_ in ops] == [1, 2, 1, 2]
         for i, (j, dst, src, nbytes, flag) in enumerate(ops):
-            c, p = i // world, (rank + j) % world
+            c, p = i // (world - 1), (rank + j) % world
+            assert p != rank
             first, n = ((0, 1), (1, 3))[c]
             parity = epoch % 2
             assert dst == gathered[p][parity, rank, first * 128].data_ptr()  # slot `rank` of parity e % 2 on p
             assert src == a + first * 128 * row and nbytes == n * 128 * row
             assert flag == flags[p][rank * 2 + c].data_ptr()  # flags[src * chunks + c] on p
-        assert sum(nbytes for _, _, _, nbytes, _ in ops) == world * m_local * row
+        assert sum(nbytes for _, _, _, nbytes, _ in ops) == (world - 1) * m_local * row
 
 
 def test_copy_engine_rejects_inconsistent_views():
@@ -99,3 +100,5 @@ def test_copy_engine_rejects_inconsistent_views():
         CopyEnginePush(gathered + gathered[:1], flags + flags[:1], 0, 3, [(0, 2)], 128, "cpu")
     with pytest.raises(ValueError, match="do not cover m_local=256"):
         CopyEnginePush(gathered, flags, 0, 2, [(0, 1)], 128, "cpu")
+    with pytest.raises(ValueError, match="world_size must be >= 2"):
+        CopyEnginePush(gathered[:1], flags[:1], 0, 1, [(0, 2)], 128, "cpu")

@@ -13,34 +13,37 @@ followed by ``torch.matmul`` computes)::
 The fused plan (deadlock-free by construction)
 ----------------------------------------------
 
+* **This rank's rows** need no communication: the stock GEMM
+  (:func:`~tilescale_examples.gemm.build_gemm_kernel`) multiplies ``a`` itself into its rows
+  of ``out`` on the caller's stream, launched first.
 * **Producer: the copy engines.** :class:`~tilescale_examples.stream_ops.CopyEnginePush`
-  copies each row chunk of ``a`` (``cuMemcpyAsync``, one side stream per destination) into
-  slot ``rank`` of every rank's gathered buffer through the heap's peer mappings, this rank
-  included, and after each copy writes the call's epoch into that chunk's flag on the
-  receiving rank (``cuStreamWriteValue64``, which fences the copy before the write). No SM is
-  used, so the producer progresses whatever the GEMM does.
-* **Consumer: the only SM user.** A pipelined TMA + WGMMA GEMM
-  (:func:`~tilescale_examples.gemm.gemm_mainloop`) on the caller's stream. Before its main
-  loop, thread 0 of each ``(block_m, block_n)`` tile waits (``T.wait_ge``, an
-  ``ld.acquire.sys`` poll) for the flag of the chunk holding its rows, then every thread
-  issues ``fence.proxy.async`` (TMA reads through the async proxy what the acquire made
-  visible) before the first TMA load. Tiles run in :func:`tile_order`: this rank's rows
-  first (they only wait for a local copy), then the peers' chunks in the order they arrive.
+  copies each row chunk of ``a`` (``cuMemcpyAsync``, one side stream per peer) into slot
+  ``rank`` of every other rank's gathered buffer through the heap's peer mappings, and after
+  each copy writes the call's epoch into that chunk's flag on the receiving rank
+  (``cuStreamWriteValue64``, which fences the copy before the write). No SM is used, so the
+  producer progresses whatever the GEMMs do.
+* **Consumer: the peers' rows.** A pipelined TMA + WGMMA GEMM (:func:`build_ag_gemm_kernel`,
+  the same tile program) on a compute stream. Before its main loop, thread 0 of each
+  ``(block_m, block_n)`` tile waits (``T.wait_ge``, an ``ld.acquire.sys`` poll) for the flag
+  of the chunk holding its rows, then every thread issues ``fence.proxy.async`` (TMA reads
+  through the async proxy what the acquire made visible). Tiles run in :func:`tile_order`:
+  chunk by chunk, the order in which the copies arrive. It fills the SMs the first GEMM
+  leaves and takes over as that one drains.
 
-A spinning tile waits only for copy-engine work that is already enqueued on other streams
-and depends on nothing that runs on SMs; the GEMM never needs a second kernel to be resident.
+A spinning tile waits only for copy-engine work that depends on nothing running on SMs; no
+kernel needs another one to be resident. With one rank, the call is the first GEMM alone.
 
 Buffers are double-buffered by the parity of the epoch: call ``e`` writes parity ``e % 2``.
-Rank ``q`` starts the copies of call ``e + 1`` only after its GEMM of call ``e`` finished (its
-side streams wait for its stream), that GEMM waited for every rank's copies of call ``e``,
-and each rank ``p`` started those only after its own GEMM of call ``e - 1``, the last reader
-of parity ``(e + 1) % 2`` on ``p``, had finished. So no copy overwrites rows a GEMM still
-reads, without any handshake. Flags are set to the epoch (never reset) and waits are ``>=``.
+Rank ``q`` starts the copies of call ``e + 1`` only after its GEMMs of call ``e`` finished
+(its side streams follow its stream), its peer GEMM waited for every rank's copies of call
+``e``, and each rank ``p`` started those only after its own peer GEMM of call ``e - 1``, the
+last reader of parity ``(e + 1) % 2`` on ``p``, had finished. So no copy overwrites rows a
+GEMM still reads, without any handshake. Flags are set to the epoch (never reset) and waits
+are ``>=``.
 
 The sequential plan (``plan="sequential"``, or ``"auto"`` where stream memory operations are
 missing, with a log line): the example :class:`~tilescale_examples.allgather.AllGather`
-kernel, then the stock GEMM (:func:`~tilescale_examples.gemm.build_gemm_kernel`) on the
-gathered rows; no overlap.
+kernel, then the stock GEMM on the gathered rows; no overlap.
 
 Constraints: ``m_local % block_m == 0``, ``k % block_k == 0``, ``n % block_n == 0`` (else a
 ``ValueError`` naming the argument, before anything is allocated); float16 and bfloat16 with
@@ -62,44 +65,43 @@ __all__ = ["AllGatherGEMM", "build_ag_gemm_kernel", "tile_order", "torch_referen
 
 
 def tile_order(world_size: int, chunks: Sequence, units: int) -> torch.Tensor:
-    """The GEMM's row-block order, rank-agnostic: an ``int32`` ``(world_size * units, 2)``
-    table whose row ``s`` is ``(j * units + u, c)`` for the ``s``-th row block to compute:
-    unit ``u`` (``block_m`` rows) of rank ``(rank + j) % world_size``, in chunk ``c``.
-
-    This rank's units come first (``j = 0``), then chunk by chunk the peers' (``j = 1, 2,
-    ...`` within a chunk), the order in which :class:`~tilescale_examples.stream_ops.CopyEnginePush`
-    delivers them."""
-    rows = [(u, c) for c, (first, n) in enumerate(chunks) for u in range(first, first + n)]
-    rows += [(j * units + u, c) for c, (first, n) in enumerate(chunks)
-             for j in range(1, world_size) for u in range(first, first + n)]
-    if sorted(code for code, _ in rows) != list(range(world_size * units)):
+    """The peer GEMM's row-block order, rank-agnostic: an ``int32`` ``((world_size - 1) *
+    units, 2)`` table whose row ``s`` is ``(j * units + u, c)`` for the ``s``-th row block
+    to compute: unit ``u`` (``block_m`` rows) of rank ``(rank + j) % world_size`` (``j >=
+    1``), delivered in chunk ``c``. Chunk by chunk, and within a chunk rank ``rank + 1``,
+    ``rank + 2``, ...: the order in which the peers' copies arrive."""
+    rows = [(j * units + u, c) for c, (first, n) in enumerate(chunks)
+            for j in range(1, world_size) for u in range(first, first + n)]
+    if sorted(code for code, _ in rows) != list(range(units, world_size * units)):
         raise ValueError(f"chunks {list(chunks)} do not cover {units} units exactly once")
-    return torch.tensor(rows, dtype=torch.int32)
+    return torch.tensor(rows, dtype=torch.int32).view(-1, 2)
 
 
 def build_ag_gemm_kernel(m_local: int, k: int, n: int, world_size: int, num_chunks: int,
                          dtype: str = "bfloat16", tiles: Optional[GemmTiles] = None):
-    """The fused plan's GEMM ``T.prim_func``: ``(A: (2 * world_size * m_local, k), B: (k, n),
-    Out: (world_size * m_local, n), Flags: (world_size * num_chunks,) uint64, Order:
-    (world_size * m_local / block_m, 2) int32, epoch: int64)``.
+    """The fused plan's peer GEMM ``T.prim_func`` (the rows of the other ranks):
+    ``(A: (2 * world_size * m_local, k), B: (k, n), Out: (world_size * m_local, n), Flags:
+    (world_size * num_chunks,) uint64, Order: ((world_size - 1) * m_local / block_m, 2)
+    int32, epoch: int64)``.
 
     ``A`` is the gathered buffer (parity ``epoch % 2`` is read), ``Flags[src * num_chunks +
     c]`` the flag of chunk ``c`` from rank ``src``, ``Order`` the :func:`tile_order` table.
-    Needs ``kernel.initialize`` (it reads its rank from the table)."""
+    Needs ``kernel.initialize`` (it reads its rank from the table) and ``world_size >= 2``."""
     import tilelang.language as T
 
     tiles = tiles or GemmTiles()
     check_gemm_dims("build_ag_gemm_kernel", tiles, m_local=m_local, k=k, n=n)
-    check_positive("world_size", world_size)
     check_positive("num_chunks", num_chunks)
+    if not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"world_size must be an int >= 2 (one rank has no peer rows), got {world_size!r}")
     W, C, BM, BN = world_size, num_chunks, tiles.block_m, tiles.block_n
     U, M = m_local // BM, world_size * m_local
     mainloop = gemm_mainloop(k, dtype, tiles)
 
     @T.prim_func
     def ag_gemm(A: T.Tensor((2 * M, k), dtype), B: T.Tensor((k, n), dtype), Out: T.Tensor((M, n), dtype),
-                Flags: T.Tensor((W * C,), "uint64"), Order: T.Tensor((W * U, 2), "int32"), epoch: T.int64):
-        with T.Kernel(n // BN, W * U, threads=tiles.threads) as (bx, by):
+                Flags: T.Tensor((W * C,), "uint64"), Order: T.Tensor(((W - 1) * U, 2), "int32"), epoch: T.int64):
+        with T.Kernel(n // BN, (W - 1) * U, threads=tiles.threads) as (bx, by):
             C_f = T.alloc_fragment((BM, BN), "float32")
             code = Order[by, 0]
             src = (T.get_rank() + code // U) % W
@@ -155,13 +157,16 @@ class AllGatherGEMM(OverlappedGemm):
         target: TileLang target (default ``sm_90a``).
 
     Attributes: ``output`` (``(world_size * m_local, n)``, overwritten by the next call),
-    ``epoch`` (calls made), ``plan`` and ``plan_reason``, ``kernel`` (the GEMM), ``tiles``,
-    ``chunks`` (fused: ``[(first_unit, n_units)]``), ``gathered`` (fused: the local
-    ``(2, world_size, m_local, k)`` buffer), ``flags`` (fused), ``all_gather`` (sequential).
+    ``epoch`` (calls made), ``plan`` and ``plan_reason``, ``tiles``; fused: ``own_kernel``
+    (this rank's rows), ``kernel`` (the peers' rows; the same as ``own_kernel`` with one
+    rank), ``chunks`` (``[(first_unit, n_units)]``), ``gathered`` (the local ``(2,
+    world_size, m_local, k)`` buffer) and ``flags``; sequential: ``all_gather`` and
+    ``kernel`` (the stock GEMM).
     Construction and calls are collective: same instances, same call sequence on every rank.
     """
 
-    _BUFFERS = ("output", "gathered", "flags", "all_gather", "_push", "_peers", "_order")
+    _BUFFERS = ("output", "gathered", "flags", "all_gather", "own_kernel", "_push", "_peers", "_order",
+                "_compute")
 
     def __init__(self, allocator, m_local: int, k: int, n: int, dtype: Union[torch.dtype, str] = torch.float16, *,
                  group=None, block_m: int = 128, block_n: int = 256, block_k: int = 64, num_stages: int = 3,
@@ -170,27 +175,33 @@ class AllGatherGEMM(OverlappedGemm):
         check_positive("max_chunks", max_chunks)
         self._setup(allocator, m_local, k, n, dtype, group, tiles, plan, rows_per_call=2)
         W, name = self.world_size, DTYPES[self.dtype]
-        self.all_gather = self.gathered = self.flags = self.chunks = self._push = None
+        self.all_gather = self.gathered = self.flags = self.chunks = self.own_kernel = None
+        self._push = self._peers = self._order = self._compute = None
         self.output = torch.empty((W * m_local, n), dtype=self.dtype, device=self.device)
-        import tilelang
-
-        if self.plan == "fused":
-            units = m_local // block_m
-            self.chunks = plan_row_chunks(units, max_chunks)
-            gathered = _peer_list(tilelang.tensor((2, W, m_local, k), self.dtype, allocator=allocator, return_peers=True), W)
-            flags = _peer_list(tilelang.tensor((W * len(self.chunks),), torch.uint64, allocator=allocator, return_peers=True), W)
-            self.gathered, self.flags = gathered[self.rank], flags[self.rank]
-            self.flags.zero_()
-            self._peers = (gathered, flags)
-            self._order = tile_order(W, self.chunks, units).to(self.device)
-            self.kernel = compile_symmetric(build_ag_gemm_kernel(m_local, k, n, W, len(self.chunks), name, tiles),
-                                            allocator, self.group, target)
-            settle(self.device, self.group)
-        else:
+        if self.plan == "sequential":
             from tilescale_examples.allgather import AllGather
 
             self.all_gather = AllGather(allocator, (m_local, k), self.dtype, group=self.group, target=target)
             self.kernel = compile_once(build_gemm_kernel(W * m_local, n, k, name, tiles), self.group, target)
+            return
+        self.own_kernel = compile_once(build_gemm_kernel(m_local, n, k, name, tiles), self.group, target)
+        if W == 1:  # nothing to gather: the GEMM of this rank's rows is the whole call
+            self.kernel = self.own_kernel
+            self.plan_reason = "one rank: the GEMM alone, nothing to communicate"
+            return
+        import tilelang
+
+        units = m_local // block_m
+        self.chunks = plan_row_chunks(units, max_chunks)
+        gathered = _peer_list(tilelang.tensor((2, W, m_local, k), self.dtype, allocator=allocator, return_peers=True), W)
+        flags = _peer_list(tilelang.tensor((W * len(self.chunks),), torch.uint64, allocator=allocator, return_peers=True), W)
+        self.gathered, self.flags = gathered[self.rank], flags[self.rank]
+        self.flags.zero_()
+        self._peers = (gathered, flags)
+        self._order = tile_order(W, self.chunks, units).to(self.device)
+        self.kernel = compile_symmetric(build_ag_gemm_kernel(m_local, k, n, W, len(self.chunks), name, tiles),
+                                        allocator, self.group, target)
+        settle(self.device, self.group)
 
     def check_inputs(self, a, b) -> None:
         """Raise ``TypeError`` / ``ValueError`` naming ``a`` or ``b`` unless they are contiguous
@@ -206,18 +217,35 @@ class AllGatherGEMM(OverlappedGemm):
         main = torch.cuda.current_stream(self.device)
         self._order_calls.before(main)
         self.epoch += 1
-        if self.plan == "fused":
-            if self._push is None:
-                self._push = CopyEnginePush(*self._peers, self.rank, self.world_size, self.chunks,
-                                            self.tiles.block_m, self.device)
-            self._push.start(a.data_ptr(), self.epoch, main)
-            self.kernel(self.gathered.view(-1, self.k), b, self.output, self.flags, self._order, self.epoch)
-            self._push.finish(main)
-        else:
+        if self.plan == "sequential":
             gathered = self.all_gather(a)
             self.kernel(gathered.view(-1, self.k), b, self.output)
+        else:
+            self._fused(a, b, main)
         self._order_calls.after(main)
         return self.output
+
+    def _fused(self, a, b, main) -> None:
+        """Own rows on ``main`` straight from ``a``; the peers' rows on the compute stream as
+        their chunks land; the copies last (a copy waiting in a hardware queue shared with a
+        GEMM's stream then cannot hold that GEMM back)."""
+        m = self.m_local
+        own_rows = self.output[self.rank * m:(self.rank + 1) * m]
+        if self.world_size == 1:
+            self.own_kernel(a, b, own_rows)
+            return
+        if self._push is None:
+            self._push = CopyEnginePush(*self._peers, self.rank, self.world_size, self.chunks,
+                                        self.tiles.block_m, self.device)
+            self._compute = torch.cuda.Stream(device=self.device)
+        self._push.mark(main)
+        self._compute.wait_stream(main)
+        self.own_kernel(a, b, own_rows)
+        with torch.cuda.stream(self._compute):
+            self.kernel(self.gathered.view(-1, self.k), b, self.output, self.flags, self._order, self.epoch)
+        self._push.enqueue(a.data_ptr(), self.epoch)
+        self._push.finish(main)
+        main.wait_stream(self._compute)
 
 
 def _peer_list(views, world_size: int) -> list:

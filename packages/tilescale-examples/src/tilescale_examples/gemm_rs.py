@@ -41,6 +41,9 @@ every owner's GEMM of call ``e + 1``, which each owner started only after its re
 call ``e`` (the last reader of parity ``e % 2``) had finished. The counters only grow (32-bit,
 compared wrap-safely), so nothing is reset and no host synchronisation is needed.
 
+With one rank there is nothing to reduce: the fused plan is the stock GEMM writing the
+output.
+
 The sequential plan (``plan="sequential"``, or ``"auto"`` where stream memory operations are
 missing, with a log line): the stock GEMM into the symmetric input of the example
 :class:`~tilescale_examples.reducescatter.ReduceScatter`, then that kernel; no overlap.
@@ -190,7 +193,8 @@ class GemmReduceScatter(OverlappedGemm):
         target: TileLang target (default ``sm_90a``).
 
     Attributes: ``output`` (``(m_local, n)``, overwritten by the next call), ``epoch``,
-    ``plan``, ``plan_reason``, ``kernel`` (the GEMM), ``reduce_kernel`` (fused), ``tiles``,
+    ``plan``, ``plan_reason``, ``kernel`` (the GEMM), ``reduce_kernel`` (fused, two or more
+    ranks), ``tiles``,
     ``partials`` and ``counters`` (fused), ``reduce_scatter`` (sequential). Construction and
     calls are collective: same instances, same call sequence on every rank.
     """
@@ -207,7 +211,11 @@ class GemmReduceScatter(OverlappedGemm):
         self.partials = self.counters = self.reduce_kernel = self.reduce_scatter = None
         import tilelang
 
-        if self.plan == "fused":
+        if self.plan == "fused" and W == 1:  # nothing to reduce: the GEMM writes the output
+            self.output = torch.empty((m_local, n), dtype=self.dtype, device=self.device)
+            self.kernel = compile_once(build_gemm_kernel(m_local, n, k, name, tiles), self.group, target)
+            self.plan_reason = "one rank: the GEMM alone, nothing to communicate"
+        elif self.plan == "fused":
             self.partials = tilelang.tensor((2, W, m_local, n), self.dtype, allocator=allocator)
             self.counters = tilelang.tensor((W,), torch.uint32, allocator=allocator)
             self.counters.view(torch.int32).zero_()
@@ -239,7 +247,9 @@ class GemmReduceScatter(OverlappedGemm):
         main = torch.cuda.current_stream(self.device)
         self._order_calls.before(main)
         self.epoch += 1
-        if self.plan == "fused":
+        if self.plan == "fused" and self.world_size == 1:
+            self.kernel(a, b, self.output)
+        elif self.plan == "fused":
             self.kernel(a, b, self.partials, self.counters, self.epoch)
             target = self.epoch * self.tiles_per_rank
             base = self.counters.data_ptr()

@@ -4,9 +4,9 @@ operations), so that no streaming multiprocessor (SM) is spent or held.
 
 * :class:`CopyEnginePush`: the all-gather producer of
   :class:`~tilescale_examples.ag_gemm.AllGatherGEMM`. For every row chunk of this rank's
-  operand and every rank ``p`` (this one included) it enqueues ``cuMemcpyAsync`` into ``p``'s
-  gathered buffer through the heap's peer mapping, then ``cuStreamWriteValue64`` of the call's
-  epoch into the chunk's flag on ``p``. Both run on the copy engines and the stream front end:
+  operand and every other rank ``p`` it enqueues ``cuMemcpyAsync`` into ``p``'s gathered
+  buffer through the heap's peer mapping, then ``cuStreamWriteValue64`` of the call's epoch
+  into the chunk's flag on ``p``. Both run on the copy engines and the stream front end:
   they progress whatever the SMs are doing, which is what makes a GEMM that spins on those
   flags deadlock-free.
 * :func:`wait_counter_geq`: ``cuStreamWaitValue32`` with ``GEQ`` (wrap-safe 32-bit compare)
@@ -135,27 +135,31 @@ def wait_counter_geq(stream_handle: int, address: int, value: int) -> None:
 
 
 class CopyEnginePush:
-    """The copy-engine all-gather of a row-chunked ``(m_local, k)`` operand.
+    """The copy-engine all-gather of a row-chunked ``(m_local, k)`` operand to the other ranks.
 
     Args:
-        gathered: one view per rank (index = rank; this rank's entry local) of the symmetric
-            ``(2, world_size, m_local, k)`` gathered buffer: parity ``e % 2`` of call ``e``
-            holds every rank's rows, slot ``src`` rank ``src``'s.
+        gathered: one view per rank (index = rank) of the symmetric ``(2, world_size,
+            m_local, k)`` gathered buffer: parity ``e % 2`` of call ``e`` holds the ranks'
+            rows, slot ``src`` rank ``src``'s.
         flags: one view per rank of the symmetric ``uint64`` flags, ``(world_size *
             len(chunks),)``; ``flags[src * len(chunks) + c]`` on rank ``p`` is set to the
             epoch when chunk ``c`` of ``src`` has landed on ``p``.
-        rank, world_size: this rank and the number of ranks.
+        rank, world_size: this rank and the number of ranks (at least 2).
         chunks: ``[(first_unit, n_units), ...]`` (:func:`plan_row_chunks`) in units of
             ``block_m`` rows.
         block_m: rows per unit.
         device: the CUDA device of the views (the side streams are made at the first call).
 
-    One side stream per destination offset ``j`` (destination ``(rank + j) % world_size``,
-    ``j = 0`` this rank), so the copies to different ranks run on different copy engines.
+    One side stream per peer offset ``j`` (peer ``(rank + j) % world_size``, ``j = 1 ..
+    world_size - 1``), so the copies to different ranks run on different copy engines. A call
+    is :meth:`mark` (the point of the caller's stream the copies follow), :meth:`enqueue`,
+    :meth:`finish`.
     """
 
     def __init__(self, gathered: Sequence, flags: Sequence, rank: int, world_size: int,
                  chunks: Sequence, block_m: int, device):
+        if world_size < 2:
+            raise ValueError(f"world_size must be >= 2 (one rank has no peer), got {world_size}")
         if len(gathered) != world_size or len(flags) != world_size:
             raise ValueError(f"need one gathered and one flags view per rank ({world_size}), "
                              f"got {len(gathered)} and {len(flags)}")
@@ -173,44 +177,47 @@ class CopyEnginePush:
 
     def ops(self, a_ptr: int, epoch: int) -> list:
         """Call ``epoch``'s operations in enqueue order: ``(j, dst, src, nbytes, flag)``:
-        on side stream ``j``, copy ``nbytes`` from ``src`` to ``dst``, then write ``epoch``
-        into the 8-byte ``flag`` (all device addresses). Chunk by chunk, and within a chunk
-        this rank first, then ``rank + 1``, ... (pure: no device access)."""
+        on side stream ``j - 1``, copy ``nbytes`` from ``src`` to ``dst``, then write
+        ``epoch`` into the 8-byte ``flag`` (device addresses). Chunk by chunk, and within a
+        chunk to ``rank + 1``, ``rank + 2``, ... (pure: no device access)."""
         W, me, C = self.world_size, self.rank, len(self.chunks)
         slot = ((epoch % 2) * W + me) * self.m_local * self.row_bytes
         unit_bytes = self.block_m * self.row_bytes
         out = []
         for c, (first, n) in enumerate(self.chunks):
             offset = first * unit_bytes
-            for j in range(W):
+            for j in range(1, W):
                 p = (me + j) % W
                 out.append((j, self._dst[p] + slot + offset, a_ptr + offset, n * unit_bytes,
                             self._flag[p] + 8 * (me * C + c)))
         return out
 
-    def start(self, a_ptr: int, epoch: int, after) -> None:
-        """Enqueue :meth:`ops` on the side streams, after everything enqueued on the stream
-        ``after`` so far (the operand is written; this rank's previous GEMM has finished)."""
+    def mark(self, after) -> None:
+        """The copies of the next :meth:`enqueue` follow everything enqueued on the stream
+        ``after`` so far (the operand is written; this rank's previous GEMMs have finished)."""
         import torch
 
-        drv, check = _driver()
-        memcpy, write = drv.cuMemcpyAsync, drv.cuStreamWriteValue64
-        fence = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT  # orders the copy before the flag
         if self.streams is None:
-            self.streams = [torch.cuda.Stream(device=self.device) for _ in range(self.world_size)]
+            self.streams = [torch.cuda.Stream(device=self.device) for _ in range(self.world_size - 1)]
             self._start = torch.cuda.Event()
             self._done = [torch.cuda.Event() for _ in self.streams]
         self._start.record(after)
+
+    def enqueue(self, a_ptr: int, epoch: int) -> None:
+        """Enqueue :meth:`ops` on the side streams (after :meth:`mark`'s point)."""
+        drv, check = _driver()
+        memcpy, write = drv.cuMemcpyAsync, drv.cuStreamWriteValue64
+        fence = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT  # orders the copy before the flag
         for s in self.streams:
             s.wait_event(self._start)
         handles = [s.cuda_stream for s in self.streams]
         for j, dst, src, nbytes, flag in self.ops(a_ptr, epoch):
-            check(memcpy(dst, src, nbytes, handles[j]), "cuMemcpyAsync")
-            check(write(handles[j], flag, epoch, fence), "cuStreamWriteValue64")
+            check(memcpy(dst, src, nbytes, handles[j - 1]), "cuMemcpyAsync")
+            check(write(handles[j - 1], flag, epoch, fence), "cuStreamWriteValue64")
 
     def finish(self, main) -> None:
-        """Make ``main`` wait for the side streams (enqueue after the consumer): later work on
-        ``main`` may overwrite the operand."""
+        """Make ``main`` wait for the side streams: later work on ``main`` may overwrite the
+        operand."""
         for s, done in zip(self.streams, self._done):
             done.record(s)
             main.wait_event(done)
