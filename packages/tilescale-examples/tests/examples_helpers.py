@@ -101,3 +101,22 @@ def close_rank_heap(alloc, rank: int, checks: int) -> dict:
     dist.barrier()
     alloc.close()
     return {"rank": rank, "checks": checks}
+
+
+def record_compiles(monkeypatch, *modules) -> list:
+    """Replace ``compile_once`` / ``compile_symmetric`` in ``modules`` (and the collectives'
+    ``compile_symmetric``) with recorders: returns the list of compiled kernels' names, so a
+    CPU test checks what an object builds without nvcc (compiles are tested separately)."""
+    from tilescale_examples import collective
+
+    built = []
+
+    def fake(func, *args, **kwargs):
+        built.append(func.attrs["global_symbol"])
+        return built[-1]
+
+    for module in (*modules, collective):
+        for name in ("compile_once", "compile_symmetric"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, fake)
+    return built

@@ -9,7 +9,7 @@ import logging
 import pytest
 import tilelang
 import torch
-from examples_helpers import CpuAllocator, kernel_body, lower_source, needs_nvcc
+from examples_helpers import CpuAllocator, kernel_body, lower_source, needs_nvcc, record_compiles
 
 from tilescale_examples import ag_gemm
 from tilescale_examples.ag_gemm import AllGatherGEMM, build_ag_gemm_kernel, heap_bytes, tile_order, torch_reference
@@ -67,28 +67,9 @@ def test_fused_kernel_compiles_for_sm90a(world, tmp_path, monkeypatch):
     assert kernel.adapter.rt_mod.imports[0].kind == "cuda"
 
 
-class _Compiled:
-    """Stands in for a compiled kernel: the object tests check what gets built, not nvcc."""
-
-    def __init__(self, func):
-        self.name = func.attrs["global_symbol"]
-
-
 @pytest.fixture
 def no_compile(monkeypatch):
-    """Replace the compiles of ag_gemm (and of the sequential plan's AllGather) with recorders."""
-    built = []
-
-    def fake(func, *args, **kwargs):
-        built.append(_Compiled(func).name)
-        return _Compiled(func)
-
-    monkeypatch.setattr(ag_gemm, "compile_once", fake)
-    monkeypatch.setattr(ag_gemm, "compile_symmetric", fake)
-    from tilescale_examples import collective
-
-    monkeypatch.setattr(collective, "compile_symmetric", fake)
-    return built
+    return record_compiles(monkeypatch, ag_gemm)
 
 
 def test_auto_plan_on_cpu_falls_back_to_sequential_with_a_log_line(no_compile, caplog):

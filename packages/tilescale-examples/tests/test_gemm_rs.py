@@ -8,7 +8,7 @@ import logging
 import pytest
 import tilelang
 import torch
-from examples_helpers import CpuAllocator, kernel_body, lower_source, needs_nvcc
+from examples_helpers import CpuAllocator, kernel_body, lower_source, needs_nvcc, record_compiles
 
 from tilescale_examples import gemm_rs
 from tilescale_examples.collective import TARGET
@@ -78,19 +78,7 @@ def test_both_kernels_compile_for_sm90a(world, tmp_path, monkeypatch):
 
 @pytest.fixture
 def no_compile(monkeypatch):
-    """Replace the compiles with recorders of the kernels' names (nvcc is tested above)."""
-    built = []
-
-    def fake(func, *args, **kwargs):
-        built.append(func.attrs["global_symbol"])
-        return built[-1]
-
-    monkeypatch.setattr(gemm_rs, "compile_once", fake)
-    monkeypatch.setattr(gemm_rs, "compile_symmetric", fake)
-    from tilescale_examples import collective
-
-    monkeypatch.setattr(collective, "compile_symmetric", fake)
-    return built
+    return record_compiles(monkeypatch, gemm_rs)
 
 
 def test_auto_plan_on_cpu_falls_back_to_sequential_with_a_log_line(no_compile, caplog):

@@ -166,6 +166,17 @@ class Closable:
     def close(self) -> None:
         raise NotImplementedError
 
+    @property
+    def closed(self) -> bool:
+        raise NotImplementedError
+
+    def _check_open(self) -> None:
+        """``RuntimeError`` if this object, or the allocator it was built on, is closed."""
+        if self.closed:
+            raise RuntimeError(f"this {type(self).__name__} is closed")
+        if getattr(getattr(self, "allocator", None), "closed", False):
+            raise RuntimeError(f"the allocator of this {type(self).__name__} is closed")
+
     def __enter__(self):
         return self
 
@@ -247,12 +258,6 @@ class SymmetricCollective(Closable):
         """Raise ``TypeError`` / ``ValueError`` naming ``input`` unless it is a contiguous
         tensor of ``input_shape`` and this collective's dtype on the allocator's device."""
         self.check_tensor(input, self.input_shape, "input", self.INPUT_SHAPE_NAME)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"this {type(self).__name__} is closed")
-        if getattr(self.allocator, "closed", False):
-            raise RuntimeError(f"the allocator of this {type(self).__name__} is closed")
 
     def bus_bytes(self) -> float:
         """Bytes per call for the bus bandwidth as nccl-tests count it for all-gather,

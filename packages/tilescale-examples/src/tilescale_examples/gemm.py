@@ -200,12 +200,6 @@ class OverlappedGemm(Closable):
         self.epoch = 0
         self._order_calls = CallOrder()
 
-    def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError(f"this {type(self).__name__} is closed")
-        if getattr(self.allocator, "closed", False):
-            raise RuntimeError(f"the allocator of this {type(self).__name__} is closed")
-
     def flops(self) -> float:
         """Floating-point operations of one call's GEMM: ``2 * world_size * m_local * n * k``."""
         return 2.0 * self.world_size * self.m_local * self.n * self.k

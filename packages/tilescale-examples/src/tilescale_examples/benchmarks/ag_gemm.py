@@ -9,16 +9,11 @@ TileLang's GEMM of the same tiles, all in the same run.
 :mod:`tilescale_examples.benchmarks.overlap`.
 """
 
-import functools
-
-from tilescale_examples.benchmarks.overlap import main as _main
-from tilescale_examples.benchmarks.overlap import run as _run
-from tilescale_examples.benchmarks.overlap import tflops
+from tilescale_examples.benchmarks.overlap import entry, tflops
 
 __all__ = ["main", "run", "tflops"]
 
-main = functools.partial(_main, "ag_gemm")
-run = functools.partial(_run, "ag_gemm")
+main, run = entry("ag_gemm")
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -41,7 +41,7 @@ import os
 from tilescale_examples.benchmarks.collectives import pick_baseline, run_on_ranks, time_ms
 from tilescale_examples.report import print_table
 
-__all__ = ["OPS", "main", "run", "tflops", "parser", "heap_for"]
+__all__ = ["OPS", "main", "run", "tflops", "parser", "heap_for", "entry"]
 
 COLUMNS = ["TileScale", "collective + cuBLAS", "async-TP", "matmul alone", "stock TileLang"]
 HEADERS = (["m_local", "M x N x K", "plan"] + [f"{c} TFLOP/s" for c in COLUMNS]
@@ -340,3 +340,10 @@ def main(op: str, argv=None) -> int:
     print(f"\ncorrectness (every column's output vs a float32 torch reference, element-wise bound): "
           f"{'ok' if failures == 0 else f'{failures} element(s) outside'}")
     return 0 if failures == 0 else 1
+
+
+def entry(op: str):
+    """``(main, run)`` of one op (a key of :data:`OPS`), for its entry module."""
+    import functools
+
+    return functools.partial(main, op), functools.partial(run, op)
