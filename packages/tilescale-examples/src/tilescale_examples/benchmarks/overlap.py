@@ -124,7 +124,11 @@ class _Columns:
             self.full_a = self.a
             self.local_ref = self.a.float() @ self.b.float()  # this rank's product, before the reduction
         self.obj = obj
-        self._coll_name, self._coll = pick_baseline(OPS[op][3], group, device, dtype)
+        try:  # the backend's collective (NCCL; gloo may lack it for CUDA tensors of this dtype)
+            self._coll_name, self._coll = pick_baseline(OPS[op][3], group, device, dtype)
+            self._coll_why = ""
+        except RuntimeError as exc:
+            self._coll, self._coll_why = None, str(exc)
         self.buf = torch.empty((M, k) if op == "ag_gemm" else (M, n), dtype=dtype, device=device)
         self.out = torch.empty((M, n) if op == "ag_gemm" else (m_local, n), dtype=dtype, device=device)
         self.mm_out = torch.empty((M, n), dtype=dtype, device=device)
@@ -146,10 +150,15 @@ class _Columns:
         self._coll(self.out.view(-1), self.buf.view(-1))
         return self.out
 
-    def async_tp_available(self) -> tuple:
-        """``(ok, reason)``: torch's async-TP needs its ops and an NCCL group (one GPU per rank)."""
+    def available(self, column: str) -> tuple:
+        """``(ok, reason)``: whether ``column`` can run here. The collective needs a backend
+        that has it; torch's async-TP needs its ops and an NCCL group (one GPU per rank)."""
         import torch
 
+        if column == "collective + cuBLAS":
+            return self._coll is not None, self._coll_why
+        if column != "async-TP":
+            return True, ""
         if self.backend != "nccl":
             return False, f"needs an NCCL group with one GPU per rank (this run: {self.backend}, ranks share a GPU)"
         try:
@@ -211,8 +220,8 @@ def _measure_size(op, rank, world, group, device, m_local, args):
     notes, bad = {}, {}
     for name, fn in calls.items():
         ok, why = True, ""
-        if name == "async-TP":  # optional: may be missing from this torch, or refuse the group
-            ok, why = cols.async_tp_available()
+        if name in ("collective + cuBLAS", "async-TP"):  # optional: the backend or torch may lack them
+            ok, why = cols.available(name)
             if ok:
                 try:
                     out = fn()
