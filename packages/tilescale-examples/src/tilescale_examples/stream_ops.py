@@ -16,6 +16,8 @@ operations), so that no streaming multiprocessor (SM) is spent or held.
 * :func:`plan_row_chunks`: how a shard's row blocks are cut into chunks (growing sizes).
 * :func:`choose_plan` / :func:`resolve_plan`: ``"fused"`` when every rank's device supports
   these operations, else (for ``plan="auto"``) the ``"sequential"`` fallback with a log line.
+* :class:`CallOrder`: keeps an object's calls in one stream order when the caller switches
+  streams between calls.
 
 The driver calls go through :mod:`tilescale_host._cuda` (checked: a failure raises
 ``CudaError`` naming the call).
