@@ -62,19 +62,23 @@ class CpuAllocator:
 
     def _allocate_tensor(self, shape, dtype, return_peers=False):
         self.allocations.append((tuple(shape), dtype))
-        return torch.full(tuple(shape), 7, dtype=dtype)
+        local = torch.full(tuple(shape), 7, dtype=dtype)
+        if not return_peers:
+            return local
+        return [local if r == self.local_rank else torch.full(tuple(shape), 7, dtype=dtype)
+                for r in range(self.num_ranks)]
 
 
-def run_gpu_ranks(body, world: int, tmp_path_factory, name: str) -> list:
+def run_gpu_ranks(body, world: int, tmp_path_factory, name: str, timeout: float = 240) -> list:
     """Run ``body(rank, world, cache_dir)`` on ``world`` ranks (NCCL with one GPU per rank,
-    gloo when they share GPUs: ``run_ranks(backend="auto")``; 240 s deadline) with a
+    gloo when they share GPUs: ``run_ranks(backend="auto")``; ``timeout`` s deadline) with a
     TileLang cache shared by the session; skips without a GPU."""
     if not have_gpu():
         pytest.skip("needs a CUDA GPU (none visible)")
     from tilescale_core.multiprocess import run_ranks
 
     cache = str(tmp_path_factory.getbasetemp() / f"tilelang-cache-{name}")
-    return run_ranks(body, world, args=(cache,), backend="auto", timeout=240)
+    return run_ranks(body, world, args=(cache,), backend="auto", timeout=timeout)
 
 
 def open_rank_heap(rank: int, world: int, cache_dir: str, size: int, device: str | None = None):
@@ -103,3 +107,22 @@ def close_rank_heap(alloc, rank: int, checks: int) -> dict:
     dist.barrier()
     alloc.close()
     return {"rank": rank, "checks": checks}
+
+
+def record_compiles(monkeypatch, *modules) -> list:
+    """Replace ``compile_once`` / ``compile_symmetric`` in ``modules`` (and the collectives'
+    ``compile_symmetric``) with recorders: returns the list of compiled kernels' names, so a
+    CPU test checks what an object builds without nvcc (compiles are tested separately)."""
+    from tilescale_examples import collective
+
+    built = []
+
+    def fake(func, *args, **kwargs):
+        built.append(func.attrs["global_symbol"])
+        return built[-1]
+
+    for module in (*modules, collective):
+        for name in ("compile_once", "compile_symmetric"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, fake)
+    return built

@@ -1,15 +1,20 @@
-"""All-gather + GEMM: generated CUDA, nvcc compile, reference and argument checks on the
-CPU; the result on 1, 2 and 4 ranks (``-m gpu``)."""
+"""All-gather + GEMM on the CPU: tile order, generated CUDA, nvcc compile, reference,
+argument checks and the plan choice (fused vs sequential). The GPU runs are in
+``test_overlap_gpu.py``."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import tilelang
 import torch
-from examples_helpers import CpuAllocator, close_rank_heap, kernel_body, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
+from examples_helpers import CpuAllocator, kernel_body, lower_source, needs_nvcc, record_compiles
 
-from tilescale_examples.ag_gemm import AllGatherGEMM, build_gemm_kernel, torch_reference
-from tilescale_examples.collective import TARGET, plan_chunks
+from tilescale_examples import ag_gemm
+from tilescale_examples.ag_gemm import AllGatherGEMM, build_ag_gemm_kernel, heap_bytes, tile_order, torch_reference
+from tilescale_examples.collective import TARGET
+from tilescale_examples.stream_ops import plan_row_chunks
 
 
 def test_torch_reference_is_gathered_matmul():
@@ -20,108 +25,126 @@ def test_torch_reference_is_gathered_matmul():
         torch_reference([], b)
 
 
-def test_generated_cuda_waits_for_its_rows_then_fences_then_tma():
-    m_local, k, n, W = 256, 512, 256, 4
-    C, CH = plan_chunks(m_local * k, 2, W, 16, 64 * k * 2)  # chunks of 64 rows: 2 per 128-row tile
-    assert (C, CH) == (4, 64 * k)
-    body = kernel_body(lower_source(build_gemm_kernel(m_local, k, n, W, C, CH)))
+def test_tile_order_follows_chunk_arrival_over_the_peers():
+    chunks = plan_row_chunks(8)  # [(0, 1), (1, 2), (3, 5)]
+    order = tile_order(3, chunks, 8).tolist()
+    # chunk 0 of ranks +1, +2, then chunk 1 (units 1, 2) of +1, then of +2, ...
+    assert order[:6] == [[8, 0], [16, 0], [9, 1], [10, 1], [17, 1], [18, 1]]
+    assert sorted(code for code, _ in order) == list(range(8, 24))  # every peer unit once, no own unit
+    for code, c in order:  # each unit is tagged with the chunk that carries it
+        first, n = chunks[c]
+        assert first <= code % 8 < first + n
+    with pytest.raises(ValueError, match="do not cover 8 units"):
+        tile_order(2, [(0, 4)], 8)
+    assert tile_order(1, chunks, 8).shape == (0, 2)
+
+
+def test_generated_cuda_waits_for_its_chunk_then_fences_then_tma():
+    m_local, k, n, W, C = 512, 256, 512, 4, 3
+    src = lower_source(build_ag_gemm_kernel(m_local, k, n, W, C))
+    body = kernel_body(src)
+    assert "tilescale::get_rank()" in body
     wait = body.index("tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>(")
-    fence = body.index("tl::fence_proxy_async();")
+    sync = body.index("__syncthreads();", wait)
+    fence = body.index("tl::fence_proxy_async();", sync)
     tma_a = body.index("tl::tma_load(A_desc")
-    assert wait < body.index("__syncthreads();", wait) < fence < tma_a
-    # tile row block by covers chunks 2*by and 2*by+1 of rank by // 2
-    assert "for (int i = 0; i < 2; ++i)" in body[:fence]
-    assert "(&(Flags[((((int)blockIdx.y) * 2) + i)]))" in body[wait:fence]
+    assert wait < sync < fence < tma_a
+    # the flag of the tile's chunk (src * C + Order[by, 1]) against the call's epoch
+    assert "(int64_t)3) + ((int64_t)Order[" in body[wait:sync] and "((uint64_t)epoch)" in body[wait:sync]
+    # the A rows come from parity epoch % 2 of the double buffer: (epoch & 1) * M + row
+    assert f"(epoch & (int64_t)1) * (int64_t){W * m_local})" in body[tma_a:body.index(";", tma_a)]
     assert "wgmma" in body and "tl::tma_load(B_desc" in body
-
-
-@pytest.mark.parametrize("args,match", [
-    ((200, 512, 256, 2, 2, 51200), "m_local=200 must be a multiple of 128"),
-    ((256, 500, 256, 2, 2, 64000), "k=500 must be a multiple of 64"),
-    ((256, 512, 200, 2, 2, 65536), "n=200 must be a multiple of 128"),
-    ((256, 512, 256, 2, 3, 65536), "does not tile the 256 x 512 shard"),
-])
-def test_kernel_rejects_bad_shapes(args, match):
-    with pytest.raises(ValueError, match=match):
-        build_gemm_kernel(*args)
+    with pytest.raises(ValueError, match="world_size must be an int >= 2"):
+        build_ag_gemm_kernel(m_local, k, n, 1, C)
 
 
 @needs_nvcc
-def test_real_compile_to_cubin(tmp_path, monkeypatch):
+@pytest.mark.parametrize("world", [2, 3])
+def test_fused_kernel_compiles_for_sm90a(world, tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
-    C, CH = plan_chunks(256 * 512, 2, 2, 16, 128 * 512 * 2)
-    kernel = tilelang.compile(build_gemm_kernel(256, 512, 256, 2, C, CH, "bfloat16"), target=TARGET, execution_backend="tvm_ffi")
+    kernel = tilelang.compile(build_ag_gemm_kernel(256, 128, 256, world, 2, "bfloat16"), target=TARGET,
+                              execution_backend="tvm_ffi")
     assert kernel.adapter.rt_mod.imports[0].kind == "cuda"
 
 
-@needs_nvcc
-def test_object_on_cpu_allocator(tmp_path, monkeypatch):
-    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
+@pytest.fixture
+def no_compile(monkeypatch):
+    return record_compiles(monkeypatch, ag_gemm)
+
+
+def test_auto_plan_on_cpu_falls_back_to_sequential_with_a_log_line(no_compile, caplog):
     alloc = CpuAllocator(num_ranks=2)
-    agg = AllGatherGEMM(alloc, 256, 128, 128, "float16")
-    assert agg.output.shape == (512, 128) and agg.all_gather.output.shape == (2, 256, 128)
-    assert agg.all_gather.chunk % (128 * 128) == 0  # default chunk: whole 128-row blocks
-    assert agg.flops() == 2.0 * 512 * 128 * 128
+    with caplog.at_level(logging.WARNING, logger="tilescale_examples"):
+        agg = AllGatherGEMM(alloc, 256, 128, 256, "bfloat16")
+    assert agg.plan == "sequential" and "not a CUDA device" in agg.plan_reason
+    assert "AllGatherGEMM: cpu is not a CUDA device; using the sequential plan" in caplog.text
+    assert no_compile == ["allgather", "gemm"]  # the all-gather kernel, then the stock GEMM
+    assert alloc.allocations == [((256, 128), torch.bfloat16), ((2, 256, 128), torch.bfloat16),
+                                 ((2 * 2 * agg.all_gather.chunks,), torch.uint64)]
+    assert agg.output.shape == (512, 256) and agg.flops() == 2.0 * 512 * 256 * 128
+    assert "plan='sequential'" in repr(agg)
     with pytest.raises(ValueError, match=r"a has shape \(128, 128\), expected \(m_local, k\) = \(256, 128\)"):
-        agg.check_inputs(torch.zeros(128, 128, dtype=torch.float16), torch.zeros(128, 128, dtype=torch.float16))
-    with pytest.raises(TypeError, match="b has dtype torch.float32, this AllGatherGEMM was built for torch.float16"):
-        agg.check_inputs(torch.zeros(256, 128, dtype=torch.float16), torch.zeros(128, 128))
-    assert "AllGatherGEMM(m_local=256, k=128, n=128" in repr(agg)
-    agg.close()
-    assert agg.closed
+        agg.check_inputs(torch.zeros(128, 128, dtype=torch.bfloat16), torch.zeros(128, 256, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="b has dtype torch.float32, this AllGatherGEMM was built for torch.bfloat16"):
+        agg.check_inputs(torch.zeros(256, 128, dtype=torch.bfloat16), torch.zeros(128, 256))
+    with agg:
+        pass
+    assert agg.closed and agg.all_gather is None and agg.output is None
     with pytest.raises(RuntimeError, match="AllGatherGEMM is closed"):
-        agg(torch.zeros(256, 128, dtype=torch.float16), torch.zeros(128, 128, dtype=torch.float16))
+        agg(torch.zeros(256, 128, dtype=torch.bfloat16), torch.zeros(128, 256, dtype=torch.bfloat16))
+    agg.close()  # idempotent
+
+
+def test_fused_plan_allocates_the_double_buffer_and_flags(no_compile, monkeypatch):
+    monkeypatch.setattr("tilescale_examples.stream_ops.stream_ops_available", lambda device: (True, "stub"))
+    alloc = CpuAllocator(num_ranks=3, rank=2)
+    agg = AllGatherGEMM(alloc, 1024, 128, 512, torch.float16, plan="fused")
+    assert (agg.plan, agg.plan_reason) == ("fused", "stub")
+    assert agg.chunks == [(0, 1), (1, 2), (3, 5)]
+    assert alloc.allocations == [((2, 3, 1024, 128), torch.float16), ((3 * 3,), torch.uint64)]
+    assert agg.gathered.shape == (2, 3, 1024, 128) and int(agg.flags.sum()) == 0  # zeroed
+    assert no_compile == ["gemm", "ag_gemm"]  # this rank's rows (stock), then the peers' rows
+    assert agg._order.tolist()[:3] == [[8, 0], [16, 0], [9, 1]]
+    agg.close()
+    assert agg.closed and agg.own_kernel is None and agg.gathered is None
+
+
+def test_fused_plan_on_one_rank_is_the_gemm_alone(no_compile, monkeypatch):
+    monkeypatch.setattr("tilescale_examples.stream_ops.stream_ops_available", lambda device: (True, "stub"))
+    alloc = CpuAllocator(num_ranks=1)
+    agg = AllGatherGEMM(alloc, 256, 128, 256, torch.bfloat16)
+    assert agg.plan == "fused" and "nothing to communicate" in agg.plan_reason
+    assert alloc.allocations == [] and no_compile == ["gemm"]
+    assert agg.kernel is agg.own_kernel and agg.output.shape == (256, 256)
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [
     (dict(dtype=torch.float32), TypeError, "dtype must be one of"),
     (dict(m_local=0), ValueError, "m_local must be a positive int"),
-    (dict(ag_blocks=0), ValueError, "ag_blocks must be a positive int"),
+    (dict(m_local=200), ValueError, "AllGatherGEMM: m_local=200 is not a multiple of block_m=128"),
+    (dict(k=100), ValueError, "AllGatherGEMM: k=100 is not a multiple of block_k=64"),
+    (dict(n=384), ValueError, "AllGatherGEMM: n=384 is not a multiple of block_n=256"),
+    (dict(n=384, block_n=128), None, None),
+    (dict(threads=160), ValueError, "threads must be a multiple of 128"),
+    (dict(max_chunks=0), ValueError, "max_chunks must be a positive int"),
+    (dict(plan="overlap"), ValueError, "plan must be one of"),
+    (dict(plan="fused"), RuntimeError, "plan='fused' needs stream memory operations"),
+    (dict(allocator=object()), TypeError, "allocator must be a tilescale-core allocator"),
+    (dict(m_local=2**20, k=2**10), ValueError, "exceed the kernels' int32 indexing"),
 ])
-def test_constructor_rejects_before_allocating(kwargs, exc, match):
+def test_constructor_rejects_before_allocating(kwargs, exc, match, no_compile):
     alloc = CpuAllocator(num_ranks=2)
-    args = dict(allocator=alloc, m_local=128, k=64, n=128, dtype=torch.float16)
+    args = dict(allocator=alloc, m_local=128, k=64, n=256, dtype=torch.float16)
     args.update(kwargs)
+    if exc is None:
+        AllGatherGEMM(**args)
+        return
     with pytest.raises(exc, match=match):
         AllGatherGEMM(**args)
-    assert alloc.allocations == []
+    assert alloc.allocations == [] and no_compile == []
 
 
-# ------------------------------------------------------------------------------ GPU
-def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
-    """Per rank: fp16 and bf16, fresh a and b, a poisoned output, then 10 back-to-back calls
-    whose a changes on the caller's stream between calls (no host sync); each compared with
-    torch_reference over the a's gathered through the group."""
-    import torch.distributed as dist
-
-    alloc = open_rank_heap(rank, world, cache_dir, 2**27)
-    dev = torch.device(alloc.device)
-    checks = 0
-    for case, dtype in enumerate((torch.float16, torch.bfloat16)):
-        agg = AllGatherGEMM(alloc, 256, 512, 256, dtype, ag_blocks=8)
-        g = torch.Generator().manual_seed(rank * 7919 + case)
-        b = torch.randn(512, 256, generator=g).to(dtype).to(dev)
-        for step in range(11):
-            a = torch.randn(256, 512, generator=g).to(dtype).to(dev)
-            if step == 0:
-                agg.output.fill_(float("nan"))
-            out = agg(a, b)
-            if step in (0, 10):
-                torch.cuda.synchronize()
-                shards = [torch.empty_like(a) for _ in range(world)]
-                dist.all_gather(shards, a)
-                want = torch_reference(shards, b)
-                if not torch.allclose(out.float(), want, rtol=2e-2, atol=0.25):
-                    err = (out.float() - want).abs().max().item()
-                    raise AssertionError(f"rank {rank} world {world} {dtype} step {step}: max error {err}")
-                checks += 1
-        agg.close()
-    return close_rank_heap(alloc, rank, checks)
-
-
-@pytest.mark.gpu
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_ag_gemm_on_gpu(world, tmp_path_factory):
-    reports = run_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "ag_gemm")
-    assert [r["checks"] for r in reports] == [4] * world
+def test_heap_bytes_covers_both_plans():
+    fused = 2 * 2 * 4096 * 8192 * 2
+    assert heap_bytes(2, 4096, 8192) >= fused
+    assert heap_bytes(1, 128, 64, torch.float16) >= (1 + 1) * 128 * 64 * 2 + 16 * 256

@@ -293,18 +293,58 @@ def test_heap_benchmark_host_mode_prints_its_table(capsys):
     assert plain > 0 and empty > 0
 
 
-def test_ag_gemm_benchmark_numbers_and_arguments(monkeypatch, capsys):
-    from tilescale_examples.benchmarks import ag_gemm
+@pytest.mark.parametrize("name", ["ag_gemm", "gemm_rs"])
+def test_overlap_benchmark_numbers_and_arguments(name, monkeypatch, capsys):
+    import importlib
 
-    assert ag_gemm.tflops(2e12, 1000.0) == pytest.approx(2.0)
+    from tilescale_examples.benchmarks import overlap
+
+    entry = importlib.import_module(f"tilescale_examples.benchmarks.{name}")
+    assert entry.tflops(2e12, 1000.0) == pytest.approx(2.0)
     for argv, message in ((["--ranks", "0"], "--ranks must be >= 1"),
                           (["--m-local", "a,b"], "--m-local must be comma-separated ints"),
-                          (["--k", "0"], "must be positive")):
+                          (["--k", "0"], "must be positive"),
+                          (["--m-local", "1000"], "m_local=1000 is not a multiple of block_m=128"),
+                          (["--n", "3000"], "n=3000 is not a multiple of block_n=256")):
         with pytest.raises(SystemExit):
-            ag_gemm.main(argv)
+            entry.main(argv)
         assert message in capsys.readouterr().err
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert ag_gemm.main([]) == 0
+    assert entry.main([]) == 0
     assert "no CUDA GPU visible, nothing to measure" in capsys.readouterr().out
-    assert pickle.loads(pickle.dumps(ag_gemm.run)) is ag_gemm.run
-    assert pickle.loads(pickle.dumps(C._run_op)) is C._run_op
+    run = pickle.loads(pickle.dumps(entry.run))
+    assert run.func is overlap.run and run.args == (name,)
+    assert pickle.loads(pickle.dumps(overlap._run_op)) is overlap._run_op
+    args = overlap.parser(name).parse_args([])
+    assert (args.ranks, args.m_local, args.k, args.n, args.dtype) == (2, "1024,2048,4096,8192", 8192, 3584, "bfloat16")
+
+
+def test_overlap_benchmark_titles_say_when_ranks_share_a_gpu():
+    from tilescale_examples.benchmarks import overlap
+
+    args = overlap.parser("ag_gemm").parse_args([])
+    assert "one rank per GPU (2 GPU(s)); collective over NCCL" in overlap.title("ag_gemm", 2, "nccl", 2, args)
+    shared = overlap.title("gemm_rs", 4, "gloo", 1, args)
+    assert shared.startswith("GEMM + reduce-scatter, 4 rank(s), bfloat16, k=8192, n=3584 per rank")
+    assert "SHARING 1 GPU(s): time-sliced, NOT a performance measurement" in shared
+    assert len(overlap.HEADERS) == 3 + 5 + 4 + 1
+
+
+def test_overlap_benchmark_reference_matches_the_examples_references():
+    from tilescale_examples import ag_gemm, gemm_rs
+    from tilescale_examples.benchmarks import overlap
+
+    world, m, k, n, dt = 3, 4, 8, 5, torch.float32
+    a0, b0 = overlap.rank_inputs("ag_gemm", 0, world, m, k, n, dt, "cpu")
+    assert a0.shape == (m, k) and torch.equal(a0, overlap.rank_inputs("ag_gemm", 0, world, m, k, n, dt, "cpu")[0])
+    ref, rounded = overlap.reference("ag_gemm", 1, world, m, k, n, dt, "cpu")
+    shards = [overlap.rank_inputs("ag_gemm", p, world, m, k, n, dt, "cpu")[0] for p in range(world)]
+    assert rounded is None and torch.allclose(ref, ag_gemm.torch_reference(shards, overlap.rank_inputs("ag_gemm", 1, world, m, k, n, dt, "cpu")[1]))
+    ins = [overlap.rank_inputs("gemm_rs", p, world, m, k, n, dt, "cpu") for p in range(world)]
+    assert ins[0][0].shape == (world * m, k)
+    ref, rounded = overlap.reference("gemm_rs", 2, world, m, k, n, dt, "cpu")
+    a, b = [x for x, _ in ins], [y for _, y in ins]
+    assert torch.allclose(ref, gemm_rs.torch_reference(a, b, 2), atol=1e-5)
+    assert torch.allclose(rounded, gemm_rs.partial_magnitudes(a, b, 2), atol=1e-5)
+    assert overlap.heap_for("ag_gemm", 2, 1024, 8192, 3584, torch.bfloat16) >= 2 * 2 * 1024 * 8192 * 2
+    assert overlap.heap_for("gemm_rs", 2, 1024, 8192, 3584, torch.bfloat16) >= 2 * 2 * 1024 * 3584 * 2

@@ -14,7 +14,8 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["SymmetricCollective", "Closable", "check_tensor", "plan_chunks", "TARGET", "DTYPES"]
+__all__ = ["SymmetricCollective", "Closable", "check_tensor", "plan_chunks", "check_allocator", "compile_once", "compile_symmetric", "settle",
+           "all_ranks_agree", "TARGET", "DTYPES"]
 
 #: Default TileLang target (H100/H200).
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -107,12 +108,74 @@ def check_tensor(tensor, shape: Tuple[int, ...], dtype: torch.dtype, device: tor
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
 
 
+def check_allocator(allocator) -> None:
+    """``TypeError`` unless ``allocator`` looks like a tilescale-core allocator (``table``,
+    ``num_ranks``); ``RuntimeError`` if it is closed."""
+    if allocator is None or not hasattr(allocator, "table") or not hasattr(allocator, "num_ranks"):
+        raise TypeError(f"allocator must be a tilescale-core allocator (with table and num_ranks), got {type(allocator).__name__}")
+    if getattr(allocator, "closed", False):
+        raise RuntimeError("allocator is closed")
+
+
+def compile_once(func, group=None, target=None):
+    """``func`` compiled once per host (``compile_once=True``: one rank compiles, the others
+    hit TileLang's disk cache) for ``target`` (default :data:`TARGET`)."""
+    import tilelang
+
+    return tilelang.compile(func, target=target or TARGET, compile_once=True, compile_group=group)
+
+
+def compile_symmetric(func, allocator, group=None, target=None):
+    """:func:`compile_once`, then initialised with ``allocator``'s table (rank and peer
+    bases) on the device's current stream: for kernels that use TileScale intrinsics."""
+    kernel = compile_once(func, group, target)
+    device = torch.device(allocator.device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    kernel.initialize(allocator=allocator, stream=stream)
+    return kernel
+
+
+def settle(device, group=None) -> None:
+    """End of a collective constructor: wait for the device (flags zeroed, tables copied),
+    then barrier over ``group`` so that no peer signals a flag before its owner zeroed it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.barrier(group=group)
+
+
+def all_ranks_agree(ok: bool, group=None, device=None) -> bool:
+    """Whether ``ok`` holds on every rank of ``group`` (a MIN all-reduce; ``ok`` itself
+    without a group). Collective: every rank of ``group`` must call it."""
+    if group is None:
+        return bool(ok)
+    import torch.distributed as dist
+
+    on = torch.device(device) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=on)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
 class Closable:
     """Context-manager lifetime: ``with X(...) as x:`` calls ``x.close()`` on exit.
     Subclasses define ``close()`` (idempotent) and ``closed``."""
 
     def close(self) -> None:
         raise NotImplementedError
+
+    @property
+    def closed(self) -> bool:
+        raise NotImplementedError
+
+    def _check_open(self) -> None:
+        """``RuntimeError`` if this object, or the allocator it was built on, is closed."""
+        if self.closed:
+            raise RuntimeError(f"this {type(self).__name__} is closed")
+        if getattr(getattr(self, "allocator", None), "closed", False):
+            raise RuntimeError(f"the allocator of this {type(self).__name__} is closed")
 
     def __enter__(self):
         return self
@@ -137,10 +200,7 @@ class SymmetricCollective(Closable):
 
     def _setup(self, allocator, shard_shape: Union[int, Sequence[int]], dtype, world_size: Optional[int],
                group, threads: int, max_blocks: Optional[int], allowed_dtypes=None) -> None:
-        if allocator is None or not hasattr(allocator, "table") or not hasattr(allocator, "num_ranks"):
-            raise TypeError(f"allocator must be a tilescale-core allocator (with table and num_ranks), got {type(allocator).__name__}")
-        if getattr(allocator, "closed", False):
-            raise RuntimeError("allocator is closed")
+        check_allocator(allocator)
         self.shard_shape = check_shape(shard_shape)
         self.dtype = check_dtype(dtype, allowed_dtypes)
         num_ranks = int(allocator.num_ranks)
@@ -179,17 +239,8 @@ class SymmetricCollective(Closable):
     def _finish(self, func, target=None) -> None:
         """Compile ``func`` once per host, initialise it with the allocator's table, then make
         sure every rank's flags are zero (device sync + barrier) before anyone signals."""
-        import tilelang
-
-        self.kernel = tilelang.compile(func, target=target or TARGET, compile_once=True, compile_group=self.group)
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
-        self.kernel.initialize(allocator=self.allocator, stream=stream)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if self.group is not None:
-            import torch.distributed as dist
-
-            dist.barrier(group=self.group)
+        self.kernel = compile_symmetric(func, self.allocator, self.group, target)
+        settle(self.device, self.group)
 
     def check_tensor(self, tensor, shape: Tuple[int, ...], name: str = "input", shape_name: str = "the shape") -> None:
         """:func:`check_tensor` against this collective's dtype and device."""
@@ -207,12 +258,6 @@ class SymmetricCollective(Closable):
         """Raise ``TypeError`` / ``ValueError`` naming ``input`` unless it is a contiguous
         tensor of ``input_shape`` and this collective's dtype on the allocator's device."""
         self.check_tensor(input, self.input_shape, "input", self.INPUT_SHAPE_NAME)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"this {type(self).__name__} is closed")
-        if getattr(self.allocator, "closed", False):
-            raise RuntimeError(f"the allocator of this {type(self).__name__} is closed")
 
     def bus_bytes(self) -> float:
         """Bytes per call for the bus bandwidth as nccl-tests count it for all-gather,

@@ -1,0 +1,358 @@
+"""TFLOP/s of the overlapped GEMMs against their baselines, all measured in the same run:
+what ``benchmarks.ag_gemm`` and ``benchmarks.gemm_rs`` share.
+
+``python -m tilescale_examples.benchmarks.ag_gemm|gemm_rs [--ranks 2] [--m-local
+1024,2048,4096,8192] [--k 8192] [--n 3584] [--dtype bfloat16] [--iters 20]`` spawns ``--ranks``
+ranks (one per GPU with an NCCL group when there are enough GPUs, else sharing the GPUs over
+gloo; the title says which), or runs under ``tilescale-run -n N -m ...``.
+
+For every ``m_local`` (bfloat16, ``k`` 8192 and ``n`` 3584 columns per rank by default: the
+tensor-parallel GEMMs of a 70B-class MLP) it times, back to back with CUDA events (the slowest
+rank), on the same inputs:
+
+* **TileScale**: :class:`~tilescale_examples.ag_gemm.AllGatherGEMM` /
+  :class:`~tilescale_examples.gemm_rs.GemmReduceScatter` (its plan is printed);
+* **collective + cuBLAS**: ``all_gather_into_tensor`` then ``torch.matmul`` (resp.
+  ``torch.matmul`` then ``reduce_scatter_tensor``) on the host group: NCCL with one rank per
+  GPU, gloo when ranks share one (host staging: no stand-in for NCCL);
+* **async-TP**: torch's ``torch.ops.symm_mem.fused_all_gather_matmul(a, [b], gather_dim=0,
+  group_name=...)`` (resp. ``fused_matmul_reduce_scatter(a, b, "sum", scatter_dim=0,
+  group_name=...)``); ``n/a`` with the reason where it cannot run (it needs an NCCL group
+  with one GPU per rank);
+* **matmul alone**: ``torch.matmul`` of the already-gathered operand (resp. of ``a``), no
+  communication: the ceiling of a perfect overlap;
+* **stock TileLang**: :func:`~tilescale_examples.gemm.build_gemm_kernel`, stock TileLang's
+  GEMM with the same tiles as TileScale's, on the same operand as matmul alone.
+
+TFLOP/s is ``2 * world * m_local * n * k / t`` for every column (the GEMM's work), and each
+ratio is TileScale's TFLOP/s over the column's. Before timing, every output is checked
+element-wise against a float32 torch reference (:func:`~tilescale_examples.gemm.error_bound`;
+the reduce-scatter baselines, which round their partial sums to the dtype up to ``world``
+times, get ``world`` times the partials' term); a failure is printed in the row and makes
+the exit status 1. Inputs come from seeded generators, so every rank builds every other
+rank's inputs for its reference without communication.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from tilescale_examples.benchmarks.collectives import pick_baseline, run_on_ranks, time_ms
+from tilescale_examples.report import print_table
+
+__all__ = ["OPS", "main", "run", "tflops", "parser", "heap_for", "entry"]
+
+COLUMNS = ["TileScale", "collective + cuBLAS", "async-TP", "matmul alone", "stock TileLang"]
+HEADERS = (["m_local", "M x N x K", "plan"] + [f"{c} TFLOP/s" for c in COLUMNS]
+           + [f"x {c}" for c in COLUMNS[1:]] + ["check"])
+
+#: op -> (title, TileScale class module, class, collective of the baseline, async-TP op)
+OPS = {
+    "ag_gemm": ("all-gather + GEMM", "ag_gemm", "AllGatherGEMM", "allgather", "fused_all_gather_matmul"),
+    "gemm_rs": ("GEMM + reduce-scatter", "gemm_rs", "GemmReduceScatter", "reducescatter", "fused_matmul_reduce_scatter"),
+}
+
+
+def tflops(flops: float, milliseconds: float) -> float:
+    """TFLOP/s of ``flops`` floating-point operations in ``milliseconds``."""
+    return flops / (milliseconds * 1e-3) / 1e12
+
+
+def heap_for(op: str, world: int, m_local: int, k: int, n: int, dtype) -> int:
+    """Symmetric heap per rank for one op object of this size, plus 64 MiB of slack."""
+    import importlib
+
+    mod = importlib.import_module(f"tilescale_examples.{OPS[op][1]}")
+    size = mod.heap_bytes(world, m_local, k, dtype) if op == "ag_gemm" else mod.heap_bytes(world, m_local, n, dtype)
+    return size + (64 << 20)
+
+
+# ------------------------------------------------------------------------------ inputs
+def _randn(shape, seed: int, device, scale: float, dtype):
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(shape, generator=g, device=device) * scale).to(dtype)
+
+
+def rank_inputs(op: str, p: int, world: int, m_local: int, k: int, n: int, dtype, device):
+    """Rank ``p``'s ``(a, b)`` (any rank can build any rank's): ``a`` standard normal, ``b``
+    scaled by ``k**-0.5`` so that every output element is about N(0, 1) per rank."""
+    rows = m_local if op == "ag_gemm" else world * m_local
+    return (_randn((rows, k), 1_000_003 + 7919 * p, device, 1.0, dtype),
+            _randn((k, n), 2_000_006 + 7919 * p, device, k ** -0.5, dtype))
+
+
+def reference(op: str, rank: int, world: int, m_local: int, k: int, n: int, dtype, device):
+    """``(ref, rounded)``: this rank's float32 result and the partials' magnitudes (None for
+    the all-gather, which rounds nothing before its output)."""
+    if op == "ag_gemm":
+        from tilescale_examples.ag_gemm import torch_reference
+
+        shards = [rank_inputs(op, p, world, m_local, k, n, dtype, device)[0] for p in range(world)]
+        return torch_reference(shards, rank_inputs(op, rank, world, m_local, k, n, dtype, device)[1]), None
+    rows = slice(rank * m_local, (rank + 1) * m_local)
+    ref = rounded = None
+    for p in range(world):  # one rank's inputs at a time: a is world * m_local rows
+        a, b = rank_inputs(op, p, world, m_local, k, n, dtype, device)
+        part = a[rows].float() @ b.float()
+        ref, rounded = (part, part.abs()) if ref is None else (ref + part, rounded + part.abs())
+    return ref, rounded
+
+
+# ------------------------------------------------------------------------------ one size
+class _Columns:
+    """The callables to time on this rank for one size, each returning its output, and the
+    check of each output."""
+
+    def __init__(self, op, rank, world, group, device, m_local, k, n, dtype, obj):
+        import torch
+        import torch.distributed as dist
+
+        from tilescale_examples.collective import compile_once
+        from tilescale_examples.gemm import DTYPES, build_gemm_kernel
+
+        self.op, self.world, self.dtype, self.group = op, world, dtype, group
+        self.a, self.b = rank_inputs(op, rank, world, m_local, k, n, dtype, device)
+        self.ref, self.rounded = reference(op, rank, world, m_local, k, n, dtype, device)
+        M = world * m_local
+        if op == "ag_gemm":  # the gathered operand, as an all-gather produces it
+            self.full_a = torch.cat([rank_inputs(op, p, world, m_local, k, n, dtype, device)[0] for p in range(world)])
+            self.local_ref = self.ref
+        else:
+            self.full_a = self.a
+            self.local_ref = self.a.float() @ self.b.float()  # this rank's product, before the reduction
+        self.obj = obj
+        try:  # the backend's collective (NCCL; gloo may lack it for CUDA tensors of this dtype)
+            self._coll_name, self._coll = pick_baseline(OPS[op][3], group, device, dtype)
+            self._coll_why = ""
+        except RuntimeError as exc:
+            self._coll, self._coll_why = None, str(exc)
+        self.buf = torch.empty((M, k) if op == "ag_gemm" else (M, n), dtype=dtype, device=device)
+        self.out = torch.empty((M, n) if op == "ag_gemm" else (m_local, n), dtype=dtype, device=device)
+        self.mm_out = torch.empty((M, n), dtype=dtype, device=device)
+        self.stock_out = torch.empty((M, n), dtype=dtype, device=device)
+        self.stock = compile_once(build_gemm_kernel(M, n, k, DTYPES[dtype], obj.tiles), group)
+        self.gname = group.group_name if hasattr(group, "group_name") else dist.group.WORLD.group_name
+        self.backend = dist.get_backend(group)
+
+    def tilescale(self):
+        return self.obj(self.a, self.b)
+
+    def collective_cublas(self):
+        import torch
+
+        if self.op == "ag_gemm":
+            self._coll(self.buf.view(-1), self.a.view(-1))
+            return torch.matmul(self.buf, self.b, out=self.out)
+        torch.matmul(self.a, self.b, out=self.buf)
+        self._coll(self.out.view(-1), self.buf.view(-1))
+        return self.out
+
+    def available(self, column: str) -> tuple:
+        """``(ok, reason)``: whether ``column`` can run here. The collective needs a backend
+        that has it; torch's async-TP needs its ops and an NCCL group (one GPU per rank)."""
+        import torch
+
+        if column == "collective + cuBLAS":
+            return self._coll is not None, self._coll_why
+        if column != "async-TP":
+            return True, ""
+        if self.backend != "nccl":
+            return False, f"needs an NCCL group with one GPU per rank (this run: {self.backend}, ranks share a GPU)"
+        try:
+            import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem.*)
+        except ImportError as exc:
+            return False, f"torch.distributed._symmetric_memory: {exc}"
+        if not hasattr(torch.ops.symm_mem, OPS[self.op][4]):
+            return False, f"torch.ops.symm_mem.{OPS[self.op][4]} is missing from torch {torch.__version__}"
+        return True, ""
+
+    def async_tp(self):
+        import torch
+
+        if self.op == "ag_gemm":
+            return torch.ops.symm_mem.fused_all_gather_matmul(self.a, [self.b], gather_dim=0, group_name=self.gname)[1][0]
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(self.a, self.b, "sum", scatter_dim=0, group_name=self.gname)
+
+    def matmul_alone(self):
+        import torch
+
+        return torch.matmul(self.full_a, self.b, out=self.mm_out)
+
+    def stock_tilelang(self):
+        self.stock(self.full_a, self.b, self.stock_out)
+        return self.stock_out
+
+    def check(self, column: str, out) -> int:
+        """Elements of ``out`` outside the column's bound."""
+        from tilescale_examples.gemm import count_outside
+
+        if column in ("matmul alone", "stock TileLang"):
+            return count_outside(out, self.local_ref, self.dtype)[0]
+        rounded = self.rounded
+        if rounded is not None and column != "TileScale":
+            rounded = self.world * rounded  # baselines may round each partial sum
+        return count_outside(out, self.ref, self.dtype, rounded)[0]
+
+
+def _measure_size(op, rank, world, group, device, m_local, args):
+    """``(row, failures)`` for one ``m_local`` (every rank makes the same collectives)."""
+    import importlib
+
+    import tilelang
+    import torch
+    import torch.distributed as dist
+
+    from tilescale_examples.collective import all_ranks_agree
+    from tilescale_examples.stream_ops import log
+
+    dtype = getattr(torch, args.dtype)
+    title, module, cls_name = OPS[op][:3]
+    cls = getattr(importlib.import_module(f"tilescale_examples.{module}"), cls_name)
+    alloc = tilelang.get_allocator(size=heap_for(op, world, m_local, args.k, args.n, dtype), device=device,
+                                   is_distributed=True, local_rank=rank, num_local_ranks=world, group=group)
+    obj = cls(alloc, m_local, args.k, args.n, dtype, group=group)
+    cols = _Columns(op, rank, world, group, device, m_local, args.k, args.n, dtype, obj)
+    calls = {"TileScale": cols.tilescale, "collective + cuBLAS": cols.collective_cublas,
+             "async-TP": cols.async_tp, "matmul alone": cols.matmul_alone, "stock TileLang": cols.stock_tilelang}
+    notes, bad = {}, {}
+    for name, fn in calls.items():
+        ok, why = True, ""
+        if name in ("collective + cuBLAS", "async-TP"):  # optional: the backend or torch may lack them
+            ok, why = cols.available(name)
+            if ok:
+                try:
+                    out = fn()
+                    torch.cuda.synchronize(device)
+                except Exception as exc:
+                    ok, why = False, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+            if not all_ranks_agree(ok, group, device):  # time it only if it ran on every rank
+                notes[name] = why or "failed on another rank"
+                continue
+        else:
+            out = fn()
+            torch.cuda.synchronize(device)
+        bad[name] = cols.check(name, out)
+    times = {}
+    for name, fn in calls.items():
+        if name not in notes:
+            times[name] = time_ms(fn, args.iters, group, device)
+    for name, note in notes.items():
+        if rank == 0:
+            log.warning("%s m_local=%d: %s n/a: %s", title, m_local, name, note)
+    flag = torch.tensor([sum(bad.values())], dtype=torch.int64,
+                        device=device if dist.get_backend(group) == "nccl" else "cpu")
+    dist.all_reduce(flag, group=group)
+    failed = [name for name, count in bad.items() if count]
+    failed = _gather_names(failed, group)
+    flops = obj.flops()
+    ts = {name: tflops(flops, ms) for name, ms in times.items()}
+    row = [m_local, f"{world * m_local}x{args.n}x{args.k}", obj.plan]
+    row += [ts.get(c, "n/a") for c in COLUMNS]
+    row += [ts["TileScale"] / ts[c] if c in ts else "n/a" for c in COLUMNS[1:]]
+    row.append("ok" if int(flag.item()) == 0 else "FAIL: " + ", ".join(failed))
+    obj.close()
+    del cols
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group)
+    alloc.close()
+    return row, int(flag.item()), notes
+
+
+def _gather_names(names, group):
+    """The union over ranks of ``names`` (sorted), via ``all_gather_object``."""
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, list(names), group=group)
+    return sorted({n for part in gathered for n in part})
+
+
+def run(op: str, rank: int, world: int, group, device, args) -> list | None:
+    """One rank's part; returns ``[rows, failures, notes]`` on rank 0 (None elsewhere)."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 references in float32
+    rows, failures, notes = [], 0, {}
+    for m_local in args.sizes:
+        row, bad, why = _measure_size(op, rank, world, group, device, m_local, args)
+        rows.append(row)
+        failures += bad
+        notes.update(why)
+    return [rows, failures, notes] if rank == 0 else None
+
+
+def _run_op(rank, world, group, device, op, args):
+    return run(op, rank, world, group, device, args)
+
+
+def parser(op: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m tilescale_examples.benchmarks.{op}",
+                                description=f"{OPS[op][0]}: TileScale's {OPS[op][2]} against the collective + "
+                                            "cuBLAS, torch async-TP, matmul alone and stock TileLang, same run.")
+    p.add_argument("--ranks", type=int, default=2, help="ranks to spawn (ignored under tilescale-run)")
+    p.add_argument("--m-local", default="1024,2048,4096,8192", help="comma-separated rows per rank (a subset)")
+    p.add_argument("--k", type=int, default=8192)
+    p.add_argument("--n", type=int, default=3584, help="output columns per rank")
+    p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
+    p.add_argument("--iters", type=int, default=20, help="timed back-to-back calls per column")
+    return p
+
+
+def title(op: str, world: int, backend: str, gpus: int, args) -> str:
+    """The table title: op, ranks, dtype, shapes and the GPU mode (shared GPUs say so)."""
+    name = OPS[op][0]
+    if backend == "nccl":
+        mode = f"one rank per GPU ({gpus} GPU(s)); collective over NCCL"
+    else:
+        mode = (f"{world} ranks SHARING {gpus} GPU(s): time-sliced, NOT a performance measurement; "
+                f"collective over {backend} (host staging, not NCCL)")
+    return (f"{name}, {world} rank(s), {args.dtype}, k={args.k}, n={args.n} per rank; {mode}; "
+            f"TFLOP/s = 2*M*N*K/t; x col = TileScale TFLOP/s / col TFLOP/s")
+
+
+def main(op: str, argv=None) -> int:
+    """0 when every check passed (or there is no GPU to measure on), 1 otherwise."""
+    p = parser(op)
+    args = p.parse_args(argv)
+    if args.ranks < 1:
+        p.error("--ranks must be >= 1")
+    try:
+        args.sizes = [int(m) for m in args.m_local.split(",")]
+    except ValueError:
+        p.error(f"--m-local must be comma-separated ints, got {args.m_local!r}")
+    if any(m < 1 for m in args.sizes) or args.k < 1 or args.n < 1 or args.iters < 1:
+        p.error("--m-local, --k, --n and --iters must be positive")
+    from tilescale_examples.gemm import GemmTiles, check_gemm_dims
+
+    try:  # before any rank starts: a clear message naming the argument
+        for m in args.sizes:
+            check_gemm_dims(OPS[op][2], GemmTiles(), m_local=m, k=args.k, n=args.n)
+    except ValueError as exc:
+        p.error(str(exc))
+    os.environ.setdefault("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        print(f"{OPS[op][0]} benchmark: no CUDA GPU visible, nothing to measure")
+        return 0
+    result, backend, world = run_on_ranks(_run_op, args.ranks, op, args)
+    if result is None:
+        return 0
+    rows, failures, notes = result
+    print_table(title(op, world, backend, min(gpus, world), args), HEADERS, rows)
+    for name, why in sorted(notes.items()):
+        print(f"n/a {name}: {why}")
+    print(f"\ncorrectness (every column's output vs a float32 torch reference, element-wise bound): "
+          f"{'ok' if failures == 0 else f'{failures} element(s) outside'}")
+    return 0 if failures == 0 else 1
+
+
+def entry(op: str):
+    """``(main, run)`` of one op (a key of :data:`OPS`), for its entry module."""
+    import functools
+
+    return functools.partial(main, op), functools.partial(run, op)

@@ -1,0 +1,74 @@
+"""The shared GEMM pieces on the CPU: tiles, shape checks, the error bound, the stock
+kernel's generated CUDA and an nvcc compile."""
+
+from __future__ import annotations
+
+import pytest
+import tilelang
+import torch
+from examples_helpers import kernel_body, lower_source, needs_nvcc
+
+from tilescale_examples.collective import TARGET
+from tilescale_examples.gemm import (GemmTiles, build_gemm_kernel, check_gemm_dims, count_outside, error_bound,
+                                     unit_roundoff)
+
+
+def test_default_tiles_are_the_hopper_example_shape():
+    t = GemmTiles()
+    assert (t.block_m, t.block_n, t.block_k, t.num_stages, t.threads) == (128, 256, 64, 3, 256)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_m=0), "block_m must be a positive int"),
+    (dict(num_stages=True), "num_stages must be a positive int"),
+    (dict(threads=192), "threads must be a multiple of 128"),
+])
+def test_tiles_reject_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GemmTiles(**kwargs)
+
+
+@pytest.mark.parametrize("dims,match", [
+    (dict(m_local=1000), r"Owner: m_local=1000 is not a multiple of block_m=128 \(the GEMM tile\); pad m_local to 1024"),
+    (dict(k=8200), "k=8200 is not a multiple of block_k=64"),
+    (dict(n=3000), "n=3000 is not a multiple of block_n=256"),
+    (dict(n=0), "n must be a positive int"),
+    (dict(m=-128), "m must be a positive int"),
+])
+def test_dims_must_be_tile_multiples(dims, match):
+    with pytest.raises(ValueError, match=match):
+        check_gemm_dims("Owner", GemmTiles(), **dims)
+    check_gemm_dims("Owner", GemmTiles(), m_local=1024, k=8192, n=3584)  # the benchmark shape passes
+
+
+def test_error_bound_accepts_rounding_and_rejects_wrong_elements():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(256, 256, generator=g)
+    for dtype in (torch.float16, torch.bfloat16):
+        bad, worst = count_outside(ref.to(dtype), ref, dtype)  # one rounding: inside
+        assert bad == 0 and 0.1 < worst <= 1.0
+        wrong = ref.to(dtype).clone()
+        wrong[3, 7] += 0.05
+        wrong[9, 9] = float("nan")
+        assert count_outside(wrong, ref, dtype)[0] == 2
+    # rounded intermediates widen the bound by u * their magnitude
+    u = unit_roundoff(torch.bfloat16)
+    assert torch.allclose(error_bound(ref, torch.bfloat16, torch.ones_like(ref)) - error_bound(ref, torch.bfloat16),
+                          torch.full_like(ref, u))
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        unit_roundoff(torch.float32)
+
+
+def test_stock_gemm_uses_tma_and_wgmma_and_no_tilescale():
+    body = kernel_body(lower_source(build_gemm_kernel(512, 512, 256, "bfloat16")))
+    assert "tl::tma_load(A_desc" in body and "tl::tma_load(B_desc" in body and "wgmma" in body
+    assert "tilescale::" not in body
+    with pytest.raises(ValueError, match="m=200 is not a multiple of block_m=128"):
+        build_gemm_kernel(200, 512, 256)
+
+
+@needs_nvcc
+def test_stock_gemm_compiles_for_sm90a(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
+    kernel = tilelang.compile(build_gemm_kernel(256, 256, 128, "float16"), target=TARGET, execution_backend="tvm_ffi")
+    assert kernel.adapter.rt_mod.imports[0].kind == "cuda"

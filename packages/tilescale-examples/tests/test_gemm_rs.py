@@ -1,0 +1,141 @@
+"""GEMM + reduce-scatter on the CPU: reference, generated CUDA of both kernels, nvcc
+compiles, argument checks and the plan choice. The GPU runs are in ``test_overlap_gpu.py``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import tilelang
+import torch
+from examples_helpers import CpuAllocator, kernel_body, lower_source, needs_nvcc, record_compiles
+
+from tilescale_examples import gemm_rs
+from tilescale_examples.collective import TARGET
+from tilescale_examples.gemm_rs import (GemmReduceScatter, build_gemm_rs_kernel, build_reduce_kernel, heap_bytes,
+                                        partial_magnitudes, torch_reference)
+
+
+def test_torch_reference_sums_the_owned_rows_of_every_rank():
+    g = torch.Generator().manual_seed(1)
+    a = [torch.randn(6, 4, generator=g) for _ in range(3)]  # world 3, m_local 2
+    b = [torch.randn(4, 5, generator=g) for _ in range(3)]
+    full = sum(x @ y for x, y in zip(a, b))
+    for r in range(3):
+        assert torch.allclose(torch_reference(a, b, r), full[2 * r:2 * r + 2], atol=1e-6)
+        assert torch.allclose(partial_magnitudes(a, b, r), sum((x @ y).abs() for x, y in zip(a, b))[2 * r:2 * r + 2])
+    with pytest.raises(ValueError, match="one a and one b per rank"):
+        torch_reference(a, b[:2], 0)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 3\)"):
+        torch_reference(a, b, 3)
+
+
+def test_generated_gemm_pushes_each_tile_to_its_owner_then_signals():
+    m_local, k, n, W = 512, 256, 512, 4
+    body = kernel_body(lower_source(build_gemm_rs_kernel(m_local, k, n, W)))
+    assert "int me = tilescale::get_rank();" in body
+    # owner = (me + 1 + by // U) % W with U = 4 row blocks per rank: next ranks first, own last
+    assert "((((int)blockIdx.y) >> 2) + me) + 1) & 3)" in body
+    loop_end = body.rindex("mbarrier[((kk_1 % 3) + 3)].arrive();")
+    epilogue = body[loop_end:]
+    stage = epilogue.index("ptx_stmatrix")  # fragment -> shared (rounded to the dtype)
+    remap = epilogue.index("tilescale::remap_ptr(Partials,")
+    store = epilogue.index("*(uint4*)(((bfloat16_t*)v)")  # 16-byte stores into the owner's heap
+    fence = epilogue.index("tilescale::fence_sys();")
+    notify = epilogue.index("tilescale::notify<true>((&(Counters[me]))")  # release add of 1
+    assert stage < remap < store < fence < notify
+    assert "__sync_thread_partial" in epilogue[store:fence]  # every thread's stores before the signal
+    # slot partials[epoch % 2, me] on the owner
+    assert f"((epoch & (int64_t)1) * (int64_t){W * m_local * n})" in epilogue[store:fence]
+    assert f"(((int64_t)me) * (int64_t){m_local * n})" in epilogue[store:fence]
+    assert "wait_until" not in body  # the GEMM never waits
+
+
+def test_generated_reduction_sums_in_rank_order_in_float32():
+    m_local, n, W = 256, 256, 3
+    body = kernel_body(lower_source(build_reduce_kernel(m_local, n, W, "float16")))
+    assert "wait_until" not in body and "tilescale::" not in body  # launched after the stream waits
+    assert "parity = ((int)(epoch & (int64_t)1));" in body
+    # partials of src 0, 1, 2 of parity epoch % 2, loaded as 16-byte vectors in that order
+    loads = [body.index(f"condval{suffix} = *(uint4*)(Partials") for suffix in ("", "_1", "_2")]
+    assert loads == sorted(loads)
+    assert f"(((int64_t)parity) * (int64_t){W * m_local * n})" in body
+    assert f"+ (int64_t){m_local * n}));" in body and f"+ (int64_t){2 * m_local * n}));" in body
+    # (p0 + p1) + p2 in float32, one rounding to float16
+    first, second = body.index("__3.x = (__4.x+__5.x);"), body.index("__2.x = (__3.x+__6.x);")
+    assert first < second and body.count("__half22float2") == 3 * 2
+    assert "__float22half2_rn(((float2*)(&__2))[0])" in body
+
+
+@needs_nvcc
+@pytest.mark.parametrize("world", [1, 3])
+def test_both_kernels_compile_for_sm90a(world, tmp_path, monkeypatch):
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
+    for func in (build_gemm_rs_kernel(256, 128, 256, world, "bfloat16"), build_reduce_kernel(256, 256, world, "bfloat16")):
+        kernel = tilelang.compile(func, target=TARGET, execution_backend="tvm_ffi")
+        assert kernel.adapter.rt_mod.imports[0].kind == "cuda"
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    return record_compiles(monkeypatch, gemm_rs)
+
+
+def test_auto_plan_on_cpu_falls_back_to_sequential_with_a_log_line(no_compile, caplog):
+    alloc = CpuAllocator(num_ranks=2)
+    with caplog.at_level(logging.WARNING, logger="tilescale_examples"):
+        grs = GemmReduceScatter(alloc, 256, 128, 256, "float16")
+    assert grs.plan == "sequential"
+    assert "GemmReduceScatter: cpu is not a CUDA device; using the sequential plan" in caplog.text
+    assert no_compile == ["reducescatter", "gemm"]
+    assert grs.output is grs.reduce_scatter.output and grs.output.shape == (256, 256)
+    assert grs.flops() == 2.0 * 512 * 256 * 128
+    with pytest.raises(ValueError, match=r"a has shape \(256, 128\), expected \(world_size \* m_local, k\) = \(512, 128\)"):
+        grs.check_inputs(torch.zeros(256, 128, dtype=torch.float16), torch.zeros(128, 256, dtype=torch.float16))
+    grs.close()
+    assert grs.closed and grs.reduce_scatter is None
+    with pytest.raises(RuntimeError, match="GemmReduceScatter is closed"):
+        grs(torch.zeros(512, 128, dtype=torch.float16), torch.zeros(128, 256, dtype=torch.float16))
+
+
+def test_fused_plan_allocates_double_partials_and_counters(no_compile, monkeypatch):
+    monkeypatch.setattr("tilescale_examples.stream_ops.stream_ops_available", lambda device: (True, "stub"))
+    alloc = CpuAllocator(num_ranks=4, rank=1)
+    grs = GemmReduceScatter(alloc, 256, 128, 512, torch.bfloat16)
+    assert grs.plan == "fused" and grs.tiles_per_rank == 2 * 2
+    assert alloc.allocations == [((2, 4, 256, 512), torch.bfloat16), ((4,), torch.uint32)]
+    assert int(grs.counters.sum()) == 0
+    assert no_compile == ["gemm_rs", "reduce_partials"]
+    assert grs.output.shape == (256, 512)
+
+
+def test_fused_plan_on_one_rank_is_the_gemm_alone(no_compile, monkeypatch):
+    monkeypatch.setattr("tilescale_examples.stream_ops.stream_ops_available", lambda device: (True, "stub"))
+    alloc = CpuAllocator(num_ranks=1)
+    grs = GemmReduceScatter(alloc, 256, 128, 256, torch.float16)
+    assert grs.plan == "fused" and "nothing to communicate" in grs.plan_reason
+    assert alloc.allocations == [] and no_compile == ["gemm"] and grs.reduce_kernel is None
+    assert grs.output.shape == (256, 256)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(dtype="float32"), TypeError, "dtype must be one of"),
+    (dict(m_local=192), ValueError, "GemmReduceScatter: m_local=192 is not a multiple of block_m=128"),
+    (dict(k=96), ValueError, "GemmReduceScatter: k=96 is not a multiple of block_k=64"),
+    (dict(n=100), ValueError, "GemmReduceScatter: n=100 is not a multiple of block_n=256"),
+    (dict(block_k=0), ValueError, "block_k must be a positive int"),
+    (dict(plan="fused"), RuntimeError, "plan='fused' needs stream memory operations"),
+    (dict(allocator=None), TypeError, "allocator must be a tilescale-core allocator"),
+])
+def test_constructor_rejects_before_allocating(kwargs, exc, match, no_compile):
+    alloc = CpuAllocator(num_ranks=2)
+    args = dict(allocator=alloc, m_local=128, k=64, n=256, dtype=torch.float16)
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        GemmReduceScatter(**args)
+    assert alloc.allocations == [] and no_compile == []
+
+
+def test_heap_bytes_covers_both_plans():
+    assert heap_bytes(2, 4096, 3584) >= 2 * 2 * 4096 * 3584 * 2
+    assert heap_bytes(1, 128, 256, torch.float16) >= 2 * 128 * 256 * 2 + 16 * 256

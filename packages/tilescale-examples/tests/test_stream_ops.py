@@ -1,0 +1,104 @@
+"""Stream-ordered communication on the CPU: chunk plans, the plan choice, and the copy-engine
+producer's operation list (addresses, order, flags)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tilescale_examples.stream_ops import (PLANS, CopyEnginePush, choose_plan, plan_row_chunks, resolve_plan,
+                                           stream_ops_available)
+
+
+@pytest.mark.parametrize("units,max_chunks,sizes", [
+    (1, 8, [1]),
+    (2, 8, [1, 1]),
+    (3, 8, [1, 2]),
+    (8, 8, [1, 2, 5]),          # m_local 1024 in 128-row units
+    (16, 8, [1, 2, 4, 9]),
+    (32, 8, [1, 2, 4, 8, 17]),
+    (64, 8, [1, 2, 4, 8, 16, 33]),  # m_local 8192
+    (64, 3, [1, 2, 61]),
+    (64, 1, [64]),
+])
+def test_row_chunks_grow_and_cover(units, max_chunks, sizes):
+    chunks = plan_row_chunks(units, max_chunks)
+    assert [n for _, n in chunks] == sizes
+    assert [f for f, _ in chunks] == [sum(sizes[:i]) for i in range(len(sizes))]
+    assert len(chunks) <= max_chunks
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0])
+def test_row_chunks_reject_bad_arguments(bad):
+    with pytest.raises(ValueError, match="units must be a positive int"):
+        plan_row_chunks(bad)
+    with pytest.raises(ValueError, match="max_chunks must be a positive int"):
+        plan_row_chunks(4, bad)
+
+
+def test_plan_choice():
+    assert PLANS == ("auto", "fused", "sequential")
+    assert choose_plan("auto", True, "ok") == ("fused", "ok")
+    assert choose_plan("auto", False, "no memops") == ("sequential", "no memops")
+    assert choose_plan("fused", True) == ("fused", "")
+    assert choose_plan("sequential", True) == ("sequential", "requested")
+    with pytest.raises(RuntimeError, match="plan='fused' needs stream memory operations on every rank: no memops"):
+        choose_plan("fused", False, "no memops")
+    with pytest.raises(ValueError, match="plan must be one of"):
+        choose_plan("overlap", True)
+
+
+def test_resolve_plan_on_a_cpu_device_falls_back_with_a_log_line(caplog):
+    ok, reason = stream_ops_available(torch.device("cpu"))
+    assert not ok and "not a CUDA device" in reason
+    with caplog.at_level(logging.WARNING, logger="tilescale_examples"):
+        assert resolve_plan("Thing", "auto", torch.device("cpu")) == ("sequential", reason)
+    assert "Thing: cpu is not a CUDA device; using the sequential plan" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tilescale_examples"):
+        assert resolve_plan("Thing", "sequential", torch.device("cpu")) == ("sequential", "requested")
+    assert caplog.text == ""
+    with pytest.raises(RuntimeError, match="plan='fused' needs stream memory operations"):
+        resolve_plan("Thing", "fused", torch.device("cpu"))
+
+
+def _push(world=3, rank=1, m_local=512, k=64, chunks=((0, 1), (1, 3))):
+    gathered = [torch.empty((2, world, m_local, k), dtype=torch.bfloat16) for _ in range(world)]
+    flags = [torch.empty((world * len(chunks),), dtype=torch.uint64) for _ in range(world)]
+    return CopyEnginePush(gathered, flags, rank, world, list(chunks), 128, "cpu"), gathered, flags
+
+
+def test_copy_engine_ops_cover_every_chunk_of_every_peer_in_order():
+    world, rank, m_local, k = 3, 1, 512, 64
+    push, gathered, flags = _push(world, rank, m_local, k)
+    row = k * 2
+    a = 1 << 40
+    for epoch in (1, 2):
+        ops = push.ops(a, epoch)
+        assert len(ops) == 2 * (world - 1)
+        # chunk 0 to ranks 2, 0 (rank + 1, rank + 2), then chunk 1 likewise; never to itself
+        assert [j for j, *_ in ops] == [1, 2, 1, 2]
+        for i, (j, dst, src, nbytes, flag) in enumerate(ops):
+            c, p = i // (world - 1), (rank + j) % world
+            assert p != rank
+            first, n = ((0, 1), (1, 3))[c]
+            parity = epoch % 2
+            assert dst == gathered[p][parity, rank, first * 128].data_ptr()  # slot `rank` of parity e % 2 on p
+            assert src == a + first * 128 * row and nbytes == n * 128 * row
+            assert flag == flags[p][rank * 2 + c].data_ptr()  # flags[src * chunks + c] on p
+        assert sum(nbytes for _, _, _, nbytes, _ in ops) == (world - 1) * m_local * row
+
+
+def test_copy_engine_rejects_inconsistent_views():
+    gathered = [torch.empty((2, 2, 256, 64), dtype=torch.float16) for _ in range(2)]
+    flags = [torch.empty((2,), dtype=torch.uint64) for _ in range(2)]
+    with pytest.raises(ValueError, match="one gathered and one flags view per rank"):
+        CopyEnginePush(gathered[:1], flags, 0, 2, [(0, 2)], 128, "cpu")
+    with pytest.raises(ValueError, match="gathered has 2 rank slots, world_size is 3"):
+        CopyEnginePush(gathered + gathered[:1], flags + flags[:1], 0, 3, [(0, 2)], 128, "cpu")
+    with pytest.raises(ValueError, match="do not cover m_local=256"):
+        CopyEnginePush(gathered, flags, 0, 2, [(0, 1)], 128, "cpu")
+    with pytest.raises(ValueError, match="world_size must be >= 2"):
+        CopyEnginePush(gathered[:1], flags[:1], 0, 1, [(0, 2)], 128, "cpu")
