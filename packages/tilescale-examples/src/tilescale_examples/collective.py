@@ -176,12 +176,23 @@ class SymmetricCollective(Closable):
 
         return tilelang.tensor(tuple(shape), self.dtype if dtype is None else dtype, allocator=self.allocator)
 
-    def _finish(self, func, target=None) -> None:
-        """Compile ``func`` once per host, initialise it with the allocator's table, then make
-        sure every rank's flags are zero (device sync + barrier) before anyone signals."""
+    def _finish(self, func, target=None, pass_configs=None) -> None:
+        """Compile ``func`` once per host (with TileLang ``pass_configs`` when given),
+        initialise it with the allocator's table, then make sure every rank's flags are zero
+        (device sync + barrier) before anyone signals."""
+        self.kernel = self._compile(func, target, pass_configs)
+        self._initialize()
+
+    def _compile(self, func, target=None, pass_configs=None):
+        """``tilelang.compile`` of ``func`` once per host (``compile_once``)."""
         import tilelang
 
-        self.kernel = tilelang.compile(func, target=target or TARGET, compile_once=True, compile_group=self.group)
+        extra = {} if pass_configs is None else {"pass_configs": dict(pass_configs)}
+        return tilelang.compile(func, target=target or TARGET, compile_once=True, compile_group=self.group, **extra)
+
+    def _initialize(self) -> None:
+        """Give ``self.kernel`` the allocator's table, then make sure every rank's flags are
+        zero (device sync + barrier) before anyone signals."""
         stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
         self.kernel.initialize(allocator=self.allocator, stream=stream)
         if self.device.type == "cuda":
