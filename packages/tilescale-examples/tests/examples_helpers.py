@@ -56,7 +56,10 @@ class CpuAllocator:
 
     def _allocate_tensor(self, shape, dtype, return_peers=False):
         self.allocations.append((tuple(shape), dtype))
-        return torch.full(tuple(shape), 7, dtype=dtype)
+        local = torch.full(tuple(shape), 7, dtype=dtype)
+        if not return_peers:
+            return local
+        return [local if r == self.local_rank else torch.full(tuple(shape), 7, dtype=dtype) for r in range(self.num_ranks)]
 
 
 def run_gpu_ranks(body, world: int, tmp_path_factory, name: str) -> list:

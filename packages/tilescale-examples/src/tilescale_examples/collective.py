@@ -170,11 +170,13 @@ class SymmetricCollective(Closable):
         self.kernel = None
         self._closed = False
 
-    def _tensor(self, shape, dtype=None):
-        """A symmetric tensor on the allocator's heap (same offset on every rank)."""
+    def _tensor(self, shape, dtype=None, return_peers: bool = False):
+        """A symmetric tensor on the allocator's heap (same offset on every rank); with
+        ``return_peers`` the list of every rank's view of it (index = rank)."""
         import tilelang
 
-        return tilelang.tensor(tuple(shape), self.dtype if dtype is None else dtype, allocator=self.allocator)
+        return tilelang.tensor(tuple(shape), self.dtype if dtype is None else dtype, allocator=self.allocator,
+                               return_peers=return_peers)
 
     def _finish(self, func, target=None, pass_configs=None) -> None:
         """Compile ``func`` once per host (with TileLang ``pass_configs`` when given),
