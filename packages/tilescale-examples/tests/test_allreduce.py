@@ -237,7 +237,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("world", [2, 4])
 def test_allreduce_every_size_class_and_dtype_on_gpu(world, tmp_path_factory):
-    reports = run_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "allreduce")
+    reports = run_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "reductions")
     assert [r["checks"] for r in reports] == [len(SIZES) * len(DTYPES) * 3 * 4] * world
 
 
@@ -288,5 +288,5 @@ def back_to_back_body(rank: int, world: int, cache_dir: str) -> dict:
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("world", [2, 4])
 def test_allreduce_back_to_back_with_a_straggler_on_gpu(world, tmp_path_factory):
-    reports = run_gpu_ranks(back_to_back_body, world, tmp_path_factory, "allreduce")
+    reports = run_gpu_ranks(back_to_back_body, world, tmp_path_factory, "reductions")
     assert [r["checks"] for r in reports] == [2 * CALLS] * world

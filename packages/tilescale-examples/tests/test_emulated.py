@@ -76,7 +76,7 @@ def test_emulated_kernels_match_the_reference_on_gpu(ranks, tmp_path_factory, mo
         pytest.skip("needs a CUDA GPU (none visible)")
     from tilescale_examples.benchmarks.emulated import build, bytes_moved, check_round, time_kernels
 
-    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "tilelang-cache-emulated"))
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "tilelang-cache-reductions"))  # the rank tests' kernels
     monkeypatch.setenv("TILESCALE_WAIT_TIMEOUT_MS", "30000")
     for op, algorithm, nbytes in CASES:
         for dtype in (torch.float16, torch.bfloat16):

@@ -178,5 +178,5 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_reducescatter_on_gpu(world, tmp_path_factory):
-    reports = run_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "reducescatter")
+    reports = run_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "reductions")  # kernels shared with the all-reduce tests
     assert [r["checks"] for r in reports] == [len(GPU_CASES) * 4] * world

@@ -90,9 +90,8 @@ MIN_CHUNK_BYTES = 64 * 1024
 ENGINES = ("auto", "sm", "copy")
 #: Size table of ``engine="auto"``: the smallest output (bytes, ``world_size`` shards) moved by
 #: the copy engines, by world size (between keys: the smaller key's entry); smaller outputs use
-#: the SM kernel. On two H200s (18 NVLinks) ``copy_`` through the peer mapping reached 394 GB/s
-#: and ``T.put_block`` 368 GB/s at 1 GiB, 292 and 276 at 16 MiB, before the stream operations'
-#: fixed cost. Re-tune from ``python -m tilescale_examples.benchmarks.allgather --engine sm|copy``.
+#: the SM kernel (below it, the stream operations' fixed cost outweighs the copy engines'
+#: throughput). Re-tune from ``python -m tilescale_examples.benchmarks.allgather --engine sm|copy``.
 COPY_ENGINE_MIN_BYTES = {2: 64 << 20, 4: 64 << 20, 8: 64 << 20}
 
 
