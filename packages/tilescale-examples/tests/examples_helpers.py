@@ -127,3 +127,16 @@ def nvcc_resources(src: str, tmp_path) -> tuple:
     assert res.returncode == 0, res.stderr[-4000:]
     text = res.stdout + res.stderr
     return int(re.findall(r"Used (\d+) registers", text)[-1]), int(re.findall(r"(\d+) bytes spill stores", text)[-1])
+
+
+def random_tensor(shape, dtype, generator, device):
+    """Fresh test data: normal floats, or int32 in [-1000, 1000), made on the CPU from
+    ``generator`` (reproducible) and moved to ``device``."""
+    if dtype == torch.int32:
+        return torch.randint(-1000, 1000, tuple(shape), generator=generator, dtype=torch.int32).to(device)
+    return torch.randn(tuple(shape), generator=generator).to(dtype).to(device)
+
+
+def poison(t) -> None:
+    """Fill ``t`` with a value no correct result has: NaN for floats, -123456789 for ints."""
+    t.fill_(-123456789 if not t.dtype.is_floating_point else float("nan"))

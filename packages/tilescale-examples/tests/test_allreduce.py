@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from examples_helpers import CpuAllocator, close_rank_heap, open_rank_heap, run_gpu_ranks
+from examples_helpers import CpuAllocator, close_rank_heap, open_rank_heap, poison, random_tensor, run_gpu_ranks
 
 from tilescale_examples.allreduce import ONE_SHOT_MAX_BYTES, AllReduce, choose_algorithm, torch_reference
 
@@ -169,16 +169,6 @@ SIZES = [(7,), (2048,), (3, 1000), ((1 << 22) + 5,)]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int32]
 
 
-def random_like(shape, dtype, generator, device):
-    if dtype == torch.int32:
-        return torch.randint(-1000, 1000, shape, generator=generator, dtype=torch.int32).to(device)
-    return torch.randn(shape, generator=generator).to(dtype).to(device)
-
-
-def poison(t: torch.Tensor) -> None:
-    t.fill_(-123456789 if t.dtype == torch.int32 else float("nan"))
-
-
 def gather(x: torch.Tensor, world: int) -> list:
     import torch.distributed as dist
 
@@ -211,7 +201,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
             ar = AllReduce(alloc, shape, dtype, algorithm=algorithm)
             for k, way in enumerate(("plain", "out", "inplace", "heap")):
                 g = torch.Generator().manual_seed(rank * 1000003 + case * 7919 + k)
-                x = random_like(shape, dtype, g, dev)
+                x = random_tensor(shape, dtype, g, dev)
                 inputs = gather(x, world)
                 poison(ar.output)
                 poison(ar.input) if way != "heap" else ar.input.copy_(x)
@@ -247,7 +237,7 @@ VARIANTS = 8  # distinct inputs cycled through by the back-to-back calls
 
 def rank_inputs(rank: int, shape, dtype, device) -> list:
     """The ``VARIANTS`` inputs of ``rank`` (any rank can rebuild any rank's: seeded)."""
-    return [random_like(shape, dtype, torch.Generator().manual_seed(rank * 7919 + v), device) for v in range(VARIANTS)]
+    return [random_tensor(shape, dtype, torch.Generator().manual_seed(rank * 7919 + v), device) for v in range(VARIANTS)]
 
 
 def back_to_back_body(rank: int, world: int, cache_dir: str) -> dict:

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from examples_helpers import CpuAllocator, close_rank_heap, open_rank_heap, run_gpu_ranks
+from examples_helpers import CpuAllocator, close_rank_heap, open_rank_heap, poison, random_tensor, run_gpu_ranks
 
 from tilescale_examples.reducescatter import ReduceScatter, torch_reference
 
@@ -110,16 +110,6 @@ GPU_CASES = [((1,), torch.float32), ((7,), torch.float16), ((1000,), torch.bfloa
              ((1 << 18,), torch.int32)]
 
 
-def random_input(shape, dtype, generator, device):
-    if dtype == torch.int32:
-        return torch.randint(-1000, 1000, shape, generator=generator, dtype=torch.int32).to(device)
-    return torch.randn(shape, generator=generator).to(dtype).to(device)
-
-
-def poison(t: torch.Tensor) -> None:
-    t.fill_(-123456789 if t.dtype == torch.int32 else float("nan"))
-
-
 def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     """Per rank: every case with a plain input, an ``out=`` tensor and the zero-copy
     ``rs.input``, poisoned outputs and staging buffers, compared bit for bit with
@@ -134,7 +124,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     for case, (shape, dtype) in enumerate(GPU_CASES):
         rs = ReduceScatter(alloc, shape, dtype)
         for k, way in enumerate(("plain", "out", "heap")):
-            x = random_input((world, *shape), dtype, torch.Generator().manual_seed(rank * 1000003 + case * 7919 + k), dev)
+            x = random_tensor((world, *shape), dtype, torch.Generator().manual_seed(rank * 1000003 + case * 7919 + k), dev)
             inputs = [torch.empty_like(x) for _ in range(world)]
             dist.all_gather(inputs, x)
             poison(rs.output)
@@ -152,7 +142,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
                 raise AssertionError(f"rank {rank}/{world} {shape} {dtype} {way}: first mismatches at {bad}")
             checks += 1
         # back-to-back: alternate two inputs, stall this rank's stream now and then
-        xs = [random_input((world, *shape), dtype, torch.Generator().manual_seed(rank * 31 + v + 1), dev) for v in range(2)]
+        xs = [random_tensor((world, *shape), dtype, torch.Generator().manual_seed(rank * 31 + v + 1), dev) for v in range(2)]
         wants = []
         for x in xs:
             inputs = [torch.empty_like(x) for _ in range(world)]

@@ -78,7 +78,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from tilescale_examples.collective import DTYPES as _DTYPES
-from tilescale_examples.collective import TARGET, SymmetricCollective, plan_chunks
+from tilescale_examples.collective import TARGET, SymmetricCollective, plan_chunks, size_table_entry
 from tilescale_examples.put_exchange import build_put_exchange_kernel
 
 __all__ = ["AllGather", "plan_chunks", "build_allgather_kernel", "torch_reference", "TARGET",
@@ -98,14 +98,8 @@ COPY_ENGINE_MIN_BYTES = {2: 64 << 20, 4: 64 << 20, 8: 64 << 20}
 def choose_engine(nbytes: int, world_size: int, table: Optional[dict] = None) -> str:
     """``"copy"`` when an output of ``nbytes`` bytes reaches the table's entry for
     ``world_size`` (default :data:`COPY_ENGINE_MIN_BYTES`), else ``"sm"``; one rank: ``"sm"``."""
-    table = COPY_ENGINE_MIN_BYTES if table is None else table
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if world_size == 1:
-        return "sm"
-    keys = [k for k in sorted(table) if k <= world_size]
-    limit = table[keys[-1]] if keys else table[min(table)]
-    return "copy" if nbytes >= limit else "sm"
+    limit = size_table_entry(COPY_ENGINE_MIN_BYTES if table is None else table, world_size)
+    return "copy" if world_size > 1 and nbytes >= limit else "sm"
 
 
 def build_allgather_kernel(shard_numel: int, dtype: str, world_size: int, chunks: int,

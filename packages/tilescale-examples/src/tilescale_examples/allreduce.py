@@ -36,7 +36,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from tilescale_examples.collective import check_shape
+from tilescale_examples.collective import check_shape, size_table_entry
 from tilescale_examples.reduce_engine import REDUCE_DTYPES, ReductionCollective
 from tilescale_examples.reduce_engine import torch_reference as _rank_order_sum
 
@@ -62,14 +62,8 @@ def choose_algorithm(nbytes: int, world_size: int, table: Optional[dict] = None)
         table: world size -> largest one-shot message in bytes (default
             :data:`ONE_SHOT_MAX_BYTES`).
     """
-    table = ONE_SHOT_MAX_BYTES if table is None else table
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if world_size == 1:
-        return "one_shot"
-    keys = [k for k in sorted(table) if k <= world_size]
-    limit = table[keys[-1]] if keys else table[min(table)]
-    return "one_shot" if nbytes <= limit else "two_shot"
+    limit = size_table_entry(ONE_SHOT_MAX_BYTES if table is None else table, world_size)
+    return "one_shot" if world_size == 1 or nbytes <= limit else "two_shot"
 
 
 def torch_reference(inputs: Sequence[torch.Tensor], rank: int = 0) -> torch.Tensor:
@@ -92,13 +86,8 @@ class AllReduce(ReductionCollective):
         world_size: number of ranks; defaults to ``allocator.num_ranks`` and must equal it.
         algorithm: ``"auto"`` (by size, :func:`choose_algorithm`), ``"one_shot"`` or
             ``"two_shot"``.
-        group: process group for the constructor's barrier; default ``torch.distributed``'s
-            world group when initialised.
-        threads: threads per block (multiple of 32, at most 1024; default 512).
-        max_blocks: grid cap; default the device's SM count (all blocks must be resident).
-        unroll: 16-byte rows per thread and loop iteration (default ``max(1, 8 //
-            world_size)``).
-        target: TileLang target (default ``sm_90a``).
+        group, threads, max_blocks, unroll, target: as for
+            :class:`~tilescale_examples.reducescatter.ReduceScatter`.
 
     Attributes: ``algorithm`` (the one chosen), ``plan`` (grid and buffer plan), ``input``
     (the symmetric buffer the next call reads, ``shape``: write into it and call

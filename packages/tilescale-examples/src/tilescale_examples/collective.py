@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["SymmetricCollective", "Closable", "check_tensor", "plan_chunks", "TARGET", "DTYPES"]
+__all__ = ["SymmetricCollective", "Closable", "check_tensor", "plan_chunks", "size_table_entry", "TARGET", "DTYPES"]
 
 #: Default TileLang target (H100/H200).
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -58,6 +58,15 @@ def plan_chunks(shard_numel: int, itemsize: int, world_size: int,
     chunk = -(-chunk // align) * align
     chunks = -(-shard_numel // chunk)
     return chunks, chunk
+
+
+def size_table_entry(table: dict, world_size: int):
+    """The entry of a size table keyed by world size: the largest key not above
+    ``world_size`` (the smallest key below all of them). ``world_size`` must be a positive int."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    keys = [k for k in sorted(table) if k <= world_size]
+    return table[keys[-1]] if keys else table[min(table)]
 
 
 def default_group():

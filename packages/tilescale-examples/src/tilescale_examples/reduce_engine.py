@@ -73,8 +73,7 @@ its call ``e`` finished.
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
 
-import math
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
 
@@ -197,6 +196,14 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
         T.sync_threads()
 
     @T.macro
+    def stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in):
+        """Steps 1 and 2."""
+        if stage_in != 0:
+            for t in T.serial(iters):
+                stage(X, Stage, t, bx, tx, blocks, span, rows_in)
+        signal_and_wait(Flags, tx, me, bx, blocks, epoch, 0)
+
+    @T.macro
     def load_reduce(Stage, vals, res, t, bx, tx, blocks, span, lo):
         """Step 3: W rows per unrolled row (all loads issued before any add), rank-order sum."""
         for u in ROWS:
@@ -235,10 +242,7 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
                 me = T.get_rank()
                 vals = T.alloc_local((U, W, V), dtype)
                 res = T.alloc_local((U, V), dtype)
-                if stage_in != 0:
-                    for t in T.serial(iters):
-                        stage(X, Stage, t, bx, tx, blocks, span, rows_in)
-                signal_and_wait(Flags, tx, me, bx, blocks, epoch, 0)  # ready
+                stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in)
                 for t in T.serial(iters):
                     load_reduce(Stage, vals, res, t, bx, tx, blocks, span, me * span)
                     store_peers(Stage, res, t, bx, tx, blocks, span, me * span)
@@ -256,10 +260,7 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
             me = T.get_rank()
             vals = T.alloc_local((U, W, V), dtype)
             res = T.alloc_local((U, V), dtype)
-            if stage_in != 0:
-                for t in T.serial(iters):
-                    stage(X, Stage, t, bx, tx, blocks, span, rows_in)
-            signal_and_wait(Flags, tx, me, bx, blocks, epoch, 0)  # ready
+            stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in)
             for t in T.serial(iters):
                 load_reduce(Stage, vals, res, t, bx, tx, blocks, span, shard_start(me, span))
                 store_local(Out, res, t, bx, tx, blocks, span)

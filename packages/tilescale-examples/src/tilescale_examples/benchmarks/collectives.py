@@ -393,7 +393,6 @@ def _run_dtype(op, rank, world, group, device, args, alloc, dtype_name, sizes, s
             row += _symm_cells(coll, x, out, tol, symm, it, group, device)
         rows.append(row)
         coll.close()
-        del ref
     return [rows, failures, name, None if symm is None else symm.title()]
 
 
