@@ -41,7 +41,11 @@ class FakeKernel:
     (2 x the staged input) where the real kernel would."""
 
     def __init__(self, ar):
-        self.ar, self.calls = ar, []
+        self.ar, self.calls, self.tables = ar, [], []
+
+    def initialize(self, allocator, stream=None):
+        self.tables.append(int(allocator.table[0]))
+        return self
 
     def __call__(self, *args):
         self.calls.append(args)
@@ -84,6 +88,19 @@ def test_one_shot_buffers_staging_and_double_buffering(tmp_path, monkeypatch):
     assert torch.equal(ar.output, x * 6)
     ar(nxt)  # no longer ar.input (the buffers alternate): staged from it, into buffer 1
     assert ar.kernel.calls[-1][-1] == 1 and ar.kernel.calls[-1][1].data_ptr() == ar.stages[1].data_ptr()
+    assert ar.kernel.tables == [0]  # the table is bound once, then only when another allocator used the kernel
+
+
+def test_instances_on_different_allocators_rebind_the_shared_kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
+    a0, a1 = CpuAllocator(num_ranks=2, rank=0), CpuAllocator(num_ranks=2, rank=1)
+    ar0, ar1 = AllReduce(a0, (64,), "float16", threads=128), AllReduce(a1, (64,), "float16", threads=128)
+    assert ar0.kernel is ar1.kernel  # one compiled kernel (one module, one table) per process
+    fake = FakeKernel(ar0)
+    ar0.kernel = ar1.kernel = fake
+    x = torch.randn(64).half()
+    ar0(x), ar0(x), ar1(x), ar0(x)
+    assert fake.tables == [0, 1, 0]
 
 
 def test_outputs_in_place_and_odd_sizes(tmp_path, monkeypatch):

@@ -204,14 +204,29 @@ class SymmetricCollective(Closable):
     def _initialize(self) -> None:
         """Give ``self.kernel`` the allocator's table, then make sure every rank's flags are
         zero (device sync + barrier) before anyone signals."""
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
-        self.kernel.initialize(allocator=self.allocator, stream=stream)
+        self.bind_table(force=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.group is not None:
             import torch.distributed as dist
 
             dist.barrier(group=self.group)
+
+    #: Attribute of a compiled kernel naming the allocator whose table its module holds.
+    _TABLE_OWNER = "_tilescale_table_owner"
+
+    def bind_table(self, force: bool = False) -> None:
+        """Make the kernel's metadata table this instance's allocator's, stream-ordered on the
+        current stream; a no-op when it already is (unless ``force``). TileLang hands out one
+        compiled kernel (one module, one table) per kernel source and process, so instances
+        on different allocators (or emulated ranks) that share a kernel must rebind before
+        they launch."""
+        kernel = self.kernel
+        if not force and kernel.__dict__.get(self._TABLE_OWNER) is self.allocator:
+            return
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
+        kernel.initialize(allocator=self.allocator, stream=stream)
+        kernel.__dict__[self._TABLE_OWNER] = self.allocator
 
     def check_tensor(self, tensor, shape: Tuple[int, ...], name: str = "input", shape_name: str = "the shape") -> None:
         """:func:`check_tensor` against this collective's dtype and device."""

@@ -122,20 +122,21 @@ def run_round(collectives: Sequence, call: Optional[Callable] = None, events=Non
     """One call of every emulated rank's collective, rank 0 first, on the current stream.
 
     Presets every rank's flags to :data:`PRESET`, then for each rank ``r``: points the
-    kernel's metadata table at rank ``r`` (``kernel.initialize``, stream-ordered) and calls
-    ``call(collective)`` (default ``c(c.input)``). With ``events`` (a list of ``(start,
+    kernel's metadata table at rank ``r`` (``c.bind_table()``, stream-ordered: the ranks'
+    collectives share one compiled kernel) and calls ``call(collective)`` (default
+    ``c(c.input)``). With ``events`` (a list of ``(start,
     end)`` CUDA event pairs, one per rank) the kernel of rank ``r`` is bracketed by pair
     ``r``. Returns the calls' results.
     """
     call = call or (lambda c: c(c.input))
     for c in collectives:
         c.flags.view(torch.int64).fill_(PRESET)
-    stream = torch.cuda.current_stream() if torch.cuda.is_available() and collectives[0].device.type == "cuda" else None
+    stream = torch.cuda.current_stream() if collectives[0].device.type == "cuda" else None
     results = []
     for r, c in enumerate(collectives):
         if c.allocator.local_rank != r:
             raise ValueError(f"collectives[{r}] is emulated rank {c.allocator.local_rank}; pass them in rank order")
-        c.kernel.initialize(allocator=c.allocator, stream=None if stream is None else stream.cuda_stream)
+        c.bind_table()
         if events is not None:
             events[r][0].record(stream)
         results.append(call(c))

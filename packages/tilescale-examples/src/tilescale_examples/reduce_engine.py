@@ -461,6 +461,7 @@ class ReductionCollective(SymmetricCollective):
         self.epoch += 1
         stage = self._stage(self.epoch)
         p = self.plan
+        self.bind_table()
         x = None if self._is_view_of(input, input_view) else rows_view(input, p.vec)
         if x is not None and p.mode == "reduce_scatter" and x.shape[0] != p.stage_rows:
             x = None  # rows of the input are not whole vectors: padded by the copy below
