@@ -181,8 +181,9 @@ def test_close_and_repr(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------ GPU
 #: Size classes (elements): tiny and not whole vectors, 4 KiB (float16), a size the ranks do
-#: not divide, and 4 Mi + 5; each with the size table's choice and both algorithms forced.
-SIZES = [(7,), (2048,), (3, 1000), ((1 << 22) + 5,)]
+#: not divide, 2 Mi + 5 (staged by a copy) and 4 Mi (staged in the kernel, two-shot by the
+#: table); each with the size table's choice and both algorithms forced.
+SIZES = [(7,), (2048,), (3, 1000), ((1 << 21) + 5,), (1 << 22,)]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int32]
 
 
