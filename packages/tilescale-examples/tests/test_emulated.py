@@ -87,3 +87,27 @@ def test_emulated_kernels_match_the_reference_on_gpu(ranks, tmp_path_factory, mo
             for c in colls:
                 c.close()
             peers.close()
+
+
+def test_benchmark_arguments_and_byte_counts(capsys, monkeypatch):
+    from types import SimpleNamespace
+
+    from tilescale_examples.benchmarks import emulated as B
+    from tilescale_examples.reduce_engine import plan_grid
+
+    for argv, message in ((["--ranks", "0"], "--ranks must be in [1, 64]"),
+                          (["--min-bytes", "8", "--max-bytes", "4"], "need 0 < --min-bytes <= --max-bytes"),
+                          (["--ops", "allgather"], "invalid choice"), (["--dtype", "int8"], "invalid choice")):
+        with pytest.raises(SystemExit):
+            B.main(argv)
+        assert message in capsys.readouterr().err
+    assert B.shape_of("allreduce", 4096, 4, 2) == (2048,) and B.shape_of("reducescatter", 4096, 4, 2) == (512,)
+    two = SimpleNamespace(plan=plan_grid("two_shot", 1 << 20, 2, 4))  # 2 MiB: each rank reads and writes 2 MiB
+    assert B.bytes_moved(two) == 2 * (2 << 20)
+    one = SimpleNamespace(plan=plan_grid("one_shot", 2048, 2, 4))  # 4 KiB: 4 reads and 1 write per row
+    assert B.bytes_moved(one) == 5 * 4096
+    rs = SimpleNamespace(plan=plan_grid("reduce_scatter", 512, 2, 4))  # 4 KiB input: reads it, writes 1 KiB
+    assert B.bytes_moved(rs) == 4096 + 1024
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert B.main(["--ranks", "2"]) == 0
+    assert "no CUDA GPU visible" in capsys.readouterr().out

@@ -2,7 +2,7 @@
 
 ``python -m tilescale_examples.benchmarks.emulated [--ranks 2 4 8] [--min-bytes 4096]
 [--max-bytes 1073741824] [--dtype float16] [--ops allreduce reducescatter]
-[--algorithm auto|one_shot|two_shot] [--iters 20]``
+[--algorithm auto|one_shot|two_shot] [--iters 20] [--threads 512] [--unroll U]``
 
 One process, no process group: ``N`` emulated ranks are ``N`` regions of one device buffer
 (:mod:`tilescale_examples.emulated`), and their metadata tables map PE ``p`` to region ``p``,
@@ -49,9 +49,11 @@ def shape_of(op: str, nbytes: int, ranks: int, itemsize: int) -> tuple:
     return (max(1, per),)
 
 
-def build(op: str, algorithm: str, ranks: int, nbytes: int, dtype, device, max_blocks=None):
+def build(op: str, algorithm: str, ranks: int, nbytes: int, dtype, device, max_blocks=None,
+          threads: int = 512, unroll=None):
     """``(peers, collectives)``: an :class:`~tilescale_examples.emulated.EmulatedPeers` sized
-    for one collective and the collective built on each of its ranks (rank order)."""
+    for one collective and the collective built on each of its ranks (rank order);
+    ``threads`` and ``unroll`` as for the collectives."""
     import torch
 
     from tilescale_examples.allreduce import AllReduce, choose_algorithm
@@ -66,18 +68,19 @@ def build(op: str, algorithm: str, ranks: int, nbytes: int, dtype, device, max_b
         mode = choose_algorithm(shape[0] * itemsize, ranks) if algorithm == "auto" else algorithm
     else:
         mode = "reduce_scatter"
-    plan = plan_grid(mode, shape[0], itemsize, ranks, max_blocks=max_blocks)
+    plan = plan_grid(mode, shape[0], itemsize, ranks, threads, unroll, max_blocks)
+    kw = dict(max_blocks=max_blocks, threads=threads, unroll=unroll)
     stages = 1 if mode == "two_shot" else 2
     region = stages * (plan.stage_rows * 16 + ALIGNMENT) + 2 * ranks * plan.blocks * 8 + 2 * ALIGNMENT
     peers = EmulatedPeers(ranks, region, device)
     colls = []
     for r in range(ranks):
         if op == "allreduce":
-            colls.append(AllReduce(peers.rank(r), shape, dtype, algorithm=mode, max_blocks=max_blocks))
+            colls.append(AllReduce(peers.rank(r), shape, dtype, algorithm=mode, **kw))
         else:
             from tilescale_examples.reducescatter import ReduceScatter
 
-            colls.append(ReduceScatter(peers.rank(r), shape, dtype, max_blocks=max_blocks))
+            colls.append(ReduceScatter(peers.rank(r), shape, dtype, **kw))
     return peers, colls
 
 
@@ -186,7 +189,8 @@ def run(args, device) -> tuple:
     for n in args.ranks:
         for op in args.ops:
             for nbytes in size_sweep(args.min_bytes, args.max_bytes, 4):
-                peers, colls = build(op, args.algorithm, n, nbytes, dtype, device)
+                peers, colls = build(op, args.algorithm, n, nbytes, dtype, device, threads=args.threads,
+                                     unroll=args.unroll)
                 bad = check_round(op, colls, seed=nbytes % 100003 + n)
                 failures += bad
                 it = iters_for(nbytes, args.iters)
@@ -219,6 +223,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-bytes", type=int, default=1 << 30)
     p.add_argument("--iters", type=int, default=20, help="timed rounds per size (fewer above 64 MiB)")
     p.add_argument("--dtype", default="float16", choices=DTYPES)
+    p.add_argument("--threads", type=int, default=512, help="threads per block of the kernels")
+    p.add_argument("--unroll", type=int, default=None, help="rows per thread and iteration (default max(1, 8 // ranks))")
     args = p.parse_args(argv)
     if any(n < 1 or n > 64 for n in args.ranks):
         p.error("--ranks must be in [1, 64]")
@@ -234,7 +240,7 @@ def main(argv=None) -> int:
     rows, failures, small, worst = run(args, device)
     name = torch.cuda.get_device_name(device)
     print_table(f"reduction kernels with emulated peers (one {name}, {args.dtype}, all-reduce algorithm "
-                f"{args.algorithm}); GB/s = bytes one rank's kernel reads + writes / its GPU time; baseline "
+                f"{args.algorithm}, {args.threads} threads, unroll {args.unroll or 'max(1, 8 // ranks)'}); GB/s = bytes one rank's kernel reads + writes / its GPU time; baseline "
                 "torch device-to-device copy_ of the same bytes, same run", HEADERS, rows)
     for f in failures[:20]:
         print("FAILED:", f)
