@@ -32,8 +32,9 @@ run_step() {  # name, command...
   summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$(grep -E '^(=+ )?[0-9]+ (passed|failed)|passed|failed' "$logs/$name.log" | tail -1)")")
 }
 # One pytest per package, each under its own deadline, so one hang cannot eat the whole call.
-# examples: 6 collectives x 1, 2, 4 ranks sharing a GPU (about 25 s each on an H200).
-declare -A limit=([core]=240 [host]=150 [lang]=360 [examples]=540)
+# examples: the collectives on 1, 2 and 4 ranks sharing a GPU (about 25 s each on an H200),
+# the reductions' size classes and 1000 back-to-back calls on 2 and 4 ranks, emulated peers.
+declare -A limit=([core]=240 [host]=150 [lang]=360 [examples]=780)
 gpu_tests() {  # step name, TILESCALE_SHARE_GPUS value
   for p in core host lang examples; do
     run_step "$1-$p" env TILESCALE_SHARE_GPUS="$2" timeout -k 10 "${limit[$p]}" python3 -m pytest \
