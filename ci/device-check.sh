@@ -35,6 +35,7 @@ run_step() {  # name, command...
 # One pytest per package, each under its own deadline, so one hang cannot eat the whole call.
 # examples: 6 collectives x 1, 2, 4 ranks sharing a GPU (about 25 s each on an H200), plus the
 # overlapped GEMMs (test_overlap_gpu.py, about 3 minutes; `-- -k overlap` runs them alone).
+# The reductions: size classes and 1000 back-to-back calls on 2 and 4 ranks, emulated peers.
 declare -A limit=([core]=240 [host]=150 [lang]=360 [examples]=780)
 gpu_tests() {  # step name, TILESCALE_SHARE_GPUS value
   for p in core host lang examples; do
@@ -49,7 +50,7 @@ for step in "${steps[@]}"; do
     demo) run_step demo timeout -k 10 300 python3 -m tilescale_examples.demo --json "$logs/demo.json" ;;
     tests) gpu_tests tests 1 ;;
     tests-4) gpu_tests tests-4 0 ;;
-    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs; do
+    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs emulated; do
              run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
            done ;;
     bench-overlap-1) for b in ag_gemm gemm_rs; do

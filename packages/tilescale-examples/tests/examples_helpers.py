@@ -126,3 +126,43 @@ def record_compiles(monkeypatch, *modules) -> list:
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, fake)
     return built
+
+
+def lower_with(func, pass_configs: dict) -> str:
+    """CUDA source of ``func`` under the examples' target and TileLang ``pass_configs``."""
+    from tilelang import tvm
+
+    with tvm.transform.PassContext(config=dict(pass_configs)), tvm.target.Target(TARGET):
+        return tilelang.lower(func, target=TARGET).kernel_source
+
+
+def nvcc_resources(src: str, tmp_path) -> tuple:
+    """``(registers per thread, spill store bytes)`` of the one kernel in a generated source,
+    compiled to an sm_90a cubin the way TileLang compiles kernels (``ptxas -v``)."""
+    import re
+    import subprocess
+
+    from tilelang.contrib.nvcc import default_compile_options
+    from tilescale_lang import headers
+
+    cu = tmp_path / "k.cu"
+    cu.write_text(src)
+    opts = default_compile_options(headers.compile_flags())
+    cmd = [NVCC, "-cubin", "-arch=sm_90a", *opts, "-w", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(cu)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-4000:]
+    text = res.stdout + res.stderr
+    return int(re.findall(r"Used (\d+) registers", text)[-1]), int(re.findall(r"(\d+) bytes spill stores", text)[-1])
+
+
+def random_tensor(shape, dtype, generator, device):
+    """Fresh test data: normal floats, or int32 in [-1000, 1000), made on the CPU from
+    ``generator`` (reproducible) and moved to ``device``."""
+    if dtype == torch.int32:
+        return torch.randint(-1000, 1000, tuple(shape), generator=generator, dtype=torch.int32).to(device)
+    return torch.randn(tuple(shape), generator=generator).to(dtype).to(device)
+
+
+def poison(t) -> None:
+    """Fill ``t`` with a value no correct result has: NaN for floats, -123456789 for ints."""
+    t.fill_(-123456789 if not t.dtype.is_floating_point else float("nan"))

@@ -118,7 +118,9 @@ def test_allgather_object_on_cpu_allocator(tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
     alloc = CpuAllocator(num_ranks=2)
     ag = AllGather(alloc, (3, 5), "float32", threads=128)
-    assert alloc.allocations == [((3, 5), torch.float32), ((2, 3, 5), torch.float32), ((2 * 2 * ag.chunks,), torch.uint64)]
+    assert alloc.allocations == [((3, 5), torch.float32), ((2, 3, 5), torch.float32), ((2 * 2 * ag.chunks,), torch.uint64),
+                                 ((2, 2), torch.int32)]
+    assert ag.engine == "sm" and ag.output is ag.peer_outputs[0] and not ag.copy_flags.ne(0).any()
     assert ag.output.shape == (2, 3, 5) and ag.input.shape == (3, 5)
     assert not ag.flags.ne(0).any()
     assert (ag.chunks, ag.chunk) == (1, 16)
@@ -149,6 +151,28 @@ def test_allgather_object_on_cpu_allocator(tmp_path, monkeypatch):
     assert ag.closed
     with pytest.raises(RuntimeError, match="AllGather is closed"):
         ag(torch.ones(3, 5))
+
+
+def test_engine_size_table():
+    limit = ag_mod.COPY_ENGINE_MIN_BYTES
+    assert ag_mod.choose_engine(limit[2] - 1, 2) == "sm" and ag_mod.choose_engine(limit[2], 2) == "copy"
+    assert ag_mod.choose_engine(limit[4], 4) == "copy" and ag_mod.choose_engine(limit[2], 3) == "copy"
+    assert ag_mod.choose_engine(1 << 40, 1) == "sm"  # one rank: nothing crosses a link
+    assert ag_mod.choose_engine(10, 2, table={2: 10}) == "copy"
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        ag_mod.choose_engine(10, 0)
+
+
+@needs_nvcc
+def test_engine_argument(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
+    alloc = CpuAllocator(num_ranks=2, rank=1)
+    assert AllGather(alloc, (16,), torch.float16, engine="copy").engine == "copy"
+    big = AllGather(alloc, (ag_mod.COPY_ENGINE_MIN_BYTES[2] // 4,), torch.float16, engine="auto")
+    assert big.engine == "copy" and big.output is big.peer_outputs[1] and big.copy_flags is big.peer_copy_flags[1]
+    assert AllGather(alloc, (16,), torch.float16, engine="auto").engine == "sm"
+    with pytest.raises(ValueError, match="engine must be one of"):
+        AllGather(CpuAllocator(), (16,), torch.float16, engine="dma")
 
 
 def test_allgather_device_check():
@@ -193,6 +217,10 @@ GPU_CASES = [((1,), torch.float16), ((7,), torch.float16), ((1000,), torch.float
              ((4096 + 5,), torch.float32), ((1 << 16,), torch.float16), (((1 << 20) + 3,), torch.float32)]
 
 
+#: Both engines on every case: the put_block kernel and the copy engines.
+ENGINES = ("sm", "copy")
+
+
 def _sync(dev) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -207,8 +235,8 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str, device: str | None = No
     dev = torch.device(alloc.device)
     checks = 0
     # No collective after a failure: a rank raises, run_ranks reports it and stops the peers.
-    for case, (shape, dtype) in enumerate(GPU_CASES):
-        ag = AllGather(alloc, shape, dtype, min_chunk_bytes=4096)  # small chunks: many blocks
+    for case, (shape, dtype, engine) in enumerate((s, d, e) for s, d in GPU_CASES for e in ENGINES):
+        ag = AllGather(alloc, shape, dtype, min_chunk_bytes=4096, engine=engine)  # small chunks: many blocks
         for step in range(4):
             g = torch.Generator().manual_seed(rank * 1000003 + case * 7919 + step)
             shard = torch.randn(shape, generator=g).to(dtype).to(dev)
@@ -223,17 +251,19 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str, device: str | None = No
             expect = torch_reference(gathered)
             if not torch.equal(out, expect):
                 bad = (out != expect).nonzero()[:5].tolist()
-                raise AssertionError(f"rank {rank} world {world} shape {shape} {dtype} step {step} "
+                raise AssertionError(f"rank {rank} world {world} shape {shape} {dtype} {engine} step {step} "
                                      f"(chunks {ag.chunks}x{ag.chunk}): first mismatches at {bad}")
             checks += 1
-        # back-to-back calls with no host synchronisation in between (the handshake orders them)
+        # back-to-back calls with no host synchronisation in between (the handshake orders
+        # them); poisoning the output before a call is legal: peers write only after it starts
         for step in range(20):
+            ag.output.fill_(-9.0)
             ag(ag.input)
         _sync(dev)
         gathered = [torch.empty_like(ag.input) for _ in range(world)]
         dist.all_gather(gathered, ag.input)
         if not torch.equal(ag.output, torch_reference(gathered)):
-            raise AssertionError(f"rank {rank} world {world} shape {shape}: back-to-back calls differ")
+            raise AssertionError(f"rank {rank} world {world} shape {shape} {engine}: back-to-back calls differ")
         checks += 1
         ag.close()
     return close_rank_heap(alloc, rank, checks)
@@ -244,4 +274,4 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str, device: str | None = No
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_allgather_on_gpu(world, tmp_path_factory):
     reports = run_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "allgather")
-    assert [r["checks"] for r in reports] == [len(GPU_CASES) * 5] * world
+    assert [r["checks"] for r in reports] == [len(GPU_CASES) * len(ENGINES) * 5] * world

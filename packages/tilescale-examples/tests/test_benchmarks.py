@@ -49,12 +49,31 @@ def test_iters_and_shards():
 def test_heap_bytes_per_op():
     sizes, world, big = [4096, 1 << 30], 4, (1 << 30) // 4  # shard bytes at 1 GiB
     ag, rs, a2a, ar = (C.heap_bytes(n, sizes, world, 2) for n in NAMES)
-    assert ar - a2a == 2 * big + 2 * 4096 // 4  # all-reduce: 2 * world + 2 shards
-    assert ag == rs > (1 << 30) * 5 // 4  # world + 1 shards each: input + output
+    pad = C.REDUCE_PAD * world * 2 * world * len(sizes)  # reductions: whole vectors per shard
+    assert ar == rs == a2a + pad  # two staging buffers of world shards; a2a: input + output
+    assert ag < a2a and ag > (1 << 30) * 5 // 4  # world + 1 shards: input + output
     assert a2a - ag == 3 * big + 3 * 4096 // 4  # 2 * world shards
     flags = 2 * world * 132 * 8
     assert C.heap_bytes("alltoall", [1 << 30], world, 2, max_blocks=132) == (64 << 20) + 8 * big + flags + 768
-    assert C.heap_bytes("reducescatter", [1], world, 4, max_blocks=132) == (64 << 20) + 5 * 4 + flags + 768
+    assert C.heap_bytes("reducescatter", [1], world, 4, max_blocks=132) == (64 << 20) + 8 * 4 + 8 * C.REDUCE_PAD * world + flags + 768
+
+
+def test_reductions_fit_their_heap_estimate():
+    """The estimate covers what AllReduce / ReduceScatter really allocate (plans at 132 SMs)."""
+    from tilescale_examples.reduce_engine import plan_grid
+
+    for world in (2, 4, 8):
+        for nbytes in (4096, 1000 * 4096 + 2, 1 << 30):
+            for dtype_size in (2, 4):
+                shard = C.shard_numel(nbytes, world, dtype_size)
+                budget = C.heap_bytes("allreduce", [nbytes], world, dtype_size, 132) - (64 << 20)
+                for mode in ("one_shot", "two_shot"):
+                    p = plan_grid(mode, world * shard, dtype_size, world, max_blocks=132)
+                    used = (2 if mode == "one_shot" else 1) * (p.stage_rows * 16 + 256) + 2 * world * p.blocks * 8 + 256
+                    assert used <= budget, (world, nbytes, mode)
+                p = plan_grid("reduce_scatter", shard, dtype_size, world, max_blocks=132)
+                used = 2 * (p.stage_rows * 16 + 256) + 2 * world * p.blocks * 8 + 256
+                assert used <= C.heap_bytes("reducescatter", [nbytes], world, dtype_size, 132) - (64 << 20)
 
 
 # ------------------------------------------------------------------------------ titles
@@ -64,10 +83,30 @@ def test_titles_per_op_and_backend(name):
     gloo = C.title(name, 4, "gloo", 1, "float16")
     assert gloo.startswith(f"{op.name} bus bandwidth, 4 ranks, float16, 4 ranks sharing 1 GPU(s)")
     assert f"torch.distributed.{op.baselines[0].name} over gloo (host staging, NOT NCCL" in gloo
-    assert "time-sliced, not a bandwidth measurement" in gloo and gloo.endswith("busbw = (n-1)/n * size / t")
+    assert "time-sliced, not a bandwidth measurement" in gloo and "busbw = (n-1)/n * size / t" in gloo
+    assert ("staging counted" in gloo) == op.reduces
     nccl = C.title(name, 8, "nccl", 8, "bfloat16")
     assert nccl.startswith(f"{op.name} bus bandwidth, 8 ranks, bfloat16, one rank per GPU (8 GPUs)")
     assert f"torch.distributed.{op.baselines[0].name} over NCCL;" in nccl and "NOT" not in nccl
+
+
+def test_reduction_titles_name_the_algorithm_and_the_symmetric_memory_ops():
+    t = C.title("allreduce", 2, "nccl", 2, "bfloat16", None,
+                "torch symmetric memory: torch.ops.symm_mem.one_shot_all_reduce / two_shot_all_reduce_", "auto")
+    assert t.startswith("all-reduce (auto) bus bandwidth, 2 ranks")
+    assert "torch.ops.symm_mem.one_shot_all_reduce / two_shot_all_reduce_" in t and "vs symm = symm us / TS heap us" in t
+
+
+def test_symm_baseline_is_na_when_ranks_share_a_gpu_and_names_its_ops():
+    from tilescale_examples.benchmarks.symm_baseline import CANDIDATES, SymmBaseline
+
+    shared = SymmBaseline("allreduce", None, "cpu", "gloo", True)
+    assert shared.reason.startswith("n/a (ranks share a GPU") and "n/a (ranks share a GPU" in shared.title()
+    assert shared.measure(None, None, None, None, 1) == (None, shared.reason)
+    assert SymmBaseline("allgather", None, "cpu", "nccl", False).reason.startswith("n/a (torch symmetric memory has no")
+    names = [n for _, ns in CANDIDATES["allreduce"] for n in ns] + list(CANDIDATES["reducescatter"][0][1])
+    for name in names:  # the schemas exist in every torch this project supports (CPU builds too)
+        assert hasattr(torch.ops.symm_mem, name), name
 
 
 def test_titles_name_the_fallback_that_ran():
@@ -265,8 +304,17 @@ def test_dtype_choices_per_op(capsys):
     with pytest.raises(SystemExit):
         reducescatter.main(["--dtype", "uint8"])  # ReduceScatter does not sum uint8
     assert "invalid choice: 'uint8'" in capsys.readouterr().err
-    assert C.parser("reducescatter").parse_args(["--dtype", "int32"]).dtype == "int32"
-    assert C.parser("alltoall").parse_args([]).dtype == "float16"
+    assert C.parser("reducescatter").parse_args(["--dtype", "int32"]).dtype == ["int32"]
+    assert C.parser("reducescatter").parse_args([]).dtype == ["float16", "bfloat16"]
+    assert C.parser("alltoall").parse_args([]).dtype == ["float16"]
+    assert C.parser("allreduce").parse_args(["--algorithm", "two_shot"]).algorithm == "two_shot"
+    assert not hasattr(C.parser("allgather").parse_args([]), "algorithm")
+    assert C.parser("allgather").parse_args([]).engine == "auto"
+    assert C.options("allgather", C.parser("allgather").parse_args(["--engine", "copy"])) == {"engine": "copy"}
+    assert C.options("alltoall", C.parser("alltoall").parse_args([])) == {}
+    with pytest.raises(SystemExit):
+        allreduce.main(["--algorithm", "three_shot"])
+    assert "invalid choice: 'three_shot'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -43,6 +43,22 @@ the grid is capped at ``max_blocks`` (default: the number of SMs) blocks of ``th
 threads (one block per SM always fits). Ranks that share one GPU still progress, because
 their contexts time-slice, but that mode measures scheduling, not bandwidth.
 
+Engines
+-------
+
+``engine="sm"`` is the kernel above. ``engine="copy"`` moves the shards with the GPU's copy
+engines instead: ``torch`` ``copy_`` of the input into every peer's output slot through the
+peer mapping of the heap (``cudaMemcpyAsync`` device to device; the local slot on a side
+stream), with the same two flag rounds as host-enqueued stream memory operations
+(``tilescale_host.set_signal`` on the peer's flag, ``wait_eq`` on this rank's):
+ready to every peer, wait for every peer's ready, the copies, data to every peer (the
+stream write orders the copies before the flag), wait for every peer's data. No SM runs
+while it waits, so it needs no residency argument; each stream operation costs a few
+microseconds, so it pays only for large shards. ``engine="auto"`` picks by the output's size
+with :data:`COPY_ENGINE_MIN_BYTES` (:func:`choose_engine`). The copy engine's flags are 32-bit
+(the epoch modulo 2**32, compared for equality: a flag holds exactly the epoch a peer waits
+for, because no rank can get two calls ahead of another).
+
 Lifetime
 --------
 
@@ -62,13 +78,28 @@ from typing import Optional, Sequence, Union
 import torch
 
 from tilescale_examples.collective import DTYPES as _DTYPES
-from tilescale_examples.collective import TARGET, SymmetricCollective, plan_chunks
+from tilescale_examples.collective import TARGET, SymmetricCollective, plan_chunks, size_table_entry
 from tilescale_examples.put_exchange import build_put_exchange_kernel
 
-__all__ = ["AllGather", "plan_chunks", "build_allgather_kernel", "torch_reference", "TARGET"]
+__all__ = ["AllGather", "plan_chunks", "build_allgather_kernel", "torch_reference", "TARGET",
+           "ENGINES", "COPY_ENGINE_MIN_BYTES", "choose_engine"]
 
 #: Smallest chunk a block is given before the grid grows (bytes).
 MIN_CHUNK_BYTES = 64 * 1024
+#: Values of the ``engine`` argument.
+ENGINES = ("auto", "sm", "copy")
+#: Size table of ``engine="auto"``: the smallest output (bytes, ``world_size`` shards) moved by
+#: the copy engines, by world size (between keys: the smaller key's entry); smaller outputs use
+#: the SM kernel (below it, the stream operations' fixed cost outweighs the copy engines'
+#: throughput). Re-tune from ``python -m tilescale_examples.benchmarks.allgather --engine sm|copy``.
+COPY_ENGINE_MIN_BYTES = {2: 64 << 20, 4: 64 << 20, 8: 64 << 20}
+
+
+def choose_engine(nbytes: int, world_size: int, table: Optional[dict] = None) -> str:
+    """``"copy"`` when an output of ``nbytes`` bytes reaches the table's entry for
+    ``world_size`` (default :data:`COPY_ENGINE_MIN_BYTES`), else ``"sm"``; one rank: ``"sm"``."""
+    limit = size_table_entry(COPY_ENGINE_MIN_BYTES if table is None else table, world_size)
+    return "copy" if world_size > 1 and nbytes >= limit else "sm"
 
 
 def build_allgather_kernel(shard_numel: int, dtype: str, world_size: int, chunks: int,
@@ -107,8 +138,12 @@ class AllGather(SymmetricCollective):
         max_blocks: grid cap (all blocks must be co-resident); default the device's SM count.
         min_chunk_bytes: smallest piece a block is given before the grid grows.
         target: TileLang target (default ``sm_90a``).
+        engine: ``"sm"`` (the put_block kernel, the default), ``"copy"`` (copy engines
+            through the peer mapping) or ``"auto"`` (by size, :func:`choose_engine`). The
+            per-chunk ``flags`` are written by the SM kernel only: a consumer that waits on
+            them (as :class:`~tilescale_examples.ag_gemm.AllGatherGEMM` does) needs ``"sm"``.
 
-    Attributes: ``input`` (a symmetric shard buffer, for ``ag(ag.input)``; the kernel reads
+    Attributes: ``engine`` (the one chosen), ``input`` (a symmetric shard buffer, for ``ag(ag.input)``; the kernel reads
     its input in place, so any contiguous tensor of the shard's shape and dtype on the
     allocator's device works as well), ``output`` (symmetric, ``(world_size,
     *shard_shape)``), ``flags`` (``uint64``, data then ready flags), ``chunks``, ``chunk``,
@@ -121,16 +156,28 @@ class AllGather(SymmetricCollective):
     def __init__(self, allocator, shard_shape: Union[int, Sequence[int]],
                  dtype: Union[torch.dtype, str], world_size: Optional[int] = None, *,
                  group=None, threads: int = 512, max_blocks: Optional[int] = None,
-                 min_chunk_bytes: int = MIN_CHUNK_BYTES, target=None):
+                 min_chunk_bytes: int = MIN_CHUNK_BYTES, target=None, engine: str = "sm"):
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         self._setup(allocator, shard_shape, dtype, world_size, group, threads, max_blocks)
         self.chunks, self.chunk = plan_chunks(self.shard_numel, self.itemsize, self.world_size,
                                               self.max_blocks, min_chunk_bytes)
+        if engine == "auto":
+            engine = choose_engine(self.world_size * self.shard_numel * self.itemsize, self.world_size)
+        self.engine = engine
+        self.rank = int(allocator.local_rank)
 
         # ---- symmetric buffers (same order on every rank)
         self.input = self._tensor(self.shard_shape)
-        self.output = self._tensor((self.world_size, *self.shard_shape))
+        self.peer_outputs = self._tensor((self.world_size, *self.shard_shape), return_peers=True)
+        self.output = self.peer_outputs[self.rank]
         self.flags = self._tensor((2 * self.world_size * self.chunks,), torch.uint64)
         self.flags.zero_()
+        # copy engine: ready[p] and data[p] words (uint32), written by rank p through its mapping
+        self.peer_copy_flags = self._tensor((2, self.world_size), torch.int32, return_peers=True)
+        self.copy_flags = self.peer_copy_flags[self.rank]
+        self.copy_flags.zero_()
+        self._side = None
 
         # ---- one rank-agnostic kernel, compiled once per host; flags zero everywhere after
         self._finish(build_allgather_kernel(self.shard_numel, _DTYPES[self.dtype], self.world_size,
@@ -151,5 +198,34 @@ class AllGather(SymmetricCollective):
         self._check_open()
         self.check_input(input)
         self.epoch += 1
-        self.kernel(input.view(-1), self.output.view(-1), self.flags, self.epoch)
+        if self.engine == "copy":
+            self._copy_engines(input)
+        else:
+            self.kernel(input.view(-1), self.output.view(-1), self.flags, self.epoch)
         return self.output
+
+    _BUFFERS = ("input", "output", "flags", "peer_outputs", "copy_flags", "peer_copy_flags")
+
+    def _copy_engines(self, input: torch.Tensor) -> None:
+        """One call on the copy engines (see "Engines" in the module docstring)."""
+        from tilescale_host.signals import set_signal, wait_eq
+
+        stream = torch.cuda.current_stream(self.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        me, value = self.rank, self.epoch & 0xFFFFFFFF
+        peers = [p for p in range(self.world_size) if p != me]
+        for p in peers:  # my output slots are free for this call
+            set_signal(self.peer_copy_flags[p][0, me:me + 1], value, stream)
+        for p in peers:
+            wait_eq(self.copy_flags[0, p:p + 1], value, stream)
+        self._side.wait_stream(stream)
+        with torch.cuda.stream(self._side):
+            self.output[me].copy_(input)
+        for p in peers:  # into rank p's output, row me, through the peer mapping
+            self.peer_outputs[p][me].copy_(input)
+        for p in peers:  # the stream write orders the copies before the flag
+            set_signal(self.peer_copy_flags[p][1, me:me + 1], value, stream)
+        for p in peers:
+            wait_eq(self.copy_flags[1, p:p + 1], value, stream)
+        stream.wait_stream(self._side)

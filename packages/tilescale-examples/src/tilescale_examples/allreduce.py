@@ -1,124 +1,172 @@
-"""Sum all-reduce as a reduce-scatter followed by an all-gather (two kernels, no host sync).
+"""Sum all-reduce: a one-shot kernel for small messages, a fused two-shot kernel for large ones.
 
 Every rank holds a tensor of one shape; afterwards every rank holds their element-wise sum::
 
     ar = AllReduce(allocator, shape=(4096, 1024), dtype=torch.bfloat16)   # collective
-    out = ar(x)          # x: (4096, 1024) on the allocator's device; out: sum over ranks
-    ...
-    ar.close()           # before allocator.close()
+    out = ar(x)              # x: any contiguous (4096, 1024) tensor on the allocator's device
+    ar(x, out=x)             # in place
+    ar.input.copy_(x); ar(ar.input)   # zero-copy: x already in the symmetric buffer
+    ar.close()               # before allocator.close()
 
-The flattened tensor is cut into ``world_size`` shards of ``ceil(numel / world_size)``
-elements (the last one zero-padded). :class:`~tilescale_examples.reducescatter.ReduceScatter`
-sums shard ``rank`` over all ranks (float32 accumulation for 16-bit floats, ranks added in
-order), then :class:`~tilescale_examples.allgather.AllGather` sends every rank's summed shard
-to every rank. Both kernels carry their own epoch handshakes, so back-to-back calls need no
-host synchronisation, and both run on the current stream, in order. Every element of the
-result is therefore ``x_0 + x_1 + ... + x_{n-1}`` added in rank order and rounded once, on
-every rank alike (:func:`torch_reference`).
+Algorithms (one kernel launch per call either way; :mod:`tilescale_examples.reduce_engine`
+has the kernel, the deadlock argument and the buffer-reuse argument):
 
-Memory: the reduce-scatter's ``(world, shard)`` input (which ``input`` views), its staging
-buffer and ``shard`` output, and the all-gather's ``(world, shard)`` output (which ``output``
-views), plus flags.
+* ``one_shot``: every rank stages its input into its symmetric buffer, signals one epoch flag
+  per block, reads every peer's buffer with 16-byte loads and reduces all of it. One flag
+  round; reads ``world_size * size`` bytes per rank (``(world_size - 1) * size`` over the
+  links). Best when latency dominates.
+* ``two_shot``: the same staging and flag, then rank ``r`` reduces shard ``r`` and stores it
+  into every rank's buffer (reduce-scatter and all-gather fused in one kernel), then a
+  second flag round. Moves ``2 (world_size - 1) / world_size * size`` bytes over the links
+  per rank, the bus-bandwidth optimum. Best for large messages.
+
+``algorithm="auto"`` picks by message size with :data:`ONE_SHOT_MAX_BYTES` (see
+:func:`choose_algorithm`); ``"one_shot"`` / ``"two_shot"`` force one.
+
+Determinism: every element of the result is ``x_0 + x_1 + ... + x_{n-1}`` added in rank order
+in float32 (float16/bfloat16) or the dtype itself (float32, int32, ...) and rounded once; every
+rank gets bit-identical output, and :func:`torch_reference` reproduces it exactly. Both
+algorithms give the same bits.
 """
 
-# (no `from __future__ import annotations`: the collectives define TileLang kernels)
+# (no `from __future__ import annotations`: the engine defines TileLang kernels)
 
 import math
 from typing import Optional, Sequence, Union
 
 import torch
 
-from tilescale_examples.allgather import AllGather
-from tilescale_examples.collective import Closable, check_shape, check_tensor
-from tilescale_examples.reducescatter import ReduceScatter
-from tilescale_examples.reducescatter import torch_reference as _rs_reference
+from tilescale_examples.collective import check_shape, size_table_entry
+from tilescale_examples.reduce_engine import REDUCE_DTYPES, ReductionCollective
+from tilescale_examples.reduce_engine import torch_reference as _rank_order_sum
 
-__all__ = ["AllReduce", "torch_reference"]
+__all__ = ["AllReduce", "ALGORITHMS", "ONE_SHOT_MAX_BYTES", "choose_algorithm", "torch_reference"]
+
+#: Values of the ``algorithm`` argument.
+ALGORITHMS = ("auto", "one_shot", "two_shot")
+#: Size table of ``algorithm="auto"``: the largest message (bytes) sent one-shot, by world
+#: size (a world size between two keys uses the smaller key's entry; 1 rank: always one-shot).
+#: One-shot reads ``(n - 1) * size`` over the links against two-shot's ``2 (n - 1) / n *
+#: size`` but saves a flag round, so its range shrinks as ``n`` grows. Re-tune from
+#: ``python -m tilescale_examples.benchmarks.allreduce --algorithm one_shot|two_shot``.
+ONE_SHOT_MAX_BYTES = {2: 1 << 20, 4: 256 << 10, 8: 64 << 10}
+
+
+def choose_algorithm(nbytes: int, world_size: int, table: Optional[dict] = None) -> str:
+    """``"one_shot"`` when ``nbytes`` is at most the table's limit for ``world_size``,
+    else ``"two_shot"``.
+
+    Args:
+        nbytes: message size in bytes (``numel * itemsize``).
+        world_size: number of ranks (>= 1).
+        table: world size -> largest one-shot message in bytes (default
+            :data:`ONE_SHOT_MAX_BYTES`).
+    """
+    limit = size_table_entry(ONE_SHOT_MAX_BYTES if table is None else table, world_size)
+    return "one_shot" if world_size == 1 or nbytes <= limit else "two_shot"
 
 
 def torch_reference(inputs: Sequence[torch.Tensor], rank: int = 0) -> torch.Tensor:
-    """The expected output (the same on every rank): ``sum_p inputs[p]`` added in rank order
-    in the accumulation dtype (float32 for 16-bit floats), rounded once. ``rank`` is accepted
-    for symmetry with the other collectives' references and ignored."""
-    inputs = list(inputs)
-    if not inputs:
-        raise ValueError("inputs must hold one tensor per rank, got none")
-    return _rs_reference([x.reshape(1, -1) for x in inputs], 0).view(inputs[0].shape)
+    """The expected output (the same on every rank): ``sum_p inputs[p]`` in rank order in
+    the accumulation dtype, rounded once. ``rank`` is accepted for symmetry with the other
+    collectives' references and ignored."""
+    return _rank_order_sum(inputs)
 
 
-class AllReduce(Closable):
+class AllReduce(ReductionCollective):
     """A reusable sum all-reduce of one shape and dtype over an allocator's ranks.
 
     Args:
         allocator: an open tilescale-core allocator (``tilelang.get_allocator(...,
             is_distributed=True, ...)``); its ``num_ranks`` ranks take part.
-        shape: the tensor's shape (an int or a tuple of positive ints).
+        shape: the tensor's shape (an int or a tuple of positive ints); any size (sizes that
+            are not whole 16-byte vectors, or that the ranks do not divide, are zero-padded
+            inside the symmetric buffer).
         dtype: torch dtype (or its name): float16, bfloat16, float32, float64, int32 or int64.
-        world_size, group, threads, max_blocks, min_chunk_bytes, target: as for
-            :class:`~tilescale_examples.reducescatter.ReduceScatter`, used by both kernels.
+        world_size: number of ranks; defaults to ``allocator.num_ranks`` and must equal it.
+        algorithm: ``"auto"`` (by size, :func:`choose_algorithm`), ``"one_shot"`` or
+            ``"two_shot"``.
+        group, threads, max_blocks, unroll, target: as for
+            :class:`~tilescale_examples.reducescatter.ReduceScatter`.
 
-    Attributes: ``input`` (``shape``, a view of the reduce-scatter's symmetric input: write
-    into it and call ``ar(ar.input)`` to skip the copy), ``output`` (``shape``, a view of the
-    all-gather's output, overwritten by the next call), ``reduce_scatter``, ``all_gather``,
-    ``shard`` (elements per rank), ``chunks`` (the reduce-scatter's grid), ``epoch``.
+    Attributes: ``algorithm`` (the one chosen), ``plan`` (grid and buffer plan), ``input``
+    (the symmetric buffer the next call reads, ``shape``: write into it and call
+    ``ar(ar.input)`` to skip staging), ``output`` (what a call without ``out`` returns),
+    ``stages``, ``flags``, ``kernel``, ``epoch``.
 
-    Construction and calls are collective (same instances, same call sequence on every rank).
+    Memory (symmetric, per rank): one (two-shot) or two (one-shot: double-buffered) staging
+    buffers of the padded size, ``2 * world_size * blocks`` uint64 flags; one-shot also a
+    local result buffer.
+
+    Construction and calls are collective: every rank builds the same instances with the
+    same arguments and makes the same sequence of calls.
     """
 
     def __init__(self, allocator, shape: Union[int, Sequence[int]], dtype: Union[torch.dtype, str],
-                 world_size: Optional[int] = None, *, group=None, threads: int = 512,
-                 max_blocks: Optional[int] = None, min_chunk_bytes: int = 64 * 1024, target=None):
+                 world_size: Optional[int] = None, *, algorithm: str = "auto", group=None,
+                 threads: int = 512, max_blocks: Optional[int] = None, unroll: Optional[int] = None,
+                 target=None):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         self.shape = check_shape(shape, "shape")
-        self.numel = math.prod(self.shape)
-        num_ranks = getattr(allocator, "num_ranks", None)
-        if not isinstance(num_ranks, int) or num_ranks < 1:
-            raise TypeError(f"allocator must be a tilescale-core allocator (with num_ranks), got {type(allocator).__name__}")
-        self.shard = -(-self.numel // num_ranks)
-        kw = dict(group=group, threads=threads, max_blocks=max_blocks, min_chunk_bytes=min_chunk_bytes, target=target)
-        self.reduce_scatter = ReduceScatter(allocator, (self.shard,), dtype, world_size, **kw)
-        self.all_gather = AllGather(allocator, (self.shard,), self.reduce_scatter.dtype, world_size, **kw)
-        self.dtype, self.world_size = self.reduce_scatter.dtype, self.reduce_scatter.world_size
-        self.device, self.chunks = self.reduce_scatter.device, self.reduce_scatter.chunks
-        flat_in = self.reduce_scatter.input.view(-1)
-        flat_in[self.numel:].zero_()  # padding: summed as zeros, never written by calls
-        self.input = flat_in[: self.numel].view(self.shape)
-        self.output = self.all_gather.output.view(-1)[: self.numel].view(self.shape)
+        # (1,): the base class's per-shard size limit (world_size x shard) does not apply here
+        self._setup(allocator, (1,), dtype, world_size, group, threads, max_blocks, REDUCE_DTYPES)
+        self.shard_shape = self.shape
+        self.numel = self.shard_numel = math.prod(self.shape)
+        if self.numel >= self.MAX_ELEMENTS:
+            raise ValueError(f"shape {self.shape} has {self.numel} elements; the kernel indexes in int32 (< 2**31)")
+        if algorithm == "auto":
+            algorithm = choose_algorithm(self.numel * self.itemsize, self.world_size)
+        self.algorithm = algorithm
+        self._build(algorithm, self.numel, unroll, target)
+        self.output = (self.stages[0] if algorithm == "two_shot" else self.result).view(-1)[: self.numel].view(self.shape)
+
+    # ------------------------------------------------------------------ calls
+    INPUT_SHAPE_NAME = "the shape"
 
     @property
-    def epoch(self) -> int:
-        """Calls made so far."""
-        return self.reduce_scatter.epoch
+    def input_shape(self):
+        return self.shape
 
-    def __call__(self, input: torch.Tensor) -> torch.Tensor:
-        """Sum ``input`` over all ranks; returns ``self.output`` (``shape``), complete when
-        both kernels finish on the current stream. Copies ``input`` into ``self.input``
-        first unless it is ``self.input``."""
-        if self.closed:
-            raise RuntimeError("this AllReduce is closed")
-        self.reduce_scatter._check_open()
-        check_tensor(input, self.shape, self.dtype, self.device, "input", "the shape", "AllReduce")
-        if input.data_ptr() != self.input.data_ptr():
-            self.input.copy_(input)
-        part = self.reduce_scatter(self.reduce_scatter.input)
-        self.all_gather(part)
-        return self.output
+    def _input_view(self, stage: torch.Tensor) -> torch.Tensor:
+        return stage.view(-1)[: self.numel].view(self.shape)
+
+    def __call__(self, input: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Sum ``input`` over all ranks.
+
+        Args:
+            input: a contiguous tensor of ``shape`` and ``dtype`` on the allocator's device
+                (an ordinary tensor, a heap tensor, or ``ar.input``).
+            out: where to write the sum (``shape``, ``dtype``, contiguous; may be ``input``
+                for an in-place call); default ``ar.output``, which the next call overwrites.
+
+        Returns ``out`` (or ``ar.output``), complete when the kernel finishes on the current
+        stream. Staging the input into the symmetric buffer is part of the call (inside the
+        kernel when ``input`` is 16-byte aligned whole vectors, else a copy before it).
+        """
+        self._check_open()
+        staged = self.input
+        if not self._is_view_of(input, staged):
+            self.check_input(input)
+        if out is not None:
+            self._check_out(out, self.shape)
+        out_rows = None
+        if self.algorithm == "one_shot":
+            out_rows = self._out_rows(out)
+            out_rows = self.result if out_rows is None else out_rows
+        stage = self._launch(input, staged, out_rows, self._stage_copy)
+        if out is None:
+            return self.output
+        result = stage.view(-1)[: self.numel] if self.algorithm == "two_shot" else self.result.view(-1)[: self.numel]
+        if out_rows is self.result or self.algorithm == "two_shot":
+            if out.data_ptr() != result.data_ptr():
+                out.view(-1).copy_(result)
+        return out
+
+    def _stage_copy(self, stage: torch.Tensor, input: torch.Tensor) -> None:
+        stage.view(-1)[: self.numel].copy_(input.reshape(-1))
 
     def bus_bytes(self) -> float:
         """Bytes per call for the bus bandwidth: ``2 (n - 1) / n * size`` (nccl-tests)."""
         n = self.world_size
-        return 2 * (n - 1) / n * self.numel * self.reduce_scatter.itemsize
-
-    def close(self) -> None:
-        """Close both collectives (idempotent); heap bytes return with ``allocator.close()``."""
-        self.reduce_scatter.close()
-        self.all_gather.close()
-        self.input = self.output = None
-
-    @property
-    def closed(self) -> bool:
-        """Whether ``close()`` has been called."""
-        return self.reduce_scatter.closed
-
-    def __repr__(self) -> str:
-        return (f"AllReduce(shape={self.shape}, dtype={self.dtype}, world_size={self.world_size}, "
-                f"shard={self.shard}, epoch={self.epoch}{', closed' if self.closed else ''})")
+        return 2 * (n - 1) / n * self.numel * self.itemsize

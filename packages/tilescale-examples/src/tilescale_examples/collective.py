@@ -14,8 +14,8 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["SymmetricCollective", "Closable", "check_tensor", "plan_chunks", "check_allocator", "compile_once", "compile_symmetric", "settle",
-           "all_ranks_agree", "TARGET", "DTYPES"]
+__all__ = ["SymmetricCollective", "Closable", "check_tensor", "plan_chunks", "size_table_entry", "check_allocator",
+           "compile_once", "compile_symmetric", "settle", "all_ranks_agree", "TARGET", "DTYPES"]
 
 #: Default TileLang target (H100/H200).
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -59,6 +59,15 @@ def plan_chunks(shard_numel: int, itemsize: int, world_size: int,
     chunk = -(-chunk // align) * align
     chunks = -(-shard_numel // chunk)
     return chunks, chunk
+
+
+def size_table_entry(table: dict, world_size: int):
+    """The entry of a size table keyed by world size: the largest key not above
+    ``world_size`` (the smallest key below all of them). ``world_size`` must be a positive int."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    keys = [k for k in sorted(table) if k <= world_size]
+    return table[keys[-1]] if keys else table[min(table)]
 
 
 def default_group():
@@ -117,12 +126,14 @@ def check_allocator(allocator) -> None:
         raise RuntimeError("allocator is closed")
 
 
-def compile_once(func, group=None, target=None):
+def compile_once(func, group=None, target=None, pass_configs=None):
     """``func`` compiled once per host (``compile_once=True``: one rank compiles, the others
-    hit TileLang's disk cache) for ``target`` (default :data:`TARGET`)."""
+    hit TileLang's disk cache) for ``target`` (default :data:`TARGET`), with TileLang
+    ``pass_configs`` when given."""
     import tilelang
 
-    return tilelang.compile(func, target=target or TARGET, compile_once=True, compile_group=group)
+    extra = {} if pass_configs is None else {"pass_configs": dict(pass_configs)}
+    return tilelang.compile(func, target=target or TARGET, compile_once=True, compile_group=group, **extra)
 
 
 def compile_symmetric(func, allocator, group=None, target=None):
@@ -230,17 +241,37 @@ class SymmetricCollective(Closable):
         self.kernel = None
         self._closed = False
 
-    def _tensor(self, shape, dtype=None):
-        """A symmetric tensor on the allocator's heap (same offset on every rank)."""
+    def _tensor(self, shape, dtype=None, return_peers: bool = False):
+        """A symmetric tensor on the allocator's heap (same offset on every rank); with
+        ``return_peers`` the list of every rank's view of it (index = rank)."""
         import tilelang
 
-        return tilelang.tensor(tuple(shape), self.dtype if dtype is None else dtype, allocator=self.allocator)
+        return tilelang.tensor(tuple(shape), self.dtype if dtype is None else dtype, allocator=self.allocator,
+                               return_peers=return_peers)
 
-    def _finish(self, func, target=None) -> None:
-        """Compile ``func`` once per host, initialise it with the allocator's table, then make
-        sure every rank's flags are zero (device sync + barrier) before anyone signals."""
-        self.kernel = compile_symmetric(func, self.allocator, self.group, target)
+    def _finish(self, func, target=None, pass_configs=None) -> None:
+        """Compile ``func`` once per host (with TileLang ``pass_configs`` when given),
+        initialise it with the allocator's table, then make sure every rank's flags are zero
+        (device sync + barrier) before anyone signals."""
+        self.kernel = compile_once(func, self.group, target, pass_configs)
+        self.bind_table(force=True)
         settle(self.device, self.group)
+
+    #: Attribute of a compiled kernel naming the allocator whose table its module holds.
+    _TABLE_OWNER = "_tilescale_table_owner"
+
+    def bind_table(self, force: bool = False) -> None:
+        """Make the kernel's metadata table this instance's allocator's, stream-ordered on the
+        current stream; a no-op when it already is (unless ``force``). TileLang hands out one
+        compiled kernel (one module, one table) per kernel source and process, so instances
+        on different allocators (or emulated ranks) that share a kernel must rebind before
+        they launch."""
+        kernel = self.kernel
+        if not force and kernel.__dict__.get(self._TABLE_OWNER) is self.allocator:
+            return
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
+        kernel.initialize(allocator=self.allocator, stream=stream)
+        kernel.__dict__[self._TABLE_OWNER] = self.allocator
 
     def check_tensor(self, tensor, shape: Tuple[int, ...], name: str = "input", shape_name: str = "the shape") -> None:
         """:func:`check_tensor` against this collective's dtype and device."""

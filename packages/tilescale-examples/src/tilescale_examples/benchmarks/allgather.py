@@ -1,7 +1,7 @@
 """All-gather bus bandwidth: the put_block all-gather against torch.distributed, same run.
 
 ``python -m tilescale_examples.benchmarks.allgather [--ranks 4] [--min-bytes 4096]
-[--max-bytes 1073741824] [--iters 20] [--dtype float16]`` spawns the ranks itself (one per
+[--max-bytes 1073741824] [--iters 20] [--dtype float16] [--engine auto|sm|copy]`` spawns the ranks itself (one per
 GPU with an NCCL group when there are enough GPUs, else sharing the GPUs with a gloo group);
 under ``tilescale-run -n 4 [--share-gpus] -m tilescale_examples.benchmarks.allgather`` it
 uses the launcher's ranks and ``init_dist``'s group instead.
@@ -10,7 +10,10 @@ For every output size S (4 KiB .. 1 GiB by 4x; shard = S / ranks) it builds an
 :class:`~tilescale_examples.allgather.AllGather`, checks its output once against the
 baseline's (bit-exact), then times back-to-back calls of both:
 
-* TileScale: ``AllGather.__call__`` (one kernel, no host synchronisation between calls);
+* TileScale: ``AllGather.__call__`` with ``--engine`` (default ``auto``: the put_block kernel
+  below :data:`~tilescale_examples.allgather.COPY_ENGINE_MIN_BYTES`, copy engines through the
+  peer mapping from there; the grid column says ``copy engine`` for those rows; no host
+  synchronisation between calls either way);
 * baseline: ``torch.distributed.all_gather_into_tensor`` (or ``all_gather`` into views where
   the backend lacks it) on the host group: **NCCL** with one rank per GPU, **gloo** when ranks
   share a GPU (gloo stages through host memory and TCP; it is not NCCL, and the table title

@@ -1,30 +1,44 @@
-"""Bus bandwidth of the example collectives against torch.distributed, measured in the same run.
+"""Bus bandwidth of the example collectives against torch.distributed (and, for the
+reductions, torch symmetric memory), measured in the same run.
 
 What the all-gather, reduce-scatter, all-to-all and all-reduce benchmarks share; each has a
 thin entry module (``python -m tilescale_examples.benchmarks.allgather | reducescatter |
 alltoall | allreduce``
-``[--ranks 4] [--min-bytes 4096] [--max-bytes 1073741824] [--iters 20] [--dtype float16]``).
+``[--ranks 4] [--min-bytes 4096] [--max-bytes 1073741824] [--iters 20] [--dtype float16
+bfloat16] [--algorithm auto|one_shot|two_shot] [--engine auto|sm|copy]`` (``--algorithm``
+for all-reduce, ``--engine`` for all-gather)).
 Without a launcher the benchmark spawns its ranks (one per GPU with an NCCL group when there
 are enough GPUs, else sharing the GPUs with a gloo group); under ``tilescale-run -n 4
 [--share-gpus] -m ...`` it uses the launcher's ranks and ``init_dist``'s group.
 
-For every total size S (4 KiB .. 1 GiB by 4x; shard = S / ranks; S is the all-gather's
-output, the reduce-scatter's input, the all-to-all's input) it builds the collective, fills
-its symmetric input with random values, checks its output once against the baseline's (bit
-exact, except a floating-point reduce-scatter: ``torch.allclose``, because the order of the
-additions differs), then times back-to-back calls of both with CUDA events (the slowest
-rank's time). A failed check is counted, printed in the row and makes the exit status 1.
+For every dtype (one table each; the reductions default to float16 and bfloat16) and total
+size S (4 KiB .. 1 GiB by 4x; shard = S / ranks; S is the all-gather's output, the
+reduce-scatter's input, the all-to-all's input, the all-reduce's tensor) it builds the
+collective, fills its input with random values (the exchanges: their symmetric input; the
+reductions: an ordinary tensor, so that staging into the heap is part of the timed call),
+checks its output once against the baseline's (bit exact, except a floating-point reduction:
+``torch.allclose``, because the order of the additions differs), then times back-to-back
+calls of both with CUDA events (the slowest rank's time). A failed check is counted, printed
+in the row and makes the exit status 1.
 
 The baseline is the torch.distributed collective on the host group, chosen by a probe on
 every run (the first candidate that gives the right answer on a small input): NCCL with one
 rank per GPU; gloo when ranks share a GPU (host staging, not NCCL, and time-sliced: the title
 says so). Bus bandwidth as nccl-tests define it: ``busbw = (n - 1) / n * S / t`` for the first
-three and ``2 (n - 1) / n * S / t`` for all-reduce (S its size). The ratio column is TileScale / baseline (above 1: faster).
+three and ``2 (n - 1) / n * S / t`` for all-reduce (S its size). The ratio column is TileScale
+/ baseline (above 1: faster).
+
+The reductions get four more columns (:mod:`tilescale_examples.benchmarks.symm_baseline`):
+TileScale called on its own symmetric input buffer (``coll(coll.input)``, no staging), the
+fastest torch symmetric-memory op on a ``symm_mem.empty`` buffer holding the same input
+(checked against TileScale's output first), its name, and the ratio (symm time / TileScale
+time, above 1: TileScale faster). They read "n/a (reason)" when ranks share a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib
 import os
@@ -77,6 +91,8 @@ class Op:
     grid_per_peer: bool = True  # grid chunks x world (else chunks)
     #: The collective's shape argument for ``shard`` elements per rank and ``world`` ranks.
     shape: Callable[[int, int], tuple] = lambda shard, world: (shard,)
+    #: Symmetric-heap shards per collective (default input_rows + output_rows).
+    heap_rows: Callable[[int], int] | None = None
 
     def collective(self):
         return getattr(importlib.import_module(f"tilescale_examples.{self.module}"), self.cls)
@@ -153,13 +169,19 @@ OPS = {
                     Baseline("all_to_all", _all_to_all_lists),
                     Baseline("all_gather + select", _all_gather_select)),
                    _COPY_DTYPES, lambda n: n, lambda n: n, _ring),
-    # input: the reduce-scatter's (n rows); output: its shard, the all-gather's input shard
-    # and its n rows
+    # heap: two staging buffers of the whole tensor (one-shot double-buffers; two-shot uses one)
     "allreduce": Op("all-reduce", "allreduce", "AllReduce",
                     (Baseline("all_reduce", _all_reduce),),
-                    ("float16", "bfloat16", "float32", "int32"), lambda n: n, lambda n: n + 2, _ring_twice,
-                    reduces=True, grid_per_peer=False, shape=lambda shard, world: (world * shard,)),
+                    ("float16", "bfloat16", "float32", "int32"), lambda n: n, lambda n: n, _ring_twice,
+                    reduces=True, grid_per_peer=False, shape=lambda shard, world: (world * shard,),
+                    heap_rows=lambda n: 2 * n),
 }
+OPS["reducescatter"] = dataclasses.replace(OPS["reducescatter"], heap_rows=lambda n: 2 * n)  # double-buffered input
+#: Column headers added for the reductions: TileScale with its input already in the symmetric
+#: buffer against torch symmetric memory (whose input is always there).
+SYMM_HEADERS = ["TS heap us", "symm us", "symm op", "vs symm"]
+#: Bytes of padding a reduction may add per collective (whole 16-byte vectors per shard).
+REDUCE_PAD = 64
 
 
 def _op(op) -> Op:
@@ -191,8 +213,9 @@ def heap_bytes(op, sizes, world: int, itemsize: int, max_blocks: int = MAX_BLOCK
     total = 64 << 20
     for nbytes in sizes:
         shard = shard_numel(nbytes, world, itemsize) * itemsize
-        rows = op.input_rows(world) + op.output_rows(world)
-        total += shard * rows + 2 * world * max_blocks * 8 + 3 * 256
+        rows = op.heap_rows(world) if op.heap_rows else op.input_rows(world) + op.output_rows(world)
+        pad = REDUCE_PAD * world * rows if op.reduces else 0
+        total += shard * rows + pad + 2 * world * max_blocks * 8 + 3 * 256
     return total
 
 
@@ -281,59 +304,118 @@ def time_ms(fn, iters: int, group, device) -> float:
     return float(ms.item())
 
 
-def run(op, rank: int, world: int, group, device, args) -> list | None:
-    """One rank's part of the benchmark of ``op``; returns ``[rows, failures, baseline name]``
-    on rank 0 (None elsewhere)."""
+def options(op, args) -> dict:
+    """Constructor options of ``op``'s collective from the command line (the all-reduce's
+    ``algorithm``, the all-gather's ``engine``)."""
+    module = _op(op).module
+    if module == "allreduce":
+        return {"algorithm": args.algorithm}
+    if module == "allgather":
+        return {"engine": args.engine}
+    return {}
+
+
+def grid_cell(op, coll, world: int) -> str:
+    """The grid column: ``chunks x world`` (put exchanges) or the reduction's mode and blocks."""
+    plan = getattr(coll, "plan", None)
+    if plan is not None:
+        return f"{plan.mode} {plan.blocks}"
+    if getattr(coll, "engine", "sm") == "copy":
+        return "copy engine"
+    return f"{coll.chunks}x{world}" if _op(op).grid_per_peer else f"{coll.chunks}"
+
+
+def run(op, rank: int, world: int, group, device, args) -> dict | None:
+    """One rank's part of the benchmark of ``op``; on rank 0 returns ``{dtype: [rows,
+    failures, baseline name, symmetric-memory title]}`` (None elsewhere)."""
     import tilelang
     import torch
     import torch.distributed as dist
 
     op = _op(op)
-    cls = op.collective()
-    dtype = getattr(torch, args.dtype)
-    itemsize = torch.empty((), dtype=dtype).element_size()
     sizes = size_sweep(args.min_bytes, args.max_bytes, 4)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    alloc = tilelang.get_allocator(size=heap_bytes(op, sizes, world, itemsize, max(sms, MAX_BLOCKS)),
-                                   device=device, is_distributed=True, local_rank=rank,
+    itemsizes = [torch.empty((), dtype=getattr(torch, d)).element_size() for d in args.dtype]
+    heap = sum(heap_bytes(op, sizes, world, i, max(sms, MAX_BLOCKS)) for i in itemsizes)
+    alloc = tilelang.get_allocator(size=heap, device=device, is_distributed=True, local_rank=rank,
                                    num_local_ranks=world, group=group)
+    backend = dist.get_backend(group)
+    symm = None
+    if op.reduces:
+        from tilescale_examples.benchmarks.symm_baseline import SymmBaseline
+
+        share = torch.cuda.device_count() < world
+        symm = SymmBaseline(op.module, group, device, backend, share)
+    results = {}
+    for dtype_name in args.dtype:
+        results[dtype_name] = _run_dtype(op, rank, world, group, device, args, alloc, dtype_name, sizes, symm)
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group)
+    alloc.close()
+    return results if rank == 0 else None
+
+
+def _run_dtype(op, rank, world, group, device, args, alloc, dtype_name, sizes, symm) -> list:
+    import torch
+    import torch.distributed as dist
+
+    dtype = getattr(torch, dtype_name)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    cls = op.collective()
     flag_device = device if dist.get_backend(group) == "nccl" else "cpu"
-    tol = tolerance(op, args.dtype, world)
+    tol = tolerance(op, dtype_name, world)
     rows, failures = [], 0
     name, baseline = pick_baseline(op, group, device, dtype)
     for nbytes in sizes:
         shard = shard_numel(nbytes, world, itemsize)
-        coll = cls(alloc, op.shape(shard, world), dtype, group=group)  # collective: every rank, same order
-        x = coll.input
-        x.copy_(random_input(x.shape, dtype, torch.Generator().manual_seed(rank * 7919 + nbytes % 1000003)))
+        coll = cls(alloc, op.shape(shard, world), dtype, group=group, **options(op, args))  # collective
+        g = torch.Generator().manual_seed(rank * 7919 + nbytes % 1000003)
+        # reductions: an ordinary tensor (staging is part of the call); exchanges read in place
+        x = random_input(coll.input.shape, dtype, g).to(device) if op.reduces else coll.input
+        if not op.reduces:
+            x.copy_(random_input(x.shape, dtype, g))
         ref = torch.empty(coll.output.numel(), dtype=dtype, device=device)
-        baseline(ref, x.view(-1))
+        baseline(ref, x.reshape(-1))
         out = coll(x)
         torch.cuda.synchronize(device)
-        flag = torch.tensor([0 if outputs_match(out.view(-1), ref, tol) else 1], dtype=torch.int32, device=flag_device)
+        flag = torch.tensor([0 if outputs_match(out.reshape(-1), ref, tol) else 1], dtype=torch.int32, device=flag_device)
         dist.all_reduce(flag, group=group)  # every rank makes this collective, ok or not
         bad = int(flag.item())
         failures += bad
         total = world * shard * itemsize
         it = iters_for(total, args.iters)
         ts_ms = time_ms(lambda: coll(x), it, group, device)
-        ref_ms = time_ms(lambda: baseline(ref, x.view(-1)), it, group, device)
+        ref_ms = time_ms(lambda: baseline(ref, x.reshape(-1)), it, group, device)
         ts_bw, ref_bw = bus_bandwidth(total, world, ts_ms, op), bus_bandwidth(total, world, ref_ms, op)
-        grid = f"{coll.chunks}x{world}" if op.grid_per_peer else f"{coll.chunks}"
-        rows.append([format_bytes(total), format_bytes(shard * itemsize), grid, ts_bw, ref_bw,
-                     ratio(ts_bw, ref_bw), ts_ms * 1e3, ref_ms * 1e3,
-                     "ok" if bad == 0 else f"FAIL ({bad} rank(s))"])
+        row = [format_bytes(total), format_bytes(shard * itemsize), grid_cell(op, coll, world), ts_bw, ref_bw,
+               ratio(ts_bw, ref_bw), ts_ms * 1e3, ref_ms * 1e3, "ok" if bad == 0 else f"FAIL ({bad} rank(s))"]
+        if symm is not None:
+            row += _symm_cells(coll, x, out, tol, symm, it, group, device)
+        rows.append(row)
         coll.close()
-        del ref
+    return [rows, failures, name, None if symm is None else symm.title()]
+
+
+def _symm_cells(coll, x, out, tol, symm, iters, group, device) -> list:
+    """``[TileScale heap us, symm us, symm op, ratio]``: TileScale called on its symmetric
+    input buffer (no staging) against the fastest torch symmetric-memory op."""
+    import torch
+
+    expect = out.reshape(-1).clone()
+    heap_ms = time_ms(lambda: coll(coll.input), iters, group, device)
+    name, ms = symm.measure(x, expect, lambda got, want: outputs_match(got, want, tol), time_ms, iters)
     torch.cuda.synchronize(device)
-    dist.barrier(group=group)
-    alloc.close()
-    return [rows, failures, name] if rank == 0 else None
+    if name is None:
+        return [heap_ms * 1e3, "n/a", ms, "n/a"]
+    return [heap_ms * 1e3, ms * 1e3, name, ratio(ms, heap_ms)]
 
 
 # ------------------------------------------------------------------------------ report
-def title(op, world: int, backend: str, gpus: int, dtype: str, baseline: str | None = None) -> str:
-    """The table title: collective, ranks, dtype, GPU mode and which baseline ran over what."""
+def title(op, world: int, backend: str, gpus: int, dtype: str, baseline: str | None = None,
+          symm: str | None = None, algorithm: str | None = None) -> str:
+    """The table title: collective, ranks, dtype, GPU mode and which baseline ran over what;
+    for the reductions also the all-reduce algorithm and the torch symmetric-memory baseline
+    (``symm``, from :meth:`SymmBaseline.title`)."""
     op = _op(op)
     baseline = baseline or op.baselines[0].name
     if backend == "nccl":
@@ -343,7 +425,15 @@ def title(op, world: int, backend: str, gpus: int, dtype: str, baseline: str | N
         base = (f"baseline torch.distributed.{baseline} over {backend} (host staging, NOT NCCL: "
                 "ranks share a GPU)")
         mode = f"{world} ranks sharing {gpus} GPU(s): time-sliced, not a bandwidth measurement"
-    return f"{op.name} bus bandwidth, {world} ranks, {dtype}, {mode}; {base}; busbw = (n-1)/n * size / t"
+    text = f"{op.name} bus bandwidth, {world} ranks, {dtype}, {mode}; {base}; busbw = (n-1)/n * size / t"
+    if algorithm is not None:
+        text = text.replace(f"{op.name} bus bandwidth,", f"{op.name} ({algorithm}) bus bandwidth,", 1)
+    if op.reduces:
+        text += ("; TileScale us/GB/s: an ordinary tensor in (staging counted); TS heap us: input already "
+                 "in its symmetric buffer")
+    if symm is not None:
+        text += f"; {symm}; vs symm = symm us / TS heap us"
+    return text
 
 
 def _spawned_rank(rank: int, world: int, fn, fn_args):
@@ -395,7 +485,19 @@ def parser(op) -> argparse.ArgumentParser:
     p.add_argument("--min-bytes", type=int, default=4096, help="smallest total size in bytes")
     p.add_argument("--max-bytes", type=int, default=1 << 30, help="largest total size in bytes")
     p.add_argument("--iters", type=int, default=20, help="timed calls per size (fewer above 64 MiB)")
-    p.add_argument("--dtype", default="float16", choices=list(op.dtypes))
+    default = ["float16", "bfloat16"] if op.reduces else ["float16"]
+    p.add_argument("--dtype", nargs="+", default=default, choices=list(op.dtypes),
+                   help=f"one table per dtype (default: {' '.join(default)})")
+    if op.module == "allreduce":
+        from tilescale_examples.allreduce import ALGORITHMS
+
+        p.add_argument("--algorithm", default="auto", choices=list(ALGORITHMS),
+                       help="auto: the size table (allreduce.ONE_SHOT_MAX_BYTES); or force one")
+    if op.module == "allgather":
+        from tilescale_examples.allgather import ENGINES
+
+        p.add_argument("--engine", default="auto", choices=list(ENGINES),
+                       help="auto: the size table (allgather.COPY_ENGINE_MIN_BYTES); sm: put_block kernel; copy: copy engines")
     return p
 
 
@@ -419,11 +521,15 @@ def main(op, argv=None) -> int:
     result, backend, world = run_on_ranks(_run_op, args.ranks, op.module, args)
     if result is None:  # a launcher rank other than 0
         return 0
-    rows, failures, baseline = result
-    print_table(title(op, world, backend, min(gpus, world), args.dtype, baseline), HEADERS, rows)
-    print(f"\ncorrectness ({_check_name(tolerance(op, args.dtype, world))} vs the baseline's output, "
-          f"every size): {'ok' if failures == 0 else f'{failures} FAILURE(S)'}")
-    return 0 if failures == 0 else 1
+    total = 0
+    for dtype, (rows, failures, baseline, symm) in result.items():
+        heads = HEADERS + (SYMM_HEADERS if symm is not None else [])
+        print_table(title(op, world, backend, min(gpus, world), dtype, baseline, symm,
+                          getattr(args, "algorithm", None) or getattr(args, "engine", None)), heads, rows)
+        print(f"\ncorrectness ({_check_name(tolerance(op, dtype, world))} vs the baseline's output, "
+              f"every size): {'ok' if failures == 0 else f'{failures} FAILURE(S)'}")
+        total += failures
+    return 0 if total == 0 else 1
 
 
 def entry(name: str):

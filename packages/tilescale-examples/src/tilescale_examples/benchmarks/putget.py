@@ -1,12 +1,17 @@
 """Put/get bandwidth through a peer mapping, and the call overhead of a distributed kernel.
 
-``python -m tilescale_examples.benchmarks.putget [--ranks 1|2] [--max-bytes N] [--iters K]``
+``python -m tilescale_examples.benchmarks.putget [--ranks 1|2] [--max-bytes N] [--iters K]
+[--direction both|one]``
 
 * Bandwidth: ``T.put_warp`` / ``T.get_warp`` / ``T.put_block`` / ``T.get_block`` of S bytes
   (4 KiB .. 1 GiB) from this rank's heap to the peer's mapping of it (1 rank: peer = self,
-  the rank's own heap through the table; 2 ranks: the other process's heap on the same GPU,
-  through CUDA IPC or VMM), against ``torch`` device-to-device ``copy_`` of the same bytes.
-  Bandwidth counts bytes read + written (2 S / t); goal: ratio >= 0.9 from 64 MiB up.
+  the rank's own heap through the table; 2 ranks: the other process's heap, on its own GPU
+  when there are two (over NVLink), else on the same GPU, through CUDA IPC or VMM), against
+  ``torch`` ``copy_`` of the same bytes into the same peer mapping (device to device: the copy
+  engine) and, with one GPU per rank and an NCCL group, NCCL ``send``/``recv``. Every rank
+  sends at once (``--direction both``) or rank 0 alone (``one``). Bandwidth counts bytes read
+  + written (2 S / t) for every column; goal: ratio >= 0.9 (>= 0.97 over NVLink) from 64 MiB
+  up.
 * Call overhead: host time per launch of an initialised distributed kernel against a stock
   TileLang kernel with the same body (goal: ratio <= 1.05).
 """
@@ -132,22 +137,28 @@ def _host_us(fn, calls: int) -> float:
 DEFAULT_UNIT_BYTES = {"warp": 0, "block": 64 << 10}
 
 
-def run(rank: int, world: int, max_bytes: int, iters: int, calls: int, min_bytes: int = 4096, blocks_per_sm: int = 2, unroll: int = 4, unit_bytes: dict | None = None) -> list | None:
+def run(rank: int, world: int, max_bytes: int, iters: int, calls: int, min_bytes: int = 4096, blocks_per_sm: int = 2, unroll: int = 4, unit_bytes: dict | None = None, direction: str = "both") -> list | None:
     import tilelang
     import torch
     import torch.distributed as dist
+    from tilescale_core.multiprocess import rank_device
 
-    torch.cuda.set_device(0)
+    device = torch.device(rank_device(rank))  # its own GPU, or shared round-robin
+    torch.cuda.set_device(device)
     nmax = max_bytes // 4
-    alloc = tilelang.get_allocator(size=2 * max_bytes + (64 << 20), device="cuda:0", is_distributed=True, local_rank=rank, num_local_ranks=world, group=dist.group.WORLD)
+    alloc = tilelang.get_allocator(size=2 * max_bytes + (64 << 20), device=device, is_distributed=True, local_rank=rank, num_local_ranks=world, group=dist.group.WORLD)
     try:
         A = tilelang.tensor((nmax,), torch.int32, allocator=alloc)
-        B = tilelang.tensor((nmax,), torch.int32, allocator=alloc)
-        A.copy_(_pattern(nmax, rank))
+        B_all = tilelang.tensor((nmax,), torch.int32, allocator=alloc, return_peers=True)
+        B = B_all[rank]
+        A.copy_(_pattern(nmax, rank, device))
         peer = (rank + 1) % world
+        B_peer = B_all[peer]  # the peer's B through this process's mapping of its heap
+        sends = direction == "both" or rank == 0
+        nccl = dist.get_backend() == "nccl" and world == 2
         # One full wave: the copy kernels fit two 512-thread blocks per SM (<= 64 registers
         # per thread, checked by the CPU suite); a second wave would leave SMs idle at the end.
-        blocks = torch.cuda.get_device_properties(0).multi_processor_count * blocks_per_sm
+        blocks = torch.cuda.get_device_properties(device).multi_processor_count * blocks_per_sm
         ops = ("put_warp", "get_warp", "put_block", "get_block")
         units = dict(DEFAULT_UNIT_BYTES, **(unit_bytes or {}))
         kernels = {}
@@ -161,18 +172,23 @@ def run(rank: int, world: int, max_bytes: int, iters: int, calls: int, min_bytes
             for op in ops:  # correctness first, on a poisoned destination
                 failures += _check_copy(op, kernels[op], A, B, n, rank, world)
             it = iters if nbytes < (64 << 20) else max(5, iters // 4)
-            ref_ms = _time_ms(lambda: B[:n].copy_(A[:n]), it)
-            ref_bw = gb_per_s(2 * nbytes, ref_ms)
-            row = [format_bytes(nbytes), f"{ref_bw:.1f}"]
+            timed = {}
+            for name, fn in [("copy_", lambda: B_peer[:n].copy_(A[:n]))] + [(op, _launcher(kernels[op], A, B, n, peer)) for op in ops]:
+                dist.barrier()  # every rank starts each measurement together
+                timed[name] = _time_ms(fn, it) if sends else float("nan")
+            nccl_bw = float("nan")
+            if nccl:
+                dist.barrier()
+                nccl_bw = gb_per_s(2 * nbytes, _time_ms(_send_recv(A, B, n, rank, direction), it))
+            ref_bw = gb_per_s(2 * nbytes, timed["copy_"]) if sends else float("nan")
+            row = [format_bytes(nbytes), ref_bw, nccl_bw if nccl else "n/a"]
             for op in ops:
-                k = kernels[op]
-                ms = _time_ms(lambda: k(A, B, n, peer), it)
-                bw = gb_per_s(2 * nbytes, ms)
-                row += [f"{bw:.1f}", ratio(bw, ref_bw)]
+                bw = gb_per_s(2 * nbytes, timed[op]) if sends else float("nan")
+                row += [bw, ratio(bw, ref_bw)]
             rows.append(row)
             dist.barrier()
         # call overhead
-        tiny_a = torch.arange(1024, dtype=torch.int32, device="cuda:0")
+        tiny_a = torch.arange(1024, dtype=torch.int32, device=device)
         tiny_b = tilelang.tensor((1024,), torch.int32, allocator=alloc)
         dist_k = tilelang.compile(build_overhead(True), target=TARGET, compile_once=True, compile_group=dist.group.WORLD).initialize(allocator=alloc)
         stock_k = tilelang.compile(build_overhead(False), target=TARGET)
@@ -186,11 +202,31 @@ def run(rank: int, world: int, max_bytes: int, iters: int, calls: int, min_bytes
         alloc.close()
 
 
-def _pattern(n: int, rank: int):
-    """The source data of ``rank``: distinct per element and per rank (int32, on cuda:0)."""
+def _pattern(n: int, rank: int, device):
+    """The source data of ``rank``: distinct per element and per rank (int32, on ``device``)."""
     import torch
 
-    return torch.arange(n, dtype=torch.int32, device="cuda:0") * 3 + rank
+    return torch.arange(n, dtype=torch.int32, device=device) * 3 + rank
+
+
+def _launcher(kernel, A, B, n: int, peer: int):
+    return lambda: kernel(A, B, n, peer)
+
+
+def _send_recv(A, B, n: int, rank: int, direction: str):
+    """NCCL's point-to-point baseline between 2 ranks: rank 0 sends ``A[:n]`` to rank 1
+    (``one``), or both ranks send to each other at once (``both``)."""
+    import torch.distributed as dist
+
+    peer = 1 - rank
+    if direction == "one":
+        return (lambda: dist.send(A[:n], peer)) if rank == 0 else (lambda: dist.recv(B[:n], peer))
+
+    def both():
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, A[:n], peer), dist.P2POp(dist.irecv, B[:n], peer)]):
+            work.wait()
+
+    return both
 
 
 def _check_copy(op: str, kernel, A, B, n: int, rank: int, world: int) -> list[str]:
@@ -209,8 +245,9 @@ def _check_copy(op: str, kernel, A, B, n: int, rank: int, world: int) -> list[st
     dist.barrier()
     source = (rank - 1) % world if op.startswith("put") else peer
     bad = []
-    if not torch.equal(B[:n], _pattern(n, source)):
-        wrong = int((B[:n] != _pattern(n, source)).sum())
+    want = _pattern(n, source, B.device)
+    if not torch.equal(B[:n], want):
+        wrong = int((B[:n] != want).sum())
         bad.append(f"rank {rank} {op} n={n}: {wrong} wrong elements")
     if n < B.numel() and int(B[n]) != -7:
         bad.append(f"rank {rank} {op} n={n}: wrote past the end")
@@ -233,20 +270,25 @@ def main(argv=None) -> int:
     p.add_argument("--unroll", type=int, default=4, help="unroll_factor of the warp ops")
     p.add_argument("--warp-unit-bytes", type=int, default=DEFAULT_UNIT_BYTES["warp"], help="warp ops: 0 = one contiguous chunk per warp, else round-robin units of this size")
     p.add_argument("--block-unit-bytes", type=int, default=DEFAULT_UNIT_BYTES["block"], help="block ops: as --warp-unit-bytes, per block")
+    p.add_argument("--direction", default="both", choices=["both", "one"], help="both: every rank sends at once; one: rank 0 alone")
     args = p.parse_args(argv)
-    from tilescale_core.multiprocess import run_ranks
+    from tilescale_core.multiprocess import auto_backend, run_ranks
 
     os.environ.setdefault("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
-    results = run_ranks(_rank_main, args.ranks, args=(args.max_bytes, args.iters, args.calls, args.min_bytes, args.blocks_per_sm, args.unroll, {"warp": args.warp_unit_bytes, "block": args.block_unit_bytes}), backend="gloo", timeout=900)
+    backend = auto_backend(args.ranks, share=False)  # NCCL with one GPU per rank, else gloo
+    results = run_ranks(_rank_main, args.ranks, args=(args.max_bytes, args.iters, args.calls, args.min_bytes, args.blocks_per_sm, args.unroll, {"warp": args.warp_unit_bytes, "block": args.block_unit_bytes}, args.direction), backend=backend, timeout=900)
     rows, _, dist_us, stock_us, path = results[0]
     failures = [f for r in results for f in r[1]]
-    heads = ["size", "torch GB/s"]
+    heads = ["size", "copy_ GB/s", "NCCL GB/s"]
     for op in ("put_warp", "get_warp", "put_block", "get_block"):
         heads += [f"{op} GB/s", "ratio"]
-    print_table(f"put/get through a peer mapping ({args.ranks} rank(s), heap path {path}, grid SMs x {args.blocks_per_sm} x 512 threads, warp unroll {args.unroll}, units warp {args.warp_unit_bytes or 'one chunk'} / block {args.block_unit_bytes or 'one chunk'} B; GB/s = (read+write)/s)", heads, rows)
+    import torch
+
+    gpus = min(torch.cuda.device_count(), args.ranks)
+    print_table(f"put/get through a peer mapping ({args.ranks} rank(s) on {gpus} GPU(s), direction {args.direction}, heap path {path}, grid SMs x {args.blocks_per_sm} x 512 threads, warp unroll {args.unroll}, units warp {args.warp_unit_bytes or 'one chunk'} / block {args.block_unit_bytes or 'one chunk'} B; baseline torch copy_ into the same peer mapping; NCCL send/recv only with one GPU per rank; GB/s = (read+write)/s; ratio = op / copy_)", heads, rows)
     print_table("call overhead (host us per launch)", ["distributed", "stock", "ratio"], [[dist_us, stock_us, ratio(dist_us, stock_us)]])
     big = [r for r in rows if r[0].endswith("GiB") or (r[0].endswith("MiB") and float(r[0].split()[0]) >= 64)]
-    worst = min((r[i] for r in big for i in range(3, len(r), 2)), default=float("nan"))
+    worst = min((r[i] for r in big for i in range(4, len(r), 2)), default=float("nan"))
     check = not failures
     for f in failures[:20]:
         print("FAILED:", f)

@@ -1,0 +1,257 @@
+"""Kernel efficiency of the reductions on one GPU, with emulated peers.
+
+``python -m tilescale_examples.benchmarks.emulated [--ranks 2 4 8] [--min-bytes 4096]
+[--max-bytes 1073741824] [--dtype float16] [--ops allreduce reducescatter]
+[--algorithm auto|one_shot|two_shot] [--iters 20] [--threads 512] [--unroll U]``
+
+One process, no process group: ``N`` emulated ranks are ``N`` regions of one device buffer
+(:mod:`tilescale_examples.emulated`), and their metadata tables map PE ``p`` to region ``p``,
+so the unchanged all-reduce and reduce-scatter kernels run with local memory standing in for
+NVLink. Every emulated rank's kernel runs alone on the GPU, in turn (the peers' flags preset
+so that waits pass at once), so a kernel's time is one rank's share of the collective.
+
+For every ``N``, op and size (all-reduce: the tensor's bytes; reduce-scatter: each rank's
+input, ``N`` rows of ``size / N``) it builds the collective on every emulated rank, fills the
+inputs with random values, runs one round and checks every rank's output bit for bit against
+the rank-order reference (a failure is printed and makes the exit status 1), then times
+rounds with CUDA events around each kernel (inputs already in the symmetric buffers, so the
+kernel is all that runs). ``GB/s`` counts the bytes one rank's kernel reads plus writes:
+one-shot reads ``N`` rows per output row and writes one; two-shot reads ``N`` rows of its shard
+and writes the result to ``N`` ranks; reduce-scatter reads ``N`` rows per output row and writes
+one. The baseline is torch's device-to-device ``copy_`` moving the same number of bytes (half
+read, half written), timed in the same run; ``ratio`` = kernel GB/s / copy GB/s.
+
+The goals (printed at the end): from 16 MiB up, ratio >= 0.9; a 4 KiB all-reduce kernel takes
+<= 8 us of GPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+from tilescale_examples.report import format_bytes, gb_per_s, print_table, ratio, size_sweep
+
+__all__ = ["build", "fill_inputs", "expected", "check_round", "bytes_moved", "time_kernels", "copy_ms",
+           "run", "main", "HEADERS", "SMALL_BYTES", "LARGE_BYTES"]
+
+HEADERS = ["ranks", "size", "op", "blocks", "kernel us", "moved", "GB/s", "copy GB/s", "ratio", "check"]
+#: The latency goal's size and the bandwidth goal's smallest size.
+SMALL_BYTES, LARGE_BYTES = 4096, 16 << 20
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def shape_of(op: str, nbytes: int, ranks: int, itemsize: int) -> tuple:
+    """The collective's shape argument: the tensor (all-reduce) or one output shard
+    (reduce-scatter, ``size / ranks`` bytes)."""
+    per = nbytes // itemsize if op == "allreduce" else nbytes // ranks // itemsize
+    return (max(1, per),)
+
+
+def build(op: str, algorithm: str, ranks: int, nbytes: int, dtype, device, max_blocks=None,
+          threads: int = 512, unroll=None):
+    """``(peers, collectives)``: an :class:`~tilescale_examples.emulated.EmulatedPeers` sized
+    for one collective and the collective built on each of its ranks (rank order);
+    ``threads`` and ``unroll`` as for the collectives."""
+    import torch
+
+    from tilescale_examples.allreduce import AllReduce, choose_algorithm
+    from tilescale_examples.emulated import ALIGNMENT, EmulatedPeers
+    from tilescale_examples.reduce_engine import plan_grid
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shape = shape_of(op, nbytes, ranks, itemsize)
+    if max_blocks is None:
+        max_blocks = torch.cuda.get_device_properties(device).multi_processor_count
+    if op == "allreduce":
+        mode = choose_algorithm(shape[0] * itemsize, ranks) if algorithm == "auto" else algorithm
+    else:
+        mode = "reduce_scatter"
+    plan = plan_grid(mode, shape[0], itemsize, ranks, threads, unroll, max_blocks)
+    kw = dict(max_blocks=max_blocks, threads=threads, unroll=unroll)
+    stages = 1 if mode == "two_shot" else 2
+    region = stages * (plan.stage_rows * 16 + ALIGNMENT) + 2 * ranks * plan.blocks * 8 + 2 * ALIGNMENT
+    peers = EmulatedPeers(ranks, region, device)
+    colls = []
+    for r in range(ranks):
+        if op == "allreduce":
+            colls.append(AllReduce(peers.rank(r), shape, dtype, algorithm=mode, **kw))
+        else:
+            from tilescale_examples.reducescatter import ReduceScatter
+
+            colls.append(ReduceScatter(peers.rank(r), shape, dtype, **kw))
+    return peers, colls
+
+
+def fill_inputs(colls, seed: int) -> list:
+    """Random inputs in every emulated rank's symmetric input buffer (``c.input``, the
+    buffer the next call reads); returns those views, rank order."""
+    import torch
+
+    views = []
+    for r, c in enumerate(colls):
+        g = torch.Generator(device=c.device).manual_seed(seed * 1009 + r)
+        x = c.input
+        if x.dtype.is_floating_point:
+            x.normal_(generator=g)
+        else:
+            x.random_(-1000, 1000, generator=g)
+        views.append(x)
+    return views
+
+
+def expected(op: str, inputs: list) -> list:
+    """Every rank's expected output (bit-exact rank-order reference)."""
+    from tilescale_examples.reduce_engine import torch_reference
+
+    if op == "allreduce":
+        total = torch_reference(inputs)
+        return [total] * len(inputs)
+    return [torch_reference([x[r] for x in inputs]) for r in range(len(inputs))]
+
+
+def check_round(op: str, colls, seed: int) -> list:
+    """Fill fresh inputs, poison the outputs, run one round, compare every rank's output
+    with :func:`expected`; returns failure messages (empty when all match)."""
+    import torch
+
+    from tilescale_examples.emulated import run_round
+
+    for c in colls:
+        if c.output.data_ptr() != c.input.data_ptr():  # two-shot: the output is the input buffer
+            c.output.fill_(float("nan") if c.dtype.is_floating_point else -123456789)
+    inputs = fill_inputs(colls, seed)
+    want = expected(op, inputs)  # before the round: the two-shot overwrites its inputs
+    outs = run_round(colls)
+    torch.cuda.synchronize()
+    bad = []
+    for r, (out, w) in enumerate(zip(outs, want)):
+        if not torch.equal(out, w):
+            bad.append(f"{op} rank {r}/{len(colls)} {tuple(out.shape)} {out.dtype}: "
+                       f"{int((out != w).sum())} wrong elements")
+    return bad
+
+
+def bytes_moved(coll) -> int:
+    """Bytes one emulated rank's kernel reads plus writes (padding included)."""
+    p = coll.plan
+    reads = p.world_size * p.span * 16
+    writes = (p.world_size if p.mode == "two_shot" else 1) * p.span * 16
+    return reads + writes
+
+
+def time_kernels(colls, iters: int) -> float:
+    """Milliseconds of one rank's kernel: per round the mean over ranks (CUDA events around
+    each launch), the median over ``iters`` rounds after one warm-up round."""
+    import torch
+
+    from tilescale_examples.emulated import run_round
+
+    run_round(colls)
+    rounds = []
+    for _ in range(iters):
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in colls]
+        run_round(colls, events=events)
+        torch.cuda.synchronize()
+        rounds.append(statistics.fmean(s.elapsed_time(e) for s, e in events))
+    return statistics.median(rounds)
+
+
+def copy_ms(nbytes: int, iters: int, device) -> float:
+    """Median milliseconds of torch's device-to-device ``copy_`` of ``nbytes`` bytes."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def iters_for(nbytes: int, iters: int) -> int:
+    return max(3, min(iters, iters * (64 << 20) // max(nbytes, 1)))
+
+
+def run(args, device) -> tuple:
+    """``(rows, failures, small_us, worst_large)`` of the whole sweep."""
+    import torch
+
+    dtype = getattr(torch, args.dtype)
+    rows, failures, small, worst = [], [], {}, float("inf")
+    for n in args.ranks:
+        for op in args.ops:
+            for nbytes in size_sweep(args.min_bytes, args.max_bytes, 4):
+                peers, colls = build(op, args.algorithm, n, nbytes, dtype, device, threads=args.threads,
+                                     unroll=args.unroll)
+                bad = check_round(op, colls, seed=nbytes % 100003 + n)
+                failures += bad
+                it = iters_for(nbytes, args.iters)
+                ms = time_kernels(colls, it)
+                moved = bytes_moved(colls[0])
+                base = copy_ms(moved // 2, it, device)
+                bw, ref = gb_per_s(moved, ms), gb_per_s(moved, base)
+                name = colls[0].mode if op == "allreduce" else "reduce-scatter"
+                rows.append([n, format_bytes(nbytes), name, colls[0].plan.blocks, ms * 1e3, format_bytes(moved),
+                             bw, ref, ratio(bw, ref), "ok" if not bad else "FAIL"])
+                if op == "allreduce" and nbytes == SMALL_BYTES:
+                    small[n] = ms * 1e3
+                if nbytes >= LARGE_BYTES:
+                    worst = min(worst, ratio(bw, ref))
+                for c in colls:
+                    c.close()
+                peers.close()
+                del colls, peers
+                torch.cuda.empty_cache()
+    return rows, failures, small, worst
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tilescale_examples.benchmarks.emulated",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8], help="emulated world sizes")
+    p.add_argument("--ops", nargs="+", default=["allreduce", "reducescatter"], choices=["allreduce", "reducescatter"])
+    p.add_argument("--algorithm", default="auto", choices=["auto", "one_shot", "two_shot"], help="all-reduce algorithm")
+    p.add_argument("--min-bytes", type=int, default=4096)
+    p.add_argument("--max-bytes", type=int, default=1 << 30)
+    p.add_argument("--iters", type=int, default=20, help="timed rounds per size (fewer above 64 MiB)")
+    p.add_argument("--dtype", default="float16", choices=DTYPES)
+    p.add_argument("--threads", type=int, default=512, help="threads per block of the kernels")
+    p.add_argument("--unroll", type=int, default=None, help="rows per thread and iteration (default max(1, 8 // ranks))")
+    args = p.parse_args(argv)
+    if any(n < 1 or n > 64 for n in args.ranks):
+        p.error("--ranks must be in [1, 64]")
+    if not 0 < args.min_bytes <= args.max_bytes:
+        p.error("need 0 < --min-bytes <= --max-bytes")
+    os.environ.setdefault("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
+    import torch
+
+    if not torch.cuda.is_available():
+        print("emulated-peers benchmark: no CUDA GPU visible, nothing to measure")
+        return 0
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows, failures, small, worst = run(args, device)
+    name = torch.cuda.get_device_name(device)
+    print_table(f"reduction kernels with emulated peers (one {name}, {args.dtype}, all-reduce algorithm "
+                f"{args.algorithm}, {args.threads} threads, unroll {args.unroll or 'max(1, 8 // ranks)'}); GB/s = bytes one rank's kernel reads + writes / its GPU time; baseline "
+                "torch device-to-device copy_ of the same bytes, same run", HEADERS, rows)
+    for f in failures[:20]:
+        print("FAILED:", f)
+    small_txt = ", ".join(f"{n} ranks {us:.2f} us" for n, us in small.items()) or "not measured"
+    print(f"\n4 KiB all-reduce kernel: {small_txt} (goal <= 8 us)")
+    print(f"worst ratio from {format_bytes(LARGE_BYTES)} up: "
+          f"{worst if worst != float('inf') else float('nan'):.3f} (goal >= 0.9)")
+    print(f"correctness (every rank's output, bit-exact rank-order reference, every size): "
+          f"{'ok' if not failures else f'{len(failures)} FAILURE(S)'}")
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

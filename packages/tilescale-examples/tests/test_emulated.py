@@ -1,0 +1,113 @@
+"""Emulated peers (N ranks as N regions of one buffer): the bookkeeping on the CPU, and the
+unchanged reduction kernels checked bit for bit on one GPU with N = 2 and 4 (``-m gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from examples_helpers import have_gpu
+
+from tilescale_examples.emulated import ALIGNMENT, PRESET, EmulatedPeers, run_round
+
+
+def test_regions_tables_and_symmetric_offsets():
+    peers = EmulatedPeers(3, 1000, "cpu")
+    assert peers.region_bytes == 1024 and len(peers.bases) == 3
+    assert all(b % ALIGNMENT == 0 for b in peers.bases)
+    assert [b - peers.bases[0] for b in peers.bases] == [0, 1024, 2048]
+    ranks = [peers.rank(r) for r in range(3)]
+    assert ranks[1].table.tolist() == [1, 3, *peers.bases] and ranks[1].num_ranks == 3
+    a = [r._allocate_tensor((10,), torch.float32) for r in ranks]  # the same sequence on every rank
+    b = [r._allocate_tensor((3, 4), torch.int32) for r in ranks]
+    for r in range(3):
+        assert a[r].data_ptr() == peers.bases[r] and b[r].data_ptr() == peers.bases[r] + 256
+    views = ranks[0]._allocate_tensor((4,), torch.float16, return_peers=True)
+    assert [v.data_ptr() - peers.bases[r] for r, v in enumerate(views)] == [512] * 3
+    b[2].fill_(5)  # rank 2's tensor is region 2's bytes, whoever writes it
+    assert torch.equal(peers.view(2, 256, (3, 4), torch.int32), torch.full((3, 4), 5, dtype=torch.int32))
+    with pytest.raises(MemoryError, match="emulated rank 0: 2048 bytes at offset 768 exceed the region of 1024"):
+        ranks[0]._allocate_tensor((512,), torch.float32)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 3\)"):
+        peers.rank(3)
+    peers.close()
+    assert ranks[0].closed
+    with pytest.raises(RuntimeError, match="closed"):
+        ranks[0]._allocate_tensor((1,), torch.float32)
+
+
+def test_run_round_presets_flags_and_points_each_kernel_at_its_rank():
+    peers = EmulatedPeers(2, 4096, "cpu")
+    log = []
+
+    class Coll:
+        def __init__(self, r):
+            self.allocator, self.device = peers.rank(r), torch.device("cpu")
+            self.flags = self.allocator._allocate_tensor((4,), torch.uint64)
+            self.flags.view(torch.int64).fill_(3)
+            self.input = r
+
+        def bind_table(self):
+            log.append(("init", int(self.allocator.table[0])))
+
+        def __call__(self, x):
+            assert int(self.flags.view(torch.int64)[0]) == PRESET
+            log.append(("call", x))
+            return x * 10
+
+    colls = [Coll(0), Coll(1)]
+    assert run_round(colls) == [0, 10]
+    assert log == [("init", 0), ("call", 0), ("init", 1), ("call", 1)]
+    with pytest.raises(ValueError, match="pass them in rank order"):
+        run_round(colls[::-1])
+
+
+CASES = [("allreduce", "auto", 4096), ("allreduce", "one_shot", 3 * 4096 + 16),
+         ("allreduce", "two_shot", (4 << 20) + 48), ("reducescatter", "auto", 1 << 20)]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_emulated_kernels_match_the_reference_on_gpu(ranks, tmp_path_factory, monkeypatch):
+    """Each case: three rounds with fresh inputs and poisoned outputs (both halves of the
+    double buffer), every rank's output bit-exact; then the timing path runs."""
+    if not have_gpu():
+        pytest.skip("needs a CUDA GPU (none visible)")
+    from tilescale_examples.benchmarks.emulated import build, bytes_moved, check_round, time_kernels
+
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "tilelang-cache-reductions"))  # the rank tests' kernels
+    monkeypatch.setenv("TILESCALE_WAIT_TIMEOUT_MS", "30000")
+    for op, algorithm, nbytes in CASES:
+        for dtype in (torch.float16, torch.bfloat16):
+            peers, colls = build(op, algorithm, ranks, nbytes, dtype, torch.device("cuda"))
+            for seed in range(3):
+                bad = check_round(op, colls, seed)
+                assert not bad, bad
+            assert time_kernels(colls, 2) > 0 and bytes_moved(colls[0]) >= 2 * nbytes // ranks
+            for c in colls:
+                c.close()
+            peers.close()
+
+
+def test_benchmark_arguments_and_byte_counts(capsys, monkeypatch):
+    from types import SimpleNamespace
+
+    from tilescale_examples.benchmarks import emulated as B
+    from tilescale_examples.reduce_engine import plan_grid
+
+    for argv, message in ((["--ranks", "0"], "--ranks must be in [1, 64]"),
+                          (["--min-bytes", "8", "--max-bytes", "4"], "need 0 < --min-bytes <= --max-bytes"),
+                          (["--ops", "allgather"], "invalid choice"), (["--dtype", "int8"], "invalid choice")):
+        with pytest.raises(SystemExit):
+            B.main(argv)
+        assert message in capsys.readouterr().err
+    assert B.shape_of("allreduce", 4096, 4, 2) == (2048,) and B.shape_of("reducescatter", 4096, 4, 2) == (512,)
+    two = SimpleNamespace(plan=plan_grid("two_shot", 1 << 20, 2, 4))  # 2 MiB: each rank reads and writes 2 MiB
+    assert B.bytes_moved(two) == 2 * (2 << 20)
+    one = SimpleNamespace(plan=plan_grid("one_shot", 2048, 2, 4))  # 4 KiB: 4 reads and 1 write per row
+    assert B.bytes_moved(one) == 5 * 4096
+    rs = SimpleNamespace(plan=plan_grid("reduce_scatter", 512, 2, 4))  # 4 KiB input: reads it, writes 1 KiB
+    assert B.bytes_moved(rs) == 4096 + 1024
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert B.main(["--ranks", "2"]) == 0
+    assert "no CUDA GPU visible" in capsys.readouterr().out

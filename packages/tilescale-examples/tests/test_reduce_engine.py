@@ -1,0 +1,153 @@
+"""The reduction engine on the CPU: the grid plan, the generated CUDA of every mode (16-byte
+accesses, the signal/wait protocol in order, the rank-order sum), nvcc compiles within the
+register budget, and the reference."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from examples_helpers import kernel_body, lower_with, needs_nvcc, nvcc_resources
+
+from tilescale_examples.reduce_engine import (MAX_REGISTERS, MODES, PASS_CONFIGS, build_reduce_kernel,
+                                              default_unroll, plan_grid, rows_view, torch_reference,
+                                              vector_elems)
+
+
+def source(mode, dtype="float16", world=4, threads=128, unroll=None):
+    return kernel_body(lower_with(build_reduce_kernel(mode, dtype, world, threads, unroll), PASS_CONFIGS))
+
+
+# ------------------------------------------------------------------------------ plan
+def test_vectors_and_unroll():
+    assert [vector_elems(s) for s in (1, 2, 4, 8)] == [16, 8, 4, 2]
+    assert [default_unroll(w) for w in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+    with pytest.raises(ValueError, match="itemsize must divide 16"):
+        vector_elems(3)
+
+
+def test_plan_one_shot_two_shot_reduce_scatter():
+    p = plan_grid("one_shot", 2048, 2, 2, threads=512, max_blocks=132)  # 4 KiB float16
+    assert (p.vec, p.span, p.shards, p.rows_in, p.blocks, p.iters, p.unroll) == (8, 256, 1, 256, 1, 1, 4)
+    p = plan_grid("two_shot", 1001, 2, 2, threads=512)  # 126 rows -> 2 shards of 63 (one pad row)
+    assert (p.span, p.shards, p.stage_rows, p.rows_in) == (63, 2, 126, 126)
+    p = plan_grid("two_shot", 128 << 20, 2, 4, threads=512, max_blocks=132)  # 256 MiB, 4 ranks
+    assert p.span == (16 << 20) // 4 and p.blocks == 132 and p.unroll == 2
+    assert (p.iters - 1) * p.blocks * 1024 < p.span <= p.iters * p.blocks * 1024
+    p = plan_grid("reduce_scatter", 15, 4, 2)  # each row of 15 float32 padded to 4 vectors
+    assert (p.vec, p.span, p.shards, p.rows_in, p.stage_rows) == (4, 4, 2, 8, 8)
+    for bad, match in ((dict(mode="x"), "mode must be one of"), (dict(numel=0), "numel must be a positive int"),
+                       (dict(unroll=0), "unroll must be a positive int"), (dict(max_blocks=0), "max_blocks")):
+        args = dict(mode="one_shot", numel=8, itemsize=2, world_size=2)
+        args.update(bad)
+        with pytest.raises(ValueError, match=match):
+            plan_grid(**args)
+
+
+def test_rows_view_needs_whole_aligned_vectors():
+    x = torch.zeros(64, dtype=torch.float16)
+    assert rows_view(x, 8).shape == (8, 8)
+    assert rows_view(x[:60], 8) is None  # not whole vectors
+    assert rows_view(x[8:], 8) is not None and rows_view(x[1:57], 8) is None  # 16-byte aligned only
+    assert rows_view(torch.zeros(8, 8).t(), 4) is None  # not contiguous
+
+
+def test_reference_is_rank_order_in_the_accumulation_type():
+    h = [torch.full((4,), 2048.0, dtype=torch.float16), torch.ones(4, dtype=torch.float16),
+         torch.ones(4, dtype=torch.float16)]
+    assert torch.equal(torch_reference(h), torch.full((4,), 2050.0, dtype=torch.float16))  # one rounding
+    f = [torch.tensor([1e8]), torch.tensor([-1e8]), torch.tensor([1.0])]
+    assert float(torch_reference(f)) == 1.0  # (1e8 - 1e8) + 1; another order gives 0
+    assert float(torch_reference(f[::-1])) == 0.0
+    with pytest.raises(ValueError, match="one tensor per rank"):
+        torch_reference([])
+
+
+# ------------------------------------------------------------------------------ codegen
+NOTIFY = "tilescale::notify<false>("
+WAIT = "tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>("
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_protocol_order_per_mode(mode):
+    body = source(mode)
+    stage = body.index("if (stage_in != 0)")
+    ready = [m.start() for m in re.finditer(re.escape(NOTIFY), body)]
+    waits = [m.start() for m in re.finditer(re.escape(WAIT), body)]
+    loads = [m.start() for m in re.finditer(r"tilescale::remap_ptr\(Stage, [0-3]\)", body)]
+    sync = [m.start() for m in re.finditer(r"__syncthreads\(\);", body)]
+    fences = [m.start() for m in re.finditer(r"tilescale::fence_sys\(\);", body)]
+    # stage, barrier, fence, ready signal to peer tx, wait for peer tx, barrier, then the reads
+    assert stage < sync[0] < fences[0] < ready[0] < waits[0] < sync[1] < loads[0]
+    # ready[me, b] on peer tx; then ready[tx, b] here
+    assert "(&(Flags[((((int64_t)me) * ((int64_t)blocks)) + ((int64_t)((int)blockIdx.x)))])), ((int)threadIdx.x), ((uint64_t)epoch));" in body
+    assert "(&(Flags[((((int64_t)((int)threadIdx.x)) * ((int64_t)blocks)) + ((int64_t)((int)blockIdx.x)))])), ((uint64_t)epoch));" in body
+    assert "if (((int)threadIdx.x) < 4)" in body
+    if mode == "two_shot":  # pushes, then the data round: barrier, fence, signal, wait
+        assert len(ready) == len(waits) == 2 and len(fences) == 2
+        assert loads[-1] < sync[2] < fences[1] < ready[1] < waits[1]
+        assert "(&(Flags[(((((int64_t)me) + (int64_t)4) * ((int64_t)blocks)) + ((int64_t)((int)blockIdx.x)))]))" in body  # data[me, b]: after the W ready flags
+        assert "Out" not in body
+    else:
+        assert len(ready) == len(waits) == 1 and len(fences) == 1
+        assert "*(uint4*)(Out + " in body
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_access_is_one_16_byte_vector(mode):
+    body = source(mode, "float16", 2)
+    loads = re.findall(r"\*\(uint4\*\)\(vals \+ (\d+)\) = \*\(uint4\*\)\(\(\(half_t\*\)(v_?\d*)\)", body)
+    U = default_unroll(2)
+    assert len(loads) == 2 * U  # W peers x U rows per iteration, into the register array
+    assert "*(uint4*)(Stage + " in body  # staging: X -> Stage, 16 bytes a thread
+    assert re.search(r"= \*\(uint4\*\)\(X \+ ", body)
+    stores = len(re.findall(r"\*\(uint4\*\)\(\(\(half_t\*\)v_\d+\) \+ .*= \*\(uint4\*\)\(res \+ ", body))
+    assert stores == (2 * U if mode == "two_shot" else 0)  # two-shot: one remote store per peer and row
+
+
+def test_loads_precede_adds_and_the_sum_is_in_rank_order():
+    """float32, 4 ranks: each row loads peers 0..3 into vals (remote_ptr(Stage, p)), then
+    adds ((v0 + v1) + v2) + v3."""
+    body = source("reduce_scatter", "float32", 4)
+    first_add = body.index("+v_")
+    peers = re.findall(r"tilescale::remap_ptr\(Stage, (\d)\)", body[:first_add])
+    assert peers[:4] == ["0", "1", "2", "3"]
+    var_at = dict(re.findall(r"float4 (\w+) = \*\(float4\*\)\(vals \+ (\d+)\);", body))
+    adds = re.findall(r"(\w+)\.x = \((\w+)\.x\+(\w+)\.x\);", body)[:3]
+    a, b = var_at[adds[0][1]], var_at[adds[0][2]]
+    assert (int(a), int(b)) == (0, 4)
+    assert adds[1][1] == adds[0][0] and int(var_at[adds[1][2]]) == 8
+    assert adds[2][1] == adds[1][0] and int(var_at[adds[2][2]]) == 12
+
+
+@pytest.mark.parametrize("dtype,convert", [("float16", "__half22float2"), ("bfloat16", "__bfloat1622float2"),
+                                           ("int32", None), ("float32", None)])
+def test_accumulation_type(dtype, convert):
+    body = source("one_shot", dtype, 2)
+    if convert:
+        assert convert in body and ("__float22half2_rn" in body or "__float22bfloat162_rn" in body)
+    else:
+        assert "float2" not in body.replace("float4", "")  # no conversion: the dtype's own adds
+
+
+def test_builder_rejects_bad_arguments():
+    for kwargs, exc, match in ((dict(mode="x"), ValueError, "mode must be one of"),
+                               (dict(dtype="uint8"), ValueError, "dtype must be one of"),
+                               (dict(world_size=0), ValueError, "world_size must be an int"),
+                               (dict(threads=48), ValueError, "threads must be a multiple of 32"),
+                               (dict(unroll=0), ValueError, "unroll must be a positive int")):
+        args = dict(mode="one_shot", dtype="float16", world_size=2)
+        args.update(kwargs)
+        with pytest.raises(exc, match=match):
+            build_reduce_kernel(**args)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("mode,dtype,world", [("one_shot", "float16", 8), ("two_shot", "bfloat16", 2),
+                                              ("reduce_scatter", "float32", 4)])
+def test_nvcc_compiles_each_mode_within_the_register_budget(mode, dtype, world, tmp_path):
+    """sm_90a cubin at 512 threads: at most 128 registers (one block per SM) and no spills."""
+    src = lower_with(build_reduce_kernel(mode, dtype, world, 512), PASS_CONFIGS)
+    registers, spills = nvcc_resources(src, tmp_path)
+    assert registers <= MAX_REGISTERS and spills == 0, (registers, spills)
