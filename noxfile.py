@@ -122,5 +122,5 @@ def gpu_4(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Run every benchmark of tilescale-examples (GPU machine)."""
     _install(session, "examples")
-    for name in ("heap", "signals", "putget", "allgather", "reducescatter", "alltoall", "allreduce", "ag_gemm"):
+    for name in ("heap", "signals", "putget", "allgather", "reducescatter", "alltoall", "allreduce", "ag_gemm", "moe"):
         session.run("python", "-m", f"tilescale_examples.benchmarks.{name}", env=_cuda_env())

@@ -4,6 +4,7 @@
 #   bash ci/device-check.sh [STEP ...] [-- PYTEST_ARGS ...]
 # STEPs: doctor; tests (GPU suite of every package, ranks sharing the GPUs); tests-4 (one
 # rank per GPU); tests-core, tests-host, tests-lang, tests-examples (one package, shared);
+# tests-moe (the MoE dispatch/combine GPU tests alone, shared);
 # bench (every benchmark); bench-NAME (one); all (default: doctor tests bench). Logs go to $OUT (or ./device-logs) and a summary
 # table is printed last.
 set -uo pipefail
@@ -32,8 +33,9 @@ run_step() {  # name, command...
   summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$(grep -E '^(=+ )?[0-9]+ (passed|failed)|passed|failed' "$logs/$name.log" | tail -1)")")
 }
 # One pytest per package, each under its own deadline, so one hang cannot eat the whole call.
-# examples: 6 collectives x 1, 2, 4 ranks sharing a GPU (about 25 s each on an H200).
-declare -A limit=([core]=240 [host]=150 [lang]=360 [examples]=540)
+# examples: 6 collectives x 1, 2, 4 ranks sharing a GPU (about 25 s each on an H200), plus
+# the MoE tests (about 2 minutes).
+declare -A limit=([core]=240 [host]=150 [lang]=360 [examples]=720)
 gpu_tests() {  # step name, TILESCALE_SHARE_GPUS value
   for p in core host lang examples; do
     run_step "$1-$p" env TILESCALE_SHARE_GPUS="$2" timeout -k 10 "${limit[$p]}" python3 -m pytest \
@@ -46,10 +48,13 @@ for step in "${steps[@]}"; do
     doctor) run_step doctor timeout -k 10 180 python3 -m tilescale_core.doctor ;;
     tests) gpu_tests tests 1 ;;
     tests-4) gpu_tests tests-4 0 ;;
-    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm; do
+    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm moe; do
              run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
            done ;;
     bench-*) run_step "$step" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.${step#bench-}" ;;
+    tests-moe) run_step tests-moe env TILESCALE_SHARE_GPUS=1 timeout -k 10 300 python3 -m pytest \
+                 packages/tilescale-examples/tests/test_moe.py -m gpu -q -rfEs --tb=short -p no:cacheprovider \
+                 --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-*) p=${step#tests-}; run_step "$step" env TILESCALE_SHARE_GPUS=1 timeout -k 10 "${limit[$p]}" \
                python3 -m pytest "packages/tilescale-$p/tests" -m gpu -q -rfEs --tb=short \
                -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;

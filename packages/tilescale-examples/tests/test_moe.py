@@ -496,3 +496,64 @@ def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
 def test_moe_full_size_on_gpu(world, tmp_path_factory):
     reports = run_gpu_ranks(full_size_rank_body, world, tmp_path_factory, "moe-full")
     assert [r["checks"] for r in reports] == [2] * world
+
+
+# ------------------------------------------------------------------------------ benchmark (CPU)
+def torch_path_rank_body(rank: int, world: int) -> int:
+    """The benchmark's torch all-to-all path on a CPU gloo group equals the references."""
+    import torch.distributed as dist
+
+    from tilescale_examples.benchmarks.moe import TorchAllToAllMoE, make_routing
+
+    experts, topk, hidden = 8, 3, 16
+    gen = torch.Generator().manual_seed(rank)
+    path = TorchAllToAllMoE(experts, dist.group.WORLD, world)
+    checks = 0
+    for kind, tokens in (("uniform", 13 + rank), ("skewed", 9)):
+        x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+        idx = make_routing(kind, tokens, experts, topk, gen)
+        w = torch.softmax(torch.randn(tokens, topk, generator=gen), 1)
+        rows, counts = path.dispatch(x, idx)
+        xs, idxs, ws = _gather(x, world), _gather(idx, world), _gather(w, world)
+        want, want_counts, _ = torch_dispatch_reference(xs, idxs, experts, rank)
+        assert torch.equal(rows, want) and counts.tolist() == want_counts.tolist()
+        ys = _gather(rows, world)
+        out = path.combine(rows, w)
+        ref = torch_combine_reference(ys, idxs, ws, experts, rank)
+        assert out.dtype == torch.bfloat16 and torch.allclose(out.double(), ref, rtol=COMBINE_RTOL[torch.bfloat16], atol=COMBINE_ATOL)
+        checks += 1
+    return checks
+
+
+@pytest.mark.timeout(120)
+def test_benchmark_torch_path_matches_the_reference_layout():
+    from tilescale_core.multiprocess import run_ranks
+
+    assert run_ranks(torch_path_rank_body, 2, backend="gloo", timeout=100) == [2, 2]
+
+
+def test_benchmark_routing_and_arguments(monkeypatch, capsys):
+    from tilescale_examples.benchmarks import moe as bench
+
+    g = torch.Generator().manual_seed(0)
+    for kind in ("uniform", "skewed"):
+        idx = bench.make_routing(kind, 500, 64, 8, g)
+        assert idx.shape == (500, 8) and idx.dtype == torch.int64 and int(idx.min()) >= 0 and int(idx.max()) < 64
+        assert all(len(set(row)) == 8 for row in idx.tolist())  # distinct experts per token
+    skew = torch.bincount(bench.make_routing("skewed", 2000, 64, 8, g).view(-1), minlength=64)
+    assert skew[0] > 3 * skew[32:].float().mean()
+    with pytest.raises(ValueError, match="routing must be"):
+        bench.make_routing("hot", 1, 4, 1, g)
+    for argv, message in ((["--tokens", "0"], "--tokens must be in [1, 4096]"),
+                          (["--tokens", "4097"], "--tokens must be in [1, 4096]"),
+                          (["--tokens", "a"], "--tokens must be comma-separated ints"),
+                          (["--routing", "zipf"], "--routing must list uniform and/or skewed"),
+                          (["--topk", "9"], "need 1 <= --topk <= min(8, --experts)"),
+                          (["--hidden", "100"], "--hidden a positive multiple of 8"),
+                          (["--ranks", "0"], "--ranks must be >= 1")):
+        with pytest.raises(SystemExit) as exc:
+            bench.main(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert bench.main([]) == 0
+    assert capsys.readouterr().out == "MoE benchmark: no CUDA GPU visible, nothing to measure\n"
