@@ -112,8 +112,11 @@ def test_plan_kernel_ranks_entries_and_exchanges_counts_on_the_device():
     wait = body.index("tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>((&(Sig[", notify)
     assert body.index("Base[", wait) > wait  # offsets only after every rank's counts are in
     assert body.rindex("State[0] = epoch;") > body.rindex("Base[")
-    assert "__syncthreads();" not in body[:body.index("__match_any_sync(")]  # no automatic barriers
-    assert body.count("__syncthreads();") == 4
+    # only the five hand-written block barriers; the ranking loop synchronises the warp only
+    assert body.count("__syncthreads();") == 5
+    loop = body[body.index("for (int b = 0; b < nb; ++b)"):]
+    loop = loop[:loop.index("__syncthreads();")]
+    assert "__match_any_sync(" in loop and loop.count("__syncwarp();") == 2
 
 
 def test_dispatch_kernel_puts_rows_to_the_expert_owner_then_counts_arrivals():
@@ -294,10 +297,10 @@ def _routing(kind: str, tokens: int, experts: int, topk: int, gen: torch.Generat
 
 def _experts(recv: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """A stand-in for the expert MLPs, on the device without host synchronisation: row ``r``
-    of local expert ``j`` becomes ``recv[r] * (1 + j / 4) - 1 / 8``."""
+    of local expert ``j`` (of ``EL``) becomes ``recv[r] * (1 + j / (4 EL)) - 1 / 8``."""
     rows = torch.arange(recv.shape[0], device=recv.device, dtype=torch.int32)
     expert = torch.bucketize(rows, offsets[1:].contiguous(), right=True).to(torch.float32)
-    return (recv.float() * (1 + expert[:, None] / 4) - 0.125).to(recv.dtype)
+    return (recv.float() * (1 + expert[:, None] / (4 * (offsets.numel() - 1))) - 0.125).to(recv.dtype)
 
 
 def _check_call(moe, rank, world, x, idx, w, label, validate=True):
@@ -339,8 +342,8 @@ def _back_to_back(moe, rank, world, calls, gen):
     for s in range(4):
         tokens = moe.max_tokens - 7 * s - rank
         x = torch.randn(tokens, moe.hidden, generator=gen).to(moe.dtype).to(dev)
-        idx = _routing("uniform" if s % 2 else "skewed", tokens, moe.num_experts, moe.topk, gen).to(dev)
-        w = torch.rand(tokens, moe.topk, generator=gen).to(dev)
+        idx = _routing("uniform" if s % 2 else "skewed", tokens, moe.num_experts, moe.topk, gen).to(dev, moe.index_dtype)
+        w = (torch.rand(tokens, moe.topk, generator=gen) / moe.topk).to(dev)
         checks += _check_call(moe, rank, world, x, idx, w, f"back-to-back set {s}")
         recv, counts, handle = moe.dispatch(x, idx, w, validate=False)
         y = _experts(recv, handle.recv_offsets)
@@ -388,7 +391,7 @@ def _graph_capture(moe, rank, world, gen):
     for replay in range(3):
         x.copy_(torch.randn(tokens, moe.hidden, generator=gen).to(moe.dtype))
         idx.copy_(_routing("dupes" if replay else "uniform", tokens, moe.num_experts, moe.topk, gen))
-        w.copy_(torch.rand(tokens, moe.topk, generator=gen))
+        w.copy_(torch.rand(tokens, moe.topk, generator=gen) / moe.topk)
         moe.output.fill_(-777)
         graph.replay()
         torch.cuda.synchronize()
@@ -412,8 +415,8 @@ def _index_errors(moe, rank, world, gen):
     dev = moe.device
     tokens = 40
     x = torch.randn(tokens, moe.hidden, generator=gen).to(moe.dtype).to(dev)
-    idx = _routing("dupes", tokens, moe.num_experts, moe.topk, gen).to(dev)
-    w = torch.rand(tokens, moe.topk, generator=gen).to(dev)
+    idx = _routing("dupes", tokens, moe.num_experts, moe.topk, gen).to(dev, moe.index_dtype)
+    w = (torch.rand(tokens, moe.topk, generator=gen) / moe.topk).to(dev)
     bad = idx.clone()
     bad[7, 1] = moe.num_experts + rank
     with pytest.raises(ValueError, match=rf"topk_idx\[7, 1\] = {moe.num_experts + rank} is out of range.*nothing was sent"):
@@ -454,7 +457,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
         tokens = 0 if kind == "sparse" and rank == world - 1 and world > 1 else max_tokens - 5 * case - rank
         x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(dev)
         idx = _routing(kind, tokens, experts, topk, gen).to(index_dtype).to(dev)
-        w = torch.rand(tokens, topk, generator=gen).to(dev)
+        w = (torch.rand(tokens, topk, generator=gen) / topk).to(dev)
         checks += _check_call(moe, rank, world, x, idx, w, f"case {case} {kind} {dtype}")
     moe = dispatchers[torch.bfloat16, torch.int64]
     checks += _graph_capture(moe, rank, world, gen)

@@ -44,12 +44,16 @@ __all__ = ["PLAN_THREADS", "PLAN_WARPS", "PASS_CONFIGS", "MAX_EXPERTS", "build_p
 #: entries.
 PLAN_THREADS = 1024
 PLAN_WARPS = PLAN_THREADS // 32
-#: Largest supported expert count: the plan kernel keeps a ``(PLAN_WARPS, E + 1)`` int32
+#: Loads in flight per thread in the plan kernel's first (coalesced) pass.
+UNROLL = 4
+#: Largest supported expert count: the plan kernel keeps a ``(PLAN_WARPS, E + 2)`` int32
 #: count table in shared memory (33 KiB at 256).
 MAX_EXPERTS = 256
 #: Every ``__syncthreads`` in these kernels is written out by hand (TileLang would otherwise
-#: insert its own around shared-memory accesses, some of them inside warp-divergent code).
-PASS_CONFIGS = {"tl.disable_thread_storage_sync": True}
+#: insert its own around shared-memory accesses, some of them inside warp-divergent code),
+#: and every shared buffer keeps its own bytes (no reuse across phases that only the hand-
+#: written barriers separate).
+PASS_CONFIGS = {"tl.disable_thread_storage_sync": True, "tl.disable_shared_memory_reuse": True}
 #: Bits of a packed plan entry below the expert key: the entry's rank within its warp's
 #: range (below ``32 * ceil(TMAX * K / 1024) <= 2**16``).
 RANK_BITS = 16
@@ -75,12 +79,14 @@ def build_plan_kernel(num_experts: int, topk: int, max_tokens: int, index_dtype:
 
     Steps (call number ``e = State[0] + 1``, count buffer ``e % 2``):
 
-    1. Warp ``w`` ranks the entries ``[w*R, (w+1)*R)`` (``R = 32 * ceil(NT*K / 1024)``), 32
-       at a time: ``T.match_any_sync`` on the expert key gives the lanes with the same
-       expert, the popcount of the lower ones is the rank within the batch, and a
-       per-warp count table in shared memory carries the running count. ``Packed[i] =
-       key << 16 | rank``; key ``E`` marks a skipped entry. ``Weights`` gets a copy of
-       ``Wt``. Out-of-range indices are counted per warp (first index kept).
+    1. A coalesced pass turns every index into a key (the expert; ``E`` for ``-1``, ``E + 1``
+       for an index out of range: both are skipped) in ``Packed`` and copies ``Wt`` into
+       ``Weights``. Then warp ``w`` ranks the entries ``[w*R, (w+1)*R)`` (``R = 32 *
+       ceil(NT*K / 1024)``), 32 at a time, loading the next 32 keys first:
+       ``T.match_any_sync`` on the key gives the lanes with the same expert, the popcount of
+       the lower ones is the rank within the batch, and a per-warp count table in shared
+       memory carries the running count. ``Packed[i] = key << 16 | rank``. Out-of-range
+       indices are counted per warp (``T.ballot_sync``; first index kept).
     2. An exclusive scan of the count table over warps; threads ``g < E`` write the
        rank's count of expert ``g`` into row ``me`` of ``Counts[e % 2]`` on every rank
        (``T.st``), then thread 0 issues ``T.fence_sys()`` and the release store
@@ -120,7 +126,7 @@ def build_plan_kernel(num_experts: int, topk: int, max_tokens: int, index_dtype:
             W = T.get_num_ranks()
             EL = T.alloc_var("int32")  # experts per rank
             EL = E // W
-            wcnt = T.alloc_shared((NW, E + 1), "int32")
+            wcnt = T.alloc_shared((NW, E + 2), "int32")  # columns E: skipped, E + 1: bad
             eoff = T.alloc_shared((E,), "int32")
             wbad = T.alloc_shared((NW,), "int32")
             wfirst = T.alloc_shared((NW,), "int32")
@@ -131,30 +137,41 @@ def build_plan_kernel(num_experts: int, topk: int, max_tokens: int, index_dtype:
             n = NT * K
             nb = T.alloc_var("int32")
             nb = (n + NW * 32 - 1) // (NW * 32)  # 32-entry batches per warp
-            # ---- 1. rank every entry within its expert (warp w: entries [w*R, (w+1)*R))
-            for j in T.serial((E + 32) // 32):
-                if j * 32 + lane <= E:
+            # ---- 1a. expert keys (E: slot unused, E + 1: index out of range) and the weights,
+            # coalesced, UNROLL loads in flight per thread
+            for j in T.serial((n + PLAN_THREADS * UNROLL - 1) // (PLAN_THREADS * UNROLL)):
+                for u in T.unroll(UNROLL):
+                    i = (j * UNROLL + u) * PLAN_THREADS + tx
+                    if i < n:
+                        v = Idx[i // K, i % K]
+                        Weights[i] = Wt[i // K, i % K]
+                        Packed[i] = T.if_then_else(v >= 0 and v < E, T.Cast("int32", v),
+                                                   T.if_then_else(v == -1, E, E + 1))
+            for j in T.serial((E + 33) // 32):
+                if j * 32 + lane <= E + 1:
                     wcnt[warp, j * 32 + lane] = 0
             if lane == 0:
                 wbad[warp] = 0
                 wfirst[warp] = -1
-            T.sync_warp()
+            T.sync_threads()
+            # ---- 1b. rank every entry within its expert (warp w: entries [w*R, (w+1)*R)); the
+            # next batch's keys are loaded before this batch is ranked
+            key = T.alloc_var("int32")
+            nxt = T.alloc_var("int32")
+            nxt = E
+            if nb > 0 and warp * nb * 32 + lane < n:
+                nxt = Packed[warp * nb * 32 + lane]
             for b in T.serial(nb):
                 i = (warp * nb + b) * 32 + lane
-                v = T.alloc_var(index_dtype)
-                v = -1
-                if i < n:
-                    v = Idx[i // K, i % K]
-                    Weights[i] = Wt[i // K, i % K]
-                key = T.alloc_var("int32")
-                key = E
-                if v >= 0 and v < E:
-                    key = T.Cast("int32", v)
+                key = nxt  # E (skipped) for lanes past the last entry
+                nxt = E
+                if b + 1 < nb and i + 32 < n:
+                    nxt = Packed[i + 32]
                 same = T.match_any_sync(key)
                 below = T.Cast("int32", T.popcount(same & ((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))))
                 prev = T.alloc_var("int32")
                 prev = wcnt[warp, key]
-                bad = T.ballot_sync(T.Cast("int32", i < n and (v < -1 or v >= E)))
+                bad = T.ballot_sync(T.Cast("int32", i < n and key == E + 1))
                 T.sync_warp()
                 if below == 0:
                     wcnt[warp, key] = prev + T.Cast("int32", T.popcount(same))
@@ -326,7 +343,8 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
        for the same word from every rank;
     2. global warp ``g`` takes received rows ``g, g + G, ...`` below ``RecvOffsets[EL]``
        and puts row ``r`` of ``Y`` into ``CombBuf[i]`` on source rank ``s`` (origin
-       ``RecvSrc[r] = s * TMAX * K + i``) unless ``s`` is this rank;
+       ``RecvSrc[r] = s * TMAX * K + i``) unless ``s`` is this rank (so with one rank there
+       is nothing to push);
     3. ``__syncthreads``, ``T.fence_sys()``, release add of 1 to ``Ctr[1]`` on every rank,
        thread 0 waits until ``Ctr[1] == e * W * blocks`` (mod 2**32); block 0 then sets
        ``State[1] = e`` (every block of this rank has read ``State[1]`` by then);
@@ -380,7 +398,7 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
             T.sync_threads()
             # ---- 2. rows computed here for other ranks' tokens go back to their source
             total = T.alloc_var("int32")
-            total = RecvOffsets[EL]
+            total = T.if_then_else(W > 1, RecvOffsets[EL], 0)  # one rank: every row stays
             for j in T.serial((total + G - 1) // G):
                 r = g + j * G
                 if r < total:
