@@ -46,6 +46,9 @@ PLAN_THREADS = 1024
 PLAN_WARPS = PLAN_THREADS // 32
 #: Loads in flight per thread in the plan kernel's first (coalesced) pass.
 UNROLL = 4
+#: 16-byte vectors each lane loads before storing in the row copies (``T.put_warp``): a
+#: 7168-element bfloat16 row is 28 vectors per lane, so four rounds.
+PUT_UNROLL = 8
 #: Largest supported expert count: the plan kernel keeps a ``(PLAN_WARPS, E + 2)`` int32
 #: count table in shared memory (33 KiB at 256).
 MAX_EXPERTS = 256
@@ -308,7 +311,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                     if key < E:
                         row = Base[i // span, key] + (packed & ((1 << RANK_BITS) - 1))
                         T.put_warp(T.address_of(X[i // K, 0]), T.address_of(RecvX[T.Cast("int64", row), 0]), H,
-                                   dst_pe=key // EL)
+                                   dst_pe=key // EL, unroll_factor=PUT_UNROLL)
                         if lane == 0:
                             T.st(RecvSrc[row], me * TK + i, dst_pe=key // EL)
                             RouteRank[i] = key // EL
@@ -348,10 +351,12 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
     3. ``__syncthreads``, ``T.fence_sys()``, release add of 1 to ``Ctr[1]`` on every rank,
        thread 0 waits until ``Ctr[1] == e * W * blocks`` (mod 2**32); block 0 then sets
        ``State[1] = e`` (every block of this rank has read ``State[1]`` by then);
-    4. warp ``g`` takes tokens ``g, g + G, ...``; each lane owns 8 columns at a time and
-       loads the ``K`` rows' 16-byte vectors first (``Y[RouteRow]`` when the entry's owner is
-       this rank, ``CombBuf[t * K + k]`` otherwise, zeros for a skipped entry), then sums
-       ``Weights[t*K+k] * row`` in float32 in slot order and rounds once to ``dtype``.
+    4. warp ``g`` takes work items ``g, g + G, ...``, item ``(t, c)`` being columns ``[256c,
+       256(c + 1))`` of token ``t`` (so a few tokens still keep every warp busy); each lane
+       owns 8 columns, loads the ``K`` rows' 16-byte vectors first (``Y[RouteRow]`` when the
+       entry's owner is this rank, ``CombBuf[t * K + k]`` otherwise, zeros for a skipped
+       entry), then sums ``Weights[t*K+k] * row`` in float32 in slot order and rounds once to
+       ``dtype``.
     """
     import tilelang.language as T
 
@@ -361,7 +366,7 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
     WPB = threads // 32
     G = blocks * WPB
     VEC = 8  # elements per 16-byte vector
-    COLS = -(-H // (VEC * 32))  # vectors per lane per row
+    COLS = -(-H // (VEC * 32))  # 256-column groups per row
     NT = T.dynamic("num_tokens")
     CAP = T.dynamic("capacity")
     NR = T.dynamic("num_ranks")
@@ -405,7 +410,7 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
                     origin = RecvSrc[r]
                     if origin // TK != me:
                         T.put_warp(T.address_of(Y[r, 0]), T.address_of(CombBuf[origin % TK, 0]), H,
-                                   dst_pe=origin // TK)
+                                   dst_pe=origin // TK, unroll_factor=PUT_UNROLL)
             # ---- 3. signal every rank, wait for every rank's rows
             T.sync_threads()
             if tx == 0:
@@ -416,33 +421,34 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
                 if bx == 0:
                     State[1] = epoch
             T.sync_threads()
-            # ---- 4. weighted sum per token, float32, slot order
-            for j in T.serial((NT + G - 1) // G):
-                t = g + j * G
-                if t < NT:
+            # ---- 4. weighted sum, float32, slot order; a work item is one token's 32 * 8
+            # columns, so few tokens still spread over many warps
+            for j in T.serial((NT * COLS + G - 1) // G):
+                item = g + j * G
+                if item < NT * COLS:
+                    t = item // COLS
+                    col = (item % COLS * 32 + lane) * VEC
                     for k in T.unroll(K):
                         rk[k] = RouteRank[t * K + k]
                         rw[k] = RouteRow[t * K + k]
                         wk[k] = Weights[t * K + k]
-                    for c in T.serial(COLS):
-                        col = (c * 32 + lane) * VEC
-                        if col < H:
-                            for k in T.unroll(K):  # all K loads first, then the sums
-                                if rk[k] == me:
-                                    for v in T.vectorized(VEC):
-                                        vals[k * VEC + v] = Y[rw[k], col + v]
-                                elif rk[k] >= 0:
-                                    for v in T.vectorized(VEC):
-                                        vals[k * VEC + v] = CombBuf[t * K + k, col + v]
-                                else:
-                                    for v in T.vectorized(VEC):
-                                        vals[k * VEC + v] = T.Cast(dtype, 0)
-                            for v in T.vectorized(VEC):
-                                acc[v] = 0.0
-                            for k in T.unroll(K):
-                                for v in T.unroll(VEC):
-                                    acc[v] = acc[v] + wk[k] * T.Cast("float32", vals[k * VEC + v])
-                            for v in T.vectorized(VEC):
-                                Out[t, col + v] = T.Cast(dtype, acc[v])
+                    if col < H:
+                        for k in T.unroll(K):  # all K loads first, then the sums
+                            if rk[k] == me:
+                                for v in T.vectorized(VEC):
+                                    vals[k * VEC + v] = Y[rw[k], col + v]
+                            elif rk[k] >= 0:
+                                for v in T.vectorized(VEC):
+                                    vals[k * VEC + v] = CombBuf[t * K + k, col + v]
+                            else:
+                                for v in T.vectorized(VEC):
+                                    vals[k * VEC + v] = T.Cast(dtype, 0)
+                        for v in T.vectorized(VEC):
+                            acc[v] = 0.0
+                        for k in T.unroll(K):
+                            for v in T.unroll(VEC):
+                                acc[v] = acc[v] + wk[k] * T.Cast("float32", vals[k * VEC + v])
+                        for v in T.vectorized(VEC):
+                            Out[t, col + v] = T.Cast(dtype, acc[v])
 
     return moe_combine
