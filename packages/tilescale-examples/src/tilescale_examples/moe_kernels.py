@@ -71,6 +71,15 @@ def _check(num_experts: int, topk: int, hidden: int, max_tokens: int) -> None:
         raise ValueError(f"max_tokens * topk must be in [1, {PLAN_WARPS << RANK_BITS}], got {max_tokens * topk}")
 
 
+def _grid_ids(T, bx, threads: int, num_experts: int):
+    """``(tx, lane, global warp, rank, world size, experts per rank)`` inside a kernel whose
+    blocks have ``threads`` threads (block ``bx``); the last is an ``int32`` variable."""
+    tx = T.get_thread_binding()
+    world = T.get_num_ranks()
+    return (tx, tx % 32, bx * (threads // 32) + tx // 32, T.get_rank(), world,
+            T.alloc_var("int32", init=num_experts // world))
+
+
 def build_plan_kernel(num_experts: int, topk: int, max_tokens: int, index_dtype: str = "int64"):
     """The plan ``T.prim_func`` (grid: one block of :data:`PLAN_THREADS` threads).
 
@@ -121,14 +130,8 @@ def build_plan_kernel(num_experts: int, topk: int, max_tokens: int, index_dtype:
                  RecvCounts: T.Tensor((E,), "int32"), RecvOffsets: T.Tensor((E + 1,), "int32"),
                  Status: T.Tensor((3,), "int64")):
         T.annotate_pass_configs(PASS_CONFIGS)
-        with T.Kernel(1, threads=PLAN_THREADS) as _:
-            tx = T.get_thread_binding()
-            lane = tx % 32
-            warp = tx // 32
-            me = T.get_rank()
-            W = T.get_num_ranks()
-            EL = T.alloc_var("int32")  # experts per rank
-            EL = E // W
+        with T.Kernel(1, threads=PLAN_THREADS) as bx:
+            tx, lane, warp, me, W, EL = _grid_ids(T, bx, PLAN_THREADS, E)
             wcnt = T.alloc_shared((NW, E + 2), "int32")  # columns E: skipped, E + 1: bad
             eoff = T.alloc_shared((E,), "int32")
             wbad = T.alloc_shared((NW,), "int32")
@@ -291,13 +294,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                      State: T.Tensor((2,), "int64")):
         T.annotate_pass_configs(PASS_CONFIGS)
         with T.Kernel(blocks, threads=threads) as bx:
-            tx = T.get_thread_binding()
-            lane = tx % 32
-            g = bx * WPB + tx // 32
-            me = T.get_rank()
-            W = T.get_num_ranks()
-            EL = T.alloc_var("int32")  # experts per rank
-            EL = E // W
+            tx, lane, g, me, W, EL = _grid_ids(T, bx, threads, E)
             epoch = T.alloc_var("int64")
             epoch = State[0]
             n = NT * K
@@ -380,13 +377,7 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
                     State: T.Tensor((2,), "int64")):
         T.annotate_pass_configs(PASS_CONFIGS)
         with T.Kernel(blocks, threads=threads) as bx:
-            tx = T.get_thread_binding()
-            lane = tx % 32
-            g = bx * WPB + tx // 32
-            me = T.get_rank()
-            W = T.get_num_ranks()
-            EL = T.alloc_var("int32")  # experts per rank
-            EL = E // W
+            tx, lane, g, me, W, EL = _grid_ids(T, bx, threads, E)
             epoch = T.alloc_var("int64")
             epoch = State[1] + 1
             rk = T.alloc_local((K,), "int32")
