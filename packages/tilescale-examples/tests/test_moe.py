@@ -121,7 +121,9 @@ def test_plan_kernel_ranks_entries_and_exchanges_counts_on_the_device():
 
 def test_dispatch_kernel_puts_rows_to_the_expert_owner_then_counts_arrivals():
     body = source(build_dispatch_kernel(64, 8, 7168, 4096, blocks=132, threads=512))
-    assert "__launch_bounds__(512, 1) moe_dispatch_kernel(" in body and "int capacity" in body
+    # residency: one block always fits on an SM (launch bounds, no shared memory)
+    assert "__launch_bounds__(512, 1) moe_dispatch_kernel(" in body and "__shared__" not in body
+    assert "int capacity" in body and "int num_tokens" in body  # run-time dimensions
     put = body.index("tilescale::put_warp<8, false>(")
     assert "(&(RecvX[" in body[put:body.index(";", put)]
     assert body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(RecvSrc[", put) > put
@@ -132,6 +134,7 @@ def test_dispatch_kernel_puts_rows_to_the_expert_owner_then_counts_arrivals():
 
 def test_combine_kernel_handshakes_pushes_then_sums_in_float32():
     body = source(build_combine_kernel(64, 8, 7168, 4096, blocks=132, threads=512))
+    assert "__launch_bounds__(512, 1) moe_combine_kernel(" in body and "__shared__" not in body
     ready = body.index("tilescale::notify<false>((&(Sig[")
     put = body.index("tilescale::put_warp<8, false>(", ready)
     assert "(&(CombBuf[" in body[put:body.index(";", put)]
