@@ -4,6 +4,7 @@
 #   bash ci/device-check.sh [STEP ...] [-- PYTEST_ARGS ...]
 # STEPs: doctor; demo (python -m tilescale_examples.demo: the README's main job); tests (GPU suite of every package, ranks sharing the GPUs); tests-4 (one
 # rank per GPU); tests-core, tests-host, tests-lang, tests-examples (one package, shared);
+# tests-moe (the MoE dispatch/combine GPU tests alone, shared);
 # bench (every benchmark); bench-NAME (one); bench-overlap-1 (ag_gemm and gemm_rs on one rank:
 # the world-1 goal); all (default: doctor demo tests bench). Logs go to $OUT (or ./device-logs) and a summary
 # table is printed last.
@@ -35,7 +36,7 @@ run_step() {  # name, command...
 # One pytest per package, each under its own deadline, so one hang cannot eat the whole call.
 # examples: 6 collectives x 1, 2, 4 ranks sharing a GPU (about 25 s each on an H200), plus the
 # overlapped GEMMs (test_overlap_gpu.py, about 3 minutes; `-- -k overlap` runs them alone).
-# The reductions: size classes and 1000 back-to-back calls on 2 and 4 ranks, emulated peers.
+# The reductions: size classes and 1000 back-to-back calls on 2 and 4 ranks, emulated peers; the MoE tests (about 2 minutes).
 declare -A limit=([core]=240 [host]=150 [lang]=360 [examples]=780)
 gpu_tests() {  # step name, TILESCALE_SHARE_GPUS value
   for p in core host lang examples; do
@@ -50,13 +51,16 @@ for step in "${steps[@]}"; do
     demo) run_step demo timeout -k 10 300 python3 -m tilescale_examples.demo --json "$logs/demo.json" ;;
     tests) gpu_tests tests 1 ;;
     tests-4) gpu_tests tests-4 0 ;;
-    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs emulated; do
+    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs emulated moe; do
              run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
            done ;;
     bench-overlap-1) for b in ag_gemm gemm_rs; do
                run_step "bench-$b-1" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b" --ranks 1
              done ;;
     bench-*) run_step "$step" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.${step#bench-}" ;;
+    tests-moe) run_step tests-moe env TILESCALE_SHARE_GPUS=1 timeout -k 10 300 python3 -m pytest \
+                 packages/tilescale-examples/tests/test_moe.py -m gpu -q -rfEs --tb=short -p no:cacheprovider \
+                 --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-*) p=${step#tests-}; run_step "$step" env TILESCALE_SHARE_GPUS=1 timeout -k 10 "${limit[$p]}" \
                python3 -m pytest "packages/tilescale-$p/tests" -m gpu -q -rfEs --tb=short \
                -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;

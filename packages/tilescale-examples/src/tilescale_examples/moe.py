@@ -1,0 +1,482 @@
+"""Mixture-of-experts token dispatch and combine (expert parallelism) on the symmetric heap.
+
+Every rank holds ``x`` (``(T, hidden)`` tokens, ``T <= max_tokens``), a router's choice
+``topk_idx`` (``(T, topk)``: global expert indices, ``-1`` for an unused slot) and
+``topk_weights`` (``(T, topk)`` float32). The ``num_experts`` experts are split evenly over
+the ``W`` ranks: rank ``d`` owns experts ``[d * EL, (d + 1) * EL)``, ``EL = num_experts /
+W``::
+
+    moe = MoEDispatcher(allocator, num_experts=64, hidden=7168, topk=8, max_tokens=4096)
+    recv_x, counts, handle = moe.dispatch(x, topk_idx, topk_weights)   # collective
+    y = experts(recv_x, handle.recv_offsets)                           # (capacity, hidden)
+    out = moe.combine(y, handle)                                       # (T, hidden)
+    moe.close()                                                        # before allocator.close()
+
+``out[t] = sum_k topk_weights[t, k] * y_of(t, k)`` accumulated in float32 in slot order and
+rounded once, where ``y_of(t, k)`` is the row ``y`` that the owner of expert ``topk_idx[t,
+k]`` computed for token ``t``.
+
+Receive layout (fixed; bit-exact against :func:`torch_dispatch_reference`)
+----------------------------------------------------------------------------
+
+``recv_x`` is the symmetric ``(capacity, hidden)`` buffer, ``capacity = W * max_tokens *
+topk`` (every token of every rank could choose experts of this rank in every slot). Its first
+``recv_offsets[EL]`` rows hold the received tokens:
+
+* grouped by local expert ``0 .. EL-1``: expert ``j``'s rows are ``recv_offsets[j] ..
+  recv_offsets[j + 1]``, ``counts[j]`` of them;
+* inside an expert, by source rank ``0 .. W-1``;
+* inside a source rank, by *entry* ``i = t * topk + k`` (token, then slot), so a token that
+  picks the same expert in two slots arrives twice.
+
+Rows past ``recv_offsets[EL]`` are stale. ``counts`` (``(EL,)`` int32) and
+``handle.recv_offsets`` (``(EL + 1,)`` int32) are device tensors written by the call (no host
+synchronisation: read them on the device, e.g. as a grouped GEMM's offsets, or copy them to
+the host yourself). ``handle.origin()`` gives each row's source rank and entry.
+
+How it runs (three kernels on the current stream, no host synchronisation)
+-----------------------------------------------------------------------------
+
+1. **plan** (one block): ranks every entry within its expert with ``T.match_any_sync``
+   (deterministic: entry order), writes this rank's per-expert counts into row ``me`` of
+   every rank's symmetric count matrix (``T.st`` to each peer, ``T.fence_sys()``, a release
+   ``T.notify``), waits for every rank's counts (``T.wait_ge``) and computes each entry's
+   destination row and the local receive counts and offsets. The count exchange is on the
+   device, so the call can be captured in a CUDA graph.
+2. **dispatch** (one block per SM): one warp per entry copies the token row straight into
+   its final row on the owner rank (``T.put_warp`` to the peer) with its origin; each block
+   then fences, adds 1 to a counter on every rank (release) and waits until its own
+   counter shows every block of every rank.
+3. **combine** (same grid): a ready handshake, then each received row goes back to its
+   source rank's symmetric combine buffer (rows of this rank's own tokens stay where they
+   are); fence, counter add on every rank, wait; then each token's ``topk`` rows are summed
+   with its weights in float32.
+
+Flags hold a *call number* kept on the device (``state``), not passed from the host, so a
+captured graph replays correctly; counters are compared modulo 2**32 against ``calls * W *
+blocks``, which is exact because a rank's counter cannot move past one call's total before
+that rank starts the next call.
+
+Deadlock freedom and back-to-back calls
+----------------------------------------
+
+* Every cross-rank wait is done by a grid whose blocks are all resident at once: the plan
+  kernel is a single block; the dispatch and combine grids have at most one block per SM
+  (``max_blocks`` defaults to the SM count; ``__launch_bounds__(threads, 1)`` makes one
+  block fit on an SM; no shared memory), so on a GPU that is not held by other work that
+  never finishes, all blocks run concurrently. No kernel waits for another kernel of the same
+  rank: the three run in stream order, so nothing depends on two kernels being co-resident.
+  A wait is satisfied by the same kernel of the same call on the peers, and every rank
+  issues the same sequence of calls, so by induction over that sequence every kernel
+  finishes. Ranks that share one GPU progress by time-slicing (slowly).
+* A rank writes into a peer only after that peer has started the same call: dispatch rows
+  go out after the peer's counts of this call arrived (sent when its plan kernel started,
+  i.e. after everything it enqueued earlier, such as readers of the previous ``recv_x``),
+  and combine rows after the peer's ready flag. So calls need no host barrier.
+* Requirements: every rank makes the same sequence of ``dispatch``/``combine`` calls (a rank
+  that skips one leaves its peers waiting; set ``TILESCALE_WAIT_TIMEOUT_MS`` to turn that into
+  an error instead of a hang); work that reads ``recv_x``, ``counts`` or a combine output must
+  be ordered before the next call on this rank's stream; do not run the kernels under MPS or
+  green-context partitions that give them fewer SMs than ``max_blocks``.
+
+Bad input
+---------
+
+Shapes, dtypes, devices, contiguity, ``hidden`` and the token count are checked on the host
+before anything runs (``TypeError`` / ``ValueError`` naming the argument). Expert indices live
+on the device:
+
+* ``validate=True`` (the default) checks them with one small reduction and one host
+  synchronisation before anything is sent and raises ``ValueError`` naming ``topk_idx``,
+  the first bad ``[t, k]`` and its value. It cannot run under CUDA graph capture (a
+  ``RuntimeError`` says so).
+* ``validate=False`` is the synchronisation-free, capturable path: the plan kernel treats an
+  index outside ``[-1, num_experts)`` like ``-1`` (the slot is not sent and gets weight 0 in
+  the combine; the call completes on every rank) and records the count, the first bad flat
+  index and its value in ``moe.status``; :meth:`MoEDispatcher.check_index_errors` reads it
+  and raises the same ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+from tilescale_examples.collective import TARGET, SymmetricCollective, check_tensor
+from tilescale_examples.moe_kernels import (MAX_EXPERTS, PLAN_WARPS, build_combine_kernel,
+                                            build_dispatch_kernel, build_plan_kernel)
+
+__all__ = ["MoEDispatcher", "DispatchHandle", "expected_routes", "torch_dispatch_reference",
+           "torch_combine_reference", "COMBINE_RTOL", "COMBINE_ATOL", "MAX_TOPK", "MAX_TOKENS"]
+
+#: Largest top-k and tokens per rank the dispatcher accepts.
+MAX_TOPK = 8
+MAX_TOKENS = 4096
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_INDEX_DTYPES = {torch.int64: "int64", torch.int32: "int32"}
+#: Tolerance of ``combine`` against the float64 :func:`torch_combine_reference`: the float32
+#: sum is rounded once to the dtype (half an ulp: at most 2**-8 relative for bfloat16, 2**-11
+#: for float16), and the float32 accumulation errs by at most ``topk * 2**-24 * sum_k |w_k
+#: y_k|``, which ``COMBINE_ATOL`` covers while that sum stays below 20 per element.
+COMBINE_RTOL = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -10}
+COMBINE_ATOL = 1e-5
+
+
+# ------------------------------------------------------------------------------ references
+def expected_routes(topk_idx: Sequence[torch.Tensor], num_experts: int):
+    """Where every entry goes, computed with torch on the CPU from every rank's ``topk_idx``.
+
+    Returns ``(routes, counts)``: ``routes[s] = (dest_rank, dest_row)``, two int64 tensors of
+    ``T_s * topk`` entries (flat index ``t * topk + k``; ``-1`` for an entry whose index is
+    outside ``[0, num_experts)``), and ``counts`` (``(W, num_experts)`` int64): entries of rank
+    ``s`` that chose expert ``g``. The rows follow the layout of the module docstring.
+    """
+    W = len(topk_idx)
+    if W == 0:
+        raise ValueError("topk_idx must hold one tensor per rank, got none")
+    if num_experts % W:
+        raise ValueError(f"num_experts={num_experts} is not a multiple of {W} ranks")
+    E, EL = num_experts, num_experts // W
+    flat = [idx.detach().reshape(-1).to("cpu", torch.int64) for idx in topk_idx]
+    valid = [(f >= 0) & (f < E) for f in flat]
+    counts = torch.stack([torch.bincount(f[ok], minlength=E) for f, ok in zip(flat, valid)])
+    per_owner = counts.sum(0).view(W, EL)
+    expert_start = (per_owner.cumsum(1) - per_owner).reshape(E)  # start of each expert on its owner
+    src_prefix = counts.cumsum(0) - counts  # entries of lower ranks, per expert
+    routes = []
+    for s, (f, ok) in enumerate(zip(flat, valid)):
+        g = f[ok]
+        order = torch.argsort(g, stable=True)
+        ranked = torch.empty_like(g)
+        sorted_g = g[order]
+        ranked[order] = torch.arange(len(g)) - torch.searchsorted(sorted_g, sorted_g)
+        dest_rank = torch.full_like(f, -1)
+        dest_row = torch.full_like(f, -1)
+        dest_rank[ok] = g // EL
+        dest_row[ok] = expert_start[g] + src_prefix[s, g] + ranked
+        routes.append((dest_rank, dest_row))
+    return routes, counts
+
+
+def torch_dispatch_reference(xs: Sequence[torch.Tensor], topk_idx: Sequence[torch.Tensor],
+                             num_experts: int, rank: int):
+    """What ``dispatch`` returns on ``rank``, from every rank's ``x`` and ``topk_idx``.
+
+    Returns ``(rows, counts, origin)``: ``rows`` (``(R, hidden)`` on ``xs[rank]``'s device:
+    the first ``R`` rows of ``recv_x``), ``counts`` (``(EL,)`` int64, CPU) and ``origin``
+    (``(R, 2)`` int64, CPU: source rank and entry ``t * topk + k`` of every row)."""
+    W = len(xs)
+    if len(topk_idx) != W:
+        raise ValueError(f"need one topk_idx per rank: {len(topk_idx)} for {W} x")
+    if not 0 <= rank < W:
+        raise ValueError(f"rank must be in [0, {W}), got {rank}")
+    routes, counts = expected_routes(topk_idx, num_experts)
+    EL = num_experts // W
+    mine = counts[:, rank * EL:(rank + 1) * EL].sum(0)
+    total = int(mine.sum())
+    device = xs[rank].device
+    rows = torch.empty((total, xs[rank].shape[1]), dtype=xs[rank].dtype, device=device)
+    origin = torch.full((total, 2), -1, dtype=torch.int64)
+    for s, (dest_rank, dest_row) in enumerate(routes):
+        here = (dest_rank == rank).nonzero().view(-1)
+        topk = topk_idx[s].shape[1]
+        rows[dest_row[here].to(device)] = xs[s].detach().to(device)[(here // topk).to(device)]
+        origin[dest_row[here], 0] = s
+        origin[dest_row[here], 1] = here
+    return rows, mine, origin
+
+
+def torch_combine_reference(ys: Sequence[torch.Tensor], topk_idx: Sequence[torch.Tensor],
+                            topk_weights: Sequence[torch.Tensor], num_experts: int,
+                            rank: int) -> torch.Tensor:
+    """What ``combine`` returns on ``rank``, in float64 on ``ys[rank]``'s device: ``out[t] =
+    sum_k topk_weights[rank][t, k] * ys[d][row]`` over the entries of ``rank`` with a valid
+    expert (``(d, row)`` from :func:`expected_routes`); ``ys[d]`` is rank ``d``'s ``y`` (at
+    least its received rows). Compare with ``COMBINE_RTOL`` / ``COMBINE_ATOL``."""
+    routes, _ = expected_routes(topk_idx, num_experts)
+    dest_rank, dest_row = routes[rank]
+    T, K = topk_idx[rank].shape
+    device = ys[rank].device
+    out = torch.zeros((T, ys[rank].shape[1]), dtype=torch.float64, device=device)
+    w = topk_weights[rank].detach().to(device, torch.float64).reshape(-1)
+    for d, y in enumerate(ys):
+        here = (dest_rank == d).nonzero().view(-1).to(device)
+        rows = y.detach().to(device)[dest_row.to(device)[here]].to(torch.float64) * w[here, None]
+        out.index_add_(0, here // K, rows)
+    return out
+
+
+# ------------------------------------------------------------------------------ the object
+@dataclass(frozen=True, eq=False)
+class DispatchHandle:
+    """What ``combine`` needs from a ``dispatch``, plus views of its results.
+
+    Attributes: ``epoch`` (the dispatch's call number on the host), ``num_tokens`` (rows of
+    ``x``), ``counts`` (``(EL,)`` int32, device), ``recv_offsets`` (``(EL + 1,)`` int32,
+    device: expert ``j``'s rows are ``recv_offsets[j] .. recv_offsets[j + 1]``), ``dest_rank``
+    and ``dest_row`` (``(num_tokens, topk)`` int32, device: where each entry went, ``-1`` if
+    skipped). They are overwritten by the next dispatch, which also invalidates the handle.
+    """
+
+    dispatcher: "MoEDispatcher"
+    epoch: int
+    num_tokens: int
+    counts: torch.Tensor
+    recv_offsets: torch.Tensor
+    dest_rank: torch.Tensor
+    dest_row: torch.Tensor
+
+    def origin(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(src_rank, src_entry)`` of every row of ``recv_x`` (device int32 tensors of
+        ``capacity`` rows; meaningful below ``recv_offsets[EL]``): the row is entry
+        ``src_entry = t * topk + k`` of rank ``src_rank``."""
+        packed = self.dispatcher.recv_src
+        per_rank = self.dispatcher.max_tokens * self.dispatcher.topk
+        return torch.div(packed, per_rank, rounding_mode="floor"), packed % per_rank
+
+
+def _positive_int(name: str, value, upper: Optional[int] = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if upper is not None and value > upper:
+        raise ValueError(f"{name} must be at most {upper}, got {value}")
+    return value
+
+
+class MoEDispatcher(SymmetricCollective):
+    """Expert-parallel token dispatch and weighted combine over an allocator's ranks.
+
+    Args:
+        allocator: an open tilescale-core allocator (``tilelang.get_allocator(...,
+            is_distributed=True, ...)``) with at least :meth:`heap_bytes` free; its
+            ``num_ranks`` ranks take part, one GPU each or sharing GPUs.
+        num_experts: experts in total (at most 256), a multiple of the world size.
+        hidden: elements per token row, a multiple of 8 (16-byte rows).
+        topk: experts per token (1 .. 8).
+        max_tokens: most tokens (rows of ``x``) a rank passes to one ``dispatch`` (1 ..
+            4096); sizes the receive buffer: ``world_size * max_tokens * topk`` rows.
+        dtype: token dtype, ``torch.bfloat16`` (default) or ``torch.float16``.
+        index_dtype: dtype of ``topk_idx``: ``torch.int64`` (default, what ``torch.topk``
+            returns) or ``torch.int32``.
+        world_size: defaults to ``allocator.num_ranks`` and must equal it.
+        group: process group for the constructor's closing barrier; default
+            ``torch.distributed``'s world group when initialised.
+        threads: threads per block of the dispatch and combine kernels (multiple of 32, at
+            most 1024).
+        max_blocks: blocks of the dispatch and combine grids (all must be co-resident);
+            default the device's SM count.
+        validate: default of ``dispatch(..., validate=)`` (see the module docstring).
+        target: TileLang target (default ``sm_90a``).
+
+    Attributes: ``recv_x`` (symmetric ``(capacity, hidden)``), ``capacity``,
+    ``experts_per_rank``, ``status`` (``(3,)`` int64 on the device: bad indices of the last
+    dispatch, first bad flat index or -1, its value), ``plan_kernel``, ``dispatch_kernel``,
+    ``combine_kernel``, ``epoch`` (dispatches so far), ``combines``.
+
+    Construction is collective (same arguments on every rank, same order among the
+    allocator's other symmetric allocations); so is every call: all ranks make the same
+    sequence of ``dispatch`` and ``combine`` calls.
+    """
+
+    _BUFFERS = ("recv_x", "recv_src", "comb_buf", "count_matrix", "flags", "counters", "state",
+                "packed", "base", "weights", "dest_rank", "dest_row", "recv_counts",
+                "recv_offsets", "status", "output")
+
+    def __init__(self, allocator, num_experts: int, hidden: int, topk: int, max_tokens: int,
+                 dtype: Union[torch.dtype, str] = torch.bfloat16, *,
+                 index_dtype: torch.dtype = torch.int64, world_size: Optional[int] = None,
+                 group=None, threads: int = 512, max_blocks: Optional[int] = None,
+                 validate: bool = True, target=None):
+        self.num_experts = _positive_int("num_experts", num_experts, MAX_EXPERTS)
+        self.hidden = _positive_int("hidden", hidden)
+        if hidden % 8:
+            raise ValueError(f"hidden must be a multiple of 8 (16-byte rows), got {hidden}")
+        self.topk = _positive_int("topk", topk, MAX_TOPK)
+        self.max_tokens = _positive_int("max_tokens", max_tokens, MAX_TOKENS)
+        if index_dtype not in _INDEX_DTYPES:
+            raise TypeError(f"index_dtype must be torch.int64 or torch.int32, got {index_dtype!r}")
+        if not isinstance(validate, bool):
+            raise TypeError(f"validate must be a bool, got {validate!r}")
+        self._setup(allocator, (hidden,), dtype, world_size, group, threads, max_blocks, _DTYPES)
+        if self.max_blocks < 1:
+            raise ValueError(f"max_blocks must be positive, got {self.max_blocks!r}")
+        W, E, K, H = self.world_size, self.num_experts, self.topk, self.hidden
+        if E % W:
+            raise ValueError(f"num_experts={E} must be a multiple of world_size={W} (experts are split evenly)")
+        self.index_dtype = index_dtype
+        self.validate = validate
+        self.experts_per_rank = E // W
+        self.capacity = W * self.max_tokens * K
+        self.blocks = self.max_blocks
+        self.combines = 0
+        TK = self.max_tokens * K
+
+        # ---- symmetric buffers (same order on every rank)
+        self.recv_x = self._tensor((self.capacity, H))
+        self.recv_src = self._tensor((self.capacity,), torch.int32)
+        self.comb_buf = self._tensor((TK, H))
+        self.count_matrix = self._tensor((2, W, E), torch.int32)
+        self.flags = self._tensor((2, W), torch.uint64)
+        self.counters = self._tensor((4,), torch.uint32)
+        for t in (self.count_matrix, self.flags, self.counters):
+            t.zero_()
+        # ---- local state
+        dev = self.device
+        self.state = torch.zeros((2,), dtype=torch.int64, device=dev)  # dispatch, combine calls
+        self.packed = torch.zeros((TK,), dtype=torch.int32, device=dev)
+        self.base = torch.zeros((PLAN_WARPS, E), dtype=torch.int32, device=dev)
+        self.weights = torch.zeros((TK,), dtype=torch.float32, device=dev)
+        self.dest_rank = torch.full((TK,), -1, dtype=torch.int32, device=dev)
+        self.dest_row = torch.full((TK,), -1, dtype=torch.int32, device=dev)
+        self.recv_counts = torch.zeros((E,), dtype=torch.int32, device=dev)
+        self.recv_offsets = torch.zeros((E + 1,), dtype=torch.int32, device=dev)
+        self.status = torch.zeros((3,), dtype=torch.int64, device=dev)
+        self.output = torch.empty((self.max_tokens, H), dtype=self.dtype, device=dev)
+
+        # ---- three rank-agnostic kernels (one binary for every world size), compiled once per host
+        name = _DTYPES[self.dtype]
+        self.dispatch_kernel = self._compile(build_dispatch_kernel(E, K, H, self.max_tokens, name,
+                                                                   self.blocks, threads), target)
+        self.combine_kernel = self._compile(build_combine_kernel(E, K, H, self.max_tokens, name,
+                                                                 self.blocks, threads), target)
+        self._finish(build_plan_kernel(E, K, self.max_tokens, _INDEX_DTYPES[index_dtype]), target)
+        self.plan_kernel = self.kernel
+
+    def _compile(self, func, target):
+        """Compile ``func`` once per host and give it the allocator's table."""
+        import tilelang
+
+        kernel = tilelang.compile(func, target=target or TARGET, compile_once=True, compile_group=self.group)
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
+        kernel.initialize(allocator=self.allocator, stream=stream)
+        return kernel
+
+    @staticmethod
+    def heap_bytes(num_experts: int, hidden: int, topk: int, max_tokens: int, world_size: int,
+                   dtype: torch.dtype = torch.bfloat16) -> int:
+        """Symmetric heap bytes one dispatcher allocates per rank (with alignment slack)."""
+        item = torch.empty((), dtype=dtype).element_size()
+        cap = world_size * max_tokens * topk
+        return (cap * hidden * item + cap * 4 + max_tokens * topk * hidden * item
+                + 2 * world_size * num_experts * 4 + 2 * world_size * 8 + 16 + 6 * 1024)
+
+    # ------------------------------------------------------------------ checks
+    def _check_tokens(self, x, topk_idx, topk_weights) -> int:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"x has shape {tuple(x.shape)}, expected (tokens, hidden={self.hidden})")
+        T = x.shape[0]
+        if T > self.max_tokens:
+            raise ValueError(f"x has {T} tokens, more than max_tokens={self.max_tokens} this "
+                             "MoEDispatcher's receive buffer was sized for")
+        check_tensor(x, (T, self.hidden), self.dtype, self.device, "x", "(tokens, hidden) =", "MoEDispatcher")
+        check_tensor(topk_idx, (T, self.topk), self.index_dtype, self.device, "topk_idx",
+                     "(tokens, topk) =", "MoEDispatcher")
+        check_tensor(topk_weights, (T, self.topk), torch.float32, self.device, "topk_weights",
+                     "(tokens, topk) =", "MoEDispatcher")
+        return T
+
+    def _validate_indices(self, topk_idx: torch.Tensor) -> None:
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("dispatch(validate=True) synchronises with the host to check topk_idx and "
+                               "cannot be captured in a CUDA graph: pass validate=False (bad indices are "
+                               "then skipped on the device and reported by check_index_errors())")
+        bad = (topk_idx < -1) | (topk_idx >= self.num_experts)
+        if bool(bad.any()):
+            t, k = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(self._index_message(int(bad.sum()), t * self.topk + k, int(topk_idx[t, k]))
+                             + "; nothing was sent")
+
+    def _index_message(self, count: int, first: int, value: int) -> str:
+        t, k = divmod(first, self.topk)
+        return (f"topk_idx[{t}, {k}] = {value} is out of range: expert indices must be in "
+                f"[0, {self.num_experts}) or -1 for an unused slot ({count} bad entr"
+                f"{'y' if count == 1 else 'ies'})")
+
+    def check_index_errors(self) -> None:
+        """Raise ``ValueError`` naming ``topk_idx`` if the last dispatch skipped out-of-range
+        expert indices (``validate=False``); synchronises with the device."""
+        count, first, value = (int(v) for v in self.status.tolist())
+        if count:
+            raise ValueError(self._index_message(count, first, value) + "; the dispatch skipped them")
+
+    # ------------------------------------------------------------------ calls
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
+                 validate: Optional[bool] = None):
+        """Send every token to the owners of its ``topk`` experts.
+
+        Args:
+            x: ``(T, hidden)`` tokens of this rank, ``T <= max_tokens`` (0 allowed), the
+                dispatcher's dtype, contiguous, on the allocator's device.
+            topk_idx: ``(T, topk)`` expert indices (``index_dtype``); ``-1`` skips a slot.
+            topk_weights: ``(T, topk)`` float32 weights, used by ``combine`` (copied).
+            validate: check ``topk_idx`` on the host first (default: the constructor's).
+
+        Returns ``(recv_x, counts, handle)``: the symmetric ``(capacity, hidden)`` receive
+        buffer in the documented layout, the ``(EL,)`` int32 device tensor of rows per local
+        expert, and the :class:`DispatchHandle` for ``combine``. All are overwritten by the
+        next dispatch and complete when the kernels finish on the current stream.
+        """
+        self._check_open()
+        T = self._check_tokens(x, topk_idx, topk_weights)
+        if self.validate if validate is None else validate:
+            self._validate_indices(topk_idx)
+        self.epoch += 1
+        self.plan_kernel(topk_idx, topk_weights, self.packed, self.base, self.weights,
+                         self.count_matrix, self.flags, self.state, self.recv_counts,
+                         self.recv_offsets, self.status)
+        self.dispatch_kernel(x, self.packed, self.base, self.recv_x, self.recv_src, self.dest_rank,
+                             self.dest_row, self.counters, self.state)
+        EL, K = self.experts_per_rank, self.topk
+        handle = DispatchHandle(self, self.epoch, T, self.recv_counts[:EL], self.recv_offsets[:EL + 1],
+                                self.dest_rank[:T * K].view(T, K), self.dest_row[:T * K].view(T, K))
+        return self.recv_x, handle.counts, handle
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Return every expert output to its token's rank and sum it with the token's weights.
+
+        Args:
+            y: ``(capacity, hidden)`` expert outputs in ``recv_x``'s layout (only the received
+                rows are read; ``y`` may be ``recv_x`` itself), the dispatcher's dtype,
+                contiguous, 16-byte aligned, on the allocator's device.
+            handle: the handle of this dispatcher's latest ``dispatch``.
+
+        Returns ``(T, hidden)`` in the dispatcher's dtype: ``out[t] = sum_k topk_weights[t, k]
+        * y_of(t, k)`` in float32, slot order, rounded once (zero rows for tokens without a
+        valid expert). The buffer is reused by the next combine.
+        """
+        self._check_open()
+        if not isinstance(handle, DispatchHandle) or handle.dispatcher is not self:
+            raise TypeError("handle must be a DispatchHandle returned by this MoEDispatcher's dispatch()")
+        if handle.epoch != self.epoch:
+            raise RuntimeError(f"handle is from dispatch call {handle.epoch}, but dispatch call {self.epoch} "
+                               "has overwritten its routing: combine before the next dispatch")
+        check_tensor(y, (self.capacity, self.hidden), self.dtype, self.device, "y",
+                     "(capacity, hidden) =", "MoEDispatcher")
+        if y.data_ptr() % 16:
+            raise ValueError("y must be 16-byte aligned (the combine reads 16-byte vectors); pass a fresh tensor")
+        out = self.output[:handle.num_tokens]
+        self.combines += 1
+        self.combine_kernel(y, out, self.comb_buf, self.recv_src, self.recv_offsets, self.dest_rank,
+                            self.dest_row, self.weights, self.flags, self.counters, self.state)
+        return out
+
+    def bus_bytes(self) -> float:
+        """Bytes of token rows one full dispatch (or combine) moves per rank:
+        ``max_tokens * topk * hidden * itemsize``."""
+        return float(self.max_tokens * self.topk * self.hidden * self.itemsize)
+
+    def close(self) -> None:
+        """Drop the kernels and the tensors (idempotent); heap bytes return with
+        ``allocator.close()``."""
+        super().close()
+        self.plan_kernel = self.dispatch_kernel = self.combine_kernel = None
+
+    def __repr__(self) -> str:
+        return (f"MoEDispatcher(num_experts={self.num_experts}, hidden={self.hidden}, topk={self.topk}, "
+                f"max_tokens={self.max_tokens}, dtype={self.dtype}, world_size={self.world_size}, "
+                f"capacity={self.capacity}, blocks={self.blocks}, threads={self.threads}, "
+                f"epoch={self.epoch}{', closed' if self._closed else ''})")

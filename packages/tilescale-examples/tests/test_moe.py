@@ -1,0 +1,565 @@
+"""MoE dispatch/combine: layout planning, references, generated CUDA, nvcc compile and every
+argument check on the CPU; bit-exact dispatch and tolerance-checked combine on 1, 2 and 4
+ranks sharing one GPU, under CUDA graph capture, with out-of-range indices and for 1000
+back-to-back calls with stragglers (``-m gpu``)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import tilelang
+import torch
+from examples_helpers import CpuAllocator, close_rank_heap, kernel_body, needs_nvcc, open_rank_heap, run_gpu_ranks
+from tilelang import tvm
+
+from tilescale_examples.collective import TARGET
+from tilescale_examples.moe import (COMBINE_ATOL, COMBINE_RTOL, DispatchHandle, MoEDispatcher,
+                                    expected_routes, torch_combine_reference, torch_dispatch_reference)
+from tilescale_examples.moe_kernels import (PASS_CONFIGS, build_combine_kernel, build_dispatch_kernel,
+                                            build_plan_kernel)
+from tilescale_lang.codegen import cuda_source
+
+# The configuration of the CPU object tests and the nvcc test (shared compile cache).
+E, K, H, TMAX = 8, 2, 64, 16
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One TileLang cache for the module: the kernels are compiled once."""
+    old = os.environ.get("TILELANG_CACHE_DIR")
+    os.environ["TILELANG_CACHE_DIR"] = str(tmp_path_factory.mktemp("moe-cache"))
+    yield os.environ["TILELANG_CACHE_DIR"]
+    if old is None:
+        os.environ.pop("TILELANG_CACHE_DIR", None)
+    else:
+        os.environ["TILELANG_CACHE_DIR"] = old
+
+
+def source(func) -> str:
+    """The ``__global__`` function's CUDA, lowered with the kernel's own pass configs."""
+    assert dict(func.attrs["tilelang_pass_configs"]) == PASS_CONFIGS
+    with tvm.transform.PassContext(config=PASS_CONFIGS):
+        return kernel_body(cuda_source(func, TARGET))
+
+
+# ------------------------------------------------------------------------------ planning
+def test_expected_routes_follow_the_documented_layout():
+    # 2 ranks, 4 experts (rank 0: experts 0-1, rank 1: experts 2-3), top-2
+    idx0 = torch.tensor([[1, 2], [0, 1], [3, -1]])
+    idx1 = torch.tensor([[2, 1], [1, 1]])
+    routes, counts = expected_routes([idx0, idx1], 4)
+    assert counts.tolist() == [[1, 2, 1, 1], [0, 3, 1, 0]]
+    # rank 0 on itself: expert 0 <- (r0, entry 2); expert 1 <- (r0, 1), (r0, 3), (r1, 1), (r1, 2), (r1, 3)
+    assert routes[0][0].tolist() == [0, 1, 0, 0, 1, -1] and routes[0][1].tolist() == [1, 0, 0, 2, 2, -1]
+    # rank 1 on rank 1: expert 2 <- (r0, 1), (r1, 0); expert 3 <- (r0, 4)
+    assert routes[1][0].tolist() == [1, 0, 0, 0] and routes[1][1].tolist() == [1, 3, 4, 5]
+    xs = [torch.arange(3.0).repeat_interleave(8).view(3, 8) + 10, torch.arange(2.0).repeat_interleave(8).view(2, 8) + 20]
+    rows, got, origin = torch_dispatch_reference(xs, [idx0, idx1], 4, 0)
+    assert rows[:, 0].tolist() == [11, 10, 11, 20, 21, 21] and got.tolist() == [1, 5]
+    assert origin.tolist() == [[0, 2], [0, 0], [0, 3], [1, 1], [1, 2], [1, 3]]
+    rows1, got1, _ = torch_dispatch_reference(xs, [idx0, idx1], 4, 1)
+    assert rows1[:, 0].tolist() == [10, 20, 12] and got1.tolist() == [2, 1]
+
+
+def test_expected_routes_rank_entries_within_expert_in_entry_order():
+    g = torch.Generator().manual_seed(3)
+    idxs = [torch.randint(-1, 12, (50, 3), generator=g) for _ in range(3)]
+    routes, counts = expected_routes(idxs, 12)
+    for d in range(3):
+        rows = torch.cat([row[rank == d] for rank, row in routes])
+        assert sorted(rows.tolist()) == list(range(int(counts[:, 4 * d:4 * d + 4].sum())))  # a permutation
+    for s, (rank, row) in enumerate(routes):  # within (rank s, expert g) rows grow with the entry
+        flat = idxs[s].view(-1)
+        for e in range(12):
+            sel = row[flat == e]
+            assert torch.all(sel[1:] > sel[:-1])
+            assert int(sel.numel()) == int(counts[s, e])
+        assert torch.equal(rank[flat < 0], torch.full_like(rank[flat < 0], -1))
+
+
+def test_combine_reference_of_identity_experts_scales_tokens_by_the_valid_weights():
+    g = torch.Generator().manual_seed(5)
+    idxs = [torch.randint(-1, 8, (20, 4), generator=g) for _ in range(2)]
+    ws = [torch.rand(20, 4, generator=g) for _ in range(2)]
+    xs = [torch.randn(20, 16, generator=g) for _ in range(2)]
+    ys = [torch_dispatch_reference(xs, idxs, 8, d)[0] for d in range(2)]
+    for r in range(2):
+        want = xs[r].double() * (ws[r].double() * (idxs[r] >= 0)).sum(1, keepdim=True)
+        assert torch.allclose(torch_combine_reference(ys, idxs, ws, 8, r), want)
+
+
+def test_reference_argument_checks():
+    with pytest.raises(ValueError, match="one tensor per rank"):
+        expected_routes([], 4)
+    with pytest.raises(ValueError, match="num_experts=5 is not a multiple of 2 ranks"):
+        expected_routes([torch.zeros(1, 1, dtype=torch.long)] * 2, 5)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 1\)"):
+        torch_dispatch_reference([torch.zeros(1, 8)], [torch.zeros(1, 1, dtype=torch.long)], 2, 1)
+
+
+# ------------------------------------------------------------------------------ generated CUDA
+def test_plan_kernel_ranks_entries_and_exchanges_counts_on_the_device():
+    body = source(build_plan_kernel(64, 8, 4096))
+    assert "__launch_bounds__(1024, 1) moe_plan_kernel(" in body
+    assert "__match_any_sync(" in body and "__ballot_sync(" in body
+    # counts: a weak store to every rank, then the block barrier, fence and release signal
+    st = body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(Counts[")
+    sync = body.index("__syncthreads();", st)
+    fence = body.index("tilescale::fence_sys();", sync)
+    notify = body.index("tilescale::notify<false>((&(Sig[", fence)
+    wait = body.index("tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>((&(Sig[", notify)
+    assert body.index("Base[", wait) > wait  # offsets only after every rank's counts are in
+    assert body.rindex("State[0] = epoch;") > body.rindex("Base[")
+    # only the five hand-written block barriers; the ranking loop synchronises the warp only
+    assert body.count("__syncthreads();") == 5
+    loop = body[body.index("for (int b = 0; b < nb; ++b)"):]
+    loop = loop[:loop.index("__syncthreads();")]
+    assert "__match_any_sync(" in loop and loop.count("__syncwarp();") == 2
+
+
+def test_dispatch_kernel_puts_rows_to_the_expert_owner_then_counts_arrivals():
+    body = source(build_dispatch_kernel(64, 8, 7168, 4096, blocks=132, threads=512))
+    # residency: one block always fits on an SM (launch bounds, no shared memory)
+    assert "__launch_bounds__(512, 1) moe_dispatch_kernel(" in body and "__shared__" not in body
+    assert "int capacity" in body and "int num_tokens" in body  # run-time dimensions
+    put = body.index("tilescale::put_warp<8, false>(")
+    assert "(&(RecvX[" in body[put:body.index(";", put)]
+    assert body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(RecvSrc[", put) > put
+    tail = body[body.rindex("__syncthreads();"):]
+    assert tail.index("tilescale::fence_sys();") < tail.index("tilescale::notify<true>((&(Ctr[0]))")
+    assert "tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>((&(Ctr[0])), ((uint)((epoch * ((int64_t)W)) * (int64_t)132)))" in tail
+
+
+def test_combine_kernel_handshakes_pushes_then_sums_in_float32():
+    body = source(build_combine_kernel(64, 8, 7168, 4096, blocks=132, threads=512))
+    assert "__launch_bounds__(512, 1) moe_combine_kernel(" in body and "__shared__" not in body
+    ready = body.index("tilescale::notify<false>((&(Sig[")
+    put = body.index("tilescale::put_warp<8, false>(", ready)
+    assert "(&(CombBuf[" in body[put:body.index(";", put)]
+    add = body.index("tilescale::notify<true>((&(Ctr[1]))", put)
+    wait = body.index("tilescale::wait_until<tilescale::Cmp::EQ", add)
+    assert body.index("State[1] = epoch;", wait) > wait
+    sums = body[wait:]
+    assert sums.count("*(uint4*)(Y + ") == 1 and sums.count("*(uint4*)(CombBuf + ") == 1  # 16-byte loads
+    assert "float acc[8];" in body and "__float22bfloat162_rn(" in sums
+
+
+@needs_nvcc
+def test_kernels_compile_with_nvcc(cache_dir):
+    for func in (build_plan_kernel(E, K, TMAX, "int32"), build_dispatch_kernel(E, K, H, TMAX, "float16", blocks=128),
+                 build_combine_kernel(E, K, H, TMAX, "float16", blocks=128)):
+        kernel = tilelang.compile(func, target=TARGET, execution_backend="tvm_ffi")
+        assert kernel.adapter.rt_mod.imports[0].kind == "cuda"
+
+
+# ------------------------------------------------------------------------------ the object (CPU)
+def _make(alloc=None, **kwargs):
+    args = dict(num_experts=E, hidden=H, topk=K, max_tokens=TMAX)
+    args.update(kwargs)
+    return MoEDispatcher(alloc or CpuAllocator(num_ranks=2), **args)
+
+
+@needs_nvcc
+def test_dispatcher_on_cpu_allocator(cache_dir):
+    alloc = CpuAllocator(num_ranks=2)
+    moe = _make(alloc, index_dtype=torch.int32, dtype=torch.float16)
+    cap = 2 * TMAX * K
+    assert moe.capacity == cap and moe.experts_per_rank == 4
+    assert alloc.allocations == [((cap, H), torch.float16), ((cap,), torch.int32), ((TMAX * K, H), torch.float16),
+                                 ((2, 2, E), torch.int32), ((2, 2), torch.uint64), ((4,), torch.uint32)]
+    assert not moe.flags.ne(0).any() and not moe.counters.ne(0).any() and not moe.count_matrix.ne(0).any()
+    assert sum(math.prod(s) * t.itemsize for s, t in alloc.allocations) < \
+        MoEDispatcher.heap_bytes(E, H, K, TMAX, 2, torch.float16)
+    launched = []
+    moe.plan_kernel = lambda *a: launched.append(("plan", a))
+    moe.dispatch_kernel = lambda *a: launched.append(("dispatch", a))
+    moe.combine_kernel = lambda *a: launched.append(("combine", a))
+
+    x = torch.randn(5, H).half()
+    idx = torch.tensor([[0, 7], [1, -1], [2, 3], [4, 4], [6, 5]], dtype=torch.int32)
+    w = torch.rand(5, K)
+    recv, counts, handle = moe.dispatch(x, idx, w)
+    assert recv is moe.recv_x and counts.shape == (4,) and handle.recv_offsets.shape == (5,)
+    assert [n for n, _ in launched] == ["plan", "dispatch"]
+    plan, disp = launched[0][1], launched[1][1]
+    assert plan[0] is idx and plan[1] is w and plan[7] is moe.state and disp[0] is x and disp[3] is moe.recv_x
+    assert handle.epoch == 1 and handle.num_tokens == 5 and handle.dest_rank.shape == (5, K)
+    y = torch.randn(cap, H).half()
+    out = moe.combine(y, handle)
+    assert out.shape == (5, H) and launched[-1][0] == "combine" and launched[-1][1][0] is y
+    assert launched[-1][1][1].data_ptr() == moe.output.data_ptr() and moe.combines == 1
+    moe.combine(y, handle)  # a handle may be combined more than once
+    # an empty rank still takes part
+    moe.dispatch(x[:0], idx[:0], w[:0])
+    assert len(launched) == 6 and moe.epoch == 2
+
+    def rejects(exc, match, fn, *args, **kw):
+        before = len(launched)
+        with pytest.raises(exc, match=match):
+            fn(*args, **kw)
+        assert len(launched) == before, "a kernel ran before the error"
+
+    rejects(TypeError, "x must be a torch.Tensor", moe.dispatch, x.numpy(), idx, w)
+    rejects(TypeError, "x has dtype torch.float32", moe.dispatch, x.float(), idx, w)
+    rejects(ValueError, r"x has shape \(5, 32\), expected \(tokens, hidden=64\)", moe.dispatch, x[:, :32], idx, w)
+    rejects(ValueError, "x has 17 tokens, more than max_tokens=16", moe.dispatch,
+            torch.zeros(17, H).half(), torch.zeros(17, K, dtype=torch.int32), torch.zeros(17, K))
+    rejects(ValueError, "x must be contiguous", moe.dispatch, torch.zeros(H, 5).half().t(), idx, w)
+    rejects(TypeError, "topk_idx has dtype torch.int64", moe.dispatch, x, idx.long(), w)
+    rejects(ValueError, r"topk_idx has shape \(5, 1\)", moe.dispatch, x, idx[:, :1].contiguous(), w)
+    rejects(TypeError, "topk_weights has dtype torch.float16", moe.dispatch, x, idx, w.half())
+    rejects(ValueError, r"topk_weights has shape \(4, 2\)", moe.dispatch, x, idx, w[:4])
+    rejects(ValueError, r"topk_idx\[3, 1\] = 8 is out of range: expert indices must be in \[0, 8\) or -1 for an "
+            r"unused slot \(2 bad entries\); nothing was sent", moe.dispatch, x,
+            torch.tensor([[0, 1], [1, 1], [2, 3], [4, 8], [-2, 0]], dtype=torch.int32), w)
+    bad = torch.tensor([[0, 1], [1, 1], [2, 3], [4, 8], [-2, 0]], dtype=torch.int32)
+    moe.dispatch(x, bad, w, validate=False)  # on the device: skipped and reported
+    assert launched[-1][0] == "dispatch" and moe.epoch == 3
+    moe.status.copy_(torch.tensor([2, 7, 8]))  # what the plan kernel would have written
+    with pytest.raises(ValueError, match=r"topk_idx\[3, 1\] = 8 is out of range.*\(2 bad entries\); the dispatch skipped them"):
+        moe.check_index_errors()
+    moe.status.zero_()
+    moe.check_index_errors()
+
+    handle = moe.dispatch(x, idx, w)[2]
+    rejects(TypeError, "handle must be a DispatchHandle", moe.combine, y, "handle")
+    rejects(RuntimeError, "handle is from dispatch call 3, but dispatch call 4", moe.combine, y,
+            DispatchHandle(moe, 3, 5, *[handle.counts] * 4))
+    rejects(ValueError, r"y has shape \(64, 32\), expected \(capacity, hidden\) = \(64, 64\)", moe.combine,
+            y[:, :32].contiguous(), handle)
+    rejects(TypeError, "y has dtype torch.bfloat16", moe.combine, y.bfloat16(), handle)
+    rejects(ValueError, "y must be 16-byte aligned", moe.combine,
+            torch.empty(cap * H + 1).half()[1:].view(cap, H), handle)
+    other = _make(CpuAllocator(num_ranks=2), index_dtype=torch.int32, dtype=torch.float16)
+    rejects(TypeError, "handle must be a DispatchHandle returned by this MoEDispatcher", other.combine, y, handle)
+
+    assert repr(moe).startswith("MoEDispatcher(num_experts=8, hidden=64, topk=2, max_tokens=16, dtype=torch.float16, world_size=2")
+    moe.close()
+    assert moe.closed and moe.recv_x is None and moe.plan_kernel is None
+    with pytest.raises(RuntimeError, match="MoEDispatcher is closed"):
+        moe.dispatch(x, idx, w)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(hidden=60), ValueError, "hidden must be a multiple of 8"),
+    (dict(hidden=0), ValueError, "hidden must be a positive int"),
+    (dict(topk=9), ValueError, "topk must be at most 8"),
+    (dict(max_tokens=4097), ValueError, "max_tokens must be at most 4096"),
+    (dict(num_experts=257), ValueError, "num_experts must be at most 256"),
+    (dict(num_experts=7), ValueError, r"num_experts=7 must be a multiple of world_size=2"),
+    (dict(dtype=torch.float32), TypeError, "dtype must be one of"),
+    (dict(index_dtype=torch.int16), TypeError, "index_dtype must be torch.int64 or torch.int32"),
+    (dict(world_size=4), ValueError, r"world_size=4 but the allocator spans 2 rank\(s\)"),
+    (dict(validate=1), TypeError, "validate must be a bool"),
+])
+def test_constructor_rejects_before_allocating(kwargs, exc, match):
+    alloc = CpuAllocator(num_ranks=2)
+    with pytest.raises(exc, match=match):
+        _make(alloc, **kwargs)
+    assert alloc.allocations == []
+
+
+# ------------------------------------------------------------------------------ GPU
+#: (experts, topk, hidden, max_tokens) of the GPU correctness cases: 25 vectors per row (the
+#: last lane-column partly used), an odd top-k, experts that 1, 2 and 4 ranks divide.
+SMALL = (16, 3, 200, 96)
+FULL = (64, 8, 7168, 4096)
+
+
+def _gather(t: torch.Tensor, world: int) -> list:
+    """Every rank's ``t`` (first dims may differ), through the group."""
+    import torch.distributed as dist
+
+    n = torch.tensor([t.shape[0]], device=t.device)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    padded = torch.zeros((int(max(sizes)), *t.shape[1:]), dtype=t.dtype, device=t.device)
+    padded[:t.shape[0]] = t
+    out = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(out, padded)
+    return [o[:int(s)] for o, s in zip(out, sizes)]
+
+
+def _routing(kind: str, tokens: int, experts: int, topk: int, gen: torch.Generator) -> torch.Tensor:
+    """``(tokens, topk)`` int64 indices: distinct uniform experts, Zipf-skewed experts,
+    experts 0 and ``experts - 1`` only with -1 slots and repeats ("sparse"), or anything
+    ("dupes": repeats allowed)."""
+    if kind == "uniform":
+        return torch.rand(tokens, experts, generator=gen).argsort(1)[:, :topk].contiguous()
+    if kind == "skewed":
+        p = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** 1.5
+        return torch.multinomial(p.expand(tokens, experts), topk, generator=gen) if tokens else \
+            torch.zeros(0, topk, dtype=torch.int64)
+    if kind == "sparse":
+        pick = torch.tensor([0, experts - 1, -1])
+        return pick[torch.randint(0, 3, (tokens, topk), generator=gen)]
+    return torch.randint(0, experts, (tokens, topk), generator=gen)
+
+
+def _experts(recv: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """A stand-in for the expert MLPs, on the device without host synchronisation: row ``r``
+    of local expert ``j`` (of ``EL``) becomes ``recv[r] * (1 + j / (4 EL)) - 1 / 8``."""
+    rows = torch.arange(recv.shape[0], device=recv.device, dtype=torch.int32)
+    expert = torch.bucketize(rows, offsets[1:].contiguous(), right=True).to(torch.float32)
+    return (recv.float() * (1 + expert[:, None] / (4 * (offsets.numel() - 1))) - 0.125).to(recv.dtype)
+
+
+def _check_call(moe, rank, world, x, idx, w, label, validate=True):
+    """One checked dispatch + combine: poisoned buffers, fresh data, references over the
+    group's inputs; dispatch bit-exact, combine within the documented tolerance."""
+    moe.recv_x.fill_(-777)
+    moe.recv_counts.fill_(-7)
+    moe.output.fill_(-777)
+    recv, counts, handle = moe.dispatch(x, idx, w, validate=validate)
+    y = _experts(recv, handle.recv_offsets)
+    out = moe.combine(y, handle)
+    torch.cuda.synchronize()
+    xs, idxs, ws = _gather(x, world), _gather(idx, world), _gather(w, world)
+    rows, want_counts, origin = torch_dispatch_reference(xs, idxs, moe.num_experts, rank)
+    total = rows.shape[0]
+    where = f"rank {rank}/{world} {label}"
+    assert counts.tolist() == want_counts.tolist(), f"{where}: counts {counts.tolist()} != {want_counts.tolist()}"
+    assert handle.recv_offsets.tolist() == [0] + want_counts.cumsum(0).tolist(), where
+    if not torch.equal(recv[:total], rows):
+        bad = (recv[:total] != rows).any(1).nonzero()[:5].view(-1).tolist()
+        raise AssertionError(f"{where}: received rows differ at {bad} of {total}")
+    src_rank, src_entry = handle.origin()
+    assert torch.equal(torch.stack([src_rank[:total], src_entry[:total]], 1).cpu().long(), origin), where
+    ys = _gather(y[:int(handle.recv_offsets[-1])], world)
+    want = torch_combine_reference(ys, idxs, ws, moe.num_experts, rank)
+    rtol = COMBINE_RTOL[moe.dtype]
+    if not torch.allclose(out.double(), want, rtol=rtol, atol=COMBINE_ATOL):
+        err = ((out.double() - want).abs() - rtol * want.abs()).max().item()
+        raise AssertionError(f"{where}: combine off by {err:g} beyond rtol {rtol:g}")
+    return 1
+
+
+def _back_to_back(moe, rank, world, calls, gen):
+    """``calls`` dispatch + combine pairs without host synchronisation, 4 rotating input sets
+    (checked once above), a straggling rank every 50 calls, poisoned buffers each call;
+    every result must equal the checked one bit for bit."""
+    dev = moe.device
+    sets, checks = [], 0
+    for s in range(4):
+        tokens = moe.max_tokens - 7 * s - rank
+        x = torch.randn(tokens, moe.hidden, generator=gen).to(moe.dtype).to(dev)
+        idx = _routing("uniform" if s % 2 else "skewed", tokens, moe.num_experts, moe.topk, gen).to(dev, moe.index_dtype)
+        w = (torch.rand(tokens, moe.topk, generator=gen) / moe.topk).to(dev)
+        checks += _check_call(moe, rank, world, x, idx, w, f"back-to-back set {s}")
+        recv, counts, handle = moe.dispatch(x, idx, w, validate=False)
+        y = _experts(recv, handle.recv_offsets)
+        sets.append((x, idx, w, recv.clone(), counts.clone(), moe.combine(y, handle).clone()))
+    rows = torch.arange(moe.capacity, device=dev)[:, None]
+    mismatches = torch.zeros((), dtype=torch.int64, device=dev)
+    for call in range(calls):
+        x, idx, w, want_recv, want_counts, want_out = sets[call % 4]
+        if call % 50 == 0 and rank == (call // 50) % world:
+            torch.cuda._sleep(2_000_000)  # this rank arrives late (about 1 ms)
+        moe.recv_x.fill_(-777)
+        moe.output.fill_(-777)
+        recv, counts, handle = moe.dispatch(x, idx, w, validate=False)
+        valid = rows < handle.recv_offsets[-1]
+        mismatches += ((recv != want_recv) & valid).sum() + (counts != want_counts).sum()
+        out = moe.combine(_experts(recv, handle.recv_offsets), handle)
+        mismatches += (out != want_out).sum()
+    torch.cuda.synchronize()
+    assert int(mismatches) == 0, f"rank {rank}/{world}: {int(mismatches)} wrong elements over {calls} calls"
+    return checks + 1
+
+
+def _graph_capture(moe, rank, world, gen):
+    """Capture dispatch + experts + combine in a CUDA graph (validate=False) and replay it on
+    fresh inputs copied into the captured tensors; each replay is checked."""
+    dev = moe.device
+    tokens = moe.max_tokens - 3
+    x = torch.empty(tokens, moe.hidden, dtype=moe.dtype, device=dev)
+    idx = torch.zeros(tokens, moe.topk, dtype=moe.index_dtype, device=dev)
+    w = torch.zeros(tokens, moe.topk, device=dev)
+
+    def step():
+        recv, counts, handle = moe.dispatch(x, idx, w, validate=False)
+        return moe.combine(_experts(recv, handle.recv_offsets), handle)
+
+    step()  # warm-up outside the capture (module load, table upload)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            moe.dispatch(x, idx, w, validate=True)
+    with torch.cuda.graph(graph):
+        out = step()
+    checks = 0
+    for replay in range(3):
+        x.copy_(torch.randn(tokens, moe.hidden, generator=gen).to(moe.dtype))
+        idx.copy_(_routing("dupes" if replay else "uniform", tokens, moe.num_experts, moe.topk, gen))
+        w.copy_(torch.rand(tokens, moe.topk, generator=gen) / moe.topk)
+        moe.output.fill_(-777)
+        graph.replay()
+        torch.cuda.synchronize()
+        xs, idxs, ws = (_gather(t, world) for t in (x, idx, w))
+        offsets = moe.recv_offsets[:moe.experts_per_rank + 1]
+        ys = _gather(_experts(moe.recv_x, offsets)[:int(offsets[-1])], world)
+        want = torch_combine_reference(ys, idxs, ws, moe.num_experts, rank)
+        rows, _, _ = torch_dispatch_reference(xs, idxs, moe.num_experts, rank)
+        assert torch.equal(moe.recv_x[:rows.shape[0]], rows), f"rank {rank}: graph replay {replay} dispatch"
+        assert torch.allclose(out.double(), want, rtol=COMBINE_RTOL[moe.dtype], atol=COMBINE_ATOL), \
+            f"rank {rank}: graph replay {replay} combine"
+        checks += 1
+    return checks
+
+
+def _index_errors(moe, rank, world, gen):
+    """validate=True: every rank passes a bad index and gets ValueError before anything is
+    sent (and the next call works); validate=False: rank ``world - 1`` passes bad indices,
+    the call completes everywhere with those slots skipped and only that rank's
+    check_index_errors() raises."""
+    dev = moe.device
+    tokens = 40
+    x = torch.randn(tokens, moe.hidden, generator=gen).to(moe.dtype).to(dev)
+    idx = _routing("dupes", tokens, moe.num_experts, moe.topk, gen).to(dev, moe.index_dtype)
+    w = (torch.rand(tokens, moe.topk, generator=gen) / moe.topk).to(dev)
+    bad = idx.clone()
+    bad[7, 1] = moe.num_experts + rank
+    with pytest.raises(ValueError, match=rf"topk_idx\[7, 1\] = {moe.num_experts + rank} is out of range.*nothing was sent"):
+        moe.dispatch(x, bad, w)
+    checks = _check_call(moe, rank, world, x, idx, w, "after a rejected call")
+    if rank == world - 1:
+        idx = idx.clone()
+        idx[3, 0], idx[11, 2] = -5, moe.num_experts
+    checks += _check_call(moe, rank, world, x, idx, w, "bad indices skipped on the device", validate=False)
+    if rank == world - 1:
+        with pytest.raises(ValueError, match=rf"topk_idx\[3, 0\] = -5 is out of range.*\(2 bad entries\); the dispatch skipped them"):
+            moe.check_index_errors()
+    else:
+        moe.check_index_errors()
+    return checks
+
+
+GPU_CASES = [("uniform", torch.bfloat16, torch.int64), ("skewed", torch.bfloat16, torch.int64),
+             ("sparse", torch.bfloat16, torch.int64), ("dupes", torch.float16, torch.int32),
+             ("skewed", torch.float16, torch.int32)]
+
+
+def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
+    """Per rank: the routing cases (bf16/int64 and fp16/int32; a rank with no tokens in the
+    sparse case), graph capture, index errors and back-to-back calls (1000 on 1 or 2 ranks,
+    200 on 4), all at SMALL size."""
+    experts, topk, hidden, max_tokens = SMALL
+    alloc = open_rank_heap(rank, world, cache_dir, 2 * MoEDispatcher.heap_bytes(*SMALL, world) + (64 << 20))
+    dev = torch.device(alloc.device)
+    gen = torch.Generator().manual_seed(1234 + 97 * rank + 7 * world)
+    checks = 0
+    dispatchers = {}
+    for case, (kind, dtype, index_dtype) in enumerate(GPU_CASES):
+        if (dtype, index_dtype) not in dispatchers:  # collective: same order on every rank
+            dispatchers[dtype, index_dtype] = MoEDispatcher(alloc, experts, hidden, topk, max_tokens, dtype,
+                                                            index_dtype=index_dtype)
+        moe = dispatchers[dtype, index_dtype]
+        tokens = 0 if kind == "sparse" and rank == world - 1 and world > 1 else max_tokens - 5 * case - rank
+        x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(dev)
+        idx = _routing(kind, tokens, experts, topk, gen).to(index_dtype).to(dev)
+        w = (torch.rand(tokens, topk, generator=gen) / topk).to(dev)
+        checks += _check_call(moe, rank, world, x, idx, w, f"case {case} {kind} {dtype}")
+    moe = dispatchers[torch.bfloat16, torch.int64]
+    checks += _graph_capture(moe, rank, world, gen)
+    checks += _index_errors(moe, rank, world, gen)
+    checks += _back_to_back(moe, rank, world, 1000 if world <= 2 else 200, gen)
+    for moe in dispatchers.values():
+        moe.close()
+    return close_rank_heap(alloc, rank, checks)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_moe_on_gpu(world, tmp_path_factory):
+    reports = run_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "moe")
+    assert [r["checks"] for r in reports] == [len(GPU_CASES) + 3 + 2 + 5] * world
+
+
+def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
+    """Per rank: 4096 tokens, hidden 7168, top-8 of 64 experts, bf16, uniform and skewed."""
+    experts, topk, hidden, max_tokens = FULL
+    alloc = open_rank_heap(rank, world, cache_dir, MoEDispatcher.heap_bytes(*FULL, world) + (64 << 20))
+    dev = torch.device(alloc.device)
+    gen = torch.Generator().manual_seed(99 + rank)
+    moe = MoEDispatcher(alloc, experts, hidden, topk, max_tokens)
+    checks = 0
+    for kind in ("uniform", "skewed"):
+        x = torch.randn(max_tokens, hidden, generator=gen).to(torch.bfloat16).to(dev)
+        idx = _routing(kind, max_tokens, experts, topk, gen).to(dev)
+        w = torch.softmax(torch.randn(max_tokens, topk, generator=gen), 1).to(dev)
+        checks += _check_call(moe, rank, world, x, idx, w, f"full size {kind}")
+    moe.close()
+    return close_rank_heap(alloc, rank, checks)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2])
+def test_moe_full_size_on_gpu(world, tmp_path_factory):
+    reports = run_gpu_ranks(full_size_rank_body, world, tmp_path_factory, "moe-full")
+    assert [r["checks"] for r in reports] == [2] * world
+
+
+# ------------------------------------------------------------------------------ benchmark (CPU)
+def torch_path_rank_body(rank: int, world: int) -> int:
+    """The benchmark's torch all-to-all path on a CPU gloo group equals the references."""
+    import torch.distributed as dist
+
+    from tilescale_examples.benchmarks.moe import TorchAllToAllMoE, make_routing
+
+    experts, topk, hidden = 8, 3, 16
+    gen = torch.Generator().manual_seed(rank)
+    path = TorchAllToAllMoE(experts, dist.group.WORLD, world)
+    checks = 0
+    for kind, tokens in (("uniform", 13 + rank), ("skewed", 9)):
+        x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+        idx = make_routing(kind, tokens, experts, topk, gen)
+        w = torch.softmax(torch.randn(tokens, topk, generator=gen), 1)
+        rows, counts = path.dispatch(x, idx)
+        xs, idxs, ws = _gather(x, world), _gather(idx, world), _gather(w, world)
+        want, want_counts, _ = torch_dispatch_reference(xs, idxs, experts, rank)
+        assert torch.equal(rows, want) and counts.tolist() == want_counts.tolist()
+        ys = _gather(rows, world)
+        out = path.combine(rows, w)
+        ref = torch_combine_reference(ys, idxs, ws, experts, rank)
+        assert out.dtype == torch.bfloat16 and torch.allclose(out.double(), ref, rtol=COMBINE_RTOL[torch.bfloat16], atol=COMBINE_ATOL)
+        checks += 1
+    return checks
+
+
+@pytest.mark.timeout(120)
+def test_benchmark_torch_path_matches_the_reference_layout():
+    from tilescale_core.multiprocess import run_ranks
+
+    assert run_ranks(torch_path_rank_body, 2, backend="gloo", timeout=100) == [2, 2]
+
+
+def test_benchmark_routing_and_arguments(monkeypatch, capsys):
+    from tilescale_examples.benchmarks import moe as bench
+
+    g = torch.Generator().manual_seed(0)
+    for kind in ("uniform", "skewed"):
+        idx = bench.make_routing(kind, 500, 64, 8, g)
+        assert idx.shape == (500, 8) and idx.dtype == torch.int64 and int(idx.min()) >= 0 and int(idx.max()) < 64
+        assert all(len(set(row)) == 8 for row in idx.tolist())  # distinct experts per token
+    skew = torch.bincount(bench.make_routing("skewed", 2000, 64, 8, g).view(-1), minlength=64)
+    assert skew[0] > 3 * skew[32:].float().mean()
+    with pytest.raises(ValueError, match="routing must be"):
+        bench.make_routing("hot", 1, 4, 1, g)
+    for argv, message in ((["--tokens", "0"], "--tokens must be in [1, 4096]"),
+                          (["--tokens", "4097"], "--tokens must be in [1, 4096]"),
+                          (["--tokens", "a"], "--tokens must be comma-separated ints"),
+                          (["--routing", "zipf"], "--routing must list uniform and/or skewed"),
+                          (["--topk", "9"], "need 1 <= --topk <= min(8, --experts)"),
+                          (["--hidden", "100"], "--hidden a positive multiple of 8"),
+                          (["--ranks", "0"], "--ranks must be >= 1")):
+        with pytest.raises(SystemExit) as exc:
+            bench.main(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert bench.main([]) == 0
+    assert capsys.readouterr().out == "MoE benchmark: no CUDA GPU visible, nothing to measure\n"
