@@ -109,6 +109,14 @@ def close_rank_heap(alloc, rank: int, checks: int) -> dict:
     return {"rank": rank, "checks": checks}
 
 
+class RecordedKernel(str):
+    """What :func:`record_compiles` hands out for a compiled kernel: its name (a ``str``), with
+    an ``initialize`` that does nothing (there is no module to give a table to)."""
+
+    def initialize(self, allocator=None, stream=None):
+        return self
+
+
 def record_compiles(monkeypatch, *modules) -> list:
     """Replace ``compile_once`` / ``compile_symmetric`` in ``modules`` (and the collectives'
     ``compile_symmetric``) with recorders: returns the list of compiled kernels' names, so a
@@ -118,7 +126,7 @@ def record_compiles(monkeypatch, *modules) -> list:
     built = []
 
     def fake(func, *args, **kwargs):
-        built.append(func.attrs["global_symbol"])
+        built.append(RecordedKernel(func.attrs["global_symbol"]))
         return built[-1]
 
     for module in (*modules, collective):
@@ -138,21 +146,12 @@ def lower_with(func, pass_configs: dict) -> str:
 
 def nvcc_resources(src: str, tmp_path) -> tuple:
     """``(registers per thread, spill store bytes)`` of the one kernel in a generated source,
-    compiled to an sm_90a cubin the way TileLang compiles kernels (``ptxas -v``)."""
+    compiled to an sm_90a cubin with the toolkit, the way TileLang compiles kernels
+    (``ptxas -v``)."""
     import re
-    import subprocess
 
-    from tilelang.contrib.nvcc import default_compile_options
-    from tilescale_lang import headers
-
-    cu = tmp_path / "k.cu"
-    cu.write_text(src)
-    opts = default_compile_options(headers.compile_flags())
-    cmd = [NVCC, "-cubin", "-arch=sm_90a", *opts, "-w", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(cu)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-4000:]
-    text = res.stdout + res.stderr
-    return int(re.findall(r"Used (\d+) registers", text)[-1]), int(re.findall(r"(\d+) bytes spill stores", text)[-1])
+    _, log, _ = TOOLKIT.compile(src, tmp_path, "cubin", "sm_90a", ptxas_verbose=True)
+    return int(re.findall(r"Used (\d+) registers", log)[-1]), int(re.findall(r"(\d+) bytes spill stores", log)[-1])
 
 
 def random_tensor(shape, dtype, generator, device):

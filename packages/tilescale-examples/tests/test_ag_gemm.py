@@ -80,7 +80,7 @@ def test_auto_plan_on_cpu_falls_back_to_sequential_with_a_log_line(no_compile, c
     assert "AllGatherGEMM: cpu is not a CUDA device; using the sequential plan" in caplog.text
     assert no_compile == ["allgather", "gemm"]  # the all-gather kernel, then the stock GEMM
     assert alloc.allocations == [((256, 128), torch.bfloat16), ((2, 256, 128), torch.bfloat16),
-                                 ((2 * 2 * agg.all_gather.chunks,), torch.uint64)]
+                                 ((2 * 2 * agg.all_gather.chunks,), torch.uint64), ((2, 2), torch.int32)]
     assert agg.output.shape == (512, 256) and agg.flops() == 2.0 * 512 * 256 * 128
     assert "plan='sequential'" in repr(agg)
     with pytest.raises(ValueError, match=r"a has shape \(128, 128\), expected \(m_local, k\) = \(256, 128\)"):
