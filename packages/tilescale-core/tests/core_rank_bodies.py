@@ -115,11 +115,26 @@ def setup_failure(rank, world_size, fail_rank, where):
 
     backend, box = _failing_backend(fail_rank, where)
     box[0] = rank
+    fds_before = open_fds()
     try:
         _allocator(rank, world_size, backend=backend)
     except SetupError as err:
-        return {"phase": err.phase, "failed": sorted(err.failures), "message": str(err), "leaks": len(backend.mappings)}
+        return {"phase": err.phase, "failed": sorted(err.failures), "message": str(err), "leaks": len(backend.mappings),
+                "fd_leaks": sorted(open_fds() - fds_before)}
     return None
+
+
+def open_fds() -> set:
+    """This process's open descriptors that point at memfds or sockets (``/proc/self/fd``)."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the listing's own descriptor, already closed
+            continue
+        if target.startswith(("/memfd:", "socket:")):
+            found.add((int(name), target))
+    return found
 
 
 def fd_exchange(rank, world_size):

@@ -49,6 +49,7 @@ def test_setup_failure_raises_on_every_rank(clean_env, where, phase_fragment):
         assert r is not None, "a rank finished set-up although rank 1 failed"
         assert r["failed"] == [1] and phase_fragment in r["phase"]
         assert f"injected {where} failure" in r["message"] and r["leaks"] == 0
+        assert r["fd_leaks"] == [], f"descriptors left open after the failed set-up: {r['fd_leaks']}"
 
 
 def test_fd_exchange(clean_env):
