@@ -106,6 +106,23 @@ def _describe_record(record: tuple | None) -> str:
     return f"allocated {nbytes} bytes (alignment {alignment}) in the {region}"
 
 
+def parse_use_vmm_env(value: str) -> bool:
+    """``TILESCALE_USE_VMM``'s value: ``"1"`` selects VMM, ``"0"`` or empty CUDA IPC.
+
+    Raises:
+        ValueError: any other spelling (``"true"``, ``"1 "``, ``"yes"`` ...), naming the
+            variable, instead of silently selecting IPC.
+    """
+    if value == "1":
+        return True
+    if value in ("0", ""):
+        return False
+    raise ValueError(
+        f"{USE_VMM_ENV}={value!r} is not a recognised value: use 1 (VMM) or 0 (CUDA IPC), "
+        f"or unset it to let the allocator choose"
+    )
+
+
 def select_path(
     *,
     is_distributed: bool,
@@ -117,7 +134,8 @@ def select_path(
     """Choose the memory path; a pure function of its arguments (probes are called lazily).
 
     Order (the spec's): ``env_value`` (``TILESCALE_USE_VMM``) present -> ``"1"`` selects VMM,
-    anything else IPC; else an explicit ``use_vmm``; else VMM only for a distributed
+    ``"0"``/empty IPC, any other spelling is a ValueError; else an explicit ``use_vmm``
+    (a bool); else VMM only for a distributed
     allocator whose fabric probe passes.  VMM uses fabric handles when the fabric probe
     passes, else POSIX fds when their probe passes.  IPC is ``"local"`` for a
     non-distributed allocator.
@@ -127,11 +145,15 @@ def select_path(
 
     Raises:
         VmmUnavailableError: VMM selected but neither handle kind works (no IPC fallback).
+        ValueError: ``env_value`` is not a recognised spelling.
+        TypeError: ``use_vmm`` is not a bool or None.
     """
     if env_value is not None:
-        want_vmm, why = env_value == "1", f"{USE_VMM_ENV}={env_value!r}"
+        want_vmm, why = parse_use_vmm_env(env_value), f"{USE_VMM_ENV}={env_value!r}"
     elif use_vmm is not None:
-        want_vmm, why = bool(use_vmm), f"use_vmm={use_vmm!r}"
+        if not isinstance(use_vmm, bool):
+            raise TypeError(f"use_vmm must be True, False or None, got {type(use_vmm).__name__} {use_vmm!r}")
+        want_vmm, why = use_vmm, f"use_vmm={use_vmm!r}"
     else:
         want_vmm, why = bool(is_distributed and fabric_probe()), "the fabric probe"
     if not want_vmm:
