@@ -82,9 +82,41 @@ class PeerWatch:
                     self._died(rank, pid)
                     return
 
+    def _note_path(self, rank: int) -> str:
+        import tempfile
+
+        job = f"tilescale-peer-watch-{os.getuid()}-{self.pids[0]}"
+        return os.path.join(tempfile.gettempdir(), job, f"rank{rank}.{self.pids[rank]}")
+
+    def _root_cause(self, rank: int, pid: int) -> tuple[int, int, str]:
+        """A rank that stopped because of another one's death left a note naming it: follow
+        it, so that every survivor names the rank that really died."""
+        via = ""
+        for _ in range(len(self.pids)):
+            try:
+                with open(self._note_path(rank)) as f:
+                    cause, cause_pid = (int(v) for v in f.read().split())
+            except (OSError, ValueError):
+                break
+            via = f" (rank {rank} stopped because of it)" if not via else via
+            rank, pid = cause, cause_pid
+        return rank, pid, via
+
+    def _leave_note(self, rank: int, pid: int) -> None:
+        path = self._note_path(self.rank)
+        try:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(f"{rank} {pid}")
+        except OSError:
+            pass
+
     def _died(self, rank: int, pid: int) -> None:
+        time.sleep(self._interval)  # let a cascading survivor leave its note
+        rank, pid, via = self._root_cause(rank, pid)
         self.dead = rank
-        message = f"[tilescale] rank {self.rank}: peer rank {rank} (pid {pid}) died; stopping this rank"
+        message = f"[tilescale] rank {self.rank}: peer rank {rank} (pid {pid}) died{via}; stopping this rank"
+        self._leave_note(rank, pid)
         if self._on_death is not None:
             self._on_death(rank, pid, message)
             return

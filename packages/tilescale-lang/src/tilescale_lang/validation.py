@@ -64,26 +64,48 @@ def tvm_dtype(dtype: Any):
     return tvm.DataType(str(dtype))
 
 
-def _addr(buffer: tirx.Buffer, indices) -> tirx.PrimExpr:
+def _addr(buffer: tirx.Buffer, indices, as_value: bool = False) -> tirx.PrimExpr:
     """The address of ``buffer[indices]``.
 
-    ``address_of(buf[i])`` for constant indices and non-global buffers; for a global buffer
-    indexed by an expression (``flags[T.get_rank()]``, ``flags[n]``) a read-write
+    ``address_of(buf[i])`` for constant indices, non-global buffers and operands of
+    statements; for the operand of an intrinsic whose result is a value (``as_value``: ``T.ld``,
+    ``T.wait_*``, ``T.atom_add``) on a global buffer indexed by an expression (``flags[T.get_rank()]``, ``flags[n]``) a read-write
     ``tvm_access_ptr`` at the flat offset (printed as the same ``&buf[i]``): TileLang's
     safe-memory pass would otherwise wrap that element in a bounds-guarded ``if_then_else``,
     which is not an lvalue (TVM ``InternalError`` in ``address_of``).
     """
     indices = list(indices)
-    if _scope_of(buffer) == "global" and not all(isinstance(i, tirx.IntImm) for i in indices):
-        return buffer.access_ptr("rw", offset=flat_index(buffer, indices) - buffer.elem_offset, extent=1)
+    if as_value and _scope_of(buffer) == "global" and not all(isinstance(i, tirx.IntImm) for i in indices):
+        return buffer.access_ptr("rw", offset=_row_major_offset(buffer, indices), extent=1)
     return tirx.address_of(tirx.BufferLoad(buffer, indices))
+
+
+def _row_major_offset(buffer: tirx.Buffer, indices) -> tirx.PrimExpr:
+    """Element offset of ``indices`` from the buffer's first element, in the indices' own
+    integer type (so the printed address reads like TileLang's ``&buf[i]``)."""
+    from tvm import arith
+
+    dtype = str(indices[0].dtype) if len(indices) else "int32"
+    strides = list(buffer.strides)
+    if not strides:
+        strides, acc = [], tirx.IntImm(dtype, 1)
+        for extent in reversed(list(buffer.shape)):
+            strides.insert(0, acc)
+            acc = acc * (extent if str(extent.dtype) == dtype else tirx.Cast(dtype, extent))
+    flat = None
+    for index, stride in zip(indices, strides):
+        index = index if str(index.dtype) == dtype else tirx.Cast(dtype, index)
+        stride = stride if str(stride.dtype) == dtype else tirx.Cast(dtype, stride)
+        term = index * stride
+        flat = term if flat is None else flat + term
+    return arith.Analyzer().simplify(flat)
 
 
 def _scope_of(buffer: tirx.Buffer) -> str:
     return str(buffer.scope())
 
 
-def operand(x: Any, name: str) -> Operand:
+def operand(x: Any, name: str, as_value: bool = False) -> Operand:
     """Reduce ``x`` (Buffer, BufferRegion, BufferLoad, ``T.address_of(...)`` or a handle) to
     an :class:`Operand`.
 
@@ -98,12 +120,14 @@ def operand(x: Any, name: str) -> Operand:
         return Operand(_addr(x.buffer, idx), str(x.buffer.dtype), _scope_of(x.buffer), x.buffer, None)
     if isinstance(x, tirx.BufferLoad):
         idx = [i.base if isinstance(i, tirx.Ramp) else i for i in x.indices]
-        return Operand(_addr(x.buffer, idx), str(x.buffer.dtype), _scope_of(x.buffer), x.buffer, idx)
+        return Operand(_addr(x.buffer, idx, as_value), str(x.buffer.dtype), _scope_of(x.buffer), x.buffer, idx)
     if isinstance(x, tirx.Call) and getattr(x.op, "name", "") == "tirx.address_of":
         inner = x.args[0]
         if isinstance(inner, tirx.BufferLoad):
+            if not as_value:
+                return Operand(x, str(inner.buffer.dtype), _scope_of(inner.buffer), inner.buffer, list(inner.indices))
             idx = [i.base if isinstance(i, tirx.Ramp) else i for i in inner.indices]
-            return Operand(_addr(inner.buffer, idx), str(inner.buffer.dtype), _scope_of(inner.buffer), inner.buffer, idx)
+            return Operand(_addr(inner.buffer, idx, True), str(inner.buffer.dtype), _scope_of(inner.buffer), inner.buffer, idx)
         return Operand(x, None, None)
     if isinstance(x, tirx.PrimExpr) and str(x.dtype) == "handle":
         dtype = scope = None
