@@ -41,7 +41,7 @@ declare -A limit=([core]=240 [host]=150 [lang]=360 [examples]=780)
 gpu_tests() {  # step name, TILESCALE_SHARE_GPUS value
   for p in core host lang examples; do
     run_step "$1-$p" env TILESCALE_SHARE_GPUS="$2" timeout -k 10 "${limit[$p]}" python3 -m pytest \
-      "packages/tilescale-$p/tests" -m gpu -q -rfEs --tb=short -p no:cacheprovider \
+      "packages/tilescale-$p/tests" -m "gpu and not chaos" -q -rfEs --tb=short -p no:cacheprovider \
       --tilescale-record "$logs" --junitxml "$logs/junit-$1-$p.xml" "${pytest_args[@]}"
   done
 }
@@ -51,6 +51,8 @@ for step in "${steps[@]}"; do
     demo) run_step demo timeout -k 10 300 python3 -m tilescale_examples.demo --json "$logs/demo.json" ;;
     tests) gpu_tests tests 1 ;;
     tests-4) gpu_tests tests-4 0 ;;
+    chaos) run_step chaos env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
+             packages/tilescale-examples/tests/test_chaos.py -m chaos -q -s -rfEs --tb=short -p no:cacheprovider ;;
     bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs emulated moe; do
              run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
            done ;;
@@ -62,7 +64,7 @@ for step in "${steps[@]}"; do
                  packages/tilescale-examples/tests/test_moe.py -m gpu -q -rfEs --tb=short -p no:cacheprovider \
                  --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-*) p=${step#tests-}; run_step "$step" env TILESCALE_SHARE_GPUS=1 timeout -k 10 "${limit[$p]}" \
-               python3 -m pytest "packages/tilescale-$p/tests" -m gpu -q -rfEs --tb=short \
+               python3 -m pytest "packages/tilescale-$p/tests" -m "gpu and not chaos" -q -rfEs --tb=short \
                -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -115,11 +115,26 @@ def setup_failure(rank, world_size, fail_rank, where):
 
     backend, box = _failing_backend(fail_rank, where)
     box[0] = rank
+    fds_before = open_fds()
     try:
         _allocator(rank, world_size, backend=backend)
     except SetupError as err:
-        return {"phase": err.phase, "failed": sorted(err.failures), "message": str(err), "leaks": len(backend.mappings)}
+        return {"phase": err.phase, "failed": sorted(err.failures), "message": str(err), "leaks": len(backend.mappings),
+                "fd_leaks": sorted(open_fds() - fds_before)}
     return None
+
+
+def open_fds() -> set:
+    """This process's open descriptors that point at memfds or sockets (``/proc/self/fd``)."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the listing's own descriptor, already closed
+            continue
+        if target.startswith(("/memfd:", "socket:")):
+            found.add((int(name), target))
+    return found
 
 
 def fd_exchange(rank, world_size):
@@ -257,3 +272,37 @@ def group_backend(rank, world_size):
     import torch.distributed as dist
 
     return dist.get_backend()
+
+
+def close_with_absent_peer(rank, world_size, timeout):
+    """Rank 1 never calls close(): rank 0's close(timeout=...) must fail in time and still
+    release its mappings and descriptors."""
+    a, backend = _allocator(rank, world_size)
+    fds = open_fds()
+    if rank == 1:
+        time.sleep(timeout + 6)
+        return None
+    start = time.monotonic()
+    try:
+        a.close(timeout=timeout)
+    except TimeoutError as exc:
+        return {"error": str(exc), "elapsed": time.monotonic() - start, "mappings": len(backend.mappings),
+                "closed": a.closed, "fds_closed": sorted(fds - open_fds())}
+    return {"error": None}
+
+
+def start_a_process(rank, world_size):
+    """A rank body may start processes of its own (the harness's ranks are not daemons)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_put_pid, args=(q,))
+    p.start()
+    child = q.get(timeout=60)
+    p.join(timeout=30)
+    return {"child": child, "exitcode": p.exitcode, "me": os.getpid()}
+
+
+def _put_pid(q):
+    q.put(os.getpid())

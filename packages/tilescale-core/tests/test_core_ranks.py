@@ -49,6 +49,7 @@ def test_setup_failure_raises_on_every_rank(clean_env, where, phase_fragment):
         assert r is not None, "a rank finished set-up although rank 1 failed"
         assert r["failed"] == [1] and phase_fragment in r["phase"]
         assert f"injected {where} failure" in r["message"] and r["leaks"] == 0
+        assert r["fd_leaks"] == [], f"descriptors left open after the failed set-up: {r['fd_leaks']}"
 
 
 def test_fd_exchange(clean_env):
@@ -125,3 +126,19 @@ def test_rank_device_round_robin():
 
 def test_run_ranks_auto_backend_without_gpus_is_gloo():
     assert run_ranks(bodies.group_backend, 2, backend="auto", timeout=60) == ["gloo", "gloo"]
+
+
+def test_close_with_a_peer_that_never_closes_times_out_and_releases_memory(clean_env):
+    results = run_ranks(bodies.close_with_absent_peer, 2, args=(2.0,), timeout=90)
+    r = results[0]
+    assert r["error"] is not None, "close() returned although rank 1 never took part"
+    assert "rank 0" in r["error"] and "did not finish within 2 s" in r["error"]
+    assert r["elapsed"] < 6.0, f"close(timeout=2) took {r['elapsed']:.1f} s"
+    assert r["mappings"] == 0, "close() kept the local mappings after the failed barrier"
+    assert r["closed"] is True and len(r["fds_closed"]) >= 1  # the heap's memfd is closed
+
+
+def test_rank_body_can_start_a_process(clean_env):
+    results = run_ranks(bodies.start_a_process, 2, timeout=120)
+    for r in results:
+        assert r["exitcode"] == 0 and r["child"] != r["me"]

@@ -26,6 +26,8 @@ class CountingProbe:
 def expected_path(env_value, use_vmm, is_distributed, fabric_ok, fd_ok):
     """The spec's order, written independently of the implementation."""
     if env_value is not None:
+        if env_value not in ("1", "0", ""):
+            return ValueError  # an unrecognised spelling is an error, not a silent IPC
         want = env_value == "1"
     elif use_vmm is not None:
         want = use_vmm
@@ -49,7 +51,10 @@ def test_selection_matrix(env_value, use_vmm, is_distributed, fabric_ok, fd_ok):
     fabric, fd = CountingProbe(OK if fabric_ok else NO), CountingProbe(OK if fd_ok else NO)
     want = expected_path(env_value, use_vmm, is_distributed, fabric_ok, fd_ok)
     kwargs = dict(is_distributed=is_distributed, use_vmm=use_vmm, env_value=env_value, fabric_probe=fabric, fd_probe=fd)
-    if want is VmmUnavailableError:
+    if want is ValueError:
+        with pytest.raises(ValueError, match=f"TILESCALE_USE_VMM={env_value!r} is not a recognised value"):
+            select_path(**kwargs)
+    elif want is VmmUnavailableError:
         with pytest.raises(VmmUnavailableError, match="no fallback to CUDA IPC"):
             select_path(**kwargs)
     else:
@@ -60,7 +65,21 @@ def test_env_override_beats_explicit_argument():
     args = dict(is_distributed=True, fabric_probe=lambda: OK, fd_probe=lambda: OK)
     assert select_path(use_vmm=True, env_value="0", **args) == "ipc"
     assert select_path(use_vmm=False, env_value="1", **args) == "vmm-fabric"
-    assert select_path(use_vmm=None, env_value="anything", **args) == "ipc"
+    assert select_path(use_vmm=True, env_value="", **args) == "ipc"
+    with pytest.raises(ValueError, match="TILESCALE_USE_VMM='anything'"):
+        select_path(use_vmm=None, env_value="anything", **args)
+
+
+@pytest.mark.parametrize("value", ["true", "1 ", " 1", "yes", "TRUE", "on", "2", "vmm"])
+def test_unrecognised_env_spelling_is_an_error(value):
+    with pytest.raises(ValueError, match=r"use 1 \(VMM\) or 0 \(CUDA IPC\)"):
+        select_path(is_distributed=True, use_vmm=None, env_value=value, fabric_probe=lambda: OK, fd_probe=lambda: OK)
+
+
+@pytest.mark.parametrize("value", ["no", "yes", 0, 1, "False", 0.0])
+def test_use_vmm_must_be_a_bool(value):
+    with pytest.raises(TypeError, match=f"use_vmm must be True, False or None, got {type(value).__name__}"):
+        select_path(is_distributed=True, use_vmm=value, env_value=None, fabric_probe=lambda: OK, fd_probe=lambda: OK)
 
 
 def test_ipc_choice_does_not_probe():

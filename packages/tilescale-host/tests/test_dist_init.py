@@ -196,3 +196,33 @@ def test_spawned_rejection_reaches_the_parent(clean_env):
 def test_plan_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan().rank = 3
+
+
+# --------------------------------------------------------------------------- timeout
+def _fake_cuda(monkeypatch):
+    import torch
+
+    from tilescale_host import dist_init
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(dist_init, "_init_group", lambda plan, backend=None, timeout_s=None: calls.append(("group", timeout_s)) or (0, 1, None))
+    return dist_init, calls
+
+
+def test_init_dist_passes_its_timeout_to_the_group(monkeypatch, clean_env):
+    dist_init, calls = _fake_cuda(monkeypatch)
+    dist_init.init_dist(0, 1, 29500)
+    dist_init.init_dist(0, 1, 29500, timeout=12.5)
+    assert [c for c in calls if c[0] == "group"] == [("group", dist_init.DEFAULT_TIMEOUT_S), ("group", 12.5)]
+    assert dist_init.DEFAULT_TIMEOUT_S <= 600  # not torch's 30-minute default
+
+
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-5, ValueError), (float("inf"), ValueError),
+                                        (float("nan"), ValueError), ("30", TypeError), (True, TypeError)])
+def test_init_dist_rejects_bad_timeouts_before_anything(monkeypatch, clean_env, bad, error):
+    dist_init, calls = _fake_cuda(monkeypatch)
+    with pytest.raises(error, match="timeout must be"):
+        dist_init.init_dist(0, 1, 29500, timeout=bad)
+    assert calls == []

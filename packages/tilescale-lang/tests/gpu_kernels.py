@@ -351,9 +351,13 @@ def initialize_orders_body(rank: int, world: int, cache_dir: str) -> dict:
     # no collective after a failure (see rank_body)
     R = torch.full((2,), -5, dtype=torch.int32, device=dev)
     k = rank_kernel("tvm_ffi")
-    k(R, 1)  # loads the module with an empty table
-    torch.cuda.synchronize()
-    out["before_init"] = R.tolist()
+    try:  # refused on the host: the table is empty until initialize
+        k(R, 1)
+        torch.cuda.synchronize()
+        out["before_init"] = R.tolist()
+    except Exception as exc:
+        out["before_init"] = f"{type(exc).__name__}: {exc}"[:500]
+    out["untouched"] = R.tolist()
     k.initialize(allocator=alloc)
     k(R, 1)
     torch.cuda.synchronize()
@@ -383,6 +387,54 @@ k = tilelang.compile(stuck, target={"kind": "cuda", "arch": "sm_90a"})
 F = torch.zeros(4, dtype=torch.uint32, device="cuda")
 try:
     k(F)
+    torch.cuda.synchronize()
+except Exception as exc:
+    print("HOST-ERROR:", type(exc).__name__, str(exc)[:300], flush=True)
+    sys.exit(3)
+print("NO-ERROR", flush=True)
+"""
+
+
+# A kernel launched around the host guard (as a stale or foreign launcher could) must trap on
+# the device instead of treating every peer as itself.
+NO_TABLE_SCRIPT = r"""
+import sys, torch, tilelang, tilelang.language as T
+@T.prim_func
+def peer_store(F: T.Tensor((4,), "uint32"), pe: T.int32):
+    with T.Kernel(1, threads=32) as _:
+        T.st(F[0], 7, dst_pe=pe)
+k = tilelang.compile(peer_store, target={"kind": "cuda", "arch": "sm_90a"})
+F = torch.zeros(4, dtype=torch.uint32, device="cuda")
+try:
+    k(F, 0)
+except Exception as exc:
+    print("HOST-REFUSED:", type(exc).__name__, flush=True)
+launch = k._tilescale_state["unguarded"]  # bypass the host guard on purpose
+try:
+    launch(F, 0)
+    torch.cuda.synchronize()
+except Exception as exc:
+    print("HOST-ERROR:", type(exc).__name__, str(exc)[:300], flush=True)
+    sys.exit(3)
+print("NO-ERROR", F.tolist(), flush=True)
+"""
+
+# A run-time PE beyond num_ranks, compiled with TILESCALE_CHECK_PE=1: a trap naming it.
+BAD_PE_SCRIPT = r"""
+import sys, torch, tilelang, tilelang.language as T
+@T.prim_func
+def peer_store(F: T.Tensor((4,), "uint32"), pe: T.int32):
+    with T.Kernel(2, threads=32) as _:
+        T.st(F[0], 7, dst_pe=pe)
+alloc = tilelang.get_allocator(size=2**20, device="cuda", is_distributed=False)
+k = tilelang.compile(peer_store, target={"kind": "cuda", "arch": "sm_90a"}).initialize(allocator=alloc)
+F = tilelang.tensor((4,), torch.uint32, allocator=alloc)
+F.zero_()
+k(F, 0)  # in range: rank 0 of 1
+torch.cuda.synchronize()
+print("IN-RANGE", F.tolist(), flush=True)
+try:
+    k(F, 5)
     torch.cuda.synchronize()
 except Exception as exc:
     print("HOST-ERROR:", type(exc).__name__, str(exc)[:300], flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import os
 import time
 
 import pytest
@@ -14,8 +15,9 @@ from tilescale_lang import compile_lock
 
 def test_lock_path_follows_tilelang_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "c"))
-    assert compile_lock.lock_path() == tmp_path / "c" / compile_lock.LOCK_NAME
-    assert compile_lock.lock_path(tmp_path) == tmp_path / compile_lock.LOCK_NAME
+    per_user = f"tilescale-locks-{os.getuid()}"
+    assert compile_lock.lock_path() == tmp_path / "c" / per_user / compile_lock.LOCK_NAME
+    assert compile_lock.lock_path(tmp_path) == tmp_path / per_user / compile_lock.LOCK_NAME
 
 
 def test_processes_take_turns(tmp_path):
@@ -43,7 +45,7 @@ def test_waiting_past_the_deadline_names_the_holder(tmp_path):
     path = tmp_path / compile_lock.LOCK_NAME
     with compile_lock.compile_lock(path):
         t0 = time.monotonic()
-        with pytest.raises(TimeoutError, match=rf"waited 0.3 s for the TileScale compile lock .* \(held by pid \d+\)"):
+        with pytest.raises(TimeoutError, match=rf"waited 0.3 s for the TileScale compile lock .* \(held by pid {os.getpid()}\)"):
             with compile_lock.compile_lock(path, timeout=0.3):
                 pass
         assert time.monotonic() - t0 < 5
@@ -76,3 +78,33 @@ def test_a_kernel_only_one_rank_compiles_does_not_hang(tmp_path, monkeypatch):
     out = run_ranks(_only_rank0_compiles, 2, args=(str(tmp_path),), backend="gloo", timeout=60,
                     env={"TILELANG_CACHE_DIR": str(tmp_path)})
     assert out == ["kernel on 0", None]
+
+
+def test_lock_is_private_and_never_follows_a_symlink(tmp_path):
+    import stat
+
+    path = compile_lock.lock_path(tmp_path)
+    with compile_lock.compile_lock(path):
+        pass
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+    assert path.read_text() == ""  # the holder's pid is cleared on release
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    path.unlink()
+    path.symlink_to(victim)
+    with pytest.raises(PermissionError, match="is a symlink; refusing to follow it"):
+        with compile_lock.compile_lock(path):
+            pass
+    assert victim.read_text() == "precious"
+
+
+def test_lock_directory_that_is_a_symlink_is_refused(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    path = compile_lock.lock_path(tmp_path / "cache")
+    path.parent.parent.mkdir(parents=True)
+    path.parent.symlink_to(elsewhere)
+    with pytest.raises(PermissionError, match="not a plain directory"):
+        with compile_lock.compile_lock(path):
+            pass

@@ -40,7 +40,9 @@ def test_initialize_orders_and_backends(cache_dir):
     out = run_ranks(gpu_kernels.initialize_orders_body, 2, args=(cache_dir,), backend="auto", timeout=180)
     unavailable = []
     for rank, o in enumerate(out):
-        assert o["before_init"] == [0, 0], o  # an empty table before initialize
+        # refused on the host before initialize (it used to run as "rank 0 of 0 ranks")
+        assert "KernelNotInitializedError" in o["before_init"] and "'ranks'" in o["before_init"], o
+        assert o["untouched"] == [-5, -5], o
         assert o["after_load_init"] == [rank, 2], o
         for backend in ("nvrtc", "cython"):
             if isinstance(o[backend], list):
@@ -87,3 +89,30 @@ def test_profiler_records_every_block_and_counts_overflow(tmp_path):
     assert first["blocks"] == list(range(8)) and first["sm_ok"] and first["durations_ok"]
     assert first["spans"] + first["unmatched"] <= first["events"]
     assert second == {"after_reset": 0}
+
+
+def _run_script(tmp_path, text, **env):
+    script = tmp_path / "script.py"  # a file, not -c: T.prim_func reads its source
+    script.write_text(text)
+    full_env = {k: v for k, v in os.environ.items() if k != "TILESCALE_CHECK_PE"}
+    full_env.update(TILELANG_CACHE_DIR=str(tmp_path / "cache"), **env)
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=full_env, timeout=180)
+    return res, res.stdout + res.stderr
+
+
+def test_kernel_without_table_traps_on_the_device(tmp_path):
+    import gpu_kernels
+
+    res, text = _run_script(tmp_path, gpu_kernels.NO_TABLE_SCRIPT)
+    assert "HOST-REFUSED: KernelNotInitializedError" in text, text[-3000:]
+    assert res.returncode != 0 and "NO-ERROR" not in text, text[-3000:]
+    assert "launched without kernel.initialize(allocator=...)" in text, text[-3000:]
+
+
+def test_runtime_pe_out_of_range_traps_with_check_pe(tmp_path):
+    import gpu_kernels
+
+    res, text = _run_script(tmp_path, gpu_kernels.BAD_PE_SCRIPT, TILESCALE_CHECK_PE="1")
+    assert "IN-RANGE [7, 0, 0, 0]" in text, text[-3000:]
+    assert res.returncode != 0 and "NO-ERROR" not in text, text[-3000:]
+    assert "PE 5 out of range: rank 0 of 1 ranks, block (" in text, text[-3000:]

@@ -6,8 +6,6 @@ through stock TileLang's namespace once the package is installed: ``tilelang.get
 ``tilelang.tensor`` and ``tilelang.distributed``.
 """
 
-from __future__ import annotations
-
 from ._lazy import lazy_getattr
 
 __version__ = "0.1.0"

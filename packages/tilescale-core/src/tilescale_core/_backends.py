@@ -195,11 +195,12 @@ class FdSharingBackend(HeapBackend):
             own.append(self.export_fd(ptr))
             return self.mapped_size(ptr, size)
 
-        sizes = comm.phase(f"{self.path}: export descriptor", export)
-        try:
+        try:  # the exported descriptor is closed on every path, a peer's failure included
+            sizes = comm.phase(f"{self.path}: export descriptor", export)
             fds = exchange_fds(comm, own[0])
         finally:
-            os.close(own[0])
+            for exported in own:
+                os.close(exported)
         try:
             return open_peers(
                 comm,

@@ -1,13 +1,10 @@
-"""Lazy package attributes (PEP 562), so importing a TileScale package stays cheap."""
+"""Lazy package attributes (PEP 562), so importing a TileScale package stays cheap.
 
-from __future__ import annotations
-
-import importlib
-from collections.abc import Callable, Mapping
-from typing import Any
+Imported at interpreter start (through ``tilescale_core/__init__``), so it imports nothing.
+"""
 
 
-def lazy_getattr(package_globals: dict[str, Any], names: Mapping[str, str]) -> Callable[[str], Any]:
+def lazy_getattr(package_globals, names):
     """Return a module ``__getattr__`` that imports ``names[attr]`` (a sub-module) on first use.
 
     Args:
@@ -16,10 +13,12 @@ def lazy_getattr(package_globals: dict[str, Any], names: Mapping[str, str]) -> C
     """
     package = package_globals["__name__"]
 
-    def __getattr__(name: str) -> Any:
+    def __getattr__(name):
         module = names.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        import importlib
+
         value = getattr(importlib.import_module(f"{package}.{module}"), name)
         package_globals[name] = value
         return value

@@ -26,6 +26,7 @@ import torch
 from . import _driver_multicast, probes
 from ._backends import HeapBackend, make_backend
 from ._comm import Comm, SetupError
+from ._deadline import call_with_deadline
 from .probes import Probe
 from ._dlpack import byte_view
 from .tensors import normalize_device, numel_of, resolve_dtype, slice_view, view_at
@@ -33,6 +34,7 @@ from .tensors import normalize_device, numel_of, resolve_dtype, slice_view, view
 __all__ = [
     "CHECK_ENV",
     "DEFAULT_ALIGNMENT",
+    "DEFAULT_CLOSE_TIMEOUT_S",
     "MAX_TABLE_ENTRIES",
     "PATHS",
     "USE_VMM_ENV",
@@ -53,6 +55,8 @@ USE_VMM_ENV = "TILESCALE_USE_VMM"
 CHECK_ENV = "TILESCALE_CHECK_ALLOC"
 #: Default alignment of allocations, bytes.
 DEFAULT_ALIGNMENT = 256
+#: Seconds each step of :meth:`BaseAllocator.close` may take by default.
+DEFAULT_CLOSE_TIMEOUT_S = 60.0
 #: Entries of the metadata table a kernel can hold (2 + number of ranks).
 MAX_TABLE_ENTRIES = 1024
 #: Memory path names, as found in :attr:`BaseAllocator.path`.
@@ -106,6 +110,23 @@ def _describe_record(record: tuple | None) -> str:
     return f"allocated {nbytes} bytes (alignment {alignment}) in the {region}"
 
 
+def parse_use_vmm_env(value: str) -> bool:
+    """``TILESCALE_USE_VMM``'s value: ``"1"`` selects VMM, ``"0"`` or empty CUDA IPC.
+
+    Raises:
+        ValueError: any other spelling (``"true"``, ``"1 "``, ``"yes"`` ...), naming the
+            variable, instead of silently selecting IPC.
+    """
+    if value == "1":
+        return True
+    if value in ("0", ""):
+        return False
+    raise ValueError(
+        f"{USE_VMM_ENV}={value!r} is not a recognised value: use 1 (VMM) or 0 (CUDA IPC), "
+        f"or unset it to let the allocator choose"
+    )
+
+
 def select_path(
     *,
     is_distributed: bool,
@@ -117,7 +138,8 @@ def select_path(
     """Choose the memory path; a pure function of its arguments (probes are called lazily).
 
     Order (the spec's): ``env_value`` (``TILESCALE_USE_VMM``) present -> ``"1"`` selects VMM,
-    anything else IPC; else an explicit ``use_vmm``; else VMM only for a distributed
+    ``"0"``/empty IPC, any other spelling is a ValueError; else an explicit ``use_vmm``
+    (a bool); else VMM only for a distributed
     allocator whose fabric probe passes.  VMM uses fabric handles when the fabric probe
     passes, else POSIX fds when their probe passes.  IPC is ``"local"`` for a
     non-distributed allocator.
@@ -127,11 +149,15 @@ def select_path(
 
     Raises:
         VmmUnavailableError: VMM selected but neither handle kind works (no IPC fallback).
+        ValueError: ``env_value`` is not a recognised spelling.
+        TypeError: ``use_vmm`` is not a bool or None.
     """
     if env_value is not None:
-        want_vmm, why = env_value == "1", f"{USE_VMM_ENV}={env_value!r}"
+        want_vmm, why = parse_use_vmm_env(env_value), f"{USE_VMM_ENV}={env_value!r}"
     elif use_vmm is not None:
-        want_vmm, why = bool(use_vmm), f"use_vmm={use_vmm!r}"
+        if not isinstance(use_vmm, bool):
+            raise TypeError(f"use_vmm must be True, False or None, got {type(use_vmm).__name__} {use_vmm!r}")
+        want_vmm, why = use_vmm, f"use_vmm={use_vmm!r}"
     else:
         want_vmm, why = bool(is_distributed and fabric_probe()), "the fabric probe"
     if not want_vmm:
@@ -428,37 +454,71 @@ class BaseAllocator:
                 with contextlib.suppress(Exception):
                     undo()
 
-    def close(self) -> None:
+    def close(self, timeout: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
         """Collective and idempotent: check the allocation sequences, unmap peers, free the heap.
 
         Every tensor over the heap becomes invalid.  Call it on every rank before destroying
         the process group.
 
+        Args:
+            timeout: seconds each step (device synchronisation, each exchange with the
+                peers) may take, > 0.  Past it the step fails with TimeoutError; the local
+                mappings and the heap are released all the same.
+
         Raises:
             AllocationMismatchError: the ranks' allocation sequences differed (the memory is
                 released anyway).
+            TimeoutError: the device or a peer did not finish a step in time (a dead or
+                stuck rank); this rank's mappings are released before it is raised.
         """
         if self._closed:
             return
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self._closed = True
         self._heap_bytes = {}
         comm, backend = self._comm, self._backend
+        rank = self.local_rank
+
+        device = self.device
+
+        def step(fn, what):
+            def in_thread():
+                if device.type == "cuda":  # a new thread starts on device 0
+                    torch.cuda.set_device(device)
+                return fn()
+
+            return call_with_deadline(in_thread, timeout, f"allocator.close() on rank {rank}: {what}")
+
         mismatch = None
         with backend.guard(self.device):
             try:
-                backend.synchronize(self.device)
-                mismatch = self._compare_logs()
-                comm.barrier()  # nobody uses a peer's memory any more
-                if self._mc is not None:
-                    mc = self._mc
-                    state = {"mc_ptr": mc.mc_ptr, "bound": 1, "local": mc.local_ptr, "handle": mc.handle}
-                    self._teardown_multicast(state, mc.size)
-                backend.unshare(self.peer_base_ptrs, self.local_rank)
-                comm.barrier()  # every peer has unmapped this rank's memory
-            finally:
-                backend.free(self.base_ptr)
+                step(lambda: backend.synchronize(self.device), "device synchronisation")
+                mismatch = step(self._compare_logs, "comparing the allocation sequences")
+                step(comm.barrier, "barrier before unmapping")  # nobody uses a peer's memory any more
+            except BaseException:
+                self._release_local()
+                raise
+            self._release_local()
+            step(comm.barrier, "barrier after unmapping")  # every peer has unmapped this rank's memory
         if mismatch is not None:
             raise mismatch
+
+    def _release_local(self) -> None:
+        """Unmap the multicast region and every peer's heap, free this rank's heap; each step
+        runs even when an earlier one failed (the first error is raised at the end)."""
+        backend, errors = self._backend, []
+        if self._mc is not None:
+            mc, self._mc = self._mc, None
+            state = {"mc_ptr": mc.mc_ptr, "bound": 1, "local": mc.local_ptr, "handle": mc.handle}
+            self._teardown_multicast(state, mc.size)
+        for undo in (lambda: backend.unshare(self.peer_base_ptrs, self.local_rank), lambda: backend.free(self.base_ptr)):
+            try:
+                undo()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def _compare_logs(self) -> AllocationMismatchError | None:
         summaries = self._comm.all_gather((len(self._log.records), self._log.digest))

@@ -95,9 +95,14 @@ def auto_backend(world_size: int, device_count: int | None = None, share: bool |
     return "nccl" if count >= world_size and not share else "gloo"
 
 
-def _child(fn, rank, world_size, args, env, backend, port, group_timeout, results):
+def _child(fn, rank, world_size, args, env, backend, port, group_timeout, results, parent):
     # Dump every thread's stack if the parent sends SIGUSR1 (it does so before a kill).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # Not a daemon (so that a body may start processes of its own), hence die with the
+    # harness even when it is SIGKILLed.
+    from ._parent_death import die_with_parent
+
+    die_with_parent(parent)
     os.environ.update(env)
     try:
         if backend is not None:
@@ -186,9 +191,12 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, r, world_size, tuple(args), envs[r], backend, port, timeout, results),
+            args=(fn, r, world_size, tuple(args), envs[r], backend, port, timeout, results, os.getpid()),
             name=f"tilescale-rank{r}",
-            daemon=True,
+            # Not daemonic: a rank body may start processes (multiprocessing forbids that in
+            # daemons).  The finally below stops every rank, and each rank dies with this
+            # process (PR_SET_PDEATHSIG) if it is killed.
+            daemon=False,
         )
         for r in range(world_size)
     ]

@@ -1,6 +1,6 @@
 """Entry point of one rank started by ``tilescale-run``: ``python -m tilescale_host._rank_main``.
 
-It registers a faulthandler on SIGUSR1 (the launcher sends it before killing ranks that
+It asks for SIGKILL when the launcher dies (``TILESCALE_PARENT_PID``), registers a faulthandler on SIGUSR1 (the launcher sends it before killing ranks that
 overran the timeout, so their Python stacks show where they were waiting), then runs the
 user's script (``path [args...]``) or module (``-m name [args...]``) as ``__main__`` with
 ``sys.argv`` set as if Python had been started on it directly.
@@ -14,10 +14,15 @@ import runpy
 import signal
 import sys
 
+from tilescale_core._parent_death import PARENT_PID_ENV, die_with_parent
+
 
 def main(argv: list[str]) -> None:
     """Run ``argv`` (``script args...`` or ``-m module args...``) as ``__main__``."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    parent = os.environ.get(PARENT_PID_ENV)
+    if parent:  # die with the launcher, even when it is SIGKILLed
+        die_with_parent(int(parent))
     if argv[:1] == ["-m"]:
         sys.argv = argv[1:]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)

@@ -31,9 +31,11 @@ __all__ = [
     "DEFAULT_ENV",
     "DEFAULT_MASTER_ADDR",
     "DEFAULT_MASTER_PORT",
+    "DEFAULT_TIMEOUT_S",
     "SHARE_GPUS_ENV",
     "LaunchPlan",
     "apply_env_defaults",
+    "check_timeout",
     "init_dist",
     "resolve_launch",
     "resolve_master_port",
@@ -302,12 +304,29 @@ def _init_group(plan: LaunchPlan, backend: str | None = None, timeout_s: float |
     return dist.get_rank(), dist.get_world_size(), dist.group.WORLD
 
 
+#: Seconds a collective of the process group may block before it fails (torch's own
+#: default is 30 minutes: far too long to notice a dead rank).
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def check_timeout(timeout, name: str = "timeout") -> float:
+    """``timeout`` as a positive, finite number of seconds; ValueError/TypeError naming it."""
+    import math
+
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(timeout).__name__} {timeout!r}")
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
 def init_dist(
     local_rank: int,
     num_local_ranks: int,
     master_port: int | None = None,
     *,
     share_gpus: bool | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
 ):
     """Set ``cuda:local_rank``, create the NCCL process group, return ``(rank, world_size, group)``.
 
@@ -318,6 +337,8 @@ def init_dist(
             MASTER_PORT, then 8361. The address is MASTER_ADDR (default 127.0.0.1).
         share_gpus: several ranks per GPU (rank ``r`` uses ``cuda:r % device_count``, gloo
             group when ranks share a device). None reads TILESCALE_SHARE_GPUS (default off).
+        timeout: seconds a collective of the process group (and its rendezvous) may block
+            before it raises, instead of torch's 30-minute default; > 0.
 
     Returns:
         ``(rank, world_size, torch.distributed.group.WORLD)``.
@@ -327,10 +348,11 @@ def init_dist(
     default dtype and device are left alone).
 
     Raises:
-        ValueError: an unsupported launch (see :func:`resolve_launch`).
+        ValueError: an unsupported launch (see :func:`resolve_launch`) or a bad ``timeout``.
     """
     import torch
 
+    timeout = check_timeout(timeout)
     plan = resolve_launch(
         local_rank,
         num_local_ranks,
@@ -340,4 +362,4 @@ def init_dist(
     )
     apply_env_defaults(plan)
     torch.cuda.set_device(plan.device_index)
-    return _init_group(plan)
+    return _init_group(plan, timeout_s=timeout)

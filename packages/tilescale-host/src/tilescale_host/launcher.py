@@ -10,10 +10,17 @@ Each rank is a subprocess with the single-node torchrun variables (LOCAL_RANK, R
 WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK=0, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT), so ``init_dist(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))``
 works unchanged.  Every output line is echoed prefixed with ``[rank N]``.  When a rank exits
-with a nonzero status the others get SIGTERM, then SIGKILL after ``--grace`` seconds, and the
-failing rank's last output (its traceback) is printed again; the exit status is that rank's.
-``--timeout`` bounds the whole run: ranks still running then dump their Python stacks and are
-killed, and the exit status is 124.
+with a nonzero status every rank's process group (the failed rank's own children included)
+gets SIGTERM, then SIGKILL after ``--grace`` seconds, and the failing rank's last output (its
+traceback) is printed again; the exit status is that rank's.  ``--timeout`` bounds the whole
+run: ranks still running then dump their Python stacks and are killed, and the exit status is
+124.
+
+The signals torchrun forwards (SIGINT, SIGTERM, SIGHUP, SIGQUIT) are forwarded to every
+rank's process group, followed by SIGKILL after ``--grace`` seconds; the exit status is then
+128 + the signal.  Ranks die with the launcher even when it is killed with SIGKILL (each asks
+the kernel for a parent-death signal).  Ports and ``--grace`` are validated up front: a bad
+``MASTER_PORT`` is a one-line error, not a traceback (exit status 2).
 """
 
 from __future__ import annotations
@@ -30,10 +37,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
-__all__ = ["EXIT_TIMEOUT", "LaunchResult", "build_rank_env", "launch", "main", "parse_args"]
+from tilescale_core._parent_death import PARENT_PID_ENV
+
+__all__ = ["EXIT_TIMEOUT", "FORWARDED_SIGNALS", "Interrupted", "LaunchResult", "check_grace", "check_port", "build_rank_env", "launch", "main", "parse_args"]
 
 #: Exit status of the launcher when the overall timeout expires (as coreutils' timeout).
 EXIT_TIMEOUT = 124
+#: Signals that are forwarded to the ranks (the ones torchrun forwards).
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 #: Lines of each rank's output kept for the failure summary.
 TAIL_LINES = 60
 _POLL_S = 0.05
@@ -81,16 +92,45 @@ def build_rank_env(
         TILESCALE_MASTER_PORT=str(master_port),
         PYTHONUNBUFFERED="1",
     )
+    env[PARENT_PID_ENV] = str(os.getpid())  # the rank dies with this process
     if share_gpus:
         env["TILESCALE_SHARE_GPUS"] = "1"
     return env
 
 
+class Interrupted(BaseException):
+    """The launcher received one of :data:`FORWARDED_SIGNALS`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def check_port(name: str, value) -> int:
+    """``value`` as a TCP port (1..65535); ValueError naming ``name`` and the value."""
+    try:
+        port = int(str(value).strip())
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer port") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"{name}={value!r} is not a TCP port (1..65535)")
+    return port
+
+
+def check_grace(grace) -> float:
+    """``grace`` as a non-negative, finite number of seconds; ValueError otherwise."""
+    import math
+
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (grace >= 0 and math.isfinite(grace)):
+        raise ValueError(f"grace must be a non-negative, finite number of seconds, got {grace!r}")
+    return float(grace)
+
+
 def _default_port(base: Mapping[str, str]) -> int:
-    """TILESCALE_MASTER_PORT, MASTER_PORT, else a free port."""
+    """TILESCALE_MASTER_PORT, MASTER_PORT (validated), else a free port."""
     for name in ("TILESCALE_MASTER_PORT", "MASTER_PORT"):
         if base.get(name):
-            return int(base[name])
+            return check_port(name, base[name])
     from tilescale_core.multiprocess import find_free_port
 
     return find_free_port()
@@ -133,18 +173,23 @@ def _signal_group(rank: _Rank, sig: int) -> None:
         pass
 
 
-def _stop(ranks: Sequence[_Rank], grace: float) -> None:
-    """SIGTERM every running rank's process group, SIGKILL what is left after ``grace`` s."""
-    running = [r for r in ranks if r.proc.poll() is None]
-    for r in running:
-        _signal_group(r, signal.SIGTERM)
+def _stop(ranks: Sequence[_Rank], grace: float, sig: int = signal.SIGTERM) -> None:
+    """Send ``sig`` to every rank's process group -- also the groups of ranks that already
+    exited, whose children may still run -- then SIGKILL every group after ``grace`` s (at
+    once for groups whose leader is gone and whose output pipe is already closed)."""
+    for r in ranks:
+        _signal_group(r, sig)
     deadline = time.monotonic() + grace
-    for r in running:
+    for r in ranks:
         try:
             r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-    for r in running:
+    # Children of a rank may outlive it and hold its output pipe: wait for the pipes too.
+    for r in ranks:
+        if r.reader is not None:
+            r.reader.join(timeout=max(0.0, deadline - time.monotonic()))
+    for r in ranks:
         _signal_group(r, signal.SIGKILL)
         r.proc.wait()
 
@@ -217,14 +262,18 @@ def launch(
         raise ValueError(f"the number of ranks must be at least 1, got {nranks}")
     if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
+    grace = check_grace(grace)
     out, err = out or sys.stdout, err or sys.stderr
-    port = master_port if master_port is not None else _default_port(os.environ)
+    port = check_port("master_port", master_port) if master_port is not None else _default_port(os.environ)
     ranks = _start(command, nranks, port, share_gpus, out)
     try:
         failed, timed_out = _wait(ranks, timeout)
-    except KeyboardInterrupt:
-        _finish(ranks, grace)
-        return LaunchResult(130)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        err.write(f"tilescale-run: got {signal.Signals(signum).name}; forwarding it to every rank\n")
+        err.flush()
+        _finish(ranks, grace, signum)
+        return LaunchResult(128 + signum)
     running = [r.rank for r in ranks if r.proc.poll() is None]
     if timed_out:
         for r in ranks:
@@ -240,9 +289,9 @@ def launch(
     return LaunchResult(0)
 
 
-def _finish(ranks: Sequence[_Rank], grace: float) -> None:
-    """Stop what still runs and drain the output threads."""
-    _stop(ranks, grace)
+def _finish(ranks: Sequence[_Rank], grace: float, sig: int = signal.SIGTERM) -> None:
+    """Stop what still runs (every rank's process group) and drain the output threads."""
+    _stop(ranks, grace, sig)
     for r in ranks:
         r.reader.join(timeout=5.0)
 
@@ -270,26 +319,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"-n must be at least 1, got {args.nranks}")
     if args.timeout is not None and args.timeout <= 0:
         parser.error(f"--timeout must be positive, got {args.timeout:g}")
+    try:
+        check_grace(args.grace)
+        if args.master_port is not None:
+            check_port("--master-port", args.master_port)
+    except ValueError as exc:
+        parser.error(str(exc).replace("grace must", "--grace must"))
     return args
 
 
 def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
+    raise Interrupted(signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of ``tilescale-run``; returns the exit status."""
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # stop the ranks on SIGTERM too
+    for sig in FORWARDED_SIGNALS:  # forwarded to the ranks, as torchrun does
+        signal.signal(sig, _raise_interrupt)
     command = (["-m"] if args.module else []) + [args.target, *args.args]
-    result = launch(
-        command,
-        args.nranks,
-        timeout=args.timeout,
-        share_gpus=args.share_gpus,
-        master_port=args.master_port,
-        grace=args.grace,
-    )
+    try:
+        result = launch(
+            command,
+            args.nranks,
+            timeout=args.timeout,
+            share_gpus=args.share_gpus,
+            master_port=args.master_port,
+            grace=args.grace,
+        )
+    except ValueError as exc:  # a bad port variable: one line, not a traceback
+        sys.stderr.write(f"tilescale-run: error: {exc}\n")
+        return 2
     return result.status
 
 

@@ -32,36 +32,8 @@ def _barrier(barrier, name: str = "barrier", min_elems: int = 1) -> V.Operand:
     return op
 
 
-def _available_elements(x) -> int | None:
-    """Elements from ``x``'s start to the end of its region/buffer, when static."""
-    from tvm import tirx
-
-    def static(e):
-        return int(e.value) if isinstance(e, tirx.IntImm) else None
-
-    if isinstance(x, tirx.BufferRegion):
-        total = 1
-        for r in x.region:
-            e = static(r.extent)
-            if e is None:
-                return None
-            total *= e
-        return total
-    buf = x if isinstance(x, tirx.Buffer) else getattr(x, "buffer", None)
-    if buf is None:
-        if isinstance(x, tirx.Call) and x.args and isinstance(x.args[0], tirx.BufferLoad):
-            return _available_elements(x.args[0])
-        return None
-    total = 1
-    for e in buf.shape:
-        e = static(e)
-        if e is None:
-            return None
-        total *= e
-    if isinstance(x, tirx.BufferLoad) and len(x.indices) == 1:
-        i = static(x.indices[0])
-        return None if i is None else total - i
-    return total
+#: Kept for callers of the former private helper; see :func:`validation.available_elements`.
+_available_elements = V.available_elements
 
 
 def init_barrier_gpu(barrier, expected):

@@ -109,9 +109,10 @@ def wrap_cached(cached):
             install_postproc()
             kwargs["compile_flags"] = merge_flags(kwargs.get("compile_flags"))
             kernel = cached(func, out_idx, *args, **kwargs)
-            from .metadata import track_kernel
+            from .metadata import guard_launch, table_readers, track_kernel
 
             track_kernel(kernel)
+            guard_launch(kernel, table_readers(func))
             return kernel
         return cached(func, out_idx, *args, **kwargs)
 

@@ -71,10 +71,30 @@ def wait_timeout_ms() -> int:
     return value
 
 
+#: Environment variable (read at compile time): ``1`` compiles the run-time PE range check in.
+CHECK_PE_ENV = "TILESCALE_CHECK_PE"
+
+
+def check_pe_enabled() -> bool:
+    """Whether ``TILESCALE_CHECK_PE`` asks for the run-time PE check (``1``; ``0``/unset: off).
+
+    Raises:
+        ValueError: any other value.
+    """
+    raw = os.environ.get(CHECK_PE_ENV, "").strip()
+    if raw in ("", "0"):
+        return False
+    if raw == "1":
+        return True
+    raise ValueError(f"{CHECK_PE_ENV} must be 1 (check run-time PEs) or 0/unset (no check), got {raw!r}")
+
+
 def compile_flags() -> list[str]:
     """The flags every kernel that uses a TileScale intrinsic is compiled with."""
     flags = [f"-I{include_dir()}", f"-DTILESCALE_ABI={_cached_abi()}"]
     timeout = wait_timeout_ms()
     if timeout:
         flags.append(f"-DTILESCALE_WAIT_TIMEOUT_MS={timeout}")
+    if check_pe_enabled():
+        flags.append("-DTILESCALE_CHECK_PE=1")
     return flags

@@ -50,7 +50,7 @@ def ld(src, value=None, scope: str = "gpu", sem: str = "weak", na: bool = False,
         nc: use the non-coherent ``ld.global.nc`` path (weak only, global memory).
         src_pe: rank to read from; -1 keeps ``src`` local.
     """
-    op = V.operand(src, "src")
+    op = V.operand(src, "src", as_value=True)
     dtype = V.require_dtype(op, "src")
     scope = V.choice(scope, _SCOPES, "scope")
     sem = _sem(sem, _LD_SEMS, "sem", "load")
@@ -120,7 +120,7 @@ def atom_add(target, value, scope: str = "gpu", sem: str = "relaxed"):
         scope: ``gpu`` | ``sys``.
         sem: ``relaxed`` | ``acquire`` | ``release`` | ``acq_rel``.
     """
-    op = V.operand(target, "target")
+    op = V.operand(target, "target", as_value=True)
     dtype = V.require_dtype(op, "target", (32,))
     if dtype not in ("uint32", "int32"):
         raise TypeError(f"target must be a uint32 (or int32) element, got {dtype}")

@@ -254,6 +254,80 @@ def track_kernel(kernel: Any) -> None:
     kernel.__dict__["torch_function"] = first_launch
 
 
+# ------------------------------------------------------------------------------ launch guard
+class KernelNotInitializedError(RuntimeError):
+    """A kernel that uses peer intrinsics was launched before ``kernel.initialize``."""
+
+
+def table_readers(func: Any) -> list[str]:
+    """Names of the TileScale helpers in PrimFunc ``func`` that read the metadata table
+    (rank queries and intrinsics aimed at a peer), sorted; empty for local-only kernels."""
+    from tvm import tirx
+
+    from . import validation
+
+    body = getattr(func, "body", None)
+    if body is None:
+        return []
+    found: set[str] = set()
+
+    def visit(node):
+        if isinstance(node, tirx.Call):
+            name = validation.reads_table(node)
+            if name is not None:
+                found.add(name)
+
+    tirx.stmt_functor.post_order_visit(body, visit)
+    return sorted(found)
+
+
+def _kernel_name(kernel: Any) -> str:
+    func = getattr(kernel, "prim_func", None)
+    attrs = getattr(func, "attrs", None)
+    if attrs is not None and "global_symbol" in attrs:
+        return str(attrs["global_symbol"])
+    return type(kernel).__name__
+
+
+def guard_launch(kernel: Any, readers: list[str]) -> None:
+    """Make ``kernel`` refuse to launch until :func:`initialize` ran, when it reads the table.
+
+    An uninitialised table is all zeros: every peer address would silently be the local
+    one.  The guard replaces the kernel's launch function; :func:`initialize` puts the
+    original back, so an initialised kernel launches with no extra cost.
+    """
+    if not readers:
+        return
+    with _lock:
+        st = _state(kernel)
+        if st.get("initialized") or "unguarded" in st:
+            return
+        inner = kernel.torch_function
+        if inner is None:
+            return
+        name = _kernel_name(kernel)
+
+        def refuse(*args, **kwargs):
+            raise KernelNotInitializedError(
+                f"kernel {name!r} uses {', '.join(readers)} (the rank/peer metadata table) and was "
+                "launched before kernel.initialize(allocator=...); an empty table would make every "
+                "peer address the local one. Call kernel.initialize(allocator=<the distributed "
+                "allocator>) once after compiling it."
+            )
+
+        st["unguarded"] = inner
+        kernel.__dict__["torch_function"] = refuse
+
+
+def _unguard(kernel: Any) -> None:
+    with _lock:
+        st = _state(kernel)
+        st["initialized"] = True
+        inner = st.pop("unguarded", None)
+        if inner is not None:
+            kernel.__dict__["torch_function"] = inner
+
+
 # ------------------------------------------------------------------------------ initialize
 def initialize(kernel: Any, allocator: Any = None, stream: int | None = None) -> Any:
     """Copy ``allocator.table`` into the kernel module's ``meta_data``.
@@ -271,12 +345,16 @@ def initialize(kernel: Any, allocator: Any = None, stream: int | None = None) ->
         TypeError: allocator missing or without a table; stream not an int.
         ValueError: stream negative; table too large or inconsistent.
         NotImplementedError: an execution backend without a way to set the table.
+
+    Until it has run, a kernel that reads the table (rank queries, peer intrinsics) refuses
+    to launch with :class:`KernelNotInitializedError` (see :func:`guard_launch`).
     """
     values = table_from_allocator(allocator)
     stream = check_stream(stream)
     backend = getattr(kernel, "execution_backend", None)
     adapter = getattr(kernel, "adapter", None)
     st = _state(kernel)
+    _unguard(kernel)
     if backend == "tvm_ffi":
         install_module_hook()
         with _lock:

@@ -26,6 +26,8 @@ def _peer_copy(kind: str, src, dst, size, pe, pe_name: str, remote_side: str, te
     if itemsize is None:
         raise TypeError(f"{kind}: element type unknown for both src and dst; pass typed pointers (T.address_of(buf[i]))")
     nbytes = V.size_bytes(size, itemsize, "size")
+    V.check_extent(size, src, "src")
+    V.check_extent(size, dst, "dst")
     pe_val = V.remote_pe(pe, pe_name, s if remote_side == "src" else d, remote_side)
     return V.extern(
         "handle", f"tilescale::{kind}<{template}>", s.ptr, d.ptr, nbytes, _LOCAL if pe_val is None else pe_val

@@ -13,6 +13,22 @@ from ._tvm import tirx
 
 NS = "tilescale::"
 
+#: Entries of the device metadata table ``[local_rank, num_ranks, base_0, ...]`` (common.cuh).
+TABLE_ENTRIES = 1024
+#: Largest PE a kernel can address (the table's last base pointer).
+MAX_PE = TABLE_ENTRIES - 3
+#: Environment variable (read at compile time) that compiles the run-time PE range check in.
+CHECK_PE_ENV = "TILESCALE_CHECK_PE"
+
+#: Helpers that read the metadata table whatever their arguments.
+TABLE_HELPERS = frozenset({"get_rank", "get_num_ranks", "remap", "remap_ptr", "peer_base", "barrier_blocks", "sync_blocks"})
+#: ``helper -> index`` of its PE argument (after the name); a call whose PE there is not the
+#: constant -1 reads the table.  New intrinsics that take a PE register it here.
+PE_ARGUMENT: dict[str, int] = {
+    "ld": 1, "st": 2, "wait_until": 2, "notify": 1,
+    "put_warp": 3, "get_warp": 3, "put_block": 3, "get_block": 3,
+}
+
 SCOPES = {"cta": "tilescale::Scope::CTA", "gpu": "tilescale::Scope::GPU", "sys": "tilescale::Scope::SYS"}
 SEMS = {
     "weak": "tilescale::Sem::WEAK",
@@ -48,15 +64,48 @@ def tvm_dtype(dtype: Any):
     return tvm.DataType(str(dtype))
 
 
-def _addr(buffer: tirx.Buffer, indices) -> tirx.PrimExpr:
-    return tirx.address_of(tirx.BufferLoad(buffer, list(indices)))
+def _addr(buffer: tirx.Buffer, indices, as_value: bool = False) -> tirx.PrimExpr:
+    """The address of ``buffer[indices]``.
+
+    ``address_of(buf[i])`` for constant indices, non-global buffers and operands of
+    statements; for the operand of an intrinsic whose result is a value (``as_value``: ``T.ld``,
+    ``T.wait_*``, ``T.atom_add``) on a global buffer indexed by an expression (``flags[T.get_rank()]``, ``flags[n]``) a read-write
+    ``tvm_access_ptr`` at the flat offset (printed as the same ``&buf[i]``): TileLang's
+    safe-memory pass would otherwise wrap that element in a bounds-guarded ``if_then_else``,
+    which is not an lvalue (TVM ``InternalError`` in ``address_of``).
+    """
+    indices = list(indices)
+    if as_value and _scope_of(buffer) == "global" and not all(isinstance(i, tirx.IntImm) for i in indices):
+        return buffer.access_ptr("rw", offset=_row_major_offset(buffer, indices), extent=1)
+    return tirx.address_of(tirx.BufferLoad(buffer, indices))
+
+
+def _row_major_offset(buffer: tirx.Buffer, indices) -> tirx.PrimExpr:
+    """Element offset of ``indices`` from the buffer's first element, in the indices' own
+    integer type (so the printed address reads like TileLang's ``&buf[i]``)."""
+    from tvm import arith
+
+    dtype = str(indices[0].dtype) if len(indices) else "int32"
+    strides = list(buffer.strides)
+    if not strides:
+        strides, acc = [], tirx.IntImm(dtype, 1)
+        for extent in reversed(list(buffer.shape)):
+            strides.insert(0, acc)
+            acc = acc * (extent if str(extent.dtype) == dtype else tirx.Cast(dtype, extent))
+    flat = None
+    for index, stride in zip(indices, strides):
+        index = index if str(index.dtype) == dtype else tirx.Cast(dtype, index)
+        stride = stride if str(stride.dtype) == dtype else tirx.Cast(dtype, stride)
+        term = index * stride
+        flat = term if flat is None else flat + term
+    return arith.Analyzer().simplify(flat)
 
 
 def _scope_of(buffer: tirx.Buffer) -> str:
     return str(buffer.scope())
 
 
-def operand(x: Any, name: str) -> Operand:
+def operand(x: Any, name: str, as_value: bool = False) -> Operand:
     """Reduce ``x`` (Buffer, BufferRegion, BufferLoad, ``T.address_of(...)`` or a handle) to
     an :class:`Operand`.
 
@@ -71,11 +120,14 @@ def operand(x: Any, name: str) -> Operand:
         return Operand(_addr(x.buffer, idx), str(x.buffer.dtype), _scope_of(x.buffer), x.buffer, None)
     if isinstance(x, tirx.BufferLoad):
         idx = [i.base if isinstance(i, tirx.Ramp) else i for i in x.indices]
-        return Operand(_addr(x.buffer, idx), str(x.buffer.dtype), _scope_of(x.buffer), x.buffer, idx)
+        return Operand(_addr(x.buffer, idx, as_value), str(x.buffer.dtype), _scope_of(x.buffer), x.buffer, idx)
     if isinstance(x, tirx.Call) and getattr(x.op, "name", "") == "tirx.address_of":
         inner = x.args[0]
         if isinstance(inner, tirx.BufferLoad):
-            return Operand(x, str(inner.buffer.dtype), _scope_of(inner.buffer), inner.buffer, list(inner.indices))
+            if not as_value:
+                return Operand(x, str(inner.buffer.dtype), _scope_of(inner.buffer), inner.buffer, list(inner.indices))
+            idx = [i.base if isinstance(i, tirx.Ramp) else i for i in inner.indices]
+            return Operand(_addr(inner.buffer, idx, True), str(inner.buffer.dtype), _scope_of(inner.buffer), inner.buffer, idx)
         return Operand(x, None, None)
     if isinstance(x, tirx.PrimExpr) and str(x.dtype) == "handle":
         dtype = scope = None
@@ -171,6 +223,12 @@ def pe_expr(pe: Any, name: str) -> tirx.PrimExpr | None:
     if isinstance(pe, int):
         if pe < -1:
             raise ValueError(f"{name} must be -1 (local) or a rank >= 0, got {pe}")
+        if pe > MAX_PE:
+            raise ValueError(
+                f"{name}={pe} is out of range: the metadata table holds at most {MAX_PE + 1} ranks "
+                f"(PE 0..{MAX_PE}); a run-time PE is checked against num_ranks when compiled with "
+                f"{CHECK_PE_ENV}=1"
+            )
         return None if pe == -1 else tirx.IntImm("int32", pe)
     if isinstance(pe, tirx.Buffer):
         raise TypeError(f"{name} must be an integer expression, got buffer {pe.name!r} (did you mean {pe.name}[0]?)")
@@ -191,6 +249,84 @@ def remote_pe(pe: Any, name: str, op: Operand, operand_name: str) -> tirx.PrimEx
     if pe_val is not None:
         require_global(op, operand_name, f"when {name} selects a peer")
     return pe_val
+
+def reads_table(call: tirx.Call) -> str | None:
+    """The helper's name when the ``call_extern`` ``call`` reads the metadata table (a peer
+    intrinsic or a rank query); None otherwise (local-only helpers, non-TileScale calls)."""
+    if getattr(call.op, "name", "") != "tirx.call_extern" or not call.args:
+        return None
+    head = call.args[0]
+    if not isinstance(head, tirx.StringImm) or not head.value.startswith(NS):
+        return None
+    base = head.value[len(NS):].split("<", 1)[0]
+    if base in TABLE_HELPERS:
+        return base
+    index = PE_ARGUMENT.get(base)
+    if index is None or len(call.args) <= index + 1:
+        return None
+    pe = call.args[index + 1]
+    if isinstance(pe, tirx.IntImm) and int(pe.value) < 0:
+        return None
+    return base
+
+
+def _static(e) -> int | None:
+    return int(e.value) if isinstance(e, tirx.IntImm) else None
+
+
+def flat_index(buffer: tirx.Buffer, indices) -> tirx.PrimExpr:
+    """``indices`` of ``buffer`` as one element offset from its data pointer (simplified)."""
+    from tvm import arith
+
+    return arith.Analyzer().simplify(buffer.offset_of(list(indices))[0])
+
+
+def available_elements(x: Any) -> int | None:
+    """Elements from ``x``'s start to the end of its region/buffer, when static (else None).
+
+    A buffer counts all its elements, a region ``buf[a:b]`` its extents' product, an element
+    ``buf[i]`` (or ``T.address_of(buf[i])``) the elements from ``i`` to the buffer's end."""
+    if isinstance(x, tirx.BufferRegion):
+        total = 1
+        for r in x.region:
+            e = _static(r.extent)
+            if e is None:
+                return None
+            total *= e
+        return total
+    if isinstance(x, tirx.Call) and x.args and isinstance(x.args[0], tirx.BufferLoad):
+        return available_elements(x.args[0])
+    buf = x if isinstance(x, tirx.Buffer) else getattr(x, "buffer", None)
+    if buf is None:
+        return None
+    total = 1
+    for e in buf.shape:
+        e = _static(e)
+        if e is None:
+            return None
+        total *= e
+    if isinstance(x, tirx.BufferLoad):
+        try:
+            flat = _static(flat_index(buf, x.indices))
+        except Exception:  # vector (Ramp) indices and the like: not a static element
+            return None
+        return None if flat is None else total - (flat - (_static(buf.elem_offset) or 0))
+    return total
+
+
+def check_extent(size: Any, x: Any, name: str, size_name: str = "size") -> None:
+    """ValueError when the constant element count ``size`` exceeds what ``x`` holds from its
+    start (both known at trace time); nothing when either is dynamic."""
+    if isinstance(size, tirx.IntImm):
+        size = int(size.value)
+    if not isinstance(size, int) or isinstance(size, bool):
+        return
+    avail = available_elements(x)
+    if avail is not None and size > avail:
+        raise ValueError(
+            f"{size_name}={size} elements exceeds {name}, which holds {avail} elements from its start"
+        )
+
 
 def size_bytes(size: Any, itemsize: int, name: str = "size") -> tirx.PrimExpr:
     """``size`` elements of ``itemsize`` bytes, as a uint64 byte count."""
@@ -218,6 +354,12 @@ def cast_to(value: Any, dtype: str, name: str) -> tirx.PrimExpr:
         if str(dtype).startswith(("int", "uint")):
             if isinstance(value, float):
                 raise TypeError(f"{name} must be an integer for a {dtype} flag, got {value!r}")
+            low, high = -(1 << (dt.bits - 1)), (1 << dt.bits) - 1
+            if not low <= value <= high:
+                raise ValueError(
+                    f"{name}={value} does not fit the {dtype} flag ({dt.bits} bits: {low}..{high}); "
+                    "it would be truncated"
+                )
             mask = (1 << dt.bits) - 1
             v = value & mask
             if str(dtype).startswith("int") and v >= 1 << (dt.bits - 1):

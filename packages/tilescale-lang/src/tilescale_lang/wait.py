@@ -28,7 +28,7 @@ def wait(relation: str, value, expected, peer=-1, scope: str = "sys", semantics:
         semantics: ``acquire`` | ``volatile``.
     """
     relation = V.choice(relation, tuple(_RELATIONS), "relation")
-    op = V.operand(value, "value")
+    op = V.operand(value, "value", as_value=True)
     dtype = V.require_dtype(op, "value")
     scope = V.choice(scope, ("sys", "gpu"), "scope")
     semantics = V.choice(semantics, ("acquire", "volatile"), "semantics")

@@ -8,6 +8,15 @@
 #define TILESCALE_WAIT_TIMEOUT_MS 0
 #endif
 
+#ifndef TILESCALE_CHECK_PE
+// Opt-in run-time PE range check (TILESCALE_CHECK_PE=1 at compile time); 0 compiles it out.
+#define TILESCALE_CHECK_PE 0
+#endif
+
+#if !defined(__CUDACC_RTC__)
+#include <cstdio>  // device printf for the traps below (NVRTC declares it itself)
+#endif
+
 #ifndef TILESCALE_ABI
 // Hash of the TileScale headers; the Python side passes -DTILESCALE_ABI=<sha> so that the
 // kernel cache key changes whenever these headers change.
@@ -45,19 +54,50 @@ template <typename To, typename From> TILESCALE_DEVICE To bit_cast(From v) {
   return u.t;
 }
 
+/// Trap: the module's table was never filled (kernel.initialize was not called), so every
+/// peer address would silently be the local one.
+static __device__ __noinline__ void missing_table_trap() {
+  printf("[tilescale] kernel launched without kernel.initialize(allocator=...): its metadata "
+         "table is empty (num_ranks == 0), so peer addresses are unknown; block (%d,%d,%d) "
+         "thread (%d,%d,%d)\n",
+         (int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z, (int)threadIdx.x, (int)threadIdx.y,
+         (int)threadIdx.z);
+  __trap();
+}
+
+/// Every read of the table goes through here: an initialised table has num_ranks >= 1
+/// (one uniform constant-cache load and a never-taken branch).
+TILESCALE_DEVICE void require_table() {
+  if (meta_data[1] == 0ull) missing_table_trap();
+}
+
 /// Rank of this process in the allocator's group (meta_data[0]).
-TILESCALE_DEVICE int get_rank() { return static_cast<int>(meta_data[0]); }
+TILESCALE_DEVICE int get_rank() { require_table(); return static_cast<int>(meta_data[0]); }
 /// Number of ranks in the allocator's group (meta_data[1]).
-TILESCALE_DEVICE int get_num_ranks() { return static_cast<int>(meta_data[1]); }
+TILESCALE_DEVICE int get_num_ranks() { require_table(); return static_cast<int>(meta_data[1]); }
 /// Base address of rank `pe`'s symmetric heap, mapped into this process.
-TILESCALE_DEVICE unsigned long long peer_base(int pe) { return meta_data[2 + pe]; }
+TILESCALE_DEVICE unsigned long long peer_base(int pe) { require_table(); return meta_data[2 + pe]; }
+
+#if TILESCALE_CHECK_PE
+/// Trap: a run-time PE outside 0..num_ranks-1 (compiled in with TILESCALE_CHECK_PE=1).
+static __device__ __noinline__ void pe_out_of_range_trap(int pe) {
+  printf("[tilescale] PE %d out of range: rank %d of %d ranks, block (%d,%d,%d) thread (%d,%d,%d)\n",
+         pe, (int)meta_data[0], (int)meta_data[1], (int)blockIdx.x, (int)blockIdx.y,
+         (int)blockIdx.z, (int)threadIdx.x, (int)threadIdx.y, (int)threadIdx.z);
+  __trap();
+}
+#endif
 
 /// Address of `ptr`'s symmetric counterpart on rank `pe`.  A negative `pe` (-1) keeps the
 /// local address, so a PE that is -1 only at run time is local too.
 template <typename T> TILESCALE_DEVICE T* remap(T* ptr, int pe) {
   if (pe < 0) return ptr;
+  const int me = get_rank();
+#if TILESCALE_CHECK_PE
+  if (pe >= static_cast<int>(meta_data[1])) pe_out_of_range_trap(pe);
+#endif
   unsigned long long p = reinterpret_cast<unsigned long long>(ptr);
-  return reinterpret_cast<T*>(p - meta_data[2 + get_rank()] + meta_data[2 + pe]);
+  return reinterpret_cast<T*>(p - meta_data[2 + me] + meta_data[2 + pe]);
 }
 
 /// remap() as an untyped, non-const pointer (for DeclBuffer views of remote buffers).

@@ -25,7 +25,7 @@ template <typename T>
 __device__ __noinline__ void wait_timeout(const char* what, const void* ptr, T expected, T observed) {
   printf("[tilescale] %s timed out after %d ms: rank %d block (%d,%d,%d) thread (%d,%d,%d) "
          "address %p expected %llu (0x%llx) observed %llu (0x%llx)\n",
-         what, (int)TILESCALE_WAIT_TIMEOUT_MS, get_rank(), (int)blockIdx.x, (int)blockIdx.y,
+         what, (int)TILESCALE_WAIT_TIMEOUT_MS, (int)meta_data[0], (int)blockIdx.x, (int)blockIdx.y,
          (int)blockIdx.z, (int)threadIdx.x, (int)threadIdx.y, (int)threadIdx.z, ptr,
          (unsigned long long)expected, (unsigned long long)expected,
          (unsigned long long)observed, (unsigned long long)observed);

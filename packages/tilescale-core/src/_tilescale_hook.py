@@ -1,0 +1,125 @@
+"""Attach TileScale to the stock ``tilelang`` package when, and only when, it is imported.
+
+This top-level module (shipped in the ``tilescale-core`` wheel beside ``tilescale_core.pth``,
+re-exported as ``tilescale_core._bootstrap``) is imported at interpreter start by the
+``.pth`` line, so it must stay cheap: one module, outside the package so that
+``tilescale_core/__init__`` is not imported too: standard library only, no CUDA, no torch,
+no tilelang.  It installs one :class:`importlib.abc.MetaPathFinder` that recognises the
+top-level ``tilelang`` import, lets the normal finders locate the stock package, and wraps
+its loader so that right after stock ``tilelang/__init__.py`` has run, every TileScale
+extension registered under the entry-point group :data:`ENTRY_POINT_GROUP` is called with
+the ``tilelang`` module.  Stock files are never touched: removing the tilescale wheels
+removes the ``.pth`` file and with it every trace of the hook.
+
+Extensions are plain callables ``extend(tilelang_module) -> None``; they are called in
+entry-point-name order.  One that raises is reported with a :class:`RuntimeWarning` and
+skipped, so a broken extension never breaks stock tilelang.
+
+Setting the environment variable ``TILESCALE_DISABLE_HOOK=1`` before the interpreter
+starts leaves ``tilelang`` exactly stock (useful to bisect a problem); the ``.pth`` line
+checks it before importing anything.
+
+Start-up cost: this module and ``tilescale_core/__init__`` import nothing beyond ``os`` and
+``sys`` (already loaded by ``site``): the finder and loader are plain classes (the
+``importlib.abc`` bases would pull in ``typing`` and ``importlib.resources``, ~20 ms), and
+``warnings`` / ``importlib.metadata`` are imported only when ``tilelang`` is.
+"""
+
+import os
+import sys
+
+#: Entry-point group under which packages register ``extend(tilelang_module)`` callables.
+ENTRY_POINT_GROUP = "tilescale.tilelang_extensions"
+#: Environment variable that, when set to ``1``, keeps the hook from being installed.
+DISABLE_ENV = "TILESCALE_DISABLE_HOOK"
+_TARGET = "tilelang"
+_MARKER = "__tilescale_extensions__"
+
+
+class _ExtendingLoader:
+    """Delegates to the stock loader, then runs the TileScale extensions."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._inner.exec_module(module)
+        extend(module)
+
+    def __getattr__(self, name):  # get_resource_reader, is_package, get_data, ...
+        return getattr(self._inner, name)
+
+
+class TilelangFinder:
+    """Meta-path finder that wraps the loader of the top-level ``tilelang`` package."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _TARGET:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or isinstance(finder, TilelangFinder):
+                continue
+            find_spec = getattr(finder, "find_spec", None)
+            if find_spec is None:
+                continue
+            spec = find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and not isinstance(spec.loader, _ExtendingLoader):
+            spec.loader = _ExtendingLoader(spec.loader)
+        return spec
+
+
+def extension_entry_points():
+    """Return the registered extension entry points, sorted by name."""
+    from importlib.metadata import entry_points
+
+    return sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+
+
+def extend(tilelang_module):
+    """Run every registered extension on ``tilelang_module`` once; return the names applied.
+
+    Calling it again on the same module is a no-op that returns the same names.
+    """
+    applied = getattr(tilelang_module, _MARKER, None)
+    if applied is not None:
+        return list(applied)
+    applied = []
+    setattr(tilelang_module, _MARKER, applied)
+    for ep in extension_entry_points():
+        try:
+            ep.load()(tilelang_module)
+        except Exception as exc:  # a broken extension must not break stock tilelang
+            import warnings
+
+            warnings.warn(
+                f"TileScale extension {ep.name!r} ({ep.value}) failed and was skipped: "
+                f"{type(exc).__name__}: {exc}. Stock tilelang remains usable.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            continue
+        applied.append(ep.name)
+    return list(applied)
+
+
+def install():
+    """Install the finder (idempotent). Return True when the hook is active.
+
+    If ``tilelang`` was imported before the hook was installed, the extensions are applied
+    to it right away.
+    """
+    if os.environ.get(DISABLE_ENV, "") == "1":
+        return False
+    if not any(isinstance(f, TilelangFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, TilelangFinder())
+    module = sys.modules.get(_TARGET)
+    if module is not None:
+        extend(module)
+    return True
