@@ -70,6 +70,32 @@ def _push(world=3, rank=1, m_local=512, k=64, chunks=((0, 1), (1, 3))):
     return CopyEnginePush(gathered, flags, rank, world, list(chunks), 128, "cpu"), gathered, flags
 
 
+@pytest.mark.parametrize("needs_own_gpus,shared,plan", [
+    (True, True, "sequential"), (True, False, "fused"), (False, True, "fused"),
+])
+def test_resolve_plan_needs_own_gpus_when_asked(monkeypatch, caplog, needs_own_gpus, shared, plan):
+    from tilescale_examples import collective, stream_ops
+
+    monkeypatch.setattr(stream_ops, "stream_ops_available", lambda device: (True, "supported"))
+    monkeypatch.setattr(collective, "all_ranks_agree", lambda ok, group, device: ok)
+    asked = []
+    monkeypatch.setattr(stream_ops, "ranks_share_a_gpu", lambda device, group, world: asked.append(world) or shared)
+    with caplog.at_level(logging.WARNING, logger="tilescale_examples"):
+        got, reason = resolve_plan("Thing", "auto", torch.device("cuda:0"), object(), 2, needs_own_gpus)
+    assert got == plan
+    assert asked == ([2] if needs_own_gpus else [])
+    if plan == "sequential":
+        assert reason.startswith("ranks share a GPU") and "Thing: ranks share a GPU" in caplog.text
+        with pytest.raises(RuntimeError, match="plan='fused' needs .*ranks share a GPU"):
+            resolve_plan("Thing", "fused", torch.device("cuda:0"), object(), 2, needs_own_gpus)
+
+
+def test_ranks_share_a_gpu_is_false_for_one_rank():
+    from tilescale_examples.stream_ops import ranks_share_a_gpu
+
+    assert ranks_share_a_gpu(torch.device("cpu"), None, 1) is False
+
+
 def test_copy_engine_ops_cover_every_chunk_of_every_peer_in_order():
     world, rank, m_local, k = 3, 1, 512, 64
     push, gathered, flags = _push(world, rank, m_local, k)

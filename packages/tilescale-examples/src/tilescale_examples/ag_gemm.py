@@ -152,8 +152,9 @@ class AllGatherGEMM(OverlappedGemm):
         block_m, block_n, block_k, num_stages, threads: the GEMM's tiling
             (:class:`~tilescale_examples.gemm.GemmTiles`).
         max_chunks: most row chunks per rank (:func:`~tilescale_examples.stream_ops.plan_row_chunks`).
-        plan: ``"auto"`` (fused where stream memory operations exist on every rank, else
-            sequential with a log line), ``"fused"`` or ``"sequential"``.
+        plan: ``"auto"`` (fused where stream memory operations exist on every rank and every
+            rank has a GPU of its own, else sequential with a log line), ``"fused"`` or
+            ``"sequential"``.
         target: TileLang target (default ``sm_90a``).
 
     Attributes: ``output`` (``(world_size * m_local, n)``, overwritten by the next call),
@@ -167,6 +168,8 @@ class AllGatherGEMM(OverlappedGemm):
 
     _BUFFERS = ("output", "gathered", "flags", "all_gather", "own_kernel", "_push", "_peers", "_order",
                 "_compute")
+    #: Ranks sharing a GPU run the sequential plan: a copy within one GPU may be an SM kernel.
+    FUSED_NEEDS_OWN_GPUS = True
 
     def __init__(self, allocator, m_local: int, k: int, n: int, dtype: Union[torch.dtype, str] = torch.float16, *,
                  group=None, block_m: int = 128, block_n: int = 256, block_k: int = 64, num_stages: int = 3,

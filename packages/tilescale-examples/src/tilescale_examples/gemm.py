@@ -173,6 +173,8 @@ class OverlappedGemm(Closable):
     GEMM in ``kernel`` (``None`` once closed) and list their buffers in ``_BUFFERS``."""
 
     _BUFFERS: tuple = ()
+    #: Whether the fused plan needs one GPU per rank (its GEMM waits for copy-engine work).
+    FUSED_NEEDS_OWN_GPUS: bool = False
 
     def _setup(self, allocator, m_local: int, k: int, n: int, dtype, group, tiles: GemmTiles, plan: str,
                rows_per_call: int) -> None:
@@ -196,7 +198,8 @@ class OverlappedGemm(Closable):
         self.world_size, self.rank = W, int(allocator.local_rank)
         self.device = torch.device(allocator.device)
         self.group = default_group() if group is None else group
-        self.plan, self.plan_reason = resolve_plan(owner, plan, self.device, self.group, W)
+        self.plan, self.plan_reason = resolve_plan(owner, plan, self.device, self.group, W,
+                                                   type(self).FUSED_NEEDS_OWN_GPUS)
         self.epoch = 0
         self._order_calls = CallOrder()
 

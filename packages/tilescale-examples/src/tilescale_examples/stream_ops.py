@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-__all__ = ["log", "PLANS", "stream_ops_available", "choose_plan", "resolve_plan", "plan_row_chunks",
+__all__ = ["log", "PLANS", "stream_ops_available", "ranks_share_a_gpu", "choose_plan", "resolve_plan", "plan_row_chunks",
            "CopyEnginePush", "CallOrder", "wait_counter_geq"]
 
 #: Logger of the examples (the plans' fallback notices go here, at WARNING).
@@ -54,6 +54,26 @@ def stream_ops_available(device) -> tuple:
     return True, f"cuda:{index} supports 64-bit stream memory operations"
 
 
+def ranks_share_a_gpu(device, group=None, world_size: int = 1) -> bool:
+    """Whether two ranks of ``group`` run on one physical GPU (their devices' UUIDs agree).
+    Collective over ``group`` when ``world_size > 1``; ``False`` for one rank.
+
+    Why it matters: a device-to-device ``cuMemcpyAsync`` whose source and destination are on
+    the same GPU may be carried out by a copy kernel on the SMs rather than by a copy engine,
+    and then a kernel that spins on every SM waiting for that copy never sees it."""
+    import torch
+
+    if world_size <= 1 or group is None:
+        return False
+    import torch.distributed as dist
+
+    device = torch.device(device)
+    mine = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else f"host:{device}"
+    uuids = [None] * world_size
+    dist.all_gather_object(uuids, mine, group=group)
+    return len(set(uuids)) < len(uuids)
+
+
 #: Values of the overlapped GEMMs' ``plan`` argument.
 PLANS = ("auto", "fused", "sequential")
 
@@ -76,10 +96,13 @@ def choose_plan(requested: str, available: bool, reason: str = "") -> tuple:
     return "sequential", reason
 
 
-def resolve_plan(owner: str, requested: str, device, group=None, world_size: int = 1) -> tuple:
+def resolve_plan(owner: str, requested: str, device, group=None, world_size: int = 1,
+                 needs_own_gpus: bool = False) -> tuple:
     """:func:`choose_plan` with availability probed on ``device`` and agreed over ``group``
     (collective when ``world_size > 1`` and ``requested`` is not ``"sequential"``: the ranks
-    must allocate the same buffers). Logs a WARNING when ``"auto"`` falls back."""
+    must allocate the same buffers). ``needs_own_gpus``: the fused plan waits on SMs for
+    device-to-device copies, so it is unavailable when ranks share a GPU
+    (:func:`ranks_share_a_gpu`). Logs a WARNING when ``"auto"`` falls back."""
     from tilescale_examples.collective import all_ranks_agree
 
     if requested not in PLANS:
@@ -92,6 +115,9 @@ def resolve_plan(owner: str, requested: str, device, group=None, world_size: int
         if ok and not agreed:
             reason = "another rank's device has no 64-bit stream memory operations"
         ok = agreed
+        if ok and needs_own_gpus and ranks_share_a_gpu(device, group, world_size):
+            ok, reason = False, ("ranks share a GPU, where device-to-device copies may run on the SMs "
+                                 "that the waiting GEMM holds")
     plan, reason = choose_plan(requested, ok, reason)
     if requested == "auto" and plan == "sequential":
         log.warning("%s: %s; using the sequential plan (communication kernel, then GEMM, no overlap)", owner, reason)
