@@ -22,7 +22,7 @@ STOCK: dict[str, Any] = {}
 
 def intrinsics() -> dict[str, Any]:
     """Name -> callable of every intrinsic exported on ``tilelang.language``."""
-    from . import barrier, memory, multimem, peer_copy, profiler, rank, wait
+    from . import atomics, barrier, memory, multimem, peer_copy, profiler, rank, signals, team, wait
 
     names = {
         "get_rank": rank.get_rank,
@@ -55,6 +55,8 @@ def intrinsics() -> dict[str, Any]:
         "MultimemReduceOp": multimem.MultimemReduceOp,
     }
     names.update(wait.WAITS)
+    for module in (signals, atomics, team):
+        names.update(module.EXPORTS)
     return names
 
 

@@ -17,7 +17,13 @@ from . import validation as V
 _LOCAL = tirx.IntImm("int32", -1)
 
 
-def _peer_copy(kind: str, src, dst, size, pe, pe_name: str, remote_side: str, template: str):
+def copy_operands(kind: str, src, dst, size, pe, pe_name: str, remote_side: str):
+    """Checked operands of a peer copy: ``(src ptr, dst ptr, byte count, int32 PE)``.
+
+    ``size`` counts elements of the source's type (the destination's for an untyped
+    source); ``remote_side`` (``"src"``/``"dst"``) must be global memory when ``pe`` selects
+    a peer.  Used by every put/get intrinsic (plain, nbi and with signal).
+    """
     s = V.operand(src, "src")
     d = V.operand(dst, "dst")
     if s.itemsize is not None and d.itemsize is not None and s.itemsize != d.itemsize:
@@ -27,9 +33,12 @@ def _peer_copy(kind: str, src, dst, size, pe, pe_name: str, remote_side: str, te
         raise TypeError(f"{kind}: element type unknown for both src and dst; pass typed pointers (T.address_of(buf[i]))")
     nbytes = V.size_bytes(size, itemsize, "size")
     pe_val = V.remote_pe(pe, pe_name, s if remote_side == "src" else d, remote_side)
-    return V.extern(
-        "handle", f"tilescale::{kind}<{template}>", s.ptr, d.ptr, nbytes, _LOCAL if pe_val is None else pe_val
-    )
+    return s.ptr, d.ptr, nbytes, _LOCAL if pe_val is None else pe_val
+
+
+def _peer_copy(kind: str, src, dst, size, pe, pe_name: str, remote_side: str, template: str):
+    args = copy_operands(kind, src, dst, size, pe, pe_name, remote_side)
+    return V.extern("handle", f"tilescale::{kind}<{template}>", *args)
 
 
 def _unroll(unroll_factor, aggressive) -> str:
