@@ -268,3 +268,46 @@ def test_exported_on_T():
         assert getattr(T, name).__doc__, name
     assert (T.SIGNAL_SET, T.SIGNAL_ADD) == ("set", "add")
     assert (T.CMP_EQ, T.CMP_NE, T.CMP_GT, T.CMP_GE, T.CMP_LT, T.CMP_LE) == ("eq", "ne", "gt", "ge", "lt", "le")
+
+
+# ------------------------------------------------------------------------------ coherent reads
+def _consumer():
+    @T.prim_func
+    def consumer(D: T.Tensor((1024,), "uint32"), Sg: T.Tensor((4,), "uint64"), O: T.Tensor((1024,), "uint32")):
+        with T.Kernel(1, threads=128) as _:
+            tx = T.get_thread_binding()
+            if tx == 0:
+                T.signal_wait_until(Sg[0], "ge", 1)
+            T.sync_threads()
+            for j in T.serial(8):
+                O[j * 128 + tx] = D[j * 128 + tx]
+
+    return consumer
+
+
+def _stock_reader():
+    @T.prim_func
+    def reader(D: T.Tensor((1024,), "uint32"), O: T.Tensor((1024,), "uint32")):
+        with T.Kernel(1, threads=128) as _:
+            tx = T.get_thread_binding()
+            for j in T.serial(8):
+                O[j * 128 + tx] = D[j * 128 + tx]
+
+    return reader
+
+
+def test_consumer_parameters_are_not_read_only():
+    """A buffer a TileScale kernel only reads may be written by a peer while it runs: it is
+    neither ``const`` nor ``__restrict__`` (nvcc would read it through ld.global.nc)."""
+    src = lower_source(_consumer())
+    sig = src[src.index("consumer_kernel("):src.index(")", src.index("consumer_kernel("))]
+    assert "const" not in sig and "__restrict__" not in sig, sig
+    stock = lower_source(_stock_reader())
+    assert "const uint* __restrict__ D" in stock  # stock kernels are untouched
+
+
+@needs_nvcc
+def test_consumer_reads_are_coherent_ptx(tmp_path):
+    ptx = nvcc_ptx(lower_source(_consumer()), tmp_path)
+    assert "ld.acquire.sys.b64" in ptx
+    assert "ld.global.nc" not in ptx

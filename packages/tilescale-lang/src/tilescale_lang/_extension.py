@@ -6,6 +6,7 @@ Called by tilescale-core's import hook right after ``import tilelang``; attaches
   ...), and ``T.copy`` / ``T.tma_copy`` wrappers that accept ``src_pe``/``dst_pe`` and are
   stock TileLang when no peer is given;
 * ``JITKernel.initialize(allocator=..., stream=None)``;
+* wrappers around stock pipeline passes for TileScale kernels (:mod:`.pipeline_hooks`);
 * the CUDA post-processing callback that includes the TileScale headers, the
   ``runtime.nvshmem.cumodule_init`` module hook (before any launch), and the compile
   wrappers that add the header flags (``tilelang.compile(..., compile_once=True,
@@ -83,7 +84,7 @@ def extend(tilelang_module) -> None:
     import tilelang.language as T
     from tilelang.jit.kernel import JITKernel
 
-    from . import codegen, metadata, peer_copy
+    from . import codegen, metadata, peer_copy, pipeline_hooks
 
     for name, fn in intrinsics().items():
         setattr(T, name, fn)
@@ -97,6 +98,7 @@ def extend(tilelang_module) -> None:
     tl_jit = importlib.import_module("tilelang.jit")  # the package (tilelang.jit is the decorator)
 
     codegen.install_postproc()
+    pipeline_hooks.install()
     metadata.install_module_hook()
 
     tl_jit.cached = codegen.wrap_cached(tl_jit.cached)
