@@ -9,8 +9,8 @@ Called by tilescale-core's import hook right after ``import tilelang``; attaches
 * wrappers around stock pipeline passes for TileScale kernels (:mod:`.pipeline_hooks`);
 * the CUDA post-processing callback that includes the TileScale headers, the
   ``runtime.nvshmem.cumodule_init`` module hook (before any launch), and the compile
-  wrappers that add the header flags (``tilelang.compile(..., compile_once=True,
-  compile_group=group)`` too).
+  wrappers that add the header flags (``tilelang.compile`` / ``@tilelang.jit`` with
+  ``compile_once=``, ``compile_group=``, ``compile_root=`` too).
 """
 
 from __future__ import annotations
@@ -105,3 +105,7 @@ def extend(tilelang_module) -> None:
     wrapped = codegen.wrap_compile(tl_jit.compile)
     tl_jit.compile = wrapped
     tilelang_module.compile = wrapped
+    jit = codegen.wrap_jit(tl_jit.jit)
+    tl_jit.jit = jit
+    tilelang_module.jit = jit
+    tl_jit.JITImpl.compile = codegen.wrap_jit_impl_compile(tl_jit.JITImpl.compile)
