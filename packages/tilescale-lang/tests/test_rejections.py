@@ -76,7 +76,7 @@ CASES = [
     # barriers
     (lambda A, F, G, s, f, r, X: T.barrier_blocks(G), TypeError, "barrier"),
     (lambda A, F, G, s, f, r, X: T.barrier_blocks(f), ValueError, "barrier"),
-    (lambda A, F, G, s, f, r, X: T.init_barrier_gpu(F[7:8], 4), ValueError, "barrier"),
+    (lambda A, F, G, s, f, r, X: T.init_barrier_gpu(f, 4), ValueError, "barrier"),
     (lambda A, F, G, s, f, r, X: T.notify(G[0], 1, sig_op="add"), TypeError, "sig_op"),
     (lambda A, F, G, s, f, r, X: T.notify(F[0], 1, sig_op="xor"), ValueError, "sig_op"),
 ]

@@ -6,6 +6,7 @@
 #include "wait.cuh"
 #include "signal.cuh"
 #include "barrier.cuh"
+#include "barrier1.cuh"
 #include "team.cuh"
 #include "multimem.cuh"
 #include "profiler.cuh"
