@@ -84,11 +84,12 @@ def extend(tilelang_module) -> None:
     import tilelang.language as T
     from tilelang.jit.kernel import JITKernel
 
-    from . import codegen, metadata, peer_copy, pipeline_hooks
+    from . import atomics, codegen, metadata, peer_copy, pipeline_hooks
 
     for name, fn in intrinsics().items():
         setattr(T, name, fn)
-    for name, wrapper in (("copy", peer_copy.copy), ("tma_copy", peer_copy.tma_copy)):
+    wrappers = {"copy": peer_copy.copy, "tma_copy": peer_copy.tma_copy, **atomics.WRAPPERS}
+    for name, wrapper in wrappers.items():
         current = getattr(T, name)
         if current is not wrapper:
             STOCK.setdefault(name, current)

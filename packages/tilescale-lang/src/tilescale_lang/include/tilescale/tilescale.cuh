@@ -5,6 +5,7 @@
 #include "copy.cuh"
 #include "wait.cuh"
 #include "signal.cuh"
+#include "atomic.cuh"
 #include "barrier.cuh"
 #include "barrier1.cuh"
 #include "team.cuh"
