@@ -154,3 +154,166 @@ def test_remote_atomics_rejected_while_tracing(case):
     body, exc, word = ATOMIC_REJECT[case]
     with pytest.raises(exc, match=word):
         _trace(body)
+
+
+# ------------------------------------------------------------------------------ remote TMA
+def _tma_kernel(const_pe: int | None = None):
+    """A TMA load from a peer, a TMA store to a peer and a TMA reduce-add into a peer."""
+
+    @T.prim_func
+    def k(A: T.Tensor((256, 256), "float16"), B: T.Tensor((256, 256), "float16"), C: T.Tensor((256, 256), "float32"),
+          pe: T.int32):
+        with T.Kernel(4, 4, threads=128) as (bx, by):
+            s = T.alloc_shared((64, 64), "float16")
+            sf = T.alloc_shared((64, 64), "float32")
+            bar = T.alloc_barrier([1])
+            p = pe if const_pe is None else const_pe
+            T.tma_copy(A[bx * 64:(bx + 1) * 64, by * 64:(by + 1) * 64], s, barrier=bar[0], src_pe=p)
+            if T.shuffle_elect(128):
+                T.barrier_arrive(bar[0])
+            T.mbarrier_wait_parity(bar[0], 0)
+            T.tma_copy(s, B[bx * 64:(bx + 1) * 64, by * 64:(by + 1) * 64], dst_pe=p)
+            T.tma_store_wait(0)
+            for i, j in T.Parallel(64, 64):
+                sf[i, j] = T.Cast("float32", s[i, j])
+            T.fence_proxy_async()
+            T.sync_threads()
+            T.atomic_add(C[bx * 64:(bx + 1) * 64, by * 64:(by + 1) * 64], sf, use_tma=True, dst_pe=p)
+            T.tma_store_wait(0)
+
+    return k
+
+
+def _lowered(func):
+    import tilelang
+    from tilelang import tvm
+
+    with tvm.target.Target(TARGET):
+        return tilelang.lower(func, target=TARGET)
+
+
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def test_remote_tma_dispatches_over_one_descriptor_per_peer():
+    art = _lowered(_tma_kernel())
+    body = kernel_body(art.kernel_source)
+    for k in range(8):
+        assert f"tl::tma_load(tilescale_tma_peer{k}_A_desc, bar[0]" in body, k
+        assert f"tl::tma_store(tilescale_tma_peer{k}_B_desc" in body, k
+        assert f"tilescale_tma_peer{k}_C_desc" in body, k
+        assert f"if (p == {k})" in body or k == 7
+    assert "tl::tma_load(A_desc, bar[0]" in body  # p < 0 at run time: the local tensor
+    assert body.count("tilescale::tma_bad_pe(p);") == 3  # PEs outside 0..7 or the group
+    assert "(p < 8) && (p < tilescale::get_num_ranks())" in body
+    host = art.host_mod.script()
+    for name in "ABC":
+        fill = host.index(f'T.call_packed("tilescale.tma_peer_addresses", {name}, tilescale_tma_peers_{name})')
+        bind = host.index(f"tilescale_tma_peer3_{name} = T.reinterpret(\"handle\", tilescale_tma_peers_{name}_buf[3])")
+        encode = host.index(f'T.call_packed("__tvm_tensormap_create_tiled", tilescale_tma_peer3_{name}_desc')
+        assert fill < bind < encode  # addresses from the heap table, then the descriptor
+
+
+def test_remote_tma_constant_pe_needs_one_descriptor():
+    art = _lowered(_tma_kernel(const_pe=2))
+    body = kernel_body(art.kernel_source)
+    assert "tl::tma_load(tilescale_tma_peer2_A_desc" in body
+    assert "peer1" not in body and "peer3" not in body and "A_desc," not in body.replace("peer2_A_desc", "")
+    assert "if (2 < tilescale::get_num_ranks())" in body
+
+
+@needs_nvcc
+def test_remote_tma_ptx_and_debug_trap(tmp_path):
+    src = _lowered(_tma_kernel()).kernel_source
+    ptx = nvcc_ptx(src, tmp_path)
+    assert "cp.async.bulk.tensor.2d.shared::cta.global.mbarrier::complete_tx::bytes" in ptx  # load
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx  # store
+    assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx  # reduce
+    assert "trap" not in ptx  # a bad PE issues no operation ...
+    ptx = nvcc_ptx(src, tmp_path, extra=["-DTILESCALE_DEBUG=1"])
+    assert "trap" in ptx and "vprintf" in ptx  # ... or traps with a message under TILESCALE_DEBUG
+
+
+TMA_REJECT = [
+    (lambda A, s, bar: T.tma_copy(A[0:64, 0:64], s, barrier=bar[0], src_pe=8), ValueError, "PEs 0..7"),
+    (lambda A, s, bar: T.tma_copy(s, A[0:64, 0:64], dst_pe=9), ValueError, "PEs 0..7"),
+    (lambda A, s, bar: T.tma_copy(A[0:64, 0:64], s, barrier=bar[0], src_pe=1, dst_pe=0), ValueError, "both"),
+    (lambda A, s, bar: T.tma_copy(s, A[0:64, 0:64], src_pe=1), ValueError, "src"),
+    (lambda A, s, bar: T.tma_copy(A[0:64, 0:64], s, barrier=bar[0], dst_pe=1), ValueError, "dst"),
+    (lambda A, s, bar: T.tma_copy(A[0:64, 0:64], s, barrier=bar[0], src_pe=-3), ValueError, "src_pe"),
+    (lambda A, s, bar: T.atomic_add(A[0:64, 0:64], s, use_tma=True, dst_pe=8), ValueError, "PEs 0..7"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(TMA_REJECT)))
+def test_remote_tma_rejected_while_tracing(case):
+    body, exc, word = TMA_REJECT[case]
+    with pytest.raises(exc, match=word):
+        @T.prim_func
+        def k(A: T.Tensor((256, 256), "float16")):
+            with T.Kernel(1, threads=128) as _:
+                s = T.alloc_shared((64, 64), "float16")
+                bar = T.alloc_barrier([1])
+                body(A, s, bar)
+
+
+class _Heap:
+    def __init__(self, table, size):
+        import torch
+
+        self.table = torch.tensor(table, dtype=torch.uint64)
+        self.size = size
+        self.closed = False
+
+
+def test_peer_addresses_from_the_registered_heap():
+    import ctypes
+
+    from tilescale_lang import remote_tma
+
+    bases = [0x7F0000000000, 0x7F1000000000, 0x7F2000000000]
+    heap = _Heap([1, 3, *bases], 1 << 30)
+    remote_tma.register_heap(heap, [1, 3, *bases])
+    ptr = bases[1] + 0x1234 * 16
+    got = remote_tma.peer_addresses(ptr)
+    assert got[:3] == [b + 0x1234 * 16 for b in bases] and got[3:] == [ptr] * 5
+    slots = (ctypes.c_int64 * 8)()
+    remote_tma._fill_addresses(ctypes.c_void_p(ptr), ctypes.c_void_p(ctypes.addressof(slots)))
+    assert list(slots) == got
+    with pytest.raises(RuntimeError, match="not in a symmetric heap registered by kernel.initialize"):
+        remote_tma.peer_addresses(bases[1] + (1 << 30))  # one past the heap
+    heap.closed = True
+    with pytest.raises(RuntimeError, match="kernel.initialize"):
+        remote_tma.peer_addresses(ptr)  # a closed allocator's heap is forgotten
+
+
+def test_host_binding_runs_through_the_c_host_codegen(tmp_path):
+    """The statements the pass adds, compiled by TVM's C host codegen and run on the CPU:
+    the peer pointers read back equal the heap-table addresses."""
+    import torch
+    import tvm
+    from tvm import ir, tirx
+
+    from tilescale_core._dlpack import byte_view
+    from tilescale_lang import remote_tma
+    from tilescale_lang.pipeline_hooks import _peer_bindings
+
+    bases = [0x100000, 0x200000, 0x300000, 0x400000]
+    heap = _Heap([2, 4, *bases], 1 << 16)  # the registry keeps a weak reference only
+    remote_tma.register_heap(heap, [2, 4, *bases])
+    a_handle = tirx.Var("A_handle", "handle")
+    a = tirx.decl_buffer((16,), "float32", name="A")
+    out_handle = tirx.Var("out_handle", "handle")
+    out = tirx.decl_buffer((8,), "int64", name="out")
+    peers = [tirx.Var(remote_tma.peer_var_name(k, "A"), ir.PointerType(ir.PrimType("float32"), "global")) for k in range(8)]
+    body = tirx.SeqStmt([tirx.BufferStore(out, tirx.reinterpret("int64", v), [k]) for k, v in enumerate(peers)])
+    func = tirx.PrimFunc([a_handle, out_handle], body, buffer_map={a_handle: a, out_handle: out})
+    func = _peer_bindings(func).with_attr("global_symbol", "bind_peers")
+    lib = tvm.compile(tvm.IRModule({"bind_peers": func}), target="c")
+    lib.export_library(str(tmp_path / "bind.so"))
+    lib = tvm.runtime.load_module(str(tmp_path / "bind.so"))
+    ptr = bases[2] + 0x40
+    res = torch.zeros(8, dtype=torch.int64)
+    fake_a = byte_view(ptr, 64, torch.device("cpu")).view(torch.float32)  # never dereferenced
+    lib["bind_peers"](fake_a, res)
+    assert res.tolist() == [b + 0x40 for b in bases] + [ptr] * 4

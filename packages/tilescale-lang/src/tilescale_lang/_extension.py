@@ -72,9 +72,12 @@ def _initialize(self, allocator=None, stream=None):
     Returns:
         the kernel itself.
     """
-    from .metadata import initialize
+    from . import remote_tma
+    from .metadata import initialize, table_from_allocator
 
-    return initialize(self, allocator=allocator, stream=stream)
+    kernel = initialize(self, allocator=allocator, stream=stream)
+    remote_tma.register_heap(allocator, table_from_allocator(allocator))  # remote TMA descriptors
+    return kernel
 
 
 def extend(tilelang_module) -> None:
@@ -84,7 +87,7 @@ def extend(tilelang_module) -> None:
     import tilelang.language as T
     from tilelang.jit.kernel import JITKernel
 
-    from . import atomics, codegen, metadata, peer_copy, pipeline_hooks
+    from . import atomics, codegen, metadata, peer_copy, pipeline_hooks, remote_tma
 
     for name, fn in intrinsics().items():
         setattr(T, name, fn)
@@ -100,6 +103,7 @@ def extend(tilelang_module) -> None:
 
     codegen.install_postproc()
     pipeline_hooks.install()
+    remote_tma.install()
     metadata.install_module_hook()
 
     tl_jit.cached = codegen.wrap_cached(tl_jit.cached)

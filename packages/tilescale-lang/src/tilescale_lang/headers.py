@@ -19,6 +19,8 @@ INCLUDE_DIR = Path(__file__).with_name("include")
 MAIN_HEADER = "tilescale/tilescale.cuh"
 #: Environment variable holding the wait timeout in milliseconds (read at compile time).
 WAIT_TIMEOUT_ENV = "TILESCALE_WAIT_TIMEOUT_MS"
+#: Environment variable that compiles the device debug checks in (``1``; read at compile time).
+DEBUG_ENV = "TILESCALE_DEBUG"
 
 
 def include_dir() -> str:
@@ -77,4 +79,20 @@ def compile_flags() -> list[str]:
     timeout = wait_timeout_ms()
     if timeout:
         flags.append(f"-DTILESCALE_WAIT_TIMEOUT_MS={timeout}")
+    if debug_enabled():
+        flags.append("-DTILESCALE_DEBUG=1")
     return flags
+
+
+def debug_enabled() -> bool:
+    """Whether ``TILESCALE_DEBUG`` asks for the device debug checks (``1``; unset or ``0``: off).
+
+    Raises:
+        ValueError: any other value.
+    """
+    raw = os.environ.get(DEBUG_ENV, "").strip()
+    if raw in ("", "0"):
+        return False
+    if raw == "1":
+        return True
+    raise ValueError(f"{DEBUG_ENV} must be 0 or 1, got {raw!r}")

@@ -1,5 +1,5 @@
 """Peer copies: ``T.put_warp``, ``T.get_warp``, ``T.put_block``, ``T.get_block`` and the
-remote forms of ``T.copy`` / ``T.tma_copy``.
+remote forms of ``T.copy`` / ``T.tma_copy`` (the latter in :mod:`.remote_tma`).
 
 ``size`` counts elements of the source's element type (the destination's when the source
 is an untyped pointer).  A PE of -1 (or omitted) keeps the address local; a PE >= 0 remaps
@@ -157,16 +157,14 @@ def _emit_stmt(stmt, IB):
 
 
 def tma_copy(src, dst, src_pe=None, dst_pe=None, **kwargs):
-    """``T.tma_copy`` with ``src_pe``/``dst_pe`` accepted for signature compatibility.
+    """``T.tma_copy`` with optional peers.
 
-    Without a peer (None or -1) it is stock ``T.tma_copy``.  Remote TMA is not implemented
-    in this release (a TMA descriptor per peer would be needed): a peer raises
-    NotImplementedError; use ``T.copy(..., src_pe=/dst_pe=)`` (SIMT) instead.
+    Without a peer (None or -1) it is stock ``T.tma_copy``.  With ``src_pe`` (a TMA load of
+    a peer's global tensor into shared memory) or ``dst_pe`` (a TMA store of shared memory
+    into a peer's tensor) the copy goes through that peer's own descriptor, built in the
+    generated host code from the heap table; descriptors cover PEs 0..7, and any other PE
+    issues no operation (traps with ``TILESCALE_DEBUG=1``).  See :mod:`tilescale_lang.remote_tma`.
     """
-    stock = _stock("tma_copy")
-    if V.pe_expr(src_pe, "src_pe") is None and V.pe_expr(dst_pe, "dst_pe") is None:
-        return stock(src, dst, **kwargs)
-    raise NotImplementedError(
-        "T.tma_copy with src_pe/dst_pe (remote TMA) is not implemented in tilescale-lang; "
-        "use T.copy(src, dst, src_pe=..., dst_pe=...) for a SIMT remote copy"
-    )
+    from . import remote_tma
+
+    return remote_tma.tma_copy(_stock("tma_copy"), src, dst, src_pe=src_pe, dst_pe=dst_pe, **kwargs)

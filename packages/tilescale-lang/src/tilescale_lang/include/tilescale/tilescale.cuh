@@ -1,6 +1,7 @@
 // TileScale device runtime: everything.  The generated kernels include this one header.
 #pragma once
 #include "common.cuh"
+#include "debug.cuh"
 #include "memory.cuh"
 #include "copy.cuh"
 #include "wait.cuh"
