@@ -46,7 +46,7 @@ for step in "${steps[@]}"; do
     doctor) run_step doctor timeout -k 10 180 python3 -m tilescale_core.doctor ;;
     tests) gpu_tests tests 1 ;;
     tests-4) gpu_tests tests-4 0 ;;
-    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm; do
+    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm remote_tma gpu_barrier; do
              run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
            done ;;
     bench-*) run_step "$step" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.${step#bench-}" ;;

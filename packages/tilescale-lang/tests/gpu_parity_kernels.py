@@ -33,15 +33,11 @@ def _compile(key, build):
     return _cache[key]
 
 
-def pattern(r, i):
-    """The value element ``i`` of round ``r`` carries (uint32 arithmetic)."""
-    return (r * 2654435761 + i * 40503 + 12345) & 0xFFFFFFFF
-
-
 def stress_kernel():
     """Block 0 produces ``rounds`` rounds to the next rank, block 1 consumes the previous
     rank's.  Round r uses slot r % RING; a slot is refilled once the consumer acknowledged
-    it.  The consumer reads the data right after its signal and counts every stale element."""
+    it.  The consumer reads the data right after its signal and counts every stale element
+    (element i of round r carries r * 2654435761 + i * 40503 + 12345, uint32 arithmetic)."""
 
     def build():
         @T.prim_func
@@ -237,8 +233,8 @@ def _setup(rank, world, cache_dir):
     return alloc, sync
 
 
-def stress_body(rank: int, world: int, cache_dir: str, rounds: int, modes) -> dict:
-    """Every (mode, sig_op) of ``modes`` for ``rounds`` rounds; returns errors per run."""
+def stress_body(rank: int, world: int, cache_dir: str, runs) -> dict:
+    """Every ``(mode, add, rounds)`` of ``runs``; returns what each run saw."""
     import torch
 
     alloc, sync = _setup(rank, world, cache_dir)
@@ -249,7 +245,7 @@ def stress_body(rank: int, world: int, cache_dir: str, rounds: int, modes) -> di
     Ack = tilelang.tensor((2,), torch.uint64, allocator=alloc)
     Err = torch.zeros(4, dtype=torch.uint32, device=alloc.device)
     out = {}
-    for mode, add in modes:
+    for mode, add, rounds in runs:
         Data.fill_(7)  # poison: a stale read sees 7 or an older round
         Sig.zero_()
         Ack.zero_()
@@ -306,9 +302,16 @@ def _seeded(shape, rank, step):
     return torch.randn(shape, generator=g)
 
 
-def team_body(rank: int, world: int, cache_dir: str, rounds: int) -> dict:
+def team_body(rank: int, world: int, cache_dir: str, rounds: int, lock_iters: int) -> dict:
     """Team queries, a subset's barriers while the other ranks run their own team's, and
-    broadcast / fcollect against torch on the world team and on a strided team."""
+    broadcast / fcollect against torch on the world team and on a strided team; then the
+    compare-and-swap lock (:func:`lock_body`) in the same processes."""
+    report = _team_checks(rank, world, cache_dir, rounds)
+    report["lock"] = lock_body(rank, world, cache_dir, lock_iters)
+    return report
+
+
+def _team_checks(rank: int, world: int, cache_dir: str, rounds: int) -> dict:
     import torch
 
     alloc, sync = _setup(rank, world, cache_dir)
