@@ -33,7 +33,7 @@ run_step() {  # name, command...
 }
 # One pytest per package, each under its own deadline, so one hang cannot eat the whole call.
 # examples: 6 collectives x 1, 2, 4 ranks sharing a GPU (about 25 s each on an H200).
-declare -A limit=([core]=240 [host]=150 [lang]=360 [examples]=540)
+declare -A limit=([core]=240 [host]=240 [lang]=450 [examples]=600)
 gpu_tests() {  # step name, TILESCALE_SHARE_GPUS value
   for p in core host lang examples; do
     run_step "$1-$p" env TILESCALE_SHARE_GPUS="$2" timeout -k 10 "${limit[$p]}" python3 -m pytest \
