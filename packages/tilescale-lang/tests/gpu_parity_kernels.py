@@ -7,12 +7,12 @@ session's TileLang cache (``compile_once``), then loaded by every rank.
 
 from __future__ import annotations
 
-import os
-
 import tilelang
 import tilelang.language as T
 
 from tilescale_lang.team import TEAM_SHAPE, create_team
+
+from lang_gpu_helpers import Checks
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 RING = 256  # slots in flight between a producer and its consumer
@@ -215,22 +215,9 @@ def team_kernel():
 
 # ------------------------------------------------------------------------------ rank bodies
 def _setup(rank, world, cache_dir):
-    os.environ["TILELANG_CACHE_DIR"] = cache_dir
-    import torch
-    import torch.distributed as dist
+    from lang_gpu_helpers import open_rank
 
-    from tilescale_core.multiprocess import rank_device
-
-    dev = rank_device(rank)
-    torch.cuda.set_device(dev)
-    alloc = tilelang.get_allocator(size=2**26, device=dev, is_distributed=True, local_rank=rank,
-                                   num_local_ranks=world, group=dist.group.WORLD)
-
-    def sync():
-        torch.cuda.synchronize()
-        dist.barrier()
-
-    return alloc, sync
+    return open_rank(rank, world, cache_dir)
 
 
 def stress_body(rank: int, world: int, cache_dir: str, runs) -> dict:
@@ -323,11 +310,8 @@ def _team_checks(rank: int, world: int, cache_dir: str, rounds: int) -> dict:
     Src = tilelang.tensor((TEAM_N,), torch.float32, allocator=alloc)
     Dst = tilelang.tensor((MAX_RANKS * TEAM_N,), torch.float32, allocator=alloc)
     Out = torch.zeros(8, dtype=torch.int32, device=alloc.device)
-    report: dict = {"errors": []}
-
-    def check(cond, what):
-        if not cond:
-            report["errors"].append(what)
+    check = Checks()
+    report = check.report
 
     # 1. queries, and the subset barrier: each parity runs its own team's barriers at the
     #    same time (a barrier that counted non-members would deadlock or fail the stamps).

@@ -5,8 +5,6 @@ one-word GPU barrier, remote atomics, remote TMA (load, store, reduce; PEs outsi
 
 from __future__ import annotations
 
-import os
-
 import tilelang
 import tilelang.language as T
 
@@ -17,13 +15,14 @@ TILE, N = 64, 256
 
 
 # ------------------------------------------------------------------------------ kernels
-def upstream_barrier(num_blocks: int = NUM_BLOCKS, threads: int = THREADS):
-    """Upstream's test_barrier_gpu kernel, unchanged: a one-word barrier."""
+def upstream_barrier(num_blocks: int = NUM_BLOCKS, threads: int = THREADS, words: int = 1):
+    """Upstream's test_barrier_gpu kernel, unchanged (``words=1``: its one-word barrier)."""
 
     @T.prim_func
-    def main(A: T.Tensor([threads], "int32"), bar: T.Tensor([1], "uint32"), B: T.Tensor([num_blocks, threads], "int32")):
+    def main(A: T.Tensor([threads], "int32"), bar: T.Tensor([words], "uint32"), B: T.Tensor([num_blocks, threads], "int32")):
         with T.Kernel(num_blocks, threads=threads) as bid:
             tid = T.get_thread_binding()
+            _w = T.alloc_local([words], "uint32")  # noqa: F841 (keeps ``words`` in the closure)
             T.init_barrier_gpu(bar, num_blocks)
             b = T.alloc_shared([threads], "int32")
             val = T.alloc_local([1], "int32")
@@ -36,16 +35,18 @@ def upstream_barrier(num_blocks: int = NUM_BLOCKS, threads: int = THREADS):
     return main
 
 
-def repeated_barrier():
-    """``iters`` generations of the one-word barrier per launch, alternating the fused and the
-    split form; after each, every block checks every other block's stamp."""
+def repeated_barrier(words: int = 1):
+    """``iters`` generations of the ``words``-word GPU barrier per launch, alternating the
+    fused and the split form; after each, every block checks every other block's stamp
+    (``base + i``: pass a larger base on every launch of the same storage)."""
 
     @T.prim_func
-    def word_barrier(Bar: T.Tensor((1,), "uint32"), Slots: T.Tensor((GRID,), "int32"), Err: T.Tensor((4,), "int32"),
+    def word_barrier(Bar: T.Tensor((words,), "uint32"), Slots: T.Tensor((GRID,), "int32"), Err: T.Tensor((4,), "int32"),
                      iters: T.int32, base: T.int32):
         with T.Kernel(GRID, threads=128) as bx:
             tx = T.get_thread_binding()
             v = T.alloc_var("int32")
+            _w = T.alloc_local([words], "uint32")  # noqa: F841 (keeps ``words`` in the closure)
             T.init_barrier_gpu(Bar, GRID)
             for i in T.serial(iters):
                 if tx == 0:
@@ -147,27 +148,12 @@ def compiled(name: str):
 
 # ------------------------------------------------------------------------------ rank body
 def rank_body(rank: int, world: int, cache_dir: str) -> dict:
-    os.environ["TILELANG_CACHE_DIR"] = cache_dir
-    import torch
-    import torch.distributed as dist
+    from lang_gpu_helpers import Checks, open_rank
 
-    from tilescale_core.multiprocess import rank_device
-
-    dev = rank_device(rank)
-    torch.cuda.set_device(dev)
-    alloc = tilelang.get_allocator(size=2**26, device=dev, is_distributed=True, local_rank=rank, num_local_ranks=world,
-                                   group=dist.group.WORLD)
-    report: dict = {"errors": [], "checks": 0}
-
-    def check(cond, what):
-        report["checks"] += 1
-        if not cond:
-            report["errors"].append(what)
-
-    def sync():
-        torch.cuda.synchronize()
-        dist.barrier()
-
+    alloc, sync = open_rank(rank, world, cache_dir)
+    dev = alloc.device
+    check = Checks()
+    report = check.report
     _barriers(dev, check)
     sync()
     _atomics(rank, world, alloc, check, sync)

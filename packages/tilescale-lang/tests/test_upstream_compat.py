@@ -11,23 +11,9 @@ from lang_helpers import kernel_body, lower_source, needs_nvcc, nvcc_ptx
 # ------------------------------------------------------------------------------ one-word barrier
 def _upstream_barrier_kernel(words: int = 1):
     """Upstream's test_barrier_gpu kernel, as its users write it."""
-    num_blocks, threads = 64, 128
+    from gpu_upstream_kernels import upstream_barrier
 
-    @T.prim_func
-    def main(A: T.Tensor([threads], "int32"), bar: T.Tensor([words], "uint32"), B: T.Tensor([num_blocks, threads], "int32")):
-        with T.Kernel(num_blocks, threads=threads) as bid:
-            tid = T.get_thread_binding()
-            _w = T.alloc_local([words], "uint32")  # noqa: F841 (keeps ``words`` in the closure)
-            T.init_barrier_gpu(bar, num_blocks)
-            b = T.alloc_shared([threads], "int32")
-            val = T.alloc_local([1], "int32")
-            val[0] = 1
-            T.atomic_add(A[tid], val[0])
-            T.sync_barrier_gpu(bar)
-            T.copy(A, b)
-            T.copy(b, B[bid, :])
-
-    return main
+    return upstream_barrier(64, 128, words)
 
 
 def test_one_word_barrier_codegen():

@@ -87,16 +87,6 @@ def _extent(x):
     return get_extent(x)
 
 
-def _peer_view(x, pe_val, name: str):
-    """``x`` re-expressed on a global buffer that aliases its buffer on rank ``pe_val``."""
-    from .peer_copy import _rebind, _remapped_view
-
-    buf, remapped, ptr_type, IB = _remapped_view(x, pe_val, name)
-    ptr = IB.bind(remapped, type_annotation=ptr_type)
-    vbuf = IB.decl_buffer(buf.shape, buf.dtype, data=ptr, strides=buf.strides, elem_offset=buf.elem_offset, scope="global")
-    return _rebind(x, vbuf)
-
-
 def atomic_add(dst, value, memory_order=None, return_prev: bool = False, use_tma: bool = False,
                annotations=None, dst_pe=None):
     """``T.atomic_add`` with an optional peer (upstream TileScale's signature).
@@ -134,8 +124,10 @@ def atomic_add(dst, value, memory_order=None, return_prev: bool = False, use_tma
         return V.extern(op.dtype if return_prev else "handle", name, op.ptr, V.cast_to(value, op.dtype, "value"), pe_val)
     if return_prev:
         raise ValueError("return_prev is only available for a scalar atomic_add (dst an element, value a scalar)")
-    return _stock("atomic_add")(_peer_view(dst, pe_val, "dst"), value, memory_order=memory_order,
-                                annotations=annotations)
+    from .peer_copy import peer_view
+
+    return _stock("atomic_add")(peer_view(dst, pe_val, "dst", "a remote atomic_add"), value,
+                                memory_order=memory_order, annotations=annotations)
 
 
 def atomic_addx2(dst, value, return_prev: bool = False, dst_pe=None):

@@ -122,29 +122,18 @@ def peer_var_name(k: int, base_name: str) -> str:
     return f"{PEER_PREFIX}{k}_{base_name}"
 
 
-def _global_buffer(x, name: str):
-    if isinstance(x, tirx.Buffer):
-        buf = x
-    elif isinstance(x, (tirx.BufferRegion, tirx.BufferLoad)):
-        buf = x.buffer
-    else:
-        raise TypeError(f"{name} of a remote TMA operation must be a buffer or region, got {type(x).__name__}")
-    V.require_global(V.operand(x, name), name, "for remote TMA (the peer's tensor)")
-    return buf
+_WHY = "a remote TMA operation (the peer's tensor)"
 
 
 def _peer_view(x, k: int, name: str):
     """``x`` re-expressed on a global buffer whose base is peer ``k``'s copy (host-bound)."""
     from tvm import ir
-    from tvm.tirx.script.builder import ir as IB
 
-    from .peer_copy import _rebind
+    from .peer_copy import global_buffer, view_on
 
-    buf = _global_buffer(x, name)
+    buf = global_buffer(x, name, _WHY)
     var = tirx.Var(peer_var_name(k, buf.data.name), ir.PointerType(ir.PrimType(buf.dtype), "global"))
-    view = IB.decl_buffer(buf.shape, buf.dtype, data=var, strides=buf.strides, elem_offset=buf.elem_offset,
-                          scope="global")
-    return _rebind(x, view)
+    return view_on(x, var, name, _WHY)
 
 
 def _emit(result) -> None:
@@ -176,7 +165,9 @@ def dispatch(pe_val, name: str, remote, local, peer) -> None:
 
     from .rank import get_num_ranks
 
-    _global_buffer(remote, "dst" if name == "dst_pe" else "src")
+    from .peer_copy import global_buffer
+
+    global_buffer(remote, "dst" if name == "dst_pe" else "src", _WHY)
     if isinstance(pe_val, tirx.IntImm):
         k = int(pe_val.value)
         if k >= MAX_TMA_PES:
@@ -216,12 +207,12 @@ def _chain(pe_val, k: int, remote, name: str, peer) -> None:
 
 def tma_copy(stock, src, dst, src_pe=None, dst_pe=None, **kwargs):
     """``T.tma_copy`` with a peer (see the module docstring); ``stock`` is stock TileLang's."""
-    s_pe = V.pe_expr(src_pe, "src_pe")
-    d_pe = V.pe_expr(dst_pe, "dst_pe")
-    if s_pe is None and d_pe is None:
+    from .peer_copy import pe_pair
+
+    pes = pe_pair(src_pe, dst_pe, "T.tma_copy")
+    if pes is None:
         return stock(src, dst, **kwargs)
-    if s_pe is not None and d_pe is not None:
-        raise ValueError("T.tma_copy: src_pe and dst_pe cannot both select a peer (one side must stay local)")
+    s_pe, d_pe = pes
     if s_pe is not None:
         dispatch(s_pe, "src_pe", src, lambda: _emit(stock(src, dst, **kwargs)),
                  lambda view: _emit(stock(view, dst, **kwargs)))

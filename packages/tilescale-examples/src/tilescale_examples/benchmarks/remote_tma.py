@@ -21,7 +21,6 @@ destination.
 
 import argparse
 import os
-import statistics
 
 from tilescale_examples.report import format_bytes, gb_per_s, print_table, ratio, size_sweep
 
@@ -56,22 +55,6 @@ def build_tma_put(max_rows: int, blocks: int):
     return tma_put
 
 
-def _time_ms(fn, iters: int) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _pattern(rows: int, rank: int):
     import torch
 
@@ -84,7 +67,7 @@ def run(rank: int, world: int, max_bytes: int, iters: int, min_bytes: int) -> li
     import torch.distributed as dist
 
     from tilescale_core.multiprocess import rank_device
-    from tilescale_examples.benchmarks.putget import build_copy
+    from tilescale_examples.benchmarks.putget import _time_ms, build_copy
 
     dev = rank_device(rank)
     torch.cuda.set_device(dev)

@@ -18,60 +18,49 @@ template <typename T, typename U> TILESCALE_DEVICE T from_bits(U u) {
   return *reinterpret_cast<const T*>(&u);
 }
 
-#define TILESCALE_ATOM_SEM(M, MACRO)                                                       \
-  if constexpr (M == Sem::RELAXED) { MACRO("atom.relaxed.sys") }                           \
-  else if constexpr (M == Sem::ACQUIRE) { MACRO("atom.acquire.sys") }                      \
-  else if constexpr (M == Sem::RELEASE) { MACRO("atom.release.sys") }                      \
-  else { static_assert(M == Sem::ACQ_REL, "atomic_add semantics: relaxed, acquire, release, acq_rel"); \
-         MACRO("atom.acq_rel.sys") }
+// One `atom{.sem}.sys.add<TY>` of register `v` (constraint C) into [p], the old value in `old`.
+#define TILESCALE_ATOM_ADD_SYS(C, TY)                                                          \
+  if constexpr (M == Sem::RELAXED)                                                         \
+    asm volatile("atom.relaxed.sys.add" TY " %0, [%1], %2;" : "=" C(old) : "l"(p), C(v) : "memory"); \
+  else if constexpr (M == Sem::ACQUIRE)                                                    \
+    asm volatile("atom.acquire.sys.add" TY " %0, [%1], %2;" : "=" C(old) : "l"(p), C(v) : "memory"); \
+  else if constexpr (M == Sem::RELEASE)                                                    \
+    asm volatile("atom.release.sys.add" TY " %0, [%1], %2;" : "=" C(old) : "l"(p), C(v) : "memory"); \
+  else {                                                                                   \
+    static_assert(M == Sem::ACQ_REL, "atomic_add semantics: relaxed, acquire, release, acq_rel"); \
+    asm volatile("atom.acq_rel.sys.add" TY " %0, [%1], %2;" : "=" C(old) : "l"(p), C(v) : "memory"); \
+  }
+
+/// The add of AType K on the register type W at p, semantic M; returns the old bits.
+template <Sem M, AType K, typename W> TILESCALE_DEVICE W atom_add_sys_bits(void* p, W v) {
+  W old;
+  if constexpr (K == AType::S32 || K == AType::U32) { TILESCALE_ATOM_ADD_SYS("r", ".u32") }
+  else if constexpr (K == AType::U64) { TILESCALE_ATOM_ADD_SYS("l", ".u64") }
+  else if constexpr (K == AType::F32) { TILESCALE_ATOM_ADD_SYS("f", ".f32") }
+  else if constexpr (K == AType::F64) { TILESCALE_ATOM_ADD_SYS("d", ".f64") }
+  else if constexpr (K == AType::F16) { TILESCALE_ATOM_ADD_SYS("h", ".noftz.f16") }
+  else if constexpr (K == AType::BF16) { TILESCALE_ATOM_ADD_SYS("h", ".noftz.bf16") }
+  else if constexpr (K == AType::F16X2) { TILESCALE_ATOM_ADD_SYS("r", ".noftz.f16x2") }
+  else { static_assert(K == AType::BF16X2, "atomic add type"); TILESCALE_ATOM_ADD_SYS("r", ".noftz.bf16x2") }
+  return old;
+}
+
+/// The register type of an AType.
+template <AType K> struct atom_reg { typedef unsigned int type; };
+template <> struct atom_reg<AType::U64> { typedef unsigned long long type; };
+template <> struct atom_reg<AType::F32> { typedef float type; };
+template <> struct atom_reg<AType::F64> { typedef double type; };
+template <> struct atom_reg<AType::F16> { typedef unsigned short type; };
+template <> struct atom_reg<AType::BF16> { typedef unsigned short type; };
 
 /// *ptr += value on rank pe (-1: local) at system scope with semantic M; returns the old value.
 template <Sem M, AType K, typename T>
 TILESCALE_DEVICE value_t<T> atomic_add_sys(T* ptr, value_t<T> value, int pe) {
+  typedef typename atom_reg<K>::type W;
+  static_assert(sizeof(W) == sizeof(T), "atomic_add: the destination type does not match its PTX type");
+  static_assert(K != AType::F16X2 && K != AType::BF16X2, "pairs go through atomic_addx2_sys");
   void* p = const_cast<void*>(static_cast<const volatile void*>(remap(ptr, pe)));
-  if constexpr (K == AType::S32 || K == AType::U32) {
-    static_assert(sizeof(T) == 4, "32-bit integer atomic_add");
-    unsigned int old, v = raw_bits<unsigned int>(value);
-#define TILESCALE_A(PFX) asm volatile(PFX ".add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-    TILESCALE_ATOM_SEM(M, TILESCALE_A)
-#undef TILESCALE_A
-    return from_bits<value_t<T>>(old);
-  } else if constexpr (K == AType::U64) {
-    static_assert(sizeof(T) == 8, "64-bit integer atomic_add");
-    unsigned long long old, v = raw_bits<unsigned long long>(value);
-#define TILESCALE_A(PFX) asm volatile(PFX ".add.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
-    TILESCALE_ATOM_SEM(M, TILESCALE_A)
-#undef TILESCALE_A
-    return from_bits<value_t<T>>(old);
-  } else if constexpr (K == AType::F32) {
-    static_assert(sizeof(T) == 4, "float32 atomic_add");
-    float old, v = raw_bits<float>(value);
-#define TILESCALE_A(PFX) asm volatile(PFX ".add.f32 %0, [%1], %2;" : "=f"(old) : "l"(p), "f"(v) : "memory");
-    TILESCALE_ATOM_SEM(M, TILESCALE_A)
-#undef TILESCALE_A
-    return from_bits<value_t<T>>(old);
-  } else if constexpr (K == AType::F64) {
-    static_assert(sizeof(T) == 8, "float64 atomic_add");
-    double old, v = raw_bits<double>(value);
-#define TILESCALE_A(PFX) asm volatile(PFX ".add.f64 %0, [%1], %2;" : "=d"(old) : "l"(p), "d"(v) : "memory");
-    TILESCALE_ATOM_SEM(M, TILESCALE_A)
-#undef TILESCALE_A
-    return from_bits<value_t<T>>(old);
-  } else {
-    static_assert(K == AType::F16 || K == AType::BF16, "16-bit float atomic_add");
-    static_assert(sizeof(T) == 2, "16-bit float atomic_add");
-    unsigned short old, v = raw_bits<unsigned short>(value);
-    if constexpr (K == AType::F16) {
-#define TILESCALE_A(PFX) asm volatile(PFX ".add.noftz.f16 %0, [%1], %2;" : "=h"(old) : "l"(p), "h"(v) : "memory");
-      TILESCALE_ATOM_SEM(M, TILESCALE_A)
-#undef TILESCALE_A
-    } else {
-#define TILESCALE_A(PFX) asm volatile(PFX ".add.noftz.bf16 %0, [%1], %2;" : "=h"(old) : "l"(p), "h"(v) : "memory");
-      TILESCALE_ATOM_SEM(M, TILESCALE_A)
-#undef TILESCALE_A
-    }
-    return from_bits<value_t<T>>(old);
-  }
+  return from_bits<value_t<T>>(atom_add_sys_bits<M, K, W>(p, raw_bits<W>(value)));
 }
 
 /// dst[0:2] += src[0:2] as one packed float16x2 / bfloat16x2 atomic on rank pe, system
@@ -84,17 +73,7 @@ TILESCALE_DEVICE unsigned int atomic_addx2_sys(T* dst, const U* src, int pe) {
   void* p = const_cast<void*>(static_cast<const volatile void*>(remap(dst, pe)));
   const unsigned int v = static_cast<unsigned int>(raw_bits<unsigned short>(src[0])) |
                          (static_cast<unsigned int>(raw_bits<unsigned short>(src[1])) << 16);
-  unsigned int old;
-  if constexpr (K == AType::F16X2) {
-#define TILESCALE_A(PFX) asm volatile(PFX ".add.noftz.f16x2 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-    TILESCALE_ATOM_SEM(M, TILESCALE_A)
-#undef TILESCALE_A
-  } else {
-#define TILESCALE_A(PFX) asm volatile(PFX ".add.noftz.bf16x2 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-    TILESCALE_ATOM_SEM(M, TILESCALE_A)
-#undef TILESCALE_A
-  }
-  return old;
+  return atom_add_sys_bits<M, K, unsigned int>(p, v);
 }
 
 }  // namespace tilescale

@@ -45,10 +45,11 @@ TILESCALE_DEVICE void arrive_barrier_gpu(unsigned int* bar) {
   }
 }
 
-/// Wait until the generation this block arrived in completes (acquire, gpu scope).
-TILESCALE_DEVICE void wait_barrier_gpu(unsigned int* bar) {
+/// Thread 0 polls *bar (acquire, gpu scope) until its bit 31 differs from `token`'s (the
+/// generation the block arrived in completed); then the block synchronises.  Shared by the
+/// two-word and the one-word layouts.
+TILESCALE_DEVICE void wait_phase_flip(unsigned int* bar, unsigned int token) {
   if (thread_rank() == 0) {
-    const unsigned int token = gpu_barrier_token();
     TILESCALE_WAIT_PROLOGUE
 #pragma unroll 1
     while (true) {
@@ -58,6 +59,11 @@ TILESCALE_DEVICE void wait_barrier_gpu(unsigned int* bar) {
     }
   }
   __syncthreads();
+}
+
+/// Wait until the generation this block arrived in completes (acquire, gpu scope).
+TILESCALE_DEVICE void wait_barrier_gpu(unsigned int* bar) {
+  wait_phase_flip(bar, thread_rank() == 0 ? gpu_barrier_token() : 0u);
 }
 
 /// arrive_barrier_gpu followed by wait_barrier_gpu.

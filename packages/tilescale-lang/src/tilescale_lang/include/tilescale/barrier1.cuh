@@ -18,6 +18,7 @@
 #include "memory.cuh"
 #include "wait.cuh"
 #include "signal.cuh"
+#include "barrier.cuh"
 
 namespace tilescale {
 
@@ -72,17 +73,7 @@ TILESCALE_DEVICE void arrive_barrier_gpu1(unsigned int* bar) {
 
 /// Wait until the generation this block arrived in completes (acquire, gpu scope).
 TILESCALE_DEVICE void wait_barrier_gpu1(unsigned int* bar) {
-  if (thread_rank() == 0) {
-    const unsigned int token = barrier1_token();
-    TILESCALE_WAIT_PROLOGUE
-#pragma unroll 1
-    while (true) {
-      const unsigned int cur = ld<Scope::GPU, Sem::ACQUIRE, false, false>(bar);
-      if (((cur ^ token) & TILESCALE_BAR1_PHASE) != 0u) break;
-      TILESCALE_WAIT_CHECK("wait_barrier_gpu", bar, token ^ TILESCALE_BAR1_PHASE, cur)
-    }
-  }
-  __syncthreads();
+  wait_phase_flip(bar, thread_rank() == 0 ? barrier1_token() : 0u);
 }
 
 /// arrive_barrier_gpu1 followed by wait_barrier_gpu1.
