@@ -20,6 +20,10 @@
 #include "signal.cuh"
 #include "barrier.cuh"
 
+#if !defined(__CUDACC_RTC__)
+#include <cstdio>  // device printf of the misuse report (NVRTC declares it itself)
+#endif
+
 namespace tilescale {
 
 #define TILESCALE_BAR1_PHASE 0x80000000u

@@ -7,6 +7,10 @@
 #define TILESCALE_DEBUG 0
 #endif
 
+#if TILESCALE_DEBUG && !defined(__CUDACC_RTC__)
+#include <cstdio>  // device printf (NVRTC declares it itself)
+#endif
+
 namespace tilescale {
 
 #if TILESCALE_DEBUG
