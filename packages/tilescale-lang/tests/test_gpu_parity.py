@@ -53,7 +53,7 @@ def test_teams_barrier_broadcast_fcollect_and_cas_lock(world, cache_dir):
     import gpu_parity_kernels as G
 
     iters = 40
-    reports = run_ranks(G.team_body, world, args=(cache_dir, 500, iters), backend="auto", timeout=240)
+    reports = run_ranks(G.team_body, world, args=(cache_dir, 200, iters), backend="auto", timeout=240)
     for rank, rep in enumerate(reports):
         assert rep["errors"] == [], f"rank {rank}: {rep['errors'][:10]}"
     out = [rep["lock"] for rep in reports]
