@@ -37,7 +37,7 @@ run_step() {  # name, command...
 # examples: 6 collectives x 1, 2, 4 ranks sharing a GPU (about 25 s each on an H200), plus the
 # overlapped GEMMs (test_overlap_gpu.py, about 3 minutes; `-- -k overlap` runs them alone).
 # The reductions: size classes and 1000 back-to-back calls on 2 and 4 ranks, emulated peers; the MoE tests (about 2 minutes).
-declare -A limit=([core]=240 [host]=150 [lang]=360 [examples]=780)
+declare -A limit=([core]=240 [host]=240 [lang]=450 [examples]=780)
 gpu_tests() {  # step name, TILESCALE_SHARE_GPUS value
   for p in core host lang examples; do
     run_step "$1-$p" env TILESCALE_SHARE_GPUS="$2" timeout -k 10 "${limit[$p]}" python3 -m pytest \
@@ -53,7 +53,7 @@ for step in "${steps[@]}"; do
     tests-4) gpu_tests tests-4 0 ;;
     chaos) run_step chaos env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
              packages/tilescale-examples/tests/test_chaos.py -m chaos -q -s -rfEs --tb=short -p no:cacheprovider ;;
-    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs emulated moe; do
+    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs emulated moe remote_tma gpu_barrier; do
              run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
            done ;;
     bench-overlap-1) for b in ag_gemm gemm_rs; do

@@ -1,4 +1,4 @@
-"""The put_block all-gather: plan, generated CUDA, real nvcc compiles and argument checks on
+"""The put_signal_block all-gather: plan, generated CUDA, real nvcc compiles and argument checks on
 the CPU; the result on 1, 2 and 4 ranks sharing one GPU (``-m gpu``)."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_torch_reference():
 
 
 # ------------------------------------------------------------------------------ codegen
-def test_generated_cuda_puts_fences_signals_and_waits():
+def test_generated_cuda_puts_with_signal_and_waits():
     S, W = 1000, 4
     C, CH = plan_chunks(S, 2, W, max_blocks=16, min_chunk_bytes=256)
     assert C == 4 and CH == 256
@@ -56,29 +56,28 @@ def test_generated_cuda_puts_fences_signals_and_waits():
     assert "int64_t epoch" in body
     # rank-agnostic: the rank comes from the table, never a constant
     assert "tilescale::get_rank()" in body
-    # block (c, p): put chunk c into rank p's output at me * S + c * CH (p = blockIdx.y)
-    put = body.index("tilescale::put_block<4>(")
+    # block (c, p): put chunk c into rank p's output at me * S + c * CH (p = blockIdx.y) and
+    # set the data flag data[me, c] on p (put_signal: data before signal)
+    put = body.index("tilescale::put_signal<4, false, false, false>(")
     put_call = body[put:body.index(";", put)]
     assert f"start = (((int)blockIdx.x) * {CH});" in body[:put]
     assert "(&(In[start]))" in put_call
     assert f"(&(Out[((((int64_t)me) * (int64_t){S}) + ((int64_t)start))]))" in put_call
     assert f"min({CH}, ({S} - start))" in put_call and "* (uint64_t)2" in put_call
+    assert f"(&(Flags[((me * {C}) + ((int)blockIdx.x))])), ((uint64_t)epoch)" in put_call
     assert put_call.rstrip(")").endswith("((int)blockIdx.y")
-    # ready handshake before the put; barrier, system fence, release signal, acquire wait after
+    # ready handshake and a block barrier before the put; acquire wait for p's chunk after
     notify = "tilescale::notify<false>("
     wait = "tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>("
     ready_notify = body.index(notify)
     ready_wait = body.index(wait)
     first_sync = body.index("__syncthreads();")
-    second_sync = body.index("__syncthreads();", put)
-    fence = body.index("tilescale::fence_sys();")
-    data_notify = body.index(notify, fence)
-    data_wait = body.index(wait, data_notify)
-    assert ready_notify < ready_wait < first_sync < put < second_sync < fence < data_notify < data_wait
-    assert body.count(notify) == 2 and body.count(wait) == 2 and body.count("__syncthreads();") == 2
+    data_wait = body.index(wait, put)
+    assert ready_notify < ready_wait < first_sync < put < data_wait
+    assert body.count(notify) == 1 and body.count(wait) == 2 and body.count("__syncthreads();") == 1
+    assert "fence_sys" not in body  # the signal is itself a release
     # the ready flags live after the W * C data flags; every signal carries the epoch
     assert f"Flags[(((me * {C}) + ((int)blockIdx.x)) + {W * C})]" in body[ready_notify:ready_wait]
-    assert f"Flags[((me * {C}) + ((int)blockIdx.x))]" in body[data_notify:data_wait]
     assert f"Flags[((((int)blockIdx.y) * {C}) + ((int)blockIdx.x))]" in body[data_wait:]
     assert body.count("((uint64_t)epoch)") == 4
 
@@ -91,7 +90,7 @@ def test_benchmark_sized_kernels_lower(world, numel, dtype):
     """Up to 1 GiB outputs: chunks of >= 32768 elements once tripped a TileLang pass."""
     itemsize = {"float16": 2, "float32": 4, "uint8": 1}[dtype]
     C, CH = plan_chunks(numel, itemsize, world, 132)
-    assert "tilescale::put_block<4>" in lower_source(build_allgather_kernel(numel, dtype, world, C, CH))
+    assert "tilescale::put_signal<4," in lower_source(build_allgather_kernel(numel, dtype, world, C, CH))
 
 
 @needs_nvcc
@@ -107,7 +106,7 @@ def test_real_compile_to_cubin(dtype, tmp_path, monkeypatch):
     kernel = tilelang.compile(build_allgather_kernel(S, dtype, W, C, CH), target=ag_mod.TARGET, execution_backend="tvm_ffi")
     assert f"-I{headers.include_dir()}" in kernel.compile_flags
     assert kernel.adapter.rt_mod.imports[0].kind == "cuda"
-    assert "tilescale::put_block<4>" in kernel.get_kernel_source()
+    assert "tilescale::put_signal<4," in kernel.get_kernel_source()
 
 
 # ------------------------------------------------------------------------------ the class

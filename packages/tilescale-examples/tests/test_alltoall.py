@@ -1,4 +1,4 @@
-"""The put_block all-to-all: generated CUDA, nvcc compile, reference and argument checks on
+"""The put_signal_block all-to-all: generated CUDA, nvcc compile, reference and argument checks on
 the CPU; the result on 1, 2 and 4 ranks sharing one GPU (``-m gpu``)."""
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ def test_generated_cuda_puts_row_p_to_rank_p():
     C, CH = plan_chunks(S, 2, W, max_blocks=16, min_chunk_bytes=256)
     body = kernel_body(lower_source(build_alltoall_kernel(S, "float16", W, C, CH, threads=256)))
     assert "alltoall_kernel(" in body
-    put = body[body.index("tilescale::put_block<4>("):]
+    put = body[body.index("tilescale::put_signal<4, false, false, false>("):]
     put = put[:put.index(";")]
     # source: row blockIdx.y (= p) of the input; destination: row `me` of rank p's output
     assert f"(&(In[((((int64_t)((int)blockIdx.y)) * (int64_t){S}) + ((int64_t)start))]))" in put
     assert f"(&(Out[((((int64_t)me) * (int64_t){S}) + ((int64_t)start))]))" in put
     assert put.rstrip(")").endswith("((int)blockIdx.y")
-    # the same protocol as the all-gather: 2 signals, 2 waits, 2 block barriers, one fence
-    assert body.count("tilescale::notify<false>(") == 2 and body.count("tilescale::wait_until<") == 2
-    assert body.count("__syncthreads();") == 2 and body.count("tilescale::fence_sys();") == 1
+    # the same protocol as the all-gather: a ready signal, a put with signal, 2 waits
+    assert body.count("tilescale::notify<false>(") == 1 and body.count("tilescale::wait_until<") == 2
+    assert body.count("__syncthreads();") == 1 and "fence_sys" not in body
 
 
 @needs_nvcc

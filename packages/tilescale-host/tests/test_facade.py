@@ -50,3 +50,16 @@ def test_spec_spelling_imports():
 
     assert init_dist is tilescale_host.init_dist
     assert set(host.__all__) <= set(td.__all__) and td.wait_eq is tilescale_host.wait_eq
+
+
+def test_bench_module_path_of_upstream():
+    """Upstream scripts import perf_fn / do_bench from tilelang.distributed.bench."""
+    import importlib
+
+    import tilescale_host.bench as impl
+
+    mod = importlib.import_module("tilelang.distributed.bench")
+    from tilelang.distributed.bench import do_bench, perf_fn
+
+    assert do_bench is impl.do_bench and perf_fn is impl.perf_fn
+    assert set(mod.__all__) >= {"do_bench", "perf_fn"}

@@ -146,30 +146,11 @@ def barrier_blocks_kernel():
 
 
 def grid_barrier_kernel():
-    def build():
-        @T.prim_func
-        def gridbar(Bar: T.Tensor((2,), "uint32"), Slots: T.Tensor((GPU_GRID,), "int32"), Err: T.Tensor((4,), "int32"), iters: T.int32):
-            with T.Kernel(GPU_GRID, threads=128) as bx:
-                tx = T.get_thread_binding()
-                v = T.alloc_var("int32")
-                T.init_barrier_gpu(Bar, GPU_GRID)
-                for i in T.serial(iters):
-                    if tx == 0:
-                        T.st(Slots[bx], i, scope="gpu", sem="relaxed")
-                    if i % 2 == 0:
-                        T.sync_barrier_gpu(Bar)
-                    else:
-                        T.arrive_barrier_gpu(Bar)
-                        T.wait_barrier_gpu(Bar)
-                    if tx == 0:
-                        for b in T.serial(GPU_GRID):
-                            T.ld(Slots[b], v, scope="gpu", sem="relaxed")
-                            if v < i:
-                                Err[0] = 1
+    """The two-word GPU barrier under repetition (the one-word test's kernel, two words)."""
+    import gpu_upstream_kernels
 
-        return gridbar
-
-    return _compile(("grid_barrier",), build)
+    assert gpu_upstream_kernels.GRID == GPU_GRID
+    return _compile(("grid_barrier",), lambda: gpu_upstream_kernels.repeated_barrier(words=2))
 
 
 # ------------------------------------------------------------------------------ rank bodies
@@ -328,8 +309,8 @@ def _barriers(rank, world, alloc, check, sync):
         GB = torch.zeros(2, dtype=torch.uint32, device=alloc.device)
         Slots = torch.zeros(GPU_GRID, dtype=torch.int32, device=alloc.device)
         Err.zero_()
-        for _ in range(3):
-            kg(GB, Slots, Err, 500)
+        for launch in range(3):
+            kg(GB, Slots, Err, 500, launch * 500)
         torch.cuda.synchronize()
         check(int(Err[0].item()) == 0, "grid barrier ordering")
     sync()

@@ -72,11 +72,11 @@ CASES = [
     (lambda A, F, G, s, f, r, X: T.copy(A[0:64], X[0:64], src_pe=0, dst_pe=1), ValueError, "src_pe and dst_pe"),
     (lambda A, F, G, s, f, r, X: T.copy(s, A[0:64], src_pe=0), ValueError, "src"),
     (lambda A, F, G, s, f, r, X: T.copy(A[0:64], s, dst_pe=r[0]), ValueError, "dst"),
-    (lambda A, F, G, s, f, r, X: T.tma_copy(A[0:64], s, src_pe=1), NotImplementedError, "remote TMA"),
+    (lambda A, F, G, s, f, r, X: T.tma_copy(A[0:64], s, src_pe=8), ValueError, "PEs 0..7"),
     # barriers
     (lambda A, F, G, s, f, r, X: T.barrier_blocks(G), TypeError, "barrier"),
     (lambda A, F, G, s, f, r, X: T.barrier_blocks(f), ValueError, "barrier"),
-    (lambda A, F, G, s, f, r, X: T.init_barrier_gpu(F[7:8], 4), ValueError, "barrier"),
+    (lambda A, F, G, s, f, r, X: T.init_barrier_gpu(f, 4), ValueError, "barrier"),
     (lambda A, F, G, s, f, r, X: T.notify(G[0], 1, sig_op="add"), TypeError, "sig_op"),
     (lambda A, F, G, s, f, r, X: T.notify(F[0], 1, sig_op="xor"), ValueError, "sig_op"),
 ]

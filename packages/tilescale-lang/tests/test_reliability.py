@@ -187,11 +187,15 @@ def _runtime_pe_kernel():
 
 def test_check_pe_flag(monkeypatch):
     monkeypatch.delenv(headers.CHECK_PE_ENV, raising=False)
+    monkeypatch.delenv(headers.DEBUG_ENV, raising=False)
     assert "-DTILESCALE_CHECK_PE=1" not in headers.compile_flags()
     monkeypatch.setenv(headers.CHECK_PE_ENV, "1")
     assert "-DTILESCALE_CHECK_PE=1" in headers.compile_flags()
     monkeypatch.setenv(headers.CHECK_PE_ENV, "0")
     assert "-DTILESCALE_CHECK_PE=1" not in headers.compile_flags()
+    monkeypatch.setenv(headers.DEBUG_ENV, "1")  # every device debug check, the PE check included
+    assert {"-DTILESCALE_CHECK_PE=1", "-DTILESCALE_DEBUG=1"} <= set(headers.compile_flags())
+    monkeypatch.delenv(headers.DEBUG_ENV)
     monkeypatch.setenv(headers.CHECK_PE_ENV, "yes")
     with pytest.raises(ValueError, match="TILESCALE_CHECK_PE must be 1"):
         headers.compile_flags()

@@ -76,11 +76,13 @@ def _dl_device(device: torch.device) -> _DLDevice:
     raise ValueError(f"unsupported device {device} for a pointer view (cuda or cpu)")
 
 
-def byte_view(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+def byte_view(ptr: int, nbytes: int, device: torch.device, owner: object = None) -> torch.Tensor:
     """Return a 1-D ``torch.uint8`` tensor of ``nbytes`` bytes at address ``ptr`` on ``device``.
 
     The tensor aliases the memory without owning it; reinterpret it with
-    ``.view(dtype).view(shape)``.
+    ``.view(dtype).view(shape)``.  ``owner``, when given, is kept alive until torch frees the
+    tensor's storage (every view of it gone): an object whose finaliser frees the memory
+    makes the tensor own it.
     """
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
@@ -98,6 +100,6 @@ def byte_view(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     managed.manager_ctx = None
     managed.deleter = _release
     with _LOCK:
-        _LIVE[ctypes.addressof(managed)] = (managed, shape)
+        _LIVE[ctypes.addressof(managed)] = (managed, shape, owner)
     capsule = _capsule_new(ctypes.addressof(managed), b"dltensor", None)
     return torch.utils.dlpack.from_dlpack(capsule)

@@ -21,6 +21,7 @@ from typing import Any
 import tvm_ffi
 
 from . import _driver, _driver_multicast, _ipc, _vmm, probes
+from .host_device import create_host_device_tensor
 from .probes import probe_cuda_ipc, probe_multicast, probe_vmm_fabric, probe_vmm_fd
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "_sync_vmm_handles",
     "_vmm_free",
     "_vmm_malloc",
+    "create_host_device_tensor",
     "pack_handles",
     "probe_cuda_ipc",
     "probe_multicast",

@@ -1,4 +1,4 @@
-"""All-gather over the symmetric heap, built from ``T.put_block`` and flag signals.
+"""All-gather over the symmetric heap, built from ``T.put_signal_block`` and flag signals.
 
 Every rank contributes one *shard* (same shape and dtype on every rank); afterwards every
 rank holds ``output[r] == shard of rank r`` for all ranks ``r``::
@@ -20,14 +20,13 @@ into ``chunks`` pieces of ``chunk`` elements (a multiple of 16 bytes, so the pee
    ``me``'s output slot for ``p``'s chunk ``c`` is free (every earlier use of this output on
    ``me``'s stream has finished, since the kernel has started), then
    ``T.wait_ge(ready[p, c], epoch)`` waits for the same word from ``p``.
-2. ``T.put_block`` of chunk ``c`` of the local shard into ``output[me*shard + c*chunk]`` on
-   rank ``p`` (``dst_pe=p``; ``p == me`` is a local copy through the same path).
-3. ``__syncthreads()``, then thread 0 issues ``T.fence_sys()`` and the release store
-   ``T.notify(data[me, c], p, epoch)`` (``st.release.sys``). This is NVSHMEM's
-   put-with-signal order: the block barrier makes every thread's (weak) stores of the chunk
-   visible to thread 0 at CTA scope and the system-scope fence plus the release store make
-   them visible on rank ``p`` before the flag is.
-4. Thread 0 ``T.wait_ge(data[p, c], epoch)`` (``ld.acquire.sys`` polls): ``p``'s chunk
+2. ``T.put_signal_block`` of chunk ``c`` of the local shard into
+   ``output[me*shard + c*chunk]`` on rank ``p`` (``dst_pe=p``; ``p == me`` is a local copy
+   through the same path), with the signal ``data[me, c] = epoch`` on ``p``: every thread
+   stores its part, the block synchronises (``bar.sync``) and thread 0 releases the flag
+   (``st.release.sys``), so the chunk is visible on rank ``p`` before the flag is (see
+   "Memory-model guarantees" in docs/lang.md).
+3. Thread 0 ``T.wait_ge(data[p, c], epoch)`` (``ld.acquire.sys`` polls): ``p``'s chunk
    ``c`` has landed here. When every block has passed its wait, the whole output is present,
    so the kernel returns only when the all-gather is complete on this rank.
 

@@ -6,8 +6,8 @@ of ``p``'s output, chunk by chunk, with ``T.put_block`` and epoch flags:
 * all-gather (``row_per_peer=False``): the same input row (``In: (S,)``) goes to every rank;
 * all-to-all (``row_per_peer=True``): row ``p`` of the input (``In: (W * S,)``) goes to rank ``p``.
 
-The protocol (ready handshake, put, ``__syncthreads``, ``fence_sys`` + release signal,
-acquire wait for the peer's chunk) is described in :mod:`tilescale_examples.allgather`.
+The protocol (ready handshake, ``T.put_signal_block`` of the chunk with its flag, acquire
+wait for the peer's chunk) is described in :mod:`tilescale_examples.allgather`.
 """
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
@@ -47,12 +47,10 @@ def build_put_exchange_kernel(shard_numel: int, dtype: str, world_size: int, chu
                 T.notify(Flags[READY + me * C + c], p, epoch)  # my slot for p's chunk c is free
                 T.wait_ge(Flags[READY + p * C + c], epoch)  # p's slot for my chunk c is free
             T.sync_threads()
-            T.put_block(T.address_of(In[p * ROW + start]), T.address_of(Out[me * S + start]),
-                        T.min(CH, S - start), dst_pe=p)
-            T.sync_threads()
+            # put chunk c on p, then (release) data[me, c] = epoch there: data before signal
+            T.put_signal_block(T.address_of(In[p * ROW + start]), T.address_of(Out[me * S + start]),
+                               T.min(CH, S - start), Flags[me * C + c], epoch, "set", p)
             if tx == 0:
-                T.fence_sys()
-                T.notify(Flags[me * C + c], p, epoch)  # release: chunk c is on p
                 T.wait_ge(Flags[p * C + c], epoch)  # acquire: p's chunk c is here
 
     return exchange.with_attr("global_symbol", name)

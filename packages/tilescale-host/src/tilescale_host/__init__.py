@@ -22,6 +22,8 @@ _LAZY = {
     "set_signal": "signals",
     "synchronize_streams": "signals",
     "wait_eq": "signals",
+    "barrier_all_on_stream": "stream_barrier",
+    "close_stream_barriers": "stream_barrier",
     "do_bench": "bench",
     "perf_fn": "bench",
     "NvidiaSmiUtil": "topology",

@@ -2,9 +2,11 @@
 
 Installed, it extends ``tilelang`` at import time (through tilescale-core's hook):
 ``T.get_rank``, ``T.put_warp`` / ``T.get_warp`` / ``T.put_block`` / ``T.get_block``,
-``T.copy(..., src_pe=, dst_pe=)``, ``T.ld`` / ``T.st`` / ``T.atom_add``, fences,
-``T.wait_*``, GPU and cross-rank barriers, ``T.notify``, the ``T.multimem_*`` operations, and
-``JITKernel.initialize(allocator=..., stream=None)``.  Device code ships as CUDA headers in
+``T.copy`` / ``T.tma_copy`` with ``src_pe=`` / ``dst_pe=``, ``T.ld`` / ``T.st`` / ``T.atom_add``,
+remote ``T.atomic_add`` / ``T.atomic_addx2``, ``T.atomic_cas``, fences, ``T.wait_*``, put with
+signal, ``T.quiet`` / ``T.fence``, teams, GPU and cross-rank barriers, ``T.notify``, the
+``T.multimem_*`` operations, ``JITKernel.initialize(allocator=..., stream=None)`` and the
+``compile_once`` / ``compile_root`` options of ``tilelang.compile`` and ``@tilelang.jit``.  Device code ships as CUDA headers in
 ``tilescale_lang/include/tilescale``; see :mod:`tilescale_lang.headers`.
 """
 

@@ -6,10 +6,11 @@ Called by tilescale-core's import hook right after ``import tilelang``; attaches
   ...), and ``T.copy`` / ``T.tma_copy`` wrappers that accept ``src_pe``/``dst_pe`` and are
   stock TileLang when no peer is given;
 * ``JITKernel.initialize(allocator=..., stream=None)``;
+* wrappers around stock pipeline passes for TileScale kernels (:mod:`.pipeline_hooks`);
 * the CUDA post-processing callback that includes the TileScale headers, the
   ``runtime.nvshmem.cumodule_init`` module hook (before any launch), and the compile
-  wrappers that add the header flags (``tilelang.compile(..., compile_once=True,
-  compile_group=group)`` too).
+  wrappers that add the header flags (``tilelang.compile`` / ``@tilelang.jit`` with
+  ``compile_once=``, ``compile_group=``, ``compile_root=`` too).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ STOCK: dict[str, Any] = {}
 
 def intrinsics() -> dict[str, Any]:
     """Name -> callable of every intrinsic exported on ``tilelang.language``."""
-    from . import barrier, memory, multimem, peer_copy, profiler, rank, wait
+    from . import atomics, barrier, memory, multimem, peer_copy, profiler, rank, signals, team, wait
 
     names = {
         "get_rank": rank.get_rank,
@@ -55,6 +56,8 @@ def intrinsics() -> dict[str, Any]:
         "MultimemReduceOp": multimem.MultimemReduceOp,
     }
     names.update(wait.WAITS)
+    for module in (signals, atomics, team):
+        names.update(module.EXPORTS)
     return names
 
 
@@ -69,9 +72,12 @@ def _initialize(self, allocator=None, stream=None):
     Returns:
         the kernel itself.
     """
-    from .metadata import initialize
+    from . import remote_tma
+    from .metadata import initialize, table_from_allocator
 
-    return initialize(self, allocator=allocator, stream=stream)
+    kernel = initialize(self, allocator=allocator, stream=stream)
+    remote_tma.register_heap(allocator, table_from_allocator(allocator))  # remote TMA descriptors
+    return kernel
 
 
 def extend(tilelang_module) -> None:
@@ -81,11 +87,12 @@ def extend(tilelang_module) -> None:
     import tilelang.language as T
     from tilelang.jit.kernel import JITKernel
 
-    from . import codegen, metadata, peer_copy
+    from . import atomics, codegen, metadata, peer_copy, pipeline_hooks, remote_tma
 
     for name, fn in intrinsics().items():
         setattr(T, name, fn)
-    for name, wrapper in (("copy", peer_copy.copy), ("tma_copy", peer_copy.tma_copy)):
+    wrappers = {"copy": peer_copy.copy, "tma_copy": peer_copy.tma_copy, **atomics.WRAPPERS}
+    for name, wrapper in wrappers.items():
         current = getattr(T, name)
         if current is not wrapper:
             STOCK.setdefault(name, current)
@@ -95,9 +102,15 @@ def extend(tilelang_module) -> None:
     tl_jit = importlib.import_module("tilelang.jit")  # the package (tilelang.jit is the decorator)
 
     codegen.install_postproc()
+    pipeline_hooks.install()
+    remote_tma.install()
     metadata.install_module_hook()
 
     tl_jit.cached = codegen.wrap_cached(tl_jit.cached)
     wrapped = codegen.wrap_compile(tl_jit.compile)
     tl_jit.compile = wrapped
     tilelang_module.compile = wrapped
+    jit = codegen.wrap_jit(tl_jit.jit)
+    tl_jit.jit = jit
+    tilelang_module.jit = jit
+    tl_jit.JITImpl.compile = codegen.wrap_jit_impl_compile(tl_jit.JITImpl.compile)

@@ -8,7 +8,8 @@ initialisation and early arrivals.  Their storage must be zeroed once before fir
 (allocator memory, or ``torch.zeros``).
 
 * GPU barrier storage: two uint32 words in global memory (``bar[0]`` phase/arrivals,
-  ``bar[1]`` expected count).  Block 0 must take part.
+  ``bar[1]`` expected count; block 0 must take part), or one uint32 word (phase, count and
+  arrivals packed; every taking-part block initialises it) -- see :func:`init_barrier_gpu`.
 * ``barrier_blocks``/``sync_blocks`` storage: a symmetric (allocator) buffer of
   ``num_ranks`` uint32 counters; needs ``kernel.initialize``; every rank launches the same
   number of blocks, all co-resident.
@@ -36,29 +37,48 @@ def _barrier(barrier, name: str = "barrier", min_elems: int = 1) -> V.Operand:
 _available_elements = V.available_elements
 
 
-def init_barrier_gpu(barrier, expected):
-    """Set the number of blocks taking part in the GPU barrier at ``barrier`` (2 uint32).
+def _gpu_barrier(barrier) -> tuple[V.Operand, str]:
+    """The barrier operand and the helper-name suffix of its layout: ``"1"`` for the
+    one-word form (storage of exactly one element from its start), ``""`` for two words."""
+    op = _barrier(barrier)
+    return op, "1" if _available_elements(barrier) == 1 else ""
 
-    Idempotent; block 0 must run it before its first arrival (running it in every block is
-    fine).  ``expected`` is any integer expression (e.g. the grid size).
+
+def init_barrier_gpu(barrier, expected):
+    """Set the number of blocks taking part in the GPU barrier at ``barrier``.
+
+    Two layouts, chosen by the storage (zeroed once before first use):
+
+    * two uint32 words (``bar[0]`` phase/arrivals, ``bar[1]`` the count written here):
+      idempotent; block 0 must take part and run it before its first arrival (running it
+      in every block is fine);
+    * one uint32 word (upstream TileScale's ``T.Tensor([1], T.uint32)``; the count, 1 to
+      32767, lives in bits 30..16): every taking-part block runs it before its first
+      arrival, and the word keeps that count for its whole life (another count traps).
+
+    ``expected`` is any integer expression (e.g. the grid size).  A buffer or region whose
+    extent is unknown at trace time uses the two-word layout.
     """
-    op = _barrier(barrier, min_elems=2)
-    return V.extern("handle", "tilescale::init_barrier_gpu", op.ptr, V.cast_to(expected, "uint32", "expected"))
+    op, form = _gpu_barrier(barrier)
+    return V.extern("handle", f"tilescale::init_barrier_gpu{form}", op.ptr, V.cast_to(expected, "uint32", "expected"))
 
 
 def arrive_barrier_gpu(barrier):
     """Arrive at the GPU barrier (release, gpu scope); pair with :func:`wait_barrier_gpu`."""
-    return V.extern("handle", "tilescale::arrive_barrier_gpu", _barrier(barrier, min_elems=2).ptr)
+    op, form = _gpu_barrier(barrier)
+    return V.extern("handle", f"tilescale::arrive_barrier_gpu{form}", op.ptr)
 
 
 def wait_barrier_gpu(barrier):
     """Wait until every expected block arrived in this block's generation (acquire, gpu)."""
-    return V.extern("handle", "tilescale::wait_barrier_gpu", _barrier(barrier, min_elems=2).ptr)
+    op, form = _gpu_barrier(barrier)
+    return V.extern("handle", f"tilescale::wait_barrier_gpu{form}", op.ptr)
 
 
 def sync_barrier_gpu(barrier):
     """:func:`arrive_barrier_gpu` then :func:`wait_barrier_gpu`."""
-    return V.extern("handle", "tilescale::sync_barrier_gpu", _barrier(barrier, min_elems=2).ptr)
+    op, form = _gpu_barrier(barrier)
+    return V.extern("handle", f"tilescale::sync_barrier_gpu{form}", op.ptr)
 
 
 def barrier_blocks(barrier):

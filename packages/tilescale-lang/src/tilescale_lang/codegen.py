@@ -11,8 +11,9 @@
   untouched.  The flags are part of TileLang's kernel-cache key.
   A kernel that calls a helper the CUDA toolkit cannot compile is rejected there
   (:func:`tilescale_lang.toolkit.check_features`).
-* :func:`wrap_compile` adds ``compile_once=`` / ``compile_group=`` to ``tilelang.compile``
-  (see :mod:`tilescale_lang.compile_lock`).
+* :func:`wrap_compile` / :func:`wrap_jit` add ``compile_once=`` / ``compile_group=`` /
+  ``compile_root=`` to ``tilelang.compile`` and ``@tilelang.jit`` (see
+  :mod:`tilescale_lang.compile_lock` and :mod:`tilescale_lang.compile_root`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import functools
 from typing import Any
 
 from . import compile_lock, headers, toolkit
+from . import compile_root as compile_root_mod
 
 #: Namespace of every device helper; its presence marks a TileScale kernel.
 NAMESPACE = "tilescale::"
@@ -121,27 +123,75 @@ def wrap_cached(cached):
 
 
 def wrap_compile(compile_fn):
-    """Wrap ``tilelang.compile`` with ``compile_once`` / ``compile_group``.
+    """Wrap ``tilelang.compile`` with ``compile_once`` / ``compile_group`` / ``compile_root``.
 
-    ``tilelang.compile(func, ..., compile_once=True, compile_group=group)`` compiles under a
-    host-wide file lock beside TileLang's disk cache (:mod:`tilescale_lang.compile_lock`):
-    the first rank compiles, every later rank loads the cached result (kernels are
-    rank-agnostic, so the cache key is the same on every rank).  No collective is involved,
-    so a kernel that only some ranks compile is fine.  ``compile_group`` is accepted and not
-    needed.  With ``compile_once=False`` (the default) it is plain ``tilelang.compile``.
+    * ``compile_root=r`` (collective over ``compile_group``, default the world group): rank
+      ``r`` compiles, the others load its result from the disk cache; a failure on ``r``
+      raises on every rank with ``r``'s message (:mod:`tilescale_lang.compile_root`).
+    * ``compile_once=True`` without ``compile_root``: the compile runs under a host-wide file
+      lock beside TileLang's disk cache (:mod:`tilescale_lang.compile_lock`): the first rank
+      compiles, every later rank loads the cached result.  No collective is involved, so a
+      kernel that only some ranks compile is fine; ``compile_group`` is accepted and unused.
+    * neither: plain ``tilelang.compile``.
     """
     if getattr(compile_fn, "__tilescale_wrapped__", False):
         return compile_fn
 
     @functools.wraps(compile_fn)
-    def tilescale_compile(*args, compile_once: bool = False, compile_group: Any = None, **kwargs):
-        if not compile_once:
-            return compile_fn(*args, **kwargs)
-        return compile_lock.compile_once(lambda: compile_fn(*args, **kwargs), compile_group)
+    def tilescale_compile(*args, compile_once: bool = False, compile_group: Any = None,
+                          compile_root: int | None = None, **kwargs):
+        return compile_root_mod.coordinate(lambda: compile_fn(*args, **kwargs), compile_once, compile_group,
+                                           compile_root)
 
     tilescale_compile.__tilescale_wrapped__ = True
     tilescale_compile.__wrapped_compile__ = compile_fn
     return tilescale_compile
+
+
+#: Attribute of a ``JITImpl`` holding its compile coordination (compile_once, group, root).
+JIT_OPTIONS = "_tilescale_compile_options"
+
+
+def wrap_jit(jit_fn):
+    """Wrap the ``tilelang.jit`` decorator with ``compile_once`` / ``compile_group`` /
+    ``compile_root`` (same meaning as for :func:`wrap_compile`); each compile the decorated
+    function makes (one per distinct set of arguments) is coordinated that way."""
+    if getattr(jit_fn, "__tilescale_wrapped__", False):
+        return jit_fn
+
+    def attach(impl, options):
+        impl.__dict__[JIT_OPTIONS] = options
+        return impl
+
+    @functools.wraps(jit_fn)
+    def tilescale_jit(func=None, *, compile_once: bool = False, compile_group: Any = None,
+                      compile_root: int | None = None, **kwargs):
+        result = jit_fn(func, **kwargs)
+        if not compile_once and compile_root is None:
+            return result
+        options = (compile_once, compile_group, compile_root)
+        if func is not None:
+            return attach(result, options)
+        return functools.wraps(result)(lambda f: attach(result(f), options))
+
+    tilescale_jit.__tilescale_wrapped__ = True
+    return tilescale_jit
+
+
+def wrap_jit_impl_compile(method):
+    """Wrap ``JITImpl.compile`` so that a decorated function's compiles follow its options."""
+    if getattr(method, "__tilescale_wrapped__", False):
+        return method
+
+    @functools.wraps(method)
+    def compile(self, *args, **kwargs):
+        options = self.__dict__.get(JIT_OPTIONS)
+        if options is None:
+            return method(self, *args, **kwargs)
+        return compile_root_mod.coordinate(lambda: method(self, *args, **kwargs), *options)
+
+    compile.__tilescale_wrapped__ = True
+    return compile
 
 
 #: The default target for :func:`cuda_source`: Hopper with its architecture-specific features.

@@ -19,6 +19,8 @@ INCLUDE_DIR = Path(__file__).with_name("include")
 MAIN_HEADER = "tilescale/tilescale.cuh"
 #: Environment variable holding the wait timeout in milliseconds (read at compile time).
 WAIT_TIMEOUT_ENV = "TILESCALE_WAIT_TIMEOUT_MS"
+#: Environment variable that compiles the device debug checks in (``1``; read at compile time).
+DEBUG_ENV = "TILESCALE_DEBUG"
 
 
 def include_dir() -> str:
@@ -75,18 +77,28 @@ def wait_timeout_ms() -> int:
 CHECK_PE_ENV = "TILESCALE_CHECK_PE"
 
 
-def check_pe_enabled() -> bool:
-    """Whether ``TILESCALE_CHECK_PE`` asks for the run-time PE check (``1``; ``0``/unset: off).
+def _on_off(name: str, meaning: str) -> bool:
+    """The compile-time switch ``name``: ``1`` on, ``0`` or unset off.
 
     Raises:
-        ValueError: any other value.
+        ValueError: any other value (naming the variable and what ``1`` means).
     """
-    raw = os.environ.get(CHECK_PE_ENV, "").strip()
+    raw = os.environ.get(name, "").strip()
     if raw in ("", "0"):
         return False
     if raw == "1":
         return True
-    raise ValueError(f"{CHECK_PE_ENV} must be 1 (check run-time PEs) or 0/unset (no check), got {raw!r}")
+    raise ValueError(f"{name} must be 1 ({meaning}) or 0/unset (off), got {raw!r}")
+
+
+def check_pe_enabled() -> bool:
+    """Whether the run-time PE range check is compiled in: ``TILESCALE_CHECK_PE=1``, or
+    ``TILESCALE_DEBUG=1`` (which turns on every device debug check).
+
+    Raises:
+        ValueError: either variable has a value other than ``1``, ``0`` or empty.
+    """
+    return _on_off(CHECK_PE_ENV, "check run-time PEs") or debug_enabled()
 
 
 def compile_flags() -> list[str]:
@@ -97,4 +109,15 @@ def compile_flags() -> list[str]:
         flags.append(f"-DTILESCALE_WAIT_TIMEOUT_MS={timeout}")
     if check_pe_enabled():
         flags.append("-DTILESCALE_CHECK_PE=1")
+    if debug_enabled():
+        flags.append("-DTILESCALE_DEBUG=1")
     return flags
+
+
+def debug_enabled() -> bool:
+    """Whether ``TILESCALE_DEBUG`` asks for the device debug checks (``1``; unset or ``0``: off).
+
+    Raises:
+        ValueError: any other value.
+    """
+    return _on_off(DEBUG_ENV, "device debug checks")

@@ -1,5 +1,5 @@
 """Peer copies: ``T.put_warp``, ``T.get_warp``, ``T.put_block``, ``T.get_block`` and the
-remote forms of ``T.copy`` / ``T.tma_copy``.
+remote forms of ``T.copy`` / ``T.tma_copy`` (the latter in :mod:`.remote_tma`).
 
 ``size`` counts elements of the source's element type (the destination's when the source
 is an untyped pointer).  A PE of -1 (or omitted) keeps the address local; a PE >= 0 remaps
@@ -17,7 +17,13 @@ from . import validation as V
 _LOCAL = tirx.IntImm("int32", -1)
 
 
-def _peer_copy(kind: str, src, dst, size, pe, pe_name: str, remote_side: str, template: str):
+def copy_operands(kind: str, src, dst, size, pe, pe_name: str, remote_side: str):
+    """Checked operands of a peer copy: ``(src ptr, dst ptr, byte count, int32 PE)``.
+
+    ``size`` counts elements of the source's type (the destination's for an untyped
+    source); ``remote_side`` (``"src"``/``"dst"``) must be global memory when ``pe`` selects
+    a peer.  Used by every put/get intrinsic (plain, nbi and with signal).
+    """
     s = V.operand(src, "src")
     d = V.operand(dst, "dst")
     if s.itemsize is not None and d.itemsize is not None and s.itemsize != d.itemsize:
@@ -29,9 +35,12 @@ def _peer_copy(kind: str, src, dst, size, pe, pe_name: str, remote_side: str, te
     V.check_extent(size, src, "src")
     V.check_extent(size, dst, "dst")
     pe_val = V.remote_pe(pe, pe_name, s if remote_side == "src" else d, remote_side)
-    return V.extern(
-        "handle", f"tilescale::{kind}<{template}>", s.ptr, d.ptr, nbytes, _LOCAL if pe_val is None else pe_val
-    )
+    return s.ptr, d.ptr, nbytes, _LOCAL if pe_val is None else pe_val
+
+
+def _peer_copy(kind: str, src, dst, size, pe, pe_name: str, remote_side: str, template: str):
+    args = copy_operands(kind, src, dst, size, pe, pe_name, remote_side)
+    return V.extern("handle", f"tilescale::{kind}<{template}>", *args)
 
 
 def _unroll(unroll_factor, aggressive) -> str:
@@ -76,25 +85,40 @@ def get_block(src, dst, size, src_pe=-1):
 
 
 # ------------------------------------------------------------------------------ T.copy
-def _remapped_view(x, pe_val, name: str):
-    """A global buffer aliasing ``x``'s buffer on rank ``pe_val``, and ``x`` re-expressed on it.
-
-    The caller emits ``Bind(ptr = tilescale::remap(buf.data, pe))`` + ``DeclBuffer``.
-    """
-    from tilelang import tvm  # noqa: F401
-    from tvm import ir
-    from tvm.tirx.script.builder import ir as IB
-
+def global_buffer(x, name: str, context: str):
+    """The global buffer behind ``x`` (a buffer, region or element) of ``context`` (say "a
+    remote T.copy"); errors name ``name``."""
     if isinstance(x, tirx.Buffer):
         buf = x
     elif isinstance(x, (tirx.BufferRegion, tirx.BufferLoad)):
         buf = x.buffer
     else:
-        raise TypeError(f"{name} of a remote T.copy must be a buffer, region or element, got {type(x).__name__}")
-    V.require_global(V.operand(x, name), name, "for a remote T.copy")
-    ptr_type = ir.PointerType(ir.PrimType(buf.dtype), "global")
-    remapped = V.extern("handle", "tilescale::remap_ptr", buf.data, pe_val)
-    return buf, remapped, ptr_type, IB
+        raise TypeError(f"{name} of {context} must be a buffer, region or element, got {type(x).__name__}")
+    V.require_global(V.operand(x, name), name, f"for {context}")
+    return buf
+
+
+def view_on(x, data, name: str, context: str):
+    """``x`` re-expressed on a global buffer with ``x``'s buffer's shape and layout whose base
+    pointer is ``data``: a ``tirx.Var`` (bound elsewhere) or an expression, which is bound
+    here first.  Emits the ``DeclBuffer`` (and ``Bind``) into the current frame."""
+    from tilelang import tvm  # noqa: F401
+    from tvm import ir
+    from tvm.tirx.script.builder import ir as IB
+
+    buf = global_buffer(x, name, context)
+    if not isinstance(data, tirx.Var):
+        data = IB.bind(data, type_annotation=ir.PointerType(ir.PrimType(buf.dtype), "global"))
+    view = IB.decl_buffer(buf.shape, buf.dtype, data=data, strides=buf.strides, elem_offset=buf.elem_offset,
+                          scope="global")
+    return _rebind(x, view)
+
+
+def peer_view(x, pe_val, name: str, context: str):
+    """``x`` re-expressed on its buffer's counterpart on rank ``pe_val`` (base pointer
+    ``tilescale::remap_ptr(data, pe)``, computed on the device)."""
+    buf = global_buffer(x, name, context)
+    return view_on(x, V.extern("handle", "tilescale::remap_ptr", buf.data, pe_val), name, context)
 
 
 def _rebind(x, new_buf):
@@ -103,6 +127,21 @@ def _rebind(x, new_buf):
     if isinstance(x, tirx.BufferRegion):
         return tirx.BufferRegion(new_buf, x.region)
     return tirx.BufferLoad(new_buf, x.indices)
+
+
+def pe_pair(src_pe, dst_pe, op: str):
+    """``(src PE, dst PE)`` as int32 expressions or None (local); None when both are local.
+
+    Raises:
+        ValueError: both select a peer (one side of ``op`` must stay local).
+    """
+    s_pe = V.pe_expr(src_pe, "src_pe")
+    d_pe = V.pe_expr(dst_pe, "dst_pe")
+    if s_pe is None and d_pe is None:
+        return None
+    if s_pe is not None and d_pe is not None:
+        raise ValueError(f"{op}: src_pe and dst_pe cannot both select a peer (one side must stay local)")
+    return s_pe, d_pe
 
 
 def _stock(name: str):
@@ -120,20 +159,15 @@ def copy(src, dst, src_pe=None, dst_pe=None, **kwargs):
     a TMA descriptor cannot follow a run-time peer address).  Both sides remote is an error.
     """
     stock = _stock("copy")
-    if src_pe is None and dst_pe is None:
+    pes = pe_pair(src_pe, dst_pe, "T.copy")
+    if pes is None:
         return stock(src, dst, **kwargs)
-    s_pe = V.pe_expr(src_pe, "src_pe")
-    d_pe = V.pe_expr(dst_pe, "dst_pe")
-    if s_pe is None and d_pe is None:
-        return stock(src, dst, **kwargs)
-    if s_pe is not None and d_pe is not None:
-        raise ValueError("T.copy: src_pe and dst_pe cannot both select a peer (one side must stay local)")
+    s_pe, d_pe = pes
     kwargs["disable_tma"] = True
     name, x, pe_val = ("src", src, s_pe) if s_pe is not None else ("dst", dst, d_pe)
-    buf, remapped, ptr_type, IB = _remapped_view(x, pe_val, name)
-    ptr = IB.bind(remapped, type_annotation=ptr_type)
-    vbuf = IB.decl_buffer(buf.shape, buf.dtype, data=ptr, strides=buf.strides, elem_offset=buf.elem_offset, scope="global")
-    new_x = _rebind(x, vbuf)
+    from tvm.tirx.script.builder import ir as IB
+
+    new_x = peer_view(x, pe_val, name, "a remote T.copy")
     call = stock(new_x, dst, **kwargs) if name == "src" else stock(src, new_x, **kwargs)
     if isinstance(call, tirx.PrimExpr):
         IB.evaluate(call)
@@ -150,16 +184,14 @@ def _emit_stmt(stmt, IB):
 
 
 def tma_copy(src, dst, src_pe=None, dst_pe=None, **kwargs):
-    """``T.tma_copy`` with ``src_pe``/``dst_pe`` accepted for signature compatibility.
+    """``T.tma_copy`` with optional peers.
 
-    Without a peer (None or -1) it is stock ``T.tma_copy``.  Remote TMA is not implemented
-    in this release (a TMA descriptor per peer would be needed): a peer raises
-    NotImplementedError; use ``T.copy(..., src_pe=/dst_pe=)`` (SIMT) instead.
+    Without a peer (None or -1) it is stock ``T.tma_copy``.  With ``src_pe`` (a TMA load of
+    a peer's global tensor into shared memory) or ``dst_pe`` (a TMA store of shared memory
+    into a peer's tensor) the copy goes through that peer's own descriptor, built in the
+    generated host code from the heap table; descriptors cover PEs 0..7, and any other PE
+    issues no operation (traps with ``TILESCALE_DEBUG=1``).  See :mod:`tilescale_lang.remote_tma`.
     """
-    stock = _stock("tma_copy")
-    if V.pe_expr(src_pe, "src_pe") is None and V.pe_expr(dst_pe, "dst_pe") is None:
-        return stock(src, dst, **kwargs)
-    raise NotImplementedError(
-        "T.tma_copy with src_pe/dst_pe (remote TMA) is not implemented in tilescale-lang; "
-        "use T.copy(src, dst, src_pe=..., dst_pe=...) for a SIMT remote copy"
-    )
+    from . import remote_tma
+
+    return remote_tma.tma_copy(_stock("tma_copy"), src, dst, src_pe=src_pe, dst_pe=dst_pe, **kwargs)

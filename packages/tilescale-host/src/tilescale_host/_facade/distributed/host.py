@@ -7,6 +7,7 @@ here is re-exported by ``tilelang.distributed`` too.  See :mod:`tilescale_host`.
 from tilescale_host.bench import do_bench, perf_fn
 from tilescale_host.dist_init import init_dist
 from tilescale_host.signals import set_signal, synchronize_streams, wait_eq
+from tilescale_host.stream_barrier import barrier_all_on_stream, close_stream_barriers
 from tilescale_host.topology import (
     NvidiaSmiUtil,
     cuda_stream_max_priority,
@@ -29,6 +30,8 @@ from tilescale_host.utils import (
 
 __all__ = [
     "NvidiaSmiUtil",
+    "barrier_all_on_stream",
+    "close_stream_barriers",
     "cuda_stream_max_priority",
     "dist_print",
     "do_bench",

@@ -4,6 +4,7 @@
 #include "common.cuh"
 #include "memory.cuh"
 #include "wait.cuh"
+#include "signal.cuh"
 
 namespace tilescale {
 
@@ -44,10 +45,11 @@ TILESCALE_DEVICE void arrive_barrier_gpu(unsigned int* bar) {
   }
 }
 
-/// Wait until the generation this block arrived in completes (acquire, gpu scope).
-TILESCALE_DEVICE void wait_barrier_gpu(unsigned int* bar) {
+/// Thread 0 polls *bar (acquire, gpu scope) until its bit 31 differs from `token`'s (the
+/// generation the block arrived in completed); then the block synchronises.  Shared by the
+/// two-word and the one-word layouts.
+TILESCALE_DEVICE void wait_phase_flip(unsigned int* bar, unsigned int token) {
   if (thread_rank() == 0) {
-    const unsigned int token = gpu_barrier_token();
     TILESCALE_WAIT_PROLOGUE
 #pragma unroll 1
     while (true) {
@@ -57,6 +59,11 @@ TILESCALE_DEVICE void wait_barrier_gpu(unsigned int* bar) {
     }
   }
   __syncthreads();
+}
+
+/// Wait until the generation this block arrived in completes (acquire, gpu scope).
+TILESCALE_DEVICE void wait_barrier_gpu(unsigned int* bar) {
+  wait_phase_flip(bar, thread_rank() == 0 ? gpu_barrier_token() : 0u);
 }
 
 /// arrive_barrier_gpu followed by wait_barrier_gpu.
@@ -72,31 +79,34 @@ template <typename P> TILESCALE_DEVICE void wait_barrier_gpu(P* bar) { wait_barr
 template <typename P> TILESCALE_DEVICE void sync_barrier_gpu(P* bar) { sync_barrier_gpu((unsigned int*)(bar)); }
 
 // ---------------------------------------------------------------------------------------
-// Cross-rank block barrier.  `bar` is a symmetric buffer of num_ranks uint32 counters,
-// zeroed once.  On rank i, bar[j] counts the block arrivals of rank j (monotonic, wrapping
-// arithmetic).  Every block of every rank arrives by adding 1 to bar[me] on every rank;
-// the ticket it draws from its own copy tells it its generation g, and it leaves once every
-// bar[j] has reached (g + 1) * gridDim.  All ranks must launch the same number of blocks
-// and all blocks must be co-resident.  With FENCE, arrivals are releases and the final
-// polls acquires at system scope; without, relaxed/volatile (a bare rendezvous).
+// Cross-rank block barrier over a group of ranks: the `n` members start, start + stride, ...
+// (this rank is member `mi`).  `bar` is a symmetric buffer of n uint32 counters, zeroed
+// once.  On every member, bar[j] counts the block arrivals of member j (monotonic, wrapping
+// arithmetic).  Every arriving block adds 1 to bar[mi] on every member; the ticket it draws
+// from its own copy tells it its generation g, and it leaves once every bar[j] has reached
+// (g + 1) * nblocks, where nblocks is the number of blocks of each member that take part
+// in every generation (the whole grid for barrier_blocks, one block for team operations).
+// All members must use the same nblocks and all those blocks must be co-resident.  With
+// FENCE, arrivals are releases and the final polls acquires at system scope; without,
+// relaxed/volatile (a bare rendezvous).
 // ---------------------------------------------------------------------------------------
-template <bool FENCE> TILESCALE_DEVICE void barrier_blocks(unsigned int* bar) {
+template <bool FENCE>
+TILESCALE_DEVICE void barrier_members(unsigned int* bar, int mi, int n, int start, int stride,
+                                      unsigned int nblocks) {
   __shared__ unsigned int ticket;
-  const int me = get_rank();
-  const int n = get_num_ranks();
   const unsigned int tid = thread_rank();
-  const unsigned int nblocks = grid_size();
   if (FENCE) fence_sys();
   __syncthreads();
   if (tid == 0) {
-    // Own copy first: the ticket orders this block among this rank's arrivals.
-    if (FENCE) ticket = atom_add<Scope::SYS, Sem::RELEASE>(bar + me, 1u);
-    else ticket = atom_add<Scope::SYS, Sem::RELAXED>(bar + me, 1u);
+    // Own copy first: the ticket orders this block among this member's arrivals.
+    if (FENCE) ticket = atom_add<Scope::SYS, Sem::RELEASE>(bar + mi, 1u);
+    else ticket = atom_add<Scope::SYS, Sem::RELAXED>(bar + mi, 1u);
   }
   for (int j = static_cast<int>(tid); j < n; j += static_cast<int>(block_size())) {
-    if (j == me) continue;
-    if (FENCE) atom_add<Scope::SYS, Sem::RELEASE>(remap(bar + me, j), 1u);
-    else atom_add<Scope::SYS, Sem::RELAXED>(remap(bar + me, j), 1u);
+    if (j == mi) continue;
+    unsigned int* peer = remap(bar + mi, start + j * stride);
+    if (FENCE) atom_add<Scope::SYS, Sem::RELEASE>(peer, 1u);
+    else atom_add<Scope::SYS, Sem::RELAXED>(peer, 1u);
   }
   __syncthreads();
   const unsigned int target = (ticket / nblocks + 1u) * nblocks;
@@ -114,6 +124,11 @@ template <bool FENCE> TILESCALE_DEVICE void barrier_blocks(unsigned int* bar) {
   if (FENCE) fence_sys();
 }
 
+/// Rendezvous of all blocks of every rank (bar: num_ranks counters).
+template <bool FENCE> TILESCALE_DEVICE void barrier_blocks(unsigned int* bar) {
+  barrier_members<FENCE>(bar, get_rank(), get_num_ranks(), 0, 1, grid_size());
+}
+
 template <typename P> TILESCALE_DEVICE void barrier_blocks(P* bar) {
   static_assert(sizeof(P) == 4, "barrier storage is 32-bit");
   barrier_blocks<true>((unsigned int*)(bar));
@@ -129,13 +144,7 @@ template <typename P> TILESCALE_DEVICE void sync_blocks(P* bar) {
 /// Set (ADD == false) or add (ADD == true) `signal` to the flag at ptr on rank pe.
 template <bool ADD, typename T>
 TILESCALE_DEVICE void notify(T* ptr, int pe, value_t<T> signal) {
-  value_t<T>* p = (value_t<T>*)(remap(ptr, pe));
-  if constexpr (ADD) {
-    static_assert(sizeof(T) == 4, "notify with sig_op='add' needs a 32-bit flag");
-    atom_add<Scope::SYS, Sem::RELEASE>(reinterpret_cast<unsigned int*>(p), bit_cast<unsigned int>(signal));
-  } else {
-    st<Scope::SYS, Sem::RELEASE, false, value_t<T>>(p, signal);
-  }
+  signal_op<ADD>(ptr, signal, pe);
 }
 
 }  // namespace tilescale

@@ -1,0 +1,116 @@
+"""The upstream-style all-reduce (remote TMA + remote atomic counters + one-word barrier):
+generated CUDA, nvcc compile and argument checks on CPU; the result on 1 and 2 ranks (``-m gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from examples_helpers import CpuAllocator, close_rank_heap, kernel_body, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
+
+from tilescale_examples.tma_allreduce import COLS, TILE_ROWS, TmaAllReduce, build_tma_allreduce_kernel, torch_reference
+
+
+def test_torch_reference_sums_the_ranks():
+    xs = [torch.full((2, 3), float(r)) for r in range(4)]
+    assert torch.equal(torch_reference(xs), torch.full((2, 3), 6.0))
+    with pytest.raises(ValueError):
+        torch_reference([])
+
+
+def test_kernel_uses_the_three_upstream_features():
+    body = kernel_body(lower_source(build_tma_allreduce_kernel(1024, 4, 8)))
+    assert "tilescale::init_barrier_gpu1((&(Bar[0])), (uint)8);" in body  # one-word barrier
+    assert "tilescale::sync_barrier_gpu1((&(Bar[0])));" in body
+    for k in range(4):
+        assert f"tl::tma_store(tilescale_tma_peer{k}_Y_desc" in body  # remote TMA store per peer
+    assert "tilescale::atomic_add_sys<tilescale::Sem::RELEASE, tilescale::AType::S32>((&(Count[me])), 1, p" in body
+    assert "tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>((&(Count[" in body
+    # order: the stores completed (not only read), async proxy fenced, then the counters
+    wait = body.index("tl::tma_store_wait<0, false>();")
+    assert wait < body.index("tl::fence_proxy_async();") < body.index("tilescale::atomic_add_sys<")
+    assert body.index("tilescale::wait_until<") < body.index("tilescale::sync_barrier_gpu1(")
+
+
+@needs_nvcc
+def test_kernel_compiles(tmp_path):
+    import subprocess
+
+    from examples_helpers import NVCC
+    from tilelang.contrib.nvcc import default_compile_options
+
+    from tilescale_lang import headers
+
+    cu = tmp_path / "k.cu"
+    cu.write_text(lower_source(build_tma_allreduce_kernel(4096, 8, 132)))
+    res = subprocess.run([NVCC, "-ptx", "-arch=sm_90a", *default_compile_options(headers.compile_flags()), "-w",
+                          "-o", str(tmp_path / "k.ptx"), str(cu)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ptx = (tmp_path / "k.ptx").read_text()
+    for instr in ("cp.async.bulk.tensor.2d.global.shared::cta", "atom.release.sys.add.u32", "ld.acquire.sys.b32",
+                  "atom.acq_rel.gpu.add.u32", "fence.proxy.async"):
+        assert instr in ptx, instr
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(allocator=None), TypeError, "allocator must be a tilescale-core allocator"),
+    (dict(shape=(100, COLS)), ValueError, "multiple of 64"),
+    (dict(shape=(64, 64)), ValueError, f"rows, {COLS}"),
+    (dict(shape=(64,)), ValueError, f"rows, {COLS}"),
+    (dict(nranks=9), ValueError, "cover 8 ranks"),
+])
+def test_constructor_rejects_before_allocating(kwargs, exc, match):
+    alloc = CpuAllocator(num_ranks=kwargs.pop("nranks", 2))
+    args = dict(allocator=alloc, shape=(TILE_ROWS, COLS))
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        TmaAllReduce(**args)
+    assert alloc.allocations == []
+
+
+# ------------------------------------------------------------------------------ GPU
+def _input(rank, shape, step):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(rank * 1000003 + step * 7919))
+
+
+def _want(world, shape, step):
+    """The kernel's own order: float32, 0 + x_0 + x_1 + ... (so the result is exact)."""
+    acc = torch.zeros(shape)
+    for q in range(world):
+        acc = acc + _input(q, shape, step)
+    return acc
+
+
+def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
+    alloc = open_rank_heap(rank, world, cache_dir, 2**27)
+    dev = torch.device(alloc.device)
+    checks = 0
+    for shape in ((TILE_ROWS, COLS), (4096, COLS), (64 * 133, COLS)):  # one tile, 64 tiles, > one per block
+        ar = TmaAllReduce(alloc, shape)
+        for step in range(12):  # back-to-back calls: stream barrier + epoch counters, no reset
+            x = _input(rank, shape, step).to(dev)
+            ar.out.fill_(float("nan"))  # poison
+            out = ar(x)
+            torch.cuda.synchronize()
+            want = _want(world, shape, step)
+            if not torch.equal(out.cpu(), want):
+                bad = (out.cpu() != want).nonzero()[:5].tolist()
+                raise AssertionError(f"rank {rank} world {world} shape {shape} step {step}: first mismatches at {bad}")
+            checks += 1
+        assert torch_reference([_input(q, shape, 11) for q in range(world)]).allclose(out.cpu(), atol=1e-5)
+        ar.close()
+    from tilelang.distributed import close_stream_barriers
+
+    import torch.distributed as dist
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    close_stream_barriers()
+    return close_rank_heap(alloc, rank, checks)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2])
+def test_tma_allreduce_on_gpu(world, tmp_path_factory):
+    reports = run_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "tma_allreduce")
+    assert [r["checks"] for r in reports] == [3 * 12] * world
