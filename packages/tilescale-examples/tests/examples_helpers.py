@@ -118,10 +118,10 @@ class RecordedKernel(str):
 
 
 def record_compiles(monkeypatch, *modules) -> list:
-    """Replace ``compile_once`` / ``compile_symmetric`` in ``modules`` (and the collectives'
-    ``compile_symmetric``) with recorders: returns the list of compiled kernels' names, so a
+    """Replace ``compile_once`` / ``compile_symmetric`` in ``modules`` (and the collectives' and
+    the reduction engine's) with recorders: returns the list of compiled kernels' names, so a
     CPU test checks what an object builds without nvcc (compiles are tested separately)."""
-    from tilescale_examples import collective
+    from tilescale_examples import collective, reduce_engine
 
     built = []
 
@@ -129,10 +129,11 @@ def record_compiles(monkeypatch, *modules) -> list:
         built.append(RecordedKernel(func.attrs["global_symbol"]))
         return built[-1]
 
-    for module in (*modules, collective):
+    for module in (*modules, collective, reduce_engine):
         for name in ("compile_once", "compile_symmetric"):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, fake)
+    monkeypatch.setattr(reduce_engine, "_KERNELS", {})  # kernels an earlier test compiled stay out
     return built
 
 

@@ -230,8 +230,9 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     checks = 0
     for op in ("ag", "rs"):
         checks += check_calls(op, alloc, rank, world, M_LOCAL, K, N, torch.bfloat16)
-    if world == 2 and not shared_gpu(world):  # the fused all-gather + GEMM needs one GPU per rank
-        checks += producer_after_the_gemm_holds_every_sm(alloc, rank, world, M_LOCAL, K, N)
+    if world == 2:
+        if not shared_gpu(world):  # the fused all-gather + GEMM needs one GPU per rank
+            checks += producer_after_the_gemm_holds_every_sm(alloc, rank, world, M_LOCAL, K, N)
         for op in ("ag", "rs"):
             checks += check_calls(op, alloc, rank, world, **small, dtype=torch.float16, calls=2)
             checks += check_calls(op, alloc, rank, world, **small, dtype=torch.bfloat16, calls=2,

@@ -5,7 +5,7 @@ GPU: ``ci/device-check.sh bench-remote_tma bench-gpu_barrier``)."""
 from __future__ import annotations
 
 import pytest
-from examples_helpers import kernel_body, lower_source, needs_nvcc
+from examples_helpers import TOOLKIT, kernel_body, lower_source, needs_nvcc, needs_toolkit
 
 from tilescale_examples.benchmarks import gpu_barrier, remote_tma
 
@@ -26,21 +26,10 @@ def test_barrier_loop_picks_the_layout_by_storage():
     assert "tilescale::sync_barrier_gpu((&(Bar[0])));" in two
 
 
-@needs_nvcc
+@needs_toolkit
 def test_benchmark_kernels_compile(tmp_path):
-    import subprocess
-
-    from examples_helpers import NVCC
-    from tilelang.contrib.nvcc import default_compile_options
-
-    from tilescale_lang import headers
-
     for i, func in enumerate((remote_tma.build_tma_put(1 << 14, 132), gpu_barrier.build_barrier_loop(1, 132))):
-        cu = tmp_path / f"k{i}.cu"
-        cu.write_text(lower_source(func))
-        res = subprocess.run([NVCC, "-ptx", "-arch=sm_90a", *default_compile_options(headers.compile_flags()), "-w",
-                              "-o", str(tmp_path / f"k{i}.ptx"), str(cu)], capture_output=True, text=True)
-        assert res.returncode == 0, res.stderr[-3000:]
+        TOOLKIT.compile(lower_source(func), tmp_path / f"k{i}", "ptx", "sm_90a")
 
 
 def test_sizes_must_be_whole_tiles():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from examples_helpers import CpuAllocator, close_rank_heap, kernel_body, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
+from examples_helpers import TOOLKIT, CpuAllocator, close_rank_heap, kernel_body, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks, needs_toolkit
 
 from tilescale_examples.tma_allreduce import COLS, TILE_ROWS, TmaAllReduce, build_tma_allreduce_kernel, torch_reference
 
@@ -31,21 +31,10 @@ def test_kernel_uses_the_three_upstream_features():
     assert body.index("tilescale::wait_until<") < body.index("tilescale::sync_barrier_gpu1(")
 
 
-@needs_nvcc
+@needs_toolkit
 def test_kernel_compiles(tmp_path):
-    import subprocess
-
-    from examples_helpers import NVCC
-    from tilelang.contrib.nvcc import default_compile_options
-
-    from tilescale_lang import headers
-
-    cu = tmp_path / "k.cu"
-    cu.write_text(lower_source(build_tma_allreduce_kernel(4096, 8, 132)))
-    res = subprocess.run([NVCC, "-ptx", "-arch=sm_90a", *default_compile_options(headers.compile_flags()), "-w",
-                          "-o", str(tmp_path / "k.ptx"), str(cu)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    ptx = (tmp_path / "k.ptx").read_text()
+    out, _, _ = TOOLKIT.compile(lower_source(build_tma_allreduce_kernel(4096, 8, 132)), tmp_path, "ptx", "sm_90a")
+    ptx = out.read_text()
     for instr in ("cp.async.bulk.tensor.2d.global.shared::cta", "atom.release.sys.add.u32", "ld.acquire.sys.b32",
                   "atom.acq_rel.gpu.add.u32", "fence.proxy.async"):
         assert instr in ptx, instr

@@ -215,9 +215,10 @@ def test_remote_tma_ptx_and_debug_trap(tmp_path):
     assert "cp.async.bulk.tensor.2d.shared::cta.global.mbarrier::complete_tx::bytes" in ptx  # load
     assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx  # store
     assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx  # reduce
-    assert "trap" not in ptx  # a bad PE issues no operation ...
-    ptx = nvcc_ptx(src, tmp_path, extra=["-DTILESCALE_DEBUG=1"])
-    assert "trap" in ptx and "vprintf" in ptx  # ... or traps with a message under TILESCALE_DEBUG
+    traps = ptx.count("trap;")  # the missing-table trap is always there
+    debug = nvcc_ptx(src, tmp_path, extra=["-DTILESCALE_DEBUG=1"])
+    # a bad PE issues no operation ... or, under TILESCALE_DEBUG, traps with a message
+    assert debug.count("trap;") > traps and debug.count("vprintf") > ptx.count("vprintf")
 
 
 TMA_REJECT = [

@@ -69,9 +69,15 @@ def ranks_share_a_gpu(device, group=None, world_size: int = 1) -> bool:
 
     device = torch.device(device)
     mine = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else f"host:{device}"
-    uuids = [None] * world_size
-    dist.all_gather_object(uuids, mine, group=group)
-    return len(set(uuids)) < len(uuids)
+    # a fixed-size byte tensor on the backend's device (as all_ranks_agree does): object
+    # collectives pick a device of their own, which a gloo group given CUDA tensors rejects
+    on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    raw = mine.encode()[:64].ljust(64, b"\0")
+    local = torch.tensor(list(raw), dtype=torch.uint8, device=on)
+    every = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(every, local, group=group)
+    uuids = {bytes(t.cpu().tolist()) for t in every}
+    return len(uuids) < world_size
 
 
 #: Values of the overlapped GEMMs' ``plan`` argument.
