@@ -42,16 +42,20 @@ def compile_job(job: Job, env: dict) -> str:
     return str(func.attrs["global_symbol"])
 
 
-def precompile(jobs: Iterable[Job], cache_dir: Optional[str] = None, workers: Optional[int] = None) -> list:
+def precompile(jobs: Iterable[Job], cache_dir: Optional[str] = None, workers: Optional[int] = None,
+               env: Optional[dict] = None) -> list:
     """Compile ``jobs`` (duplicates dropped) into TileLang's disk cache ``cache_dir`` (default:
     ``$TILELANG_CACHE_DIR``) with ``workers`` processes (default: one per job, at most the CPU
-    count); the workers inherit this process's environment, so ``TILESCALE_WAIT_TIMEOUT_MS``
-    and other compile-flag settings match the later compiles. Returns the kernels' symbols in
-    job order. Call it before the ranks start (it spawns processes and uses no GPU)."""
+    count). The workers get this process's ``TILELANG_*``, ``TILESCALE_*`` and ``CUDA_*``
+    variables updated with ``env``: give them the settings that change compile flags (like
+    ``TILESCALE_WAIT_TIMEOUT_MS``) as the later compiles will see them. Returns the kernels'
+    symbols, one per distinct job. Call it before the ranks start (it spawns processes and
+    uses no GPU)."""
     unique = list(dict.fromkeys((b, tuple(a), None if p is None else tuple(sorted(p.items()))) for b, a, p in jobs))
     if not unique:
         return []
-    env = {k: v for k, v in os.environ.items() if k.startswith(("TILELANG_", "TILESCALE_", "CUDA_"))}
+    base = {k: v for k, v in os.environ.items() if k.startswith(("TILELANG_", "TILESCALE_", "CUDA_"))}
+    env = {**base, **(env or {})}
     if cache_dir is not None:
         env["TILELANG_CACHE_DIR"] = str(cache_dir)
     n = workers or min(len(unique), os.cpu_count() or 1)
