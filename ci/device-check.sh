@@ -4,7 +4,7 @@
 #   bash ci/device-check.sh [STEP ...] [-- PYTEST_ARGS ...]
 # STEPs: doctor; demo (python -m tilescale_examples.demo: the README's main job); tests (GPU suite of every package, ranks sharing the GPUs); tests-4 (one
 # rank per GPU); tests-core, tests-host, tests-lang, tests-examples (one package, shared);
-# tests-moe (the MoE dispatch/combine GPU tests alone, shared);
+# tests-moe (the MoE dispatch/combine GPU tests alone, shared); tests-reduce (the reduction and all-gather GPU tests, shared);
 # bench (every benchmark); bench-NAME (one); bench-overlap-1 (ag_gemm and gemm_rs on one rank:
 # the world-1 goal); all (default: doctor demo tests bench). Logs go to $OUT (or ./device-logs) and a summary
 # table is printed last.
@@ -63,6 +63,9 @@ for step in "${steps[@]}"; do
     tests-moe) run_step tests-moe env TILESCALE_SHARE_GPUS=1 timeout -k 10 300 python3 -m pytest \
                  packages/tilescale-examples/tests/test_moe.py -m gpu -q -rfEs --tb=short -p no:cacheprovider \
                  --tilescale-record "$logs" "${pytest_args[@]}" ;;
+    tests-reduce) run_step tests-reduce env TILESCALE_SHARE_GPUS=1 timeout -k 10 240 python3 -m pytest \
+                    packages/tilescale-examples/tests/test_{allreduce,reducescatter,emulated,allgather}.py \
+                    -m "gpu and not chaos" -q -s -rfEs --durations=0 --tb=short -p no:cacheprovider "${pytest_args[@]}" ;;
     tests-*) p=${step#tests-}; run_step "$step" env TILESCALE_SHARE_GPUS=1 timeout -k 10 "${limit[$p]}" \
                python3 -m pytest "packages/tilescale-$p/tests" -m "gpu and not chaos" -q -rfEs --tb=short \
                -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;

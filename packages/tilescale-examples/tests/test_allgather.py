@@ -3,10 +3,13 @@ the CPU; the result on 1, 2 and 4 ranks sharing one GPU (``-m gpu``)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import tilelang  # noqa: F401  (the import hook attaches tilescale-lang)
 import torch
-from examples_helpers import CpuAllocator, close_rank_heap, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
+from examples_cache import warm_cache
+from examples_helpers import CpuAllocator, close_rank_heap, have_gpu, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
 
 from tilescale_examples import allgather as ag_mod
 from tilescale_examples.allgather import AllGather, build_allgather_kernel, plan_chunks, torch_reference
@@ -268,9 +271,27 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str, device: str | None = No
     return close_rank_heap(alloc, rank, checks)
 
 
+def allgather_kernels(worlds=(1, 2, 4)) -> list:
+    """Precompile jobs of the kernels ``gpu_rank_body`` builds on ``worlds`` ranks (the plan
+    of :class:`AllGather` with ``min_chunk_bytes=4096`` on this GPU's SM count)."""
+    from tilescale_examples.collective import DTYPES, plan_chunks
+
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    jobs = []
+    for world in worlds:
+        for shape, dtype in GPU_CASES:
+            numel, itemsize = math.prod(shape), torch.empty((), dtype=dtype).element_size()
+            chunks, chunk = plan_chunks(numel, itemsize, world, sms, 4096)
+            jobs.append(("tilescale_examples.allgather:build_allgather_kernel",
+                         (numel, DTYPES[dtype], world, chunks, chunk, 512), None))
+    return jobs
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_allgather_on_gpu(world, tmp_path_factory):
+    if have_gpu():  # every world's kernels at once, in parallel (cache hits in the ranks)
+        warm_cache(tmp_path_factory, allgather_kernels(), "allgather")
     reports = run_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "allgather")
     assert [r["checks"] for r in reports] == [len(GPU_CASES) * len(ENGINES) * 5] * world

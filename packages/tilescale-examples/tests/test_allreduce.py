@@ -1,15 +1,18 @@
 """AllReduce (one-shot and fused two-shot): the size table, staging and output decisions and
 argument checks on the CPU; every size class and dtype on 2 and 4 ranks sharing one GPU,
-bit-identical across ranks, and 1000 back-to-back calls with a straggling rank (``-m gpu``)."""
+bit-identical across ranks, and 1000 back-to-back calls with a straggling rank (``-m gpu``;
+the kernels are compiled once, in parallel, before the ranks start)."""
 
 from __future__ import annotations
 
+import math
 import random
 import time
 
 import pytest
 import torch
 from examples_helpers import CpuAllocator, close_rank_heap, open_rank_heap, poison, random_tensor, run_gpu_ranks, needs_nvcc
+from examples_cache import CACHE_NAME, warm_cache
 
 from tilescale_examples.allreduce import ONE_SHOT_MAX_BYTES, AllReduce, choose_algorithm, torch_reference
 
@@ -188,45 +191,56 @@ def test_close_and_repr(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------ GPU
 #: Size classes (elements): tiny and not whole vectors, 4 KiB (float16), a size the ranks do
 #: not divide, 2 Mi + 5 (staged by a copy) and 4 Mi (staged in the kernel, two-shot by the
-#: table); each with the size table's choice and both algorithms forced.
+#: table); each with the size table's choice and the other algorithm forced.
 SIZES = [(7,), (2048,), (3, 1000), ((1 << 21) + 5,), (1 << 22,)]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int32]
+#: Ways to call; each instance makes two calls, rotating through all four ways, so every
+#: algorithm sees every way across the dtypes of a size.
+WAYS = ("plain", "out", "inplace", "heap")
+CALLS_PER_INSTANCE = 2
+#: Back-to-back calls with a straggling rank (4 KiB float16), by world size and algorithm:
+#: the 1000-call run on 2 ranks; shorter on 4 (every call needs all 4 time-sliced contexts).
+BACK_TO_BACK = {2: {"one_shot": 1000, "two_shot": 200}, 4: {"one_shot": 100, "two_shot": 50}}
+VARIANTS = 8  # distinct inputs cycled through by the back-to-back calls
 
 
-def gather(x: torch.Tensor, world: int) -> list:
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous())
-    return parts
-
-
-def check(out: torch.Tensor, inputs: list, rank: int, world: int, what: str) -> None:
-    """``out`` equals the rank-order reference bit for bit, and every rank's ``out`` is
-    bit-identical to rank 0's."""
-    want = torch_reference(inputs)
-    if not torch.equal(out.view(torch.int16 if out.element_size() == 2 else torch.int32),
-                       want.view(torch.int16 if want.element_size() == 2 else torch.int32)):
-        bad = (out != want).nonzero()[:5].tolist()
+def check(out: torch.Tensor, want: torch.Tensor, rank: int, world: int, what: str) -> None:
+    """``out`` equals the rank-order reference ``want`` bit for bit. Every rank compares with
+    the same reference bits, so passing on every rank means the ranks' outputs are
+    bit-identical."""
+    bits = torch.int16 if out.element_size() == 2 else torch.int32
+    if not torch.equal(out.view(bits), want.view(bits)):
+        bad = (out.view(bits) != want.view(bits)).nonzero()[:5].tolist()
         raise AssertionError(f"rank {rank}/{world} {what}: first mismatches at {bad}")
-    outs = gather(out, world)
-    if not all(torch.equal(o.view(torch.uint8), outs[0].view(torch.uint8)) for o in outs):
-        raise AssertionError(f"rank {rank}/{world} {what}: ranks disagree")
 
 
-def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
-    """Every size class x dtype x algorithm (auto, one_shot, two_shot), four ways to call
-    (plain input, out=, in place, zero-copy ar.input), poisoned outputs, fresh inputs."""
-    alloc = open_rank_heap(rank, world, cache_dir, 2**29)
+def algorithms_for(shape, dtype, world: int) -> tuple:
+    """``("auto", the other algorithm)``: both kernels, and the size table's choice."""
+    chosen = choose_algorithm(math.prod(shape) * torch.empty((), dtype=dtype).element_size(), world)
+    return ("auto", "two_shot" if chosen == "one_shot" else "one_shot")
+
+
+def rank_inputs(rank: int, shape, dtype, device, seed: int, count: int) -> list:
+    """``count`` inputs of ``rank`` from ``seed`` (any rank can rebuild any rank's)."""
+    return [random_tensor(shape, dtype, torch.Generator().manual_seed(seed * 7919 + rank * 1000003 + v), device)
+            for v in range(count)]
+
+
+def size_classes(alloc, rank: int, world: int) -> int:
+    """Every size class x dtype x (auto, the other algorithm), two calls each (rotating
+    through plain input, ``out=``, in place and the zero-copy ``ar.input``), poisoned
+    outputs and staging buffer, fresh inputs; returns the number of checked calls."""
     dev = torch.device(alloc.device)
     checks = 0
     for case, (shape, dtype) in enumerate((s, d) for s in SIZES for d in DTYPES):
-        for algorithm in ("auto", "one_shot", "two_shot"):
+        for j, algorithm in enumerate(algorithms_for(shape, dtype, world)):
             ar = AllReduce(alloc, shape, dtype, algorithm=algorithm)
-            for k, way in enumerate(("plain", "out", "inplace", "heap")):
-                g = torch.Generator().manual_seed(rank * 1000003 + case * 7919 + k)
-                x = random_tensor(shape, dtype, g, dev)
-                inputs = gather(x, world)
+            seed = 2 * case + j
+            inputs = [rank_inputs(p, shape, dtype, dev, seed, CALLS_PER_INSTANCE) for p in range(world)]
+            for k in range(CALLS_PER_INSTANCE):
+                way = WAYS[(2 * case + 2 * j + k) % len(WAYS)]
+                x = inputs[rank][k].clone()
+                want = torch_reference([inputs[p][k] for p in range(world)])
                 poison(ar.output)
                 poison(ar.input) if way != "heap" else ar.input.copy_(x)
                 if way == "plain":
@@ -241,46 +255,30 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
                 else:
                     out = ar(ar.input)
                 torch.cuda.synchronize()
-                check(out, inputs, rank, world, f"{shape} {dtype} {ar.algorithm} {way}")
+                check(out, want, rank, world, f"{shape} {dtype} {ar.algorithm} ({algorithm}) {way}")
                 checks += 1
             ar.close()
-    return close_rank_heap(alloc, rank, checks)
+    return checks
 
 
-@pytest.mark.gpu
-@pytest.mark.timeout(420)
-@pytest.mark.parametrize("world", [2, 4])
-def test_allreduce_every_size_class_and_dtype_on_gpu(world, tmp_path_factory):
-    reports = run_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "reductions")
-    assert [r["checks"] for r in reports] == [len(SIZES) * len(DTYPES) * 3 * 4] * world
-
-
-CALLS = 1000
-VARIANTS = 8  # distinct inputs cycled through by the back-to-back calls
-
-
-def rank_inputs(rank: int, shape, dtype, device) -> list:
-    """The ``VARIANTS`` inputs of ``rank`` (any rank can rebuild any rank's: seeded)."""
-    return [random_tensor(shape, dtype, torch.Generator().manual_seed(rank * 7919 + v), device) for v in range(VARIANTS)]
-
-
-def back_to_back_body(rank: int, world: int, cache_dir: str) -> dict:
-    """1000 calls per algorithm without host synchronisation; before each call this rank
-    poisons the buffer the call stages into and the output (legal: the previous call has
-    returned on this stream), and sometimes stalls its stream or its host, so the ranks drift
-    apart. Each result is copied out on the stream and checked at the end."""
-    alloc = open_rank_heap(rank, world, cache_dir, 2**26)
+def back_to_back(alloc, rank: int, world: int) -> int:
+    """Per algorithm, ``BACK_TO_BACK[world]`` calls without host synchronisation; before each
+    call this rank poisons the buffer the call stages into and the output (legal: the
+    previous call has returned on this stream), and sometimes stalls its stream or its host,
+    so the ranks drift apart. Each result is copied out on the stream and checked at the
+    end; returns the number of checked calls."""
     dev = torch.device(alloc.device)
     shape, dtype = (2048,), torch.float16  # 4 KiB
-    mine = rank_inputs(rank, shape, dtype, dev)
-    want = [torch_reference([rank_inputs(p, shape, dtype, dev)[v] for p in range(world)]) for v in range(VARIANTS)]
+    inputs = [rank_inputs(p, shape, dtype, dev, 99, VARIANTS) for p in range(world)]
+    mine = inputs[rank]
+    want = [torch_reference([inputs[p][v] for p in range(world)]) for v in range(VARIANTS)]
     rng = random.Random(rank)
     checks = 0
-    for algorithm in ("one_shot", "two_shot"):
+    for algorithm, calls in BACK_TO_BACK[world].items():
         ar = AllReduce(alloc, shape, dtype, algorithm=algorithm)
-        results = torch.empty((CALLS, *shape), dtype=dtype, device=dev)
+        results = torch.empty((calls, *shape), dtype=dtype, device=dev)
         poison(results)
-        for i in range(CALLS):
+        for i in range(calls):
             if rng.random() < 0.05:
                 torch.cuda._sleep(rng.randrange(1000, 200_000))  # stall this rank's stream
             if rng.random() < 0.01:
@@ -289,18 +287,29 @@ def back_to_back_body(rank: int, world: int, cache_dir: str) -> dict:
             poison(ar.output)
             results[i].copy_(ar(mine[i % VARIANTS]))
         torch.cuda.synchronize()
-        for i in range(CALLS):
-            if not torch.equal(results[i], want[i % VARIANTS]):
-                raise AssertionError(f"rank {rank}/{world} {algorithm}: call {i} wrong "
-                                     f"({int((results[i] != want[i % VARIANTS]).sum())} elements)")
-        checks += CALLS
+        for i in range(calls):
+            check(results[i], want[i % VARIANTS], rank, world, f"{algorithm} back-to-back call {i}/{calls}")
+        checks += calls
         ar.close()
+    return checks
+
+
+def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
+    """The size classes, then the back-to-back calls with a straggler."""
+    alloc = open_rank_heap(rank, world, cache_dir, 2**29)
+    checks = size_classes(alloc, rank, world)
+    checks += back_to_back(alloc, rank, world)
     return close_rank_heap(alloc, rank, checks)
 
 
 @pytest.mark.gpu
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 4])
-def test_allreduce_back_to_back_with_a_straggler_on_gpu(world, tmp_path_factory):
-    reports = run_gpu_ranks(back_to_back_body, world, tmp_path_factory, "reductions")
-    assert [r["checks"] for r in reports] == [2 * CALLS] * world
+def test_allreduce_on_gpu(world, tmp_path_factory):
+    """Every size class and dtype, both algorithms, bit-exact on every rank; then back-to-back
+    calls with a straggling rank (1000 one-shot calls on 2 ranks)."""
+    warm_cache(tmp_path_factory)
+    reports = run_gpu_ranks(gpu_rank_body, world, tmp_path_factory, CACHE_NAME, timeout=200)
+    want = len(SIZES) * len(DTYPES) * 2 * CALLS_PER_INSTANCE + sum(BACK_TO_BACK[world].values())
+    assert [r["checks"] for r in reports] == [want] * world
+    print(f"allreduce world {world}: {want} checked calls per rank")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from examples_helpers import have_gpu
+from examples_cache import WAIT_TIMEOUT_MS, warm_cache
 
 from tilescale_examples.emulated import ALIGNMENT, PRESET, EmulatedPeers, run_round
 
@@ -75,8 +76,8 @@ def test_emulated_kernels_match_the_reference_on_gpu(ranks, tmp_path_factory, mo
         pytest.skip("needs a CUDA GPU (none visible)")
     from tilescale_examples.benchmarks.emulated import build, bytes_moved, check_round, time_kernels
 
-    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "tilelang-cache-reductions"))  # the rank tests' kernels
-    monkeypatch.setenv("TILESCALE_WAIT_TIMEOUT_MS", "30000")
+    monkeypatch.setenv("TILELANG_CACHE_DIR", warm_cache(tmp_path_factory))  # the rank tests' kernels
+    monkeypatch.setenv("TILESCALE_WAIT_TIMEOUT_MS", WAIT_TIMEOUT_MS)
     for op, algorithm, nbytes in CASES:
         for dtype in (torch.float16, torch.bfloat16):
             peers, colls = build(op, algorithm, ranks, nbytes, dtype, torch.device("cuda"))

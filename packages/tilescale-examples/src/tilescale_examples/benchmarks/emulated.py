@@ -2,7 +2,8 @@
 
 ``python -m tilescale_examples.benchmarks.emulated [--ranks 2 4 8] [--min-bytes 4096]
 [--max-bytes 1073741824] [--dtype float16] [--ops allreduce reducescatter]
-[--algorithm auto|one_shot|two_shot] [--iters 20] [--threads 512] [--unroll U]``
+[--algorithm auto|one_shot|two_shot] [--iters 50] [--threads 512] [--unroll U]
+[--max-blocks B]``
 
 One process, no process group: ``N`` emulated ranks are ``N`` regions of one device buffer
 (:mod:`tilescale_examples.emulated`), and their metadata tables map PE ``p`` to region ``p``,
@@ -14,12 +15,14 @@ For every ``N``, op and size (all-reduce: the tensor's bytes; reduce-scatter: ea
 input, ``N`` rows of ``size / N``) it builds the collective on every emulated rank, fills the
 inputs with random values, runs one round and checks every rank's output bit for bit against
 the rank-order reference (a failure is printed and makes the exit status 1), then times
-rounds with CUDA events around each kernel (inputs already in the symmetric buffers, so the
-kernel is all that runs). ``GB/s`` counts the bytes one rank's kernel reads plus writes:
+each rank's kernel: ``--iters`` back-to-back launches (inputs already in the symmetric
+buffers, so the kernel is all that runs) between two CUDA events, enqueued behind a stream
+hold so that the host's launch cost is not counted
+(:mod:`tilescale_examples.benchmarks.gpu_time`), divided by the launch count. ``GB/s`` counts the bytes one rank's kernel reads plus writes:
 one-shot reads ``N`` rows per output row and writes one; two-shot reads ``N`` rows of its shard
 and writes the result to ``N`` ranks; reduce-scatter reads ``N`` rows per output row and writes
 one. The baseline is torch's device-to-device ``copy_`` moving the same number of bytes (half
-read, half written), timed in the same run; ``ratio`` = kernel GB/s / copy GB/s.
+read, half written), timed the same way in the same run; ``ratio`` = kernel GB/s / copy GB/s.
 
 The goals (printed at the end): from 16 MiB up, ratio >= 0.9; a 4 KiB all-reduce kernel takes
 <= 8 us of GPU time.
@@ -142,42 +145,40 @@ def bytes_moved(coll) -> int:
 
 
 def time_kernels(colls, iters: int) -> float:
-    """Milliseconds of one rank's kernel: per round the mean over ranks (CUDA events around
-    each launch), the median over ``iters`` rounds after one warm-up round."""
+    """Milliseconds of GPU time of one rank's kernel: for every emulated rank, ``iters``
+    back-to-back calls (inputs already staged, every flag preset so that waits pass) timed as
+    one stretch behind a stream hold (:func:`~tilescale_examples.benchmarks.gpu_time.gpu_ms_per_launch`:
+    the host's launch cost is not counted); the mean over ranks."""
     import torch
 
-    from tilescale_examples.emulated import run_round
+    from tilescale_examples.benchmarks.gpu_time import gpu_ms_per_launch
+    from tilescale_examples.emulated import PRESET
 
-    run_round(colls)
-    rounds = []
-    for _ in range(iters):
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in colls]
-        run_round(colls, events=events)
-        torch.cuda.synchronize()
-        rounds.append(statistics.fmean(s.elapsed_time(e) for s, e in events))
-    return statistics.median(rounds)
+    per_rank = []
+    for c in colls:
+        for other in colls:  # a peer's earlier calls set its flag words to its (smaller) epochs
+            other.flags.view(torch.int64).fill_(PRESET)
+        c.bind_table()  # stream-ordered, before the hold; the calls below keep this table
+        per_rank.append(gpu_ms_per_launch(lambda: c(c.input), iters, c.device))
+    return statistics.fmean(per_rank)
 
 
 def copy_ms(nbytes: int, iters: int, device) -> float:
-    """Median milliseconds of torch's device-to-device ``copy_`` of ``nbytes`` bytes."""
+    """Milliseconds of GPU time of torch's device-to-device ``copy_`` of ``nbytes`` bytes,
+    measured like :func:`time_kernels` (``iters`` back-to-back copies behind a stream hold)."""
     import torch
+
+    from tilescale_examples.benchmarks.gpu_time import gpu_ms_per_launch
 
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        dst.copy_(src)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    return gpu_ms_per_launch(lambda: dst.copy_(src), iters, device)
 
 
 def iters_for(nbytes: int, iters: int) -> int:
-    return max(3, min(iters, iters * (64 << 20) // max(nbytes, 1)))
+    """Back-to-back launches timed per size: ``iters``, fewer above 64 MiB (at least 5)."""
+    return max(5, min(iters, iters * (64 << 20) // max(nbytes, 1)))
 
 
 def run(args, device) -> tuple:
@@ -189,8 +190,8 @@ def run(args, device) -> tuple:
     for n in args.ranks:
         for op in args.ops:
             for nbytes in size_sweep(args.min_bytes, args.max_bytes, 4):
-                peers, colls = build(op, args.algorithm, n, nbytes, dtype, device, threads=args.threads,
-                                     unroll=args.unroll)
+                peers, colls = build(op, args.algorithm, n, nbytes, dtype, device, max_blocks=args.max_blocks,
+                                     threads=args.threads, unroll=args.unroll)
                 bad = check_round(op, colls, seed=nbytes % 100003 + n)
                 failures += bad
                 it = iters_for(nbytes, args.iters)
@@ -221,10 +222,12 @@ def main(argv=None) -> int:
     p.add_argument("--algorithm", default="auto", choices=["auto", "one_shot", "two_shot"], help="all-reduce algorithm")
     p.add_argument("--min-bytes", type=int, default=4096)
     p.add_argument("--max-bytes", type=int, default=1 << 30)
-    p.add_argument("--iters", type=int, default=20, help="timed rounds per size (fewer above 64 MiB)")
+    p.add_argument("--iters", type=int, default=50, help="back-to-back launches timed per rank and size (fewer above 64 MiB)")
     p.add_argument("--dtype", default="float16", choices=DTYPES)
     p.add_argument("--threads", type=int, default=512, help="threads per block of the kernels")
     p.add_argument("--unroll", type=int, default=None, help="rows per thread and iteration (default max(1, 8 // ranks))")
+    p.add_argument("--max-blocks", type=int, default=None,
+                   help="grid limit (default: the SM count; larger grids are safe here only: emulated waits pass at once)")
     args = p.parse_args(argv)
     if any(n < 1 or n > 64 for n in args.ranks):
         p.error("--ranks must be in [1, 64]")
@@ -237,10 +240,16 @@ def main(argv=None) -> int:
         print("emulated-peers benchmark: no CUDA GPU visible, nothing to measure")
         return 0
     device = torch.device("cuda", torch.cuda.current_device())
+    from tilescale_examples.precompile import precompile, reduction_jobs
+
+    modes = (["one_shot", "two_shot"] if args.algorithm == "auto" else [args.algorithm]) * ("allreduce" in args.ops)
+    modes += ["reduce_scatter"] * ("reducescatter" in args.ops)
+    precompile(reduction_jobs(modes, [args.dtype], args.ranks, args.threads, args.unroll))  # in parallel: cache hits below
     rows, failures, small, worst = run(args, device)
     name = torch.cuda.get_device_name(device)
     print_table(f"reduction kernels with emulated peers (one {name}, {args.dtype}, all-reduce algorithm "
-                f"{args.algorithm}, {args.threads} threads, unroll {args.unroll or 'max(1, 8 // ranks)'}); GB/s = bytes one rank's kernel reads + writes / its GPU time; baseline "
+                f"{args.algorithm}, {args.threads} threads, unroll {args.unroll or 'max(1, 8 // ranks)'}, "
+                f"grid <= {args.max_blocks or 'SM count'} blocks; GPU time of {args.iters} back-to-back launches); GB/s = bytes one rank's kernel reads + writes / its GPU time; baseline "
                 "torch device-to-device copy_ of the same bytes, same run", HEADERS, rows)
     for f in failures[:20]:
         print("FAILED:", f)

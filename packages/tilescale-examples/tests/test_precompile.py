@@ -1,0 +1,49 @@
+"""tilescale_examples.precompile: kernels compiled in worker processes are cache hits for the
+collectives' own compiles (the same cache key), duplicates are compiled once."""
+
+from __future__ import annotations
+
+import os
+
+from examples_helpers import needs_nvcc
+
+from tilescale_examples.precompile import precompile, reduction_jobs
+
+
+def cache_files(cache) -> set:
+    """Files of the TileLang cache (the compile lock's directory left out)."""
+    found = set()
+    for root, dirs, files in os.walk(cache):
+        dirs[:] = [d for d in dirs if not d.startswith("tilescale-locks")]
+        found.update(os.path.relpath(os.path.join(root, f), cache) for f in files)
+    return found
+
+
+def test_reduction_jobs_match_the_collectives_defaults():
+    from tilescale_examples.reduce_engine import PASS_CONFIGS, default_unroll
+
+    jobs = reduction_jobs(["one_shot", "reduce_scatter"], ["float16"], [2, 8])
+    assert [j[1] for j in jobs] == [("one_shot", "float16", 2, 512, default_unroll(2)),
+                                    ("reduce_scatter", "float16", 2, 512, default_unroll(2)),
+                                    ("one_shot", "float16", 8, 512, 1), ("reduce_scatter", "float16", 8, 512, 1)]
+    assert all(j[0] == "tilescale_examples.reduce_engine:build_reduce_kernel" and j[2] == PASS_CONFIGS for j in jobs)
+    assert reduction_jobs(["two_shot"], ["int32"], [4], threads=256, unroll=3)[0][1] == ("two_shot", "int32", 4, 256, 3)
+    assert precompile([]) == []
+
+
+@needs_nvcc
+def test_precompiled_kernel_is_a_cache_hit(tmp_path, monkeypatch):
+    import tilelang  # noqa: F401
+
+    from tilescale_examples.collective import compile_once
+    from tilescale_examples.reduce_engine import PASS_CONFIGS, build_reduce_kernel
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(cache))
+    monkeypatch.setenv("TILESCALE_WAIT_TIMEOUT_MS", "4321")  # part of the compile flags
+    job = reduction_jobs(["one_shot"], ["float32"], [2])[0]
+    assert precompile([job, job], str(cache)) == ["allreduce_one_shot"]  # one compile for duplicates
+    before = cache_files(cache)
+    assert before
+    compile_once(build_reduce_kernel("one_shot", "float32", 2, 512, job[1][4]), None, None, PASS_CONFIGS)
+    assert cache_files(cache) == before  # nothing new compiled: the same cache key
