@@ -178,7 +178,16 @@ def _ring_baselines():
         dist.all_gather(parts, x, group=group)
         out.copy_(parts[(rank - 1) % world])
 
-    return (("batch_isend_irecv ring", p2p), ("all_gather + select", gather_select))
+    def gather_select_host(dist, group, rank, world, x, out):
+        import torch
+
+        staged = x.cpu()  # a backend without CUDA tensors (gloo, ranks sharing a GPU)
+        parts = [torch.empty_like(staged) for _ in range(world)]
+        dist.all_gather(parts, staged, group=group)
+        out.copy_(parts[(rank - 1) % world])
+
+    return (("batch_isend_irecv ring", p2p), ("all_gather + select", gather_select),
+            ("all_gather through host memory + select", gather_select_host))
 
 
 def _gemm_baselines():
@@ -188,7 +197,16 @@ def _gemm_baselines():
     def views(dist, group, gathered, a):
         dist.all_gather(list(gathered.chunk(dist.get_world_size(group))), a, group=group)
 
-    return (("all_gather_into_tensor + matmul", into_tensor), ("all_gather + matmul", views))
+    def through_host(dist, group, gathered, a):
+        import torch
+
+        staged = a.cpu()  # a backend without CUDA tensors (gloo, ranks sharing a GPU)
+        parts = [torch.empty_like(staged) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, staged, group=group)
+        gathered.copy_(torch.cat(parts))
+
+    return (("all_gather_into_tensor + matmul", into_tensor), ("all_gather + matmul", views),
+            ("all_gather through host memory + matmul", through_host))
 
 
 def _first_working(candidates, probe) -> tuple[str, Callable]:
@@ -280,7 +298,9 @@ def _heap_bytes(world: int) -> int:
     for case in CASES:
         item = _ITEMSIZE[case.dtype]
         if case.op == "AllGatherGEMM":
-            total += (world + 1) * case.size * GEMM_K * item
+            from tilescale_examples.ag_gemm import heap_bytes
+
+            total += heap_bytes(world, case.size, GEMM_K, _torch_dtype(case.dtype))
         elif case.op == "all-reduce":
             total += 4 * (case.size + world) * item * 2
         else:
