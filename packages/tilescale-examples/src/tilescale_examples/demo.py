@@ -244,14 +244,19 @@ def build_case(case: Case, alloc, group, rank: int, world: int, device, with_bas
         prev = (rank - 1) % world
         expected = _random(x.shape, case.dtype, prev * 7919 + case.size % 1000003)  # what rank - 1 sends
 
+        plain = x.clone()  # the baseline's input: ordinary torch memory, as a torch user has
+
         def probe(fn):
-            out = torch.zeros_like(x)
-            fn(dist, group, rank, world, x, out)
+            out = torch.zeros_like(plain)
+            fn(dist, group, rank, world, plain, out)
             torch.cuda.synchronize(device)
             return bool(torch.equal(out.cpu(), expected))
 
-        name, fn = _first_working(_ring_baselines(), probe)
-        return _Built(obj, obj, (x,), name, lambda xs, out: fn(dist, group, rank, world, xs[0], out), None, obj.dst)
+        candidates = _ring_baselines()
+        if dist.get_backend(group) != "nccl":  # gloo: collectives first, P2P on CUDA tensors last
+            candidates = candidates[1:] + candidates[:1]
+        name, fn = _first_working(candidates, probe)
+        return _Built(obj, obj, (x,), name, lambda xs, out: fn(dist, group, rank, world, plain, out), None, obj.dst)
     if case.op == "all-gather":
         obj = AllGather(alloc, (case.size,), dtype, group=group)
         op = C.OPS["allgather"]
@@ -286,9 +291,10 @@ def build_case(case: Case, alloc, group, rank: int, world: int, device, with_bas
         return _Built(obj, None, None, "", None, None, None)
     x = obj.input
     x.copy_(_random(x.shape, case.dtype, seed))
+    plain = x.clone()  # the baseline's input: ordinary torch memory (a gloo group takes no heap tensors)
     name, fn = C.pick_baseline(op, group, device, dtype)
     tol = C.tolerance(op, case.dtype, world)
-    return _Built(obj, obj, (x,), name, lambda xs, out: fn(out.view(-1), xs[0].reshape(-1)), tol, obj.output)
+    return _Built(obj, obj, (x,), name, lambda xs, out: fn(out.view(-1), plain.reshape(-1)), tol, obj.output)
 
 
 # ------------------------------------------------------------------------------ rank bodies
