@@ -192,8 +192,9 @@ def collect(session: nox.Session) -> None:
     helper module that two packages both name (``conftest`` imports, ``helpers.py``) fails here."""
     _install(session, "examples", extras="test")
     tests = [str(PACKAGES / f"tilescale-{p}" / "tests") for p in LOCAL_DEPENDENCIES]
+    # --rootdir: node ids then start with packages/tilescale-<name>/tests/ for every package
     out = session.run("python", "-m", "pytest", *tests, "-m", "gpu", "--collect-only", "-q",
-                      "-p", "no:cacheprovider", env=_cuda_env(), silent=True)
+                      "--rootdir", str(ROOT), "-p", "no:cacheprovider", env=_cuda_env(), silent=True)
     lines = str(out).splitlines()
     print("\n".join(lines[-3:]))
     for p in LOCAL_DEPENDENCIES:  # each package contributes GPU tests to the one run
