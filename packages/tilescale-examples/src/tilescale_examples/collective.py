@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 __all__ = ["SymmetricCollective", "Closable", "check_tensor", "plan_chunks", "size_table_entry", "check_allocator",
-           "compile_once", "compile_symmetric", "settle", "all_ranks_agree", "TARGET", "DTYPES"]
+           "compile_once", "compile_symmetric", "settle", "all_ranks_agree", "collective_device", "TARGET", "DTYPES"]
 
 #: Default TileLang target (H100/H200).
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -157,6 +157,14 @@ def settle(device, group=None) -> None:
         dist.barrier(group=group)
 
 
+def collective_device(group, device) -> torch.device:
+    """Where small host-side collectives over ``group`` (flags, timings, agreements) put
+    their tensors: ``device`` under NCCL, the CPU otherwise (gloo takes host tensors)."""
+    import torch.distributed as dist
+
+    return torch.device(device) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
 def all_ranks_agree(ok: bool, group=None, device=None) -> bool:
     """Whether ``ok`` holds on every rank of ``group`` (a MIN all-reduce; ``ok`` itself
     without a group). Collective: every rank of ``group`` must call it."""
@@ -164,8 +172,7 @@ def all_ranks_agree(ok: bool, group=None, device=None) -> bool:
         return bool(ok)
     import torch.distributed as dist
 
-    on = torch.device(device) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=on)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=collective_device(group, device))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 

@@ -359,12 +359,13 @@ def _gpu_rank(rank: int, world: int, iters: int) -> list[dict] | None:
 
     from tilescale_core.multiprocess import rank_device
     from tilescale_examples.benchmarks.collectives import outputs_match, time_ms
+    from tilescale_examples.collective import collective_device
 
     os.environ.setdefault("TILESCALE_WAIT_TIMEOUT_MS", WAIT_TIMEOUT_MS)
     device = torch.device(rank_device(rank))
     torch.cuda.set_device(device)
     group = dist.group.WORLD
-    flag_device = device if dist.get_backend(group) == "nccl" else "cpu"
+    flag_device = collective_device(group, device)
     alloc = tilelang.get_allocator(size=_heap_bytes(world), device=device, is_distributed=True, local_rank=rank,
                                    num_local_ranks=world, group=group)
     rows = []

@@ -69,11 +69,12 @@ def ranks_share_a_gpu(device, group=None, world_size: int = 1) -> bool:
 
     device = torch.device(device)
     mine = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else f"host:{device}"
-    # a fixed-size byte tensor on the backend's device (as all_ranks_agree does): object
-    # collectives pick a device of their own, which a gloo group given CUDA tensors rejects
-    on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    # a fixed-size byte tensor on the backend's device: object collectives pick a device of
+    # their own, which a gloo group given CUDA tensors rejects
+    from tilescale_examples.collective import collective_device
+
     raw = mine.encode()[:64].ljust(64, b"\0")
-    local = torch.tensor(list(raw), dtype=torch.uint8, device=on)
+    local = torch.tensor(list(raw), dtype=torch.uint8, device=collective_device(group, device))
     every = [torch.empty_like(local) for _ in range(world_size)]
     dist.all_gather(every, local, group=group)
     uuids = {bytes(t.cpu().tolist()) for t in every}

@@ -285,6 +285,7 @@ def time_ms(fn, iters: int, group, device) -> float:
     import torch
     import torch.distributed as dist
 
+    from tilescale_examples.collective import collective_device
     from tilescale_host import synchronize_streams
 
     stream = torch.cuda.current_stream(device)
@@ -299,7 +300,7 @@ def time_ms(fn, iters: int, group, device) -> float:
     end.record(stream)
     synchronize_streams([stream], timeout=300.0)  # a lost signal fails instead of hanging
     ms = torch.tensor([start.elapsed_time(end) / iters], dtype=torch.float64,
-                      device=device if dist.get_backend(group) == "nccl" else "cpu")
+                      device=collective_device(group, device))
     dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)
     return float(ms.item())
 
@@ -359,10 +360,12 @@ def _run_dtype(op, rank, world, group, device, args, alloc, dtype_name, sizes, s
     import torch
     import torch.distributed as dist
 
+    from tilescale_examples.collective import collective_device
+
     dtype = getattr(torch, dtype_name)
     itemsize = torch.empty((), dtype=dtype).element_size()
     cls = op.collective()
-    flag_device = device if dist.get_backend(group) == "nccl" else "cpu"
+    flag_device = collective_device(group, device)
     tol = tolerance(op, dtype_name, world)
     rows, failures = [], 0
     name, baseline = pick_baseline(op, group, device, dtype)

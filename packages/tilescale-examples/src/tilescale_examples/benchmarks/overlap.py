@@ -205,7 +205,7 @@ def _measure_size(op, rank, world, group, device, m_local, args):
     import torch
     import torch.distributed as dist
 
-    from tilescale_examples.collective import all_ranks_agree
+    from tilescale_examples.collective import all_ranks_agree, collective_device
     from tilescale_examples.stream_ops import log
 
     dtype = getattr(torch, args.dtype)
@@ -243,7 +243,7 @@ def _measure_size(op, rank, world, group, device, m_local, args):
         if rank == 0:
             log.warning("%s m_local=%d: %s n/a: %s", title, m_local, name, note)
     flag = torch.tensor([sum(bad.values())], dtype=torch.int64,
-                        device=device if dist.get_backend(group) == "nccl" else "cpu")
+                        device=collective_device(group, device))
     dist.all_reduce(flag, group=group)
     failed = [name for name, count in bad.items() if count]
     failed = _gather_names(failed, group)
