@@ -34,6 +34,21 @@ def test_cases_cover_every_op_at_two_sizes():
         assert len({c.size for c in demo.CASES if c.op == op}) == 2, op
 
 
+def test_poison_then_stage_keeps_an_input_that_is_also_the_output():
+    """The two-shot all-reduce returns its staging buffer, which is also its input: the
+    poison must not reach the input, and a separate output must be poisoned."""
+    import torch
+
+    shared = torch.arange(8, dtype=torch.float32)
+    aliased = demo._Built(None, None, (shared,), "", None, None, shared)
+    demo.poison_then_stage(aliased)
+    assert torch.equal(shared, torch.arange(8, dtype=torch.float32))
+
+    x, out = torch.arange(4, dtype=torch.float16), torch.zeros(4, dtype=torch.float16)
+    demo.poison_then_stage(demo._Built(None, None, (x,), "", None, None, out))
+    assert torch.isnan(out).all() and torch.equal(x, torch.arange(4, dtype=torch.float16))
+
+
 @needs_nvcc
 @pytest.mark.timeout(600)
 def test_demo_without_gpu_compiles_every_kernel(tmp_path):

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from tilescale_examples.report import format_bytes, format_table, ratio
 
-__all__ = ["CASES", "Case", "Row", "doctor_summary", "main", "run_compile", "run_gpu"]
+__all__ = ["CASES", "Case", "Row", "doctor_summary", "main", "poison_then_stage", "run_compile", "run_gpu"]
 
 #: Ranks when there are no GPUs (compile mode) or one GPU (ranks share it).
 MIN_RANKS = 2
@@ -351,6 +351,17 @@ def _files(root: str) -> list[str]:
     return [str(p) for p in Path(root).rglob("*") if p.is_file()]
 
 
+def poison_then_stage(built: _Built) -> None:
+    """Poison ``built.output`` with NaN (a missed element cannot pass the check), then write
+    the inputs again: an output may share memory with an input (the two-shot all-reduce
+    returns its staging buffer, which is also ``input``), and a user writes the input after
+    whatever the output held."""
+    fresh = [x.clone() for x in built.inputs]
+    built.output.fill_(float("nan"))
+    for x, value in zip(built.inputs, fresh):
+        x.copy_(value)
+
+
 def _gpu_rank(rank: int, world: int, iters: int) -> list[dict] | None:
     """GPU mode: every case built, checked against its baseline and timed; rank 0 returns the rows."""
     import tilelang
@@ -377,7 +388,7 @@ def _gpu_rank(rank: int, world: int, iters: int) -> list[dict] | None:
             built = build_case(case, alloc, group, rank, world, device, with_baseline=True)
             ref = torch.empty_like(built.output)
             built.baseline(built.inputs, ref)
-            built.output.fill_(float("nan"))  # poison: a missed element cannot pass
+            poison_then_stage(built)
             torch.cuda.synchronize(device)
             dist.barrier(group)  # every rank's poison is in place before any peer writes
             out = built.call(*built.inputs)
