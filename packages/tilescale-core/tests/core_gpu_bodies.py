@@ -98,3 +98,77 @@ def open_close_cycles(rank, world_size, use_vmm, cycles):
     after = _driver.mem_get_info(device)[0]
     dist.barrier()  # no rank tears its context down while another one measures
     return {"path": path, "before": before, "after": after}
+
+
+def _failing_real_backend(path, where, fail):
+    """A real heap backend (``ipc`` or ``vmm-fd``) whose export or peer mapping fails on this
+    rank when ``fail`` (after the real allocation, so the failure paths must free it)."""
+    from tilescale_core import _backends, _ipc
+
+    class FailingVmmFd(_backends.VmmFdBackend):
+        def export_fd(self, ptr):
+            if fail and where == "export":
+                raise OSError("injected export failure")
+            return super().export_fd(ptr)
+
+        def import_fd(self, fd, size, device):
+            if fail and where == "map":
+                raise OSError("injected map failure")
+            return super().import_fd(fd, size, device)
+
+    class FailingIpc(_backends.IpcBackend):
+        def share(self, comm, ptr, size, device):
+            if where == "export":
+                def export():
+                    if fail:
+                        raise OSError("injected export failure")
+                    return _ipc.get_handle(ptr)
+                handles = comm.phase("ipc: export handles", export)
+            else:
+                handles = comm.phase("ipc: export handles", lambda: _ipc.get_handle(ptr))
+
+            def open_one(handle):
+                if fail and where == "map":
+                    raise OSError("injected map failure")
+                return _ipc.open_handle(handle)
+
+            return _backends.open_peers(comm, "ipc: open peer handles", handles, ptr, open_one, self.close_peer)
+
+    return FailingVmmFd() if path == "vmm-fd" else FailingIpc()
+
+
+def failed_setup_cycles(rank, world_size, path, where, cycles):
+    """``cycles`` heap set-ups on real GPU memory in which rank 1's export or peer mapping
+    fails: every rank must raise SetupError each time, and rank 0's free device memory and
+    every rank's open descriptors (memfds, sockets) must come back."""
+    import torch
+    import torch.distributed as dist
+
+    from core_rank_bodies import open_fds
+    from tilescale_core import _driver
+    from tilescale_core._comm import SetupError
+    from tilescale_core.allocator import BaseAllocator
+
+    device = _setup(rank)
+    backend = _failing_real_backend(path, where, rank == 1)
+
+    def cycle():
+        try:
+            BaseAllocator(64 << 20, device=torch.device("cuda", device), is_distributed=True, local_rank=rank,
+                          num_local_ranks=world_size, group=dist.group.WORLD, backend=backend)
+        except SetupError as err:
+            return err.phase, sorted(err.failures)
+        return None, []
+
+    cycle()  # warm-up: contexts and the driver's peer bookkeeping
+    torch.cuda.synchronize()
+    dist.barrier()
+    fds, before = open_fds(), _driver.mem_get_info(device)[0]
+    dist.barrier()
+    outcomes = [cycle() for _ in range(cycles)]
+    torch.cuda.synchronize()
+    dist.barrier()
+    after, fds_after = _driver.mem_get_info(device)[0], open_fds()
+    dist.barrier()
+    return {"outcomes": sorted(set((p, tuple(f)) for p, f in outcomes), key=str), "before": before,
+            "after": after, "fd_leaks": sorted(fds_after - fds)}

@@ -74,3 +74,27 @@ def test_open_close_cycles_return_memory(no_env, world_size, use_vmm):
     drift = r0["before"] - r0["after"]
     print(f"path={r0['path']} ranks={world_size}: free before {r0['before']} after {r0['after']} drift {drift} B")
     assert abs(drift) <= LEAK_TOLERANCE, f"{drift / MiB:.1f} MiB not returned after 100 cycles on {r0['path']}"
+
+
+@pytest.mark.parametrize("path", ["ipc", "vmm-fd"])
+@pytest.mark.parametrize("where", ["export", "map"])
+def test_failed_setup_returns_device_memory_and_descriptors(no_env, path, where):
+    """Rank 1 of 3 fails its export (or its peer mapping) 30 times on real GPU memory:
+    every rank raises SetupError naming rank 1 each time, and device memory and descriptors
+    come back."""
+    if path == "vmm-fd":
+        from tilescale_core.probes import probe_vmm_fd
+
+        if not probe_vmm_fd():
+            pytest.skip(f"VMM fd handles unavailable: {probe_vmm_fd().reason}")
+    results = run_ranks(bodies.failed_setup_cycles, 3, args=(path, where, 30), timeout=240)
+    for rank, r in enumerate(results):
+        assert len(r["outcomes"]) == 1, f"rank {rank}: outcomes differ between cycles: {r['outcomes']}"
+        phase, failed = r["outcomes"][0]
+        assert phase is not None, f"rank {rank}: set-up did not fail"
+        assert where in phase or (where == "map" and ("open" in phase or "map" in phase)), phase
+        assert list(failed) == [1], f"rank {rank}: failures {failed}"
+        assert r["fd_leaks"] == [], f"rank {rank} leaked descriptors: {r['fd_leaks']}"
+    drift = results[0]["before"] - results[0]["after"]
+    print(f"{path} {where}: 30 failed set-ups, free device memory drift {drift} B")
+    assert abs(drift) <= LEAK_TOLERANCE, f"{drift / MiB:.1f} MiB not returned after 30 failed set-ups on {path}"
