@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import pytest
 import tilelang
@@ -112,8 +113,12 @@ def test_plan_kernel_ranks_entries_and_exchanges_counts_on_the_device():
     wait = body.index("tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>((&(Sig[", notify)
     assert body.index("Base[", wait) > wait  # offsets only after every rank's counts are in
     assert body.rindex("State[0] = epoch;") > body.rindex("Base[")
-    # only the five hand-written block barriers; the ranking loop synchronises the warp only
-    assert body.count("__syncthreads();") == 5
+    # only the six hand-written block barriers; the ranking loop synchronises the warp only
+    assert body.count("__syncthreads();") == 6
+    # step 4: the count matrix is read once per (rank, expert) into shared totals, and the
+    # prefix sums over experts read those totals (a chain of E global loads took ~20 us)
+    offsets = body[wait:body.rindex("Base[")]
+    assert len(re.findall(r"(?<!Recv)Counts\[", offsets)) == 1, offsets
     loop = body[body.index("for (int b = 0; b < nb; ++b)"):]
     loop = loop[:loop.index("__syncthreads();")]
     assert "__match_any_sync(" in loop and loop.count("__syncwarp();") == 2

@@ -105,7 +105,9 @@ def build_plan_kernel(num_experts: int, topk: int, max_tokens: int, index_dtype:
        ``T.notify(Sig[0, me], p, e)`` to every rank ``p``, and writes ``Status``
        (``[bad entries, first bad flat index or -1, its value]``).
     3. Threads ``p < W`` wait ``T.wait_ge(Sig[0, p], e)``: every rank's counts are here.
-    4. Offsets from the count matrix: ``Base[w, g]`` = start of this rank's entries of
+    4. Offsets from the count matrix (each thread ``g < E`` sums column ``g`` over the ranks
+       into shared memory; the prefix sums then read shared memory only, so no thread runs
+       a chain of ``E`` global loads): ``Base[w, g]`` = start of this rank's entries of
        expert ``g`` on its owner plus warp ``w``'s exclusive prefix; ``RecvCounts`` and
        ``RecvOffsets`` of the local experts. Then ``State[0] = e``.
 
@@ -134,6 +136,7 @@ def build_plan_kernel(num_experts: int, topk: int, max_tokens: int, index_dtype:
             tx, lane, warp, me, W, EL = _grid_ids(T, bx, PLAN_THREADS, E)
             wcnt = T.alloc_shared((NW, E + 2), "int32")  # columns E: skipped, E + 1: bad
             eoff = T.alloc_shared((E,), "int32")
+            tot = T.alloc_shared((E,), "int32")  # step 4: rows of each expert over all ranks
             wbad = T.alloc_shared((NW,), "int32")
             wfirst = T.alloc_shared((NW,), "int32")
             epoch = T.alloc_var("int64")
@@ -222,30 +225,37 @@ def build_plan_kernel(num_experts: int, topk: int, max_tokens: int, index_dtype:
             if tx < W:
                 T.wait_ge(Sig[0, tx], epoch)
             T.sync_threads()
-            # ---- 4. offsets
+            # ---- 4. offsets: every expert's total over the ranks into shared memory (W loads
+            # per thread), then the prefix sums over those totals read shared memory only
+            if tx < E:
+                cnt = T.alloc_var("int32")
+                every = T.alloc_var("int32")
+                before = T.alloc_var("int32")
+                every = 0
+                before = 0
+                for s in T.serial(W):
+                    cnt = Counts[par, s, tx]
+                    every = every + cnt
+                    if s < me:
+                        before = before + cnt
+                tot[tx] = every
+                eoff[tx] = before
+            T.sync_threads()
             if tx < E:
                 owner = tx // EL
                 off = T.alloc_var("int32")
-                off = 0
-                for s in T.serial(me):
-                    off = off + Counts[par, s, tx]
+                off = eoff[tx]
                 for j in T.serial(tx % EL):
-                    for s in T.serial(W):
-                        off = off + Counts[par, s, owner * EL + j]
+                    off = off + tot[owner * EL + j]
                 eoff[tx] = off
             if tx <= EL:
                 acc = T.alloc_var("int32")
                 acc = 0
                 for j in T.serial(tx):
-                    for s in T.serial(W):
-                        acc = acc + Counts[par, s, me * EL + j]
+                    acc = acc + tot[me * EL + j]
                 RecvOffsets[tx] = acc
                 if tx < EL:
-                    mine = T.alloc_var("int32")
-                    mine = 0
-                    for s in T.serial(W):
-                        mine = mine + Counts[par, s, me * EL + tx]
-                    RecvCounts[tx] = mine
+                    RecvCounts[tx] = tot[me * EL + tx]
             T.sync_threads()
             for j in T.serial((NW * E + PLAN_THREADS - 1) // PLAN_THREADS):
                 q = j * PLAN_THREADS + tx
