@@ -352,6 +352,7 @@ def test_overlap_benchmark_numbers_and_arguments(name, monkeypatch, capsys):
     for argv, message in ((["--ranks", "0"], "--ranks must be >= 1"),
                           (["--m-local", "a,b"], "--m-local must be comma-separated ints"),
                           (["--k", "0"], "must be positive"),
+                          (["--rounds", "0"], "must be positive"),
                           (["--m-local", "1000"], "m_local=1000 is not a multiple of block_m=128"),
                           (["--n", "3000"], "n=3000 is not a multiple of block_n=256")):
         with pytest.raises(SystemExit):
@@ -365,6 +366,17 @@ def test_overlap_benchmark_numbers_and_arguments(name, monkeypatch, capsys):
     assert pickle.loads(pickle.dumps(overlap._run_op)) is overlap._run_op
     args = overlap.parser(name).parse_args([])
     assert (args.ranks, args.m_local, args.k, args.n, args.dtype) == (2, "1024,2048,4096,8192", 8192, 3584, "bfloat16")
+
+
+def test_overlap_benchmark_interleaves_rounds_and_takes_each_columns_median(monkeypatch):
+    """Every round times every column in turn; a slow round (a clock drop) moves no median."""
+    from tilescale_examples.benchmarks import overlap
+
+    order, clock = [], iter([10, 20, 99, 98, 11, 21, 12, 22, 13, 23])
+    monkeypatch.setattr(overlap, "time_ms", lambda fn, iters, group, device: (order.append(fn()), next(clock))[1])
+    got = overlap.interleaved_ms({"a": lambda: "a", "b": lambda: "b"}, 20, 5, None, "cpu")
+    assert order == ["a", "b"] * 5
+    assert got == {"a": 12, "b": 22}
 
 
 def test_overlap_benchmark_titles_say_when_ranks_share_a_gpu():

@@ -2,13 +2,14 @@
 what ``benchmarks.ag_gemm`` and ``benchmarks.gemm_rs`` share.
 
 ``python -m tilescale_examples.benchmarks.ag_gemm|gemm_rs [--ranks 2] [--m-local
-1024,2048,4096,8192] [--k 8192] [--n 3584] [--dtype bfloat16] [--iters 20]`` spawns ``--ranks``
+1024,2048,4096,8192] [--k 8192] [--n 3584] [--dtype bfloat16] [--iters 20] [--rounds 5]`` spawns ``--ranks``
 ranks (one per GPU with an NCCL group when there are enough GPUs, else sharing the GPUs over
 gloo; the title says which), or runs under ``tilescale-run -n N -m ...``.
 
 For every ``m_local`` (bfloat16, ``k`` 8192 and ``n`` 3584 columns per rank by default: the
 tensor-parallel GEMMs of a 70B-class MLP) it times, back to back with CUDA events (the slowest
-rank), on the same inputs:
+rank), on the same inputs, in ``--rounds`` rounds that take every column in turn (each
+column's median round is reported; :func:`interleaved_ms`):
 
 * **TileScale**: :class:`~tilescale_examples.ag_gemm.AllGatherGEMM` /
   :class:`~tilescale_examples.gemm_rs.GemmReduceScatter` (its plan is printed);
@@ -41,7 +42,7 @@ import os
 from tilescale_examples.benchmarks.collectives import pick_baseline, run_on_ranks, time_ms
 from tilescale_examples.report import print_table
 
-__all__ = ["OPS", "main", "run", "tflops", "parser", "heap_for", "entry"]
+__all__ = ["OPS", "main", "run", "tflops", "parser", "heap_for", "entry", "interleaved_ms"]
 
 COLUMNS = ["TileScale", "collective + cuBLAS", "async-TP", "matmul alone", "stock TileLang"]
 HEADERS = (["m_local", "M x N x K", "plan"] + [f"{c} TFLOP/s" for c in COLUMNS]
@@ -235,10 +236,8 @@ def _measure_size(op, rank, world, group, device, m_local, args):
             out = fn()
             torch.cuda.synchronize(device)
         bad[name] = cols.check(name, out)
-    times = {}
-    for name, fn in calls.items():
-        if name not in notes:
-            times[name] = time_ms(fn, args.iters, group, device)
+    times = interleaved_ms({name: fn for name, fn in calls.items() if name not in notes},
+                           args.iters, args.rounds, group, device)
     for name, note in notes.items():
         if rank == 0:
             log.warning("%s m_local=%d: %s n/a: %s", title, m_local, name, note)
@@ -259,6 +258,20 @@ def _measure_size(op, rank, world, group, device, m_local, args):
     dist.barrier(group=group)
     alloc.close()
     return row, int(flag.item()), notes
+
+
+def interleaved_ms(calls: dict, iters: int, rounds: int, group, device) -> dict:
+    """Milliseconds per call of each of ``calls`` (name -> fn): ``rounds`` rounds that time
+    every column in turn (``iters`` back-to-back calls each, :func:`time_ms`), the median
+    round per column, so that a drift of the GPU's clocks during the run reaches every
+    column alike instead of the one that happened to run then."""
+    import statistics
+
+    samples = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            samples[name].append(time_ms(fn, iters, group, device))
+    return {name: statistics.median(ms) for name, ms in samples.items()}
 
 
 def _gather_names(names, group):
@@ -297,7 +310,9 @@ def parser(op: str) -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=8192)
     p.add_argument("--n", type=int, default=3584, help="output columns per rank")
     p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"])
-    p.add_argument("--iters", type=int, default=20, help="timed back-to-back calls per column")
+    p.add_argument("--iters", type=int, default=20, help="timed back-to-back calls per column and round")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds over all columns; each column's median round is reported")
     return p
 
 
@@ -323,8 +338,8 @@ def main(op: str, argv=None) -> int:
         args.sizes = [int(m) for m in args.m_local.split(",")]
     except ValueError:
         p.error(f"--m-local must be comma-separated ints, got {args.m_local!r}")
-    if any(m < 1 for m in args.sizes) or args.k < 1 or args.n < 1 or args.iters < 1:
-        p.error("--m-local, --k, --n and --iters must be positive")
+    if any(m < 1 for m in args.sizes) or args.k < 1 or args.n < 1 or args.iters < 1 or args.rounds < 1:
+        p.error("--m-local, --k, --n, --iters and --rounds must be positive")
     from tilescale_examples.gemm import GemmTiles, check_gemm_dims
 
     try:  # before any rank starts: a clear message naming the argument
