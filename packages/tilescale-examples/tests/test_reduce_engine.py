@@ -77,20 +77,21 @@ def test_protocol_order_per_mode(mode):
     waits = [m.start() for m in re.finditer(re.escape(WAIT), body)]
     loads = [m.start() for m in re.finditer(r"tilescale::remap_ptr\(Stage, [0-3]\)", body)]
     sync = [m.start() for m in re.finditer(r"__syncthreads\(\);", body)]
-    fences = [m.start() for m in re.finditer(r"tilescale::fence_sys\(\);", body)]
-    # stage, barrier, fence, ready signal to peer tx, wait for peer tx, barrier, then the reads
-    assert stage < sync[0] < fences[0] < ready[0] < waits[0] < sync[1] < loads[0]
+    # no fence: the signal is a release at system scope, cumulative over the barrier's writes
+    assert "fence" not in body
+    # stage, barrier, ready signal to peer tx, wait for peer tx, barrier, then the reads
+    assert stage < sync[0] < ready[0] < waits[0] < sync[1] < loads[0]
     # ready[me, b] on peer tx; then ready[tx, b] here
     assert "(&(Flags[((((int64_t)me) * ((int64_t)blocks)) + ((int64_t)((int)blockIdx.x)))])), ((int)threadIdx.x), ((uint64_t)epoch));" in body
     assert "(&(Flags[((((int64_t)((int)threadIdx.x)) * ((int64_t)blocks)) + ((int64_t)((int)blockIdx.x)))])), ((uint64_t)epoch));" in body
     assert "if (((int)threadIdx.x) < 4)" in body
-    if mode == "two_shot":  # pushes, then the data round: barrier, fence, signal, wait
-        assert len(ready) == len(waits) == 2 and len(fences) == 2
-        assert loads[-1] < sync[2] < fences[1] < ready[1] < waits[1]
+    if mode == "two_shot":  # pushes, then the data round: barrier, signal, wait
+        assert len(ready) == len(waits) == 2
+        assert loads[-1] < sync[2] < ready[1] < waits[1]
         assert "(&(Flags[(((((int64_t)me) + (int64_t)4) * ((int64_t)blocks)) + ((int64_t)((int)blockIdx.x)))]))" in body  # data[me, b]: after the W ready flags
         assert "Out" not in body
     else:
-        assert len(ready) == len(waits) == 1 and len(fences) == 1
+        assert len(ready) == len(waits) == 1
         assert "*(uint4*)(Out + " in body
 
 

@@ -20,16 +20,19 @@ every shard, so a warp moves 32 consecutive vectors (512 bytes). Rank ``me``, ca
 
 1. *Stage* (when the input is not already in ``Stage``): block ``b`` copies its rows of every
    shard from the caller's input ``X`` into this rank's ``Stage``.
-2. *Ready*: ``__syncthreads``; thread ``p < W`` issues ``fence.acq_rel.sys`` and the release
-   store ``ready[me, b] = epoch`` on rank ``p``, then waits ``ready[p, b] >= epoch`` here:
-   block ``b`` of every rank has staged its rows.
+2. *Ready*: ``__syncthreads``; thread ``p < W`` issues the release store (system scope)
+   ``ready[me, b] = epoch`` on rank ``p``, then waits ``ready[p, b] >= epoch`` here with
+   acquire loads: block ``b`` of every rank has staged its rows. No separate fence: the
+   block barrier puts every thread's staging stores before the store in causality order,
+   and a release is cumulative over them (PTX memory model; the same argument as
+   ``T.put_signal``'s, see ``signal.cuh``).
 3. *Reduce*: for its rows ``r`` of shard ``s`` (``s = 0`` one-shot, ``s = me`` otherwise)
    every thread loads the row from each rank's ``Stage`` (``W`` 16-byte loads per row, all
    issued before the first add) and adds them **in rank order** ``0, 1, ..., W-1`` in the
    accumulation type (float32 for float16/bfloat16), then rounds once.
 4. *Store*: ``one_shot`` and ``reduce_scatter`` write the row to the local output;
    ``two_shot`` stores it into row ``r`` of shard ``me`` of every rank's ``Stage`` (the
-   all-gather half, in place), then ``__syncthreads``, ``fence.acq_rel.sys`` and
+   all-gather half, in place), then ``__syncthreads`` and the release store
    ``data[me, b] = epoch`` on every rank, and waits ``data[p, b] >= epoch`` for every ``p``:
    every rank's block ``b`` has stored its rows here.
 
@@ -189,8 +192,7 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
     def signal_and_wait(Flags, tx, me, bx, blocks, epoch, base):
         """Steps 2/4: publish this block's writes to every rank, then wait for theirs."""
         T.sync_threads()
-        if tx < W:
-            T.fence_sys()
+        if tx < W:  # notify is a release at system scope: after the barrier it covers the block's writes
             T.notify(Flags[base + me * blocks + bx], tx, epoch)
             T.wait_ge(Flags[base + tx * blocks + bx], epoch)
         T.sync_threads()
