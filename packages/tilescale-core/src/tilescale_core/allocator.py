@@ -4,7 +4,8 @@ Every rank owns one base allocation of ``size`` bytes; the ranks exchange handle
 each process can address every peer's base.  Allocations are bump allocations at the same
 offset on every rank, so a peer's copy of a tensor lives at ``peer_base + offset``.  The
 CPU ``torch.uint64`` table ``[local_rank, num_ranks, base_0, ..., base_{n-1}]`` is what
-kernels receive (``kernel.initialize(allocator=...)``).
+kernels receive (``kernel.initialize(allocator=...)``); :mod:`tilescale_core.table` owns its
+layout and capacity (``MAX_TABLE_ENTRIES`` here is that module's).
 
 Every rank must allocate the same sizes in the same order.  Each allocator keeps a running
 SHA-256 digest of its allocation sequence and compares it across ranks in :meth:`close`,
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from . import _driver_multicast, probes
+from .table import MAX_TABLE_ENTRIES, build_table, check_num_ranks
 from ._backends import HeapBackend, make_backend
 from ._comm import Comm, SetupError
 from ._deadline import call_with_deadline
@@ -57,8 +59,6 @@ CHECK_ENV = "TILESCALE_CHECK_ALLOC"
 DEFAULT_ALIGNMENT = 256
 #: Seconds each step of :meth:`BaseAllocator.close` may take by default.
 DEFAULT_CLOSE_TIMEOUT_S = 60.0
-#: Entries of the metadata table a kernel can hold (2 + number of ranks).
-MAX_TABLE_ENTRIES = 1024
 #: Memory path names, as found in :attr:`BaseAllocator.path`.
 PATHS = ("ipc", "vmm-fabric", "vmm-fd", "local")
 
@@ -354,10 +354,7 @@ class BaseAllocator:
     def _validate(self, size, device, is_distributed, use_vmm, mcast_size, backend) -> None:
         """Check the arguments and choose the path and backend; no driver work."""
         _check_positive_int("size", size)
-        if 2 + self.num_ranks > MAX_TABLE_ENTRIES:
-            raise ValueError(
-                f"{self.num_ranks} ranks need a {2 + self.num_ranks}-entry table; the limit is {MAX_TABLE_ENTRIES}"
-            )
+        check_num_ranks(self.num_ranks)
         self.path = select_path(
             is_distributed=is_distributed,
             use_vmm=use_vmm,
@@ -404,7 +401,7 @@ class BaseAllocator:
         # of one, which costs a few microseconds instead of a DLPack import per tensor.
         self._heap_bytes: dict[int, torch.Tensor] = {}
         self._mc_region = None if self._mc is None else _Region("multicast heap", self._mc.local_ptr, self.mcast_size)
-        self.table = torch.tensor([self.local_rank, self.num_ranks, *self.peer_base_ptrs], dtype=torch.uint64)
+        self.table = build_table(self.local_rank, self.num_ranks, self.peer_base_ptrs)
         self._closed = False
 
     def _setup_multicast(self) -> _Multicast:

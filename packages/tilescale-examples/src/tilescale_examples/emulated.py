@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import torch
+from tilescale_core.table import build_table
 
 __all__ = ["EmulatedPeers", "EmulatedRank", "run_round", "PRESET", "ALIGNMENT"]
 
@@ -43,7 +44,7 @@ class EmulatedRank:
         self.num_ranks = peers.num_ranks
         self.device = peers.device
         self.used = 0
-        self.table = torch.tensor([rank, peers.num_ranks, *peers.bases], dtype=torch.uint64)
+        self.table = build_table(rank, peers.num_ranks, peers.bases)
 
     @property
     def closed(self) -> bool:

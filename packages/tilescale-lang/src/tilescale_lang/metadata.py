@@ -3,7 +3,8 @@
 Every compiled module that includes the TileScale headers owns one
 ``extern "C" __constant__ unsigned long long meta_data[1024]`` holding
 ``[local_rank, num_ranks, base_0, ..., base_{n-1}]``.  :func:`initialize` copies the
-allocator's table into it, before or after the module is loaded:
+allocator's table into it, before or after the module is loaded (the layout, its capacity
+and its validation are :mod:`tilescale_core.table`'s):
 
 * ``tvm_ffi`` (default backend): TVM loads the cubin lazily at the first launch and then
   calls the global function ``runtime.nvshmem.cumodule_init`` with the ``CUmodule``
@@ -27,8 +28,10 @@ import threading
 import weakref
 from typing import Any
 
-#: Capacity of ``meta_data`` in uint64 entries.
-MAX_TABLE_ENTRIES = 1024
+from tilescale_core import table as _table
+
+#: Capacity of ``meta_data`` in uint64 entries (:data:`tilescale_core.table.MAX_TABLE_ENTRIES`).
+MAX_TABLE_ENTRIES = _table.MAX_TABLE_ENTRIES
 SYMBOL = b"meta_data"
 HOOK_NAME = "runtime.nvshmem.cumodule_init"
 
@@ -40,56 +43,9 @@ _hook_state = {"installed": False}
 
 
 # ------------------------------------------------------------------------------ validation
-def table_from_allocator(allocator: Any) -> list[int]:
-    """Validate ``allocator.table`` and return it as a list of Python ints (uint64 values).
-
-    Raises:
-        TypeError: ``allocator`` is missing/None or has no usable ``table``.
-        ValueError: the table is empty, too large (> 1024 entries) or inconsistent
-            (``table[1]`` must equal ``len(table) - 2`` and ``table[0] < table[1]``).
-    """
-    if allocator is None:
-        raise TypeError("initialize() needs allocator=<tilescale allocator>; got None")
-    table = getattr(allocator, "table", None)
-    if table is None:
-        raise TypeError(
-            f"allocator {type(allocator).__name__!r} has no 'table' (expected the distributed "
-            "allocator's CPU uint64 metadata table [local_rank, num_ranks, base_0, ...])"
-        )
-    values = _to_ints(table)
-    if len(values) < 2:
-        raise ValueError(f"allocator.table must hold at least [local_rank, num_ranks]; got {len(values)} entries")
-    if len(values) > MAX_TABLE_ENTRIES:
-        raise ValueError(
-            f"allocator.table has {len(values)} entries; the kernel's meta_data holds at most "
-            f"{MAX_TABLE_ENTRIES} (at most {MAX_TABLE_ENTRIES - 2} ranks)"
-        )
-    rank, num_ranks = values[0], values[1]
-    if num_ranks != len(values) - 2 or not (0 <= rank < max(num_ranks, 1)):
-        raise ValueError(
-            f"allocator.table is inconsistent: local_rank={rank}, num_ranks={num_ranks}, "
-            f"{len(values) - 2} base pointers"
-        )
-    return values
-
-
-def _to_ints(table: Any) -> list[int]:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        torch = None
-    if torch is not None and isinstance(table, torch.Tensor):
-        if table.device.type != "cpu":
-            table = table.cpu()
-        if table.dim() != 1:
-            raise ValueError(f"allocator.table must be 1-D, got shape {tuple(table.shape)}")
-        if table.dtype in (torch.uint64, torch.int64):
-            return [v & 0xFFFFFFFFFFFFFFFF for v in table.view(torch.int64).tolist()]
-        raise TypeError(f"allocator.table must be a uint64 (or int64) tensor, got {table.dtype}")
-    try:
-        return [int(v) & 0xFFFFFFFFFFFFFFFF for v in table]
-    except TypeError:
-        raise TypeError(f"allocator.table must be a sequence of integers, got {type(table).__name__}") from None
+# The table's layout, capacity and validation belong to tilescale_core.table; these names are
+# kept for callers of tilescale_lang.metadata.
+table_from_allocator = _table.table_from_allocator
 
 
 def check_stream(stream: Any) -> int:

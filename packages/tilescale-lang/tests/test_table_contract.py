@@ -1,0 +1,26 @@
+"""The device header's table capacity is tilescale_core.table's (CPU; parses common.cuh)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tilescale_core import table
+
+import tilescale_lang
+from tilescale_lang import metadata, validation
+
+HEADER = Path(tilescale_lang.__file__).parent / "include" / "tilescale" / "common.cuh"
+
+
+def test_header_capacity_matches_core():
+    text = HEADER.read_text()
+    found = re.findall(r"^\s*#define\s+TILESCALE_MAX_TABLE\s+(\d+)\s*$", text, flags=re.M)
+    assert found == [str(table.MAX_TABLE_ENTRIES)], f"{HEADER}: TILESCALE_MAX_TABLE {found} != tilescale_core.table"
+    assert "meta_data[TILESCALE_MAX_TABLE]" in text
+
+
+def test_lang_uses_core_table():
+    assert metadata.MAX_TABLE_ENTRIES == validation.TABLE_ENTRIES == table.MAX_TABLE_ENTRIES
+    assert metadata.table_from_allocator is table.table_from_allocator
+    assert validation.MAX_PE == table.MAX_RANKS - 1
