@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from tilescale_core import table
 
 import tilescale_lang
@@ -24,3 +26,14 @@ def test_lang_uses_core_table():
     assert metadata.MAX_TABLE_ENTRIES == validation.TABLE_ENTRIES == table.MAX_TABLE_ENTRIES
     assert metadata.table_from_allocator is table.table_from_allocator
     assert validation.MAX_PE == table.MAX_RANKS - 1
+
+
+def test_lang_cuda_calls_raise_the_core_error():
+    import tilescale_core
+
+    class _Status(int):
+        name = "CUDA_ERROR_NOT_FOUND"
+
+    with pytest.raises(tilescale_core.CudaError) as info:
+        metadata._check((_Status(500), None, None), "cuModuleGetGlobal(meta_data)")
+    assert (info.value.call, info.value.code) == ("cuModuleGetGlobal(meta_data)", 500)

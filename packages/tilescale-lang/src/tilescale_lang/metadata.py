@@ -28,6 +28,7 @@ import threading
 import weakref
 from typing import Any
 
+from tilescale_core import driver as _cuda
 from tilescale_core import table as _table
 
 #: Capacity of ``meta_data`` in uint64 entries (:data:`tilescale_core.table.MAX_TABLE_ENTRIES`).
@@ -63,19 +64,9 @@ def check_stream(stream: Any) -> int:
 
 
 # ------------------------------------------------------------------------------ CUDA calls
-def _driver():
-    from cuda.bindings import driver
-
-    return driver
-
-
-def _check(result, what: str):
-    err = result[0]
-    driver = _driver()
-    if err != driver.CUresult.CUDA_SUCCESS:
-        name = driver.cuGetErrorName(err)[1]
-        raise RuntimeError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
-    return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
+# tilescale-core's one CUDA layer: a failed call raises tilescale_core.CudaError.
+_driver = _cuda.driver_module
+_check = _cuda.check
 
 
 def _host_buffer(values: list[int]):
@@ -96,15 +87,17 @@ def _copy_to_global(dptr, nbytes_symbol: int, values: list[int], stream: int, ke
 
 
 def _ensure_context() -> None:
+    """Make torch's current device's context current on this thread, if CUDA works at all.
+
+    A failure here is not raised: the CUDA call that follows reports a missing context as a
+    :class:`tilescale_core.CudaError`.
+    """
+    import torch
+
     try:
-        import torch
-
         if torch.cuda.is_available():
-            torch.cuda.current_device()
-            from cuda.bindings import runtime
-
-            runtime.cudaSetDevice(torch.cuda.current_device())
-    except Exception:  # the caller's CUDA call will report a missing context
+            _cuda.runtime_module().cudaSetDevice(torch.cuda.current_device())
+    except RuntimeError:  # torch's CUDA errors and tilescale_core.CudaError
         pass
 
 
@@ -301,6 +294,7 @@ def initialize(kernel: Any, allocator: Any = None, stream: int | None = None) ->
         TypeError: allocator missing or without a table; stream not an int.
         ValueError: stream negative; table too large or inconsistent.
         NotImplementedError: an execution backend without a way to set the table.
+        tilescale_core.CudaError: a CUDA call of the copy failed (call, code and name attached).
 
     Until it has run, a kernel that reads the table (rank queries, peer intrinsics) refuses
     to launch with :class:`KernelNotInitializedError` (see :func:`guard_launch`).
@@ -345,7 +339,7 @@ def initialize(kernel: Any, allocator: Any = None, stream: int | None = None) ->
         setter.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         err = setter(ctypes.addressof(buf), len(values), ctypes.c_void_p(stream))
         if err != 0:
-            raise RuntimeError(f"tilescale_set_meta_data failed with cudaError {err}")
+            raise _cuda.CudaError("tilescale_set_meta_data", err, f"cudaError {err}")
         return kernel
     raise NotImplementedError(
         f"kernel.initialize supports the tvm_ffi, nvrtc and cython execution backends, not {backend!r}"
