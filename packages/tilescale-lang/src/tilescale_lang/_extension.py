@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-#: Stock callables replaced by TileScale wrappers, by name.
-STOCK: dict[str, Any] = {}
+from .state import STATE
+
+#: Stock callables replaced by TileScale wrappers, by name (:attr:`.state.LangState.stock`).
+STOCK: dict[str, Any] = STATE.stock
 
 
 def intrinsics() -> dict[str, Any]:

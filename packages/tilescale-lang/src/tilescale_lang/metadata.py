@@ -24,23 +24,23 @@ kernel (and the disk cache) serves every rank.
 from __future__ import annotations
 
 import ctypes
-import threading
 import weakref
 from typing import Any
 
 from tilescale_core import driver as _cuda
 from tilescale_core import table as _table
 
+from .state import STATE
+
 #: Capacity of ``meta_data`` in uint64 entries (:data:`tilescale_core.table.MAX_TABLE_ENTRIES`).
 MAX_TABLE_ENTRIES = _table.MAX_TABLE_ENTRIES
 SYMBOL = b"meta_data"
 HOOK_NAME = "runtime.nvshmem.cumodule_init"
 
-_local = threading.local()
-_lock = threading.RLock()
-# Modules the hook saw while no TileScale kernel was launching (stock kernels, mostly).
-_orphans: list[int] = []
-_hook_state = {"installed": False}
+# Process-wide state lives in tilescale_lang.state (one object, one lifetime); these names
+# are views of it.
+_local = STATE.launching
+_lock = STATE.lock
 
 
 # ------------------------------------------------------------------------------ validation
@@ -73,12 +73,16 @@ def _host_buffer(values: list[int]):
     return (ctypes.c_uint64 * len(values))(*values)
 
 
-def _copy_to_global(dptr, nbytes_symbol: int, values: list[int], stream: int, keep: list) -> None:
+def _copy_to_global(dptr, nbytes_symbol: int, values: list[int], stream: int, keep: dict) -> None:
     nbytes = 8 * len(values)
     if nbytes > nbytes_symbol:
         raise ValueError(f"table of {len(values)} entries exceeds meta_data ({nbytes_symbol} bytes)")
     buf = _host_buffer(values)
-    keep.append(buf)  # keep the host buffer alive for the asynchronous copy
+    # Keep the host buffer of the latest copy into this symbol alive: one per target, so
+    # repeated initialize calls do not grow the kernel's state.  (A copy from pageable host
+    # memory has staged its source by the time cuMemcpyHtoDAsync returns, so replacing an
+    # older buffer is safe.)
+    keep[int(dptr)] = buf
     driver = _driver()
     _check(
         driver.cuMemcpyHtoDAsync(dptr, ctypes.addressof(buf), nbytes, driver.CUstream(stream)),
@@ -101,14 +105,14 @@ def _ensure_context() -> None:
         pass
 
 
-def apply_to_module(module_handle: int, values: list[int], stream: int, keep: list) -> None:
+def apply_to_module(module_handle: int, values: list[int], stream: int, keep: dict) -> None:
     """Copy ``values`` into ``meta_data`` of the loaded ``CUmodule`` ``module_handle``."""
     driver = _driver()
     dptr, size = _check(driver.cuModuleGetGlobal(driver.CUmodule(module_handle), SYMBOL), "cuModuleGetGlobal(meta_data)")
     _copy_to_global(dptr, int(size), values, stream, keep)
 
 
-def apply_to_library(culib: Any, values: list[int], stream: int, keep: list) -> None:
+def apply_to_library(culib: Any, values: list[int], stream: int, keep: dict) -> None:
     """Copy ``values`` into ``meta_data`` of an NVRTC-backend ``CUlibrary``."""
     driver = _driver()
     dptr, size = _check(driver.cuLibraryGetGlobal(culib, SYMBOL), "cuLibraryGetGlobal(meta_data)")
@@ -128,7 +132,7 @@ def _handle_to_int(handle: Any) -> int:
 def _state(kernel: Any) -> dict:
     st = kernel.__dict__.get("_tilescale_state")
     if st is None:
-        st = {"modules": [], "pending": None, "keep": [], "capturing": False}
+        st = {"modules": [], "pending": None, "keep": {}, "capturing": False}
         kernel.__dict__["_tilescale_state"] = st
     return st
 
@@ -140,7 +144,7 @@ def on_module_load(handle: Any) -> None:
     kernel = kernel_ref() if kernel_ref is not None else None
     with _lock:
         if kernel is None:
-            _orphans.append(module)
+            STATE.unclaimed_modules += 1  # a stock kernel's module: nothing to do
             return
         st = _state(kernel)
         if module not in st["modules"]:
@@ -156,7 +160,7 @@ def install_module_hook() -> None:
 
     Does not override a hook someone else registered (it is then chained: it still runs).
     """
-    if _hook_state["installed"]:
+    if STATE.hooks.get("module_init"):
         return
     import tvm_ffi
 
@@ -168,7 +172,7 @@ def install_module_hook() -> None:
         on_module_load(handle)
 
     tvm_ffi.register_global_func(HOOK_NAME, f=hook, override=True)
-    _hook_state["installed"] = True
+    STATE.hooks["module_init"] = True
 
 
 def track_kernel(kernel: Any) -> None:
@@ -334,7 +338,7 @@ def initialize(kernel: Any, allocator: Any = None, stream: int | None = None) ->
                 "default tvm_ffi backend or nvrtc)"
             )
         buf = _host_buffer(values)
-        st["keep"].append(buf)
+        st["keep"]["cython"] = buf  # the latest table only (see _copy_to_global)
         setter.restype = ctypes.c_int
         setter.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         err = setter(ctypes.addressof(buf), len(values), ctypes.c_void_p(stream))
