@@ -37,3 +37,10 @@ def test_lang_cuda_calls_raise_the_core_error():
     with pytest.raises(tilescale_core.CudaError) as info:
         metadata._check((_Status(500), None, None), "cuModuleGetGlobal(meta_data)")
     assert (info.value.call, info.value.code) == ("cuModuleGetGlobal(meta_data)", 500)
+
+
+def test_lang_imports_no_private_core_module():
+    private = re.compile(r"tilescale_core\._|from tilescale_core import _")
+    for path in Path(tilescale_lang.__file__).parent.rglob("*.py"):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            assert not private.search(line.split("#", 1)[0]), f"{path}:{n}: {line.strip()}"

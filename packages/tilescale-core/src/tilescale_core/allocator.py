@@ -600,6 +600,48 @@ class BaseAllocator:
         """
         return self._bump(self._heap, nbytes, alignment)
 
+    def tensor(self, shape: Any, dtype: str | torch.dtype, return_peers: bool = False):
+        """Allocate a ``shape`` tensor of ``dtype`` in the symmetric heap (256-byte aligned).
+
+        Every rank must make the same calls in the same order; the tensor then sits at the
+        same offset in every rank's heap.  ``tilelang.tensor(shape, dtype, allocator=a)`` is
+        the same call.
+
+        Args:
+            shape: an int or a sequence of ints (elements).
+            dtype: a ``torch.dtype`` or its name (``"float32"``, ``"bfloat16"`` ...).
+            return_peers: return one view per rank instead of this rank's tensor.
+
+        Returns:
+            this rank's tensor (on :attr:`device`), or with ``return_peers`` a list of
+            ``num_ranks`` views of the same tensor, index = rank (the peers' copies mapped
+            into this process; this rank's entry is its own tensor).
+
+        Raises:
+            ValueError: unknown dtype, negative extents.
+            HeapExhaustedError: the heap is full.
+            RuntimeError: the allocator is closed.
+        """
+        return self._allocate_tensor(shape, dtype, return_peers=return_peers)
+
+    def multicast_tensor(self, shape: Any, dtype: str | torch.dtype):
+        """Allocate a ``shape`` tensor of ``dtype`` in the multicast region (256-byte aligned).
+
+        Needs an allocator created with ``mcast_size`` (a distributed VMM allocator with
+        fabric handles on a machine whose multicast probe passes).
+
+        Returns:
+            ``(multicast_view, local_view)``: ``multimem`` instructions (``T.multimem_*``) use
+            the multicast view; write this rank's contribution through the local view (this
+            rank's physical memory bound to the multicast object).
+
+        Raises:
+            RuntimeError: the allocator is closed, or has no multicast region (the message
+                says how to get one).
+            HeapExhaustedError: the multicast region is full.
+        """
+        return self._allocate_mcast_tensor(shape, dtype)
+
     def _allocate_tensor(self, shape: Any, dtype: str | torch.dtype, return_peers: bool = False):
         """Allocate a tensor in the heap; with ``return_peers`` return one view per rank (index = rank)."""
         dtype = resolve_dtype(dtype)
@@ -630,7 +672,12 @@ class BaseAllocator:
         if self._mc_region is None or self._mc is None:
             if self._closed:
                 raise RuntimeError("the allocator is closed")
-            raise RuntimeError("this allocator has no multicast region: pass mcast_size to get_allocator")
+            raise RuntimeError(
+                f"this allocator has no multicast region (path {self.path!r}): pass mcast_size to "
+                f"get_allocator; multicast needs a distributed VMM allocator with fabric handles "
+                f"(use_vmm=True or {USE_VMM_ENV}=1) on a machine whose multicast probe passes "
+                f"(python -m tilescale_core.doctor)"
+            )
         dtype = resolve_dtype(dtype)
         nbytes = numel_of(shape) * dtype.itemsize
         offset = self._bump(self._mc_region, max(nbytes, 1), DEFAULT_ALIGNMENT)

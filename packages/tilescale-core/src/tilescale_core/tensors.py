@@ -177,4 +177,4 @@ def tensor(
             raise ValueError(
                 f"tensor requested on {wanted} but the allocator's heap is on {allocator.device}"
             )
-    return allocator._allocate_tensor(shape, torch_dtype, return_peers=bool(return_peers))
+    return allocator.tensor(shape, torch_dtype, return_peers=bool(return_peers))

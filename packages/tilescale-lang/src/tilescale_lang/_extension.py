@@ -116,3 +116,7 @@ def extend(tilelang_module) -> None:
     tl_jit.jit = jit
     tilelang_module.jit = jit
     tl_jit.JITImpl.compile = codegen.wrap_jit_impl_compile(tl_jit.JITImpl.compile)
+
+
+#: Position among the TileScale extensions (lower runs first; see ``tilescale_core._bootstrap``).
+extend.order = 20
