@@ -32,3 +32,13 @@ def clean_env(monkeypatch):
     for name in ("TILESCALE_USE_VMM", "TILESCALE_CHECK_ALLOC"):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
+
+
+def pytest_configure(config):
+    # This repo's GPU tests say ``gpu``: an alias of the tilescale plugin's ``tilescale_gpu`` when
+    # tilescale-host is installed, else a plain marker (this conftest skips them without a GPU).
+    plugin = config.pluginmanager.get_plugin("tilescale")
+    if plugin is not None:
+        plugin.add_gpu_marker_alias(config, "gpu")
+    else:
+        config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped with a reason when none is visible)")

@@ -16,3 +16,11 @@ def clean_env(monkeypatch):
     ):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
+
+
+def pytest_configure(config):
+    # This repo's tests mark GPU tests ``gpu`` (nox and ci/ select ``-m gpu`` / ``-m "not gpu"``);
+    # the tilescale plugin's own marker is ``tilescale_gpu``.
+    from tilescale_host.pytest_plugin import add_gpu_marker_alias
+
+    add_gpu_marker_alias(config, "gpu")

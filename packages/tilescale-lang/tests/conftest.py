@@ -13,3 +13,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_configure(config):
+    # This repo's GPU tests say ``gpu``: an alias of the tilescale plugin's ``tilescale_gpu`` when
+    # tilescale-host is installed, else a plain marker (this conftest skips them without a GPU).
+    plugin = config.pluginmanager.get_plugin("tilescale")
+    if plugin is not None:
+        plugin.add_gpu_marker_alias(config, "gpu")
+    else:
+        config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped with a reason when none is visible)")

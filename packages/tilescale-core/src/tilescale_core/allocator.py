@@ -137,7 +137,7 @@ def select_path(
 ) -> str:
     """Choose the memory path; a pure function of its arguments (probes are called lazily).
 
-    Order (the spec's): ``env_value`` (``TILESCALE_USE_VMM``) present -> ``"1"`` selects VMM,
+    Order (docs/core.md, "Memory paths and how one is chosen"): ``env_value`` (``TILESCALE_USE_VMM``) present -> ``"1"`` selects VMM,
     ``"0"``/empty IPC, any other spelling is a ValueError; else an explicit ``use_vmm``
     (a bool); else VMM only for a distributed
     allocator whose fabric probe passes.  VMM uses fabric handles when the fabric probe
@@ -300,7 +300,7 @@ class BaseAllocator:
     Construction is collective over ``group``: every rank allocates ``size`` bytes, the
     handles are exchanged, and every peer base is mapped.  When any rank fails during set-up,
     every rank raises :class:`~tilescale_core._comm.SetupError` naming it.  Use
-    :func:`get_allocator` (the spec's entry point); the arguments are the same.
+    :func:`get_allocator` (the documented entry point, docs/core.md); the arguments are the same.
 
     Args:
         size: heap bytes per rank (> 0).

@@ -24,7 +24,7 @@ __all__ = [
     "view_at",
 ]
 
-#: dtype strings accepted by :func:`tensor_from_ptr` and :func:`tensor` (the spec's list).
+#: dtype strings accepted by :func:`tensor_from_ptr` and :func:`tensor` (the list docs/core.md documents).
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -177,4 +177,4 @@ def tensor(
             raise ValueError(
                 f"tensor requested on {wanted} but the allocator's heap is on {allocator.device}"
             )
-    return allocator.tensor(shape, torch_dtype, return_peers=bool(return_peers))
+    return allocator._allocate_tensor(shape, torch_dtype, return_peers=bool(return_peers))
