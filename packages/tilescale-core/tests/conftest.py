@@ -35,10 +35,7 @@ def clean_env(monkeypatch):
 
 
 def pytest_configure(config):
-    # This repo's GPU tests say ``gpu``: an alias of the tilescale plugin's ``tilescale_gpu`` when
-    # tilescale-host is installed, else a plain marker (this conftest skips them without a GPU).
-    plugin = config.pluginmanager.get_plugin("tilescale")
-    if plugin is not None:
-        plugin.add_gpu_marker_alias(config, "gpu")
-    else:
-        config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped with a reason when none is visible)")
+    # GPU tests here say ``gpu`` (nox and ci/ select ``-m gpu`` / ``-m "not gpu"``).
+    from tilescale_core.testing import register_gpu_marker
+
+    register_gpu_marker(config, "gpu")

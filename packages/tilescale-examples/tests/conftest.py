@@ -6,7 +6,8 @@ import examples_helpers  # noqa: F401  (sets CUDA_HOME before TileLang is import
 def pytest_configure(config):
     # also registered in pyproject.toml; repeated here for runs that collect several packages
     config.addinivalue_line("markers", "chaos: fault-injection GPU tests (killed ranks, stragglers); run by ci/device-check.sh chaos")
-    # This repo's GPU tests say ``gpu``; the tilescale plugin's own marker is ``tilescale_gpu``.
-    from tilescale_host.pytest_plugin import add_gpu_marker_alias
+    # GPU tests here say ``gpu`` (nox and ci/ select ``-m gpu`` / ``-m "not gpu"``): an alias of the
+    # tilescale plugin's ``tilescale_gpu``.
+    from tilescale_core.testing import register_gpu_marker
 
-    add_gpu_marker_alias(config, "gpu")
+    register_gpu_marker(config, "gpu")

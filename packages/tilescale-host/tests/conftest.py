@@ -19,8 +19,8 @@ def clean_env(monkeypatch):
 
 
 def pytest_configure(config):
-    # This repo's tests mark GPU tests ``gpu`` (nox and ci/ select ``-m gpu`` / ``-m "not gpu"``);
-    # the tilescale plugin's own marker is ``tilescale_gpu``.
-    from tilescale_host.pytest_plugin import add_gpu_marker_alias
+    # GPU tests here say ``gpu`` (nox and ci/ select ``-m gpu`` / ``-m "not gpu"``): an alias of the
+    # tilescale plugin's ``tilescale_gpu``.
+    from tilescale_core.testing import register_gpu_marker
 
-    add_gpu_marker_alias(config, "gpu")
+    register_gpu_marker(config, "gpu")

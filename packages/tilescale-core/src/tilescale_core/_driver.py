@@ -31,6 +31,7 @@ __all__ = [
     "driver_version",
     "ensure_context",
     "fill_struct",
+    "init",
     "mem_get_info",
     "rt_call",
     "runtime_module",

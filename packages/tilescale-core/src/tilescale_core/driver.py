@@ -15,30 +15,7 @@ this module needs neither a GPU nor cuda-python (they are loaded on the first ca
 
 from __future__ import annotations
 
-from ._driver import (
-    CudaError,
-    CudaUnavailableError,
-    call,
-    check,
-    device_attribute,
-    device_count,
-    driver_module,
-    driver_version,
-    init,
-    rt_call,
-    runtime_module,
-)
+from . import _driver
+from ._driver import *  # noqa: F401,F403 - this module is _driver's public face
 
-__all__ = [
-    "CudaError",
-    "CudaUnavailableError",
-    "call",
-    "check",
-    "device_attribute",
-    "device_count",
-    "driver_module",
-    "driver_version",
-    "init",
-    "rt_call",
-    "runtime_module",
-]
+__all__ = list(_driver.__all__)
