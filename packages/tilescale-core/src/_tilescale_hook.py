@@ -11,9 +11,13 @@ extension registered under the entry-point group :data:`ENTRY_POINT_GROUP` is ca
 the ``tilelang`` module.  Stock files are never touched: removing the tilescale wheels
 removes the ``.pth`` file and with it every trace of the hook.
 
-Extensions are plain callables ``extend(tilelang_module) -> None``; they are called in
-entry-point-name order.  One that raises is reported with a :class:`RuntimeWarning` and
-skipped, so a broken extension never breaks stock tilelang.
+Extensions are plain callables ``extend(tilelang_module) -> None``; they are called in the
+order they declare (an ``order`` attribute on the callable, lower first: tilescale-core 0,
+tilescale-host 10, tilescale-lang 20; :data:`DEFAULT_ORDER` when absent; ties by entry-point
+name), never by the accident of their names' spelling.  One that fails to load or raises is
+reported with a :class:`RuntimeWarning` and skipped, so a broken extension never breaks stock
+tilelang.  The same ordering serves every TileScale entry-point group
+(:func:`load_ordered`), the doctor's sections among them.
 
 Setting the environment variable ``TILESCALE_DISABLE_HOOK=1`` before the interpreter
 starts leaves ``tilelang`` exactly stock (useful to bisect a problem); the ``.pth`` line
@@ -30,6 +34,8 @@ import sys
 
 #: Entry-point group under which packages register ``extend(tilelang_module)`` callables.
 ENTRY_POINT_GROUP = "tilescale.tilelang_extensions"
+#: Order of an extension whose callable declares none (after every TileScale wheel's).
+DEFAULT_ORDER = 100
 #: Environment variable that, when set to ``1``, keeps the hook from being installed.
 DISABLE_ENV = "TILESCALE_DISABLE_HOOK"
 _TARGET = "tilelang"
@@ -82,8 +88,39 @@ def extension_entry_points():
     return sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
 
 
+def load_ordered(eps, on_error):
+    """Load entry points ``eps`` and return ``[(ep, loaded object)]`` in their declared order.
+
+    The order is the loaded object's ``order`` attribute (lower first, :data:`DEFAULT_ORDER`
+    when absent), then the entry-point name.  ``on_error(ep, exc)`` is called for an entry
+    point that fails to load, which is left out.
+    """
+    loaded = []
+    for ep in eps:
+        try:
+            obj = ep.load()
+        except Exception as exc:
+            on_error(ep, exc)
+            continue
+        loaded.append((ep, obj))
+    loaded.sort(key=lambda pair: (getattr(pair[1], "order", DEFAULT_ORDER), pair[0].name))
+    return loaded
+
+
+def _warn_skipped(ep, exc):
+    import warnings
+
+    warnings.warn(
+        f"TileScale extension {ep.name!r} ({ep.value}) failed and was skipped: "
+        f"{type(exc).__name__}: {exc}. Stock tilelang remains usable.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def extend(tilelang_module):
-    """Run every registered extension on ``tilelang_module`` once; return the names applied.
+    """Run every registered extension on ``tilelang_module`` once, in their declared order
+    (see :func:`load_ordered`); return the names applied.
 
     Calling it again on the same module is a no-op that returns the same names.
     """
@@ -92,18 +129,11 @@ def extend(tilelang_module):
         return list(applied)
     applied = []
     setattr(tilelang_module, _MARKER, applied)
-    for ep in extension_entry_points():
+    for ep, fn in load_ordered(extension_entry_points(), _warn_skipped):
         try:
-            ep.load()(tilelang_module)
+            fn(tilelang_module)
         except Exception as exc:  # a broken extension must not break stock tilelang
-            import warnings
-
-            warnings.warn(
-                f"TileScale extension {ep.name!r} ({ep.value}) failed and was skipped: "
-                f"{type(exc).__name__}: {exc}. Stock tilelang remains usable.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            _warn_skipped(ep, exc)
             continue
         applied.append(ep.name)
     return list(applied)

@@ -32,3 +32,10 @@ def clean_env(monkeypatch):
     for name in ("TILESCALE_USE_VMM", "TILESCALE_CHECK_ALLOC"):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
+
+
+def pytest_configure(config):
+    # GPU tests here say ``gpu`` (nox and ci/ select ``-m gpu`` / ``-m "not gpu"``).
+    from tilescale_core.testing import register_gpu_marker
+
+    register_gpu_marker(config, "gpu")

@@ -238,3 +238,24 @@ def test_mismatch_error_names_ranks():
     err = AllocationMismatchError(3, {0: ("heap", 8, 256), 1: ("heap", 8, 256), 2: ("heap", 16, 256)}, "at close()")
     assert err.ranks == [2] and err.index == 3
     assert "allocation #3" in str(err) and "rank 2 allocated 16 bytes" in str(err)
+
+
+def test_public_tensor_is_the_heap_allocation(clean_env):
+    a, _ = make()
+    with a:
+        x = a.tensor((4, 4), "float32")
+        y = tilescale_core.tensor((3,), torch.int32, allocator=a)
+        views = a.tensor(5, torch.float16, return_peers=True)
+        assert x.shape == (4, 4) and x.dtype == torch.float32 and x.data_ptr() == a.base_ptr
+        assert y.data_ptr() == a.base_ptr + DEFAULT_ALIGNMENT
+        assert len(views) == 1 and views[0].shape == (5,) and views[0].data_ptr() == a.base_ptr + 2 * DEFAULT_ALIGNMENT
+        x.fill_(3.0)
+        assert torch.equal(a._heap_view(0)[:64].view(torch.float32), torch.full((16,), 3.0))
+
+
+def test_public_multicast_tensor_says_how_to_get_multicast(clean_env):
+    a, _ = make()
+    with a, pytest.raises(RuntimeError, match=r"no multicast region \(path '(ipc|local)'\): pass mcast_size .* fabric handles"):
+        a.multicast_tensor((2,), "float32")
+    with pytest.raises(RuntimeError, match="closed"):
+        a.multicast_tensor((2,), "float32")

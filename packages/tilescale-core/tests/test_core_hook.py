@@ -186,3 +186,41 @@ def test_python_startup_median_grows_by_at_most_1_ms():
         if measured[-1] <= 1.0:
             break
     assert min(measured) <= 1.0, f"python -c pass: +{min(measured):.2f} ms with the hook (20-run medians: {measured})"
+
+
+def test_extensions_run_in_declared_order_not_name_order(monkeypatch):
+    import types
+
+    from tilescale_core import _bootstrap
+
+    calls = []
+
+    def named(tag, order=None):
+        def fn(module):
+            calls.append(tag)
+
+        if order is not None:
+            fn.order = order
+        return fn
+
+    eps = [
+        _FakeEntryPoint("a_lang", named("lang", 20)),
+        _FakeEntryPoint("m_third_party", named("third")),  # no order: after TileScale's
+        _FakeEntryPoint("y_host", named("host", 10)),
+        _FakeEntryPoint("z_core", named("core", 0)),
+    ]
+    monkeypatch.setattr(_bootstrap, "extension_entry_points", lambda: eps)
+    assert _bootstrap.extend(types.ModuleType("fake_tilelang")) == ["z_core", "y_host", "a_lang", "m_third_party"]
+    assert calls == ["core", "host", "lang", "third"]
+
+
+def test_tilescale_extensions_declare_their_order():
+    from tilescale_core import _extension
+
+    assert _extension.extend.order == 0
+    for module, order in (("tilescale_host._extension", 10), ("tilescale_lang._extension", 20)):
+        try:
+            ext = __import__(module, fromlist=["extend"])
+        except ImportError:
+            continue
+        assert ext.extend.order == order

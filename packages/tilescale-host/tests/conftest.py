@@ -16,3 +16,11 @@ def clean_env(monkeypatch):
     ):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
+
+
+def pytest_configure(config):
+    # GPU tests here say ``gpu`` (nox and ci/ select ``-m gpu`` / ``-m "not gpu"``): an alias of the
+    # tilescale plugin's ``tilescale_gpu``.
+    from tilescale_core.testing import register_gpu_marker
+
+    register_gpu_marker(config, "gpu")

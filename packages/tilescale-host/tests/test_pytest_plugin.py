@@ -56,7 +56,7 @@ def test_gated_present():
     pass
 
 
-@pytest.mark.gpu
+@pytest.mark.tilescale_gpu
 def test_gpu_only():
     pass
 '''
@@ -162,7 +162,7 @@ def test_rank_fixture_outside_ranks_test_is_a_usage_error(pytester):
 
 
 def test_no_record_by_default(pytester, clean_env):
-    pytester.makepyfile("import pytest\n@pytest.mark.gpu\ndef test_x():\n    pass\n")
+    pytester.makepyfile("import pytest\n@pytest.mark.tilescale_gpu\ndef test_x():\n    pass\n")
     pytester.runpytest_subprocess()
     assert not list(pytester.path.rglob("tilescale-validation-*.jsonl"))
 
@@ -180,3 +180,20 @@ def test_skips_added_by_other_plugins_are_recorded(pytester, clean_env):
     (path,) = (pytester.path / "rec").glob("*.jsonl")
     summary = json.loads(path.read_text().splitlines()[-1])
     assert list(summary["skipped"].values()) == ["skipped by a conftest"]
+
+
+def test_plain_gpu_marker_is_not_claimed_unless_aliased(pytester, clean_env, monkeypatch):
+    """The plugin registers and gates only ``tilescale_gpu``; a project opts ``gpu`` in."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU, even on a GPU machine
+    pytester.makepyfile("import pytest\n@pytest.mark.gpu\ndef test_plain():\n    pass\n"
+                        "@pytest.mark.tilescale_gpu\ndef test_ours():\n    pass\n")
+    res = pytester.runpytest_subprocess("-rs", "--strict-markers")
+    res.stdout.fnmatch_lines(["*'gpu' not found in `markers` configuration option*"])
+    pytester.makeconftest(
+        "from tilescale_host.pytest_plugin import add_gpu_marker_alias\n"
+        "def pytest_configure(config):\n    add_gpu_marker_alias(config, 'gpu')\n"
+    )
+    res = pytester.runpytest_subprocess("-rs", "--strict-markers")
+    res.assert_outcomes(skipped=2)
+    res.stdout.fnmatch_lines(["*no CUDA GPU is visible (torch.cuda.device_count() == 0)*"])
+    pytester.runpytest_subprocess("-m", "not gpu", "--strict-markers").assert_outcomes(skipped=1, deselected=1)

@@ -164,3 +164,14 @@ def test_signals_benchmark_prints_its_table(capsys):
     assert bench.main(["--rounds", "50", "--samples", "3"]) == 0
     out = capsys.readouterr().out
     assert "ping-pong round trip, two streams" in out and "ratio" in out
+
+
+def test_stream_wait_eq_is_the_host_stream_wait():
+    """``stream_wait_eq`` says what it is; ``wait_eq`` (the API reference's name) is the same."""
+    import tilescale_host
+    from tilescale_host import signals
+    from tilescale_host._facade.distributed import host as facade  # noqa: F401 - import check only
+
+    assert signals.wait_eq is signals.stream_wait_eq
+    assert tilescale_host.stream_wait_eq is tilescale_host.wait_eq is signals.stream_wait_eq
+    assert {"stream_wait_eq", "wait_eq"} <= set(tilescale_host.__all__)

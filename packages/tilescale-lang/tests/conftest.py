@@ -13,3 +13,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_configure(config):
+    # GPU tests here say ``gpu`` (nox and ci/ select ``-m gpu`` / ``-m "not gpu"``).
+    from tilescale_core.testing import register_gpu_marker
+
+    register_gpu_marker(config, "gpu")

@@ -12,6 +12,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "BaseAllocator": "allocator",
+    "CudaError": "driver",
+    "CudaUnavailableError": "driver",
     "get_allocator": "allocator",
     "tensor": "tensors",
     "tensor_from_ptr": "tensors",

@@ -1,8 +1,8 @@
 """Zero-copy torch tensors over raw addresses, on a device chosen by the caller.
 
 torch's ``__cuda_array_interface__`` import asks the driver which device owns a pointer; a
-peer mapping would then be reported on the peer's GPU.  The spec wants every view on the
-current device, so views are built from a hand-made DLPack capsule whose device field is
+peer mapping would then be reported on the peer's GPU.  Every view must be on the
+current device (docs/core.md), so views are built from a hand-made DLPack capsule whose device field is
 set explicitly.  The tensor does not own the memory: its deleter only drops the capsule's
 bookkeeping.
 """

@@ -1,8 +1,12 @@
 """Thin, checked wrappers over cuda-python's driver and runtime bindings.
 
-Every CUDA call made by tilescale-core goes through :func:`call` (driver API) or
-:func:`rt_call` (runtime API): the call's status is checked and a failure raises
-:class:`CudaError` naming the call and its ``CUresult`` / ``cudaError_t``.  cuda-python is
+Every CUDA call made by TileScale goes through :func:`call` (driver API), :func:`rt_call`
+(runtime API) or :func:`check` (a result tuple already in hand): the call's status is checked
+and a failure raises :class:`CudaError` naming the call and its ``CUresult`` /
+``cudaError_t``.  tilescale-host and tilescale-lang use this layer through the public
+:mod:`tilescale_core.driver`, so one ``except tilescale_core.CudaError`` catches every CUDA
+failure of every TileScale package (:class:`CudaUnavailableError`, no driver or no
+cuda-python, is a :class:`CudaError` too).  cuda-python is
 imported on first use, so importing this module needs neither a GPU nor a driver; on a
 machine without ``libcuda`` the first call raises :class:`CudaUnavailableError`.
 
@@ -20,54 +24,95 @@ __all__ = [
     "CudaUnavailableError",
     "bytes_of",
     "call",
+    "check",
     "device_attribute",
     "device_count",
     "driver_module",
     "driver_version",
     "ensure_context",
     "fill_struct",
+    "init",
     "mem_get_info",
     "rt_call",
     "runtime_module",
 ]
 
 
-class CudaUnavailableError(RuntimeError):
-    """The CUDA driver library cannot be loaded or initialised on this machine."""
-
-
 class CudaError(RuntimeError):
-    """A CUDA driver or runtime call returned an error.
+    """A CUDA driver or runtime call returned an error (or CUDA cannot be used at all).
 
     Attributes:
-        call: the function name, e.g. ``"cuMemCreate"``.
-        code: the numeric ``CUresult`` / ``cudaError_t``.
+        call: the function name, e.g. ``"cuMemCreate"`` (may carry its arguments,
+            ``"cuDeviceGet(0)"``).
+        code: the numeric ``CUresult`` / ``cudaError_t``; None for :class:`CudaUnavailableError`.
         name: the symbolic error name, e.g. ``"CUDA_ERROR_NOT_PERMITTED"``.
     """
 
-    def __init__(self, call: str, code: int, name: str, detail: str = ""):
+    def __init__(self, call: str, code: int | None, name: str, detail: str = ""):
         self.call = call
         self.code = code
         self.name = name
+        self.detail = detail
         message = f"{call} failed: {name} ({code})"
         if detail:
             message += f": {detail}"
         super().__init__(message)
 
+    def __reduce__(self):  # picklable across rank processes
+        return type(self), (self.call, self.code, self.name, self.detail)
+
+
+class CudaUnavailableError(CudaError):
+    """The CUDA driver library (or cuda-python) cannot be loaded or initialised on this machine.
+
+    ``code`` is None and ``name`` is ``"CUDA_UNAVAILABLE"``.
+    """
+
+    def __init__(self, message: str, call: str = ""):
+        self.call = call
+        self.code = None
+        self.name = "CUDA_UNAVAILABLE"
+        self.detail = message
+        RuntimeError.__init__(self, message)
+
+    def __reduce__(self):
+        return type(self), (self.detail, self.call)
+
+
+_NO_CUDA_PYTHON = "cuda-python is required for TileScale's CUDA calls; install it with `pip install cuda-python`"
+
 
 @functools.cache
 def driver_module():
-    """Return ``cuda.bindings.driver`` (imported on first use)."""
-    from cuda.bindings import driver
+    """Return ``cuda.bindings.driver`` (imported on first use; ``cuda.cuda`` on cuda-python < 12.8).
 
+    Raises:
+        CudaUnavailableError: cuda-python is not installed.
+    """
+    try:
+        from cuda.bindings import driver
+    except ImportError:  # cuda-python < 12.8 layout
+        try:
+            from cuda import cuda as driver
+        except ImportError as exc:
+            raise CudaUnavailableError(_NO_CUDA_PYTHON) from exc
     return driver
 
 
 @functools.cache
 def runtime_module():
-    """Return ``cuda.bindings.runtime`` (imported on first use)."""
-    from cuda.bindings import runtime
+    """Return ``cuda.bindings.runtime`` (imported on first use; ``cuda.cudart`` on cuda-python < 12.8).
 
+    Raises:
+        CudaUnavailableError: cuda-python is not installed.
+    """
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        try:
+            from cuda import cudart as runtime
+        except ImportError as exc:
+            raise CudaUnavailableError(_NO_CUDA_PYTHON) from exc
     return runtime
 
 
@@ -83,6 +128,22 @@ def _unpack(call_name: str, result: Any, success: Any, describe) -> Any:
     if not values:
         return None
     return values[0] if len(values) == 1 else values
+
+
+def check(result: Any, call_name: str) -> Any:
+    """Unpack a cuda-python result ``(status, *values)`` of driver or runtime call ``call_name``.
+
+    Returns None, the single value, or a tuple of values (as :func:`call`).
+
+    Raises:
+        CudaError: the status is not success (0); its ``call`` is ``call_name``.
+    """
+    status, values = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
+    if int(status) != 0:
+        raise CudaError(call_name, int(status), getattr(status, "name", None) or str(status))
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
 
 
 def _describe_driver_error(status) -> str:

@@ -29,3 +29,7 @@ def extend(tilelang_module) -> None:
     for name in ("get_allocator", "tensor"):
         if not hasattr(tilelang_module, name):
             setattr(tilelang_module, name, getattr(tilescale_core, name))
+
+
+#: Position among the TileScale extensions (lower runs first; see ``tilescale_core._bootstrap``).
+extend.order = 0

@@ -4,7 +4,8 @@ Every rank owns one base allocation of ``size`` bytes; the ranks exchange handle
 each process can address every peer's base.  Allocations are bump allocations at the same
 offset on every rank, so a peer's copy of a tensor lives at ``peer_base + offset``.  The
 CPU ``torch.uint64`` table ``[local_rank, num_ranks, base_0, ..., base_{n-1}]`` is what
-kernels receive (``kernel.initialize(allocator=...)``).
+kernels receive (``kernel.initialize(allocator=...)``); :mod:`tilescale_core.table` owns its
+layout and capacity (``MAX_TABLE_ENTRIES`` here is that module's).
 
 Every rank must allocate the same sizes in the same order.  Each allocator keeps a running
 SHA-256 digest of its allocation sequence and compares it across ranks in :meth:`close`,
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from . import _driver_multicast, probes
+from .table import MAX_TABLE_ENTRIES, build_table, check_num_ranks
 from ._backends import HeapBackend, make_backend
 from ._comm import Comm, SetupError
 from ._deadline import call_with_deadline
@@ -57,8 +59,6 @@ CHECK_ENV = "TILESCALE_CHECK_ALLOC"
 DEFAULT_ALIGNMENT = 256
 #: Seconds each step of :meth:`BaseAllocator.close` may take by default.
 DEFAULT_CLOSE_TIMEOUT_S = 60.0
-#: Entries of the metadata table a kernel can hold (2 + number of ranks).
-MAX_TABLE_ENTRIES = 1024
 #: Memory path names, as found in :attr:`BaseAllocator.path`.
 PATHS = ("ipc", "vmm-fabric", "vmm-fd", "local")
 
@@ -137,7 +137,7 @@ def select_path(
 ) -> str:
     """Choose the memory path; a pure function of its arguments (probes are called lazily).
 
-    Order (the spec's): ``env_value`` (``TILESCALE_USE_VMM``) present -> ``"1"`` selects VMM,
+    Order (docs/core.md, "Memory paths and how one is chosen"): ``env_value`` (``TILESCALE_USE_VMM``) present -> ``"1"`` selects VMM,
     ``"0"``/empty IPC, any other spelling is a ValueError; else an explicit ``use_vmm``
     (a bool); else VMM only for a distributed
     allocator whose fabric probe passes.  VMM uses fabric handles when the fabric probe
@@ -300,7 +300,7 @@ class BaseAllocator:
     Construction is collective over ``group``: every rank allocates ``size`` bytes, the
     handles are exchanged, and every peer base is mapped.  When any rank fails during set-up,
     every rank raises :class:`~tilescale_core._comm.SetupError` naming it.  Use
-    :func:`get_allocator` (the spec's entry point); the arguments are the same.
+    :func:`get_allocator` (the documented entry point, docs/core.md); the arguments are the same.
 
     Args:
         size: heap bytes per rank (> 0).
@@ -354,10 +354,7 @@ class BaseAllocator:
     def _validate(self, size, device, is_distributed, use_vmm, mcast_size, backend) -> None:
         """Check the arguments and choose the path and backend; no driver work."""
         _check_positive_int("size", size)
-        if 2 + self.num_ranks > MAX_TABLE_ENTRIES:
-            raise ValueError(
-                f"{self.num_ranks} ranks need a {2 + self.num_ranks}-entry table; the limit is {MAX_TABLE_ENTRIES}"
-            )
+        check_num_ranks(self.num_ranks)
         self.path = select_path(
             is_distributed=is_distributed,
             use_vmm=use_vmm,
@@ -404,7 +401,7 @@ class BaseAllocator:
         # of one, which costs a few microseconds instead of a DLPack import per tensor.
         self._heap_bytes: dict[int, torch.Tensor] = {}
         self._mc_region = None if self._mc is None else _Region("multicast heap", self._mc.local_ptr, self.mcast_size)
-        self.table = torch.tensor([self.local_rank, self.num_ranks, *self.peer_base_ptrs], dtype=torch.uint64)
+        self.table = build_table(self.local_rank, self.num_ranks, self.peer_base_ptrs)
         self._closed = False
 
     def _setup_multicast(self) -> _Multicast:
@@ -603,6 +600,48 @@ class BaseAllocator:
         """
         return self._bump(self._heap, nbytes, alignment)
 
+    def tensor(self, shape: Any, dtype: str | torch.dtype, return_peers: bool = False):
+        """Allocate a ``shape`` tensor of ``dtype`` in the symmetric heap (256-byte aligned).
+
+        Every rank must make the same calls in the same order; the tensor then sits at the
+        same offset in every rank's heap.  ``tilelang.tensor(shape, dtype, allocator=a)`` is
+        the same call.
+
+        Args:
+            shape: an int or a sequence of ints (elements).
+            dtype: a ``torch.dtype`` or its name (``"float32"``, ``"bfloat16"`` ...).
+            return_peers: return one view per rank instead of this rank's tensor.
+
+        Returns:
+            this rank's tensor (on :attr:`device`), or with ``return_peers`` a list of
+            ``num_ranks`` views of the same tensor, index = rank (the peers' copies mapped
+            into this process; this rank's entry is its own tensor).
+
+        Raises:
+            ValueError: unknown dtype, negative extents.
+            HeapExhaustedError: the heap is full.
+            RuntimeError: the allocator is closed.
+        """
+        return self._allocate_tensor(shape, dtype, return_peers=return_peers)
+
+    def multicast_tensor(self, shape: Any, dtype: str | torch.dtype):
+        """Allocate a ``shape`` tensor of ``dtype`` in the multicast region (256-byte aligned).
+
+        Needs an allocator created with ``mcast_size`` (a distributed VMM allocator with
+        fabric handles on a machine whose multicast probe passes).
+
+        Returns:
+            ``(multicast_view, local_view)``: ``multimem`` instructions (``T.multimem_*``) use
+            the multicast view; write this rank's contribution through the local view (this
+            rank's physical memory bound to the multicast object).
+
+        Raises:
+            RuntimeError: the allocator is closed, or has no multicast region (the message
+                says how to get one).
+            HeapExhaustedError: the multicast region is full.
+        """
+        return self._allocate_mcast_tensor(shape, dtype)
+
     def _allocate_tensor(self, shape: Any, dtype: str | torch.dtype, return_peers: bool = False):
         """Allocate a tensor in the heap; with ``return_peers`` return one view per rank (index = rank)."""
         dtype = resolve_dtype(dtype)
@@ -633,7 +672,12 @@ class BaseAllocator:
         if self._mc_region is None or self._mc is None:
             if self._closed:
                 raise RuntimeError("the allocator is closed")
-            raise RuntimeError("this allocator has no multicast region: pass mcast_size to get_allocator")
+            raise RuntimeError(
+                f"this allocator has no multicast region (path {self.path!r}): pass mcast_size to "
+                f"get_allocator; multicast needs a distributed VMM allocator with fabric handles "
+                f"(use_vmm=True or {USE_VMM_ENV}=1) on a machine whose multicast probe passes "
+                f"(python -m tilescale_core.doctor)"
+            )
         dtype = resolve_dtype(dtype)
         nbytes = numel_of(shape) * dtype.itemsize
         offset = self._bump(self._mc_region, max(nbytes, 1), DEFAULT_ALIGNMENT)

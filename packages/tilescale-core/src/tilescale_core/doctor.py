@@ -4,8 +4,11 @@ Prints package versions, the CUDA driver and toolkit, the visible GPUs, and for 
 path (CUDA IPC, VMM fabric, VMM file descriptor, multicast) whether its probe passes and,
 if not, why.  On a GPU machine it also builds a 2-rank heap on each usable path (two
 processes over gloo; they share GPUs when there are fewer than two) and round-trips a
-tensor through it.  Sections from ``tilescale_host.doctor.sections()`` are appended when
-tilescale-host is installed.  Exit status: 0, or 1 when a heap round-trip failed.
+tensor through it.  Other installed TileScale wheels add sections through the entry-point
+group :data:`SECTIONS_GROUP` (tilescale-host: topology and a process-group check): each entry
+point names a callable returning ``[(title, lines)]``, run in its declared ``order`` (see
+``tilescale_core._bootstrap.load_ordered``).  Exit status: 0, or 1 when a heap round-trip
+failed.
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ from collections.abc import Iterable
 
 from . import probes
 
-__all__ = ["main", "memory_path_lines", "roundtrip_rank", "sections"]
+__all__ = ["SECTIONS_GROUP", "main", "memory_path_lines", "roundtrip_rank", "sections"]
+
+#: Entry-point group of the callables ``sections() -> [(title, lines)]`` that other wheels add.
+SECTIONS_GROUP = "tilescale.doctor_sections"
 
 Section = tuple[str, list[str]]
 
@@ -157,15 +163,24 @@ def heap_lines() -> tuple[list[str], bool]:
     return lines, ok
 
 
-def _host_sections() -> list[Section]:
-    try:
-        host = importlib.import_module("tilescale_host.doctor")
-    except ImportError:
-        return []
-    try:
-        return list(host.sections())
-    except Exception as exc:
-        return [("tilescale-host", [f"tilescale_host.doctor.sections() failed: {type(exc).__name__}: {exc}"])]
+def extension_sections(eps=None) -> list[Section]:
+    """The sections of every entry point in :data:`SECTIONS_GROUP` (or ``eps``), in their
+    declared order; one that fails to load or raises becomes a section saying so."""
+    from ._bootstrap import load_ordered
+
+    if eps is None:
+        eps = importlib.metadata.entry_points(group=SECTIONS_GROUP)
+    out: list[Section] = []
+
+    def failed(ep, exc, what="could not be loaded"):
+        out.append((ep.name, [f"{ep.value} {what}: {type(exc).__name__}: {exc}"]))
+
+    for ep, fn in load_ordered(eps, failed):
+        try:
+            out.extend(fn())
+        except Exception as exc:
+            failed(ep, exc, "failed")
+    return out
 
 
 def sections() -> tuple[list[Section], bool]:
@@ -178,7 +193,7 @@ def sections() -> tuple[list[Section], bool]:
         ("Memory paths", memory_path_lines()),
         ("Symmetric heap round-trip (2 ranks, gloo)", heap),
     ]
-    return out + _host_sections(), ok
+    return out + extension_sections(), ok
 
 
 def render(report: Iterable[Section]) -> str:

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 from ._extension import add_facade_dir
 from ._lazy import lazy_getattr
+from ._parent_death import PARENT_PID_ENV, die_with_parent
+from .table import TABLE_LAYOUT, TABLE_VERSION
 
-__all__ = ["TABLE_VERSION", "TABLE_LAYOUT", "add_facade_dir", "lazy_getattr"]
-
-#: Version of the metadata table layout (:data:`TABLE_LAYOUT`). A change of layout bumps it.
-TABLE_VERSION = 1
-#: The table, CPU ``torch.uint64``: ``[local_rank, num_ranks, base_0, ..., base_{n-1}]``
-#: (``base_r``: the address of rank ``r``'s heap base in this process).
-TABLE_LAYOUT = ("local_rank", "num_ranks", "base_0 .. base_{num_ranks-1}")
+__all__ = ["PARENT_PID_ENV", "TABLE_VERSION", "TABLE_LAYOUT", "add_facade_dir", "die_with_parent", "lazy_getattr"]
+# TABLE_VERSION and TABLE_LAYOUT are tilescale_core.table's (the table's one owner).

@@ -1,6 +1,6 @@
 """The shared-memory FFI: ``tl.shared_memory.*`` globals, their ``_``-prefixed bindings, the probes.
 
-Importing this module registers every function of the spec's FFI tables as a tvm-ffi global
+Importing this module registers every function of the FFI tables in docs/core.md as a tvm-ffi global
 named ``tl.shared_memory.<name>`` (idempotent).  Each registered function checks its
 arguments against :data:`SIGNATURES` (``int64`` = a Python int in the signed 64-bit range,
 ``Bytes`` = ``bytes``) before any CUDA work, and the Python bindings below call through the
@@ -244,7 +244,7 @@ def _ffi(name: str) -> Callable[..., Any]:
     return tvm_ffi.get_global_func(FFI_PREFIX + name)
 
 
-# --- Python bindings (the spec's names) --------------------------------------------------
+# --- Python bindings (docs/core.md's names) --------------------------------------------------
 
 
 def _create_ipc_handle(ptr: int) -> bytes:

@@ -24,7 +24,7 @@ __all__ = [
     "view_at",
 ]
 
-#: dtype strings accepted by :func:`tensor_from_ptr` and :func:`tensor` (the spec's list).
+#: dtype strings accepted by :func:`tensor_from_ptr` and :func:`tensor` (the list docs/core.md documents).
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float": torch.float32,

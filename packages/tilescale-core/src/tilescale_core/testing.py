@@ -20,7 +20,25 @@ import torch
 
 from ._backends import FdSharingBackend
 
-__all__ = ["HostBackend"]
+__all__ = ["HostBackend", "register_gpu_marker"]
+
+#: Description of a GPU test marker registered by :func:`register_gpu_marker`.
+GPU_MARKER_HELP = "needs a CUDA GPU (skipped with a reason when none is visible)"
+
+
+def register_gpu_marker(config, name: str = "gpu") -> None:
+    """Register pytest marker ``name`` for GPU tests (call from ``pytest_configure``).
+
+    When a loaded pytest plugin offers ``add_gpu_marker_alias`` (tilescale-host's
+    ``tilescale`` plugin does, for its ``tilescale_gpu`` marker), ``name`` becomes an alias of
+    that marker, which the plugin skips without a GPU and writes to its validation record;
+    otherwise ``name`` is a plain marker and the suite skips such tests itself.
+    """
+    plugin = config.pluginmanager.get_plugin("tilescale")
+    if plugin is not None and hasattr(plugin, "add_gpu_marker_alias"):
+        plugin.add_gpu_marker_alias(config, name)
+    else:
+        config.addinivalue_line("markers", f"{name}: {GPU_MARKER_HELP}")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p

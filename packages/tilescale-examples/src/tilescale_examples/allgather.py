@@ -49,7 +49,7 @@ Engines
 engines instead: ``torch`` ``copy_`` of the input into every peer's output slot through the
 peer mapping of the heap (``cudaMemcpyAsync`` device to device; the local slot on a side
 stream), with the same two flag rounds as host-enqueued stream memory operations
-(``tilescale_host.set_signal`` on the peer's flag, ``wait_eq`` on this rank's):
+(``tilescale_host.set_signal`` on the peer's flag, ``stream_wait_eq`` on this rank's):
 ready to every peer, wait for every peer's ready, the copies, data to every peer (the
 stream write orders the copies before the flag), wait for every peer's data. No SM runs
 while it waits, so it needs no residency argument; each stream operation costs a few
@@ -207,7 +207,7 @@ class AllGather(SymmetricCollective):
 
     def _copy_engines(self, input: torch.Tensor) -> None:
         """One call on the copy engines (see "Engines" in the module docstring)."""
-        from tilescale_host.signals import set_signal, wait_eq
+        from tilescale_host.signals import set_signal, stream_wait_eq
 
         stream = torch.cuda.current_stream(self.device)
         if self._side is None:
@@ -217,7 +217,7 @@ class AllGather(SymmetricCollective):
         for p in peers:  # my output slots are free for this call
             set_signal(self.peer_copy_flags[p][0, me:me + 1], value, stream)
         for p in peers:
-            wait_eq(self.copy_flags[0, p:p + 1], value, stream)
+            stream_wait_eq(self.copy_flags[0, p:p + 1], value, stream)
         self._side.wait_stream(stream)
         with torch.cuda.stream(self._side):
             self.output[me].copy_(input)
@@ -226,5 +226,5 @@ class AllGather(SymmetricCollective):
         for p in peers:  # the stream write orders the copies before the flag
             set_signal(self.peer_copy_flags[p][1, me:me + 1], value, stream)
         for p in peers:
-            wait_eq(self.copy_flags[1, p:p + 1], value, stream)
+            stream_wait_eq(self.copy_flags[1, p:p + 1], value, stream)
         stream.wait_stream(self._side)

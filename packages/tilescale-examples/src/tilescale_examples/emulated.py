@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import torch
+from tilescale_core.table import build_table
 
 __all__ = ["EmulatedPeers", "EmulatedRank", "run_round", "PRESET", "ALIGNMENT"]
 
@@ -35,7 +36,7 @@ PRESET = 1 << 62
 class EmulatedRank:
     """Allocator stand-in for emulated rank ``local_rank`` of an :class:`EmulatedPeers`:
     ``num_ranks``, ``local_rank``, ``device``, ``table`` (CPU uint64), ``closed`` and the
-    ``_allocate_tensor`` bump allocation of tilescale-core's allocator (in its region)."""
+    ``tensor`` bump allocation of tilescale-core's allocator (in its region)."""
 
     def __init__(self, peers: "EmulatedPeers", rank: int):
         self.peers = peers
@@ -43,14 +44,16 @@ class EmulatedRank:
         self.num_ranks = peers.num_ranks
         self.device = peers.device
         self.used = 0
-        self.table = torch.tensor([rank, peers.num_ranks, *peers.bases], dtype=torch.uint64)
+        self.table = build_table(rank, peers.num_ranks, peers.bases)
 
     @property
     def closed(self) -> bool:
         """Whether the :class:`EmulatedPeers` was closed."""
         return self.peers.closed
 
-    def _allocate_tensor(self, shape, dtype, return_peers: bool = False):
+    def tensor(self, shape, dtype, return_peers: bool = False):
+        """Allocate ``shape`` of ``dtype`` at the next aligned offset of this rank's region;
+        with ``return_peers`` the views of every emulated rank's copy (index = rank)."""
         if self.closed:
             raise RuntimeError("the emulated peers are closed")
         shape = tuple(int(d) for d in (shape if isinstance(shape, (tuple, list)) else (shape,)))
@@ -62,6 +65,8 @@ class EmulatedRank:
         self.used = offset + nbytes
         views = [self.peers.view(r, offset, shape, dtype) for r in range(self.num_ranks)]
         return views if return_peers else views[self.local_rank]
+
+    _allocate_tensor = tensor  # the name tilescale-core's allocator kept before tensor() was public
 
 
 class EmulatedPeers:

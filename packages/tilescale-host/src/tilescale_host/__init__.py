@@ -21,6 +21,7 @@ _LAZY = {
     "init_dist": "dist_init",
     "set_signal": "signals",
     "synchronize_streams": "signals",
+    "stream_wait_eq": "signals",
     "wait_eq": "signals",
     "barrier_all_on_stream": "stream_barrier",
     "close_stream_barriers": "stream_barrier",

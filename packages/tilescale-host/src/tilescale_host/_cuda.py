@@ -1,73 +1,32 @@
-"""Thin, checked access to the CUDA driver and runtime through cuda-python.
+"""Thin, checked access to the CUDA driver and runtime, through tilescale-core's CUDA layer.
 
-Every helper here raises :class:`CudaError` (a ``RuntimeError``) with the error's name
-instead of returning a status tuple, and none of them is imported before it is needed: a
-machine without a CUDA driver can import :mod:`tilescale_host` and use its CPU helpers.
-Device arguments are CUDA ordinals as the process sees them (after CUDA_VISIBLE_DEVICES).
+Every helper here raises :class:`tilescale_core.CudaError` (a ``RuntimeError``; the same class
+as :class:`CudaError` here) with the error's name instead of returning a status tuple, and none
+of them is imported before it is needed: a machine without a CUDA driver can import
+:mod:`tilescale_host` and use its CPU helpers.  Device arguments are CUDA ordinals as the
+process sees them (after CUDA_VISIBLE_DEVICES).
 """
 
 from __future__ import annotations
 
 import functools
 
+from tilescale_core.driver import CudaError, CudaUnavailableError, check
+from tilescale_core.driver import driver_module as driver
+from tilescale_core.driver import runtime_module as runtime
 
-class CudaError(RuntimeError):
-    """A CUDA driver or runtime call failed (or no driver could be loaded)."""
-
-
-@functools.cache
-def driver():
-    """Return the ``cuda.bindings.driver`` module (``cuda.cuda`` on older cuda-python)."""
-    try:
-        from cuda.bindings import driver as drv
-    except ImportError:  # cuda-python < 12.8 layout
-        try:
-            from cuda import cuda as drv
-        except ImportError as exc:
-            raise CudaError(
-                "cuda-python is required for this TileScale host helper; "
-                "install it with `pip install cuda-python`"
-            ) from exc
-    return drv
-
-
-@functools.cache
-def runtime():
-    """Return the ``cuda.bindings.runtime`` module (``cuda.cudart`` on older cuda-python)."""
-    try:
-        from cuda.bindings import runtime as rt
-    except ImportError:
-        try:
-            from cuda import cudart as rt
-        except ImportError as exc:
-            raise CudaError("cuda-python is required for this TileScale host helper") from exc
-    return rt
-
-
-def check(result, what: str):
-    """Unpack a cuda-python result tuple ``(status, *values)``; raise CudaError on failure.
-
-    Returns None, the single value, or a tuple of values.
-    """
-    status, *values = result if isinstance(result, tuple) else (result,)
-    if int(status) != 0:
-        raise CudaError(f"{what} failed: {_error_name(status)} ({int(status)})")
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else tuple(values)
-
-
-def _error_name(status) -> str:
-    name = getattr(status, "name", None)
-    return name if name else str(status)
+__all__ = ["CudaError", "CudaUnavailableError", "check", "device", "device_attribute", "device_count",
+           "driver", "normalize_bus_id", "pci_bus_id", "runtime"]
 
 
 @functools.cache
 def _init_driver() -> None:
     try:
         result = driver().cuInit(0)
+    except CudaError:
+        raise
     except Exception as exc:  # the driver library itself could not be loaded
-        raise CudaError(f"the CUDA driver is not available: {exc}") from exc
+        raise CudaUnavailableError(f"the CUDA driver is not available: {exc}", "cuInit") from exc
     check(result, "cuInit")
 
 

@@ -17,3 +17,7 @@ def extend(tilelang_module) -> None:
     from tilescale_core.interface import add_facade_dir
 
     add_facade_dir(tilelang_module, FACADE_DIR)
+
+
+#: Position among the TileScale extensions (lower runs first; see ``tilescale_core._bootstrap``).
+extend.order = 10

@@ -14,7 +14,7 @@ import runpy
 import signal
 import sys
 
-from tilescale_core._parent_death import PARENT_PID_ENV, die_with_parent
+from tilescale_core.interface import PARENT_PID_ENV, die_with_parent
 
 
 def main(argv: list[str]) -> None:

@@ -9,13 +9,13 @@ The work is split in two so that every rule can be tested without a GPU:
 * :func:`init_dist` applies the plan: it sets the environment defaults that are unset, makes
   ``cuda:<device>`` current and creates the process group.
 
-Launch modes (spec, "Process Group Initialization"):
+Launch modes (docs/host.md, "Joining the process group"):
 
 * spawn-style: no torchrun rank variables; the arguments define rank and world size;
 * single-node torchrun, recognised by ``LOCAL_WORLD_SIZE``: ``LOCAL_WORLD_SIZE``,
   ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK`` must agree with the arguments.
 
-Several ranks on one GPU (beyond the spec): with ``TILESCALE_SHARE_GPUS=1`` or
+Several ranks on one GPU (docs/host.md, "Several ranks on one GPU"): with ``TILESCALE_SHARE_GPUS=1`` or
 ``share_gpus=True`` (the argument wins when given), rank ``r`` uses device
 ``r % device_count`` and, when two ranks do share a device, the host group uses gloo because
 NCCL refuses two ranks on one GPU ("Duplicate GPU detected").

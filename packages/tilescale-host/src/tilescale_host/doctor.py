@@ -1,7 +1,8 @@
 """Host sections of ``python -m tilescale_core.doctor``: topology and a 2-rank group check.
 
-The core doctor calls :func:`sections` when tilescale_host is importable and prints each
-``(title, lines)`` pair.  Nothing here raises: a failed probe becomes a line saying why.
+Registered in the entry-point group ``tilescale.doctor_sections`` (tilescale-core's doctor
+lists what is installed and imports nothing of this wheel by name); the core doctor prints each
+``(title, lines)`` pair after its own sections.  Nothing here raises: a failed probe becomes a line saying why.
 """
 
 from __future__ import annotations
@@ -91,3 +92,7 @@ def _safe(fn: Callable[[], list[str]]) -> list[str]:
         return fn()
     except Exception as exc:
         return [f"check failed: {type(exc).__name__}: {exc}"]
+
+
+#: Position among the doctor's extension sections (lower first).
+sections.order = 10

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from tilescale_core._parent_death import PARENT_PID_ENV
+from tilescale_core.interface import PARENT_PID_ENV
 
 __all__ = ["EXIT_TIMEOUT", "FORWARDED_SIGNALS", "Interrupted", "LaunchResult", "check_grace", "check_port", "build_rank_env", "launch", "main", "parse_args"]
 

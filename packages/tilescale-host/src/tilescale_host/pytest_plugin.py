@@ -9,9 +9,12 @@ Markers:
   after ``timeout`` seconds (each rank's Python stack is dumped first).
 * ``@pytest.mark.requires_capability(name)`` skips, with the probe's reason, unless the
   capability is present.
-* ``@pytest.mark.gpu`` skips when no CUDA GPU is visible.
+* ``@pytest.mark.tilescale_gpu`` skips when no CUDA GPU is visible.  The plugin claims no
+  generic marker name: a project whose tests say ``@pytest.mark.gpu`` makes that name an
+  alias with :func:`add_gpu_marker_alias` (TileScale's own test suites do, in their
+  ``conftest.py``).
 
-Validation record (spec, "Validation Boundaries"): with ``--tilescale-record DIR`` or
+Validation record (see docs/host.md, "Validation record"): with ``--tilescale-record DIR`` or
 TILESCALE_VALIDATION_RECORD=DIR the plugin writes ``DIR/tilescale-validation-<time>-<pid>.jsonl``:
 one ``session`` line (GPU count and names, mode, versions), one ``test`` line per gated test
 (ranks, mode, capabilities, outcome, skip reason) and a ``summary`` line listing which gated
@@ -35,7 +38,26 @@ import pytest
 from . import testing
 
 RECORD_ENV = "TILESCALE_VALIDATION_RECORD"
-_GATED = ("ranks", "requires_capability", "gpu")
+#: The plugin's GPU marker (namespaced: it never claims a marker name another plugin may use).
+GPU_MARKER = "tilescale_gpu"
+_GPU_MARKER_HELP = "needs a CUDA GPU (skipped with a reason when none is visible)"
+_GATED = ("ranks", "requires_capability")
+_GPU_ALIASES = pytest.StashKey[set]()
+
+
+def add_gpu_marker_alias(config, name: str) -> None:
+    """Register marker ``name`` and treat it as ``tilescale_gpu`` in this pytest run.
+
+    Call it from a ``conftest.py``'s ``pytest_configure(config)``; for example TileScale's own
+    suites keep their ``@pytest.mark.gpu`` (and ``-m gpu`` / ``-m "not gpu"`` selections) with
+    ``add_gpu_marker_alias(config, "gpu")``.
+    """
+    config.addinivalue_line("markers", f"{name}: {_GPU_MARKER_HELP} (alias of {GPU_MARKER})")
+    config.stash.setdefault(_GPU_ALIASES, set()).add(name)
+
+
+def _gpu_markers(config) -> tuple[str, ...]:
+    return (GPU_MARKER, *sorted(config.stash.get(_GPU_ALIASES, set())))
 
 
 @dataclass
@@ -128,7 +150,7 @@ def pytest_configure(config) -> None:
     for line in (
         "ranks(n, timeout=120, cpu_only=False): run the test body on n spawned ranks (tilescale)",
         "requires_capability(name): skip unless the named TileScale capability is present",
-        "gpu: needs a CUDA GPU (skipped with a reason when none is visible)",
+        f"{GPU_MARKER}: {_GPU_MARKER_HELP}",
     ):
         config.addinivalue_line("markers", line)
     directory = config.getoption("--tilescale-record") or os.environ.get(RECORD_ENV) or None
@@ -171,8 +193,9 @@ def _make_gate(item) -> _Gate:
 def pytest_collection_modifyitems(config, items) -> None:
     """Note every gated test at collection, so that skips added by other plugins are recorded too."""
     gates = config.stash[_GATES]
+    gated = (*_GATED, *_gpu_markers(config))
     for item in items:
-        if any(item.get_closest_marker(m) for m in _GATED):
+        if any(item.get_closest_marker(m) for m in gated):
             gates[item.nodeid] = _make_gate(item)
 
 
@@ -189,7 +212,7 @@ def pytest_runtest_setup(item) -> None:
     gate = item.config.stash[_GATES].get(item.nodeid)
     if gate is None:
         return
-    if item.get_closest_marker("gpu") and testing.gpu_count() == 0:
+    if any(item.get_closest_marker(m) for m in _gpu_markers(item.config)) and testing.gpu_count() == 0:
         pytest.skip("no CUDA GPU is visible (torch.cuda.device_count() == 0)")
     if gate.ranks is not None and not gate.cpu_only:
         _skip_unless_gpus(gate.ranks)

@@ -1,12 +1,14 @@
-"""Host-enqueued stream signals: ``set_signal`` and ``wait_eq``.
+"""Host-enqueued stream signals: ``set_signal`` and ``stream_wait_eq`` (alias ``wait_eq``).
 
 Both enqueue a CUDA driver stream memory operation on a stream and return immediately:
 
 * :func:`set_signal` enqueues ``cuStreamWriteValue32``: when the stream reaches it, the first
   element of an int32/uint32 tensor becomes ``value``;
-* :func:`wait_eq` enqueues ``cuStreamWaitValue32`` (or ``cuStreamWaitValue64`` with
+* :func:`stream_wait_eq` enqueues ``cuStreamWaitValue32`` (or ``cuStreamWaitValue64`` with
   ``require_i64=True``): work enqueued later on the stream waits until the first element
-  equals ``value``.
+  equals ``value``.  The host never blocks: the *stream* waits.  ``wait_eq``, the name the
+  TileScale API reference gives it (``tilelang.distributed.wait_eq``), is the same function;
+  it is not the device-side spin ``T.wait_eq`` that a kernel runs.
 
 The signal tensor may live in peer-visible memory (an allocator-backed tensor), so a wait on
 one GPU can be released by a set on another.  Every argument is checked before a raw device
@@ -26,7 +28,7 @@ from . import _cuda
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["set_signal", "wait_eq", "synchronize_streams"]
+__all__ = ["set_signal", "stream_wait_eq", "wait_eq", "synchronize_streams"]
 
 
 def _dtypes(bits: int) -> tuple:
@@ -118,7 +120,7 @@ def set_signal(tensor: torch.Tensor, value: int, stream: torch.cuda.Stream | Non
     )
 
 
-def wait_eq(
+def stream_wait_eq(
     tensor: torch.Tensor,
     value: int,
     stream: torch.cuda.Stream | None = None,
@@ -132,6 +134,9 @@ def wait_eq(
         value: unsigned 32-bit value (unsigned 64-bit with ``require_i64=True``).
         stream: a ``torch.cuda.Stream`` on the tensor's device; default its current stream.
         require_i64: compare 64 bits with cuStreamWaitValue64.
+
+    Enqueues the wait and returns at once (the host does not wait). ``wait_eq`` is the same
+    function; the device-side spin of a kernel is ``T.wait_eq``.
     """
     bits = 64 if require_i64 else 32
     value, stream = _checked(tensor, value, stream, bits)
@@ -146,6 +151,11 @@ def wait_eq(
         ),
         f"cuStreamWaitValue{bits}",
     )
+
+
+#: The TileScale API reference's name of :func:`stream_wait_eq` (a host-enqueued *stream* wait;
+#: not the device-side ``T.wait_eq``).
+wait_eq = stream_wait_eq
 
 
 def synchronize_streams(streams, timeout: float = 60.0, poll_interval: float = 1e-3) -> None:

@@ -6,7 +6,7 @@ devices visible to this process: they are matched to NVML / nvidia-smi entries b
 so CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER are honoured.
 
 The full-mesh helpers return True for zero or one visible GPU.  They describe topology and
-are not, alone, proof that a multi-GPU test ran (spec, "Host Utilities").
+are not, alone, proof that a multi-GPU test ran (docs/host.md, "Validation record").
 """
 
 from __future__ import annotations

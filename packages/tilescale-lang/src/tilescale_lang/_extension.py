@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
-#: Stock callables replaced by TileScale wrappers, by name.
-STOCK: dict[str, Any] = {}
+from .state import STATE
+
+#: Stock callables replaced by TileScale wrappers, by name (:attr:`.state.LangState.stock`).
+STOCK: dict[str, Any] = STATE.stock
 
 
 def intrinsics() -> dict[str, Any]:
@@ -114,3 +116,7 @@ def extend(tilelang_module) -> None:
     tl_jit.jit = jit
     tilelang_module.jit = jit
     tl_jit.JITImpl.compile = codegen.wrap_jit_impl_compile(tl_jit.JITImpl.compile)
+
+
+#: Position among the TileScale extensions (lower runs first; see ``tilescale_core._bootstrap``).
+extend.order = 20

@@ -65,9 +65,9 @@ _ORDERS = {None: "relaxed", "relaxed": "relaxed", "consume": "acquire", "acquire
 
 
 def _stock(name: str):
-    from . import _extension
+    from .state import STATE
 
-    return _extension.STOCK[name]
+    return STATE.stock[name]
 
 
 def _order(memory_order) -> str:

@@ -23,13 +23,16 @@ from typing import Any
 
 from . import compile_lock, headers, toolkit
 from . import compile_root as compile_root_mod
+from .state import STATE
 
 #: Namespace of every device helper; its presence marks a TileScale kernel.
 NAMESPACE = "tilescale::"
 INCLUDE_LINE = f"#include <{headers.MAIN_HEADER}>\n"
 _POSTPROC_NAME = "tilelang_callback_cuda_postproc"
 
-_state: dict[str, Any] = {"previous": None, "installed": False}
+# The CUDA post-processing callback's entry of the process-wide state (tilescale_lang.state):
+# the callback registered before ours ("previous") and whether ours is installed.
+_state: dict[str, Any] = STATE.hooks.setdefault("cuda_postproc", {"previous": None, "installed": False})
 
 
 def add_include(code: str) -> str:

@@ -2,7 +2,7 @@
 
 Compiled kernels read the allocator's metadata table (``[local_rank, num_ranks, base_0,
 ...]``, see :mod:`tilescale_lang.metadata`); tilescale-core builds it and numbers its layout
-``tilescale_core.interface.TABLE_VERSION``. A core without that number (too old) or with
+``tilescale_core.table.TABLE_VERSION`` (re-exported by ``tilescale_core.interface``). A core without that number (too old) or with
 another one would make kernels read wrong addresses, so tilescale-lang refuses to load with an
 ``ImportError`` that names both versions and the fix.
 """

@@ -3,7 +3,8 @@
 Every compiled module that includes the TileScale headers owns one
 ``extern "C" __constant__ unsigned long long meta_data[1024]`` holding
 ``[local_rank, num_ranks, base_0, ..., base_{n-1}]``.  :func:`initialize` copies the
-allocator's table into it, before or after the module is loaded:
+allocator's table into it, before or after the module is loaded (the layout, its capacity
+and its validation are :mod:`tilescale_core.table`'s):
 
 * ``tvm_ffi`` (default backend): TVM loads the cubin lazily at the first launch and then
   calls the global function ``runtime.nvshmem.cumodule_init`` with the ``CUmodule``
@@ -23,73 +24,29 @@ kernel (and the disk cache) serves every rank.
 from __future__ import annotations
 
 import ctypes
-import threading
 import weakref
 from typing import Any
 
-#: Capacity of ``meta_data`` in uint64 entries.
-MAX_TABLE_ENTRIES = 1024
+from tilescale_core import driver as _cuda
+from tilescale_core import table as _table
+
+from .state import STATE
+
+#: Capacity of ``meta_data`` in uint64 entries (:data:`tilescale_core.table.MAX_TABLE_ENTRIES`).
+MAX_TABLE_ENTRIES = _table.MAX_TABLE_ENTRIES
 SYMBOL = b"meta_data"
 HOOK_NAME = "runtime.nvshmem.cumodule_init"
 
-_local = threading.local()
-_lock = threading.RLock()
-# Modules the hook saw while no TileScale kernel was launching (stock kernels, mostly).
-_orphans: list[int] = []
-_hook_state = {"installed": False}
+# Process-wide state lives in tilescale_lang.state (one object, one lifetime); these names
+# are views of it.
+_local = STATE.launching
+_lock = STATE.lock
 
 
 # ------------------------------------------------------------------------------ validation
-def table_from_allocator(allocator: Any) -> list[int]:
-    """Validate ``allocator.table`` and return it as a list of Python ints (uint64 values).
-
-    Raises:
-        TypeError: ``allocator`` is missing/None or has no usable ``table``.
-        ValueError: the table is empty, too large (> 1024 entries) or inconsistent
-            (``table[1]`` must equal ``len(table) - 2`` and ``table[0] < table[1]``).
-    """
-    if allocator is None:
-        raise TypeError("initialize() needs allocator=<tilescale allocator>; got None")
-    table = getattr(allocator, "table", None)
-    if table is None:
-        raise TypeError(
-            f"allocator {type(allocator).__name__!r} has no 'table' (expected the distributed "
-            "allocator's CPU uint64 metadata table [local_rank, num_ranks, base_0, ...])"
-        )
-    values = _to_ints(table)
-    if len(values) < 2:
-        raise ValueError(f"allocator.table must hold at least [local_rank, num_ranks]; got {len(values)} entries")
-    if len(values) > MAX_TABLE_ENTRIES:
-        raise ValueError(
-            f"allocator.table has {len(values)} entries; the kernel's meta_data holds at most "
-            f"{MAX_TABLE_ENTRIES} (at most {MAX_TABLE_ENTRIES - 2} ranks)"
-        )
-    rank, num_ranks = values[0], values[1]
-    if num_ranks != len(values) - 2 or not (0 <= rank < max(num_ranks, 1)):
-        raise ValueError(
-            f"allocator.table is inconsistent: local_rank={rank}, num_ranks={num_ranks}, "
-            f"{len(values) - 2} base pointers"
-        )
-    return values
-
-
-def _to_ints(table: Any) -> list[int]:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        torch = None
-    if torch is not None and isinstance(table, torch.Tensor):
-        if table.device.type != "cpu":
-            table = table.cpu()
-        if table.dim() != 1:
-            raise ValueError(f"allocator.table must be 1-D, got shape {tuple(table.shape)}")
-        if table.dtype in (torch.uint64, torch.int64):
-            return [v & 0xFFFFFFFFFFFFFFFF for v in table.view(torch.int64).tolist()]
-        raise TypeError(f"allocator.table must be a uint64 (or int64) tensor, got {table.dtype}")
-    try:
-        return [int(v) & 0xFFFFFFFFFFFFFFFF for v in table]
-    except TypeError:
-        raise TypeError(f"allocator.table must be a sequence of integers, got {type(table).__name__}") from None
+# The table's layout, capacity and validation belong to tilescale_core.table; these names are
+# kept for callers of tilescale_lang.metadata.
+table_from_allocator = _table.table_from_allocator
 
 
 def check_stream(stream: Any) -> int:
@@ -107,31 +64,25 @@ def check_stream(stream: Any) -> int:
 
 
 # ------------------------------------------------------------------------------ CUDA calls
-def _driver():
-    from cuda.bindings import driver
-
-    return driver
-
-
-def _check(result, what: str):
-    err = result[0]
-    driver = _driver()
-    if err != driver.CUresult.CUDA_SUCCESS:
-        name = driver.cuGetErrorName(err)[1]
-        raise RuntimeError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
-    return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
+# tilescale-core's one CUDA layer: a failed call raises tilescale_core.CudaError.
+_driver = _cuda.driver_module
+_check = _cuda.check
 
 
 def _host_buffer(values: list[int]):
     return (ctypes.c_uint64 * len(values))(*values)
 
 
-def _copy_to_global(dptr, nbytes_symbol: int, values: list[int], stream: int, keep: list) -> None:
+def _copy_to_global(dptr, nbytes_symbol: int, values: list[int], stream: int, keep: dict) -> None:
     nbytes = 8 * len(values)
     if nbytes > nbytes_symbol:
         raise ValueError(f"table of {len(values)} entries exceeds meta_data ({nbytes_symbol} bytes)")
     buf = _host_buffer(values)
-    keep.append(buf)  # keep the host buffer alive for the asynchronous copy
+    # Keep the host buffer of the latest copy into this symbol alive: one per target, so
+    # repeated initialize calls do not grow the kernel's state.  (A copy from pageable host
+    # memory has staged its source by the time cuMemcpyHtoDAsync returns, so replacing an
+    # older buffer is safe.)
+    keep[int(dptr)] = buf
     driver = _driver()
     _check(
         driver.cuMemcpyHtoDAsync(dptr, ctypes.addressof(buf), nbytes, driver.CUstream(stream)),
@@ -140,26 +91,28 @@ def _copy_to_global(dptr, nbytes_symbol: int, values: list[int], stream: int, ke
 
 
 def _ensure_context() -> None:
+    """Make torch's current device's context current on this thread, if CUDA works at all.
+
+    A failure here is not raised: the CUDA call that follows reports a missing context as a
+    :class:`tilescale_core.CudaError`.
+    """
+    import torch
+
     try:
-        import torch
-
         if torch.cuda.is_available():
-            torch.cuda.current_device()
-            from cuda.bindings import runtime
-
-            runtime.cudaSetDevice(torch.cuda.current_device())
-    except Exception:  # the caller's CUDA call will report a missing context
+            _cuda.runtime_module().cudaSetDevice(torch.cuda.current_device())
+    except RuntimeError:  # torch's CUDA errors and tilescale_core.CudaError
         pass
 
 
-def apply_to_module(module_handle: int, values: list[int], stream: int, keep: list) -> None:
+def apply_to_module(module_handle: int, values: list[int], stream: int, keep: dict) -> None:
     """Copy ``values`` into ``meta_data`` of the loaded ``CUmodule`` ``module_handle``."""
     driver = _driver()
     dptr, size = _check(driver.cuModuleGetGlobal(driver.CUmodule(module_handle), SYMBOL), "cuModuleGetGlobal(meta_data)")
     _copy_to_global(dptr, int(size), values, stream, keep)
 
 
-def apply_to_library(culib: Any, values: list[int], stream: int, keep: list) -> None:
+def apply_to_library(culib: Any, values: list[int], stream: int, keep: dict) -> None:
     """Copy ``values`` into ``meta_data`` of an NVRTC-backend ``CUlibrary``."""
     driver = _driver()
     dptr, size = _check(driver.cuLibraryGetGlobal(culib, SYMBOL), "cuLibraryGetGlobal(meta_data)")
@@ -179,7 +132,7 @@ def _handle_to_int(handle: Any) -> int:
 def _state(kernel: Any) -> dict:
     st = kernel.__dict__.get("_tilescale_state")
     if st is None:
-        st = {"modules": [], "pending": None, "keep": [], "capturing": False}
+        st = {"modules": [], "pending": None, "keep": {}, "capturing": False}
         kernel.__dict__["_tilescale_state"] = st
     return st
 
@@ -191,7 +144,7 @@ def on_module_load(handle: Any) -> None:
     kernel = kernel_ref() if kernel_ref is not None else None
     with _lock:
         if kernel is None:
-            _orphans.append(module)
+            STATE.unclaimed_modules += 1  # a stock kernel's module: nothing to do
             return
         st = _state(kernel)
         if module not in st["modules"]:
@@ -207,7 +160,7 @@ def install_module_hook() -> None:
 
     Does not override a hook someone else registered (it is then chained: it still runs).
     """
-    if _hook_state["installed"]:
+    if STATE.hooks.get("module_init"):
         return
     import tvm_ffi
 
@@ -219,7 +172,7 @@ def install_module_hook() -> None:
         on_module_load(handle)
 
     tvm_ffi.register_global_func(HOOK_NAME, f=hook, override=True)
-    _hook_state["installed"] = True
+    STATE.hooks["module_init"] = True
 
 
 def track_kernel(kernel: Any) -> None:
@@ -345,6 +298,7 @@ def initialize(kernel: Any, allocator: Any = None, stream: int | None = None) ->
         TypeError: allocator missing or without a table; stream not an int.
         ValueError: stream negative; table too large or inconsistent.
         NotImplementedError: an execution backend without a way to set the table.
+        tilescale_core.CudaError: a CUDA call of the copy failed (call, code and name attached).
 
     Until it has run, a kernel that reads the table (rank queries, peer intrinsics) refuses
     to launch with :class:`KernelNotInitializedError` (see :func:`guard_launch`).
@@ -384,12 +338,12 @@ def initialize(kernel: Any, allocator: Any = None, stream: int | None = None) ->
                 "default tvm_ffi backend or nvrtc)"
             )
         buf = _host_buffer(values)
-        st["keep"].append(buf)
+        st["keep"]["cython"] = buf  # the latest table only (see _copy_to_global)
         setter.restype = ctypes.c_int
         setter.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         err = setter(ctypes.addressof(buf), len(values), ctypes.c_void_p(stream))
         if err != 0:
-            raise RuntimeError(f"tilescale_set_meta_data failed with cudaError {err}")
+            raise _cuda.CudaError("tilescale_set_meta_data", err, f"cudaError {err}")
         return kernel
     raise NotImplementedError(
         f"kernel.initialize supports the tvm_ffi, nvrtc and cython execution backends, not {backend!r}"

@@ -145,9 +145,9 @@ def pe_pair(src_pe, dst_pe, op: str):
 
 
 def _stock(name: str):
-    from . import _extension
+    from .state import STATE
 
-    return _extension.STOCK[name]
+    return STATE.stock[name]
 
 
 def copy(src, dst, src_pe=None, dst_pe=None, **kwargs):

@@ -25,9 +25,10 @@ from __future__ import annotations
 from typing import Any
 
 from . import codegen
+from .state import STATE
 
-#: Stock pass constructors replaced here, by ``module.attribute`` name.
-STOCK: dict[str, Any] = {}
+#: Stock pass constructors replaced here, by ``module.attribute`` name (:attr:`.state.LangState.stock`).
+STOCK: dict[str, Any] = STATE.stock
 READONLY_ATTR = "tl.readonly_param_indices"
 NON_RESTRICT_ATTR = "tl.non_restrict_params"
 

@@ -27,13 +27,13 @@ a table that cannot hold a peer's address).
 from __future__ import annotations
 
 import ctypes
-import threading
 import weakref
 from typing import Any
 
 from ._tvm import tirx
 
 from . import validation as V
+from .state import STATE
 
 #: Descriptors cover PEs 0 .. MAX_TMA_PES - 1.
 MAX_TMA_PES = 8
@@ -64,8 +64,9 @@ class _Heap:
         return [self.bases[k] + off if k < self.num_ranks else ptr for k in range(MAX_TMA_PES)]
 
 
-_heaps: list[_Heap] = []
-_lock = threading.Lock()
+# The registered heaps live in the process-wide state (tilescale_lang.state).
+_heaps: list[_Heap] = STATE.heaps
+_lock = STATE.lock
 
 
 def register_heap(allocator: Any, table: list[int]) -> None:
@@ -225,9 +226,9 @@ def tma_copy(stock, src, dst, src_pe=None, dst_pe=None, **kwargs):
 def tma_reduce_add(dst, value, pe_val, memory_order=None, annotations=None):
     """``T.atomic_add(dst, value, use_tma=True, dst_pe=pe)``: a TMA reduce-add of shared
     ``value`` into ``dst`` on ``pe`` through that peer's descriptor."""
-    from . import _extension
+    from .state import STATE
 
-    stock = _extension.STOCK["atomic_add"]
+    stock = STATE.stock["atomic_add"]
 
     def run(target):
         return _emit(stock(target, value, memory_order=memory_order, use_tma=True, annotations=annotations))

@@ -9,14 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tilescale_core.table import HEADER_ENTRIES, MAX_TABLE_ENTRIES
+
 from ._tvm import tirx
 
 NS = "tilescale::"
 
-#: Entries of the device metadata table ``[local_rank, num_ranks, base_0, ...]`` (common.cuh).
-TABLE_ENTRIES = 1024
+#: Entries of the device metadata table ``[local_rank, num_ranks, base_0, ...]``
+#: (:data:`tilescale_core.table.MAX_TABLE_ENTRIES`, ``TILESCALE_MAX_TABLE`` in common.cuh).
+TABLE_ENTRIES = MAX_TABLE_ENTRIES
 #: Largest PE a kernel can address (the table's last base pointer).
-MAX_PE = TABLE_ENTRIES - 3
+MAX_PE = TABLE_ENTRIES - HEADER_ENTRIES - 1
 #: Environment variable (read at compile time) that compiles the run-time PE range check in.
 CHECK_PE_ENV = "TILESCALE_CHECK_PE"
 

@@ -9,7 +9,7 @@ the numbers are device-side latencies):
 * flag write: back-to-back writes of one int32 flag on one stream, ``set_signal``
   (cuStreamWriteValue32) against ``flag.fill_(i)`` (a one-thread-block torch kernel);
 * ping-pong round trip between streams A and B: with memops, A sets ``ab`` and waits for
-  ``ba`` while B waits for ``ab`` and sets ``ba`` (``set_signal`` / ``wait_eq``); with kernels,
+  ``ba`` while B waits for ``ab`` and sets ``ba`` (``set_signal`` / ``stream_wait_eq``); with kernels,
   each side writes its flag with ``fill_`` and the other side waits on a CUDA event recorded
   after it (``Stream.wait_event``), the usual way to order torch work across streams.
 
@@ -79,14 +79,14 @@ class _Bench:
             self.ab.fill_(self._next())
 
     def memop_ping_pong(self) -> None:
-        from tilescale_host import set_signal, wait_eq
+        from tilescale_host import set_signal, stream_wait_eq
 
         for _ in range(self.rounds):
             v = self._next()
             set_signal(self.ab, v, self.a)
-            wait_eq(self.ab, v, self.b)
+            stream_wait_eq(self.ab, v, self.b)
             set_signal(self.ba, v, self.b)
-            wait_eq(self.ba, v, self.a)
+            stream_wait_eq(self.ba, v, self.a)
 
     def kernel_ping_pong(self) -> None:
         import torch

@@ -1,12 +1,12 @@
 """``tilelang.distributed.host``: TileScale's host utilities (from the tilescale-host wheel).
 
-``from tilelang.distributed.host import init_dist`` is the spelling of the spec; every name
+``from tilelang.distributed.host import init_dist`` is the documented spelling (docs/host.md); every name
 here is re-exported by ``tilelang.distributed`` too.  See :mod:`tilescale_host`.
 """
 
 from tilescale_host.bench import do_bench, perf_fn
 from tilescale_host.dist_init import init_dist
-from tilescale_host.signals import set_signal, synchronize_streams, wait_eq
+from tilescale_host.signals import set_signal, stream_wait_eq, synchronize_streams, wait_eq
 from tilescale_host.stream_barrier import barrier_all_on_stream, close_stream_barriers
 from tilescale_host.topology import (
     NvidiaSmiUtil,
@@ -49,6 +49,7 @@ __all__ = [
     "perf_fn",
     "rand_tensor",
     "set_signal",
+    "stream_wait_eq",
     "synchronize_streams",
     "supports_p2p_native_atomic",
     "wait_eq",

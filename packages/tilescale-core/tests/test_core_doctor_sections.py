@@ -1,0 +1,51 @@
+"""The doctor lists other wheels' sections through an entry-point group, in declared order (CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import tilescale_core
+from tilescale_core import doctor
+
+
+class _FakeEntryPoint:
+    def __init__(self, name, obj=None, error=None):
+        self.name, self.value, self._obj, self._error = name, f"fake.{name}:sections", obj, error
+
+    def load(self):
+        if self._error is not None:
+            raise self._error
+        return self._obj
+
+
+def _sections(title, order=None, boom=False):
+    def sections():
+        if boom:
+            raise RuntimeError("probe exploded")
+        return [(title, [f"{title} line"])]
+
+    if order is not None:
+        sections.order = order
+    return sections
+
+
+def test_sections_in_declared_order_and_failures_are_lines():
+    eps = [
+        _FakeEntryPoint("a_late", _sections("Late", order=50)),
+        _FakeEntryPoint("b_broken", error=ImportError("no module named fake")),
+        _FakeEntryPoint("c_raises", _sections("Never", order=5, boom=True)),
+        _FakeEntryPoint("z_early", _sections("Early", order=1)),
+    ]
+    out = doctor.extension_sections(eps)
+    assert [title for title, _ in out] == ["b_broken", "Early", "c_raises", "Late"]
+    assert out[0][1] == ["fake.b_broken:sections could not be loaded: ImportError: no module named fake"]
+    assert out[2][1] == ["fake.c_raises:sections failed: RuntimeError: probe exploded"]
+
+
+def test_core_names_no_other_tilescale_wheel():
+    """Core imports nothing of host or lang: they register with core, not the other way."""
+    root = Path(tilescale_core.__file__).parent
+    for path in [*root.rglob("*.py"), root.parent / "_tilescale_hook.py"]:
+        text = path.read_text()
+        for other in ("tilescale_host", "tilescale_lang", "tilescale_examples"):
+            assert other not in text, f"{path} names {other}"
