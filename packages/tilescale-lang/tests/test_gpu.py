@@ -116,3 +116,39 @@ def test_runtime_pe_out_of_range_traps_with_check_pe(tmp_path):
     assert "IN-RANGE [7, 0, 0, 0]" in text, text[-3000:]
     assert res.returncode != 0 and "NO-ERROR" not in text, text[-3000:]
     assert "PE 5 out of range: rank 0 of 1 ranks, block (" in text, text[-3000:]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_profiler_traces_a_collective_across_ranks(world, tmp_path):
+    """A profiled all-gather on ``world`` ranks (sharing one GPU when there is one): every
+    output checked, and the merged Perfetto trace holds a put and a wait span for every
+    block of every rank, each block's put before its wait, on one time axis."""
+    import json
+
+    from tilescale_core.multiprocess import run_ranks
+    from tilescale_lang.profiler import merge_chrome_traces, render_timeline
+
+    import gpu_profiler_kernels as G
+
+    reports = run_ranks(G.profiled_allgather_body, world, args=(str(tmp_path / "cache"), str(tmp_path)),
+                        backend="auto", timeout=180)
+    for rank, rep in enumerate(reports):
+        assert rep["errors"] == [] and rep["checks"] == G.CALLS, f"rank {rank}: {rep['errors']}"
+        assert rep["events"] == 4 * G.BLOCKS and rep["dropped"] == 0 and rep["unmatched"] == 0, rep
+        by_block = {}
+        for block, task, start, end in rep["spans"]:
+            assert end >= start, f"rank {rank} block {block}: span ends before it starts"
+            by_block.setdefault(block, {})[task] = (start, end)
+        assert sorted(by_block) == list(range(G.BLOCKS))
+        for block, tasks in by_block.items():
+            assert sorted(tasks) == [0, 1] and tasks[0][1] <= tasks[1][0], f"rank {rank} block {block}: {tasks}"
+    merged_path = tmp_path / "trace.json"
+    merge_chrome_traces([rep["path"] for rep in reports], str(merged_path))
+    trace = json.loads(merged_path.read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert sorted({(e["pid"], e["tid"] // 1024, e["name"]) for e in spans}) == sorted(
+        (r, b, name) for r in range(world) for b in range(G.BLOCKS) for name in G.TASKS)
+    assert min(e["ts"] for e in spans) == 0.0  # one origin for every rank
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {r: f"rank {r}" for r in range(world)}
+    print(f"\n[profiler] {world} rank(s), merged trace {merged_path}:\n{render_timeline(trace, width=60)}")

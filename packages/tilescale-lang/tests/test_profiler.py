@@ -170,3 +170,21 @@ def test_event_profiler_buffer_round_trip(tmp_path):
 def test_event_profiler_rejects_bad_sizes(kwargs, match):
     with pytest.raises(ValueError, match=match):
         P.EventProfiler(device="cpu", **kwargs)
+
+
+def test_render_timeline_draws_each_track_and_names_the_letters():
+    spans = [P.Span(0, 0, 5, 0, 1_000, 5_000), P.Span(0, 0, 5, 1, 5_000, 9_000), P.Span(1, 0, 7, 0, 1_000, 3_000)]
+    one = P.chrome_trace(spans, ["put", "wait"], rank=0, origin_ns=0)
+    two = P.chrome_trace([P.Span(0, 0, 9, 1, 2_000, 9_000)], ["put", "wait"], rank=1, origin_ns=0)
+    text = P.render_timeline(P.merge_chrome_traces([one, two]), width=16)
+    lines = text.splitlines()
+    assert lines[0].endswith("| 8.0 us")
+    row = dict((line[:24].strip(), line[25:41]) for line in lines[1:-1])
+    assert row["rank 0 block 0 warp 0"] == "ppppppppwwwwwwww"
+    assert row["rank 0 block 1 warp 0"] == "pppp............"
+    assert row["rank 1 block 0 warp 0"] == "..wwwwwwwwwwwwww"
+    assert lines[-1] == "legend: p = put, w = wait, . = idle"
+    with pytest.raises(ValueError, match="width"):
+        P.render_timeline(one, width=4)
+    with pytest.raises(ValueError, match="no complete events"):
+        P.render_timeline({"traceEvents": []})

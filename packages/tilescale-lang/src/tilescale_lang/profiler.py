@@ -192,6 +192,49 @@ def merge_chrome_traces(traces: Iterable[dict | str], path: str | None = None) -
     return out
 
 
+def render_timeline(trace: dict, width: int = 64) -> str:
+    """A text picture of a Chrome trace (:func:`chrome_trace` / :func:`merge_chrome_traces`):
+    one line per (rank, block, warp) track, time running left to right over ``width``
+    columns from the earliest start to the latest end; a column shows the first letter of
+    the task that covers most of it (``.``: idle), and a legend names the letters.
+
+    Args:
+        trace: ``{"traceEvents": [...]}`` with complete events (``"ph": "X"``; ``ts`` and
+            ``dur`` in microseconds).
+        width: columns of the time axis (>= 8).
+
+    Raises:
+        ValueError: ``width`` below 8, or a trace without complete events.
+    """
+    if not isinstance(width, int) or isinstance(width, bool) or width < 8:
+        raise ValueError(f"width must be an int >= 8, got {width!r}")
+    spans = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    if not spans:
+        raise ValueError("trace has no complete events (\"ph\": \"X\") to draw")
+    t0 = min(e["ts"] for e in spans)
+    t1 = max(e["ts"] + e["dur"] for e in spans)
+    scale = width / max(t1 - t0, 1e-9)
+    letters: dict[str, str] = {}
+    for name in sorted({e["name"] for e in spans}):
+        letter = next((c for c in name.lower() if c.isalnum() and c not in letters.values()), "?")
+        letters[name] = letter
+    cover: dict[tuple[int, int], list[dict[str, float]]] = {}
+    for e in spans:
+        key = (e["pid"], e["tid"])
+        cols = cover.setdefault(key, [dict() for _ in range(width)])
+        start, end = (e["ts"] - t0) * scale, (e["ts"] + e["dur"] - t0) * scale
+        for c in range(int(start), min(width, int(end) + 1)):
+            overlap = min(end, c + 1) - max(start, c)
+            if overlap > 0 or (start == end and c == int(start)):
+                cols[c][e["name"]] = cols[c].get(e["name"], 0.0) + max(overlap, 1e-9)
+    lines = [f"{'track':<24}|{'':-<{width}}| {t1 - t0:.1f} us"]
+    for pid, tid in sorted(cover):
+        row = "".join(letters[max(col, key=col.get)] if col else "." for col in cover[(pid, tid)])
+        lines.append(f"{f'rank {pid} block {tid // 1024} warp {tid % 1024}':<24}|{row}|")
+    lines.append("legend: " + ", ".join(f"{letter} = {name}" for name, letter in letters.items()) + ", . = idle")
+    return "\n".join(lines)
+
+
 class EventProfiler:
     """Owns a zeroed profiler buffer and decodes it.
 
