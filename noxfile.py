@@ -98,6 +98,8 @@ MATRIX = {
     },
 }
 
+#: ``allow_parallel=`` (sessions side by side under ``nox -j N``) came with nox 2026.8.10.
+nox.needs_version = ">=2026.8.10"
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"
 
