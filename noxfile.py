@@ -1,30 +1,44 @@
 """Automation for the TileScale monorepo.
 
-Sessions (``nox -l`` lists them):
+Sessions, as ``nox -l`` lists them (``*``: what a bare ``nox`` runs):
 
-- ``tests``: the CPU suite. Each wheel is installed, with only the tilescale wheels it
-  depends on, into its own virtual environment and its tests run there (``-m "not gpu"``).
-  ``nox -s "tests(package='core')"`` runs one package.
-- ``demo``: the README's main job (``python -m tilescale_examples.demo``): the doctor's
-  summary, then the ring put, all-gather, all-reduce and AllGatherGEMM against torch on the
-  GPUs (or, without one, their nvcc compiles for sm_90a).
-- ``collect``: every package's tests collected in ONE pytest run (``-m gpu --collect-only``),
-  so helper modules that collide across packages cannot come back.
+- ``tests(package='core')``, ``tests(package='host')``, ``tests(package='lang')``,
+  ``tests(package='examples')`` (*): the CPU suite (``-m "not gpu"``). Each wheel is installed,
+  with only the tilescale wheels it depends on, into its own virtual environment and its tests
+  run there; ``nox -s tests`` runs all four. The examples environment holds every wheel, so
+  that session also runs the one-run collection check of the collect session.
 - ``doctor``: versions, CUDA, GPUs, memory paths, topology, and on a GPU machine a 2-rank heap
   round trip.
 - ``docs``: builds ``docs/`` with Sphinx, warnings as errors, API pages from docstrings.
 - ``gpu``: the GPU suite of every package in one pytest run, ranks sharing the visible GPUs
-  (``TILESCALE_SHARE_GPUS=1``); ``gpu-4`` runs it with one rank per GPU and NCCL, and stops
-  with a message when fewer than 4 GPUs are visible.
+  (``TILESCALE_SHARE_GPUS=1``).
+- ``gpu-4``: the same suite with one rank per GPU and NCCL; stops with a message when fewer
+  than 4 GPUs are visible.
+- ``collect``: every package's tests collected in ONE pytest run (``-m gpu --collect-only``),
+  so helper modules that collide across packages cannot come back.
+- ``demo``: the README's main job (``python -m tilescale_examples.demo``): the doctor's
+  summary, then the ring put, all-gather, all-reduce and AllGatherGEMM against torch on the
+  GPUs (or, without one, their nvcc compiles for sm_90a).
 - ``bench``: every benchmark in tilescale-examples, each printing ratios to its baseline
   (without a GPU: one line per benchmark, exit 0).
-- ``matrix(cuda=...)``: the lang and examples CPU suites against CUDA toolkit 12.1, 12.2, 13.1
-  (installed from the registry's wheels) or the machine's own (``local``); :data:`MATRIX` is
-  the compatibility table (``nox -s matrix_table`` prints it; ``docs/compatibility.md``).
-- ``lower-bounds``: each wheel with every dependency at its declared lowest version.
-- ``build``: each package's wheel and sdist into ``dist/``; ``install-parts(part=...)``
-  installs tilescale-lang alone, tilescale-host alone, the meta package with ``[distributed]``
-  and the examples, each into a fresh environment from ``dist/``, and smoke-tests them.
+- ``matrix(cuda='12.1')``, ``matrix(cuda='12.2')``, ``matrix(cuda='13.1')``,
+  ``matrix(cuda='local')``: the lang and examples CPU suites (less the modules of
+  :data:`TOOLKIT_INDEPENDENT_TESTS`) against that CUDA toolkit, installed from the registry's
+  wheels, or the machine's own for ``local``. :data:`MATRIX` is the compatibility table.
+- ``matrix_table``: prints :data:`MATRIX` as the Markdown table of ``docs/compatibility.md``;
+  ``-- --check FILE`` fails unless FILE carries it.
+- ``lower-bounds(package='core')``, ``lower-bounds(package='host')``,
+  ``lower-bounds(package='lang')``, ``lower-bounds(package='examples')``: one wheel's CPU suite
+  with every dependency at its declared lowest version.
+- ``build``: each package's wheel and sdist into ``dist/``.
+- ``install-parts(part='lang')``, ``install-parts(part='host')``, ``install-parts(part='meta')``,
+  ``install-parts(part='examples')``: tilescale-lang alone, tilescale-host alone, the meta
+  package with ``[distributed]``, and the examples, each installed into a fresh environment
+  from ``dist/`` (``nox -s build`` first) and smoke-tested.
+
+``tests``, ``collect``, ``matrix`` and ``lower-bounds`` may run side by side:
+``nox -j 2 -s tests "matrix(cuda='12.1')"`` (nox >= 2026.8.10; each session's output is
+printed when it ends). ``.ci/run`` runs the CI's sessions that way.
 
 On a machine without a package registry (the GPU machines), run a session against the
 already-installed packages with ``nox --no-venv -s gpu`` (or use ``ci/device-check.sh``).
@@ -84,6 +98,8 @@ MATRIX = {
     },
 }
 
+#: ``allow_parallel=`` (sessions side by side under ``nox -j N``) came with nox 2026.8.10.
+nox.needs_version = ">=2026.8.10"
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"
 
@@ -117,16 +133,31 @@ def _cuda_env() -> dict[str, str]:
     return env
 
 
-@nox.session
+def _suite_env(session: nox.Session) -> dict[str, str]:
+    """:func:`_cuda_env` plus a TileLang kernel cache of this session's own (inside its virtual
+    environment, so new each run): TileLang's cache key does not name the toolkit, and a kernel
+    another session or an earlier run compiled must not stand in for this session's compile."""
+    env = _cuda_env()
+    if session.venv_backend != "none":
+        env["TILELANG_CACHE_DIR"] = str(Path(session.virtualenv.location) / "tilelang-cache")
+    return env
+
+
+@nox.session(allow_parallel=True)
 @nox.parametrize("package", list(LOCAL_DEPENDENCIES))
 def tests(session: nox.Session, package: str) -> None:
-    """CPU suite of one wheel, installed alone (with its tilescale dependencies)."""
+    """CPU suite of one wheel, installed alone (with its tilescale dependencies).
+
+    tilescale-examples' environment holds every wheel, so its session also runs the one-run
+    collection check of ``collect``."""
     _install(session, package, extras="test")
     session.run(
         "python", "-m", "pytest", str(PACKAGES / f"tilescale-{package}" / "tests"),
         "-m", "not gpu", "-q", "-p", "no:cacheprovider", *session.posargs,
-        env=_cuda_env(),
+        env=_suite_env(session),
     )
+    if package == "examples" and not session.posargs:
+        _collect_all(session)
 
 
 @nox.session
@@ -186,11 +217,18 @@ def gpu_4(session: nox.Session) -> None:
     _gpu_suite(session, share_gpus=False)
 
 
-@nox.session
+@nox.session(allow_parallel=True)
 def collect(session: nox.Session) -> None:
-    """Collect every package's tests in ONE pytest run (``-m gpu --collect-only``): a test
-    helper module that two packages both name (``conftest`` imports, ``helpers.py``) fails here."""
+    """Collect every package's GPU tests in ONE pytest run (``-m gpu --collect-only``).
+
+    A test helper module that two packages both name (``conftest`` imports, ``helpers.py``)
+    fails here. ``tests(package='examples')`` runs the same check."""
     _install(session, "examples", extras="test")
+    _collect_all(session)
+
+
+def _collect_all(session: nox.Session) -> None:
+    """The one-run collection check, in an environment that has every wheel installed."""
     tests = [str(PACKAGES / f"tilescale-{p}" / "tests") for p in LOCAL_DEPENDENCIES]
     # --rootdir: node ids then start with packages/tilescale-<name>/tests/ for every package
     out = session.run("python", "-m", "pytest", *tests, "-m", "gpu", "--collect-only", "-q",
@@ -204,8 +242,9 @@ def collect(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The README's main job: the doctor's summary, then the kernels users come for (on the
-    GPUs against torch; without one, their nvcc compiles for sm_90a)."""
+    """The README's main job: the doctor's summary, then the kernels users come for.
+
+    On the GPUs each kernel runs against torch; without one, it is compiled for sm_90a with nvcc."""
     _install(session, "examples")
     session.run("python", "-m", "tilescale_examples.demo", *session.posargs, env=_cuda_env())
 
@@ -261,11 +300,25 @@ def _cuda_home(session: nox.Session, layout: str) -> Path:
     return home
 
 
-@nox.session
+#: Test modules of tilescale-lang and tilescale-examples that neither lower nor compile device
+#: code (host-side logic, benchmark tables, torch references): their results do not depend on
+#: the toolkit, ``tests`` runs them, and the matrix sessions leave them out.
+TOOLKIT_INDEPENDENT_TESTS = [
+    "tilescale-lang/tests/test_core_check.py",
+    "tilescale-examples/tests/test_benchmarks.py",
+    "tilescale-examples/tests/test_emulated.py",
+    "tilescale-examples/tests/test_report.py",
+    "tilescale-examples/tests/test_stream_ops.py",
+]
+
+
+@nox.session(allow_parallel=True)
 @nox.parametrize("cuda", list(MATRIX))
 def matrix(session: nox.Session, cuda: str) -> None:
-    """The lang and examples CPU suites against one CUDA toolkit of :data:`MATRIX`: every
-    header, intrinsic and example kernel compiles for sm_90a with it and the PTX checks pass."""
+    """The lang and examples CPU suites against one CUDA toolkit of :data:`MATRIX`.
+
+    Every header, intrinsic and example kernel compiles for sm_90a with that toolkit and the
+    PTX checks pass; the modules of :data:`TOOLKIT_INDEPENDENT_TESTS` are left out."""
     entry = MATRIX[cuda]
     _install(session, "examples", extras="test")
     if entry["layout"] == "local":
@@ -280,8 +333,11 @@ def matrix(session: nox.Session, cuda: str) -> None:
     if cuda != "local":
         session.run("python", "-c", f"from tilescale_lang.toolkit import find_toolkit; "
                     f"assert find_toolkit().version == {tuple(int(x) for x in cuda.split('.'))}", env=env)
+    if session.venv_backend != "none":
+        env["TILELANG_CACHE_DIR"] = str(Path(session.virtualenv.location) / "tilelang-cache")
+    ignore = [f"--ignore={PACKAGES / m}" for m in TOOLKIT_INDEPENDENT_TESTS]
     session.run("python", "-m", "pytest", str(PACKAGES / "tilescale-lang" / "tests"),
-                str(PACKAGES / "tilescale-examples" / "tests"), "-m", "not gpu", "-q", "-rs",
+                str(PACKAGES / "tilescale-examples" / "tests"), *ignore, "-m", "not gpu", "-q", "-rs",
                 "-p", "no:cacheprovider", *session.posargs, env=env)
 
 
@@ -321,12 +377,14 @@ def lower_bounds(package: str) -> list[str]:
     return pins
 
 
-@nox.session(name="lower-bounds")
+@nox.session(name="lower-bounds", allow_parallel=True)
 @nox.parametrize("package", list(LOCAL_DEPENDENCIES))
 def lower_bounds_session(session: nox.Session, package: str) -> None:
-    """One wheel's CPU suite with torch, cuda-bindings, tilelang, ... at their declared lowest
-    versions and the sibling tilescale wheels at 0.1.0 (the lowest each range allows). torch's
-    lowest release comes from the registry as a CUDA build (several GB)."""
+    """CPU suite of one wheel with every dependency at its declared lowest version.
+
+    torch, cuda-bindings, tilelang, ... at their ``>=`` floors; the sibling tilescale wheels
+    from this checkout (0.1.0, the lowest each range allows). torch's lowest release comes
+    from the registry as a CUDA build (several GB)."""
     pins = []
     for dep in [*LOCAL_DEPENDENCIES[package], package]:
         pins += lower_bounds(dep)
@@ -336,7 +394,7 @@ def lower_bounds_session(session: nox.Session, package: str) -> None:
     session.install(*pins, *targets)
     session.run("python", "-m", "pip", "list", "--format=freeze", silent=False)
     session.run("python", "-m", "pytest", str(PACKAGES / f"tilescale-{package}" / "tests"), "-m", "not gpu",
-                "-q", "-p", "no:cacheprovider", *session.posargs, env=_cuda_env())
+                "-q", "-p", "no:cacheprovider", *session.posargs, env=_suite_env(session))
 
 
 # ------------------------------------------------------------------------------ build and install
@@ -373,8 +431,10 @@ def _dist_versions() -> dict[str, str]:
 @nox.session(name="install-parts")
 @nox.parametrize("part", list(PARTS))
 def install_parts(session: nox.Session, part: str) -> None:
-    """Install one part from ``dist/`` (``nox -s build`` first) into a fresh environment, check
-    which tilescale distributions came with it, smoke-import it and lower a kernel on the CPU."""
+    """Install one part from ``dist/`` into a fresh environment and smoke-test it.
+
+    ``nox -s build`` first. Checks which tilescale distributions came with the part,
+    smoke-imports it and lowers a kernel on the CPU."""
     versions = _dist_versions()
     if not versions:
         session.error("dist/ has no wheels: run `nox -s build` first")
