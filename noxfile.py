@@ -357,7 +357,7 @@ def matrix_table_session(session: nox.Session) -> None:
     table = matrix_table()
     print(table)
     if session.posargs[:1] == ["--check"]:
-        text = Path(session.posargs[1]).read_text()
+        text = Path(session.posargs[1]).read_text(encoding="utf-8")
         if table not in text:
             session.error(f"{session.posargs[1]} does not carry the current matrix table (nox -s matrix_table)")
 
@@ -368,7 +368,7 @@ def lower_bounds(package: str) -> list[str]:
     import re
     import tomllib
 
-    data = tomllib.loads((Path(_pkg(package)) / "pyproject.toml").read_text())
+    data = tomllib.loads((Path(_pkg(package)) / "pyproject.toml").read_text(encoding="utf-8"))
     pins = []
     for dep in data["project"]["dependencies"]:
         m = re.match(r"^([A-Za-z0-9_.\-]+)\s*>=\s*([0-9][^,;\s]*)", dep)

@@ -34,7 +34,7 @@ def problems(sessions: list[str], doc: str) -> list[str]:
 
 def main() -> int:
     noxfile = Path(sys.argv[1] if len(sys.argv) > 1 else "noxfile.py")
-    doc = ast.get_docstring(ast.parse(noxfile.read_text())) or ""
+    doc = ast.get_docstring(ast.parse(noxfile.read_text(encoding="utf-8"))) or ""
     sessions = [entry["session"] for entry in json.load(sys.stdin)]
     found = problems(sessions, doc)
     for line in found:

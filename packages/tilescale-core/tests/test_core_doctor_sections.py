@@ -46,6 +46,6 @@ def test_core_names_no_other_tilescale_wheel():
     """Core imports nothing of host or lang: they register with core, not the other way."""
     root = Path(tilescale_core.__file__).parent
     for path in [*root.rglob("*.py"), root.parent / "_tilescale_hook.py"]:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
         for other in ("tilescale_host", "tilescale_lang", "tilescale_examples"):
             assert other not in text, f"{path} names {other}"

@@ -13,7 +13,7 @@ PRIVATE = re.compile(r"tilescale_core\._|from tilescale_core import _")
 def test_host_imports_no_private_core_module():
     root = Path(tilescale_host.__file__).parent
     for path in root.rglob("*.py"):
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             code = line.split("#", 1)[0]
             assert not PRIVATE.search(code), f"{path}:{n} imports a private tilescale-core module: {line.strip()}"
 

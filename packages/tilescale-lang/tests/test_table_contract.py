@@ -16,7 +16,7 @@ HEADER = Path(tilescale_lang.__file__).parent / "include" / "tilescale" / "commo
 
 
 def test_header_capacity_matches_core():
-    text = HEADER.read_text()
+    text = HEADER.read_text(encoding="utf-8")
     found = re.findall(r"^\s*#define\s+TILESCALE_MAX_TABLE\s+(\d+)\s*$", text, flags=re.M)
     assert found == [str(table.MAX_TABLE_ENTRIES)], f"{HEADER}: TILESCALE_MAX_TABLE {found} != tilescale_core.table"
     assert "meta_data[TILESCALE_MAX_TABLE]" in text
@@ -42,5 +42,5 @@ def test_lang_cuda_calls_raise_the_core_error():
 def test_lang_imports_no_private_core_module():
     private = re.compile(r"tilescale_core\._|from tilescale_core import _")
     for path in Path(tilescale_lang.__file__).parent.rglob("*.py"):
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             assert not private.search(line.split("#", 1)[0]), f"{path}:{n}: {line.strip()}"
