@@ -126,7 +126,7 @@ def test_profiler_traces_a_collective_across_ranks(world, tmp_path):
     import json
 
     from tilescale_core.multiprocess import run_ranks
-    from tilescale_lang.profiler import merge_chrome_traces, render_timeline
+    from tilescale_lang.profiler import TID_BLOCK_STRIDE, merge_chrome_traces, render_timeline
 
     import gpu_profiler_kernels as G
 
@@ -146,7 +146,7 @@ def test_profiler_traces_a_collective_across_ranks(world, tmp_path):
     merge_chrome_traces([rep["path"] for rep in reports], str(merged_path))
     trace = json.loads(merged_path.read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert sorted({(e["pid"], e["tid"] // 1024, e["name"]) for e in spans}) == sorted(
+    assert sorted({(e["pid"], e["tid"] // TID_BLOCK_STRIDE, e["name"]) for e in spans}) == sorted(
         (r, b, name) for r in range(world) for b in range(G.BLOCKS) for name in G.TASKS)
     assert min(e["ts"] for e in spans) == 0.0  # one origin for every rank
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}

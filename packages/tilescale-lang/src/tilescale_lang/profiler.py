@@ -40,6 +40,8 @@ _TASK_MASK = (1 << 32) - 1
 _START_BIT = 32
 _WARP_SHIFT, _SM_SHIFT, _FIELD_MASK = 33, 43, 0x3FF
 _WRITTEN_BIT = 63
+#: A trace's thread id of (block, warp) is ``block * TID_BLOCK_STRIDE + warp``.
+TID_BLOCK_STRIDE = 1024
 
 
 # ------------------------------------------------------------------------------ device side
@@ -156,19 +158,19 @@ def pair_spans(events: Iterable[Event]) -> tuple[list[Span], list[Event]]:
 def chrome_trace(spans: Sequence[Span], task_names: Sequence[str] | None = None, rank: int = 0,
                  origin_ns: int | None = None) -> dict:
     """A Chrome/Perfetto trace (``{"traceEvents": [...]}``): one complete event ("ph": "X")
-    per span, ``pid`` = rank, ``tid`` = block * 1024 + warp (named "block B warp W"),
+    per span, ``pid`` = rank, ``tid`` = block * :data:`TID_BLOCK_STRIDE` + warp (named "block B warp W"),
     microseconds from ``origin_ns`` (default: the earliest start)."""
     names = list(task_names or [])
     origin = min((s.start_ns for s in spans), default=0) if origin_ns is None else origin_ns
     events: list[dict] = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}]
     threads = sorted({(s.block, s.warp) for s in spans})
     for block, warp in threads:
-        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": block * 1024 + warp,
+        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": block * TID_BLOCK_STRIDE + warp,
                        "args": {"name": f"block {block} warp {warp}"}})
     for s in spans:
         events.append({
             "name": names[s.task] if s.task < len(names) else f"task {s.task}",
-            "ph": "X", "pid": rank, "tid": s.block * 1024 + s.warp,
+            "ph": "X", "pid": rank, "tid": s.block * TID_BLOCK_STRIDE + s.warp,
             "ts": (s.start_ns - origin) / 1000.0, "dur": s.duration_ns / 1000.0,
             "args": {"sm": s.sm, "task": s.task},
         })
@@ -230,7 +232,8 @@ def render_timeline(trace: dict, width: int = 64) -> str:
     lines = [f"{'track':<24}|{'':-<{width}}| {t1 - t0:.1f} us"]
     for pid, tid in sorted(cover):
         row = "".join(letters[max(col, key=col.get)] if col else "." for col in cover[(pid, tid)])
-        lines.append(f"{f'rank {pid} block {tid // 1024} warp {tid % 1024}':<24}|{row}|")
+        block, warp = divmod(tid, TID_BLOCK_STRIDE)
+        lines.append(f"{f'rank {pid} block {block} warp {warp}':<24}|{row}|")
     lines.append("legend: " + ", ".join(f"{letter} = {name}" for name, letter in letters.items()) + ", . = idle")
     return "\n".join(lines)
 
