@@ -101,40 +101,24 @@ def open_close_cycles(rank, world_size, use_vmm, cycles):
 
 
 def _failing_real_backend(path, where, fail):
-    """A real heap backend (``ipc`` or ``vmm-fd``) whose export or peer mapping fails on this
-    rank when ``fail`` (after the real allocation, so the failure paths must free it)."""
-    from tilescale_core import _backends, _ipc
+    """The real heap backend of ``path`` (``ipc`` or ``vmm-fd``), with the driver call that
+    exports this rank's allocation (``where="export"``) or maps a peer's (``"map"``) made to
+    fail when ``fail``; the allocation itself is real, so the failure paths must free it.
+    Wraps the module functions the backend calls, in this rank's process only."""
+    from tilescale_core import _backends, _ipc, _vmm
 
-    class FailingVmmFd(_backends.VmmFdBackend):
-        def export_fd(self, ptr):
-            if fail and where == "export":
-                raise OSError("injected export failure")
-            return super().export_fd(ptr)
+    module, export, map_peer = (_ipc, "get_handle", "open_handle") if path == "ipc" else (_vmm, "export_fd", "import_fd")
 
-        def import_fd(self, fd, size, device):
-            if fail and where == "map":
-                raise OSError("injected map failure")
-            return super().import_fd(fd, size, device)
+    def failing(fn, step):
+        def call(*args, **kwargs):
+            if fail and where == step:
+                raise OSError(f"injected {step} failure")
+            return fn(*args, **kwargs)
+        return call
 
-    class FailingIpc(_backends.IpcBackend):
-        def share(self, comm, ptr, size, device):
-            if where == "export":
-                def export():
-                    if fail:
-                        raise OSError("injected export failure")
-                    return _ipc.get_handle(ptr)
-                handles = comm.phase("ipc: export handles", export)
-            else:
-                handles = comm.phase("ipc: export handles", lambda: _ipc.get_handle(ptr))
-
-            def open_one(handle):
-                if fail and where == "map":
-                    raise OSError("injected map failure")
-                return _ipc.open_handle(handle)
-
-            return _backends.open_peers(comm, "ipc: open peer handles", handles, ptr, open_one, self.close_peer)
-
-    return FailingVmmFd() if path == "vmm-fd" else FailingIpc()
+    setattr(module, export, failing(getattr(module, export), "export"))
+    setattr(module, map_peer, failing(getattr(module, map_peer), "map"))
+    return _backends.make_backend(path)
 
 
 def failed_setup_cycles(rank, world_size, path, where, cycles):
