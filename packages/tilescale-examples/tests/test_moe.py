@@ -18,8 +18,7 @@ from tilelang import tvm
 from tilescale_examples.collective import TARGET
 from tilescale_examples.moe import (COMBINE_ATOL, COMBINE_RTOL, DispatchHandle, MoEDispatcher,
                                     expected_routes, torch_combine_reference, torch_dispatch_reference)
-from tilescale_examples.moe_kernels import (PASS_CONFIGS, build_combine_kernel, build_dispatch_kernel,
-                                            build_plan_kernel)
+from tilescale_examples.moe_kernels import PASS_CONFIGS, build_combine_kernel, build_dispatch_kernel
 from tilescale_lang.codegen import cuda_source
 
 # The configuration of the CPU object tests and the nvcc test (shared compile cache).
@@ -101,40 +100,57 @@ def test_reference_argument_checks():
 
 
 # ------------------------------------------------------------------------------ generated CUDA
-def test_plan_kernel_ranks_entries_and_exchanges_counts_on_the_device():
-    body = source(build_plan_kernel(64, 8, 4096))
-    assert "__launch_bounds__(1024, 1) moe_plan_kernel(" in body
+def test_dispatch_kernel_plans_in_block_0_then_puts_rows_to_the_expert_owner():
+    body = source(build_dispatch_kernel(64, 8, 7168, 4096, blocks=132))
+    # residency: one block always fits on an SM (launch bounds; the plan's 33 KiB at most)
+    assert "__launch_bounds__(1024, 1) moe_dispatch_kernel(" in body
+    assert "int capacity" in body and "int num_tokens" in body  # run-time dimensions
     assert "__match_any_sync(" in body and "__ballot_sync(" in body
-    # counts: a weak store to every rank, then the block barrier, fence and release signal
-    st = body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(Counts[")
+    plan = body.index("if (((int)blockIdx.x) == 0) {")
+    # counts: a weak store to every rank, then the block barrier and the release signal (a
+    # system-scope release after bar.sync covers the block's stores: no separate fence)
+    assert "fence_sys" not in body
+    st = body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(Counts[", plan)
     sync = body.index("__syncthreads();", st)
-    fence = body.index("tilescale::fence_sys();", sync)
-    notify = body.index("tilescale::notify<false>((&(Sig[", fence)
+    notify = body.index("tilescale::notify<false>((&(Sig[", sync)
+    assert "__syncthreads();" not in body[sync + 1:notify]
+    status = body.index("if (((int)threadIdx.x) == 1023) {", notify)  # the last thread writes Status
+    assert body.index("Status[0] = nbad;", status) > status
     wait = body.index("tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>((&(Sig[", notify)
-    assert body.index("Base[", wait) > wait  # offsets only after every rank's counts are in
-    assert body.rindex("State[0] = epoch;") > body.rindex("Base[")
-    # only the six hand-written block barriers; the ranking loop synchronises the warp only
-    assert body.count("__syncthreads();") == 6
+    # the plan is released to the other blocks (GPU scope) after a block barrier, and every
+    # block acquires it before it reads Packed / Base
+    release = body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::RELEASE, false>((&(Ctr[2]))")
+    base = body.rindex("Base[", 0, release)  # the plan's store of the offsets
+    assert base > wait  # offsets only after every rank's counts are in
+    assert body.rindex("__syncthreads();", 0, release) > base
+    acquire = body.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::GPU, tilescale::Sem::ACQUIRE>((&(Ctr[2]))", release)
+    data = body.index("__syncthreads();", acquire)
+    put = body.index("tilescale::put_warp<8, false>(", data)
+    assert "(&(RecvX[" in body[put:body.index(";", put)]
+    assert body.index("Packed[", data) < put and body.index("Base[", data) < put
+    assert body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(RecvSrc[", put) > put
+    # only the hand-written block barriers (the plan's six, its release, the acquire, the tail)
+    assert body.count("__syncthreads();") == 9
     # step 4: the count matrix is read once per (rank, expert) into shared totals, and the
     # prefix sums over experts read those totals (a chain of E global loads took ~20 us)
-    offsets = body[wait:body.rindex("Base[")]
+    offsets = body[wait:base]
     assert len(re.findall(r"(?<!Recv)Counts\[", offsets)) == 1, offsets
     loop = body[body.index("for (int b = 0; b < nb; ++b)"):]
     loop = loop[:loop.index("__syncthreads();")]
     assert "__match_any_sync(" in loop and loop.count("__syncwarp();") == 2
-
-
-def test_dispatch_kernel_puts_rows_to_the_expert_owner_then_counts_arrivals():
-    body = source(build_dispatch_kernel(64, 8, 7168, 4096, blocks=132, threads=512))
-    # residency: one block always fits on an SM (launch bounds, no shared memory)
-    assert "__launch_bounds__(512, 1) moe_dispatch_kernel(" in body and "__shared__" not in body
-    assert "int capacity" in body and "int num_tokens" in body  # run-time dimensions
-    put = body.index("tilescale::put_warp<8, false>(")
-    assert "(&(RecvX[" in body[put:body.index(";", put)]
-    assert body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(RecvSrc[", put) > put
+    # a small batch cuts rows into parts, so every warp has columns to move
+    assert "parts = max(1, min(8, (4224 / max((num_tokens * 8), 1))));" in body
     tail = body[body.rindex("__syncthreads();"):]
-    assert tail.index("tilescale::fence_sys();") < tail.index("tilescale::notify<true>((&(Ctr[0]))")
+    assert tail.index("tilescale::notify<true>((&(Ctr[0]))") < tail.index("tilescale::wait_until<")
     assert "tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>((&(Ctr[0])), ((uint)((epoch * ((int64_t)W)) * (int64_t)132)))" in tail
+    assert tail.index("State[0] = epoch;") > tail.index("(&(Ctr[0]))")  # after every block read State[0]
+
+
+def test_dispatch_kernel_rejects_a_grid_the_plan_cannot_use():
+    with pytest.raises(ValueError, match=r"threads must be a multiple of 32 in \(64, 1024\]"):
+        build_dispatch_kernel(64, 8, 7168, 4096, threads=64)
+    with pytest.raises(ValueError, match=r"max_tokens \* topk must be in \[1, 1048576\]"):
+        build_dispatch_kernel(64, 8, 7168, 1 << 18, threads=512)
 
 
 def test_combine_kernel_handshakes_pushes_then_sums_in_float32():
@@ -144,6 +160,7 @@ def test_combine_kernel_handshakes_pushes_then_sums_in_float32():
     put = body.index("tilescale::put_warp<8, false>(", ready)
     assert "(&(CombBuf[" in body[put:body.index(";", put)]
     add = body.index("tilescale::notify<true>((&(Ctr[1]))", put)
+    assert "fence_sys" not in body  # the release add after bar.sync covers the block's rows
     wait = body.index("tilescale::wait_until<tilescale::Cmp::EQ", add)
     assert body.index("State[1] = epoch;", wait) > wait
     sums = body[wait:]
@@ -153,7 +170,7 @@ def test_combine_kernel_handshakes_pushes_then_sums_in_float32():
 
 @needs_nvcc
 def test_kernels_compile_with_nvcc(cache_dir):
-    for func in (build_plan_kernel(E, K, TMAX, "int32"), build_dispatch_kernel(E, K, H, TMAX, "float16", blocks=128),
+    for func in (build_dispatch_kernel(E, K, H, TMAX, "float16", "int32", blocks=128),
                  build_combine_kernel(E, K, H, TMAX, "float16", blocks=128)):
         kernel = tilelang.compile(func, target=TARGET, execution_backend="tvm_ffi")
         assert kernel.adapter.rt_mod.imports[0].kind == "cuda"
@@ -178,7 +195,6 @@ def test_dispatcher_on_cpu_allocator(cache_dir):
     assert sum(math.prod(s) * t.itemsize for s, t in alloc.allocations) < \
         MoEDispatcher.heap_bytes(E, H, K, TMAX, 2, torch.float16)
     launched = []
-    moe.plan_kernel = lambda *a: launched.append(("plan", a))
     moe.dispatch_kernel = lambda *a: launched.append(("dispatch", a))
     moe.combine_kernel = lambda *a: launched.append(("combine", a))
 
@@ -187,9 +203,9 @@ def test_dispatcher_on_cpu_allocator(cache_dir):
     w = torch.rand(5, K)
     recv, counts, handle = moe.dispatch(x, idx, w)
     assert recv is moe.recv_x and counts.shape == (4,) and handle.recv_offsets.shape == (5,)
-    assert [n for n, _ in launched] == ["plan", "dispatch"]
-    plan, disp = launched[0][1], launched[1][1]
-    assert plan[0] is idx and plan[1] is w and plan[7] is moe.state and disp[0] is x and disp[3] is moe.recv_x
+    assert [n for n, _ in launched] == ["dispatch"]
+    disp = launched[0][1]
+    assert disp[0] is idx and disp[1] is w and disp[2] is x and disp[8] is moe.recv_x and disp[16] is moe.state
     assert handle.epoch == 1 and handle.num_tokens == 5 and handle.dest_rank.shape == (5, K)
     y = torch.randn(cap, H).half()
     out = moe.combine(y, handle)
@@ -198,7 +214,7 @@ def test_dispatcher_on_cpu_allocator(cache_dir):
     moe.combine(y, handle)  # a handle may be combined more than once
     # an empty rank still takes part
     moe.dispatch(x[:0], idx[:0], w[:0])
-    assert len(launched) == 6 and moe.epoch == 2
+    assert len(launched) == 4 and moe.epoch == 2
 
     def rejects(exc, match, fn, *args, **kw):
         before = len(launched)
@@ -242,7 +258,7 @@ def test_dispatcher_on_cpu_allocator(cache_dir):
 
     assert repr(moe).startswith("MoEDispatcher(num_experts=8, hidden=64, topk=2, max_tokens=16, dtype=torch.float16, world_size=2")
     moe.close()
-    assert moe.closed and moe.recv_x is None and moe.plan_kernel is None
+    assert moe.closed and moe.recv_x is None and moe.dispatch_kernel is None
     with pytest.raises(RuntimeError, match="MoEDispatcher is closed"):
         moe.dispatch(x, idx, w)
 

@@ -34,23 +34,28 @@ Rows past ``recv_offsets[EL]`` are stale. ``counts`` (``(EL,)`` int32) and
 synchronisation: read them on the device, e.g. as a grouped GEMM's offsets, or copy them to
 the host yourself). ``handle.origin()`` gives each row's source rank and entry.
 
-How it runs (three kernels on the current stream, no host synchronisation)
------------------------------------------------------------------------------
+How it runs (one kernel per call on the current stream, no host synchronisation)
+-----------------------------------------------------------------------------------
 
-1. **plan** (one block): ranks every entry within its expert with ``T.match_any_sync``
-   (deterministic: entry order), writes this rank's per-expert counts into row ``me`` of
-   every rank's symmetric count matrix (``T.st`` to each peer, ``T.fence_sys()``, a release
-   ``T.notify``), waits for every rank's counts (``T.wait_ge``) and computes each entry's
-   destination row and the local receive counts and offsets. The count exchange is on the
-   device, so the call can be captured in a CUDA graph.
-2. **dispatch** (one block per SM): one warp per entry copies the token row straight into
-   its final row on the owner rank (``T.put_warp`` to the peer) with its origin; each block
-   then fences, adds 1 to a counter on every rank (release) and waits until its own
-   counter shows every block of every rank.
-3. **combine** (same grid): a ready handshake, then each received row goes back to its
+1. **dispatch** (one block per SM, 1024 threads each), one launch in two phases:
+
+   * *plan* (block 0; the other blocks wait for it on a local flag): ranks every entry
+     within its expert with ``T.match_any_sync`` (deterministic: entry order), writes this
+     rank's per-expert counts into row ``me`` of every rank's symmetric count matrix
+     (``T.st`` to each peer, a block barrier, a release ``T.notify``), waits for every
+     rank's counts (``T.wait_ge``) and computes each entry's destination row and the local
+     receive counts and offsets. The count exchange is on the device, so the call can be
+     captured in a CUDA graph.
+   * *data*: one warp per entry (per part of an entry's row when the batch has fewer
+     entries than the grid has warps) copies the token row straight into its final row on
+     the owner rank (``T.put_warp`` to the peer) with its origin; each block then
+     synchronises, adds 1 to a counter on every rank (a system-scope release, which after the
+     block barrier covers every thread's rows) and waits until its own counter shows every
+     block of every rank.
+2. **combine** (one block per SM): a ready handshake, then each received row goes back to its
    source rank's symmetric combine buffer (rows of this rank's own tokens stay where they
-   are); fence, counter add on every rank, wait; then each token's ``topk`` rows are summed
-   with its weights in float32.
+   are); block barrier, release counter add on every rank, wait; then each token's
+   ``topk`` rows are summed with its weights in float32.
 
 Flags hold a *call number* kept on the device (``state``), not passed from the host, so a
 captured graph replays correctly; counters are compared modulo 2**32 against ``calls * W *
@@ -60,17 +65,18 @@ that rank starts the next call.
 Deadlock freedom and back-to-back calls
 ----------------------------------------
 
-* Every cross-rank wait is done by a grid whose blocks are all resident at once: the plan
-  kernel is a single block; the dispatch and combine grids have at most one block per SM
-  (``max_blocks`` defaults to the SM count; ``__launch_bounds__(threads, 1)`` makes one
-  block fit on an SM; no shared memory), so on a GPU that is not held by other work that
-  never finishes, all blocks run concurrently. No kernel waits for another kernel of the same
-  rank: the three run in stream order, so nothing depends on two kernels being co-resident.
+* Every wait (cross-rank, or a dispatch block waiting for its block 0's plan) is done by a
+  grid whose blocks are all resident at once: the dispatch and combine grids have at most
+  one block per SM (``max_blocks`` defaults to the SM count; ``__launch_bounds__(threads,
+  1)`` makes one block fit on an SM: the dispatch kernel's 33 KiB of shared memory at most,
+  the combine kernel's none), so on a GPU that is not held by other work that never
+  finishes, all blocks run concurrently. No kernel waits for another kernel of the same
+  rank: the two run in stream order, so nothing depends on two kernels being co-resident.
   A wait is satisfied by the same kernel of the same call on the peers, and every rank
   issues the same sequence of calls, so by induction over that sequence every kernel
   finishes. Ranks that share one GPU progress by time-slicing (slowly).
 * A rank writes into a peer only after that peer has started the same call: dispatch rows
-  go out after the peer's counts of this call arrived (sent when its plan kernel started,
+  go out after the peer's counts of this call arrived (sent when its dispatch kernel started,
   i.e. after everything it enqueued earlier, such as readers of the previous ``recv_x``),
   and combine rows after the peer's ready flag. So calls need no host barrier.
 * Requirements: every rank makes the same sequence of ``dispatch``/``combine`` calls (a rank
@@ -90,7 +96,7 @@ on the device:
   synchronisation before anything is sent and raises ``ValueError`` naming ``topk_idx``,
   the first bad ``[t, k]`` and its value. It cannot run under CUDA graph capture (a
   ``RuntimeError`` says so).
-* ``validate=False`` is the synchronisation-free, capturable path: the plan kernel treats an
+* ``validate=False`` is the synchronisation-free, capturable path: the plan treats an
   index outside ``[-1, num_experts)`` like ``-1`` (the slot is not sent and gets weight 0 in
   the combine; the call completes on every rank) and records the count, the first bad flat
   index and its value in ``moe.status``; :meth:`MoEDispatcher.check_index_errors` reads it
@@ -105,8 +111,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from tilescale_examples.collective import TARGET, SymmetricCollective, check_tensor
-from tilescale_examples.moe_kernels import (MAX_EXPERTS, PLAN_WARPS, build_combine_kernel,
-                                            build_dispatch_kernel, build_plan_kernel)
+from tilescale_examples.moe_kernels import MAX_EXPERTS, PLAN_THREADS, build_combine_kernel, build_dispatch_kernel
 
 __all__ = ["MoEDispatcher", "DispatchHandle", "expected_routes", "torch_dispatch_reference",
            "torch_combine_reference", "COMBINE_RTOL", "COMBINE_ATOL", "MAX_TOPK", "MAX_TOKENS"]
@@ -263,8 +268,9 @@ class MoEDispatcher(SymmetricCollective):
         world_size: defaults to ``allocator.num_ranks`` and must equal it.
         group: process group for the constructor's closing barrier; default
             ``torch.distributed``'s world group when initialised.
-        threads: threads per block of the dispatch and combine kernels (multiple of 32, at
-            most 1024).
+        threads: threads per block of the combine kernel (multiple of 32, at most 1024); the
+            dispatch kernel runs :data:`~tilescale_examples.moe_kernels.PLAN_THREADS` (1024),
+            since its block 0 plans with one warp per range of entries.
         max_blocks: blocks of the dispatch and combine grids (all must be co-resident);
             default the device's SM count.
         validate: default of ``dispatch(..., validate=)`` (see the module docstring).
@@ -272,8 +278,8 @@ class MoEDispatcher(SymmetricCollective):
 
     Attributes: ``recv_x`` (symmetric ``(capacity, hidden)``), ``capacity``,
     ``experts_per_rank``, ``status`` (``(3,)`` int64 on the device: bad indices of the last
-    dispatch, first bad flat index or -1, its value), ``plan_kernel``, ``dispatch_kernel``,
-    ``combine_kernel``, ``epoch`` (dispatches so far), ``combines``.
+    dispatch, first bad flat index or -1, its value), ``dispatch_kernel``, ``combine_kernel``,
+    ``epoch`` (dispatches so far), ``combines``.
 
     Construction is collective (same arguments on every rank, same order among the
     allocator's other symmetric allocations); so is every call: all ranks make the same
@@ -326,7 +332,7 @@ class MoEDispatcher(SymmetricCollective):
         dev = self.device
         self.state = torch.zeros((2,), dtype=torch.int64, device=dev)  # dispatch, combine calls
         self.packed = torch.zeros((TK,), dtype=torch.int32, device=dev)
-        self.base = torch.zeros((PLAN_WARPS, E), dtype=torch.int32, device=dev)
+        self.base = torch.zeros((PLAN_THREADS // 32, E), dtype=torch.int32, device=dev)
         self.weights = torch.zeros((TK,), dtype=torch.float32, device=dev)
         self.dest_rank = torch.full((TK,), -1, dtype=torch.int32, device=dev)
         self.dest_row = torch.full((TK,), -1, dtype=torch.int32, device=dev)
@@ -335,14 +341,15 @@ class MoEDispatcher(SymmetricCollective):
         self.status = torch.zeros((3,), dtype=torch.int64, device=dev)
         self.output = torch.empty((self.max_tokens, H), dtype=self.dtype, device=dev)
 
-        # ---- three rank-agnostic kernels (one binary for every world size), compiled once per host
+        self._views = {}  # token count -> views of the routing buffers and the output (_views_of)
+
+        # ---- two rank-agnostic kernels (one binary for every world size), compiled once per host
         name = _DTYPES[self.dtype]
-        self.dispatch_kernel = self._compile(build_dispatch_kernel(E, K, H, self.max_tokens, name,
-                                                                   self.blocks, threads), target)
         self.combine_kernel = self._compile(build_combine_kernel(E, K, H, self.max_tokens, name,
                                                                  self.blocks, threads), target)
-        self._finish(build_plan_kernel(E, K, self.max_tokens, _INDEX_DTYPES[index_dtype]), target)
-        self.plan_kernel = self.kernel
+        self._finish(build_dispatch_kernel(E, K, H, self.max_tokens, name, _INDEX_DTYPES[index_dtype],
+                                           self.blocks, PLAN_THREADS), target)
+        self.dispatch_kernel = self.kernel
 
     def _compile(self, func, target):
         """Compile ``func`` once per host and give it the allocator's table."""
@@ -425,14 +432,11 @@ class MoEDispatcher(SymmetricCollective):
         if self.validate if validate is None else validate:
             self._validate_indices(topk_idx)
         self.epoch += 1
-        self.plan_kernel(topk_idx, topk_weights, self.packed, self.base, self.weights,
-                         self.count_matrix, self.flags, self.state, self.recv_counts,
-                         self.recv_offsets, self.status)
-        self.dispatch_kernel(x, self.packed, self.base, self.recv_x, self.recv_src, self.dest_rank,
-                             self.dest_row, self.counters, self.state)
-        EL, K = self.experts_per_rank, self.topk
-        handle = DispatchHandle(self, self.epoch, T, self.recv_counts[:EL], self.recv_offsets[:EL + 1],
-                                self.dest_rank[:T * K].view(T, K), self.dest_row[:T * K].view(T, K))
+        self.dispatch_kernel(topk_idx, topk_weights, x, self.packed, self.base, self.weights,
+                             self.count_matrix, self.flags, self.recv_x, self.recv_src, self.dest_rank,
+                             self.dest_row, self.recv_counts, self.recv_offsets, self.status,
+                             self.counters, self.state)
+        handle = DispatchHandle(self, self.epoch, T, *self._views_of(T)[:4])
         return self.recv_x, handle.counts, handle
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -458,11 +462,22 @@ class MoEDispatcher(SymmetricCollective):
                      "(capacity, hidden) =", "MoEDispatcher")
         if y.data_ptr() % 16:
             raise ValueError("y must be 16-byte aligned (the combine reads 16-byte vectors); pass a fresh tensor")
-        out = self.output[:handle.num_tokens]
+        out = self._views_of(handle.num_tokens)[4]
         self.combines += 1
         self.combine_kernel(y, out, self.comb_buf, self.recv_src, self.recv_offsets, self.dest_rank,
                             self.dest_row, self.weights, self.flags, self.counters, self.state)
         return out
+
+    def _views_of(self, tokens: int) -> tuple:
+        """``(counts, recv_offsets, dest_rank, dest_row, output)`` views for ``tokens`` rows,
+        built once per token count (each slice costs microseconds of host time per call)."""
+        views = self._views.get(tokens)
+        if views is None:
+            EL, K, T = self.experts_per_rank, self.topk, tokens
+            views = self._views[T] = (self.recv_counts[:EL], self.recv_offsets[:EL + 1],
+                                      self.dest_rank[:T * K].view(T, K), self.dest_row[:T * K].view(T, K),
+                                      self.output[:T])
+        return views
 
     def bus_bytes(self) -> float:
         """Bytes of token rows one full dispatch (or combine) moves per rank:
@@ -473,7 +488,8 @@ class MoEDispatcher(SymmetricCollective):
         """Drop the kernels and the tensors (idempotent); heap bytes return with
         ``allocator.close()``."""
         super().close()
-        self.plan_kernel = self.dispatch_kernel = self.combine_kernel = None
+        self.dispatch_kernel = self.combine_kernel = None
+        self._views = {}
 
     def __repr__(self) -> str:
         return (f"MoEDispatcher(num_experts={self.num_experts}, hidden={self.hidden}, topk={self.topk}, "

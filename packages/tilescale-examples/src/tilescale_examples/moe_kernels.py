@@ -1,4 +1,4 @@
-"""The three TileLang kernels behind :class:`tilescale_examples.moe.MoEDispatcher`.
+"""The two TileLang kernels behind :class:`tilescale_examples.moe.MoEDispatcher`.
 
 Notation: compile-time constants ``E`` experts, top-``K`` slots per token, hidden size
 ``H`` (a multiple of 8, so a row is a whole number of 16-byte vectors) and ``TMAX`` tokens
@@ -19,13 +19,13 @@ whose expert ``g`` lives on ``d``::
 where ``count[s, g]`` is how many entries of rank ``s`` chose ``g``, ``total[g]`` its sum
 over ranks, and ``rank_s(i)`` how many entries of rank ``s`` before ``i`` chose ``g``.
 
-* :func:`build_plan_kernel` (one block of 1024 threads): ranks every entry within its
-  expert, exchanges the per-expert counts with every rank through the symmetric heap and
-  computes the offsets above (no host involvement).
-* :func:`build_dispatch_kernel` (``blocks`` blocks, at most one per SM): one warp per entry
-  puts the token row into its row on the owner rank (``T.put_warp``) with the entry's
-  origin, then every block signals every rank and waits until all blocks of all ranks have
-  signalled it.
+* :func:`build_dispatch_kernel` (``blocks`` blocks of 1024 threads, at most one per SM, one
+  launch): block 0 plans (ranks every entry within its expert, exchanges the per-expert
+  counts with every rank through the symmetric heap, computes the offsets above; no host
+  involvement) and releases the plan to the other blocks; then one warp per entry (or per
+  part of an entry's row, for small batches) puts the token row into its row on the owner
+  rank (``T.put_warp``) with the entry's origin, and every block signals every rank and
+  waits until all blocks of all ranks have signalled it.
 * :func:`build_combine_kernel` (same grid): pushes each received row back to its source rank
   (unless the source is this rank), signals, waits, then sums each token's ``K`` rows
   weighted by ``topk_weights`` in float32 (in slot order), reading rows that stayed on this
@@ -37,20 +37,23 @@ of :mod:`tilescale_examples.moe`.
 
 # (no `from __future__ import annotations`: TileLang reads the kernels' annotations)
 
-__all__ = ["PLAN_THREADS", "PLAN_WARPS", "PASS_CONFIGS", "MAX_EXPERTS", "build_plan_kernel",
+__all__ = ["PLAN_THREADS", "PLAN_WARPS", "PASS_CONFIGS", "MAX_EXPERTS", "MAX_PARTS",
            "build_dispatch_kernel", "build_combine_kernel"]
 
-#: Threads (and warps) of the one-block plan kernel; each warp ranks one contiguous range of
-#: entries.
+#: Threads (and warps) per block of the dispatch kernel, whose block 0 plans: each of its
+#: warps ranks one contiguous range of entries.
 PLAN_THREADS = 1024
 PLAN_WARPS = PLAN_THREADS // 32
-#: Loads in flight per thread in the plan kernel's first (coalesced) pass.
+#: Most column ranges one entry's row is cut into when a batch has fewer entries than the
+#: dispatch grid has warps (a 7168-element row in 8 parts: 112 16-byte vectors each).
+MAX_PARTS = 8
+#: Loads in flight per thread in the plan's first (coalesced) pass.
 UNROLL = 4
 #: 16-byte vectors each lane loads before storing in the row copies (``T.put_warp``): a
 #: 7168-element bfloat16 row is 28 vectors per lane, so four rounds.
 PUT_UNROLL = 8
-#: Largest supported expert count: the plan kernel keeps a ``(PLAN_WARPS, E + 2)`` int32
-#: count table in shared memory (33 KiB at 256).
+#: Largest supported expert count: the plan keeps a ``(PLAN_WARPS, E + 2)`` int32 count
+#: table in shared memory (33 KiB at 256).
 MAX_EXPERTS = 256
 #: Every ``__syncthreads`` in these kernels is written out by hand (TileLang would otherwise
 #: insert its own around shared-memory accesses, some of them inside warp-divergent code),
@@ -58,17 +61,20 @@ MAX_EXPERTS = 256
 #: written barriers separate).
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True, "tl.disable_shared_memory_reuse": True}
 #: Bits of a packed plan entry below the expert key: the entry's rank within its warp's
-#: range (below ``32 * ceil(TMAX * K / 1024) <= 2**16``).
+#: range (below ``32 * ceil(TMAX * K / threads) <= 2**16``).
 RANK_BITS = 16
 
 
-def _check(num_experts: int, topk: int, hidden: int, max_tokens: int) -> None:
+def _check(num_experts: int, topk: int, hidden: int, max_tokens: int, threads: int = PLAN_THREADS) -> None:
     if not 1 <= num_experts <= MAX_EXPERTS:
         raise ValueError(f"num_experts must be in [1, {MAX_EXPERTS}], got {num_experts}")
     if hidden < 8 or hidden % 8:
         raise ValueError(f"hidden must be a positive multiple of 8, got {hidden}")
-    if not 1 <= max_tokens * topk <= PLAN_WARPS << RANK_BITS:
-        raise ValueError(f"max_tokens * topk must be in [1, {PLAN_WARPS << RANK_BITS}], got {max_tokens * topk}")
+    if threads % 32 or not num_experts < threads <= 1024:
+        raise ValueError(f"threads must be a multiple of 32 in ({num_experts}, 1024] (the plan gives each of "
+                         f"the {num_experts} experts a thread, plus one), got {threads}")
+    if not 1 <= max_tokens * topk <= (threads // 32) << RANK_BITS:
+        raise ValueError(f"max_tokens * topk must be in [1, {(threads // 32) << RANK_BITS}], got {max_tokens * topk}")
 
 
 def _grid_ids(T, bx, threads: int, num_experts: int):
@@ -80,36 +86,60 @@ def _grid_ids(T, bx, threads: int, num_experts: int):
             T.alloc_var("int32", init=num_experts // world))
 
 
-def build_plan_kernel(num_experts: int, topk: int, max_tokens: int, index_dtype: str = "int64"):
-    """The plan ``T.prim_func`` (grid: one block of :data:`PLAN_THREADS` threads).
+def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: int,
+                          dtype: str = "bfloat16", index_dtype: str = "int64", blocks: int = 132,
+                          threads: int = PLAN_THREADS):
+    """The dispatch ``T.prim_func``: plan and data movement in one launch (grid: ``blocks``
+    blocks of ``threads`` threads; block 0 also plans).
 
-    Signature: ``(Idx: (NT, K) index_dtype, Wt: (NT, K) float32, Packed: (TMAX*K,) int32,
-    Base: (PLAN_WARPS, E) int32, Weights: (TMAX*K,) float32, Counts: (2, W, E) int32
-    [symmetric], Sig: (2, W) uint64 [symmetric], State: (2,) int64, RecvCounts: (E,) int32,
-    RecvOffsets: (E + 1,) int32, Status: (3,) int64)``; only the first ``EL`` (``EL + 1``)
-    entries of ``RecvCounts`` (``RecvOffsets``) are written.
+    Signature: ``(Idx: (NT, K) index_dtype, Wt: (NT, K) float32, X: (NT, H) dtype, Packed:
+    (TMAX*K,) int32, Base: (threads/32, E) int32, Weights: (TMAX*K,) float32, Counts: (2, W,
+    E) int32 [symmetric], Sig: (2, W) uint64 [symmetric], RecvX: (CAP, H) dtype [symmetric],
+    RecvSrc: (CAP,) int32 [symmetric], RouteRank: (TMAX*K,) int32, RouteRow: (TMAX*K,)
+    int32, RecvCounts: (E,) int32, RecvOffsets: (E + 1,) int32, Status: (3,) int64, Ctr: (4,)
+    uint32 [symmetric], State: (2,) int64)``; only the first ``EL`` (``EL + 1``) entries of
+    ``RecvCounts`` (``RecvOffsets``) are written.
 
-    Steps (call number ``e = State[0] + 1``, count buffer ``e % 2``):
+    Call number ``e = State[0] + 1`` (read by every block at its start), count buffer
+    ``e % 2``. **Plan** (block 0 alone; ``NW = threads / 32`` warps):
 
     1. A coalesced pass turns every index into a key (the expert; ``E`` for ``-1``, ``E + 1``
        for an index out of range: both are skipped) in ``Packed`` and copies ``Wt`` into
        ``Weights``. Then warp ``w`` ranks the entries ``[w*R, (w+1)*R)`` (``R = 32 *
-       ceil(NT*K / 1024)``), 32 at a time, loading the next 32 keys first:
+       ceil(NT*K / threads)``), 32 at a time, loading the next 32 keys first:
        ``T.match_any_sync`` on the key gives the lanes with the same expert, the popcount of
        the lower ones is the rank within the batch, and a per-warp count table in shared
        memory carries the running count. ``Packed[i] = key << 16 | rank``. Out-of-range
        indices are counted per warp (``T.ballot_sync``; first index kept).
     2. An exclusive scan of the count table over warps; threads ``g < E`` write the
        rank's count of expert ``g`` into row ``me`` of ``Counts[e % 2]`` on every rank
-       (``T.st``), then thread 0 issues ``T.fence_sys()`` and the release store
-       ``T.notify(Sig[0, me], p, e)`` to every rank ``p``, and writes ``Status``
-       (``[bad entries, first bad flat index or -1, its value]``).
+       (``T.st``); after the block barrier thread 0 signals every rank ``p`` with the
+       system-scope release store ``T.notify(Sig[0, me], p, e)`` (after a ``bar.sync`` a
+       release covers the whole block's earlier stores, so no separate fence), while the
+       block's last thread writes ``Status`` (``[bad entries, first bad flat index or -1,
+       its value]``).
     3. Threads ``p < W`` wait ``T.wait_ge(Sig[0, p], e)``: every rank's counts are here.
     4. Offsets from the count matrix (each thread ``g < E`` sums column ``g`` over the ranks
        into shared memory; the prefix sums then read shared memory only, so no thread runs
        a chain of ``E`` global loads): ``Base[w, g]`` = start of this rank's entries of
        expert ``g`` on its owner plus warp ``w``'s exclusive prefix; ``RecvCounts`` and
-       ``RecvOffsets`` of the local experts. Then ``State[0] = e``.
+       ``RecvOffsets`` of the local experts.
+    5. ``__syncthreads``, then thread 0 publishes the plan to the other blocks of this rank:
+       a GPU-scope release store of ``e`` to ``Ctr[2]`` (local).
+
+    **Data movement** (every block, after thread 0 saw ``Ctr[2] == e`` with an acquire load
+    and a ``__syncthreads``): the ``NT*K`` entries are cut into ``P = clamp(G / (NT*K), 1,
+    8)`` column ranges each (``G = blocks * threads / 32`` warps; ``P > 1`` only for small
+    batches, so every warp has a part of a row to move), and global warp ``g`` takes work
+    items ``g, g + G, ...``. For item ``(i, part)`` of entry ``i`` with expert key ``k <
+    E``: owner ``d = k // EL``, row ``Base[i // R, k] + rank``; the warp puts its columns of
+    ``X[i // K]`` into ``RecvX[row]`` on ``d`` (``T.put_warp``) and, for part 0, lane 0
+    stores the origin ``me * TMAX * K + i`` into ``RecvSrc[row]`` on ``d`` and the route
+    into ``RouteRank[i]`` / ``RouteRow[i]`` (``-1`` for a skipped entry). Then each block:
+    ``__syncthreads``, a release add of 1 to ``Ctr[0]`` on every rank (system scope),
+    and thread 0 waits until ``Ctr[0] == e * W * blocks`` (mod 2**32): every block of every
+    rank has finished writing to this rank. Block 0 then sets ``State[0] = e`` (every block
+    of this rank read ``State[0]`` before adding to ``Ctr[0]``).
 
     Two count buffers suffice: rank ``s`` writes buffer ``e % 2`` only after its call
     ``e - 1`` received every rank's counts of ``e - 1``, so every rank has finished call
@@ -117,23 +147,30 @@ def build_plan_kernel(num_experts: int, topk: int, max_tokens: int, index_dtype:
     """
     import tilelang.language as T
 
-    E, K, TMAX = num_experts, topk, max_tokens
-    _check(E, K, 8, TMAX)
-    NW = PLAN_WARPS
+    E, K, H, TMAX = num_experts, topk, hidden, max_tokens
+    _check(E, K, H, TMAX, threads)
+    NW = threads // 32
     TK = TMAX * K
+    G = blocks * NW
+    VECS = H // 8  # 16-byte vectors per row
     NT = T.dynamic("num_tokens")
     NR = T.dynamic("num_ranks")
+    CAP = T.dynamic("capacity")
 
     @T.prim_func
-    def moe_plan(Idx: T.Tensor((NT, K), index_dtype), Wt: T.Tensor((NT, K), "float32"),
-                 Packed: T.Tensor((TK,), "int32"), Base: T.Tensor((NW, E), "int32"),
-                 Weights: T.Tensor((TK,), "float32"), Counts: T.Tensor((2, NR, E), "int32"),
-                 Sig: T.Tensor((2, NR), "uint64"), State: T.Tensor((2,), "int64"),
-                 RecvCounts: T.Tensor((E,), "int32"), RecvOffsets: T.Tensor((E + 1,), "int32"),
-                 Status: T.Tensor((3,), "int64")):
+    def moe_dispatch(Idx: T.Tensor((NT, K), index_dtype), Wt: T.Tensor((NT, K), "float32"),
+                     X: T.Tensor((NT, H), dtype), Packed: T.Tensor((TK,), "int32"),
+                     Base: T.Tensor((NW, E), "int32"), Weights: T.Tensor((TK,), "float32"),
+                     Counts: T.Tensor((2, NR, E), "int32"), Sig: T.Tensor((2, NR), "uint64"),
+                     RecvX: T.Tensor((CAP, H), dtype), RecvSrc: T.Tensor((CAP,), "int32"),
+                     RouteRank: T.Tensor((TK,), "int32"), RouteRow: T.Tensor((TK,), "int32"),
+                     RecvCounts: T.Tensor((E,), "int32"), RecvOffsets: T.Tensor((E + 1,), "int32"),
+                     Status: T.Tensor((3,), "int64"), Ctr: T.Tensor((4,), "uint32"),
+                     State: T.Tensor((2,), "int64")):
         T.annotate_pass_configs(PASS_CONFIGS)
-        with T.Kernel(1, threads=PLAN_THREADS) as bx:
-            tx, lane, warp, me, W, EL = _grid_ids(T, bx, PLAN_THREADS, E)
+        with T.Kernel(blocks, threads=threads) as bx:
+            tx, lane, g, me, W, EL = _grid_ids(T, bx, threads, E)
+            warp = tx // 32  # the plan's warp within block 0
             wcnt = T.alloc_shared((NW, E + 2), "int32")  # columns E: skipped, E + 1: bad
             eoff = T.alloc_shared((E,), "int32")
             tot = T.alloc_shared((E,), "int32")  # step 4: rows of each expert over all ranks
@@ -146,192 +183,163 @@ def build_plan_kernel(num_experts: int, topk: int, max_tokens: int, index_dtype:
             n = NT * K
             nb = T.alloc_var("int32")
             nb = (n + NW * 32 - 1) // (NW * 32)  # 32-entry batches per warp
-            # ---- 1a. expert keys (E: slot unused, E + 1: index out of range) and the weights,
-            # coalesced, UNROLL loads in flight per thread
-            for j in T.serial((n + PLAN_THREADS * UNROLL - 1) // (PLAN_THREADS * UNROLL)):
-                for u in T.unroll(UNROLL):
-                    i = (j * UNROLL + u) * PLAN_THREADS + tx
-                    if i < n:
-                        v = Idx[i // K, i % K]
-                        Weights[i] = Wt[i // K, i % K]
-                        Packed[i] = T.if_then_else(v >= 0 and v < E, T.Cast("int32", v),
-                                                   T.if_then_else(v == -1, E, E + 1))
-            for j in T.serial((E + 33) // 32):
-                if j * 32 + lane <= E + 1:
-                    wcnt[warp, j * 32 + lane] = 0
-            if lane == 0:
-                wbad[warp] = 0
-                wfirst[warp] = -1
-            T.sync_threads()
-            # ---- 1b. rank every entry within its expert (warp w: entries [w*R, (w+1)*R)); the
-            # next batch's keys are loaded before this batch is ranked
-            key = T.alloc_var("int32")
-            nxt = T.alloc_var("int32")
-            nxt = E
-            if nb > 0 and warp * nb * 32 + lane < n:
-                nxt = Packed[warp * nb * 32 + lane]
-            for b in T.serial(nb):
-                i = (warp * nb + b) * 32 + lane
-                key = nxt  # E (skipped) for lanes past the last entry
+            if bx == 0:
+                # ---- 1a. expert keys (E: slot unused, E + 1: index out of range) and the weights,
+                # coalesced, UNROLL loads in flight per thread
+                for j in T.serial((n + threads * UNROLL - 1) // (threads * UNROLL)):
+                    for u in T.unroll(UNROLL):
+                        i = (j * UNROLL + u) * threads + tx
+                        if i < n:
+                            v = Idx[i // K, i % K]
+                            Weights[i] = Wt[i // K, i % K]
+                            Packed[i] = T.if_then_else(v >= 0 and v < E, T.Cast("int32", v),
+                                                       T.if_then_else(v == -1, E, E + 1))
+                for j in T.serial((E + 33) // 32):
+                    if j * 32 + lane <= E + 1:
+                        wcnt[warp, j * 32 + lane] = 0
+                if lane == 0:
+                    wbad[warp] = 0
+                    wfirst[warp] = -1
+                T.sync_threads()
+                # ---- 1b. rank every entry within its expert (warp w: entries [w*R, (w+1)*R)); the
+                # next batch's keys are loaded before this batch is ranked
+                key = T.alloc_var("int32")
+                nxt = T.alloc_var("int32")
                 nxt = E
-                if b + 1 < nb and i + 32 < n:
-                    nxt = Packed[i + 32]
-                same = T.match_any_sync(key)
-                below = T.Cast("int32", T.popcount(same & ((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))))
-                prev = T.alloc_var("int32")
-                prev = wcnt[warp, key]
-                bad = T.ballot_sync(T.Cast("int32", i < n and key == E + 1))
-                T.sync_warp()
-                if below == 0:
-                    wcnt[warp, key] = prev + T.Cast("int32", T.popcount(same))
-                if lane == 0 and bad != T.uint64(0):
-                    wbad[warp] = wbad[warp] + T.Cast("int32", T.popcount(bad))
-                    if wfirst[warp] < 0:  # lowest set bit: popcount of the ones below it
-                        wfirst[warp] = (warp * nb + b) * 32 + T.Cast(
-                            "int32", T.popcount((bad & (~bad + T.uint64(1))) - T.uint64(1)))
-                T.sync_warp()
-                if i < n:
-                    Packed[i] = (key << RANK_BITS) | (prev + below)
-            T.sync_threads()
-            # ---- 2. exclusive scan over warps; publish this rank's counts to every rank
-            if tx < E:
-                run = T.alloc_var("int32")
-                run = 0
-                for w in T.serial(NW):
-                    c = wcnt[w, tx]
-                    wcnt[w, tx] = run
-                    run = run + c
-                for p in T.serial(W):
-                    T.st(Counts[par, me, tx], run, dst_pe=p)
-            T.sync_threads()
+                if nb > 0 and warp * nb * 32 + lane < n:
+                    nxt = Packed[warp * nb * 32 + lane]
+                for b in T.serial(nb):
+                    i = (warp * nb + b) * 32 + lane
+                    key = nxt  # E (skipped) for lanes past the last entry
+                    nxt = E
+                    if b + 1 < nb and i + 32 < n:
+                        nxt = Packed[i + 32]
+                    same = T.match_any_sync(key)
+                    below = T.Cast("int32", T.popcount(same & ((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))))
+                    prev = T.alloc_var("int32")
+                    prev = wcnt[warp, key]
+                    bad = T.ballot_sync(T.Cast("int32", i < n and key == E + 1))
+                    T.sync_warp()
+                    if below == 0:
+                        wcnt[warp, key] = prev + T.Cast("int32", T.popcount(same))
+                    if lane == 0 and bad != T.uint64(0):
+                        wbad[warp] = wbad[warp] + T.Cast("int32", T.popcount(bad))
+                        if wfirst[warp] < 0:  # lowest set bit: popcount of the ones below it
+                            wfirst[warp] = (warp * nb + b) * 32 + T.Cast(
+                                "int32", T.popcount((bad & (~bad + T.uint64(1))) - T.uint64(1)))
+                    T.sync_warp()
+                    if i < n:
+                        Packed[i] = (key << RANK_BITS) | (prev + below)
+                T.sync_threads()
+                # ---- 2. exclusive scan over warps; publish this rank's counts to every rank
+                if tx < E:
+                    run = T.alloc_var("int32")
+                    run = 0
+                    for w in T.serial(NW):
+                        c = wcnt[w, tx]
+                        wcnt[w, tx] = run
+                        run = run + c
+                    for p in T.serial(W):
+                        T.st(Counts[par, me, tx], run, dst_pe=p)
+                T.sync_threads()
+                if tx == 0:
+                    for p in T.serial(W):
+                        T.notify(Sig[0, me], p, epoch)  # release: my counts of call `epoch` are on p
+                if tx == threads - 1:  # not a waiter below (W <= E < threads), so off the critical path
+                    nbad = T.alloc_var("int64")
+                    first = T.alloc_var("int32")
+                    nbad = 0
+                    first = -1
+                    for w in T.serial(NW):
+                        nbad = nbad + T.Cast("int64", wbad[w])
+                        if first < 0:
+                            first = wfirst[w]
+                    Status[0] = nbad
+                    Status[1] = T.Cast("int64", first)
+                    Status[2] = 0
+                    if first >= 0:
+                        Status[2] = T.Cast("int64", Idx[first // K, first % K])
+                # ---- 3. every rank's counts of this call are here
+                if tx < W:
+                    T.wait_ge(Sig[0, tx], epoch)
+                T.sync_threads()
+                # ---- 4. offsets: every expert's total over the ranks into shared memory (W loads
+                # per thread), then the prefix sums over those totals read shared memory only
+                if tx < E:
+                    cnt = T.alloc_var("int32")
+                    every = T.alloc_var("int32")
+                    before = T.alloc_var("int32")
+                    every = 0
+                    before = 0
+                    for s in T.serial(W):
+                        cnt = Counts[par, s, tx]
+                        every = every + cnt
+                        if s < me:
+                            before = before + cnt
+                    tot[tx] = every
+                    eoff[tx] = before
+                T.sync_threads()
+                if tx < E:
+                    owner = tx // EL
+                    off = T.alloc_var("int32")
+                    off = eoff[tx]
+                    for j in T.serial(tx % EL):
+                        off = off + tot[owner * EL + j]
+                    eoff[tx] = off
+                if tx <= EL:
+                    acc = T.alloc_var("int32")
+                    acc = 0
+                    for j in T.serial(tx):
+                        acc = acc + tot[me * EL + j]
+                    RecvOffsets[tx] = acc
+                    if tx < EL:
+                        RecvCounts[tx] = tot[me * EL + tx]
+                T.sync_threads()
+                for j in T.serial((NW * E + threads - 1) // threads):
+                    q = j * threads + tx
+                    if q < NW * E:
+                        Base[q // E, q % E] = eoff[q % E] + wcnt[q // E, q % E]
+                T.sync_threads()
+                if tx == 0:  # 5. the plan is complete: release it to this rank's blocks
+                    T.st(Ctr[2], T.Cast("uint32", epoch), scope="gpu", sem="release")
             if tx == 0:
-                T.fence_sys()
-                for p in T.serial(W):
-                    T.notify(Sig[0, me], p, epoch)  # release: my counts of call `epoch` are on p
-                nbad = T.alloc_var("int64")
-                first = T.alloc_var("int32")
-                nbad = 0
-                first = -1
-                for w in T.serial(NW):
-                    nbad = nbad + T.Cast("int64", wbad[w])
-                    if first < 0:
-                        first = wfirst[w]
-                Status[0] = nbad
-                Status[1] = T.Cast("int64", first)
-                Status[2] = 0
-                if first >= 0:
-                    Status[2] = T.Cast("int64", Idx[first // K, first % K])
-            # ---- 3. every rank's counts of this call are here
-            if tx < W:
-                T.wait_ge(Sig[0, tx], epoch)
+                T.wait_eq(Ctr[2], T.Cast("uint32", epoch), scope="gpu")
             T.sync_threads()
-            # ---- 4. offsets: every expert's total over the ranks into shared memory (W loads
-            # per thread), then the prefix sums over those totals read shared memory only
-            if tx < E:
-                cnt = T.alloc_var("int32")
-                every = T.alloc_var("int32")
-                before = T.alloc_var("int32")
-                every = 0
-                before = 0
-                for s in T.serial(W):
-                    cnt = Counts[par, s, tx]
-                    every = every + cnt
-                    if s < me:
-                        before = before + cnt
-                tot[tx] = every
-                eoff[tx] = before
-            T.sync_threads()
-            if tx < E:
-                owner = tx // EL
-                off = T.alloc_var("int32")
-                off = eoff[tx]
-                for j in T.serial(tx % EL):
-                    off = off + tot[owner * EL + j]
-                eoff[tx] = off
-            if tx <= EL:
-                acc = T.alloc_var("int32")
-                acc = 0
-                for j in T.serial(tx):
-                    acc = acc + tot[me * EL + j]
-                RecvOffsets[tx] = acc
-                if tx < EL:
-                    RecvCounts[tx] = tot[me * EL + tx]
-            T.sync_threads()
-            for j in T.serial((NW * E + PLAN_THREADS - 1) // PLAN_THREADS):
-                q = j * PLAN_THREADS + tx
-                if q < NW * E:
-                    Base[q // E, q % E] = eoff[q % E] + wcnt[q // E, q % E]
-            if tx == 0:
-                State[0] = epoch
-
-    return moe_plan
-
-
-def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: int,
-                          dtype: str = "bfloat16", blocks: int = 132, threads: int = 512):
-    """The dispatch ``T.prim_func`` (grid: ``blocks`` blocks of ``threads`` threads).
-
-    Signature: ``(X: (NT, H) dtype, Packed: (TMAX*K,) int32, Base: (PLAN_WARPS, E) int32,
-    RecvX: (CAP, H) dtype [symmetric], RecvSrc: (CAP,) int32 [symmetric], RouteRank:
-    (TMAX*K,) int32, RouteRow: (TMAX*K,) int32, Ctr: (4,) uint32 [symmetric], State: (2,)
-    int64)``. Runs after the plan kernel of the same call (``e = State[0]``).
-
-    Global warp ``g`` of ``G = blocks * threads / 32`` takes entries ``g, g + G, ...``
-    (neighbouring warps share a token, whose row then comes from L2). For entry ``i`` with
-    expert key ``k < E``: owner ``d = k // EL``, row ``Base[i // R, k] + rank`` (see the
-    plan kernel); the warp puts ``X[i // K]`` into ``RecvX[row]`` on ``d`` (``T.put_warp``)
-    and lane 0 stores the origin ``me * TMAX * K + i`` into ``RecvSrc[row]`` on ``d`` and
-    the route into ``RouteRank[i]`` / ``RouteRow[i]`` (``-1`` for a skipped entry). Then each
-    block: ``__syncthreads``, ``T.fence_sys()``, a release add of 1 to ``Ctr[0]`` on every
-    rank, and thread 0 waits until ``Ctr[0] == e * W * blocks`` (mod 2**32): every block of
-    every rank has finished writing to this rank.
-    """
-    import tilelang.language as T
-
-    E, K, H, TMAX = num_experts, topk, hidden, max_tokens
-    _check(E, K, H, TMAX)
-    TK = TMAX * K
-    WPB = threads // 32
-    G = blocks * WPB
-    NT = T.dynamic("num_tokens")
-    CAP = T.dynamic("capacity")
-
-    @T.prim_func
-    def moe_dispatch(X: T.Tensor((NT, H), dtype), Packed: T.Tensor((TK,), "int32"),
-                     Base: T.Tensor((PLAN_WARPS, E), "int32"), RecvX: T.Tensor((CAP, H), dtype),
-                     RecvSrc: T.Tensor((CAP,), "int32"), RouteRank: T.Tensor((TK,), "int32"),
-                     RouteRow: T.Tensor((TK,), "int32"), Ctr: T.Tensor((4,), "uint32"),
-                     State: T.Tensor((2,), "int64")):
-        T.annotate_pass_configs(PASS_CONFIGS)
-        with T.Kernel(blocks, threads=threads) as bx:
-            tx, lane, g, me, W, EL = _grid_ids(T, bx, threads, E)
-            epoch = T.alloc_var("int64")
-            epoch = State[0]
-            n = NT * K
-            span = T.alloc_var("int32")  # entries per plan warp (the plan kernel's R)
-            span = (n + PLAN_WARPS * 32 - 1) // (PLAN_WARPS * 32) * 32
-            for j in T.serial((n + G - 1) // G):
-                i = g + j * G
-                if i < n:
+            # ---- data movement: P column ranges per entry when there are fewer entries than warps
+            parts = T.alloc_var("int32")
+            parts = T.max(1, T.min(MAX_PARTS, G // T.max(n, 1)))
+            chunk = T.alloc_var("int32")  # 16-byte vectors per part
+            chunk = (VECS + parts - 1) // parts
+            span = T.alloc_var("int32")  # entries per plan warp (R)
+            span = (n + NW * 32 - 1) // (NW * 32) * 32
+            for j in T.serial((n * parts + G - 1) // G):
+                q = g + j * G
+                if q < n * parts:
+                    i = q // parts
+                    v0 = q % parts * chunk
                     packed = Packed[i]
-                    key = packed >> RANK_BITS
-                    if key < E:
-                        row = Base[i // span, key] + (packed & ((1 << RANK_BITS) - 1))
-                        T.put_warp(T.address_of(X[i // K, 0]), T.address_of(RecvX[T.Cast("int64", row), 0]), H,
-                                   dst_pe=key // EL, unroll_factor=PUT_UNROLL)
-                        if lane == 0:
-                            T.st(RecvSrc[row], me * TK + i, dst_pe=key // EL)
-                            RouteRank[i] = key // EL
+                    ekey = packed >> RANK_BITS
+                    if ekey < E:
+                        row = Base[i // span, ekey] + (packed & ((1 << RANK_BITS) - 1))
+                        if v0 < VECS:
+                            T.put_warp(T.address_of(X[i // K, v0 * 8]),
+                                       T.address_of(RecvX[T.Cast("int64", row), v0 * 8]),
+                                       (T.min(VECS, v0 + chunk) - v0) * 8, dst_pe=ekey // EL,
+                                       unroll_factor=PUT_UNROLL)
+                        if lane == 0 and v0 == 0:
+                            T.st(RecvSrc[row], me * TK + i, dst_pe=ekey // EL)
+                            RouteRank[i] = ekey // EL
                             RouteRow[i] = row
-                    elif lane == 0:
+                    elif lane == 0 and v0 == 0:
                         RouteRank[i] = -1
                         RouteRow[i] = -1
             T.sync_threads()
             if tx == 0:
-                T.fence_sys()
                 for p in T.serial(W):
                     T.notify(Ctr[0], p, 1, sig_op="add")  # release: my rows for p are there
                 T.wait_eq(Ctr[0], T.Cast("uint32", epoch * W * blocks))
+                if bx == 0:
+                    State[0] = epoch
 
     return moe_dispatch
 
@@ -355,7 +363,7 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
        and puts row ``r`` of ``Y`` into ``CombBuf[i]`` on source rank ``s`` (origin
        ``RecvSrc[r] = s * TMAX * K + i``) unless ``s`` is this rank (so with one rank there
        is nothing to push);
-    3. ``__syncthreads``, ``T.fence_sys()``, release add of 1 to ``Ctr[1]`` on every rank,
+    3. ``__syncthreads``, a release add of 1 to ``Ctr[1]`` on every rank (system scope),
        thread 0 waits until ``Ctr[1] == e * W * blocks`` (mod 2**32); block 0 then sets
        ``State[1] = e`` (every block of this rank has read ``State[1]`` by then);
     4. warp ``g`` takes work items ``g, g + G, ...``, item ``(t, c)`` being columns ``[256c,
@@ -415,7 +423,6 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
             # ---- 3. signal every rank, wait for every rank's rows
             T.sync_threads()
             if tx == 0:
-                T.fence_sys()
                 for p in T.serial(W):
                     T.notify(Ctr[1], p, 1, sig_op="add")
                 T.wait_eq(Ctr[1], T.Cast("uint32", epoch * W * blocks))
