@@ -238,7 +238,7 @@ def test_dispatcher_on_cpu_allocator(cache_dir):
     bad = torch.tensor([[0, 1], [1, 1], [2, 3], [4, 8], [-2, 0]], dtype=torch.int32)
     moe.dispatch(x, bad, w, validate=False)  # on the device: skipped and reported
     assert launched[-1][0] == "dispatch" and moe.epoch == 3
-    moe.status.copy_(torch.tensor([2, 7, 8]))  # what the plan kernel would have written
+    moe.status.copy_(torch.tensor([2, 7, 8]))  # what the dispatch kernel's plan would have written
     with pytest.raises(ValueError, match=r"topk_idx\[3, 1\] = 8 is out of range.*\(2 bad entries\); the dispatch skipped them"):
         moe.check_index_errors()
     moe.status.zero_()
