@@ -111,7 +111,8 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from tilescale_examples.collective import TARGET, SymmetricCollective, check_tensor
-from tilescale_examples.moe_kernels import MAX_EXPERTS, PLAN_THREADS, build_combine_kernel, build_dispatch_kernel
+from tilescale_examples.moe_kernels import (MAX_EXPERTS, PLAN_THREADS, PLAN_WARPS, build_combine_kernel,
+                                            build_dispatch_kernel)
 
 __all__ = ["MoEDispatcher", "DispatchHandle", "expected_routes", "torch_dispatch_reference",
            "torch_combine_reference", "COMBINE_RTOL", "COMBINE_ATOL", "MAX_TOPK", "MAX_TOKENS"]
@@ -332,7 +333,7 @@ class MoEDispatcher(SymmetricCollective):
         dev = self.device
         self.state = torch.zeros((2,), dtype=torch.int64, device=dev)  # dispatch, combine calls
         self.packed = torch.zeros((TK,), dtype=torch.int32, device=dev)
-        self.base = torch.zeros((PLAN_THREADS // 32, E), dtype=torch.int32, device=dev)
+        self.base = torch.zeros((PLAN_WARPS, E), dtype=torch.int32, device=dev)
         self.weights = torch.zeros((TK,), dtype=torch.float32, device=dev)
         self.dest_rank = torch.full((TK,), -1, dtype=torch.int32, device=dev)
         self.dest_row = torch.full((TK,), -1, dtype=torch.int32, device=dev)

@@ -310,8 +310,6 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
             parts = T.max(1, T.min(MAX_PARTS, G // T.max(n, 1)))
             chunk = T.alloc_var("int32")  # 16-byte vectors per part
             chunk = (VECS + parts - 1) // parts
-            span = T.alloc_var("int32")  # entries per plan warp (R)
-            span = (n + NW * 32 - 1) // (NW * 32) * 32
             for j in T.serial((n * parts + G - 1) // G):
                 q = g + j * G
                 if q < n * parts:
@@ -320,7 +318,8 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                     packed = Packed[i]
                     ekey = packed >> RANK_BITS
                     if ekey < E:
-                        row = Base[i // span, ekey] + (packed & ((1 << RANK_BITS) - 1))
+                        # nb * 32 = R, the entries each plan warp ranked
+                        row = Base[i // (nb * 32), ekey] + (packed & ((1 << RANK_BITS) - 1))
                         if v0 < VECS:
                             T.put_warp(T.address_of(X[i // K, v0 * 8]),
                                        T.address_of(RecvX[T.Cast("int64", row), v0 * 8]),
