@@ -79,19 +79,27 @@ def test_protocol_order_per_mode(mode):
     sync = [m.start() for m in re.finditer(r"__syncthreads\(\);", body)]
     # no fence: the signal is a release at system scope, cumulative over the barrier's writes
     assert "fence" not in body
-    # stage, barrier, ready signal to peer tx, wait for peer tx, barrier, then the reads
-    assert stage < sync[0] < ready[0] < waits[0] < sync[1] < loads[0]
-    # ready[me, b] on peer tx; then ready[tx, b] here
-    assert "(&(Flags[((((int64_t)me) * ((int64_t)blocks)) + ((int64_t)((int)blockIdx.x)))])), ((int)threadIdx.x), ((uint64_t)epoch));" in body
-    assert "(&(Flags[((((int64_t)((int)threadIdx.x)) * ((int64_t)blocks)) + ((int64_t)((int)blockIdx.x)))])), ((uint64_t)epoch));" in body
-    assert "if (((int)threadIdx.x) < 4)" in body
+    # staged here: stage, barrier, release to peer tx, wait for peer tx, barrier
+    assert stage < sync[0] < ready[0] < waits[0] < sync[1]
+    # staged before the kernel (else branch): a relaxed store to peer tx (no barrier before
+    # it: earlier kernels' writes are performed when they complete), wait, barrier; then the reads
+    other = body.index("} else {", sync[1])
+    relaxed = body.index("tilescale::st<tilescale::Scope::SYS, tilescale::Sem::RELAXED, false>((&(Flags[", other)
+    assert sync[1] < other < relaxed < waits[1] < sync[2] < loads[0]
+    assert "__syncthreads();" not in body[other:relaxed]
+    # ready[me, b] on peer tx (both paths); then ready[tx, b] here
+    mine = "(&(Flags[((((int64_t)me) * ((int64_t)blocks)) + ((int64_t)((int)blockIdx.x)))])), "
+    assert body.count(mine + "((int)threadIdx.x), ((uint64_t)epoch));") == 1
+    assert body.count(mine + "((uint64_t)epoch), ((int)threadIdx.x));") == 1
+    assert body.count("(&(Flags[((((int64_t)((int)threadIdx.x)) * ((int64_t)blocks)) + ((int64_t)((int)blockIdx.x)))])), ((uint64_t)epoch));") == 2
+    assert body.count("if (((int)threadIdx.x) < 4)") >= 2
     if mode == "two_shot":  # pushes, then the data round: barrier, signal, wait
-        assert len(ready) == len(waits) == 2
-        assert loads[-1] < sync[2] < ready[1] < waits[1]
+        assert len(ready) == 2 and len(waits) == 3
+        assert loads[-1] < sync[3] < ready[1] < waits[2]
         assert "(&(Flags[(((((int64_t)me) + (int64_t)4) * ((int64_t)blocks)) + ((int64_t)((int)blockIdx.x)))]))" in body  # data[me, b]: after the W ready flags
         assert "Out" not in body
     else:
-        assert len(ready) == len(waits) == 1
+        assert len(ready) == 1 and len(waits) == 2
         assert "*(uint4*)(Out + " in body
 
 
