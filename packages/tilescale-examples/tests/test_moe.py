@@ -100,16 +100,34 @@ def test_reference_argument_checks():
 
 
 # ------------------------------------------------------------------------------ generated CUDA
-def test_dispatch_kernel_plans_in_block_0_then_puts_rows_to_the_expert_owner():
+def test_dispatch_kernel_ranks_in_every_block_plans_in_block_0_then_puts_rows_to_the_owner():
     body = source(build_dispatch_kernel(64, 8, 7168, 4096, blocks=132))
     # residency: one block always fits on an SM (launch bounds; the plan's 33 KiB at most)
     assert "__launch_bounds__(1024, 1) moe_dispatch_kernel(" in body
     assert "int capacity" in body and "int num_tokens" in body  # run-time dimensions
     assert "__match_any_sync(" in body and "__ballot_sync(" in body
-    plan = body.index("if (((int)blockIdx.x) == 0) {")
-    # counts: a weak store to every rank, then the block barrier and the release signal (a
-    # system-scope release after bar.sync covers the block's stores: no separate fence)
     assert "fence_sys" not in body
+    # step 1 in the ranking blocks: a chunk of 4 batches: every index and weight load of the
+    # chunk comes before the first vote, so they are in flight together
+    ranking = body.index("if (((int)blockIdx.x) < pb) {")
+    chunk = body[body.index("for (int c = 0; c < ((nb + 3) >> 2); ++c) {"):]
+    chunk = chunk[:chunk.index("__syncthreads();")]
+    votes = chunk.index("__match_any_sync(")
+    assert "Idx[" in chunk[:votes] and "Wt[" in chunk[:votes] and "Idx[" not in chunk[votes:]
+    assert chunk.count("__syncwarp();") == 2 and "Packed[" in chunk[votes:] and "Weights[" in chunk[votes:]
+    # step 2: the block's totals into its row of Base, then ranks within the block
+    total = body.index("Base[((((int)blockIdx.x) * 67) + ((int)threadIdx.x))] = run;", ranking)
+    rerank = body.index("Packed[i_1] = (pk + ((int*)wcnt)[", total)
+    # every block but 0 arrives (GPU-scope release after a block barrier); block 0 waits for
+    # them unless it ranked every entry itself
+    arrive = body.index("tilescale::atom_add<tilescale::Scope::GPU, tilescale::Sem::RELEASE>((&(Ctr[3])), (uint)1);", rerank)
+    assert body.rindex("__syncthreads();", 0, arrive) > rerank
+    assert "if ((0 < ((int)blockIdx.x)) && (((int)threadIdx.x) == 0)) {" in body[rerank:arrive]
+    plan = body.index("if (((int)blockIdx.x) == 0) {", arrive)
+    gate = body.index("if ((((int)threadIdx.x) == 0) && (1 < pb)) {", plan)
+    assert body.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::GPU, tilescale::Sem::ACQUIRE>((&(Ctr[3])), ((uint)(epoch * (int64_t)131)));", gate) > gate
+    # counts: the sum over the ranking blocks, a weak store to every rank, then the block
+    # barrier and the release signal (after bar.sync a system-scope release covers the block)
     st = body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(Counts[", plan)
     sync = body.index("__syncthreads();", st)
     notify = body.index("tilescale::notify<false>((&(Sig[", sync)
@@ -120,7 +138,7 @@ def test_dispatch_kernel_plans_in_block_0_then_puts_rows_to_the_expert_owner():
     # the plan is released to the other blocks (GPU scope) after a block barrier, and every
     # block acquires it before it reads Packed / Base
     release = body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::RELEASE, false>((&(Ctr[2]))")
-    base = body.rindex("Base[", 0, release)  # the plan's store of the offsets
+    base = body.rindex("Base[", 0, release)  # the plan's store of the per-block offsets
     assert base > wait  # offsets only after every rank's counts are in
     assert body.rindex("__syncthreads();", 0, release) > base
     acquire = body.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::GPU, tilescale::Sem::ACQUIRE>((&(Ctr[2]))", release)
@@ -129,15 +147,14 @@ def test_dispatch_kernel_plans_in_block_0_then_puts_rows_to_the_expert_owner():
     assert "(&(RecvX[" in body[put:body.index(";", put)]
     assert body.index("Packed[", data) < put and body.index("Base[", data) < put
     assert body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(RecvSrc[", put) > put
-    # only the hand-written block barriers (the plan's six, its release, the acquire, the tail)
-    assert body.count("__syncthreads();") == 9
-    # step 4: the count matrix is read once per (rank, expert) into shared totals, and the
-    # prefix sums over experts read those totals (a chain of E global loads took ~20 us)
+    # only the hand-written block barriers: the ranking blocks' three, the arrival, block 0's
+    # four, the acquire, the tail
+    assert body.count("__syncthreads();") == 10
+    # step 4: the count matrix is read once per (rank, expert), and the totals are scanned with
+    # warp shuffles (a chain of E global loads took ~20 us; serial loops over E, microseconds)
     offsets = body[wait:base]
     assert len(re.findall(r"(?<!Recv)Counts\[", offsets)) == 1, offsets
-    loop = body[body.index("for (int b = 0; b < nb; ++b)"):]
-    loop = loop[:loop.index("__syncthreads();")]
-    assert "__match_any_sync(" in loop and loop.count("__syncwarp();") == 2
+    assert offsets.count("__shfl_up_sync(") == 5
     # a small batch cuts rows into parts, so every warp has columns to move
     assert "parts = max(1, min(8, (4224 / max((num_tokens * 8), 1))));" in body
     tail = body[body.rindex("__syncthreads();"):]
@@ -149,8 +166,9 @@ def test_dispatch_kernel_plans_in_block_0_then_puts_rows_to_the_expert_owner():
 def test_dispatch_kernel_rejects_a_grid_the_plan_cannot_use():
     with pytest.raises(ValueError, match=r"threads must be a multiple of 32 in \(64, 1024\]"):
         build_dispatch_kernel(64, 8, 7168, 4096, threads=64)
-    with pytest.raises(ValueError, match=r"max_tokens \* topk must be in \[1, 1048576\]"):
-        build_dispatch_kernel(64, 8, 7168, 1 << 18, threads=512)
+    with pytest.raises(ValueError, match=r"max_tokens \* topk must be in \[1, 65024\] \(an entry's rank"):
+        build_dispatch_kernel(64, 8, 7168, 8192, threads=512)
+    build_dispatch_kernel(64, 8, 7168, 8128, threads=512)  # 65024 entries: the largest
 
 
 def test_combine_kernel_handshakes_pushes_then_sums_in_float32():
@@ -501,19 +519,22 @@ def test_moe_on_gpu(world, tmp_path_factory):
 
 
 def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
-    """Per rank: 4096 tokens, hidden 7168, top-8 of 64 experts, bf16, uniform and skewed."""
+    """Per rank: 4096 tokens, hidden 7168, top-8 of 64 experts, bf16, uniform and skewed; on
+    the default grid (32 ranking blocks, one batch of 32 entries per warp) and on a 3-block
+    grid (each warp ranks 11 batches: whole and partial chunks, offsets across blocks)."""
     experts, topk, hidden, max_tokens = FULL
-    alloc = open_rank_heap(rank, world, cache_dir, MoEDispatcher.heap_bytes(*FULL, world) + (64 << 20))
+    alloc = open_rank_heap(rank, world, cache_dir, 2 * MoEDispatcher.heap_bytes(*FULL, world) + (64 << 20))
     dev = torch.device(alloc.device)
     gen = torch.Generator().manual_seed(99 + rank)
-    moe = MoEDispatcher(alloc, experts, hidden, topk, max_tokens)
     checks = 0
-    for kind in ("uniform", "skewed"):
-        x = torch.randn(max_tokens, hidden, generator=gen).to(torch.bfloat16).to(dev)
-        idx = _routing(kind, max_tokens, experts, topk, gen).to(dev)
-        w = torch.softmax(torch.randn(max_tokens, topk, generator=gen), 1).to(dev)
-        checks += _check_call(moe, rank, world, x, idx, w, f"full size {kind}")
-    moe.close()
+    for max_blocks in (None, 3):
+        moe = MoEDispatcher(alloc, experts, hidden, topk, max_tokens, max_blocks=max_blocks)
+        for kind in ("uniform", "skewed"):
+            x = torch.randn(max_tokens, hidden, generator=gen).to(torch.bfloat16).to(dev)
+            idx = _routing(kind, max_tokens, experts, topk, gen).to(dev)
+            w = torch.softmax(torch.randn(max_tokens, topk, generator=gen), 1).to(dev)
+            checks += _check_call(moe, rank, world, x, idx, w, f"full size {kind}, max_blocks={max_blocks}")
+        moe.close()
     return close_rank_heap(alloc, rank, checks)
 
 
@@ -522,7 +543,7 @@ def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
 @pytest.mark.parametrize("world", [1, 2])
 def test_moe_full_size_on_gpu(world, tmp_path_factory):
     reports = run_gpu_ranks(full_size_rank_body, world, tmp_path_factory, "moe-full")
-    assert [r["checks"] for r in reports] == [2] * world
+    assert [r["checks"] for r in reports] == [4] * world
 
 
 # ------------------------------------------------------------------------------ benchmark (CPU)

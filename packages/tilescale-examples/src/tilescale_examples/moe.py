@@ -39,9 +39,11 @@ How it runs (one kernel per call on the current stream, no host synchronisation)
 
 1. **dispatch** (one block per SM, 1024 threads each), one launch in two phases:
 
-   * *plan* (block 0; the other blocks wait for it on a local flag): ranks every entry
-     within its expert with ``T.match_any_sync`` (deterministic: entry order), writes this
-     rank's per-expert counts into row ``me`` of every rank's symmetric count matrix
+   * *plan*: the blocks rank every entry within its expert with ``T.match_any_sync``
+     (deterministic: entry order; one batch of 32 entries per warp), count per block and
+     arrive on a local counter; block 0 (the other blocks wait for it on a local flag) sums
+     the blocks' counts, writes this rank's per-expert counts into row ``me`` of every rank's
+     symmetric count matrix
      (``T.st`` to each peer, a block barrier, a release ``T.notify``), waits for every
      rank's counts (``T.wait_ge``) and computes each entry's destination row and the local
      receive counts and offsets. The count exchange is on the device, so the call can be
@@ -65,7 +67,8 @@ that rank starts the next call.
 Deadlock freedom and back-to-back calls
 ----------------------------------------
 
-* Every wait (cross-rank, or a dispatch block waiting for its block 0's plan) is done by a
+* Every wait (cross-rank, block 0 waiting for every block's counts, or a dispatch block
+  waiting for its block 0's plan) is done by a
   grid whose blocks are all resident at once: the dispatch and combine grids have at most
   one block per SM (``max_blocks`` defaults to the SM count; ``__launch_bounds__(threads,
   1)`` makes one block fit on an SM: the dispatch kernel's 33 KiB of shared memory at most,
@@ -111,7 +114,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from tilescale_examples.collective import TARGET, SymmetricCollective, check_tensor
-from tilescale_examples.moe_kernels import (MAX_EXPERTS, PLAN_THREADS, PLAN_WARPS, build_combine_kernel,
+from tilescale_examples.moe_kernels import (MAX_EXPERTS, PLAN_THREADS, build_combine_kernel,
                                             build_dispatch_kernel)
 
 __all__ = ["MoEDispatcher", "DispatchHandle", "expected_routes", "torch_dispatch_reference",
@@ -271,7 +274,7 @@ class MoEDispatcher(SymmetricCollective):
             ``torch.distributed``'s world group when initialised.
         threads: threads per block of the combine kernel (multiple of 32, at most 1024); the
             dispatch kernel runs :data:`~tilescale_examples.moe_kernels.PLAN_THREADS` (1024),
-            since its block 0 plans with one warp per range of entries.
+            since each of its warps ranks a batch of 32 entries (and block 0 plans).
         max_blocks: blocks of the dispatch and combine grids (all must be co-resident);
             default the device's SM count.
         validate: default of ``dispatch(..., validate=)`` (see the module docstring).
@@ -333,7 +336,7 @@ class MoEDispatcher(SymmetricCollective):
         dev = self.device
         self.state = torch.zeros((2,), dtype=torch.int64, device=dev)  # dispatch, combine calls
         self.packed = torch.zeros((TK,), dtype=torch.int32, device=dev)
-        self.base = torch.zeros((PLAN_WARPS, E), dtype=torch.int32, device=dev)
+        self.base = torch.zeros((self.blocks, E + 3), dtype=torch.int32, device=dev)  # the plan's per-block table
         self.weights = torch.zeros((TK,), dtype=torch.float32, device=dev)
         self.dest_rank = torch.full((TK,), -1, dtype=torch.int32, device=dev)
         self.dest_row = torch.full((TK,), -1, dtype=torch.int32, device=dev)

@@ -20,9 +20,10 @@ where ``count[s, g]`` is how many entries of rank ``s`` chose ``g``, ``total[g]`
 over ranks, and ``rank_s(i)`` how many entries of rank ``s`` before ``i`` chose ``g``.
 
 * :func:`build_dispatch_kernel` (``blocks`` blocks of 1024 threads, at most one per SM, one
-  launch): block 0 plans (ranks every entry within its expert, exchanges the per-expert
-  counts with every rank through the symmetric heap, computes the offsets above; no host
-  involvement) and releases the plan to the other blocks; then one warp per entry (or per
+  launch): the blocks rank every entry within its expert (one batch of 32 entries per warp)
+  and count per block; block 0 then plans (exchanges the per-expert counts with every rank
+  through the symmetric heap, computes the offsets above; no host involvement) and releases
+  the plan to the other blocks; then one warp per entry (or per
   part of an entry's row, for small batches) puts the token row into its row on the owner
   rank (``T.put_warp``) with the entry's origin, and every block signals every rank and
   waits until all blocks of all ranks have signalled it.
@@ -47,12 +48,13 @@ PLAN_WARPS = PLAN_THREADS // 32
 #: Most column ranges one entry's row is cut into when a batch has fewer entries than the
 #: dispatch grid has warps (a 7168-element row in 8 parts: 112 16-byte vectors each).
 MAX_PARTS = 8
-#: Loads in flight per thread in the plan's first (coalesced) pass.
-UNROLL = 4
+#: 32-entry batches whose indices and weights a ranking warp loads at once before ranking them
+#: (a warp has one batch unless the grid has fewer than ``NT * K / threads`` blocks).
+CHUNK = 4
 #: 16-byte vectors each lane loads before storing in the row copies (``T.put_warp``): a
 #: 7168-element bfloat16 row is 28 vectors per lane, so four rounds.
 PUT_UNROLL = 8
-#: Largest supported expert count: the plan keeps a ``(PLAN_WARPS, E + 2)`` int32 count
+#: Largest supported expert count: each ranking block keeps a ``(PLAN_WARPS, E + 2)`` int32 count
 #: table in shared memory (33 KiB at 256).
 MAX_EXPERTS = 256
 #: Every ``__syncthreads`` in these kernels is written out by hand (TileLang would otherwise
@@ -60,8 +62,8 @@ MAX_EXPERTS = 256
 #: and every shared buffer keeps its own bytes (no reuse across phases that only the hand-
 #: written barriers separate).
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True, "tl.disable_shared_memory_reuse": True}
-#: Bits of a packed plan entry below the expert key: the entry's rank within its warp's
-#: range (below ``32 * ceil(TMAX * K / threads) <= 2**16``).
+#: Bits of a packed plan entry below the expert key: the entry's rank within its ranking
+#: block's range of entries (fewer than ``TMAX * K + threads <= 2**16``).
 RANK_BITS = 16
 
 
@@ -73,8 +75,9 @@ def _check(num_experts: int, topk: int, hidden: int, max_tokens: int, threads: i
     if threads % 32 or not num_experts < threads <= 1024:
         raise ValueError(f"threads must be a multiple of 32 in ({num_experts}, 1024] (the plan gives each of "
                          f"the {num_experts} experts a thread, plus one), got {threads}")
-    if not 1 <= max_tokens * topk <= (threads // 32) << RANK_BITS:
-        raise ValueError(f"max_tokens * topk must be in [1, {(threads // 32) << RANK_BITS}], got {max_tokens * topk}")
+    if not 1 <= max_tokens * topk <= (1 << RANK_BITS) - threads:
+        raise ValueError(f"max_tokens * topk must be in [1, {(1 << RANK_BITS) - threads}] (an entry's rank within "
+                         f"its ranking block is a {RANK_BITS}-bit field), got {max_tokens * topk}")
 
 
 def _grid_ids(T, bx, threads: int, num_experts: int):
@@ -93,7 +96,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     blocks of ``threads`` threads; block 0 also plans).
 
     Signature: ``(Idx: (NT, K) index_dtype, Wt: (NT, K) float32, X: (NT, H) dtype, Packed:
-    (TMAX*K,) int32, Base: (threads/32, E) int32, Weights: (TMAX*K,) float32, Counts: (2, W,
+    (TMAX*K,) int32, Base: (blocks, E + 3) int32, Weights: (TMAX*K,) float32, Counts: (2, W,
     E) int32 [symmetric], Sig: (2, W) uint64 [symmetric], RecvX: (CAP, H) dtype [symmetric],
     RecvSrc: (CAP,) int32 [symmetric], RouteRank: (TMAX*K,) int32, RouteRow: (TMAX*K,)
     int32, RecvCounts: (E,) int32, RecvOffsets: (E + 1,) int32, Status: (3,) int64, Ctr: (4,)
@@ -101,29 +104,42 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     ``RecvCounts`` (``RecvOffsets``) are written.
 
     Call number ``e = State[0] + 1`` (read by every block at its start), count buffer
-    ``e % 2``. **Plan** (block 0 alone; ``NW = threads / 32`` warps):
+    ``e % 2``. **Plan** (``NW = threads / 32`` warps per block; ``PB = clamp(ceil(NT*K / (NW *
+    32)), 1, blocks)`` *ranking blocks*, so that every warp ranks one batch of 32 entries when
+    the grid is large enough; ``R = 32 * ceil(NT*K / (PB * NW * 32))`` entries per warp):
 
-    1. A coalesced pass turns every index into a key (the expert; ``E`` for ``-1``, ``E + 1``
-       for an index out of range: both are skipped) in ``Packed`` and copies ``Wt`` into
-       ``Weights``. Then warp ``w`` ranks the entries ``[w*R, (w+1)*R)`` (``R = 32 *
-       ceil(NT*K / threads)``), 32 at a time, loading the next 32 keys first:
-       ``T.match_any_sync`` on the key gives the lanes with the same expert, the popcount of
-       the lower ones is the rank within the batch, and a per-warp count table in shared
-       memory carries the running count. ``Packed[i] = key << 16 | rank``. Out-of-range
-       indices are counted per warp (``T.ballot_sync``; first index kept).
-    2. An exclusive scan of the count table over warps; threads ``g < E`` write the
-       rank's count of expert ``g`` into row ``me`` of ``Counts[e % 2]`` on every rank
-       (``T.st``); after the block barrier thread 0 signals every rank ``p`` with the
-       system-scope release store ``T.notify(Sig[0, me], p, e)`` (after a ``bar.sync`` a
+    1. In each ranking block ``b``, warp ``w`` ranks the entries ``[(b*NW + w)*R, (b*NW + w +
+       1)*R)`` in chunks of :data:`CHUNK` batches of 32: it loads the chunk's indices and
+       weights first (all in flight together), turning each index into a key (the expert;
+       ``E`` for ``-1``, ``E + 1`` for an index out of range: both are skipped), then ranks
+       each batch: ``T.match_any_sync`` on the key gives the lanes with the same expert, the
+       popcount of the lower ones is the rank within the batch, and the warp's row of a count
+       table in shared memory carries the running count. ``Packed[i] = key << 16 | rank`` and
+       ``Weights[i]`` (a copy of ``Wt``). Out-of-range indices are counted per warp
+       (``T.ballot_sync``; first index kept).
+    2. Still in block ``b``: thread ``g < E`` scans column ``g`` of the count table over the
+       warps (exclusive, in shared memory) and writes the block's total into ``Base[b, g]``;
+       the last thread writes the block's bad-entry count and first bad index into ``Base[b,
+       E + 1]`` and ``Base[b, E + 2]``; after a block barrier each warp adds its prefix to its
+       entries' ranks in ``Packed`` (ranks within the block). Then every block but block 0
+       arrives: a ``__syncthreads`` and a GPU-scope release add of 1 to ``Ctr[3]`` (local).
+    3. Block 0 waits until ``Ctr[3] == e * (blocks - 1)`` (mod 2**32; acquire) unless it is
+       the only ranking block: every ranking block's row is in ``Base``. Thread ``g < E``
+       sums column ``g`` over the ranking blocks (this
+       rank's count of expert ``g``) and writes it into row ``me`` of ``Counts[e % 2]`` on
+       every rank (``T.st``); after the block barrier thread 0 signals every rank ``p`` with
+       the system-scope release store ``T.notify(Sig[0, me], p, e)`` (after a ``bar.sync`` a
        release covers the whole block's earlier stores, so no separate fence), while the
-       block's last thread writes ``Status`` (``[bad entries, first bad flat index or -1,
-       its value]``).
-    3. Threads ``p < W`` wait ``T.wait_ge(Sig[0, p], e)``: every rank's counts are here.
-    4. Offsets from the count matrix (each thread ``g < E`` sums column ``g`` over the ranks
-       into shared memory; the prefix sums then read shared memory only, so no thread runs
-       a chain of ``E`` global loads): ``Base[w, g]`` = start of this rank's entries of
-       expert ``g`` on its owner plus warp ``w``'s exclusive prefix; ``RecvCounts`` and
-       ``RecvOffsets`` of the local experts.
+       block's last thread writes ``Status`` (``[bad entries, first bad flat index or -1, its
+       value]``). Threads ``p < W`` wait ``T.wait_ge(Sig[0, p], e)``: every rank's counts are
+       here.
+    4. Offsets from the count matrix: thread ``g < E`` sums column ``g`` over the ranks (the
+       expert's total, and the rows of ranks before this one); the warps holding the experts
+       scan the totals with shuffles, so the rows of experts ``< x`` are a scanned value plus
+       at most ``E / 32`` warp sums (no thread runs a chain of ``E`` loads). From them
+       ``Base[b, g]`` becomes where ranking block ``b``'s entries of expert ``g`` start on its
+       owner (a running sum over the blocks); ``RecvCounts`` and ``RecvOffsets`` of the local
+       experts.
     5. ``__syncthreads``, then thread 0 publishes the plan to the other blocks of this rank:
        a GPU-scope release store of ``e`` to ``Ctr[2]`` (local).
 
@@ -132,7 +148,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     8)`` column ranges each (``G = blocks * threads / 32`` warps; ``P > 1`` only for small
     batches, so every warp has a part of a row to move), and global warp ``g`` takes work
     items ``g, g + G, ...``. For item ``(i, part)`` of entry ``i`` with expert key ``k <
-    E``: owner ``d = k // EL``, row ``Base[i // R, k] + rank``; the warp puts its columns of
+    E``: owner ``d = k // EL``, row ``Base[i // (NW * R), k] + rank``; the warp puts its columns of
     ``X[i // K]`` into ``RecvX[row]`` on ``d`` (``T.put_warp``) and, for part 0, lane 0
     stores the origin ``me * TMAX * K + i`` into ``RecvSrc[row]`` on ``d`` and the route
     into ``RouteRank[i]`` / ``RouteRow[i]`` (``-1`` for a skipped entry). Then each block:
@@ -150,6 +166,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     E, K, H, TMAX = num_experts, topk, hidden, max_tokens
     _check(E, K, H, TMAX, threads)
     NW = threads // 32
+    NWE = (E + 31) // 32  # warps of block 0 that hold one expert per lane in step 4
     TK = TMAX * K
     G = blocks * NW
     VECS = H // 8  # 16-byte vectors per row
@@ -157,10 +174,27 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     NR = T.dynamic("num_ranks")
     CAP = T.dynamic("capacity")
 
+    @T.macro
+    def inclusive_warp_scan(acc, lane):
+        """``acc[0]`` becomes the sum of ``acc[0]`` over lanes ``0 .. lane`` of the warp (five
+        shuffle steps; every lane of the warp must call it)."""
+        for d in [1, 2, 4, 8, 16]:
+            up = T.shfl_up(acc[0], d)
+            if lane >= d:
+                acc[0] = acc[0] + up
+
+    def prefix_rows(escan, wsum, x):
+        """Rows of experts ``< x`` over all ranks (``0 <= x <= E``): the warp-exclusive scan at
+        ``x`` plus the sums of the warps before ``x``'s (static unroll over ``NWE``)."""
+        total = T.if_then_else(x < NWE * 32, escan[T.min(x, NWE * 32 - 1)], 0)
+        for w in range(NWE):
+            total = total + T.if_then_else(w < x // 32, wsum[w], 0)
+        return total
+
     @T.prim_func
     def moe_dispatch(Idx: T.Tensor((NT, K), index_dtype), Wt: T.Tensor((NT, K), "float32"),
                      X: T.Tensor((NT, H), dtype), Packed: T.Tensor((TK,), "int32"),
-                     Base: T.Tensor((NW, E), "int32"), Weights: T.Tensor((TK,), "float32"),
+                     Base: T.Tensor((blocks, E + 3), "int32"), Weights: T.Tensor((TK,), "float32"),
                      Counts: T.Tensor((2, NR, E), "int32"), Sig: T.Tensor((2, NR), "uint64"),
                      RecvX: T.Tensor((CAP, H), dtype), RecvSrc: T.Tensor((CAP,), "int32"),
                      RouteRank: T.Tensor((TK,), "int32"), RouteRow: T.Tensor((TK,), "int32"),
@@ -170,75 +204,114 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
         T.annotate_pass_configs(PASS_CONFIGS)
         with T.Kernel(blocks, threads=threads) as bx:
             tx, lane, g, me, W, EL = _grid_ids(T, bx, threads, E)
-            warp = tx // 32  # the plan's warp within block 0
+            warp = tx // 32
             wcnt = T.alloc_shared((NW, E + 2), "int32")  # columns E: skipped, E + 1: bad
-            eoff = T.alloc_shared((E,), "int32")
-            tot = T.alloc_shared((E,), "int32")  # step 4: rows of each expert over all ranks
+            escan = T.alloc_shared((NWE * 32,), "int32")  # step 4: exclusive scan of the totals per warp
+            wsum = T.alloc_shared((NWE,), "int32")  # step 4: those warps' sums
             wbad = T.alloc_shared((NW,), "int32")
             wfirst = T.alloc_shared((NW,), "int32")
+            keys = T.alloc_local((CHUNK,), "int32")  # step 1: one chunk's expert keys and weights
+            wts = T.alloc_local((CHUNK,), "float32")
+            sc = T.alloc_local((1,), "int32")  # the running value of inclusive_warp_scan
+            run = T.alloc_var("int32")
+            first = T.alloc_var("int32")
+            nbad = T.alloc_var("int64")
+            every = T.alloc_var("int32")  # step 4: thread g's expert total over ranks and the
+            before = T.alloc_var("int32", init=0)  # rows of ranks before this one
             epoch = T.alloc_var("int64")
             epoch = State[0] + 1
             par = T.alloc_var("int32")
             par = T.Cast("int32", epoch % 2)
             n = NT * K
+            pb = T.alloc_var("int32")  # ranking blocks: one 32-entry batch per warp when the grid allows
+            pb = T.max(1, T.min(blocks, (n + NW * 32 - 1) // (NW * 32)))
             nb = T.alloc_var("int32")
-            nb = (n + NW * 32 - 1) // (NW * 32)  # 32-entry batches per warp
-            if bx == 0:
-                # ---- 1a. expert keys (E: slot unused, E + 1: index out of range) and the weights,
-                # coalesced, UNROLL loads in flight per thread
-                for j in T.serial((n + threads * UNROLL - 1) // (threads * UNROLL)):
-                    for u in T.unroll(UNROLL):
-                        i = (j * UNROLL + u) * threads + tx
-                        if i < n:
-                            v = Idx[i // K, i % K]
-                            Weights[i] = Wt[i // K, i % K]
-                            Packed[i] = T.if_then_else(v >= 0 and v < E, T.Cast("int32", v),
-                                                       T.if_then_else(v == -1, E, E + 1))
+            nb = (n + pb * NW * 32 - 1) // (pb * NW * 32)  # 32-entry batches per warp
+            if bx < pb:  # block-uniform
+                # ---- 1. warp w of block b ranks the entries [(b*NW + w)*R, (b*NW + w + 1)*R) within
+                # their experts (R = 32 * nb), CHUNK batches of 32 at a time: the chunk's indices
+                # and weights are loaded first (in flight together), then each batch is ranked.
+                # Only the warp's own row of the count table is touched, so a warp barrier orders
+                # its zeroing.
                 for j in T.serial((E + 33) // 32):
                     if j * 32 + lane <= E + 1:
                         wcnt[warp, j * 32 + lane] = 0
                 if lane == 0:
                     wbad[warp] = 0
                     wfirst[warp] = -1
+                T.sync_warp()
+                for c in T.serial((nb + CHUNK - 1) // CHUNK):
+                    for u in T.unroll(CHUNK):
+                        i = ((bx * NW + warp) * nb + c * CHUNK + u) * 32 + lane
+                        keys[u] = E  # lanes past the last entry: skipped
+                        if c * CHUNK + u < nb and i < n:
+                            v = Idx[i // K, i % K]
+                            wts[u] = Wt[i // K, i % K]
+                            keys[u] = T.if_then_else(v >= 0 and v < E, T.Cast("int32", v),
+                                                     T.if_then_else(v == -1, E, E + 1))
+                    for u in T.unroll(CHUNK):
+                        if c * CHUNK + u < nb:  # warp-uniform: every lane takes part in the votes
+                            i = ((bx * NW + warp) * nb + c * CHUNK + u) * 32 + lane
+                            key = keys[u]
+                            same = T.match_any_sync(key)
+                            below = T.Cast("int32", T.popcount(same & ((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))))
+                            prev = wcnt[warp, key]
+                            bad = T.ballot_sync(T.Cast("int32", i < n and key == E + 1))
+                            T.sync_warp()
+                            if below == 0:
+                                wcnt[warp, key] = prev + T.Cast("int32", T.popcount(same))
+                            if lane == 0 and bad != T.uint64(0):
+                                wbad[warp] = wbad[warp] + T.Cast("int32", T.popcount(bad))
+                                if wfirst[warp] < 0:  # lowest set bit: popcount of the ones below it
+                                    wfirst[warp] = ((bx * NW + warp) * nb + c * CHUNK + u) * 32 + T.Cast(
+                                        "int32", T.popcount((bad & (~bad + T.uint64(1))) - T.uint64(1)))
+                            T.sync_warp()
+                            if i < n:
+                                Weights[i] = wts[u]
+                                Packed[i] = (key << RANK_BITS) | (prev + below)
                 T.sync_threads()
-                # ---- 1b. rank every entry within its expert (warp w: entries [w*R, (w+1)*R)); the
-                # next batch's keys are loaded before this batch is ranked
-                key = T.alloc_var("int32")
-                nxt = T.alloc_var("int32")
-                nxt = E
-                if nb > 0 and warp * nb * 32 + lane < n:
-                    nxt = Packed[warp * nb * 32 + lane]
-                for b in T.serial(nb):
-                    i = (warp * nb + b) * 32 + lane
-                    key = nxt  # E (skipped) for lanes past the last entry
-                    nxt = E
-                    if b + 1 < nb and i + 32 < n:
-                        nxt = Packed[i + 32]
-                    same = T.match_any_sync(key)
-                    below = T.Cast("int32", T.popcount(same & ((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))))
-                    prev = T.alloc_var("int32")
-                    prev = wcnt[warp, key]
-                    bad = T.ballot_sync(T.Cast("int32", i < n and key == E + 1))
-                    T.sync_warp()
-                    if below == 0:
-                        wcnt[warp, key] = prev + T.Cast("int32", T.popcount(same))
-                    if lane == 0 and bad != T.uint64(0):
-                        wbad[warp] = wbad[warp] + T.Cast("int32", T.popcount(bad))
-                        if wfirst[warp] < 0:  # lowest set bit: popcount of the ones below it
-                            wfirst[warp] = (warp * nb + b) * 32 + T.Cast(
-                                "int32", T.popcount((bad & (~bad + T.uint64(1))) - T.uint64(1)))
-                    T.sync_warp()
-                    if i < n:
-                        Packed[i] = (key << RANK_BITS) | (prev + below)
-                T.sync_threads()
-                # ---- 2. exclusive scan over warps; publish this rank's counts to every rank
+                # ---- 2. the block's counts: an exclusive scan over its warps (thread g < E, in
+                # shared memory), the block's totals into row b of Base (columns E + 1, E + 2:
+                # bad entries, first bad flat index or -1); then each warp turns its ranks into
+                # ranks within the block
                 if tx < E:
-                    run = T.alloc_var("int32")
                     run = 0
                     for w in T.serial(NW):
-                        c = wcnt[w, tx]
+                        cw = wcnt[w, tx]
                         wcnt[w, tx] = run
-                        run = run + c
+                        run = run + cw
+                    Base[bx, tx] = run
+                if tx == threads - 1:
+                    run = 0
+                    first = -1
+                    for w in T.serial(NW):
+                        run = run + wbad[w]
+                        if first < 0:
+                            first = wfirst[w]
+                    Base[bx, E + 1] = run
+                    Base[bx, E + 2] = first
+                T.sync_threads()
+                for b in T.serial(nb):
+                    i = ((bx * NW + warp) * nb + b) * 32 + lane
+                    if i < n:
+                        pk = Packed[i]
+                        if pk >> RANK_BITS < E:
+                            Packed[i] = pk + wcnt[warp, pk >> RANK_BITS]
+            # every block but 0 arrives (release, GPU scope: covers the block's Base row and Packed)
+            T.sync_threads()
+            if bx > 0 and tx == 0:
+                T.atom_add(Ctr[3], 1, scope="gpu", sem="release")
+            if bx == 0:
+                if tx == 0 and pb > 1:  # every ranking block's counts are in Base
+                    T.wait_eq(Ctr[3], T.Cast("uint32", epoch * (blocks - 1)), scope="gpu")
+                T.sync_threads()
+                # ---- 3. this rank's count of expert g (thread g): the sum over the ranking blocks,
+                # written into row `me` of Counts on every rank; after the block barrier thread 0
+                # signals every rank (release: the barrier puts the block's stores before it)
+                if tx < E:
+                    run = 0
+                    for b in T.serial(pb):
+                        run = run + Base[b, tx]
                     for p in T.serial(W):
                         T.st(Counts[par, me, tx], run, dst_pe=p)
                 T.sync_threads()
@@ -246,59 +319,49 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                     for p in T.serial(W):
                         T.notify(Sig[0, me], p, epoch)  # release: my counts of call `epoch` are on p
                 if tx == threads - 1:  # not a waiter below (W <= E < threads), so off the critical path
-                    nbad = T.alloc_var("int64")
-                    first = T.alloc_var("int32")
                     nbad = 0
                     first = -1
-                    for w in T.serial(NW):
-                        nbad = nbad + T.Cast("int64", wbad[w])
+                    for b in T.serial(pb):
+                        nbad = nbad + T.Cast("int64", Base[b, E + 1])
                         if first < 0:
-                            first = wfirst[w]
+                            first = Base[b, E + 2]
                     Status[0] = nbad
                     Status[1] = T.Cast("int64", first)
                     Status[2] = 0
                     if first >= 0:
                         Status[2] = T.Cast("int64", Idx[first // K, first % K])
-                # ---- 3. every rank's counts of this call are here
-                if tx < W:
+                if tx < W:  # every rank's counts of this call are here
                     T.wait_ge(Sig[0, tx], epoch)
                 T.sync_threads()
-                # ---- 4. offsets: every expert's total over the ranks into shared memory (W loads
-                # per thread), then the prefix sums over those totals read shared memory only
-                if tx < E:
-                    cnt = T.alloc_var("int32")
-                    every = T.alloc_var("int32")
-                    before = T.alloc_var("int32")
+                # ---- 4. offsets. Thread g < E sums column g of the count matrix (W loads) into
+                # its expert's total and the rows of ranks before this one; the warps holding
+                # experts scan the totals (shuffles) into escan and their warp sums into wsum, so
+                # that the rows of experts < x over all ranks are escan[x] plus at most E / 32
+                # warp sums (prefix_rows)
+                if warp < NWE:  # warp-uniform
                     every = 0
-                    before = 0
-                    for s in T.serial(W):
-                        cnt = Counts[par, s, tx]
-                        every = every + cnt
-                        if s < me:
-                            before = before + cnt
-                    tot[tx] = every
-                    eoff[tx] = before
+                    if tx < E:
+                        for s in T.serial(W):
+                            cnt = Counts[par, s, tx]
+                            every = every + cnt
+                            if s < me:
+                                before = before + cnt
+                    sc[0] = every
+                    inclusive_warp_scan(sc, lane)
+                    escan[tx] = sc[0] - every
+                    if lane == 31:
+                        wsum[warp] = sc[0]
                 T.sync_threads()
-                if tx < E:
-                    owner = tx // EL
-                    off = T.alloc_var("int32")
-                    off = eoff[tx]
-                    for j in T.serial(tx % EL):
-                        off = off + tot[owner * EL + j]
-                    eoff[tx] = off
-                if tx <= EL:
-                    acc = T.alloc_var("int32")
-                    acc = 0
-                    for j in T.serial(tx):
-                        acc = acc + tot[me * EL + j]
-                    RecvOffsets[tx] = acc
+                if tx < E:  # Base[b, g]: where block b's entries of expert g start on the owner
+                    run = before + prefix_rows(escan, wsum, tx) - prefix_rows(escan, wsum, tx // EL * EL)
+                    for b in T.serial(pb):
+                        cb = Base[b, tx]
+                        Base[b, tx] = run
+                        run = run + cb
+                if tx <= EL:  # this rank's local experts
+                    RecvOffsets[tx] = prefix_rows(escan, wsum, me * EL + tx) - prefix_rows(escan, wsum, me * EL)
                     if tx < EL:
-                        RecvCounts[tx] = tot[me * EL + tx]
-                T.sync_threads()
-                for j in T.serial((NW * E + threads - 1) // threads):
-                    q = j * threads + tx
-                    if q < NW * E:
-                        Base[q // E, q % E] = eoff[q % E] + wcnt[q // E, q % E]
+                        RecvCounts[tx] = prefix_rows(escan, wsum, me * EL + tx + 1) - prefix_rows(escan, wsum, me * EL + tx)
                 T.sync_threads()
                 if tx == 0:  # 5. the plan is complete: release it to this rank's blocks
                     T.st(Ctr[2], T.Cast("uint32", epoch), scope="gpu", sem="release")
@@ -318,8 +381,8 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                     packed = Packed[i]
                     ekey = packed >> RANK_BITS
                     if ekey < E:
-                        # nb * 32 = R, the entries each plan warp ranked
-                        row = Base[i // (nb * 32), ekey] + (packed & ((1 << RANK_BITS) - 1))
+                        # NW * nb * 32: the entries each ranking block ranked
+                        row = Base[i // (NW * nb * 32), ekey] + (packed & ((1 << RANK_BITS) - 1))
                         if v0 < VECS:
                             T.put_warp(T.address_of(X[i // K, v0 * 8]),
                                        T.address_of(RecvX[T.Cast("int64", row), v0 * 8]),
