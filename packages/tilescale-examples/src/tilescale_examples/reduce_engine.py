@@ -197,27 +197,31 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
                             Stage[q * span + r, i] = X[q * span + r, i]
 
     @T.macro
-    def signal_and_wait(Flags, tx, me, bx, blocks, epoch, base):
-        """Steps 2/4: publish this block's writes to every rank, then wait for theirs."""
-        T.sync_threads()
-        if tx < W:  # notify is a release at system scope: after the barrier it covers the block's writes
-            T.notify(Flags[base + me * blocks + bx], tx, epoch)
+    def signal_and_wait(Flags, tx, me, bx, blocks, epoch, base, release=True):
+        """Steps 2/4: tell every rank this block is there, then wait for theirs. ``release``
+        (trace time): publish the block's writes of this kernel (a barrier, then a release
+        store at system scope, which after the barrier covers the block's writes); otherwise
+        a relaxed store with no barrier before it (nothing written in this kernel to publish)."""
+        if release:
+            T.sync_threads()
+        if tx < W:
+            if release:
+                T.notify(Flags[base + me * blocks + bx], tx, epoch)
+            else:
+                T.st(Flags[base + me * blocks + bx], epoch, scope="sys", sem="relaxed", dst_pe=tx)
             T.wait_ge(Flags[base + tx * blocks + bx], epoch)
         T.sync_threads()
 
     @T.macro
     def stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in):
         """Steps 1 and 2: staged here, the release round of :func:`signal_and_wait`; staged
-        before the kernel, a relaxed ready store (see the module docstring)."""
+        before the kernel, its relaxed round (see the module docstring)."""
         if stage_in != 0:
             for t in T.serial(iters):
                 stage(X, Stage, t, bx, tx, blocks, span, rows_in)
             signal_and_wait(Flags, tx, me, bx, blocks, epoch, 0)
         else:
-            if tx < W:
-                T.st(Flags[me * blocks + bx], epoch, scope="sys", sem="relaxed", dst_pe=tx)
-                T.wait_ge(Flags[tx * blocks + bx], epoch)
-            T.sync_threads()
+            signal_and_wait(Flags, tx, me, bx, blocks, epoch, 0, release=False)
 
     @T.macro
     def load_reduce(Stage, vals, res, t, bx, tx, blocks, span, lo):
