@@ -18,7 +18,7 @@ from tilelang import tvm
 from tilescale_examples.collective import TARGET
 from tilescale_examples.moe import (COMBINE_ATOL, COMBINE_RTOL, DispatchHandle, MoEDispatcher,
                                     expected_routes, torch_combine_reference, torch_dispatch_reference)
-from tilescale_examples.moe_kernels import PASS_CONFIGS, build_combine_kernel, build_dispatch_kernel
+from tilescale_examples.moe_kernels import PASS_CONFIGS, PUT_UNROLL, build_combine_kernel, build_dispatch_kernel
 from tilescale_lang.codegen import cuda_source
 
 # The configuration of the CPU object tests and the nvcc test (shared compile cache).
@@ -143,7 +143,7 @@ def test_dispatch_kernel_ranks_in_every_block_plans_in_block_0_then_puts_rows_to
     assert body.rindex("__syncthreads();", 0, release) > base
     acquire = body.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::GPU, tilescale::Sem::ACQUIRE>((&(Ctr[2]))", release)
     data = body.index("__syncthreads();", acquire)
-    put = body.index("tilescale::put_warp<8, false>(", data)
+    put = body.index(f"tilescale::put_warp<{PUT_UNROLL}, false>(", data)
     assert "(&(RecvX[" in body[put:body.index(";", put)]
     assert body.index("Packed[", data) < put and body.index("Base[", data) < put
     assert body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(RecvSrc[", put) > put
@@ -175,7 +175,7 @@ def test_combine_kernel_handshakes_pushes_then_sums_in_float32():
     body = source(build_combine_kernel(64, 8, 7168, 4096, blocks=132, threads=512))
     assert "__launch_bounds__(512, 1) moe_combine_kernel(" in body and "__shared__" not in body
     ready = body.index("tilescale::notify<false>((&(Sig[")
-    put = body.index("tilescale::put_warp<8, false>(", ready)
+    put = body.index(f"tilescale::put_warp<{PUT_UNROLL}, false>(", ready)
     assert "(&(CombBuf[" in body[put:body.index(";", put)]
     add = body.index("tilescale::notify<true>((&(Ctr[1]))", put)
     assert "fence_sys" not in body  # the release add after bar.sync covers the block's rows

@@ -51,9 +51,11 @@ MAX_PARTS = 8
 #: 32-entry batches whose indices and weights a ranking warp loads at once before ranking them
 #: (a warp has one batch unless the grid has fewer than ``NT * K / threads`` blocks).
 CHUNK = 4
-#: 16-byte vectors each lane loads before storing in the row copies (``T.put_warp``): a
-#: 7168-element bfloat16 row is 28 vectors per lane, so four rounds.
-PUT_UNROLL = 8
+#: 16-byte vectors each lane loads before storing in the row copies (``T.put_warp``; a last,
+#: shorter round takes the rest): a 7168-element bfloat16 row is 28 vectors per lane, seven
+#: rounds; a quarter row (small batches) is one round and a round of 3. Four, not eight: the
+#: dispatch kernel's 1024 threads allow 64 registers each, and eight spills (ptxas -v).
+PUT_UNROLL = 4
 #: Largest supported expert count: each ranking block keeps a ``(PLAN_WARPS, E + 2)`` int32 count
 #: table in shared memory (33 KiB at 256).
 MAX_EXPERTS = 256

@@ -10,9 +10,12 @@ namespace tilescale {
 typedef uint4 vec16;  // 16-byte vector (CUDA builtin vector type)
 
 // Copy n words of type W: thread `tid` of `nthreads` moves words tid, tid + nthreads, ...
-// UNROLL independent loads are issued before their stores.  Pointers advance by a stride
-// instead of being recomputed from a 64-bit index, which keeps the register count low
-// enough for two 512-thread blocks per SM (checked by the CPU suite with ptxas -v).
+// UNROLL independent loads are issued before their stores, in full rounds and then in one
+// predicated round for the fewer than UNROLL words a thread has left (so a copy shorter than
+// a full round, e.g. 7 vectors per lane with UNROLL = 8, still has all its loads in flight
+// at once instead of one load-store latency per word).  Pointers advance by a stride instead
+// of being recomputed from a 64-bit index, which keeps the register count low enough for two
+// 512-thread blocks per SM (checked by the CPU suite with ptxas -v).
 template <typename W, int UNROLL>
 TILESCALE_DEVICE void copy_words(void* dst, const void* src, unsigned long long n,
                                  unsigned int tid, unsigned int nthreads) {
@@ -28,8 +31,15 @@ TILESCALE_DEVICE void copy_words(void* dst, const void* src, unsigned long long 
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) d[u * nthreads] = r[u];
   }
-#pragma unroll 1
-  for (; s < end; s += nthreads, d += nthreads) *d = *s;
+  // Tail round: words s, s + nthreads, ... below end (at most UNROLL - 1 of them; none when
+  // UNROLL is 1, whose loop above moved every word).
+  W r[UNROLL > 1 ? UNROLL - 1 : 1];
+#pragma unroll
+  for (int u = 0; u < UNROLL - 1; ++u)
+    if (s + static_cast<unsigned long long>(u) * nthreads < end) r[u] = s[u * nthreads];
+#pragma unroll
+  for (int u = 0; u < UNROLL - 1; ++u)
+    if (s + static_cast<unsigned long long>(u) * nthreads < end) d[u * nthreads] = r[u];
 }
 
 // Cooperative copy of `bytes` bytes by `nthreads` threads; `tid` is this thread's index.
