@@ -174,13 +174,19 @@ def test_dispatch_kernel_rejects_a_grid_the_plan_cannot_use():
 def test_combine_kernel_handshakes_pushes_then_sums_in_float32():
     body = source(build_combine_kernel(64, 8, 7168, 4096, blocks=132, threads=512))
     assert "__launch_bounds__(512, 1) moe_combine_kernel(" in body and "__shared__" not in body
+    # the ready handshake runs only when no dispatch came since the previous combine
+    guard = body.index("again = ((int)(routing == State[2]));")
+    assert body.index("routing = State[0];") < guard
     ready = body.index("tilescale::notify<false>((&(Sig[")
+    assert body.rindex("if (again == 1) {", 0, ready) > guard
+    handshake_wait = body.index("tilescale::wait_until<tilescale::Cmp::GE", ready)
+    assert body.rindex("if (again == 1) {", 0, handshake_wait) > ready
     put = body.index(f"tilescale::put_warp<{PUT_UNROLL}, false>(", ready)
     assert "(&(CombBuf[" in body[put:body.index(";", put)]
     add = body.index("tilescale::notify<true>((&(Ctr[1]))", put)
     assert "fence_sys" not in body  # the release add after bar.sync covers the block's rows
     wait = body.index("tilescale::wait_until<tilescale::Cmp::EQ", add)
-    assert body.index("State[1] = epoch;", wait) > wait
+    assert body.index("State[1] = epoch;", wait) > wait and body.index("State[2] = routing;", wait) > wait
     sums = body[wait:]
     assert sums.count("*(uint4*)(Y + ") == 1 and sums.count("*(uint4*)(CombBuf + ") == 1  # 16-byte loads
     assert "float acc[8];" in body and "__float22bfloat162_rn(" in sums
@@ -376,9 +382,10 @@ def _check_call(moe, rank, world, x, idx, w, label, validate=True):
 
 
 def _back_to_back(moe, rank, world, calls, gen):
-    """``calls`` dispatch + combine pairs without host synchronisation, 4 rotating input sets
-    (checked once above), a straggling rank every 50 calls, poisoned buffers each call;
-    every result must equal the checked one bit for bit."""
+    """``calls`` dispatch + combine pairs without host synchronisation (every third call
+    combines twice: the second one repeats the routing, so it runs the ready handshake), 4
+    rotating input sets (checked once above), a straggling rank every 50 calls, poisoned
+    buffers each call; every result must equal the checked one bit for bit."""
     dev = moe.device
     sets, checks = [], 0
     for s in range(4):
@@ -401,8 +408,12 @@ def _back_to_back(moe, rank, world, calls, gen):
         recv, counts, handle = moe.dispatch(x, idx, w, validate=False)
         valid = rows < handle.recv_offsets[-1]
         mismatches += ((recv != want_recv) & valid).sum() + (counts != want_counts).sum()
-        out = moe.combine(_experts(recv, handle.recv_offsets), handle)
+        y = _experts(recv, handle.recv_offsets)
+        out = moe.combine(y, handle)  # after a dispatch: no ready handshake
         mismatches += (out != want_out).sum()
+        if call % 3 == 0:  # the same routing combined again: with the ready handshake
+            moe.output.fill_(-777)
+            mismatches += (moe.combine(y, handle) != want_out).sum()
     torch.cuda.synchronize()
     assert int(mismatches) == 0, f"rank {rank}/{world}: {int(mismatches)} wrong elements over {calls} calls"
     return checks + 1

@@ -54,7 +54,10 @@ How it runs (one kernel per call on the current stream, no host synchronisation)
      synchronises, adds 1 to a counter on every rank (a system-scope release, which after the
      block barrier covers every thread's rows) and waits until its own counter shows every
      block of every rank.
-2. **combine** (one block per SM): a ready handshake, then each received row goes back to its
+2. **combine** (one block per SM): a ready handshake when the same routing is combined again
+   (after a dispatch it is not needed: that dispatch's count exchange showed that every rank
+   had finished its previous combine; the kernel decides from the call numbers in ``state``,
+   so graph replays stay correct), then each received row goes back to its
    source rank's symmetric combine buffer (rows of this rank's own tokens stay where they
    are); block barrier, release counter add on every rank, wait; then each token's
    ``topk`` rows are summed with its weights in float32.
@@ -78,10 +81,13 @@ Deadlock freedom and back-to-back calls
   A wait is satisfied by the same kernel of the same call on the peers, and every rank
   issues the same sequence of calls, so by induction over that sequence every kernel
   finishes. Ranks that share one GPU progress by time-slicing (slowly).
-* A rank writes into a peer only after that peer has started the same call: dispatch rows
+* A rank writes into a peer's buffer only after that peer has finished every earlier reader
+  of it: dispatch rows
   go out after the peer's counts of this call arrived (sent when its dispatch kernel started,
   i.e. after everything it enqueued earlier, such as readers of the previous ``recv_x``),
-  and combine rows after the peer's ready flag. So calls need no host barrier.
+  and combine rows after the peer's ready flag, or, in the first combine after a dispatch,
+  after that dispatch received the peer's counts (sent once the peer had finished its
+  previous combine, the last reader of its combine buffer). So calls need no host barrier.
 * Requirements: every rank makes the same sequence of ``dispatch``/``combine`` calls (a rank
   that skips one leaves its peers waiting; set ``TILESCALE_WAIT_TIMEOUT_MS`` to turn that into
   an error instead of a hang); work that reads ``recv_x``, ``counts`` or a combine output must
@@ -334,7 +340,8 @@ class MoEDispatcher(SymmetricCollective):
             t.zero_()
         # ---- local state
         dev = self.device
-        self.state = torch.zeros((2,), dtype=torch.int64, device=dev)  # dispatch, combine calls
+        # dispatch calls, combine calls, the dispatch call the latest combine followed
+        self.state = torch.zeros((3,), dtype=torch.int64, device=dev)
         self.packed = torch.zeros((TK,), dtype=torch.int32, device=dev)
         self.base = torch.zeros((self.blocks, E + 3), dtype=torch.int32, device=dev)  # the plan's per-block table
         self.weights = torch.zeros((TK,), dtype=torch.float32, device=dev)

@@ -102,7 +102,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     E) int32 [symmetric], Sig: (2, W) uint64 [symmetric], RecvX: (CAP, H) dtype [symmetric],
     RecvSrc: (CAP,) int32 [symmetric], RouteRank: (TMAX*K,) int32, RouteRow: (TMAX*K,)
     int32, RecvCounts: (E,) int32, RecvOffsets: (E + 1,) int32, Status: (3,) int64, Ctr: (4,)
-    uint32 [symmetric], State: (2,) int64)``; only the first ``EL`` (``EL + 1``) entries of
+    uint32 [symmetric], State: (3,) int64)``; only the first ``EL`` (``EL + 1``) entries of
     ``RecvCounts`` (``RecvOffsets``) are written.
 
     Call number ``e = State[0] + 1`` (read by every block at its start), count buffer
@@ -202,7 +202,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                      RouteRank: T.Tensor((TK,), "int32"), RouteRow: T.Tensor((TK,), "int32"),
                      RecvCounts: T.Tensor((E,), "int32"), RecvOffsets: T.Tensor((E + 1,), "int32"),
                      Status: T.Tensor((3,), "int64"), Ctr: T.Tensor((4,), "uint32"),
-                     State: T.Tensor((2,), "int64")):
+                     State: T.Tensor((3,), "int64")):
         T.annotate_pass_configs(PASS_CONFIGS)
         with T.Kernel(blocks, threads=threads) as bx:
             tx, lane, g, me, W, EL = _grid_ids(T, bx, threads, E)
@@ -415,21 +415,27 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
     Signature: ``(Y: (CAP, H) dtype, Out: (NT, H) dtype, CombBuf: (TMAX*K, H) dtype
     [symmetric], RecvSrc: (CAP,) int32 [symmetric], RecvOffsets: (E + 1,) int32, RouteRank:
     (TMAX*K,) int32, RouteRow: (TMAX*K,) int32, Weights: (TMAX*K,) float32, Sig: (2, W)
-    uint64 [symmetric], Ctr: (4,) uint32 [symmetric], State: (2,) int64)``.
+    uint64 [symmetric], Ctr: (4,) uint32 [symmetric], State: (3,) int64)``.
 
-    Call number ``e = State[1] + 1``:
+    Call number ``e = State[1] + 1``; ``State[2]`` is the dispatch call the previous combine
+    followed (``State[0]``: the latest dispatch call).
 
-    1. block 0's thread 0 tells every rank that this rank has started combine ``e``
-       (``T.notify(Sig[1, me], p, e)``: its ``CombBuf`` is free, since the previous
-       combine's sums ran before on this stream); threads ``p < W`` of every block wait
-       for the same word from every rank;
+    1. Ready handshake, only when no dispatch ran since the previous combine (``State[0] ==
+       State[2]``: the same routing combined again): block 0's thread 0 tells every rank
+       that this rank has started combine ``e`` (``T.notify(Sig[1, me], p, e)``: its
+       ``CombBuf`` is free, since the previous combine's sums ran before on this stream);
+       threads ``p < W`` of every block wait for the same word from every rank. After a
+       dispatch it is not needed: that dispatch received every rank's counts, which each
+       rank sent from its dispatch kernel, so after its previous combine (every rank makes
+       the same sequence of calls, each in stream order);
     2. global warp ``g`` takes received rows ``g, g + G, ...`` below ``RecvOffsets[EL]``
        and puts row ``r`` of ``Y`` into ``CombBuf[i]`` on source rank ``s`` (origin
        ``RecvSrc[r] = s * TMAX * K + i``) unless ``s`` is this rank (so with one rank there
        is nothing to push);
     3. ``__syncthreads``, a release add of 1 to ``Ctr[1]`` on every rank (system scope),
        thread 0 waits until ``Ctr[1] == e * W * blocks`` (mod 2**32); block 0 then sets
-       ``State[1] = e`` (every block of this rank has read ``State[1]`` by then);
+       ``State[1] = e`` and ``State[2] = State[0]`` (every block of this rank has read
+       ``State`` by then);
     4. warp ``g`` takes work items ``g, g + G, ...``, item ``(t, c)`` being columns ``[256c,
        256(c + 1))`` of token ``t`` (so a few tokens still keep every warp busy); each lane
        owns 8 columns, loads the ``K`` rows' 16-byte vectors first (``Y[RouteRow]`` when the
@@ -456,24 +462,30 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
                     RecvOffsets: T.Tensor((E + 1,), "int32"), RouteRank: T.Tensor((TK,), "int32"),
                     RouteRow: T.Tensor((TK,), "int32"), Weights: T.Tensor((TK,), "float32"),
                     Sig: T.Tensor((2, NR), "uint64"), Ctr: T.Tensor((4,), "uint32"),
-                    State: T.Tensor((2,), "int64")):
+                    State: T.Tensor((3,), "int64")):
         T.annotate_pass_configs(PASS_CONFIGS)
         with T.Kernel(blocks, threads=threads) as bx:
             tx, lane, g, me, W, EL = _grid_ids(T, bx, threads, E)
             epoch = T.alloc_var("int64")
             epoch = State[1] + 1
+            routing = T.alloc_var("int64")  # the latest dispatch call
+            routing = State[0]
+            again = T.alloc_var("int32")  # 1: no dispatch since the previous combine
+            again = T.Cast("int32", routing == State[2])
             rk = T.alloc_local((K,), "int32")
             rw = T.alloc_local((K,), "int32")
             wk = T.alloc_local((K,), "float32")
             vals = T.alloc_local((K * VEC,), dtype)
             acc = T.alloc_local((VEC,), "float32")
-            # ---- 1. ready handshake: every rank has started this combine
-            if bx == 0 and tx == 0:
-                for p in T.serial(W):
-                    T.notify(Sig[1, me], p, epoch)
-            if tx < W:
-                T.wait_ge(Sig[1, tx], epoch)
-            T.sync_threads()
+            # ---- 1. ready handshake (the same routing combined again): every rank has started
+            # this combine. After a dispatch, its count exchange already showed that.
+            if again == 1:  # grid-uniform
+                if bx == 0 and tx == 0:
+                    for p in T.serial(W):
+                        T.notify(Sig[1, me], p, epoch)
+                if tx < W:
+                    T.wait_ge(Sig[1, tx], epoch)
+                T.sync_threads()
             # ---- 2. rows computed here for other ranks' tokens go back to their source
             total = T.alloc_var("int32")
             total = T.if_then_else(W > 1, RecvOffsets[EL], 0)  # one rank: every row stays
@@ -492,6 +504,7 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
                 T.wait_eq(Ctr[1], T.Cast("uint32", epoch * W * blocks))
                 if bx == 0:
                     State[1] = epoch
+                    State[2] = routing
             T.sync_threads()
             # ---- 4. weighted sum, float32, slot order; a work item is one token's 32 * 8
             # columns, so few tokens still spread over many warps

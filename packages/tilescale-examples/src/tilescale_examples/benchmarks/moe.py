@@ -17,10 +17,13 @@ weights, then:
    (``rtol = 2**-7``: both round a float32 sum once, in different orders); a failure is
    counted in the row and makes the exit status 1;
 2. **times** back-to-back calls with CUDA events (slowest rank): TileScale's ``dispatch``
-   (``validate=False``: no host synchronisation) and ``combine``, the same calls replayed from
-   a captured CUDA graph (``graph us``), the torch path's dispatch and combine, and a torch
-   device-to-device copy of the same bytes (``tokens * topk * hidden`` elements, read and
-   written once).
+   (``validate=False``: no host synchronisation), ``combine`` (the same handle combined
+   again and again, so every call runs the ready handshake) and ``dispatch+combine`` (a
+   dispatch and the combine of its handle, what an MoE layer runs; such a combine skips the
+   handshake), the same calls replayed from a captured CUDA graph (``graph us``), the torch
+   path's dispatch, combine and both, and a torch device-to-device copy of the same bytes
+   (``tokens * topk * hidden`` elements, read and written once; twice for
+   ``dispatch+combine``).
 
 The torch path (:class:`TorchAllToAllMoE`) is the usual implementation: sort the entries by
 expert, ``all_to_all_single`` of the per-expert counts, the split sizes to the host
@@ -29,9 +32,9 @@ those splits, and a local permutation into expert-major order; the combine rever
 sums the ``topk`` rows weighted in float32.
 
 Columns: ``speedup`` = torch us / TileScale us (eager calls; above 1: faster); ``GB/s`` =
-token bytes moved (``tokens * topk * hidden * itemsize``) / TileScale time; ``vs copy`` =
-copy us / TileScale us (only at one rank, where the copy is the ceiling; goal >= 0.8); ``graph
-vs copy`` = the same ratio with both replayed from CUDA graphs (GPU time without the host's
+token bytes moved (``tokens * topk * hidden * itemsize``, twice for ``dispatch+combine``) /
+TileScale time; ``vs copy`` = copy us / TileScale us (only at one rank, where the copy is the
+ceiling; goal >= 0.8); ``graph vs copy`` = the same ratio with both replayed from CUDA graphs (GPU time without the host's
 launch cost, which bounds small batches: a TileLang launch costs several microseconds of
 host time).
 """
@@ -188,14 +191,23 @@ def run(rank: int, world: int, group, device, args) -> list | None:
                 graph_d = _graph_ms(lambda: moe.dispatch(x, idx, w, validate=False), args.iters, group, device)
                 handle = moe.dispatch(x, idx, w, validate=False)[2]
                 graph_c = _graph_ms(lambda: moe.combine(moe.recv_x, handle), args.iters, group, device)
+            def layer():  # what an MoE layer runs: a dispatch, then the combine of its handle
+                return moe.combine(moe.recv_x, moe.dispatch(x, idx, w, validate=False)[2])
+
+            ts_p = time_ms(layer, args.iters, group, device)
+            graph_p = _graph_ms(layer, args.iters, group, device) if args.graph else float("nan")
             ref_d = time_ms(lambda: ref.dispatch(x, idx), args.iters, group, device)
             ref.dispatch(x, idx)
             ref_c = time_ms(lambda: ref.combine(want_rows, w), args.iters, group, device)
-            for phase, ts, graph, base in (("dispatch", ts_d, graph_d, ref_d), ("combine", ts_c, graph_c, ref_c)):
+            ref_p = time_ms(lambda: ref.combine(ref.dispatch(x, idx)[0], w), args.iters, group, device)
+            for phase, ts, graph, base, moves in (("dispatch", ts_d, graph_d, ref_d, 1),
+                                                  ("combine", ts_c, graph_c, ref_c, 1),
+                                                  ("dispatch+combine", ts_p, graph_p, ref_p, 2)):
+                copy, copy_g = moves * copy_ms, moves * copy_graph
                 rows.append([tokens, kind, phase, ts * 1e3, graph * 1e3, base * 1e3, ratio(base, ts),
-                             gb_per_s(token_bytes, ts), copy_ms * 1e3,
-                             ratio(copy_ms, ts) if world == 1 else "-", copy_graph * 1e3,
-                             ratio(copy_graph, graph) if world == 1 and args.graph else "-", check])
+                             gb_per_s(moves * token_bytes, ts), copy * 1e3,
+                             ratio(copy, ts) if world == 1 else "-", copy_g * 1e3,
+                             ratio(copy_g, graph) if world == 1 and args.graph else "-", check])
             del want_rows, want_out, recv, out
     moe.close()
     torch.cuda.synchronize(device)
