@@ -185,6 +185,11 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
             if lane >= d:
                 acc[0] = acc[0] + up
 
+    def batch_entry(bx, warp, nb, j, lane):
+        """Flat index of entry ``lane`` of batch ``j`` (of ``nb``) of warp ``warp`` of block
+        ``bx``: step 1's entry ranges."""
+        return ((bx * NW + warp) * nb + j) * 32 + lane
+
     def prefix_rows(escan, wsum, x):
         """Rows of experts ``< x`` over all ranks (``0 <= x <= E``): the warp-exclusive scan at
         ``x`` plus the sums of the warps before ``x``'s (static unroll over ``NWE``)."""
@@ -244,7 +249,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                 T.sync_warp()
                 for c in T.serial((nb + CHUNK - 1) // CHUNK):
                     for u in T.unroll(CHUNK):
-                        i = ((bx * NW + warp) * nb + c * CHUNK + u) * 32 + lane
+                        i = batch_entry(bx, warp, nb, c * CHUNK + u, lane)
                         keys[u] = E  # lanes past the last entry: skipped
                         if c * CHUNK + u < nb and i < n:
                             v = Idx[i // K, i % K]
@@ -253,7 +258,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                                                      T.if_then_else(v == -1, E, E + 1))
                     for u in T.unroll(CHUNK):
                         if c * CHUNK + u < nb:  # warp-uniform: every lane takes part in the votes
-                            i = ((bx * NW + warp) * nb + c * CHUNK + u) * 32 + lane
+                            i = batch_entry(bx, warp, nb, c * CHUNK + u, lane)
                             key = keys[u]
                             same = T.match_any_sync(key)
                             below = T.Cast("int32", T.popcount(same & ((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))))
@@ -265,7 +270,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                             if lane == 0 and bad != T.uint64(0):
                                 wbad[warp] = wbad[warp] + T.Cast("int32", T.popcount(bad))
                                 if wfirst[warp] < 0:  # lowest set bit: popcount of the ones below it
-                                    wfirst[warp] = ((bx * NW + warp) * nb + c * CHUNK + u) * 32 + T.Cast(
+                                    wfirst[warp] = batch_entry(bx, warp, nb, c * CHUNK + u, 0) + T.Cast(
                                         "int32", T.popcount((bad & (~bad + T.uint64(1))) - T.uint64(1)))
                             T.sync_warp()
                             if i < n:
@@ -294,7 +299,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                     Base[bx, E + 2] = first
                 T.sync_threads()
                 for b in T.serial(nb):
-                    i = ((bx * NW + warp) * nb + b) * 32 + lane
+                    i = batch_entry(bx, warp, nb, b, lane)
                     if i < n:
                         pk = Packed[i]
                         if pk >> RANK_BITS < E:
