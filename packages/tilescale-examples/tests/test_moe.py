@@ -101,51 +101,65 @@ def test_reference_argument_checks():
 
 # ------------------------------------------------------------------------------ generated CUDA
 def test_dispatch_kernel_ranks_in_every_block_plans_in_block_0_then_puts_rows_to_the_owner():
+    """Large batches: the ranking blocks rank, block 0 plans and releases the plan. One ranking
+    block (a small batch): every block ranks and plans in shared memory, with no hand-off."""
     body = source(build_dispatch_kernel(64, 8, 7168, 4096, blocks=132))
-    # residency: one block always fits on an SM (launch bounds; the plan's 33 KiB at most)
+    # residency: one block always fits on an SM (launch bounds; the plan's 39 KiB at most)
     assert "__launch_bounds__(1024, 1) moe_dispatch_kernel(" in body
     assert "int capacity" in body and "int num_tokens" in body  # run-time dimensions
     assert "__match_any_sync(" in body and "__ballot_sync(" in body
     assert "fence_sys" not in body
     # step 1 in the ranking blocks: a chunk of 4 batches: every index and weight load of the
     # chunk comes before the first vote, so they are in flight together
-    ranking = body.index("if (((int)blockIdx.x) < pb) {")
+    ranking = body.index("if ((((int)blockIdx.x) < pb) || (pb == 1)) {")  # every block: one ranking block
     chunk = body[body.index("for (int c = 0; c < ((nb + 3) >> 2); ++c) {"):]
     chunk = chunk[:chunk.index("__syncthreads();")]
     votes = chunk.index("__match_any_sync(")
     assert "Idx[" in chunk[:votes] and "Wt[" in chunk[:votes] and "Idx[" not in chunk[votes:]
     assert chunk.count("__syncwarp();") == 2 and "Packed[" in chunk[votes:] and "Weights[" in chunk[votes:]
+    # one ranking block: the ranks go to shared memory, and only block 0 writes the weights
+    assert "if (pb == 1) {\n              ((int*)spk)[" in chunk[votes:]
+    assert chunk.index("if (((int)blockIdx.x) == rb) {", votes) < chunk.index("Weights[", votes)
     # step 2: the block's totals into its row of Base, then ranks within the block
     total = body.index("Base[((((int)blockIdx.x) * 67) + ((int)threadIdx.x))] = run;", ranking)
-    rerank = body.index("Packed[i_1] = (pk + ((int*)wcnt)[", total)
+    rerank = body.index("((int*)spk)[((int64_t)i_1)] = (pk + ((int*)wcnt)[", total)
+    rerank = body.index("Packed[i_1] = (pk_1 + ((int*)wcnt)[", rerank)
     # every block but 0 arrives (GPU-scope release after a block barrier); block 0 waits for
     # them unless it ranked every entry itself
     arrive = body.index("tilescale::atom_add<tilescale::Scope::GPU, tilescale::Sem::RELEASE>((&(Ctr[3])), (uint)1);", rerank)
     assert body.rindex("__syncthreads();", 0, arrive) > rerank
     assert "if ((0 < ((int)blockIdx.x)) && (((int)threadIdx.x) == 0)) {" in body[rerank:arrive]
-    plan = body.index("if (((int)blockIdx.x) == 0) {", arrive)
+    plan = body.index("if ((((int)blockIdx.x) == 0) || (pb == 1)) {", arrive)  # the planning blocks
     gate = body.index("if ((((int)threadIdx.x) == 0) && (1 < pb)) {", plan)
     assert body.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::GPU, tilescale::Sem::ACQUIRE>((&(Ctr[3])), ((uint)(epoch * (int64_t)131)));", gate) > gate
     # counts: the sum over the ranking blocks, a weak store to every rank, then the block
     # barrier and the release signal (after bar.sync a system-scope release covers the block)
     st = body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(Counts[", plan)
+    assert body.rindex("if ((((int)blockIdx.x) == 0) && (((int)threadIdx.x) < 64)) {", 0, st) > plan  # block 0 sends
     sync = body.index("__syncthreads();", st)
     notify = body.index("tilescale::notify<false>((&(Sig[", sync)
+    assert body.rindex("if ((((int)blockIdx.x) == 0) && (((int)threadIdx.x) == 0)) {", 0, notify) > sync
     assert "__syncthreads();" not in body[sync + 1:notify]
-    status = body.index("if (((int)threadIdx.x) == 1023) {", notify)  # the last thread writes Status
+    status = body.index("if ((((int)blockIdx.x) == 0) && (((int)threadIdx.x) == 1023)) {", notify)  # block 0's last thread
     assert body.index("Status[0] = nbad;", status) > status
     wait = body.index("tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>((&(Sig[", notify)
-    # the plan is released to the other blocks (GPU scope) after a block barrier, and every
-    # block acquires it before it reads Packed / Base
+    # several ranking blocks: the plan is released to the other blocks (GPU scope) after a
+    # block barrier, and every block acquires it before it reads Packed / Base; one ranking
+    # block: each block's own offsets are in shared memory, and nothing is handed over
     release = body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::RELEASE, false>((&(Ctr[2]))")
+    assert body.rindex("if ((((int)threadIdx.x) == 0) && (1 < pb)) {", 0, release) > wait
     base = body.rindex("Base[", 0, release)  # the plan's store of the per-block offsets
     assert base > wait  # offsets only after every rank's counts are in
+    shared_base = body.index("((int*)sbase)[((int)threadIdx.x)] = run;", wait)
+    assert body.rindex("if (pb == 1) {", 0, shared_base) > wait and shared_base < base
     assert body.rindex("__syncthreads();", 0, release) > base
     acquire = body.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::GPU, tilescale::Sem::ACQUIRE>((&(Ctr[2]))", release)
+    assert body.rindex("if ((((int)threadIdx.x) == 0) && (1 < pb)) {", 0, acquire) > release
     data = body.index("__syncthreads();", acquire)
     put = body.index(f"tilescale::put_warp<{PUT_UNROLL}, false>(", data)
     assert "(&(RecvX[" in body[put:body.index(";", put)]
     assert body.index("Packed[", data) < put and body.index("Base[", data) < put
+    assert body.index("((int*)spk)[", data) < put and body.index("((int*)sbase)[", data) < put
     assert body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(RecvSrc[", put) > put
     # only the hand-written block barriers: the ranking blocks' three, the arrival, block 0's
     # four, the acquire, the tail
@@ -532,7 +546,9 @@ def test_moe_on_gpu(world, tmp_path_factory):
 def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     """Per rank: 4096 tokens, hidden 7168, top-8 of 64 experts, bf16, uniform and skewed; on
     the default grid (32 ranking blocks, one batch of 32 entries per warp) and on a 3-block
-    grid (each warp ranks 11 batches: whole and partial chunks, offsets across blocks)."""
+    grid (each warp ranks 11 batches: whole and partial chunks, offsets across blocks). On
+    the default grid also 128 tokens (1024 entries: one ranking block, so every block plans)
+    and 129 (two ranking blocks)."""
     experts, topk, hidden, max_tokens = FULL
     alloc = open_rank_heap(rank, world, cache_dir, 2 * MoEDispatcher.heap_bytes(*FULL, world) + (64 << 20))
     dev = torch.device(alloc.device)
@@ -540,11 +556,14 @@ def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     checks = 0
     for max_blocks in (None, 3):
         moe = MoEDispatcher(alloc, experts, hidden, topk, max_tokens, max_blocks=max_blocks)
-        for kind in ("uniform", "skewed"):
-            x = torch.randn(max_tokens, hidden, generator=gen).to(torch.bfloat16).to(dev)
-            idx = _routing(kind, max_tokens, experts, topk, gen).to(dev)
-            w = torch.softmax(torch.randn(max_tokens, topk, generator=gen), 1).to(dev)
-            checks += _check_call(moe, rank, world, x, idx, w, f"full size {kind}, max_blocks={max_blocks}")
+        cases = [("uniform", max_tokens), ("skewed", max_tokens)]
+        if max_blocks is None:
+            cases += [("uniform", 128), ("skewed", 129)]
+        for kind, tokens in cases:
+            x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(dev)
+            idx = _routing(kind, tokens, experts, topk, gen).to(dev)
+            w = torch.softmax(torch.randn(tokens, topk, generator=gen), 1).to(dev)
+            checks += _check_call(moe, rank, world, x, idx, w, f"{tokens} tokens {kind}, max_blocks={max_blocks}")
         moe.close()
     return close_rank_heap(alloc, rank, checks)
 
@@ -554,7 +573,7 @@ def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
 @pytest.mark.parametrize("world", [1, 2])
 def test_moe_full_size_on_gpu(world, tmp_path_factory):
     reports = run_gpu_ranks(full_size_rank_body, world, tmp_path_factory, "moe-full")
-    assert [r["checks"] for r in reports] == [4] * world
+    assert [r["checks"] for r in reports] == [6] * world
 
 
 # ------------------------------------------------------------------------------ benchmark (CPU)

@@ -74,7 +74,7 @@ Deadlock freedom and back-to-back calls
   waiting for its block 0's plan) is done by a
   grid whose blocks are all resident at once: the dispatch and combine grids have at most
   one block per SM (``max_blocks`` defaults to the SM count; ``__launch_bounds__(threads,
-  1)`` makes one block fit on an SM: the dispatch kernel's 33 KiB of shared memory at most,
+  1)`` makes one block fit on an SM: the dispatch kernel's 39 KiB of shared memory at most,
   the combine kernel's none), so on a GPU that is not held by other work that never
   finishes, all blocks run concurrently. No kernel waits for another kernel of the same
   rank: the two run in stream order, so nothing depends on two kernels being co-resident.

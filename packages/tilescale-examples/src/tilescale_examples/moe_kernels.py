@@ -23,7 +23,8 @@ over ranks, and ``rank_s(i)`` how many entries of rank ``s`` before ``i`` chose 
   launch): the blocks rank every entry within its expert (one batch of 32 entries per warp)
   and count per block; block 0 then plans (exchanges the per-expert counts with every rank
   through the symmetric heap, computes the offsets above; no host involvement) and releases
-  the plan to the other blocks; then one warp per entry (or per
+  the plan to the other blocks (a small batch, ranked by one block: every block ranks and
+  plans itself in shared memory, and nothing is handed over); then one warp per entry (or per
   part of an entry's row, for small batches) puts the token row into its row on the owner
   rank (``T.put_warp``) with the entry's origin, and every block signals every rank and
   waits until all blocks of all ranks have signalled it.
@@ -145,12 +146,22 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     5. ``__syncthreads``, then thread 0 publishes the plan to the other blocks of this rank:
        a GPU-scope release store of ``e`` to ``Ctr[2]`` (local).
 
+    **One ranking block** (``PB = 1``, that is ``NT*K <= NW * 32``: a small batch): every block
+    runs steps 1, 2 and 4 over all entries itself, keeping the ranks (``spk``) and its offsets
+    (``sbase``) in shared memory, and waits for every rank's counts itself; only block 0
+    writes ``Weights``, sends the counts and writes ``Status``, ``RecvCounts`` and
+    ``RecvOffsets``. The plans are equal (ranking is deterministic), so step 5 and the wait for
+    it drop out, and the data phase reads the plan from shared memory. Every block reading
+    ``Counts`` keeps the two-buffer argument below: each of a rank's blocks reads buffer ``e %
+    2`` of call ``e - 2`` before that rank's call ``e - 1`` starts and sends its counts.
+
     **Data movement** (every block, after thread 0 saw ``Ctr[2] == e`` with an acquire load
-    and a ``__syncthreads``): the ``NT*K`` entries are cut into ``P = clamp(G / (NT*K), 1,
+    when there are several ranking blocks, and a ``__syncthreads``): the ``NT*K`` entries are cut into ``P = clamp(G / (NT*K), 1,
     8)`` column ranges each (``G = blocks * threads / 32`` warps; ``P > 1`` only for small
     batches, so every warp has a part of a row to move), and global warp ``g`` takes work
     items ``g, g + G, ...``. For item ``(i, part)`` of entry ``i`` with expert key ``k <
-    E``: owner ``d = k // EL``, row ``Base[i // (NW * R), k] + rank``; the warp puts its columns of
+    E``: owner ``d = k // EL``, row ``Base[i // (NW * R), k] + rank`` (``sbase[k] + rank``
+    with one ranking block); the warp puts its columns of
     ``X[i // K]`` into ``RecvX[row]`` on ``d`` (``T.put_warp``) and, for part 0, lane 0
     stores the origin ``me * TMAX * K + i`` into ``RecvSrc[row]`` on ``d`` and the route
     into ``RouteRank[i]`` / ``RouteRow[i]`` (``-1`` for a skipped entry). Then each block:
@@ -185,6 +196,15 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
             if lane >= d:
                 acc[0] = acc[0] + up
 
+    @T.macro
+    def rank_within_block(buf, wcnt, i, warp):
+        """Step 2: entry ``i``'s packed rank within its warp's batch becomes its rank within the
+        ranking block (``buf``: ``Packed``, or ``spk`` with one ranking block; ``wcnt``: the
+        block's count table, scanned over its warps)."""
+        pk = buf[i]
+        if pk >> RANK_BITS < E:
+            buf[i] = pk + wcnt[warp, pk >> RANK_BITS]
+
     def batch_entry(bx, warp, nb, j, lane):
         """Flat index of entry ``lane`` of batch ``j`` (of ``nb``) of warp ``warp`` of block
         ``bx``: step 1's entry ranges."""
@@ -217,6 +237,8 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
             wsum = T.alloc_shared((NWE,), "int32")  # step 4: those warps' sums
             wbad = T.alloc_shared((NW,), "int32")
             wfirst = T.alloc_shared((NW,), "int32")
+            spk = T.alloc_shared((NW * 32,), "int32")  # one ranking block: the entries' packed ranks
+            sbase = T.alloc_shared((E,), "int32")  # one ranking block: where its expert-g rows start
             keys = T.alloc_local((CHUNK,), "int32")  # step 1: one chunk's expert keys and weights
             wts = T.alloc_local((CHUNK,), "float32")
             sc = T.alloc_local((1,), "int32")  # the running value of inclusive_warp_scan
@@ -234,7 +256,12 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
             pb = T.max(1, T.min(blocks, (n + NW * 32 - 1) // (NW * 32)))
             nb = T.alloc_var("int32")
             nb = (n + pb * NW * 32 - 1) // (pb * NW * 32)  # 32-entry batches per warp
-            if bx < pb:  # block-uniform
+            # One ranking block (n <= NW * 32): every block ranks all entries and plans in its own
+            # shared memory (block 0 also exchanges the counts), so no block waits for a plan
+            # from block 0 and the data phase reads it from shared memory.
+            rb = T.alloc_var("int32")  # the ranking block whose entries this block ranks
+            rb = T.if_then_else(pb == 1, 0, bx)
+            if bx < pb or pb == 1:  # block-uniform
                 # ---- 1. warp w of block b ranks the entries [(b*NW + w)*R, (b*NW + w + 1)*R) within
                 # their experts (R = 32 * nb), CHUNK batches of 32 at a time: the chunk's indices
                 # and weights are loaded first (in flight together), then each batch is ranked.
@@ -249,7 +276,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                 T.sync_warp()
                 for c in T.serial((nb + CHUNK - 1) // CHUNK):
                     for u in T.unroll(CHUNK):
-                        i = batch_entry(bx, warp, nb, c * CHUNK + u, lane)
+                        i = batch_entry(rb, warp, nb, c * CHUNK + u, lane)
                         keys[u] = E  # lanes past the last entry: skipped
                         if c * CHUNK + u < nb and i < n:
                             v = Idx[i // K, i % K]
@@ -258,7 +285,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                                                      T.if_then_else(v == -1, E, E + 1))
                     for u in T.unroll(CHUNK):
                         if c * CHUNK + u < nb:  # warp-uniform: every lane takes part in the votes
-                            i = batch_entry(bx, warp, nb, c * CHUNK + u, lane)
+                            i = batch_entry(rb, warp, nb, c * CHUNK + u, lane)
                             key = keys[u]
                             same = T.match_any_sync(key)
                             below = T.Cast("int32", T.popcount(same & ((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))))
@@ -270,12 +297,16 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                             if lane == 0 and bad != T.uint64(0):
                                 wbad[warp] = wbad[warp] + T.Cast("int32", T.popcount(bad))
                                 if wfirst[warp] < 0:  # lowest set bit: popcount of the ones below it
-                                    wfirst[warp] = batch_entry(bx, warp, nb, c * CHUNK + u, 0) + T.Cast(
+                                    wfirst[warp] = batch_entry(rb, warp, nb, c * CHUNK + u, 0) + T.Cast(
                                         "int32", T.popcount((bad & (~bad + T.uint64(1))) - T.uint64(1)))
                             T.sync_warp()
                             if i < n:
-                                Weights[i] = wts[u]
-                                Packed[i] = (key << RANK_BITS) | (prev + below)
+                                if bx == rb:
+                                    Weights[i] = wts[u]
+                                if pb == 1:
+                                    spk[i] = (key << RANK_BITS) | (prev + below)
+                                else:
+                                    Packed[i] = (key << RANK_BITS) | (prev + below)
                 T.sync_threads()
                 # ---- 2. the block's counts: an exclusive scan over its warps (thread g < E, in
                 # shared memory), the block's totals into row b of Base (columns E + 1, E + 2:
@@ -299,33 +330,35 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                     Base[bx, E + 2] = first
                 T.sync_threads()
                 for b in T.serial(nb):
-                    i = batch_entry(bx, warp, nb, b, lane)
+                    i = batch_entry(rb, warp, nb, b, lane)
                     if i < n:
-                        pk = Packed[i]
-                        if pk >> RANK_BITS < E:
-                            Packed[i] = pk + wcnt[warp, pk >> RANK_BITS]
+                        if pb == 1:
+                            rank_within_block(spk, wcnt, i, warp)
+                        else:
+                            rank_within_block(Packed, wcnt, i, warp)
             # every block but 0 arrives (release, GPU scope: covers the block's Base row and Packed)
             T.sync_threads()
             if bx > 0 and tx == 0:
                 T.atom_add(Ctr[3], 1, scope="gpu", sem="release")
-            if bx == 0:
+            if bx == 0 or pb == 1:  # the planning blocks (block-uniform)
                 if tx == 0 and pb > 1:  # every ranking block's counts are in Base
                     T.wait_eq(Ctr[3], T.Cast("uint32", epoch * (blocks - 1)), scope="gpu")
                 T.sync_threads()
-                # ---- 3. this rank's count of expert g (thread g): the sum over the ranking blocks,
-                # written into row `me` of Counts on every rank; after the block barrier thread 0
-                # signals every rank (release: the barrier puts the block's stores before it)
-                if tx < E:
+                # ---- 3. block 0: this rank's count of expert g (thread g), the sum over the
+                # ranking blocks, written into row `me` of Counts on every rank; after the block
+                # barrier thread 0 signals every rank (release: the barrier puts the block's
+                # stores before it)
+                if bx == 0 and tx < E:
                     run = 0
                     for b in T.serial(pb):
                         run = run + Base[b, tx]
                     for p in T.serial(W):
                         T.st(Counts[par, me, tx], run, dst_pe=p)
                 T.sync_threads()
-                if tx == 0:
+                if bx == 0 and tx == 0:
                     for p in T.serial(W):
                         T.notify(Sig[0, me], p, epoch)  # release: my counts of call `epoch` are on p
-                if tx == threads - 1:  # not a waiter below (W <= E < threads), so off the critical path
+                if bx == 0 and tx == threads - 1:  # not a waiter below (W <= E < threads): off the critical path
                     nbad = 0
                     first = -1
                     for b in T.serial(pb):
@@ -359,20 +392,23 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                     if lane == 31:
                         wsum[warp] = sc[0]
                 T.sync_threads()
-                if tx < E:  # Base[b, g]: where block b's entries of expert g start on the owner
+                if tx < E:  # where ranking block b's entries of expert g start on the owner
                     run = before + prefix_rows(escan, wsum, tx) - prefix_rows(escan, wsum, tx // EL * EL)
-                    for b in T.serial(pb):
-                        cb = Base[b, tx]
-                        Base[b, tx] = run
-                        run = run + cb
-                if tx <= EL:  # this rank's local experts
+                    if pb == 1:
+                        sbase[tx] = run
+                    else:  # Base[b, g], a running sum over the ranking blocks
+                        for b in T.serial(pb):
+                            cb = Base[b, tx]
+                            Base[b, tx] = run
+                            run = run + cb
+                if bx == 0 and tx <= EL:  # this rank's local experts
                     RecvOffsets[tx] = prefix_rows(escan, wsum, me * EL + tx) - prefix_rows(escan, wsum, me * EL)
                     if tx < EL:
                         RecvCounts[tx] = prefix_rows(escan, wsum, me * EL + tx + 1) - prefix_rows(escan, wsum, me * EL + tx)
                 T.sync_threads()
-                if tx == 0:  # 5. the plan is complete: release it to this rank's blocks
+                if tx == 0 and pb > 1:  # 5. the plan is complete: release it to this rank's blocks
                     T.st(Ctr[2], T.Cast("uint32", epoch), scope="gpu", sem="release")
-            if tx == 0:
+            if tx == 0 and pb > 1:
                 T.wait_eq(Ctr[2], T.Cast("uint32", epoch), scope="gpu")
             T.sync_threads()
             # ---- data movement: P column ranges per entry when there are fewer entries than warps
@@ -385,11 +421,12 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                 if q < n * parts:
                     i = q // parts
                     v0 = q % parts * chunk
-                    packed = Packed[i]
+                    packed = T.if_then_else(pb == 1, spk[i % (NW * 32)], Packed[i])
                     ekey = packed >> RANK_BITS
                     if ekey < E:
                         # NW * nb * 32: the entries each ranking block ranked
-                        row = Base[i // (NW * nb * 32), ekey] + (packed & ((1 << RANK_BITS) - 1))
+                        row = T.if_then_else(pb == 1, sbase[ekey], Base[i // (NW * nb * 32), ekey]) + (
+                            packed & ((1 << RANK_BITS) - 1))
                         if v0 < VECS:
                             T.put_warp(T.address_of(X[i // K, v0 * 8]),
                                        T.address_of(RecvX[T.Cast("int64", row), v0 * 8]),
