@@ -325,6 +325,17 @@ def test_constructor_rejects_before_allocating(kwargs, exc, match):
 #: last lane-column partly used), an odd top-k, experts that 1, 2 and 4 ranks divide.
 SMALL = (16, 3, 200, 96)
 FULL = (64, 8, 7168, 4096)
+#: Up to 1280 entries: more than one block ranks (1024 entries each), at a small hidden size.
+WIDE = (16, 8, 200, 160)
+
+
+def _heap_bytes(config, world: int, dispatchers: int = 1) -> int:
+    """Heap bytes per rank for ``dispatchers`` dispatchers of ``config`` = ``(experts, topk,
+    hidden, max_tokens)``, plus 64 MiB for the rest of the test."""
+    experts, topk, hidden, max_tokens = config
+    one = MoEDispatcher.heap_bytes(num_experts=experts, hidden=hidden, topk=topk, max_tokens=max_tokens,
+                                   world_size=world)
+    return dispatchers * one + (64 << 20)
 
 
 def _gather(t: torch.Tensor, world: int) -> list:
@@ -511,7 +522,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     sparse case), graph capture, index errors and back-to-back calls (1000 on 1 or 2 ranks,
     200 on 4), all at SMALL size."""
     experts, topk, hidden, max_tokens = SMALL
-    alloc = open_rank_heap(rank, world, cache_dir, 2 * MoEDispatcher.heap_bytes(*SMALL, world) + (64 << 20))
+    alloc = open_rank_heap(rank, world, cache_dir, _heap_bytes(SMALL, world, dispatchers=2))
     dev = torch.device(alloc.device)
     gen = torch.Generator().manual_seed(1234 + 97 * rank + 7 * world)
     checks = 0
@@ -550,7 +561,7 @@ def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     the default grid also 128 tokens (1024 entries: one ranking block, so every block plans)
     and 129 (two ranking blocks)."""
     experts, topk, hidden, max_tokens = FULL
-    alloc = open_rank_heap(rank, world, cache_dir, 2 * MoEDispatcher.heap_bytes(*FULL, world) + (64 << 20))
+    alloc = open_rank_heap(rank, world, cache_dir, _heap_bytes(FULL, world, dispatchers=2))
     dev = torch.device(alloc.device)
     gen = torch.Generator().manual_seed(99 + rank)
     checks = 0
@@ -574,6 +585,25 @@ def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
 def test_moe_full_size_on_gpu(world, tmp_path_factory):
     reports = run_gpu_ranks(full_size_rank_body, world, tmp_path_factory, "moe-full")
     assert [r["checks"] for r in reports] == [6] * world
+
+
+def wide_rank_body(rank: int, world: int, cache_dir: str) -> dict:
+    """Per rank: 200 back-to-back calls with stragglers at 139-160 tokens of top-8 (1112-1280
+    entries: two ranking blocks, so block 0 plans and hands the plan to the other blocks)."""
+    experts, topk, hidden, max_tokens = WIDE
+    alloc = open_rank_heap(rank, world, cache_dir, _heap_bytes(WIDE, world))
+    gen = torch.Generator().manual_seed(4321 + rank)
+    moe = MoEDispatcher(alloc, experts, hidden, topk, max_tokens)
+    checks = _back_to_back(moe, rank, world, 200, gen)
+    moe.close()
+    return close_rank_heap(alloc, rank, checks)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_moe_two_ranking_blocks_back_to_back_on_gpu(tmp_path_factory):
+    reports = run_gpu_ranks(wide_rank_body, 2, tmp_path_factory, "moe-wide")
+    assert [r["checks"] for r in reports] == [5] * 2
 
 
 # ------------------------------------------------------------------------------ benchmark (CPU)
