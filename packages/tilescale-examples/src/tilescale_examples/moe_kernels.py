@@ -155,13 +155,13 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     ``Counts`` keeps the two-buffer argument below: each of a rank's blocks reads buffer ``e %
     2`` of call ``e - 2`` before that rank's call ``e - 1`` starts and sends its counts.
 
-    **Data movement** (every block, after thread 0 saw ``Ctr[2] == e`` with an acquire load
-    when there are several ranking blocks, and a ``__syncthreads``): the ``NT*K`` entries are cut into ``P = clamp(G / (NT*K), 1,
-    8)`` column ranges each (``G = blocks * threads / 32`` warps; ``P > 1`` only for small
-    batches, so every warp has a part of a row to move), and global warp ``g`` takes work
-    items ``g, g + G, ...``. For item ``(i, part)`` of entry ``i`` with expert key ``k <
-    E``: owner ``d = k // EL``, row ``Base[i // (NW * R), k] + rank`` (``sbase[k] + rank``
-    with one ranking block); the warp puts its columns of
+    **Data movement** (every block, after a ``__syncthreads``; with several ranking blocks,
+    after thread 0 saw ``Ctr[2] == e`` with an acquire load): the ``NT*K`` entries are cut
+    into ``P = clamp(G / (NT*K), 1, 8)`` column ranges each (``G = blocks * threads / 32``
+    warps; ``P > 1`` only for small batches, so every warp has a part of a row to move), and
+    global warp ``g`` takes work items ``g, g + G, ...``. For item ``(i, part)`` of entry
+    ``i`` with expert key ``k < E``: owner ``d = k // EL``, row ``Base[i // (NW * R), k] +
+    rank`` (``sbase[k] + rank`` with one ranking block); the warp puts its columns of
     ``X[i // K]`` into ``RecvX[row]`` on ``d`` (``T.put_warp``) and, for part 0, lane 0
     stores the origin ``me * TMAX * K + i`` into ``RecvSrc[row]`` on ``d`` and the route
     into ``RouteRank[i]`` / ``RouteRow[i]`` (``-1`` for a skipped entry). Then each block:
