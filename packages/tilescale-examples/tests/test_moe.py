@@ -558,8 +558,9 @@ def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     """Per rank: 4096 tokens, hidden 7168, top-8 of 64 experts, bf16, uniform and skewed; on
     the default grid (32 ranking blocks, one batch of 32 entries per warp) and on a 3-block
     grid (each warp ranks 11 batches: whole and partial chunks, offsets across blocks). On
-    the default grid also 128 tokens (1024 entries: one ranking block, so every block plans)
-    and 129 (two ranking blocks)."""
+    the default grid also 128 tokens (1024 entries: one ranking block, so every block plans),
+    129 (two ranking blocks) and 128 + rank % 2 (with 2 ranks, one plans in every block and
+    the other hands block 0's plan over, in the same call)."""
     experts, topk, hidden, max_tokens = FULL
     alloc = open_rank_heap(rank, world, cache_dir, _heap_bytes(FULL, world, dispatchers=2))
     dev = torch.device(alloc.device)
@@ -569,7 +570,7 @@ def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
         moe = MoEDispatcher(alloc, experts, hidden, topk, max_tokens, max_blocks=max_blocks)
         cases = [("uniform", max_tokens), ("skewed", max_tokens)]
         if max_blocks is None:
-            cases += [("uniform", 128), ("skewed", 129)]
+            cases += [("uniform", 128), ("skewed", 129), ("uniform", 128 + rank % 2)]
         for kind, tokens in cases:
             x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(dev)
             idx = _routing(kind, tokens, experts, topk, gen).to(dev)
@@ -584,7 +585,7 @@ def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
 @pytest.mark.parametrize("world", [1, 2])
 def test_moe_full_size_on_gpu(world, tmp_path_factory):
     reports = run_gpu_ranks(full_size_rank_body, world, tmp_path_factory, "moe-full")
-    assert [r["checks"] for r in reports] == [6] * world
+    assert [r["checks"] for r in reports] == [7] * world
 
 
 def wide_rank_body(rank: int, world: int, cache_dir: str) -> dict:

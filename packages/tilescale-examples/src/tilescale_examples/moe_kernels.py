@@ -153,7 +153,10 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     ``RecvOffsets``. The plans are equal (ranking is deterministic), so step 5 and the wait for
     it drop out, and the data phase reads the plan from shared memory. Every block reading
     ``Counts`` keeps the two-buffer argument below: each of a rank's blocks reads buffer ``e %
-    2`` of call ``e - 2`` before that rank's call ``e - 1`` starts and sends its counts.
+    2`` of call ``e - 2`` before that rank's call ``e - 1`` starts and sends its counts. Ranks
+    whose token counts put them on different paths in the same call still agree: what crosses
+    ranks (the counts, ``Sig``, rows sent only after the owner's counts arrived, the closing
+    counter) is the same on both paths.
 
     **Data movement** (every block, after a ``__syncthreads``; with several ranking blocks,
     after thread 0 saw ``Ctr[2] == e`` with an acquire load): the ``NT*K`` entries are cut
