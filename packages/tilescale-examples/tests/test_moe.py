@@ -161,8 +161,8 @@ def test_dispatch_kernel_ranks_in_every_block_plans_in_block_0_then_puts_rows_to
     assert body.index("Packed[", data) < put and body.index("Base[", data) < put
     assert body.index("((int*)spk)[", data) < put and body.index("((int*)sbase)[", data) < put
     assert body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(RecvSrc[", put) > put
-    # only the hand-written block barriers: the ranking blocks' three, the arrival, block 0's
-    # four, the acquire, the tail
+    # only the hand-written block barriers: the ranking blocks' three, the arrival, the
+    # planning blocks' four, the one before the data phase, the tail
     assert body.count("__syncthreads();") == 10
     # step 4: the count matrix is read once per (rank, expert), and the totals are scanned with
     # warp shuffles (a chain of E global loads took ~20 us; serial loops over E, microseconds)
@@ -589,7 +589,7 @@ def test_moe_full_size_on_gpu(world, tmp_path_factory):
 
 
 def wide_rank_body(rank: int, world: int, cache_dir: str) -> dict:
-    """Per rank: 200 back-to-back calls with stragglers at 139-160 tokens of top-8 (1112-1280
+    """Per rank: 200 back-to-back calls with stragglers at 138-160 tokens of top-8 (1104-1280
     entries: two ranking blocks, so block 0 plans and hands the plan to the other blocks)."""
     experts, topk, hidden, max_tokens = WIDE
     alloc = open_rank_heap(rank, world, cache_dir, _heap_bytes(WIDE, world))
