@@ -12,7 +12,8 @@ import re
 import pytest
 import tilelang
 import torch
-from examples_helpers import CpuAllocator, close_rank_heap, kernel_body, needs_nvcc, open_rank_heap, run_gpu_ranks
+from examples_helpers import (CpuAllocator, close_rank_heap, kernel_body, lower_with, needs_nvcc, nvcc_resources,
+                             open_rank_heap, run_gpu_ranks)
 from tilelang import tvm
 
 from tilescale_examples.collective import TARGET
@@ -120,8 +121,10 @@ def test_dispatch_kernel_ranks_in_every_block_plans_in_block_0_then_puts_rows_to
     # one ranking block: the ranks go to shared memory, and only block 0 writes the weights
     assert "if (pb == 1) {\n              ((int*)spk)[" in chunk[votes:]
     assert chunk.index("if (((int)blockIdx.x) == rb) {", votes) < chunk.index("Weights[", votes)
-    # step 2: the block's totals into its row of Base, then ranks within the block
+    # step 2: the block's totals into its row of Base (only the rows that are read: with one
+    # ranking block, block 0's), then ranks within the block
     total = body.index("Base[((((int)blockIdx.x) * 67) + ((int)threadIdx.x))] = run;", ranking)
+    assert body.rindex("if (((int)blockIdx.x) == rb) {", 0, total) > ranking
     rerank = body.index("((int*)spk)[((int64_t)i_1)] = (pk + ((int*)wcnt)[", total)
     rerank = body.index("Packed[i_1] = (pk_1 + ((int*)wcnt)[", rerank)
     # every block but 0 arrives (GPU-scope release after a block barrier); block 0 waits for
@@ -132,17 +135,23 @@ def test_dispatch_kernel_ranks_in_every_block_plans_in_block_0_then_puts_rows_to
     plan = body.index("if ((((int)blockIdx.x) == 0) || (pb == 1)) {", arrive)  # the planning blocks
     gate = body.index("if ((((int)threadIdx.x) == 0) && (1 < pb)) {", plan)
     assert body.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::GPU, tilescale::Sem::ACQUIRE>((&(Ctr[3])), ((uint)(epoch * (int64_t)131)));", gate) > gate
-    # counts: the sum over the ranking blocks, a weak store to every rank, then the block
-    # barrier and the release signal (after bar.sync a system-scope release covers the block)
+    # counts: the sum over the ranking blocks, a weak store to every other rank, then the
+    # block barrier and the release signal (after bar.sync a system-scope release covers the
+    # block); a rank never signals itself
     st = body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(Counts[", plan)
     assert body.rindex("if ((((int)blockIdx.x) == 0) && (((int)threadIdx.x) < 64)) {", 0, st) > plan  # block 0 sends
+    assert body.rindex("if (p != me) {", 0, st) > plan
     sync = body.index("__syncthreads();", st)
     notify = body.index("tilescale::notify<false>((&(Sig[", sync)
     assert body.rindex("if ((((int)blockIdx.x) == 0) && (((int)threadIdx.x) == 0)) {", 0, notify) > sync
+    assert body.rindex("if (p_1 != me) {", 0, notify) > sync
     assert "__syncthreads();" not in body[sync + 1:notify]
     status = body.index("if ((((int)blockIdx.x) == 0) && (((int)threadIdx.x) == 1023)) {", notify)  # block 0's last thread
     assert body.index("Status[0] = nbad;", status) > status
     wait = body.index("tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>((&(Sig[", notify)
+    assert body.rindex("if ((((int)threadIdx.x) < W) && (((int)threadIdx.x) != me)) {", 0, wait) > status
+    # this rank's own counts come from its plan (`run`), not from its count matrix
+    assert "if ((s == me)) {\n          condval_13 = run;" in body[wait:]
     # several ranking blocks: the plan is released to the other blocks (GPU scope) after a
     # block barrier, and every block acquires it before it reads Packed / Base; one ranking
     # block: each block's own offsets are in shared memory, and nothing is handed over
@@ -171,10 +180,14 @@ def test_dispatch_kernel_ranks_in_every_block_plans_in_block_0_then_puts_rows_to
     assert offsets.count("__shfl_up_sync(") == 5
     # a small batch cuts rows into parts, so every warp has columns to move
     assert "parts = max(1, min(8, (4224 / max((num_tokens * 8), 1))));" in body
+    # the closing round: every other rank gets one add per block; a rank's own rows are
+    # ordered by the kernel's end, so it waits for the other ranks' blocks only
     tail = body[body.rindex("__syncthreads();"):]
-    assert tail.index("tilescale::notify<true>((&(Ctr[0]))") < tail.index("tilescale::wait_until<")
-    assert "tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>((&(Ctr[0])), ((uint)((epoch * ((int64_t)W)) * (int64_t)132)))" in tail
-    assert tail.index("State[0] = epoch;") > tail.index("(&(Ctr[0]))")  # after every block read State[0]
+    assert tail.index("if (p_2 != me) {") < tail.index("tilescale::notify<true>((&(Ctr[0]))") < tail.index("tilescale::wait_until<")
+    closing = tail.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>((&(Ctr[0])), ((uint)((epoch * (((int64_t)W) - (int64_t)1)) * (int64_t)132)))")
+    # block 0 advances State[0] once every block of this rank has arrived (so has read it)
+    arrived = tail.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::GPU, tilescale::Sem::ACQUIRE>((&(Ctr[3])), ((uint)(epoch * (int64_t)131)));")
+    assert closing < arrived < tail.index("State[0] = epoch;")
 
 
 def test_dispatch_kernel_rejects_a_grid_the_plan_cannot_use():
@@ -186,8 +199,8 @@ def test_dispatch_kernel_rejects_a_grid_the_plan_cannot_use():
 
 
 def test_combine_kernel_handshakes_pushes_then_sums_in_float32():
-    body = source(build_combine_kernel(64, 8, 7168, 4096, blocks=132, threads=512))
-    assert "__launch_bounds__(512, 1) moe_combine_kernel(" in body and "__shared__" not in body
+    body = source(build_combine_kernel(64, 8, 7168, 4096, blocks=132))
+    assert "__launch_bounds__(1024, 1) moe_combine_kernel(" in body and "__shared__" not in body
     # the ready handshake runs only when no dispatch came since the previous combine
     guard = body.index("again = ((int)(routing == State[2]));")
     assert body.index("routing = State[0];") < guard
@@ -195,15 +208,34 @@ def test_combine_kernel_handshakes_pushes_then_sums_in_float32():
     assert body.rindex("if (again == 1) {", 0, ready) > guard
     handshake_wait = body.index("tilescale::wait_until<tilescale::Cmp::GE", ready)
     assert body.rindex("if (again == 1) {", 0, handshake_wait) > ready
+    # a rank neither signals nor waits for itself
+    assert body.rindex("if (p != me) {", 0, ready) > guard
+    assert body.rindex("if ((((int)threadIdx.x) < W) && (((int)threadIdx.x) != me)) {", 0, handshake_wait) > ready
     put = body.index(f"tilescale::put_warp<{PUT_UNROLL}, false>(", ready)
     assert "(&(CombBuf[" in body[put:body.index(";", put)]
-    add = body.index("tilescale::notify<true>((&(Ctr[1]))", put)
+    # after the block barrier: every block but 0 arrives on a local counter (it has read
+    # State), one release add per other rank, then the wait for the other ranks' blocks
+    sync = body.index("__syncthreads();", put)
+    arrive = body.index("tilescale::atom_add<tilescale::Scope::GPU, tilescale::Sem::RELEASE>((&(Ctr[4])), (uint)1);", sync)
+    add = body.index("tilescale::notify<true>((&(Ctr[1]))", arrive)
+    assert body.rindex("if (p_1 != me) {", 0, add) > arrive
     assert "fence_sys" not in body  # the release add after bar.sync covers the block's rows
-    wait = body.index("tilescale::wait_until<tilescale::Cmp::EQ", add)
-    assert body.index("State[1] = epoch;", wait) > wait and body.index("State[2] = routing;", wait) > wait
+    wait = body.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>((&(Ctr[1])), ((uint)((epoch * (((int64_t)W) - (int64_t)1)) * (int64_t)132)));", add)
+    # block 0 records the call after its sums, once every block of this rank has arrived
+    arrived = body.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::GPU, tilescale::Sem::ACQUIRE>((&(Ctr[4])), ((uint)(epoch * (int64_t)131)));", wait)
+    assert body.index("__float22bfloat162_rn(", wait) < arrived
+    assert body.index("State[1] = epoch;", arrived) > arrived and body.index("State[2] = routing;", arrived) > arrived
     sums = body[wait:]
     assert sums.count("*(uint4*)(Y + ") == 1 and sums.count("*(uint4*)(CombBuf + ") == 1  # 16-byte loads
     assert "float acc[8];" in body and "__float22bfloat162_rn(" in sums
+
+
+@needs_nvcc
+def test_combine_fits_1024_threads_without_spills(tmp_path):
+    """The default combine block (1024 threads, one per SM) needs at most 64 registers per
+    thread; spills would put the K rows' vectors in local memory."""
+    registers, spills = nvcc_resources(lower_with(build_combine_kernel(E, K, 7168, 4096), PASS_CONFIGS), tmp_path)
+    assert registers <= 64 and spills == 0, (registers, spills)
 
 
 @needs_nvcc
@@ -228,7 +260,7 @@ def test_dispatcher_on_cpu_allocator(cache_dir):
     cap = 2 * TMAX * K
     assert moe.capacity == cap and moe.experts_per_rank == 4
     assert alloc.allocations == [((cap, H), torch.float16), ((cap,), torch.int32), ((TMAX * K, H), torch.float16),
-                                 ((2, 2, E), torch.int32), ((2, 2), torch.uint64), ((4,), torch.uint32)]
+                                 ((2, 2, E), torch.int32), ((2, 2), torch.uint64), ((5,), torch.uint32)]
     assert not moe.flags.ne(0).any() and not moe.counters.ne(0).any() and not moe.count_matrix.ne(0).any()
     assert sum(math.prod(s) * t.itemsize for s, t in alloc.allocations) < \
         MoEDispatcher.heap_bytes(E, H, K, TMAX, 2, torch.float16)

@@ -42,7 +42,7 @@ How it runs (one kernel per call on the current stream, no host synchronisation)
    * *plan*: the blocks rank every entry within its expert with ``T.match_any_sync``
      (deterministic: entry order; one batch of 32 entries per warp), count per block and
      arrive on a local counter; block 0 (the other blocks wait for it on a local flag) sums
-     the blocks' counts, writes this rank's per-expert counts into row ``me`` of every rank's
+     the blocks' counts, writes this rank's per-expert counts into row ``me`` of every other rank's
      symmetric count matrix
      (``T.st`` to each peer, a block barrier, a release ``T.notify``), waits for every
      rank's counts (``T.wait_ge``) and computes each entry's destination row and the local
@@ -51,21 +51,26 @@ How it runs (one kernel per call on the current stream, no host synchronisation)
    * *data*: one warp per entry (per part of an entry's row when the batch has fewer
      entries than the grid has warps) copies the token row straight into its final row on
      the owner rank (``T.put_warp`` to the peer) with its origin; each block then
-     synchronises, adds 1 to a counter on every rank (a system-scope release, which after the
-     block barrier covers every thread's rows) and waits until its own counter shows every
-     block of every rank.
+     synchronises, adds 1 to a counter on every other rank (a system-scope release, which
+     after the block barrier covers every thread's rows) and waits until its own counter
+     shows every block of every other rank.
 2. **combine** (one block per SM): a ready handshake when the same routing is combined again
    (after a dispatch it is not needed: that dispatch's count exchange showed that every rank
    had finished its previous combine; the kernel decides from the call numbers in ``state``,
    so graph replays stay correct), then each received row goes back to its
    source rank's symmetric combine buffer (rows of this rank's own tokens stay where they
-   are); block barrier, release counter add on every rank, wait; then each token's
+   are); block barrier, release counter add on every other rank, wait; then each token's
    ``topk`` rows are summed with its weights in float32.
 
+A rank never signals or waits for itself: its own counts stay in registers, and the end of
+its kernel orders its own rows before anything later on its stream (so with one rank the
+kernels carry no cross-block wait beyond block 0 checking, before it advances the call
+numbers, that every block has read them).
+
 Flags hold a *call number* kept on the device (``state``), not passed from the host, so a
-captured graph replays correctly; counters are compared modulo 2**32 against ``calls * W *
-blocks``, which is exact because a rank's counter cannot move past one call's total before
-that rank starts the next call.
+captured graph replays correctly; counters are compared modulo 2**32 against ``calls * (W -
+1) * blocks``, which is exact because a rank's counter cannot move past one call's total
+before that rank starts the next call.
 
 Deadlock freedom and back-to-back calls
 ----------------------------------------
@@ -278,7 +283,8 @@ class MoEDispatcher(SymmetricCollective):
         world_size: defaults to ``allocator.num_ranks`` and must equal it.
         group: process group for the constructor's closing barrier; default
             ``torch.distributed``'s world group when initialised.
-        threads: threads per block of the combine kernel (multiple of 32, at most 1024); the
+        threads: threads per block of the combine kernel (multiple of 32, at most 1024;
+            default 1024: 64 registers each, twice the warps of 512 for large batches); the
             dispatch kernel runs :data:`~tilescale_examples.moe_kernels.PLAN_THREADS` (1024),
             since each of its warps ranks a batch of 32 entries (and block 0 plans).
         max_blocks: blocks of the dispatch and combine grids (all must be co-resident);
@@ -303,7 +309,7 @@ class MoEDispatcher(SymmetricCollective):
     def __init__(self, allocator, num_experts: int, hidden: int, topk: int, max_tokens: int,
                  dtype: Union[torch.dtype, str] = torch.bfloat16, *,
                  index_dtype: torch.dtype = torch.int64, world_size: Optional[int] = None,
-                 group=None, threads: int = 512, max_blocks: Optional[int] = None,
+                 group=None, threads: int = 1024, max_blocks: Optional[int] = None,
                  validate: bool = True, target=None):
         self.num_experts = _positive_int("num_experts", num_experts, MAX_EXPERTS)
         self.hidden = _positive_int("hidden", hidden)
@@ -335,7 +341,7 @@ class MoEDispatcher(SymmetricCollective):
         self.comb_buf = self._tensor((TK, H))
         self.count_matrix = self._tensor((2, W, E), torch.int32)
         self.flags = self._tensor((2, W), torch.uint64)
-        self.counters = self._tensor((4,), torch.uint32)
+        self.counters = self._tensor((5,), torch.uint32)
         for t in (self.count_matrix, self.flags, self.counters):
             t.zero_()
         # ---- local state
@@ -378,7 +384,7 @@ class MoEDispatcher(SymmetricCollective):
         item = torch.empty((), dtype=dtype).element_size()
         cap = world_size * max_tokens * topk
         return (cap * hidden * item + cap * 4 + max_tokens * topk * hidden * item
-                + 2 * world_size * num_experts * 4 + 2 * world_size * 8 + 16 + 6 * 1024)
+                + 2 * world_size * num_experts * 4 + 2 * world_size * 8 + 20 + 6 * 1024)
 
     # ------------------------------------------------------------------ checks
     def _check_tokens(self, x, topk_idx, topk_weights) -> int:

@@ -26,10 +26,11 @@ over ranks, and ``rank_s(i)`` how many entries of rank ``s`` before ``i`` chose 
   the plan to the other blocks (a small batch, ranked by one block: every block ranks and
   plans itself in shared memory, and nothing is handed over); then one warp per entry (or per
   part of an entry's row, for small batches) puts the token row into its row on the owner
-  rank (``T.put_warp``) with the entry's origin, and every block signals every rank and
-  waits until all blocks of all ranks have signalled it.
+  rank (``T.put_warp``) with the entry's origin, and every block signals every other rank
+  and waits until all blocks of all other ranks have signalled it (a rank never signals
+  itself: the kernel's end orders its own writes).
 * :func:`build_combine_kernel` (same grid): pushes each received row back to its source rank
-  (unless the source is this rank), signals, waits, then sums each token's ``K`` rows
+  (unless the source is this rank), signals the other ranks, waits for them, then sums each token's ``K`` rows
   weighted by ``topk_weights`` in float32 (in slot order), reading rows that stayed on this
   rank directly from ``y``.
 
@@ -129,15 +130,17 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     3. Block 0 waits until ``Ctr[3] == e * (blocks - 1)`` (mod 2**32; acquire) unless it is
        the only ranking block: every ranking block's row is in ``Base``. Thread ``g < E``
        sums column ``g`` over the ranking blocks (this
-       rank's count of expert ``g``) and writes it into row ``me`` of ``Counts[e % 2]`` on
-       every rank (``T.st``); after the block barrier thread 0 signals every rank ``p`` with
-       the system-scope release store ``T.notify(Sig[0, me], p, e)`` (after a ``bar.sync`` a
-       release covers the whole block's earlier stores, so no separate fence), while the
-       block's last thread writes ``Status`` (``[bad entries, first bad flat index or -1, its
-       value]``). Threads ``p < W`` wait ``T.wait_ge(Sig[0, p], e)``: every rank's counts are
-       here.
-    4. Offsets from the count matrix: thread ``g < E`` sums column ``g`` over the ranks (the
-       expert's total, and the rows of ranks before this one); the warps holding the experts
+       rank's count of expert ``g``, kept in a register) and writes it into row ``me`` of
+       ``Counts[e % 2]`` on every other rank (``T.st``); after the block barrier thread 0
+       signals every other rank ``p`` with the system-scope release store ``T.notify(Sig[0,
+       me], p, e)`` (after a ``bar.sync`` a release covers the whole block's earlier stores,
+       so no separate fence), while the block's last thread writes ``Status`` (``[bad
+       entries, first bad flat index or -1, its value]``). Threads ``p < W``, ``p != me``,
+       wait ``T.wait_ge(Sig[0, p], e)``: every other rank's counts are here. A rank never
+       signals or waits for itself (with one rank there is no count exchange at all).
+    4. Offsets from the count matrix: thread ``g < E`` sums column ``g`` over the ranks (its
+       own count for row ``me``; the expert's total, and the rows of ranks before this one);
+       the warps holding the experts
        scan the totals with shuffles, so the rows of experts ``< x`` are a scanned value plus
        at most ``E / 32`` warp sums (no thread runs a chain of ``E`` loads). From them
        ``Base[b, g]`` becomes where ranking block ``b``'s entries of expert ``g`` start on its
@@ -148,7 +151,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
 
     **One ranking block** (``PB = 1``, that is ``NT*K <= NW * 32``: a small batch): every block
     runs steps 1, 2 and 4 over all entries itself, keeping the ranks (``spk``) and its offsets
-    (``sbase``) in shared memory, and waits for every rank's counts itself; only block 0
+    (``sbase``) in shared memory, and waits for every other rank's counts itself; only block 0
     writes ``Weights``, sends the counts and writes ``Status``, ``RecvCounts`` and
     ``RecvOffsets``. The plans are equal (ranking is deterministic), so step 5 and the wait for
     it drop out, and the data phase reads the plan from shared memory. Every block reading
@@ -168,14 +171,16 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     ``X[i // K]`` into ``RecvX[row]`` on ``d`` (``T.put_warp``) and, for part 0, lane 0
     stores the origin ``me * TMAX * K + i`` into ``RecvSrc[row]`` on ``d`` and the route
     into ``RouteRank[i]`` / ``RouteRow[i]`` (``-1`` for a skipped entry). Then each block:
-    ``__syncthreads``, a release add of 1 to ``Ctr[0]`` on every rank (system scope),
-    and thread 0 waits until ``Ctr[0] == e * W * blocks`` (mod 2**32): every block of every
-    rank has finished writing to this rank. Block 0 then sets ``State[0] = e`` (every block
-    of this rank read ``State[0]`` before adding to ``Ctr[0]``).
+    ``__syncthreads``, a release add of 1 to ``Ctr[0]`` on every other rank (system scope),
+    and thread 0 waits until ``Ctr[0] == e * (W - 1) * blocks`` (mod 2**32): every block of
+    every other rank has finished writing to this rank (this rank's own rows are ordered
+    before any later work on its stream by the kernel's end). Block 0 then waits until
+    ``Ctr[3] == e * (blocks - 1)`` (every other block of this rank has arrived, so has read
+    ``State[0]``) and sets ``State[0] = e``.
 
-    Two count buffers suffice: rank ``s`` writes buffer ``e % 2`` only after its call
-    ``e - 1`` received every rank's counts of ``e - 1``, so every rank has finished call
-    ``e - 2``, the last reader of that buffer.
+    Two count buffers suffice: rank ``s`` writes buffer ``e % 2`` on rank ``d != s`` only
+    after its call ``e - 1`` received every other rank's counts of ``e - 1``, so ``d`` has
+    finished call ``e - 2``, the last reader of that buffer there.
     """
     import tilelang.language as T
 
@@ -229,7 +234,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                      RecvX: T.Tensor((CAP, H), dtype), RecvSrc: T.Tensor((CAP,), "int32"),
                      RouteRank: T.Tensor((TK,), "int32"), RouteRow: T.Tensor((TK,), "int32"),
                      RecvCounts: T.Tensor((E,), "int32"), RecvOffsets: T.Tensor((E + 1,), "int32"),
-                     Status: T.Tensor((3,), "int64"), Ctr: T.Tensor((4,), "uint32"),
+                     Status: T.Tensor((3,), "int64"), Ctr: T.Tensor((5,), "uint32"),
                      State: T.Tensor((3,), "int64")):
         T.annotate_pass_configs(PASS_CONFIGS)
         with T.Kernel(blocks, threads=threads) as bx:
@@ -321,7 +326,8 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                         cw = wcnt[w, tx]
                         wcnt[w, tx] = run
                         run = run + cw
-                    Base[bx, tx] = run
+                    if bx == rb:  # with one ranking block only block 0's row is read
+                        Base[bx, tx] = run
                 if tx == threads - 1:
                     run = 0
                     first = -1
@@ -329,8 +335,9 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                         run = run + wbad[w]
                         if first < 0:
                             first = wfirst[w]
-                    Base[bx, E + 1] = run
-                    Base[bx, E + 2] = first
+                    if bx == rb:
+                        Base[bx, E + 1] = run
+                        Base[bx, E + 2] = first
                 T.sync_threads()
                 for b in T.serial(nb):
                     i = batch_entry(rb, warp, nb, b, lane)
@@ -348,19 +355,21 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                     T.wait_eq(Ctr[3], T.Cast("uint32", epoch * (blocks - 1)), scope="gpu")
                 T.sync_threads()
                 # ---- 3. block 0: this rank's count of expert g (thread g), the sum over the
-                # ranking blocks, written into row `me` of Counts on every rank; after the block
-                # barrier thread 0 signals every rank (release: the barrier puts the block's
+                # ranking blocks, written into row `me` of Counts on every other rank; after the
+                # block barrier thread 0 signals every other rank (release: the barrier puts the block's
                 # stores before it)
                 if bx == 0 and tx < E:
                     run = 0
                     for b in T.serial(pb):
                         run = run + Base[b, tx]
                     for p in T.serial(W):
-                        T.st(Counts[par, me, tx], run, dst_pe=p)
+                        if p != me:  # this rank's own counts stay in `run`
+                            T.st(Counts[par, me, tx], run, dst_pe=p)
                 T.sync_threads()
                 if bx == 0 and tx == 0:
                     for p in T.serial(W):
-                        T.notify(Sig[0, me], p, epoch)  # release: my counts of call `epoch` are on p
+                        if p != me:
+                            T.notify(Sig[0, me], p, epoch)  # release: my counts of call `epoch` are on p
                 if bx == 0 and tx == threads - 1:  # not a waiter below (W <= E < threads): off the critical path
                     nbad = 0
                     first = -1
@@ -373,11 +382,13 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                     Status[2] = 0
                     if first >= 0:
                         Status[2] = T.Cast("int64", Idx[first // K, first % K])
-                if tx < W:  # every rank's counts of this call are here
+                if tx < W and tx != me:  # every other rank's counts of this call are here
                     T.wait_ge(Sig[0, tx], epoch)
                 T.sync_threads()
-                # ---- 4. offsets. Thread g < E sums column g of the count matrix (W loads) into
-                # its expert's total and the rows of ranks before this one; the warps holding
+                # ---- 4. offsets. Thread g < E sums column g of the count matrix (W - 1 loads;
+                # row `me` is its own `run`: block 0's sum over the ranking blocks, or with one
+                # ranking block the block's own total) into its expert's total and the rows of
+                # ranks before this one; the warps holding
                 # experts scan the totals (shuffles) into escan and their warp sums into wsum, so
                 # that the rows of experts < x over all ranks are escan[x] plus at most E / 32
                 # warp sums (prefix_rows)
@@ -385,7 +396,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                     every = 0
                     if tx < E:
                         for s in T.serial(W):
-                            cnt = Counts[par, s, tx]
+                            cnt = T.if_then_else(s == me, run, Counts[par, s, tx])
                             every = every + cnt
                             if s < me:
                                 before = before + cnt
@@ -445,16 +456,18 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
             T.sync_threads()
             if tx == 0:
                 for p in T.serial(W):
-                    T.notify(Ctr[0], p, 1, sig_op="add")  # release: my rows for p are there
-                T.wait_eq(Ctr[0], T.Cast("uint32", epoch * W * blocks))
-                if bx == 0:
+                    if p != me:  # this rank's own rows are ordered by the kernel's end
+                        T.notify(Ctr[0], p, 1, sig_op="add")  # release: my rows for p are there
+                T.wait_eq(Ctr[0], T.Cast("uint32", epoch * (W - 1) * blocks))
+                if bx == 0:  # every block of this rank has read State[0] (it arrived after that)
+                    T.wait_eq(Ctr[3], T.Cast("uint32", epoch * (blocks - 1)), scope="gpu")
                     State[0] = epoch
 
     return moe_dispatch
 
 
 def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: int,
-                         dtype: str = "bfloat16", blocks: int = 132, threads: int = 512):
+                         dtype: str = "bfloat16", blocks: int = 132, threads: int = 1024):
     """The combine ``T.prim_func`` (grid: ``blocks`` blocks of ``threads`` threads).
 
     Signature: ``(Y: (CAP, H) dtype, Out: (NT, H) dtype, CombBuf: (TMAX*K, H) dtype
@@ -466,27 +479,33 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
     followed (``State[0]``: the latest dispatch call).
 
     1. Ready handshake, only when no dispatch ran since the previous combine (``State[0] ==
-       State[2]``: the same routing combined again): block 0's thread 0 tells every rank
-       that this rank has started combine ``e`` (``T.notify(Sig[1, me], p, e)``: its
+       State[2]``: the same routing combined again): block 0's thread 0 tells every other
+       rank that this rank has started combine ``e`` (``T.notify(Sig[1, me], p, e)``: its
        ``CombBuf`` is free, since the previous combine's sums ran before on this stream);
-       threads ``p < W`` of every block wait for the same word from every rank. After a
-       dispatch it is not needed: that dispatch received every rank's counts, which each
-       rank sent from its dispatch kernel, so after its previous combine (every rank makes
-       the same sequence of calls, each in stream order);
+       threads ``p < W``, ``p != me``, of every block wait for the same word from every
+       other rank. After a dispatch it is not needed: that dispatch received every other
+       rank's counts, which each rank sent from its dispatch kernel, so after its previous
+       combine (every rank makes the same sequence of calls, each in stream order);
     2. global warp ``g`` takes received rows ``g, g + G, ...`` below ``RecvOffsets[EL]``
        and puts row ``r`` of ``Y`` into ``CombBuf[i]`` on source rank ``s`` (origin
        ``RecvSrc[r] = s * TMAX * K + i``) unless ``s`` is this rank (so with one rank there
        is nothing to push);
-    3. ``__syncthreads``, a release add of 1 to ``Ctr[1]`` on every rank (system scope),
-       thread 0 waits until ``Ctr[1] == e * W * blocks`` (mod 2**32); block 0 then sets
-       ``State[1] = e`` and ``State[2] = State[0]`` (every block of this rank has read
-       ``State`` by then);
+    3. ``__syncthreads``; thread 0 of every block but block 0 arrives on the local counter
+       ``Ctr[4]`` (GPU-scope release add: the block has read ``State``), adds 1 to ``Ctr[1]``
+       on every other rank (system-scope release) and waits until ``Ctr[1] == e * (W - 1) *
+       blocks`` (mod 2**32): every other rank's rows are here. With one rank nothing is
+       pushed and nothing is waited for;
     4. warp ``g`` takes work items ``g, g + G, ...``, item ``(t, c)`` being columns ``[256c,
        256(c + 1))`` of token ``t`` (so a few tokens still keep every warp busy); each lane
        owns 8 columns, loads the ``K`` rows' 16-byte vectors first (``Y[RouteRow]`` when the
        entry's owner is this rank, ``CombBuf[t * K + k]`` otherwise, zeros for a skipped
        entry), then sums ``Weights[t*K+k] * row`` in float32 in slot order and rounds once to
-       ``dtype``.
+       ``dtype``;
+    5. block 0's thread 0 waits until ``Ctr[4] == e * (blocks - 1)`` (every block of this
+       rank has read ``State``), then sets ``State[1] = e`` and ``State[2] = State[0]``.
+
+    The default 1024 threads (64 registers each, no spills) give a 4096-token combine twice
+    the warps of 512 threads, which use 95 registers and so also fit one block per SM.
     """
     import tilelang.language as T
 
@@ -506,7 +525,7 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
                     CombBuf: T.Tensor((TK, H), dtype), RecvSrc: T.Tensor((CAP,), "int32"),
                     RecvOffsets: T.Tensor((E + 1,), "int32"), RouteRank: T.Tensor((TK,), "int32"),
                     RouteRow: T.Tensor((TK,), "int32"), Weights: T.Tensor((TK,), "float32"),
-                    Sig: T.Tensor((2, NR), "uint64"), Ctr: T.Tensor((4,), "uint32"),
+                    Sig: T.Tensor((2, NR), "uint64"), Ctr: T.Tensor((5,), "uint32"),
                     State: T.Tensor((3,), "int64")):
         T.annotate_pass_configs(PASS_CONFIGS)
         with T.Kernel(blocks, threads=threads) as bx:
@@ -522,13 +541,14 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
             wk = T.alloc_local((K,), "float32")
             vals = T.alloc_local((K * VEC,), dtype)
             acc = T.alloc_local((VEC,), "float32")
-            # ---- 1. ready handshake (the same routing combined again): every rank has started
+            # ---- 1. ready handshake (the same routing combined again): every other rank has started
             # this combine. After a dispatch, its count exchange already showed that.
             if again == 1:  # grid-uniform
                 if bx == 0 and tx == 0:
                     for p in T.serial(W):
-                        T.notify(Sig[1, me], p, epoch)
-                if tx < W:
+                        if p != me:
+                            T.notify(Sig[1, me], p, epoch)
+                if tx < W and tx != me:
                     T.wait_ge(Sig[1, tx], epoch)
                 T.sync_threads()
             # ---- 2. rows computed here for other ranks' tokens go back to their source
@@ -541,15 +561,16 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
                     if origin // TK != me:
                         T.put_warp(T.address_of(Y[r, 0]), T.address_of(CombBuf[origin % TK, 0]), H,
                                    dst_pe=origin // TK, unroll_factor=PUT_UNROLL)
-            # ---- 3. signal every rank, wait for every rank's rows
+            # ---- 3. signal every other rank, wait for every other rank's rows; every block but
+            # block 0 arrives on a local counter (it has read State)
             T.sync_threads()
             if tx == 0:
+                if bx > 0:
+                    T.atom_add(Ctr[4], 1, scope="gpu", sem="release")
                 for p in T.serial(W):
-                    T.notify(Ctr[1], p, 1, sig_op="add")
-                T.wait_eq(Ctr[1], T.Cast("uint32", epoch * W * blocks))
-                if bx == 0:
-                    State[1] = epoch
-                    State[2] = routing
+                    if p != me:
+                        T.notify(Ctr[1], p, 1, sig_op="add")
+                T.wait_eq(Ctr[1], T.Cast("uint32", epoch * (W - 1) * blocks))
             T.sync_threads()
             # ---- 4. weighted sum, float32, slot order; a work item is one token's 32 * 8
             # columns, so few tokens still spread over many warps
@@ -580,5 +601,10 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
                                 acc[v] = acc[v] + wk[k] * T.Cast("float32", vals[k * VEC + v])
                         for v in T.vectorized(VEC):
                             Out[t, col + v] = T.Cast(dtype, acc[v])
+            # ---- 5. block 0 records the call once every block of this rank has read State
+            if bx == 0 and tx == 0:
+                T.wait_eq(Ctr[4], T.Cast("uint32", epoch * (blocks - 1)), scope="gpu")
+                State[1] = epoch
+                State[2] = routing
 
     return moe_combine

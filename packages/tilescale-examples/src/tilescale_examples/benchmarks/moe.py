@@ -153,7 +153,7 @@ def run(rank: int, world: int, group, device, args) -> list | None:
     alloc = tilelang.get_allocator(size=heap, device=device, is_distributed=True, local_rank=rank,
                                    num_local_ranks=world, group=group)
     flag_device = device if dist.get_backend(group) == "nccl" else "cpu"
-    moe = MoEDispatcher(alloc, E, H, K, max_tokens, dtype, group=group)
+    moe = MoEDispatcher(alloc, E, H, K, max_tokens, dtype, group=group, threads=args.threads)
     ref = TorchAllToAllMoE(E, group, world)
     gen = torch.Generator().manual_seed(rank * 7919 + 11)
     rows, failures = [], 0
@@ -242,6 +242,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--routing", default="uniform,skewed", help="comma-separated: uniform, skewed")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=1024, help="threads per block of the combine kernel "
+                                                            "(multiple of 32, at most 1024)")
     p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph timings")
     return p
 
@@ -262,6 +264,8 @@ def main(argv=None) -> int:
         p.error("need 1 <= --topk <= min(8, --experts), --hidden a positive multiple of 8, --iters >= 1")
     if args.ranks is not None and args.ranks < 1:
         p.error("--ranks must be >= 1")
+    if args.threads % 32 or not 32 <= args.threads <= 1024:
+        p.error(f"--threads must be a multiple of 32 in [32, 1024], got {args.threads}")
     os.environ.setdefault("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
     import torch
 
@@ -282,7 +286,7 @@ def main(argv=None) -> int:
         mode = (f"{world} ranks sharing {min(gpus, world)} GPU(s): time-sliced, NOT a performance "
                 f"measurement; torch path over {backend} (host staging)")
     print_table(f"MoE dispatch/combine, {world} rank(s), hidden {args.hidden}, top-{args.topk} of "
-                f"{args.experts} experts, {args.dtype}, {mode}; speedup = torch us / TileScale us; "
+                f"{args.experts} experts, {args.dtype}, combine {args.threads} threads, {mode}; speedup = torch us / TileScale us; "
                 "vs copy = device copy of the same bytes / TileScale (1 rank)", HEADERS, rows)
     print(f"\ncorrectness (dispatch bit-exact, combine allclose rtol 2**-7 vs the torch path, every row): "
           f"{'ok' if failures == 0 else f'{failures} FAILURE(S)'}")
