@@ -691,7 +691,9 @@ def test_benchmark_routing_and_arguments(monkeypatch, capsys):
                           (["--routing", "zipf"], "--routing must list uniform and/or skewed"),
                           (["--topk", "9"], "need 1 <= --topk <= min(8, --experts)"),
                           (["--hidden", "100"], "--hidden a positive multiple of 8"),
-                          (["--ranks", "0"], "--ranks must be >= 1")):
+                          (["--ranks", "0"], "--ranks must be >= 1"),
+                          (["--threads", "100"], "--threads must be a multiple of 32 in [32, 1024]"),
+                          (["--threads", "2048"], "--threads must be a multiple of 32 in [32, 1024]")):
         with pytest.raises(SystemExit) as exc:
             bench.main(argv)
         assert exc.value.code == 2 and message in capsys.readouterr().err
