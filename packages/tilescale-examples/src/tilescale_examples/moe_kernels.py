@@ -35,7 +35,10 @@ over ranks, and ``rank_s(i)`` how many entries of rank ``s`` before ``i`` chose 
   rank directly from ``y``.
 
 The synchronisation protocol and the deadlock-freedom argument are in the module docstring
-of :mod:`tilescale_examples.moe`.
+of :mod:`tilescale_examples.moe`. The five counter words ``Ctr`` (symmetric ``uint32``): ``0``
+the dispatch's closing round (adds from the other ranks' blocks), ``1`` the combine's, ``2``
+the plan's release to this rank's blocks, ``3`` and ``4`` this rank's blocks arriving in a
+dispatch and in a combine (local).
 """
 
 # (no `from __future__ import annotations`: TileLang reads the kernels' annotations)
@@ -103,7 +106,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     (TMAX*K,) int32, Base: (blocks, E + 3) int32, Weights: (TMAX*K,) float32, Counts: (2, W,
     E) int32 [symmetric], Sig: (2, W) uint64 [symmetric], RecvX: (CAP, H) dtype [symmetric],
     RecvSrc: (CAP,) int32 [symmetric], RouteRank: (TMAX*K,) int32, RouteRow: (TMAX*K,)
-    int32, RecvCounts: (E,) int32, RecvOffsets: (E + 1,) int32, Status: (3,) int64, Ctr: (4,)
+    int32, RecvCounts: (E,) int32, RecvOffsets: (E + 1,) int32, Status: (3,) int64, Ctr: (5,)
     uint32 [symmetric], State: (3,) int64)``; only the first ``EL`` (``EL + 1``) entries of
     ``RecvCounts`` (``RecvOffsets``) are written.
 
@@ -473,7 +476,7 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
     Signature: ``(Y: (CAP, H) dtype, Out: (NT, H) dtype, CombBuf: (TMAX*K, H) dtype
     [symmetric], RecvSrc: (CAP,) int32 [symmetric], RecvOffsets: (E + 1,) int32, RouteRank:
     (TMAX*K,) int32, RouteRow: (TMAX*K,) int32, Weights: (TMAX*K,) float32, Sig: (2, W)
-    uint64 [symmetric], Ctr: (4,) uint32 [symmetric], State: (3,) int64)``.
+    uint64 [symmetric], Ctr: (5,) uint32 [symmetric], State: (3,) int64)``.
 
     Call number ``e = State[1] + 1``; ``State[2]`` is the dispatch call the previous combine
     followed (``State[0]``: the latest dispatch call).
