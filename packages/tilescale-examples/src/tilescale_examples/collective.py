@@ -14,7 +14,8 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["SymmetricCollective", "Closable", "check_tensor", "plan_chunks", "size_table_entry", "check_allocator",
+__all__ = ["SymmetricCollective", "Closable", "check_tensor", "check_threads", "plan_chunks", "size_table_entry",
+           "check_allocator",
            "compile_once", "compile_symmetric", "settle", "all_ranks_agree", "collective_device", "TARGET", "DTYPES"]
 
 #: Default TileLang target (H100/H200).
@@ -98,6 +99,13 @@ def check_dtype(dtype, allowed=None) -> torch.dtype:
     if not isinstance(dtype, torch.dtype) or dtype not in allowed:
         raise TypeError(f"dtype must be one of {sorted(DTYPES[d] for d in allowed)}, got {dtype!r}")
     return dtype
+
+
+def check_threads(threads) -> None:
+    """``ValueError`` unless ``threads`` (threads per block of a kernel) is an int multiple of
+    32 in [32, 1024]."""
+    if not isinstance(threads, int) or threads < 32 or threads > 1024 or threads % 32:
+        raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads!r}")
 
 
 def check_tensor(tensor, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device, name: str = "input",
@@ -228,8 +236,7 @@ class SymmetricCollective(Closable):
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if world_size != num_ranks:
             raise ValueError(f"world_size={world_size} but the allocator spans {num_ranks} rank(s)")
-        if not isinstance(threads, int) or threads < 32 or threads > 1024 or threads % 32:
-            raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads!r}")
+        check_threads(threads)
         self.world_size = world_size
         self.shard_numel = math.prod(self.shard_shape)
         if world_size * self.shard_numel >= self.MAX_ELEMENTS:

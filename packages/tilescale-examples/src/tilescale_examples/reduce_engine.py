@@ -88,7 +88,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from tilescale_examples.collective import DTYPES, SymmetricCollective, compile_once, settle
+from tilescale_examples.collective import DTYPES, SymmetricCollective, check_threads, compile_once, settle
 
 __all__ = ["MODES", "ACCUMULATE", "REDUCE_DTYPES", "VECTOR_BYTES", "MAX_REGISTERS",
            "build_reduce_kernel", "default_unroll", "vector_elems", "plan_grid", "Plan",
@@ -167,8 +167,7 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
         raise ValueError(f"dtype must be one of {sorted(ACCUMULATE)}, got {dtype!r}")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= 1022:
         raise ValueError(f"world_size must be an int in [1, 1022], got {world_size!r}")
-    if not isinstance(threads, int) or threads < 32 or threads > 1024 or threads % 32:
-        raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads!r}")
+    check_threads(threads)
     U = default_unroll(world_size) if unroll is None else unroll
     if not isinstance(U, int) or isinstance(U, bool) or U < 1:
         raise ValueError(f"unroll must be a positive int, got {unroll!r}")

@@ -264,8 +264,12 @@ def main(argv=None) -> int:
         p.error("need 1 <= --topk <= min(8, --experts), --hidden a positive multiple of 8, --iters >= 1")
     if args.ranks is not None and args.ranks < 1:
         p.error("--ranks must be >= 1")
-    if args.threads % 32 or not 32 <= args.threads <= 1024:
-        p.error(f"--threads must be a multiple of 32 in [32, 1024], got {args.threads}")
+    from tilescale_examples.collective import check_threads
+
+    try:
+        check_threads(args.threads)  # the rule MoEDispatcher applies, before any rank starts
+    except ValueError as exc:
+        p.error(f"--{exc}")
     os.environ.setdefault("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
     import torch
 
