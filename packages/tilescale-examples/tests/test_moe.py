@@ -201,11 +201,15 @@ def test_dispatch_kernel_rejects_a_grid_the_plan_cannot_use():
 def test_combine_kernel_handshakes_pushes_then_sums_in_float32():
     body = source(build_combine_kernel(64, 8, 7168, 4096, blocks=132))
     assert "__launch_bounds__(1024, 1) moe_combine_kernel(" in body and "__shared__" not in body
+    # every block reads its own copies of the combine's call numbers (State is (3, 132))
+    assert "epoch = (State[(((int)blockIdx.x) + 132)] + (int64_t)1);" in body
+    assert "routing = State[0];" in body
+    guard = body.index("again = ((int)(routing == State[(((int)blockIdx.x) + 264)]));")
+    # with one rank there is no handshake, no push and no counter round (grid-uniform)
+    several = body.index("if (1 < W) {", guard)
     # the ready handshake runs only when no dispatch came since the previous combine
-    guard = body.index("again = ((int)(routing == State[2]));")
-    assert body.index("routing = State[0];") < guard
     ready = body.index("tilescale::notify<false>((&(Sig[")
-    assert body.rindex("if (again == 1) {", 0, ready) > guard
+    assert body.rindex("if (again == 1) {", 0, ready) > several
     handshake_wait = body.index("tilescale::wait_until<tilescale::Cmp::GE", ready)
     assert body.rindex("if (again == 1) {", 0, handshake_wait) > ready
     # a rank neither signals nor waits for itself
@@ -213,21 +217,23 @@ def test_combine_kernel_handshakes_pushes_then_sums_in_float32():
     assert body.rindex("if ((((int)threadIdx.x) < W) && (((int)threadIdx.x) != me)) {", 0, handshake_wait) > ready
     put = body.index(f"tilescale::put_warp<{PUT_UNROLL}, false>(", ready)
     assert "(&(CombBuf[" in body[put:body.index(";", put)]
-    # after the block barrier: every block but 0 arrives on a local counter (it has read
-    # State), one release add per other rank, then the wait for the other ranks' blocks
+    # after the block barrier: one release add per other rank, then the wait for the other
+    # ranks' blocks; no local arrival counter (the blocks' call numbers are their own)
     sync = body.index("__syncthreads();", put)
-    arrive = body.index("tilescale::atom_add<tilescale::Scope::GPU, tilescale::Sem::RELEASE>((&(Ctr[4])), (uint)1);", sync)
-    add = body.index("tilescale::notify<true>((&(Ctr[1]))", arrive)
-    assert body.rindex("if (p_1 != me) {", 0, add) > arrive
+    add = body.index("tilescale::notify<true>((&(Ctr[1]))", sync)
+    assert body.rindex("if (p_1 != me) {", 0, add) > sync
     assert "fence_sys" not in body  # the release add after bar.sync covers the block's rows
+    assert "Ctr[4]" not in body and "atom_add" not in body
     wait = body.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>((&(Ctr[1])), ((uint)((epoch * (((int64_t)W) - (int64_t)1)) * (int64_t)132)));", add)
-    # block 0 records the call after its sums, once every block of this rank has arrived
-    arrived = body.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::GPU, tilescale::Sem::ACQUIRE>((&(Ctr[4])), ((uint)(epoch * (int64_t)131)));", wait)
-    assert body.index("__float22bfloat162_rn(", wait) < arrived
-    assert body.index("State[1] = epoch;", arrived) > arrived and body.index("State[2] = routing;", arrived) > arrived
-    sums = body[wait:]
+    assert body.index("__syncthreads();", wait) < body.index("for (int j_1 = 0;", wait)  # still in the W > 1 branch
+    sums = body[body.index("for (int j_1 = 0;", wait):]
     assert sums.count("*(uint4*)(Y + ") == 1 and sums.count("*(uint4*)(CombBuf + ") == 1  # 16-byte loads
+    assert sums.index("RouteRow[") < sums.index("*(uint4*)(Y + ")
     assert "float acc[8];" in body and "__float22bfloat162_rn(" in sums
+    # the block records the call in its own copies after a barrier (all its threads read them)
+    tail = body[body.rindex("__syncthreads();"):]
+    assert body.rindex("__syncthreads();") > body.rindex("__float22bfloat162_rn(")
+    assert "State[(((int)blockIdx.x) + 132)] = epoch;" in tail and "State[(((int)blockIdx.x) + 264)] = routing;" in tail
 
 
 @needs_nvcc
@@ -260,7 +266,7 @@ def test_dispatcher_on_cpu_allocator(cache_dir):
     cap = 2 * TMAX * K
     assert moe.capacity == cap and moe.experts_per_rank == 4
     assert alloc.allocations == [((cap, H), torch.float16), ((cap,), torch.int32), ((TMAX * K, H), torch.float16),
-                                 ((2, 2, E), torch.int32), ((2, 2), torch.uint64), ((5,), torch.uint32)]
+                                 ((2, 2, E), torch.int32), ((2, 2), torch.uint64), ((4,), torch.uint32)]
     assert not moe.flags.ne(0).any() and not moe.counters.ne(0).any() and not moe.count_matrix.ne(0).any()
     assert sum(math.prod(s) * t.itemsize for s, t in alloc.allocations) < \
         MoEDispatcher.heap_bytes(E, H, K, TMAX, 2, torch.float16)
@@ -276,6 +282,7 @@ def test_dispatcher_on_cpu_allocator(cache_dir):
     assert [n for n, _ in launched] == ["dispatch"]
     disp = launched[0][1]
     assert disp[0] is idx and disp[1] is w and disp[2] is x and disp[8] is moe.recv_x and disp[16] is moe.state
+    assert moe.state.shape == (3, moe.blocks) and not moe.state.ne(0).any()  # one column per block
     assert handle.epoch == 1 and handle.num_tokens == 5 and handle.dest_rank.shape == (5, K)
     y = torch.randn(cap, H).half()
     out = moe.combine(y, handle)

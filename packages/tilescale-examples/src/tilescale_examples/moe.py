@@ -60,12 +60,13 @@ How it runs (one kernel per call on the current stream, no host synchronisation)
    so graph replays stay correct), then each received row goes back to its
    source rank's symmetric combine buffer (rows of this rank's own tokens stay where they
    are); block barrier, release counter add on every other rank, wait; then each token's
-   ``topk`` rows are summed with its weights in float32.
+   ``topk`` rows are summed with its weights in float32. With one rank only the sums run.
 
 A rank never signals or waits for itself: its own counts stay in registers, and the end of
 its kernel orders its own rows before anything later on its stream (so with one rank the
-kernels carry no cross-block wait beyond block 0 checking, before it advances the call
-numbers, that every block has read them).
+dispatch carries no cross-block wait beyond block 0 checking, before it advances the
+dispatch's call number, that every block has read it, and the combine none: each of its
+blocks keeps its own copy of the combine's call numbers).
 
 Flags hold a *call number* kept on the device (``state``), not passed from the host, so a
 captured graph replays correctly; counters are compared modulo 2**32 against ``calls * (W -
@@ -341,13 +342,14 @@ class MoEDispatcher(SymmetricCollective):
         self.comb_buf = self._tensor((TK, H))
         self.count_matrix = self._tensor((2, W, E), torch.int32)
         self.flags = self._tensor((2, W), torch.uint64)
-        self.counters = self._tensor((5,), torch.uint32)
+        self.counters = self._tensor((4,), torch.uint32)  # the Ctr words of moe_kernels
         for t in (self.count_matrix, self.flags, self.counters):
             t.zero_()
         # ---- local state
         dev = self.device
         # dispatch calls, combine calls, the dispatch call the latest combine followed
-        self.state = torch.zeros((3,), dtype=torch.int64, device=dev)
+        # call numbers (moe_kernels' State): [0, 0] dispatches; [1, b], [2, b] combine block b's copies
+        self.state = torch.zeros((3, self.blocks), dtype=torch.int64, device=dev)
         self.packed = torch.zeros((TK,), dtype=torch.int32, device=dev)
         self.base = torch.zeros((self.blocks, E + 3), dtype=torch.int32, device=dev)  # the plan's per-block table
         self.weights = torch.zeros((TK,), dtype=torch.float32, device=dev)
@@ -384,7 +386,7 @@ class MoEDispatcher(SymmetricCollective):
         item = torch.empty((), dtype=dtype).element_size()
         cap = world_size * max_tokens * topk
         return (cap * hidden * item + cap * 4 + max_tokens * topk * hidden * item
-                + 2 * world_size * num_experts * 4 + 2 * world_size * 8 + 20 + 6 * 1024)
+                + 2 * world_size * num_experts * 4 + 2 * world_size * 8 + 16 + 6 * 1024)
 
     # ------------------------------------------------------------------ checks
     def _check_tokens(self, x, topk_idx, topk_weights) -> int:

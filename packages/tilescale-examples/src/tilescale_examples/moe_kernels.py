@@ -29,16 +29,21 @@ over ranks, and ``rank_s(i)`` how many entries of rank ``s`` before ``i`` chose 
   rank (``T.put_warp``) with the entry's origin, and every block signals every other rank
   and waits until all blocks of all other ranks have signalled it (a rank never signals
   itself: the kernel's end orders its own writes).
-* :func:`build_combine_kernel` (same grid): pushes each received row back to its source rank
-  (unless the source is this rank), signals the other ranks, waits for them, then sums each token's ``K`` rows
-  weighted by ``topk_weights`` in float32 (in slot order), reading rows that stayed on this
-  rank directly from ``y``.
+* :func:`build_combine_kernel` (same grid): with several ranks, pushes each received row back
+  to its source rank (unless the source is this rank), signals the other ranks and waits for
+  them; then sums each token's ``K`` rows weighted by ``topk_weights`` in float32 (in slot
+  order), reading rows that stayed on this rank directly from ``y``. With one rank it only
+  sums.
 
 The synchronisation protocol and the deadlock-freedom argument are in the module docstring
-of :mod:`tilescale_examples.moe`. The five counter words ``Ctr`` (symmetric ``uint32``): ``0``
+of :mod:`tilescale_examples.moe`. The four counter words ``Ctr`` (symmetric ``uint32``): ``0``
 the dispatch's closing round (adds from the other ranks' blocks), ``1`` the combine's, ``2``
-the plan's release to this rank's blocks, ``3`` and ``4`` this rank's blocks arriving in a
-dispatch and in a combine (local).
+the plan's release to this rank's blocks, ``3`` this rank's blocks arriving in a dispatch
+(local). The call numbers ``State`` (``(3, blocks)`` int64, local): ``State[0, 0]`` the
+dispatch calls (advanced by the dispatch's block 0 once every block has read it);
+``State[1, b]`` and ``State[2, b]`` the combine calls and the dispatch call the latest combine
+followed, one copy per combine block ``b``, which only block ``b`` reads and advances (so the
+combine needs no cross-block round to know that its blocks have read them).
 """
 
 # (no `from __future__ import annotations`: TileLang reads the kernels' annotations)
@@ -106,11 +111,11 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     (TMAX*K,) int32, Base: (blocks, E + 3) int32, Weights: (TMAX*K,) float32, Counts: (2, W,
     E) int32 [symmetric], Sig: (2, W) uint64 [symmetric], RecvX: (CAP, H) dtype [symmetric],
     RecvSrc: (CAP,) int32 [symmetric], RouteRank: (TMAX*K,) int32, RouteRow: (TMAX*K,)
-    int32, RecvCounts: (E,) int32, RecvOffsets: (E + 1,) int32, Status: (3,) int64, Ctr: (5,)
-    uint32 [symmetric], State: (3,) int64)``; only the first ``EL`` (``EL + 1``) entries of
+    int32, RecvCounts: (E,) int32, RecvOffsets: (E + 1,) int32, Status: (3,) int64, Ctr: (4,)
+    uint32 [symmetric], State: (3, blocks) int64)``; only the first ``EL`` (``EL + 1``) entries of
     ``RecvCounts`` (``RecvOffsets``) are written.
 
-    Call number ``e = State[0] + 1`` (read by every block at its start), count buffer
+    Call number ``e = State[0, 0] + 1`` (read by every block at its start), count buffer
     ``e % 2``. **Plan** (``NW = threads / 32`` warps per block; ``PB = clamp(ceil(NT*K / (NW *
     32)), 1, blocks)`` *ranking blocks*, so that every warp ranks one batch of 32 entries when
     the grid is large enough; ``R = 32 * ceil(NT*K / (PB * NW * 32))`` entries per warp):
@@ -179,7 +184,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     every other rank has finished writing to this rank (this rank's own rows are ordered
     before any later work on its stream by the kernel's end). Block 0 then waits until
     ``Ctr[3] == e * (blocks - 1)`` (every other block of this rank has arrived, so has read
-    ``State[0]``) and sets ``State[0] = e``.
+    ``State[0, 0]``) and sets ``State[0, 0] = e``.
 
     Two count buffers suffice: rank ``s`` writes buffer ``e % 2`` on rank ``d != s`` only
     after its call ``e - 1`` received every other rank's counts of ``e - 1``, so ``d`` has
@@ -237,8 +242,8 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                      RecvX: T.Tensor((CAP, H), dtype), RecvSrc: T.Tensor((CAP,), "int32"),
                      RouteRank: T.Tensor((TK,), "int32"), RouteRow: T.Tensor((TK,), "int32"),
                      RecvCounts: T.Tensor((E,), "int32"), RecvOffsets: T.Tensor((E + 1,), "int32"),
-                     Status: T.Tensor((3,), "int64"), Ctr: T.Tensor((5,), "uint32"),
-                     State: T.Tensor((3,), "int64")):
+                     Status: T.Tensor((3,), "int64"), Ctr: T.Tensor((4,), "uint32"),
+                     State: T.Tensor((3, blocks), "int64")):
         T.annotate_pass_configs(PASS_CONFIGS)
         with T.Kernel(blocks, threads=threads) as bx:
             tx, lane, g, me, W, EL = _grid_ids(T, bx, threads, E)
@@ -259,7 +264,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
             every = T.alloc_var("int32")  # step 4: thread g's expert total over ranks and the
             before = T.alloc_var("int32", init=0)  # rows of ranks before this one
             epoch = T.alloc_var("int64")
-            epoch = State[0] + 1
+            epoch = State[0, 0] + 1
             par = T.alloc_var("int32")
             par = T.Cast("int32", epoch % 2)
             n = NT * K
@@ -462,9 +467,9 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                     if p != me:  # this rank's own rows are ordered by the kernel's end
                         T.notify(Ctr[0], p, 1, sig_op="add")  # release: my rows for p are there
                 T.wait_eq(Ctr[0], T.Cast("uint32", epoch * (W - 1) * blocks))
-                if bx == 0:  # every block of this rank has read State[0] (it arrived after that)
+                if bx == 0:  # every block of this rank has read State[0, 0] (it arrived after that)
                     T.wait_eq(Ctr[3], T.Cast("uint32", epoch * (blocks - 1)), scope="gpu")
-                    State[0] = epoch
+                    State[0, 0] = epoch
 
     return moe_dispatch
 
@@ -476,36 +481,37 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
     Signature: ``(Y: (CAP, H) dtype, Out: (NT, H) dtype, CombBuf: (TMAX*K, H) dtype
     [symmetric], RecvSrc: (CAP,) int32 [symmetric], RecvOffsets: (E + 1,) int32, RouteRank:
     (TMAX*K,) int32, RouteRow: (TMAX*K,) int32, Weights: (TMAX*K,) float32, Sig: (2, W)
-    uint64 [symmetric], Ctr: (5,) uint32 [symmetric], State: (3,) int64)``.
+    uint64 [symmetric], Ctr: (4,) uint32 [symmetric], State: (3, blocks) int64)``.
 
-    Call number ``e = State[1] + 1``; ``State[2]`` is the dispatch call the previous combine
-    followed (``State[0]``: the latest dispatch call).
+    Block ``b``'s call number ``e = State[1, b] + 1``; ``State[2, b]`` is the dispatch call the
+    previous combine followed (``State[0, 0]``: the latest dispatch call). Each block keeps its
+    own copies: every block runs every call, so all copies agree.
 
-    1. Ready handshake, only when no dispatch ran since the previous combine (``State[0] ==
-       State[2]``: the same routing combined again): block 0's thread 0 tells every other
-       rank that this rank has started combine ``e`` (``T.notify(Sig[1, me], p, e)``: its
-       ``CombBuf`` is free, since the previous combine's sums ran before on this stream);
+    Steps 1-3 run only with more than one rank (grid-uniform); with one rank every row is
+    already here and nobody is waited for.
+
+    1. Ready handshake, only when no dispatch ran since the previous combine (``State[0, 0]
+       == State[2, b]``: the same routing combined again): block 0's thread 0 tells every
+       other rank that this rank has started combine ``e`` (``T.notify(Sig[1, me], p, e)``:
+       its ``CombBuf`` is free, since the previous combine's sums ran before on this stream);
        threads ``p < W``, ``p != me``, of every block wait for the same word from every
        other rank. After a dispatch it is not needed: that dispatch received every other
        rank's counts, which each rank sent from its dispatch kernel, so after its previous
        combine (every rank makes the same sequence of calls, each in stream order);
     2. global warp ``g`` takes received rows ``g, g + G, ...`` below ``RecvOffsets[EL]``
        and puts row ``r`` of ``Y`` into ``CombBuf[i]`` on source rank ``s`` (origin
-       ``RecvSrc[r] = s * TMAX * K + i``) unless ``s`` is this rank (so with one rank there
-       is nothing to push);
-    3. ``__syncthreads``; thread 0 of every block but block 0 arrives on the local counter
-       ``Ctr[4]`` (GPU-scope release add: the block has read ``State``), adds 1 to ``Ctr[1]``
-       on every other rank (system-scope release) and waits until ``Ctr[1] == e * (W - 1) *
-       blocks`` (mod 2**32): every other rank's rows are here. With one rank nothing is
-       pushed and nothing is waited for;
+       ``RecvSrc[r] = s * TMAX * K + i``) unless ``s`` is this rank;
+    3. ``__syncthreads``; thread 0 adds 1 to ``Ctr[1]`` on every other rank (system-scope
+       release, which after the barrier covers the block's rows) and waits until ``Ctr[1] ==
+       e * (W - 1) * blocks`` (mod 2**32): every other rank's rows are here;
     4. warp ``g`` takes work items ``g, g + G, ...``, item ``(t, c)`` being columns ``[256c,
        256(c + 1))`` of token ``t`` (so a few tokens still keep every warp busy); each lane
-       owns 8 columns, loads the ``K`` rows' 16-byte vectors first (``Y[RouteRow]`` when the
-       entry's owner is this rank, ``CombBuf[t * K + k]`` otherwise, zeros for a skipped
-       entry), then sums ``Weights[t*K+k] * row`` in float32 in slot order and rounds once to
-       ``dtype``;
-    5. block 0's thread 0 waits until ``Ctr[4] == e * (blocks - 1)`` (every block of this
-       rank has read ``State``), then sets ``State[1] = e`` and ``State[2] = State[0]``.
+       owns 8 columns, loads the token's ``K`` routes and weights, then the ``K`` rows' 16-byte
+       vectors (all before the first add: ``Y[RouteRow]`` when the entry's owner is this
+       rank, ``CombBuf[t * K + k]`` otherwise, zeros for a skipped entry), then sums
+       ``Weights[t*K+k] * row`` in float32 in slot order and rounds once to ``dtype``;
+    5. ``__syncthreads`` (every thread of the block has read its ``State`` copies), then
+       thread 0 sets ``State[1, b] = e`` and ``State[2, b] = State[0, 0]``.
 
     The default 1024 threads (64 registers each, no spills) give a 4096-token combine twice
     the warps of 512 threads, which use 95 registers and so also fit one block per SM.
@@ -523,58 +529,64 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
     CAP = T.dynamic("capacity")
     NR = T.dynamic("num_ranks")
 
+    @T.macro
+    def load_routes(RouteRank, RouteRow, Weights, rk, rw, wk, t):
+        """Token ``t``'s ``K`` routes (owner rank, row) and weights into registers."""
+        for k in T.unroll(K):
+            rk[k] = RouteRank[t * K + k]
+            rw[k] = RouteRow[t * K + k]
+            wk[k] = Weights[t * K + k]
+
     @T.prim_func
     def moe_combine(Y: T.Tensor((CAP, H), dtype), Out: T.Tensor((NT, H), dtype),
                     CombBuf: T.Tensor((TK, H), dtype), RecvSrc: T.Tensor((CAP,), "int32"),
                     RecvOffsets: T.Tensor((E + 1,), "int32"), RouteRank: T.Tensor((TK,), "int32"),
                     RouteRow: T.Tensor((TK,), "int32"), Weights: T.Tensor((TK,), "float32"),
-                    Sig: T.Tensor((2, NR), "uint64"), Ctr: T.Tensor((5,), "uint32"),
-                    State: T.Tensor((3,), "int64")):
+                    Sig: T.Tensor((2, NR), "uint64"), Ctr: T.Tensor((4,), "uint32"),
+                    State: T.Tensor((3, blocks), "int64")):
         T.annotate_pass_configs(PASS_CONFIGS)
         with T.Kernel(blocks, threads=threads) as bx:
             tx, lane, g, me, W, EL = _grid_ids(T, bx, threads, E)
             epoch = T.alloc_var("int64")
-            epoch = State[1] + 1
+            epoch = State[1, bx] + 1  # this block's own copies of the call numbers
             routing = T.alloc_var("int64")  # the latest dispatch call
-            routing = State[0]
+            routing = State[0, 0]
             again = T.alloc_var("int32")  # 1: no dispatch since the previous combine
-            again = T.Cast("int32", routing == State[2])
+            again = T.Cast("int32", routing == State[2, bx])
             rk = T.alloc_local((K,), "int32")
             rw = T.alloc_local((K,), "int32")
             wk = T.alloc_local((K,), "float32")
             vals = T.alloc_local((K * VEC,), dtype)
             acc = T.alloc_local((VEC,), "float32")
-            # ---- 1. ready handshake (the same routing combined again): every other rank has started
-            # this combine. After a dispatch, its count exchange already showed that.
-            if again == 1:  # grid-uniform
-                if bx == 0 and tx == 0:
+            if W > 1:  # grid-uniform; with one rank there is nobody to hand rows to or wait for
+                # ---- 1. ready handshake (the same routing combined again): every other rank has
+                # started this combine. After a dispatch, its count exchange already showed that.
+                if again == 1:  # grid-uniform
+                    if bx == 0 and tx == 0:
+                        for p in T.serial(W):
+                            if p != me:
+                                T.notify(Sig[1, me], p, epoch)
+                    if tx < W and tx != me:
+                        T.wait_ge(Sig[1, tx], epoch)
+                    T.sync_threads()
+                # ---- 2. rows computed here for other ranks' tokens go back to their source
+                total = T.alloc_var("int32")
+                total = RecvOffsets[EL]
+                for j in T.serial((total + G - 1) // G):
+                    r = g + j * G
+                    if r < total:
+                        origin = RecvSrc[r]
+                        if origin // TK != me:
+                            T.put_warp(T.address_of(Y[r, 0]), T.address_of(CombBuf[origin % TK, 0]), H,
+                                       dst_pe=origin // TK, unroll_factor=PUT_UNROLL)
+                # ---- 3. signal every other rank, wait for every other rank's rows
+                T.sync_threads()
+                if tx == 0:
                     for p in T.serial(W):
                         if p != me:
-                            T.notify(Sig[1, me], p, epoch)
-                if tx < W and tx != me:
-                    T.wait_ge(Sig[1, tx], epoch)
+                            T.notify(Ctr[1], p, 1, sig_op="add")
+                    T.wait_eq(Ctr[1], T.Cast("uint32", epoch * (W - 1) * blocks))
                 T.sync_threads()
-            # ---- 2. rows computed here for other ranks' tokens go back to their source
-            total = T.alloc_var("int32")
-            total = T.if_then_else(W > 1, RecvOffsets[EL], 0)  # one rank: every row stays
-            for j in T.serial((total + G - 1) // G):
-                r = g + j * G
-                if r < total:
-                    origin = RecvSrc[r]
-                    if origin // TK != me:
-                        T.put_warp(T.address_of(Y[r, 0]), T.address_of(CombBuf[origin % TK, 0]), H,
-                                   dst_pe=origin // TK, unroll_factor=PUT_UNROLL)
-            # ---- 3. signal every other rank, wait for every other rank's rows; every block but
-            # block 0 arrives on a local counter (it has read State)
-            T.sync_threads()
-            if tx == 0:
-                if bx > 0:
-                    T.atom_add(Ctr[4], 1, scope="gpu", sem="release")
-                for p in T.serial(W):
-                    if p != me:
-                        T.notify(Ctr[1], p, 1, sig_op="add")
-                T.wait_eq(Ctr[1], T.Cast("uint32", epoch * (W - 1) * blocks))
-            T.sync_threads()
             # ---- 4. weighted sum, float32, slot order; a work item is one token's 32 * 8
             # columns, so few tokens still spread over many warps
             for j in T.serial((NT * COLS + G - 1) // G):
@@ -582,10 +594,7 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
                 if item < NT * COLS:
                     t = item // COLS
                     col = (item % COLS * 32 + lane) * VEC
-                    for k in T.unroll(K):
-                        rk[k] = RouteRank[t * K + k]
-                        rw[k] = RouteRow[t * K + k]
-                        wk[k] = Weights[t * K + k]
+                    load_routes(RouteRank, RouteRow, Weights, rk, rw, wk, t)
                     if col < H:
                         for k in T.unroll(K):  # all K loads first, then the sums
                             if rk[k] == me:
@@ -604,10 +613,10 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
                                 acc[v] = acc[v] + wk[k] * T.Cast("float32", vals[k * VEC + v])
                         for v in T.vectorized(VEC):
                             Out[t, col + v] = T.Cast(dtype, acc[v])
-            # ---- 5. block 0 records the call once every block of this rank has read State
-            if bx == 0 and tx == 0:
-                T.wait_eq(Ctr[4], T.Cast("uint32", epoch * (blocks - 1)), scope="gpu")
-                State[1] = epoch
-                State[2] = routing
+            # ---- 5. the block records the call in its own copies, once all its threads read them
+            T.sync_threads()
+            if tx == 0:
+                State[1, bx] = epoch
+                State[2, bx] = routing
 
     return moe_combine
