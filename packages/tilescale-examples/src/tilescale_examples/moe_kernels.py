@@ -529,14 +529,6 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
     CAP = T.dynamic("capacity")
     NR = T.dynamic("num_ranks")
 
-    @T.macro
-    def load_routes(RouteRank, RouteRow, Weights, rk, rw, wk, t):
-        """Token ``t``'s ``K`` routes (owner rank, row) and weights into registers."""
-        for k in T.unroll(K):
-            rk[k] = RouteRank[t * K + k]
-            rw[k] = RouteRow[t * K + k]
-            wk[k] = Weights[t * K + k]
-
     @T.prim_func
     def moe_combine(Y: T.Tensor((CAP, H), dtype), Out: T.Tensor((NT, H), dtype),
                     CombBuf: T.Tensor((TK, H), dtype), RecvSrc: T.Tensor((CAP,), "int32"),
@@ -594,7 +586,10 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
                 if item < NT * COLS:
                     t = item // COLS
                     col = (item % COLS * 32 + lane) * VEC
-                    load_routes(RouteRank, RouteRow, Weights, rk, rw, wk, t)
+                    for k in T.unroll(K):
+                        rk[k] = RouteRank[t * K + k]
+                        rw[k] = RouteRow[t * K + k]
+                        wk[k] = Weights[t * K + k]
                     if col < H:
                         for k in T.unroll(K):  # all K loads first, then the sums
                             if rk[k] == me:
