@@ -127,14 +127,17 @@ def test_dispatch_kernel_ranks_in_every_block_plans_in_block_0_then_puts_rows_to
     assert body.rindex("if (((int)blockIdx.x) == rb) {", 0, total) > ranking
     rerank = body.index("((int*)spk)[((int64_t)i_1)] = (pk + ((int*)wcnt)[", total)
     rerank = body.index("Packed[i_1] = (pk_1 + ((int*)wcnt)[", rerank)
-    # every block but 0 arrives (GPU-scope release after a block barrier); block 0 waits for
-    # them unless it ranked every entry itself
+    # with several ranking blocks every block but 0 arrives (GPU-scope release after a block
+    # barrier); block 0 waits for them, then resets the counter for the next call
     arrive = body.index("tilescale::atom_add<tilescale::Scope::GPU, tilescale::Sem::RELEASE>((&(Ctr[3])), (uint)1);", rerank)
     assert body.rindex("__syncthreads();", 0, arrive) > rerank
-    assert "if ((0 < ((int)blockIdx.x)) && (((int)threadIdx.x) == 0)) {" in body[rerank:arrive]
+    assert "if (((0 < ((int)blockIdx.x)) && (((int)threadIdx.x) == 0)) && (1 < pb)) {" in body[rerank:arrive]
+    assert body.count("Ctr[3]") == 3  # the arrival, block 0's wait and its reset
     plan = body.index("if ((((int)blockIdx.x) == 0) || (pb == 1)) {", arrive)  # the planning blocks
     gate = body.index("if ((((int)threadIdx.x) == 0) && (1 < pb)) {", plan)
-    assert body.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::GPU, tilescale::Sem::ACQUIRE>((&(Ctr[3])), ((uint)(epoch * (int64_t)131)));", gate) > gate
+    counted = body.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::GPU, tilescale::Sem::ACQUIRE>((&(Ctr[3])), (uint)131);", gate)
+    reset = body.index("Ctr[3] = (uint)0;", counted)
+    assert body.rindex("if ((((int)threadIdx.x) == 0) && (1 < pb)) {", 0, reset) > counted
     # counts: the sum over the ranking blocks, a weak store to every other rank, then the
     # block barrier and the release signal (after bar.sync a system-scope release covers the
     # block); a rank never signals itself
@@ -185,9 +188,11 @@ def test_dispatch_kernel_ranks_in_every_block_plans_in_block_0_then_puts_rows_to
     tail = body[body.rindex("__syncthreads();"):]
     assert tail.index("if (p_2 != me) {") < tail.index("tilescale::notify<true>((&(Ctr[0]))") < tail.index("tilescale::wait_until<")
     closing = tail.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>((&(Ctr[0])), ((uint)((epoch * (((int64_t)W) - (int64_t)1)) * (int64_t)132)))")
-    # block 0 advances State[0] once every block of this rank has arrived (so has read it)
-    arrived = tail.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::GPU, tilescale::Sem::ACQUIRE>((&(Ctr[3])), ((uint)(epoch * (int64_t)131)));")
-    assert closing < arrived < tail.index("State[0] = epoch;")
+    # every block reads its own copy of the call number at its start and advances it after
+    # the block barrier (no cross-block round)
+    assert "epoch = (State[((int)blockIdx.x)] + (int64_t)1);" in body
+    assert closing < tail.index("State[((int)blockIdx.x)] = epoch;")
+    assert body.count("State[") == 2
 
 
 def test_dispatch_kernel_rejects_a_grid_the_plan_cannot_use():
@@ -203,7 +208,7 @@ def test_combine_kernel_handshakes_pushes_then_sums_in_float32():
     assert "__launch_bounds__(1024, 1) moe_combine_kernel(" in body and "__shared__" not in body
     # every block reads its own copies of the combine's call numbers (State is (3, 132))
     assert "epoch = (State[(((int)blockIdx.x) + 132)] + (int64_t)1);" in body
-    assert "routing = State[0];" in body
+    assert "routing = State[((int)blockIdx.x)];" in body  # the dispatch's block's copy
     guard = body.index("again = ((int)(routing == State[(((int)blockIdx.x) + 264)]));")
     # with one rank there is no handshake, no push and no counter round (grid-uniform)
     several = body.index("if (1 < W) {", guard)

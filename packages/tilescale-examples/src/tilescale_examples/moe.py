@@ -347,8 +347,8 @@ class MoEDispatcher(SymmetricCollective):
             t.zero_()
         # ---- local state
         dev = self.device
-        # call numbers (moe_kernels' State): [0, 0] dispatch calls; [1, b] combine calls and
-        # [2, b] the dispatch call the latest combine followed, combine block b's copies
+        # call numbers (moe_kernels' State), block b's copies: [0, b] dispatch calls; [1, b]
+        # combine calls and [2, b] the dispatch call the latest combine followed
         self.state = torch.zeros((3, self.blocks), dtype=torch.int64, device=dev)
         self.packed = torch.zeros((TK,), dtype=torch.int32, device=dev)
         self.base = torch.zeros((self.blocks, E + 3), dtype=torch.int32, device=dev)  # the plan's per-block table

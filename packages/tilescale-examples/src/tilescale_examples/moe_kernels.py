@@ -38,12 +38,13 @@ over ranks, and ``rank_s(i)`` how many entries of rank ``s`` before ``i`` chose 
 The synchronisation protocol and the deadlock-freedom argument are in the module docstring
 of :mod:`tilescale_examples.moe`. The four counter words ``Ctr`` (symmetric ``uint32``): ``0``
 the dispatch's closing round (adds from the other ranks' blocks), ``1`` the combine's, ``2``
-the plan's release to this rank's blocks, ``3`` this rank's blocks arriving in a dispatch
-(local). The call numbers ``State`` (``(3, blocks)`` int64, local): ``State[0, 0]`` the
-dispatch calls (advanced by the dispatch's block 0 once every block has read it);
-``State[1, b]`` and ``State[2, b]`` the combine calls and the dispatch call the latest combine
-followed, one copy per combine block ``b``, which only block ``b`` reads and advances (so the
-combine needs no cross-block round to know that its blocks have read them).
+the plan's release to this rank's blocks, ``3`` this rank's ranking blocks arriving in a
+dispatch with several of them (local; block 0 resets it once it has seen them all). The call
+numbers ``State`` (``(3, blocks)`` int64, local), one copy per block ``b`` of each kernel,
+which only block ``b`` reads and advances (so neither kernel needs a cross-block round to know
+that its blocks have read them; both grids have ``blocks`` blocks): ``State[0, b]`` the
+dispatch calls, ``State[1, b]`` and ``State[2, b]`` the combine calls and the dispatch call
+the latest combine followed.
 """
 
 # (no `from __future__ import annotations`: TileLang reads the kernels' annotations)
@@ -63,8 +64,9 @@ MAX_PARTS = 8
 CHUNK = 4
 #: 16-byte vectors each lane loads before storing in the row copies (``T.put_warp``; a last,
 #: shorter round takes the rest): a 7168-element bfloat16 row is 28 vectors per lane, seven
-#: rounds; a quarter row (small batches) is one round and a round of 3. Four, not eight: the
-#: dispatch kernel's 1024 threads allow 64 registers each, and eight spills (ptxas -v).
+#: rounds; a quarter row (small batches) is one round and a round of 3. Four: seven or eight
+#: (which also fit the 64 registers of a 1024-thread block without spills) made the dispatch
+#: slower at 128 and 4096 tokens (see docs/benchmarks.md).
 PUT_UNROLL = 4
 #: Largest supported expert count: each ranking block keeps a ``(PLAN_WARPS, E + 2)`` int32 count
 #: table in shared memory (33 KiB at 256).
@@ -115,7 +117,8 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     uint32 [symmetric], State: (3, blocks) int64)``; only the first ``EL`` (``EL + 1``) entries of
     ``RecvCounts`` (``RecvOffsets``) are written.
 
-    Call number ``e = State[0, 0] + 1`` (read by every block at its start), count buffer
+    Block ``b``'s call number ``e = State[0, b] + 1`` (its own copy, read by all its threads
+    at its start; every block runs every call, so all copies agree), count buffer
     ``e % 2``. **Plan** (``NW = threads / 32`` warps per block; ``PB = clamp(ceil(NT*K / (NW *
     32)), 1, blocks)`` *ranking blocks*, so that every warp ranks one batch of 32 entries when
     the grid is large enough; ``R = 32 * ceil(NT*K / (PB * NW * 32))`` entries per warp):
@@ -133,10 +136,12 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
        warps (exclusive, in shared memory) and writes the block's total into ``Base[b, g]``;
        the last thread writes the block's bad-entry count and first bad index into ``Base[b,
        E + 1]`` and ``Base[b, E + 2]``; after a block barrier each warp adds its prefix to its
-       entries' ranks in ``Packed`` (ranks within the block). Then every block but block 0
-       arrives: a ``__syncthreads`` and a GPU-scope release add of 1 to ``Ctr[3]`` (local).
-    3. Block 0 waits until ``Ctr[3] == e * (blocks - 1)`` (mod 2**32; acquire) unless it is
-       the only ranking block: every ranking block's row is in ``Base``. Thread ``g < E``
+       entries' ranks in ``Packed`` (ranks within the block). Then, with several ranking
+       blocks, every block but block 0 arrives: a ``__syncthreads`` and a GPU-scope release
+       add of 1 to ``Ctr[3]`` (local).
+    3. With several ranking blocks, block 0 waits until ``Ctr[3] == blocks - 1`` (acquire):
+       every ranking block's row is in ``Base``; then it resets ``Ctr[3]`` to 0 (no block adds
+       to it again before the next call, which starts after this kernel ends). Thread ``g < E``
        sums column ``g`` over the ranking blocks (this
        rank's count of expert ``g``, kept in a register) and writes it into row ``me`` of
        ``Counts[e % 2]`` on every other rank (``T.st``); after the block barrier thread 0
@@ -182,9 +187,8 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     ``__syncthreads``, a release add of 1 to ``Ctr[0]`` on every other rank (system scope),
     and thread 0 waits until ``Ctr[0] == e * (W - 1) * blocks`` (mod 2**32): every block of
     every other rank has finished writing to this rank (this rank's own rows are ordered
-    before any later work on its stream by the kernel's end). Block 0 then waits until
-    ``Ctr[3] == e * (blocks - 1)`` (every other block of this rank has arrived, so has read
-    ``State[0, 0]``) and sets ``State[0, 0] = e``.
+    before any later work on its stream by the kernel's end). Thread 0 then sets ``State[0,
+    b] = e`` (after the block barrier: every thread of the block has read it).
 
     Two count buffers suffice: rank ``s`` writes buffer ``e % 2`` on rank ``d != s`` only
     after its call ``e - 1`` received every other rank's counts of ``e - 1``, so ``d`` has
@@ -264,7 +268,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
             every = T.alloc_var("int32")  # step 4: thread g's expert total over ranks and the
             before = T.alloc_var("int32", init=0)  # rows of ranks before this one
             epoch = T.alloc_var("int64")
-            epoch = State[0, 0] + 1
+            epoch = State[0, bx] + 1  # this block's own copy of the call number
             par = T.alloc_var("int32")
             par = T.Cast("int32", epoch % 2)
             n = NT * K
@@ -354,13 +358,15 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                             rank_within_block(spk, wcnt, i, warp)
                         else:
                             rank_within_block(Packed, wcnt, i, warp)
-            # every block but 0 arrives (release, GPU scope: covers the block's Base row and Packed)
+            # with several ranking blocks every block but 0 arrives (release, GPU scope: covers
+            # the block's Base row and Packed)
             T.sync_threads()
-            if bx > 0 and tx == 0:
+            if bx > 0 and tx == 0 and pb > 1:
                 T.atom_add(Ctr[3], 1, scope="gpu", sem="release")
             if bx == 0 or pb == 1:  # the planning blocks (block-uniform)
                 if tx == 0 and pb > 1:  # every ranking block's counts are in Base
-                    T.wait_eq(Ctr[3], T.Cast("uint32", epoch * (blocks - 1)), scope="gpu")
+                    T.wait_eq(Ctr[3], T.uint32(blocks - 1), scope="gpu")
+                    Ctr[3] = T.uint32(0)  # every arrival of this call is counted
                 T.sync_threads()
                 # ---- 3. block 0: this rank's count of expert g (thread g), the sum over the
                 # ranking blocks, written into row `me` of Counts on every other rank; after the
@@ -467,9 +473,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                     if p != me:  # this rank's own rows are ordered by the kernel's end
                         T.notify(Ctr[0], p, 1, sig_op="add")  # release: my rows for p are there
                 T.wait_eq(Ctr[0], T.Cast("uint32", epoch * (W - 1) * blocks))
-                if bx == 0:  # every block of this rank has read State[0, 0] (it arrived after that)
-                    T.wait_eq(Ctr[3], T.Cast("uint32", epoch * (blocks - 1)), scope="gpu")
-                    State[0, 0] = epoch
+                State[0, bx] = epoch  # after the block barrier: the block's threads have read it
 
     return moe_dispatch
 
@@ -484,13 +488,14 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
     uint64 [symmetric], Ctr: (4,) uint32 [symmetric], State: (3, blocks) int64)``.
 
     Block ``b``'s call number ``e = State[1, b] + 1``; ``State[2, b]`` is the dispatch call the
-    previous combine followed (``State[0, 0]``: the latest dispatch call). Each block keeps its
-    own copies: every block runs every call, so all copies agree.
+    previous combine followed (``State[0, b]``: the latest dispatch call, the copy of the
+    dispatch's block ``b``). Each block keeps its own copies: every block runs every call, so
+    all copies agree.
 
     Steps 1-3 run only with more than one rank (grid-uniform); with one rank every row is
     already here and nobody is waited for.
 
-    1. Ready handshake, only when no dispatch ran since the previous combine (``State[0, 0]
+    1. Ready handshake, only when no dispatch ran since the previous combine (``State[0, b]
        == State[2, b]``: the same routing combined again): block 0's thread 0 tells every
        other rank that this rank has started combine ``e`` (``T.notify(Sig[1, me], p, e)``:
        its ``CombBuf`` is free, since the previous combine's sums ran before on this stream);
@@ -511,7 +516,7 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
        rank, ``CombBuf[t * K + k]`` otherwise, zeros for a skipped entry), then sums
        ``Weights[t*K+k] * row`` in float32 in slot order and rounds once to ``dtype``;
     5. ``__syncthreads`` (every thread of the block has read its ``State`` copies), then
-       thread 0 sets ``State[1, b] = e`` and ``State[2, b] = State[0, 0]``.
+       thread 0 sets ``State[1, b] = e`` and ``State[2, b] = State[0, b]``.
 
     The default 1024 threads (64 registers each, no spills) give a 4096-token combine twice
     the warps of 512 threads, which use 95 registers and so also fit one block per SM.
@@ -542,7 +547,7 @@ def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: i
             epoch = T.alloc_var("int64")
             epoch = State[1, bx] + 1  # this block's own copies of the call numbers
             routing = T.alloc_var("int64")  # the latest dispatch call
-            routing = State[0, 0]
+            routing = State[0, bx]  # the dispatch's block bx's copy
             again = T.alloc_var("int32")  # 1: no dispatch since the previous combine
             again = T.Cast("int32", routing == State[2, bx])
             rk = T.alloc_local((K,), "int32")
