@@ -29,3 +29,19 @@ def test_round_robin_units_loop_over_the_helper():
 def test_unit_bytes_must_keep_16_byte_alignment():
     with pytest.raises(ValueError, match="unit_bytes must be a multiple of 16"):
         putget.build_copy("get_block", 1 << 20, 8, unit_bytes=1000)
+
+
+def test_time_columns_takes_the_columns_in_turn_and_keeps_each_ones_median_round():
+    calls, barriers = [], []
+    fake = {"a": iter([5.0, 1.0, 3.0]), "b": iter([2.0, 9.0, 4.0])}
+    columns = [("a", "fa"), ("b", "fb")]
+
+    def timer(fn, iters):
+        calls.append((fn, iters))
+        return next(fake[fn[1]])
+
+    got = putget.time_columns(columns, 3, 7, barrier=lambda: barriers.append(1), timer=timer)
+    assert got == {"a": 3.0, "b": 4.0}
+    assert calls == [("fa", 7), ("fb", 7)] * 3 and len(barriers) == 6
+    with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
+        putget.time_columns(columns, 0, 7)

@@ -1,7 +1,7 @@
 """Put/get bandwidth through a peer mapping, and the call overhead of a distributed kernel.
 
 ``python -m tilescale_examples.benchmarks.putget [--ranks 1|2] [--max-bytes N] [--iters K]
-[--direction both|one]``
+[--rounds R] [--direction both|one]``
 
 * Bandwidth: ``T.put_warp`` / ``T.get_warp`` / ``T.put_block`` / ``T.get_block`` of S bytes
   (4 KiB .. 1 GiB) from this rank's heap to the peer's mapping of it (1 rank: peer = self,
@@ -11,7 +11,9 @@
   engine) and, with one GPU per rank and an NCCL group, NCCL ``send``/``recv``. Every rank
   sends at once (``--direction both``) or rank 0 alone (``one``). Bandwidth counts bytes read
   + written (2 S / t) for every column; goal: ratio >= 0.9 (>= 0.97 over NVLink) from 64 MiB
-  up.
+  up. Each size is timed in ``--rounds`` rounds that take the columns in turn (each column's
+  time in a round: the median of ``--iters`` calls, a quarter of them from 64 MiB up, at least
+  5); a column's figure is its median round.
 * Call overhead: host time per launch of an initialised distributed kernel against a stock
   TileLang kernel with the same body (goal: ratio <= 1.05).
 """
@@ -115,6 +117,22 @@ def _time_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def time_columns(columns, rounds: int, iters: int, barrier=None, timer=_time_ms) -> dict:
+    """Milliseconds per call of every ``(name, fn)`` in ``columns``: ``rounds`` rounds, each
+    timing every column in turn (``timer(fn, iters)`` after ``barrier()``, when given), and per
+    column the median over the rounds, so that a drift of the GPU's clocks during a size's
+    measurements reaches every column alike. Returns ``{name: ms}``."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    times = {name: [] for name, _ in columns}
+    for _ in range(rounds):
+        for name, fn in columns:
+            if barrier is not None:
+                barrier()
+            times[name].append(timer(fn, iters))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def _host_us(fn, calls: int) -> float:
     import torch
 
@@ -137,7 +155,7 @@ def _host_us(fn, calls: int) -> float:
 DEFAULT_UNIT_BYTES = {"warp": 0, "block": 64 << 10}
 
 
-def run(rank: int, world: int, max_bytes: int, iters: int, calls: int, min_bytes: int = 4096, blocks_per_sm: int = 2, unroll: int = 4, unit_bytes: dict | None = None, direction: str = "both") -> list | None:
+def run(rank: int, world: int, max_bytes: int, iters: int, calls: int, min_bytes: int = 4096, blocks_per_sm: int = 2, unroll: int = 4, unit_bytes: dict | None = None, direction: str = "both", rounds: int = 5) -> list | None:
     import tilelang
     import torch
     import torch.distributed as dist
@@ -172,14 +190,14 @@ def run(rank: int, world: int, max_bytes: int, iters: int, calls: int, min_bytes
             for op in ops:  # correctness first, on a poisoned destination
                 failures += _check_copy(op, kernels[op], A, B, n, rank, world)
             it = iters if nbytes < (64 << 20) else max(5, iters // 4)
-            timed = {}
-            for name, fn in [("copy_", lambda: B_peer[:n].copy_(A[:n]))] + [(op, _launcher(kernels[op], A, B, n, peer)) for op in ops]:
-                dist.barrier()  # every rank starts each measurement together
-                timed[name] = _time_ms(fn, it) if sends else float("nan")
-            nccl_bw = float("nan")
+            columns = [("copy_", lambda: B_peer[:n].copy_(A[:n]))] + [(op, _launcher(kernels[op], A, B, n, peer)) for op in ops]
             if nccl:
-                dist.barrier()
-                nccl_bw = gb_per_s(2 * nbytes, _time_ms(_send_recv(A, B, n, rank, direction), it))
+                columns.append(("nccl", _send_recv(A, B, n, rank, direction)))
+            def timer(fn, k):  # a rank that does not send (--direction one) only takes part in NCCL's exchange
+                return _time_ms(fn, k) if sends or (nccl and fn is columns[-1][1]) else float("nan")
+
+            timed = time_columns(columns, rounds, it, barrier=dist.barrier, timer=timer)  # every rank starts each measurement together
+            nccl_bw = gb_per_s(2 * nbytes, timed["nccl"]) if nccl else float("nan")
             ref_bw = gb_per_s(2 * nbytes, timed["copy_"]) if sends else float("nan")
             row = [format_bytes(nbytes), ref_bw, nccl_bw if nccl else "n/a"]
             for op in ops:
@@ -264,6 +282,7 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, default=1, help="1 (peer = self) or 2 (two processes sharing GPU 0)")
     p.add_argument("--max-bytes", type=int, default=1 << 30)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=5, help="rounds per size; each times every column in turn, the median round counts")
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--min-bytes", type=int, default=4096)
     p.add_argument("--blocks-per-sm", type=int, default=2, help="grid = SMs x this (default 2: one full wave)")
@@ -272,11 +291,13 @@ def main(argv=None) -> int:
     p.add_argument("--block-unit-bytes", type=int, default=DEFAULT_UNIT_BYTES["block"], help="block ops: as --warp-unit-bytes, per block")
     p.add_argument("--direction", default="both", choices=["both", "one"], help="both: every rank sends at once; one: rank 0 alone")
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.iters < 1:
+        p.error("--rounds and --iters must be >= 1")
     from tilescale_core.multiprocess import auto_backend, run_ranks
 
     os.environ.setdefault("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
     backend = auto_backend(args.ranks, share=False)  # NCCL with one GPU per rank, else gloo
-    results = run_ranks(_rank_main, args.ranks, args=(args.max_bytes, args.iters, args.calls, args.min_bytes, args.blocks_per_sm, args.unroll, {"warp": args.warp_unit_bytes, "block": args.block_unit_bytes}, args.direction), backend=backend, timeout=900)
+    results = run_ranks(_rank_main, args.ranks, args=(args.max_bytes, args.iters, args.calls, args.min_bytes, args.blocks_per_sm, args.unroll, {"warp": args.warp_unit_bytes, "block": args.block_unit_bytes}, args.direction, args.rounds), backend=backend, timeout=900)
     rows, _, dist_us, stock_us, path = results[0]
     failures = [f for r in results for f in r[1]]
     heads = ["size", "copy_ GB/s", "NCCL GB/s"]
