@@ -458,4 +458,25 @@ print(json.dumps({"events": len(events), "dropped": dropped, "spans": len(spans)
                   "trace_events": len(prof.chrome_trace(["w0", "w1", "w2", "w3"])["traceEvents"])}))
 prof.reset()
 print(json.dumps({"after_reset": len(prof.events()[0])}))
+
+fixed = EventProfiler(blocks=BLOCKS, capacity=2 * WARPS, device="cuda")
+
+@T.prim_func
+def phases(A: T.Tensor((BLOCKS * 128,), "float32"), Prof: T.Tensor((BLOCKS, 17), "uint64")):
+    with T.Kernel(BLOCKS, threads=128) as bx:
+        tx = T.get_thread_binding()
+        if tx % 32 == 0:  # caller-chosen slots: warp w's start in slot 2w, its end in 2w + 1
+            T.profile_event(Prof, tx // 32, is_start=True, slot=tx // 32 * 2)
+        for _ in T.serial(1000):
+            A[bx * 128 + tx] = A[bx * 128 + tx] * 1.0001 + 1.0
+        if tx % 32 == 0:
+            T.profile_event(Prof, tx // 32, is_start=False, slot=tx // 32 * 2 + 1)
+
+tilelang.compile(phases, target={"kind": "cuda", "arch": "sm_90a"})(A, fixed.buffer)
+torch.cuda.synchronize()
+events, dropped = fixed.events()
+spans, unmatched = fixed.spans()
+print(json.dumps({"fixed_events": len(events), "fixed_dropped": dropped, "fixed_spans": len(spans),
+                  "fixed_unmatched": len(unmatched), "fixed_counter": int(fixed.buffer.view(torch.int64)[:, 0].abs().sum()),
+                  "fixed_pairs_ok": all(s.task == s.warp and 0 <= s.duration_ns < 10**9 for s in spans)}))
 """

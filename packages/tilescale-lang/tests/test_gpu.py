@@ -73,7 +73,8 @@ def test_wait_timeout_reports_and_traps(tmp_path):
 
 
 def test_profiler_records_every_block_and_counts_overflow(tmp_path):
-    """T.profile_event on a GPU: 8 blocks x 4 warps x 6 events into 4 slots per block."""
+    """T.profile_event on a GPU: 8 blocks x 4 warps x 6 events into 4 slots per block; then
+    caller-chosen slots (``slot=``): 2 per warp, 8 per block, no counter."""
     import json
 
     import gpu_kernels
@@ -84,11 +85,14 @@ def test_profiler_records_every_block_and_counts_overflow(tmp_path):
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=180)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     lines = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    first, second = lines
+    first, second, fixed = lines
     assert first["events"] == 8 * 4 and first["dropped"] == 8 * (4 * 4 - 4)  # 16 recorded per block, 4 kept
     assert first["blocks"] == list(range(8)) and first["sm_ok"] and first["durations_ok"]
     assert first["spans"] + first["unmatched"] <= first["events"]
     assert second == {"after_reset": 0}
+    # slot=: every warp's start and end in its own two slots, no counter, nothing dropped
+    assert fixed == {"fixed_events": 8 * 8, "fixed_dropped": 0, "fixed_spans": 8 * 4, "fixed_unmatched": 0,
+                     "fixed_counter": 0, "fixed_pairs_ok": True}, fixed
 
 
 def _run_script(tmp_path, text, **env):

@@ -56,7 +56,40 @@ def test_ptx_reads_globaltimer_and_smid_and_takes_slot_atomically(tmp_path):
         assert instr in ptx, instr
 
 
+def test_codegen_of_a_caller_chosen_slot_takes_no_counter():
+    @T.prim_func
+    def k(A: T.Tensor((128,), "float32"), Prof: T.Tensor((4, 17), "uint64")):
+        with T.Kernel(4, threads=128) as bx:
+            tx = T.get_thread_binding()
+            if tx == 0:
+                T.profile_event(Prof, 3, slot=0)
+            A[tx] = A[tx] * 2.0
+            if tx % 32 == 0:
+                T.profile_event(Prof, 3, is_start=False, slot=1 + tx // 32)
+
+    body_src = kernel_body(lower_source(k))
+    assert "tilescale::profile_event_at<8>((&(Prof[0])), (uint)0, (uint)3, (bool)1);" in body_src
+    assert "tilescale::profile_event_at<8>((&(Prof[0])), ((uint)((((int)threadIdx.x) >> 5) + 1)), (uint)3, (bool)0);" in body_src
+    assert "tilescale::profile_event<" not in body_src
+
+
+@needs_toolkit
+def test_ptx_of_a_caller_chosen_slot_has_no_atomic(tmp_path):
+    @T.prim_func
+    def k(Prof: T.Tensor((2, 9), "uint64")):
+        with T.Kernel(2, threads=32) as _:
+            T.profile_event(Prof, 1, slot=2)
+
+    ptx = nvcc_ptx(lower_source(k), tmp_path)
+    assert "%globaltimer" in ptx and "%smid" in ptx
+    assert "atom." not in ptx and "red." not in ptx
+
+
 @pytest.mark.parametrize("body,shape,dtype,exc,match", [
+    (lambda Prof, bx, tx: T.profile_event(Prof, 1, slot=8), (4, 17), "uint64", ValueError, r"slot must be in \[0, 8\) \(the buffer's capacity\), got 8"),
+    (lambda Prof, bx, tx: T.profile_event(Prof, 1, slot=-1), (4, 17), "uint64", ValueError, r"slot must be in \[0, 8\)"),
+    (lambda Prof, bx, tx: T.profile_event(Prof, 1, slot=1.0), (4, 17), "uint64", TypeError, "slot must be None or an integer"),
+    (lambda Prof, bx, tx: T.profile_event(Prof, 1, slot=True), (4, 17), "uint64", TypeError, "slot must be None or an integer"),
     (lambda Prof, bx, tx: T.profile_event(Prof, 1), (4, 17), "uint32", TypeError, "buf must be a uint64 buffer"),
     (lambda Prof, bx, tx: T.profile_event(Prof, 1), (68,), "uint64", ValueError, r"shape \(rows, 1 \+ 2 \* capacity\)"),
     (lambda Prof, bx, tx: T.profile_event(Prof, 1), (4, 16), "uint64", ValueError, "static odd second extent"),
@@ -116,6 +149,16 @@ def test_decode_skips_slots_counted_but_not_written():
     rows = rows_of([[(tag(1, True), 10), (tag(1, False, written=False), 0)]])
     events, dropped = P.decode(rows)
     assert len(events) == 1 and dropped == 0
+
+
+def test_decode_reads_caller_chosen_slots_without_a_count():
+    row = [0] * (1 + 2 * 4)  # profile_event_at leaves the counter at 0
+    row[1 + 2 * 2], row[2 + 2 * 2] = tag(5, False), 700
+    row[1 + 2 * 0], row[2 + 2 * 0] = tag(5, True), 300
+    events, dropped = P.decode([row])
+    assert dropped == 0 and [(e.task, e.is_start, e.time_ns) for e in events] == [(5, True, 300), (5, False, 700)]
+    spans, unmatched = P.pair_spans(events)
+    assert [s.duration_ns for s in spans] == [400] and not unmatched
 
 
 def test_pair_spans_nested_and_unmatched():

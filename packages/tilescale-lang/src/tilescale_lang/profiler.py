@@ -45,7 +45,7 @@ TID_BLOCK_STRIDE = 1024
 
 
 # ------------------------------------------------------------------------------ device side
-def profile_event(buf, task, is_start=True, enabled=True):
+def profile_event(buf, task, is_start=True, enabled=True, slot=None):
     """Record an event in this block's row of ``buf`` (call from one thread per event).
 
     Args:
@@ -55,9 +55,16 @@ def profile_event(buf, task, is_start=True, enabled=True):
         task: task id, an integer expression in ``[0, 2**32)`` (names are given on the host).
         is_start: compile-time bool, True for the start of the task, False for its end.
         enabled: compile-time bool; False emits nothing (profiling compiled out).
+        slot: None (default): the event takes the row's next slot with a 64-bit atomic add,
+            so any threads of a block may record concurrently, but the recording thread waits
+            for the atomic's result (a memory round trip per event). An integer (expression)
+            in ``[0, capacity)``: the event goes into that slot with two plain stores and no
+            wait, for timelines of short phases; the caller gives every event of a block its
+            own slot (a slot past the capacity records nothing) and does not mix the two ways
+            in one buffer.
 
     Raises:
-        TypeError / ValueError naming ``buf``, ``task``, ``is_start`` or ``enabled``.
+        TypeError / ValueError naming ``buf``, ``task``, ``is_start``, ``enabled`` or ``slot``.
     """
     if not V.const_bool(enabled, "enabled"):
         return tirx.const(0, "int32")
@@ -72,8 +79,16 @@ def profile_event(buf, task, is_start=True, enabled=True):
         raise TypeError(f"task must be an integer (expression), got {task!r}")
     if isinstance(task, int) and not 0 <= task <= _TASK_MASK:
         raise ValueError(f"task must be in [0, 2**32), got {task}")
-    return V.extern("handle", f"tilescale::profile_event<{capacity}>", op.ptr, V.cast_to(task, "uint32", "task"),
-                    tirx.const(1 if start else 0, "bool"))
+    flag = tirx.const(1 if start else 0, "bool")
+    if slot is None:
+        return V.extern("handle", f"tilescale::profile_event<{capacity}>", op.ptr, V.cast_to(task, "uint32", "task"), flag)
+    if isinstance(slot, bool) or not isinstance(slot, (int, tirx.PrimExpr)) or (
+            isinstance(slot, tirx.PrimExpr) and not V.is_int_dtype(slot.dtype)):
+        raise TypeError(f"slot must be None or an integer (expression), got {slot!r}")
+    if isinstance(slot, int) and not 0 <= slot < capacity:
+        raise ValueError(f"slot must be in [0, {capacity}) (the buffer's capacity), got {slot}")
+    return V.extern("handle", f"tilescale::profile_event_at<{capacity}>", op.ptr, V.cast_to(slot, "uint32", "slot"),
+                    V.cast_to(task, "uint32", "task"), flag)
 
 
 def _capacity(buf: Any) -> int:
@@ -119,16 +134,18 @@ class Span:
 
 def decode(rows: Sequence[Sequence[int]]) -> tuple[list[Event], int]:
     """Events of a profiler buffer given as rows of unsigned 64-bit ints, in time order per
-    block, and the number of events dropped because a row was full."""
+    block, and the number of events dropped because a row was full. Every slot whose tag has
+    the written bit counts (slots taken by the atomic counter or chosen with ``slot=``); a
+    slot counted but not yet written (read while the kernel ran) is skipped."""
     events, dropped = [], 0
     for block, row in enumerate(rows):
         capacity = (len(row) - 1) // 2
         count = int(row[0]) & ((1 << 64) - 1)
         dropped += max(0, count - capacity)
-        for k in range(min(count, capacity)):
+        for k in range(capacity):
             tag, t = int(row[1 + 2 * k]) & ((1 << 64) - 1), int(row[2 + 2 * k]) & ((1 << 64) - 1)
             if not tag >> _WRITTEN_BIT & 1:
-                continue  # counted but not written yet (read while the kernel ran)
+                continue
             events.append(Event(block, tag >> _WARP_SHIFT & _FIELD_MASK, tag >> _SM_SHIFT & _FIELD_MASK,
                                 tag & _TASK_MASK, bool(tag >> _START_BIT & 1), t))
     events.sort(key=lambda e: (e.block, e.time_ns))
