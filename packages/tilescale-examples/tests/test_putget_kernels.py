@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tilescale_lang.codegen import cuda_source
@@ -43,5 +45,10 @@ def test_time_columns_takes_the_columns_in_turn_and_keeps_each_ones_median_round
     got = putget.time_columns(columns, 3, 7, barrier=lambda: barriers.append(1), timer=timer)
     assert got == {"a": 3.0, "b": 4.0}
     assert calls == [("fa", 7), ("fb", 7)] * 3 and len(barriers) == 6
+    # a column this rank does not run: NaN, but its barriers still happen
+    calls.clear(), barriers.clear()
+    fake["b"] = iter([2.0, 9.0, 4.0])
+    got = putget.time_columns([("a", None), ("b", "fb")], 3, 7, barrier=lambda: barriers.append(1), timer=timer)
+    assert math.isnan(got["a"]) and got["b"] == 4.0 and calls == [("fb", 7)] * 3 and len(barriers) == 6
     with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
         putget.time_columns(columns, 0, 7)

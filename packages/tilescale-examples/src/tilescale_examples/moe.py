@@ -63,10 +63,10 @@ How it runs (one kernel per call on the current stream, no host synchronisation)
    ``topk`` rows are summed with its weights in float32. With one rank only the sums run.
 
 A rank never signals or waits for itself: its own counts stay in registers, and the end of
-its kernel orders its own rows before anything later on its stream (so with one rank the
-dispatch carries no cross-block wait beyond block 0 checking, before it advances the
-dispatch's call number, that every block has read it, and the combine none: each of its
-blocks keeps its own copy of the combine's call numbers).
+its kernel orders its own rows before anything later on its stream (so with one rank a
+kernel waits only for its own blocks: the dispatch for the plan's hand-off when several
+blocks rank a large batch, the combine never). Every block of either kernel keeps its own
+copy of the call numbers, so no block waits for the others to have read them.
 
 Flags hold a *call number* kept on the device (``state``), not passed from the host, so a
 captured graph replays correctly; counters are compared modulo 2**32 against ``calls * (W -

@@ -119,9 +119,10 @@ def _time_ms(fn, iters: int) -> float:
 
 def time_columns(columns, rounds: int, iters: int, barrier=None, timer=_time_ms) -> dict:
     """Milliseconds per call of every ``(name, fn)`` in ``columns``: ``rounds`` rounds, each
-    timing every column in turn (``timer(fn, iters)`` after ``barrier()``, when given), and per
-    column the median over the rounds, so that a drift of the GPU's clocks during a size's
-    measurements reaches every column alike. Returns ``{name: ms}``."""
+    timing every column in turn (``timer(fn, iters)`` after ``barrier()``, when given; NaN for
+    a column whose ``fn`` is None, which this rank does not run but whose barriers it joins),
+    and per column the median over the rounds, so that a drift of the GPU's clocks during a
+    size's measurements reaches every column alike. Returns ``{name: ms}``."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     times = {name: [] for name, _ in columns}
@@ -129,7 +130,7 @@ def time_columns(columns, rounds: int, iters: int, barrier=None, timer=_time_ms)
         for name, fn in columns:
             if barrier is not None:
                 barrier()
-            times[name].append(timer(fn, iters))
+            times[name].append(float("nan") if fn is None else timer(fn, iters))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -190,13 +191,12 @@ def run(rank: int, world: int, max_bytes: int, iters: int, calls: int, min_bytes
             for op in ops:  # correctness first, on a poisoned destination
                 failures += _check_copy(op, kernels[op], A, B, n, rank, world)
             it = iters if nbytes < (64 << 20) else max(5, iters // 4)
+            # a rank that does not send (--direction one) runs only NCCL's exchange
             columns = [("copy_", lambda: B_peer[:n].copy_(A[:n]))] + [(op, _launcher(kernels[op], A, B, n, peer)) for op in ops]
+            columns = [(name, fn if sends else None) for name, fn in columns]
             if nccl:
                 columns.append(("nccl", _send_recv(A, B, n, rank, direction)))
-            def timer(fn, k):  # a rank that does not send (--direction one) only takes part in NCCL's exchange
-                return _time_ms(fn, k) if sends or (nccl and fn is columns[-1][1]) else float("nan")
-
-            timed = time_columns(columns, rounds, it, barrier=dist.barrier, timer=timer)  # every rank starts each measurement together
+            timed = time_columns(columns, rounds, it, barrier=dist.barrier)  # every rank starts each measurement together
             nccl_bw = gb_per_s(2 * nbytes, timed["nccl"]) if nccl else float("nan")
             ref_bw = gb_per_s(2 * nbytes, timed["copy_"]) if sends else float("nan")
             row = [format_bytes(nbytes), ref_bw, nccl_bw if nccl else "n/a"]
