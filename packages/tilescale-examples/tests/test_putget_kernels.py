@@ -28,6 +28,13 @@ def test_round_robin_units_loop_over_the_helper():
     assert "min(16384," in body  # 64 KiB units of int32
 
 
+@pytest.mark.parametrize("unit_kib", [128, 160, 256])
+def test_units_of_32768_or_more_elements_lower(unit_kib):
+    # factors of 32768 (or more, modulo 65536) elements in an address break TileLang's pointer-type pass
+    body = cuda_source(putget.build_copy("get_block", 1 << 26, 8, unit_bytes=unit_kib << 10))
+    assert f"min({unit_kib << 8}," in body
+
+
 def test_unit_bytes_must_keep_16_byte_alignment():
     with pytest.raises(ValueError, match="unit_bytes must be a multiple of 16"):
         putget.build_copy("get_block", 1 << 20, 8, unit_bytes=1000)

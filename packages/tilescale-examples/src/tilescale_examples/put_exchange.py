@@ -40,7 +40,7 @@ def build_put_exchange_kernel(shard_numel: int, dtype: str, world_size: int, chu
             tx = T.get_thread_binding()
             me = T.get_rank()
             # A variable, not the expression c * CH: TileLang 0.1.15's pointer-type pass fails
-            # ("Can't fetch the lanes of a scalable vector") on In[c * CH] once CH >= 32768.
+            # ("Can't fetch the lanes of a scalable vector") on In[c * CH] when CH % 65536 >= 32768.
             start = T.alloc_var("int32")
             start = c * CH
             if tx == 0:

@@ -72,6 +72,10 @@ def build_copy(op: str, nmax: int, blocks: int, unroll: int = 4, unit_bytes: int
             worker = bx * warp_mul + tx // 32 * warp_flag
             units = (n + unit - 1) // unit
             for k in T.serial((units + workers - 1) // workers):
+                # A variable, not the product: TileLang 0.1.15's pointer-type pass fails ("Can't
+                # fetch the lanes of a scalable vector") on A[x * unit] when unit % 65536 >= 32768
+                # (docs/lang.md, Copies).
+                start = T.alloc_var("int32")
                 start = (worker + k * workers) * unit
                 if start < n:
                     intrinsic(T.address_of(A[start]), T.address_of(B[start]), T.min(unit, n - start), pe, **extra)
