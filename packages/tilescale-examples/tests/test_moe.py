@@ -101,98 +101,154 @@ def test_reference_argument_checks():
 
 
 # ------------------------------------------------------------------------------ generated CUDA
-def test_dispatch_kernel_ranks_in_every_block_plans_in_block_0_then_puts_rows_to_the_owner():
-    """Large batches: the ranking blocks rank, block 0 plans and releases the plan. One ranking
-    block (a small batch): every block ranks and plans in shared memory, with no hand-off."""
+def _dispatch_paths():
+    """The default dispatch kernel's source and its two paths: ``(body, small, large)`` (the
+    small batch's branch, ``pb == 1``, and the large batch's ``else`` branch, each up to the
+    shared closing round)."""
     body = source(build_dispatch_kernel(64, 8, 7168, 4096, blocks=132))
-    # residency: one block always fits on an SM (launch bounds; the plan's 39 KiB at most)
+    start = body.index("if (pb == 1) {")
+    split = body.index("\n  } else {\n", start)
+    tail = body.rindex("__syncthreads();")
+    return body, body[start:split], body[split:tail]
+
+
+def test_dispatch_kernel_small_batch_plans_in_every_block_and_reads_each_token_row_once():
+    """A small batch (at most one entry per thread): every block ranks and plans all entries
+    itself in shared memory and registers, so no block waits for another; each token row is
+    loaded once per part (the first part at the kernel's start) and put to its K rows."""
+    body, small, _ = _dispatch_paths()
+    # residency: one block always fits on an SM (launch bounds; 64 registers, checked below)
     assert "__launch_bounds__(1024, 1) moe_dispatch_kernel(" in body
     assert "int capacity" in body and "int num_tokens" in body  # run-time dimensions
-    assert "__match_any_sync(" in body and "__ballot_sync(" in body
-    assert "fence_sys" not in body
+    assert "pb = max(1, min(132, ((num_tokens + 127) >> 7)));" in body  # ranking blocks
+    # 0. the warp's first part of a token row (one 16-byte vector per lane, a row is 28 parts)
+    # is loaded before the entry's index: it stays in flight during the plan
+    prefetch = small.index("*(uint4*)(xv + 0) = *(uint4*)(X + ")
+    assert "< (num_tokens * 28)) {" in small[:prefetch]
+    assert prefetch < small.index("Idx[") < small.index("__match_any_sync(")
+    # 1. one entry per thread: its rank among its warp's entries of the same expert, the
+    # warp's counts in its row of the table, the bad entries by ballot; one block barrier
+    votes = small.index("__match_any_sync(")
+    assert small.index("__syncwarp();") < votes < small.index("__ballot_sync(") < small.index("__syncthreads();")
+    first_sync = small.index("__syncthreads();")
+    # 2. the table's columns are scanned over the warps with shuffles (no serial loop over the
+    # warps), the bad entries summed with xor shuffles; a second block barrier
+    scans = small[first_sync:small.index("__syncthreads();", first_sync + 1)]
+    assert scans.count("__shfl_up_sync(") == 5 and scans.count("__shfl_xor_sync(") == 5
+    assert "for (int w" not in scans and "((int*)stot)[" in scans
+    # 3. with several ranks, block 0 sends its counts and signals after a block barrier; every
+    # block waits for every other rank's counts (a rank never signals itself)
+    several = small.index("if (1 < W) {")
+    st = small.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(Counts[", several)
+    assert "((int*)stot)[((int)threadIdx.x)], p);" in small[st:st + 400]
+    notify = small.index("tilescale::notify<false>((&(Sig[", st)
+    assert small.rindex("__syncthreads();", 0, notify) > st
+    wait = small.index("tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>((&(Sig[", notify)
+    assert small.rindex("if ((((int)threadIdx.x) < W) && (((int)threadIdx.x) != me)) {", 0, wait) > notify
+    # block 0's last thread reports the bad entries from its registers (no re-read of Base)
+    status = small.index("Status[0] = ((int64_t)run);", wait)
+    assert "Base[" not in small and "Packed[" not in small
+    # 4. offsets in every warp: the count matrix is read once per (rank, expert) and lane, the
+    # experts scanned with shuffles; the entry's row from the scans and its warp's table
+    offsets = small[status:]
+    assert offsets.index("Counts[") < offsets.index("__shfl_up_sync(") < offsets.index("((int*)srow)[((int)threadIdx.x)] = srow_v;")
+    for store in ("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(RecvSrc[", "RouteRow[((int)threadIdx.x)] = srow_v;",
+                  "Weights[((int)threadIdx.x)] = sweight;"):
+        assert small.rindex("if (((int)blockIdx.x) == 0) {", 0, small.index(store)) > status, store  # block 0 only
+    data = small.index("__syncthreads();", small.index("RecvCounts["))
+    assert small.count("__syncthreads();") == 5  # 1, 2, the count exchange's two, before the data
+    # 5. data: a part is staged once in the warp's shared buffer and put from there to each of
+    # the token's K rows on their owners (the first part from the prefetched registers)
+    moves = small[data:]
+    stage = moves.index("*(uint4*)(((bfloat16_t*)stage) + (((int)threadIdx.x) * 8)) = *(uint4*)(xv + 0);")
+    assert moves.index("if (0 < j_3) {") < stage < moves.index("__syncwarp();", stage)
+    loop = moves.index("for (int k = 0; k < 8; ++k) {", stage)
+    put = moves.index(f"tilescale::put_warp<{PUT_UNROLL}, false>((&(((bfloat16_t*)stage)[((((int)threadIdx.x) >> 5) * 256)])), (&(RecvX[", loop)
+    assert "(uint64_t)512, ((int*)sdst)[" in moves[put:moves.index(";", put)]
+    assert moves.index("((int*)srow)[", loop) < put
+    assert moves.count("__syncwarp();") == 2  # staged before the puts, put before the next part
+
+
+def test_dispatch_kernel_large_batch_ranks_in_every_block_plans_in_block_0_then_puts_rows_to_the_owner():
+    """A large batch: the ranking blocks rank, block 0 plans and releases the plan, every
+    block acquires it and puts each entry's row (or a column range of it) to the owner."""
+    body, _, large = _dispatch_paths()
     # step 1 in the ranking blocks: a chunk of 4 batches: every index and weight load of the
     # chunk comes before the first vote, so they are in flight together
-    ranking = body.index("if ((((int)blockIdx.x) < pb) || (pb == 1)) {")  # every block: one ranking block
-    chunk = body[body.index("for (int c = 0; c < ((nb + 3) >> 2); ++c) {"):]
+    ranking = large.index("if (((int)blockIdx.x) < pb) {")
+    chunk = large[large.index("for (int c_1 = 0; c_1 < ((nb + 3) >> 2); ++c_1) {"):]
     chunk = chunk[:chunk.index("__syncthreads();")]
     votes = chunk.index("__match_any_sync(")
     assert "Idx[" in chunk[:votes] and "Wt[" in chunk[:votes] and "Idx[" not in chunk[votes:]
     assert chunk.count("__syncwarp();") == 2 and "Packed[" in chunk[votes:] and "Weights[" in chunk[votes:]
-    # one ranking block: the ranks go to shared memory, and only block 0 writes the weights
-    assert "if (pb == 1) {\n              ((int*)spk)[" in chunk[votes:]
-    assert chunk.index("if (((int)blockIdx.x) == rb) {", votes) < chunk.index("Weights[", votes)
-    # step 2: the block's totals into its row of Base (only the rows that are read: with one
-    # ranking block, block 0's), then ranks within the block
-    total = body.index("Base[((((int)blockIdx.x) * 67) + ((int)threadIdx.x))] = run;", ranking)
-    assert body.rindex("if (((int)blockIdx.x) == rb) {", 0, total) > ranking
-    rerank = body.index("((int*)spk)[((int64_t)i_1)] = (pk + ((int*)wcnt)[", total)
-    rerank = body.index("Packed[i_1] = (pk_1 + ((int*)wcnt)[", rerank)
-    # with several ranking blocks every block but 0 arrives (GPU-scope release after a block
-    # barrier); block 0 waits for them, then resets the counter for the next call
-    arrive = body.index("tilescale::atom_add<tilescale::Scope::GPU, tilescale::Sem::RELEASE>((&(Ctr[3])), (uint)1);", rerank)
-    assert body.rindex("__syncthreads();", 0, arrive) > rerank
-    assert "if (((0 < ((int)blockIdx.x)) && (((int)threadIdx.x) == 0)) && (1 < pb)) {" in body[rerank:arrive]
+    # step 2: the block's totals into its row of Base, then ranks within the block
+    total = large.index("Base[((((int)blockIdx.x) * 67) + ((int)threadIdx.x))] = run;", ranking)
+    rerank = large.index("Packed[i_1] = (pk + ((int*)wcnt)[", total)
+    # every block but 0 arrives (GPU-scope release after a block barrier); block 0 waits for
+    # them, then resets the counter for the next call
+    arrive = large.index("tilescale::atom_add<tilescale::Scope::GPU, tilescale::Sem::RELEASE>((&(Ctr[3])), (uint)1);", rerank)
+    assert large.rindex("__syncthreads();", 0, arrive) > rerank
+    assert "if ((0 < ((int)blockIdx.x)) && (((int)threadIdx.x) == 0)) {" in large[rerank:arrive]
     assert body.count("Ctr[3]") == 3  # the arrival, block 0's wait and its reset
-    plan = body.index("if ((((int)blockIdx.x) == 0) || (pb == 1)) {", arrive)  # the planning blocks
-    gate = body.index("if ((((int)threadIdx.x) == 0) && (1 < pb)) {", plan)
-    counted = body.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::GPU, tilescale::Sem::ACQUIRE>((&(Ctr[3])), (uint)131);", gate)
-    reset = body.index("Ctr[3] = (uint)0;", counted)
-    assert body.rindex("if ((((int)threadIdx.x) == 0) && (1 < pb)) {", 0, reset) > counted
+    plan = large.index("if (((int)blockIdx.x) == 0) {", arrive)  # the planning block
+    counted = large.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::GPU, tilescale::Sem::ACQUIRE>((&(Ctr[3])), (uint)131);", plan)
+    assert large.index("Ctr[3] = (uint)0;", counted) > counted
     # counts: the sum over the ranking blocks, a weak store to every other rank, then the
-    # block barrier and the release signal (after bar.sync a system-scope release covers the
-    # block); a rank never signals itself
-    st = body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(Counts[", plan)
-    assert body.rindex("if ((((int)blockIdx.x) == 0) && (((int)threadIdx.x) < 64)) {", 0, st) > plan  # block 0 sends
-    assert body.rindex("if (p != me) {", 0, st) > plan
-    sync = body.index("__syncthreads();", st)
-    notify = body.index("tilescale::notify<false>((&(Sig[", sync)
-    assert body.rindex("if ((((int)blockIdx.x) == 0) && (((int)threadIdx.x) == 0)) {", 0, notify) > sync
-    assert body.rindex("if (p_1 != me) {", 0, notify) > sync
-    assert "__syncthreads();" not in body[sync + 1:notify]
-    status = body.index("if ((((int)blockIdx.x) == 0) && (((int)threadIdx.x) == 1023)) {", notify)  # block 0's last thread
-    assert body.index("Status[0] = nbad;", status) > status
-    wait = body.index("tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>((&(Sig[", notify)
-    assert body.rindex("if ((((int)threadIdx.x) < W) && (((int)threadIdx.x) != me)) {", 0, wait) > status
-    # this rank's own counts come from its plan (`run`), not from its count matrix
-    assert "if ((s == me)) {\n          condval_13 = run;" in body[wait:]
-    # several ranking blocks: the plan is released to the other blocks (GPU scope) after a
-    # block barrier, and every block acquires it before it reads Packed / Base; one ranking
-    # block: each block's own offsets are in shared memory, and nothing is handed over
-    release = body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::RELEASE, false>((&(Ctr[2]))")
-    assert body.rindex("if ((((int)threadIdx.x) == 0) && (1 < pb)) {", 0, release) > wait
-    base = body.rindex("Base[", 0, release)  # the plan's store of the per-block offsets
-    assert base > wait  # offsets only after every rank's counts are in
-    shared_base = body.index("((int*)sbase)[((int)threadIdx.x)] = run;", wait)
-    assert body.rindex("if (pb == 1) {", 0, shared_base) > wait and shared_base < base
-    assert body.rindex("__syncthreads();", 0, release) > base
-    acquire = body.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::GPU, tilescale::Sem::ACQUIRE>((&(Ctr[2]))", release)
-    assert body.rindex("if ((((int)threadIdx.x) == 0) && (1 < pb)) {", 0, acquire) > release
-    data = body.index("__syncthreads();", acquire)
-    put = body.index(f"tilescale::put_warp<{PUT_UNROLL}, false>(", data)
-    assert "(&(RecvX[" in body[put:body.index(";", put)]
-    assert body.index("Packed[", data) < put and body.index("Base[", data) < put
-    assert body.index("((int*)spk)[", data) < put and body.index("((int*)sbase)[", data) < put
-    assert body.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(RecvSrc[", put) > put
-    # only the hand-written block barriers: the ranking blocks' three, the arrival, the
-    # planning blocks' four, the one before the data phase, the tail
-    assert body.count("__syncthreads();") == 10
-    # step 4: the count matrix is read once per (rank, expert), and the totals are scanned with
-    # warp shuffles (a chain of E global loads took ~20 us; serial loops over E, microseconds)
-    offsets = body[wait:base]
+    # block barrier and the release signal; a rank never signals itself
+    st = large.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(Counts[", plan)
+    assert large.rindex("if (p_2 != me) {", 0, st) > plan
+    sync = large.index("__syncthreads();", st)
+    notify = large.index("tilescale::notify<false>((&(Sig[", sync)
+    assert "__syncthreads();" not in large[sync + 1:notify]
+    status = large.index("if (((int)threadIdx.x) == 1023) {", notify)  # block 0's last thread
+    assert large.index("Status[0] = nbad_1;", status) > status
+    wait = large.index("tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>((&(Sig[", notify)
+    assert large.rindex("if ((((int)threadIdx.x) < W) && (((int)threadIdx.x) != me)) {", 0, wait) > status
+    # step 4: this rank's own counts come from its plan (`run`); the count matrix is read
+    # once per (rank, expert), and the totals are scanned with warp shuffles
+    release = large.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::RELEASE, false>((&(Ctr[2]))")
+    base = large.rindex("Base[", 0, release)  # the plan's store of the per-block offsets
+    offsets = large[wait:base]
+    assert re.search(r"if \(\(s_1 == me\)\) \{\n\s*condval_\d+ = run;", offsets), offsets
     assert len(re.findall(r"(?<!Recv)Counts\[", offsets)) == 1, offsets
     assert offsets.count("__shfl_up_sync(") == 5
-    # a small batch cuts rows into parts, so every warp has columns to move
-    assert "parts = max(1, min(8, (4224 / max((num_tokens * 8), 1))));" in body
+    assert large.rindex("__syncthreads();", 0, release) > base
+    # the plan is released to the other blocks (GPU scope), and every block acquires it
+    # before it reads Packed / Base
+    acquire = large.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::GPU, tilescale::Sem::ACQUIRE>((&(Ctr[2]))", release)
+    data = large.index("__syncthreads();", acquire)
+    put = large.index(f"tilescale::put_warp<{PUT_UNROLL}, false>(", data)
+    assert "(&(RecvX[" in large[put:large.index(";", put)]
+    assert large.index("Packed[", data) < put and large.index("Base[", data) < put
+    assert large.index("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(RecvSrc[", put) > put
+    # only the hand-written block barriers: the ranking blocks' two, the arrival, the plan's
+    # five, the one before the data phase
+    assert large.count("__syncthreads();") == 9
+    # fewer entries than warps: rows are cut into column ranges, so every warp has columns
+    cuts = large.index("cuts = max(1, min(8, ")  # G / (NT * K) = 4224 / (8 * NT), folded to 528 / NT
+    assert "int rdiv_11 = (528 / num_tokens);" in large[cuts - 200:cuts] and "rdiv_11" in large[cuts:cuts + 200]
+
+
+def test_dispatch_kernel_closes_with_one_round_and_keeps_call_numbers_per_block():
+    body, _, _ = _dispatch_paths()
+    assert "fence_sys" not in body
     # the closing round: every other rank gets one add per block; a rank's own rows are
     # ordered by the kernel's end, so it waits for the other ranks' blocks only
     tail = body[body.rindex("__syncthreads();"):]
-    assert tail.index("if (p_2 != me) {") < tail.index("tilescale::notify<true>((&(Ctr[0]))") < tail.index("tilescale::wait_until<")
+    assert tail.index("if (p_4 != me) {") < tail.index("tilescale::notify<true>((&(Ctr[0]))") < tail.index("tilescale::wait_until<")
     closing = tail.index("tilescale::wait_until<tilescale::Cmp::EQ, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>((&(Ctr[0])), ((uint)((epoch * (((int64_t)W) - (int64_t)1)) * (int64_t)132)))")
     # every block reads its own copy of the call number at its start and advances it after
     # the block barrier (no cross-block round)
     assert "epoch = (State[((int)blockIdx.x)] + (int64_t)1);" in body
     assert closing < tail.index("State[((int)blockIdx.x)] = epoch;")
     assert body.count("State[") == 2
+
+
+@needs_nvcc
+def test_dispatch_fits_1024_threads_without_spills(tmp_path):
+    """The dispatch block (1024 threads, one per SM) needs at most 64 registers per thread."""
+    registers, spills = nvcc_resources(lower_with(build_dispatch_kernel(E, K, 7168, 4096), PASS_CONFIGS), tmp_path)
+    assert registers <= 64 and spills == 0, (registers, spills)
 
 
 def test_dispatch_kernel_rejects_a_grid_the_plan_cannot_use():

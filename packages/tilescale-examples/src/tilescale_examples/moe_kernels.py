@@ -20,15 +20,19 @@ where ``count[s, g]`` is how many entries of rank ``s`` chose ``g``, ``total[g]`
 over ranks, and ``rank_s(i)`` how many entries of rank ``s`` before ``i`` chose ``g``.
 
 * :func:`build_dispatch_kernel` (``blocks`` blocks of 1024 threads, at most one per SM, one
-  launch): the blocks rank every entry within its expert (one batch of 32 entries per warp)
-  and count per block; block 0 then plans (exchanges the per-expert counts with every rank
-  through the symmetric heap, computes the offsets above; no host involvement) and releases
-  the plan to the other blocks (a small batch, ranked by one block: every block ranks and
-  plans itself in shared memory, and nothing is handed over); then one warp per entry (or per
-  part of an entry's row, for small batches) puts the token row into its row on the owner
-  rank (``T.put_warp``) with the entry's origin, and every block signals every other rank
-  and waits until all blocks of all other ranks have signalled it (a rank never signals
-  itself: the kernel's end orders its own writes).
+  launch), on one of two paths chosen by the batch. A *large* batch (more entries than a
+  block has threads): the blocks rank every entry within its expert (one batch of 32 entries
+  per warp) and count per block; block 0 then plans (exchanges the per-expert counts with
+  every rank through the symmetric heap, computes the offsets above; no host involvement)
+  and releases the plan to the other blocks; then one warp per entry (or per column range of
+  an entry's row) puts the token row into its row on the owner rank (``T.put_warp``) with the
+  entry's origin. A *small* batch (at most one entry per thread: 128 tokens of top-8): every
+  block ranks and plans all entries itself, in shared memory and registers (nothing is
+  handed between blocks), and each token row is read once: a warp stages one 16-byte vector
+  per lane of it in shared memory (the first one loaded at the kernel's start, so that the
+  load overlaps the plan) and puts it from there to the token's ``K`` rows. On both paths
+  every block then signals every other rank and waits until all blocks of all other ranks
+  have signalled it (a rank never signals itself: the kernel's end orders its own writes).
 * :func:`build_combine_kernel` (same grid): with several ranks, pushes each received row back
   to its source rank (unless the source is this rank), signals the other ranks and waits for
   them; then sums each token's ``K`` rows weighted by ``topk_weights`` in float32 (in slot
@@ -56,7 +60,7 @@ __all__ = ["PLAN_THREADS", "PLAN_WARPS", "PASS_CONFIGS", "MAX_EXPERTS", "MAX_PAR
 #: warps ranks one contiguous range of entries.
 PLAN_THREADS = 1024
 PLAN_WARPS = PLAN_THREADS // 32
-#: Most column ranges one entry's row is cut into when a batch has fewer entries than the
+#: Most column ranges one entry's row is cut into when a large batch has fewer entries than the
 #: dispatch grid has warps (a 7168-element row in 8 parts: 112 16-byte vectors each).
 MAX_PARTS = 8
 #: 32-entry batches whose indices and weights a ranking warp loads at once before ranking them
@@ -64,9 +68,8 @@ MAX_PARTS = 8
 CHUNK = 4
 #: 16-byte vectors each lane loads before storing in the row copies (``T.put_warp``; a last,
 #: shorter round takes the rest): a 7168-element bfloat16 row is 28 vectors per lane, seven
-#: rounds; a quarter row (small batches) is one round and a round of 3. Four: seven or eight
-#: (which also fit the 64 registers of a 1024-thread block without spills) made the dispatch
-#: slower at 128 and 4096 tokens (see docs/benchmarks.md).
+#: rounds. Four: seven or eight (which also fit the 64 registers of a 1024-thread block
+#: without spills) made the dispatch slower (see docs/benchmarks.md).
 PUT_UNROLL = 4
 #: Largest supported expert count: each ranking block keeps a ``(PLAN_WARPS, E + 2)`` int32 count
 #: table in shared memory (33 KiB at 256).
@@ -119,76 +122,100 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
 
     Block ``b``'s call number ``e = State[0, b] + 1`` (its own copy, read by all its threads
     at its start; every block runs every call, so all copies agree), count buffer
-    ``e % 2``. **Plan** (``NW = threads / 32`` warps per block; ``PB = clamp(ceil(NT*K / (NW *
-    32)), 1, blocks)`` *ranking blocks*, so that every warp ranks one batch of 32 entries when
-    the grid is large enough; ``R = 32 * ceil(NT*K / (PB * NW * 32))`` entries per warp):
+    ``e % 2``. ``NW = threads / 32`` warps per block, ``G = blocks * NW`` warps in the grid;
+    ``PB = clamp(ceil(NT*K / (NW * 32)), 1, blocks)`` *ranking blocks*. With ``PB = 1`` (at
+    most ``threads`` entries) the kernel takes the small-batch path, otherwise the
+    large-batch path; both end in the same closing round.
+
+    **Small batch** (every block, on its own; thread ``i`` holds entry ``i``; a row is ``P =
+    ceil(H / 256)`` parts of 32 16-byte vectors, one per lane):
+
+    0. Global warp ``g`` loads its lane's vector of part ``g`` (token ``g // P``) into
+       registers; nothing reads them before step 5, so the load overlaps steps 1-4.
+    1. Thread ``i`` loads its index and weight and turns the index into a key (the expert;
+       ``E`` for ``-1``, ``E + 1`` for an index out of range: both are skipped);
+       ``T.match_any_sync`` on the key gives the warp's lanes with the same expert: the
+       popcount of the lower ones is the entry's rank among them, and the lowest writes their
+       count into the warp's row of the ``(NW, E + 2)`` shared table. The bad entries are
+       counted per warp (``T.ballot_sync``; first flat index kept). Block barrier.
+    2. Warp ``w`` scans the table's columns ``w, w + NW, ...`` over the warps with shuffles
+       (exclusive, in place; the expert's total, this rank's count, into ``stot``); the last
+       warp sums the bad entries with shuffles. Block barrier.
+    3. With several ranks: block 0's thread ``x < E`` writes ``stot[x]`` into row ``me`` of
+       ``Counts[e % 2]`` on every other rank; after a block barrier its thread 0 signals every
+       other rank (``T.notify(Sig[0, me], p, e)``, a release store); threads ``p < W``, ``p !=
+       me``, of every block wait ``T.wait_ge(Sig[0, p], e)``; block barrier. Block 0's last
+       thread writes ``Status`` (``[bad entries, first bad flat index or -1, its value]``).
+    4. Every warp on its own: lane ``l`` holds experts ``l, l + 32, ...``: their totals over
+       the ranks (``W - 1`` loads of ``Counts`` each), the rows of the ranks before this one,
+       and an exclusive scan of the totals over the experts (shuffles); entry ``i``'s row on
+       its owner ``d = k // EL`` is the scan at ``k`` minus the scan at ``d * EL``, plus the
+       rows of the ranks before this one, the column scan of its warp and its rank, all
+       fetched with shuffles. Rows and owners go to shared memory; block 0 writes the origin
+       ``me * TMAX * K + i`` into ``RecvSrc[row]`` on ``d``, ``RouteRank``, ``RouteRow``,
+       ``Weights``, and its warp 0 ``RecvCounts`` and ``RecvOffsets``. Block barrier.
+    5. Warp ``g`` takes parts ``g, g + G, ...`` (loading each after the first), stages its
+       vectors in the warp's 512-byte shared buffer, and puts them from there into each of
+       the token's ``K`` rows on their owners (``T.put_warp``), so a token row is read once,
+       not ``K`` times.
+
+    Every block reading ``Counts`` keeps the two-buffer argument below: each of a rank's
+    blocks reads buffer ``e % 2`` of call ``e - 2`` before that rank's call ``e - 1`` starts
+    and sends its counts. Ranks whose token counts put them on different paths in the same
+    call still agree: what crosses ranks (the counts, ``Sig``, rows sent only after the
+    owner's counts arrived, the closing counter) is the same on both paths.
+
+    **Large batch** (``R = 32 * ceil(NT*K / (PB * NW * 32))`` entries per warp, so that every
+    warp ranks one batch of 32 entries when the grid is large enough):
 
     1. In each ranking block ``b``, warp ``w`` ranks the entries ``[(b*NW + w)*R, (b*NW + w +
        1)*R)`` in chunks of :data:`CHUNK` batches of 32: it loads the chunk's indices and
-       weights first (all in flight together), turning each index into a key (the expert;
-       ``E`` for ``-1``, ``E + 1`` for an index out of range: both are skipped), then ranks
-       each batch: ``T.match_any_sync`` on the key gives the lanes with the same expert, the
-       popcount of the lower ones is the rank within the batch, and the warp's row of a count
-       table in shared memory carries the running count. ``Packed[i] = key << 16 | rank`` and
-       ``Weights[i]`` (a copy of ``Wt``). Out-of-range indices are counted per warp
-       (``T.ballot_sync``; first index kept).
+       weights first (all in flight together), turning each index into a key as above, then
+       ranks each batch: ``T.match_any_sync`` on the key gives the lanes with the same
+       expert, the popcount of the lower ones is the rank within the batch, and the warp's row
+       of the count table carries the running count. ``Packed[i] = key << 16 | rank`` and
+       ``Weights[i]`` (a copy of ``Wt``). Out-of-range indices are counted per warp.
     2. Still in block ``b``: thread ``g < E`` scans column ``g`` of the count table over the
        warps (exclusive, in shared memory) and writes the block's total into ``Base[b, g]``;
        the last thread writes the block's bad-entry count and first bad index into ``Base[b,
        E + 1]`` and ``Base[b, E + 2]``; after a block barrier each warp adds its prefix to its
-       entries' ranks in ``Packed`` (ranks within the block). Then, with several ranking
-       blocks, every block but block 0 arrives: a ``__syncthreads`` and a GPU-scope release
-       add of 1 to ``Ctr[3]`` (local).
-    3. With several ranking blocks, block 0 waits until ``Ctr[3] == blocks - 1`` (acquire):
-       every ranking block's row is in ``Base``; then it resets ``Ctr[3]`` to 0 (no block adds
-       to it again before the next call, which starts after this kernel ends). Thread ``g < E``
-       sums column ``g`` over the ranking blocks (this
-       rank's count of expert ``g``, kept in a register) and writes it into row ``me`` of
-       ``Counts[e % 2]`` on every other rank (``T.st``); after the block barrier thread 0
-       signals every other rank ``p`` with the system-scope release store ``T.notify(Sig[0,
-       me], p, e)`` (after a ``bar.sync`` a release covers the whole block's earlier stores,
-       so no separate fence), while the block's last thread writes ``Status`` (``[bad
-       entries, first bad flat index or -1, its value]``). Threads ``p < W``, ``p != me``,
-       wait ``T.wait_ge(Sig[0, p], e)``: every other rank's counts are here. A rank never
-       signals or waits for itself (with one rank there is no count exchange at all).
+       entries' ranks in ``Packed`` (ranks within the block). Then every block but block 0
+       arrives: a ``__syncthreads`` and a GPU-scope release add of 1 to ``Ctr[3]`` (local).
+    3. Block 0 waits until ``Ctr[3] == blocks - 1`` (acquire): every ranking block's row is in
+       ``Base``; then it resets ``Ctr[3]`` to 0 (no block adds to it again before the next
+       call, which starts after this kernel ends). Thread ``g < E`` sums column ``g`` over
+       the ranking blocks (this rank's count of expert ``g``, kept in a register) and writes
+       it into row ``me`` of ``Counts[e % 2]`` on every other rank (``T.st``); after the block
+       barrier thread 0 signals every other rank ``p`` with the system-scope release store
+       ``T.notify(Sig[0, me], p, e)`` (after a ``bar.sync`` a release covers the whole
+       block's earlier stores, so no separate fence), while the block's last thread writes
+       ``Status``. Threads ``p < W``, ``p != me``, wait ``T.wait_ge(Sig[0, p], e)``: every
+       other rank's counts are here. A rank never signals or waits for itself (with one rank
+       there is no count exchange at all).
     4. Offsets from the count matrix: thread ``g < E`` sums column ``g`` over the ranks (its
        own count for row ``me``; the expert's total, and the rows of ranks before this one);
-       the warps holding the experts
-       scan the totals with shuffles, so the rows of experts ``< x`` are a scanned value plus
-       at most ``E / 32`` warp sums (no thread runs a chain of ``E`` loads). From them
-       ``Base[b, g]`` becomes where ranking block ``b``'s entries of expert ``g`` start on its
-       owner (a running sum over the blocks); ``RecvCounts`` and ``RecvOffsets`` of the local
-       experts.
+       the warps holding the experts scan the totals with shuffles, so the rows of experts
+       ``< x`` are a scanned value plus at most ``E / 32`` warp sums (no thread runs a chain
+       of ``E`` loads). From them ``Base[b, g]`` becomes where ranking block ``b``'s entries
+       of expert ``g`` start on its owner (a running sum over the blocks); ``RecvCounts`` and
+       ``RecvOffsets`` of the local experts.
     5. ``__syncthreads``, then thread 0 publishes the plan to the other blocks of this rank:
        a GPU-scope release store of ``e`` to ``Ctr[2]`` (local).
+    6. Every block, once thread 0 saw ``Ctr[2] == e`` (acquire) and after a
+       ``__syncthreads``: the ``NT*K`` entries are cut into ``P = clamp(G / (NT*K), 1, 8)``
+       column ranges each, and global warp ``g`` takes work items ``g, g + G, ...``. For item
+       ``(i, part)`` of entry ``i`` with expert key ``k < E``: owner ``d = k // EL``, row
+       ``Base[i // (NW * R), k] + rank``; the warp puts its columns of ``X[i // K]`` into
+       ``RecvX[row]`` on ``d`` (``T.put_warp``) and, for part 0, lane 0 stores the origin
+       ``me * TMAX * K + i`` into ``RecvSrc[row]`` on ``d`` and the route into
+       ``RouteRank[i]`` / ``RouteRow[i]`` (``-1`` for a skipped entry).
 
-    **One ranking block** (``PB = 1``, that is ``NT*K <= NW * 32``: a small batch): every block
-    runs steps 1, 2 and 4 over all entries itself, keeping the ranks (``spk``) and its offsets
-    (``sbase``) in shared memory, and waits for every other rank's counts itself; only block 0
-    writes ``Weights``, sends the counts and writes ``Status``, ``RecvCounts`` and
-    ``RecvOffsets``. The plans are equal (ranking is deterministic), so step 5 and the wait for
-    it drop out, and the data phase reads the plan from shared memory. Every block reading
-    ``Counts`` keeps the two-buffer argument below: each of a rank's blocks reads buffer ``e %
-    2`` of call ``e - 2`` before that rank's call ``e - 1`` starts and sends its counts. Ranks
-    whose token counts put them on different paths in the same call still agree: what crosses
-    ranks (the counts, ``Sig``, rows sent only after the owner's counts arrived, the closing
-    counter) is the same on both paths.
-
-    **Data movement** (every block, after a ``__syncthreads``; with several ranking blocks,
-    after thread 0 saw ``Ctr[2] == e`` with an acquire load): the ``NT*K`` entries are cut
-    into ``P = clamp(G / (NT*K), 1, 8)`` column ranges each (``G = blocks * threads / 32``
-    warps; ``P > 1`` only for small batches, so every warp has a part of a row to move), and
-    global warp ``g`` takes work items ``g, g + G, ...``. For item ``(i, part)`` of entry
-    ``i`` with expert key ``k < E``: owner ``d = k // EL``, row ``Base[i // (NW * R), k] +
-    rank`` (``sbase[k] + rank`` with one ranking block); the warp puts its columns of
-    ``X[i // K]`` into ``RecvX[row]`` on ``d`` (``T.put_warp``) and, for part 0, lane 0
-    stores the origin ``me * TMAX * K + i`` into ``RecvSrc[row]`` on ``d`` and the route
-    into ``RouteRank[i]`` / ``RouteRow[i]`` (``-1`` for a skipped entry). Then each block:
-    ``__syncthreads``, a release add of 1 to ``Ctr[0]`` on every other rank (system scope),
-    and thread 0 waits until ``Ctr[0] == e * (W - 1) * blocks`` (mod 2**32): every block of
-    every other rank has finished writing to this rank (this rank's own rows are ordered
-    before any later work on its stream by the kernel's end). Thread 0 then sets ``State[0,
-    b] = e`` (after the block barrier: every thread of the block has read it).
+    **Closing round** (both paths): each block: ``__syncthreads``, a release add of 1 to
+    ``Ctr[0]`` on every other rank (system scope), and thread 0 waits until ``Ctr[0] == e *
+    (W - 1) * blocks`` (mod 2**32): every block of every other rank has finished writing to
+    this rank (this rank's own rows are ordered before any later work on its stream by the
+    kernel's end). Thread 0 then sets ``State[0, b] = e`` (after the block barrier: every
+    thread of the block has read it).
 
     Two count buffers suffice: rank ``s`` writes buffer ``e % 2`` on rank ``d != s`` only
     after its call ``e - 1`` received every other rank's counts of ``e - 1``, so ``d`` has
@@ -203,6 +230,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     TK = TMAX * K
     G = blocks * NW
     VECS = H // 8  # 16-byte vectors per row
+    PARTS = (VECS + 31) // 32  # a small batch's parts of a row: one 16-byte vector per lane
     NT = T.dynamic("num_tokens")
     NR = T.dynamic("num_ranks")
     CAP = T.dynamic("capacity")
@@ -218,12 +246,37 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
 
     @T.macro
     def rank_within_block(buf, wcnt, i, warp):
-        """Step 2: entry ``i``'s packed rank within its warp's batch becomes its rank within the
-        ranking block (``buf``: ``Packed``, or ``spk`` with one ranking block; ``wcnt``: the
-        block's count table, scanned over its warps)."""
+        """Large step 2: entry ``i``'s packed rank within its warp's batch becomes its rank
+        within the ranking block (``buf``: ``Packed``; ``wcnt``: the block's count table,
+        scanned over its warps)."""
         pk = buf[i]
         if pk >> RANK_BITS < E:
             buf[i] = pk + wcnt[warp, pk >> RANK_BITS]
+
+    @T.macro
+    def expert_value(arr, x, total, out, slot):
+        """Small step 4: ``out[slot]`` = the value for expert ``x`` (``0 <= x <= E``; ``E``
+        gives ``total``) of a per-lane array ``arr`` in which lane ``l`` holds experts ``l, l +
+        32, ...`` in ``arr[0], arr[1], ...`` (``NWE`` shuffles; every lane of the warp calls it)."""
+        out[slot] = total
+        for jj in T.unroll(NWE):
+            got = T.shfl_sync(arr[jj], x % 32)
+            if x // 32 == jj and x < E:
+                out[slot] = got
+
+    @T.macro
+    def write_status(Status, Idx, nbad, first):
+        """``Status = [bad entries, first bad flat index or -1, its value (0 if none)]``."""
+        Status[0] = nbad
+        Status[1] = T.Cast("int64", first)
+        Status[2] = 0
+        if first >= 0:
+            Status[2] = T.Cast("int64", Idx[first // K, first % K])
+
+    def lowest_bit(mask):
+        """Index of the lowest set bit of a non-zero ``uint64`` ballot ``mask`` (int32): the
+        popcount of the ones below it."""
+        return T.Cast("int32", T.popcount((mask & (~mask + T.uint64(1))) - T.uint64(1)))
 
     def batch_entry(bx, warp, nb, j, lane):
         """Flat index of entry ``lane`` of batch ``j`` (of ``nb``) of warp ``warp`` of block
@@ -253,19 +306,26 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
             tx, lane, g, me, W, EL = _grid_ids(T, bx, threads, E)
             warp = tx // 32
             wcnt = T.alloc_shared((NW, E + 2), "int32")  # columns E: skipped, E + 1: bad
-            escan = T.alloc_shared((NWE * 32,), "int32")  # step 4: exclusive scan of the totals per warp
-            wsum = T.alloc_shared((NWE,), "int32")  # step 4: those warps' sums
+            escan = T.alloc_shared((NWE * 32,), "int32")  # large 4: exclusive scan of the totals per warp
+            wsum = T.alloc_shared((NWE,), "int32")  # large 4: those warps' sums
             wbad = T.alloc_shared((NW,), "int32")
             wfirst = T.alloc_shared((NW,), "int32")
-            spk = T.alloc_shared((NW * 32,), "int32")  # one ranking block: the entries' packed ranks
-            sbase = T.alloc_shared((E,), "int32")  # one ranking block: where its expert-g rows start
-            keys = T.alloc_local((CHUNK,), "int32")  # step 1: one chunk's expert keys and weights
+            stot = T.alloc_shared((E,), "int32")  # small: this rank's count of each expert
+            srow = T.alloc_shared((NW * 32,), "int32")  # small: each entry's row on its owner (-1: skipped)
+            sdst = T.alloc_shared((NW * 32,), "int32")  # small: each entry's owner
+            stage = T.alloc_shared((NW, 32 * 8), dtype)  # small: each warp's part of a token row
+            keys = T.alloc_local((CHUNK,), "int32")  # large 1: one chunk's expert keys and weights
             wts = T.alloc_local((CHUNK,), "float32")
             sc = T.alloc_local((1,), "int32")  # the running value of inclusive_warp_scan
+            xv = T.alloc_local((8,), dtype)  # small: this lane's 16-byte vector of a token row
+            etot = T.alloc_local((NWE,), "int32")  # small 4: per lane, experts lane, lane + 32, ...:
+            ebefore = T.alloc_local((NWE,), "int32")  # totals over ranks, rows of the ranks before
+            eprefix = T.alloc_local((NWE,), "int32")  # this one, rows of the experts before (scan)
+            at = T.alloc_local((3,), "int32")  # small 4: values of one expert (expert_value)
             run = T.alloc_var("int32")
             first = T.alloc_var("int32")
             nbad = T.alloc_var("int64")
-            every = T.alloc_var("int32")  # step 4: thread g's expert total over ranks and the
+            every = T.alloc_var("int32")  # large 4: thread g's expert total over ranks and the
             before = T.alloc_var("int32", init=0)  # rows of ranks before this one
             epoch = T.alloc_var("int64")
             epoch = State[0, bx] + 1  # this block's own copy of the call number
@@ -274,199 +334,306 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
             n = NT * K
             pb = T.alloc_var("int32")  # ranking blocks: one 32-entry batch per warp when the grid allows
             pb = T.max(1, T.min(blocks, (n + NW * 32 - 1) // (NW * 32)))
-            nb = T.alloc_var("int32")
-            nb = (n + pb * NW * 32 - 1) // (pb * NW * 32)  # 32-entry batches per warp
-            # One ranking block (n <= NW * 32): every block ranks all entries and plans in its own
-            # shared memory (block 0 also exchanges the counts), so no block waits for a plan
-            # from block 0 and the data phase reads it from shared memory.
-            rb = T.alloc_var("int32")  # the ranking block whose entries this block ranks
-            rb = T.if_then_else(pb == 1, 0, bx)
-            if bx < pb or pb == 1:  # block-uniform
-                # ---- 1. warp w of block b ranks the entries [(b*NW + w)*R, (b*NW + w + 1)*R) within
-                # their experts (R = 32 * nb), CHUNK batches of 32 at a time: the chunk's indices
-                # and weights are loaded first (in flight together), then each batch is ranked.
-                # Only the warp's own row of the count table is touched, so a warp barrier orders
-                # its zeroing.
+            if pb == 1:  # grid-uniform: a small batch (n <= threads entries), planned by every block alone
+                # ---- small 0. this warp's first part of a token row: its loads stay in flight
+                # during the plan (nothing reads xv before the data phase)
+                if g < NT * PARTS and g % PARTS * 32 + lane < VECS:
+                    for v in T.vectorized(8):
+                        xv[v] = X[g // PARTS, (g % PARTS * 32 + lane) * 8 + v]
+                # ---- small 1. thread i < n holds entry i: its key and weight; its rank among the
+                # warp's entries of its expert (match_any); the warp's counts in its row of wcnt
+                skey = T.alloc_var("int32")
+                skey = E  # threads past the last entry: skipped
+                sweight = T.alloc_var("float32")
+                if tx < n:
+                    sweight = Wt[tx // K, tx % K]
+                    sidx = Idx[tx // K, tx % K]
+                    skey = T.if_then_else(sidx >= 0 and sidx < E, T.Cast("int32", sidx), T.if_then_else(sidx == -1, E, E + 1))
                 for j in T.serial((E + 33) // 32):
                     if j * 32 + lane <= E + 1:
                         wcnt[warp, j * 32 + lane] = 0
-                if lane == 0:
-                    wbad[warp] = 0
-                    wfirst[warp] = -1
                 T.sync_warp()
-                for c in T.serial((nb + CHUNK - 1) // CHUNK):
-                    for u in T.unroll(CHUNK):
-                        i = batch_entry(rb, warp, nb, c * CHUNK + u, lane)
-                        keys[u] = E  # lanes past the last entry: skipped
-                        if c * CHUNK + u < nb and i < n:
-                            v = Idx[i // K, i % K]
-                            wts[u] = Wt[i // K, i % K]
-                            keys[u] = T.if_then_else(v >= 0 and v < E, T.Cast("int32", v),
-                                                     T.if_then_else(v == -1, E, E + 1))
-                    for u in T.unroll(CHUNK):
-                        if c * CHUNK + u < nb:  # warp-uniform: every lane takes part in the votes
-                            i = batch_entry(rb, warp, nb, c * CHUNK + u, lane)
-                            key = keys[u]
-                            same = T.match_any_sync(key)
-                            below = T.Cast("int32", T.popcount(same & ((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))))
-                            prev = wcnt[warp, key]
-                            bad = T.ballot_sync(T.Cast("int32", i < n and key == E + 1))
-                            T.sync_warp()
-                            if below == 0:
-                                wcnt[warp, key] = prev + T.Cast("int32", T.popcount(same))
-                            if lane == 0 and bad != T.uint64(0):
-                                wbad[warp] = wbad[warp] + T.Cast("int32", T.popcount(bad))
-                                if wfirst[warp] < 0:  # lowest set bit: popcount of the ones below it
-                                    wfirst[warp] = batch_entry(rb, warp, nb, c * CHUNK + u, 0) + T.Cast(
-                                        "int32", T.popcount((bad & (~bad + T.uint64(1))) - T.uint64(1)))
-                            T.sync_warp()
-                            if i < n:
-                                if bx == rb:
-                                    Weights[i] = wts[u]
-                                if pb == 1:
-                                    spk[i] = (key << RANK_BITS) | (prev + below)
-                                else:
-                                    Packed[i] = (key << RANK_BITS) | (prev + below)
+                ssame = T.match_any_sync(skey)
+                srank = T.alloc_var("int32")
+                srank = T.Cast("int32", T.popcount(ssame & ((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))))
+                if srank == 0:
+                    wcnt[warp, skey] = T.Cast("int32", T.popcount(ssame))
+                sbad = T.ballot_sync(T.Cast("int32", tx < n and skey == E + 1))
+                if lane == 0:
+                    wbad[warp] = T.Cast("int32", T.popcount(sbad))
+                    wfirst[warp] = T.if_then_else(sbad != T.uint64(0), warp * 32 + lowest_bit(sbad), -1)
                 T.sync_threads()
-                # ---- 2. the block's counts: an exclusive scan over its warps (thread g < E, in
-                # shared memory), the block's totals into row b of Base (columns E + 1, E + 2:
-                # bad entries, first bad flat index or -1); then each warp turns its ranks into
-                # ranks within the block
-                if tx < E:
-                    run = 0
-                    for w in T.serial(NW):
-                        cw = wcnt[w, tx]
-                        wcnt[w, tx] = run
-                        run = run + cw
-                    if bx == rb:  # with one ranking block only block 0's row is read
+                # ---- small 2. warp w scans columns w, w + NW, ... of wcnt over the warps (shuffles;
+                # exclusive, in place; the totals into stot); the last warp sums the bad entries
+                for j in T.unroll((E + NW - 1) // NW):
+                    if warp + j * NW < E:  # warp-uniform
+                        scnt = wcnt[lane, warp + j * NW]
+                        sc[0] = scnt
+                        inclusive_warp_scan(sc, lane)
+                        wcnt[lane, warp + j * NW] = sc[0] - scnt
+                        if lane == 31:
+                            stot[warp + j * NW] = sc[0]
+                if warp == NW - 1:  # warp-uniform; lane 31 is thread threads - 1 (Status below)
+                    run = wbad[lane]
+                    first = wfirst[lane]
+                    for d in [16, 8, 4, 2, 1]:
+                        run = run + T.shfl_xor(run, d)
+                    first = T.shfl_sync(first, lowest_bit(T.ballot_sync(T.Cast("int32", first >= 0))) % 32)
+                T.sync_threads()
+                # ---- small 3. block 0 sends this rank's counts to every other rank and signals;
+                # every block waits for every other rank's counts
+                if W > 1:  # grid-uniform
+                    if bx == 0 and tx < E:
+                        for p in T.serial(W):
+                            if p != me:
+                                T.st(Counts[par, me, tx], stot[tx], dst_pe=p)
+                    T.sync_threads()
+                    if bx == 0 and tx == 0:
+                        for p in T.serial(W):
+                            if p != me:
+                                T.notify(Sig[0, me], p, epoch)  # release: after bar.sync, the block's counts
+                    if tx < W and tx != me:
+                        T.wait_ge(Sig[0, tx], epoch)
+                    T.sync_threads()
+                if bx == 0 and tx == threads - 1:
+                    write_status(Status, Idx, T.Cast("int64", run), first)
+                # ---- small 4. every warp on its own: lane l holds experts l, l + 32, ... (totals
+                # over the ranks, rows of the ranks before this one, rows of the experts before:
+                # an exclusive scan over the experts); entry tx's row on its owner from them
+                carry = T.alloc_var("int32")  # the totals of the experts held in the lower slots
+                carry = 0
+                for j in T.unroll(NWE):
+                    etot[j] = 0
+                    ebefore[j] = 0
+                    if j * 32 + lane < E:
+                        for s in T.serial(W):
+                            scnt = T.if_then_else(s == me, stot[j * 32 + lane], Counts[par, s, j * 32 + lane])
+                            etot[j] = etot[j] + scnt
+                            if s < me:
+                                ebefore[j] = ebefore[j] + scnt
+                    sc[0] = etot[j]
+                    inclusive_warp_scan(sc, lane)
+                    eprefix[j] = carry + sc[0] - etot[j]
+                    carry = carry + T.shfl_sync(sc[0], 31)
+                smine = T.min(skey, E - 1)
+                expert_value(eprefix, smine, carry, at, 0)
+                expert_value(eprefix, smine // EL * EL, carry, at, 1)
+                expert_value(ebefore, smine, carry, at, 2)
+                if tx < n:
+                    if skey < E:
+                        srow_v = at[0] - at[1] + at[2] + wcnt[warp, skey] + srank
+                        srow[tx] = srow_v
+                        sdst[tx] = skey // EL
+                        if bx == 0:
+                            T.st(RecvSrc[srow_v], me * TK + tx, dst_pe=skey // EL)
+                            RouteRank[tx] = skey // EL
+                            RouteRow[tx] = srow_v
+                    else:
+                        srow[tx] = -1
+                        if bx == 0:
+                            RouteRank[tx] = -1
+                            RouteRow[tx] = -1
+                    if bx == 0:
+                        Weights[tx] = sweight
+                if bx == 0 and warp == 0:  # warp-uniform: this rank's local experts
+                    expert_value(eprefix, T.min(me * EL, E - 1), carry, at, 1)
+                    for c in T.serial((EL + 32) // 32):
+                        expert_value(eprefix, T.min(me * EL + c * 32 + lane, E), carry, at, 0)
+                        expert_value(eprefix, T.min(me * EL + c * 32 + lane + 1, E), carry, at, 2)
+                        if c * 32 + lane <= EL:
+                            RecvOffsets[c * 32 + lane] = at[0] - at[1]
+                        if c * 32 + lane < EL:
+                            RecvCounts[c * 32 + lane] = at[2] - at[0]
+                T.sync_threads()
+                # ---- small 5. data: warp g takes parts g, g + G, ...; a part (one 16-byte vector
+                # per lane) is staged in the warp's shared buffer once and put from there to each
+                # of the token's K rows, so a token row is read once
+                for j in T.serial((NT * PARTS + G - 1) // G):
+                    q = g + j * G
+                    if q < NT * PARTS:  # warp-uniform
+                        if j > 0 and q % PARTS * 32 + lane < VECS:
+                            for v in T.vectorized(8):
+                                xv[v] = X[q // PARTS, (q % PARTS * 32 + lane) * 8 + v]
+                        for v in T.vectorized(8):
+                            stage[warp, lane * 8 + v] = xv[v]
+                        T.sync_warp()
+                        for k in T.serial(K):
+                            dst_row = srow[q // PARTS * K + k]
+                            if dst_row >= 0:
+                                T.put_warp(T.address_of(stage[warp, 0]),
+                                           T.address_of(RecvX[T.Cast("int64", dst_row), q % PARTS * 256]),
+                                           (T.min(VECS, q % PARTS * 32 + 32) - q % PARTS * 32) * 8,
+                                           dst_pe=sdst[q // PARTS * K + k])
+                        T.sync_warp()  # every lane has put the part before the next one is staged
+            else:
+                nb = T.alloc_var("int32")
+                nb = (n + pb * NW * 32 - 1) // (pb * NW * 32)  # 32-entry batches per warp
+                if bx < pb:  # block-uniform
+                    # ---- large 1. warp w of block b ranks the entries [(b*NW + w)*R, (b*NW + w +
+                    # 1)*R) within their experts (R = 32 * nb), CHUNK batches of 32 at a time: the
+                    # chunk's indices and weights are loaded first (in flight together), then each
+                    # batch is ranked. Only the warp's own row of the count table is touched, so a
+                    # warp barrier orders its zeroing.
+                    for j in T.serial((E + 33) // 32):
+                        if j * 32 + lane <= E + 1:
+                            wcnt[warp, j * 32 + lane] = 0
+                    if lane == 0:
+                        wbad[warp] = 0
+                        wfirst[warp] = -1
+                    T.sync_warp()
+                    for c in T.serial((nb + CHUNK - 1) // CHUNK):
+                        for u in T.unroll(CHUNK):
+                            i = batch_entry(bx, warp, nb, c * CHUNK + u, lane)
+                            keys[u] = E  # lanes past the last entry: skipped
+                            if c * CHUNK + u < nb and i < n:
+                                v = Idx[i // K, i % K]
+                                wts[u] = Wt[i // K, i % K]
+                                keys[u] = T.if_then_else(v >= 0 and v < E, T.Cast("int32", v),
+                                                         T.if_then_else(v == -1, E, E + 1))
+                        for u in T.unroll(CHUNK):
+                            if c * CHUNK + u < nb:  # warp-uniform: every lane takes part in the votes
+                                i = batch_entry(bx, warp, nb, c * CHUNK + u, lane)
+                                key = keys[u]
+                                same = T.match_any_sync(key)
+                                below_lanes = T.Cast("int32", T.popcount(same & ((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))))
+                                prev = wcnt[warp, key]
+                                bad = T.ballot_sync(T.Cast("int32", i < n and key == E + 1))
+                                T.sync_warp()
+                                if below_lanes == 0:
+                                    wcnt[warp, key] = prev + T.Cast("int32", T.popcount(same))
+                                if lane == 0 and bad != T.uint64(0):
+                                    wbad[warp] = wbad[warp] + T.Cast("int32", T.popcount(bad))
+                                    if wfirst[warp] < 0:
+                                        wfirst[warp] = batch_entry(bx, warp, nb, c * CHUNK + u, 0) + lowest_bit(bad)
+                                T.sync_warp()
+                                if i < n:
+                                    Weights[i] = wts[u]
+                                    Packed[i] = (key << RANK_BITS) | (prev + below_lanes)
+                    T.sync_threads()
+                    # ---- large 2. the block's counts: an exclusive scan over its warps (thread g <
+                    # E, in shared memory), the block's totals into row b of Base (columns E + 1, E +
+                    # 2: bad entries, first bad flat index or -1); then each warp turns its ranks
+                    # into ranks within the block
+                    if tx < E:
+                        run = 0
+                        for w in T.serial(NW):
+                            cw = wcnt[w, tx]
+                            wcnt[w, tx] = run
+                            run = run + cw
                         Base[bx, tx] = run
-                if tx == threads - 1:
-                    run = 0
-                    first = -1
-                    for w in T.serial(NW):
-                        run = run + wbad[w]
-                        if first < 0:
-                            first = wfirst[w]
-                    if bx == rb:
+                    if tx == threads - 1:
+                        run = 0
+                        first = -1
+                        for w in T.serial(NW):
+                            run = run + wbad[w]
+                            if first < 0:
+                                first = wfirst[w]
                         Base[bx, E + 1] = run
                         Base[bx, E + 2] = first
-                T.sync_threads()
-                for b in T.serial(nb):
-                    i = batch_entry(rb, warp, nb, b, lane)
-                    if i < n:
-                        if pb == 1:
-                            rank_within_block(spk, wcnt, i, warp)
-                        else:
+                    T.sync_threads()
+                    for b in T.serial(nb):
+                        i = batch_entry(bx, warp, nb, b, lane)
+                        if i < n:
                             rank_within_block(Packed, wcnt, i, warp)
-            # with several ranking blocks every block but 0 arrives (release, GPU scope: covers
-            # the block's Base row and Packed)
-            T.sync_threads()
-            if bx > 0 and tx == 0 and pb > 1:
-                T.atom_add(Ctr[3], 1, scope="gpu", sem="release")
-            if bx == 0 or pb == 1:  # the planning blocks (block-uniform)
-                if tx == 0 and pb > 1:  # every ranking block's counts are in Base
-                    T.wait_eq(Ctr[3], T.uint32(blocks - 1), scope="gpu")
-                    Ctr[3] = T.uint32(0)  # every arrival of this call is counted
+                # every block but 0 arrives (release, GPU scope: covers the block's Base row and Packed)
                 T.sync_threads()
-                # ---- 3. block 0: this rank's count of expert g (thread g), the sum over the
-                # ranking blocks, written into row `me` of Counts on every other rank; after the
-                # block barrier thread 0 signals every other rank (release: the barrier puts the block's
-                # stores before it)
-                if bx == 0 and tx < E:
-                    run = 0
-                    for b in T.serial(pb):
-                        run = run + Base[b, tx]
-                    for p in T.serial(W):
-                        if p != me:  # this rank's own counts stay in `run`
-                            T.st(Counts[par, me, tx], run, dst_pe=p)
-                T.sync_threads()
-                if bx == 0 and tx == 0:
-                    for p in T.serial(W):
-                        if p != me:
-                            T.notify(Sig[0, me], p, epoch)  # release: my counts of call `epoch` are on p
-                if bx == 0 and tx == threads - 1:  # not a waiter below (W <= E < threads): off the critical path
-                    nbad = 0
-                    first = -1
-                    for b in T.serial(pb):
-                        nbad = nbad + T.Cast("int64", Base[b, E + 1])
-                        if first < 0:
-                            first = Base[b, E + 2]
-                    Status[0] = nbad
-                    Status[1] = T.Cast("int64", first)
-                    Status[2] = 0
-                    if first >= 0:
-                        Status[2] = T.Cast("int64", Idx[first // K, first % K])
-                if tx < W and tx != me:  # every other rank's counts of this call are here
-                    T.wait_ge(Sig[0, tx], epoch)
-                T.sync_threads()
-                # ---- 4. offsets. Thread g < E sums column g of the count matrix (W - 1 loads;
-                # row `me` is its own `run`: block 0's sum over the ranking blocks, or with one
-                # ranking block the block's own total) into its expert's total and the rows of
-                # ranks before this one; the warps holding
-                # experts scan the totals (shuffles) into escan and their warp sums into wsum, so
-                # that the rows of experts < x over all ranks are escan[x] plus at most E / 32
-                # warp sums (prefix_rows)
-                if warp < NWE:  # warp-uniform
-                    every = 0
+                if bx > 0 and tx == 0:
+                    T.atom_add(Ctr[3], 1, scope="gpu", sem="release")
+                if bx == 0:  # block-uniform: the plan
+                    if tx == 0:  # every ranking block's counts are in Base
+                        T.wait_eq(Ctr[3], T.uint32(blocks - 1), scope="gpu")
+                        Ctr[3] = T.uint32(0)  # every arrival of this call is counted
+                    T.sync_threads()
+                    # ---- large 3. this rank's count of expert g (thread g), the sum over the
+                    # ranking blocks, written into row `me` of Counts on every other rank; after
+                    # the block barrier thread 0 signals every other rank (release: the barrier
+                    # puts the block's stores before it)
                     if tx < E:
-                        for s in T.serial(W):
-                            cnt = T.if_then_else(s == me, run, Counts[par, s, tx])
-                            every = every + cnt
-                            if s < me:
-                                before = before + cnt
-                    sc[0] = every
-                    inclusive_warp_scan(sc, lane)
-                    escan[tx] = sc[0] - every
-                    if lane == 31:
-                        wsum[warp] = sc[0]
-                T.sync_threads()
-                if tx < E:  # where ranking block b's entries of expert g start on the owner
-                    run = before + prefix_rows(escan, wsum, tx) - prefix_rows(escan, wsum, tx // EL * EL)
-                    if pb == 1:
-                        sbase[tx] = run
-                    else:  # Base[b, g], a running sum over the ranking blocks
+                        run = 0
+                        for b in T.serial(pb):
+                            run = run + Base[b, tx]
+                        for p in T.serial(W):
+                            if p != me:  # this rank's own counts stay in `run`
+                                T.st(Counts[par, me, tx], run, dst_pe=p)
+                    T.sync_threads()
+                    if tx == 0:
+                        for p in T.serial(W):
+                            if p != me:
+                                T.notify(Sig[0, me], p, epoch)  # release: my counts of call `epoch` are on p
+                    if tx == threads - 1:  # not a waiter below (W <= E < threads): off the critical path
+                        nbad = 0
+                        first = -1
+                        for b in T.serial(pb):
+                            nbad = nbad + T.Cast("int64", Base[b, E + 1])
+                            if first < 0:
+                                first = Base[b, E + 2]
+                        write_status(Status, Idx, nbad, first)
+                    if tx < W and tx != me:  # every other rank's counts of this call are here
+                        T.wait_ge(Sig[0, tx], epoch)
+                    T.sync_threads()
+                    # ---- large 4. offsets. Thread g < E sums column g of the count matrix (W - 1
+                    # loads; row `me` is its own `run`) into its expert's total and the rows of
+                    # ranks before this one; the warps holding experts scan the totals (shuffles)
+                    # into escan and their warp sums into wsum, so that the rows of experts < x
+                    # over all ranks are escan[x] plus at most E / 32 warp sums (prefix_rows)
+                    if warp < NWE:  # warp-uniform
+                        every = 0
+                        if tx < E:
+                            for s in T.serial(W):
+                                cnt = T.if_then_else(s == me, run, Counts[par, s, tx])
+                                every = every + cnt
+                                if s < me:
+                                    before = before + cnt
+                        sc[0] = every
+                        inclusive_warp_scan(sc, lane)
+                        escan[tx] = sc[0] - every
+                        if lane == 31:
+                            wsum[warp] = sc[0]
+                    T.sync_threads()
+                    if tx < E:  # Base[b, g]: where ranking block b's entries of expert g start on the owner
+                        run = before + prefix_rows(escan, wsum, tx) - prefix_rows(escan, wsum, tx // EL * EL)
                         for b in T.serial(pb):
                             cb = Base[b, tx]
                             Base[b, tx] = run
                             run = run + cb
-                if bx == 0 and tx <= EL:  # this rank's local experts
-                    RecvOffsets[tx] = prefix_rows(escan, wsum, me * EL + tx) - prefix_rows(escan, wsum, me * EL)
-                    if tx < EL:
-                        RecvCounts[tx] = prefix_rows(escan, wsum, me * EL + tx + 1) - prefix_rows(escan, wsum, me * EL + tx)
+                    if tx <= EL:  # this rank's local experts
+                        RecvOffsets[tx] = prefix_rows(escan, wsum, me * EL + tx) - prefix_rows(escan, wsum, me * EL)
+                        if tx < EL:
+                            RecvCounts[tx] = prefix_rows(escan, wsum, me * EL + tx + 1) - prefix_rows(escan, wsum, me * EL + tx)
+                    T.sync_threads()
+                    if tx == 0:  # large 5. the plan is complete: release it to this rank's blocks
+                        T.st(Ctr[2], T.Cast("uint32", epoch), scope="gpu", sem="release")
+                if tx == 0:
+                    T.wait_eq(Ctr[2], T.Cast("uint32", epoch), scope="gpu")
                 T.sync_threads()
-                if tx == 0 and pb > 1:  # 5. the plan is complete: release it to this rank's blocks
-                    T.st(Ctr[2], T.Cast("uint32", epoch), scope="gpu", sem="release")
-            if tx == 0 and pb > 1:
-                T.wait_eq(Ctr[2], T.Cast("uint32", epoch), scope="gpu")
-            T.sync_threads()
-            # ---- data movement: P column ranges per entry when there are fewer entries than warps
-            parts = T.alloc_var("int32")
-            parts = T.max(1, T.min(MAX_PARTS, G // T.max(n, 1)))
-            chunk = T.alloc_var("int32")  # 16-byte vectors per part
-            chunk = (VECS + parts - 1) // parts
-            for j in T.serial((n * parts + G - 1) // G):
-                q = g + j * G
-                if q < n * parts:
-                    i = q // parts
-                    v0 = q % parts * chunk
-                    packed = T.if_then_else(pb == 1, spk[i % (NW * 32)], Packed[i])
-                    ekey = packed >> RANK_BITS
-                    if ekey < E:
-                        # NW * nb * 32: the entries each ranking block ranked
-                        row = T.if_then_else(pb == 1, sbase[ekey], Base[i // (NW * nb * 32), ekey]) + (
-                            packed & ((1 << RANK_BITS) - 1))
-                        if v0 < VECS:
-                            T.put_warp(T.address_of(X[i // K, v0 * 8]),
-                                       T.address_of(RecvX[T.Cast("int64", row), v0 * 8]),
-                                       (T.min(VECS, v0 + chunk) - v0) * 8, dst_pe=ekey // EL,
-                                       unroll_factor=PUT_UNROLL)
-                        if lane == 0 and v0 == 0:
-                            T.st(RecvSrc[row], me * TK + i, dst_pe=ekey // EL)
-                            RouteRank[i] = ekey // EL
-                            RouteRow[i] = row
-                    elif lane == 0 and v0 == 0:
-                        RouteRank[i] = -1
-                        RouteRow[i] = -1
+                # ---- large data: P column ranges per entry when there are fewer entries than warps
+                cuts = T.alloc_var("int32")
+                cuts = T.max(1, T.min(MAX_PARTS, G // n))
+                chunk = T.alloc_var("int32")  # 16-byte vectors per part
+                chunk = (VECS + cuts - 1) // cuts
+                for j in T.serial((n * cuts + G - 1) // G):
+                    q = g + j * G
+                    if q < n * cuts:
+                        i = q // cuts
+                        v0 = q % cuts * chunk
+                        packed = Packed[i]
+                        ekey = packed >> RANK_BITS
+                        if ekey < E:
+                            # NW * nb * 32: the entries each ranking block ranked
+                            row = Base[i // (NW * nb * 32), ekey] + (packed & ((1 << RANK_BITS) - 1))
+                            if v0 < VECS:
+                                T.put_warp(T.address_of(X[i // K, v0 * 8]),
+                                           T.address_of(RecvX[T.Cast("int64", row), v0 * 8]),
+                                           (T.min(VECS, v0 + chunk) - v0) * 8, dst_pe=ekey // EL,
+                                           unroll_factor=PUT_UNROLL)
+                            if lane == 0 and v0 == 0:
+                                T.st(RecvSrc[row], me * TK + i, dst_pe=ekey // EL)
+                                RouteRank[i] = ekey // EL
+                                RouteRow[i] = row
+                        elif lane == 0 and v0 == 0:
+                            RouteRank[i] = -1
+                            RouteRow[i] = -1
+            # ---- the closing round (both paths)
             T.sync_threads()
             if tx == 0:
                 for p in T.serial(W):
