@@ -169,6 +169,22 @@ def test_dispatch_kernel_small_batch_plans_in_every_block_and_reads_each_token_r
     assert moves.count("__syncwarp();") == 2  # staged before the puts, put before the next part
 
 
+def test_dispatch_kernel_small_batch_scans_only_the_warps_a_narrower_block_has():
+    """With fewer than 32 warps per block (512 threads: 16), the small batch's column scans and
+    bad-entry sum read and write only the rows of the warps there are (lanes 16-31 add 0)."""
+    body = source(build_dispatch_kernel(64, 8, 7168, 4096, blocks=132, threads=512))
+    start = body.index("if (pb == 1) {")
+    small = body[start:body.index("\n  } else {\n", start)]
+    first_sync = small.index("__syncthreads();")
+    scans = small[first_sync:small.index("__syncthreads();", first_sync + 1)]
+    guard = "if (((((int)threadIdx.x) & 31) < 16)) {\n        condval_3 = ((int*)wcnt)["
+    assert guard in scans, scans
+    assert "if ((((int)threadIdx.x) & 31) < 16) {\n        ((int*)wcnt)[" in scans  # the write-back
+    for table in ("wbad", "wfirst"):
+        read = scans.index(f"= ((int*)wfirst)[" if table == "wfirst" else "= ((int*)wbad)[")
+        assert "< 16)" in scans[read - 120:read], table
+
+
 def test_dispatch_kernel_large_batch_ranks_in_every_block_plans_in_block_0_then_puts_rows_to_the_owner():
     """A large batch: the ranking blocks rank, block 0 plans and releases the plan, every
     block acquires it and puts each entry's row (or a column range of it) to the owner."""

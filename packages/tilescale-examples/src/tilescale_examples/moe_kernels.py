@@ -273,6 +273,15 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
         if first >= 0:
             Status[2] = T.Cast("int64", Idx[first // K, first % K])
 
+    def expert_key(v):
+        """An index's key: the expert ``v`` when ``0 <= v < E``, ``E`` for ``-1`` (an unused
+        slot), ``E + 1`` for any other value (out of range); both of the last are skipped."""
+        return T.if_then_else(T.And(v >= 0, v < E), T.Cast("int32", v), T.if_then_else(v == -1, E, E + 1))
+
+    def lanes_below(mask, lane):
+        """How many of the lanes below ``lane`` are set in the ``uint32`` lane ``mask`` (int32)."""
+        return T.Cast("int32", T.popcount(mask & ((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))))
+
     def lowest_bit(mask):
         """Index of the lowest set bit of a non-zero ``uint64`` ballot ``mask`` (int32): the
         popcount of the ones below it."""
@@ -348,14 +357,14 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                 if tx < n:
                     sweight = Wt[tx // K, tx % K]
                     sidx = Idx[tx // K, tx % K]
-                    skey = T.if_then_else(sidx >= 0 and sidx < E, T.Cast("int32", sidx), T.if_then_else(sidx == -1, E, E + 1))
+                    skey = expert_key(sidx)
                 for j in T.serial((E + 33) // 32):
                     if j * 32 + lane <= E + 1:
                         wcnt[warp, j * 32 + lane] = 0
                 T.sync_warp()
                 ssame = T.match_any_sync(skey)
                 srank = T.alloc_var("int32")
-                srank = T.Cast("int32", T.popcount(ssame & ((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))))
+                srank = lanes_below(ssame, lane)
                 if srank == 0:
                     wcnt[warp, skey] = T.Cast("int32", T.popcount(ssame))
                 sbad = T.ballot_sync(T.Cast("int32", tx < n and skey == E + 1))
@@ -363,22 +372,26 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                     wbad[warp] = T.Cast("int32", T.popcount(sbad))
                     wfirst[warp] = T.if_then_else(sbad != T.uint64(0), warp * 32 + lowest_bit(sbad), -1)
                 T.sync_threads()
-                # ---- small 2. warp w scans columns w, w + NW, ... of wcnt over the warps (shuffles;
-                # exclusive, in place; the totals into stot); the last warp sums the bad entries
+                # ---- small 2. warp w scans columns w, w + NW, ... of wcnt over the warps (shuffles:
+                # lane l holds warp l's row, lanes >= NW none; exclusive, in place; the totals into
+                # stot); the last warp sums the bad entries
                 for j in T.unroll((E + NW - 1) // NW):
                     if warp + j * NW < E:  # warp-uniform
-                        scnt = wcnt[lane, warp + j * NW]
+                        scnt = T.if_then_else(lane < NW, wcnt[T.min(lane, NW - 1), warp + j * NW], 0)
                         sc[0] = scnt
                         inclusive_warp_scan(sc, lane)
-                        wcnt[lane, warp + j * NW] = sc[0] - scnt
+                        if lane < NW:
+                            wcnt[lane, warp + j * NW] = sc[0] - scnt
                         if lane == 31:
                             stot[warp + j * NW] = sc[0]
                 if warp == NW - 1:  # warp-uniform; lane 31 is thread threads - 1 (Status below)
-                    run = wbad[lane]
-                    first = wfirst[lane]
+                    run = T.if_then_else(lane < NW, wbad[T.min(lane, NW - 1)], 0)
+                    first = T.if_then_else(lane < NW, wfirst[T.min(lane, NW - 1)], -1)
                     for d in [16, 8, 4, 2, 1]:
                         run = run + T.shfl_xor(run, d)
-                    first = T.shfl_sync(first, lowest_bit(T.ballot_sync(T.Cast("int32", first >= 0))) % 32)
+                    has_bad = T.alloc_var("uint64")  # the lanes whose warp saw a bad entry
+                    has_bad = T.ballot_sync(T.Cast("int32", first >= 0))
+                    first = T.shfl_sync(first, lowest_bit(has_bad) % 32)  # none: lane 0's -1
                 T.sync_threads()
                 # ---- small 3. block 0 sends this rank's counts to every other rank and signals;
                 # every block waits for every other rank's counts
@@ -488,14 +501,13 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                             if c * CHUNK + u < nb and i < n:
                                 v = Idx[i // K, i % K]
                                 wts[u] = Wt[i // K, i % K]
-                                keys[u] = T.if_then_else(v >= 0 and v < E, T.Cast("int32", v),
-                                                         T.if_then_else(v == -1, E, E + 1))
+                                keys[u] = expert_key(v)
                         for u in T.unroll(CHUNK):
                             if c * CHUNK + u < nb:  # warp-uniform: every lane takes part in the votes
                                 i = batch_entry(bx, warp, nb, c * CHUNK + u, lane)
                                 key = keys[u]
                                 same = T.match_any_sync(key)
-                                below_lanes = T.Cast("int32", T.popcount(same & ((T.uint32(1) << T.Cast("uint32", lane)) - T.uint32(1))))
+                                below_lanes = lanes_below(same, lane)
                                 prev = wcnt[warp, key]
                                 bad = T.ballot_sync(T.Cast("int32", i < n and key == E + 1))
                                 T.sync_warp()
