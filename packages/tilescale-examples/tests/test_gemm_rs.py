@@ -40,7 +40,7 @@ def test_generated_gemm_pushes_each_tile_to_its_owner_then_signals():
     epilogue = body[loop_end:]
     stage = epilogue.index("ptx_stmatrix")  # fragment -> shared (rounded to the dtype)
     remap = epilogue.index("tilescale::remap_ptr(Partials,")
-    store = epilogue.index("*(uint4*)(((bfloat16_t*)v)")  # 16-byte stores into the owner's heap
+    store = epilogue.index("tilescale::store_vec16((&(((bfloat16_t*)v)[")  # 16-byte stores into the owner's heap
     fence = epilogue.index("tilescale::fence_sys();")
     notify = epilogue.index("tilescale::notify<true>((&(Counters[me]))")  # release add of 1
     assert stage < remap < store < fence < notify

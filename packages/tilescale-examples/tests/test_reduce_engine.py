@@ -111,8 +111,9 @@ def test_every_access_is_one_16_byte_vector(mode):
     assert len(loads) == 2 * U  # W peers x U rows per iteration, into the register array
     assert "*(uint4*)(Stage + " in body  # staging: X -> Stage, 16 bytes a thread
     assert re.search(r"= \*\(uint4\*\)\(X \+ ", body)
-    stores = len(re.findall(r"\*\(uint4\*\)\(\(\(half_t\*\)v_\d+\) \+ .*= \*\(uint4\*\)\(res \+ ", body))
-    assert stores == (2 * U if mode == "two_shot" else 0)  # two-shot: one remote store per peer and row
+    # two-shot: one remote 16-byte store per peer and row (tilescale-lang's st.global.v4 helper)
+    stores = len(re.findall(r"tilescale::store_vec16\(\(&\(\(\(half_t\*\)v_\d+\)\[.*\)\), \*\(uint4\*\)\(res \+ \d+\)\);", body))
+    assert stores == (2 * U if mode == "two_shot" else 0)
 
 
 def test_loads_precede_adds_and_the_sum_is_in_rank_order():
@@ -150,6 +151,19 @@ def test_builder_rejects_bad_arguments():
         args.update(kwargs)
         with pytest.raises(exc, match=match):
             build_reduce_kernel(**args)
+
+
+@needs_nvcc
+def test_two_shot_pushes_whole_16_byte_vectors(tmp_path):
+    """PTX: every push to a peer is one st.global.v4.b32 and none is split into 4-byte stores
+    (nvcc split the plain assignment through the remapped pointer into four st.u32 each)."""
+    from examples_helpers import TOOLKIT
+
+    for dtype, world in (("float16", 2), ("float32", 8)):
+        src = lower_with(build_reduce_kernel("two_shot", dtype, world, 512), PASS_CONFIGS)
+        ptx = TOOLKIT.compile(src, tmp_path / f"{dtype}{world}", "ptx", "sm_90a")[0].read_text()
+        assert len(re.findall(r"\bst\.global\.v4\.b32\b", ptx)) == world * default_unroll(world), dtype
+        assert not re.findall(r"\bst(?:\.global)?\.(?:u32|b32|f32)\b", ptx), dtype
 
 
 @needs_nvcc

@@ -40,7 +40,8 @@ every shard, so a warp moves 32 consecutive vectors (512 bytes). Rank ``me``, ca
    accumulation type (float32 for float16/bfloat16), then rounds once.
 4. *Store*: ``one_shot`` and ``reduce_scatter`` write the row to the local output;
    ``two_shot`` stores it into row ``r`` of shard ``me`` of every rank's ``Stage`` (the
-   all-gather half, in place), then ``__syncthreads`` and the release store
+   all-gather half, in place; one 16-byte ``st.global.v4`` per rank, which tilescale-lang
+   makes of every remote 16-byte store), then ``__syncthreads`` and the release store
    ``data[me, b] = epoch`` on every rank, and waits ``data[p, b] >= epoch`` for every ``p``:
    every rank's block ``b`` has stored its rows here.
 

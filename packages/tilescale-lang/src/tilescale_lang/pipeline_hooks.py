@@ -18,13 +18,16 @@ helper go through the stock passes untouched.
   (``tilescale_tma_peer<k>_<name>``, see :mod:`.remote_tma`) are bound before them: one call
   to ``tilescale.tma_peer_addresses(<name>, slots)`` per remote tensor fills eight ``int64``
   stack slots with its address in the heaps of PEs 0..7, and each peer variable reads its slot.
+* ``tilelang.cuda.transform.LowerLDGSTG``: after the stock pass, the 16-byte vector stores
+  into remote views of TileScale kernels become one ``st.global.v4.b32`` each
+  (:mod:`.remote_stores`: nvcc would split them into 4-byte stores).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import codegen
+from . import codegen, remote_stores
 from .state import STATE
 
 #: Stock pass constructors replaced here, by ``module.attribute`` name (:attr:`.state.LangState.stock`).
@@ -121,6 +124,26 @@ def lower_hopper_intrin():
     return tilescale_lower_hopper_intrin
 
 
+def lower_ldgstg():
+    """Stock ``LowerLDGSTG``, then the remote 16-byte stores of TileScale kernels lowered to one
+    vector store each (:func:`.remote_stores.lower_remote_vector_stores`)."""
+    import tvm
+    from tvm import tirx
+
+    stock = STOCK["tilelang.cuda.transform.LowerLDGSTG"]()
+
+    @tvm.transform.module_pass(opt_level=0, name="tilescale.LowerLDGSTG")
+    def tilescale_lower_ldgstg(mod, _ctx):
+        mod = stock(mod)
+        updates = {gv: remote_stores.lower_remote_vector_stores(f) for gv, f in mod.functions.items()
+                   if isinstance(f, tirx.PrimFunc) and codegen.uses_tilescale(f)}
+        for gv, func in updates.items():
+            mod[gv] = func
+        return mod
+
+    return tilescale_lower_ldgstg
+
+
 def install() -> None:
     """Wrap the stock passes (once)."""
     import tilelang.cuda.transform as cuda_transform
@@ -129,6 +152,7 @@ def install() -> None:
     for module, name, wrapper in (
         (tl_transform, "AnnotateReadOnlyParams", annotate_read_only_params),
         (cuda_transform, "LowerHopperIntrin", lower_hopper_intrin),
+        (cuda_transform, "LowerLDGSTG", lower_ldgstg),
     ):
         key = f"{module.__name__}.{name}"
         if key not in STOCK:

@@ -91,6 +91,20 @@ TILESCALE_DEVICE void st(T* ptr, value_t<T> value, int pe) {
   st<S, M, NA, T>(remap(ptr, pe), value);
 }
 
+/// One 16-byte weak store (st.global.v4.b32) of `value` (any 16-byte type: uint4, float4,
+/// a vector of 8 half_t, ...) at `dst`, a 16-byte aligned global address (local or a peer's).
+/// Remote vectorised stores of T.copy are lowered to it (tilescale_lang.remote_stores): nvcc
+/// splits the plain 16-byte assignment through a remapped pointer into four 4-byte stores.
+template <typename P, typename V> TILESCALE_DEVICE void store_vec16(P* dst, const V& value) {
+  static_assert(sizeof(V) == 16, "tilescale::store_vec16 stores exactly 16 bytes");
+  const uint4 v = bit_cast<uint4>(value);
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};"
+               :
+               : "l"(const_cast<void*>(static_cast<const volatile void*>(dst))), "r"(v.x), "r"(v.y),
+                 "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 #define TILESCALE_ATOM_ASM(PFX)                                                            \
   asm volatile(PFX ".add.u32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(value) : "memory");
 
