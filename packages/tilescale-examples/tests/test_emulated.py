@@ -109,6 +109,9 @@ def test_benchmark_arguments_and_byte_counts(capsys, monkeypatch):
     assert B.bytes_moved(one) == 5 * 4096
     rs = SimpleNamespace(plan=plan_grid("reduce_scatter", 512, 2, 4))  # 4 KiB input: reads it, writes 1 KiB
     assert B.bytes_moved(rs) == 4096 + 1024
+    with pytest.raises(ValueError, match="sources must be >= 1, got 0"):
+        B.copy_ms(16, 1, "cpu", sources=0)
+    assert B.HEADERS.index("copy B GB/s") == B.HEADERS.index("ratio") + 1  # the footprint baseline next to the plain one
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert B.main(["--ranks", "2"]) == 0
     assert "no CUDA GPU visible" in capsys.readouterr().out

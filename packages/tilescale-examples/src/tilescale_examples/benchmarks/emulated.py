@@ -23,6 +23,12 @@ one-shot reads ``N`` rows per output row and writes one; two-shot reads ``N`` ro
 and writes the result to ``N`` ranks; reduce-scatter reads ``N`` rows per output row and writes
 one. The baseline is torch's device-to-device ``copy_`` moving the same number of bytes (half
 read, half written), timed the same way in the same run; ``ratio`` = kernel GB/s / copy GB/s.
+Baseline B (``copy B GB/s``, ``ratio B``) is the same copy with the kernel's memory footprint:
+one-shot and reduce-scatter alternate between two staging buffers from call to call, so their
+back-to-back calls touch twice the input bytes, and baseline B alternates between two source
+buffers likewise (two-shot: one buffer, baseline B is the plain copy). Where the plain copy
+runs out of L2 and the two buffers do not fit (about 16 MiB on an H200), B is the fair
+measure of the kernel's data movement; the goal is stated against the plain copy.
 
 The goals (printed at the end): from 16 MiB up, ratio >= 0.9; a 4 KiB all-reduce kernel takes
 <= 8 us of GPU time.
@@ -39,7 +45,8 @@ from tilescale_examples.report import format_bytes, gb_per_s, print_table, ratio
 __all__ = ["build", "fill_inputs", "expected", "check_round", "bytes_moved", "time_kernels", "copy_ms",
            "run", "main", "HEADERS", "SMALL_BYTES", "LARGE_BYTES"]
 
-HEADERS = ["ranks", "size", "op", "blocks", "kernel us", "moved", "GB/s", "copy GB/s", "ratio", "check"]
+HEADERS = ["ranks", "size", "op", "blocks", "kernel us", "moved", "GB/s", "copy GB/s", "ratio", "copy B GB/s",
+           "ratio B", "check"]
 #: The latency goal's size and the bandwidth goal's smallest size.
 SMALL_BYTES, LARGE_BYTES = 4096, 16 << 20
 DTYPES = ("float16", "bfloat16", "float32")
@@ -163,17 +170,28 @@ def time_kernels(colls, iters: int) -> float:
     return statistics.fmean(per_rank)
 
 
-def copy_ms(nbytes: int, iters: int, device) -> float:
+def copy_ms(nbytes: int, iters: int, device, sources: int = 1) -> float:
     """Milliseconds of GPU time of torch's device-to-device ``copy_`` of ``nbytes`` bytes,
-    measured like :func:`time_kernels` (``iters`` back-to-back copies behind a stream hold)."""
+    measured like :func:`time_kernels` (``iters`` back-to-back copies behind a stream hold).
+    ``sources`` > 1: consecutive copies read ``sources`` different source buffers in turn
+    (into one destination), the memory footprint of a kernel that alternates between that
+    many staging buffers."""
     import torch
 
     from tilescale_examples.benchmarks.gpu_time import gpu_ms_per_launch
 
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    return gpu_ms_per_launch(lambda: dst.copy_(src), iters, device)
+    if sources < 1:
+        raise ValueError(f"sources must be >= 1, got {sources}")
+    srcs = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(sources)]
+    dst = torch.empty_like(srcs[0])
+    turn = [0]
+
+    def copy():
+        turn[0] = (turn[0] + 1) % sources
+        dst.copy_(srcs[turn[0]])
+
+    copy()
+    return gpu_ms_per_launch(copy, iters, device)
 
 
 def iters_for(nbytes: int, iters: int) -> int:
@@ -198,10 +216,12 @@ def run(args, device) -> tuple:
                 ms = time_kernels(colls, it)
                 moved = bytes_moved(colls[0])
                 base = copy_ms(moved // 2, it, device)
-                bw, ref = gb_per_s(moved, ms), gb_per_s(moved, base)
+                stages = len(colls[0].stages)  # 2: one-shot and reduce-scatter alternate buffers
+                base_b = base if stages == 1 else copy_ms(moved // 2, it, device, sources=stages)
+                bw, ref, ref_b = gb_per_s(moved, ms), gb_per_s(moved, base), gb_per_s(moved, base_b)
                 name = colls[0].mode if op == "allreduce" else "reduce-scatter"
                 rows.append([n, format_bytes(nbytes), name, colls[0].plan.blocks, ms * 1e3, format_bytes(moved),
-                             bw, ref, ratio(bw, ref), "ok" if not bad else "FAIL"])
+                             bw, ref, ratio(bw, ref), ref_b, ratio(bw, ref_b), "ok" if not bad else "FAIL"])
                 if op == "allreduce" and nbytes == SMALL_BYTES:
                     small[n] = ms * 1e3
                 if nbytes >= LARGE_BYTES:
@@ -250,7 +270,8 @@ def main(argv=None) -> int:
     print_table(f"reduction kernels with emulated peers (one {name}, {args.dtype}, all-reduce algorithm "
                 f"{args.algorithm}, {args.threads} threads, unroll {args.unroll or 'max(1, 8 // ranks)'}, "
                 f"grid <= {args.max_blocks or 'SM count'} blocks; GPU time of {args.iters} back-to-back launches); GB/s = bytes one rank's kernel reads + writes / its GPU time; baseline "
-                "torch device-to-device copy_ of the same bytes, same run", HEADERS, rows)
+                "torch device-to-device copy_ of the same bytes, same run; copy B: the same copy reading as many "
+                "source buffers in turn as the kernel has staging buffers (its memory footprint)", HEADERS, rows)
     for f in failures[:20]:
         print("FAILED:", f)
     small_txt = ", ".join(f"{n} ranks {us:.2f} us" for n, us in small.items()) or "not measured"
