@@ -15,6 +15,7 @@ from examples_helpers import CpuAllocator, close_rank_heap, open_rank_heap, pois
 from examples_cache import CACHE_NAME, warm_cache
 
 from tilescale_examples.allreduce import ONE_SHOT_MAX_BYTES, AllReduce, choose_algorithm, torch_reference
+from tilescale_examples.reduce_engine import FLAG_STRIDE
 
 
 # ------------------------------------------------------------------------------ size table
@@ -75,7 +76,7 @@ def make(shape=(64,), dtype="float16", algorithm="auto", num_ranks=2, tmp_path=N
 def test_one_shot_buffers_staging_and_double_buffering(tmp_path, monkeypatch):
     alloc, ar = make((64,), tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert ar.algorithm == "one_shot" and len(ar.stages) == 2
-    assert alloc.allocations == [((8, 8), torch.float16)] * 2 + [((2 * 2 * ar.plan.blocks,), torch.uint64)]
+    assert alloc.allocations == [((8, 8), torch.float16)] * 2 + [((2 * 2 * ar.plan.blocks * FLAG_STRIDE,), torch.uint64)]
     assert not ar.flags.ne(0).any() and all(not s.ne(0).any() for s in ar.stages)
     x = torch.randn(64).half()
     out = ar(x)

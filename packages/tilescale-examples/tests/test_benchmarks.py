@@ -50,12 +50,14 @@ def test_heap_bytes_per_op():
     sizes, world, big = [4096, 1 << 30], 4, (1 << 30) // 4  # shard bytes at 1 GiB
     ag, rs, a2a, ar = (C.heap_bytes(n, sizes, world, 2) for n in NAMES)
     pad = C.REDUCE_PAD * world * 2 * world * len(sizes)  # reductions: whole vectors per shard
-    assert ar == rs == a2a + pad  # two staging buffers of world shards; a2a: input + output
+    wider_flags = 2 * world * C.MAX_BLOCKS * 8 * (C.FLAG_STRIDE - 1) * len(sizes)  # one flag per 32-byte sector
+    assert ar == rs == a2a + pad + wider_flags  # two staging buffers of world shards; a2a: input + output
     assert ag < a2a and ag > (1 << 30) * 5 // 4  # world + 1 shards: input + output
     assert a2a - ag == 3 * big + 3 * 4096 // 4  # 2 * world shards
     flags = 2 * world * 132 * 8
     assert C.heap_bytes("alltoall", [1 << 30], world, 2, max_blocks=132) == (64 << 20) + 8 * big + flags + 768
-    assert C.heap_bytes("reducescatter", [1], world, 4, max_blocks=132) == (64 << 20) + 8 * 4 + 8 * C.REDUCE_PAD * world + flags + 768
+    reduce_flags = flags * C.FLAG_STRIDE  # one flag per 32-byte sector
+    assert C.heap_bytes("reducescatter", [1], world, 4, max_blocks=132) == (64 << 20) + 8 * 4 + 8 * C.REDUCE_PAD * world + reduce_flags + 768
 
 
 def test_reductions_fit_their_heap_estimate():
@@ -69,10 +71,10 @@ def test_reductions_fit_their_heap_estimate():
                 budget = C.heap_bytes("allreduce", [nbytes], world, dtype_size, 132) - (64 << 20)
                 for mode in ("one_shot", "two_shot"):
                     p = plan_grid(mode, world * shard, dtype_size, world, max_blocks=132)
-                    used = (2 if mode == "one_shot" else 1) * (p.stage_rows * 16 + 256) + 2 * world * p.blocks * 8 + 256
+                    used = (2 if mode == "one_shot" else 1) * (p.stage_rows * 16 + 256) + p.flag_words * 8 + 256
                     assert used <= budget, (world, nbytes, mode)
                 p = plan_grid("reduce_scatter", shard, dtype_size, world, max_blocks=132)
-                used = 2 * (p.stage_rows * 16 + 256) + 2 * world * p.blocks * 8 + 256
+                used = 2 * (p.stage_rows * 16 + 256) + p.flag_words * 8 + 256
                 assert used <= C.heap_bytes("reducescatter", [nbytes], world, dtype_size, 132) - (64 << 20)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from examples_helpers import kernel_body, lower_with, needs_nvcc, nvcc_resources
 
-from tilescale_examples.reduce_engine import (MAX_REGISTERS, MODES, PASS_CONFIGS, build_reduce_kernel,
+from tilescale_examples.reduce_engine import (FLAG_STRIDE, MAX_REGISTERS, MODES, PASS_CONFIGS, build_reduce_kernel,
                                               default_unroll, plan_grid, rows_view, torch_reference,
                                               vector_elems)
 
@@ -35,6 +35,7 @@ def test_plan_one_shot_two_shot_reduce_scatter():
     p = plan_grid("two_shot", 128 << 20, 2, 4, threads=512, max_blocks=132)  # 256 MiB, 4 ranks
     assert p.span == (16 << 20) // 4 and p.blocks == 132 and p.unroll == 2
     assert (p.iters - 1) * p.blocks * 1024 < p.span <= p.iters * p.blocks * 1024
+    assert p.flag_words == 2 * 4 * 132 * 4  # ready + data flags of 4 ranks x 132 blocks, one per 32-byte sector
     p = plan_grid("reduce_scatter", 15, 4, 2)  # each row of 15 float32 padded to 4 vectors
     assert (p.vec, p.span, p.shards, p.rows_in, p.stage_rows) == (4, 4, 2, 8, 8)
     for bad, match in ((dict(mode="x"), "mode must be one of"), (dict(numel=0), "numel must be a positive int"),
@@ -87,16 +88,18 @@ def test_protocol_order_per_mode(mode):
     relaxed = body.index("tilescale::st<tilescale::Scope::SYS, tilescale::Sem::RELAXED, false>((&(Flags[", other)
     assert sync[1] < other < relaxed < waits[1] < sync[2] < loads[0]
     assert "__syncthreads();" not in body[other:relaxed]
-    # ready[me, b] on peer tx (both paths); then ready[tx, b] here
-    mine = "(&(Flags[((((int64_t)me) * ((int64_t)blocks)) + ((int64_t)((int)blockIdx.x)))])), "
+    # ready[me, b] on peer tx (both paths); then ready[tx, b] here; FLAG_STRIDE (4) words apart
+    assert FLAG_STRIDE == 4
+    mine = "(&(Flags[(((((int64_t)me) * ((int64_t)blocks)) * (int64_t)4) + (((int64_t)((int)blockIdx.x)) * (int64_t)4))])), "
     assert body.count(mine + "((int)threadIdx.x), ((uint64_t)epoch));") == 1
     assert body.count(mine + "((uint64_t)epoch), ((int)threadIdx.x));") == 1
-    assert body.count("(&(Flags[((((int64_t)((int)threadIdx.x)) * ((int64_t)blocks)) + ((int64_t)((int)blockIdx.x)))])), ((uint64_t)epoch));") == 2
+    assert body.count("(&(Flags[(((((int64_t)((int)threadIdx.x)) * ((int64_t)blocks)) * (int64_t)4) + (((int64_t)((int)blockIdx.x)) * (int64_t)4))])), ((uint64_t)epoch));") == 2
     assert body.count("if (((int)threadIdx.x) < 4)") >= 2
     if mode == "two_shot":  # pushes, then the data round: barrier, signal, wait
         assert len(ready) == 2 and len(waits) == 3
         assert loads[-1] < sync[3] < ready[1] < waits[2]
-        assert "(&(Flags[(((((int64_t)me) + (int64_t)4) * ((int64_t)blocks)) + ((int64_t)((int)blockIdx.x)))]))" in body  # data[me, b]: after the W ready flags
+        # data[me, b]: after the W ready flags of every block (W * blocks * FLAG_STRIDE = blocks * 16 words)
+        assert "(&(Flags[(((((int64_t)blocks) * (int64_t)16) + ((((int64_t)me) * ((int64_t)blocks)) * (int64_t)4)) + (((int64_t)((int)blockIdx.x)) * (int64_t)4))]))" in body
         assert "Out" not in body
     else:
         assert len(ready) == 1 and len(waits) == 2

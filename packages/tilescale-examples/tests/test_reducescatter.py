@@ -12,6 +12,7 @@ from examples_helpers import CpuAllocator, close_rank_heap, open_rank_heap, pois
 from examples_cache import CACHE_NAME, warm_cache
 
 from tilescale_examples.reducescatter import ReduceScatter, torch_reference
+from tilescale_examples.reduce_engine import FLAG_STRIDE
 
 
 def test_torch_reference_sums_row_rank_in_rank_order():
@@ -54,7 +55,7 @@ def make(shard_shape, dtype="float32", tmp_path=None, monkeypatch=None):
 @needs_nvcc
 def test_padded_rows_double_buffering_and_outputs(tmp_path, monkeypatch):
     alloc, rs = make((3, 5), tmp_path=tmp_path, monkeypatch=monkeypatch)  # 15 float32: 4 rows of 4, 1 pad
-    assert alloc.allocations == [((8, 4), torch.float32)] * 2 + [((2 * 2 * rs.plan.blocks,), torch.uint64)]
+    assert alloc.allocations == [((8, 4), torch.float32)] * 2 + [((2 * 2 * rs.plan.blocks * FLAG_STRIDE,), torch.uint64)]
     assert rs.input.shape == (2, 3, 5) and not rs.input.is_contiguous()  # padded rows
     x = torch.randn(2, 3, 5)
     out = rs(x)

@@ -95,8 +95,8 @@ class AllReduce(ReductionCollective):
     ``stages``, ``flags``, ``kernel``, ``epoch``.
 
     Memory (symmetric, per rank): one (two-shot) or two (one-shot: double-buffered) staging
-    buffers of the padded size, ``2 * world_size * blocks`` uint64 flags; one-shot also a
-    local result buffer.
+    buffers of the padded size, ``2 * world_size * blocks`` uint64 flags (one per 32-byte
+    sector); one-shot also a local result buffer.
 
     Construction and calls are collective: every rank builds the same instances with the
     same arguments and makes the same sequence of calls.

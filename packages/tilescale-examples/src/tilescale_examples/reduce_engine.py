@@ -67,7 +67,8 @@ Reuse under back-to-back calls
 ------------------------------
 
 Flags are ``uint64`` words *set* to the call's epoch (a per-instance counter) and waited on
-with ``>=``: no reset, no wrap. Stream order gives: rank ``p`` starts call ``e + 1`` only after
+with ``>=``: no reset, no wrap. Each flag has a 32-byte sector to itself (:data:`FLAG_STRIDE`
+words apart), so the blocks' flag stores and polls do not contend for one sector. Stream order gives: rank ``p`` starts call ``e + 1`` only after
 its call ``e`` finished.
 
 * ``one_shot`` / ``reduce_scatter`` have one flag round, so a rank may finish call ``e``
@@ -92,7 +93,7 @@ import torch
 from tilescale_examples.collective import DTYPES, SymmetricCollective, check_threads, compile_once, settle
 
 __all__ = ["MODES", "ACCUMULATE", "REDUCE_DTYPES", "VECTOR_BYTES", "MAX_REGISTERS",
-           "build_reduce_kernel", "default_unroll", "vector_elems", "plan_grid", "Plan",
+           "FLAG_STRIDE", "build_reduce_kernel", "default_unroll", "vector_elems", "plan_grid", "Plan",
            "ReductionCollective", "rank_order_sum", "rows_view", "torch_reference", "PASS_CONFIGS"]
 
 #: Kernel modes of :func:`build_reduce_kernel`.
@@ -113,6 +114,10 @@ _TORCH_ACCUMULATE = {torch.float16: torch.float32, torch.bfloat16: torch.float32
 VECTOR_BYTES = 16
 #: Register budget of the reduction kernel: 65536 per SM / 512 threads (one block per SM).
 MAX_REGISTERS = 128
+#: uint64 words from one flag to the next in ``Flags``: one flag per 32-byte memory sector, so
+#: the flag stores and polls of different blocks never share a sector (packed flags cost the
+#: kernels 1-3% at 16 MiB on an H200, see docs/benchmarks.md).
+FLAG_STRIDE = 4
 
 
 def vector_elems(itemsize: int) -> int:
@@ -149,7 +154,8 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
         X: (rows_x, V)      the caller's input (read when stage_in == 1)
         Stage: (rows_s, V)  this rank's symmetric staging buffer (shards * span rows)
         Out: (rows_o, V)    the local output, span rows (not for two_shot)
-        Flags: (n,) uint64  ready[p, b] = Flags[p * blocks + b], data[p, b] = Flags[(W + p) * blocks + b]
+        Flags: (n,) uint64  ready[p, b] = Flags[(p * blocks + b) * FLAG_STRIDE],
+                            data[p, b] = Flags[((W + p) * blocks + b) * FLAG_STRIDE]
         epoch: int64        this call's epoch (>= 1, increasing)
         blocks: int32       grid size, the same on every rank
         iters: int32        ceil(span / (blocks * threads * unroll))
@@ -206,10 +212,10 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
             T.sync_threads()
         if tx < W:
             if release:
-                T.notify(Flags[base + me * blocks + bx], tx, epoch)
+                T.notify(Flags[(base + me * blocks + bx) * FLAG_STRIDE], tx, epoch)
             else:
-                T.st(Flags[base + me * blocks + bx], epoch, scope="sys", sem="relaxed", dst_pe=tx)
-            T.wait_ge(Flags[base + tx * blocks + bx], epoch)
+                T.st(Flags[(base + me * blocks + bx) * FLAG_STRIDE], epoch, scope="sys", sem="relaxed", dst_pe=tx)
+            T.wait_ge(Flags[(base + tx * blocks + bx) * FLAG_STRIDE], epoch)
         T.sync_threads()
 
     @T.macro
@@ -317,6 +323,12 @@ class Plan:
     def stage_rows(self) -> int:
         return self.shards * self.span
 
+    @property
+    def flag_words(self) -> int:
+        """uint64 words of the flag array: ready and data flags of every rank and block,
+        :data:`FLAG_STRIDE` words apart."""
+        return 2 * self.world_size * self.blocks * FLAG_STRIDE
+
     def __repr__(self) -> str:
         return (f"Plan({self.mode}, world_size={self.world_size}, vec={self.vec}, span={self.span}, "
                 f"shards={self.shards}, blocks={self.blocks}, iters={self.iters}, "
@@ -415,7 +427,7 @@ class ReductionCollective(SymmetricCollective):
         rows_shape = (p.stage_rows, p.vec)
         # one_shot / reduce_scatter have one flag round: double-buffer (see the module docstring)
         self.stages = [self._tensor(rows_shape) for _ in range(1 if mode == "two_shot" else 2)]
-        self.flags = self._tensor((2 * self.world_size * p.blocks,), torch.uint64)
+        self.flags = self._tensor((p.flag_words,), torch.uint64)
         for stage in self.stages:
             stage.zero_()  # the padding rows are summed as zeros and never written by a call
         self.flags.zero_()

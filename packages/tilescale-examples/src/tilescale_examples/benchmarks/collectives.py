@@ -46,6 +46,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
+from tilescale_examples.reduce_engine import FLAG_STRIDE
 from tilescale_examples.report import format_bytes, gb_per_s, print_table, ratio, size_sweep
 
 __all__ = ["Op", "Baseline", "OPS", "bus_bandwidth", "pick_baseline", "outputs_match", "tolerance",
@@ -215,7 +216,8 @@ def heap_bytes(op, sizes, world: int, itemsize: int, max_blocks: int = MAX_BLOCK
         shard = shard_numel(nbytes, world, itemsize) * itemsize
         rows = op.heap_rows(world) if op.heap_rows else op.input_rows(world) + op.output_rows(world)
         pad = REDUCE_PAD * world * rows if op.reduces else 0
-        total += shard * rows + pad + 2 * world * max_blocks * 8 + 3 * 256
+        flags = 2 * world * max_blocks * 8 * (FLAG_STRIDE if op.reduces else 1)
+        total += shard * rows + pad + flags + 3 * 256
     return total
 
 

@@ -81,7 +81,7 @@ def build(op: str, algorithm: str, ranks: int, nbytes: int, dtype, device, max_b
     plan = plan_grid(mode, shape[0], itemsize, ranks, threads, unroll, max_blocks)
     kw = dict(max_blocks=max_blocks, threads=threads, unroll=unroll)
     stages = 1 if mode == "two_shot" else 2
-    region = stages * (plan.stage_rows * 16 + ALIGNMENT) + 2 * ranks * plan.blocks * 8 + 2 * ALIGNMENT
+    region = stages * (plan.stage_rows * 16 + ALIGNMENT) + plan.flag_words * 8 + 2 * ALIGNMENT
     peers = EmulatedPeers(ranks, region, device)
     colls = []
     for r in range(ranks):
