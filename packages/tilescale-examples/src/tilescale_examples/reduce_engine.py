@@ -68,8 +68,8 @@ Reuse under back-to-back calls
 
 Flags are ``uint64`` words *set* to the call's epoch (a per-instance counter) and waited on
 with ``>=``: no reset, no wrap. Each flag has a 32-byte sector to itself (:data:`FLAG_STRIDE`
-words apart), so the blocks' flag stores and polls do not contend for one sector. Stream order gives: rank ``p`` starts call ``e + 1`` only after
-its call ``e`` finished.
+words apart), so the blocks' flag stores and polls do not contend for one sector. Stream
+order gives: rank ``p`` starts call ``e + 1`` only after its call ``e`` finished.
 
 * ``one_shot`` / ``reduce_scatter`` have one flag round, so a rank may finish call ``e``
   while a slow peer is still reading its ``Stage``. They **double-buffer** ``Stage``: call
@@ -116,7 +116,7 @@ VECTOR_BYTES = 16
 MAX_REGISTERS = 128
 #: uint64 words from one flag to the next in ``Flags``: one flag per 32-byte memory sector, so
 #: the flag stores and polls of different blocks never share a sector (packed flags cost the
-#: kernels 1-3% at 16 MiB on an H200, see docs/benchmarks.md).
+#: kernels 1-3.5% at 16 MiB on an H200, see docs/benchmarks.md).
 FLAG_STRIDE = 4
 
 
