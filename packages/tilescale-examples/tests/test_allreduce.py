@@ -266,7 +266,9 @@ def back_to_back(alloc, rank: int, world: int) -> int:
     """Per algorithm, ``BACK_TO_BACK[world]`` calls without host synchronisation; before each
     call this rank poisons the buffer the call stages into and the output (legal: the
     previous call has returned on this stream), and sometimes stalls its stream or its host,
-    so the ranks drift apart. Each result is copied out on the stream and checked at the
+    so the ranks drift apart. Each rank passes, call by call and independently of the
+    others, either its input (the kernel stages it) or a copy in ``ar.input`` (staged
+    before the kernel), so the ranks mix the two ready signals of a call. Each result is copied out on the stream and checked at the
     end; returns the number of checked calls."""
     dev = torch.device(alloc.device)
     shape, dtype = (2048,), torch.float16  # 4 KiB
@@ -286,7 +288,11 @@ def back_to_back(alloc, rank: int, world: int) -> int:
                 time.sleep(rng.random() * 0.01)  # and its host
             poison(ar.input)
             poison(ar.output)
-            results[i].copy_(ar(mine[i % VARIANTS]))
+            if rng.random() < 0.5:  # this rank alone picks the zero-copy path: ranks mix both paths
+                ar.input.copy_(mine[i % VARIANTS])
+                results[i].copy_(ar(ar.input))
+            else:
+                results[i].copy_(ar(mine[i % VARIANTS]))
         torch.cuda.synchronize()
         for i in range(calls):
             check(results[i], want[i % VARIANTS], rank, world, f"{algorithm} back-to-back call {i}/{calls}")
