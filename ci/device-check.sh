@@ -54,7 +54,7 @@ for step in "${steps[@]}"; do
     tests-4) gpu_tests tests-4 0 ;;
     chaos) run_step chaos env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
              packages/tilescale-examples/tests/test_chaos.py -m chaos -q -s -rfEs --tb=short -p no:cacheprovider ;;
-    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs emulated moe remote_tma gpu_barrier; do
+    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs emulated reduce_ceiling moe remote_tma gpu_barrier; do
              run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
            done ;;
     bench-overlap-1) for b in ag_gemm gemm_rs; do
@@ -65,7 +65,7 @@ for step in "${steps[@]}"; do
                  packages/tilescale-examples/tests/test_moe.py -m gpu -q -rfEs --tb=short -p no:cacheprovider \
                  --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-reduce) run_step tests-reduce env TILESCALE_SHARE_GPUS=1 timeout -k 10 240 python3 -m pytest \
-                    packages/tilescale-examples/tests/test_{allreduce,reducescatter,emulated,allgather}.py \
+                    packages/tilescale-examples/tests/test_{allreduce,reducescatter,emulated,reduce_ceiling,allgather}.py \
                     -m "gpu and not chaos" -q -s -rfEs --durations=0 --tb=short -p no:cacheprovider "${pytest_args[@]}" ;;
     tests-*) p=${step#tests-}; run_step "$step" env TILESCALE_SHARE_GPUS=1 timeout -k 10 "${limit[$p]}" \
                python3 -m pytest "packages/tilescale-$p/tests" -m "gpu and not chaos" -q -rfEs --tb=short \

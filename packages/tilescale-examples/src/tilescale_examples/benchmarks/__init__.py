@@ -2,4 +2,5 @@
 run. ``python -m tilescale_examples.benchmarks`` runs them all (see :mod:`.__main__`)."""
 
 #: Every benchmark module, in the order ``python -m tilescale_examples.benchmarks`` runs them.
-BENCHMARKS = ("heap", "signals", "putget", "allgather", "reducescatter", "alltoall", "allreduce", "ag_gemm", "gemm_rs", "emulated", "moe")
+BENCHMARKS = ("heap", "signals", "putget", "allgather", "reducescatter", "alltoall", "allreduce", "ag_gemm", "gemm_rs", "emulated",
+              "reduce_ceiling", "moe")
