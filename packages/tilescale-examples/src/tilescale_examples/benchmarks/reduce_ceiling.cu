@@ -1,5 +1,5 @@
 // Device code of tilescale_examples.benchmarks.reduce_ceiling: the reduction engine's data loop
-// and flag rounds written directly in CUDA, run as rank 0 of W emulated ranks whose regions'
+// and flag rounds (and a plain copy in the same loop) written directly in CUDA, run as rank 0 of W emulated ranks whose regions'
 // base addresses are in `ceiling_bases` (region p: W shards of `span` 16-byte rows, then the
 // flag words at byte offset `flag_off`). The Python side appends one extern "C" wrapper per
 // variant (ts_ceiling_<op>_<W>_<U>_<TH>_<rounds>_<flags>).
@@ -61,8 +61,8 @@ template <int W> __device__ __forceinline__ uint4 rank_order_sum(const uint4* v)
 
 /// One iteration t of the engine's loop: rows ((t * blocks + bx) * U + u) * TH + tx of shard 0,
 /// W loads per row (all issued before the first add), then the sum stored to every region
-/// (OP 0, two-shot) or to `out` (OP 1, reduce-scatter). `own` (or null): the U rows of region
-/// 0 already loaded.
+/// (OP 0, two-shot) or to `out` (OP 1, reduce-scatter); OP 2 (copy, W = 1) stores the row of
+/// region 0 to `out` unchanged. `own` (or null): the U rows of region 0 already loaded.
 template <int W, int U, int TH, int OP>
 __device__ __forceinline__ void iteration(char* out, int t, int blocks, long long span, const uint4* own) {
   const int tx = threadIdx.x, bx = blockIdx.x;
@@ -79,7 +79,7 @@ __device__ __forceinline__ void iteration(char* out, int t, int blocks, long lon
   for (int u = 0; u < U; ++u) {
     const long long r = ((long long)(t * blocks + bx) * U + u) * TH + tx;
     if (r < span) {
-      const uint4 sum = rank_order_sum<W>(v[u]);
+      const uint4 sum = OP == 2 ? v[u][0] : rank_order_sum<W>(v[u]);
       if (OP == 0) {
 #pragma unroll
         for (int p = 0; p < W; ++p) st16(region(p) + r * 16, sum);

@@ -3,7 +3,7 @@ loop and flag rounds, hand-written in CUDA, against torch's ``copy_`` in the sam
 
 ``python -m tilescale_examples.benchmarks.reduce_ceiling [--ranks 2 8] [--sizes 16 64]
 [--threads 256 512] [--blocks-per-sm 1 2] [--rounds none ready both] [--flags block rank]
-[--ops two_shot reduce_scatter] [--iters 50] [--repeats 5]``
+[--ops two_shot reduce_scatter copy] [--unroll U ...] [--iters 50] [--repeats 5]``
 
 :mod:`tilescale_examples.benchmarks.emulated` times the shipped TileLang kernels. This
 benchmark answers the question behind its numbers: what does the same data movement cost
@@ -15,8 +15,10 @@ the first add), the rank-order float32 sum, 16-byte loads and stores. They run a
 ``N`` emulated ranks whose regions are slices of one buffer (the engine's emulation, see
 :mod:`tilescale_examples.emulated`), with every flag preset so that waits pass at once:
 
-* ``--ops``: ``two_shot`` (the sum stored back to shard 0 of every region, in place) and
-  ``reduce_scatter`` (the sum stored to a local output).
+* ``--ops``: ``two_shot`` (the sum stored back to shard 0 of every region, in place),
+  ``reduce_scatter`` (the sum stored to a local output) and ``copy`` (one region copied to the
+  output by the same loop, no sum and no rounds, ``--ranks`` ignored: what an SM copy with this
+  layout reaches against ``copy_``, the yardstick of ``T.put_block`` / ``T.get_block``).
 * ``--rounds``: ``none`` (the data loop alone; not a correct collective across GPUs),
   ``ready`` (the ready round before the loop) and ``both`` (also the two-shot's closing
   round after it; two-shot only).
@@ -26,14 +28,15 @@ the first add), the rank-order float32 sum, 16-byte loads and stores. They run a
   store) with the rows of the first iteration that live in the rank's own region loaded before
   the round.
 * ``--threads`` x ``--blocks-per-sm``: the grid (at most that many blocks per SM, no more
-  than the rows need; the engine uses 512 threads and one block per SM).
+  than the rows need; the engine uses 512 threads and one block per SM); ``--unroll``: rows
+  per thread and iteration (default the engine's ``max(1, 8 // ranks)``, 8 for the copy).
 
 Every variant is first run once on random inputs and its output compared bit for bit with
 the rank-order reference (``check``). Times are GPU time per launch of ``--iters``
 back-to-back launches behind a stream hold (:mod:`~tilescale_examples.benchmarks.gpu_time`),
 the median of ``--repeats`` rounds that alternate with the baseline: torch's device-to-device
-``copy_`` moving the same bytes (half read, half written; two-shot: ``2 S``, reduce-scatter:
-``S + S / N`` for ``S`` bytes per rank). ``ratio`` = copy us / kernel us.
+``copy_`` moving the same bytes (half read, half written; two-shot and copy: ``2 S``,
+reduce-scatter: ``S + S / N`` for ``S`` bytes per rank). ``ratio`` = copy us / kernel us.
 """
 
 from __future__ import annotations
@@ -49,10 +52,11 @@ from tilescale_examples.report import print_table, ratio
 __all__ = ["OPS", "ROUNDS", "FLAGS", "Variant", "variants", "cuda_source", "grid", "CeilingModule", "run", "main",
            "HEADERS"]
 
-OPS = ("two_shot", "reduce_scatter")
+OPS = ("two_shot", "reduce_scatter", "copy")
 ROUNDS = ("none", "ready", "both")
 FLAGS = ("block", "rank")
-HEADERS = ["ranks", "size", "op", "rounds", "flags", "threads", "blocks", "kernel us", "copy us", "ratio", "check"]
+HEADERS = ["ranks", "size", "op", "rounds", "flags", "threads", "unroll", "blocks", "kernel us", "copy us", "ratio",
+           "check"]
 #: Flag value preset in every region: above any epoch, so every wait passes at its first poll.
 PRESET = 1 << 62
 _SOURCE = Path(__file__).with_name("reduce_ceiling.cu")
@@ -60,7 +64,8 @@ _SOURCE = Path(__file__).with_name("reduce_ceiling.cu")
 
 @dataclass(frozen=True)
 class Variant:
-    """One kernel: ``op``, ``ranks`` (2..8), ``unroll``, ``threads``, ``rounds``, ``flags``."""
+    """One kernel: ``op``, ``ranks`` (2..8; 1 for the copy), ``unroll``, ``threads``, ``rounds``,
+    ``flags``."""
 
     op: str
     ranks: int
@@ -72,7 +77,11 @@ class Variant:
     def __post_init__(self):
         if self.op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {self.op!r}")
-        if not 2 <= self.ranks <= 8:
+        if self.op == "copy":
+            if self.ranks != 1 or self.rounds != "none":
+                raise ValueError(f"the copy has one region and no rounds (ranks=1, rounds='none'), got ranks="
+                                 f"{self.ranks}, rounds={self.rounds!r}")
+        elif not 2 <= self.ranks <= 8:
             raise ValueError(f"ranks must be in [2, 8] (the kernels' base table has 8 entries), got {self.ranks}")
         if self.unroll < 1:
             raise ValueError(f"unroll must be >= 1, got {self.unroll}")
@@ -93,20 +102,22 @@ class Variant:
         return f"ts_ceiling_{self.op}_{self.ranks}_{self.unroll}_{self.threads}_{self.rounds}_{self.flags}"
 
 
-def variants(ops, ranks, threads, rounds, flags) -> list:
-    """Every valid :class:`Variant` of the given choices (engine unroll ``max(1, 8 // ranks)``;
-    ``none`` once, with ``block``; ``both`` for the two-shot only)."""
+def variants(ops, ranks, threads, rounds, flags, unrolls=None) -> list:
+    """Every valid :class:`Variant` of the given choices: ``unrolls`` (default the engine's
+    ``max(1, 8 // ranks)``); ``none`` once, with ``block``; ``both`` for the two-shot only; the
+    copy once per grid and unroll (one rank, no rounds)."""
     from tilescale_examples.reduce_engine import default_unroll
 
     out = []
     for op in ops:
-        for n in ranks:
-            for th in threads:
-                for r in rounds:
-                    if r == "both" and op != "two_shot":
-                        continue
-                    for f in (("block",) if r == "none" else flags):
-                        out.append(Variant(op, n, default_unroll(n), th, r, f))
+        for n in ((1,) if op == "copy" else ranks):
+            for u in (unrolls or (default_unroll(n),)):
+                for th in threads:
+                    for r in (("none",) if op == "copy" else rounds):
+                        if r == "both" and op != "two_shot":
+                            continue
+                        for f in (("block",) if r == "none" else flags):
+                            out.append(Variant(op, n, u, th, r, f))
     return list(dict.fromkeys(out))
 
 
@@ -145,12 +156,20 @@ def _check(result, what: str):
 
 class CeilingModule:
     """The compiled kernels of a list of :class:`Variant` (compiled with the CUDA toolkit's
-    nvcc into ``workdir``, loaded with the CUDA driver into the current context)."""
+    nvcc into ``workdir``, loaded with the CUDA driver into the primary context of ``device``,
+    the one torch uses)."""
 
-    def __init__(self, kernels, workdir):
+    def __init__(self, kernels, workdir, device):
+        import torch
         from cuda.bindings import driver
 
         from tilescale_lang.toolkit import find_toolkit
+
+        # the driver calls below act on the calling thread's current context: make it torch's
+        # (set_device alone does not create it; the first allocation does)
+        torch.cuda.set_device(device)
+        torch.zeros(1, device=device)
+        _check(driver.cuInit(0), "cuInit")
 
         toolkit = find_toolkit()
         if toolkit is None or toolkit.nvcc is None:
@@ -247,22 +266,22 @@ def _measure(module, variant: Variant, nbytes: int, blocks_per_sm: int, iters: i
     torch.cuda.synchronize(device)
     got = [regions.shard(p) for p in range(n)] if variant.op == "two_shot" else [regions.out.view(torch.float16)]
     ok = all(torch.equal(g.view(torch.int16), want.view(torch.int16)) for g in got)
-    moved = 2 * nbytes if variant.op == "two_shot" else nbytes + nbytes // n
+    moved = nbytes + nbytes // n if variant.op == "reduce_scatter" else 2 * nbytes
     kernel, copy = [], []
     for _ in range(repeats):
         kernel.append(gpu_ms_per_launch(launch, iters, device))
         copy.append(copy_ms(moved // 2, iters, device))
     k, c = statistics.median(kernel) * 1e3, statistics.median(copy) * 1e3
     row = [n, format_bytes(nbytes), variant.op, variant.rounds, variant.flags if variant.rounds != "none" else "-",
-           variant.threads, blocks, k, c, ratio(c, k), "ok" if ok else "FAIL"]
+           variant.threads, variant.unroll, blocks, k, c, ratio(c, k), "ok" if ok else "FAIL"]
     del regions
     return row
 
 
 def run(args, device, workdir) -> list:
     """The table's rows for ``args`` (see :func:`main`)."""
-    kernels = variants(args.ops, args.ranks, args.threads, args.rounds, args.flags)
-    module = CeilingModule(kernels, workdir)
+    kernels = variants(args.ops, args.ranks, args.threads, args.rounds, args.flags, args.unroll)
+    module = CeilingModule(kernels, workdir, device)
     rows = []
     for mib in args.sizes:
         for v in kernels:
@@ -288,11 +307,13 @@ def main(argv=None) -> int:
     p.add_argument("--flags", nargs="+", default=list(FLAGS), choices=FLAGS)
     p.add_argument("--threads", type=int, nargs="+", default=[256, 512])
     p.add_argument("--blocks-per-sm", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--unroll", type=int, nargs="+", default=None,
+                   help="rows per thread and iteration (default: the engine's, max(1, 8 // ranks))")
     p.add_argument("--iters", type=int, default=50, help="back-to-back launches per timing")
     p.add_argument("--repeats", type=int, default=5, help="timing rounds (median), alternating with the copy")
     args = p.parse_args(argv)
-    for name in ("sizes", "threads", "blocks_per_sm"):
-        if any(x < 1 for x in getattr(args, name)):
+    for name in ("sizes", "threads", "blocks_per_sm", "unroll"):
+        if any(x < 1 for x in getattr(args, name) or ()):
             p.error(f"--{name.replace('_', '-')} must be positive")
     for t in args.threads:
         if t % 32 or t > 1024:
