@@ -52,9 +52,13 @@ from tilescale_examples.report import print_table, ratio
 __all__ = ["OPS", "ROUNDS", "FLAGS", "Variant", "variants", "cuda_source", "grid", "CeilingModule", "run", "main",
            "HEADERS"]
 
+#: Kernels: the two-shot's reduce-and-push loop, the reduce-scatter's reduce loop, a plain copy.
 OPS = ("two_shot", "reduce_scatter", "copy")
+#: Flag rounds around the loop: none, the ready round before it, ready and closing rounds.
 ROUNDS = ("none", "ready", "both")
+#: Ready flags: one per rank and block (the engine's), or one per rank.
 FLAGS = ("block", "rank")
+#: Columns of the printed table (times in microseconds).
 HEADERS = ["ranks", "size", "op", "rounds", "flags", "threads", "unroll", "blocks", "kernel us", "copy us", "ratio",
            "check"]
 #: Flag value preset in every region: above any epoch, so every wait passes at its first poll.
