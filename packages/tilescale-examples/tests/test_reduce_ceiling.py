@@ -1,4 +1,4 @@
-"""The reduction-ceiling benchmark: its variants and grid, the generated CUDA (nvcc compiles
+"""The reduction-ceiling benchmark: its variants, the generated CUDA (nvcc compiles
 every kind of variant without spills or a stack frame), its arguments, and on a GPU a small
 sweep whose every kernel matches the rank-order reference bit for bit (``-m gpu``)."""
 
@@ -43,17 +43,6 @@ def test_variant_rejects_bad_fields(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         rc.Variant(**args)
-
-
-def test_grid_is_the_engines_plan():
-    from tilescale_examples.reduce_engine import plan_grid
-
-    for nbytes, ranks in ((16 << 20, 2), (64 << 20, 8), (4096, 2), ((1 << 20) + 4096, 4)):
-        plan = plan_grid("two_shot", nbytes // 2, 2, ranks, threads=512, max_blocks=132)
-        assert rc.grid(plan.span, 512, plan.unroll, 132) == (plan.blocks, plan.iters)
-    assert rc.grid(1000, 256, 1, 2) == (2, 2)
-    with pytest.raises(ValueError, match="must be >= 1"):
-        rc.grid(0, 512, 1, 132)
 
 
 def test_source_has_one_wrapper_per_variant():

@@ -11,7 +11,7 @@ import torch
 from examples_helpers import kernel_body, lower_with, needs_nvcc, nvcc_resources
 
 from tilescale_examples.reduce_engine import (FLAG_STRIDE, MAX_REGISTERS, MODES, PASS_CONFIGS, build_reduce_kernel,
-                                              default_unroll, plan_grid, rows_view, torch_reference,
+                                              default_unroll, grid, plan_grid, rows_view, torch_reference,
                                               vector_elems)
 
 
@@ -44,6 +44,16 @@ def test_plan_one_shot_two_shot_reduce_scatter():
         args.update(bad)
         with pytest.raises(ValueError, match=match):
             plan_grid(**args)
+
+
+def test_grid_is_the_plans_blocks_and_iterations():
+    """The plan's grid is :func:`grid` of its shard; the benchmark reduce_ceiling uses the same."""
+    for nbytes, ranks in ((16 << 20, 2), (64 << 20, 8), (4096, 2), ((1 << 20) + 4096, 4)):
+        plan = plan_grid("two_shot", nbytes // 2, 2, ranks, threads=512, max_blocks=132)
+        assert grid(plan.span, 512, plan.unroll, 132) == (plan.blocks, plan.iters)
+    assert grid(1000, 256, 1, 2) == (2, 2)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        grid(0, 512, 1, 132)
 
 
 def test_rows_view_needs_whole_aligned_vectors():

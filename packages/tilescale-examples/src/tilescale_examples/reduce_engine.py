@@ -93,7 +93,7 @@ import torch
 from tilescale_examples.collective import DTYPES, SymmetricCollective, check_threads, compile_once, settle
 
 __all__ = ["MODES", "ACCUMULATE", "REDUCE_DTYPES", "VECTOR_BYTES", "MAX_REGISTERS",
-           "FLAG_STRIDE", "build_reduce_kernel", "default_unroll", "vector_elems", "plan_grid", "Plan",
+           "FLAG_STRIDE", "build_reduce_kernel", "default_unroll", "vector_elems", "grid", "plan_grid", "Plan",
            "ReductionCollective", "rank_order_sum", "rows_view", "torch_reference", "PASS_CONFIGS"]
 
 #: Kernel modes of :func:`build_reduce_kernel`.
@@ -302,6 +302,18 @@ PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True}
 
 
 # ------------------------------------------------------------------------------ plan
+def grid(span: int, threads: int, unroll: int, max_blocks: int) -> tuple:
+    """``(blocks, iters)`` for ``span`` rows of ``threads * unroll`` rows per block and
+    iteration: at most ``max_blocks`` blocks, no more than the rows need, and enough
+    iterations to cover every row."""
+    if span < 1 or threads < 1 or unroll < 1 or max_blocks < 1:
+        raise ValueError(f"span, threads, unroll and max_blocks must be >= 1, got {span}, {threads}, {unroll}, "
+                         f"{max_blocks}")
+    per_iter = threads * unroll
+    blocks = max(1, min(max_blocks, -(-span // per_iter)))
+    return blocks, -(-span // (blocks * per_iter))
+
+
 class Plan:
     """Grid and buffer plan of one reduction (all sizes in 16-byte vector rows).
 
@@ -312,12 +324,10 @@ class Plan:
 
     def __init__(self, mode: str, world_size: int, vec: int, span: int, shards: int, rows_in: int,
                  threads: int, unroll: int, max_blocks: int):
-        per_iter = threads * unroll
         self.mode, self.world_size, self.vec = mode, world_size, vec
         self.span, self.shards, self.rows_in = span, shards, rows_in
         self.threads, self.unroll = threads, unroll
-        self.blocks = max(1, min(max_blocks, -(-span // per_iter)))
-        self.iters = -(-span // (self.blocks * per_iter))
+        self.blocks, self.iters = grid(span, threads, unroll, max_blocks)
 
     @property
     def stage_rows(self) -> int:

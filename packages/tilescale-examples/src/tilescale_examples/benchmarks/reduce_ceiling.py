@@ -49,7 +49,7 @@ from pathlib import Path
 
 from tilescale_examples.report import print_table, ratio
 
-__all__ = ["OPS", "ROUNDS", "FLAGS", "Variant", "variants", "cuda_source", "grid", "CeilingModule", "run", "main",
+__all__ = ["OPS", "ROUNDS", "FLAGS", "Variant", "variants", "cuda_source", "CeilingModule", "run", "main",
            "HEADERS"]
 
 #: Kernels: the two-shot's reduce-and-push loop, the reduce-scatter's reduce loop, a plain copy.
@@ -140,57 +140,35 @@ def cuda_source(kernels) -> str:
     return "\n".join(lines) + "\n"
 
 
-def grid(span: int, threads: int, unroll: int, max_blocks: int) -> tuple:
-    """``(blocks, iters)`` for ``span`` rows: at most ``max_blocks`` blocks, no more than the
-    rows need, and enough iterations to cover every row (the engine's plan)."""
-    if span < 1 or threads < 1 or unroll < 1 or max_blocks < 1:
-        raise ValueError(f"span, threads, unroll and max_blocks must be >= 1, got {span}, {threads}, {unroll}, "
-                         f"{max_blocks}")
-    per_iter = threads * unroll
-    blocks = max(1, min(max_blocks, -(-span // per_iter)))
-    return blocks, -(-span // (blocks * per_iter))
-
-
-def _check(result, what: str):
-    status, values = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
-    if int(status) != 0:
-        raise RuntimeError(f"{what} failed: {getattr(status, 'name', status)}")
-    return values[0] if len(values) == 1 else values
-
-
 class CeilingModule:
     """The compiled kernels of a list of :class:`Variant` (compiled with the CUDA toolkit's
     nvcc into ``workdir``, loaded with the CUDA driver into the primary context of ``device``,
-    the one torch uses)."""
+    the one torch uses, which becomes current: ``device`` becomes the current device)."""
 
     def __init__(self, kernels, workdir, device):
         import torch
-        from cuda.bindings import driver
-
+        from tilescale_core import _driver
         from tilescale_lang.toolkit import find_toolkit
-
-        # the driver calls below act on the calling thread's current context: make it torch's
-        # (set_device alone does not create it; the first allocation does)
-        torch.cuda.set_device(device)
-        torch.zeros(1, device=device)
-        _check(driver.cuInit(0), "cuInit")
 
         toolkit = find_toolkit()
         if toolkit is None or toolkit.nvcc is None:
             raise RuntimeError("reduce_ceiling compiles its kernels with nvcc: set CUDA_HOME to a CUDA toolkit")
-        self._driver = driver
+        # the driver calls below act on the calling thread's current context: make it torch's
+        _driver.init()
+        _driver.ensure_context(torch.cuda.current_device() if device.index is None else device.index)
+        self._call = _driver.call
         cubin, _, _ = toolkit.compile(cuda_source(kernels), workdir, "cubin", "sm_90a")
         self._image = ctypes.create_string_buffer(cubin.read_bytes())
-        self._module = _check(driver.cuModuleLoadData(ctypes.addressof(self._image)), "cuModuleLoadData")
-        self._functions = {v: _check(driver.cuModuleGetFunction(self._module, v.name.encode()), "cuModuleGetFunction")
-                           for v in kernels}
-        self._bases = _check(driver.cuModuleGetGlobal(self._module, b"ceiling_bases"), "cuModuleGetGlobal")[0]
+        self._module = _driver.call("cuModuleLoadData", ctypes.addressof(self._image))
+        self._functions = {v: _driver.call("cuModuleGetFunction", self._module, v.name.encode()) for v in kernels}
+        self._bases = _driver.call("cuModuleGetGlobal", self._module, b"ceiling_bases")[0]
+        self._stream_type = _driver.driver_module().CUstream
 
     def set_bases(self, bases) -> None:
         """Point ``ceiling_bases`` at the regions (``bases[p]``: device address of region p; the
         rest of the 8 entries repeat region 0). Synchronous."""
         table = (ctypes.c_uint64 * 8)(*(list(bases) + [bases[0]] * (8 - len(bases))))
-        _check(self._driver.cuMemcpyHtoD(self._bases, ctypes.addressof(table), ctypes.sizeof(table)), "cuMemcpyHtoD")
+        self._call("cuMemcpyHtoD", self._bases, ctypes.addressof(table), ctypes.sizeof(table))
 
     def launch(self, variant: Variant, blocks: int, out: int, flag_off: int, epoch: int, iters: int, span: int,
                stream: int) -> None:
@@ -198,9 +176,8 @@ class CeilingModule:
         values = (ctypes.c_uint64(out), ctypes.c_uint64(flag_off), ctypes.c_uint64(epoch), ctypes.c_int(blocks),
                   ctypes.c_int(iters), ctypes.c_longlong(span))
         params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
-        _check(self._driver.cuLaunchKernel(self._functions[variant], blocks, 1, 1, variant.threads, 1, 1, 0,
-                                           self._driver.CUstream(stream), ctypes.addressof(params), 0),
-               f"cuLaunchKernel({variant.name})")
+        self._call("cuLaunchKernel", self._functions[variant], blocks, 1, 1, variant.threads, 1, 1, 0,
+                   self._stream_type(stream), ctypes.addressof(params), 0)
 
 
 class _Regions:
@@ -243,6 +220,7 @@ def _measure(module, variant: Variant, nbytes: int, blocks_per_sm: int, iters: i
 
     from tilescale_examples.benchmarks.emulated import copy_ms
     from tilescale_examples.benchmarks.gpu_time import gpu_ms_per_launch
+    from tilescale_examples.reduce_engine import grid, torch_reference
     from tilescale_examples.report import format_bytes
 
     n = variant.ranks
@@ -253,10 +231,7 @@ def _measure(module, variant: Variant, nbytes: int, blocks_per_sm: int, iters: i
     blocks, loops = grid(span, variant.threads, variant.unroll, blocks_per_sm * sms)
     regions = _Regions(n, span, blocks, device)
     regions.fill(nbytes % 100003 + n)
-    want = torch.zeros(span * 8, dtype=torch.float32, device=device)
-    for p in range(n):
-        want += regions.shard(p).float()
-    want = want.half()
+    want = torch_reference([regions.shard(p) for p in range(n)])
     module.set_bases(regions.bases)
     stream = torch.cuda.current_stream(device).cuda_stream
     epoch = [0]
