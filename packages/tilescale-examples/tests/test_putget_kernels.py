@@ -59,3 +59,18 @@ def test_time_columns_takes_the_columns_in_turn_and_keeps_each_ones_median_round
     assert math.isnan(got["a"]) and got["b"] == 4.0 and calls == [("fb", 7)] * 3 and len(barriers) == 6
     with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
         putget.time_columns(columns, 0, 7)
+
+
+def test_call_overhead_times_the_kernels_in_turns_and_keeps_each_ones_best_round(monkeypatch):
+    import torch
+
+    order = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: order.append("sync"))
+    fns = [lambda: order.append("d"), lambda: order.append("s")]
+    got = putget._host_us(fns, calls=3, rounds=4)
+    assert len(got) == 2 and all(t >= 0 and math.isfinite(t) for t in got)
+    assert order[:201] == ["d"] * 100 + ["s"] * 100 + ["sync"]  # warm-up of each
+    rounds = [x for x in order[201:] if x != "sync"]
+    # each round runs every kernel's calls back to back; the first kernel alternates
+    assert rounds == ["d"] * 3 + ["s"] * 3 + ["s"] * 3 + ["d"] * 3 + ["d"] * 3 + ["s"] * 3 + ["s"] * 3 + ["d"] * 3
+    assert order[201:].count("sync") == 8  # one per kernel and round

@@ -15,7 +15,8 @@
   time in a round: the median of ``--iters`` calls, a quarter of them from 64 MiB up, at least
   5); a column's figure is its median round.
 * Call overhead: host time per launch of an initialised distributed kernel against a stock
-  TileLang kernel with the same body (goal: ratio <= 1.05).
+  TileLang kernel with the same body, the two taking turns in five rounds of ``--calls``
+  launches (best round each; goal: ratio <= 1.05).
 """
 
 # (no `from __future__ import annotations`: TileLang reads the kernels' annotations)
@@ -138,19 +139,28 @@ def time_columns(columns, rounds: int, iters: int, barrier=None, timer=_time_ms)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def _host_us(fn, calls: int) -> float:
+def _host_us(fns, calls: int, rounds: int = 5) -> list:
+    """Host microseconds per call of each function in ``fns`` (its best of ``rounds``
+    rounds of ``calls`` calls each, synchronised at the end). The functions take turns in
+    every round, the first one alternating, so that a drift of the host's speed during the
+    measurement (clock boost, another process) reaches all of them alike."""
     import torch
 
-    for _ in range(100):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+    for fn in fns:
+        for _ in range(100):
             fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    best = [float("inf")] * len(fns)
+    for r in range(rounds):
+        order = list(range(len(fns)))
+        if r % 2:
+            order.reverse()
+        for i in order:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fns[i]()
+            torch.cuda.synchronize()
+            best[i] = min(best[i], (time.perf_counter() - t0) / calls * 1e6)
     return best
 
 
@@ -214,8 +224,7 @@ def run(rank: int, world: int, max_bytes: int, iters: int, calls: int, min_bytes
         tiny_b = tilelang.tensor((1024,), torch.int32, allocator=alloc)
         dist_k = tilelang.compile(build_overhead(True), target=TARGET, compile_once=True, compile_group=dist.group.WORLD).initialize(allocator=alloc)
         stock_k = tilelang.compile(build_overhead(False), target=TARGET)
-        dist_us = _host_us(lambda: dist_k(tiny_a, tiny_b, -1), calls)
-        stock_us = _host_us(lambda: stock_k(tiny_a, tiny_b, -1), calls)
+        dist_us, stock_us = _host_us([lambda: dist_k(tiny_a, tiny_b, -1), lambda: stock_k(tiny_a, tiny_b, -1)], calls)
         dist.barrier()
         return [rows, failures, dist_us, stock_us, alloc.path if hasattr(alloc, "path") else "?"]
     finally:
