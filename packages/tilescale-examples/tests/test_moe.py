@@ -112,25 +112,37 @@ def _dispatch_paths():
     return body, body[start:split], body[split:tail]
 
 
-def test_dispatch_kernel_small_batch_plans_in_every_block_and_reads_each_token_row_once():
+def test_dispatch_kernel_small_batch_plans_in_every_block_and_stores_rows_from_registers():
     """A small batch (at most one entry per thread): every block ranks and plans all entries
-    itself in shared memory and registers, so no block waits for another; each token row is
-    loaded once per part (the first part at the kernel's start) and put to its K rows."""
+    itself in shared memory and registers, so no block waits for another; the data phase's
+    units (token part, slot) are split evenly over the grid's warps, each warp loads the (at
+    most two) parts of its first units at the kernel's start and stores them from registers,
+    one 16-byte store per unit and lane."""
     body, small, _ = _dispatch_paths()
     # residency: one block always fits on an SM (launch bounds; 64 registers, checked below)
     assert "__launch_bounds__(1024, 1) moe_dispatch_kernel(" in body
     assert "int capacity" in body and "int num_tokens" in body  # run-time dimensions
     assert "pb = max(1, min(132, ((num_tokens + 127) >> 7)));" in body  # ranking blocks
-    # 0. the warp's first part of a token row (one 16-byte vector per lane, a row is 28 parts)
-    # is loaded before the entry's index: it stays in flight during the plan
-    prefetch = small.index("*(uint4*)(xv + 0) = *(uint4*)(X + ")
-    assert "< (num_tokens * 28)) {" in small[:prefetch]
-    assert prefetch < small.index("Idx[") < small.index("__match_any_sync(")
-    # 1. one entry per thread: its rank among its warp's entries of the same expert, the
-    # warp's counts in its row of the table, the bad entries by ballot; one block barrier
+    # 0. units = tokens * 28 parts * 8 slots, split evenly over the 4224 warps (the first
+    # units % 4224 warps one more); no 64-bit division
+    assert "units = (num_tokens * 224);" in small
+    split = small[:small.index("qa = (u0 >> 3);")]
+    assert split.count("/ 4224)") == 2 and "int64_t" not in split
+    # 1. the entry's index and weight are loaded first, then the warp's two parts (16 bytes
+    # per lane each), which stay in flight during the plan
+    idx = small.index("sidx = Idx[((int)threadIdx.x)];")
+    first = small.index("*(uint4*)(xv + 0) = condval")
+    second = small.index("*(uint4*)(xv2 + 0) = condval")
+    assert small.index("sweight = Wt[((int)threadIdx.x)];") < idx < first < second < small.index("__match_any_sync(")
+    assert "if (qa < ((u1 - 1) >> 3)) {" in small[first:second]  # the second part only if the warp reaches it
+    # one entry per thread: its rank among its warp's entries of the same expert, the warp's
+    # counts in its row of the table, key and rank for the data phase, the bad entries by
+    # ballot; one block barrier
     votes = small.index("__match_any_sync(")
     assert small.index("__syncwarp();") < votes < small.index("__ballot_sync(") < small.index("__syncthreads();")
     first_sync = small.index("__syncthreads();")
+    assert "((int*)skey_s)[((int)threadIdx.x)] = skey;" in small[votes:first_sync]
+    assert "((int*)srank_s)[((int)threadIdx.x)] = srank;" in small[votes:first_sync]
     # 2. the table's columns are scanned over the warps with shuffles (no serial loop over the
     # warps), the bad entries summed with xor shuffles; a second block barrier
     scans = small[first_sync:small.index("__syncthreads();", first_sync + 1)]
@@ -148,25 +160,38 @@ def test_dispatch_kernel_small_batch_plans_in_every_block_and_reads_each_token_r
     # block 0's last thread reports the bad entries from its registers (no re-read of Base)
     status = small.index("Status[0] = ((int64_t)run);", wait)
     assert "Base[" not in small and "Packed[" not in small
-    # 4. offsets in every warp: the count matrix is read once per (rank, expert) and lane, the
-    # experts scanned with shuffles; the entry's row from the scans and its warp's table
-    offsets = small[status:]
-    assert offsets.index("Counts[") < offsets.index("__shfl_up_sync(") < offsets.index("((int*)srow)[((int)threadIdx.x)] = srow_v;")
-    for store in ("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(RecvSrc[", "RouteRow[((int)threadIdx.x)] = srow_v;",
-                  "Weights[((int)threadIdx.x)] = sweight;"):
-        assert small.rindex("if (((int)blockIdx.x) == 0) {", 0, small.index(store)) > status, store  # block 0 only
-    data = small.index("__syncthreads();", small.index("RecvCounts["))
+    # 4. warp 0 alone reads the count matrix (once per rank and expert slot), scans the totals
+    # over the experts with shuffles into erow, then eoff / edst per expert (the owner x * W /
+    # 64: no run-time division) and block 0's RecvCounts / RecvOffsets; a block barrier
+    expert = small[small.index("if ((((int)threadIdx.x) >> 5) == 0) {", status):]
+    planned = expert.index("__syncthreads();")
+    expert = expert[:planned]
+    assert expert.index("Counts[") < expert.index("__shfl_up_sync(") < expert.index("((int*)erow)[") < expert.index("((int*)eoff)[")
+    assert "* W) >> 6)" in expert and "/ EL" not in expert and "% EL" not in expert
+    assert "RecvCounts[" in expert and "RecvOffsets[" in expert
     assert small.count("__syncthreads();") == 5  # 1, 2, the count exchange's two, before the data
-    # 5. data: a part is staged once in the warp's shared buffer and put from there to each of
-    # the token's K rows on their owners (the first part from the prefetched registers)
-    moves = small[data:]
-    stage = moves.index("*(uint4*)(((bfloat16_t*)stage) + (((int)threadIdx.x) * 8)) = *(uint4*)(xv + 0);")
-    assert moves.index("if (0 < j_3) {") < stage < moves.index("__syncwarp();", stage)
-    loop = moves.index("for (int k = 0; k < 8; ++k) {", stage)
-    put = moves.index(f"tilescale::put_warp<{PUT_UNROLL}, false>((&(((bfloat16_t*)stage)[((((int)threadIdx.x) >> 5) * 256)])), (&(RecvX[", loop)
-    assert "(uint64_t)512, ((int*)sdst)[" in moves[put:moves.index(";", put)]
-    assert moves.index("((int*)srow)[", loop) < put
-    assert moves.count("__syncwarp();") == 2  # staged before the puts, put before the next part
+    # block 0 alone writes the routes, weights and origins (after the barrier, with the data)
+    after = small[small.index("__syncthreads();", small.index("RecvCounts[")):]
+    routes = after.index("if ((((int)blockIdx.x) == 0) && (((int)threadIdx.x) < (num_tokens * 8))) {")
+    for store in ("tilescale::st<tilescale::Scope::GPU, tilescale::Sem::WEAK, false>((&(RecvSrc[",
+                  "RouteRow[((int)threadIdx.x)] = srow_v;", "Weights[((int)threadIdx.x)] = sweight;"):
+        assert routes < after.index(store) < after.index("staged = "), store
+    # 5. data: lane j finds unit j's row, owner and column once; every unit takes them with
+    # three shuffles and each lane stores its 16-byte vector straight from registers (no
+    # shared staging, no put_warp, no block barrier)
+    moves = after[after.index("staged = "):]
+    lanes = moves.index("urow = ((((int*)eoff)[")
+    assert moves.index("udst = ((int*)edst)[") > lanes
+    units = re.search(r"for \(int (j_\d+) = 0; \1 < min\(32, \(\(u1 - u0\) - \(c_\d+ \* 32\)\)\); \+\+\1\) \{", moves).start()
+    assert lanes < units
+    inner = moves[units:]
+    assert inner.count("__shfl_sync(") == 3
+    assert inner.count("tilescale::store_vec16(") == 2  # from xv (first part) or xv2
+    assert "*(uint4*)(xv + 0));" in inner and "*(uint4*)(xv2 + 0));" in inner
+    assert "tilescale::remap_ptr(RecvX, dst);" in inner
+    assert "put_warp" not in small and "stage)" not in small and "__syncthreads" not in moves
+    # a warp with more than K + 1 units loads later parts in the loop (small grids only)
+    assert "staged = (u >> 3);" in inner
 
 
 def test_dispatch_kernel_small_batch_scans_only_the_warps_a_narrower_block_has():
@@ -177,8 +202,8 @@ def test_dispatch_kernel_small_batch_scans_only_the_warps_a_narrower_block_has()
     small = body[start:body.index("\n  } else {\n", start)]
     first_sync = small.index("__syncthreads();")
     scans = small[first_sync:small.index("__syncthreads();", first_sync + 1)]
-    guard = "if (((((int)threadIdx.x) & 31) < 16)) {\n        condval_3 = ((int*)wcnt)["
-    assert guard in scans, scans
+    guard = r"if \(\(\(\(\(int\)threadIdx.x\) & 31\) < 16\)\) \{\n\s+condval_\d+ = \(\(int\*\)wcnt\)\["
+    assert re.search(guard, scans), scans
     assert "if ((((int)threadIdx.x) & 31) < 16) {\n        ((int*)wcnt)[" in scans  # the write-back
     for table in ("wbad", "wfirst"):
         read = scans.index(f"= ((int*)wfirst)[" if table == "wfirst" else "= ((int*)wbad)[")
@@ -192,14 +217,14 @@ def test_dispatch_kernel_large_batch_ranks_in_every_block_plans_in_block_0_then_
     # step 1 in the ranking blocks: a chunk of 4 batches: every index and weight load of the
     # chunk comes before the first vote, so they are in flight together
     ranking = large.index("if (((int)blockIdx.x) < pb) {")
-    chunk = large[large.index("for (int c_1 = 0; c_1 < ((nb + 3) >> 2); ++c_1) {"):]
+    chunk = large[re.search(r"for \(int (c_\d+) = 0; \1 < \(\(nb \+ 3\) >> 2\); \+\+\1\) \{", large).start():]
     chunk = chunk[:chunk.index("__syncthreads();")]
     votes = chunk.index("__match_any_sync(")
     assert "Idx[" in chunk[:votes] and "Wt[" in chunk[:votes] and "Idx[" not in chunk[votes:]
     assert chunk.count("__syncwarp();") == 2 and "Packed[" in chunk[votes:] and "Weights[" in chunk[votes:]
     # step 2: the block's totals into its row of Base, then ranks within the block
     total = large.index("Base[((((int)blockIdx.x) * 67) + ((int)threadIdx.x))] = run;", ranking)
-    rerank = large.index("Packed[i_1] = (pk + ((int*)wcnt)[", total)
+    rerank = re.compile(r"Packed\[i_\d+\] = \(pk \+ \(\(int\*\)wcnt\)\[").search(large, total).start()
     # every block but 0 arrives (GPU-scope release after a block barrier); block 0 waits for
     # them, then resets the counter for the next call
     arrive = large.index("tilescale::atom_add<tilescale::Scope::GPU, tilescale::Sem::RELEASE>((&(Ctr[3])), (uint)1);", rerank)
@@ -242,7 +267,8 @@ def test_dispatch_kernel_large_batch_ranks_in_every_block_plans_in_block_0_then_
     assert large.count("__syncthreads();") == 9
     # fewer entries than warps: rows are cut into column ranges, so every warp has columns
     cuts = large.index("cuts = max(1, min(8, ")  # G / (NT * K) = 4224 / (8 * NT), folded to 528 / NT
-    assert "int rdiv_11 = (528 / num_tokens);" in large[cuts - 200:cuts] and "rdiv_11" in large[cuts:cuts + 200]
+    folded = re.search(r"int (rdiv_\d+) = \(528 / num_tokens\);", large[cuts - 200:cuts])
+    assert folded and folded.group(1) in large[cuts:cuts + 200]
 
 
 def test_dispatch_kernel_closes_with_one_round_and_keeps_call_numbers_per_block():

@@ -54,6 +54,10 @@ How it runs (one kernel per call on the current stream, no host synchronisation)
      synchronises, adds 1 to a counter on every other rank (a system-scope release, which
      after the block barrier covers every thread's rows) and waits until its own counter
      shows every block of every other rank.
+   * A *small* batch (at most one entry per thread: 128 tokens of top-8) skips the hand-off:
+     every block plans all entries itself, and the row copies (512-byte pieces into each of
+     a token's ``topk`` rows) are split evenly over every warp of the grid, each lane storing
+     the 16-byte vectors it loaded at the kernel's start straight from registers.
 2. **combine** (one block per SM): a ready handshake when the same routing is combined again
    (after a dispatch it is not needed: that dispatch's count exchange showed that every rank
    had finished its previous combine; the kernel decides from the call numbers in ``state``,
@@ -80,7 +84,7 @@ Deadlock freedom and back-to-back calls
   waiting for its block 0's plan) is done by a
   grid whose blocks are all resident at once: the dispatch and combine grids have at most
   one block per SM (``max_blocks`` defaults to the SM count; ``__launch_bounds__(threads,
-  1)`` makes one block fit on an SM: the dispatch kernel's 39 KiB of shared memory at most,
+  1)`` makes one block fit on an SM: the dispatch kernel's 46 KiB of shared memory at most (256 experts),
   the combine kernel's none), so on a GPU that is not held by other work that never
   finishes, all blocks run concurrently. No kernel waits for another kernel of the same
   rank: the two run in stream order, so nothing depends on two kernels being co-resident.

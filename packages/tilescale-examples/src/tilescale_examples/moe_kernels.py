@@ -28,9 +28,9 @@ over ranks, and ``rank_s(i)`` how many entries of rank ``s`` before ``i`` chose 
   an entry's row) puts the token row into its row on the owner rank (``T.put_warp``) with the
   entry's origin. A *small* batch (at most one entry per thread: 128 tokens of top-8): every
   block ranks and plans all entries itself, in shared memory and registers (nothing is
-  handed between blocks), and each token row is read once: a warp stages one 16-byte vector
-  per lane of it in shared memory (the first one loaded at the kernel's start, so that the
-  load overlaps the plan) and puts it from there to the token's ``K`` rows. On both paths
+  handed between blocks); the row copies are split evenly over every warp of the grid, and
+  each lane stores the 16-byte vectors it loaded at the kernel's start (so the loads overlap
+  the plan) straight from registers into the token's rows. On both paths
   every block then signals every other rank and waits until all blocks of all other ranks
   have signalled it (a rank never signals itself: the kernel's end orders its own writes).
 * :func:`build_combine_kernel` (same grid): with several ranks, pushes each received row back
@@ -128,16 +128,23 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     large-batch path; both end in the same closing round.
 
     **Small batch** (every block, on its own; thread ``i`` holds entry ``i``; a row is ``P =
-    ceil(H / 256)`` parts of 32 16-byte vectors, one per lane):
+    ceil(H / 256)`` parts of 32 16-byte vectors, one per lane). The data phase's *units* are
+    the pairs (part ``q``, slot ``k``), ``u = q * K + k`` (part ``q`` of token ``q // P`` into
+    the row of entry ``q // P * K + k``), ``U = NT * P * K`` of them, split evenly over the
+    grid's warps: warp ``g`` has ``[u0, u1)``, ``U // G`` units or one more. With 1024 threads
+    every warp of every block has about as many bytes to store, because the kernel's time in
+    this phase is bound by the instructions its 32 warps per SM issue, not by one warp's loads.
 
-    0. Global warp ``g`` loads its lane's vector of part ``g`` (token ``g // P``) into
-       registers; nothing reads them before step 5, so the load overlaps steps 1-4.
-    1. Thread ``i`` loads its index and weight and turns the index into a key (the expert;
-       ``E`` for ``-1``, ``E + 1`` for an index out of range: both are skipped);
+    0. Warp ``g`` works out ``u0`` and ``u1`` (one division by the constant ``G``).
+    1. Thread ``i`` loads its index and weight, then each lane loads its vectors of the (at
+       most two) parts its warp's units start with into registers (``xv``, ``xv2``): nothing
+       reads them before step 5, so those loads overlap steps 1-4. The index becomes a key
+       (the expert; ``E`` for ``-1``, ``E + 1`` for an index out of range: both are skipped);
        ``T.match_any_sync`` on the key gives the warp's lanes with the same expert: the
        popcount of the lower ones is the entry's rank among them, and the lowest writes their
-       count into the warp's row of the ``(NW, E + 2)`` shared table. The bad entries are
-       counted per warp (``T.ballot_sync``; first flat index kept). Block barrier.
+       count into the warp's row of the ``(NW, E + 2)`` shared table. Key and rank go to
+       shared memory for step 5; the bad entries are counted per warp (``T.ballot_sync``;
+       first flat index kept). Block barrier.
     2. Warp ``w`` scans the table's columns ``w, w + NW, ...`` over the warps with shuffles
        (exclusive, in place; the expert's total, this rank's count, into ``stot``); the last
        warp sums the bad entries with shuffles. Block barrier.
@@ -146,18 +153,23 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
        other rank (``T.notify(Sig[0, me], p, e)``, a release store); threads ``p < W``, ``p !=
        me``, of every block wait ``T.wait_ge(Sig[0, p], e)``; block barrier. Block 0's last
        thread writes ``Status`` (``[bad entries, first bad flat index or -1, its value]``).
-    4. Every warp on its own: lane ``l`` holds experts ``l, l + 32, ...``: their totals over
-       the ranks (``W - 1`` loads of ``Counts`` each), the rows of the ranks before this one,
-       and an exclusive scan of the totals over the experts (shuffles); entry ``i``'s row on
-       its owner ``d = k // EL`` is the scan at ``k`` minus the scan at ``d * EL``, plus the
-       rows of the ranks before this one, the column scan of its warp and its rank, all
-       fetched with shuffles. Rows and owners go to shared memory; block 0 writes the origin
-       ``me * TMAX * K + i`` into ``RecvSrc[row]`` on ``d``, ``RouteRank``, ``RouteRow``,
-       ``Weights``, and its warp 0 ``RecvCounts`` and ``RecvOffsets``. Block barrier.
-    5. Warp ``g`` takes parts ``g, g + G, ...`` (loading each after the first), stages its
-       vectors in the warp's 512-byte shared buffer, and puts them from there into each of
-       the token's ``K`` rows on their owners (``T.put_warp``), so a token row is read once,
-       not ``K`` times.
+    4. Warp 0 alone: lane ``l`` holds experts ``l, l + 32, ...``: their totals over the ranks
+       (``W - 1`` loads of ``Counts`` each) and the rows of the ranks before this one; an
+       exclusive scan of the totals over the experts (shuffles) goes to ``erow`` (``erow[E]``:
+       all rows); then per expert ``x`` its owner ``d = x * W // E`` (``= x // EL``, without a
+       run-time division) into ``edst`` and where this rank's entries of ``x`` start on ``d``,
+       ``erow[x] - erow[d * EL]`` plus the rows of the ranks before this one, into ``eoff``;
+       in block 0 also ``RecvCounts`` and ``RecvOffsets``. Block barrier. Entry ``i``'s row is
+       ``eoff[k] + (its warp's column scan at k) + (its rank)``; block 0 writes the origin ``me
+       * TMAX * K + i`` into ``RecvSrc[row]`` on its owner, ``RouteRank``, ``RouteRow`` and
+       ``Weights`` (no barrier: nothing in the kernel reads them).
+    5. Warp ``g``, 32 units at a time: lane ``j`` finds the row, owner and first column of
+       unit ``u0 + j`` from the shared tables (one pass for the whole warp); then for each
+       unit every lane takes them with three shuffles and stores its 16-byte vector of the
+       part from ``xv`` or ``xv2`` into the row on its owner (a remote ``T.copy`` of 8
+       elements: one ``st.global.v4``). A warp with more than ``K + 1`` units (only on small
+       grids) loads each further part when it reaches it. A token part is read once by each
+       warp that writes any of its rows, however many of them it writes.
 
     Every block reading ``Counts`` keeps the two-buffer argument below: each of a rank's
     blocks reads buffer ``e % 2`` of call ``e - 2`` before that rank's call ``e - 1`` starts
@@ -254,15 +266,11 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
             buf[i] = pk + wcnt[warp, pk >> RANK_BITS]
 
     @T.macro
-    def expert_value(arr, x, total, out, slot):
-        """Small step 4: ``out[slot]`` = the value for expert ``x`` (``0 <= x <= E``; ``E``
-        gives ``total``) of a per-lane array ``arr`` in which lane ``l`` holds experts ``l, l +
-        32, ...`` in ``arr[0], arr[1], ...`` (``NWE`` shuffles; every lane of the warp calls it)."""
-        out[slot] = total
-        for jj in T.unroll(NWE):
-            got = T.shfl_sync(arr[jj], x % 32)
-            if x // 32 == jj and x < E:
-                out[slot] = got
+    def load_part(vec, X, q, lane):
+        """Small 0 / 5: ``vec`` = lane ``lane``'s 16-byte vector of part ``q`` (token ``q //
+        PARTS``, vector ``q % PARTS * 32 + lane`` of its row; the caller checks it exists)."""
+        for v in T.vectorized(8):
+            vec[v] = X[q // PARTS, (q % PARTS * 32 + lane) * 8 + v]
 
     @T.macro
     def write_status(Status, Idx, nbad, first):
@@ -320,17 +328,18 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
             wbad = T.alloc_shared((NW,), "int32")
             wfirst = T.alloc_shared((NW,), "int32")
             stot = T.alloc_shared((E,), "int32")  # small: this rank's count of each expert
-            srow = T.alloc_shared((NW * 32,), "int32")  # small: each entry's row on its owner (-1: skipped)
-            sdst = T.alloc_shared((NW * 32,), "int32")  # small: each entry's owner
-            stage = T.alloc_shared((NW, 32 * 8), dtype)  # small: each warp's part of a token row
+            skey_s = T.alloc_shared((NW * 32,), "int32")  # small: each entry's expert key
+            srank_s = T.alloc_shared((NW * 32,), "int32")  # small: its rank among its warp's entries of that expert
+            erow = T.alloc_shared((E + 1,), "int32")  # small 4: rows of the experts before x over all ranks
+            eoff = T.alloc_shared((E,), "int32")  # small 4: where this rank's entries of expert x start on its owner
+            edst = T.alloc_shared((E,), "int32")  # small 4: expert x's owner
             keys = T.alloc_local((CHUNK,), "int32")  # large 1: one chunk's expert keys and weights
             wts = T.alloc_local((CHUNK,), "float32")
             sc = T.alloc_local((1,), "int32")  # the running value of inclusive_warp_scan
-            xv = T.alloc_local((8,), dtype)  # small: this lane's 16-byte vector of a token row
+            xv = T.alloc_local((8,), dtype)  # small: this lane's 16-byte vectors of the warp's first two parts
+            xv2 = T.alloc_local((8,), dtype)
             etot = T.alloc_local((NWE,), "int32")  # small 4: per lane, experts lane, lane + 32, ...:
-            ebefore = T.alloc_local((NWE,), "int32")  # totals over ranks, rows of the ranks before
-            eprefix = T.alloc_local((NWE,), "int32")  # this one, rows of the experts before (scan)
-            at = T.alloc_local((3,), "int32")  # small 4: values of one expert (expert_value)
+            ebefore = T.alloc_local((NWE,), "int32")  # totals over ranks, rows of the ranks before this one
             run = T.alloc_var("int32")
             first = T.alloc_var("int32")
             nbad = T.alloc_var("int64")
@@ -344,20 +353,34 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
             pb = T.alloc_var("int32")  # ranking blocks: one 32-entry batch per warp when the grid allows
             pb = T.max(1, T.min(blocks, (n + NW * 32 - 1) // (NW * 32)))
             if pb == 1:  # grid-uniform: a small batch (n <= threads entries), planned by every block alone
-                # ---- small 0. this warp's first part of a token row: its loads stay in flight
-                # during the plan (nothing reads xv before the data phase)
-                if g < NT * PARTS and g % PARTS * 32 + lane < VECS:
-                    for v in T.vectorized(8):
-                        xv[v] = X[g // PARTS, (g % PARTS * 32 + lane) * 8 + v]
-                # ---- small 1. thread i < n holds entry i: its key and weight; its rank among the
-                # warp's entries of its expert (match_any); the warp's counts in its row of wcnt
-                skey = T.alloc_var("int32")
-                skey = E  # threads past the last entry: skipped
+                # ---- small 0. the data phase's units (token part q, slot k), u = q * K + k, split
+                # evenly over the grid's warps: warp g has units [u0, u1) (the first units % G
+                # warps one more). The (at most two) parts its first units need are loaded now
+                # (step 1) and stay in flight during the plan (nothing reads xv / xv2 before step 5)
+                units = T.alloc_var("int32")  # at most threads * PARTS
+                units = NT * (PARTS * K)
+                u0 = T.alloc_var("int32")
+                u0 = g * (units // G) + T.min(g, units % G)
+                u1 = T.alloc_var("int32")
+                u1 = u0 + units // G + T.if_then_else(g < units % G, 1, 0)
+                qa = T.alloc_var("int32")  # the part of the warp's first unit
+                qa = u0 // K
+                # ---- small 1. thread i < n holds entry i: its index and weight (loaded before the
+                # parts, so that they arrive first), its key; its rank among the warp's entries of
+                # its expert (match_any); the warp's counts in its row of wcnt; key and rank into
+                # skey_s / srank_s for the data phase
+                sidx = T.alloc_var(index_dtype)
+                sidx = -1  # threads past the last entry: an unused slot (skipped)
                 sweight = T.alloc_var("float32")
                 if tx < n:
                     sweight = Wt[tx // K, tx % K]
                     sidx = Idx[tx // K, tx % K]
-                    skey = expert_key(sidx)
+                if u0 < u1 and qa % PARTS * 32 + lane < VECS:  # lanes past the row's end: none
+                    load_part(xv, X, qa, lane)
+                    if (u1 - 1) // K > qa:
+                        load_part(xv2, X, qa + 1, lane)
+                skey = T.alloc_var("int32")
+                skey = expert_key(sidx)
                 for j in T.serial((E + 33) // 32):
                     if j * 32 + lane <= E + 1:
                         wcnt[warp, j * 32 + lane] = 0
@@ -367,6 +390,8 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                 srank = lanes_below(ssame, lane)
                 if srank == 0:
                     wcnt[warp, skey] = T.Cast("int32", T.popcount(ssame))
+                skey_s[tx] = skey
+                srank_s[tx] = srank
                 sbad = T.ballot_sync(T.Cast("int32", tx < n and skey == E + 1))
                 if lane == 0:
                     wbad[warp] = T.Cast("int32", T.popcount(sbad))
@@ -410,74 +435,95 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                     T.sync_threads()
                 if bx == 0 and tx == threads - 1:
                     write_status(Status, Idx, T.Cast("int64", run), first)
-                # ---- small 4. every warp on its own: lane l holds experts l, l + 32, ... (totals
-                # over the ranks, rows of the ranks before this one, rows of the experts before:
-                # an exclusive scan over the experts); entry tx's row on its owner from them
+                # ---- small 4. warp 0 alone: lane l holds experts l, l + 32, ... (totals over the
+                # ranks, rows of the ranks before this one) and scans the totals over the experts
+                # into erow (rows of the experts before x over all ranks; erow[E]: all rows); then
+                # where this rank's entries of expert x start on its owner (eoff) and the owner
+                # (edst); block 0's warp 0 also writes RecvCounts and RecvOffsets
                 carry = T.alloc_var("int32")  # the totals of the experts held in the lower slots
-                carry = 0
-                for j in T.unroll(NWE):
-                    etot[j] = 0
-                    ebefore[j] = 0
-                    if j * 32 + lane < E:
-                        for s in T.serial(W):
-                            scnt = T.if_then_else(s == me, stot[j * 32 + lane], Counts[par, s, j * 32 + lane])
-                            etot[j] = etot[j] + scnt
-                            if s < me:
-                                ebefore[j] = ebefore[j] + scnt
-                    sc[0] = etot[j]
-                    inclusive_warp_scan(sc, lane)
-                    eprefix[j] = carry + sc[0] - etot[j]
-                    carry = carry + T.shfl_sync(sc[0], 31)
-                smine = T.min(skey, E - 1)
-                expert_value(eprefix, smine, carry, at, 0)
-                expert_value(eprefix, smine // EL * EL, carry, at, 1)
-                expert_value(ebefore, smine, carry, at, 2)
-                if tx < n:
-                    if skey < E:
-                        srow_v = at[0] - at[1] + at[2] + wcnt[warp, skey] + srank
-                        srow[tx] = srow_v
-                        sdst[tx] = skey // EL
-                        if bx == 0:
-                            T.st(RecvSrc[srow_v], me * TK + tx, dst_pe=skey // EL)
-                            RouteRank[tx] = skey // EL
-                            RouteRow[tx] = srow_v
-                    else:
-                        srow[tx] = -1
-                        if bx == 0:
-                            RouteRank[tx] = -1
-                            RouteRow[tx] = -1
+                if warp == 0:  # warp-uniform
+                    carry = 0
+                    for j in T.unroll(NWE):
+                        etot[j] = 0
+                        ebefore[j] = 0
+                        if j * 32 + lane < E:
+                            for s in T.serial(W):
+                                scnt = T.if_then_else(s == me, stot[j * 32 + lane], Counts[par, s, j * 32 + lane])
+                                etot[j] = etot[j] + scnt
+                                if s < me:
+                                    ebefore[j] = ebefore[j] + scnt
+                        sc[0] = etot[j]
+                        inclusive_warp_scan(sc, lane)
+                        if j * 32 + lane < E:
+                            erow[j * 32 + lane] = carry + sc[0] - etot[j]
+                        carry = carry + T.shfl_sync(sc[0], 31)
+                    if lane == 0:
+                        erow[E] = carry
+                    T.sync_warp()
+                    for j in T.unroll(NWE):
+                        if j * 32 + lane < E:
+                            owner = (j * 32 + lane) * W // E  # = x // EL (EL * W = E), no run-time division
+                            eoff[j * 32 + lane] = erow[j * 32 + lane] - erow[owner * EL] + ebefore[j]
+                            edst[j * 32 + lane] = owner
                     if bx == 0:
-                        Weights[tx] = sweight
-                if bx == 0 and warp == 0:  # warp-uniform: this rank's local experts
-                    expert_value(eprefix, T.min(me * EL, E - 1), carry, at, 1)
-                    for c in T.serial((EL + 32) // 32):
-                        expert_value(eprefix, T.min(me * EL + c * 32 + lane, E), carry, at, 0)
-                        expert_value(eprefix, T.min(me * EL + c * 32 + lane + 1, E), carry, at, 2)
-                        if c * 32 + lane <= EL:
-                            RecvOffsets[c * 32 + lane] = at[0] - at[1]
-                        if c * 32 + lane < EL:
-                            RecvCounts[c * 32 + lane] = at[2] - at[0]
+                        for c in T.serial((EL + 32) // 32):
+                            if c * 32 + lane <= EL:
+                                RecvOffsets[c * 32 + lane] = erow[me * EL + c * 32 + lane] - erow[me * EL]
+                            if c * 32 + lane < EL:
+                                RecvCounts[c * 32 + lane] = (erow[me * EL + c * 32 + lane + 1]
+                                                             - erow[me * EL + c * 32 + lane])
                 T.sync_threads()
-                # ---- small 5. data: warp g takes parts g, g + G, ...; a part (one 16-byte vector
-                # per lane) is staged in the warp's shared buffer once and put from there to each
-                # of the token's K rows, so a token row is read once
-                for j in T.serial((NT * PARTS + G - 1) // G):
-                    q = g + j * G
-                    if q < NT * PARTS:  # warp-uniform
-                        if j > 0 and q % PARTS * 32 + lane < VECS:
-                            for v in T.vectorized(8):
-                                xv[v] = X[q // PARTS, (q % PARTS * 32 + lane) * 8 + v]
-                        for v in T.vectorized(8):
-                            stage[warp, lane * 8 + v] = xv[v]
-                        T.sync_warp()
-                        for k in T.serial(K):
-                            dst_row = srow[q // PARTS * K + k]
-                            if dst_row >= 0:
-                                T.put_warp(T.address_of(stage[warp, 0]),
-                                           T.address_of(RecvX[T.Cast("int64", dst_row), q % PARTS * 256]),
-                                           (T.min(VECS, q % PARTS * 32 + 32) - q % PARTS * 32) * 8,
-                                           dst_pe=sdst[q // PARTS * K + k])
-                        T.sync_warp()  # every lane has put the part before the next one is staged
+                # block 0: the routes of the combine and each entry's origin on its owner
+                if bx == 0 and tx < n:
+                    if skey < E:
+                        srow_v = eoff[skey] + wcnt[warp, skey] + srank
+                        T.st(RecvSrc[srow_v], me * TK + tx, dst_pe=edst[skey])
+                        RouteRank[tx] = edst[skey]
+                        RouteRow[tx] = srow_v
+                    else:
+                        RouteRank[tx] = -1
+                        RouteRow[tx] = -1
+                    Weights[tx] = sweight
+                # ---- small 5. data: warp g stores units u0 .. u1 - 1 (part q = u // K of token q //
+                # PARTS into the row of entry q // PARTS * K + u % K), 32 at a time: lane j first
+                # finds the row and owner of unit j (one pass for the whole warp), then every unit
+                # takes them with two shuffles and each lane stores its 16-byte vector of the part
+                # straight from registers (one st.global.v4 per unit and lane), so a warp reads a
+                # token part once however many of the token's rows it writes
+                staged = T.alloc_var("int32")  # the part in xv2 beyond qa + 1 (warps with more than K + 1 units)
+                staged = qa + 1
+                for c in T.serial((units // G + 32) // 32):  # 32-unit rounds: one unless the grid is small
+                    urow = T.alloc_var("int32")  # lane j: the row of unit u0 + 32c + j (-1: skipped),
+                    urow = -1
+                    udst = T.alloc_var("int32")  # its owner and its part's first column
+                    udst = 0
+                    ucol = T.alloc_var("int32")
+                    ucol = 0
+                    if u0 + c * 32 + lane < u1:
+                        ue = (u0 + c * 32 + lane) // (PARTS * K) * K + (u0 + c * 32 + lane) % K
+                        ukey = skey_s[ue]
+                        ucol = (u0 + c * 32 + lane) // K % PARTS * 32
+                        if ukey < E:
+                            urow = eoff[ukey] + wcnt[ue // 32, ukey] + srank_s[ue]
+                            udst = edst[ukey]
+                    for j in T.serial(T.min(32, u1 - u0 - c * 32)):  # warp-uniform (none past u1)
+                        u = u0 + c * 32 + j
+                        q = u // K
+                        if q != staged and q > qa + 1:  # warp-uniform
+                            if q % PARTS * 32 + lane < VECS:
+                                load_part(xv2, X, q, lane)
+                            staged = q
+                        row = T.shfl_sync(urow, j)
+                        dst = T.shfl_sync(udst, j)
+                        vec = T.shfl_sync(ucol, j) + lane  # this lane's 16-byte vector of the row
+                        if row >= 0 and vec < VECS:
+                            # (clamped where it is already in range: lets TileLang prove the store
+                            # in bounds and emit one 16-byte store)
+                            col = T.max(0, T.min(vec, VECS - 1)) * 8
+                            if q == qa:
+                                T.copy(xv[0:8], RecvX[row, col:col + 8], dst_pe=dst)
+                            else:
+                                T.copy(xv2[0:8], RecvX[row, col:col + 8], dst_pe=dst)
             else:
                 nb = T.alloc_var("int32")
                 nb = (n + pb * NW * 32 - 1) // (pb * NW * 32)  # 32-entry batches per warp
