@@ -194,6 +194,24 @@ def test_dispatch_kernel_small_batch_plans_in_every_block_and_stores_rows_from_r
     assert "staged = (u >> 3);" in inner
 
 
+def test_dispatch_kernel_small_batch_checks_each_prefetched_part_against_its_own_row_end():
+    """Rows of 897 16-byte vectors (hidden 7176): a row's last part has one vector, so a lane
+    may have a vector of one part and not of the next. Each of the two parts loaded at the
+    kernel's start is guarded by its own part's lanes (a load of part qa + 1 nested in part
+    qa's check left lanes 1-31 of a warp whose first part ends a row without the next token's
+    vectors: wrong rows on the GPU at 37 tokens on a 2-block grid)."""
+    body = source(build_dispatch_kernel(64, 8, 7176, 128, blocks=2))
+    small = body[body.index("if (pb == 1) {"):]
+    first = small.index("*(uint4*)(xv + 0) = condval")
+    second = small.index("*(uint4*)(xv2 + 0) = condval")
+    own = "(((int)threadIdx.x) & 31)) < 897)"
+    guard_first = small.rindex("if (", 0, small.rindex("uint4 condval", 0, first))
+    assert "((qa % 29) * 32)) + " + own in small[guard_first:first]
+    guard_second = small.rindex("if ((qa < ((u1 - 1) >> 3)) && ", 0, second)
+    assert "(((qa + 1) % 29) * 32)) + " + own in small[guard_second:small.index("{", guard_second)]
+    assert small.index("*(uint4*)(xv + 0) = condval") < guard_second  # not nested in the first part's check
+
+
 def test_dispatch_kernel_small_batch_scans_only_the_warps_a_narrower_block_has():
     """With fewer than 32 warps per block (512 threads: 16), the small batch's column scans and
     bad-entry sum read and write only the rows of the warps there are (lanes 16-31 add 0)."""
@@ -469,6 +487,8 @@ SMALL = (16, 3, 200, 96)
 FULL = (64, 8, 7168, 4096)
 #: Up to 1280 entries: more than one block ranks (1024 entries each), at a small hidden size.
 WIDE = (16, 8, 200, 160)
+# a row that is not a whole number of 256-column parts (897 vectors: the last part has one)
+NARROW = (64, 8, 7176, 128)
 
 
 def _heap_bytes(config, world: int, dispatchers: int = 1) -> int:
@@ -728,6 +748,36 @@ def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
 def test_moe_full_size_on_gpu(world, tmp_path_factory):
     reports = run_gpu_ranks(full_size_rank_body, world, tmp_path_factory, "moe-full")
     assert [r["checks"] for r in reports] == [7] * world
+
+
+def narrow_grid_rank_body(rank: int, world: int, cache_dir: str) -> dict:
+    """Per rank: small batches (128 tokens of top-8 = 1024 entries, 37 tokens, 128 + rank % 2
+    with 2 ranks) on a 2-block grid, so every warp stores hundreds of row pieces and loads
+    most parts in the data loop (not only the two loaded at the kernel's start), with rows of
+    897 16-byte vectors (the last piece has one); uniform and skewed, then 50 back-to-back
+    calls."""
+    experts, topk, hidden, max_tokens = NARROW
+    alloc = open_rank_heap(rank, world, cache_dir, _heap_bytes(NARROW, world))
+    dev = torch.device(alloc.device)
+    gen = torch.Generator().manual_seed(555 + rank)
+    moe = MoEDispatcher(alloc, experts, hidden, topk, max_tokens, max_blocks=2)
+    checks = 0
+    for kind, tokens in (("uniform", 128), ("skewed", 37), ("uniform", 127 + rank % 2)):
+        x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(dev)
+        idx = _routing(kind, tokens, experts, topk, gen).to(dev)
+        w = torch.softmax(torch.randn(tokens, topk, generator=gen), 1).to(dev)
+        checks += _check_call(moe, rank, world, x, idx, w, f"{tokens} tokens {kind}, 2 blocks")
+    checks += _back_to_back(moe, rank, world, 50, gen)
+    moe.close()
+    return close_rank_heap(alloc, rank, checks)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2])
+def test_moe_small_batch_on_a_two_block_grid_on_gpu(world, tmp_path_factory):
+    reports = run_gpu_ranks(narrow_grid_rank_body, world, tmp_path_factory, "moe-narrow")
+    assert [r["checks"] for r in reports] == [3 + 5] * world
 
 
 def wide_rank_body(rank: int, world: int, cache_dir: str) -> dict:

@@ -375,9 +375,10 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                 if tx < n:
                     sweight = Wt[tx // K, tx % K]
                     sidx = Idx[tx // K, tx % K]
-                if u0 < u1 and qa % PARTS * 32 + lane < VECS:  # lanes past the row's end: none
-                    load_part(xv, X, qa, lane)
-                    if (u1 - 1) // K > qa:
+                if u0 < u1:  # (lanes past a row's end load nothing, each part checked on its own)
+                    if qa % PARTS * 32 + lane < VECS:
+                        load_part(xv, X, qa, lane)
+                    if (u1 - 1) // K > qa and (qa + 1) % PARTS * 32 + lane < VECS:
                         load_part(xv2, X, qa + 1, lane)
                 skey = T.alloc_var("int32")
                 skey = expert_key(sidx)
