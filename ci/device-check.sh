@@ -37,7 +37,7 @@ run_step() {  # name, command...
 # examples: 6 collectives x 1, 2, 4 ranks sharing a GPU (about 25 s each on an H200), plus the
 # overlapped GEMMs (test_overlap_gpu.py, about 3 minutes; `-- -k overlap` runs them alone).
 # The reductions: size classes and 1000 back-to-back calls on 2 and 4 ranks, emulated peers; the MoE tests
-# (about 5 minutes on one H200: worlds 1, 2, 4, full size, 200 back-to-back calls with stragglers).
+# (about 6 minutes on one H200: worlds 1, 2, 4, full size, 200 back-to-back calls with stragglers, small batches on a 2-block grid).
 declare -A limit=([core]=240 [host]=240 [lang]=450 [examples]=1200)
 gpu_tests() {  # step name, TILESCALE_SHARE_GPUS value
   for p in core host lang examples; do
