@@ -568,6 +568,18 @@ def _check_call(moe, rank, world, x, idx, w, label, validate=True):
     return 1
 
 
+def _check_routings(moe, rank, world, cases, gen, label: str) -> int:
+    """``_check_call`` on fresh bfloat16 tokens, routing and softmax weights for every ``(kind,
+    tokens)`` of ``cases`` (drawn in that order from ``gen``); returns the checks made."""
+    checks = 0
+    for kind, tokens in cases:
+        x = torch.randn(tokens, moe.hidden, generator=gen).to(torch.bfloat16).to(moe.device)
+        idx = _routing(kind, tokens, moe.num_experts, moe.topk, gen).to(moe.device)
+        w = torch.softmax(torch.randn(tokens, moe.topk, generator=gen), 1).to(moe.device)
+        checks += _check_call(moe, rank, world, x, idx, w, f"{tokens} tokens {kind}, {label}")
+    return checks
+
+
 def _back_to_back(moe, rank, world, calls, gen):
     """``calls`` dispatch + combine pairs without host synchronisation (every third call
     combines twice: the second one repeats the routing, so it runs the ready handshake), 4
@@ -725,7 +737,6 @@ def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     the other hands block 0's plan over, in the same call)."""
     experts, topk, hidden, max_tokens = FULL
     alloc = open_rank_heap(rank, world, cache_dir, _heap_bytes(FULL, world, dispatchers=2))
-    dev = torch.device(alloc.device)
     gen = torch.Generator().manual_seed(99 + rank)
     checks = 0
     for max_blocks in (None, 3):
@@ -733,11 +744,7 @@ def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
         cases = [("uniform", max_tokens), ("skewed", max_tokens)]
         if max_blocks is None:
             cases += [("uniform", 128), ("skewed", 129), ("uniform", 128 + rank % 2)]
-        for kind, tokens in cases:
-            x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(dev)
-            idx = _routing(kind, tokens, experts, topk, gen).to(dev)
-            w = torch.softmax(torch.randn(tokens, topk, generator=gen), 1).to(dev)
-            checks += _check_call(moe, rank, world, x, idx, w, f"{tokens} tokens {kind}, max_blocks={max_blocks}")
+        checks += _check_routings(moe, rank, world, cases, gen, f"max_blocks={max_blocks}")
         moe.close()
     return close_rank_heap(alloc, rank, checks)
 
@@ -758,15 +765,10 @@ def narrow_grid_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     calls."""
     experts, topk, hidden, max_tokens = NARROW
     alloc = open_rank_heap(rank, world, cache_dir, _heap_bytes(NARROW, world))
-    dev = torch.device(alloc.device)
     gen = torch.Generator().manual_seed(555 + rank)
     moe = MoEDispatcher(alloc, experts, hidden, topk, max_tokens, max_blocks=2)
-    checks = 0
-    for kind, tokens in (("uniform", 128), ("skewed", 37), ("uniform", 127 + rank % 2)):
-        x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(dev)
-        idx = _routing(kind, tokens, experts, topk, gen).to(dev)
-        w = torch.softmax(torch.randn(tokens, topk, generator=gen), 1).to(dev)
-        checks += _check_call(moe, rank, world, x, idx, w, f"{tokens} tokens {kind}, 2 blocks")
+    cases = [("uniform", 128), ("skewed", 37), ("uniform", 127 + rank % 2)]
+    checks = _check_routings(moe, rank, world, cases, gen, "2 blocks")
     checks += _back_to_back(moe, rank, world, 50, gen)
     moe.close()
     return close_rank_heap(alloc, rank, checks)
