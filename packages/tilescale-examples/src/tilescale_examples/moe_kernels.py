@@ -487,10 +487,10 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                     Weights[tx] = sweight
                 # ---- small 5. data: warp g stores units u0 .. u1 - 1 (part q = u // K of token q //
                 # PARTS into the row of entry q // PARTS * K + u % K), 32 at a time: lane j first
-                # finds the row and owner of unit j (one pass for the whole warp), then every unit
-                # takes them with two shuffles and each lane stores its 16-byte vector of the part
-                # straight from registers (one st.global.v4 per unit and lane), so a warp reads a
-                # token part once however many of the token's rows it writes
+                # finds the row, owner and first column of unit j (one pass for the whole warp),
+                # then every unit takes them with three shuffles and each lane stores its 16-byte
+                # vector of the part straight from registers (one st.global.v4 per unit and lane),
+                # so a warp reads a token part once however many of the token's rows it writes
                 staged = T.alloc_var("int32")  # the part in xv2 beyond qa + 1 (warps with more than K + 1 units)
                 staged = qa + 1
                 for c in T.serial((units // G + 32) // 32):  # 32-unit rounds: one unless the grid is small
