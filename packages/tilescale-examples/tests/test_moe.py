@@ -19,7 +19,8 @@ from tilelang import tvm
 from tilescale_examples.collective import TARGET
 from tilescale_examples.moe import (COMBINE_ATOL, COMBINE_RTOL, DispatchHandle, MoEDispatcher,
                                     expected_routes, torch_combine_reference, torch_dispatch_reference)
-from tilescale_examples.moe_kernels import PASS_CONFIGS, PUT_UNROLL, build_combine_kernel, build_dispatch_kernel
+from tilescale_examples.moe_kernels import (DISPATCH_PHASES, PASS_CONFIGS, PUT_UNROLL, build_combine_kernel,
+                                           build_dispatch_kernel)
 from tilescale_lang.codegen import cuda_source
 
 # The configuration of the CPU object tests and the nvcc test (shared compile cache).
@@ -304,6 +305,28 @@ def test_dispatch_kernel_closes_with_one_round_and_keeps_call_numbers_per_block(
     assert body.count("State[") == 2
 
 
+def test_profiled_dispatch_kernel_only_adds_one_timestamp_per_phase():
+    """profile=True: the plain kernel's code, in order, plus thread 0's timestamp at the end of
+    each phase (one slot each; "ranked" and "planned" on both paths) and one more parameter;
+    the plain kernel has no profiling code."""
+    plain_func = build_dispatch_kernel(64, 8, 7168, 4096)
+    prof_func = build_dispatch_kernel(64, 8, 7168, 4096, profile=True)
+    assert [p.name for p in prof_func.params] == [p.name for p in plain_func.params] + ["Prof_handle"]
+    assert list(prof_func.buffer_map[prof_func.params[-1]].shape) == [132, 1 + 2 * len(DISPATCH_PHASES)]
+    plain, prof = source(plain_func), source(prof_func)
+    assert "profile_event" not in plain and "Prof" not in plain
+    events = [prof.count(f"tilescale::profile_event_at<7>((&(Prof[0])), (uint){p}, (uint){p}, (bool)1);")
+              for p in range(len(DISPATCH_PHASES))]
+    assert events == [1, 1, 2, 1, 2, 1, 1], events
+    assert prof.count("profile_event") == sum(events)
+    lines = iter(prof.splitlines()[1:])  # the plain body, line by line, is a subsequence
+    missing = [line for line in plain.splitlines()[1:] if not any(line == other for other in lines)]
+    assert not missing, missing[:3]
+    # the index event waits for thread 0's loaded index
+    index_event = prof.index("(uint)1, (uint)1, (bool)1);")
+    assert prof.rindex("if (sidx != (int64_t)9223372036854775807) {", 0, index_event) > prof.index("sidx = Idx[")
+
+
 @needs_nvcc
 def test_dispatch_fits_1024_threads_without_spills(tmp_path):
     """The dispatch block (1024 threads, one per SM) needs at most 64 registers per thread."""
@@ -368,6 +391,7 @@ def test_combine_fits_1024_threads_without_spills(tmp_path):
 @needs_nvcc
 def test_kernels_compile_with_nvcc(cache_dir):
     for func in (build_dispatch_kernel(E, K, H, TMAX, "float16", "int32", blocks=128),
+                 build_dispatch_kernel(E, K, H, TMAX, "float16", "int32", blocks=128, profile=True),
                  build_combine_kernel(E, K, H, TMAX, "float16", blocks=128)):
         kernel = tilelang.compile(func, target=TARGET, execution_backend="tvm_ffi")
         assert kernel.adapter.rt_mod.imports[0].kind == "cuda"
@@ -442,9 +466,29 @@ def test_dispatcher_on_cpu_allocator(cache_dir):
     moe.status.zero_()
     moe.check_index_errors()
 
+    # the profiled dispatch: the same call (a dispatch call: the epoch advances) with the
+    # profiler's buffer last; compiled at its first call (replaced here)
+    from tilescale_lang.profiler import EventProfiler
+
+    assert moe._profiled_kernel is None
+    moe._profiled_kernel = lambda *a: launched.append(("profiled", a))
+    prof = EventProfiler(blocks=moe.blocks + 2, capacity=len(DISPATCH_PHASES), device="cpu")
+    recv, counts, handle = moe.dispatch_profiled(x, idx, w, prof)
+    assert launched[-1][0] == "profiled" and moe.epoch == 4 and handle.epoch == 4 and recv is moe.recv_x
+    assert all(a is b for a, b in zip(launched[-1][1][:17], disp[:17]))
+    assert launched[-1][1][17].shape == (moe.blocks, 15) and launched[-1][1][17].data_ptr() == prof.buffer.data_ptr()
+    rejects(ValueError, r"profiler must have at least 128 blocks and capacity 7 \(buffer shape \(128, 15\)\), "
+            r"got \(128, 13\)", moe.dispatch_profiled, x, idx, w, EventProfiler(blocks=moe.blocks, capacity=6, device="cpu"))
+    rejects(ValueError, r"at least 128 blocks", moe.dispatch_profiled, x, idx, w,
+            EventProfiler(blocks=moe.blocks - 1, capacity=7, device="cpu"))
+    rejects(TypeError, "profiler must be an EventProfiler", moe.dispatch_profiled, x, idx, w, prof.buffer)
+    rejects(ValueError, "x has 17 tokens", moe.dispatch_profiled, torch.zeros(17, H).half(),
+            torch.zeros(17, K, dtype=torch.int32), torch.zeros(17, K), prof)
+    assert moe.epoch == 4
+
     handle = moe.dispatch(x, idx, w)[2]
     rejects(TypeError, "handle must be a DispatchHandle", moe.combine, y, "handle")
-    rejects(RuntimeError, "handle is from dispatch call 3, but dispatch call 4", moe.combine, y,
+    rejects(RuntimeError, "handle is from dispatch call 3, but dispatch call 5", moe.combine, y,
             DispatchHandle(moe, 3, 5, *[handle.counts] * 4))
     rejects(ValueError, r"y has shape \(64, 32\), expected \(capacity, hidden\) = \(64, 64\)", moe.combine,
             y[:, :32].contiguous(), handle)
@@ -456,7 +500,7 @@ def test_dispatcher_on_cpu_allocator(cache_dir):
 
     assert repr(moe).startswith("MoEDispatcher(num_experts=8, hidden=64, topk=2, max_tokens=16, dtype=torch.float16, world_size=2")
     moe.close()
-    assert moe.closed and moe.recv_x is None and moe.dispatch_kernel is None
+    assert moe.closed and moe.recv_x is None and moe.dispatch_kernel is None and moe._profiled_kernel is None
     with pytest.raises(RuntimeError, match="MoEDispatcher is closed"):
         moe.dispatch(x, idx, w)
 
@@ -856,9 +900,40 @@ def test_benchmark_routing_and_arguments(monkeypatch, capsys):
                           (["--ranks", "0"], "--ranks must be >= 1"),
                           (["--threads", "100"], "--threads must be a multiple of 32 in [32, 1024]"),
                           (["--threads", "2048"], "--threads must be a multiple of 32 in [32, 1024]")):
-        with pytest.raises(SystemExit) as exc:
-            bench.main(argv)
-        assert exc.value.code == 2 and message in capsys.readouterr().err
+        _exits_naming(bench.main, argv, message, capsys)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert bench.main([]) == 0
     assert capsys.readouterr().out == "MoE benchmark: no CUDA GPU visible, nothing to measure\n"
+
+
+def _exits_naming(main, argv, message, capsys):
+    """``main(argv)`` exits with status 2 (argparse) and ``message`` in its stderr."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_phase_benchmark_offsets_and_arguments(monkeypatch, capsys):
+    from tilescale_examples.benchmarks import moe_phases
+    from tilescale_lang.profiler import Event
+
+    def ev(block, task, ns):
+        return Event(block=block, warp=0, sm=block, task=task, is_start=True, time_ns=ns)
+
+    # two blocks; phase 1 only in block 1, phase 3 in neither: left out
+    events = [ev(0, 0, 10_000), ev(1, 0, 10_400), ev(1, 1, 11_000), ev(0, 2, 12_000), ev(1, 2, 13_000)]
+    rows = moe_phases.phase_offsets(events, ("start", "loaded", "ranked", "scanned"))
+    assert rows == [("start", 0.0, 0.2, 0.4), ("loaded", 1.0, 1.0, 1.0), ("ranked", 2.0, 2.5, 3.0)]
+    with pytest.raises(ValueError, match="no 'start' event was recorded"):
+        moe_phases.phase_offsets(events[2:], ("start", "loaded", "ranked"))
+    for argv, message in ((["--tokens", "0"], "--tokens must be in [1, 4096]"),
+                          (["--tokens", "x"], "--tokens must be comma-separated ints"),
+                          (["--routing", "hot"], "--routing must list uniform and/or skewed"),
+                          (["--hidden", "12"], "--hidden a positive multiple of 8"),
+                          (["--replays", "0"], "--replays and --ranks must be >= 1"),
+                          (["--iters", "0"], "--iters >= 1"),
+                          (["--ranks", "3"], "--experts=64 must be a multiple of --ranks=3")):
+        _exits_naming(moe_phases.main, argv, message, capsys)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert moe_phases.main([]) == 0
+    assert capsys.readouterr().out == "MoE dispatch phases: no CUDA GPU visible, nothing to measure\n"

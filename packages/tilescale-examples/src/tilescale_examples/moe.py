@@ -370,8 +370,10 @@ class MoEDispatcher(SymmetricCollective):
         name = _DTYPES[self.dtype]
         self.combine_kernel = self._compile(build_combine_kernel(E, K, H, self.max_tokens, name,
                                                                  self.blocks, threads), target)
-        self._finish(build_dispatch_kernel(E, K, H, self.max_tokens, name, _INDEX_DTYPES[index_dtype],
-                                           self.blocks, PLAN_THREADS), target)
+        self._dispatch_config = (E, K, H, self.max_tokens, name, _INDEX_DTYPES[index_dtype], self.blocks, PLAN_THREADS)
+        self._target = target
+        self._profiled_kernel = None  # dispatch_profiled's, compiled at its first call
+        self._finish(build_dispatch_kernel(*self._dispatch_config), target)
         self.dispatch_kernel = self.kernel
 
     def _compile(self, func, target):
@@ -450,15 +452,41 @@ class MoEDispatcher(SymmetricCollective):
         expert, and the :class:`DispatchHandle` for ``combine``. All are overwritten by the
         next dispatch and complete when the kernels finish on the current stream.
         """
+        return self._dispatch(self.dispatch_kernel, (), x, topk_idx, topk_weights, validate)
+
+    def dispatch_profiled(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                          profiler, *, validate: Optional[bool] = None):
+        """:meth:`dispatch` (same arguments, results and collective rules: it counts as a
+        dispatch call on every rank) run by the same kernel built with phase timestamps:
+        thread 0 of every block records the end of each of
+        :data:`~tilescale_examples.moe_kernels.DISPATCH_PHASES` into ``profiler`` (a
+        :class:`tilescale_lang.profiler.EventProfiler` with at least ``max_blocks`` rows and a
+        capacity of ``len(DISPATCH_PHASES)``; event task and slot ``p`` is phase ``p``,
+        nanoseconds of ``%globaltimer``; a later call overwrites them). The profiled kernel is
+        compiled at the first call."""
+        from tilescale_examples.moe_kernels import DISPATCH_PHASES
+
+        buf = getattr(profiler, "buffer", None)
+        want = (self.blocks, 1 + 2 * len(DISPATCH_PHASES))
+        if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint64 or buf.device != self.device:
+            raise TypeError("profiler must be an EventProfiler whose buffer is on the dispatcher's device")
+        if tuple(buf.shape[1:]) != want[1:] or buf.shape[0] < self.blocks or not buf.is_contiguous():
+            raise ValueError(f"profiler must have at least {self.blocks} blocks and capacity "
+                             f"{len(DISPATCH_PHASES)} (buffer shape {want}), got {tuple(buf.shape)}")
+        if self._profiled_kernel is None:
+            self._profiled_kernel = self._compile(build_dispatch_kernel(*self._dispatch_config, profile=True),
+                                                  self._target)
+        return self._dispatch(self._profiled_kernel, (buf[:self.blocks],), x, topk_idx, topk_weights, validate)
+
+    def _dispatch(self, kernel, extra: tuple, x, topk_idx, topk_weights, validate):
         self._check_open()
         T = self._check_tokens(x, topk_idx, topk_weights)
         if self.validate if validate is None else validate:
             self._validate_indices(topk_idx)
         self.epoch += 1
-        self.dispatch_kernel(topk_idx, topk_weights, x, self.packed, self.base, self.weights,
-                             self.count_matrix, self.flags, self.recv_x, self.recv_src, self.dest_rank,
-                             self.dest_row, self.recv_counts, self.recv_offsets, self.status,
-                             self.counters, self.state)
+        kernel(topk_idx, topk_weights, x, self.packed, self.base, self.weights, self.count_matrix, self.flags,
+               self.recv_x, self.recv_src, self.dest_rank, self.dest_row, self.recv_counts, self.recv_offsets,
+               self.status, self.counters, self.state, *extra)
         handle = DispatchHandle(self, self.epoch, T, *self._views_of(T)[:4])
         return self.recv_x, handle.counts, handle
 
@@ -511,7 +539,7 @@ class MoEDispatcher(SymmetricCollective):
         """Drop the kernels and the tensors (idempotent); heap bytes return with
         ``allocator.close()``."""
         super().close()
-        self.dispatch_kernel = self.combine_kernel = None
+        self.dispatch_kernel = self.combine_kernel = self._profiled_kernel = None
         self._views = {}
 
     def __repr__(self) -> str:

@@ -53,7 +53,7 @@ the latest combine followed.
 
 # (no `from __future__ import annotations`: TileLang reads the kernels' annotations)
 
-__all__ = ["PLAN_THREADS", "PLAN_WARPS", "PASS_CONFIGS", "MAX_EXPERTS", "MAX_PARTS",
+__all__ = ["PLAN_THREADS", "PLAN_WARPS", "PASS_CONFIGS", "MAX_EXPERTS", "MAX_PARTS", "DISPATCH_PHASES",
            "build_dispatch_kernel", "build_combine_kernel"]
 
 #: Threads (and warps) per block of the dispatch kernel, whose block 0 plans: each of its
@@ -79,6 +79,13 @@ MAX_EXPERTS = 256
 #: and every shared buffer keeps its own bytes (no reuse across phases that only the hand-
 #: written barriers separate).
 PASS_CONFIGS = {"tl.disable_thread_storage_sync": True, "tl.disable_shared_memory_reuse": True}
+#: The points a profiled dispatch kernel (``build_dispatch_kernel(..., profile=True)``) records,
+#: in order; event ``p`` (task and slot ``p``) is thread 0 of a block reaching the end of
+#: phase ``p``: the call number read (``start``), its entry's index arrived (small batches),
+#: the entries ranked (the small path's first barrier; a large batch's ranking blocks), the
+#: warps' counts scanned (small), the plan complete (a large batch: released to the block),
+#: the block's rows issued (the closing barrier), and the closing round done.
+DISPATCH_PHASES = ("start", "index loaded", "ranked", "scanned", "planned", "data issued", "end")
 #: Bits of a packed plan entry below the expert key: the entry's rank within its ranking
 #: block's range of entries (fewer than ``TMAX * K + threads <= 2**16``).
 RANK_BITS = 16
@@ -108,7 +115,7 @@ def _grid_ids(T, bx, threads: int, num_experts: int):
 
 def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: int,
                           dtype: str = "bfloat16", index_dtype: str = "int64", blocks: int = 132,
-                          threads: int = PLAN_THREADS):
+                          threads: int = PLAN_THREADS, profile: bool = False):
     """The dispatch ``T.prim_func``: plan and data movement in one launch (grid: ``blocks``
     blocks of ``threads`` threads; block 0 also plans).
 
@@ -232,6 +239,12 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     Two count buffers suffice: rank ``s`` writes buffer ``e % 2`` on rank ``d != s`` only
     after its call ``e - 1`` received every other rank's counts of ``e - 1``, so ``d`` has
     finished call ``e - 2``, the last reader of that buffer there.
+
+    ``profile=True`` builds the same kernel with one more parameter, ``Prof: (blocks, 1 + 2 *
+    len(DISPATCH_PHASES)) uint64`` (a :class:`tilescale_lang.profiler.EventProfiler` buffer
+    with that capacity), into which thread 0 of every block records the end of each of
+    :data:`DISPATCH_PHASES` (``%globaltimer``, one slot per phase, no atomics); with the
+    default ``False`` the kernel has no profiling code at all.
     """
     import tilelang.language as T
 
@@ -308,17 +321,17 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
             total = total + T.if_then_else(w < x // 32, wsum[w], 0)
         return total
 
-    @T.prim_func
-    def moe_dispatch(Idx: T.Tensor((NT, K), index_dtype), Wt: T.Tensor((NT, K), "float32"),
-                     X: T.Tensor((NT, H), dtype), Packed: T.Tensor((TK,), "int32"),
-                     Base: T.Tensor((blocks, E + 3), "int32"), Weights: T.Tensor((TK,), "float32"),
-                     Counts: T.Tensor((2, NR, E), "int32"), Sig: T.Tensor((2, NR), "uint64"),
-                     RecvX: T.Tensor((CAP, H), dtype), RecvSrc: T.Tensor((CAP,), "int32"),
-                     RouteRank: T.Tensor((TK,), "int32"), RouteRow: T.Tensor((TK,), "int32"),
-                     RecvCounts: T.Tensor((E,), "int32"), RecvOffsets: T.Tensor((E + 1,), "int32"),
-                     Status: T.Tensor((3,), "int64"), Ctr: T.Tensor((4,), "uint32"),
-                     State: T.Tensor((3, blocks), "int64")):
-        T.annotate_pass_configs(PASS_CONFIGS)
+    @T.macro
+    def phase_done(Prof, tx, phase):
+        """With profiling: thread 0 of the block records the end of ``DISPATCH_PHASES[phase]``."""
+        if Prof is not None:
+            if tx == 0:
+                T.profile_event(Prof, phase, slot=phase)
+
+    @T.macro
+    def dispatch_body(Idx, Wt, X, Packed, Base, Weights, Counts, Sig, RecvX, RecvSrc, RouteRank, RouteRow,
+                      RecvCounts, RecvOffsets, Status, Ctr, State, Prof):
+        """The kernel (the signature below); ``Prof`` is None or the profiler buffer."""
         with T.Kernel(blocks, threads=threads) as bx:
             tx, lane, g, me, W, EL = _grid_ids(T, bx, threads, E)
             warp = tx // 32
@@ -352,6 +365,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
             n = NT * K
             pb = T.alloc_var("int32")  # ranking blocks: one 32-entry batch per warp when the grid allows
             pb = T.max(1, T.min(blocks, (n + NW * 32 - 1) // (NW * 32)))
+            phase_done(Prof, tx, 0)
             if pb == 1:  # grid-uniform: a small batch (n <= threads entries), planned by every block alone
                 # ---- small 0. the data phase's units (token part q, slot k), u = q * K + k, split
                 # evenly over the grid's warps: warp g has units [u0, u1) (the first units % G
@@ -382,6 +396,8 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                         load_part(xv2, X, qa + 1, lane)
                 skey = T.alloc_var("int32")
                 skey = expert_key(sidx)
+                if sidx != T.max_value(index_dtype):  # (data-dependent: the event waits for the index)
+                    phase_done(Prof, tx, 1)
                 for j in T.serial((E + 33) // 32):
                     if j * 32 + lane <= E + 1:
                         wcnt[warp, j * 32 + lane] = 0
@@ -398,6 +414,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                     wbad[warp] = T.Cast("int32", T.popcount(sbad))
                     wfirst[warp] = T.if_then_else(sbad != T.uint64(0), warp * 32 + lowest_bit(sbad), -1)
                 T.sync_threads()
+                phase_done(Prof, tx, 2)
                 # ---- small 2. warp w scans columns w, w + NW, ... of wcnt over the warps (shuffles:
                 # lane l holds warp l's row, lanes >= NW none; exclusive, in place; the totals into
                 # stot); the last warp sums the bad entries
@@ -419,6 +436,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                     has_bad = T.ballot_sync(T.Cast("int32", first >= 0))
                     first = T.shfl_sync(first, lowest_bit(has_bad) % 32)  # none: lane 0's -1
                 T.sync_threads()
+                phase_done(Prof, tx, 3)
                 # ---- small 3. block 0 sends this rank's counts to every other rank and signals;
                 # every block waits for every other rank's counts
                 if W > 1:  # grid-uniform
@@ -474,6 +492,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                                 RecvCounts[c * 32 + lane] = (erow[me * EL + c * 32 + lane + 1]
                                                              - erow[me * EL + c * 32 + lane])
                 T.sync_threads()
+                phase_done(Prof, tx, 4)
                 # block 0: the routes of the combine and each entry's origin on its owner
                 if bx == 0 and tx < n:
                     if skey < E:
@@ -596,6 +615,8 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                             rank_within_block(Packed, wcnt, i, warp)
                 # every block but 0 arrives (release, GPU scope: covers the block's Base row and Packed)
                 T.sync_threads()
+                if bx < pb:
+                    phase_done(Prof, tx, 2)
                 if bx > 0 and tx == 0:
                     T.atom_add(Ctr[3], 1, scope="gpu", sem="release")
                 if bx == 0:  # block-uniform: the plan
@@ -665,6 +686,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                 if tx == 0:
                     T.wait_eq(Ctr[2], T.Cast("uint32", epoch), scope="gpu")
                 T.sync_threads()
+                phase_done(Prof, tx, 4)
                 # ---- large data: P column ranges per entry when there are fewer entries than warps
                 cuts = T.alloc_var("int32")
                 cuts = T.max(1, T.min(MAX_PARTS, G // n))
@@ -694,14 +716,48 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                             RouteRow[i] = -1
             # ---- the closing round (both paths)
             T.sync_threads()
+            phase_done(Prof, tx, 5)
             if tx == 0:
                 for p in T.serial(W):
                     if p != me:  # this rank's own rows are ordered by the kernel's end
                         T.notify(Ctr[0], p, 1, sig_op="add")  # release: my rows for p are there
                 T.wait_eq(Ctr[0], T.Cast("uint32", epoch * (W - 1) * blocks))
                 State[0, bx] = epoch  # after the block barrier: the block's threads have read it
+                phase_done(Prof, tx, 6)
 
-    return moe_dispatch
+    # The parameters' annotations, shared by the two signatures below. Each parameter needs an
+    # annotation object of its own: TileLang binds parameters annotated with the same object to
+    # the same buffer.
+    idx_t, wt_t, x_t = T.Tensor((NT, K), index_dtype), T.Tensor((NT, K), "float32"), T.Tensor((NT, H), dtype)
+    packed_t, base_t, weights_t = T.Tensor((TK,), "int32"), T.Tensor((blocks, E + 3), "int32"), T.Tensor((TK,), "float32")
+    counts_t, sig_t = T.Tensor((2, NR, E), "int32"), T.Tensor((2, NR), "uint64")
+    recv_x_t, recv_src_t = T.Tensor((CAP, H), dtype), T.Tensor((CAP,), "int32")
+    route_rank_t, route_row_t = T.Tensor((TK,), "int32"), T.Tensor((TK,), "int32")
+    recv_counts_t, recv_offsets_t = T.Tensor((E,), "int32"), T.Tensor((E + 1,), "int32")
+    status_t, ctr_t, state_t = T.Tensor((3,), "int64"), T.Tensor((4,), "uint32"), T.Tensor((3, blocks), "int64")
+    if not profile:
+        @T.prim_func
+        def moe_dispatch(Idx: idx_t, Wt: wt_t, X: x_t, Packed: packed_t, Base: base_t, Weights: weights_t,
+                         Counts: counts_t, Sig: sig_t, RecvX: recv_x_t, RecvSrc: recv_src_t, RouteRank: route_rank_t,
+                         RouteRow: route_row_t, RecvCounts: recv_counts_t, RecvOffsets: recv_offsets_t,
+                         Status: status_t, Ctr: ctr_t, State: state_t):
+            T.annotate_pass_configs(PASS_CONFIGS)
+            dispatch_body(Idx, Wt, X, Packed, Base, Weights, Counts, Sig, RecvX, RecvSrc, RouteRank, RouteRow,
+                          RecvCounts, RecvOffsets, Status, Ctr, State, None)
+
+        return moe_dispatch
+
+    @T.prim_func
+    def moe_dispatch_profiled(Idx: idx_t, Wt: wt_t, X: x_t, Packed: packed_t, Base: base_t, Weights: weights_t,
+                              Counts: counts_t, Sig: sig_t, RecvX: recv_x_t, RecvSrc: recv_src_t, RouteRank: route_rank_t,
+                              RouteRow: route_row_t, RecvCounts: recv_counts_t, RecvOffsets: recv_offsets_t,
+                              Status: status_t, Ctr: ctr_t, State: state_t,
+                              Prof: T.Tensor((blocks, 1 + 2 * len(DISPATCH_PHASES)), "uint64")):
+        T.annotate_pass_configs(PASS_CONFIGS)
+        dispatch_body(Idx, Wt, X, Packed, Base, Weights, Counts, Sig, RecvX, RecvSrc, RouteRank, RouteRow,
+                      RecvCounts, RecvOffsets, Status, Ctr, State, Prof)
+
+    return moe_dispatch_profiled
 
 
 def build_combine_kernel(num_experts: int, topk: int, hidden: int, max_tokens: int,

@@ -47,7 +47,8 @@ import os
 from tilescale_examples.benchmarks.collectives import run_on_ranks, time_ms
 from tilescale_examples.report import gb_per_s, print_table, ratio
 
-__all__ = ["TorchAllToAllMoE", "make_routing", "main", "run", "HEADERS", "COMPARE_RTOL"]
+__all__ = ["TorchAllToAllMoE", "make_routing", "graph_ms", "add_shape_arguments", "check_shape_arguments",
+           "main", "run", "HEADERS", "COMPARE_RTOL"]
 
 HEADERS = ["tokens", "routing", "phase", "TileScale us", "graph us", "torch us", "speedup", "GB/s",
            "copy us", "vs copy", "copy graph us", "graph vs copy", "check"]
@@ -161,7 +162,7 @@ def run(rank: int, world: int, group, device, args) -> list | None:
         src = torch.randn(tokens * K, H, device=device).to(dtype)
         dst = torch.empty_like(src)
         copy_ms = time_ms(lambda: dst.copy_(src), args.iters, group, device)
-        copy_graph = _graph_ms(lambda: dst.copy_(src), args.iters, group, device) if args.graph else float("nan")
+        copy_graph = graph_ms(lambda: dst.copy_(src), args.iters, group, device) if args.graph else float("nan")
         del src, dst
         token_bytes = tokens * K * H * dtype.itemsize
         for kind in routings:
@@ -188,14 +189,14 @@ def run(rank: int, world: int, group, device, args) -> list | None:
             ts_c = time_ms(lambda: moe.combine(moe.recv_x, handle), args.iters, group, device)
             graph_d = graph_c = float("nan")
             if args.graph:
-                graph_d = _graph_ms(lambda: moe.dispatch(x, idx, w, validate=False), args.iters, group, device)
+                graph_d = graph_ms(lambda: moe.dispatch(x, idx, w, validate=False), args.iters, group, device)
                 handle = moe.dispatch(x, idx, w, validate=False)[2]
-                graph_c = _graph_ms(lambda: moe.combine(moe.recv_x, handle), args.iters, group, device)
+                graph_c = graph_ms(lambda: moe.combine(moe.recv_x, handle), args.iters, group, device)
             def layer():  # what an MoE layer runs: a dispatch, then the combine of its handle
                 return moe.combine(moe.recv_x, moe.dispatch(x, idx, w, validate=False)[2])
 
             ts_p = time_ms(layer, args.iters, group, device)
-            graph_p = _graph_ms(layer, args.iters, group, device) if args.graph else float("nan")
+            graph_p = graph_ms(layer, args.iters, group, device) if args.graph else float("nan")
             ref_d = time_ms(lambda: ref.dispatch(x, idx), args.iters, group, device)
             ref.dispatch(x, idx)
             ref_c = time_ms(lambda: ref.combine(want_rows, w), args.iters, group, device)
@@ -216,7 +217,7 @@ def run(rank: int, world: int, group, device, args) -> list | None:
     return [rows, failures] if rank == 0 else None
 
 
-def _graph_ms(fn, iters: int, group, device) -> float:
+def graph_ms(fn, iters: int, group, device) -> float:
     """Milliseconds per replay of ``fn`` captured in a CUDA graph (after one eager call),
     timed like :func:`~tilescale_examples.benchmarks.collectives.time_ms`."""
     import torch
@@ -229,18 +230,40 @@ def _graph_ms(fn, iters: int, group, device) -> float:
     return time_ms(graph.replay, iters, group, device)
 
 
+def add_shape_arguments(p: argparse.ArgumentParser, tokens: str, routing: str) -> None:
+    """The options of both MoE benchmarks: ``--tokens`` (default ``tokens``), ``--hidden``,
+    ``--experts``, ``--topk``, ``--routing`` (default ``routing``) and ``--iters``; checked
+    by :func:`check_shape_arguments`."""
+    p.add_argument("--tokens", default=tokens, help="comma-separated tokens per rank (<= 4096)")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--routing", default=routing, help="comma-separated: uniform, skewed")
+    p.add_argument("--iters", type=int, default=50, help="calls (or graph replays) timed per row")
+
+
+def check_shape_arguments(p: argparse.ArgumentParser, args) -> None:
+    """Exit through ``p.error`` (status 2, naming the option) unless the options of
+    :func:`add_shape_arguments` are valid."""
+    try:
+        tokens = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        p.error(f"--tokens must be comma-separated ints, got {args.tokens!r}")
+    if any(not 1 <= t <= 4096 for t in tokens):
+        p.error("--tokens must be in [1, 4096]")
+    if any(r not in ("uniform", "skewed") for r in args.routing.split(",")):
+        p.error(f"--routing must list uniform and/or skewed, got {args.routing!r}")
+    if not 1 <= args.topk <= min(8, args.experts) or args.hidden < 8 or args.hidden % 8 or args.iters < 1:
+        p.error("need 1 <= --topk <= min(8, --experts), --hidden a positive multiple of 8, --iters >= 1")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tilescale_examples.benchmarks.moe",
                                 description="MoE dispatch/combine: MoEDispatcher against the torch "
                                             "all_to_all_single path, same run.")
     p.add_argument("--ranks", type=int, default=None, help="ranks to spawn (default: visible GPUs; "
                                                            "ignored under tilescale-run)")
-    p.add_argument("--tokens", default="4096,128", help="comma-separated tokens per rank (<= 4096)")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--routing", default="uniform,skewed", help="comma-separated: uniform, skewed")
-    p.add_argument("--iters", type=int, default=50)
+    add_shape_arguments(p, tokens="4096,128", routing="uniform,skewed")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=1024, help="threads per block of the combine kernel "
                                                             "(multiple of 32, at most 1024)")
@@ -252,16 +275,7 @@ def main(argv=None) -> int:
     """0 when every check passed (or there is no GPU to measure on), 1 otherwise."""
     p = _parser()
     args = p.parse_args(argv)
-    try:
-        tokens = [int(t) for t in args.tokens.split(",")]
-    except ValueError:
-        p.error(f"--tokens must be comma-separated ints, got {args.tokens!r}")
-    if any(not 1 <= t <= 4096 for t in tokens):
-        p.error("--tokens must be in [1, 4096]")
-    if any(r not in ("uniform", "skewed") for r in args.routing.split(",")):
-        p.error(f"--routing must list uniform and/or skewed, got {args.routing!r}")
-    if not 1 <= args.topk <= min(8, args.experts) or args.hidden < 8 or args.hidden % 8 or args.iters < 1:
-        p.error("need 1 <= --topk <= min(8, --experts), --hidden a positive multiple of 8, --iters >= 1")
+    check_shape_arguments(p, args)
     if args.ranks is not None and args.ranks < 1:
         p.error("--ranks must be >= 1")
     from tilescale_examples.collective import check_threads
