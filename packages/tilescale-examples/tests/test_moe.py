@@ -208,9 +208,12 @@ def test_dispatch_kernel_small_batch_checks_each_prefetched_part_against_its_own
     own = "(((int)threadIdx.x) & 31)) < 897)"
     guard_first = small.rindex("if (", 0, small.rindex("uint4 condval", 0, first))
     assert "((qa % 29) * 32)) + " + own in small[guard_first:first]
-    guard_second = small.rindex("if ((qa < ((u1 - 1) >> 3)) && ", 0, second)
-    assert "(((qa + 1) % 29) * 32)) + " + own in small[guard_second:small.index("{", guard_second)]
-    assert small.index("*(uint4*)(xv + 0) = condval") < guard_second  # not nested in the first part's check
+    guard_second = small.rindex("if (", 0, small.rindex("uint4 condval", 0, second))
+    assert "(((qa + 1) % 29) * 32)) + " + own in small[guard_second:second]
+    has_second = small.index("if (qa < ((u1 - 1) >> 3)) {")
+    assert first < has_second < guard_second
+    between = small[guard_first:has_second]  # the first part's check is closed: not nested in it
+    assert between.count("{") == between.count("}"), between
 
 
 def test_dispatch_kernel_small_batch_scans_only_the_warps_a_narrower_block_has():

@@ -143,9 +143,11 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
     this phase is bound by the instructions its 32 warps per SM issue, not by one warp's loads.
 
     0. Warp ``g`` works out ``u0`` and ``u1`` (one division by the constant ``G``).
-    1. Thread ``i`` loads its index and weight, then each lane loads its vectors of the (at
-       most two) parts its warp's units start with into registers (``xv``, ``xv2``): nothing
-       reads them before step 5, so those loads overlap steps 1-4. The index becomes a key
+    1. Thread ``i`` loads its index (in block 0 also its weight: every block reads the
+       indices, so the others leave the weights alone), then each lane loads its vectors of
+       the (at most two) parts its warp's units start with into registers (``xv``, ``xv2``;
+       each part guarded by its own row end): nothing reads them before step 5, so those
+       loads overlap steps 1-4. The index becomes a key
        (the expert; ``E`` for ``-1``, ``E + 1`` for an index out of range: both are skipped);
        ``T.match_any_sync`` on the key gives the warp's lanes with the same expert: the
        popcount of the lower ones is the entry's rank among them, and the lowest writes their
@@ -280,10 +282,12 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
 
     @T.macro
     def load_part(vec, X, q, lane):
-        """Small 0 / 5: ``vec`` = lane ``lane``'s 16-byte vector of part ``q`` (token ``q //
-        PARTS``, vector ``q % PARTS * 32 + lane`` of its row; the caller checks it exists)."""
-        for v in T.vectorized(8):
-            vec[v] = X[q // PARTS, (q % PARTS * 32 + lane) * 8 + v]
+        """Small 1 / 5: ``vec`` = lane ``lane``'s 16-byte vector of part ``q`` (token ``q //
+        PARTS``, vector ``q % PARTS * 32 + lane`` of its row); a lane past the row's end (the
+        last part of a row that is not a multiple of 32 vectors) loads nothing."""
+        if q % PARTS * 32 + lane < VECS:
+            for v in T.vectorized(8):
+                vec[v] = X[q // PARTS, (q % PARTS * 32 + lane) * 8 + v]
 
     @T.macro
     def write_status(Status, Idx, nbad, first):
@@ -387,12 +391,12 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                 sidx = -1  # threads past the last entry: an unused slot (skipped)
                 sweight = T.alloc_var("float32")
                 if tx < n:
-                    sweight = Wt[tx // K, tx % K]
+                    if bx == 0:  # (only block 0 writes Weights: the other blocks read just the indices)
+                        sweight = Wt[tx // K, tx % K]
                     sidx = Idx[tx // K, tx % K]
-                if u0 < u1:  # (lanes past a row's end load nothing, each part checked on its own)
-                    if qa % PARTS * 32 + lane < VECS:
-                        load_part(xv, X, qa, lane)
-                    if (u1 - 1) // K > qa and (qa + 1) % PARTS * 32 + lane < VECS:
+                if u0 < u1:
+                    load_part(xv, X, qa, lane)
+                    if (u1 - 1) // K > qa:
                         load_part(xv2, X, qa + 1, lane)
                 skey = T.alloc_var("int32")
                 skey = expert_key(sidx)
@@ -530,8 +534,7 @@ def build_dispatch_kernel(num_experts: int, topk: int, hidden: int, max_tokens: 
                         u = u0 + c * 32 + j
                         q = u // K
                         if q != staged and q > qa + 1:  # warp-uniform
-                            if q % PARTS * 32 + lane < VECS:
-                                load_part(xv2, X, q, lane)
+                            load_part(xv2, X, q, lane)
                             staged = q
                         row = T.shfl_sync(urow, j)
                         dst = T.shfl_sync(udst, j)
