@@ -474,6 +474,9 @@ def test_dispatcher_on_cpu_allocator(cache_dir):
     from tilescale_lang.profiler import EventProfiler
 
     assert moe._profiled_kernel is None
+    rejects(ValueError, "x has 17 tokens", moe.dispatch_profiled, torch.zeros(17, H).half(),
+            torch.zeros(17, K, dtype=torch.int32), torch.zeros(17, K), "not checked yet")
+    assert moe._profiled_kernel is None  # nothing compiled for a call that failed its checks
     moe._profiled_kernel = lambda *a: launched.append(("profiled", a))
     prof = EventProfiler(blocks=moe.blocks + 2, capacity=len(DISPATCH_PHASES), device="cpu")
     recv, counts, handle = moe.dispatch_profiled(x, idx, w, prof)
@@ -506,6 +509,8 @@ def test_dispatcher_on_cpu_allocator(cache_dir):
     assert moe.closed and moe.recv_x is None and moe.dispatch_kernel is None and moe._profiled_kernel is None
     with pytest.raises(RuntimeError, match="MoEDispatcher is closed"):
         moe.dispatch(x, idx, w)
+    with pytest.raises(RuntimeError, match="MoEDispatcher is closed"):  # before compiling anything
+        moe.dispatch_profiled(x, idx, w, prof)
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [

@@ -466,6 +466,8 @@ class MoEDispatcher(SymmetricCollective):
         compiled at the first call."""
         from tilescale_examples.moe_kernels import DISPATCH_PHASES
 
+        self._check_open()
+        self._check_tokens(x, topk_idx, topk_weights)  # every argument before the first call's compile
         buf = getattr(profiler, "buffer", None)
         want = (self.blocks, 1 + 2 * len(DISPATCH_PHASES))
         if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint64 or buf.device != self.device:
