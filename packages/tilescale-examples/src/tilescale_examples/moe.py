@@ -130,7 +130,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from tilescale_examples.collective import TARGET, SymmetricCollective, check_tensor
-from tilescale_examples.moe_kernels import (MAX_EXPERTS, PLAN_THREADS, build_combine_kernel,
+from tilescale_examples.moe_kernels import (DISPATCH_PHASES, MAX_EXPERTS, PLAN_THREADS, build_combine_kernel,
                                             build_dispatch_kernel)
 
 __all__ = ["MoEDispatcher", "DispatchHandle", "expected_routes", "torch_dispatch_reference",
@@ -452,7 +452,7 @@ class MoEDispatcher(SymmetricCollective):
         expert, and the :class:`DispatchHandle` for ``combine``. All are overwritten by the
         next dispatch and complete when the kernels finish on the current stream.
         """
-        return self._dispatch(self.dispatch_kernel, (), x, topk_idx, topk_weights, validate)
+        return self._dispatch(lambda: (self.dispatch_kernel, ()), x, topk_idx, topk_weights, validate)
 
     def dispatch_profiled(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                           profiler, *, validate: Optional[bool] = None):
@@ -463,11 +463,12 @@ class MoEDispatcher(SymmetricCollective):
         :class:`tilescale_lang.profiler.EventProfiler` with at least ``max_blocks`` rows and a
         capacity of ``len(DISPATCH_PHASES)``; event task and slot ``p`` is phase ``p``,
         nanoseconds of ``%globaltimer``; a later call overwrites them). The profiled kernel is
-        compiled at the first call."""
-        from tilescale_examples.moe_kernels import DISPATCH_PHASES
+        compiled at the first call, after every argument has been checked."""
+        return self._dispatch(lambda: self._profiled_launch(profiler), x, topk_idx, topk_weights, validate)
 
-        self._check_open()
-        self._check_tokens(x, topk_idx, topk_weights)  # every argument before the first call's compile
+    def _profiled_launch(self, profiler) -> tuple:
+        """``(kernel, extra arguments)`` of :meth:`dispatch_profiled`: checks ``profiler`` and
+        compiles the profiled kernel at the first call."""
         buf = getattr(profiler, "buffer", None)
         want = (self.blocks, 1 + 2 * len(DISPATCH_PHASES))
         if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint64 or buf.device != self.device:
@@ -478,13 +479,15 @@ class MoEDispatcher(SymmetricCollective):
         if self._profiled_kernel is None:
             self._profiled_kernel = self._compile(build_dispatch_kernel(*self._dispatch_config, profile=True),
                                                   self._target)
-        return self._dispatch(self._profiled_kernel, (buf[:self.blocks],), x, topk_idx, topk_weights, validate)
+        return self._profiled_kernel, (buf[:self.blocks],)
 
-    def _dispatch(self, kernel, extra: tuple, x, topk_idx, topk_weights, validate):
+    def _dispatch(self, launch, x, topk_idx, topk_weights, validate):
+        """Check the call's arguments, then run ``launch()``'s ``(kernel, extra arguments)``."""
         self._check_open()
         T = self._check_tokens(x, topk_idx, topk_weights)
         if self.validate if validate is None else validate:
             self._validate_indices(topk_idx)
+        kernel, extra = launch()
         self.epoch += 1
         kernel(topk_idx, topk_weights, x, self.packed, self.base, self.weights, self.count_matrix, self.flags,
                self.recv_x, self.recv_src, self.dest_rank, self.dest_row, self.recv_counts, self.recv_offsets,
