@@ -348,3 +348,57 @@ def initialize(kernel: Any, allocator: Any = None, stream: int | None = None) ->
     raise NotImplementedError(
         f"kernel.initialize supports the tvm_ffi, nvrtc and cython execution backends, not {backend!r}"
     )
+
+
+# ------------------------------------------------------------------------------ graph capture
+def loaded(kernel: Any) -> bool:
+    """Whether ``kernel``'s module is loaded (it has been launched once, or it is not a
+    ``tvm_ffi`` kernel, whose modules load when the kernel is compiled)."""
+    if getattr(kernel, "execution_backend", None) != "tvm_ffi":
+        return True
+    with _lock:
+        return bool(_state(kernel)["modules"])
+
+
+def bind_from_device(kernel: Any, table: Any, stream: int | None = None) -> None:
+    """Copy ``table`` (a device tensor holding the uint64 table, any 8-byte dtype) into the
+    ``meta_data`` of ``kernel``'s module(s) with ``cuMemcpyDtoDAsync`` on ``stream``.
+
+    Unlike :func:`initialize` (a copy from host memory), this copy can be captured in a CUDA
+    graph: every replay then binds the table the tensor holds at replay time, so a kernel
+    shared by several allocators launches with the right one in each graph.
+
+    Raises:
+        RuntimeError: the module is not loaded yet (a ``tvm_ffi`` kernel loads it at its first
+            launch: launch it once outside the capture first, as a warm-up).
+        ValueError: ``table`` is not a contiguous device tensor of 8-byte elements, or it is
+            larger than ``meta_data``.
+        NotImplementedError: the ``cython`` backend (its table is set through the host setter).
+    """
+    stream = check_stream(stream)
+    if getattr(table, "element_size", lambda: 0)() != 8 or not table.is_contiguous() or table.device.type != "cuda":
+        raise ValueError("table must be a contiguous CUDA tensor of 8-byte elements (the uint64 table)")
+    nbytes = 8 * table.numel()
+    backend = getattr(kernel, "execution_backend", None)
+    driver = _driver()
+    if backend == "tvm_ffi":
+        with _lock:
+            modules = list(_state(kernel)["modules"])
+        if not modules:
+            raise RuntimeError(
+                f"kernel {_kernel_name(kernel)!r} has not been launched yet, so its module (and table) is not "
+                "loaded; call it once outside the CUDA graph capture first (a warm-up), then capture")
+        targets = [_check(driver.cuModuleGetGlobal(driver.CUmodule(m), SYMBOL), "cuModuleGetGlobal(meta_data)")
+                   for m in modules]
+    elif backend == "nvrtc":
+        culib = getattr(getattr(getattr(kernel, "adapter", None), "lib_generator", None), "culib", None)
+        if culib is None:
+            raise RuntimeError("nvrtc kernel has no loaded CUlibrary (adapter.lib_generator.culib)")
+        targets = [_check(driver.cuLibraryGetGlobal(culib, SYMBOL), "cuLibraryGetGlobal(meta_data)")]
+    else:
+        raise NotImplementedError(f"bind_from_device supports the tvm_ffi and nvrtc backends, not {backend!r}")
+    for dptr, size in targets:
+        if nbytes > int(size):
+            raise ValueError(f"table of {table.numel()} entries exceeds meta_data ({int(size)} bytes)")
+        _check(driver.cuMemcpyDtoDAsync(dptr, table.data_ptr(), nbytes, driver.CUstream(stream)),
+               "cuMemcpyDtoDAsync(meta_data)")
