@@ -117,6 +117,21 @@ class RecordedKernel(str):
         return self
 
 
+class LaunchRecorder:
+    """Stands in for a compiled kernel on the CPU: appends each launch's arguments (with
+    ``tag``: ``(tag, arguments)``) to ``launched``; ``initialize`` (the table binding before
+    a launch) does nothing."""
+
+    def __init__(self, launched: list, tag=None):
+        self.launched, self.tag = launched, tag
+
+    def initialize(self, allocator=None, stream=None):
+        return self
+
+    def __call__(self, *args):
+        self.launched.append(args if self.tag is None else (self.tag, args))
+
+
 def record_compiles(monkeypatch, *modules) -> list:
     """Replace ``compile_once`` / ``compile_symmetric`` in ``modules`` (and the collectives' and
     the reduction engine's) with recorders: returns the list of compiled kernels' names, so a
@@ -133,7 +148,7 @@ def record_compiles(monkeypatch, *modules) -> list:
         for name in ("compile_once", "compile_symmetric"):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, fake)
-    monkeypatch.setattr(reduce_engine, "_KERNELS", {})  # kernels an earlier test compiled stay out
+    monkeypatch.setattr(collective, "_KERNELS", {})  # kernels an earlier test compiled stay out
     return built
 
 

@@ -9,7 +9,7 @@ import pytest
 import tilelang  # noqa: F401  (the import hook attaches tilescale-lang)
 import torch
 from examples_cache import warm_cache
-from examples_helpers import CpuAllocator, close_rank_heap, have_gpu, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
+from examples_helpers import LaunchRecorder, CpuAllocator, close_rank_heap, have_gpu, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
 
 from tilescale_examples import allgather as ag_mod
 from tilescale_examples.allgather import AllGather, build_allgather_kernel, plan_chunks, torch_reference
@@ -59,18 +59,21 @@ def test_generated_cuda_puts_with_signal_and_waits():
     assert "int64_t epoch" in body
     # rank-agnostic: the rank comes from the table, never a constant
     assert "tilescale::get_rank()" in body
+    # the call number comes from block (c, p)'s own counter on the device, never the host
+    assert "epoch = (State[((((int)blockIdx.y) * 4) + ((int)blockIdx.x))] + (int64_t)1);" in body
+    assert "int64_t epoch)" not in body and "epoch," not in body.split("{", 1)[0]
     # block (c, p): put chunk c into rank p's output at me * S + c * CH (p = blockIdx.y) and
-    # set the data flag data[me, c] on p (put_signal: data before signal)
-    put = body.index("tilescale::put_signal<4, false, false, false>(")
+    # add 1 to the data flag data[me, c] on p (put_signal: data before signal)
+    put = body.index("tilescale::put_signal<4, false, false, true>(")
     put_call = body[put:body.index(";", put)]
     assert f"start = (((int)blockIdx.x) * {CH});" in body[:put]
     assert "(&(In[start]))" in put_call
     assert f"(&(Out[((((int64_t)me) * (int64_t){S}) + ((int64_t)start))]))" in put_call
     assert f"min({CH}, ({S} - start))" in put_call and "* (uint64_t)2" in put_call
-    assert f"(&(Flags[((me * {C}) + ((int)blockIdx.x))])), ((uint64_t)epoch)" in put_call
+    assert f"(&(Flags[((me * {C}) + ((int)blockIdx.x))])), (uint64_t)1" in put_call
     assert put_call.rstrip(")").endswith("((int)blockIdx.y")
     # ready handshake and a block barrier before the put; acquire wait for p's chunk after
-    notify = "tilescale::notify<false>("
+    notify = "tilescale::signal_op<true>("
     wait = "tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>("
     ready_notify = body.index(notify)
     ready_wait = body.index(wait)
@@ -79,10 +82,12 @@ def test_generated_cuda_puts_with_signal_and_waits():
     assert ready_notify < ready_wait < first_sync < put < data_wait
     assert body.count(notify) == 1 and body.count(wait) == 2 and body.count("__syncthreads();") == 1
     assert "fence_sys" not in body  # the signal is itself a release
-    # the ready flags live after the W * C data flags; every signal carries the epoch
+    # the ready flags live after the W * C data flags; signals add 1, waits compare with the
+    # call number, and thread 0 records the call in its block's counter after its last wait
     assert f"Flags[(((me * {C}) + ((int)blockIdx.x)) + {W * C})]" in body[ready_notify:ready_wait]
     assert f"Flags[((((int)blockIdx.y) * {C}) + ((int)blockIdx.x))]" in body[data_wait:]
-    assert body.count("((uint64_t)epoch)") == 4
+    assert body.count("((uint64_t)epoch)") == 2
+    assert body.index("State[((((int)blockIdx.y) * 4) + ((int)blockIdx.x))] = epoch;") > data_wait
 
 
 @pytest.mark.parametrize("world,numel,dtype", [
@@ -130,7 +135,7 @@ def test_allgather_object_on_cpu_allocator(tmp_path, monkeypatch):
     assert "AllGather(shard_shape=(3, 5)" in repr(ag)
 
     launched = []
-    ag.kernel = lambda *a: launched.append(a)  # stands in for the GPU launch
+    ag.kernel = LaunchRecorder(launched)  # stands in for the GPU launch
     with pytest.raises(TypeError, match="input must be a torch.Tensor"):
         ag([0.0] * 15)
     with pytest.raises(TypeError, match="input has dtype torch.float16"):
@@ -141,10 +146,10 @@ def test_allgather_object_on_cpu_allocator(tmp_path, monkeypatch):
         ag(torch.zeros(5, 3).t())
     assert launched == [] and ag.epoch == 0
     out = ag(torch.ones(3, 5))
-    assert out is ag.output and ag.epoch == 1 and launched[0][3] == 1  # epoch passed to the kernel
+    assert out is ag.output and ag.epoch == 1 and launched[0][3] is ag.state  # the call counters, not a number
     assert launched[0][1].shape == (30,)
     ag(torch.ones(3, 5))
-    assert launched[1][3] == 2
+    assert launched[1][3] is ag.state and ag.state.shape == (2 * ag.chunks,) and ag.state.dtype == torch.int64
     alloc.closed = True
     with pytest.raises(RuntimeError, match="allocator of this AllGather is closed"):
         ag(torch.ones(3, 5))

@@ -53,8 +53,11 @@ class FakeKernel:
 
     def __call__(self, *args):
         self.calls.append(args)
-        x, stage = args[0], args[1]
-        stage_in = args[-1]
+        x, stages, stage_in = args[0], args[1], args[-1]
+        state = args[-6]
+        epoch = int(state[0]) + 1  # the device's call number: block 0's counter
+        state += 1
+        stage = stages.split(self.ar.plan.stage_rows)[epoch % len(self.ar.stages)]
         if stage_in:
             stage[: x.shape[0]].copy_(x)
         if self.ar.algorithm == "two_shot":
@@ -76,23 +79,25 @@ def make(shape=(64,), dtype="float16", algorithm="auto", num_ranks=2, tmp_path=N
 def test_one_shot_buffers_staging_and_double_buffering(tmp_path, monkeypatch):
     alloc, ar = make((64,), tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert ar.algorithm == "one_shot" and len(ar.stages) == 2
-    assert alloc.allocations == [((8, 8), torch.float16)] * 2 + [((2 * 2 * ar.plan.blocks * FLAG_STRIDE,), torch.uint64)]
-    assert not ar.flags.ne(0).any() and all(not s.ne(0).any() for s in ar.stages)
+    # both staging buffers in one symmetric allocation: the kernel picks call e's (e % 2)
+    assert alloc.allocations == [((16, 8), torch.float16)] + [((2 * 2 * ar.plan.blocks * FLAG_STRIDE,), torch.uint64)]
+    assert [s.data_ptr() for s in ar.stages] == [ar.stage_buffer.data_ptr(), ar.stage_buffer[8:].data_ptr()]
+    assert not ar.flags.ne(0).any() and not ar.stage_buffer.ne(0).any() and not ar.state.ne(0).any()
     x = torch.randn(64).half()
     out = ar(x)
     (args,) = ar.kernel.calls
     assert args[0].data_ptr() == x.data_ptr() and args[-1] == 1  # staged inside the kernel
-    assert args[1].data_ptr() == ar.stages[1].data_ptr() and args[4] == 1  # epoch 1 -> buffer 1
-    assert out is ar.output and torch.equal(out, x * 2)
+    assert args[1] is ar.stage_buffer and args[4] is ar.state  # no call number from the host
+    assert out is ar.output and torch.equal(out, x * 2) and torch.equal(ar.stages[1].view(-1), x)  # call 1: buffer 1
     assert ar.input.data_ptr() == ar.stages[0].data_ptr()  # the next call's buffer
     nxt = ar.input
     nxt.copy_(x * 3)
     ar(nxt)  # zero-copy: the kernel finds the input staged
     args = ar.kernel.calls[-1]
-    assert args[-1] == 0 and args[1].data_ptr() == ar.stages[0].data_ptr() and args[4] == 2
+    assert args[-1] == 0 and args[0].data_ptr() == ar.stages[0].data_ptr() and ar.state.tolist() == [2] * ar.plan.blocks
     assert torch.equal(ar.output, x * 6)
     ar(nxt)  # no longer ar.input (the buffers alternate): staged from it, into buffer 1
-    assert ar.kernel.calls[-1][-1] == 1 and ar.kernel.calls[-1][1].data_ptr() == ar.stages[1].data_ptr()
+    assert ar.kernel.calls[-1][-1] == 1 and torch.equal(ar.stages[1].view(-1), x * 3)
     assert ar.kernel.tables == [0]  # the table is bound once, then only when another allocator used the kernel
 
 
@@ -116,7 +121,7 @@ def test_outputs_in_place_and_odd_sizes(tmp_path, monkeypatch):
     out = torch.full((3, 7), float("nan"))
     assert ar(x, out=out) is out and torch.equal(out, x * 2)
     args = ar.kernel.calls[-1]
-    assert args[-1] == 0 and args[0].data_ptr() == args[1].data_ptr()  # copied into the stage first
+    assert args[-1] == 1 and args[0] is ar._padded  # copied into a zero-padded local buffer, staged by the kernel
     assert torch.equal(ar.stages[1].view(-1)[:21], x.view(-1))
     assert not ar.stages[1].view(-1)[21:].ne(0).any()  # padding stays zero
     y = x.clone()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import tilelang
 import torch
-from examples_helpers import CpuAllocator, close_rank_heap, kernel_body, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
+from examples_helpers import LaunchRecorder, CpuAllocator, close_rank_heap, kernel_body, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
 
 from tilescale_examples.alltoall import AllToAll, build_alltoall_kernel, torch_reference
 from tilescale_examples.collective import TARGET, plan_chunks
@@ -27,14 +27,14 @@ def test_generated_cuda_puts_row_p_to_rank_p():
     C, CH = plan_chunks(S, 2, W, max_blocks=16, min_chunk_bytes=256)
     body = kernel_body(lower_source(build_alltoall_kernel(S, "float16", W, C, CH, threads=256)))
     assert "alltoall_kernel(" in body
-    put = body[body.index("tilescale::put_signal<4, false, false, false>("):]
+    put = body[body.index("tilescale::put_signal<4, false, false, true>("):]  # adds 1 to the data flag
     put = put[:put.index(";")]
     # source: row blockIdx.y (= p) of the input; destination: row `me` of rank p's output
     assert f"(&(In[((((int64_t)((int)blockIdx.y)) * (int64_t){S}) + ((int64_t)start))]))" in put
     assert f"(&(Out[((((int64_t)me) * (int64_t){S}) + ((int64_t)start))]))" in put
     assert put.rstrip(")").endswith("((int)blockIdx.y")
     # the same protocol as the all-gather: a ready signal, a put with signal, 2 waits
-    assert body.count("tilescale::notify<false>(") == 1 and body.count("tilescale::wait_until<") == 2
+    assert body.count("tilescale::signal_op<true>(") == 1 and body.count("tilescale::wait_until<") == 2
     assert body.count("__syncthreads();") == 1 and "fence_sys" not in body
 
 
@@ -56,14 +56,14 @@ def test_alltoall_object_on_cpu_allocator(tmp_path, monkeypatch):
     assert not a2a.flags.ne(0).any() and a2a.bus_bytes() == 0.5 * 2 * 15 * 4
     assert repr(a2a).startswith("AllToAll(shard_shape=(3, 5), dtype=torch.float32, world_size=2")
     launched = []
-    a2a.kernel = lambda *a: launched.append(a)
+    a2a.kernel = LaunchRecorder(launched)
     with pytest.raises(ValueError, match=r"input has shape \(3, 5\), expected \(world_size, \*shard_shape\) = \(2, 3, 5\)"):
         a2a(torch.zeros(3, 5))
     with pytest.raises(TypeError, match="input has dtype torch.int32"):
         a2a(torch.zeros(2, 3, 5, dtype=torch.int32))
     assert launched == []
     x = torch.randn(2, 3, 5)
-    assert a2a(x) is a2a.output and launched[0][0].data_ptr() == x.data_ptr() and launched[0][3] == 1
+    assert a2a(x) is a2a.output and launched[0][0].data_ptr() == x.data_ptr() and launched[0][3] is a2a.state
     a2a.close()
     assert a2a.input is None and a2a.closed
     with pytest.raises(RuntimeError, match="AllToAll is closed"):

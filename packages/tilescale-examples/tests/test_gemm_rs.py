@@ -46,7 +46,8 @@ def test_generated_gemm_pushes_each_tile_to_its_owner_then_signals():
     assert stage < remap < store < fence < notify
     assert "__sync_thread_partial" in epilogue[store:fence]  # every thread's stores before the signal
     # slot partials[epoch % 2, me] on the owner
-    assert f"((epoch & (int64_t)1) * (int64_t){W * m_local * n})" in epilogue[store:fence]
+    assert "parity = ((int)((Calls[0] + (uint)1) & (uint)1));" in body  # the call's buffer, from the device
+    assert f"(((int64_t)parity) * (int64_t){W * m_local * n})" in epilogue[store:fence]
     assert f"(((int64_t)me) * (int64_t){m_local * n})" in epilogue[store:fence]
     assert "wait_until" not in body  # the GEMM never waits
 
@@ -54,8 +55,15 @@ def test_generated_gemm_pushes_each_tile_to_its_owner_then_signals():
 def test_generated_reduction_sums_in_rank_order_in_float32():
     m_local, n, W = 256, 256, 3
     body = kernel_body(lower_source(build_reduce_kernel(m_local, n, W, "float16")))
-    assert "wait_until" not in body and "tilescale::" not in body  # launched after the stream waits
-    assert "parity = ((int)(epoch & (int64_t)1));" in body
+    assert "wait_until" not in body  # launched after the stream waits
+    assert body.count("tilescale::") == 1 and "tilescale::fence_gpu();" in body  # before advancing the call count
+    assert "parity = ((int)((Calls[0] + (uint)1) & (uint)1));" in body  # call Calls[0] + 1, from the device
+    # the last block of the call (Calls[1] counts finished blocks) takes the call's tiles off
+    # every counter (2 x 1 tiles of 128 x 256 per source: -2 mod 2**32), then advances Calls[0]
+    tail = body[body.index("done = AtomicAddRet((&(Calls[1])), (uint)1);"):]
+    assert tail.count("if (done == (uint)1) {") == 4
+    assert tail.index("AtomicAdd((&(Counters[src])), (uint)4294967294);") < tail.index("Calls[1] = (uint)0;") \
+        < tail.index("tilescale::fence_gpu();") < tail.index("Calls[0] = (Calls[0] + (uint)1);")
     # partials of src 0, 1, 2 of parity epoch % 2, loaded as 16-byte vectors in that order
     loads = [body.index(f"condval{suffix} = *(uint4*)(Partials") for suffix in ("", "_1", "_2")]
     assert loads == sorted(loads)

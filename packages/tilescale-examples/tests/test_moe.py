@@ -12,7 +12,7 @@ import re
 import pytest
 import tilelang
 import torch
-from examples_helpers import (CpuAllocator, close_rank_heap, kernel_body, lower_with, needs_nvcc, nvcc_resources,
+from examples_helpers import (LaunchRecorder, CpuAllocator, close_rank_heap, kernel_body, lower_with, needs_nvcc, nvcc_resources,
                              open_rank_heap, run_gpu_ranks)
 from tilelang import tvm
 
@@ -419,8 +419,8 @@ def test_dispatcher_on_cpu_allocator(cache_dir):
     assert sum(math.prod(s) * t.itemsize for s, t in alloc.allocations) < \
         MoEDispatcher.heap_bytes(E, H, K, TMAX, 2, torch.float16)
     launched = []
-    moe.dispatch_kernel = lambda *a: launched.append(("dispatch", a))
-    moe.combine_kernel = lambda *a: launched.append(("combine", a))
+    moe.dispatch_kernel = LaunchRecorder(launched, "dispatch")
+    moe.combine_kernel = LaunchRecorder(launched, "combine")
 
     x = torch.randn(5, H).half()
     idx = torch.tensor([[0, 7], [1, -1], [2, 3], [4, 4], [6, 5]], dtype=torch.int32)
@@ -477,7 +477,7 @@ def test_dispatcher_on_cpu_allocator(cache_dir):
     rejects(ValueError, "x has 17 tokens", moe.dispatch_profiled, torch.zeros(17, H).half(),
             torch.zeros(17, K, dtype=torch.int32), torch.zeros(17, K), "not checked yet")
     assert moe._profiled_kernel is None  # nothing compiled for a call that failed its checks
-    moe._profiled_kernel = lambda *a: launched.append(("profiled", a))
+    moe._profiled_kernel = LaunchRecorder(launched, "profiled")
     prof = EventProfiler(blocks=moe.blocks + 2, capacity=len(DISPATCH_PHASES), device="cpu")
     recv, counts, handle = moe.dispatch_profiled(x, idx, w, prof)
     assert launched[-1][0] == "profiled" and moe.epoch == 4 and handle.epoch == 4 and recv is moe.recv_x

@@ -98,12 +98,21 @@ def test_protocol_order_per_mode(mode):
     relaxed = body.index("tilescale::st<tilescale::Scope::SYS, tilescale::Sem::RELAXED, false>((&(Flags[", other)
     assert sync[1] < other < relaxed < waits[1] < sync[2] < loads[0]
     assert "__syncthreads();" not in body[other:relaxed]
-    # ready[me, b] on peer tx (both paths); then ready[tx, b] here; FLAG_STRIDE (4) words apart
+    # the call number is block b's own counter + 1, read before the first round; thread 0
+    # writes it back after that round's barrier (every thread of the block has read it)
+    read = body.index("epoch = (State[((int)blockIdx.x)] + (int64_t)1);")
+    write = body.index("State[((int)blockIdx.x)] = epoch")
+    assert read < stage and sync[2] < write < loads[0]
+    # ready[me, b] on peer tx is set to the call number (both paths); ready[tx, b] here is
+    # waited for >= epoch; FLAG_STRIDE (4) words apart
     assert FLAG_STRIDE == 4
-    mine = "(&(Flags[(((((int64_t)me) * ((int64_t)blocks)) * (int64_t)4) + (((int64_t)((int)blockIdx.x)) * (int64_t)4))])), "
-    assert body.count(mine + "((int)threadIdx.x), ((uint64_t)epoch));") == 1
-    assert body.count(mine + "((uint64_t)epoch), ((int)threadIdx.x));") == 1
-    assert body.count("(&(Flags[(((((int64_t)((int)threadIdx.x)) * ((int64_t)blocks)) * (int64_t)4) + (((int64_t)((int)blockIdx.x)) * (int64_t)4))])), ((uint64_t)epoch));") == 2
+    mine = re.escape("(&(Flags[(((((int64_t)me) * ((int64_t)blocks)) * (int64_t)4) + "
+                     "(((int64_t)((int)blockIdx.x)) * (int64_t)4))])), ")
+    assert len(re.findall(mine + re.escape("((int)threadIdx.x), ((uint64_t)epoch") + r"(_\d+)?\)\);", body)) == 1
+    assert len(re.findall(mine + re.escape("((uint64_t)epoch") + r"(_\d+)?\), \(\(int\)threadIdx.x\)\);", body)) == 1
+    theirs = re.escape("(&(Flags[(((((int64_t)((int)threadIdx.x)) * ((int64_t)blocks)) * (int64_t)4) + "
+                       "(((int64_t)((int)blockIdx.x)) * (int64_t)4))])), ((uint64_t)epoch") + r"(_\d+)?\)\);"
+    assert len(re.findall(theirs, body)) == 2  # the macro's copies of epoch get suffixes
     assert body.count("if (((int)threadIdx.x) < 4)") >= 2
     if mode == "two_shot":  # pushes, then the data round: barrier, signal, wait
         assert len(ready) == 2 and len(waits) == 3

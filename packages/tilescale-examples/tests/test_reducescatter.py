@@ -37,7 +37,10 @@ class FakeKernel:
         self.tables.append(int(allocator.table[0]))
         return self
 
-    def __call__(self, x, stage, out, flags, epoch, blocks, iters, span, rows_in, stage_in):
+    def __call__(self, x, stages, out, flags, state, blocks, iters, span, rows_in, stage_in):
+        epoch = int(state[0]) + 1  # the device's call number: block 0's counter
+        state += 1
+        stage = stages.split(stages.shape[0] // 2)[epoch % 2]
         self.calls.append((x, stage, out, epoch, span, rows_in, stage_in))
         if stage_in:
             stage.copy_(x)
@@ -55,12 +58,13 @@ def make(shard_shape, dtype="float32", tmp_path=None, monkeypatch=None):
 @needs_nvcc
 def test_padded_rows_double_buffering_and_outputs(tmp_path, monkeypatch):
     alloc, rs = make((3, 5), tmp_path=tmp_path, monkeypatch=monkeypatch)  # 15 float32: 4 rows of 4, 1 pad
-    assert alloc.allocations == [((8, 4), torch.float32)] * 2 + [((2 * 2 * rs.plan.blocks * FLAG_STRIDE,), torch.uint64)]
+    assert alloc.allocations == [((16, 4), torch.float32)] + [((2 * 2 * rs.plan.blocks * FLAG_STRIDE,), torch.uint64)]
     assert rs.input.shape == (2, 3, 5) and not rs.input.is_contiguous()  # padded rows
     x = torch.randn(2, 3, 5)
     out = rs(x)
     x_, stage, kout, epoch, span, rows_in, stage_in = rs.kernel.calls[-1]
-    assert stage_in == 0 and x_.data_ptr() == stage.data_ptr() == rs.stages[1].data_ptr() and epoch == 1
+    # padded by a copy into a zero-padded local buffer that the kernel stages into call 1's buffer
+    assert stage_in == 1 and x_ is rs._padded and stage.data_ptr() == rs.stages[1].data_ptr() and epoch == 1
     assert torch.equal(stage.view(2, 16)[:, :15], x.view(2, 15)) and not stage.view(2, 16)[:, 15].ne(0).any()
     assert out is rs.output and torch.equal(out, x[0] * 2)
     rs.input.copy_(x * 3)  # zero-copy into the next buffer (a strided view)

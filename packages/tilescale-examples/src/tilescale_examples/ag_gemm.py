@@ -56,7 +56,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from tilescale_examples.collective import check_tensor, compile_once, compile_symmetric, settle
+from tilescale_examples.collective import check_tensor, compile_once, settle
 from tilescale_examples.gemm import (DTYPES, GemmTiles, OverlappedGemm, build_gemm_kernel, check_gemm_dims,
                                      check_positive, gemm_mainloop)
 from tilescale_examples.stream_ops import CopyEnginePush, plan_row_chunks
@@ -202,8 +202,9 @@ class AllGatherGEMM(OverlappedGemm):
         self.flags.zero_()
         self._peers = (gathered, flags)
         self._order = tile_order(W, self.chunks, units).to(self.device)
-        self.kernel = compile_symmetric(build_ag_gemm_kernel(m_local, k, n, W, len(self.chunks), name, tiles),
-                                        allocator, self.group, target)
+        self.kernel = self._compile_kernel(
+            lambda: build_ag_gemm_kernel(m_local, k, n, W, len(self.chunks), name, tiles), target)
+        self.bind_table(force=True)
         settle(self.device, self.group)
 
     def check_inputs(self, a, b) -> None:
@@ -212,28 +213,41 @@ class AllGatherGEMM(OverlappedGemm):
         check_tensor(a, (self.m_local, self.k), self.dtype, self.device, "a", "(m_local, k) =", "AllGatherGEMM")
         check_tensor(b, (self.k, self.n), self.dtype, self.device, "b", "(k, n) =", "AllGatherGEMM")
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``all_gather(a) @ b`` on the current stream; returns ``self.output``. ``a`` is read
-        by the copy engines; it may be overwritten by work enqueued after this call."""
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``all_gather(a) @ b`` on the current stream; returns ``self.output`` (overwritten
+        by the next call) or ``out`` (a contiguous ``(world_size * m_local, n)`` tensor of the
+        dtype on the device, written directly). ``a`` is read by the copy engines; it may be
+        overwritten by work enqueued after this call. Every rank makes the same sequence of
+        calls, eagerly or in CUDA graph replays.
+
+        Raises ``RuntimeError`` under CUDA graph capture for the fused plan with two or more
+        ranks (its copy-engine pushes carry the call number from the host); the sequential
+        plan and one rank capture."""
         self._check_open()
         self.check_inputs(a, b)
-        main = torch.cuda.current_stream(self.device)
-        self._order_calls.before(main)
-        self.epoch += 1
+        if out is not None:
+            check_tensor(out, (self.world_size * self.m_local, self.n), self.dtype, self.device, "out",
+                         "(world_size * m_local, n) =", "AllGatherGEMM")
+        if self.plan == "fused" and self.world_size > 1 and self._capturing():
+            raise RuntimeError("AllGatherGEMM(plan='fused') with two or more ranks cannot be captured in a CUDA "
+                               "graph: its copy-engine pushes carry the call number from the host. Build it with "
+                               "plan='sequential' to capture it")
+        result = self.output if out is None else out
+        main = self._begin_call()
         if self.plan == "sequential":
             gathered = self.all_gather(a)
-            self.kernel(gathered.view(-1, self.k), b, self.output)
+            self.kernel(gathered.view(-1, self.k), b, result)
         else:
-            self._fused(a, b, main)
-        self._order_calls.after(main)
-        return self.output
+            self._fused(a, b, main, result)
+        self._end_call(main)
+        return result
 
-    def _fused(self, a, b, main) -> None:
+    def _fused(self, a, b, main, output) -> None:
         """Own rows on ``main`` straight from ``a``; the peers' rows on the compute stream as
         their chunks land; the copies last (a copy waiting in a hardware queue shared with a
         GEMM's stream then cannot hold that GEMM back)."""
         m = self.m_local
-        own_rows = self.output[self.rank * m:(self.rank + 1) * m]
+        own_rows = output[self.rank * m:(self.rank + 1) * m]
         if self.world_size == 1:
             self.own_kernel(a, b, own_rows)
             return
@@ -245,7 +259,8 @@ class AllGatherGEMM(OverlappedGemm):
         self._compute.wait_stream(main)
         self.own_kernel(a, b, own_rows)
         with torch.cuda.stream(self._compute):
-            self.kernel(self.gathered.view(-1, self.k), b, self.output, self.flags, self._order, self.epoch)
+            self.bind_table()
+            self.kernel(self.gathered.view(-1, self.k), b, output, self.flags, self._order, self.epoch)
         self._push.enqueue(a.data_ptr(), self.epoch)
         self._push.finish(main)
         main.wait_stream(self._compute)

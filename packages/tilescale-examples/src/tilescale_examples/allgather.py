@@ -16,23 +16,26 @@ disk cache serve every rank) with a grid of ``chunks x num_ranks`` blocks. The s
 into ``chunks`` pieces of ``chunk`` elements (a multiple of 16 bytes, so the peer copy moves
 16-byte vectors whenever the slot's offset allows it). Block ``(c, p)`` of rank ``me``:
 
-1. *Ready handshake* (thread 0): ``T.notify(ready[me, c], p, epoch)`` tells rank ``p`` that
+1. *Ready handshake* (thread 0): adding 1 to ``ready[me, c]`` on ``p`` tells rank ``p`` that
    ``me``'s output slot for ``p``'s chunk ``c`` is free (every earlier use of this output on
    ``me``'s stream has finished, since the kernel has started), then
    ``T.wait_ge(ready[p, c], epoch)`` waits for the same word from ``p``.
 2. ``T.put_signal_block`` of chunk ``c`` of the local shard into
    ``output[me*shard + c*chunk]`` on rank ``p`` (``dst_pe=p``; ``p == me`` is a local copy
-   through the same path), with the signal ``data[me, c] = epoch`` on ``p``: every thread
+   through the same path), adding 1 to the signal ``data[me, c]`` on ``p``: every thread
    stores its part, the block synchronises (``bar.sync``) and thread 0 releases the flag
-   (``st.release.sys``), so the chunk is visible on rank ``p`` before the flag is (see
+   (``red.release.sys.add``), so the chunk is visible on rank ``p`` before the flag is (see
    "Memory-model guarantees" in docs/lang.md).
 3. Thread 0 ``T.wait_ge(data[p, c], epoch)`` (``ld.acquire.sys`` polls): ``p``'s chunk
    ``c`` has landed here. When every block has passed its wait, the whole output is present,
    so the kernel returns only when the all-gather is complete on this rank.
 
-Flags are ``uint64`` words set (not added) to the *epoch*, a per-instance call counter passed
-as a kernel argument, and waits use ``>=``: repeated calls need no flag reset and the counter
-cannot wrap. The handshake of step 1 makes back-to-back calls safe without any host
+Flags are ``uint64`` counters: rank ``me``'s block ``(c, p)`` adds 1 to its flag on ``p`` per
+call (a release add), and call ``e`` waits for ``>= e``. The call number ``e`` is kept on the
+device (``state``: each block's own count of its calls, read at the start and written at the
+end of the kernel), never passed from the host, so a call captured in a CUDA graph replays
+correctly, and eager calls and replays of several graphs mix in any order; repeated calls need
+no flag reset and the counters cannot wrap. The handshake of step 1 makes back-to-back calls safe without any host
 barrier: rank ``p`` cannot overwrite ``me``'s output for call ``e + 1`` before ``me`` has
 launched call ``e + 1``, i.e. before everything ``me`` enqueued earlier on its stream
 (consumers of call ``e``'s output, a poison ``fill_``) has run.
@@ -54,9 +57,15 @@ ready to every peer, wait for every peer's ready, the copies, data to every peer
 stream write orders the copies before the flag), wait for every peer's data. No SM runs
 while it waits, so it needs no residency argument; each stream operation costs a few
 microseconds, so it pays only for large shards. ``engine="auto"`` picks by the output's size
-with :data:`COPY_ENGINE_MIN_BYTES` (:func:`choose_engine`). The copy engine's flags are 32-bit
-(the epoch modulo 2**32, compared for equality: a flag holds exactly the epoch a peer waits
-for, because no rank can get two calls ahead of another).
+with :data:`COPY_ENGINE_MIN_BYTES` (:func:`choose_engine`).
+
+The copy engine's flags are 32-bit words that hold only 0 or 1, so the stream operations
+carry no call number and a captured CUDA graph replays them correctly: a peer sets the flag
+to 1, and this rank waits for 1 and then resets it to 0. No peer can set a flag again before
+its reset: peer ``p`` sets ``ready[p]`` here for call ``e + 1`` only after finishing call
+``e``, which needed this rank's data flag of call ``e``, written after the reset of
+``ready[p]``; and ``p`` sets ``data[p]`` here for call ``e + 1`` only after this rank's
+ready flag of call ``e + 1``, written after the reset of ``data[p]`` in call ``e``.
 
 Lifetime
 --------
@@ -77,8 +86,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from tilescale_examples.collective import DTYPES as _DTYPES
-from tilescale_examples.collective import TARGET, SymmetricCollective, plan_chunks, size_table_entry
-from tilescale_examples.put_exchange import build_put_exchange_kernel
+from tilescale_examples.collective import TARGET, plan_chunks, size_table_entry
+from tilescale_examples.put_exchange import PutExchange, build_put_exchange_kernel
 
 __all__ = ["AllGather", "plan_chunks", "build_allgather_kernel", "torch_reference", "TARGET",
            "ENGINES", "COPY_ENGINE_MIN_BYTES", "choose_engine"]
@@ -106,8 +115,9 @@ def build_allgather_kernel(shard_numel: int, dtype: str, world_size: int, chunks
     """The all-gather ``T.prim_func`` (see the module docstring for the algorithm).
 
     Signature: ``(In: (shard_numel,), Out: (world_size * shard_numel,), Flags: (2 *
-    world_size * chunks,) uint64, epoch: int64)``; ``Flags[:world_size*chunks]`` are the data
-    flags ``data[src, c]``, the rest the ready flags ``ready[src, c]``.
+    world_size * chunks,) uint64, State: (world_size * chunks,) int64)``;
+    ``Flags[:world_size*chunks]`` are the data flags ``data[src, c]``, the rest the ready
+    flags ``ready[src, c]``, ``State`` the blocks' call counters.
     """
     return build_put_exchange_kernel(shard_numel, dtype, world_size, chunks, chunk, threads,
                                      row_per_peer=False)
@@ -121,7 +131,7 @@ def torch_reference(shards: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([s.detach() for s in shards], dim=0)
 
 
-class AllGather(SymmetricCollective):
+class AllGather(PutExchange):
     """A reusable all-gather of one shard shape and dtype over an allocator's ranks.
 
     Args:
@@ -145,8 +155,9 @@ class AllGather(SymmetricCollective):
     Attributes: ``engine`` (the one chosen), ``input`` (a symmetric shard buffer, for ``ag(ag.input)``; the kernel reads
     its input in place, so any contiguous tensor of the shard's shape and dtype on the
     allocator's device works as well), ``output`` (symmetric, ``(world_size,
-    *shard_shape)``), ``flags`` (``uint64``, data then ready flags), ``chunks``, ``chunk``,
-    ``kernel``, ``epoch`` (calls made so far).
+    *shard_shape)``), ``flags`` (``uint64``, data then ready flags), ``state`` (the SM
+    kernel's per-block call counters, on the device), ``chunks``, ``chunk``, ``kernel``,
+    ``epoch`` (calls issued from the host; graph replays are counted on the device only).
 
     The constructor is collective (see the module docstring); ``__call__`` is too, in the
     sense that every rank must make the same sequence of calls.
@@ -172,6 +183,7 @@ class AllGather(SymmetricCollective):
         self.output = self.peer_outputs[self.rank]
         self.flags = self._tensor((2 * self.world_size * self.chunks,), torch.uint64)
         self.flags.zero_()
+        self._make_state()
         # copy engine: ready[p] and data[p] words (uint32), written by rank p through its mapping
         self.peer_copy_flags = self._tensor((2, self.world_size), torch.int32, return_peers=True)
         self.copy_flags = self.peer_copy_flags[self.rank]
@@ -190,20 +202,23 @@ class AllGather(SymmetricCollective):
         """A call's input is one shard: ``shard_shape``."""
         return self.shard_shape
 
-    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Gather ``input`` (this rank's shard) from every rank; returns ``self.output``,
-        ``(world_size, *shard_shape)``, complete when the kernel finishes on the current
-        stream. Every rank must call it the same number of times."""
+        ``(world_size, *shard_shape)`` (overwritten by the next call), or ``out`` (a
+        contiguous tensor of that shape and dtype) holding a copy of it; complete when the
+        call's work finishes on the current stream. Every rank must make the same sequence
+        of calls (eagerly or in CUDA graph replays)."""
         self._check_open()
         self.check_input(input)
-        self.epoch += 1
+        return self._exchange(input, out)
+
+    _BUFFERS = ("input", "output", "flags", "state", "peer_outputs", "copy_flags", "peer_copy_flags")
+
+    def _launch(self, input: torch.Tensor) -> None:
         if self.engine == "copy":
             self._copy_engines(input)
         else:
-            self.kernel(input.view(-1), self.output.view(-1), self.flags, self.epoch)
-        return self.output
-
-    _BUFFERS = ("input", "output", "flags", "peer_outputs", "copy_flags", "peer_copy_flags")
+            super()._launch(input)
 
     def _copy_engines(self, input: torch.Tensor) -> None:
         """One call on the copy engines (see "Engines" in the module docstring)."""
@@ -212,19 +227,27 @@ class AllGather(SymmetricCollective):
         stream = torch.cuda.current_stream(self.device)
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
-        me, value = self.rank, self.epoch & 0xFFFFFFFF
+        me = self.rank
         peers = [p for p in range(self.world_size) if p != me]
-        for p in peers:  # my output slots are free for this call
-            set_signal(self.peer_copy_flags[p][0, me:me + 1], value, stream)
-        for p in peers:
-            stream_wait_eq(self.copy_flags[0, p:p + 1], value, stream)
+        for p in peers:  # my output slot for p is free for this call
+            set_signal(self.peer_copy_flags[p][0, me:me + 1], 1, stream)
+        self._wait_and_reset(0, peers, stream)
         self._side.wait_stream(stream)
         with torch.cuda.stream(self._side):
             self.output[me].copy_(input)
         for p in peers:  # into rank p's output, row me, through the peer mapping
             self.peer_outputs[p][me].copy_(input)
         for p in peers:  # the stream write orders the copies before the flag
-            set_signal(self.peer_copy_flags[p][1, me:me + 1], value, stream)
-        for p in peers:
-            stream_wait_eq(self.copy_flags[1, p:p + 1], value, stream)
+            set_signal(self.peer_copy_flags[p][1, me:me + 1], 1, stream)
+        self._wait_and_reset(1, peers, stream)
         stream.wait_stream(self._side)
+
+    def _wait_and_reset(self, row: int, peers, stream) -> None:
+        """Wait until every peer has set its flag of ``row`` (0: ready, 1: data) here to 1,
+        then reset it to 0 for the next call (no peer can set it again before: see
+        "Engines")."""
+        from tilescale_host.signals import set_signal, stream_wait_eq
+
+        for p in peers:
+            stream_wait_eq(self.copy_flags[row, p:p + 1], 1, stream)
+            set_signal(self.copy_flags[row, p:p + 1], 0, stream)

@@ -145,8 +145,7 @@ class AllReduce(ReductionCollective):
         kernel when ``input`` is 16-byte aligned whole vectors, else a copy before it).
         """
         self._check_open()
-        staged = self.input
-        if not self._is_view_of(input, staged):
+        if not self._is_view_of(input, self._next_input_view()):
             self.check_input(input)
         if out is not None:
             self._check_out(out, self.shape)
@@ -154,7 +153,7 @@ class AllReduce(ReductionCollective):
         if self.algorithm == "one_shot":
             out_rows = self._out_rows(out)
             out_rows = self.result if out_rows is None else out_rows
-        stage = self._launch(input, staged, out_rows, self._stage_copy)
+        stage = self._launch(input, out_rows, self._stage_copy)
         if out is None:
             return self.output
         result = stage.view(-1)[: self.numel] if self.algorithm == "two_shot" else self.result.view(-1)[: self.numel]

@@ -24,8 +24,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from tilescale_examples.collective import DTYPES, SymmetricCollective, plan_chunks
-from tilescale_examples.put_exchange import build_put_exchange_kernel
+from tilescale_examples.collective import DTYPES, plan_chunks
+from tilescale_examples.put_exchange import PutExchange, build_put_exchange_kernel
 
 __all__ = ["AllToAll", "build_alltoall_kernel", "torch_reference"]
 
@@ -36,8 +36,8 @@ MIN_CHUNK_BYTES = 64 * 1024
 def build_alltoall_kernel(shard_numel: int, dtype: str, world_size: int, chunks: int,
                           chunk: int, threads: int = 512):
     """The all-to-all ``T.prim_func``: ``(In: (world_size * shard_numel,), Out: (world_size
-    * shard_numel,), Flags: (2 * world_size * chunks,) uint64, epoch: int64)``, grid
-    ``chunks x world_size``."""
+    * shard_numel,), Flags: (2 * world_size * chunks,) uint64, State: (world_size * chunks,)
+    int64)``, grid ``chunks x world_size`` (see :func:`build_put_exchange_kernel`)."""
     return build_put_exchange_kernel(shard_numel, dtype, world_size, chunks, chunk, threads,
                                      row_per_peer=True, name="alltoall")
 
@@ -52,7 +52,7 @@ def torch_reference(inputs: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
     return torch.stack([x.detach()[rank] for x in inputs], dim=0)
 
 
-class AllToAll(SymmetricCollective):
+class AllToAll(PutExchange):
     """A reusable all-to-all of equal ``shard_shape`` rows over an allocator's ranks.
 
     Args:
@@ -71,8 +71,9 @@ class AllToAll(SymmetricCollective):
         target: TileLang target (default ``sm_90a``).
 
     Attributes: ``input`` (symmetric ``(world_size, *shard_shape)``), ``output`` (symmetric,
-    same shape, overwritten by the next call), ``flags``, ``chunks``, ``chunk``, ``kernel``,
-    ``epoch``. Construction and calls are collective (same instances, same call sequence on
+    same shape, overwritten by the next call), ``flags``, ``state`` (the kernel's per-block
+    call counters, on the device), ``chunks``, ``chunk``, ``kernel``, ``epoch`` (calls issued
+    from the host; graph replays are counted on the device only). Construction and calls are collective (same instances, same call sequence on
     every rank).
     """
 
@@ -88,15 +89,16 @@ class AllToAll(SymmetricCollective):
         self.output = self._tensor(rows)
         self.flags = self._tensor((2 * self.world_size * self.chunks,), torch.uint64)
         self.flags.zero_()
+        self._make_state()
         self._finish(build_alltoall_kernel(self.shard_numel, DTYPES[self.dtype], self.world_size,
                                            self.chunks, self.chunk, threads), target)
 
-    def __call__(self, input: torch.Tensor) -> torch.Tensor:
-        """Send row ``p`` of ``input`` to rank ``p``; returns ``self.output`` (row ``src``:
-        what rank ``src`` sent here), complete when the kernel finishes on the current
-        stream. Every rank must call it the same number of times."""
+    def __call__(self, input: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Send row ``p`` of ``input`` (``(world_size, *shard_shape)``) to rank ``p``;
+        returns ``self.output`` (row ``src``: what rank ``src`` sent here, overwritten by the
+        next call), or ``out`` (a contiguous tensor of that shape and dtype) holding a copy
+        of it; complete when the kernel finishes on the current stream. Every rank must make
+        the same sequence of calls (eagerly or in CUDA graph replays)."""
         self._check_open()
         self.check_input(input)
-        self.epoch += 1
-        self.kernel(input.view(-1), self.output.view(-1), self.flags, self.epoch)
-        return self.output
+        return self._exchange(input, out)

@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["SymmetricCollective", "Closable", "check_tensor", "check_threads", "plan_chunks", "size_table_entry",
+__all__ = ["SymmetricCollective", "KernelOwner", "Closable", "check_tensor", "check_threads", "plan_chunks", "size_table_entry",
            "check_allocator",
            "compile_once", "compile_symmetric", "settle", "all_ranks_agree", "collective_device", "TARGET", "DTYPES"]
 
@@ -134,6 +134,20 @@ def check_allocator(allocator) -> None:
         raise RuntimeError("allocator is closed")
 
 
+#: Compiled kernels of this process shared by instances (:meth:`SymmetricCollective._compile_kernel`).
+_KERNELS: dict = {}
+#: Attributes of a compiled kernel: ids of the allocators that bound it, whether every launch
+#: must rebind (a graph captured table copies), the allocator a graph captured it for unbound.
+_USERS, _REBIND, _PINNED = "_tilescale_table_users", "_tilescale_always_rebind", "_tilescale_pinned_to"
+
+
+def _compile_flags() -> tuple:
+    """TileScale's compile flags (header hash, wait timeout): they change the binary."""
+    from tilescale_lang import headers
+
+    return tuple(headers.compile_flags())
+
+
 def compile_once(func, group=None, target=None, pass_configs=None):
     """``func`` compiled once per host (``compile_once=True``: one rank compiles, the others
     hit TileLang's disk cache) for ``target`` (default :data:`TARGET`), with TileLang
@@ -210,7 +224,117 @@ class Closable:
         self.close()
 
 
-class SymmetricCollective(Closable):
+class KernelOwner:
+    """What every object that launches TileScale kernels shares: compiling them (shared
+    across instances, or a private copy where a CUDA graph pinned a shared one), binding the
+    allocator's heap table before each launch, eagerly and under CUDA graph capture, and
+    knowing whether a call has been captured.
+
+    Needs the attributes ``allocator``, ``device``, ``group``, ``kernel`` and ``_captured``
+    (False at construction)."""
+
+    def _compile_kernel(self, build, target=None, pass_configs=None, key=None):
+        """The compiled kernel of ``build()`` (a ``T.prim_func``) for this instance.
+
+        With a ``key`` (a tuple naming everything the kernel depends on) the kernel is kept
+        in a process-wide cache, so instances of any size share it (sizes are run-time
+        arguments). A kernel that a CUDA graph captured on one allocator without rebinding
+        its table (:meth:`bind_table`) stays that allocator's: an instance on another
+        allocator gets its own copy of the kernel (the same code under another symbol, so a
+        module and table of its own), compiled once per process. Collective, like the
+        constructor: every rank asks for the same kernels."""
+        variant = 0
+        while True:
+            full_key = None if key is None else (key, repr(target), _compile_flags(), variant)
+            kernel = _KERNELS.get(full_key) if full_key is not None else None
+            if kernel is None:
+                func = build()
+                if variant:
+                    func = func.with_attr("global_symbol", f"{func.attrs['global_symbol']}_copy{variant}")
+                kernel = compile_once(func, self.group, target, pass_configs)
+                if full_key is not None:
+                    _KERNELS[full_key] = kernel
+            pinned = kernel.__dict__.get(_PINNED)
+            if pinned is None or pinned is self.allocator:
+                return kernel
+            variant += 1
+
+    #: Attribute of a compiled kernel naming the allocator whose table its module holds.
+    _TABLE_OWNER = "_tilescale_table_owner"
+
+    def _capturing(self) -> bool:
+        """Whether the current stream of this instance's device is capturing a CUDA graph."""
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def _note_capture(self) -> bool:
+        """Remember whether a call is being captured now; returns :attr:`captured`."""
+        if self._capturing():
+            self._captured = True
+        return self._captured
+
+    @property
+    def captured(self) -> bool:
+        """Whether a call of this instance has been captured in a CUDA graph (its call
+        numbers then advance on the device only, with every replay)."""
+        return self._captured
+
+    def bind_table(self, force: bool = False, kernel=None) -> None:
+        """Make ``kernel``'s (default ``self.kernel``) metadata table this instance's
+        allocator's, stream-ordered on the current stream, before a launch.
+
+        TileLang hands out one compiled kernel (one module, one table) per kernel source and
+        process, so instances on different allocators (or emulated ranks) that share a
+        kernel must rebind before they launch. Eagerly the table is copied when another
+        allocator's is bound (or ``force``). Under CUDA graph capture, a shared kernel gets a
+        captured device-to-device copy of this allocator's table, so every replay binds its
+        own table, and from then on every eager call rebinds too (replays change the bound
+        table behind the host's back); a kernel only this allocator uses needs no copy and
+        is pinned to it (:meth:`_compile_kernel` gives later instances on other allocators
+        a copy of their own)."""
+        kernel = self.kernel if kernel is None else kernel
+        state = kernel.__dict__
+        users = state.setdefault(_USERS, set())
+        users.add(id(self.allocator))
+        if self._capturing():
+            from tilescale_lang.metadata import bind_from_device, loaded
+
+            if not loaded(kernel):
+                raise RuntimeError(f"{type(self).__name__}: its kernel has never run, so its module is not loaded; "
+                                   "call it once outside the CUDA graph capture first (a warm-up, as torch "
+                                   "recommends before capturing), on every rank, then capture")
+            self._captured = True
+            if len(users) > 1:
+                bind_from_device(kernel, self._device_table(), torch.cuda.current_stream(self.device).cuda_stream)
+                state[_REBIND] = True
+                state[self._TABLE_OWNER] = None
+            else:
+                state[_PINNED] = self.allocator
+            return
+        if not force and not state.get(_REBIND) and state.get(self._TABLE_OWNER) is self.allocator:
+            return
+        if self.device.type == "cuda":
+            self._device_table()  # made eagerly: a host-to-device copy cannot be captured
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
+        kernel.initialize(allocator=self.allocator, stream=stream)
+        state[self._TABLE_OWNER] = self.allocator
+
+    def _device_table(self) -> torch.Tensor:
+        """This allocator's metadata table as a device tensor (made once, by the first eager
+        :meth:`bind_table`): the source of the table copies captured in CUDA graphs."""
+        table = getattr(self, "_table_on_device", None)
+        if table is None:
+            if self._capturing():
+                raise RuntimeError(f"{type(self).__name__}: its table was never bound outside a CUDA graph capture; "
+                                   "call it once before capturing (a warm-up)")
+            from tilescale_core.table import table_from_allocator
+
+            values = [v - (1 << 64) if v >= 1 << 63 else v for v in table_from_allocator(self.allocator)]
+            table = torch.tensor(values, dtype=torch.int64).to(self.device)  # the uint64 bits
+            self._table_on_device = table
+        return table
+
+
+class SymmetricCollective(KernelOwner, Closable):
     """Base of the example collectives: validated arguments, buffers on the symmetric heap,
     one rank-agnostic kernel compiled once per host, and an explicit lifetime.
 
@@ -254,6 +378,7 @@ class SymmetricCollective(Closable):
         self.epoch = 0
         self.kernel = None
         self._closed = False
+        self._captured = False
 
     def _tensor(self, shape, dtype=None, return_peers: bool = False):
         """A symmetric tensor on the allocator's heap (same offset on every rank); with
@@ -267,25 +392,9 @@ class SymmetricCollective(Closable):
         """Compile ``func`` once per host (with TileLang ``pass_configs`` when given),
         initialise it with the allocator's table, then make sure every rank's flags are zero
         (device sync + barrier) before anyone signals."""
-        self.kernel = compile_once(func, self.group, target, pass_configs)
+        self.kernel = self._compile_kernel(lambda: func, target, pass_configs)
         self.bind_table(force=True)
         settle(self.device, self.group)
-
-    #: Attribute of a compiled kernel naming the allocator whose table its module holds.
-    _TABLE_OWNER = "_tilescale_table_owner"
-
-    def bind_table(self, force: bool = False) -> None:
-        """Make the kernel's metadata table this instance's allocator's, stream-ordered on the
-        current stream; a no-op when it already is (unless ``force``). TileLang hands out one
-        compiled kernel (one module, one table) per kernel source and process, so instances
-        on different allocators (or emulated ranks) that share a kernel must rebind before
-        they launch."""
-        kernel = self.kernel
-        if not force and kernel.__dict__.get(self._TABLE_OWNER) is self.allocator:
-            return
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
-        kernel.initialize(allocator=self.allocator, stream=stream)
-        kernel.__dict__[self._TABLE_OWNER] = self.allocator
 
     def check_tensor(self, tensor, shape: Tuple[int, ...], name: str = "input", shape_name: str = "the shape") -> None:
         """:func:`check_tensor` against this collective's dtype and device."""

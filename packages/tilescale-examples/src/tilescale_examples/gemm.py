@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from tilescale_examples.collective import Closable
+from tilescale_examples.collective import Closable, KernelOwner
 
 __all__ = ["GemmTiles", "OverlappedGemm", "DTYPES", "gemm_mainloop", "build_gemm_kernel", "check_gemm_dims",
            "check_positive", "unit_roundoff", "error_bound", "count_outside", "MAX_ELEMENTS"]
@@ -165,7 +165,7 @@ def count_outside(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
 
 
 # ------------------------------------------------------------------------------ the objects
-class OverlappedGemm(Closable):
+class OverlappedGemm(KernelOwner, Closable):
     """What :class:`~tilescale_examples.ag_gemm.AllGatherGEMM` and
     :class:`~tilescale_examples.gemm_rs.GemmReduceScatter` share: argument checks before
     anything is allocated, the plan, the epoch, the call order across streams and the
@@ -202,6 +202,25 @@ class OverlappedGemm(Closable):
                                                    type(self).FUSED_NEEDS_OWN_GPUS)
         self.epoch = 0
         self._order_calls = CallOrder()
+        self._captured = self._capturing_now = False
+
+    def _begin_call(self):
+        """Start a call on the current stream: order it after this instance's previous call
+        when the caller switched streams (not under CUDA graph capture, where the graph's own
+        order holds), count it; returns the stream."""
+        main = torch.cuda.current_stream(self.device)
+        self._capturing_now = self._capturing()
+        if self._capturing_now:
+            self._captured = True
+        else:
+            self._order_calls.before(main)
+        self.epoch += 1
+        return main
+
+    def _end_call(self, main) -> None:
+        """End a call: remember its stream position for the next eager call's ordering."""
+        if not self._capturing_now:
+            self._order_calls.after(main)
 
     def flops(self) -> float:
         """Floating-point operations of one call's GEMM: ``2 * world_size * m_local * n * k``."""

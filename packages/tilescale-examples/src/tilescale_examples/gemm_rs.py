@@ -23,12 +23,17 @@ The fused plan (deadlock-free by construction: no kernel ever waits)
    (``T.copy`` to a peer). Then the block synchronises, thread 0 issues ``fence.sys`` and a
    release add of 1 to ``counters[rank]`` on the owner (NVSHMEM's put-with-signal order).
 2. **Stream waits** (host-enqueued, :func:`~tilescale_examples.stream_ops.wait_counter_geq`):
-   for every source rank ``src``, the caller's stream waits until ``counters[src] >= e *
-   tiles`` (``tiles = m_local / block_m * n / block_n``): every partial of call ``e`` has
-   landed. The wait runs in the stream's front end, not on an SM.
+   for every source rank ``src``, the caller's stream waits until ``counters[src] >= tiles``
+   (``tiles = m_local / block_m * n / block_n``): every partial of the call has landed. The
+   wait runs in the stream's front end, not on an SM.
 3. **Reduction** (:func:`build_reduce_kernel`): ``out_shard = sum over src in rank order of
    partials[e % 2, src]``, float32 accumulation, one rounding: deterministic, whatever the
-   arrival order.
+   arrival order. Its last block takes ``tiles`` off every counter (atomically: a peer may
+   already be adding tiles of the next call) and advances the call count ``calls[0]``.
+
+The call number ``e`` is ``calls[0] + 1``, read on the device by both kernels, and the stream
+waits compare with a constant, so nothing depends on a number passed from the host: a call
+captured in a CUDA graph replays correctly, mixed with eager calls in any order.
 
 Why nothing can deadlock: the GEMM waits for nothing; the reduction kernel is launched only
 once its data is complete; the stream waits depend only on the GEMMs of call ``e``, which
@@ -38,8 +43,9 @@ one GPU (time-sliced or not) cannot block each other either.
 Double buffering: call ``e`` writes parity ``e % 2``. Rank ``src`` writes parity ``e % 2``
 again in call ``e + 2``, which starts after its reduction of call ``e + 1``, which waited for
 every owner's GEMM of call ``e + 1``, which each owner started only after its reduction of
-call ``e`` (the last reader of parity ``e % 2``) had finished. The counters only grow (32-bit,
-compared wrap-safely), so nothing is reset and no host synchronisation is needed.
+call ``e`` (the last reader of parity ``e % 2``) had finished. A counter holds the tiles that
+have landed for calls not yet reduced (32-bit, compared wrap-safely), so no host
+synchronisation is needed.
 
 With one rank there is nothing to reduce: the fused plan is the stock GEMM writing the
 output.
@@ -59,7 +65,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from tilescale_examples.collective import check_tensor, compile_once, compile_symmetric, settle
+from tilescale_examples.collective import check_tensor, compile_once, settle
 from tilescale_examples.gemm import (DTYPES, GemmTiles, OverlappedGemm, build_gemm_kernel, check_gemm_dims,
                                      check_positive, gemm_mainloop)
 from tilescale_examples.stream_ops import wait_counter_geq
@@ -71,11 +77,13 @@ __all__ = ["GemmReduceScatter", "build_gemm_rs_kernel", "build_reduce_kernel", "
 def build_gemm_rs_kernel(m_local: int, k: int, n: int, world_size: int, dtype: str = "bfloat16",
                          tiles: Optional[GemmTiles] = None):
     """The fused plan's GEMM ``T.prim_func``: ``(A: (world_size * m_local, k), B: (k, n),
-    Partials: (2, world_size, m_local, n), Counters: (world_size,) uint32, epoch: int64)``.
+    Partials: (2, world_size, m_local, n), Counters: (world_size,) uint32, Calls: (2,)
+    uint32)``.
 
-    ``Partials`` and ``Counters`` are symmetric; the tile of row block ``u`` of owner ``o``
-    goes to ``Partials[epoch % 2, rank, u * block_m, :]`` on ``o``, then ``Counters[rank]``
-    on ``o`` grows by 1. Needs ``kernel.initialize``."""
+    ``Partials`` and ``Counters`` are symmetric; ``Calls[0]`` counts the completed calls
+    (advanced by the reduction kernel), so this call is ``e = Calls[0] + 1`` and the tile of
+    row block ``u`` of owner ``o`` goes to ``Partials[e % 2, rank, u * block_m, :]`` on
+    ``o``, then ``Counters[rank]`` on ``o`` grows by 1. Needs ``kernel.initialize``."""
     import tilelang.language as T
 
     tiles = tiles or GemmTiles()
@@ -88,16 +96,18 @@ def build_gemm_rs_kernel(m_local: int, k: int, n: int, world_size: int, dtype: s
     @T.prim_func
     def gemm_rs(A: T.Tensor((M, k), dtype), B: T.Tensor((k, n), dtype),
                 Partials: T.Tensor((2, W, m_local, n), dtype), Counters: T.Tensor((W,), "uint32"),
-                epoch: T.int64):
+                Calls: T.Tensor((2,), "uint32")):
         with T.Kernel(n // BN, W * U, threads=tiles.threads) as (bx, by):
             C_f = T.alloc_fragment((BM, BN), "float32")
             C_s = T.alloc_shared((BM, BN), dtype)
             me = T.get_rank()
+            parity = T.alloc_var("int32")
+            parity = T.Cast("int32", (Calls[0] + 1) % 2)  # this call's buffer (nothing writes Calls now)
             owner = (me + 1 + by // U) % W  # the next ranks' rows first, this rank's last
             unit = by % U
             mainloop(A, B, C_f, owner * m_local + unit * BM, bx * BN)
             T.copy(C_f, C_s)
-            T.copy(C_s, Partials[epoch % 2, me, unit * BM:(unit + 1) * BM, bx * BN:(bx + 1) * BN], dst_pe=owner)
+            T.copy(C_s, Partials[parity, me, unit * BM:(unit + 1) * BM, bx * BN:(bx + 1) * BN], dst_pe=owner)
             T.sync_threads()
             if T.get_thread_binding() == 0:
                 T.fence_sys()  # every thread's stores (via the barrier) before the signal
@@ -118,25 +128,42 @@ def _rank_order_sum(T, partials, parity, row, col, world_size: int):
 def build_reduce_kernel(m_local: int, n: int, world_size: int, dtype: str = "bfloat16",
                         tiles: Optional[GemmTiles] = None):
     """The fused plan's reduction ``T.prim_func``: ``(Partials: (2, world_size, m_local, n),
-    Out: (m_local, n), epoch: int64)``, ``Out = sum over src (in rank order, float32) of
-    Partials[epoch % 2, src]``, one ``(block_m, block_n)`` tile per block. It does not wait:
-    launch it after the stream waits."""
+    Out: (m_local, n), Counters: (world_size,) uint32, Calls: (2,) uint32)``.
+
+    ``Out = sum over src (in rank order, float32) of Partials[e % 2, src]`` for call ``e =
+    Calls[0] + 1``, one ``(block_m, block_n)`` tile per block. It does not wait: launch it
+    after the stream waits. The last block to finish (``Calls[1]`` counts finished blocks)
+    takes the call's ``tiles`` off every ``Counters[src]`` (atomically: peers may already
+    be adding tiles of the next call), resets ``Calls[1]`` and advances ``Calls[0]``: the call
+    state lives on the device, so a CUDA graph replays correctly."""
     import tilelang.language as T
 
     tiles = tiles or GemmTiles()
     check_gemm_dims("build_reduce_kernel", tiles, m_local=m_local, n=n)
     check_positive("world_size", world_size)
     W, BM, BN = world_size, tiles.block_m, tiles.block_n
+    blocks = (n // BN) * (m_local // BM)
+    per_call = blocks  # tiles every source rank sends this rank per call
 
     @T.prim_func
     def reduce_partials(Partials: T.Tensor((2, W, m_local, n), dtype), Out: T.Tensor((m_local, n), dtype),
-                        epoch: T.int64):
+                        Counters: T.Tensor((W,), "uint32"), Calls: T.Tensor((2,), "uint32")):
         with T.Kernel(n // BN, m_local // BM, threads=256) as (bx, by):
             parity = T.alloc_var("int32")
-            parity = epoch % 2
+            parity = T.Cast("int32", (Calls[0] + 1) % 2)
             for i, j in T.Parallel(BM, BN):
                 Out[by * BM + i, bx * BN + j] = T.Cast(
                     dtype, _rank_order_sum(T, Partials, parity, by * BM + i, bx * BN + j, W))
+            T.sync_threads()  # every thread of the block has read Calls[0]
+            if T.get_thread_binding() == 0:
+                done = T.alloc_var("uint32")
+                done = T.atomic_add(Calls[1], T.uint32(1), return_prev=True)
+                if done == blocks - 1:  # the last block: every block has read Calls[0]
+                    for src in T.serial(W):
+                        T.atomic_add(Counters[src], T.uint32((1 << 32) - per_call))  # minus per_call, mod 2**32
+                    Calls[1] = 0
+                    T.fence_gpu()
+                    Calls[0] = Calls[0] + 1
 
     return reduce_partials
 
@@ -199,7 +226,7 @@ class GemmReduceScatter(OverlappedGemm):
     calls are collective: same instances, same call sequence on every rank.
     """
 
-    _BUFFERS = ("output", "partials", "counters", "reduce_kernel", "reduce_scatter")
+    _BUFFERS = ("output", "partials", "counters", "calls", "reduce_kernel", "reduce_scatter", "_products")
 
     def __init__(self, allocator, m_local: int, k: int, n: int, dtype: Union[torch.dtype, str] = torch.float16, *,
                  group=None, block_m: int = 128, block_n: int = 256, block_k: int = 64, num_stages: int = 3,
@@ -208,7 +235,8 @@ class GemmReduceScatter(OverlappedGemm):
         self._setup(allocator, m_local, k, n, dtype, group, tiles, plan, rows_per_call=2)
         W, name = self.world_size, DTYPES[self.dtype]
         self.tiles_per_rank = (m_local // block_m) * (n // block_n)
-        self.partials = self.counters = self.reduce_kernel = self.reduce_scatter = None
+        self.partials = self.counters = self.calls = self.reduce_kernel = self.reduce_scatter = None
+        self._products = None  # sequential plan, under CUDA graphs: the GEMM's output
         import tilelang
 
         if self.plan == "fused" and W == 1:  # nothing to reduce: the GEMM writes the output
@@ -219,9 +247,10 @@ class GemmReduceScatter(OverlappedGemm):
             self.partials = tilelang.tensor((2, W, m_local, n), self.dtype, allocator=allocator)
             self.counters = tilelang.tensor((W,), torch.uint32, allocator=allocator)
             self.counters.view(torch.int32).zero_()
+            self.calls = torch.zeros((2,), dtype=torch.int32, device=self.device).view(torch.uint32)  # calls, done blocks
             self.output = torch.empty((m_local, n), dtype=self.dtype, device=self.device)
-            self.kernel = compile_symmetric(build_gemm_rs_kernel(m_local, k, n, W, name, tiles),
-                                            allocator, self.group, target)
+            self.kernel = self._compile_kernel(lambda: build_gemm_rs_kernel(m_local, k, n, W, name, tiles), target)
+            self.bind_table(force=True)
             self.reduce_kernel = compile_once(build_reduce_kernel(m_local, n, W, name, tiles), self.group, target)
             settle(self.device, self.group)
         else:
@@ -239,26 +268,37 @@ class GemmReduceScatter(OverlappedGemm):
                      "(world_size * m_local, k) =", "GemmReduceScatter")
         check_tensor(b, (self.k, self.n), self.dtype, self.device, "b", "(k, n) =", "GemmReduceScatter")
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``reduce_scatter(a @ b)`` on the current stream; returns ``self.output``
-        (``(m_local, n)``), complete when the stream reaches the end of the call."""
+        (``(m_local, n)``, overwritten by the next call) or ``out`` (a contiguous ``(m_local,
+        n)`` tensor of the dtype on the device, written directly), complete when the stream
+        reaches the end of the call. Every rank makes the same sequence of calls, eagerly or
+        in CUDA graph replays (the call state lives on the device)."""
         self._check_open()
         self.check_inputs(a, b)
-        main = torch.cuda.current_stream(self.device)
-        self._order_calls.before(main)
-        self.epoch += 1
+        if out is not None:
+            check_tensor(out, (self.m_local, self.n), self.dtype, self.device, "out", "(m_local, n) =",
+                         "GemmReduceScatter")
+        result = self.output if out is None else out
+        main = self._begin_call()
         if self.plan == "fused" and self.world_size == 1:
-            self.kernel(a, b, self.output)
+            self.kernel(a, b, result)
         elif self.plan == "fused":
-            self.kernel(a, b, self.partials, self.counters, self.epoch)
-            target = self.epoch * self.tiles_per_rank
+            self.bind_table()
+            self.kernel(a, b, self.partials, self.counters, self.calls)
             base = self.counters.data_ptr()
             for src in range(self.world_size):  # every partial of this call has landed here
-                wait_counter_geq(main.cuda_stream, base + 4 * src, target)
-            self.reduce_kernel(self.partials, self.output, self.epoch)
+                wait_counter_geq(main.cuda_stream, base + 4 * src, self.tiles_per_rank)
+            self.reduce_kernel(self.partials, result, self.counters, self.calls)
         else:
             rs = self.reduce_scatter
-            self.kernel(a, b, rs.input.view(-1, self.n))
-            rs(rs.input)
-        self._order_calls.after(main)
-        return self.output
+            products = rs._next_input_view()  # zero-copy into the reduce-scatter's staging buffer
+            if products is None:  # captured: the staging buffer of a call is chosen on the device
+                if self._products is None:
+                    self._products = torch.empty((self.world_size, self.m_local, self.n), dtype=self.dtype,
+                                                 device=self.device)
+                products = self._products
+            self.kernel(a, b, products.view(-1, self.n))
+            rs(products, out=out)
+        self._end_call(main)
+        return result

@@ -378,11 +378,8 @@ class MoEDispatcher(SymmetricCollective):
 
     def _compile(self, func, target):
         """Compile ``func`` once per host and give it the allocator's table."""
-        import tilelang
-
-        kernel = tilelang.compile(func, target=target or TARGET, compile_once=True, compile_group=self.group)
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
-        kernel.initialize(allocator=self.allocator, stream=stream)
+        kernel = self._compile_kernel(lambda: func, target)
+        self.bind_table(force=True, kernel=kernel)
         return kernel
 
     @staticmethod
@@ -489,6 +486,7 @@ class MoEDispatcher(SymmetricCollective):
             self._validate_indices(topk_idx)
         kernel, extra = launch()
         self.epoch += 1
+        self.bind_table(kernel=kernel)
         kernel(topk_idx, topk_weights, x, self.packed, self.base, self.weights, self.count_matrix, self.flags,
                self.recv_x, self.recv_src, self.dest_rank, self.dest_row, self.recv_counts, self.recv_offsets,
                self.status, self.counters, self.state, *extra)
@@ -520,6 +518,7 @@ class MoEDispatcher(SymmetricCollective):
             raise ValueError("y must be 16-byte aligned (the combine reads 16-byte vectors); pass a fresh tensor")
         out = self._views_of(handle.num_tokens)[4]
         self.combines += 1
+        self.bind_table(kernel=self.combine_kernel)
         self.combine_kernel(y, out, self.comb_buf, self.recv_src, self.recv_offsets, self.dest_rank,
                             self.dest_row, self.weights, self.flags, self.counters, self.state)
         return out

@@ -12,7 +12,14 @@ wait for the peer's chunk) is described in :mod:`tilescale_examples.allgather`.
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
 
-__all__ = ["build_put_exchange_kernel"]
+
+from typing import Optional
+
+import torch
+
+from tilescale_examples.collective import SymmetricCollective
+
+__all__ = ["build_put_exchange_kernel", "PutExchange"]
 
 
 def build_put_exchange_kernel(shard_numel: int, dtype: str, world_size: int, chunks: int,
@@ -21,9 +28,13 @@ def build_put_exchange_kernel(shard_numel: int, dtype: str, world_size: int, chu
     """The exchange ``T.prim_func``: grid ``chunks x world_size`` blocks of ``threads``.
 
     Signature: ``(In: (R * shard_numel,), Out: (world_size * shard_numel,), Flags: (2 *
-    world_size * chunks,) uint64, epoch: int64)`` with ``R = world_size`` when
-    ``row_per_peer`` else 1; ``Flags[:world_size*chunks]`` are the data flags ``data[src,
-    c]``, the rest the ready flags ``ready[src, c]``. ``name`` names the kernel.
+    world_size * chunks,) uint64, State: (world_size * chunks,) int64)`` with ``R =
+    world_size`` when ``row_per_peer`` else 1; ``Flags[:world_size*chunks]`` are the data
+    flags ``data[src, c]``, the rest the ready flags ``ready[src, c]``; ``State[p * chunks +
+    c]`` counts block ``(c, p)``'s calls (the call number lives on the device, so a CUDA graph
+    replays correctly). Every flag counts the calls of the one block that adds to it: rank
+    ``src``'s block ``(c, me)`` adds 1 per call, and call ``e`` waits for ``>= e``.
+    ``name`` names the kernel.
     """
     import tilelang.language as T
 
@@ -35,7 +46,7 @@ def build_put_exchange_kernel(shard_numel: int, dtype: str, world_size: int, chu
 
     @T.prim_func
     def exchange(In: T.Tensor((IN_ROWS * S,), dtype), Out: T.Tensor((W * S,), dtype),
-                 Flags: T.Tensor((2 * W * C,), "uint64"), epoch: T.int64):
+                 Flags: T.Tensor((2 * W * C,), "uint64"), State: T.Tensor((W * C,), "int64")):
         with T.Kernel(C, W, threads=threads) as (c, p):
             tx = T.get_thread_binding()
             me = T.get_rank()
@@ -43,16 +54,49 @@ def build_put_exchange_kernel(shard_numel: int, dtype: str, world_size: int, chu
             # ("Can't fetch the lanes of a scalable vector") on In[c * CH] when CH % 65536 >= 32768.
             start = T.alloc_var("int32")
             start = c * CH
+            epoch = T.alloc_var("int64")
+            epoch = State[p * C + c] + 1  # this call's number (the add below does not wait for it)
             if tx == 0:
-                T.notify(Flags[READY + me * C + c], p, epoch)  # my slot for p's chunk c is free
+                T.signal_op(Flags[READY + me * C + c], 1, "add", p)  # my slot for p's chunk c is free
                 T.wait_ge(Flags[READY + p * C + c], epoch)  # p's slot for my chunk c is free
             T.sync_threads()
-            # put chunk c on p, then (release) data[me, c] = epoch there: data before signal
+            # put chunk c on p, then (release) add 1 to data[me, c] there: data before signal
             T.put_signal_block(T.address_of(In[p * ROW + start]), T.address_of(Out[me * S + start]),
-                               T.min(CH, S - start), Flags[me * C + c], epoch, "set", p)
+                               T.min(CH, S - start), Flags[me * C + c], 1, "add", p)
             if tx == 0:
                 T.wait_ge(Flags[p * C + c], epoch)  # acquire: p's chunk c is here
+                State[p * C + c] = epoch  # every thread read the count before the barriers above
 
     return exchange.with_attr("global_symbol", name)
 
 
+class PutExchange(SymmetricCollective):
+    """What :class:`~tilescale_examples.allgather.AllGather` and
+    :class:`~tilescale_examples.alltoall.AllToAll` share: the per-block call counters of
+    :func:`build_put_exchange_kernel` (``state``, on the device) and the launch with its
+    optional ``out``. Subclasses set ``output``, ``flags``, ``chunks`` and ``kernel``."""
+
+    _BUFFERS = ("input", "output", "flags", "state")
+
+    def _make_state(self) -> None:
+        """The kernel's per-block call counters: ``(world_size * chunks,)`` int64, zero."""
+        self.state = torch.zeros((self.world_size * self.chunks,), dtype=torch.int64, device=self.device)
+
+    def _launch(self, input: torch.Tensor) -> None:
+        """One call's data movement on the current stream (the SM kernel; overridden by
+        engines that move data otherwise)."""
+        self.bind_table()
+        self.kernel(input.view(-1), self.output.view(-1), self.flags, self.state)
+
+    def _exchange(self, input: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+        """Run the exchange kernel on ``input`` (checked by the caller) on the current stream;
+        returns ``output``, or ``out`` holding a copy of it (checked here, before the launch)."""
+        if out is not None:
+            self.check_tensor(out, self.output.shape, "out", "the output shape")
+        self._note_capture()
+        self.epoch += 1
+        self._launch(input)
+        if out is None:
+            return self.output
+        out.copy_(self.output)
+        return out

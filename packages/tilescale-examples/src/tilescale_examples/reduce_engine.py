@@ -66,8 +66,8 @@ different streams (each could hold SMs the other's blocks need).
 Reuse under back-to-back calls
 ------------------------------
 
-Flags are ``uint64`` words *set* to the call's epoch (a per-instance counter) and waited on
-with ``>=``: no reset, no wrap. Each flag has a 32-byte sector to itself (:data:`FLAG_STRIDE`
+Flags are ``uint64`` words *set* to the call's number ``epoch`` and waited on with ``>=``: no
+reset, no wrap. Each flag has a 32-byte sector to itself (:data:`FLAG_STRIDE`
 words apart), so the blocks' flag stores and polls do not contend for one sector. Stream
 order gives: rank ``p`` starts call ``e + 1`` only after its call ``e`` finished.
 
@@ -82,6 +82,19 @@ order gives: rank ``p`` starts call ``e + 1`` only after its call ``e`` finished
   buffer suffices, and peers push into ``me``'s ``Stage`` only after ``ready[me, b] >= e``,
   i.e. after ``me`` staged call ``e`` (everything ``me`` enqueued before, like consumers of
   the previous result, has run).
+
+Call numbers
+------------
+
+The call number lives on the device, never in a kernel argument: ``State[b]`` counts block
+``b``'s calls. Block ``b`` reads ``epoch = State[b] + 1`` at its start and thread 0 writes
+``epoch`` back after the first round's barrier (every thread of the block has read it by
+then; the next call starts after this kernel). The staging buffer of a call, ``epoch % 2``,
+is chosen in the kernel too (``Stage`` holds both buffers). So a call captured in a CUDA graph
+replays as a new call, and eager calls and replays of several graphs mix in any order, as
+long as every rank makes the same sequence. The host keeps its own count (``epoch`` of the
+collective) only to find the zero-copy input of the next eager call; once an instance has been
+captured, a double-buffered one no longer offers it (``input`` raises).
 """
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
@@ -90,9 +103,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from tilescale_examples.collective import DTYPES, SymmetricCollective, check_threads, compile_once, settle
+from tilescale_examples.collective import DTYPES, SymmetricCollective, check_threads, settle
 
-__all__ = ["MODES", "ACCUMULATE", "REDUCE_DTYPES", "VECTOR_BYTES", "MAX_REGISTERS",
+__all__ = ["MODES", "buffers", "ACCUMULATE", "REDUCE_DTYPES", "VECTOR_BYTES", "MAX_REGISTERS",
            "FLAG_STRIDE", "build_reduce_kernel", "default_unroll", "vector_elems", "grid", "plan_grid", "Plan",
            "ReductionCollective", "rank_order_sum", "rows_view", "torch_reference", "PASS_CONFIGS"]
 
@@ -118,6 +131,14 @@ MAX_REGISTERS = 128
 #: the flag stores and polls of different blocks never share a sector (packed flags cost the
 #: kernels 1-3.5% at 16 MiB on an H200, see docs/benchmarks.md).
 FLAG_STRIDE = 4
+
+
+def buffers(mode: str) -> int:
+    """Staging buffers of ``mode``: 2 for ``one_shot`` and ``reduce_scatter`` (one flag
+    round: call ``e`` uses buffer ``e % 2``), 1 for ``two_shot``."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return 1 if mode == "two_shot" else 2
 
 
 def vector_elems(itemsize: int) -> int:
@@ -152,11 +173,13 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
     ``(mode, dtype, world_size, threads, unroll)``. Signature (``V = 16 // itemsize``)::
 
         X: (rows_x, V)      the caller's input (read when stage_in == 1)
-        Stage: (rows_s, V)  this rank's symmetric staging buffer (shards * span rows)
+        Stage: (rows_s, V)  this rank's symmetric staging buffers: buffers(mode) of
+                            shards * span rows each (call e uses buffer e % buffers(mode))
         Out: (rows_o, V)    the local output, span rows (not for two_shot)
         Flags: (n,) uint64  ready[p, b] = Flags[(p * blocks + b) * FLAG_STRIDE],
                             data[p, b] = Flags[((W + p) * blocks + b) * FLAG_STRIDE]
-        epoch: int64        this call's epoch (>= 1, increasing)
+        State: (blocks,) int64  block b's count of the calls made so far (the call
+                            number lives on the device: see "Call numbers")
         blocks: int32       grid size, the same on every rank
         iters: int32        ceil(span / (blocks * threads * unroll))
         span: int32         rows per shard
@@ -182,7 +205,9 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
     V = vector_elems(torch.empty((), dtype=getattr(torch, dtype)).element_size())
     shards = 1 if mode == "one_shot" else W
     push = mode == "two_shot"
+    NB = buffers(mode)
     rows_x, rows_s, rows_o, nflags = T.dynamic("rows_x"), T.dynamic("rows_s"), T.dynamic("rows_o"), T.dynamic("nflags")
+    nstate = T.dynamic("nstate")
 
 
     def shard_start(me, span):
@@ -192,22 +217,25 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
     PEERS, ROWS, SHARDS = list(range(W)), list(range(U)), list(range(shards))  # unrolled at trace time
 
     @T.macro
-    def stage(X, Stage, t, bx, tx, blocks, span, rows_in):
-        """Step 1 for one iteration: this thread's rows of every shard, X -> Stage."""
+    def stage(X, Stage, t, bx, tx, blocks, span, rows_in, lo):
+        """Step 1 for one iteration: this thread's rows of every shard, X -> the call's
+        buffer of Stage (its first row ``lo``)."""
         for q in SHARDS:
             for u in ROWS:
                 r = ((t * blocks + bx) * U + u) * TH + tx
                 if r < span:
                     if q * span + r < rows_in:
                         for i in T.vectorized(V):
-                            Stage[q * span + r, i] = X[q * span + r, i]
+                            Stage[lo + q * span + r, i] = X[q * span + r, i]
 
     @T.macro
     def signal_and_wait(Flags, tx, me, bx, blocks, epoch, base, release=True):
-        """Steps 2/4: tell every rank this block is there, then wait for theirs. ``release``
-        (trace time): publish the block's writes of this kernel (a barrier, then a release
-        store at system scope, which after the barrier covers the block's writes); otherwise
-        a relaxed store with no barrier before it (nothing written in this kernel to publish)."""
+        """Steps 2/4: set this block's flag on every rank to ``epoch``, then wait until every
+        rank's flag here has reached it. ``release`` (trace time): publish the block's writes
+        of this kernel (a barrier, then a release store at system scope, which after the
+        barrier covers the block's writes); otherwise a relaxed store with no barrier before
+        it (nothing written in this kernel to publish). (Adding 1 instead, which needs no
+        call number, measured slower: 0.1-0.4 us a call at 4 KiB with emulated peers.)"""
         if release:
             T.sync_threads()
         if tx < W:
@@ -219,15 +247,22 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
         T.sync_threads()
 
     @T.macro
-    def stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in):
+    def stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in, lo):
         """Steps 1 and 2: staged here, the release round of :func:`signal_and_wait`; staged
         before the kernel, its relaxed round (see the module docstring)."""
         if stage_in != 0:
             for t in T.serial(iters):
-                stage(X, Stage, t, bx, tx, blocks, span, rows_in)
+                stage(X, Stage, t, bx, tx, blocks, span, rows_in, lo)
             signal_and_wait(Flags, tx, me, bx, blocks, epoch, 0)
         else:
             signal_and_wait(Flags, tx, me, bx, blocks, epoch, 0, release=False)
+
+    @T.macro
+    def count_call(State, bx, tx, epoch):
+        """Record the call in block ``bx``'s counter. After the first round's barrier: every
+        thread of the block has read the old count; the next call starts after this kernel."""
+        if tx == 0:
+            State[bx] = epoch
 
     @T.macro
     def load_reduce(Stage, vals, res, t, bx, tx, blocks, span, lo):
@@ -261,14 +296,17 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
 
         @T.prim_func
         def two_shot(X: T.Tensor((rows_x, V), dtype), Stage: T.Tensor((rows_s, V), dtype),
-                     Flags: T.Tensor((nflags,), "uint64"), epoch: T.int64, blocks: T.int32,
+                     Flags: T.Tensor((nflags,), "uint64"), State: T.Tensor((nstate,), "int64"), blocks: T.int32,
                      iters: T.int32, span: T.int32, rows_in: T.int32, stage_in: T.int32):
             with T.Kernel(blocks, threads=TH) as bx:
                 tx = T.get_thread_binding()
                 me = T.get_rank()
                 vals = T.alloc_local((U, W, V), dtype)
                 res = T.alloc_local((U, V), dtype)
-                stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in)
+                epoch = T.alloc_var("int64")
+                epoch = State[bx] + 1  # this call's number: block bx's count of earlier calls + 1
+                stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in, 0)
+                count_call(State, bx, tx, epoch)
                 for t in T.serial(iters):
                     load_reduce(Stage, vals, res, t, bx, tx, blocks, span, me * span)
                     store_peers(Stage, res, t, bx, tx, blocks, span, me * span)
@@ -279,16 +317,21 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
     @T.prim_func
     def reduce_local(X: T.Tensor((rows_x, V), dtype), Stage: T.Tensor((rows_s, V), dtype),
                      Out: T.Tensor((rows_o, V), dtype), Flags: T.Tensor((nflags,), "uint64"),
-                     epoch: T.int64, blocks: T.int32, iters: T.int32, span: T.int32,
+                     State: T.Tensor((nstate,), "int64"), blocks: T.int32, iters: T.int32, span: T.int32,
                      rows_in: T.int32, stage_in: T.int32):
         with T.Kernel(blocks, threads=TH) as bx:
             tx = T.get_thread_binding()
             me = T.get_rank()
             vals = T.alloc_local((U, W, V), dtype)
             res = T.alloc_local((U, V), dtype)
-            stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in)
+            epoch = T.alloc_var("int64")
+            epoch = State[bx] + 1  # this call's number: block bx's count of earlier calls + 1
+            lo = T.alloc_var("int32")
+            lo = T.Cast("int32", epoch % NB) * (shards * span)  # first row of this call's buffer
+            stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in, lo)
+            count_call(State, bx, tx, epoch)
             for t in T.serial(iters):
-                load_reduce(Stage, vals, res, t, bx, tx, blocks, span, shard_start(me, span))
+                load_reduce(Stage, vals, res, t, bx, tx, blocks, span, lo + shard_start(me, span))
                 store_local(Out, res, t, bx, tx, blocks, span)
 
     name = "allreduce_one_shot" if mode == "one_shot" else "reducescatter"
@@ -414,11 +457,6 @@ def rows_view(t: torch.Tensor, vec: int) -> Optional[torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------ base class
-#: Compiled kernels of this process by (mode, dtype, world_size, threads, unroll, target,
-#: TileScale compile flags).
-_KERNELS: dict = {}
-
-
 class ReductionCollective(SymmetricCollective):
     """Base of :class:`~tilescale_examples.allreduce.AllReduce` and
     :class:`~tilescale_examples.reducescatter.ReduceScatter`: the plan, the staging buffers,
@@ -428,29 +466,29 @@ class ReductionCollective(SymmetricCollective):
     ``_build(mode, numel, unroll, target)``.
     """
 
-    _BUFFERS = ("stages", "flags", "result", "output", "_inputs")
+    _BUFFERS = ("stages", "stage_buffer", "flags", "state", "result", "output", "_inputs", "_padded")
 
     def _build(self, mode: str, numel: int, unroll: Optional[int], target) -> None:
         self.mode = mode
         self.plan = plan_grid(mode, numel, self.itemsize, self.world_size, self.threads, unroll, self.max_blocks)
         p = self.plan
-        rows_shape = (p.stage_rows, p.vec)
-        # one_shot / reduce_scatter have one flag round: double-buffer (see the module docstring)
-        self.stages = [self._tensor(rows_shape) for _ in range(1 if mode == "two_shot" else 2)]
+        nb = buffers(mode)
+        # one_shot / reduce_scatter have one flag round: double-buffer (see the module docstring);
+        # the kernel picks buffer e % 2 from its own call number, so one allocation holds both
+        self.stage_buffer = self._tensor((nb * p.stage_rows, p.vec))
+        self.stages = list(self.stage_buffer.split(p.stage_rows))
         self.flags = self._tensor((p.flag_words,), torch.uint64)
-        for stage in self.stages:
-            stage.zero_()  # the padding rows are summed as zeros and never written by a call
+        self.stage_buffer.zero_()  # the padding rows are summed as zeros and never written by a call
         self.flags.zero_()
+        self.state = torch.zeros((p.blocks,), dtype=torch.int64, device=self.device)
         self.result = None if mode == "two_shot" else torch.empty((p.span, p.vec), dtype=self.dtype, device=self.device)
         self._inputs = [self._input_view(stage) for stage in self.stages]
-        from tilescale_lang import headers  # its compile flags (header hash, wait timeout) change the binary
-
-        key = (mode, REDUCE_DTYPES[self.dtype], self.world_size, self.threads, p.unroll, repr(target),
-               tuple(headers.compile_flags()))
-        self.kernel = _KERNELS.get(key)
-        if self.kernel is None:  # sizes are run-time arguments: one kernel per key and process
-            func = build_reduce_kernel(mode, REDUCE_DTYPES[self.dtype], self.world_size, self.threads, p.unroll)
-            self.kernel = _KERNELS[key] = compile_once(func, self.group, target, PASS_CONFIGS)
+        self._padded = None
+        name = REDUCE_DTYPES[self.dtype]
+        self.kernel = self._compile_kernel(lambda: build_reduce_kernel(mode, name, self.world_size, self.threads,
+                                                                       p.unroll),
+                                           target, PASS_CONFIGS,
+                                           key=("reduce", mode, name, self.world_size, self.threads, p.unroll))
         self.bind_table(force=True)
         settle(self.device, self.group)
 
@@ -459,25 +497,39 @@ class ReductionCollective(SymmetricCollective):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ buffers
-    def _stage(self, epoch: int) -> torch.Tensor:
-        """The staging buffer of call ``epoch`` (``(stage_rows, vec)``)."""
-        return self.stages[epoch % len(self.stages)]
+    def _next_input_view(self) -> Optional[torch.Tensor]:
+        """The zero-copy input view of the next call, or None where the host cannot know
+        which buffer that is (a double-buffered instance that has been captured in a CUDA
+        graph: replays advance the call number on the device only)."""
+        if len(self._inputs) > 1 and self.captured:
+            return None
+        return self._inputs[(self.epoch + 1) % len(self._inputs)]
 
     @property
     def input(self) -> torch.Tensor:
         """The symmetric buffer the next call stages into, viewed as the input shape: fill
         it and pass it to the call to skip staging (the view alternates between two buffers
-        for double-buffered modes, so read the attribute before every call)."""
+        for double-buffered modes, so read the attribute before every call).
+
+        Raises ``RuntimeError`` for a double-buffered mode (``one_shot``,
+        ``reduce_scatter``) once the instance has been captured in a CUDA graph: replays
+        advance the call number on the device, so the host no longer knows the next buffer
+        (pass a tensor of your own; the kernel stages it)."""
         self._check_open()
-        return self._inputs[(self.epoch + 1) % len(self._inputs)]
+        view = self._next_input_view()
+        if view is None:
+            raise RuntimeError(f"{type(self).__name__}({self.mode}).input: this instance has been captured in a CUDA "
+                               "graph, so which of its two staging buffers the next call uses is known only on the "
+                               "device; pass a tensor of your own (the kernel stages it)")
+        return view
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(shape={self.input_shape}, dtype={self.dtype}, world_size={self.world_size}, "
                 f"mode={self.mode!r}, blocks={self.plan.blocks}, epoch={self.epoch}"
                 f"{', closed' if self.closed else ''})")
 
-    def _is_view_of(self, t, view: torch.Tensor) -> bool:
-        return (isinstance(t, torch.Tensor) and t.data_ptr() == view.data_ptr() and t.shape == view.shape and t.stride() == view.stride()
+    def _is_view_of(self, t, view: Optional[torch.Tensor]) -> bool:
+        return (view is not None and isinstance(t, torch.Tensor) and t.data_ptr() == view.data_ptr() and t.shape == view.shape and t.stride() == view.stride()
                 and t.dtype == view.dtype and t.device == view.device)
 
     def _check_out(self, out: torch.Tensor, shape) -> None:
@@ -495,24 +547,32 @@ class ReductionCollective(SymmetricCollective):
         return rows if rows is not None and rows.shape[0] == self.plan.span else None
 
     # ------------------------------------------------------------------ launch
-    def _launch(self, input: torch.Tensor, input_view: torch.Tensor, out_rows: Optional[torch.Tensor],
-                stage_copy) -> torch.Tensor:
-        """Stage ``input`` (in the kernel when it is whole aligned vectors, else with
-        ``stage_copy(stage, input)`` on the stream first) and run this call's kernel;
-        returns the staging buffer used. ``input_view`` is the zero-copy input of this call
-        (``input`` needs no staging when it is that view)."""
-        self.epoch += 1
-        stage = self._stage(self.epoch)
+    def _launch(self, input: torch.Tensor, out_rows: Optional[torch.Tensor], stage_copy) -> torch.Tensor:
+        """Stage ``input`` (in the kernel when it is whole aligned vectors, else copied by
+        ``stage_copy(padded, input)`` into a zero-padded local buffer that the kernel stages)
+        and run this call's kernel; returns the staging buffer the call uses. ``input`` needs
+        no staging when it is the zero-copy view of this call's buffer (``self.input``)."""
         p = self.plan
+        nb = len(self.stages)
+        if self._note_capture() and nb > 1 and any(_overlaps(input, s) for s in self.stages):
+            raise RuntimeError(f"{type(self).__name__}({self.mode}): input is one of this instance's own staging "
+                               "buffers, and the instance has been captured in a CUDA graph, where the buffer of "
+                               "each call is chosen on the device; pass a tensor of your own")
+        zero_copy = self._is_view_of(input, self._next_input_view())
+        self.epoch += 1
         self.bind_table()
-        x = None if self._is_view_of(input, input_view) else rows_view(input, p.vec)
-        if x is not None and p.mode == "reduce_scatter" and x.shape[0] != p.stage_rows:
-            x = None  # rows of the input are not whole vectors: padded by the copy below
         stage_in = 1
-        if x is None:
-            if not self._is_view_of(input, input_view):
-                stage_copy(stage, input)
-            x, stage_in = stage, 0
-        args = [x, stage] + ([] if out_rows is None else [out_rows])
-        self.kernel(*args, self.flags, self.epoch, p.blocks, p.iters, p.span, p.rows_in, stage_in)
-        return stage
+        if zero_copy:
+            x, stage_in = self.stages[self.epoch % nb], 0
+        else:
+            x = rows_view(input, p.vec)
+            if x is not None and p.mode == "reduce_scatter" and x.shape[0] != p.stage_rows:
+                x = None  # rows of the input are not whole vectors: padded by the copy below
+            if x is None:
+                if self._padded is None:
+                    self._padded = torch.zeros((p.stage_rows, p.vec), dtype=self.dtype, device=self.device)
+                stage_copy(self._padded, input)
+                x = self._padded
+        args = [x, self.stage_buffer] + ([] if out_rows is None else [out_rows])
+        self.kernel(*args, self.flags, self.state, p.blocks, p.iters, p.span, p.rows_in, stage_in)
+        return self.stages[self.epoch % nb]

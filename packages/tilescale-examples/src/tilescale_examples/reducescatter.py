@@ -96,13 +96,12 @@ class ReduceScatter(ReductionCollective):
         stream. Staging into the symmetric buffer is part of the call.
         """
         self._check_open()
-        staged = self.input
-        if not self._is_view_of(input, staged):
+        if not self._is_view_of(input, self._next_input_view()):
             self.check_input(input)
         if out is not None:
             self._check_out(out, self.shard_shape)
         out_rows = self._out_rows(out)
-        self._launch(input, staged, self.result if out_rows is None else out_rows, self._stage_copy)
+        self._launch(input, self.result if out_rows is None else out_rows, self._stage_copy)
         if out is None:
             return self.output
         if out_rows is None and out.data_ptr() != self.output.data_ptr():

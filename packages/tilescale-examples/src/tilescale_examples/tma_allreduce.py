@@ -139,15 +139,24 @@ class TmaAllReduce(SymmetricCollective):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Return the sum of every rank's ``x`` (this rank's output buffer: overwritten by the
-        next call)."""
-        if self._closed:
-            raise RuntimeError("TmaAllReduce is closed")
+        next call).
+
+        Raises ``RuntimeError`` under CUDA graph capture: the call synchronises the ranks on
+        the host (``barrier_all_on_stream``) and passes its call number from the host, as the
+        upstream kernels it shows are written; the library's
+        :class:`~tilescale_examples.allreduce.AllReduce` captures."""
+        self._check_open()
         self.check_tensor(x, self.shard_shape, "x", "shape")
+        if self._capturing():
+            raise RuntimeError("TmaAllReduce cannot be captured in a CUDA graph: each call synchronises the ranks "
+                               "on the host and passes its call number from the host; use "
+                               "tilescale_examples.allreduce.AllReduce, which captures")
         from tilelang.distributed import barrier_all_on_stream
 
         self.epoch += 1
         self.inp.copy_(x)
         barrier_all_on_stream(group=self.group)  # every peer finished reducing the last call
+        self.bind_table()
         self.kernel(self.inp, self.slots, self.count, self.bar, self.out, self.epoch)
         return self.out
 

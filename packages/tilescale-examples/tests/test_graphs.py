@@ -1,0 +1,512 @@
+"""Every collective and overlapped GEMM captured in CUDA graphs (``-m gpu``: 1, 2 and 4 ranks
+sharing one GPU), and the capture-time errors and call-state rules on the CPU.
+
+On the GPU, per op: warm-up, capture, then replays with fresh random inputs written into the
+captured input (made on the device from a per-replay, per-rank seed, so every rank rebuilds
+every rank's input and the torch reference), poisoned outputs, every replay checked bit for
+bit (the GEMMs: against the float32 reference within the error bound) on every rank, eager
+calls interleaved, a second graph of the same instance replayed alternately, and a random
+straggler stalling its stream before a replay. Then one graph holding several ops and two
+instances of the same op. Results are compared on the device; each replay's verdict is kept
+and read once at the end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from examples_helpers import CpuAllocator, close_rank_heap, open_rank_heap, poison, run_gpu_ranks
+
+#: Replays per op by world size: ranks that share one GPU time-slice, so every replay of 4
+#: ranks costs several scheduling rounds.
+REPLAYS = {1: 1000, 2: 1000, 4: 100}
+CACHE_NAME = "graphs"
+
+
+# ------------------------------------------------------------------------------ GPU cases
+class Case:
+    """One op under test: ``build(alloc)`` makes it, ``shape`` is one rank's input,
+    ``call(op, x)`` runs it (returns the output), ``reference(inputs, rank)`` is the torch
+    result on ``rank`` from every rank's input; ``exact``: bit for bit, else the GEMM bound."""
+
+    def __init__(self, name, build, shape, dtype, call, reference, exact=True, extra=None):
+        self.name, self.build, self.shape, self.dtype = name, build, shape, dtype
+        self.call, self.reference, self.exact, self.extra = call, reference, exact, extra
+
+
+def _cases(world: int) -> list:
+    from tilescale_examples import allgather, allreduce, alltoall, reducescatter
+    from tilescale_examples.ag_gemm import AllGatherGEMM
+    from tilescale_examples.allgather import AllGather
+    from tilescale_examples.allreduce import AllReduce
+    from tilescale_examples.alltoall import AllToAll
+    from tilescale_examples.gemm_rs import GemmReduceScatter
+    from tilescale_examples.reducescatter import ReduceScatter
+
+    W = world
+    m, k, n = GEMM
+    cases = [
+        Case("AllReduce one_shot 1000 fp32", lambda a: AllReduce(a, (1000,), torch.float32, algorithm="one_shot"),
+             (1000,), torch.float32, lambda op, x: op(x), lambda xs, r: allreduce.torch_reference(xs)),
+        Case("AllReduce two_shot 3M bf16", lambda a: AllReduce(a, (3 << 20,), torch.bfloat16, algorithm="two_shot"),
+             (3 << 20,), torch.bfloat16, lambda op, x: op(x), lambda xs, r: allreduce.torch_reference(xs)),
+        Case("AllReduce one_shot out= 2048 fp16", lambda a: AllReduce(a, (2048,), torch.float16),
+             (2048,), torch.float16, None, lambda xs, r: allreduce.torch_reference(xs)),
+        Case("AllGather sm 4096 fp16", lambda a: AllGather(a, (4096,), torch.float16),
+             (4096,), torch.float16, lambda op, x: op(x), lambda xs, r: allgather.torch_reference(xs)),
+        Case("AllGather copy 64K fp16", lambda a: AllGather(a, (1 << 16,), torch.float16, engine="copy"),
+             (1 << 16,), torch.float16, lambda op, x: op(x), lambda xs, r: allgather.torch_reference(xs)),
+        Case("AllToAll 1024 bf16", lambda a: AllToAll(a, (1024,), torch.bfloat16),
+             (W, 1024), torch.bfloat16, lambda op, x: op(x), alltoall.torch_reference),
+        Case("ReduceScatter 4096 fp32", lambda a: ReduceScatter(a, (4096,), torch.float32),
+             (W, 4096), torch.float32, lambda op, x: op(x), reducescatter.torch_reference),
+        Case("ReduceScatter 1001 fp16 (padded rows)", lambda a: ReduceScatter(a, (1001,), torch.float16),
+             (W, 1001), torch.float16, lambda op, x: op(x), reducescatter.torch_reference),
+        Case("GemmReduceScatter", lambda a: GemmReduceScatter(a, m, k, n, torch.bfloat16),
+             (W * m, k), torch.bfloat16, lambda op, x: op(x, op._test_b), None, exact=False,
+             extra=("rs", k, n)),
+        Case("AllGatherGEMM", lambda a: AllGatherGEMM(a, m, k, n, torch.bfloat16),
+             (m, k), torch.bfloat16, lambda op, x: op(x, op._test_b), None, exact=False, extra=("ag", k, n)),
+    ]
+    return cases
+
+
+def _weights(k: int, n: int, rank: int, device) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(7 + rank)
+    return (torch.randn((k, n), generator=g, device=device) / k ** 0.5).to(torch.bfloat16)
+
+
+def _fill(t: torch.Tensor, seed: int) -> torch.Tensor:
+    """``t`` filled with normal values from ``seed`` (on its device, no host sync)."""
+    g = torch.Generator(device=t.device).manual_seed(seed)
+    if t.dtype.is_floating_point:
+        src = torch.randn(t.shape, generator=g, device=t.device)
+        t.copy_(src)
+    else:
+        t.copy_(torch.randint(-1000, 1000, t.shape, generator=g, device=t.device))
+    return t
+
+
+def _seed(case: int, replay: int, rank: int) -> int:
+    return (case * 1_000_003 + replay) * 64 + rank + 1
+
+
+class Checker:
+    """Builds every rank's input of a replay on the device and keeps each replay's verdict
+    (a device bool per replay) without synchronising."""
+
+    def __init__(self, case: Case, index: int, op, rank: int, world: int, device):
+        self.case, self.index, self.op, self.rank, self.world, self.device = case, index, op, rank, world, device
+        self.scratch = [torch.empty(case.shape, dtype=case.dtype, device=device) for _ in range(world)]
+        self.verdicts = []
+        if case.extra is not None:
+            kind, k, n = case.extra
+            self.b = [_weights(k, n, p, device) for p in range(world)]
+            op._test_b = self.b[rank] if kind == "rs" else self.b[0]
+
+    def inputs(self, replay: int) -> list:
+        return [_fill(self.scratch[p], _seed(self.index, replay, p)) for p in range(self.world)]
+
+    def reference(self, inputs) -> torch.Tensor:
+        case = self.case
+        if case.extra is None:
+            return case.reference(inputs, self.rank)
+        kind, k, n = case.extra
+        if kind == "rs":
+            from tilescale_examples.gemm_rs import torch_reference
+
+            return torch_reference(inputs, self.b, self.rank)
+        from tilescale_examples.ag_gemm import torch_reference
+
+        return torch_reference(inputs, self.b[0])
+
+    def record(self, out: torch.Tensor, replay: int) -> None:
+        """Keep whether ``out`` is right for ``replay`` (device-side)."""
+        want = self.reference(self.inputs(replay))
+        if self.case.exact:
+            bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[out.element_size()]
+            ok = (out.view(bits) == want.view(bits)).all()
+        else:
+            from tilescale_examples.gemm import error_bound
+            from tilescale_examples.gemm_rs import partial_magnitudes
+
+            rounded = None
+            if self.case.extra[0] == "rs":  # each partial product is rounded to the dtype once
+                rounded = partial_magnitudes(self.scratch, self.b, self.rank)
+            err = (out.float() - want.float()).abs()
+            ok = (err <= error_bound(want, self.case.dtype, rounded)).all()
+        self.verdicts.append(ok)
+
+    def failures(self) -> list:
+        flags = torch.stack(self.verdicts).cpu().tolist()
+        return [i for i, good in enumerate(flags) if not good]
+
+
+def _run_case(case: Case, index: int, alloc, rank: int, world: int, rng) -> tuple:
+    """Warm-up, capture two graphs of one call each, replay them alternately with eager calls
+    and stalls interleaved; returns ``(checked calls, failures)``."""
+    dev = torch.device(alloc.device)
+    op = case.build(alloc)
+    chk = Checker(case, index, op, rank, world, dev)
+    x = torch.empty(case.shape, dtype=case.dtype, device=dev)
+    out = None
+    if case.call is None:  # the out= path: the output is a tensor of the caller's
+        out = torch.empty(case.shape, dtype=case.dtype, device=dev)
+
+    def call():
+        if case.call is None:
+            return op(x, out=out)
+        return case.call(op, x)
+
+    def poison_outputs():
+        poison(getattr(op, "output"))
+        if out is not None:
+            poison(out)
+
+    # warm-up (eager, checked): loads the kernels' modules before the capture
+    calls = 0
+    x.copy_(chk.inputs(calls)[rank])
+    chk.record(call(), calls)
+    calls += 1
+    torch.cuda.synchronize()
+    graphs, results = [], []
+    for _ in range(2):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            results.append(call())
+        graphs.append(graph)
+    for i in range(REPLAYS[world]):
+        x.copy_(chk.inputs(calls)[rank])
+        poison_outputs()
+        if rng.random() < 0.05:
+            torch.cuda._sleep(rng.randrange(1000, 200_000))  # this rank straggles
+        if i % 7 == 3:
+            result = call()  # an eager call between replays
+        else:
+            g = i % 2
+            graphs[g].replay()
+            result = results[g]
+        chk.record(result, calls)
+        calls += 1
+    torch.cuda.synchronize()
+    bad = chk.failures()
+    for graph in graphs:
+        graph.reset()
+    op.close()
+    return calls, [f"{case.name}: call {i}" for i in bad]
+
+
+def _one_graph_several_ops(alloc, rank: int, world: int) -> tuple:
+    """Two AllReduce instances of one shape and an AllGather in ONE graph, replayed with
+    fresh inputs; returns ``(checked calls, failures)``."""
+    from tilescale_examples import allgather, allreduce
+    from tilescale_examples.allgather import AllGather
+    from tilescale_examples.allreduce import AllReduce
+
+    dev = torch.device(alloc.device)
+    ops = [AllReduce(alloc, (4096,), torch.float32), AllReduce(alloc, (4096,), torch.float32),
+           AllGather(alloc, (2048,), torch.float16)]
+    refs = [allreduce.torch_reference, allreduce.torch_reference, allgather.torch_reference]
+    shapes = [((4096,), torch.float32), ((4096,), torch.float32), ((2048,), torch.float16)]
+    xs = [torch.empty(s, dtype=d, device=dev) for s, d in shapes]
+    scratch = [[torch.empty(s, dtype=d, device=dev) for _ in range(world)] for s, d in shapes]
+
+    def fill(replay):
+        every = [[_fill(scratch[j][p], _seed(90 + j, replay, p)) for p in range(world)] for j in range(3)]
+        for j in range(3):
+            xs[j].copy_(every[j][rank])
+        return every
+
+    fill(0)
+    for op, x in zip(ops, xs):
+        op(x)  # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [op(x) for op, x in zip(ops, xs)]
+    verdicts = []
+    for replay in range(1, 1 + REPLAYS[world] // 4):
+        every = fill(replay)
+        for op in ops:
+            poison(op.output)
+        graph.replay()
+        for j in range(3):
+            want = refs[j](every[j])
+            bits = torch.int32 if want.element_size() == 4 else torch.int16
+            verdicts.append((outs[j].view(bits) == want.view(bits)).all())
+    torch.cuda.synchronize()
+    flags = torch.stack(verdicts).cpu().tolist()
+    graph.reset()
+    for op in ops:
+        op.close()
+    return len(flags), [f"one graph, several ops: check {i}" for i, good in enumerate(flags) if not good]
+
+
+def graph_rank_body(rank: int, world: int, cache_dir: str) -> dict:
+    alloc = open_rank_heap(rank, world, cache_dir, 2**30)
+    rng = random.Random(1000 + rank)
+    checks, failures, per_case = 0, [], {}
+    for index, case in enumerate(_cases(world)):
+        calls, bad = _run_case(case, index, alloc, rank, world, rng)
+        checks += calls
+        failures += bad
+        per_case[case.name] = calls
+    calls, bad = _one_graph_several_ops(alloc, rank, world)
+    checks += calls
+    failures += bad
+    report = close_rank_heap(alloc, rank, checks)
+    report.update(failures=failures[:20], per_case=per_case)
+    return report
+
+
+GEMM = (128, 256, 256)  # m_local, k, n of the GEMM cases
+
+
+def graph_jobs(worlds=(1, 2, 4)) -> list:
+    """Precompile jobs of every kernel :func:`graph_rank_body` builds at these world sizes
+    (the grid caps are the visible GPU's SM count, as the collectives' defaults)."""
+    from tilescale_examples.collective import plan_chunks
+    from tilescale_examples.precompile import reduction_jobs
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    m, k, n = GEMM
+    jobs = reduction_jobs(("one_shot",), ("float32", "float16"), worlds)
+    jobs += reduction_jobs(("two_shot",), ("bfloat16",), worlds)
+    jobs += reduction_jobs(("reduce_scatter",), ("float32", "float16", "bfloat16"), worlds)
+    for w in worlds:
+        for numel, dtype, size in ((4096, "float16", 2), (1 << 16, "float16", 2), (2048, "float16", 2),
+                                   (m * k, "bfloat16", 2)):
+            c, ch = plan_chunks(numel, size, w, sms)
+            jobs.append(("tilescale_examples.allgather:build_allgather_kernel", (numel, dtype, w, c, ch), None))
+        c, ch = plan_chunks(1024, 2, w, sms)
+        jobs.append(("tilescale_examples.alltoall:build_alltoall_kernel", (1024, "bfloat16", w, c, ch), None))
+        jobs.append(("tilescale_examples.gemm:build_gemm_kernel", (w * m, n, k, "bfloat16"), None))
+    jobs.append(("tilescale_examples.gemm:build_gemm_kernel", (m, n, k, "bfloat16"), None))
+    return jobs
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_op_replays_correctly_in_cuda_graphs(world, tmp_path_factory):
+    """Per op: warm-up, two captured graphs replayed alternately with fresh inputs, eager
+    calls between them and a straggling rank, every call checked on every rank; then one
+    graph holding several ops."""
+    from examples_cache import warm_cache
+
+    if torch.cuda.is_available():
+        warm_cache(tmp_path_factory, graph_jobs(), name=CACHE_NAME)
+    reports = run_gpu_ranks(graph_rank_body, world, tmp_path_factory, CACHE_NAME, timeout=560)
+    for r in reports:
+        assert r["failures"] == [], f"rank {r['rank']}/{world}: {r['failures']}"
+    assert len({r["checks"] for r in reports}) == 1
+    print(f"graphs world {world}: {reports[0]['checks']} checked calls per rank: {reports[0]['per_case']}")
+
+
+# ------------------------------------------------------------------------------ CPU
+class _FakeKernel:
+    """Stands in for a compiled reduction kernel on the CPU: records its arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def initialize(self, allocator=None, stream=None):
+        return self
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+def _cpu_allreduce(monkeypatch, algorithm="one_shot"):
+    from examples_helpers import record_compiles
+
+    from tilescale_examples.allreduce import AllReduce
+
+    record_compiles(monkeypatch)
+    ar = AllReduce(CpuAllocator(2, 0), (64,), torch.float16, algorithm=algorithm)
+    ar.kernel = _FakeKernel()
+    return ar
+
+
+def test_the_kernels_take_their_call_number_from_the_device(monkeypatch):
+    """No kernel argument carries a call number: the reduction kernel gets the per-block
+    counters (``state``) and its buffer choice is made on the device."""
+    ar = _cpu_allreduce(monkeypatch)
+    x = torch.zeros(64, dtype=torch.float16)
+    ar(x)
+    ar(x)
+    first, second = ar.kernel.calls
+    assert first[4] is ar.state and second[4] is ar.state  # the counters, not a number
+    assert first[1] is ar.stage_buffer and second[1] is ar.stage_buffer  # both buffers, always
+    assert ar.state.shape == (ar.plan.blocks,) and ar.state.dtype == torch.int64
+    assert ar.stage_buffer.shape[0] == 2 * ar.plan.stage_rows
+
+
+def test_zero_copy_input_is_refused_once_captured(monkeypatch):
+    ar = _cpu_allreduce(monkeypatch)
+    staged = ar.input
+    ar._captured = True  # as a call under capture leaves it
+    with pytest.raises(RuntimeError, match="captured in a CUDA graph.*pass a tensor of your own"):
+        ar.input
+    with pytest.raises(RuntimeError, match="own staging buffers.*captured in a CUDA graph"):
+        ar(staged)
+    ar(torch.zeros(64, dtype=torch.float16))  # an ordinary input still works
+    two = _cpu_allreduce(monkeypatch, "two_shot")
+    two._captured = True
+    assert two.input.data_ptr() == two.stage_buffer.data_ptr()  # one buffer: always known
+
+
+def test_tma_allreduce_refuses_capture(monkeypatch):
+    from tilescale_examples.tma_allreduce import TmaAllReduce
+
+    ar = object.__new__(TmaAllReduce)
+    ar._closed, ar.allocator, ar.shard_shape = False, CpuAllocator(2, 0), (64, 128)
+    ar.dtype, ar.device = torch.float32, torch.device("cpu")
+    monkeypatch.setattr(TmaAllReduce, "_capturing", lambda self: True)
+    with pytest.raises(RuntimeError, match="TmaAllReduce cannot be captured in a CUDA graph"):
+        ar(torch.zeros((64, 128)))
+
+
+def test_fused_allgather_gemm_refuses_capture(monkeypatch):
+    from tilescale_examples.ag_gemm import AllGatherGEMM
+
+    agg = object.__new__(AllGatherGEMM)
+    agg.plan, agg.world_size, agg.m_local, agg.k, agg.n = "fused", 2, 128, 64, 256
+    agg.dtype, agg.device, agg.kernel, agg.allocator = torch.bfloat16, torch.device("cpu"), object(), None
+    monkeypatch.setattr(AllGatherGEMM, "_capturing", lambda self: True)
+    a, b = torch.zeros((128, 64), dtype=torch.bfloat16), torch.zeros((64, 256), dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"plan='fused'.*cannot be captured.*plan='sequential'"):
+        agg(a, b)
+
+
+def test_capture_of_a_kernel_never_launched_asks_for_a_warm_up(monkeypatch):
+    from tilescale_lang import metadata
+
+    ar = _cpu_allreduce(monkeypatch)
+    monkeypatch.setattr(type(ar), "_capturing", lambda self: True)
+    monkeypatch.setattr(metadata, "loaded", lambda kernel: False)
+    with pytest.raises(RuntimeError, match="never run.*outside the CUDA graph capture first"):
+        ar(torch.zeros(64, dtype=torch.float16))
+
+
+def test_a_kernel_captured_unshared_is_pinned_and_others_get_a_copy(monkeypatch):
+    """A graph captured without a table copy binds one allocator's table for good: an
+    instance on another allocator compiles its own copy of the kernel (another symbol)."""
+    from examples_helpers import record_compiles
+
+    from tilescale_examples.allreduce import AllReduce
+
+    built = record_compiles(monkeypatch)
+    a0, a1 = CpuAllocator(2, 0), CpuAllocator(2, 0)
+    first = AllReduce(a0, (64,), torch.float16, algorithm="one_shot")
+    monkeypatch.setattr(AllReduce, "_capturing", lambda self: True)
+    first.bind_table()  # as the launch under capture does: one user, so pinned
+    monkeypatch.setattr(AllReduce, "_capturing", lambda self: False)
+    second = AllReduce(a1, (64,), torch.float16, algorithm="one_shot")
+    assert second.kernel is not first.kernel
+    assert built[-1] == "allreduce_one_shot_copy1"
+    third = AllReduce(a0, (128,), torch.float16, algorithm="one_shot")
+    assert third.kernel is first.kernel  # the pinned allocator keeps sharing it
+
+
+def test_a_shared_kernel_binds_from_the_device_under_capture(monkeypatch):
+    from examples_helpers import record_compiles
+    from tilescale_lang import metadata
+
+    from tilescale_examples.allreduce import AllReduce
+
+    record_compiles(monkeypatch)
+    ar0 = AllReduce(CpuAllocator(2, 0), (64,), torch.float16, algorithm="one_shot")
+    ar1 = AllReduce(CpuAllocator(2, 1), (64,), torch.float16, algorithm="one_shot")
+    assert ar0.kernel is ar1.kernel
+    ar1._device_table()  # on a GPU, the first eager bind makes it (a host copy cannot be captured)
+    copies = []
+    monkeypatch.setattr(metadata, "bind_from_device", lambda kernel, table, stream: copies.append(table))
+    monkeypatch.setattr(AllReduce, "_capturing", lambda self: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
+    ar1.bind_table()
+    assert len(copies) == 1 and copies[0].tolist()[:2] == [1, 2]  # rank 1's table
+    monkeypatch.setattr(AllReduce, "_capturing", lambda self: False)
+    inits = []
+    monkeypatch.setattr(type(ar0.kernel), "initialize", lambda self, allocator=None, stream=None: inits.append(allocator))
+    ar1.bind_table()
+    ar1.bind_table()
+    assert inits == [ar1.allocator, ar1.allocator]  # after a captured copy, every eager launch rebinds
+
+
+# ------------------------------------------------------------------------------ torch.compile
+COMPILE_STEPS = 100
+
+
+def compile_rank_body(rank: int, world: int, cache_dir: str) -> dict:
+    """A tensor-parallel MLP block through the custom ops (AllGatherGEMM, ReLU,
+    GemmReduceScatter, and an AllReduce of a bias gradient): ``torch.compile(fullgraph=True)``
+    matches eager bit for bit, and ``mode="reduce-overhead"`` (CUDA graphs) matches eager over
+    :data:`COMPILE_STEPS` steps of fresh inputs, eager and compiled steps interleaved."""
+    import os
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, f"inductor-{rank}"))
+    import torch._dynamo
+
+    from tilescale_examples.ag_gemm import AllGatherGEMM
+    from tilescale_examples.allreduce import AllReduce
+    from tilescale_examples.gemm_rs import GemmReduceScatter
+    from tilescale_examples.torch_ops import handle_of
+
+    alloc = open_rank_heap(rank, world, cache_dir, 2**29)
+    dev = torch.device(alloc.device)
+    m, k, hidden = GEMM[0], GEMM[1], 256
+    ag = AllGatherGEMM(alloc, m, k, hidden, torch.bfloat16)
+    rs = GemmReduceScatter(alloc, m, hidden, k, torch.bfloat16)
+    ar = AllReduce(alloc, (hidden,), torch.float32)
+    h_ag, h_rs, h_ar = handle_of(ag), handle_of(rs), handle_of(ar)
+    w1 = _weights(k, hidden, rank, dev)
+    w2 = _weights(hidden, k, 100 + rank, dev)
+
+    def block(x, grad):
+        h = torch.ops.tilescale.all_gather_matmul(x, w1, h_ag)
+        h = torch.relu(h)
+        y = torch.ops.tilescale.matmul_reduce_scatter(h, w2, h_rs)
+        return y, torch.ops.tilescale.all_reduce(grad, h_ar)
+
+    def step_inputs(step):
+        x = _fill(torch.empty((m, k), dtype=torch.bfloat16, device=dev), _seed(70, step, rank))
+        g = _fill(torch.empty((hidden,), dtype=torch.float32, device=dev), _seed(71, step, rank))
+        return x, g
+
+    torch._dynamo.reset()
+    full = torch.compile(block, fullgraph=True)  # a graph break raises
+    fast = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    mismatches, checks = [], 0
+    for step in range(COMPILE_STEPS):
+        x, g = step_inputs(step)
+        want = [t.clone() for t in block(x, g)]
+        fn = full if step < 3 else fast
+        got = [t.clone() for t in fn(x, g)]
+        checks += 1
+        for name, a, b in zip(("mlp", "bias grad"), got, want):
+            if not torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                               b.view(torch.int16 if b.element_size() == 2 else torch.int32)):
+                mismatches.append(f"step {step} ({'fullgraph' if step < 3 else 'reduce-overhead'}): {name}")
+    torch.cuda.synchronize()
+    report = close_rank_heap(alloc, rank, checks)
+    report["failures"] = mismatches[:20]
+    return report
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [1, 2])
+def test_torch_compile_of_a_tensor_parallel_block(world, tmp_path_factory):
+    """``torch.compile(fullgraph=True)`` and ``mode="reduce-overhead"`` of a block calling
+    ``torch.ops.tilescale.*`` match the eager block bit for bit, step by step."""
+    from examples_cache import warm_cache
+
+    if torch.cuda.is_available():
+        warm_cache(tmp_path_factory, graph_jobs(), name=CACHE_NAME)
+    reports = run_gpu_ranks(compile_rank_body, world, tmp_path_factory, CACHE_NAME, timeout=560)
+    for r in reports:
+        assert r["failures"] == [], f"rank {r['rank']}/{world}: {r['failures']}"
+        assert r["checks"] == COMPILE_STEPS
+    print(f"torch.compile world {world}: {COMPILE_STEPS} steps match eager on every rank")
