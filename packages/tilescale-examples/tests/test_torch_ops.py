@@ -1,0 +1,467 @@
+"""``torch.ops.tilescale.*`` (tilescale_examples.torch_ops) on the CPU: registration, the
+handle registry and its errors, fake (meta) shapes, and ``torch.compile(fullgraph=True)``
+tracing, with stand-ins that subclass the real collectives and compute what ``world_size``
+ranks holding the same input would get."""
+
+import gc
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import examples_helpers  # noqa: F401  (CUDA_HOME before TileLang is imported)
+import tilescale_examples
+from tilescale_examples import torch_ops
+from tilescale_examples.ag_gemm import AllGatherGEMM
+from tilescale_examples.allgather import AllGather
+from tilescale_examples.allreduce import AllReduce
+from tilescale_examples.alltoall import AllToAll
+from tilescale_examples.gemm_rs import GemmReduceScatter
+from tilescale_examples.moe import DispatchHandle, MoEDispatcher, torch_combine_reference, torch_dispatch_reference
+from tilescale_examples.reducescatter import ReduceScatter
+from tilescale_examples.tma_allreduce import TmaAllReduce
+from tilescale_examples.torch_ops import handle_of, lookup, register, unregister
+
+pytestmark = pytest.mark.skipif(not torch_ops.AVAILABLE, reason="torch has no torch.library.custom_op")
+
+OPS = torch.ops.tilescale
+W = 2  # the stand-ins' world size
+
+
+# ------------------------------------------------------------------------------ stand-ins
+class _Collective:
+    """Shared by the stand-ins: no heap, no kernel; ``calls`` records every call (with a
+    global order number in ``ORDER``)."""
+
+    ORDER = []
+
+    def _init(self, dtype=torch.float32, world_size=W):
+        self.dtype, self.world_size, self.rank = dtype, world_size, 0
+        self.device = torch.device("cpu")
+        self._closed = False
+        self.kernel = object()  # OverlappedGemm.closed reads it
+        self.calls = 0
+
+    def _record(self):
+        self.calls += 1
+        _Collective.ORDER.append(self)
+
+    def close(self):
+        self._closed = True
+        self.kernel = None
+
+    @property
+    def closed(self):
+        return self._closed
+
+
+class StandInAllReduce(_Collective, AllReduce):
+    def __init__(self, shape, dtype=torch.float32, world_size=W):
+        self._init(dtype, world_size)
+        self.shape = self.shard_shape = tuple(shape)
+        self.output = torch.zeros(self.shape, dtype=dtype)
+
+    def __call__(self, input, out=None):
+        self._record()
+        out = self.output if out is None else out
+        out.copy_(input * self.world_size)
+        return out
+
+
+class StandInTmaAllReduce(_Collective, TmaAllReduce):
+    """No ``out=``: the op copies the result out of the internal buffer."""
+
+    def __init__(self, shape, world_size=W):
+        self._init(torch.float32, world_size)
+        self.shard_shape = tuple(shape)
+        self.out = torch.zeros(self.shard_shape)
+
+    def __call__(self, x):
+        self._record()
+        self.out.copy_(x * self.world_size)
+        return self.out
+
+
+class StandInReduceScatter(_Collective, ReduceScatter):
+    def __init__(self, shard_shape, dtype=torch.float32, world_size=W):
+        self._init(dtype, world_size)
+        self.shard_shape = tuple(shard_shape)
+
+    def __call__(self, input, out=None):
+        self._record()
+        out.copy_(input[self.rank] * self.world_size)
+        return out
+
+
+class StandInAllGather(_Collective, AllGather):
+    def __init__(self, shard_shape, dtype=torch.float32, world_size=W):
+        self._init(dtype, world_size)
+        self.shard_shape = tuple(shard_shape)
+        self.output = torch.zeros((world_size, *self.shard_shape), dtype=dtype)
+
+    def __call__(self, input, out=None):
+        self._record()
+        out = self.output if out is None else out
+        out.copy_(input.expand(self.world_size, *self.shard_shape))
+        return out
+
+
+class StandInAllToAll(_Collective, AllToAll):
+    def __init__(self, shard_shape, dtype=torch.float32, world_size=W):
+        self._init(dtype, world_size)
+        self.shard_shape = tuple(shard_shape)
+
+    def __call__(self, input, out=None):
+        self._record()
+        out.copy_(input[self.rank].expand(self.world_size, *self.shard_shape))
+        return out
+
+
+class StandInAllGatherGEMM(_Collective, AllGatherGEMM):
+    def __init__(self, m_local, k, n, dtype=torch.float32, world_size=W):
+        self._init(dtype, world_size)
+        self.m_local, self.k, self.n = m_local, k, n
+
+    def __call__(self, a, b, out=None):
+        self._record()
+        out.copy_(a.repeat(self.world_size, 1) @ b)
+        return out
+
+
+class StandInGemmReduceScatter(_Collective, GemmReduceScatter):
+    def __init__(self, m_local, k, n, dtype=torch.float32, world_size=W):
+        self._init(dtype, world_size)
+        self.m_local, self.k, self.n = m_local, k, n
+
+    def __call__(self, a, b, out=None):
+        self._record()
+        m = self.m_local
+        out.copy_((a @ b)[self.rank * m:(self.rank + 1) * m] * self.world_size)
+        return out
+
+
+class StandInMoE(_Collective, MoEDispatcher):
+    """One rank: dispatch and combine from the module's torch references, results in
+    internal buffers (as the real dispatcher's are)."""
+
+    def __init__(self, num_experts=4, hidden=8, topk=2, max_tokens=6, dtype=torch.float32):
+        self._init(dtype, 1)
+        self.num_experts, self.hidden, self.topk, self.max_tokens = num_experts, hidden, topk, max_tokens
+        self.index_dtype = torch.int64
+        self.experts_per_rank = num_experts
+        self.capacity = max_tokens * topk
+        self.epoch = 0
+        self.recv_x = torch.zeros((self.capacity, hidden), dtype=dtype)
+        self.output = torch.zeros((max_tokens, hidden), dtype=dtype)
+
+    def dispatch(self, x, topk_idx, topk_weights, *, validate=None):
+        self._record()
+        rows, counts, _ = torch_dispatch_reference([x], [topk_idx], self.num_experts, 0)
+        self.recv_x[: rows.shape[0]] = rows
+        counts = counts.to(torch.int32)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int32), counts.cumsum(0).to(torch.int32)])
+        self.epoch += 1
+        self._routing = (topk_idx.clone(), topk_weights.clone())
+        T = x.shape[0]
+        handle = DispatchHandle(self, self.epoch, T, counts, offsets,
+                                torch.zeros((T, self.topk), dtype=torch.int32),
+                                torch.zeros((T, self.topk), dtype=torch.int32))
+        return self.recv_x, counts, handle
+
+    def combine(self, y, handle):
+        self._record()
+        if handle.dispatcher is not self:
+            raise TypeError("handle must be a DispatchHandle returned by this MoEDispatcher's dispatch()")
+        if handle.epoch != self.epoch:
+            raise RuntimeError(f"handle is from dispatch call {handle.epoch}, but dispatch call {self.epoch} "
+                               "has overwritten its routing")
+        idx, w = self._routing
+        out = self.output[: handle.num_tokens]
+        out.copy_(torch_combine_reference([y], [idx], [w], self.num_experts, 0).to(self.dtype))
+        return out
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    _Collective.ORDER.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _routing(T=5, topk=2, num_experts=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(num_experts, generator=g)[:topk] for _ in range(T)])
+    idx[0, 1] = -1  # an unused slot
+    w = torch.rand((T, topk), generator=g)
+    return idx, w
+
+
+# ------------------------------------------------------------------------------ registration
+def test_every_op_is_registered_with_its_schema():
+    assert tilescale_examples.torch_ops is torch_ops
+    assert set(torch_ops.SCHEMAS) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul",
+                                      "matmul_reduce_scatter", "moe_dispatch", "moe_combine"}
+    for name, schema in torch_ops.SCHEMAS.items():
+        op = getattr(OPS, name)
+        assert str(op.default._schema) == f"tilescale::{name}{schema}"
+        assert torch_ops.OPS[name] is not None
+        assert torch_ops.SIDE_EFFECTS[name] in ("ordered", "kept", "none")
+    if hasattr(torch_ops.OPS["all_reduce"], "register_effect"):
+        assert set(torch_ops.SIDE_EFFECTS.values()) == {"ordered"}
+
+
+def test_register_is_idempotent_and_handles_are_unique():
+    a, b = StandInAllReduce((4,)), StandInAllGather((4,))
+    ha = register(a)
+    assert isinstance(ha, int) and ha > 0
+    assert register(a) == ha == handle_of(a) == a._op_handle
+    hb = handle_of(b)
+    assert hb != ha and hb > 0
+    assert lookup(ha, "all_reduce") is a and lookup(hb, "all_gather") is b
+    assert torch_ops.registered()[ha] == "AllReduce"
+
+
+def test_register_refuses_other_objects_and_closed_instances():
+    with pytest.raises(TypeError, match="not a TileScale collective"):
+        register(object())
+    c = StandInAllReduce((4,))
+    c.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        register(c)
+
+
+# ------------------------------------------------------------------------------ handle errors
+def test_unknown_handle_raises_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"handle 987654321 is not a registered TileScale collective.*AllReduce"):
+        OPS.all_reduce(torch.ones(4), 987654321)
+    with pytest.raises(ValueError, match="unknown operator kind"):
+        lookup(1, "broadcast")
+
+
+def test_wrong_kind_raises_value_error_naming_both_classes():
+    ag = StandInAllGather((4,))
+    h = handle_of(ag)
+    with pytest.raises(ValueError, match=rf"all_reduce: handle {h} names an AllGather, but all_reduce takes the "
+                                         "handle of an AllReduce or TmaAllReduce"):
+        OPS.all_reduce(torch.ones(4), h)
+    with pytest.raises(ValueError, match=rf"handle {h} names an AllGather, but moe_combine takes the handle of "
+                                         "a MoEDispatcher"):
+        lookup(h, "moe_combine")
+    assert lookup(h, "all_gather") is ag
+
+
+def test_closed_unregistered_and_collected_instances_raise_runtime_error():
+    ar = StandInAllReduce((4,))
+    h = handle_of(ar)
+    ar.close()
+    with pytest.raises(RuntimeError, match=rf"handle {h} names a closed AllReduce"):
+        OPS.all_reduce(torch.ones(4), h)
+
+    ar2 = StandInAllReduce((4,))
+    h2 = handle_of(ar2)
+    assert unregister(ar2) and not unregister(ar2)
+    assert not hasattr(ar2, "_op_handle")
+    with pytest.raises(RuntimeError, match=rf"handle {h2} named an AllReduce that has been unregistered"):
+        OPS.all_reduce(torch.ones(4), h2)
+    assert handle_of(ar2) != h2  # registering again gives a new handle
+
+    ar3 = StandInAllReduce((4,))
+    h3 = handle_of(ar3)
+    del ar3
+    gc.collect()
+    with pytest.raises(RuntimeError, match=rf"handle {h3} named an AllReduce that has been garbage-collected"):
+        lookup(h3, "all_reduce")
+    assert h3 not in torch_ops.registered()
+
+
+def test_handle_must_be_an_int():
+    with pytest.raises(TypeError, match="handle must be an int"):
+        lookup(True, "all_reduce")
+    with pytest.raises(TypeError, match="handle must be an int"):
+        lookup("1", "all_reduce")
+
+
+def test_shape_and_dtype_mismatch_names_the_argument():
+    h = handle_of(keep := StandInReduceScatter((3,)))
+    with pytest.raises(ValueError, match=r"reduce_scatter: x is \(3,\) torch.float32, but handle .* \(2, 3\)"):
+        OPS.reduce_scatter(torch.ones(3), h)
+    g = handle_of(keep2 := StandInAllGatherGEMM(2, 3, 4))
+    with pytest.raises(ValueError, match=r"all_gather_matmul: b is \(4, 4\).*\(k, n\) = \(3, 4\)"):
+        OPS.all_gather_matmul(torch.ones(2, 3), torch.ones(4, 4), g)
+    with pytest.raises(ValueError, match="float64"):
+        OPS.all_gather_matmul(torch.ones(2, 3, dtype=torch.float64), torch.ones(3, 4), g)
+    del keep, keep2
+
+
+# ------------------------------------------------------------------------------ eager results
+def _dense_instances():
+    return dict(ar=StandInAllReduce((3, 4)), tma=StandInTmaAllReduce((3, 4)), rs=StandInReduceScatter((3, 4)),
+                ag=StandInAllGather((3, 4)), a2a=StandInAllToAll((3, 4)), agmm=StandInAllGatherGEMM(2, 3, 5),
+                mmrs=StandInGemmReduceScatter(2, 3, 5))
+
+
+def _dense_calls(x, xs, a, a_full, b, h):
+    """Every dense op once: ``x`` (3, 4), ``xs`` (W, 3, 4), ``a`` (2, 3), ``a_full`` (W*2, 3), ``b`` (3, 5)."""
+    return (OPS.all_reduce(x, h["ar"]), OPS.all_reduce(x, h["tma"]), OPS.reduce_scatter(xs, h["rs"]),
+            OPS.all_gather(x, h["ag"]), OPS.all_to_all(xs, h["a2a"]), OPS.all_gather_matmul(a, b, h["agmm"]),
+            OPS.matmul_reduce_scatter(a_full, b, h["mmrs"]))
+
+
+def _dense_inputs():
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(3, 4, generator=g), torch.randn(W, 3, 4, generator=g), torch.randn(2, 3, generator=g),
+            torch.randn(W * 2, 3, generator=g), torch.randn(3, 5, generator=g))
+
+
+def test_eager_results_are_fresh_and_correct():
+    inst = _dense_instances()
+    h = {k: handle_of(v) for k, v in inst.items()}
+    x, xs, a, a_full, b = _dense_inputs()
+    got = _dense_calls(x, xs, a, a_full, b, h)
+    want = (x * W, x * W, xs[0] * W, x.expand(W, 3, 4), xs[0].expand(W, 3, 4), a.repeat(W, 1) @ b,
+            (a_full @ b)[:2] * W)
+    for g_, w_ in zip(got, want):
+        torch.testing.assert_close(g_, w_)
+    internal = {inst["ar"].output.data_ptr(), inst["tma"].out.data_ptr(), inst["ag"].output.data_ptr()}
+    inputs = {t.data_ptr() for t in (x, xs, a, a_full, b)}
+    for t in got:
+        assert t.data_ptr() not in internal | inputs and t._base is None
+    assert all(i.calls == 1 for i in inst.values())
+
+
+# ------------------------------------------------------------------------------ fake shapes
+def test_fake_impls_give_shapes_and_dtypes():
+    inst = _dense_instances()
+    inst["ar16"] = StandInAllReduce((7,), dtype=torch.bfloat16)
+    h = {k: handle_of(v) for k, v in inst.items()}
+    moe = StandInMoE()
+    hm = handle_of(moe)
+    real = _dense_inputs()
+    idx, w = _routing()
+    with FakeTensorMode() as mode:
+        x, xs, a, a_full, b = (mode.from_tensor(t) for t in real)
+        got = _dense_calls(x, xs, a, a_full, b, h)
+        shapes = [(tuple(t.shape), t.dtype) for t in got]
+        y16 = OPS.all_reduce(mode.from_tensor(torch.ones(7, dtype=torch.bfloat16)), h["ar16"])
+        tokens = mode.from_tensor(torch.ones(5, 8))
+        recv_x, counts, offsets = OPS.moe_dispatch(tokens, mode.from_tensor(idx), mode.from_tensor(w), hm)
+        out = OPS.moe_combine(recv_x, mode.from_tensor(idx), hm)
+        with pytest.raises(ValueError, match=r"all_gather: x is \(4,\)"):
+            OPS.all_gather(mode.from_tensor(torch.ones(4)), h["ag"])
+    f32 = torch.float32
+    assert shapes == [((3, 4), f32), ((3, 4), f32), ((3, 4), f32), ((W, 3, 4), f32), ((W, 3, 4), f32),
+                      ((W * 2, 5), f32), ((2, 5), f32)]
+    assert (tuple(y16.shape), y16.dtype) == ((7,), torch.bfloat16)
+    assert (tuple(recv_x.shape), recv_x.dtype) == ((moe.capacity, 8), f32)
+    assert (tuple(counts.shape), counts.dtype) == ((4,), torch.int32)
+    assert (tuple(offsets.shape), offsets.dtype) == ((5,), torch.int32)
+    assert (tuple(out.shape), out.dtype) == ((5, 8), f32)
+    assert all(i.calls == 0 for i in inst.values()) and moe.calls == 0  # fake impls never run the collective
+
+
+# ------------------------------------------------------------------------------ torch.compile
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compile_fullgraph_matches_eager(backend):
+    inst = _dense_instances()
+    h = {k: handle_of(v) for k, v in inst.items()}
+
+    def step(x, xs, a, a_full, b):
+        outs = _dense_calls(x.relu(), xs + 1, a, a_full, b * 2, h)
+        return [o * 3 for o in outs]
+
+    args = _dense_inputs()
+    want = step(*args)
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    for _ in range(2):
+        got = compiled(*args)
+        for g_, w_ in zip(got, want):
+            torch.testing.assert_close(g_, w_)
+    assert torch._dynamo.explain(step)(*args).graph_break_count == 0
+
+
+def test_compiled_calls_are_neither_dropped_nor_reordered():
+    if torch_ops.SIDE_EFFECTS["all_reduce"] == "none":
+        pytest.skip("this torch offers no way to mark the ops as side-effecting")
+    first, second, third = StandInAllReduce((4,)), StandInAllReduce((4,)), StandInAllReduce((4,))
+    h1, h2, h3 = handle_of(first), handle_of(second), handle_of(third)
+
+    def step(x):
+        OPS.all_reduce(x, h1)  # result unused: a collective still has to run on every rank
+        y = OPS.all_reduce(x + 1, h2)
+        OPS.all_reduce(x * 2, h3)
+        return y
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(torch.ones(4)), torch.full((4,), 2.0 * W))
+    assert (first.calls, second.calls, third.calls) == (1, 1, 1)
+    if torch_ops.SIDE_EFFECTS["all_reduce"] == "ordered":
+        assert _Collective.ORDER == [first, second, third]
+
+
+def test_new_handle_retraces_with_the_new_instance():
+    two, four = StandInAllReduce((4,), world_size=2), StandInAllReduce((4,), world_size=4)
+    h2, h4 = handle_of(two), handle_of(four)
+
+    def step(x, h):
+        return OPS.all_reduce(x, h)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    x = torch.ones(4)
+    for h, n in ((h2, 2), (h4, 4), (h2, 2), (h4, 4)):
+        torch.testing.assert_close(compiled(x, h), x * n)
+
+
+def test_compiled_call_with_closed_instance_raises_when_traced():
+    ar = StandInAllReduce((4,))
+    h = handle_of(ar)
+    ar.close()
+    with pytest.raises(Exception, match=rf"handle {h} names a closed AllReduce"):
+        torch.compile(lambda x: OPS.all_reduce(x, h), fullgraph=True, backend="aot_eager")(torch.ones(4))
+
+
+# ------------------------------------------------------------------------------ MoE
+def test_moe_dispatch_and_combine_eager():
+    moe = StandInMoE()
+    h = handle_of(moe)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+    idx, w = _routing()
+    with pytest.raises(RuntimeError, match=rf"handle {h} \(MoEDispatcher\) has no moe_dispatch"):
+        OPS.moe_combine(torch.zeros(moe.capacity, 8), idx, h)
+    recv_x, counts, offsets = OPS.moe_dispatch(x, idx, w, h)
+    rows, want_counts, _ = torch_dispatch_reference([x], [idx], 4, 0)
+    R = rows.shape[0]
+    assert recv_x.shape == (moe.capacity, 8) and recv_x.data_ptr() != moe.recv_x.data_ptr()
+    torch.testing.assert_close(recv_x[:R], rows)
+    assert counts.tolist() == want_counts.tolist() and counts.dtype == torch.int32
+    assert offsets.tolist() == [0] + want_counts.cumsum(0).tolist() and offsets.dtype == torch.int32
+    y = recv_x * 2
+    out = OPS.moe_combine(y, idx, h)
+    assert out.shape == (5, 8) and out.data_ptr() != moe.output.data_ptr()
+    torch.testing.assert_close(out, torch_combine_reference([y], [idx], [w], 4, 0).float())
+    with pytest.raises(ValueError, match=r"topk_idx has 4 tokens, but the latest moe_dispatch .* sent 5"):
+        OPS.moe_combine(y, idx[:4], h)
+    moe.dispatch(x, idx, w)  # through the class API: the op's routing is stale now
+    with pytest.raises(RuntimeError, match="overwritten"):
+        OPS.moe_combine(y, idx, h)
+    with pytest.raises(ValueError, match="more than the max_tokens=6"):
+        OPS.moe_dispatch(torch.ones(7, 8), torch.zeros(7, 2, dtype=torch.int64), torch.ones(7, 2), h)
+
+
+def test_moe_compile_fullgraph_matches_eager():
+    moe = StandInMoE()
+    h = handle_of(moe)
+    expert_scale = torch.linspace(0.5, 2.0, 8)
+
+    def layer(x, idx, w):
+        recv_x, counts, offsets = OPS.moe_dispatch(x, idx, w, h)
+        y = recv_x * expert_scale  # the experts
+        return OPS.moe_combine(y, idx, h), counts, offsets
+
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3))
+    idx, w = _routing(seed=4)
+    want = layer(x, idx, w)
+    got = torch.compile(layer, fullgraph=True, backend="aot_eager")(x, idx, w)
+    for g_, w_ in zip(got, want):
+        torch.testing.assert_close(g_, w_)
+    assert moe.calls == 4  # dispatch + combine, eagerly and compiled
