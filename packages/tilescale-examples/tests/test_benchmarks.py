@@ -104,7 +104,8 @@ def test_symm_baseline_is_na_when_ranks_share_a_gpu_and_names_its_ops():
 
     shared = SymmBaseline("allreduce", None, "cpu", "gloo", True)
     assert shared.reason.startswith("n/a (ranks share a GPU") and "n/a (ranks share a GPU" in shared.title()
-    assert shared.measure(None, None, None, None, 1) == (None, shared.reason)
+    times = shared.measure(None, None, None, None, 1)
+    assert times.fastest() == (None, shared.reason) and times.fastest(graph=True) == (None, shared.reason)
     assert SymmBaseline("allgather", None, "cpu", "nccl", False).reason.startswith("n/a (torch symmetric memory has no")
     names = [n for families in CANDIDATES.values() for _, ns in families for n in ns]
     if not any(hasattr(torch.ops.symm_mem, n) for n in names):
@@ -115,6 +116,25 @@ def test_symm_baseline_is_na_when_ranks_share_a_gpu_and_names_its_ops():
             assert any(hasattr(torch.ops.symm_mem, n) for n in ns), (op, family, ns)
 
 
+def test_symm_times_pick_the_fastest_op_eager_and_replayed():
+    from tilescale_examples.benchmarks.symm_baseline import SymmTimes
+
+    times = SymmTimes(eager={"one_shot_all_reduce_out": 0.004, "two_shot_all_reduce_": 0.003},
+                      graph={"one_shot_all_reduce_out": 0.002})
+    assert times.fastest() == ("two_shot_all_reduce_", 0.003)
+    assert times.fastest(graph=True) == ("one_shot_all_reduce_out", 0.002)
+    assert SymmTimes(graph_reason="n/a (x graph: capture: RuntimeError)").fastest(True) == (
+        None, "n/a (x graph: capture: RuntimeError)")
+    # the reduction columns: TileScale heap 2 us, graph 1 us; symm 3 us eager, 2 us replayed
+    assert C._symm_cells(0.002, times, 0.001) == [2.0, 3.0, "two_shot_all_reduce_", 1.5,
+                                                 2.0, "one_shot_all_reduce_out", 2.0]
+    assert C._symm_cells(0.002, times, None)[4:] == [2.0, "one_shot_all_reduce_out", "-"]
+    na = SymmTimes(reason="n/a (ranks share a GPU)", graph_reason="n/a (ranks share a GPU)")
+    assert C._symm_cells(0.002, na, 0.001) == [2.0, "n/a", "n/a (ranks share a GPU)", "n/a",
+                                              "n/a", "n/a (ranks share a GPU)", "n/a"]
+    assert len(C._symm_cells(0.002, times, 0.001)) == len(C.SYMM_HEADERS)
+
+
 def test_titles_name_the_fallback_that_ran():
     rs = C.title("reducescatter", 4, "gloo", 1, "float32", "all_reduce + slice")
     assert "baseline torch.distributed.all_reduce + slice over gloo" in rs
@@ -122,6 +142,95 @@ def test_titles_name_the_fallback_that_ran():
     assert "baseline torch.distributed.all_gather + select over gloo" in a2a
     assert [b.name for b in C.OPS["reducescatter"].baselines] == ["reduce_scatter_tensor", "all_reduce + slice"]
     assert [b.name for b in C.OPS["alltoall"].baselines] == ["all_to_all_single", "all_to_all", "all_gather + select"]
+
+
+# ------------------------------------------------------------------------------ graph timing
+class FakeGraph:
+    """A stand-in for a captured graph: ``replay`` runs the captured calls again."""
+
+    def __init__(self, fn, calls):
+        self.fn, self.calls, self.replays = fn, calls, 0
+
+    def replay(self):
+        self.replays += 1
+        return [self.fn() for _ in range(self.calls)][-1]
+
+
+def fake_capture(fn, calls):
+    fn()  # the eager warm-up call
+    graph = FakeGraph(fn, calls)
+    return graph, fn()
+
+
+def test_graph_time_is_replay_time_over_captured_calls():
+    """``timer`` times ``replays`` replays of the one graph; the result is per captured call."""
+    seen = []
+
+    def timer(replay, replays):  # 50 us per replay, whatever it holds
+        seen.append((replay, replays))
+        replay()
+        return 0.05
+
+    count = iter(range(100))
+    ms, graph, result = C.graph_ms_per_call(lambda: next(count), 10, 7, timer, capture=fake_capture)
+    assert ms == pytest.approx(0.005)  # 50 us / 10 calls
+    assert seen == [(graph.replay, 7)] and graph.calls == 10 and graph.replays == 1
+    assert result == 1  # what the captured call returned (after the warm-up call's 0)
+    ms, _, _ = C.graph_ms_per_call(lambda: None, 1, 3, lambda replay, n: 0.004, capture=fake_capture)
+    assert ms == pytest.approx(0.004)
+    for calls, replays in ((0, 1), (1, 0)):
+        with pytest.raises(ValueError, match="calls and replays must be >= 1"):
+            C.graph_ms_per_call(lambda: None, calls, replays, timer, capture=fake_capture)
+
+
+def test_graph_time_with_time_ms_as_timer(monkeypatch):
+    """The collectives' timer: ``time_ms`` bound to the group and device, called per replay."""
+    calls = []
+    monkeypatch.setattr(C, "time_ms", lambda fn, iters, group, device: (calls.append((iters, group, device)), 0.03)[1])
+    monkeypatch.setattr(C, "capture_calls", fake_capture)  # the default capture, looked up per call
+    timer = lambda fn, n: C.time_ms(fn, n, group="g", device="d")  # noqa: E731
+    ms, _, _ = C.graph_ms_per_call(lambda: 0, 3, 20, timer)
+    assert ms == pytest.approx(0.01) and calls == [(20, "g", "d")]
+
+
+def test_poison_fills_what_no_check_accepts():
+    f, i, u = torch.zeros(3), torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.uint8)
+    for t in (f, i, u):
+        C.poison_(t)
+    assert torch.isnan(f).all() and (i == 2**31 - 1).all() and (u == 255).all()
+    assert not C.outputs_match(f, torch.zeros(3), (1e-3, 1e-3)) and not C.outputs_match(i, torch.zeros(3, dtype=torch.int32), None)
+
+
+def test_check_cell_names_the_failed_check():
+    assert C._check_cell(0, 0) == "ok"
+    assert C._check_cell(1, 0) == "FAIL (1 rank(s))"
+    assert C._check_cell(0, 2) == "FAIL graph (2 rank(s))"
+    assert C._check_cell(2, 1) == "FAIL (2 rank(s)), FAIL graph (1 rank(s))"
+
+
+def test_graph_goal_line_states_the_ratio_against_the_goal():
+    line = C.graph_goal_line(1, "bfloat16", 2.9, "one_shot_all_reduce_out", 3.94)
+    assert line.startswith("4 KiB all-reduce replayed from a CUDA graph, 1 rank(s), bfloat16: TileScale 2.90 us, "
+                           "torch.ops.symm_mem.one_shot_all_reduce_out 3.94 us per call")
+    assert "TileScale / symm one-shot = 0.736 (goal <= 0.8 at one rank on one H200: met)" in line
+    assert "= 1.015 (goal <= 0.8 at one rank on one H200: NOT met)" in C.graph_goal_line(1, "float16", 4.0, "x", 3.94)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_graph_columns_and_options(name):
+    p = C.parser(name)
+    args = p.parse_args([])
+    assert args.graph is True and args.graph_calls == 10
+    args = p.parse_args(["--no-graph", "--graph-calls", "4", "--ranks", "1"])
+    assert args.graph is False and args.graph_calls == 4 and args.ranks == 1
+    assert C.HEADERS[-2:] == ["TileScale graph us", "check"]  # a wrong graph result shows in the check column
+    assert C.SYMM_HEADERS[-3:] == ["symm graph us", "symm graph op", "graph vs symm"]
+    t = C.title(name, 1, "nccl", 1, "float16", graph_calls=10)
+    assert "1 rank: bus bandwidth 0 by definition, compare the us columns" in t
+    assert "TileScale graph us: GPU time per call of 10 calls captured in one CUDA graph" in t
+    assert "graph" not in C.title(name, 2, "nccl", 2, "float16")  # --no-graph
+    symm = C.title(name, 2, "nccl", 2, "float16", symm="torch symmetric memory: x", graph_calls=10)
+    assert "graph vs symm = symm graph us / TileScale graph us" in symm
 
 
 # ------------------------------------------------------------------------------ the check
@@ -295,7 +404,8 @@ def test_baselines_on_a_real_gloo_group():
 # ------------------------------------------------------------------------------ main
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("argv,message", [
-    (["--ranks", "1"], "--ranks must be >= 2"),
+    (["--ranks", "0"], "--ranks must be >= 1"),
+    (["--graph-calls", "0"], "--graph-calls must be >= 1"),
     (["--min-bytes", "0"], "need 0 < --min-bytes <= --max-bytes"),
     (["--min-bytes", "8192", "--max-bytes", "4096"], "need 0 < --min-bytes <= --max-bytes"),
     (["--dtype", "float64"], "invalid choice"),

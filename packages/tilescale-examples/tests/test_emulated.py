@@ -71,10 +71,11 @@ CASES = [("allreduce", "auto", 4096), ("allreduce", "one_shot", 3 * 4096 + 16),
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_emulated_kernels_match_the_reference_on_gpu(ranks, tmp_path_factory, monkeypatch):
     """Each case: three rounds with fresh inputs and poisoned outputs (both halves of the
-    double buffer), every rank's output bit-exact; then the timing path runs."""
+    double buffer), every rank's output bit-exact; then the timing path runs, and a round
+    captured in a CUDA graph is replayed and checked bit for bit."""
     if not have_gpu():
         pytest.skip("needs a CUDA GPU (none visible)")
-    from tilescale_examples.benchmarks.emulated import build, bytes_moved, check_round, time_kernels
+    from tilescale_examples.benchmarks.emulated import build, bytes_moved, check_round, time_graph, time_kernels
 
     monkeypatch.setenv("TILELANG_CACHE_DIR", warm_cache(tmp_path_factory))  # the rank tests' kernels
     monkeypatch.setenv("TILESCALE_WAIT_TIMEOUT_MS", WAIT_TIMEOUT_MS)
@@ -85,6 +86,8 @@ def test_emulated_kernels_match_the_reference_on_gpu(ranks, tmp_path_factory, mo
                 bad = check_round(op, colls, seed)
                 assert not bad, bad
             assert time_kernels(colls, 2) > 0 and bytes_moved(colls[0]) >= 2 * nbytes // ranks
+            ms, bad = time_graph(op, colls, 3, seed=7)  # after the eager calls: captured kernels rebind
+            assert ms > 0 and not bad, bad
             for c in colls:
                 c.close()
             peers.close()
@@ -112,6 +115,74 @@ def test_benchmark_arguments_and_byte_counts(capsys, monkeypatch):
     with pytest.raises(ValueError, match="sources must be >= 1, got 0"):
         B.copy_ms(16, 1, "cpu", sources=0)
     assert B.HEADERS.index("copy B GB/s") == B.HEADERS.index("ratio") + 1  # the footprint baseline next to the plain one
+    assert B.HEADERS.index("graph us") == B.HEADERS.index("kernel us") + 1  # the replayed call next to the eager one
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert B.main(["--ranks", "2"]) == 0
-    assert "no CUDA GPU visible" in capsys.readouterr().out
+    for argv in (["--ranks", "2"], ["--ranks", "2", "--no-graph"]):
+        assert B.main(argv) == 0
+        assert "no CUDA GPU visible" in capsys.readouterr().out
+
+
+class FakeAllReduce:
+    """A one-shot or two-shot all-reduce of emulated rank ``rank`` on the CPU: ``input`` is its
+    staging buffer (``buffers[rank]``), a call stages an ordinary tensor there; one-shot sums
+    every rank's buffer in rank order into its output, two-shot sums its shard (elements ``i %
+    ranks == rank``) of every buffer and writes it into every buffer (its output is its input)."""
+
+    def __init__(self, rank, buffers, mode, broken=False):
+        self.rank, self.buffers, self.mode, self.broken = rank, buffers, mode, broken
+        self.device, self.input = torch.device("cpu"), buffers[rank]
+        self.flags = torch.zeros(4, dtype=torch.uint64)
+        self.output = self.input if mode == "two_shot" else torch.zeros_like(self.input)
+        self.calls = 0
+
+    def __call__(self, x):
+        from tilescale_examples.reduce_engine import torch_reference
+
+        self.calls += 1
+        assert int(self.flags.view(torch.int64)[0]) == PRESET  # preset before the capture
+        if x is not self.input:
+            self.input.copy_(x)
+        if self.broken:
+            return self.output
+        if self.mode == "one_shot":
+            self.output.copy_(torch_reference(self.buffers))
+        else:
+            mine = torch.arange(self.input.numel()) % len(self.buffers) == self.rank
+            total = torch_reference([b[mine] for b in self.buffers])
+            for b in self.buffers:
+                b[mine] = total
+        return self.output
+
+
+@pytest.mark.parametrize("mode", ["one_shot", "two_shot"])
+def test_graph_round_time_per_call_and_its_check(mode, monkeypatch):
+    """One captured round of every rank's call: the replay time over the ranks, the inputs of
+    the round (two-shot zero copy, else an ordinary tensor), the check after one more replay
+    (inputs restaged, outputs poisoned), and a rank whose output is not written is reported."""
+    from tilescale_examples.benchmarks import collectives as C
+    from tilescale_examples.benchmarks import emulated as B
+    from tilescale_examples.benchmarks import gpu_time
+
+    class Graph:
+        def __init__(self, fn):
+            self.replay = fn
+
+    def capture(fn, calls):
+        assert calls == 1  # one round per graph
+        fn()  # the eager warm-up round
+        return Graph(fn), fn()
+
+    monkeypatch.setattr(C, "capture_calls", capture)
+    timed = []
+    monkeypatch.setattr(gpu_time, "gpu_ms_per_launch", lambda f, n, device: (timed.append(n), f(), 0.012)[2])
+    # broken rank 1: one-shot, its own output is unwritten; two-shot, its shard of every output
+    for broken, want_bad in ((False, []), (True, [1] if mode == "one_shot" else [0, 1, 2])):
+        buffers = [torch.zeros(64) for _ in range(3)]
+        colls = [FakeAllReduce(r, buffers, mode, broken=broken and r == 1) for r in range(3)]
+        ins = B.graph_inputs(colls, ["x0", "x1", "x2"])
+        assert ins == ([c.input for c in colls] if mode == "two_shot" else ["x0", "x1", "x2"])
+        ms, bad = B.time_graph("allreduce", colls, 5, seed=1)
+        assert ms == pytest.approx(0.004) and timed[-1] == 5  # 12 us per replay of 3 calls
+        assert [int(m.split("rank ")[1][0]) for m in bad] == want_bad
+        assert all(m.startswith("allreduce graph rank") for m in bad)
+        assert [c.calls for c in colls] == [4] * 3  # warm-up, capture, timed replay, checked replay

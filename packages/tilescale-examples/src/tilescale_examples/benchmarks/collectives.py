@@ -5,8 +5,8 @@ What the all-gather, reduce-scatter, all-to-all and all-reduce benchmarks share;
 thin entry module (``python -m tilescale_examples.benchmarks.allgather | reducescatter |
 alltoall | allreduce``
 ``[--ranks 4] [--min-bytes 4096] [--max-bytes 1073741824] [--iters 20] [--dtype float16
-bfloat16] [--algorithm auto|one_shot|two_shot] [--engine auto|sm|copy]`` (``--algorithm``
-for all-reduce, ``--engine`` for all-gather)).
+bfloat16] [--algorithm auto|one_shot|two_shot] [--engine auto|sm|copy] [--graph-calls 10]
+[--no-graph]`` (``--algorithm`` for all-reduce, ``--engine`` for all-gather)).
 Without a launcher the benchmark spawns its ranks (one per GPU with an NCCL group when there
 are enough GPUs, else sharing the GPUs with a gloo group); under ``tilescale-run -n 4
 [--share-gpus] -m ...`` it uses the launcher's ranks and ``init_dist``'s group.
@@ -21,6 +21,14 @@ checks its output once against the baseline's (bit exact, except a floating-poin
 calls of both with CUDA events (the slowest rank's time). A failed check is counted, printed
 in the row and makes the exit status 1.
 
+``TileScale graph us`` (unless ``--no-graph``): the same call, ``--graph-calls`` of them captured
+into one CUDA graph (after an eager warm-up call), the graph replayed back to back and timed
+like the eager calls (:func:`graph_ms_per_call`): GPU time per replayed call. The output of the
+last captured call is poisoned before the replays and checked against the baseline's after
+them; a mismatch shows in the check column ("FAIL graph"). For the reductions the graph's
+input is the ordinary tensor (staging counted), as in the eager column: the zero-copy input of
+a double-buffered collective cannot be used once it has been captured.
+
 The baseline is the torch.distributed collective on the host group, chosen by a probe on
 every run (the first candidate that gives the right answer on a small input): NCCL with one
 rank per GPU; gloo when ranks share a GPU (host staging, not NCCL, and time-sliced: the title
@@ -28,11 +36,20 @@ says so). Bus bandwidth as nccl-tests define it: ``busbw = (n - 1) / n * S / t``
 three and ``2 (n - 1) / n * S / t`` for all-reduce (S its size). The ratio column is TileScale
 / baseline (above 1: faster).
 
-The reductions get four more columns (:mod:`tilescale_examples.benchmarks.symm_baseline`):
+The reductions get more columns (:mod:`tilescale_examples.benchmarks.symm_baseline`):
 TileScale called on its own symmetric input buffer (``coll(coll.input)``, no staging), the
 fastest torch symmetric-memory op on a ``symm_mem.empty`` buffer holding the same input
 (checked against TileScale's output first), its name, and the ratio (symm time / TileScale
-time, above 1: TileScale faster). They read "n/a (reason)" when ranks share a GPU.
+time, above 1: TileScale faster); then the fastest symmetric-memory op replayed from a CUDA
+graph the same way (``symm graph us``, its name, and ``graph vs symm`` = symm graph us /
+TileScale graph us). They read "n/a (reason)" when ranks share a GPU.
+
+``--ranks 1`` runs one rank (NCCL group of size 1): the bus bandwidth is 0 by definition, the
+us columns are the measurement. For the all-reduce the run ends with the 4 KiB line
+(:func:`graph_goal_line`): TileScale's replayed call against torch symmetric memory's replayed
+one-shot, ratio TileScale / symm (goal at one rank on one H200: <= 0.8)::
+
+    python -m tilescale_examples.benchmarks.allreduce --ranks 1 --max-bytes 4096 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -50,10 +67,11 @@ from tilescale_examples.reduce_engine import FLAG_STRIDE
 from tilescale_examples.report import format_bytes, gb_per_s, print_table, ratio, size_sweep
 
 __all__ = ["Op", "Baseline", "OPS", "bus_bandwidth", "pick_baseline", "outputs_match", "tolerance",
-           "heap_bytes", "title", "run", "main", "entry", "run_on_ranks", "time_ms"]
+           "heap_bytes", "title", "run", "main", "entry", "run_on_ranks", "time_ms", "capture_calls",
+           "graph_ms_per_call", "poison_", "graph_goal_line", "GRAPH_GOAL_BYTES", "GRAPH_GOAL"]
 
 HEADERS = ["size", "shard", "blocks", "TileScale GB/s", "baseline GB/s", "ratio",
-           "TileScale us", "baseline us", "check"]
+           "TileScale us", "baseline us", "TileScale graph us", "check"]
 #: Relative tolerance of a floating-point reduction, about one ulp of the dtype (bfloat16 has 8
 #: significant bits: one ulp is up to 2**-7 relative). The absolute one is ``rtol * n * (n +
 #: 1) / 2`` for ``n`` ranks: inputs lie in [-1, 1), and a baseline that rounds each of its
@@ -179,8 +197,12 @@ OPS = {
 }
 OPS["reducescatter"] = dataclasses.replace(OPS["reducescatter"], heap_rows=lambda n: 2 * n)  # double-buffered input
 #: Column headers added for the reductions: TileScale with its input already in the symmetric
-#: buffer against torch symmetric memory (whose input is always there).
-SYMM_HEADERS = ["TS heap us", "symm us", "symm op", "vs symm"]
+#: buffer against torch symmetric memory (whose input is always there), eager; then torch
+#: symmetric memory replayed from a CUDA graph against ``TileScale graph us``.
+SYMM_HEADERS = ["TS heap us", "symm us", "symm op", "vs symm", "symm graph us", "symm graph op", "graph vs symm"]
+#: All-reduce size (bytes) of the graph goal line, and the goal: TileScale's replayed call at
+#: most this fraction of torch symmetric memory's replayed one-shot (one rank, one H200).
+GRAPH_GOAL_BYTES, GRAPH_GOAL = 4096, 0.8
 #: Bytes of padding a reduction may add per collective (whole 16-byte vectors per shard).
 REDUCE_PAD = 64
 
@@ -307,6 +329,60 @@ def time_ms(fn, iters: int, group, device) -> float:
     return float(ms.item())
 
 
+def poison_(t) -> None:
+    """Fill tensor ``t`` with values no check accepts: NaN for floating point, the dtype's
+    largest value for integers."""
+    import torch
+
+    t.fill_(float("nan") if t.dtype.is_floating_point else torch.iinfo(t.dtype).max)
+
+
+def capture_calls(fn, calls: int) -> tuple:
+    """``(graph, result)``: one eager call of ``fn`` (warm-up: compile, first-call setup), then
+    ``calls`` calls captured into one ``torch.cuda.CUDAGraph`` on the current device; ``result``
+    is what the last captured call returned. Its tensors (a tensor, or a list or tuple of them)
+    are poisoned (:func:`poison_`) after the capture, so only replays write them: a check of
+    ``result`` after the replays sees what the graph computed. Collective ``fn``: every rank
+    captures the same calls."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    result = None
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            result = fn()
+    for t in result if isinstance(result, (list, tuple)) else [result]:
+        if isinstance(t, torch.Tensor):
+            poison_(t)
+    return graph, result
+
+
+def graph_ms_per_call(fn, calls: int, replays: int, timer, capture=None) -> tuple:
+    """``(milliseconds per call, graph, result)`` of ``fn`` replayed from a CUDA graph:
+    ``capture(fn, calls)`` (default :func:`capture_calls`: one eager call, then ``calls`` calls
+    captured into one graph), ``timer(graph.replay, replays)`` milliseconds per replay (e.g.
+    ``functools.partial(time_ms, group=group, device=device)``, or
+    :func:`~tilescale_examples.benchmarks.gpu_time.gpu_ms_per_launch` with ``device``), divided
+    by ``calls``. ``result`` is the last captured call's return value (written by every replay)."""
+    if calls < 1 or replays < 1:
+        raise ValueError(f"calls and replays must be >= 1, got {calls} and {replays}")
+    graph, result = (capture or capture_calls)(fn, calls)
+    return timer(graph.replay, replays) / calls, graph, result
+
+
+def graph_goal_line(world: int, dtype: str, ts_us: float, symm_op: str, symm_us: float) -> str:
+    """The all-reduce's graph goal line: TileScale's and torch symmetric memory's one-shot
+    GPU time per replayed :data:`GRAPH_GOAL_BYTES` call (microseconds) and their ratio
+    TileScale / symm, against :data:`GRAPH_GOAL` (stated for one rank on one H200)."""
+    r = ratio(ts_us, symm_us)
+    verdict = "met" if r <= GRAPH_GOAL else "NOT met"
+    return (f"{format_bytes(GRAPH_GOAL_BYTES)} all-reduce replayed from a CUDA graph, {world} rank(s), {dtype}: "
+            f"TileScale {ts_us:.2f} us, torch.ops.symm_mem.{symm_op} {symm_us:.2f} us per call; "
+            f"TileScale / symm one-shot = {r:.3f} (goal <= {GRAPH_GOAL} at one rank on one H200: {verdict})")
+
+
 def options(op, args) -> dict:
     """Constructor options of ``op``'s collective from the command line (the all-reduce's
     ``algorithm``, the all-gather's ``engine``)."""
@@ -330,7 +406,9 @@ def grid_cell(op, coll, world: int) -> str:
 
 def run(op, rank: int, world: int, group, device, args) -> dict | None:
     """One rank's part of the benchmark of ``op``; on rank 0 returns ``{dtype: [rows,
-    failures, baseline name, symmetric-memory title]}`` (None elsewhere)."""
+    failures, baseline name, symmetric-memory title, graph goal]}`` (None elsewhere; the graph
+    goal: ``(TileScale us, symm op, symm us)`` of the :data:`GRAPH_GOAL_BYTES` all-reduce
+    replayed from CUDA graphs, or None where not measured)."""
     import tilelang
     import torch
     import torch.distributed as dist
@@ -358,9 +436,26 @@ def run(op, rank: int, world: int, group, device, args) -> dict | None:
     return results if rank == 0 else None
 
 
-def _run_dtype(op, rank, world, group, device, args, alloc, dtype_name, sizes, symm) -> list:
+def _bad_ranks(out, ref, tol, group, flag_device) -> int:
+    """How many ranks' ``out`` does not match ``ref`` (:func:`outputs_match` with ``tol``);
+    every rank makes this collective, ok or not."""
     import torch
     import torch.distributed as dist
+
+    torch.cuda.synchronize(out.device)
+    flag = torch.tensor([0 if outputs_match(out.reshape(-1), ref, tol) else 1], dtype=torch.int32, device=flag_device)
+    dist.all_reduce(flag, group=group)
+    return int(flag.item())
+
+
+def _check_cell(bad: int, graph_bad: int) -> str:
+    """The check column: ``ok``, or which check failed on how many ranks."""
+    fails = [f"FAIL{what} ({n} rank(s))" for what, n in (("", bad), (" graph", graph_bad)) if n]
+    return ", ".join(fails) or "ok"
+
+
+def _run_dtype(op, rank, world, group, device, args, alloc, dtype_name, sizes, symm) -> list:
+    import torch
 
     from tilescale_examples.collective import collective_device
 
@@ -369,8 +464,9 @@ def _run_dtype(op, rank, world, group, device, args, alloc, dtype_name, sizes, s
     cls = op.collective()
     flag_device = collective_device(group, device)
     tol = tolerance(op, dtype_name, world)
-    rows, failures = [], 0
+    rows, failures, goal = [], 0, None
     name, baseline = pick_baseline(op, group, device, dtype)
+    timer = functools.partial(time_ms, group=group, device=device)
     for nbytes in sizes:
         shard = shard_numel(nbytes, world, itemsize)
         coll = cls(alloc, op.shape(shard, world), dtype, group=group, **options(op, args))  # collective
@@ -382,45 +478,70 @@ def _run_dtype(op, rank, world, group, device, args, alloc, dtype_name, sizes, s
         ref = torch.empty(coll.output.numel(), dtype=dtype, device=device)
         baseline(ref, x.reshape(-1))
         out = coll(x)
-        torch.cuda.synchronize(device)
-        flag = torch.tensor([0 if outputs_match(out.reshape(-1), ref, tol) else 1], dtype=torch.int32, device=flag_device)
-        dist.all_reduce(flag, group=group)  # every rank makes this collective, ok or not
-        bad = int(flag.item())
-        failures += bad
+        bad = _bad_ranks(out, ref, tol, group, flag_device)
         total = world * shard * itemsize
         it = iters_for(total, args.iters)
+        graph_time = None
+        if args.graph:
+            graph_time = functools.partial(graph_ms_per_call, calls=args.graph_calls, replays=it, timer=timer)
         ts_ms = time_ms(lambda: coll(x), it, group, device)
         ref_ms = time_ms(lambda: baseline(ref, x.reshape(-1)), it, group, device)
+        heap_ms = times = None
+        if symm is not None:  # before the graph: coll.input is not usable once coll has been captured
+            heap_ms, times = _symm_times(coll, x, out, tol, symm, it, group, device, graph_time)
+        graph_call_ms, graph_bad = None, 0
+        if graph_time is not None:
+            graph_call_ms, _, graph_out = graph_time(lambda: coll(x))
+            graph_bad = _bad_ranks(graph_out, ref, tol, group, flag_device)
+        failures += bad + graph_bad
         ts_bw, ref_bw = bus_bandwidth(total, world, ts_ms, op), bus_bandwidth(total, world, ref_ms, op)
         row = [format_bytes(total), format_bytes(shard * itemsize), grid_cell(op, coll, world), ts_bw, ref_bw,
-               ratio(ts_bw, ref_bw), ts_ms * 1e3, ref_ms * 1e3, "ok" if bad == 0 else f"FAIL ({bad} rank(s))"]
+               ratio(ts_bw, ref_bw), ts_ms * 1e3, ref_ms * 1e3, "-" if graph_call_ms is None else graph_call_ms * 1e3,
+               _check_cell(bad, graph_bad)]
         if symm is not None:
-            row += _symm_cells(coll, x, out, tol, symm, it, group, device)
+            row += _symm_cells(heap_ms, times, graph_call_ms)
+            one_shot = symm.families.get("one-shot")
+            if op.module == "allreduce" and total == GRAPH_GOAL_BYTES and graph_call_ms and one_shot in times.graph:
+                goal = (graph_call_ms * 1e3, one_shot, times.graph[one_shot] * 1e3)
         rows.append(row)
         coll.close()
-    return [rows, failures, name, None if symm is None else symm.title()]
+    return [rows, failures, name, None if symm is None else symm.title(), goal]
 
 
-def _symm_cells(coll, x, out, tol, symm, iters, group, device) -> list:
-    """``[TileScale heap us, symm us, symm op, ratio]``: TileScale called on its symmetric
-    input buffer (no staging) against the fastest torch symmetric-memory op."""
+def _symm_times(coll, x, out, tol, symm, iters, group, device, graph_time) -> tuple:
+    """``(TileScale heap ms, SymmTimes)``: TileScale called on its symmetric input buffer (no
+    staging), and the torch symmetric-memory ops checked against ``out`` and timed
+    (:meth:`SymmBaseline.measure`; replayed from CUDA graphs with ``graph_time``)."""
     import torch
 
     expect = out.reshape(-1).clone()
     heap_ms = time_ms(lambda: coll(coll.input), iters, group, device)
-    name, ms = symm.measure(x, expect, lambda got, want: outputs_match(got, want, tol), time_ms, iters)
+    times = symm.measure(x, expect, lambda got, want: outputs_match(got, want, tol), time_ms, iters, graph_time)
     torch.cuda.synchronize(device)
-    if name is None:
-        return [heap_ms * 1e3, "n/a", ms, "n/a"]
-    return [heap_ms * 1e3, ms * 1e3, name, ratio(ms, heap_ms)]
+    return heap_ms, times
+
+
+def _symm_cells(heap_ms: float, times, graph_call_ms) -> list:
+    """The :data:`SYMM_HEADERS` cells: TileScale on its symmetric input against the fastest
+    torch symmetric-memory op, then the fastest one replayed from a CUDA graph against
+    TileScale's graph time ``graph_call_ms`` (None: not measured)."""
+    cells = [heap_ms * 1e3]
+    for graph, ts_ms in ((False, heap_ms), (True, graph_call_ms)):
+        name, ms = times.fastest(graph)
+        if name is None:
+            cells += ["n/a", ms, "n/a"]
+        else:
+            cells += [ms * 1e3, name, "-" if ts_ms is None else ratio(ms, ts_ms)]
+    return cells
 
 
 # ------------------------------------------------------------------------------ report
 def title(op, world: int, backend: str, gpus: int, dtype: str, baseline: str | None = None,
-          symm: str | None = None, algorithm: str | None = None) -> str:
+          symm: str | None = None, algorithm: str | None = None, graph_calls: int | None = None) -> str:
     """The table title: collective, ranks, dtype, GPU mode and which baseline ran over what;
     for the reductions also the all-reduce algorithm and the torch symmetric-memory baseline
-    (``symm``, from :meth:`SymmBaseline.title`)."""
+    (``symm``, from :meth:`SymmBaseline.title`); what the graph column times
+    (``graph_calls`` calls per CUDA graph; None: not measured)."""
     op = _op(op)
     baseline = baseline or op.baselines[0].name
     if backend == "nccl":
@@ -436,8 +557,15 @@ def title(op, world: int, backend: str, gpus: int, dtype: str, baseline: str | N
     if op.reduces:
         text += ("; TileScale us/GB/s: an ordinary tensor in (staging counted); TS heap us: input already "
                  "in its symmetric buffer")
+    if world == 1:
+        text += "; 1 rank: bus bandwidth 0 by definition, compare the us columns"
+    if graph_calls is not None:
+        text += (f"; TileScale graph us: GPU time per call of {graph_calls} calls captured in one CUDA graph, "
+                 "replayed back to back")
     if symm is not None:
         text += f"; {symm}; vs symm = symm us / TS heap us"
+        if graph_calls is not None:
+            text += "; graph vs symm = symm graph us / TileScale graph us"
     return text
 
 
@@ -489,7 +617,10 @@ def parser(op) -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=4, help="ranks to spawn (ignored under tilescale-run)")
     p.add_argument("--min-bytes", type=int, default=4096, help="smallest total size in bytes")
     p.add_argument("--max-bytes", type=int, default=1 << 30, help="largest total size in bytes")
-    p.add_argument("--iters", type=int, default=20, help="timed calls per size (fewer above 64 MiB)")
+    p.add_argument("--iters", type=int, default=20, help="timed calls (graph: replays) per size (fewer above 64 MiB)")
+    p.add_argument("--graph-calls", type=int, default=10,
+                   help="calls captured in the CUDA graph of the graph columns (time per call = replay time / this)")
+    p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph columns")
     default = ["float16", "bfloat16"] if op.reduces else ["float16"]
     p.add_argument("--dtype", nargs="+", default=default, choices=list(op.dtypes),
                    help=f"one table per dtype (default: {' '.join(default)})")
@@ -512,8 +643,10 @@ def main(op, argv=None) -> int:
     op = _op(op)
     p = parser(op)
     args = p.parse_args(argv)
-    if args.ranks < 2:
-        p.error("--ranks must be >= 2 (the bus bandwidth of one rank is 0)")
+    if args.ranks < 1:
+        p.error("--ranks must be >= 1")
+    if args.graph_calls < 1:
+        p.error("--graph-calls must be >= 1")
     if not 0 < args.min_bytes <= args.max_bytes:
         p.error("need 0 < --min-bytes <= --max-bytes")
     os.environ.setdefault("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
@@ -527,12 +660,16 @@ def main(op, argv=None) -> int:
     if result is None:  # a launcher rank other than 0
         return 0
     total = 0
-    for dtype, (rows, failures, baseline, symm) in result.items():
+    for dtype, (rows, failures, baseline, symm, goal) in result.items():
         heads = HEADERS + (SYMM_HEADERS if symm is not None else [])
         print_table(title(op, world, backend, min(gpus, world), dtype, baseline, symm,
-                          getattr(args, "algorithm", None) or getattr(args, "engine", None)), heads, rows)
+                          getattr(args, "algorithm", None) or getattr(args, "engine", None),
+                          args.graph_calls if args.graph else None), heads, rows)
         print(f"\ncorrectness ({_check_name(tolerance(op, dtype, world))} vs the baseline's output, "
-              f"every size): {'ok' if failures == 0 else f'{failures} FAILURE(S)'}")
+              f"every size{', eager and graph' if args.graph else ''}): "
+              f"{'ok' if failures == 0 else f'{failures} FAILURE(S)'}")
+        if goal is not None:
+            print(graph_goal_line(world, dtype, *goal))
         total += failures
     return 0 if total == 0 else 1
 

@@ -3,7 +3,7 @@
 ``python -m tilescale_examples.benchmarks.emulated [--ranks 2 4 8] [--min-bytes 4096]
 [--max-bytes 1073741824] [--dtype float16] [--ops allreduce reducescatter]
 [--algorithm auto|one_shot|two_shot] [--iters 50] [--threads 512] [--unroll U]
-[--max-blocks B]``
+[--max-blocks B] [--no-graph]``
 
 One process, no process group: ``N`` emulated ranks are ``N`` regions of one device buffer
 (:mod:`tilescale_examples.emulated`), and their metadata tables map PE ``p`` to region ``p``,
@@ -30,23 +30,40 @@ buffers likewise (two-shot: one buffer, baseline B is the plain copy). Where the
 runs out of L2 and the two buffers do not fit (about 16 MiB on an H200), B is the fair
 measure of the kernel's data movement; the goal is stated against the plain copy.
 
+``graph us`` (unless ``--no-graph``): one round (every emulated rank's call, rank order)
+captured in one CUDA graph, the graph replayed ``--iters`` times behind a stream hold (as
+above), GPU time per replay divided by the ranks: the GPU time per call replayed from a graph.
+The round's inputs (:func:`graph_inputs`): two-shot calls ``c(c.input)`` as the kernel column
+does; one-shot and reduce-scatter take an ordinary tensor, staged by the kernel (the zero-copy
+input of a double-buffered collective is not usable once captured), so their graph calls also
+read and write one more copy of the input's bytes. Every replayed call also holds the copy of
+its emulated rank's metadata table (a few bytes, device to device: the emulated ranks share
+one compiled kernel; a real rank's kernel needs none). After the replays, the inputs restaged
+(two-shot: its input is overwritten by its result) and the outputs poisoned, one more replay
+is checked bit for bit like the eager round ("FAIL graph" in the check column). The graph
+column is measured after every eager column of the sweep, on freshly built collectives: once
+captured, a kernel shared by emulated ranks rebinds its table on every eager call, which would
+slow the eager columns' calls.
+
 The goals (printed at the end): from 16 MiB up, ratio >= 0.9; a 4 KiB all-reduce kernel takes
-<= 8 us of GPU time.
+<= 8 us of GPU time (the replayed call's time printed beside it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import statistics
 
 from tilescale_examples.report import format_bytes, gb_per_s, print_table, ratio, size_sweep
 
 __all__ = ["build", "fill_inputs", "expected", "check_round", "bytes_moved", "time_kernels", "copy_ms",
-           "run", "main", "HEADERS", "SMALL_BYTES", "LARGE_BYTES"]
+           "preset_flags", "graph_inputs", "time_graph", "run", "main", "HEADERS", "SMALL_BYTES", "LARGE_BYTES"]
 
-HEADERS = ["ranks", "size", "op", "blocks", "kernel us", "moved", "GB/s", "copy GB/s", "ratio", "copy B GB/s",
-           "ratio B", "check"]
+HEADERS = ["ranks", "size", "op", "blocks", "kernel us", "graph us", "moved", "GB/s", "copy GB/s", "ratio",
+           "copy B GB/s", "ratio B", "check"]
 #: The latency goal's size and the bandwidth goal's smallest size.
 SMALL_BYTES, LARGE_BYTES = 4096, 16 << 20
 DTYPES = ("float16", "bfloat16", "float32")
@@ -124,21 +141,33 @@ def expected(op: str, inputs: list) -> list:
 def check_round(op: str, colls, seed: int) -> list:
     """Fill fresh inputs, poison the outputs, run one round, compare every rank's output
     with :func:`expected`; returns failure messages (empty when all match)."""
-    import torch
-
     from tilescale_examples.emulated import run_round
 
-    for c in colls:
-        if c.output.data_ptr() != c.input.data_ptr():  # two-shot: the output is the input buffer
-            c.output.fill_(float("nan") if c.dtype.is_floating_point else -123456789)
+    _poison_outputs(colls)
     inputs = fill_inputs(colls, seed)
     want = expected(op, inputs)  # before the round: the two-shot overwrites its inputs
-    outs = run_round(colls)
-    torch.cuda.synchronize()
+    return _compare(op, run_round(colls), want)
+
+
+def _poison_outputs(colls) -> None:
+    """Poison every rank's output, except where it is the input buffer (two-shot)."""
+    from tilescale_examples.benchmarks.collectives import poison_
+
+    for c in colls:
+        if c.mode != "two_shot":
+            poison_(c.output)
+
+
+def _compare(op: str, outs, want, what: str = "") -> list:
+    """Failure messages of the ranks whose output differs from ``want`` (bit for bit)."""
+    import torch
+
+    if outs and outs[0].is_cuda:
+        torch.cuda.synchronize(outs[0].device)
     bad = []
     for r, (out, w) in enumerate(zip(outs, want)):
         if not torch.equal(out, w):
-            bad.append(f"{op} rank {r}/{len(colls)} {tuple(out.shape)} {out.dtype}: "
+            bad.append(f"{op}{what} rank {r}/{len(outs)} {tuple(out.shape)} {out.dtype}: "
                        f"{int((out != w).sum())} wrong elements")
     return bad
 
@@ -156,18 +185,70 @@ def time_kernels(colls, iters: int) -> float:
     back-to-back calls (inputs already staged, every flag preset so that waits pass) timed as
     one stretch behind a stream hold (:func:`~tilescale_examples.benchmarks.gpu_time.gpu_ms_per_launch`:
     the host's launch cost is not counted); the mean over ranks."""
-    import torch
-
     from tilescale_examples.benchmarks.gpu_time import gpu_ms_per_launch
-    from tilescale_examples.emulated import PRESET
 
     per_rank = []
     for c in colls:
-        for other in colls:  # a peer's earlier calls set its flag words to its (smaller) epochs
-            other.flags.view(torch.int64).fill_(PRESET)
+        preset_flags(colls)  # a peer's earlier calls set its flag words to its (smaller) epochs
         c.bind_table()  # stream-ordered, before the hold; the calls below keep this table
         per_rank.append(gpu_ms_per_launch(lambda: c(c.input), iters, c.device))
     return statistics.fmean(per_rank)
+
+
+def preset_flags(colls) -> None:
+    """Every emulated rank's flag words to :data:`~tilescale_examples.emulated.PRESET` (above
+    any call number: every wait passes), on the current stream: one fill over every region
+    when the ranks' flags lie at one offset of equal regions (they do: same allocation
+    sequence), else one fill per rank."""
+    import torch
+
+    from tilescale_examples.emulated import PRESET
+
+    first = colls[0].flags.view(torch.int64)
+    step = colls[1].flags.data_ptr() - first.data_ptr() if len(colls) > 1 else 0
+    if len(colls) > 1 and step > 0 and step % 8 == 0 and all(
+            c.flags.data_ptr() == first.data_ptr() + r * step and c.flags.numel() == first.numel()
+            for r, c in enumerate(colls)):
+        torch.as_strided(first, (len(colls), first.numel()), (step // 8, 1)).fill_(PRESET)
+        return
+    for c in colls:
+        c.flags.view(torch.int64).fill_(PRESET)
+
+
+def graph_inputs(colls, xs) -> list:
+    """The inputs of a captured round, rank order: two-shot ``c.input`` (zero copy, as
+    :func:`time_kernels` calls it; refilled before a checked replay), the others ``xs[r]``
+    (an ordinary tensor, staged by the kernel: a double-buffered collective's zero-copy input
+    is not usable once it has been captured)."""
+    return [c.input if c.mode == "two_shot" else x for c, x in zip(colls, xs)]
+
+
+def time_graph(op: str, colls, iters: int, seed: int) -> tuple:
+    """``(milliseconds, failures)``: GPU time per call of one round (every emulated rank's call
+    on :func:`graph_inputs`, after one fill presetting every rank's flags, as an eager round
+    does: the calls set them to their call numbers) captured in a CUDA graph
+    and replayed ``iters`` times behind a stream hold
+    (:func:`~tilescale_examples.benchmarks.collectives.graph_ms_per_call`), divided by the
+    ranks; then one more replay on restaged inputs and poisoned outputs, checked against
+    :func:`expected` (failure messages, empty when every rank matches)."""
+    from tilescale_examples.benchmarks.collectives import graph_ms_per_call
+    from tilescale_examples.benchmarks.gpu_time import gpu_ms_per_launch
+
+    xs = [x.clone() for x in fill_inputs(colls, seed)]
+    ins = graph_inputs(colls, xs)
+
+    def round_():  # the flags are set to call numbers by every call: preset them each round
+        preset_flags(colls)
+        return [c(x) for c, x in zip(colls, ins)]
+
+    timer = functools.partial(gpu_ms_per_launch, device=colls[0].device)
+    ms, graph, outs = graph_ms_per_call(round_, 1, iters, timer)
+    for c, x, i in zip(colls, xs, ins):
+        if i is not x:
+            i.copy_(x)  # two-shot: the replays left sums of sums in the input buffers
+    _poison_outputs(colls)
+    graph.replay()
+    return ms / len(colls), _compare(op, outs, expected(op, xs), " graph")
 
 
 def copy_ms(nbytes: int, iters: int, device, sources: int = 1) -> float:
@@ -199,38 +280,64 @@ def iters_for(nbytes: int, iters: int) -> int:
     return max(5, min(iters, iters * (64 << 20) // max(nbytes, 1)))
 
 
+@contextlib.contextmanager
+def built(args, n: int, op: str, nbytes: int, dtype, device):
+    """:func:`build` with the command line's options; closes the collectives and the peers
+    (and empties torch's cache) on exit. Yields the collectives, rank order."""
+    import torch
+
+    peers, colls = build(op, args.algorithm, n, nbytes, dtype, device, max_blocks=args.max_blocks,
+                         threads=args.threads, unroll=args.unroll)
+    try:
+        yield colls
+    finally:
+        for c in colls:
+            c.close()
+        peers.close()
+        del colls, peers
+        torch.cuda.empty_cache()
+
+
+GRAPH_COLUMN, CHECK_COLUMN = HEADERS.index("graph us"), HEADERS.index("check")
+
+
 def run(args, device) -> tuple:
-    """``(rows, failures, small_us, worst_large)`` of the whole sweep."""
+    """``(rows, failures, small_us, worst_large)`` of the whole sweep (``small_us``: ranks ->
+    ``[kernel us, graph us or None]`` of the 4 KiB all-reduce)."""
     import torch
 
     dtype = getattr(torch, args.dtype)
+    cases = [(n, op, nbytes) for n in args.ranks for op in args.ops
+             for nbytes in size_sweep(args.min_bytes, args.max_bytes, 4)]
     rows, failures, small, worst = [], [], {}, float("inf")
-    for n in args.ranks:
-        for op in args.ops:
-            for nbytes in size_sweep(args.min_bytes, args.max_bytes, 4):
-                peers, colls = build(op, args.algorithm, n, nbytes, dtype, device, max_blocks=args.max_blocks,
-                                     threads=args.threads, unroll=args.unroll)
-                bad = check_round(op, colls, seed=nbytes % 100003 + n)
-                failures += bad
-                it = iters_for(nbytes, args.iters)
-                ms = time_kernels(colls, it)
-                moved = bytes_moved(colls[0])
-                base = copy_ms(moved // 2, it, device)
-                stages = len(colls[0].stages)  # 2: one-shot and reduce-scatter alternate buffers
-                base_b = base if stages == 1 else copy_ms(moved // 2, it, device, sources=stages)
-                bw, ref, ref_b = gb_per_s(moved, ms), gb_per_s(moved, base), gb_per_s(moved, base_b)
-                name = colls[0].mode if op == "allreduce" else "reduce-scatter"
-                rows.append([n, format_bytes(nbytes), name, colls[0].plan.blocks, ms * 1e3, format_bytes(moved),
-                             bw, ref, ratio(bw, ref), ref_b, ratio(bw, ref_b), "ok" if not bad else "FAIL"])
-                if op == "allreduce" and nbytes == SMALL_BYTES:
-                    small[n] = ms * 1e3
-                if nbytes >= LARGE_BYTES:
-                    worst = min(worst, ratio(bw, ref))
-                for c in colls:
-                    c.close()
-                peers.close()
-                del colls, peers
-                torch.cuda.empty_cache()
+    for n, op, nbytes in cases:
+        with built(args, n, op, nbytes, dtype, device) as colls:
+            bad = check_round(op, colls, seed=nbytes % 100003 + n)
+            failures += bad
+            it = iters_for(nbytes, args.iters)
+            ms = time_kernels(colls, it)
+            moved = bytes_moved(colls[0])
+            base = copy_ms(moved // 2, it, device)
+            stages = len(colls[0].stages)  # 2: one-shot and reduce-scatter alternate buffers
+            base_b = base if stages == 1 else copy_ms(moved // 2, it, device, sources=stages)
+            bw, ref, ref_b = gb_per_s(moved, ms), gb_per_s(moved, base), gb_per_s(moved, base_b)
+            name = colls[0].mode if op == "allreduce" else "reduce-scatter"
+            rows.append([n, format_bytes(nbytes), name, colls[0].plan.blocks, ms * 1e3, "-", format_bytes(moved),
+                         bw, ref, ratio(bw, ref), ref_b, ratio(bw, ref_b), "ok" if not bad else "FAIL"])
+            if op == "allreduce" and nbytes == SMALL_BYTES:
+                small[n] = [ms * 1e3, None]
+            if nbytes >= LARGE_BYTES:
+                worst = min(worst, ratio(bw, ref))
+    # after every eager column: a captured kernel shared by emulated ranks rebinds on every eager call
+    for row, (n, op, nbytes) in zip(rows if args.graph else [], cases):
+        with built(args, n, op, nbytes, dtype, device) as colls:
+            ms, bad = time_graph(op, colls, iters_for(nbytes, args.iters), seed=nbytes % 100003 + n + 1)
+        failures += bad
+        row[GRAPH_COLUMN] = ms * 1e3
+        if bad:
+            row[CHECK_COLUMN] = "FAIL graph" if row[CHECK_COLUMN] == "ok" else "FAIL, FAIL graph"
+        if op == "allreduce" and nbytes == SMALL_BYTES:
+            small[n][1] = ms * 1e3
     return rows, failures, small, worst
 
 
@@ -248,6 +355,8 @@ def main(argv=None) -> int:
     p.add_argument("--unroll", type=int, default=None, help="rows per thread and iteration (default max(1, 8 // ranks))")
     p.add_argument("--max-blocks", type=int, default=None,
                    help="grid limit (default: the SM count; larger grids are safe here only: emulated waits pass at once)")
+    p.add_argument("--no-graph", dest="graph", action="store_false",
+                   help="skip the graph column (one round captured in a CUDA graph, replayed)")
     args = p.parse_args(argv)
     if any(n < 1 or n > 64 for n in args.ranks):
         p.error("--ranks must be in [1, 64]")
@@ -267,18 +376,23 @@ def main(argv=None) -> int:
     precompile(reduction_jobs(modes, [args.dtype], args.ranks, args.threads, args.unroll))  # in parallel: cache hits below
     rows, failures, small, worst = run(args, device)
     name = torch.cuda.get_device_name(device)
+    graph_text = (f"graph us: one round (every rank's call) captured in a CUDA graph, {args.iters} replays, GPU time "
+                  "per call (one-shot and reduce-scatter: an ordinary tensor in, staged by the kernel)")
     print_table(f"reduction kernels with emulated peers (one {name}, {args.dtype}, all-reduce algorithm "
                 f"{args.algorithm}, {args.threads} threads, unroll {args.unroll or 'max(1, 8 // ranks)'}, "
-                f"grid <= {args.max_blocks or 'SM count'} blocks; GPU time of {args.iters} back-to-back launches); GB/s = bytes one rank's kernel reads + writes / its GPU time; baseline "
+                f"grid <= {args.max_blocks or 'SM count'} blocks; GPU time of {args.iters} back-to-back launches); GB/s = bytes one rank's kernel reads + writes / its GPU time; "
+                f"{graph_text if args.graph else 'graph us: not measured (--no-graph)'}; baseline "
                 "torch device-to-device copy_ of the same bytes, same run; copy B: the same copy reading as many "
                 "source buffers in turn as the kernel has staging buffers (its memory footprint)", HEADERS, rows)
     for f in failures[:20]:
         print("FAILED:", f)
-    small_txt = ", ".join(f"{n} ranks {us:.2f} us" for n, us in small.items()) or "not measured"
+    small_txt = ", ".join(f"{n} ranks {us:.2f} us" + ("" if g is None else f" (graph {g:.2f} us)")
+                          for n, (us, g) in small.items()) or "not measured"
     print(f"\n4 KiB all-reduce kernel: {small_txt} (goal <= 8 us)")
     print(f"worst ratio from {format_bytes(LARGE_BYTES)} up: "
           f"{worst if worst != float('inf') else float('nan'):.3f} (goal >= 0.9)")
-    print(f"correctness (every rank's output, bit-exact rank-order reference, every size): "
+    print(f"correctness (every rank's output, bit-exact rank-order reference, every size"
+          f"{', eager and graph' if args.graph else ''}): "
           f"{'ok' if not failures else f'{len(failures)} FAILURE(S)'}")
     return 0 if not failures else 1
 

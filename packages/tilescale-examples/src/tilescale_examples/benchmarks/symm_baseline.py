@@ -10,16 +10,18 @@ visible after ``symm_mem.rendezvous(buf, group_name)``, and ``torch.ops.symm_mem
 
 :class:`SymmBaseline` probes which of these the installed torch has (they are named in the
 benchmark's title), and per size fills a symmetric buffer with the input, checks each op's
-result against the TileScale output, times every op that passed and reports the fastest. It
-needs one GPU per rank and an NCCL group; otherwise :attr:`SymmBaseline.reason` says why it
-is "n/a".
+result against the TileScale output, times every op that passed (back-to-back calls, and,
+when asked, replayed from a CUDA graph: :class:`SymmTimes`) and reports the fastest. It needs
+one GPU per rank and an NCCL group (one rank works: a group of size 1); otherwise
+:attr:`SymmBaseline.reason` says why it is "n/a".
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["SymmBaseline", "CANDIDATES"]
+__all__ = ["SymmBaseline", "SymmTimes", "CANDIDATES"]
 
 #: benchmark op -> (family, [op names in order of preference]); one op per family is timed.
 CANDIDATES = {
@@ -42,16 +44,45 @@ def _call(name: str, buf, out, group_name: str) -> Callable[[], object]:
     return lambda: fn(buf, "sum", group_name)
 
 
+def _result(name: str, returned, buf, out):
+    """Where op ``name`` left its result: ``buf`` for the in-place op, what it returned for
+    ``one_shot_all_reduce``, else ``out``."""
+    return buf if name.endswith("_") else (returned if name == "one_shot_all_reduce" else out)
+
+
+@dataclass
+class SymmTimes:
+    """What :meth:`SymmBaseline.measure` found for one size: milliseconds per call of every op
+    that passed the check, called back to back (``eager``) and replayed from a CUDA graph
+    (``graph``, when asked for), by op name; ``reason`` / ``graph_reason``: why the dict is
+    empty ("n/a (...)")."""
+
+    eager: dict = field(default_factory=dict)
+    graph: dict = field(default_factory=dict)
+    reason: str = "n/a (every op failed)"
+    graph_reason: str = "n/a (not measured)"
+
+    def fastest(self, graph: bool = False) -> tuple:
+        """``(op name, milliseconds per call)`` of the fastest op eagerly (``graph``: replayed
+        from a CUDA graph), or ``(None, reason)``."""
+        times = self.graph if graph else self.eager
+        if not times:
+            return None, self.graph_reason if graph else self.reason
+        name = min(times, key=times.get)
+        return name, times[name]
+
+
 class SymmBaseline:
     """The torch symmetric-memory ops of ``op`` ("allreduce" or "reducescatter") on ``group``.
 
     Attributes: ``reason`` (None when usable, else why not), ``ops`` (the chosen op name per
-    family, in order).
+    family, in order), ``families`` (family -> chosen op name, e.g. ``"one-shot"``).
     """
 
     def __init__(self, op: str, group, device, backend: str, ranks_share_gpu: bool):
         self.op, self.group, self.device = op, group, device
         self.ops: list[str] = []
+        self.families: dict[str, str] = {}
         self.reason = None
         if op not in CANDIDATES:
             self.reason = "n/a (torch symmetric memory has no such op)"
@@ -68,10 +99,11 @@ class SymmBaseline:
             enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
             if enable is not None:
                 enable(self.group_name)
-            for _, names in CANDIDATES[op]:
+            for family, names in CANDIDATES[op]:
                 have = [n for n in names if hasattr(torch.ops.symm_mem, n)]
                 if have:
                     self.ops.append(have[0])
+                    self.families[family] = have[0]
         except Exception as e:  # an old torch, or no CUDA symmetric memory backend
             self.reason = f"n/a (torch symmetric memory unavailable: {type(e).__name__}: {e})"[:160]
             return
@@ -84,38 +116,62 @@ class SymmBaseline:
             return f"torch symmetric memory: {self.reason}"
         return "torch symmetric memory: torch.ops.symm_mem." + " / ".join(self.ops) + " on symm_mem.empty buffers (fastest per size)"
 
-    def measure(self, x, expect, match: Callable, time_ms: Callable, iters: int):
-        """``(op name, milliseconds)`` of the fastest op whose result ``match(result,
-        expect)`` on a symmetric copy of ``x`` (this rank's flat input), or ``(None,
-        reason)``. Every rank must call it with the same sizes (rendezvous is collective)."""
+    def measure(self, x, expect, match: Callable, time_ms: Callable, iters: int,
+                graph_time: Callable | None = None) -> SymmTimes:
+        """:class:`SymmTimes` of every op whose result ``match(result, expect)`` on a symmetric
+        copy of ``x`` (this rank's flat input): ``time_ms(call, iters, group, device)``
+        milliseconds per back-to-back call, and with ``graph_time`` (``graph_time(call) ->
+        (milliseconds per call, graph, last captured result)``, e.g. ``collectives.
+        graph_ms_per_call``) per call replayed from a CUDA graph, the result checked again
+        after the replays (not for the in-place op, whose replays sum their own output).
+        Every rank must call it with the same sizes (rendezvous is collective)."""
         import torch
 
+        times = SymmTimes()
         if self.reason is not None:
-            return None, self.reason
+            times.reason = times.graph_reason = self.reason
+            return times
         buf = self.symm_mem.empty(x.numel(), dtype=x.dtype, device=self.device)
         self.symm_mem.rendezvous(buf, self.group_name)
         out = torch.empty(expect.numel(), dtype=x.dtype, device=self.device)
-        best = (None, "n/a (every op failed)")
         for name in self.ops:
             buf.copy_(x.reshape(-1))  # the in-place two-shot leaves its result here
             call = _call(name, buf, out, self.group_name)
-            why = "wrong result"
-            try:
-                result = call()
-                torch.cuda.synchronize(self.device)
-                got = buf if name.endswith("_") else (result if name == "one_shot_all_reduce" else out)
-                ok = bool(match(got.reshape(-1), expect))
-            except (RuntimeError, ValueError, TypeError) as e:
-                ok, why = False, type(e).__name__
+            ok, why = self._check(name, call, buf, out, expect, match)
             if not _all_ranks(ok, self.group, self.device):
-                if best[0] is None:
-                    best = (None, f"n/a ({name}: {why})")
+                if not times.eager:
+                    times.reason = f"n/a ({name}: {why})"
                 continue
-            ms = time_ms(call, iters, self.group, self.device)
-            if best[0] is None or ms < best[1]:
-                best = (name, ms)
+            times.eager[name] = time_ms(call, iters, self.group, self.device)
+            if graph_time is None:
+                continue
+            buf.copy_(x.reshape(-1))
+            ms, why = None, "wrong result after replays"
+            try:
+                ms, _, returned = graph_time(call)
+                torch.cuda.synchronize(self.device)
+                ok = name.endswith("_") or bool(match(_result(name, returned, buf, out).reshape(-1), expect))
+            except RuntimeError as e:  # an op this torch cannot capture
+                ok, why = False, f"capture: {type(e).__name__}"
+            if _all_ranks(ok, self.group, self.device):
+                times.graph[name] = ms
+            elif not times.graph:
+                times.graph_reason = f"n/a ({name} graph: {why})"
+        if not times.eager:
+            times.graph_reason = times.reason
         del buf, out
-        return best
+        return times
+
+    def _check(self, name: str, call, buf, out, expect, match) -> tuple:
+        """``(ok, why not)`` of one eager call of op ``name`` against ``expect``."""
+        import torch
+
+        try:
+            returned = call()
+            torch.cuda.synchronize(self.device)
+            return bool(match(_result(name, returned, buf, out).reshape(-1), expect)), "wrong result"
+        except (RuntimeError, ValueError, TypeError) as e:
+            return False, type(e).__name__
 
 
 def _all_ranks(ok: bool, group, device) -> bool:
