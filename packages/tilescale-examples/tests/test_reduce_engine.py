@@ -168,7 +168,8 @@ def test_builder_rejects_bad_arguments():
                                (dict(dtype="uint8"), ValueError, "dtype must be one of"),
                                (dict(world_size=0), ValueError, "world_size must be an int"),
                                (dict(threads=48), ValueError, "threads must be a multiple of 32"),
-                               (dict(unroll=0), ValueError, "unroll must be a positive int")):
+                               (dict(unroll=0), ValueError, "unroll must be a positive int"),
+                               (dict(unroll=17), ValueError, r"unroll must be at most 16 at 2 rank\(s\)")):
         args = dict(mode="one_shot", dtype="float16", world_size=2)
         args.update(kwargs)
         with pytest.raises(exc, match=match):
@@ -196,3 +197,21 @@ def test_nvcc_compiles_each_mode_within_the_register_budget(mode, dtype, world, 
     src = lower_with(build_reduce_kernel(mode, dtype, world, 512), PASS_CONFIGS)
     registers, spills = nvcc_resources(src, tmp_path)
     assert registers <= MAX_REGISTERS and spills == 0, (registers, spills)
+
+
+def test_unroll_is_bounded_before_anything_is_traced():
+    """``AllReduce(unroll=10**6)`` used to trace a kernel unrolled a million times (gigabytes,
+    minutes): the plan refuses it at once, naming the argument and the bound."""
+    import time
+
+    from tilescale_examples.reduce_engine import MAX_UNROLLED_VECTORS, check_unroll, max_unroll
+
+    assert [max_unroll(w) for w in (1, 2, 8, 32, 64)] == [32, 16, 4, 1, 1]
+    assert check_unroll(None, 8) == default_unroll(8) <= max_unroll(8)
+    assert all(default_unroll(w) <= max_unroll(w) for w in range(1, 1023))
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"unroll must be at most 4 at 8 rank\(s\).*got 1000000"):
+        plan_grid("one_shot", 4096, 2, 8, unroll=10**6)
+    with pytest.raises(ValueError, match="unroll must be at most"):
+        build_reduce_kernel("two_shot", "float16", 8, unroll=10**6)
+    assert time.monotonic() - start < 1.0 and MAX_UNROLLED_VECTORS == 32

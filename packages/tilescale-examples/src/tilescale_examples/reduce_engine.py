@@ -106,7 +106,8 @@ import torch
 from tilescale_examples.collective import DTYPES, SymmetricCollective, check_threads, settle
 
 __all__ = ["MODES", "buffers", "ACCUMULATE", "REDUCE_DTYPES", "VECTOR_BYTES", "MAX_REGISTERS",
-           "FLAG_STRIDE", "build_reduce_kernel", "default_unroll", "vector_elems", "grid", "plan_grid", "Plan",
+           "FLAG_STRIDE", "MAX_UNROLLED_VECTORS", "build_reduce_kernel", "default_unroll", "max_unroll",
+           "check_unroll", "vector_elems", "grid", "plan_grid", "Plan",
            "ReductionCollective", "rank_order_sum", "rows_view", "torch_reference", "PASS_CONFIGS"]
 
 #: Kernel modes of :func:`build_reduce_kernel`.
@@ -155,6 +156,31 @@ def default_unroll(world_size: int) -> int:
     return max(1, 8 // world_size)
 
 
+#: Most 16-byte vectors a thread holds for one iteration (``unroll x world_size``): the
+#: register budget (:data:`MAX_REGISTERS`, 4 registers a vector) and a trace-time bound (the
+#: kernel is unrolled ``unroll x world_size`` times when it is built).
+MAX_UNROLLED_VECTORS = 32
+
+
+def max_unroll(world_size: int) -> int:
+    """The largest ``unroll`` at ``world_size`` ranks: ``max(1, MAX_UNROLLED_VECTORS //
+    world_size)``."""
+    return max(1, MAX_UNROLLED_VECTORS // world_size)
+
+
+def check_unroll(unroll, world_size: int) -> int:
+    """``unroll`` (None: :func:`default_unroll`) if it is an int in ``[1,
+    max_unroll(world_size)]``; else ``ValueError`` naming ``unroll``."""
+    if unroll is None:
+        return default_unroll(world_size)
+    if not isinstance(unroll, int) or isinstance(unroll, bool) or unroll < 1:
+        raise ValueError(f"unroll must be a positive int, got {unroll!r}")
+    if unroll > max_unroll(world_size):
+        raise ValueError(f"unroll must be at most {max_unroll(world_size)} at {world_size} rank(s) (a thread holds "
+                         f"unroll x world_size 16-byte vectors, at most {MAX_UNROLLED_VECTORS}), got {unroll}")
+    return unroll
+
+
 # ------------------------------------------------------------------------------ kernel
 def rank_order_sum(T, vals, u: int, i, world_size: int, acc: str):
     """``vals[u, 0, i] + vals[u, 1, i] + ... + vals[u, W-1, i]`` in ``acc``, built at trace
@@ -198,9 +224,7 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
     if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= 1022:
         raise ValueError(f"world_size must be an int in [1, 1022], got {world_size!r}")
     check_threads(threads)
-    U = default_unroll(world_size) if unroll is None else unroll
-    if not isinstance(U, int) or isinstance(U, bool) or U < 1:
-        raise ValueError(f"unroll must be a positive int, got {unroll!r}")
+    U = check_unroll(unroll, world_size)
     W, TH, acc = world_size, threads, ACCUMULATE[dtype]
     V = vector_elems(torch.empty((), dtype=getattr(torch, dtype)).element_size())
     shards = 1 if mode == "one_shot" else W
@@ -405,9 +429,7 @@ def plan_grid(mode: str, numel: int, itemsize: int, world_size: int, threads: in
                         ("max_blocks", max_blocks)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    unroll = default_unroll(world_size) if unroll is None else unroll
-    if not isinstance(unroll, int) or isinstance(unroll, bool) or unroll < 1:
-        raise ValueError(f"unroll must be a positive int, got {unroll!r}")
+    unroll = check_unroll(unroll, world_size)
     vec = vector_elems(itemsize)
     rows = -(-numel // vec)
     if mode == "one_shot":
