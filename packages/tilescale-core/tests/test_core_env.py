@@ -24,7 +24,7 @@ def test_unset_or_blank_takes_the_default(text, default):
     assert flag("ABSENT_VARIABLE_OF_THE_TEST", default, env={}) is default
 
 
-@pytest.mark.parametrize("text", ["2", "y", "enable", "1.0", "tru", "-1"])
+@pytest.mark.parametrize("text", ["2", "yy", "enable", "1.0", "tru", "-1"])
 def test_anything_else_is_an_error_naming_the_variable(text):
     with pytest.raises(ValueError, match=rf"TILESCALE_X={text!r} is not a boolean: use one of 1/true/yes/on"):
         flag("TILESCALE_X", env={"TILESCALE_X": text})

@@ -3,8 +3,9 @@
 Every on/off switch (``TILESCALE_DISABLE_HOOK``, ``TILESCALE_CHECK_ALLOC``,
 ``TILESCALE_SHARE_GPUS``, ``TILESCALE_CHECK_PE``, ...) and the multicast opt-outs that
 TileScale honours (``NCCL_NVLS_ENABLE``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST``,
-``NVSHMEM_DISABLE_NVLS``) are read by :func:`flag`: ``1``, ``true``, ``yes``, ``on`` mean on;
-``0``, ``false``, ``no``, ``off`` mean off (any case, surrounding blanks ignored); an unset
+``NVSHMEM_DISABLE_NVLS``) are read by :func:`flag`: ``1``, ``true``, ``yes``, ``on`` (and
+``y``, ``t``) mean on; ``0``, ``false``, ``no``, ``off`` (and ``n``, ``f``) mean off (any case,
+surrounding blanks ignored), as ``tilescale_host.utils.get_bool_env`` reads them; an unset
 or empty variable takes the default; anything else raises ``ValueError`` naming the variable
 and its value, so a typo never silently reads as the default. Standard library only.
 """
@@ -17,8 +18,8 @@ from typing import Mapping, Optional
 __all__ = ["TRUE", "FALSE", "flag", "parse_flag"]
 
 #: Spellings of on and of off (compared after ``strip().lower()``).
-TRUE = ("1", "true", "yes", "on")
-FALSE = ("0", "false", "no", "off")
+TRUE = ("1", "true", "yes", "on", "y", "t")
+FALSE = ("0", "false", "no", "off", "n", "f")
 
 
 def parse_flag(name: str, value: Optional[str], default: bool = False) -> bool:
