@@ -12,7 +12,7 @@ def clean_env(monkeypatch):
         "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
         "ROLE_RANK", "ROLE_WORLD_SIZE", "NNODES", "MASTER_ADDR", "MASTER_PORT",
         "TILESCALE_MASTER_PORT", "TILESCALE_SHARE_GPUS", "NCCL_IB_DISABLE", "NCCL_DEBUG",
-        "TILESCALE_VALIDATION_RECORD",
+        "TILESCALE_VALIDATION_RECORD", "TILESCALE_JOB_ID", "TILESCALE_PARENT_PID",
     ):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch

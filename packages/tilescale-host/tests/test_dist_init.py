@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
+import time
 
 import pytest
 from tilescale_core.multiprocess import RankFailure, find_free_port, run_ranks
@@ -12,6 +14,7 @@ from tilescale_host.dist_init import (
     DEFAULT_MASTER_PORT,
     _init_group,
     apply_env_defaults,
+    job_id,
     resolve_launch,
     resolve_master_port,
 )
@@ -59,6 +62,18 @@ def test_defaults_apply_only_when_unset():
     assert env == {"NCCL_DEBUG": "INFO", "MASTER_ADDR": "127.0.0.1", "NCCL_IB_DISABLE": "1"}
     assert plan(env={"MASTER_ADDR": "10.0.0.2"}).init_method == "tcp://10.0.0.2:8361"
     assert plan(env={"MASTER_ADDR": "::1"}).init_method == "tcp://[::1]:8361"
+
+
+@pytest.mark.parametrize("value", [" ", "\t", "host name", "a\nb"])
+def test_a_blank_master_addr_is_refused_naming_it(value):
+    """Issue 39: MASTER_ADDR=" " went into the plan and failed late, at rendezvous."""
+    with pytest.raises(ValueError, match=r"MASTER_ADDR=.* is not a host name or address"):
+        plan(env={"MASTER_ADDR": value})
+
+
+def test_master_addr_blanks_around_and_empty():
+    assert plan(env={"MASTER_ADDR": " 10.0.0.2 "}).master_addr == "10.0.0.2"
+    assert plan(env={"MASTER_ADDR": ""}).master_addr == "127.0.0.1"
 
 
 def test_resolution_has_no_side_effects(clean_env):
@@ -226,3 +241,91 @@ def test_init_dist_rejects_bad_timeouts_before_anything(monkeypatch, clean_env, 
     with pytest.raises(error, match="timeout must be"):
         dist_init.init_dist(0, 1, 29500, timeout=bad)
     assert calls == []
+
+
+# --------------------------------------------------------------------------- one job per rendezvous
+
+
+def _job_member(job, rank, port, value, results):
+    """One rank of a 2-rank gloo job ``job`` (TILESCALE_JOB_ID): join, all_reduce ``value``."""
+    import torch
+    import torch.distributed as dist
+
+    from tilescale_host.dist_init import LaunchPlan
+
+    os.environ["TILESCALE_JOB_ID"] = job
+    try:
+        _init_group(LaunchPlan(rank, 2, -1, "gloo", "127.0.0.1", port, "spawn"), timeout_s=20)
+        t = torch.tensor([value])
+        dist.all_reduce(t)
+        dist.destroy_process_group()
+        results.put((job, rank, t.item()))
+    except Exception as exc:
+        results.put((job, rank, f"{type(exc).__name__}: {exc}"))
+
+
+def test_a_stranger_from_another_job_is_refused_and_the_job_is_unharmed(clean_env):
+    """Issue 39: job B's rank 0 lost the port to job A, B's rank 1 joined A and A's
+    all_reduce(1.0) gave 1001.0. Now B's rank 1 is refused, naming both jobs, B's rank 0 says
+    which job could not listen where, and A's own rank 1 completes A's group."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = find_free_port()
+
+    def start(job, rank, value):
+        return ctx.Process(target=_job_member, args=(job, rank, port, value, results))
+
+    a0 = start("job-A", 0, 1.0)
+    a0.start()
+    time.sleep(3.0)  # A's rank 0 holds the port
+    b0, b1 = start("job-B", 0, 1000.0), start("job-B", 1, 1000.0)
+    b0.start()
+    b1.start()
+    b1.join(30)
+    a1 = start("job-A", 1, 1.0)
+    a1.start()
+    procs = [a0, b0, b1, a1]
+    try:
+        got = {}
+        deadline = time.monotonic() + 40
+        while len(got) < len(procs) and time.monotonic() < deadline:
+            try:
+                job, rank, value = results.get(timeout=1)
+            except queue.Empty:
+                continue
+            got[job, rank] = value
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    assert got.get(("job-A", 0)) == 2.0 and got.get(("job-A", 1)) == 2.0, got
+    refusal = got.get(("job-B", 1))
+    assert isinstance(refusal, str) and "'job-B'" in refusal and "'job-A'" in refusal, refusal
+    lost = got.get(("job-B", 0))  # the port was taken: an error naming the job and the port
+    assert isinstance(lost, str) and "rank 0 of job 'job-B' could not listen at 127.0.0.1:" in lost, lost
+
+
+def test_job_id_is_the_variable_or_the_parent():
+    assert job_id({"TILESCALE_JOB_ID": " job-7 "}) == "job-7"
+    assert plan(env={"TILESCALE_JOB_ID": "job-7"}).job_id == "job-7"
+    own = job_id({})
+    assert own.startswith(f"parent pid {os.getppid()} started at tick ") and own == plan().job_id
+    assert job_id({"TILESCALE_JOB_ID": "run-1", "TILESCALE_PARENT_PID": str(os.getppid())}) == "run-1"
+    # Inherited from a tilescale-run that is not our parent: a sub-job of one of its ranks.
+    assert job_id({"TILESCALE_JOB_ID": "run-1", "TILESCALE_PARENT_PID": "1"}) == own
+    for bad in ("", "  ", "a\nb"):
+        with pytest.raises(ValueError, match="TILESCALE_JOB_ID=.* is not a job id"):
+            job_id({"TILESCALE_JOB_ID": bad})
+
+
+def _job_id_body(rank, world_size):
+    return job_id()
+
+
+def test_ranks_of_one_spawning_parent_share_a_job_id(clean_env):
+    ids = run_ranks(_job_id_body, 2, backend=None, timeout=60)
+    assert ids[0] == ids[1] and f"parent pid {os.getpid()} " in ids[0]
+    assert ids[0] != job_id({})  # this process's own job: its parent

@@ -19,3 +19,13 @@ def test_a_failing_probe_becomes_a_line():
     line = doctor._probe("thing", lambda: 1 / 0)
     assert line == "thing: unavailable (ZeroDivisionError: division by zero)"
     assert doctor._probe("flag", lambda: True) == "flag: yes"
+
+
+def test_share_mode_reads_the_switch_as_init_dist_does(clean_env):
+    clean_env.setenv("TILESCALE_SHARE_GPUS", "true")
+    assert doctor._share_mode() == "on ('true')"
+    clean_env.setenv("TILESCALE_SHARE_GPUS", "maybe")
+    line = doctor._probe("TILESCALE_SHARE_GPUS", doctor._share_mode)
+    assert "TILESCALE_SHARE_GPUS='maybe' is not a boolean" in line
+    clean_env.delenv("TILESCALE_SHARE_GPUS")
+    assert doctor._share_mode() == "off (unset)"

@@ -12,10 +12,27 @@ from tilescale_host import utils
 from tilescale_host.utils import dist_print, get_bool_env, get_int_env, has_tma, init_seed, rand_tensor
 
 
-@pytest.mark.parametrize(("value", "expected"), [("1", True), ("TRUE", True), ("on", True), ("0", False), ("no", False), ("", False)])
+@pytest.mark.parametrize(("value", "expected"), [("1", True), ("TRUE", True), ("on", True), ("0", False), ("no", False)])
 def test_get_bool_env(monkeypatch, value, expected):
     monkeypatch.setenv("TS_FLAG", value)
     assert get_bool_env("TS_FLAG", not expected) is expected
+
+
+def test_get_bool_env_reads_as_every_tilescale_switch(monkeypatch):
+    """Issue 39: boolean variables read one way everywhere (tilescale_core.env.flag); get_bool_env
+    had its own list and read a set-but-empty variable as off whatever the default."""
+    from tilescale_core.env import FALSE, TRUE, flag
+
+    for value in (*TRUE, *(v.upper() for v in TRUE), *FALSE, "", "  "):
+        monkeypatch.setenv("TS_FLAG", value)
+        for default in (False, True):
+            assert get_bool_env("TS_FLAG", default) is flag("TS_FLAG", default), (value, default)
+    monkeypatch.setenv("TS_FLAG", "")
+    assert get_bool_env("TS_FLAG", True) is True
+    for bad in ("2", "enabled"):
+        monkeypatch.setenv("TS_FLAG", bad)
+        with pytest.raises(ValueError, match=f"TS_FLAG={bad!r} is not a boolean"):
+            get_bool_env("TS_FLAG", False)
 
 
 def test_env_defaults_and_errors(monkeypatch):

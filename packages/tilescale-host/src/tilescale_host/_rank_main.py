@@ -17,12 +17,30 @@ import sys
 from tilescale_core.interface import PARENT_PID_ENV, die_with_parent
 
 
+def parent_pid(value: str) -> int:
+    """``TILESCALE_PARENT_PID``'s text as a pid; ValueError naming the variable otherwise."""
+    text = value.strip()
+    pid = int(text) if text.isascii() and text.isdigit() else 0
+    if pid <= 0:
+        raise ValueError(f"{PARENT_PID_ENV}={value!r} is not a process id (a positive integer); "
+                         "tilescale-run sets it to its own pid: unset it or start the ranks with tilescale-run")
+    return pid
+
+
 def main(argv: list[str]) -> None:
-    """Run ``argv`` (``script args...`` or ``-m module args...``) as ``__main__``."""
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    """Run ``argv`` (``script args...`` or ``-m module args...``) as ``__main__``.
+
+    A bad ``TILESCALE_PARENT_PID`` is a one-line error and exit status 2, before the script runs.
+    """
     parent = os.environ.get(PARENT_PID_ENV)
     if parent:  # die with the launcher, even when it is SIGKILLed
-        die_with_parent(int(parent))
+        try:
+            pid = parent_pid(parent)
+        except ValueError as exc:
+            sys.stderr.write(f"tilescale_host._rank_main: error: {exc}\n")
+            raise SystemExit(2) from None
+        die_with_parent(pid)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if argv[:1] == ["-m"]:
         sys.argv = argv[1:]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)

@@ -19,6 +19,14 @@ Several ranks on one GPU (docs/host.md, "Several ranks on one GPU"): with ``TILE
 ``share_gpus=True`` (the argument wins when given), rank ``r`` uses device
 ``r % device_count`` and, when two ranks do share a device, the host group uses gloo because
 NCCL refuses two ranks on one GPU ("Duplicate GPU detected").
+
+One job per rendezvous: every rank of a job shares a job id
+(:func:`job_id`: ``TILESCALE_JOB_ID`` when set, else the process that started the ranks --
+``tilescale-run``, torchrun's agent or the spawning script -- by pid and start time).  Rank 0
+publishes it in the rendezvous store and every other rank compares it before it joins, so a
+rank of another job that reaches the same port (two jobs left on the default port) is refused
+with an error naming both jobs instead of silently joining and mixing the data; the process
+group's keys live under the job id, out of reach of any other job's ranks.
 """
 
 from __future__ import annotations
@@ -32,11 +40,14 @@ __all__ = [
     "DEFAULT_MASTER_ADDR",
     "DEFAULT_MASTER_PORT",
     "DEFAULT_TIMEOUT_S",
+    "JOB_ID_ENV",
     "SHARE_GPUS_ENV",
     "LaunchPlan",
     "apply_env_defaults",
     "check_timeout",
     "init_dist",
+    "job_id",
+    "master_addr",
     "resolve_launch",
     "resolve_master_port",
     "share_gpus_requested",
@@ -59,8 +70,10 @@ PORT_ENV_VARS = ("TILESCALE_MASTER_PORT", "MASTER_PORT")
 #: Variables through which launchers report a node rank; any nonzero value is multi-node.
 NODE_RANK_VARS = ("GROUP_RANK", "NODE_RANK")
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
+#: Names the job every rank belongs to; default: the process that started the ranks.
+JOB_ID_ENV = "TILESCALE_JOB_ID"
+#: Rendezvous store key under which rank 0 publishes its job id.
+_JOB_KEY = "tilescale/job_id"
 
 
 @dataclass(frozen=True)
@@ -77,6 +90,7 @@ class LaunchPlan:
         launch_mode: ``"spawn"`` or ``"torchrun"``.
         shared: True when at least two ranks use the same GPU.
         env_defaults: environment variables to set because the caller left them unset.
+        job_id: the job this rank belongs to (:func:`job_id`); empty: read it when joining.
     """
 
     rank: int
@@ -88,6 +102,7 @@ class LaunchPlan:
     launch_mode: str
     shared: bool = False
     env_defaults: Mapping[str, str] = field(default_factory=dict)
+    job_id: str = ""
 
     @property
     def init_method(self) -> str:
@@ -127,15 +142,62 @@ def resolve_master_port(master_port: int | None, env: Mapping[str, str]) -> int:
 
 
 def share_gpus_requested(share_gpus: bool | None, env: Mapping[str, str]) -> bool:
-    """Whether single-GPU sharing is on: the argument when given, else TILESCALE_SHARE_GPUS."""
+    """Whether single-GPU sharing is on: the argument when given, else TILESCALE_SHARE_GPUS
+    (read by :func:`tilescale_core.env.flag`: 1/true/yes/on, 0/false/no/off, default off)."""
     if share_gpus is not None:
         return bool(share_gpus)
-    value = env.get(SHARE_GPUS_ENV, "").strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{SHARE_GPUS_ENV}={env[SHARE_GPUS_ENV]!r} is not a boolean (use 1 or 0)")
+    from tilescale_core.env import flag
+
+    return flag(SHARE_GPUS_ENV, False, env)
+
+
+def master_addr(env: Mapping[str, str]) -> str:
+    """Rendezvous address: MASTER_ADDR (surrounding blanks dropped), 127.0.0.1 when unset or
+    empty; ValueError naming the variable when it is blank or holds blanks or control characters."""
+    value = env.get("MASTER_ADDR")
+    if value is None or value == "":
+        return DEFAULT_MASTER_ADDR
+    addr = value.strip()
+    if not addr or not addr.isprintable() or any(c.isspace() for c in addr):
+        raise ValueError(f"MASTER_ADDR={value!r} is not a host name or address; unset it "
+                         f"(default {DEFAULT_MASTER_ADDR}) or name the rendezvous host")
+    return addr
+
+
+def _start_ticks(pid: int) -> str:
+    """Start time of process ``pid`` in clock ticks since boot (Linux), or ``"?"``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return "?"
+
+
+def job_id(env: Mapping[str, str] | None = None) -> str:
+    """The id every rank of one job shares (checked at rendezvous, see the module docstring).
+
+    ``TILESCALE_JOB_ID`` when set (ranks started by different parents set the same value);
+    otherwise the parent process, by pid and start time: the ranks of ``tilescale-run``,
+    torchrun or one spawning script share it, two jobs do not.  The id ``tilescale-run`` sets
+    (with ``TILESCALE_PARENT_PID``, its pid) names its own ranks only: a process those ranks
+    start inherits both and uses its own parent instead, so sub-jobs started by different
+    ranks stay apart.
+
+    Raises:
+        ValueError: TILESCALE_JOB_ID is blank or holds control characters (named).
+    """
+    env = os.environ if env is None else env
+    value = env.get(JOB_ID_ENV)
+    launcher = env.get("TILESCALE_PARENT_PID", "").strip()
+    if value is not None and launcher and launcher != str(os.getppid()):
+        value = None  # inherited from a tilescale-run further up: not this process's job
+    if value is not None:
+        if not value.strip() or not value.isprintable():
+            raise ValueError(f"{JOB_ID_ENV}={value!r} is not a job id: use the same non-blank, "
+                             "printable text in every rank of the job, or unset it")
+        return value.strip()
+    parent = os.getppid()
+    return f"parent pid {parent} started at tick {_start_ticks(parent)}"
 
 
 def _check_arguments(local_rank, num_local_ranks) -> None:
@@ -262,11 +324,12 @@ def resolve_launch(
         world_size=num_local_ranks,
         device_index=device_index,
         backend="gloo" if shared else "nccl",
-        master_addr=env.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR,
+        master_addr=master_addr(env),
         master_port=port,
         launch_mode=mode,
         shared=shared,
         env_defaults={k: v for k, v in DEFAULT_ENV.items() if k not in env},
+        job_id=job_id(env),
     )
 
 
@@ -277,11 +340,48 @@ def apply_env_defaults(plan: LaunchPlan, env: dict | None = None) -> None:
         env.setdefault(name, value)
 
 
+def _rendezvous(plan: LaunchPlan, job: str, timeout):
+    """The TCP store of ``plan``'s job: rank 0 serves it and publishes ``job``; every other
+    rank checks that the store it reached is its own job's (RuntimeError naming both jobs
+    otherwise).  Returns the store under a prefix private to the job."""
+    import torch.distributed as dist
+
+    where = f"{plan.master_addr}:{plan.master_port}"
+    try:
+        store = dist.TCPStore(plan.master_addr, plan.master_port, plan.world_size, is_master=plan.rank == 0,
+                              timeout=timeout, wait_for_workers=False, multi_tenant=True)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"rank {plan.rank} of job {job!r} could not {'listen' if plan.rank == 0 else 'connect'} "
+            f"at {where} ({exc}); if another job holds the port, give each job its own master_port "
+            "(or TILESCALE_MASTER_PORT)"
+        ) from None
+    if plan.rank == 0:
+        store.set(_JOB_KEY, job)
+    else:
+        try:
+            theirs = store.get(_JOB_KEY).decode(errors="replace")
+        except RuntimeError as exc:  # a timeout: something that is not a TileScale rank 0 holds the port
+            raise RuntimeError(
+                f"rank {plan.rank} of job {job!r}: no TileScale job answered at {where} ({exc}); "
+                "another program holds the port?"
+            ) from None
+        if theirs != job:
+            raise RuntimeError(
+                f"rank {plan.rank} of job {job!r} reached the rendezvous of another job, {theirs!r}, "
+                f"at {where}: refusing to join it (two jobs on one port: give each its own master_port "
+                f"or TILESCALE_MASTER_PORT; ranks of one job started by different parents must share "
+                f"{JOB_ID_ENV})"
+            )
+    return dist.PrefixStore(f"tilescale-job/{job}", store)
+
+
 def _init_group(plan: LaunchPlan, backend: str | None = None, timeout_s: float | None = None):
     """Create the default process group described by ``plan``; return (rank, size, WORLD).
 
     ``backend`` overrides ``plan.backend`` (the CPU tests use ``"gloo"``); an NCCL group is
-    bound to ``cuda:<plan.device_index>`` so that NCCL knows its device up front.
+    bound to ``cuda:<plan.device_index>`` so that NCCL knows its device up front.  The group
+    forms only among ranks of one job (:func:`_rendezvous`).
     """
     import datetime
 
@@ -294,9 +394,10 @@ def _init_group(plan: LaunchPlan, backend: str | None = None, timeout_s: float |
         kwargs["device_id"] = torch.device("cuda", plan.device_index)
     if timeout_s is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    store = _rendezvous(plan, plan.job_id or job_id(), kwargs.get("timeout", dist.default_pg_timeout))
     dist.init_process_group(
         backend,
-        init_method=plan.init_method,
+        store=store,
         rank=plan.rank,
         world_size=plan.world_size,
         **kwargs,

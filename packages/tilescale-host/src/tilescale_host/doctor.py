@@ -51,8 +51,12 @@ def topology_lines() -> list[str]:
 
 
 def _share_mode() -> str:
+    """``on``/``off`` as init_dist reads TILESCALE_SHARE_GPUS (a bad value raises, naming it)."""
+    from tilescale_core.env import flag
+
     value = os.environ.get("TILESCALE_SHARE_GPUS")
-    return "unset (off)" if value is None else repr(value)
+    on = flag("TILESCALE_SHARE_GPUS", False)
+    return f"{'on' if on else 'off'} ({'unset' if value is None else repr(value)})"
 
 
 def _all_reduce_rank(rank: int, world_size: int) -> float:

@@ -8,8 +8,10 @@ Usage::
 
 Each rank is a subprocess with the single-node torchrun variables (LOCAL_RANK, RANK,
 WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK=0, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT), so ``init_dist(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))``
-works unchanged.  Every output line is echoed prefixed with ``[rank N]``.  When a rank exits
+MASTER_PORT) and a job id of its own (TILESCALE_JOB_ID, checked at rendezvous), so
+``init_dist(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))`` works
+unchanged.  Every output line is echoed prefixed with ``[rank N]``; text without a newline yet
+(a progress bar) is echoed as it comes, read in bounded chunks.  When a rank exits
 with a nonzero status every rank's process group (the failed rank's own children included)
 gets SIGTERM, then SIGKILL after ``--grace`` seconds, and the failing rank's last output (its
 traceback) is printed again; the exit status is that rank's.  ``--timeout`` bounds the whole
@@ -18,14 +20,18 @@ run: ranks still running then dump their Python stacks and are killed, and the e
 
 The signals torchrun forwards (SIGINT, SIGTERM, SIGHUP, SIGQUIT) are forwarded to every
 rank's process group, followed by SIGKILL after ``--grace`` seconds; the exit status is then
-128 + the signal.  Ranks die with the launcher even when it is killed with SIGKILL (each asks
-the kernel for a parent-death signal).  Ports and ``--grace`` are validated up front: a bad
-``MASTER_PORT`` is a one-line error, not a traceback (exit status 2).
+128 + the signal -- also when it comes while the ranks are being started, and a second signal
+during the grace period does not cut the ranks' grace short.  A signal that was ignored when the
+launcher started (SIGHUP under ``nohup``) stays ignored.  Ranks die with the launcher even when
+it is killed with SIGKILL (each asks the kernel for a parent-death signal).  Ports,
+MASTER_ADDR, ``--timeout``, ``--grace`` and ``-n`` (against the file-descriptor limit) are
+validated up front: a bad value is a one-line error, not a traceback (exit status 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import collections
 import os
 import signal
@@ -39,7 +45,10 @@ from typing import TextIO
 
 from tilescale_core.interface import PARENT_PID_ENV
 
-__all__ = ["EXIT_TIMEOUT", "FORWARDED_SIGNALS", "Interrupted", "LaunchResult", "check_grace", "check_port", "build_rank_env", "launch", "main", "parse_args"]
+from .dist_init import JOB_ID_ENV, _start_ticks, check_timeout, master_addr
+
+__all__ = ["EXIT_TIMEOUT", "FORWARDED_SIGNALS", "Interrupted", "LaunchResult", "check_fd_budget", "check_grace",
+           "check_port", "build_rank_env", "launch", "main", "parse_args"]
 
 #: Exit status of the launcher when the overall timeout expires (as coreutils' timeout).
 EXIT_TIMEOUT = 124
@@ -47,7 +56,21 @@ EXIT_TIMEOUT = 124
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 #: Lines of each rank's output kept for the failure summary.
 TAIL_LINES = 60
+#: Characters of one line kept for the failure summary (a longer line is cut).
+TAIL_LINE_CHARS = 4096
+#: Most bytes read from a rank's output at once: memory stays bounded without newlines.
+READ_CHUNK = 1 << 16
+#: Seconds text without a newline waits for the rest of its line before it is shown.
+PARTIAL_DELAY_S = 0.2
+#: File descriptors the launcher holds per rank (the read end of its output pipe) and spares
+#: for everything else (standard streams, the pipes of the Popen under way, Python's own).
+FDS_PER_RANK = 1
+FDS_SPARE = 16
 _POLL_S = 0.05
+#: Forwarded signals received by :func:`main`'s handler, in order.  The handler only records
+#: them (it never raises), so a signal during start-up or during the grace period cannot end
+#: the launcher half-way; :func:`launch` polls this list.
+_received: list[int] = []
 
 
 @dataclass
@@ -87,19 +110,22 @@ def build_rank_env(
         WORLD_SIZE=str(nranks),
         LOCAL_WORLD_SIZE=str(nranks),
         ROLE_WORLD_SIZE=str(nranks),
-        MASTER_ADDR=env.get("MASTER_ADDR") or "127.0.0.1",
+        MASTER_ADDR=master_addr(env),
         MASTER_PORT=str(master_port),
         TILESCALE_MASTER_PORT=str(master_port),
         PYTHONUNBUFFERED="1",
     )
     env[PARENT_PID_ENV] = str(os.getpid())  # the rank dies with this process
+    # This launch's own job id: one inherited from a job further up must not name this one.
+    env[JOB_ID_ENV] = f"tilescale-run pid {os.getpid()} started at tick {_start_ticks(os.getpid())}"
     if share_gpus:
         env["TILESCALE_SHARE_GPUS"] = "1"
     return env
 
 
 class Interrupted(BaseException):
-    """The launcher received one of :data:`FORWARDED_SIGNALS`."""
+    """The launcher received one of :data:`FORWARDED_SIGNALS` (raised by callers' handlers;
+    :func:`main`'s handler records the signal instead, see :data:`_received`)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -126,6 +152,27 @@ def check_grace(grace) -> float:
     return float(grace)
 
 
+def check_fd_budget(nranks: int) -> None:
+    """ValueError naming ``-n`` and ``ulimit -n`` when ``nranks`` ranks would exhaust this
+    process's file-descriptor limit (each rank holds :data:`FDS_PER_RANK` while it runs)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return
+    try:
+        in_use = len(os.listdir("/proc/self/fd")) - 1  # less the descriptor listdir used
+    except OSError:
+        in_use = 3
+    need = in_use + nranks * FDS_PER_RANK + FDS_SPARE
+    if need > soft:
+        most = max(0, (soft - in_use - FDS_SPARE) // FDS_PER_RANK)
+        raise ValueError(
+            f"-n {nranks} needs about {need} file descriptors but this process may open {soft} "
+            f"(ulimit -n); raise the limit or start at most {most} ranks"
+        )
+
+
 def _default_port(base: Mapping[str, str]) -> int:
     """TILESCALE_MASTER_PORT, MASTER_PORT (validated), else a free port."""
     for name in ("TILESCALE_MASTER_PORT", "MASTER_PORT"):
@@ -136,21 +183,98 @@ def _default_port(base: Mapping[str, str]) -> int:
     return find_free_port()
 
 
-def _echo(rank: _Rank, out: TextIO, lock: threading.Lock) -> None:
-    """Copy the rank's output to ``out`` line by line, prefixed, keeping the tail."""
-    for raw in iter(rank.proc.stdout.readline, b""):
-        line = raw.decode(errors="replace").rstrip("\n")
-        rank.tail.append(line)
-        with lock:
-            out.write(f"[rank {rank.rank}] {line}\n")
-            out.flush()
+class _Sink:
+    """``out``, shared by the ranks' readers: ``[rank N] `` starts every line; text without a
+    newline yet (a progress bar) is written as it comes, and its line is ended before another
+    rank writes."""
+
+    def __init__(self, out: TextIO):
+        self.out = out
+        self.lock = threading.Lock()
+        self.open_rank: int | None = None  # the rank whose line on ``out`` is unfinished
+
+    def write(self, rank: int, text: str) -> None:
+        with self.lock:
+            pieces = text.split("\n")
+            for i, piece in enumerate(pieces):
+                if i < len(pieces) - 1:
+                    piece += "\n"
+                elif not piece:
+                    break
+                if self.open_rank not in (None, rank):
+                    self.out.write("\n")
+                    self.open_rank = None
+                if self.open_rank is None:
+                    self.out.write(f"[rank {rank}] ")
+                self.out.write(piece)
+                self.open_rank = None if piece.endswith("\n") else rank
+            self.out.flush()
+
+    def end(self, rank: int) -> None:
+        """End ``rank``'s unfinished line (its output closed without a newline)."""
+        with self.lock:
+            if self.open_rank == rank:
+                self.out.write("\n")
+                self.out.flush()
+                self.open_rank = None
+
+
+def _cut(line: str) -> str:
+    return line if len(line) <= TAIL_LINE_CHARS else line[:TAIL_LINE_CHARS] + " [line cut]"
+
+
+def _echo(rank: _Rank, sink: _Sink) -> None:
+    """Copy the rank's output to ``sink``, reading at most :data:`READ_CHUNK` bytes at once.
+
+    Whole lines go out as they come; text after the last newline waits at most
+    :data:`PARTIAL_DELAY_S` for the rest of its line (``print`` writes a line in pieces) and is
+    then shown as it is (a progress bar), or at once when it reaches :data:`READ_CHUNK`.  The
+    last lines, each cut to :data:`TAIL_LINE_CHARS`, are kept in ``rank.tail``.
+    """
+    import select
+
+    fd = rank.proc.stdout.fileno()
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pending = ""  # read, not shown yet: the start of a line
+    shown_by = 0.0  # when ``pending`` is shown even without its newline
+    partial = ""  # the unfinished line of the tail
+    while True:
+        if pending:
+            wait = shown_by - time.monotonic()
+            if wait <= 0 or not poller.poll(wait * 1000):
+                sink.write(rank.rank, pending)
+                pending = ""
+                continue
+        data = os.read(fd, READ_CHUNK)
+        text = decoder.decode(data, final=not data)
+        *lines, partial = (partial + text).split("\n")
+        rank.tail.extend(_cut(line) for line in lines)
+        partial = partial[: TAIL_LINE_CHARS + 1]
+        waiting = bool(pending)
+        head, newline, pending = (pending + text).rpartition("\n")
+        if newline:
+            sink.write(rank.rank, head + newline)
+            waiting = False
+        if pending and not waiting:
+            shown_by = time.monotonic() + PARTIAL_DELAY_S
+        if pending and (not data or len(pending) >= READ_CHUNK):
+            sink.write(rank.rank, pending)
+            pending = ""
+        if not data:
+            break
+    if partial:
+        rank.tail.append(_cut(partial))
+    sink.end(rank.rank)
     rank.proc.stdout.close()
 
 
-def _start(command: Sequence[str], nranks: int, port: int, share_gpus: bool, out: TextIO) -> list[_Rank]:
-    lock = threading.Lock()
-    ranks = []
+def _start(command: Sequence[str], nranks: int, port: int, share_gpus: bool, sink: _Sink, ranks: list[_Rank]) -> None:
+    """Start the ranks, appending each to ``ranks``; stop starting when a signal arrived."""
     for r in range(nranks):
+        if _received:
+            return
         proc = subprocess.Popen(
             [sys.executable, "-m", "tilescale_host._rank_main", *command],
             env=build_rank_env(r, nranks, port, share_gpus=share_gpus),
@@ -160,10 +284,9 @@ def _start(command: Sequence[str], nranks: int, port: int, share_gpus: bool, out
             start_new_session=True,  # its own process group: stopping it stops its children
         )
         rank = _Rank(r, proc)
-        rank.reader = threading.Thread(target=_echo, args=(rank, out, lock), daemon=True)
-        rank.reader.start()
         ranks.append(rank)
-    return ranks
+        rank.reader = threading.Thread(target=_echo, args=(rank, sink), daemon=True)
+        rank.reader.start()
 
 
 def _signal_group(rank: _Rank, sig: int) -> None:
@@ -223,9 +346,10 @@ def _report_timeout(pending: Sequence[int], timeout: float, err: TextIO) -> None
 
 
 def _wait(ranks: Sequence[_Rank], timeout: float | None) -> tuple[_Rank | None, bool]:
-    """Wait until all ranks succeed, one fails, or the deadline passes: (failed, timed_out)."""
+    """Wait until all ranks succeed, one fails, the deadline passes or a signal arrives:
+    (failed, timed_out)."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
+    while not _received:
         failed = _first_failure(ranks)
         if failed is not None:
             return failed, False
@@ -234,6 +358,7 @@ def _wait(ranks: Sequence[_Rank], timeout: float | None) -> tuple[_Rank | None, 
         if deadline is not None and time.monotonic() > deadline:
             return None, True
         time.sleep(_POLL_S)
+    return None, False
 
 
 def launch(
@@ -251,25 +376,40 @@ def launch(
 
     Args:
         command: ``[script, *args]`` or ``["-m", module, *args]``.
-        nranks: number of local ranks, >= 1.
-        timeout: seconds for the whole run (None: no limit).
+        nranks: number of local ranks, >= 1 (and within the file-descriptor limit).
+        timeout: seconds for the whole run, positive and finite (None: no limit).
         share_gpus: set TILESCALE_SHARE_GPUS=1 in every rank (several ranks per GPU).
         master_port: rendezvous port (default TILESCALE_MASTER_PORT, MASTER_PORT, a free port).
         grace: seconds between SIGTERM and SIGKILL when stopping ranks.
         out, err: streams for the ranks' prefixed output and the launcher's messages.
+
+    Raises:
+        ValueError: a bad argument or variable (ports, MASTER_ADDR), or more ranks than
+            file descriptors allow, before anything starts.
+        OSError: a rank could not be started (the ranks already started are stopped first).
     """
     if nranks < 1:
         raise ValueError(f"the number of ranks must be at least 1, got {nranks}")
-    if timeout is not None and timeout <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout}")
+    if timeout is not None:
+        timeout = check_timeout(timeout)
     grace = check_grace(grace)
+    master_addr(os.environ)
+    check_fd_budget(nranks)
     out, err = out or sys.stdout, err or sys.stderr
     port = check_port("master_port", master_port) if master_port is not None else _default_port(os.environ)
-    ranks = _start(command, nranks, port, share_gpus, out)
+    ranks: list[_Rank] = []
+    signum = None
     try:
+        _start(command, nranks, port, share_gpus, _Sink(out), ranks)
         failed, timed_out = _wait(ranks, timeout)
     except (KeyboardInterrupt, Interrupted) as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+    except OSError:
+        _finish(ranks, grace)
+        raise
+    if signum is None and _received:
+        signum = _received[0]
+    if signum is not None:
         err.write(f"tilescale-run: got {signal.Signals(signum).name}; forwarding it to every rank\n")
         err.flush()
         _finish(ranks, grace, signum)
@@ -293,7 +433,8 @@ def _finish(ranks: Sequence[_Rank], grace: float, sig: int = signal.SIGTERM) -> 
     """Stop what still runs (every rank's process group) and drain the output threads."""
     _stop(ranks, grace, sig)
     for r in ranks:
-        r.reader.join(timeout=5.0)
+        if r.reader is not None:
+            r.reader.join(timeout=5.0)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -305,7 +446,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("-n", "--nproc-per-node", "--nproc_per_node", dest="nranks", type=int, required=True,
                         help="number of local ranks")
-    parser.add_argument("--timeout", type=float, default=None, help="overall limit in seconds (exit status 124)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="overall limit in seconds, positive and finite (exit status 124)")
     parser.add_argument("--share-gpus", action="store_true",
                         help="several ranks per GPU (sets TILESCALE_SHARE_GPUS=1 in every rank)")
     parser.add_argument("--master-port", type=int, default=None,
@@ -317,9 +459,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.nranks < 1:
         parser.error(f"-n must be at least 1, got {args.nranks}")
-    if args.timeout is not None and args.timeout <= 0:
-        parser.error(f"--timeout must be positive, got {args.timeout:g}")
     try:
+        if args.timeout is not None:
+            check_timeout(args.timeout, "--timeout")
         check_grace(args.grace)
         if args.master_port is not None:
             check_port("--master-port", args.master_port)
@@ -328,15 +470,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _raise_interrupt(signum, frame):
-    raise Interrupted(signum)
+def _note_signal(signum, frame):
+    _received.append(signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of ``tilescale-run``; returns the exit status."""
     args = parse_args(argv)
+    _received.clear()
     for sig in FORWARDED_SIGNALS:  # forwarded to the ranks, as torchrun does
-        signal.signal(sig, _raise_interrupt)
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # SIGHUP under nohup stays ignored
+            signal.signal(sig, _note_signal)
     command = (["-m"] if args.module else []) + [args.target, *args.args]
     try:
         result = launch(
@@ -347,9 +491,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             master_port=args.master_port,
             grace=args.grace,
         )
-    except ValueError as exc:  # a bad port variable: one line, not a traceback
+    except ValueError as exc:  # a bad port, address, -n, ...: one line, not a traceback
         sys.stderr.write(f"tilescale-run: error: {exc}\n")
         return 2
+    except OSError as exc:  # a rank could not be started (the others were stopped)
+        sys.stderr.write(f"tilescale-run: error: could not start the ranks: {exc}\n")
+        return 1
+    finally:
+        _received.clear()  # this run's signals must not stop a later launch() in this process
     return result.status
 
 

@@ -28,28 +28,18 @@ __all__ = [
     "rand_tensor",
 ]
 
-_TRUE = ("1", "true", "yes", "on", "y", "t")
-_FALSE = ("0", "false", "no", "off", "n", "f", "")
-
-
 # --------------------------------------------------------------------------- environment
 
 
 def get_bool_env(env: str, default_value: bool = False) -> bool:
-    """Boolean value of environment variable ``env``; ``default_value`` when unset.
+    """Boolean value of environment variable ``env``; ``default_value`` when unset or empty.
 
-    Accepts (case-insensitive) 1/true/yes/on/y/t and 0/false/no/off/n/f/empty; anything
-    else raises ValueError naming the variable and its value.
+    Read as every TileScale switch is (:func:`tilescale_core.env.flag`): 1/true/yes/on and
+    0/false/no/off, any case; anything else raises ValueError naming the variable and its value.
     """
-    value = os.environ.get(env)
-    if value is None:
-        return bool(default_value)
-    text = value.strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ValueError(f"{env}={value!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
+    from tilescale_core.env import flag
+
+    return flag(env, default_value)
 
 
 def get_int_env(env: str, default_value: int = 0) -> int:
