@@ -7,6 +7,7 @@ import sys
 import textwrap
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +109,135 @@ def test_lock_directory_that_is_a_symlink_is_refused(tmp_path):
     with pytest.raises(PermissionError, match="not a plain directory"):
         with compile_lock.compile_lock(path):
             pass
+
+
+# --------------------------------------------------------------------- issue 39: what the lock trusts
+def _other_user() -> tuple[int, int]:
+    """(uid, gid) of a second user, for files and processes that are not this user's; skips
+    where that is impossible (only root can make them)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as a second user id (chown, setuid)")
+    import pwd
+
+    try:
+        entry = pwd.getpwnam("nobody")
+        return entry.pw_uid, entry.pw_gid
+    except KeyError:
+        return 65534, 65534
+
+
+def _kernel_holders(path) -> list[int]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return compile_lock._lock_holders(fd) or []
+    finally:
+        os.close(fd)
+
+
+def test_lock_directory_open_to_other_users_is_refused(tmp_path):
+    """A 0777 lock directory lets another user plant (and hold) the lock file: refused."""
+    path = compile_lock.lock_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    os.chmod(path.parent, 0o777)
+    with pytest.raises(PermissionError, match=r"compile lock directory .* has mode 0777.*must be 0700"):
+        with compile_lock.compile_lock(path, timeout=1):
+            pass
+    assert not path.exists()
+
+
+def test_lock_file_of_another_user_is_refused(tmp_path):
+    """A lock file another user owns (planted while the directory was open) is refused, not
+    waited on."""
+    uid, gid = _other_user()
+    path = compile_lock.lock_path(tmp_path)
+    path.parent.mkdir(parents=True, mode=0o700)
+    path.write_text("")
+    os.chmod(path, 0o600)
+    os.chown(path, uid, gid)
+    with pytest.raises(PermissionError, match=rf"compile lock {path} belongs to uid {uid}, not to this user"):
+        with compile_lock.compile_lock(path, timeout=1):
+            pass
+
+
+def test_lock_held_by_another_user_fails_at_once_instead_of_stalling(tmp_path):
+    """Another user creates the lock in a shared directory and holds it: the compile is refused
+    at once, naming the owner, instead of waiting out the deadline (a stall of every compile)."""
+    import shutil
+    import tempfile
+
+    uid, gid = _other_user()
+    flock_tool = shutil.which("flock")
+    if flock_tool is None:
+        pytest.skip("needs util-linux flock(1) to hold a lock as the second user")
+    shared = Path(tempfile.mkdtemp(prefix="tilescale-lock-test-", dir="/tmp"))
+    try:
+        os.chmod(shared, 0o1777)  # like /tmp: everyone may create files
+        path = shared / compile_lock.LOCK_NAME
+        holder = subprocess.Popen([flock_tool, "-x", str(path), "sleep", "60"], user=uid, group=gid,
+                                  extra_groups=[], umask=0o077)
+        try:
+            deadline = time.monotonic() + 20
+            while not (path.exists() and _kernel_holders(path)):
+                assert time.monotonic() < deadline and holder.poll() is None, "the second user never took the lock"
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            with pytest.raises(PermissionError, match=rf"belongs to uid {uid}"):
+                with compile_lock.compile_lock(path, timeout=5):
+                    pass
+            assert time.monotonic() - t0 < 2
+        finally:
+            holder.kill()
+            holder.wait()
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_lock_file_open_to_other_users_is_refused(tmp_path):
+    path = tmp_path / compile_lock.LOCK_NAME
+    path.write_text("")
+    os.chmod(path, 0o644)
+    with pytest.raises(PermissionError, match=r"has mode 0644.*must be 0600"):
+        with compile_lock.compile_lock(path, timeout=1):
+            pass
+
+
+@pytest.mark.parametrize("text", ["1", "9" * 60, "\u0661\u0662", "pid 1 (root)"])
+def test_holder_named_in_a_timeout_cannot_be_spoofed(tmp_path, text):
+    """The pid text in the lock file is only the holder's say-so: a timeout names the holder
+    the kernel records, whatever the file says (a huge number used to crash os.kill, Arabic
+    digits passed str.isdigit)."""
+    path = tmp_path / compile_lock.LOCK_NAME
+    with compile_lock.compile_lock(path):
+        path.write_text(text)
+        with pytest.raises(TimeoutError, match=rf"held by pid {os.getpid()}\)$"):
+            with compile_lock.compile_lock(path, timeout=0.2):
+                pass
+
+
+def test_holder_from_the_file_is_checked_where_the_kernel_table_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_lock, "_lock_holders", lambda fd: None)  # no /proc/locks
+    path = tmp_path / compile_lock.LOCK_NAME
+    with compile_lock.compile_lock(path):
+        for text, named in (("9" * 60, "unknown (no valid pid recorded)"), ("\u0661", "unknown (no valid pid recorded)"),
+                            (str(os.getpid()), f"pid {os.getpid()} (as recorded in the lock file)")):
+            path.write_text(text)
+            with pytest.raises(TimeoutError) as err:
+                with compile_lock.compile_lock(path, timeout=0.1):
+                    pass
+            assert str(err.value).endswith(f"(held by {named})"), str(err.value)
+
+
+def test_empty_cache_dir_is_refused_and_relative_ones_are_made_absolute(monkeypatch, tmp_path):
+    """TILELANG_CACHE_DIR="" put the lock in each process's working directory."""
+    monkeypatch.setenv("TILELANG_CACHE_DIR", "")
+    with pytest.raises(ValueError, match=r"TILELANG_CACHE_DIR is empty"):
+        compile_lock.lock_path()
+    monkeypatch.setenv("TILELANG_CACHE_DIR", "  ")
+    with pytest.raises(ValueError, match=r"TILELANG_CACHE_DIR is empty"):
+        compile_lock.lock_path()
+    with pytest.raises(ValueError, match=r"cache_dir is empty"):
+        compile_lock.lock_path("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TILELANG_CACHE_DIR", "rel")
+    path = compile_lock.lock_path()
+    assert path.is_absolute() and path == tmp_path / "rel" / f"tilescale-locks-{os.getuid()}" / compile_lock.LOCK_NAME

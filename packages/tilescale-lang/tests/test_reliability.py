@@ -196,9 +196,44 @@ def test_check_pe_flag(monkeypatch):
     monkeypatch.setenv(headers.DEBUG_ENV, "1")  # every device debug check, the PE check included
     assert {"-DTILESCALE_CHECK_PE=1", "-DTILESCALE_DEBUG=1"} <= set(headers.compile_flags())
     monkeypatch.delenv(headers.DEBUG_ENV)
-    monkeypatch.setenv(headers.CHECK_PE_ENV, "yes")
-    with pytest.raises(ValueError, match="TILESCALE_CHECK_PE must be 1"):
+    monkeypatch.setenv(headers.CHECK_PE_ENV, "maybe")
+    with pytest.raises(ValueError, match="TILESCALE_CHECK_PE='maybe' is not a boolean"):
         headers.compile_flags()
+
+
+@pytest.mark.parametrize("name", ["TILESCALE_CHECK_PE", "TILESCALE_DEBUG"])
+def test_device_check_switches_read_every_boolean_spelling(monkeypatch, name):
+    """Issue 39: the on/off switches read 1/true/yes/on and 0/false/no/off (any case), like
+    every other TileScale switch (tilescale_core.env.flag); anything else names the variable."""
+    monkeypatch.delenv(headers.CHECK_PE_ENV, raising=False)
+    monkeypatch.delenv(headers.DEBUG_ENV, raising=False)
+    for on in ("1", "true", "Yes", " ON "):
+        monkeypatch.setenv(name, on)
+        assert "-DTILESCALE_CHECK_PE=1" in headers.compile_flags(), on
+    for off in ("0", "false", "No", "off", ""):
+        monkeypatch.setenv(name, off)
+        assert "-DTILESCALE_CHECK_PE=1" not in headers.compile_flags(), off
+    monkeypatch.setenv(name, "2")
+    with pytest.raises(ValueError, match=rf"{name}='2' is not a boolean"):
+        headers.compile_flags()
+
+
+@pytest.mark.parametrize("raw", ["18446744073710", str(2**31), "-5", "1_000", "--5", "\u0661", "1e3", "nan"])
+def test_wait_timeout_out_of_range_is_rejected(monkeypatch, raw):
+    """Issue 39: 18446744073710 ms wrapped to 0.448 ms on the device (and the trap printed a
+    negative time); the timeout must fit the device's 32-bit print and 64-bit nanoseconds."""
+    monkeypatch.setenv(headers.WAIT_TIMEOUT_ENV, raw)
+    with pytest.raises(ValueError, match=r"TILESCALE_WAIT_TIMEOUT_MS must be an integer number of milliseconds in 0..2147483647"):
+        headers.compile_flags()
+
+
+def test_wait_timeout_in_range_is_kept(monkeypatch):
+    for raw, flag in (("2147483647", "-DTILESCALE_WAIT_TIMEOUT_MS=2147483647"), (" 250 ", "-DTILESCALE_WAIT_TIMEOUT_MS=250"),
+                      ("+7", "-DTILESCALE_WAIT_TIMEOUT_MS=7")):
+        monkeypatch.setenv(headers.WAIT_TIMEOUT_ENV, raw)
+        assert flag in headers.compile_flags()
+    monkeypatch.setenv(headers.WAIT_TIMEOUT_ENV, "0")
+    assert not any("WAIT_TIMEOUT" in f for f in headers.compile_flags())
 
 
 @needs_nvcc

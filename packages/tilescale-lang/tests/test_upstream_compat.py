@@ -189,9 +189,10 @@ def test_remote_tma_dispatches_over_one_descriptor_per_peer():
         assert f"tl::tma_store(tilescale_tma_peer{k}_B_desc" in body, k
         assert f"tilescale_tma_peer{k}_C_desc" in body, k
         assert f"if (p == {k})" in body or k == 7
-    assert "tl::tma_load(A_desc, bar[0]" in body  # p < 0 at run time: the local tensor
+    assert "tl::tma_load(A_desc, bar[0]" in body  # p == -1 at run time: the local tensor
     assert body.count("tilescale::tma_bad_pe(p);") == 3  # PEs outside 0..7 or the group
-    assert "(p < 8) && (p < tilescale::get_num_ranks())" in body
+    assert "if (p == -1) {" in body and "if (p < 0)" not in body  # -2 is a bad PE, not local
+    assert "((0 <= p) && (p < 8)) && (p < tilescale::get_num_ranks())" in body
     host = art.host_mod.script()
     for name in "ABC":
         fill = host.index(f'T.call_packed("tilescale.tma_peer_addresses", {name}, tilescale_tma_peers_{name})')
@@ -219,6 +220,11 @@ def test_remote_tma_ptx_and_debug_trap(tmp_path):
     debug = nvcc_ptx(src, tmp_path, extra=["-DTILESCALE_DEBUG=1"])
     # a bad PE issues no operation ... or, under TILESCALE_DEBUG, traps with a message
     assert debug.count("trap;") > traps and debug.count("vprintf") > ptx.count("vprintf")
+    # issue 39: TILESCALE_CHECK_PE=1 alone compiles the remote TMA PE check in too
+    # (docs/reliability.md: "run-time PEs are checked ... with TILESCALE_CHECK_PE=1")
+    check_pe = nvcc_ptx(src, tmp_path, extra=["-DTILESCALE_CHECK_PE=1"])
+    assert "tma_bad_pe" in check_pe and "tma_bad_pe" not in ptx
+    assert check_pe.count("trap;") > traps and check_pe.count("vprintf") > ptx.count("vprintf")
 
 
 TMA_REJECT = [

@@ -17,7 +17,12 @@ initialisation and early arrivals.  Their storage must be zeroed once before fir
 
 from __future__ import annotations
 
+from ._tvm import tirx
+
 from . import validation as V
+
+#: Largest block count of the one-word GPU barrier (bits 30..16 of the word).
+ONE_WORD_MAX_BLOCKS = 32767
 
 
 def _barrier(barrier, name: str = "barrier", min_elems: int = 1) -> V.Operand:
@@ -56,11 +61,24 @@ def init_barrier_gpu(barrier, expected):
       32767, lives in bits 30..16): every taking-part block runs it before its first
       arrival, and the word keeps that count for its whole life (another count traps).
 
-    ``expected`` is any integer expression (e.g. the grid size).  A buffer or region whose
-    extent is unknown at trace time uses the two-word layout.
+    ``expected`` is any integer expression (e.g. the grid size); a constant must be a block
+    count (1..32767 for one word, 1..2**32-1 for two), a float is refused.  A buffer or
+    region whose extent is unknown at trace time uses the two-word layout.
     """
     op, form = _gpu_barrier(barrier)
-    return V.extern("handle", f"tilescale::init_barrier_gpu{form}", op.ptr, V.cast_to(expected, "uint32", "expected"))
+    count = V.cast_to(expected, "uint32", "expected")
+    if isinstance(expected, tirx.IntImm):
+        expected = int(expected.value)
+    if isinstance(expected, int) and not isinstance(expected, bool):
+        high = ONE_WORD_MAX_BLOCKS if form == "1" else (1 << 32) - 1
+        if not 1 <= expected <= high:
+            why = (f" (a negative count would become {expected & 0xFFFFFFFF:#x} and the barrier would "
+                   "never complete)" if expected < 0 else "")
+            raise ValueError(
+                f"expected={expected} is not a number of blocks: the {'one' if form == '1' else 'two'}-word "
+                f"GPU barrier takes 1..{high}{why}"
+            )
+    return V.extern("handle", f"tilescale::init_barrier_gpu{form}", op.ptr, count)
 
 
 def arrive_barrier_gpu(barrier):
@@ -95,16 +113,18 @@ def sync_blocks(barrier):
 
 def notify(ptr, peer, signal=1, sig_op: str = "set"):
     """Signal the flag at ``ptr`` on rank ``peer`` (-1: local) with release semantics at
-    system scope: ``sig_op="set"`` stores ``signal``; ``"add"`` atomically adds it (32-bit
-    flags).  Pairs with ``T.wait_*`` on the receiving side."""
+    system scope: ``sig_op="set"`` stores ``signal`` (converted to the flag's type, float
+    flags included); ``"add"`` atomically adds it (32-bit integer flags only).  Pairs with
+    ``T.wait_*`` on the receiving side."""
     op = V.operand(ptr, "ptr")
     dtype = V.require_dtype(op, "ptr")
     sig_op = V.choice(sig_op, ("set", "add"), "sig_op")
-    if sig_op == "add" and V.tvm_dtype(dtype).bits != 32:
-        raise TypeError(f"sig_op='add' needs a 32-bit flag, got {dtype}")
+    if sig_op == "add" and not (V.is_int_dtype(dtype) and V.tvm_dtype(dtype).bits == 32):
+        raise TypeError(
+            f"sig_op='add' needs a 32-bit integer flag (it is an integer red.add), got {dtype}"
+            + ("; adding to a float flag would add to its bit pattern" if not V.is_int_dtype(dtype) else "")
+        )
     pe_val = V.remote_pe(peer, "peer", op, "ptr")
-    import tvm.tirx as tirx
-
     pe_arg = pe_val if pe_val is not None else tirx.IntImm("int32", -1)
     add = "true" if sig_op == "add" else "false"
     return V.extern("handle", f"tilescale::notify<{add}>", op.ptr, pe_arg, V.cast_to(signal, dtype, "signal"))

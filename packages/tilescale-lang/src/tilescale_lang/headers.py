@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 #: Directory to pass as ``-I`` (it contains ``tilescale/tilescale.cuh``).
@@ -19,7 +20,7 @@ INCLUDE_DIR = Path(__file__).with_name("include")
 MAIN_HEADER = "tilescale/tilescale.cuh"
 #: Environment variable holding the wait timeout in milliseconds (read at compile time).
 WAIT_TIMEOUT_ENV = "TILESCALE_WAIT_TIMEOUT_MS"
-#: Environment variable that compiles the device debug checks in (``1``; read at compile time).
+#: Environment variable that compiles the device debug checks in (on/off; read at compile time).
 DEBUG_ENV = "TILESCALE_DEBUG"
 
 
@@ -55,50 +56,54 @@ def _cached_abi() -> str:
     return _ABI_CACHE[key]
 
 
+#: Largest wait timeout (ms): the device prints it as a 32-bit int and counts it in
+#: nanoseconds in 64 bits; 2**31 - 1 ms is about 24.8 days.
+MAX_WAIT_TIMEOUT_MS = (1 << 31) - 1
+
+
 def wait_timeout_ms() -> int:
     """The wait timeout (ms) from ``TILESCALE_WAIT_TIMEOUT_MS``; 0 when unset (no timeout).
 
     Raises:
-        ValueError: the variable is not a non-negative integer.
+        ValueError: the variable is not an integer in ``0..MAX_WAIT_TIMEOUT_MS`` (a larger one
+            would wrap: 18446744073710 ms became 0.448 ms), naming the variable.
     """
     raw = os.environ.get(WAIT_TIMEOUT_ENV, "").strip()
     if not raw:
         return 0
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{WAIT_TIMEOUT_ENV} must be a non-negative integer (ms), got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"{WAIT_TIMEOUT_ENV} must be a non-negative integer (ms), got {raw!r}")
+    what = f"{WAIT_TIMEOUT_ENV} must be an integer number of milliseconds in 0..{MAX_WAIT_TIMEOUT_MS} (0: no timeout)"
+    if not re.fullmatch(r"[+-]?[0-9]+", raw):
+        raise ValueError(f"{what}, got {raw!r}")
+    value = int(raw)
+    if not 0 <= value <= MAX_WAIT_TIMEOUT_MS:
+        raise ValueError(f"{what}, got {raw!r}")
     return value
 
 
-#: Environment variable (read at compile time): ``1`` compiles the run-time PE range check in.
+#: Environment variable (on/off, read at compile time): on compiles the run-time PE range check in.
 CHECK_PE_ENV = "TILESCALE_CHECK_PE"
 
 
-def _on_off(name: str, meaning: str) -> bool:
-    """The compile-time switch ``name``: ``1`` on, ``0`` or unset off.
+def _on_off(name: str) -> bool:
+    """The compile-time switch ``name`` (:func:`tilescale_core.env.flag`: ``1/true/yes/on``
+    on, ``0/false/no/off``, empty or unset off).
 
     Raises:
-        ValueError: any other value (naming the variable and what ``1`` means).
+        ValueError: any other value, naming the variable.
     """
-    raw = os.environ.get(name, "").strip()
-    if raw in ("", "0"):
-        return False
-    if raw == "1":
-        return True
-    raise ValueError(f"{name} must be 1 ({meaning}) or 0/unset (off), got {raw!r}")
+    from tilescale_core.env import flag
+
+    return flag(name, False)
 
 
 def check_pe_enabled() -> bool:
-    """Whether the run-time PE range check is compiled in: ``TILESCALE_CHECK_PE=1``, or
-    ``TILESCALE_DEBUG=1`` (which turns on every device debug check).
+    """Whether the run-time PE range check is compiled in: ``TILESCALE_CHECK_PE`` on, or
+    ``TILESCALE_DEBUG`` on (which turns on every device debug check).
 
     Raises:
-        ValueError: either variable has a value other than ``1``, ``0`` or empty.
+        ValueError: either variable is not a boolean spelling.
     """
-    return _on_off(CHECK_PE_ENV, "check run-time PEs") or debug_enabled()
+    return _on_off(CHECK_PE_ENV) or debug_enabled()
 
 
 def compile_flags() -> list[str]:
@@ -115,9 +120,10 @@ def compile_flags() -> list[str]:
 
 
 def debug_enabled() -> bool:
-    """Whether ``TILESCALE_DEBUG`` asks for the device debug checks (``1``; unset or ``0``: off).
+    """Whether ``TILESCALE_DEBUG`` asks for the device debug checks (on/off as for
+    :func:`check_pe_enabled`).
 
     Raises:
-        ValueError: any other value.
+        ValueError: not a boolean spelling.
     """
-    return _on_off(DEBUG_ENV, "device debug checks")
+    return _on_off(DEBUG_ENV)

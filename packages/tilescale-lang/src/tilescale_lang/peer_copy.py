@@ -32,6 +32,8 @@ def copy_operands(kind: str, src, dst, size, pe, pe_name: str, remote_side: str)
     if itemsize is None:
         raise TypeError(f"{kind}: element type unknown for both src and dst; pass typed pointers (T.address_of(buf[i]))")
     nbytes = V.size_bytes(size, itemsize, "size")
+    V.require_contiguous(src, "src", kind)
+    V.require_contiguous(dst, "dst", kind)
     V.check_extent(size, src, "src")
     V.check_extent(size, dst, "dst")
     pe_val = V.remote_pe(pe, pe_name, s if remote_side == "src" else d, remote_side)
@@ -190,7 +192,7 @@ def tma_copy(src, dst, src_pe=None, dst_pe=None, **kwargs):
     a peer's global tensor into shared memory) or ``dst_pe`` (a TMA store of shared memory
     into a peer's tensor) the copy goes through that peer's own descriptor, built in the
     generated host code from the heap table; descriptors cover PEs 0..7, and any other PE
-    issues no operation (traps with ``TILESCALE_DEBUG=1``).  See :mod:`tilescale_lang.remote_tma`.
+    issues no operation (traps with ``TILESCALE_CHECK_PE=1`` or ``TILESCALE_DEBUG=1``).  See :mod:`tilescale_lang.remote_tma`.
     """
     from . import remote_tma
 

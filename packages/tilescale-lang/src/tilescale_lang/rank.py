@@ -24,10 +24,10 @@ def get_num_ranks() -> tirx.PrimExpr:
 def symm_at(ptr, pe) -> tirx.PrimExpr:
     """The address of ``ptr``'s symmetric counterpart on rank ``pe`` (a handle expression;
     ``pe`` = -1 keeps it local).  Like Triton-distributed's ``symm_at``."""
-    from .validation import operand, pe_expr
+    from .validation import operand, remote_pe
 
     op = operand(ptr, "ptr")
-    pe_val = pe_expr(pe, "pe")
+    pe_val = remote_pe(pe, "pe", op, "ptr")  # only global (heap) memory has a counterpart
     if pe_val is None:
         return op.ptr
     return extern("handle", "tilescale::remap", op.ptr, pe_val)

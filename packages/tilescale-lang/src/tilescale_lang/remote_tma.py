@@ -4,11 +4,11 @@ A TMA operation names its global tensor through a descriptor (``CUtensorMap``) t
 builds before the launch, so a peer's copy of a tensor needs a descriptor of its own.  As the
 TileScale API specifies, the descriptors cover PEs 0 through 7:
 
-* **While tracing**, the operation becomes a dispatch on the PE: ``pe < 0`` runs the stock
+* **While tracing**, the operation becomes a dispatch on the PE: ``pe == -1`` runs the stock
   operation on the local tensor; ``pe == k`` (k = 0..7, and ``k < T.get_num_ranks()``) runs
   it on a view of the tensor whose base pointer is the variable ``tilescale_tma_peer<k>_<name>``.
-  Any other PE issues no operation (with ``TILESCALE_DEBUG=1`` at compile time it prints the
-  rank, block and PE and traps instead).  A constant PE picks its branch while tracing; a
+  Any other PE (-2 and below included) issues no operation (with ``TILESCALE_CHECK_PE=1`` or
+  ``TILESCALE_DEBUG=1`` at compile time it prints the rank, block and PE and traps instead).  A constant PE picks its branch while tracing; a
   constant PE above 7 is an error.
 * **In the generated host code** (a pass after stock TileLang's ``LowerHopperIntrin``, see
   :mod:`.pipeline_hooks`), those variables are bound before the descriptors are encoded: one
@@ -182,11 +182,11 @@ def dispatch(pe_val, name: str, remote, local, peer) -> None:
             with IB.Else():
                 _bad_pe(pe_val)
         return
-    with IB.If(pe_val < 0):
+    with IB.If(pe_val == -1):  # only -1 is local; -2 and below are bad PEs, not local ones
         with IB.Then():
             local()
         with IB.Else():
-            with IB.If(tirx.all(pe_val < MAX_TMA_PES, pe_val < get_num_ranks())):
+            with IB.If(tirx.all(0 <= pe_val, pe_val < MAX_TMA_PES, pe_val < get_num_ranks())):
                 with IB.Then():
                     _chain(pe_val, 0, remote, name, peer)
                 with IB.Else():

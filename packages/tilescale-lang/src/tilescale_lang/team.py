@@ -231,22 +231,46 @@ def _collective(kind: str, dst, src, n):
     itemsize = s.itemsize or d.itemsize
     if itemsize is None:
         raise TypeError(f"{kind}: element type unknown for both src and dst; pass typed pointers")
-    return d, s, V.size_bytes(n, itemsize, "n")
+    nbytes = V.size_bytes(n, itemsize, "n")
+    for x, name in ((src, "src"), (dst, "dst")):
+        V.require_contiguous(x, name, kind)
+        V.check_extent(n, x, name, "n")
+    return d, s, nbytes
+
+
+def _root(root) -> tirx.PrimExpr:
+    """``root`` as int32; a constant outside ``[0, MAX_TEAM_SIZE)`` is a ValueError (a
+    run-time root outside ``[0, size)`` traps on the device)."""
+    if isinstance(root, bool) or not isinstance(root, (int, tirx.PrimExpr)):
+        raise TypeError(f"root must be an integer team rank, got {root!r}")
+    value = V.cast_to(root, "int32", "root")
+    if isinstance(value, tirx.IntImm) and not 0 <= int(value.value) < MAX_TEAM_SIZE:
+        raise ValueError(
+            f"root={int(value.value)} is not a team rank: it must be in [0, size) "
+            f"(a team has at most {MAX_TEAM_SIZE} members)"
+        )
+    return value
 
 
 def broadcast_block(team, dst, src, n, root):
     """Copy ``n`` elements of ``src`` on team member ``root`` to ``dst`` on every member
     (root included).  One block on every member calls it; on return ``dst`` holds the data
-    and root's ``src`` may be reused.  ``dst``/``src`` are symmetric global buffers."""
+    and root's ``src`` may be reused.  ``dst``/``src`` are symmetric global buffers.
+
+    A constant ``n`` larger than ``src`` or ``dst`` holds, a non-contiguous region and a
+    constant ``root`` outside the team are errors while tracing; a run-time ``root`` outside
+    ``[0, size)`` and a tensor that is not a team (no ``TEAM_MAGIC``) trap on the device."""
     t = _team(team)
     d, s, nbytes = _collective("broadcast_block", dst, src, n)
-    return V.extern("handle", "tilescale::broadcast_block", t.ptr, d.ptr, s.ptr, nbytes, V.cast_to(root, "int32", "root"))
+    return V.extern("handle", "tilescale::broadcast_block", t.ptr, d.ptr, s.ptr, nbytes, _root(root))
 
 
 def fcollect_block(team, dst, src, n):
     """All-gather of equal pieces: member ``i``'s ``n`` elements of ``src`` land at
     ``dst[i * n : (i + 1) * n]`` on every member.  One block on every member calls it; on
-    return ``dst`` is complete and ``src`` may be reused."""
+    return ``dst`` is complete and ``src`` may be reused.  A constant ``n`` larger than
+    ``src`` or ``dst`` holds (``dst`` needs ``n * size``), or a non-contiguous region, is an
+    error while tracing; a tensor that is not a team traps on the device."""
     t = _team(team)
     d, s, nbytes = _collective("fcollect_block", dst, src, n)
     return V.extern("handle", "tilescale::fcollect_block", t.ptr, d.ptr, s.ptr, nbytes)

@@ -317,6 +317,50 @@ def available_elements(x: Any) -> int | None:
     return total
 
 
+def _region_text(region: tirx.BufferRegion) -> str:
+    parts = []
+    for r in region.region:
+        lo, ext = _static(r.min), _static(r.extent)
+        if lo is not None and ext is not None:
+            parts.append(f"{lo}:{lo + ext}")
+        else:
+            parts.append(f"{r.min}:{r.min} + {r.extent}")
+    return f"{region.buffer.name}[{', '.join(parts)}]"
+
+
+def require_contiguous(x: Any, name: str, kind: str) -> None:
+    """ValueError when ``x`` is a region (``buf[a:b, c:d]``) whose elements are not one
+    contiguous span of memory: ``kind`` copies a flat span from the region's first element,
+    so ``M[0:2, 0:4]`` of an 8x8 ``M`` would copy ``M[0, 0:8]``.  Regions whose layout is not
+    known at trace time are accepted."""
+    if not isinstance(x, tirx.BufferRegion):
+        return
+    buf = x.buffer
+    extents = [_static(r.extent) for r in x.region]
+    if buf.strides:
+        strides = [_static(st) for st in buf.strides]
+    else:
+        shape = [_static(e) for e in buf.shape]
+        strides, acc = [], 1
+        for e in reversed(shape):
+            strides.insert(0, acc)
+            acc = None if (acc is None or e is None) else acc * e
+    dims = [i for i, e in enumerate(extents) if e != 1]  # dims that move (unknown extents too)
+    if not dims:
+        return
+    if any(extents[i] is None or strides[i] is None for i in dims):
+        return
+    expected = 1
+    for i in reversed(dims):
+        if strides[i] != expected:
+            raise ValueError(
+                f"{name}: region {_region_text(x)} is not contiguous in memory (its rows are apart), "
+                f"but {kind} copies one flat span from its first element; pass a contiguous region "
+                f"(whole trailing rows, e.g. {buf.name}[a:b, :]) or copy row by row"
+            )
+        expected *= extents[i]
+
+
 def check_extent(size: Any, x: Any, name: str, size_name: str = "size") -> None:
     """ValueError when the constant element count ``size`` exceeds what ``x`` holds from its
     start (both known at trace time); nothing when either is dynamic."""
@@ -331,13 +375,29 @@ def check_extent(size: Any, x: Any, name: str, size_name: str = "size") -> None:
         )
 
 
+#: Largest byte count a constant size may give: TVM immediates are signed 64-bit, and no
+#: device holds 2**63 bytes.
+MAX_BYTES = (1 << 63) - 1
+
+
 def size_bytes(size: Any, itemsize: int, name: str = "size") -> tirx.PrimExpr:
-    """``size`` elements of ``itemsize`` bytes, as a uint64 byte count."""
+    """``size`` elements of ``itemsize`` bytes, as a uint64 byte count.
+
+    Raises:
+        TypeError: ``size`` is not an integer.
+        ValueError: a negative constant (it would become a huge unsigned count) or one whose
+            byte count does not fit 63 bits; both name ``name``.
+    """
     if isinstance(size, bool):
         raise TypeError(f"{name} must be an integer number of elements, got {size!r}")
     if isinstance(size, int):
         if size < 0:
             raise ValueError(f"{name} must be >= 0, got {size}")
+        if size * itemsize > MAX_BYTES:
+            raise ValueError(
+                f"{name}={size} elements of {itemsize} bytes ({size * itemsize} bytes) is too large: "
+                f"a byte count must fit 63 bits (< 2**63)"
+            )
         return tirx.IntImm("uint64", size * itemsize)
     if not isinstance(size, tirx.PrimExpr) or not is_int_dtype(size.dtype):
         raise TypeError(f"{name} must be an integer number of elements, got {size!r}")
@@ -346,15 +406,38 @@ def size_bytes(size: Any, itemsize: int, name: str = "size") -> tirx.PrimExpr:
     return tirx.Cast("uint64", size) * tirx.IntImm("uint64", itemsize)
 
 
+def _int_imm(value: int, dtype: str) -> tirx.PrimExpr:
+    """An immediate of integer type ``dtype`` holding ``value`` (already in range); uint64
+    values of 2**63 and above need TVM's large-uint form (IntImm is signed 64-bit)."""
+    if value >= 1 << 63:
+        return tirx.const(value, dtype)
+    return tirx.IntImm(dtype, value)
+
+
 def cast_to(value: Any, dtype: str, name: str) -> tirx.PrimExpr:
-    """``value`` converted to ``dtype`` (Python numbers become immediates)."""
+    """``value`` converted to ``dtype`` (Python numbers and TVM constants become immediates).
+
+    Constants are checked while tracing (TVM constants like ``T.int64(5)`` and
+    ``T.float32(1.5)`` as their Python values): an integer type takes integers that fit its
+    width in either signed or unsigned reading; a float for an integer type, constant or
+    not, is a TypeError (C would truncate it: ``T.float32(1.5)`` would become ``1``).
+
+    Raises:
+        TypeError: a buffer, a non-scalar, or a float for an integer ``dtype``.
+        ValueError: an integer constant that does not fit ``dtype``.
+    """
     if isinstance(value, tirx.Buffer):
         raise TypeError(f"{name} must be a scalar expression, got buffer {value.name!r}")
+    is_int = str(dtype).startswith(("int", "uint"))
+    if isinstance(value, tirx.IntImm):
+        value = int(value.value)
+    elif isinstance(value, tirx.FloatImm):
+        value = float(value.value)
     if isinstance(value, bool):
         value = int(value)
     if isinstance(value, (int, float)):
         dt = tvm_dtype(dtype)
-        if str(dtype).startswith(("int", "uint")):
+        if is_int:
             if isinstance(value, float):
                 raise TypeError(f"{name} must be an integer for a {dtype} flag, got {value!r}")
             low, high = -(1 << (dt.bits - 1)), (1 << dt.bits) - 1
@@ -367,10 +450,18 @@ def cast_to(value: Any, dtype: str, name: str) -> tirx.PrimExpr:
             v = value & mask
             if str(dtype).startswith("int") and v >= 1 << (dt.bits - 1):
                 v -= 1 << dt.bits
-            return tirx.IntImm(dtype, v)
-        return tirx.FloatImm(dtype, float(value))
+            return _int_imm(v, dtype)
+        try:
+            return tirx.FloatImm(dtype, float(value))
+        except (ValueError, RuntimeError):  # TVM: "Literal value 1e+40 exceeds maximum of float32"
+            raise ValueError(f"{name}={value!r} does not fit the {dtype} flag (beyond its largest finite value)") from None
     if not isinstance(value, tirx.PrimExpr):
         raise TypeError(f"{name} must be a scalar expression, got {type(value).__name__}")
+    if is_int and str(value.dtype).startswith(("float", "bfloat")):
+        raise TypeError(
+            f"{name} is a {value.dtype} expression but the flag is {dtype}: C would truncate it; "
+            f"convert it explicitly (T.cast({name}, \"{dtype}\")) if that is what you mean"
+        )
     return value if str(value.dtype) == dtype else tirx.Cast(dtype, value)
 
 

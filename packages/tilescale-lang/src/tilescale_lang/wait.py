@@ -10,6 +10,10 @@ block, thread, address, expected and observed values and traps.
 
 from __future__ import annotations
 
+import math
+
+from ._tvm import tirx
+
 from . import validation as V
 
 _RELATIONS = {"eq": "==", "ne": "!=", "ge": ">=", "le": "<=", "gt": ">", "lt": "<"}
@@ -26,6 +30,12 @@ def wait(relation: str, value, expected, peer=-1, scope: str = "sys", semantics:
         peer: poll the flag's counterpart on this rank; -1 polls the local flag.
         scope: ``sys`` | ``gpu``.
         semantics: ``acquire`` | ``volatile``.
+
+    Raises:
+        TypeError: a float ``expected`` (constant or not) for an integer flag (C would
+            truncate it: ``T.float32(1.5)`` became ``1``).
+        ValueError: a constant ``expected`` that does not fit the flag, or NaN (no wait on
+            NaN completes: it compares unequal to everything).
     """
     relation = V.choice(relation, tuple(_RELATIONS), "relation")
     op = V.operand(value, "value", as_value=True)
@@ -33,6 +43,11 @@ def wait(relation: str, value, expected, peer=-1, scope: str = "sys", semantics:
     scope = V.choice(scope, ("sys", "gpu"), "scope")
     semantics = V.choice(semantics, ("acquire", "volatile"), "semantics")
     exp = V.cast_to(expected, dtype, "expected")
+    if isinstance(exp, tirx.FloatImm) and math.isnan(exp.value):
+        raise ValueError(
+            f"expected=nan: NaN compares unequal to everything, so wait_{relation} on it "
+            f"{'returns at once' if relation == 'ne' else 'never completes'}"
+        )
     pe_val = V.remote_pe(peer, "peer", op, "value")
     args = [op.ptr, exp] if pe_val is None else [op.ptr, exp, pe_val]
     name = f"tilescale::wait_until<tilescale::Cmp::{relation.upper()}, {V.SCOPES[scope]}, {V.SEMS[semantics]}>"

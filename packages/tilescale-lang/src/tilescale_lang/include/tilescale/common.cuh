@@ -88,13 +88,14 @@ static __device__ __noinline__ void pe_out_of_range_trap(int pe) {
 }
 #endif
 
-/// Address of `ptr`'s symmetric counterpart on rank `pe`.  A negative `pe` (-1) keeps the
-/// local address, so a PE that is -1 only at run time is local too.
+/// Address of `ptr`'s symmetric counterpart on rank `pe`.  Only -1 keeps the local address
+/// (so a PE that is -1 only at run time is local too); any other PE outside
+/// 0..num_ranks-1, negative ones included, traps with TILESCALE_CHECK_PE=1.
 template <typename T> TILESCALE_DEVICE T* remap(T* ptr, int pe) {
-  if (pe < 0) return ptr;
+  if (pe == -1) return ptr;
   const int me = get_rank();
 #if TILESCALE_CHECK_PE
-  if (pe >= static_cast<int>(meta_data[1])) pe_out_of_range_trap(pe);
+  if (static_cast<unsigned int>(pe) >= static_cast<unsigned int>(meta_data[1])) pe_out_of_range_trap(pe);
 #endif
   unsigned long long p = reinterpret_cast<unsigned long long>(ptr);
   return reinterpret_cast<T*>(p - meta_data[2 + me] + meta_data[2 + pe]);

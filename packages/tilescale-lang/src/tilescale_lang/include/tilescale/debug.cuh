@@ -7,15 +7,16 @@
 #define TILESCALE_DEBUG 0
 #endif
 
-#if TILESCALE_DEBUG && !defined(__CUDACC_RTC__)
+#if (TILESCALE_DEBUG || TILESCALE_CHECK_PE) && !defined(__CUDACC_RTC__)
 #include <cstdio>  // device printf (NVRTC declares it itself)
 #endif
 
 namespace tilescale {
 
-#if TILESCALE_DEBUG
+#if TILESCALE_DEBUG || TILESCALE_CHECK_PE
 /// A remote TMA operation got a PE its descriptors do not cover (outside 0..7 or beyond the
-/// group): say so and trap instead of issuing nothing (which stalls a load on its mbarrier).
+/// group, or negative but not -1): say so and trap instead of issuing nothing (which stalls a
+/// load on its mbarrier).  Compiled in by TILESCALE_CHECK_PE=1 or TILESCALE_DEBUG=1.
 __device__ __noinline__ void tma_bad_pe(int pe) {
   printf("[tilescale] remote TMA: PE %d is outside the PEs 0..7 that have descriptors, or not below "
          "num_ranks %d: rank %d block (%d,%d,%d) thread (%d,%d,%d)\n",
@@ -24,7 +25,8 @@ __device__ __noinline__ void tma_bad_pe(int pe) {
   __trap();
 }
 #else
-/// Without TILESCALE_DEBUG a remote TMA operation with such a PE issues no operation.
+/// Without TILESCALE_CHECK_PE / TILESCALE_DEBUG a remote TMA operation with such a PE issues
+/// no operation.
 TILESCALE_DEVICE void tma_bad_pe(int) {}
 #endif
 
