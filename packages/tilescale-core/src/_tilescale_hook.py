@@ -19,9 +19,12 @@ reported with a :class:`RuntimeWarning` and skipped, so a broken extension never
 tilelang.  The same ordering serves every TileScale entry-point group
 (:func:`load_ordered`), the doctor's sections among them.
 
-Setting the environment variable ``TILESCALE_DISABLE_HOOK=1`` before the interpreter
-starts leaves ``tilelang`` exactly stock (useful to bisect a problem); the ``.pth`` line
-checks it before importing anything.
+Setting the environment variable ``TILESCALE_DISABLE_HOOK`` to ``1`` (or ``true``, ``yes``,
+``on``: the spellings of :mod:`tilescale_core.env`) before the interpreter starts leaves
+``tilelang`` exactly stock (useful to bisect a problem); the ``.pth`` line checks those
+spellings before importing anything, and otherwise calls :func:`startup`, which reads the
+variable again: an off spelling or none installs the hook, and a value that is neither
+prints one line to stderr and installs the hook (a typo must not break every start-up).
 
 Start-up cost: this module and ``tilescale_core/__init__`` import nothing beyond ``os`` and
 ``sys`` (already loaded by ``site``): the finder and loader are plain classes (the
@@ -36,9 +39,15 @@ import sys
 ENTRY_POINT_GROUP = "tilescale.tilelang_extensions"
 #: Order of an extension whose callable declares none (after every TileScale wheel's).
 DEFAULT_ORDER = 100
-#: Environment variable that, when set to ``1``, keeps the hook from being installed.
+#: Environment variable that, when on (``1``/``true``/``yes``/``on``), keeps the hook from
+#: being installed.
 DISABLE_ENV = "TILESCALE_DISABLE_HOOK"
+#: Spellings of on and off: a copy of :data:`tilescale_core.env.TRUE` / ``FALSE`` (importing
+#: that module here would cost start-up time; a test keeps the copies equal).
+TRUE = ("1", "true", "yes", "on", "y", "t")
+FALSE = ("0", "false", "no", "off", "n", "f")
 _TARGET = "tilelang"
+_warned = False
 _MARKER = "__tilescale_extensions__"
 
 
@@ -139,14 +148,54 @@ def extend(tilelang_module):
     return list(applied)
 
 
+def parse_disable(value):
+    """``TILESCALE_DISABLE_HOOK``'s text (None when unset) as a bool, as
+    :func:`tilescale_core.env.parse_flag` reads it (unset or blank: False).
+
+    Raises:
+        ValueError: neither an on nor an off spelling, naming the variable and the value.
+    """
+    if value is None or not value.strip():
+        return False
+    text = value.strip().lower()
+    if text in TRUE:
+        return True
+    if text in FALSE:
+        return False
+    raise ValueError(f"{DISABLE_ENV}={value!r} is not a boolean: use one of {'/'.join(TRUE)} (on) or "
+                     f"{'/'.join(FALSE)} (off), or leave it unset")
+
+
+def startup():
+    """Called by ``tilescale_core.pth`` at interpreter start: :func:`install` unless
+    ``TILESCALE_DISABLE_HOOK`` is on.  Never raises for the variable: a value that is not a
+    boolean is reported on one line of stderr and the hook is installed (the default)."""
+    global _warned
+    try:
+        return install()
+    except ValueError as exc:
+        if not _warned:  # site.py may process the .pth file twice
+            _warned = True
+            sys.stderr.write(f"[tilescale] {exc}; the TileScale hook stays installed\n")
+        return _install()
+
+
 def install():
-    """Install the finder (idempotent). Return True when the hook is active.
+    """Install the finder (idempotent). Return True when the hook is active, False when
+    ``TILESCALE_DISABLE_HOOK`` is on.
 
     If ``tilelang`` was imported before the hook was installed, the extensions are applied
     to it right away.
+
+    Raises:
+        ValueError: ``TILESCALE_DISABLE_HOOK`` is neither an on nor an off spelling.
     """
-    if os.environ.get(DISABLE_ENV, "") == "1":
+    if parse_disable(os.environ.get(DISABLE_ENV)):
         return False
+    return _install()
+
+
+def _install():
     if not any(isinstance(f, TilelangFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, TilelangFinder())
     module = sys.modules.get(_TARGET)

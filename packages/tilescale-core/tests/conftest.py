@@ -39,3 +39,30 @@ def pytest_configure(config):
     from tilescale_core.testing import register_gpu_marker
 
     register_gpu_marker(config, "gpu")
+
+
+OTHER_USER = "tscore-other"
+
+
+@pytest.fixture(scope="session")
+def other_user():
+    """``(uid, gid)`` of a second, unprivileged local user, created for attacks from another
+    user id; skipped, with the reason, when the tests do not run as root or cannot create it."""
+    import pwd
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a second user for an other-user attack")
+    try:
+        entry = pwd.getpwnam(OTHER_USER)
+    except KeyError:
+        useradd = shutil.which("useradd")
+        if useradd is None:
+            pytest.skip("needs useradd to create a second user for an other-user attack")
+        proc = subprocess.run([useradd, "--system", "--no-create-home", "--shell", "/bin/sh", OTHER_USER],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"useradd {OTHER_USER} failed: {proc.stderr.strip()}")
+        entry = pwd.getpwnam(OTHER_USER)
+    return entry.pw_uid, entry.pw_gid

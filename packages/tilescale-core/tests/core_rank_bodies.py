@@ -306,3 +306,25 @@ def start_a_process(rank, world_size):
 
 def _put_pid(q):
     q.put(os.getpid())
+
+
+def dies_in_a_collective(rank, world_size, how):
+    """The last rank dies (``how``: "exit3" ``os._exit(3)``, "kill" SIGKILL) between two
+    barriers; the others then fail in the second barrier, because of it."""
+    import signal
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == world_size - 1:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(3)
+    dist.barrier()
+    return "survived"
+
+
+def unpicklable_result(rank, world_size):
+    import threading
+
+    return threading.Lock() if rank == 1 else rank

@@ -259,3 +259,18 @@ def test_public_multicast_tensor_says_how_to_get_multicast(clean_env):
         a.multicast_tensor((2,), "float32")
     with pytest.raises(RuntimeError, match="closed"):
         a.multicast_tensor((2,), "float32")
+
+
+@pytest.mark.parametrize("text,want", [("1", True), ("true", True), ("Yes", True), ("on", True),
+                                       ("0", False), ("false", False), ("off", False), ("", False)])
+def test_check_alloc_env_reads_every_boolean_spelling(clean_env, text, want):
+    clean_env.setenv("TILESCALE_CHECK_ALLOC", text)
+    a, _ = make()
+    with a:
+        assert a._check is want
+
+
+def test_check_alloc_env_rejects_an_unreadable_value(clean_env):
+    clean_env.setenv("TILESCALE_CHECK_ALLOC", "maybe")
+    with pytest.raises(ValueError, match=r"TILESCALE_CHECK_ALLOC='maybe' is not a boolean"):
+        make()

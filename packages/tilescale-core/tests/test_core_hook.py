@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 
 
 def run_python(code: str, **env) -> str:
@@ -224,3 +226,54 @@ def test_tilescale_extensions_declare_their_order():
         except ImportError:
             continue
         assert ext.extend.order == order
+
+
+_EXTENDED = """
+    import tilelang
+    print(hasattr(tilelang, 'get_allocator'))
+"""
+
+
+def _run_start(value: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TILESCALE_DISABLE_HOOK"}
+    env["TILESCALE_DISABLE_HOOK"] = value
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(_EXTENDED)], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_disable_hook_reads_every_on_spelling():
+    for value in ("true", "yes", "ON", " 1 "):
+        proc = _run_start(value)
+        assert proc.returncode == 0 and proc.stdout.strip() == "False", (value, proc.stdout, proc.stderr)
+        assert "tilescale" not in proc.stderr.lower(), proc.stderr
+
+
+def test_disable_hook_off_spellings_keep_the_hook():
+    for value in ("0", "false", "No", "off", ""):
+        proc = _run_start(value)
+        assert proc.returncode == 0 and proc.stdout.strip() == "True", (value, proc.stdout, proc.stderr)
+        assert "TILESCALE_DISABLE_HOOK" not in proc.stderr, proc.stderr
+
+
+def test_disable_hook_unreadable_value_warns_in_one_line_and_keeps_the_hook():
+    """A typo must not break every Python start-up, nor pass unnoticed."""
+    proc = _run_start("maybe")
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "TILESCALE_DISABLE_HOOK" in line]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "TILESCALE_DISABLE_HOOK='maybe' is not a boolean" in lines[0] and "hook stays installed" in lines[0]
+
+
+def test_hook_and_pth_read_the_spellings_of_tilescale_core_env():
+    """The hook cannot import tilescale_core.env at start-up (it would pull in typing): its
+    copy of the spellings, and the .pth fast path's, must stay those of env."""
+    import _tilescale_hook
+
+    from tilescale_core import env
+
+    assert _tilescale_hook.TRUE == env.TRUE and _tilescale_hook.FALSE == env.FALSE
+    pth = os.path.join(os.path.dirname(os.path.abspath(_tilescale_hook.__file__)), "tilescale_core.pth")
+    with open(pth) as f:
+        assert repr(env.TRUE) in f.read()
+    with pytest.raises(ValueError, match=r"TILESCALE_DISABLE_HOOK='2' is not a boolean"):
+        _tilescale_hook.parse_disable("2")

@@ -166,6 +166,42 @@ def test_multicast_env_other_values_do_not_disable(monkeypatch, imex):
     assert probes.probe_multicast().ok
 
 
+@pytest.mark.parametrize("name,value", [
+    ("NCCL_NVLS_ENABLE", "false"), ("NCCL_NVLS_ENABLE", "off"), ("NCCL_NVLS_ENABLE", "NO"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "true"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "yes"),
+    ("NVSHMEM_DISABLE_NVLS", "on"), ("NVSHMEM_DISABLE_NVLS", " TRUE "),
+])
+def test_multicast_env_reads_every_boolean_spelling(monkeypatch, imex, name, value):
+    imex()
+    fake = FakeDriver().install(monkeypatch)
+    monkeypatch.setenv(name, value)
+    result = probes.probe_multicast()
+    assert not result and f"{name}={value}" in result.reason
+    assert fake.calls == 0
+
+
+@pytest.mark.parametrize("name", list(MULTICAST_DISABLE_ENV))
+def test_multicast_env_unreadable_value_disables_conservatively(monkeypatch, imex, name):
+    """An opt-out variable owned by NCCL / torch / NVSHMEM with a value TileScale cannot read
+    disables multicast (the safe side) instead of raising, and says so."""
+    imex()
+    fake = FakeDriver().install(monkeypatch)
+    monkeypatch.setenv(name, "maybe")
+    result = probes.probe_multicast()
+    assert not result and f"{name}='maybe'" in result.reason and "not a boolean" in result.reason
+    assert fake.calls == 0
+
+
+@pytest.mark.parametrize("name,value", [("NCCL_NVLS_ENABLE", "true"), ("NCCL_NVLS_ENABLE", "on"),
+                                        ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "false"), ("NVSHMEM_DISABLE_NVLS", "off"),
+                                        ("NVSHMEM_DISABLE_NVLS", "")])
+def test_multicast_env_enabling_spellings_do_not_disable(monkeypatch, imex, name, value):
+    imex()
+    FakeDriver(devices=2).install(monkeypatch)
+    monkeypatch.setenv(name, value)
+    assert probes.probe_multicast().ok
+
+
 def test_multicast_checks_every_device_and_fabric(monkeypatch, imex):
     imex()
     FakeDriver(devices=2, attrs={("MULTICAST_SUPPORTED", 1): 0}).install(monkeypatch)

@@ -142,3 +142,58 @@ def test_rank_body_can_start_a_process(clean_env):
     results = run_ranks(bodies.start_a_process, 2, timeout=120)
     for r in results:
         assert r["exitcode"] == 0 and r["child"] != r["me"]
+
+
+@pytest.mark.parametrize("how,exit_text", [("exit3", "exited with code 3"), ("kill", "killed by signal 9 (SIGKILL)")])
+def test_run_ranks_names_the_rank_that_died_and_its_exit_code(how, exit_text):
+    """Rank 2 dies; ranks 0 and 1 then fail in a collective and report first: the failure
+    still names rank 2, with its exit code, and keeps the survivors' tracebacks."""
+    with pytest.raises(RankFailure) as info:
+        run_ranks(bodies.dies_in_a_collective, 3, args=(how,), backend="gloo", timeout=60, grace=1.0)
+    assert info.value.rank == 2, str(info.value)[:2000]
+    assert exit_text in info.value.details and "before reporting" in info.value.details
+    assert "Traceback" in info.value.details  # a survivor's report, as a consequence
+
+
+@pytest.mark.parametrize("world_size", [True, False, 2.0, "2", 0])
+def test_run_ranks_refuses_a_world_size_that_is_not_a_positive_int(world_size):
+    with pytest.raises(ValueError, match=r"world_size must be a positive int, got"):
+        run_ranks(bodies.stuck_rank, world_size)
+
+
+@pytest.mark.parametrize("name", ["timeout", "grace"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, True, "10"])
+def test_run_ranks_refuses_a_bad_timeout_before_starting_ranks(name, value):
+    if name == "grace" and value == -1.0:
+        value = -0.5
+    with pytest.raises(ValueError, match=rf"{name} must be a .*number of seconds, got {value!r}"):
+        run_ranks(bodies.stuck_rank, 2, **{name: value})
+
+
+def test_run_ranks_unpicklable_result_is_named():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(bodies.unpicklable_result, 2, backend=None, timeout=60, grace=1.0)
+    assert info.value.rank == 1
+    assert "return value" in info.value.details and "lock" in info.value.details.lower()
+    assert "cannot be sent" in info.value.details and "before reporting" not in info.value.details
+
+
+@pytest.mark.parametrize("text,want", [("true", "gloo"), ("yes", "gloo"), ("on", "gloo"), ("false", "nccl"),
+                                       ("off", "nccl"), ("", "nccl")])
+def test_auto_backend_reads_share_env_as_a_boolean(text, want):
+    assert auto_backend(2, device_count=2, env={"TILESCALE_SHARE_GPUS": text}) == want
+
+
+def test_auto_backend_rejects_an_unreadable_share_env():
+    with pytest.raises(ValueError, match=r"TILESCALE_SHARE_GPUS='maybe' is not a boolean"):
+        auto_backend(2, device_count=2, env={"TILESCALE_SHARE_GPUS": "maybe"})
+
+
+def test_parent_pid_env_is_checked_early_naming_the_variable():
+    from tilescale_core.interface import parent_pid_from_env
+
+    assert parent_pid_from_env({}) is None and parent_pid_from_env({"TILESCALE_PARENT_PID": ""}) is None
+    assert parent_pid_from_env({"TILESCALE_PARENT_PID": " 1234 "}) == 1234
+    for bad in ("abc", "-5", "0", "1.5", "12abc", "\u00b2"):
+        with pytest.raises(ValueError, match=rf"TILESCALE_PARENT_PID={bad!r} is not a process id"):
+            parent_pid_from_env({"TILESCALE_PARENT_PID": bad})

@@ -12,11 +12,28 @@ import os
 import signal
 import sys
 
-__all__ = ["PARENT_PID_ENV", "die_with_parent"]
+__all__ = ["PARENT_PID_ENV", "die_with_parent", "parent_pid_from_env"]
 
 #: Environment variable through which a launcher passes its pid to the ranks it starts.
 PARENT_PID_ENV = "TILESCALE_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
+
+
+def parent_pid_from_env(env=None) -> int | None:
+    """The launcher's pid from :data:`PARENT_PID_ENV` in ``env`` (default ``os.environ``);
+    None when unset or blank.  Read it first thing, so that a bad value fails before any work.
+
+    Raises:
+        ValueError: the value is not a positive integer, naming the variable and the value.
+    """
+    text = (os.environ if env is None else env).get(PARENT_PID_ENV)
+    if text is None or not text.strip():
+        return None
+    stripped = text.strip()
+    if not (stripped.isascii() and stripped.isdigit()) or int(stripped) < 1:
+        raise ValueError(f"{PARENT_PID_ENV}={text!r} is not a process id (a positive integer); it is set by "
+                         "tilescale-run for the ranks it starts: unset it, or set it to the launcher's pid")
+    return int(stripped)
 
 
 def die_with_parent(expected_parent: int | None = None, sig: int = signal.SIGKILL) -> bool:

@@ -31,6 +31,7 @@ from ._comm import Comm, SetupError
 from ._deadline import call_with_deadline
 from .probes import Probe
 from ._dlpack import byte_view
+from .env import flag
 from .tensors import normalize_device, numel_of, resolve_dtype, slice_view, view_at
 
 __all__ = [
@@ -312,7 +313,9 @@ class BaseAllocator:
             share one GPU (use gloo there: NCCL refuses it).
         use_vmm: force VMM (True) or CUDA IPC (False); None chooses (see :func:`select_path`).
         mcast_size: bytes of an additional multicast region (VMM fabric + multicast only).
-        check_alloc: compare every allocation across ranks (default: ``TILESCALE_CHECK_ALLOC=1``).
+        check_alloc: compare every allocation across ranks (default: ``TILESCALE_CHECK_ALLOC``,
+            read by :func:`tilescale_core.env.flag`: ``1``/``true``/``yes``/``on``; a value that is
+            neither an on nor an off spelling is a ``ValueError`` naming it).
         backend: a :class:`~tilescale_core._backends.HeapBackend` replacing the path's own
             (tests use :class:`tilescale_core.testing.HostBackend`).
     """
@@ -339,6 +342,7 @@ class BaseAllocator:
 
         def validate() -> tuple:
             self._validate(size, device, is_distributed, use_vmm, mcast_size, backend)
+            self._check = flag(CHECK_ENV, False) if check_alloc is None else bool(check_alloc)
             return (self.size, self.path, self.mcast_size)
 
         # Checked even for bad input, so that one rank's mistake stops every rank.
@@ -346,7 +350,6 @@ class BaseAllocator:
         if len(set(agreed)) > 1:
             listing = "; ".join(f"rank {r}: size={a[0]}, path={a[1]!r}, mcast_size={a[2]}" for r, a in enumerate(agreed))
             raise ValueError(f"the ranks disagree on the heap ({listing}); every rank must pass the same arguments")
-        self._check = os.environ.get(CHECK_ENV) == "1" if check_alloc is None else bool(check_alloc)
         self._log = AllocationLog()
         self._mc: _Multicast | None = None
         self._setup()

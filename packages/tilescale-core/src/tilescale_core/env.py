@@ -5,7 +5,7 @@ Every on/off switch (``TILESCALE_DISABLE_HOOK``, ``TILESCALE_CHECK_ALLOC``,
 TileScale honours (``NCCL_NVLS_ENABLE``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST``,
 ``NVSHMEM_DISABLE_NVLS``) are read by :func:`flag`: ``1``, ``true``, ``yes``, ``on`` (and
 ``y``, ``t``) mean on; ``0``, ``false``, ``no``, ``off`` (and ``n``, ``f``) mean off (any case,
-surrounding blanks ignored), as ``tilescale_host.utils.get_bool_env`` reads them; an unset
+surrounding blanks ignored), as tilescale-host's ``utils.get_bool_env`` reads them; an unset
 or empty variable takes the default; anything else raises ``ValueError`` naming the variable
 and its value, so a typo never silently reads as the default. Standard library only.
 """

@@ -10,8 +10,16 @@ from __future__ import annotations
 
 from ._extension import add_facade_dir
 from ._lazy import lazy_getattr
-from ._parent_death import PARENT_PID_ENV, die_with_parent
+from ._parent_death import PARENT_PID_ENV, die_with_parent, parent_pid_from_env
 from .table import TABLE_LAYOUT, TABLE_VERSION
 
-__all__ = ["PARENT_PID_ENV", "TABLE_VERSION", "TABLE_LAYOUT", "add_facade_dir", "die_with_parent", "lazy_getattr"]
+__all__ = [
+    "PARENT_PID_ENV",
+    "TABLE_VERSION",
+    "TABLE_LAYOUT",
+    "add_facade_dir",
+    "die_with_parent",
+    "lazy_getattr",
+    "parent_pid_from_env",
+]
 # TABLE_VERSION and TABLE_LAYOUT are tilescale_core.table's (the table's one owner).

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import faulthandler
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -88,9 +89,16 @@ def auto_backend(world_size: int, device_count: int | None = None, share: bool |
                  env: Mapping[str, str] | None = None) -> str:
     """``"nccl"`` when every rank can have its own GPU and GPUs are not shared, else
     ``"gloo"`` (NCCL refuses two ranks on one GPU). ``share`` None reads
-    ``TILESCALE_SHARE_GPUS`` from ``env`` (default ``os.environ``): ``1`` shares."""
+    ``TILESCALE_SHARE_GPUS`` from ``env`` (default ``os.environ``) with
+    :func:`tilescale_core.env.flag`: ``1``/``true``/``yes``/``on`` share.
+
+    Raises:
+        ValueError: ``TILESCALE_SHARE_GPUS`` is neither an on nor an off spelling.
+    """
     if share is None:
-        share = (os.environ if env is None else env).get(SHARE_GPUS_ENV, "0").strip() == "1"
+        from .env import flag
+
+        share = flag(SHARE_GPUS_ENV, False, env)
     count = _visible_gpus() if device_count is None else device_count
     return "nccl" if count >= world_size and not share else "gloo"
 
@@ -122,6 +130,15 @@ def _child(fn, rank, world_size, args, env, backend, port, group_timeout, result
                 timeout=datetime.timedelta(seconds=group_timeout),
             )
         value = fn(rank, world_size, *args)
+        try:  # pickled here, not in the queue's feeder thread, which would drop it silently
+            from multiprocessing.reduction import ForkingPickler
+
+            ForkingPickler.dumps(value)
+        except Exception as exc:
+            raise TypeError(
+                f"the return value of fn on rank {rank} ({type(value).__name__}) cannot be sent to the "
+                f"parent: it does not pickle ({type(exc).__name__}: {exc})"
+            ) from exc
         results.put((rank, True, value))
     except BaseException:  # report everything, including SystemExit and KeyboardInterrupt
         results.put((rank, False, traceback.format_exc()))
@@ -155,28 +172,33 @@ def run_ranks(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
 
     Args:
-        fn: a picklable (module-level) function.
-        world_size: number of ranks, >= 1.
+        fn: a picklable (module-level) function; its return values must pickle too.
+        world_size: number of ranks, an int >= 1 (not a bool).
         args: extra positional arguments, picklable.
-        timeout: seconds for the whole run; ranks still running then are killed.
+        timeout: seconds for the whole run (a finite number > 0); ranks still running then
+            are killed.
         backend: ``torch.distributed`` backend to initialise before ``fn`` runs
             (``"gloo"`` or ``"nccl"``; ``"auto"``: :func:`auto_backend`, NCCL with one GPU
             per rank, gloo when ranks share GPUs), or None to leave the group to ``fn``.
             With NCCL each rank's current device is :func:`rank_device` before ``fn`` runs.
         env: environment variables for every rank, or one mapping per rank.
-        grace: seconds the other ranks get to exit after one fails before they are killed.
+        grace: seconds (a finite number >= 0) the other ranks get to exit after one fails
+            before they are killed.
 
     Returns:
         ``fn``'s return values, indexed by rank.
 
     Raises:
-        RankFailure: a rank raised or exited without a result.
+        ValueError: a bad ``world_size``, ``timeout``, ``grace`` or ``env``.
+        RankFailure: a rank raised or exited without a result.  When a rank died without
+            reporting (killed, or ``os._exit``), it is the one named, with its exit code,
+            even if the others failed first because of it (their tracebacks follow).
         RankTimeout: the deadline passed.
     """
-    if not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    _check_seconds("timeout", timeout, positive=True)
+    _check_seconds("grace", grace, positive=False)
     if backend == "auto":
         backend = auto_backend(world_size)
     if env is None or isinstance(env, Mapping):
@@ -204,17 +226,22 @@ def run_ranks(
         p.start()
     deadline = time.monotonic() + timeout
     values: dict[int, Any] = {}
+    failures: dict[int, str] = {}  # tracebacks, in the order they arrived
     failure: RankFailure | None = None
     timed_out = False
 
-    def record(rank: int, ok: bool, payload: Any) -> RankFailure | None:
+    def record(rank: int, ok: bool, payload: Any) -> None:
         if ok:
             values[rank] = payload
-            return None
-        return RankFailure(rank, payload)
+        else:
+            failures.setdefault(rank, payload)
+
+    def unreported() -> list[int]:
+        """Ranks whose process ended without a report (a reporting rank flushes it first)."""
+        return [r for r, p in enumerate(procs) if r not in values and r not in failures and not p.is_alive()]
 
     try:
-        while len(values) < world_size and failure is None:
+        while len(values) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 pending = [r for r in range(world_size) if r not in values]
@@ -222,23 +249,60 @@ def run_ranks(
                 timed_out = True
                 raise RankTimeout(pending, timeout)
             try:
-                failure = record(*results.get(timeout=min(remaining, 0.5)))
-                continue
+                record(*results.get(timeout=min(remaining, 0.5)))
             except queue.Empty:
                 pass
-            dead = next((r for r, p in enumerate(procs) if r not in values and not p.is_alive()), None)
-            if dead is not None:
-                try:  # a result may have arrived just before the exit
-                    failure = record(*results.get(timeout=1.0))
-                except queue.Empty:
-                    failure = RankFailure(dead, f"process exited with code {procs[dead].exitcode} before reporting")
-        if failure is not None:
-            raise failure
+            if failures or unreported():
+                failure = _first_failure(procs, results, record, unreported, failures)
+                if failure is not None:
+                    raise failure
         return [values[r] for r in range(world_size)]
     finally:
         # Hung or failed ranks get ``grace`` seconds; ranks that all reported get 10 s to exit.
         _stop(procs, grace if failure is not None or timed_out else 10.0)
         results.close()
+
+
+def _check_seconds(name: str, value: Any, positive: bool) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be a {'positive' if positive else 'non-negative'} finite number of "
+                         f"seconds, got {value!r}")
+
+
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _first_failure(procs, results, record, unreported, failures) -> RankFailure | None:
+    """The failure to report once a rank failed or ended, or None (it ended after reporting
+    a result that was still in the queue).  A rank that died without reporting is the likely
+    cause of the others' errors, so it is named first; reports still in the queue, and
+    deaths that follow a reported failure within a moment, are collected first."""
+    settle = time.monotonic() + 0.5
+    while True:
+        try:
+            record(*results.get(timeout=0.05))
+            continue
+        except queue.Empty:
+            pass
+        dead = unreported()
+        if dead or not failures or time.monotonic() >= settle:
+            break
+    if not dead and not failures:
+        return None
+    others = "".join(f"\n\nrank {r} failed too (possibly because of it):\n{tb}" for r, tb in failures.items())
+    if dead:
+        rank = dead[0]
+        return RankFailure(rank, f"process {_exit_text(procs[rank].exitcode)} before reporting{others}")
+    rank = next(iter(failures))
+    rest = "".join(f"\n\nrank {r} failed too:\n{tb}" for r, tb in failures.items() if r != rank)
+    return RankFailure(rank, failures[rank] + rest)
 
 
 def _dump_stacks(procs) -> None:

@@ -10,6 +10,16 @@ process with :data:`EXIT_PEER_DIED` -- from the thread, because the main thread 
 in a device synchronisation that never returns.  A custom ``on_death`` callback replaces the
 exit.
 
+A rank stopped that way leaves a note naming the rank that died, so that a survivor which
+notices it first still names the real culprit.  The notes live in a private directory that
+rank 0 creates with a random name (``tempfile.mkdtemp``: mode 0700, never an existing one)
+under the user's runtime directory ``$XDG_RUNTIME_DIR`` when it is this user's and closed to
+others, else under the temporary directory; every rank checks the directory's owner and mode
+before using it, and writes and reads notes with ``O_NOFOLLOW`` (``O_EXCL`` for writes), so
+another local user can neither plant a directory nor redirect a note through a symlink.
+:meth:`PeerWatch.stop` (or the interpreter's exit) removes the directory; a rank ended by
+a peer's death leaves its note (the survivors read it), in the private directory.
+
 Example::
 
     watch = PeerWatch(group=dist.group.WORLD)   # collective, once, after init_dist
@@ -19,13 +29,16 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import os
+import stat
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["EXIT_PEER_DIED", "PeerWatch", "process_alive"]
+__all__ = ["EXIT_PEER_DIED", "PeerWatch", "check_private_dir", "process_alive", "runtime_dir"]
 
 #: Exit status of a rank stopped because a peer died.
 EXIT_PEER_DIED = 75
@@ -44,6 +57,55 @@ def process_alive(pid: int) -> bool:
             return f.read().rsplit(") ", 1)[1][:1] != "Z"
     except OSError:
         return False
+
+
+def check_private_dir(path: str) -> None:
+    """Check that ``path`` is a directory (not a symlink) owned by this user and closed to
+    group and others.
+
+    Raises:
+        PermissionError: naming ``path`` and what is wrong with it.
+    """
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise PermissionError(f"{path} is a symbolic link, not a private directory")
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"{path} is not a directory")
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})")
+    if st.st_mode & 0o077:
+        raise PermissionError(f"{path} has mode {oct(st.st_mode & 0o777)}: group or others may use it")
+
+
+def runtime_dir() -> str:
+    """The user's runtime directory ``$XDG_RUNTIME_DIR`` when it is set and private (see
+    :func:`check_private_dir`), else :func:`tempfile.gettempdir`."""
+    base = os.environ.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(base):
+        try:
+            check_private_dir(base)
+            return base
+        except OSError:
+            pass
+    return tempfile.gettempdir()
+
+
+def _make_notes_dir() -> str | None:
+    try:
+        return tempfile.mkdtemp(prefix=f"tilescale-peer-watch-{os.getuid()}-", dir=runtime_dir())
+    except OSError:
+        return None  # no notes: a survivor then names the first death it sees
+
+
+def _remove_notes_dir(path: str) -> None:
+    """Remove the notes (never following a link) and the directory."""
+    try:
+        check_private_dir(path)
+        for entry in os.scandir(path):
+            os.unlink(entry.path)
+        os.rmdir(path)
+    except OSError:
+        pass
 
 
 class PeerWatch:
@@ -65,9 +127,18 @@ class PeerWatch:
             raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
         self.rank = dist.get_rank(group)
         world = dist.get_world_size(group)
-        pids: list = [None] * world
-        dist.all_gather_object(pids, os.getpid(), group=group)
-        self.pids = [int(p) for p in pids]
+        notes = _make_notes_dir() if self.rank == 0 else None
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (os.getpid(), notes), group=group)
+        self.pids = [int(pid) for pid, _ in gathered]
+        self._notes: str | None = gathered[0][1]
+        if self._notes is not None:
+            try:
+                check_private_dir(self._notes)
+            except OSError:
+                self._notes = None
+        if notes is not None:
+            atexit.register(_remove_notes_dir, notes)
         self.dead: int | None = None
         self._interval = interval
         self._on_death = on_death
@@ -82,20 +153,24 @@ class PeerWatch:
                     self._died(rank, pid)
                     return
 
-    def _note_path(self, rank: int) -> str:
-        import tempfile
-
-        job = f"tilescale-peer-watch-{os.getuid()}-{self.pids[0]}"
-        return os.path.join(tempfile.gettempdir(), job, f"rank{rank}.{self.pids[rank]}")
+    def _note_path(self, rank: int) -> str | None:
+        if self._notes is None:
+            return None
+        return os.path.join(self._notes, f"rank{rank}.{self.pids[rank]}")
 
     def _root_cause(self, rank: int, pid: int) -> tuple[int, int, str]:
         """A rank that stopped because of another one's death left a note naming it: follow
         it, so that every survivor names the rank that really died."""
         via = ""
         for _ in range(len(self.pids)):
+            path = self._note_path(rank)
             try:
-                with open(self._note_path(rank)) as f:
-                    cause, cause_pid = (int(v) for v in f.read().split())
+                if path is None:
+                    break
+                check_private_dir(self._notes)
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+                with os.fdopen(fd) as f:
+                    cause, cause_pid = (int(v) for v in f.read(64).split())
             except (OSError, ValueError):
                 break
             via = f" (rank {rank} stopped because of it)" if not via else via
@@ -104,9 +179,12 @@ class PeerWatch:
 
     def _leave_note(self, rank: int, pid: int) -> None:
         path = self._note_path(self.rank)
+        if path is None:
+            return
         try:
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            with open(path, "w") as f:
+            check_private_dir(self._notes)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
                 f.write(f"{rank} {pid}")
         except OSError:
             pass
@@ -126,9 +204,11 @@ class PeerWatch:
 
     def stop(self) -> None:
         """Stop watching (call it before ranks exit normally, so a peer's normal exit is not
-        taken for a death)."""
+        taken for a death); rank 0 removes the notes directory."""
         self._stop.set()
         self._thread.join(timeout=5.0)
+        if self._notes is not None and self.rank == 0:
+            _remove_notes_dir(self._notes)
 
     def __enter__(self) -> PeerWatch:
         return self

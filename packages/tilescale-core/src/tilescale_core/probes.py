@@ -156,10 +156,26 @@ def probe_vmm_fabric() -> Probe:
 
 
 def multicast_disabled_by_env() -> str | None:
-    """Return the first set environment variable that forbids multicast, as ``"NAME=value"``."""
-    for name, value in MULTICAST_DISABLE_ENV.items():
-        if os.environ.get(name) == value:
-            return f"{name}={value}"
+    """Return the first set environment variable that forbids multicast, as ``"NAME=value"``.
+
+    The values are read as booleans (:func:`tilescale_core.env.parse_flag`): any spelling of
+    the value in :data:`MULTICAST_DISABLE_ENV` forbids multicast (``NCCL_NVLS_ENABLE=false``,
+    ``TORCH_SYMM_MEM_DISABLE_MULTICAST=yes``, ...).  These variables belong to NCCL, torch and
+    NVSHMEM, so a value TileScale cannot read forbids multicast too (the safe side), and the
+    answer says why, instead of raising.
+    """
+    from .env import parse_flag
+
+    for name, disabling in MULTICAST_DISABLE_ENV.items():
+        value = os.environ.get(name)
+        if value is None:
+            continue
+        off = parse_flag(name, disabling)
+        try:
+            if parse_flag(name, value, default=not off) == off:
+                return f"{name}={value}"
+        except ValueError as exc:
+            return f"{name}={value} ({exc}; read as disabling multicast, to be safe)"
     return None
 
 
@@ -168,7 +184,9 @@ def probe_multicast() -> Probe:
     """Whether NVLink multicast is allowed and available; never creates a multicast object.
 
     Answers False, before any driver call, while ``NCCL_NVLS_ENABLE=0``,
-    ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` or ``NVSHMEM_DISABLE_NVLS=1`` is set.
+    ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` or ``NVSHMEM_DISABLE_NVLS=1`` is set (any boolean
+    spelling of these values, or a value that is no boolean: see
+    :func:`multicast_disabled_by_env`).
     """
     disabled = multicast_disabled_by_env()
     if disabled:
