@@ -14,17 +14,7 @@ import runpy
 import signal
 import sys
 
-from tilescale_core.interface import PARENT_PID_ENV, die_with_parent
-
-
-def parent_pid(value: str) -> int:
-    """``TILESCALE_PARENT_PID``'s text as a pid; ValueError naming the variable otherwise."""
-    text = value.strip()
-    pid = int(text) if text.isascii() and text.isdigit() else 0
-    if pid <= 0:
-        raise ValueError(f"{PARENT_PID_ENV}={value!r} is not a process id (a positive integer); "
-                         "tilescale-run sets it to its own pid: unset it or start the ranks with tilescale-run")
-    return pid
+from tilescale_core.interface import die_with_parent, parent_pid_from_env
 
 
 def main(argv: list[str]) -> None:
@@ -32,13 +22,12 @@ def main(argv: list[str]) -> None:
 
     A bad ``TILESCALE_PARENT_PID`` is a one-line error and exit status 2, before the script runs.
     """
-    parent = os.environ.get(PARENT_PID_ENV)
-    if parent:  # die with the launcher, even when it is SIGKILLed
-        try:
-            pid = parent_pid(parent)
-        except ValueError as exc:
-            sys.stderr.write(f"tilescale_host._rank_main: error: {exc}\n")
-            raise SystemExit(2) from None
+    try:
+        pid = parent_pid_from_env()
+    except ValueError as exc:
+        sys.stderr.write(f"tilescale_host._rank_main: error: {exc}\n")
+        raise SystemExit(2) from None
+    if pid is not None:  # die with the launcher, even when it is SIGKILLed
         die_with_parent(pid)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if argv[:1] == ["-m"]:
