@@ -244,6 +244,8 @@ def test_team_layout(ranks, world, layout):
     ([2, 1], 4, ValueError, "increasing"),
     ([1, 1], 4, ValueError, "repeat"),
     ([0, 1.0], 4, TypeError, "integers"),
+    ([0, True], 4, TypeError, "not bools"),  # True was taken as rank 1
+    ([False, 1], 4, TypeError, "not bools"),
 ])
 def test_team_layout_rejects(ranks, world, exc, word):
     with pytest.raises(exc, match=word):

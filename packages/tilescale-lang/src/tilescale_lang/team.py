@@ -84,9 +84,12 @@ def team_layout(ranks: Iterable[int], num_ranks: int) -> TeamLayout:
             strided, or larger than :data:`MAX_TEAM_SIZE`.
     """
     try:
-        members = [operator.index(r) for r in ranks]
+        given = list(ranks)
+        members = [operator.index(r) for r in given]
     except TypeError:
         raise TypeError(f"team ranks must be integers, got {ranks!r}") from None
+    if any(isinstance(r, bool) for r in given):  # True would be rank 1
+        raise TypeError(f"team ranks must be integers, not bools, got {ranks!r}")
     if not members:
         raise ValueError("a team needs at least one rank")
     outside = [r for r in members if not 0 <= r < num_ranks]
