@@ -208,7 +208,7 @@ def test_holder_named_in_a_timeout_cannot_be_spoofed(tmp_path, text):
     digits passed str.isdigit)."""
     path = tmp_path / compile_lock.LOCK_NAME
     with compile_lock.compile_lock(path):
-        path.write_text(text)
+        path.write_text(text, encoding="utf-8")  # CI may run under an ASCII locale
         with pytest.raises(TimeoutError, match=rf"held by pid {os.getpid()}\)$"):
             with compile_lock.compile_lock(path, timeout=0.2):
                 pass
@@ -220,7 +220,7 @@ def test_holder_from_the_file_is_checked_where_the_kernel_table_is_missing(tmp_p
     with compile_lock.compile_lock(path):
         for text, named in (("9" * 60, "unknown (no valid pid recorded)"), ("\u0661", "unknown (no valid pid recorded)"),
                             (str(os.getpid()), f"pid {os.getpid()} (as recorded in the lock file)")):
-            path.write_text(text)
+            path.write_text(text, encoding="utf-8")  # CI may run under an ASCII locale
             with pytest.raises(TimeoutError) as err:
                 with compile_lock.compile_lock(path, timeout=0.1):
                     pass
