@@ -69,7 +69,8 @@ def test_generated_cuda_puts_with_signal_and_waits():
     assert f"start = (((int)blockIdx.x) * {CH});" in body[:put]
     assert "(&(In[start]))" in put_call
     assert f"(&(Out[((((int64_t)me) * (int64_t){S}) + ((int64_t)start))]))" in put_call
-    assert f"min({CH}, ({S} - start))" in put_call and "* (uint64_t)2" in put_call
+    # the chunk's element count (signed, run-time) goes through the checked count, then bytes
+    assert f'(((uint64_t)tilescale::checked_count(min({CH}, ({S} - start)), "put_signal_block size")) * (uint64_t)2)' in put_call
     assert f"(&(Flags[((me * {C}) + ((int)blockIdx.x))])), (uint64_t)1" in put_call
     assert put_call.rstrip(")").endswith("((int)blockIdx.y")
     # ready handshake and a block barrier before the put; acquire wait for p's chunk after

@@ -32,6 +32,8 @@ def test_generated_cuda_puts_row_p_to_rank_p():
     # source: row blockIdx.y (= p) of the input; destination: row `me` of rank p's output
     assert f"(&(In[((((int64_t)((int)blockIdx.y)) * (int64_t){S}) + ((int64_t)start))]))" in put
     assert f"(&(Out[((((int64_t)me) * (int64_t){S}) + ((int64_t)start))]))" in put
+    # the chunk's element count (signed, run-time) goes through the checked count, then bytes
+    assert f'(((uint64_t)tilescale::checked_count(min({CH}, ({S} - start)), "put_signal_block size")) * (uint64_t)2)' in put
     assert put.rstrip(")").endswith("((int)blockIdx.y")
     # the same protocol as the all-gather: a ready signal, a put with signal, 2 waits
     assert body.count("tilescale::signal_op<true>(") == 1 and body.count("tilescale::wait_until<") == 2

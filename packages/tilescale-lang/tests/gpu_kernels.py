@@ -424,6 +424,31 @@ print("NO-ERROR", flush=True)
 """
 
 
+# A negative run-time copy size, compiled with TILESCALE_CHECK_PE=1: a trap naming it.
+NEGATIVE_SIZE_SCRIPT = r"""
+import sys, torch, tilelang, tilelang.language as T
+@T.prim_func
+def put(A: T.Tensor((256,), "float32"), B: T.Tensor((256,), "float32"), n: T.int32, pe: T.int32):
+    with T.Kernel(2, threads=128) as _:
+        T.put_block(A, B, n - 100, dst_pe=pe)
+alloc = tilelang.get_allocator(size=2**20, device="cuda", is_distributed=False)
+k = tilelang.compile(put, target={"kind": "cuda", "arch": "sm_90a"}).initialize(allocator=alloc)
+A = tilelang.tensor((256,), torch.float32, allocator=alloc)
+B = tilelang.tensor((256,), torch.float32, allocator=alloc)
+A.fill_(3.0)
+B.zero_()
+k(A, B, 164, 0)  # 64 elements to rank 0 of 1
+torch.cuda.synchronize()
+print("COPIED", int((B == 3.0).sum()), flush=True)
+try:
+    k(A, B, 50, 0)  # -50 elements
+    torch.cuda.synchronize()
+except Exception as exc:
+    print("HOST-ERROR:", type(exc).__name__, str(exc)[:300], flush=True)
+    sys.exit(3)
+print("NO-ERROR", flush=True)
+"""
+
 # ------------------------------------------------------------------------------ profiler
 PROFILER_SCRIPT = r"""
 import json, sys, torch, tilelang, tilelang.language as T

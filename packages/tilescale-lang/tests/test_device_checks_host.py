@@ -4,6 +4,10 @@ metadata table, ``__trap`` (a C++ exception, counted), the copies and the barrie
 
 * ``remap`` (``common.cuh``): only PE -1 is local; with ``TILESCALE_CHECK_PE=1`` every other
   PE outside ``0..num_ranks-1`` traps, negative ones included (-2 used to write locally).
+* ``checked_count`` (``debug.cuh``), the wrapper of signed run-time copy sizes: with
+  ``TILESCALE_CHECK_PE=1`` or ``TILESCALE_DEBUG=1`` a negative count traps, naming the size
+  argument, the value, the rank, the block and the thread (it used to become a byte count near
+  2**64); non-negative counts, and every count with the checks off, come back unchanged.
 * Team operations (``team.cuh``): a tensor without ``TEAM_MAGIC`` (zeroed memory) traps in
   every team operation instead of turning barriers and collectives into no-ops; a
   ``broadcast_block`` root outside ``[0, size)`` traps instead of skipping the copy.
@@ -44,7 +48,8 @@ inline int get_num_ranks() { return (int)meta_data[1]; }
 """
 
 
-def _build_and_run(tmp_path, name: str, source: str, defines=()) -> dict[str, str]:
+def _build_and_run_stdout(tmp_path, name: str, source: str, defines=()) -> str:
+    """Compile ``source`` with the host compiler, run it and return its standard output."""
     cpp = tmp_path / f"{name}.cpp"
     cpp.write_text(source)
     exe = tmp_path / name
@@ -53,8 +58,12 @@ def _build_and_run(tmp_path, name: str, source: str, defines=()) -> dict[str, st
     assert build.returncode == 0, build.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
+def _build_and_run(tmp_path, name: str, source: str, defines=()) -> dict[str, str]:
     out = {}
-    for line in run.stdout.splitlines():
+    for line in _build_and_run_stdout(tmp_path, name, source, defines).splitlines():
         if line.startswith("CASE "):
             key, _, value = line[5:].partition(": ")
             out[key] = value
@@ -111,6 +120,83 @@ def test_remap_only_minus_one_is_local(tmp_path):
     unchecked = _build_and_run(tmp_path, "remap_unchecked", source, ["-DTILESCALE_CHECK_PE=0"])
     assert unchecked["-1"].startswith("local") and unchecked["0"] == "remote 0x1010"
     assert not unchecked["-2"].startswith("local"), unchecked  # undefined without the check, never local
+
+
+# ------------------------------------------------------------------------------ checked_count
+def checked_count_source() -> str:
+    """``negative_count_trap`` (when compiled in) and ``checked_count`` as debug.cuh defines them."""
+    text = (INCLUDE / "debug.cuh").read_text()
+    start = text.index("#if TILESCALE_DEBUG || TILESCALE_CHECK_PE\n/// Trap: a signed run-time element count")
+    fn = text.index("template <typename T> TILESCALE_DEVICE T checked_count(", start)
+    end = text.index("\n}\n", fn) + 3
+    return "namespace tilescale {\n" + text[start:end] + "}  // namespace tilescale\n"
+
+
+CHECKED_COUNT_MAIN = r"""
+#include <climits>
+template <typename T> void run(const char* name, T n) {
+  try {
+    T got = tilescale::checked_count(n, "put_block size");
+    std::printf("CASE %s: value %lld\n", name, (long long)got);
+  } catch (Trap&) {
+    std::printf("CASE %s: trap\n", name);
+  }
+}
+
+int main() {
+  meta_data[0] = 3;  // rank 3 of 4
+  meta_data[1] = 4;
+  blockIdx = Dim3{5, 1, 0};
+  threadIdx = Dim3{17, 0, 0};
+  run<int>("int 0", 0);
+  run<int>("int 7", 7);
+  run<int>("int max", INT_MAX);
+  run<long long>("int64 2**40", 1ll << 40);
+  run<int>("int -5", -5);
+  run<int>("int min", INT_MIN);
+  run<long long>("int64 -2**40", -(1ll << 40));
+  run<signed char>("int8 -3", (signed char)-3);
+  std::printf("CASE traps: %d\n", g_traps);
+  return 0;
+}
+"""
+
+
+def test_checked_count_is_extracted_whole():
+    src = checked_count_source()
+    assert src.count("{") == src.count("}"), src
+    assert "negative_count_trap" in src and "checked_count(" in src
+
+
+@needs_compiler
+@pytest.mark.parametrize("switch", ["-DTILESCALE_CHECK_PE=1", "-DTILESCALE_DEBUG=1"])
+def test_checked_count_traps_on_a_negative_count(tmp_path, switch):
+    """With either check switch a negative run-time count traps with a message naming the size
+    argument, the value, the rank, the block and the thread; other counts are returned as they
+    are.  (Without the helper, -5 became the byte count 2**64 - 20.)"""
+    off = "-DTILESCALE_DEBUG=0" if "CHECK_PE" in switch else "-DTILESCALE_CHECK_PE=0"
+    stdout = _build_and_run_stdout(tmp_path, "count_checked", PRELUDE + checked_count_source() + CHECKED_COUNT_MAIN,
+                                   [switch, off])
+    out = {k: v for k, _, v in (line[5:].partition(": ") for line in stdout.splitlines() if line.startswith("CASE "))}
+    assert out["int 0"] == "value 0" and out["int 7"] == "value 7" and out["int max"] == "value 2147483647"
+    assert out["int64 2**40"] == f"value {1 << 40}"
+    for case in ("int -5", "int min", "int64 -2**40", "int8 -3"):
+        assert out[case] == "trap", (case, out)
+    assert out["traps"] == "4"
+    message = "[tilescale] put_block size = {} is negative: an element count must be >= 0; rank 3 block (5,1,0) thread (17,0,0)"
+    for value in (-5, -(1 << 31), -(1 << 40), -3):
+        assert message.format(value) in stdout, stdout
+
+
+@needs_compiler
+def test_checked_count_is_the_identity_without_the_checks(tmp_path):
+    """Checks off: no trap and no clamp; every count, negative ones included, comes back as is
+    (the documented choice: correct programs keep their machine code)."""
+    out = _build_and_run(tmp_path, "count_unchecked", PRELUDE + checked_count_source() + CHECKED_COUNT_MAIN,
+                         ["-DTILESCALE_CHECK_PE=0", "-DTILESCALE_DEBUG=0"])
+    assert out["int -5"] == "value -5" and out["int min"] == f"value {-(1 << 31)}", out
+    assert out["int64 -2**40"] == f"value {-(1 << 40)}" and out["int8 -3"] == "value -3"
+    assert out["int 7"] == "value 7" and out["traps"] == "0"
 
 
 # ------------------------------------------------------------------------------ teams

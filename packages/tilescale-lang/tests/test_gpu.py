@@ -122,6 +122,14 @@ def test_runtime_pe_out_of_range_traps_with_check_pe(tmp_path):
     assert "PE 5 out of range: rank 0 of 1 ranks, block (" in text, text[-3000:]
 
 
+def test_negative_runtime_size_traps_with_check_pe(tmp_path):
+    import gpu_kernels
+
+    res, text = _run_script(tmp_path, gpu_kernels.NEGATIVE_SIZE_SCRIPT, TILESCALE_CHECK_PE="1")
+    assert "COPIED 64" in text, text[-3000:]
+    assert res.returncode != 0 and "NO-ERROR" not in text, text[-3000:]
+    assert "put_block size = -50 is negative: an element count must be >= 0; rank 0 block (" in text, text[-3000:]
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_profiler_traces_a_collective_across_ranks(world, tmp_path):
     """A profiled all-gather on ``world`` ranks (sharing one GPU when there is one): every

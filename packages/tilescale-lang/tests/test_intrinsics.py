@@ -71,7 +71,8 @@ def test_put_warp_dynamic_size_and_int8_pe():
             T.put_warp(A, B, n, dst_pe=pe)
 
     body = kernel_body(lower_source(k))
-    assert "tilescale::put_warp<4, false>((&(A[0])), (&(B[0])), (((uint64_t)n) * (uint64_t)4), ((int)pe));" in body
+    assert ('tilescale::put_warp<4, false>((&(A[0])), (&(B[0])), (((uint64_t)tilescale::checked_count(n, "put_warp size")) '
+            '* (uint64_t)4), ((int)pe));') in body
 
 
 def test_remote_copy_remaps_and_stock_copy_untouched():

@@ -12,6 +12,7 @@ import tilelang.language as T
 from lang_helpers import TARGET, FakeAllocator, kernel_body, lower_source, needs_nvcc, nvcc_ptx
 
 from tilescale_lang import headers, metadata, validation
+from tilescale_lang._tvm import tirx
 
 # --------------------------------------------------------------------- indices that are calls
 # Every intrinsic that takes an element, with indices that are calls, casts and arithmetic on
@@ -256,6 +257,82 @@ def _strings(ptx: str) -> str:
     for body in re.findall(r"\.global \.align 1 \.b8 [^\[]+\[\d+\] = \{([^}]*)\}", ptx):
         out.append(bytes(int(b) for b in body.split(",") if b.strip()).decode(errors="replace"))
     return "\n".join(out)
+
+
+# --------------------------------------------------------------------- negative run-time sizes
+def _runtime_size_kernel():
+    @T.prim_func
+    def k(A: T.Tensor((1024,), "float32"), B: T.Tensor((1024,), "float32"), F: T.Tensor((4,), "uint64"),
+          n: T.int32, m: T.int64, u: T.uint32, pe: T.int32):
+        with T.Kernel(1, threads=128) as _:
+            T.put_block(A, B, n - 100, dst_pe=pe)
+            T.put_signal_warp(A, B, m, F[0], 1, dst_pe=pe)
+            T.get_block(B, A, u, src_pe=pe)
+            T.put_block(A, B, 16, dst_pe=pe)
+
+    return k
+
+
+def test_signed_runtime_sizes_are_wrapped_in_the_checked_count():
+    """A signed run-time size goes through tilescale::checked_count (named by intrinsic and
+    argument) before it becomes a uint64 byte count; it used to be cast as is, so a negative
+    ``n - 100`` became a byte count near 2**64.  Unsigned and constant sizes are not wrapped."""
+    body = kernel_body(lower_source(_runtime_size_kernel()))
+    assert '(((uint64_t)tilescale::checked_count((n - 100), "put_block size")) * (uint64_t)4)' in body
+    assert '(((uint64_t)tilescale::checked_count(m, "put_signal_warp size")) * (uint64_t)4)' in body
+    assert "(((uint64_t)u) * (uint64_t)4)" in body and "(uint64_t)64" in body
+    assert body.count("tilescale::checked_count(") == 2
+
+
+def test_team_collective_sizes_are_wrapped_in_the_checked_count():
+    @T.prim_func
+    def k(Tm: T.Tensor((1024,), "int32"), A: T.Tensor((256,), "float16"), B: T.Tensor((256,), "float16"), n: T.int64):
+        with T.Kernel(1, threads=128) as _:
+            T.broadcast_block(Tm, A, B, n, 0)
+
+    body = kernel_body(lower_source(k))
+    assert '(((uint64_t)tilescale::checked_count(n, "broadcast_block n")) * (uint64_t)2)' in body
+
+
+def test_size_bytes_wraps_only_signed_sizes_that_may_be_negative():
+    n = tirx.Var("n", "int32")
+    u = tirx.Var("u", "uint32")
+    wrapped = validation.size_bytes(n - 1, 4, "size", "put_warp")
+    call = wrapped.a.value  # Cast(uint64, checked_count(...)) * 4
+    assert call.args[0].value == "tilescale::checked_count" and call.args[2].value == "put_warp size"
+    assert str(call.dtype) == "int32"
+    assert "checked_count" not in str(validation.size_bytes(u, 4))
+    assert "checked_count" not in str(validation.size_bytes(tirx.Cast("int64", u), 4))  # provably >= 0
+    assert int(validation.size_bytes(tirx.IntImm("int32", 3), 4).value) == 12
+
+
+@needs_nvcc
+def test_negative_size_check_is_compiled_in_only_on_request(tmp_path, monkeypatch):
+    """nvcc compiles the wrapped sizes with the checks on (the trap and its message are there)
+    and off; off, the PTX is the PTX of the unwrapped source (zero cost, no clamp)."""
+    import re
+
+    src = lower_source(_runtime_size_kernel())
+    unwrapped = re.sub(r'tilescale::checked_count\((.*?), "[a-z_]+ size"\)', r"(\1)", src)
+    assert "checked_count" not in unwrapped
+    monkeypatch.delenv(headers.CHECK_PE_ENV, raising=False)
+    monkeypatch.delenv(headers.DEBUG_ENV, raising=False)
+    off = nvcc_ptx(src, tmp_path / "off")
+    assert "is negative" not in _strings(off) and "negative_count_trap" not in off and "put_block size" not in _strings(off)
+    def same(ptx):  # internal-linkage names carry a hash of the source file; the unused
+        # literals of the checked_count calls still take numbers from the string labels
+        return re.sub(r"\$str(\$\d+)?", "$str", re.sub(r"_INTERNAL_[0-9a-f]+_", "_INTERNAL_", ptx))
+
+    assert same(off) == same(nvcc_ptx(unwrapped, tmp_path / "unwrapped"))
+    for env in (headers.CHECK_PE_ENV, headers.DEBUG_ENV):
+        monkeypatch.delenv(headers.CHECK_PE_ENV, raising=False)
+        monkeypatch.delenv(headers.DEBUG_ENV, raising=False)
+        monkeypatch.setenv(env, "1")
+        on = nvcc_ptx(src, tmp_path / env)
+        strings = _strings(on)
+        assert "%s = %lld is negative: an element count must be >= 0; rank %d block (%d,%d,%d) thread (%d,%d,%d)" in strings
+        assert "put_block size" in strings and "put_signal_warp size" in strings
+        assert "trap;" in on
 
 
 # --------------------------------------------------------------------- the missing table

@@ -43,7 +43,8 @@ CODEGEN = [
     (lambda A, B, Sg, F, L, Tm, O, pe, s: T.put_signal_warp(A[32:64], B[64], 32, Sg[2], 1, "add", 1),
      "tilescale::put_signal<4, true, false, true>((&(A[32])), (&(B[64])), (uint64_t)128, (&(Sg[2])), (uint64_t)1, 1);"),
     (lambda A, B, Sg, F, L, Tm, O, pe, s: T.put_signal_nbi_block(A, B, pe, F[0], pe, sig_op=T.SIGNAL_ADD),
-     "tilescale::put_signal<4, false, true, true>((&(A[0])), (&(B[0])), (((uint64_t)pe) * (uint64_t)4), (&(F[0])), ((uint)pe), -1);"),
+     "tilescale::put_signal<4, false, true, true>((&(A[0])), (&(B[0])), "
+     "(((uint64_t)tilescale::checked_count(pe, \"put_signal_nbi_block size\")) * (uint64_t)4), (&(F[0])), ((uint)pe), -1);"),
     (lambda A, B, Sg, F, L, Tm, O, pe, s: T.put_signal_nbi_warp(A, B, 8, Sg[0], 2, T.SIGNAL_SET, dst_pe=-1),
      "tilescale::put_signal<4, true, true, false>((&(A[0])), (&(B[0])), (uint64_t)32, (&(Sg[0])), (uint64_t)2, -1);"),
     (lambda A, B, Sg, F, L, Tm, O, pe, s: T.put_nbi_block(A, B, 16, pe),

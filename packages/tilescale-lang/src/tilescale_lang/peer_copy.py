@@ -31,7 +31,7 @@ def copy_operands(kind: str, src, dst, size, pe, pe_name: str, remote_side: str)
     itemsize = s.itemsize or d.itemsize
     if itemsize is None:
         raise TypeError(f"{kind}: element type unknown for both src and dst; pass typed pointers (T.address_of(buf[i]))")
-    nbytes = V.size_bytes(size, itemsize, "size")
+    nbytes = V.size_bytes(size, itemsize, "size", kind)
     V.require_contiguous(src, "src", kind)
     V.require_contiguous(dst, "dst", kind)
     V.check_extent(size, src, "src")

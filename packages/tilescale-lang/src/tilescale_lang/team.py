@@ -234,7 +234,7 @@ def _collective(kind: str, dst, src, n):
     itemsize = s.itemsize or d.itemsize
     if itemsize is None:
         raise TypeError(f"{kind}: element type unknown for both src and dst; pass typed pointers")
-    nbytes = V.size_bytes(n, itemsize, "n")
+    nbytes = V.size_bytes(n, itemsize, "n", kind)
     for x, name in ((src, "src"), (dst, "dst")):
         V.require_contiguous(x, name, kind)
         V.check_extent(n, x, name, "n")

@@ -380,8 +380,23 @@ def check_extent(size: Any, x: Any, name: str, size_name: str = "size") -> None:
 MAX_BYTES = (1 << 63) - 1
 
 
-def size_bytes(size: Any, itemsize: int, name: str = "size") -> tirx.PrimExpr:
+#: Device helper that checks a signed run-time element count (``debug.cuh``).
+CHECKED_COUNT = NS + "checked_count"
+
+
+def size_bytes(size: Any, itemsize: int, name: str = "size", kind: str | None = None) -> tirx.PrimExpr:
     """``size`` elements of ``itemsize`` bytes, as a uint64 byte count.
+
+    A constant ``size`` is checked here, while tracing.  A run-time ``size`` of a signed type
+    that may be negative (``n - 100``) is wrapped in ``tilescale::checked_count(size,
+    "<kind> <name>")`` before its conversion to uint64: compiled with ``TILESCALE_CHECK_PE=1`` or
+    ``TILESCALE_DEBUG=1``, a negative count traps on the device, printing ``kind`` (the
+    intrinsic), ``name``, the value, the rank, the block and the thread.  With the checks off
+    the helper returns its argument, so correct programs keep their machine code, and a negative
+    count is deliberately *not* clamped to 0: it stays a huge unsigned byte count (undefined,
+    like an out-of-range PE without the check) rather than a silent copy of nothing that would
+    still set the signal; build with the checks to find it (docs/reliability.md, Truncation).
+    Unsigned sizes, and signed ones known to be non-negative, are converted as they are.
 
     Raises:
         TypeError: ``size`` is not an integer.
@@ -402,8 +417,22 @@ def size_bytes(size: Any, itemsize: int, name: str = "size") -> tirx.PrimExpr:
     if not isinstance(size, tirx.PrimExpr) or not is_int_dtype(size.dtype):
         raise TypeError(f"{name} must be an integer number of elements, got {size!r}")
     if isinstance(size, tirx.IntImm):
-        return size_bytes(int(size.value), itemsize, name)
+        return size_bytes(int(size.value), itemsize, name, kind)
+    if str(size.dtype).startswith("int") and not _non_negative(size):
+        what = f"{kind} {name}" if kind else name
+        size = tirx.call_extern(str(size.dtype), CHECKED_COUNT, size, tirx.StringImm(what))
     return tirx.Cast("uint64", size) * tirx.IntImm("uint64", itemsize)
+
+
+def _non_negative(e: tirx.PrimExpr) -> bool:
+    """Whether the integer expression ``e`` is provably >= 0 (e.g. an unsigned value cast to a
+    wider signed type)."""
+    from tvm import arith
+
+    try:
+        return arith.Analyzer().const_int_bound(e).min_value >= 0
+    except Exception:  # an expression the analyser cannot bound
+        return False
 
 
 def _int_imm(value: int, dtype: str) -> tirx.PrimExpr:

@@ -30,4 +30,31 @@ __device__ __noinline__ void tma_bad_pe(int pe) {
 TILESCALE_DEVICE void tma_bad_pe(int) {}
 #endif
 
+#if TILESCALE_DEBUG || TILESCALE_CHECK_PE
+/// Trap: a signed run-time element count (`what`: the intrinsic and its size argument, e.g.
+/// "put_block size") is negative; as a uint64 byte count it would be near 2**64 and the copy
+/// would run off the end of memory.  Compiled in by TILESCALE_CHECK_PE=1 or TILESCALE_DEBUG=1.
+static __device__ __noinline__ void negative_count_trap(const char* what, long long n) {
+  printf("[tilescale] %s = %lld is negative: an element count must be >= 0; rank %d block "
+         "(%d,%d,%d) thread (%d,%d,%d)\n",
+         what, n, (int)meta_data[0], (int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z,
+         (int)threadIdx.x, (int)threadIdx.y, (int)threadIdx.z);
+  __trap();
+}
+#endif
+
+/// The signed run-time element count `n` of `what` (the intrinsic and its size argument), which
+/// the generated code then converts to a uint64 byte count.  With TILESCALE_CHECK_PE=1 or
+/// TILESCALE_DEBUG=1 a negative `n` traps (negative_count_trap); otherwise `n` is returned as
+/// is, at no cost: a negative count is not clamped, it stays undefined (a huge byte count), as
+/// docs/reliability.md says.  Emitted by size_bytes() for signed sizes only.
+template <typename T> TILESCALE_DEVICE T checked_count(T n, const char* what) {
+#if TILESCALE_DEBUG || TILESCALE_CHECK_PE
+  if (n < 0) negative_count_trap(what, static_cast<long long>(n));
+#else
+  (void)what;
+#endif
+  return n;
+}
+
 }  // namespace tilescale
