@@ -1,53 +1,14 @@
 """Automation for the TileScale monorepo.
 
-Sessions, as ``nox -l`` lists them (``*``: what a bare ``nox`` runs):
-
-- ``tests(package='core')``, ``tests(package='host')``, ``tests(package='lang')``,
-  ``tests(package='examples')`` (*): the CPU suite (``-m "not gpu"``). Each wheel is installed,
-  with only the tilescale wheels it depends on, into its own virtual environment and its tests
-  run there; ``nox -s tests`` runs all four. The examples environment holds every wheel, so
-  that session also runs the one-run collection check of the collect session.
-- ``doctor``: versions, CUDA, GPUs, memory paths, topology, and on a GPU machine a 2-rank heap
-  round trip.
-- ``docs``: builds ``docs/`` with Sphinx, warnings as errors, API pages from docstrings.
-- ``gpu``: the GPU suite of every package in one pytest run, ranks sharing the visible GPUs
-  (``TILESCALE_SHARE_GPUS=1``).
-- ``gpu-4``: the same suite with one rank per GPU and NCCL; stops with a message when fewer
-  than 4 GPUs are visible.
-- ``collect``: every package's tests collected in ONE pytest run (``-m gpu --collect-only``),
-  so helper modules that collide across packages cannot come back.
-- ``demo``: the README's main job (``python -m tilescale_examples.demo``): the doctor's
-  summary, then the ring put, all-gather, all-reduce and AllGatherGEMM against torch on the
-  GPUs (or, without one, their nvcc compiles for sm_90a).
-- ``bench``: every benchmark in tilescale-examples, each printing ratios to its baseline
-  (without a GPU: one line per benchmark, exit 0).
-- ``matrix(cuda='12.1')``, ``matrix(cuda='12.2')``, ``matrix(cuda='13.1')``,
-  ``matrix(cuda='local')``: the lang and examples CPU suites (less the modules of
-  :data:`TOOLKIT_INDEPENDENT_TESTS`) against that CUDA toolkit, installed from the registry's
-  wheels, or the machine's own for ``local``. :data:`MATRIX` is the compatibility table.
-- ``matrix_table``: prints :data:`MATRIX` as the Markdown table of ``docs/compatibility.md``;
-  ``-- --check FILE`` fails unless FILE carries it.
-- ``lower-bounds(package='core')``, ``lower-bounds(package='host')``,
-  ``lower-bounds(package='lang')``, ``lower-bounds(package='examples')``: one wheel's CPU suite
-  with every dependency at its declared lowest version.
-- ``build``: each package's wheel and sdist into ``dist/``.
-- ``install-parts(part='lang')``, ``install-parts(part='host')``, ``install-parts(part='meta')``,
-  ``install-parts(part='examples')``: tilescale-lang alone, tilescale-host alone, the meta
-  package with ``[distributed]``, and the examples, each installed into a fresh environment
-  from ``dist/`` (``nox -s build`` first) and smoke-tested.
-
-``tests``, ``collect``, ``matrix`` and ``lower-bounds`` may run side by side:
-``nox -j 2 -s tests "matrix(cuda='12.1')"`` (nox >= 2026.8.10; each session's output is
-printed when it ends). ``.ci/run`` runs the CI's sessions that way.
-
-On a machine without a package registry (the GPU machines), run a session against the
-already-installed packages with ``nox --no-venv -s gpu`` (or use ``ci/device-check.sh``).
+`nox -l` lists the sessions; docs/testing.md ("Nox sessions") says what each one does.
+A bare `nox` runs the CPU suite of every wheel (`nox -s tests`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import nox
@@ -180,6 +141,32 @@ def docs(session: nox.Session) -> None:
     )
 
 
+def _listed_gpus() -> int:
+    """GPUs ``nvidia-smi -L`` lists (at most as many as CUDA_VISIBLE_DEVICES names): asked
+    before anything is installed, with no import of torch or tilescale; 0 without nvidia-smi."""
+    smi = shutil.which("nvidia-smi")
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60) if smi else None
+    except (OSError, subprocess.SubprocessError):
+        out = None
+    count = sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out and out.returncode == 0 else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([d for d in visible.split(",") if d.strip()]))
+    return count
+
+
+def _need_gpus(session: nox.Session, need: int, instead: str = "") -> None:
+    """Stop the session, in one line and before it installs anything, unless ``need`` GPUs are listed."""
+    have = _listed_gpus()
+    what = "a CUDA GPU" if need == 1 else f"{need} or more CUDA GPUs"
+    if have == 0:
+        session.error(f"{session.name} needs {what} and `nvidia-smi -L` lists none: run it on a GPU machine "
+                      "(`nox -s tests` is the CPU suite; `nox -s collect` collects the GPU tests)")
+    if have < need:
+        session.error(f"{session.name} needs {what} and `nvidia-smi -L` lists {have}{instead}")
+
+
 def _visible_gpus(session: nox.Session) -> int:
     out = session.run("python", "-c", "import torch; print(torch.cuda.device_count())", silent=True)
     return int(str(out).strip().splitlines()[-1]) if out else 0
@@ -197,6 +184,7 @@ def _gpu_suite(session: nox.Session, share_gpus: bool) -> None:
 @nox.session
 def gpu(session: nox.Session) -> None:
     """GPU suite with ranks sharing the visible GPUs (how a one-GPU machine is tested)."""
+    _need_gpus(session, 1)
     _gpu_suite(session, share_gpus=True)
 
 
@@ -207,6 +195,7 @@ GPU4_GPUS = 4
 @nox.session(name="gpu-4")
 def gpu_4(session: nox.Session) -> None:
     """GPU suite with one rank per GPU and NCCL host groups; needs 4 or more visible GPUs."""
+    _need_gpus(session, GPU4_GPUS, " (one rank per GPU): `nox -s gpu` runs the suite with ranks sharing them")
     _install(session, "examples", extras="test", editable=True)
     gpus = _visible_gpus(session)
     if gpus < GPU4_GPUS:
@@ -219,7 +208,7 @@ def gpu_4(session: nox.Session) -> None:
 
 @nox.session(allow_parallel=True)
 def collect(session: nox.Session) -> None:
-    """Collect every package's GPU tests in ONE pytest run (``-m gpu --collect-only``).
+    """Collect every package's GPU tests in ONE pytest run (-m gpu --collect-only).
 
     A test helper module that two packages both name (``conftest`` imports, ``helpers.py``)
     fails here. ``tests(package='examples')`` runs the same check."""
@@ -315,7 +304,7 @@ TOOLKIT_INDEPENDENT_TESTS = [
 @nox.session(allow_parallel=True)
 @nox.parametrize("cuda", list(MATRIX))
 def matrix(session: nox.Session, cuda: str) -> None:
-    """The lang and examples CPU suites against one CUDA toolkit of :data:`MATRIX`.
+    """The lang and examples CPU suites against one CUDA toolkit of the matrix (docs/compatibility.md).
 
     Every header, intrinsic and example kernel compiles for sm_90a with that toolkit and the
     PTX checks pass; the modules of :data:`TOOLKIT_INDEPENDENT_TESTS` are left out."""
@@ -353,7 +342,7 @@ def matrix_table() -> str:
 
 @nox.session(name="matrix_table", venv_backend="none")
 def matrix_table_session(session: nox.Session) -> None:
-    """Print the compatibility matrix; ``-- --check FILE`` fails unless FILE carries it."""
+    """Print the compatibility matrix; `-- --check FILE` fails unless FILE carries it."""
     table = matrix_table()
     print(table)
     if session.posargs[:1] == ["--check"]:
@@ -400,7 +389,7 @@ def lower_bounds_session(session: nox.Session, package: str) -> None:
 # ------------------------------------------------------------------------------ build and install
 @nox.session
 def build(session: nox.Session) -> None:
-    """Each package's wheel and sdist into ``dist/`` (each with its own version)."""
+    """Each package's wheel and sdist into dist/ (each with its own version)."""
     session.install("build>=1")
     if DIST.exists():
         shutil.rmtree(DIST)
@@ -431,7 +420,7 @@ def _dist_versions() -> dict[str, str]:
 @nox.session(name="install-parts")
 @nox.parametrize("part", list(PARTS))
 def install_parts(session: nox.Session, part: str) -> None:
-    """Install one part from ``dist/`` into a fresh environment and smoke-test it.
+    """Install one part from dist/ into a fresh environment and smoke-test it.
 
     ``nox -s build`` first. Checks which tilescale distributions came with the part,
     smoke-imports it and lowers a kernel on the CPU."""

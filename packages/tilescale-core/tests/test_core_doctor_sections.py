@@ -49,3 +49,31 @@ def test_core_names_no_other_tilescale_wheel():
         text = path.read_text(encoding="utf-8")
         for other in ("tilescale_host", "tilescale_lang", "tilescale_examples"):
             assert other not in text, f"{path} names {other}"
+
+
+def test_without_a_driver_its_reason_is_said_once(monkeypatch):
+    """No driver: the driver line says why; GPUs and memory paths refer to it (issue 46: the
+    reason was printed six times across the doctor and the demo)."""
+    from tilescale_core import probes
+
+    reason = "no CUDA driver: libcuda could not be loaded (no NVIDIA driver here?)"
+    monkeypatch.setattr(probes, "probe_driver", lambda: probes.Probe(False, reason))
+    lines = doctor.cuda_lines() + doctor.gpu_lines() + doctor.memory_path_lines()
+    assert sum("no CUDA driver" in line for line in lines) == 1, lines
+    assert lines[0] == f"driver: {reason}"
+    paths = doctor.memory_path_lines()
+    assert len(paths) == 1 and all(label in paths[0] for label in ("CUDA IPC", "VMM fabric", "multicast"))
+    assert "see driver above" in paths[0]
+
+
+def test_an_absent_optional_package_says_what_it_is_for(monkeypatch):
+    real = doctor.importlib.metadata.version
+
+    def version(name):
+        if name == "cuda-python":
+            raise doctor.importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(doctor.importlib.metadata, "version", version)
+    line = next(line for line in doctor.package_lines() if line.startswith("cuda-python"))
+    assert line == "cuda-python: not installed (optional: TileScale calls CUDA through cuda-bindings)"

@@ -59,7 +59,7 @@ def test_demo_without_gpu_compiles_every_kernel(tmp_path):
     out = res.stdout
     # the doctor's summary first, then one progress line per step, the table, the closing line
     assert out.index("doctor:") < out.index("step 1/8") < out.index("step 8/8") < out.index("== no GPU here")
-    assert "VMM fabric:" in out and "toolkit:" in out
+    assert "VMM fabric" in out and "toolkit:" in out
     assert "On a GPU machine the same command runs these kernels" in out
     assert report["mode"] == "compile"
     assert [(r["op"], r["size"]) for r in report["rows"]] == _expected_rows(demo.MIN_RANKS)

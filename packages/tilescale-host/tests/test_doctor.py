@@ -29,3 +29,13 @@ def test_share_mode_reads_the_switch_as_init_dist_does(clean_env):
     assert "TILESCALE_SHARE_GPUS='maybe' is not a boolean" in line
     clean_env.delenv("TILESCALE_SHARE_GPUS")
     assert doctor._share_mode() == "off (unset)"
+
+
+def test_nvlink_mesh_without_a_gpu_is_not_applicable(monkeypatch, clean_env):
+    """0 GPUs: "n/a: no GPU", not "yes (trivially: fewer than 2 GPUs)" (issue 46)."""
+    from tilescale_host import _cuda
+
+    monkeypatch.setattr(_cuda, "device_count", lambda: 0)
+    lines = doctor.topology_lines()
+    assert "NVLink full mesh: n/a: no GPU" in lines, lines
+    assert not any("trivially" in line for line in lines)

@@ -50,23 +50,71 @@ def test_every_rank_gets_torchrun_variables(tmp_path, clean_env):
         assert got["argv"][1:] == ["--flag", "x"] and got["name"] == "__main__"
 
 
-def test_one_failing_rank_stops_the_others_and_shows_its_traceback(tmp_path, clean_env):
-    proc, elapsed = run_launcher(
-        tmp_path,
-        """
-        import os, time
-        if os.environ["RANK"] == "1":
-            time.sleep(0.5)
-            raise ValueError("boom from rank one")
-        time.sleep(120)
-        """,
-        "-n", "3", "--grace", "2",
-    )
+FAIL_RANK_ONE = """
+    import os, time
+    if os.environ["RANK"] == "1":
+        time.sleep(0.5)
+        raise ValueError("boom from rank one")
+    time.sleep(120)
+    """
+
+
+def test_one_failing_rank_stops_the_others_in_one_line(tmp_path, clean_env):
+    """A rank that raised: one line from the launcher, no traceback (issue 46)."""
+    proc, elapsed = run_launcher(tmp_path, FAIL_RANK_ONE, "-n", "3", "--grace", "2")
+    assert proc.returncode == 1
+    assert elapsed < 20, f"the other ranks were not stopped promptly ({elapsed:.1f} s)"
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        "tilescale-run: rank 1 failed: ValueError: boom from rank one "
+        "(stopped ranks [0, 2]; --verbose shows the traceback)"
+    ]
+
+
+def test_verbose_shows_the_failing_ranks_traceback(tmp_path, clean_env):
+    proc, elapsed = run_launcher(tmp_path, FAIL_RANK_ONE, "-n", "3", "--grace", "2", "--verbose")
     assert proc.returncode == 1
     assert elapsed < 20, f"the other ranks were not stopped promptly ({elapsed:.1f} s)"
     assert "[rank 1] Traceback (most recent call last):" in proc.stdout
     assert "rank 1 failed (exit code 1); stopped ranks [0, 2]" in proc.stderr
     assert "[rank 1] ValueError: boom from rank one" in proc.stderr
+
+
+def test_ranks_raising_the_same_error_make_one_line(tmp_path, clean_env):
+    """The quick start without a GPU: every rank raises the same error; the launcher says it
+    once, naming the ranks (it printed 77 lines of tracebacks for 2 ranks before, issue 46)."""
+    proc, _ = run_launcher(
+        tmp_path,
+        """
+        import os, time
+        if os.environ["RANK"] != "0":
+            time.sleep(0.3)  # rank 0 fails first
+        raise ValueError("no CUDA device is visible\\nsecond line")
+        """,
+        "-n", "2", "--grace", "5",
+    )
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("tilescale-run: rank") and "failed: ValueError: no CUDA device is visible second line" in lines[0]
+
+
+def test_ranks_raising_different_errors_make_one_line_each(tmp_path, clean_env):
+    proc, _ = run_launcher(
+        tmp_path,
+        """
+        import os, time
+        rank = int(os.environ["RANK"])
+        time.sleep(0.3 * rank)
+        raise KeyError(rank % 2)
+        """,
+        "-n", "3", "--grace", "5",
+    )
+    assert proc.returncode == 1
+    lines = proc.stderr.splitlines()
+    assert lines[0].startswith("tilescale-run: rank 0") and "failed: KeyError: 0 (" in lines[0], proc.stderr
+    assert all("failed: KeyError: " in line for line in lines) and len(lines) <= 2, proc.stderr
 
 
 def test_rank_ignoring_sigterm_is_killed(tmp_path, clean_env):

@@ -32,6 +32,11 @@ SECTIONS_GROUP = "tilescale.doctor_sections"
 Section = tuple[str, list[str]]
 
 _THIRD_PARTY = ("tilelang", "torch", "cuda-python", "cuda-bindings", "apache-tvm-ffi", "nvidia-ml-py")
+#: What an absent optional package would be for (said instead of a bare ``not installed``).
+_OPTIONAL = {
+    "cuda-python": "optional: TileScale calls CUDA through cuda-bindings",
+    "nvidia-ml-py": "needed only by tilescale-host, for its NVLink topology queries",
+}
 
 
 def package_lines() -> list[str]:
@@ -44,7 +49,8 @@ def package_lines() -> list[str]:
         try:
             lines.append(f"{name} {importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
-            lines.append(f"{name}: not installed")
+            why = _OPTIONAL.get(name)
+            lines.append(f"{name}: not installed" + (f" ({why})" if why else ""))
     lines.append(f"python {sys.version.split()[0]} ({sys.executable})")
     return lines
 
@@ -83,7 +89,9 @@ def gpu_lines() -> list[str]:
     import torch
 
     if not torch.cuda.is_available():
-        return [f"no GPU on this machine ({probes.probe_driver().reason}); GPU checks are skipped"]
+        driver = probes.probe_driver()
+        why = "" if driver.ok else " (see driver above)"
+        return [f"no GPU on this machine{why}; GPU checks are skipped"]
     lines = [f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}"]
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
@@ -100,7 +108,11 @@ _PATH_PROBES = (
 
 
 def memory_path_lines() -> list[str]:
-    """``<path>: available`` or ``<path>: unavailable: <reason>`` for each memory path."""
+    """``<path>: available`` or ``<path>: unavailable: <reason>`` for each memory path; one
+    line for them all when the driver probe fails (``driver:`` of :func:`cuda_lines` says why)."""
+    if not probes.probe_driver():
+        return [", ".join(label for label, _ in _PATH_PROBES) + ": unavailable (they need a CUDA driver "
+                "that sees a GPU: see driver above)"]
     lines = []
     for label, probe in _PATH_PROBES:
         result = probe()

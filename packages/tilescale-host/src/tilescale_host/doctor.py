@@ -39,7 +39,8 @@ def topology_lines() -> list[str]:
     count = _cuda.device_count()
     lines = [
         f"visible CUDA devices: {count} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})",
-        _probe("NVLink full mesh", has_fullmesh_nvlink) + (" (trivially: fewer than 2 GPUs)" if count < 2 else ""),
+        ("NVLink full mesh: n/a: no GPU" if count == 0 else
+         _probe("NVLink full mesh", has_fullmesh_nvlink) + (" (trivially: one GPU)" if count == 1 else "")),
         *_numa_lines(count),
     ]
     if count >= 2:

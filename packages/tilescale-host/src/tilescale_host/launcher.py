@@ -2,7 +2,7 @@
 
 Usage::
 
-    tilescale-run -n 4 [--timeout S] [--share-gpus] [--master-port P] script.py [args...]
+    tilescale-run -n 4 [--timeout S] [--share-gpus] [--master-port P] [--verbose] script.py [args...]
     tilescale-run -n 4 -m package.module [args...]
     python -m tilescale_host.launcher -n 4 script.py [args...]
 
@@ -13,8 +13,11 @@ MASTER_PORT) and a job id of its own (TILESCALE_JOB_ID, checked at rendezvous), 
 unchanged.  Every output line is echoed prefixed with ``[rank N]``; text without a newline yet
 (a progress bar) is echoed as it comes, read in bounded chunks.  When a rank exits
 with a nonzero status every rank's process group (the failed rank's own children included)
-gets SIGTERM, then SIGKILL after ``--grace`` seconds, and the failing rank's last output (its
-traceback) is printed again; the exit status is that rank's.  ``--timeout`` bounds the whole
+gets SIGTERM, then SIGKILL after ``--grace`` seconds; the exit status is that rank's.  An
+exception a rank raised is reported in one line per distinct message, naming the ranks that
+raised it (``ranks 0, 1 failed: ValueError: no CUDA device is visible ...``); with
+``--verbose`` the ranks print their tracebacks instead and the failing rank's last output is
+printed again, as it is when a rank exits without an exception.  ``--timeout`` bounds the whole
 run: ranks still running then dump their Python stacks and are killed, and the exit status is
 124.
 
@@ -34,9 +37,11 @@ import argparse
 import codecs
 import collections
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -45,6 +50,7 @@ from typing import TextIO
 
 from tilescale_core.interface import PARENT_PID_ENV
 
+from ._rank_main import ERROR_FILE_ENV
 from .dist_init import JOB_ID_ENV, _start_ticks, check_timeout, master_addr
 
 __all__ = ["EXIT_TIMEOUT", "FORWARDED_SIGNALS", "Interrupted", "LaunchResult", "check_fd_budget", "check_grace",
@@ -270,14 +276,19 @@ def _echo(rank: _Rank, sink: _Sink) -> None:
     rank.proc.stdout.close()
 
 
-def _start(command: Sequence[str], nranks: int, port: int, share_gpus: bool, sink: _Sink, ranks: list[_Rank]) -> None:
-    """Start the ranks, appending each to ``ranks``; stop starting when a signal arrived."""
+def _start(command: Sequence[str], nranks: int, port: int, share_gpus: bool, sink: _Sink, ranks: list[_Rank],
+           errors: str | None) -> None:
+    """Start the ranks, appending each to ``ranks``; stop starting when a signal arrived.
+    ``errors``: the directory where each rank writes the one-line summary of an exception."""
     for r in range(nranks):
         if _received:
             return
+        env = build_rank_env(r, nranks, port, share_gpus=share_gpus)
+        if errors is not None:
+            env[ERROR_FILE_ENV] = os.path.join(errors, f"rank-{r}")
         proc = subprocess.Popen(
             [sys.executable, "-m", "tilescale_host._rank_main", *command],
-            env=build_rank_env(r, nranks, port, share_gpus=share_gpus),
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -326,9 +337,34 @@ def _status_of(returncode: int) -> int:
     return returncode if returncode > 0 else 128 + (-returncode)
 
 
-def _report_failure(rank: _Rank, others: Sequence[int], err: TextIO) -> None:
+def _raised(ranks: Sequence[_Rank], errors: str | None) -> dict[str, list[int]]:
+    """``{one-line exception: ranks that raised it}`` from the ranks' error files."""
+    raised: dict[str, list[int]] = {}
+    for r in ranks if errors is not None else ():
+        try:
+            with open(os.path.join(errors, f"rank-{r.rank}"), encoding="utf-8", errors="replace") as f:
+                line = _cut(f.readline().strip())
+        except OSError:
+            continue
+        raised.setdefault(line, []).append(r.rank)
+    return raised
+
+
+def _report_failure(rank: _Rank, others: Sequence[int], err: TextIO, raised: Mapping[str, list[int]]) -> None:
     code = rank.proc.returncode
     how = f"exit code {code}" if code > 0 else f"signal {signal.Signals(-code).name}"
+    mine = [line for line, who in raised.items() if rank.rank in who]
+    if mine:  # an exception: one line per message, the failing rank's first; no traceback
+        stopped = [r for r in others if not any(r in who for who in raised.values())]
+        note = f"stopped ranks {stopped}; " if stopped else ""
+        for i, line in enumerate(sorted(raised, key=lambda m: m != mine[0])):
+            who = raised[line]
+            names = f"rank {who[0]}" if len(who) == 1 else "ranks " + ", ".join(map(str, who))
+            plural = "s" if len(raised) + len(who) > 2 else ""
+            tail = f" ({note}--verbose shows the traceback{plural})" if i == 0 else ""
+            err.write(f"tilescale-run: {names} failed: {line}{tail}\n")
+        err.flush()
+        return
     err.write(
         f"tilescale-run: rank {rank.rank} failed ({how}); stopped ranks {list(others)}.\n"
         f"tilescale-run: last output of rank {rank.rank}:\n"
@@ -371,6 +407,7 @@ def launch(
     grace: float = 3.0,
     out: TextIO | None = None,
     err: TextIO | None = None,
+    verbose: bool = False,
 ) -> LaunchResult:
     """Run ``python -m tilescale_host._rank_main *command`` as ``nranks`` ranks.
 
@@ -382,6 +419,8 @@ def launch(
         master_port: rendezvous port (default TILESCALE_MASTER_PORT, MASTER_PORT, a free port).
         grace: seconds between SIGTERM and SIGKILL when stopping ranks.
         out, err: streams for the ranks' prefixed output and the launcher's messages.
+        verbose: the ranks print the tracebacks of exceptions (otherwise each distinct
+            exception is one line of the launcher's).
 
     Raises:
         ValueError: a bad argument or variable (ports, MASTER_ADDR), or more ranks than
@@ -397,10 +436,20 @@ def launch(
     check_fd_budget(nranks)
     out, err = out or sys.stdout, err or sys.stderr
     port = check_port("master_port", master_port) if master_port is not None else _default_port(os.environ)
+    errors = None if verbose else tempfile.mkdtemp(prefix="tilescale-run-")
+    try:
+        return _launch(command, nranks, timeout, share_gpus, port, grace, out, err, errors)
+    finally:
+        if errors is not None:
+            shutil.rmtree(errors, ignore_errors=True)
+
+
+def _launch(command: Sequence[str], nranks: int, timeout: float | None, share_gpus: bool, port: int, grace: float,
+            out: TextIO, err: TextIO, errors: str | None) -> LaunchResult:
     ranks: list[_Rank] = []
     signum = None
     try:
-        _start(command, nranks, port, share_gpus, _Sink(out), ranks)
+        _start(command, nranks, port, share_gpus, _Sink(out), ranks, errors)
         failed, timed_out = _wait(ranks, timeout)
     except (KeyboardInterrupt, Interrupted) as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
@@ -424,7 +473,7 @@ def launch(
         _report_timeout(running, timeout, err)
         return LaunchResult(EXIT_TIMEOUT, timed_out=True)
     if failed is not None:
-        _report_failure(failed, running, err)
+        _report_failure(failed, running, err, _raised(ranks, errors))
         return LaunchResult(_status_of(failed.proc.returncode), failed_rank=failed.rank)
     return LaunchResult(0)
 
@@ -453,6 +502,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--master-port", type=int, default=None,
                         help="rendezvous port (default TILESCALE_MASTER_PORT, MASTER_PORT, else a free port)")
     parser.add_argument("--grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="the ranks print the tracebacks of exceptions (default: one line per distinct exception)")
     parser.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
     parser.add_argument("target", help="script path, or module name with -m")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -490,6 +541,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             share_gpus=args.share_gpus,
             master_port=args.master_port,
             grace=args.grace,
+            verbose=args.verbose,
         )
     except ValueError as exc:  # a bad port, address, -n, ...: one line, not a traceback
         sys.stderr.write(f"tilescale-run: error: {exc}\n")
