@@ -77,10 +77,104 @@ def test_demo_without_gpu_compiles_every_kernel(tmp_path):
                     assert f.read(4) == b"\x7fELF", path
         sources = [open(p).read() for p in row["files"] if p.endswith("device_kernel.cu")]
         assert any("tilescale::" in src for src in sources), row  # TileScale's device code inside
-        assert row["kernels"] == sum(p.endswith(".cubin") for p in row["files"])
+        assert row["kernels"] >= sum(p.endswith(".cubin") for p in row["files"])
+    # every kernel each object holds, whether its build compiled it or found it in the cache:
+    # AllGatherGEMM (sequential plan here) has its AllGather's kernel and its GEMM
+    assert [r["kernels"] for r in report["rows"]] == [1] * 6 + [2] * 2
     # ring put, all-gather and all-reduce x 2, AllGatherGEMM x 2 (all-gather + GEMM): at least 9
     # distinct kernels (an all-reduce's all-gather may equal an all-gather row's kernel)
     assert cubins >= 9
+    # quiet by default: no TileLang compile log lines; the plan fallback once per AllGatherGEMM
+    # row (rank 0's), not once per rank
+    assert "TileLang begins to compile" not in out + res.stderr
+    assert res.stderr.count("using the sequential plan") == 2, res.stderr
+
+
+def test_kernels_of_counts_every_kernel_an_object_holds():
+    """An AllGatherGEMM (sequential plan) holds two kernels, its GEMM and its AllGather's, even
+    when TileLang found one in its cache and the build added one cubin; a kernel held twice
+    counts once, and objects of other packages are not searched."""
+    from tilelang.jit.kernel import JITKernel
+
+    from tilescale_examples.ag_gemm import AllGatherGEMM
+    from tilescale_examples.allgather import AllGather
+
+    gemm, gather = JITKernel.__new__(JITKernel), JITKernel.__new__(JITKernel)
+    inner = AllGather.__new__(AllGather)
+    inner.kernel = gather
+    obj = AllGatherGEMM.__new__(AllGatherGEMM)
+    obj.all_gather, obj.kernel, obj.own_kernel, obj.chunks = inner, gemm, None, [(0, 1)]
+    assert demo.kernels_of(obj) == 2
+    obj.own_kernel = gemm  # the fused plan with one rank: kernel is own_kernel
+    assert demo.kernels_of(obj) == 2
+    obj.extra = {"k": [gather, (JITKernel.__new__(JITKernel),)]}  # through containers
+    assert demo.kernels_of(obj) == 3
+
+    class Foreign:  # not an examples object: not searched
+        kernel = None
+
+    foreign = Foreign()
+    foreign.kernel = JITKernel.__new__(JITKernel)
+    assert demo.kernels_of(demo._Built(foreign, None, None, "", None, None, None)) == 0
+    assert demo.kernels_of(None) == 0
+    obj.back = obj  # cycles end
+    assert demo.kernels_of(demo._Built(obj, None, None, "", None, None, None)) == 3
+
+
+@pytest.fixture
+def restore_log_levels():
+    import logging
+
+    names = demo.RANK_LOGGERS
+    levels = {n: logging.getLogger(n).level for n in names}
+    yield
+    for n, level in levels.items():
+        logging.getLogger(n).setLevel(level)
+
+
+def test_quiet_logs_silences_tilelang_info_and_other_ranks(restore_log_levels):
+    import logging
+
+    import tilelang  # noqa: F401  (its import sets its logger to INFO)
+
+    tl, examples = logging.getLogger("tilelang.jit.kernel"), logging.getLogger("tilescale_examples.stream_ops")
+    demo.quiet_logs(1, verbose=True)  # (each of the demo's processes calls it once)
+    assert tl.isEnabledFor(logging.INFO) and examples.isEnabledFor(logging.WARNING)
+    demo.quiet_logs(0)
+    assert not tl.isEnabledFor(logging.INFO) and tl.isEnabledFor(logging.WARNING)
+    assert examples.isEnabledFor(logging.WARNING)  # rank 0 keeps its warnings
+    demo.quiet_logs(1)
+    assert not examples.isEnabledFor(logging.WARNING) and examples.isEnabledFor(logging.ERROR)
+    assert not tl.isEnabledFor(logging.WARNING)
+    for name in ("tilescale_core.allocator", "tilescale_lang.codegen", "tilescale_host.x"):
+        assert not logging.getLogger(name).isEnabledFor(logging.WARNING), name
+
+
+def test_verbose_flag():
+    assert demo._parser().parse_args(["--verbose"]).verbose is True
+    assert demo._parser().parse_args([]).verbose is False
+
+
+def _log_body(rank, world_size, verbose):
+    import logging
+
+    from tilescale_examples import demo as demo_mod
+
+    demo_mod.quiet_logs(rank, verbose)
+    logging.getLogger("tilescale_examples.stream_ops").warning("every rank logs this alike")
+    return "ok"
+
+
+@pytest.mark.timeout(300)
+def test_a_message_every_rank_logs_prints_once(capfd):
+    """As in the demo's ranks: a warning every rank logs (a plan fallback) prints once, from
+    rank 0; with ``--verbose``, once per rank."""
+    from tilescale_core.multiprocess import run_ranks
+
+    assert run_ranks(_log_body, 2, args=(False,), backend="gloo", timeout=240) == ["ok", "ok"]
+    assert capfd.readouterr().err.count("every rank logs this alike") == 1
+    assert run_ranks(_log_body, 2, args=(True,), backend="gloo", timeout=240) == ["ok", "ok"]
+    assert capfd.readouterr().err.count("every rank logs this alike") == 2
 
 
 def test_render_gpu_table_has_every_column():

@@ -19,6 +19,17 @@ def test_kernel_puts_to_the_next_rank():
     assert "4000" in body  # 1000 float32 elements, in bytes
 
 
+def test_kernel_is_named_ring_put_kernel():
+    """TileLang names the CUDA kernel after the prim_func plus ``_kernel``: ``ring_put_kernel``
+    (not ``ring_put_kernel_kernel``)."""
+    import re
+
+    func = build_ring_put(1000)
+    assert func.attrs["global_symbol"] == "ring_put"
+    names = re.findall(r"__global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)\(", cuda_source(func))
+    assert set(names) == {"ring_put_kernel"}, names  # a declaration, then the definition
+
+
 def _ring_put_body(rank, world_size):
     import torch
     import torch.distributed as dist

@@ -19,12 +19,16 @@ on whatever this machine has (``nox -s demo`` runs it from a clean clone).
    saying what a GPU machine adds.
 
 ``--json PATH`` writes the rows (and the mode, title and doctor summary) as JSON.
+``--verbose`` shows what is quiet by default: TileLang's two log lines per kernel compile
+("begins to compile", "completes") and every rank's log messages (by default only rank 0's,
+so that a message every rank logs alike, such as a plan fallback, prints once).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -34,7 +38,8 @@ from typing import Any, Callable
 
 from tilescale_examples.report import format_bytes, format_table, ratio
 
-__all__ = ["CASES", "Case", "Row", "doctor_summary", "main", "poison_then_stage", "run_compile", "run_gpu"]
+__all__ = ["CASES", "Case", "Row", "doctor_summary", "kernels_of", "main", "poison_then_stage", "quiet_logs",
+           "run_compile", "run_gpu"]
 
 #: Ranks when there are no GPUs (compile mode) or one GPU (ranks share it).
 MIN_RANKS = 2
@@ -82,8 +87,10 @@ CASES = (
 
 @dataclass
 class Row:
-    """One result: compile mode fills ``kernels``, ``compile_s`` and ``files``; GPU mode the
-    times (microseconds), ``ratio`` (baseline / TileScale: above 1, TileScale is faster),
+    """One result: ``kernels``, the distinct compiled kernels the op's object holds
+    (:func:`kernels_of`: compiled now or found in TileLang's cache); compile mode also fills
+    ``compile_s`` and ``files`` (what the build added to the cache); GPU mode the times
+    (microseconds), ``ratio`` (baseline / TileScale: above 1, TileScale is faster),
     ``baseline`` (what ran) and ``check``."""
 
     op: str
@@ -100,6 +107,53 @@ class Row:
 
 def _progress(message: str) -> None:
     print(f"[demo {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+#: Loggers whose messages print from rank 0 only (unless ``--verbose``).
+RANK_LOGGERS = ("tilescale_examples", "tilescale_core", "tilescale_lang", "tilescale_host", "tilelang")
+
+
+def quiet_logs(rank: int = 0, verbose: bool = False) -> None:
+    """The demo's logging, in the demo's processes only (the libraries' defaults stay as they
+    are elsewhere): TileLang's INFO lines (two per kernel compile) off unless ``verbose``; on a
+    rank other than 0, the loggers of :data:`RANK_LOGGERS` at ERROR unless ``verbose``, so that
+    what every rank logs alike (a plan fallback warning) prints once, from rank 0."""
+    import tilelang  # its import sets its logger to INFO: set the level after it
+
+    logging.getLogger(tilelang.__name__).setLevel(logging.INFO if verbose else logging.WARNING)
+    if rank != 0 and not verbose:
+        for name in RANK_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _is_jit_kernel(obj) -> bool:
+    from tilelang.jit.kernel import JITKernel
+
+    return isinstance(obj, JITKernel)
+
+
+def kernels_of(obj, is_kernel: Callable[[Any], bool] | None = None) -> int:
+    """How many distinct compiled kernels ``obj`` holds: its attributes, followed through
+    containers and through objects of the examples (and of this module), e.g. an
+    AllGatherGEMM's own GEMM and its AllGather's kernel. A kernel TileLang found in its cache
+    counts like one it compiled (a count of new cubin files would miss it)."""
+    is_kernel = _is_jit_kernel if is_kernel is None else is_kernel
+    found, seen, todo = set(), set(), [obj]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if is_kernel(x):
+            found.add(id(x))
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            todo.extend(x)
+        elif hasattr(x, "__dict__") and (type(x).__module__ == __name__
+                                         or type(x).__module__.startswith("tilescale_examples")):
+            todo.extend(vars(x).values())
+    return len(found)
 
 
 # ------------------------------------------------------------------------------ doctor
@@ -315,15 +369,16 @@ def _heap_bytes(world: int) -> int:
     return total
 
 
-def _compile_rank(rank: int, world: int, cache_dir: str) -> list[dict] | None:
+def _compile_rank(rank: int, world: int, cache_dir: str, verbose: bool = False) -> list[dict] | None:
     """Compile mode: build every case on a host-memory heap (no kernel runs); rank 0 times
-    each build and lists the files it added to TileLang's cache."""
+    each build, counts its kernels and lists the files it added to TileLang's cache."""
     import torch.distributed as dist
 
     from tilescale_core.allocator import BaseAllocator
     from tilescale_core.testing import HostBackend
 
     group = dist.group.WORLD
+    quiet_logs(rank, verbose)
     alloc = BaseAllocator(_heap_bytes(world), device="cpu", is_distributed=True, local_rank=rank,
                           num_local_ranks=world, group=group, backend=HostBackend())
     rows = []
@@ -336,11 +391,11 @@ def _compile_rank(rank: int, world: int, cache_dir: str) -> list[dict] | None:
             start = time.perf_counter()
             built = build_case(case, alloc, group, rank, world, "cpu", with_baseline=False)
             seconds = time.perf_counter() - start
+            kernels = kernels_of(built.obj)
             built.close()
             dist.barrier(group)
             new = sorted(set(_files(cache_dir)) - set(before))
             wanted = [f for f in new if f.endswith((".cu", ".cubin", ".so")) and not f.endswith("host_kernel.cu")]
-            kernels = sum(f.endswith(".cubin") for f in new)
             rows.append(asdict(Row(case.op, label, kernels=kernels, compile_s=seconds, files=wanted)))
     finally:
         alloc.close()
@@ -362,7 +417,7 @@ def poison_then_stage(built: _Built) -> None:
         x.copy_(value)
 
 
-def _gpu_rank(rank: int, world: int, iters: int) -> list[dict] | None:
+def _gpu_rank(rank: int, world: int, iters: int, verbose: bool = False) -> list[dict] | None:
     """GPU mode: every case built, checked against its baseline and timed; rank 0 returns the rows."""
     import tilelang
     import torch
@@ -372,6 +427,7 @@ def _gpu_rank(rank: int, world: int, iters: int) -> list[dict] | None:
     from tilescale_examples.benchmarks.collectives import outputs_match, time_ms
     from tilescale_examples.collective import collective_device
 
+    quiet_logs(rank, verbose)
     os.environ.setdefault("TILESCALE_WAIT_TIMEOUT_MS", WAIT_TIMEOUT_MS)
     device = torch.device(rank_device(rank))
     torch.cuda.set_device(device)
@@ -400,7 +456,8 @@ def _gpu_rank(rank: int, world: int, iters: int) -> list[dict] | None:
             ts_ms = time_ms(lambda: built.call(*built.inputs), iters, group, device)
             ref_ms = time_ms(lambda: built.baseline(built.inputs, ref), iters, group, device)
             failed = int(bad.item())
-            rows.append(asdict(Row(case.op, label, tilescale_us=ts_ms * 1e3, baseline_us=ref_ms * 1e3,
+            rows.append(asdict(Row(case.op, label, kernels=kernels_of(built.obj), tilescale_us=ts_ms * 1e3,
+                                   baseline_us=ref_ms * 1e3,
                                    ratio=ratio(ref_ms, ts_ms), baseline=built.baseline_name,
                                    check="ok" if failed == 0 else f"FAIL ({failed} rank(s))")))
             built.close()
@@ -413,7 +470,7 @@ def _gpu_rank(rank: int, world: int, iters: int) -> list[dict] | None:
 
 
 # ------------------------------------------------------------------------------ drivers
-def run_compile(out_dir: Path) -> tuple[str, list[dict]]:
+def run_compile(out_dir: Path, verbose: bool = False) -> tuple[str, list[dict]]:
     """Compile mode (no GPU): ``(title, rows)``; sources and binaries go under ``out_dir``."""
     from tilescale_core.multiprocess import run_ranks
 
@@ -421,20 +478,20 @@ def run_compile(out_dir: Path) -> tuple[str, list[dict]]:
     cache.mkdir(parents=True, exist_ok=True)
     env = {"TILELANG_CACHE_DIR": str(cache)}
     os.environ.update(env)  # the spawned ranks inherit it
-    rows = run_ranks(_compile_rank, MIN_RANKS, args=(str(cache),), backend="gloo", timeout=RANK_TIMEOUT_S, env=env)[0]
+    rows = run_ranks(_compile_rank, MIN_RANKS, args=(str(cache), verbose), backend="gloo", timeout=RANK_TIMEOUT_S, env=env)[0]
     title = (f"no GPU here: the demo's kernels lowered and compiled by nvcc for sm_90a, as for "
              f"{MIN_RANKS} ranks (each object built by {MIN_RANKS} ranks over a host-memory heap)")
     return title, rows
 
 
-def run_gpu(gpus: int, iters: int) -> tuple[str, list[dict]]:
+def run_gpu(gpus: int, iters: int, verbose: bool = False) -> tuple[str, list[dict]]:
     """GPU mode: ``(title, rows)`` from one rank per GPU (2 sharing when there is one)."""
     from tilescale_core.multiprocess import auto_backend, run_ranks
 
     world = max(MIN_RANKS, gpus)
     backend = auto_backend(world, gpus, share=False)
     env = {"TILESCALE_SHARE_GPUS": "1" if gpus < world else "0"}
-    rows = run_ranks(_gpu_rank, world, args=(iters,), backend=backend, timeout=RANK_TIMEOUT_S, env=env)[0]
+    rows = run_ranks(_gpu_rank, world, args=(iters, verbose), backend=backend, timeout=RANK_TIMEOUT_S, env=env)[0]
     if backend == "nccl":
         mode = f"{world} ranks, one per GPU; baseline torch.distributed over NCCL"
     else:
@@ -455,7 +512,8 @@ def render(mode: str, title: str, rows: list[dict]) -> str:
     root = os.path.commonpath([f for r in rows for f in r["files"]]) if any(r["files"] for r in rows) else ""
     files = [f"  {r['op']} {r['size']}: " + (", ".join(os.path.relpath(f, root) for f in r["files"])
                                              or "no new files (kernels found in the cache)") for r in rows]
-    return (f"== {title}\n{body}\nCUDA sources (device_kernel.cu) and binaries (kernel.cubin; executable.so "
+    return (f"== {title}\n{body}\nkernels: the distinct compiled kernels each object holds (compiled now "
+            f"or found in TileLang's cache)\nCUDA sources (device_kernel.cu) and binaries (kernel.cubin; executable.so "
             f"embeds it) under {root}:\n" + "\n".join(files))
 
 
@@ -465,6 +523,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", help="compile mode: where sources and binaries go "
                                                 "(default: a new directory under the system's temp dir)")
     p.add_argument("--iters", type=int, default=10, help="GPU mode: timed calls per row (default 10)")
+    p.add_argument("--verbose", action="store_true", help="show TileLang's compile log lines and every rank's "
+                                                          "log messages (default: rank 0's warnings only)")
     return p
 
 
@@ -473,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.iters < 1:
         _parser().error("--iters must be >= 1")
+    quiet_logs(0, args.verbose)
     start = time.perf_counter()
     _progress("doctor: versions, toolkit, GPUs, memory paths")
     summary = doctor_summary()
@@ -483,14 +544,14 @@ def main(argv: list[str] | None = None) -> int:
     if gpus:
         mode = "gpu"
         _progress(f"{gpus} GPU(s): {max(MIN_RANKS, gpus)} ranks run {len(CASES)} cases")
-        title, rows = run_gpu(gpus, args.iters)
+        title, rows = run_gpu(gpus, args.iters, args.verbose)
     else:
         mode = "compile"
         import tempfile
 
         out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="tilescale-demo-"))
         _progress(f"no GPU: {MIN_RANKS} ranks lower and compile {len(CASES)} cases into {out_dir}")
-        title, rows = run_compile(out_dir.resolve())
+        title, rows = run_compile(out_dir.resolve(), args.verbose)
     print("\n" + render(mode, title, rows), flush=True)
     failed = [r for r in rows if mode == "gpu" and r["check"] != "ok"]
     if mode == "compile":

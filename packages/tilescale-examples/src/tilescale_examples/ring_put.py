@@ -30,13 +30,14 @@ def build_ring_put(n: int = N, dtype: str = "float32"):
         dtype: element type of both tensors (a TileLang dtype string).
     """
 
+    # TileLang names the CUDA kernel after the prim_func plus "_kernel": ``ring_put_kernel``.
     @T.prim_func
-    def ring_put_kernel(src: T.Tensor((n,), dtype), dst: T.Tensor((n,), dtype)):
+    def ring_put(src: T.Tensor((n,), dtype), dst: T.Tensor((n,), dtype)):
         with T.Kernel(1, threads=128):
             peer = (T.get_rank() + 1) % T.get_num_ranks()
             T.put_block(T.address_of(src[0]), T.address_of(dst[0]), n, dst_pe=peer)
 
-    return ring_put_kernel
+    return ring_put
 
 
 def ring_put(rank: int, world_size: int, group, n: int = N) -> None:
