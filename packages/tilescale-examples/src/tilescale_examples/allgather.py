@@ -167,6 +167,9 @@ class AllGather(PutExchange):
                  dtype: Union[torch.dtype, str], world_size: Optional[int] = None, *,
                  group=None, threads: int = 512, max_blocks: Optional[int] = None,
                  min_chunk_bytes: int = MIN_CHUNK_BYTES, target=None, engine: str = "sm"):
+        from tilescale_examples.collective import check_target
+
+        check_target(target)
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
         self._setup(allocator, shard_shape, dtype, world_size, group, threads, max_blocks)

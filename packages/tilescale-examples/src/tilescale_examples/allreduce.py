@@ -106,6 +106,9 @@ class AllReduce(ReductionCollective):
                  world_size: Optional[int] = None, *, algorithm: str = "auto", group=None,
                  threads: int = 512, max_blocks: Optional[int] = None, unroll: Optional[int] = None,
                  target=None):
+        from tilescale_examples.collective import check_target
+
+        check_target(target)
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         self.shape = check_shape(shape, "shape")

@@ -81,6 +81,9 @@ class AllToAll(PutExchange):
                  dtype: Union[torch.dtype, str], world_size: Optional[int] = None, *,
                  group=None, threads: int = 512, max_blocks: Optional[int] = None,
                  min_chunk_bytes: int = MIN_CHUNK_BYTES, target=None):
+        from tilescale_examples.collective import check_target
+
+        check_target(target)
         self._setup(allocator, shard_shape, dtype, world_size, group, threads, max_blocks)
         self.chunks, self.chunk = plan_chunks(self.shard_numel, self.itemsize, self.world_size,
                                               self.max_blocks, min_chunk_bytes)

@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["SymmetricCollective", "KernelOwner", "Closable", "check_tensor", "check_threads", "plan_chunks", "size_table_entry",
            "check_allocator",
-           "compile_once", "compile_symmetric", "settle", "all_ranks_agree", "collective_device", "TARGET", "DTYPES"]
+           "check_group", "check_max_blocks", "check_target", "compile_once", "compile_symmetric", "settle", "all_ranks_agree", "collective_device", "TARGET", "DTYPES"]
 
 #: Default TileLang target (H100/H200).
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -123,6 +123,44 @@ def check_tensor(tensor, shape: Tuple[int, ...], dtype: torch.dtype, device: tor
         raise ValueError(f"{name} is on {tensor.device}, the allocator's heap is on {device}")
     if not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+
+
+def check_group(group):
+    """``group`` if it is None or a ``torch.distributed`` process group; ``TypeError`` naming
+    it otherwise (a stray object would only fail at the first barrier, after allocating)."""
+    if group is None:
+        return group
+    import torch.distributed as dist
+
+    if dist.is_available() and isinstance(group, dist.ProcessGroup):
+        return group
+    raise TypeError(f"group must be None or a torch.distributed ProcessGroup, got {type(group).__name__}: {group!r}")
+
+
+def check_max_blocks(max_blocks) -> None:
+    """``ValueError`` unless ``max_blocks`` is None (the default grid cap) or a positive int."""
+    if max_blocks is not None and (not isinstance(max_blocks, int) or isinstance(max_blocks, bool) or max_blocks < 1):
+        raise ValueError(f"max_blocks must be None or a positive int, got {max_blocks!r}")
+
+
+def check_target(target) -> None:
+    """``TypeError`` / ``ValueError`` naming ``target`` unless it is None (:data:`TARGET`), a
+    TileLang target string or dict whose kind TVM knows (``"auto"`` too), or a TVM ``Target``
+    (a bad one would only fail at the compile, after the heap buffers were allocated)."""
+    if target is None:
+        return
+    from tilelang import tvm
+
+    if isinstance(target, tvm.target.Target):
+        return
+    if isinstance(target, str):
+        kind = target.split()[0] if target.strip() else ""
+    elif isinstance(target, dict):
+        kind = target.get("kind")
+    else:
+        raise TypeError(f"target must be None, a target string or dict, or a tvm Target, got {type(target).__name__}: {target!r}")
+    if kind != "auto" and kind not in tvm.target.Target.list_kinds():
+        raise ValueError(f"target {target!r}: unknown target kind {kind!r}")
 
 
 def check_allocator(allocator) -> None:
@@ -349,9 +387,10 @@ class SymmetricCollective(KernelOwner, Closable):
     MAX_ELEMENTS = 2**31
 
     def _setup(self, allocator, shard_shape: Union[int, Sequence[int]], dtype, world_size: Optional[int],
-               group, threads: int, max_blocks: Optional[int], allowed_dtypes=None) -> None:
+               group, threads: int, max_blocks: Optional[int], allowed_dtypes=None,
+               shape_name: str = "shard_shape") -> None:
         check_allocator(allocator)
-        self.shard_shape = check_shape(shard_shape)
+        self.shard_shape = check_shape(shard_shape, shape_name)
         self.dtype = check_dtype(dtype, allowed_dtypes)
         num_ranks = int(allocator.num_ranks)
         if world_size is None:
@@ -361,10 +400,13 @@ class SymmetricCollective(KernelOwner, Closable):
         if world_size != num_ranks:
             raise ValueError(f"world_size={world_size} but the allocator spans {num_ranks} rank(s)")
         check_threads(threads)
+        check_max_blocks(max_blocks)
+        check_group(group)
         self.world_size = world_size
         self.shard_numel = math.prod(self.shard_shape)
         if world_size * self.shard_numel >= self.MAX_ELEMENTS:
-            raise ValueError(f"{world_size} x {self.shard_numel} elements exceeds the kernel's int32 indexing (< 2**31 elements)")
+            raise ValueError(f"{shape_name} {self.shard_shape}: {world_size} x {self.shard_numel} elements exceeds the "
+                             "kernel's int32 indexing (< 2**31 elements)")
         self.device = torch.device(allocator.device)
         if max_blocks is None:
             max_blocks = DEFAULT_MAX_BLOCKS

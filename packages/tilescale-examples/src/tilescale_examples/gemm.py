@@ -64,6 +64,9 @@ class GemmTiles:
             check_positive(name, getattr(self, name))
         if self.threads % 128:
             raise ValueError(f"threads must be a multiple of 128 (whole warpgroups), got {self.threads}")
+        if self.threads + 128 > 1024:  # TileLang adds a 128-thread producer warpgroup; a block has <= 1024
+            raise ValueError(f"threads must be at most 896 (with TileLang's producer warpgroup a block has at most "
+                             f"1024 threads), got {self.threads}")
 
 
 def check_gemm_dims(owner: str, tiles: GemmTiles, **dims) -> None:
@@ -183,7 +186,7 @@ class OverlappedGemm(KernelOwner, Closable):
         ``rank``, ``device``, ``group``, ``plan``, ``plan_reason``, ``epoch``.
         ``rows_per_call``: the largest row count of a buffer, in units of ``m_local`` (for the
         ``int32`` indexing check)."""
-        from tilescale_examples.collective import check_allocator, check_dtype, default_group
+        from tilescale_examples.collective import check_allocator, check_dtype, check_group, default_group
         from tilescale_examples.stream_ops import CallOrder, resolve_plan
 
         owner = type(self).__name__
@@ -196,6 +199,7 @@ class OverlappedGemm(KernelOwner, Closable):
                              "kernels' int32 indexing (< 2**31); use a smaller m_local")
         self.allocator, self.m_local, self.k, self.n, self.tiles = allocator, m_local, k, n, tiles
         self.world_size, self.rank = W, int(allocator.local_rank)
+        check_group(group)
         self.device = torch.device(allocator.device)
         self.group = default_group() if group is None else group
         self.plan, self.plan_reason = resolve_plan(owner, plan, self.device, self.group, W,

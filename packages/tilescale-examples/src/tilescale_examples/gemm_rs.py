@@ -231,6 +231,9 @@ class GemmReduceScatter(OverlappedGemm):
     def __init__(self, allocator, m_local: int, k: int, n: int, dtype: Union[torch.dtype, str] = torch.float16, *,
                  group=None, block_m: int = 128, block_n: int = 256, block_k: int = 64, num_stages: int = 3,
                  threads: int = 256, plan: str = "auto", target=None):
+        from tilescale_examples.collective import check_target
+
+        check_target(target)
         tiles = GemmTiles(block_m, block_n, block_k, num_stages, threads)
         self._setup(allocator, m_local, k, n, dtype, group, tiles, plan, rows_per_call=2)
         W, name = self.world_size, DTYPES[self.dtype]

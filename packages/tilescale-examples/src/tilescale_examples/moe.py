@@ -316,6 +316,9 @@ class MoEDispatcher(SymmetricCollective):
                  index_dtype: torch.dtype = torch.int64, world_size: Optional[int] = None,
                  group=None, threads: int = 1024, max_blocks: Optional[int] = None,
                  validate: bool = True, target=None):
+        from tilescale_examples.collective import check_target
+
+        check_target(target)
         self.num_experts = _positive_int("num_experts", num_experts, MAX_EXPERTS)
         self.hidden = _positive_int("hidden", hidden)
         if hidden % 8:

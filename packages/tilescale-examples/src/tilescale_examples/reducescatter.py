@@ -74,6 +74,9 @@ class ReduceScatter(ReductionCollective):
                  dtype: Union[torch.dtype, str], world_size: Optional[int] = None, *,
                  group=None, threads: int = 512, max_blocks: Optional[int] = None,
                  unroll: Optional[int] = None, target=None):
+        from tilescale_examples.collective import check_target
+
+        check_target(target)
         self._setup(allocator, shard_shape, dtype, world_size, group, threads, max_blocks, REDUCE_DTYPES)
         self._build("reduce_scatter", self.shard_numel, unroll, target)
         self.output = self.result.view(-1)[: self.shard_numel].view(self.shard_shape)

@@ -118,7 +118,8 @@ class TmaAllReduce(SymmetricCollective):
 
     def __init__(self, allocator, shape: Union[int, Sequence[int]] = (TILE_ROWS, COLS), group=None,
                  max_blocks: Optional[int] = None):
-        self._setup(allocator, shape, torch.float32, None, group, THREADS, max_blocks, allowed_dtypes={torch.float32: "float32"})
+        self._setup(allocator, shape, torch.float32, None, group, THREADS, max_blocks, allowed_dtypes={torch.float32: "float32"},
+                    shape_name="shape")
         if len(self.shard_shape) != 2 or self.shard_shape[1] != COLS or self.shard_shape[0] % TILE_ROWS:
             raise ValueError(f"shape must be (rows, {COLS}) with rows a multiple of {TILE_ROWS}, got {self.shard_shape}")
         if self.world_size > MAX_RANKS:

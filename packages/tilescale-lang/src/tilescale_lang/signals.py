@@ -125,7 +125,8 @@ def signal_wait_until(sig_addr, cmp, value):
     ``"gt"``, ``"ge"``, ``"lt"``, ``"le"`` (``T.CMP_EQ`` ...).  The comparison is signed for
     int signals and unsigned for uint signals.  Honours ``TILESCALE_WAIT_TIMEOUT_MS``."""
     relation = V.choice(cmp, CMPS, "cmp")
-    _signal(sig_addr)
+    _, dtype = _signal(sig_addr)
+    V.cast_to(value, dtype, "value")  # a bad value is an error naming ``value`` (wait calls it expected)
     return W.wait(relation, sig_addr, value, -1, scope="sys", semantics="acquire")
 
 
@@ -145,10 +146,16 @@ def fence():
 
 
 def _nbi(name: str, blocking, doc: str):
+    from . import peer_copy as P
+
+    # The blocking form's code (same helper, kind and template), with errors naming ``pe``,
+    # the argument's name here (the blocking form would call it dst_pe / src_pe).
+    kind = blocking.__name__
+    side = "dst" if name.startswith("put") else "src"
+    template = P._unroll(4, False) if kind.endswith("_warp") else "4"
+
     def fn(src, dst, size, pe=-1):
-        if name.startswith("put"):
-            return blocking(src, dst, size, dst_pe=pe)
-        return blocking(src, dst, size, src_pe=pe)
+        return P._peer_copy(kind, src, dst, size, pe, "pe", side, template)
 
     fn.__name__ = fn.__qualname__ = name
     fn.__doc__ = doc
