@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["SymmetricCollective", "KernelOwner", "Closable", "check_tensor", "check_threads", "plan_chunks", "size_table_entry",
            "check_allocator",
-           "check_group", "check_max_blocks", "check_target", "compile_once", "compile_symmetric", "settle", "all_ranks_agree", "collective_device", "TARGET", "DTYPES"]
+           "check_group", "check_max_blocks", "check_target", "compile_once", "settle", "all_ranks_agree", "collective_device", "TARGET", "DTYPES"]
 
 #: Default TileLang target (H100/H200).
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -194,16 +194,6 @@ def compile_once(func, group=None, target=None, pass_configs=None):
 
     extra = {} if pass_configs is None else {"pass_configs": dict(pass_configs)}
     return tilelang.compile(func, target=target or TARGET, compile_once=True, compile_group=group, **extra)
-
-
-def compile_symmetric(func, allocator, group=None, target=None):
-    """:func:`compile_once`, then initialised with ``allocator``'s table (rank and peer
-    bases) on the device's current stream: for kernels that use TileScale intrinsics."""
-    kernel = compile_once(func, group, target)
-    device = torch.device(allocator.device)
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    kernel.initialize(allocator=allocator, stream=stream)
-    return kernel
 
 
 def settle(device, group=None) -> None:
