@@ -328,3 +328,13 @@ def unpicklable_result(rank, world_size):
     import threading
 
     return threading.Lock() if rank == 1 else rank
+
+
+def aborts_at_exit(rank, world_size):
+    """Rank 1 returns, then aborts during interpreter shutdown (as std::terminate would)."""
+    import atexit
+    import os
+
+    if rank == 1:
+        atexit.register(os.abort)
+    return rank

@@ -197,3 +197,12 @@ def test_parent_pid_env_is_checked_early_naming_the_variable():
     for bad in ("abc", "-5", "0", "1.5", "12abc", "\u00b2"):
         with pytest.raises(ValueError, match=rf"TILESCALE_PARENT_PID={bad!r} is not a process id"):
             parent_pid_from_env({"TILESCALE_PARENT_PID": bad})
+
+
+def test_run_ranks_warns_about_a_rank_that_crashed_after_reporting():
+    """A crash at exit (SIGABRT from a library's std::terminate) is not lost behind a
+    successful run: the results come back and a RankExitWarning names the rank and signal."""
+    from tilescale_core.multiprocess import RankExitWarning
+
+    with pytest.warns(RankExitWarning, match=r"rank 1 returned its result, then was killed by signal 6 \(SIGABRT\)"):
+        assert run_ranks(bodies.aborts_at_exit, 2, backend=None, timeout=60) == [0, 1]

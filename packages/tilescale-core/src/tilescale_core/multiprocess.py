@@ -34,7 +34,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["RankFailure", "RankTimeout", "auto_backend", "find_free_port", "rank_device", "run_ranks"]
+__all__ = ["RankExitWarning", "RankFailure", "RankTimeout", "auto_backend", "find_free_port", "rank_device", "run_ranks"]
 
 #: Environment variable that makes ranks share GPUs (as in tilescale-host's ``init_dist``).
 SHARE_GPUS_ENV = "TILESCALE_SHARE_GPUS"
@@ -47,6 +47,13 @@ class RankFailure(RuntimeError):
         super().__init__(f"rank {rank} failed:\n{details}")
         self.rank = rank
         self.details = details
+
+
+class RankExitWarning(RuntimeWarning):
+    """A rank reported its result, then ended badly: it crashed during interpreter shutdown
+    (for example ``std::terminate`` in a library's thread: SIGABRT) or did not exit within
+    10 s and was terminated.  The results are returned; the rank's stderr holds the Python
+    stack of every thread at the crash (``faulthandler`` is enabled in each rank)."""
 
 
 class RankTimeout(TimeoutError):
@@ -104,8 +111,10 @@ def auto_backend(world_size: int, device_count: int | None = None, share: bool |
 
 
 def _child(fn, rank, world_size, args, env, backend, port, group_timeout, results, parent):
-    # Dump every thread's stack if the parent sends SIGUSR1 (it does so before a kill).
+    # Dump every thread's stack if the parent sends SIGUSR1 (it does so before a kill), and
+    # on a fatal signal (SIGABRT from std::terminate, SIGSEGV), so a crash says where it was.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.enable(all_threads=True)
     # Not a daemon (so that a body may start processes of its own), hence die with the
     # harness even when it is SIGKILLed.
     from ._parent_death import die_with_parent
@@ -229,6 +238,7 @@ def run_ranks(
     failures: dict[int, str] = {}  # tracebacks, in the order they arrived
     failure: RankFailure | None = None
     timed_out = False
+    succeeded = False
 
     def record(rank: int, ok: bool, payload: Any) -> None:
         if ok:
@@ -256,11 +266,26 @@ def run_ranks(
                 failure = _first_failure(procs, results, record, unreported, failures)
                 if failure is not None:
                     raise failure
+        succeeded = True
         return [values[r] for r in range(world_size)]
     finally:
         # Hung or failed ranks get ``grace`` seconds; ranks that all reported get 10 s to exit.
         _stop(procs, grace if failure is not None or timed_out else 10.0)
         results.close()
+        if succeeded:
+            _warn_bad_exits(procs)
+
+
+def _warn_bad_exits(procs) -> None:
+    """Warn (:class:`RankExitWarning`) about ranks that reported a result and then did not exit 0."""
+    import warnings
+
+    for rank, p in enumerate(procs):
+        if p.exitcode != 0:
+            how = (f"did not exit within 10 s and was stopped ({_exit_text(p.exitcode)})"
+                   if p.exitcode in (-signal.SIGTERM, -signal.SIGKILL) else _exit_text(p.exitcode))
+            warnings.warn(f"rank {rank} returned its result, then {how} while shutting down; its stderr "
+                          f"above shows every thread's Python stack at the crash", RankExitWarning, stacklevel=3)
 
 
 def _check_seconds(name: str, value: Any, positive: bool) -> None:
