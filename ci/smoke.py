@@ -28,7 +28,7 @@ else:
     from tilescale_lang.codegen import cuda_source
 
     if part == "examples":
-        from tilescale_examples.ring_put import build_ring_put
+        from tilescale_examples.tutorials.ring_put import build_ring_put
 
         k = build_ring_put(1024)
     else:

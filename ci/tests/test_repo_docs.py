@@ -83,9 +83,9 @@ def test_snippets_use_only_what_the_install_line_before_them_installs(doc):
 
 def test_the_snippet_check_sees_a_missing_extra():
     text = ('pip install --find-links dist "tilescale[distributed]>=0.1"\n'
-            "```python\nfrom tilescale_examples.ring_put import x\n```")
+            "```python\nfrom tilescale_examples.tutorials.ring_put import x\n```")
     assert snippet_problems(text) == [
-        "tilescale_examples.ring_put needs tilescale-examples, which "
+        "tilescale_examples.tutorials.ring_put needs tilescale-examples, which "
         'pip install --find-links dist "tilescale[distributed]>=0.1" does not install']
     assert snippet_problems(text.replace("[distributed]", "[examples]")) == []
 

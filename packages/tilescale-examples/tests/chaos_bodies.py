@@ -16,7 +16,7 @@ SHAPE = (4096,)
 
 def make(name: str, alloc, dtype=torch.float32):
     """The collective ``name`` over ``alloc`` and a reference ``ref(all_inputs, rank)``."""
-    from tilescale_examples import allgather, allreduce, alltoall, reducescatter
+    from tilescale_examples.collectives import allgather, allreduce, alltoall, reducescatter
 
     if name == "allgather":
         coll = allgather.AllGather(alloc, SHAPE, dtype)

@@ -2,7 +2,7 @@
 
 A rank compiles its kernels under the host-wide compile lock, one after the other; a test
 that builds kernels for several dtypes and world sizes would spend most of its time there.
-:func:`warm_cache` compiles them first in worker processes (:mod:`tilescale_examples.precompile`),
+:func:`warm_cache` compiles them first in worker processes (:mod:`tilescale_examples.testing.precompile`),
 once per pytest session and cache, so the ranks' compiles are cache hits."""
 
 from __future__ import annotations
@@ -20,17 +20,17 @@ _warm: set = set()
 def reduction_kernels() -> list:
     """Jobs of every reduction kernel the GPU tests build (all-reduce one-shot and two-shot,
     reduce-scatter; float16, bfloat16, float32, int32; 2 and 4 ranks)."""
-    from tilescale_examples.precompile import reduction_jobs
+    from tilescale_examples.testing.precompile import reduction_jobs
 
     return reduction_jobs(("one_shot", "two_shot", "reduce_scatter"), ("float16", "bfloat16", "float32", "int32"), (2, 4))
 
 
 def warm_cache(tmp_path_factory, jobs=None, name: str = CACHE_NAME) -> str:
-    """Compile ``jobs`` (:func:`tilescale_examples.precompile.precompile` jobs; default
+    """Compile ``jobs`` (:func:`tilescale_examples.testing.precompile.precompile` jobs; default
     :func:`reduction_kernels`) into the session cache ``name`` (the directory
     :func:`examples_helpers.run_gpu_ranks` uses for that name), once per session; returns
     the cache directory."""
-    from tilescale_examples.precompile import precompile
+    from tilescale_examples.testing.precompile import precompile
 
     cache = str(tmp_path_factory.getbasetemp() / f"tilelang-cache-{name}")
     jobs = reduction_kernels() if jobs is None else list(jobs)

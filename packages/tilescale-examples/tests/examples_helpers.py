@@ -17,7 +17,7 @@ import tilelang  # noqa: E402,F401  (the import hook attaches tilescale-lang)
 import torch  # noqa: E402
 from tilescale_lang.codegen import cuda_source  # noqa: E402
 
-from tilescale_examples.collective import TARGET  # noqa: E402
+from tilescale_examples.base import TARGET  # noqa: E402
 
 from tilescale_lang.toolkit import find_toolkit  # noqa: E402
 
@@ -136,7 +136,8 @@ def record_compiles(monkeypatch, *modules) -> list:
     """Replace ``compile_once`` in ``modules`` (and the collectives' and
     the reduction engine's) with recorders: returns the list of compiled kernels' names, so a
     CPU test checks what an object builds without nvcc (compiles are tested separately)."""
-    from tilescale_examples import collective, reduce_engine
+    from tilescale_examples import base as collective
+    from tilescale_examples.collectives import reduce_engine
 
     built = []
 

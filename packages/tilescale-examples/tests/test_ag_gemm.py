@@ -11,10 +11,10 @@ import tilelang
 import torch
 from examples_helpers import CpuAllocator, kernel_body, lower_source, needs_nvcc, record_compiles
 
-from tilescale_examples import ag_gemm
-from tilescale_examples.ag_gemm import AllGatherGEMM, build_ag_gemm_kernel, heap_bytes, tile_order, torch_reference
-from tilescale_examples.collective import TARGET
-from tilescale_examples.stream_ops import plan_row_chunks
+from tilescale_examples.overlap import ag_gemm
+from tilescale_examples.overlap.ag_gemm import AllGatherGEMM, build_ag_gemm_kernel, heap_bytes, tile_order, torch_reference
+from tilescale_examples.base import TARGET
+from tilescale_examples.overlap.stream_ops import plan_row_chunks
 
 
 def test_torch_reference_is_gathered_matmul():
@@ -96,7 +96,7 @@ def test_auto_plan_on_cpu_falls_back_to_sequential_with_a_log_line(no_compile, c
 
 
 def test_fused_plan_allocates_the_double_buffer_and_flags(no_compile, monkeypatch):
-    monkeypatch.setattr("tilescale_examples.stream_ops.stream_ops_available", lambda device: (True, "stub"))
+    monkeypatch.setattr("tilescale_examples.overlap.stream_ops.stream_ops_available", lambda device: (True, "stub"))
     alloc = CpuAllocator(num_ranks=3, rank=2)
     agg = AllGatherGEMM(alloc, 1024, 128, 512, torch.float16, plan="fused")
     assert (agg.plan, agg.plan_reason) == ("fused", "stub")
@@ -110,7 +110,7 @@ def test_fused_plan_allocates_the_double_buffer_and_flags(no_compile, monkeypatc
 
 
 def test_fused_plan_on_one_rank_is_the_gemm_alone(no_compile, monkeypatch):
-    monkeypatch.setattr("tilescale_examples.stream_ops.stream_ops_available", lambda device: (True, "stub"))
+    monkeypatch.setattr("tilescale_examples.overlap.stream_ops.stream_ops_available", lambda device: (True, "stub"))
     alloc = CpuAllocator(num_ranks=1)
     agg = AllGatherGEMM(alloc, 256, 128, 256, torch.bfloat16)
     assert agg.plan == "fused" and "nothing to communicate" in agg.plan_reason

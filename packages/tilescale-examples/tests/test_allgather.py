@@ -11,8 +11,8 @@ import torch
 from examples_cache import warm_cache
 from examples_helpers import LaunchRecorder, CpuAllocator, close_rank_heap, have_gpu, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
 
-from tilescale_examples import allgather as ag_mod
-from tilescale_examples.allgather import AllGather, build_allgather_kernel, plan_chunks, torch_reference
+from tilescale_examples.collectives import allgather as ag_mod
+from tilescale_examples.collectives.allgather import AllGather, build_allgather_kernel, plan_chunks, torch_reference
 
 
 
@@ -280,7 +280,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str, device: str | None = No
 def allgather_kernels(worlds=(1, 2, 4)) -> list:
     """Precompile jobs of the kernels ``gpu_rank_body`` builds on ``worlds`` ranks (the plan
     of :class:`AllGather` with ``min_chunk_bytes=4096`` on this GPU's SM count)."""
-    from tilescale_examples.collective import DTYPES, plan_chunks
+    from tilescale_examples.base import DTYPES, plan_chunks
 
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     jobs = []
@@ -288,7 +288,7 @@ def allgather_kernels(worlds=(1, 2, 4)) -> list:
         for shape, dtype in GPU_CASES:
             numel, itemsize = math.prod(shape), torch.empty((), dtype=dtype).element_size()
             chunks, chunk = plan_chunks(numel, itemsize, world, sms, 4096)
-            jobs.append(("tilescale_examples.allgather:build_allgather_kernel",
+            jobs.append(("tilescale_examples.collectives.allgather:build_allgather_kernel",
                          (numel, DTYPES[dtype], world, chunks, chunk, 512), None))
     return jobs
 

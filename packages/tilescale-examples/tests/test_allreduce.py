@@ -14,8 +14,8 @@ import torch
 from examples_helpers import CpuAllocator, close_rank_heap, open_rank_heap, poison, random_tensor, run_gpu_ranks, needs_nvcc
 from examples_cache import CACHE_NAME, warm_cache
 
-from tilescale_examples.allreduce import ONE_SHOT_MAX_BYTES, AllReduce, choose_algorithm, torch_reference
-from tilescale_examples.reduce_engine import FLAG_STRIDE
+from tilescale_examples.collectives.allreduce import ONE_SHOT_MAX_BYTES, AllReduce, choose_algorithm, torch_reference
+from tilescale_examples.collectives.reduce_engine import FLAG_STRIDE
 
 
 # ------------------------------------------------------------------------------ size table

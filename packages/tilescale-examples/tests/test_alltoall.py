@@ -9,8 +9,8 @@ import tilelang
 import torch
 from examples_helpers import LaunchRecorder, CpuAllocator, close_rank_heap, kernel_body, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
 
-from tilescale_examples.alltoall import AllToAll, build_alltoall_kernel, torch_reference
-from tilescale_examples.collective import TARGET, plan_chunks
+from tilescale_examples.collectives.alltoall import AllToAll, build_alltoall_kernel, torch_reference
+from tilescale_examples.base import TARGET, plan_chunks
 
 
 def test_torch_reference_takes_row_rank_of_every_input():

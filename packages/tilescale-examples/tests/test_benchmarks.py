@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tilescale_examples.benchmarks import allgather, allreduce, alltoall, reducescatter
-from tilescale_examples.benchmarks import collectives as C
+from tilescale_examples.benchmarks import _collectives as C
 
 NAMES = ["allgather", "reducescatter", "alltoall", "allreduce"]
 ENTRIES = {"allgather": allgather, "reducescatter": reducescatter, "alltoall": alltoall, "allreduce": allreduce}
@@ -62,7 +62,7 @@ def test_heap_bytes_per_op():
 
 def test_reductions_fit_their_heap_estimate():
     """The estimate covers what AllReduce / ReduceScatter really allocate (plans at 132 SMs)."""
-    from tilescale_examples.reduce_engine import plan_grid
+    from tilescale_examples.collectives.reduce_engine import plan_grid
 
     for world in (2, 4, 8):
         for nbytes in (4096, 1000 * 4096 + 2, 1 << 30):
@@ -100,7 +100,7 @@ def test_reduction_titles_name_the_algorithm_and_the_symmetric_memory_ops():
 
 
 def test_symm_baseline_is_na_when_ranks_share_a_gpu_and_names_its_ops():
-    from tilescale_examples.benchmarks.symm_baseline import CANDIDATES, SymmBaseline
+    from tilescale_examples.benchmarks._symm_baseline import CANDIDATES, SymmBaseline
 
     shared = SymmBaseline("allreduce", None, "cpu", "gloo", True)
     assert shared.reason.startswith("n/a (ranks share a GPU") and "n/a (ranks share a GPU" in shared.title()
@@ -117,7 +117,7 @@ def test_symm_baseline_is_na_when_ranks_share_a_gpu_and_names_its_ops():
 
 
 def test_symm_times_pick_the_fastest_op_eager_and_replayed():
-    from tilescale_examples.benchmarks.symm_baseline import SymmTimes
+    from tilescale_examples.benchmarks._symm_baseline import SymmTimes
 
     times = SymmTimes(eager={"one_shot_all_reduce_out": 0.004, "two_shot_all_reduce_": 0.003},
                       graph={"one_shot_all_reduce_out": 0.002})
@@ -251,7 +251,7 @@ def test_reduce_scatter_tolerance_accepts_other_orders_and_rejects_errors(dtype,
     """NCCL adds in its ring order and rounds every partial sum in the dtype; the kernel adds
     in rank order in float32 and rounds once. The check must accept that and still catch a
     missing contribution or a wrong element."""
-    from tilescale_examples.reducescatter import torch_reference
+    from tilescale_examples.collectives.reducescatter import torch_reference
 
     dt = getattr(torch, dtype)
     g = torch.Generator().manual_seed(world)
@@ -461,7 +461,7 @@ def test_heap_benchmark_host_mode_prints_its_table(capsys):
 def test_overlap_benchmark_numbers_and_arguments(name, monkeypatch, capsys):
     import importlib
 
-    from tilescale_examples.benchmarks import overlap
+    from tilescale_examples.benchmarks import _overlap as overlap
 
     entry = importlib.import_module(f"tilescale_examples.benchmarks.{name}")
     assert entry.tflops(2e12, 1000.0) == pytest.approx(2.0)
@@ -486,7 +486,7 @@ def test_overlap_benchmark_numbers_and_arguments(name, monkeypatch, capsys):
 
 def test_overlap_benchmark_interleaves_rounds_and_takes_each_columns_median(monkeypatch):
     """Every round times every column in turn; a slow round (a clock drop) moves no median."""
-    from tilescale_examples.benchmarks import overlap
+    from tilescale_examples.benchmarks import _overlap as overlap
 
     order, clock = [], iter([10, 20, 99, 98, 11, 21, 12, 22, 13, 23])
     monkeypatch.setattr(overlap, "time_ms", lambda fn, iters, group, device: (order.append(fn()), next(clock))[1])
@@ -496,7 +496,7 @@ def test_overlap_benchmark_interleaves_rounds_and_takes_each_columns_median(monk
 
 
 def test_overlap_benchmark_titles_say_when_ranks_share_a_gpu():
-    from tilescale_examples.benchmarks import overlap
+    from tilescale_examples.benchmarks import _overlap as overlap
 
     args = overlap.parser("ag_gemm").parse_args([])
     assert "one rank per GPU (2 GPU(s)); collective over NCCL" in overlap.title("ag_gemm", 2, "nccl", 2, args)
@@ -507,8 +507,8 @@ def test_overlap_benchmark_titles_say_when_ranks_share_a_gpu():
 
 
 def test_overlap_benchmark_reference_matches_the_examples_references():
-    from tilescale_examples import ag_gemm, gemm_rs
-    from tilescale_examples.benchmarks import overlap
+    from tilescale_examples.overlap import ag_gemm, gemm_rs
+    from tilescale_examples.benchmarks import _overlap as overlap
 
     world, m, k, n, dt = 3, 4, 8, 5, torch.float32
     a0, b0 = overlap.rank_inputs("ag_gemm", 0, world, m, k, n, dt, "cpu")

@@ -18,15 +18,19 @@ import pytest
 import torch
 from examples_helpers import CpuAllocator, record_compiles
 
-from tilescale_examples import ag_gemm, gemm_rs, moe, tma_allreduce
-from tilescale_examples.ag_gemm import AllGatherGEMM
-from tilescale_examples.allgather import AllGather
-from tilescale_examples.allreduce import AllReduce
-from tilescale_examples.alltoall import AllToAll
-from tilescale_examples.gemm_rs import GemmReduceScatter
-from tilescale_examples.moe import MoEDispatcher
-from tilescale_examples.reducescatter import ReduceScatter
-from tilescale_examples.tma_allreduce import TmaAllReduce
+from tilescale_examples.overlap import ag_gemm, gemm_rs
+
+from tilescale_examples.moe import dispatcher as moe
+
+from tilescale_examples.tutorials import tma_allreduce
+from tilescale_examples.overlap.ag_gemm import AllGatherGEMM
+from tilescale_examples.collectives.allgather import AllGather
+from tilescale_examples.collectives.allreduce import AllReduce
+from tilescale_examples.collectives.alltoall import AllToAll
+from tilescale_examples.overlap.gemm_rs import GemmReduceScatter
+from tilescale_examples.moe.dispatcher import MoEDispatcher
+from tilescale_examples.collectives.reducescatter import ReduceScatter
+from tilescale_examples.tutorials.tma_allreduce import TmaAllReduce
 
 #: Constructor -> good arguments besides ``allocator`` (a 2-rank CpuAllocator).
 GOOD = {

@@ -96,8 +96,8 @@ def test_kernels_of_counts_every_kernel_an_object_holds():
     counts once, and objects of other packages are not searched."""
     from tilelang.jit.kernel import JITKernel
 
-    from tilescale_examples.ag_gemm import AllGatherGEMM
-    from tilescale_examples.allgather import AllGather
+    from tilescale_examples.overlap.ag_gemm import AllGatherGEMM
+    from tilescale_examples.collectives.allgather import AllGather
 
     gemm, gather = JITKernel.__new__(JITKernel), JITKernel.__new__(JITKernel)
     inner = AllGather.__new__(AllGather)
@@ -137,7 +137,7 @@ def test_quiet_logs_silences_tilelang_info_and_other_ranks(restore_log_levels):
 
     import tilelang  # noqa: F401  (its import sets its logger to INFO)
 
-    tl, examples = logging.getLogger("tilelang.jit.kernel"), logging.getLogger("tilescale_examples.stream_ops")
+    tl, examples = logging.getLogger("tilelang.jit.kernel"), logging.getLogger("tilescale_examples.overlap.stream_ops")
     demo.quiet_logs(1, verbose=True)  # (each of the demo's processes calls it once)
     assert tl.isEnabledFor(logging.INFO) and examples.isEnabledFor(logging.WARNING)
     demo.quiet_logs(0)
@@ -161,7 +161,7 @@ def _log_body(rank, world_size, verbose):
     from tilescale_examples import demo as demo_mod
 
     demo_mod.quiet_logs(rank, verbose)
-    logging.getLogger("tilescale_examples.stream_ops").warning("every rank logs this alike")
+    logging.getLogger("tilescale_examples.overlap.stream_ops").warning("every rank logs this alike")
     return "ok"
 
 

@@ -8,7 +8,7 @@ import torch
 from examples_helpers import have_gpu
 from examples_cache import WAIT_TIMEOUT_MS, warm_cache
 
-from tilescale_examples.emulated import ALIGNMENT, PRESET, EmulatedPeers, run_round
+from tilescale_examples.testing.emulated import ALIGNMENT, PRESET, EmulatedPeers, run_round
 
 
 def test_regions_tables_and_symmetric_offsets():
@@ -97,7 +97,7 @@ def test_benchmark_arguments_and_byte_counts(capsys, monkeypatch):
     from types import SimpleNamespace
 
     from tilescale_examples.benchmarks import emulated as B
-    from tilescale_examples.reduce_engine import plan_grid
+    from tilescale_examples.collectives.reduce_engine import plan_grid
 
     for argv, message in ((["--ranks", "0"], "--ranks must be in [1, 64]"),
                           (["--min-bytes", "8", "--max-bytes", "4"], "need 0 < --min-bytes <= --max-bytes"),
@@ -136,7 +136,7 @@ class FakeAllReduce:
         self.calls = 0
 
     def __call__(self, x):
-        from tilescale_examples.reduce_engine import torch_reference
+        from tilescale_examples.collectives.reduce_engine import torch_reference
 
         self.calls += 1
         assert int(self.flags.view(torch.int64)[0]) == PRESET  # preset before the capture
@@ -159,9 +159,9 @@ def test_graph_round_time_per_call_and_its_check(mode, monkeypatch):
     """One captured round of every rank's call: the replay time over the ranks, the inputs of
     the round (two-shot zero copy, else an ordinary tensor), the check after one more replay
     (inputs restaged, outputs poisoned), and a rank whose output is not written is reported."""
-    from tilescale_examples.benchmarks import collectives as C
+    from tilescale_examples.benchmarks import _collectives as C
     from tilescale_examples.benchmarks import emulated as B
-    from tilescale_examples.benchmarks import gpu_time
+    from tilescale_examples.benchmarks import _gpu_time as gpu_time
 
     class Graph:
         def __init__(self, fn):

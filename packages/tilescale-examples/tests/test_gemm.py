@@ -8,8 +8,8 @@ import tilelang
 import torch
 from examples_helpers import kernel_body, lower_source, needs_nvcc
 
-from tilescale_examples.collective import TARGET
-from tilescale_examples.gemm import (GemmTiles, build_gemm_kernel, check_gemm_dims, count_outside, error_bound,
+from tilescale_examples.base import TARGET
+from tilescale_examples.overlap.gemm import (GemmTiles, build_gemm_kernel, check_gemm_dims, count_outside, error_bound,
                                      unit_roundoff)
 
 

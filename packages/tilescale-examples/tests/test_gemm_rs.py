@@ -10,9 +10,9 @@ import tilelang
 import torch
 from examples_helpers import CpuAllocator, kernel_body, lower_source, needs_nvcc, record_compiles
 
-from tilescale_examples import gemm_rs
-from tilescale_examples.collective import TARGET
-from tilescale_examples.gemm_rs import (GemmReduceScatter, build_gemm_rs_kernel, build_reduce_kernel, heap_bytes,
+from tilescale_examples.overlap import gemm_rs
+from tilescale_examples.base import TARGET
+from tilescale_examples.overlap.gemm_rs import (GemmReduceScatter, build_gemm_rs_kernel, build_reduce_kernel, heap_bytes,
                                         partial_magnitudes, torch_reference)
 
 
@@ -107,7 +107,7 @@ def test_auto_plan_on_cpu_falls_back_to_sequential_with_a_log_line(no_compile, c
 
 
 def test_fused_plan_allocates_double_partials_and_counters(no_compile, monkeypatch):
-    monkeypatch.setattr("tilescale_examples.stream_ops.stream_ops_available", lambda device: (True, "stub"))
+    monkeypatch.setattr("tilescale_examples.overlap.stream_ops.stream_ops_available", lambda device: (True, "stub"))
     alloc = CpuAllocator(num_ranks=4, rank=1)
     grs = GemmReduceScatter(alloc, 256, 128, 512, torch.bfloat16)
     assert grs.plan == "fused" and grs.tiles_per_rank == 2 * 2
@@ -118,7 +118,7 @@ def test_fused_plan_allocates_double_partials_and_counters(no_compile, monkeypat
 
 
 def test_fused_plan_on_one_rank_is_the_gemm_alone(no_compile, monkeypatch):
-    monkeypatch.setattr("tilescale_examples.stream_ops.stream_ops_available", lambda device: (True, "stub"))
+    monkeypatch.setattr("tilescale_examples.overlap.stream_ops.stream_ops_available", lambda device: (True, "stub"))
     alloc = CpuAllocator(num_ranks=1)
     grs = GemmReduceScatter(alloc, 256, 128, 256, torch.float16)
     assert grs.plan == "fused" and "nothing to communicate" in grs.plan_reason

@@ -36,13 +36,13 @@ class Case:
 
 
 def _cases(world: int) -> list:
-    from tilescale_examples import allgather, allreduce, alltoall, reducescatter
-    from tilescale_examples.ag_gemm import AllGatherGEMM
-    from tilescale_examples.allgather import AllGather
-    from tilescale_examples.allreduce import AllReduce
-    from tilescale_examples.alltoall import AllToAll
-    from tilescale_examples.gemm_rs import GemmReduceScatter
-    from tilescale_examples.reducescatter import ReduceScatter
+    from tilescale_examples.collectives import allgather, allreduce, alltoall, reducescatter
+    from tilescale_examples.overlap.ag_gemm import AllGatherGEMM
+    from tilescale_examples.collectives.allgather import AllGather
+    from tilescale_examples.collectives.allreduce import AllReduce
+    from tilescale_examples.collectives.alltoall import AllToAll
+    from tilescale_examples.overlap.gemm_rs import GemmReduceScatter
+    from tilescale_examples.collectives.reducescatter import ReduceScatter
 
     W = world
     m, k, n = GEMM
@@ -114,10 +114,10 @@ class Checker:
             return case.reference(inputs, self.rank)
         kind, k, n = case.extra
         if kind == "rs":
-            from tilescale_examples.gemm_rs import torch_reference
+            from tilescale_examples.overlap.gemm_rs import torch_reference
 
             return torch_reference(inputs, self.b, self.rank)
-        from tilescale_examples.ag_gemm import torch_reference
+        from tilescale_examples.overlap.ag_gemm import torch_reference
 
         return torch_reference(inputs, self.b[0])
 
@@ -128,8 +128,8 @@ class Checker:
             bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[out.element_size()]
             ok = (out.view(bits) == want.view(bits)).all()
         else:
-            from tilescale_examples.gemm import error_bound
-            from tilescale_examples.gemm_rs import partial_magnitudes
+            from tilescale_examples.overlap.gemm import error_bound
+            from tilescale_examples.overlap.gemm_rs import partial_magnitudes
 
             rounded = None
             if self.case.extra[0] == "rs":  # each partial product is rounded to the dtype once
@@ -200,9 +200,9 @@ def _run_case(case: Case, index: int, alloc, rank: int, world: int, rng) -> tupl
 def _one_graph_several_ops(alloc, rank: int, world: int) -> tuple:
     """Two AllReduce instances of one shape and an AllGather in ONE graph, replayed with
     fresh inputs; returns ``(checked calls, failures)``."""
-    from tilescale_examples import allgather, allreduce
-    from tilescale_examples.allgather import AllGather
-    from tilescale_examples.allreduce import AllReduce
+    from tilescale_examples.collectives import allgather, allreduce
+    from tilescale_examples.collectives.allgather import AllGather
+    from tilescale_examples.collectives.allreduce import AllReduce
 
     dev = torch.device(alloc.device)
     ops = [AllReduce(alloc, (4096,), torch.float32), AllReduce(alloc, (4096,), torch.float32),
@@ -266,8 +266,8 @@ GEMM = (128, 256, 256)  # m_local, k, n of the GEMM cases
 def graph_jobs(worlds=(1, 2, 4)) -> list:
     """Precompile jobs of every kernel :func:`graph_rank_body` builds at these world sizes
     (the grid caps are the visible GPU's SM count, as the collectives' defaults)."""
-    from tilescale_examples.collective import plan_chunks
-    from tilescale_examples.precompile import reduction_jobs
+    from tilescale_examples.base import plan_chunks
+    from tilescale_examples.testing.precompile import reduction_jobs
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     m, k, n = GEMM
@@ -278,11 +278,11 @@ def graph_jobs(worlds=(1, 2, 4)) -> list:
         for numel, dtype, size in ((4096, "float16", 2), (1 << 16, "float16", 2), (2048, "float16", 2),
                                    (m * k, "bfloat16", 2)):
             c, ch = plan_chunks(numel, size, w, sms)
-            jobs.append(("tilescale_examples.allgather:build_allgather_kernel", (numel, dtype, w, c, ch), None))
+            jobs.append(("tilescale_examples.collectives.allgather:build_allgather_kernel", (numel, dtype, w, c, ch), None))
         c, ch = plan_chunks(1024, 2, w, sms)
-        jobs.append(("tilescale_examples.alltoall:build_alltoall_kernel", (1024, "bfloat16", w, c, ch), None))
-        jobs.append(("tilescale_examples.gemm:build_gemm_kernel", (w * m, n, k, "bfloat16"), None))
-    jobs.append(("tilescale_examples.gemm:build_gemm_kernel", (m, n, k, "bfloat16"), None))
+        jobs.append(("tilescale_examples.collectives.alltoall:build_alltoall_kernel", (1024, "bfloat16", w, c, ch), None))
+        jobs.append(("tilescale_examples.overlap.gemm:build_gemm_kernel", (w * m, n, k, "bfloat16"), None))
+    jobs.append(("tilescale_examples.overlap.gemm:build_gemm_kernel", (m, n, k, "bfloat16"), None))
     return jobs
 
 
@@ -321,7 +321,7 @@ class _FakeKernel:
 def _cpu_allreduce(monkeypatch, algorithm="one_shot"):
     from examples_helpers import record_compiles
 
-    from tilescale_examples.allreduce import AllReduce
+    from tilescale_examples.collectives.allreduce import AllReduce
 
     record_compiles(monkeypatch)
     ar = AllReduce(CpuAllocator(2, 0), (64,), torch.float16, algorithm=algorithm)
@@ -358,7 +358,7 @@ def test_zero_copy_input_is_refused_once_captured(monkeypatch):
 
 
 def test_tma_allreduce_refuses_capture(monkeypatch):
-    from tilescale_examples.tma_allreduce import TmaAllReduce
+    from tilescale_examples.tutorials.tma_allreduce import TmaAllReduce
 
     ar = object.__new__(TmaAllReduce)
     ar._closed, ar.allocator, ar.shard_shape = False, CpuAllocator(2, 0), (64, 128)
@@ -369,7 +369,7 @@ def test_tma_allreduce_refuses_capture(monkeypatch):
 
 
 def test_fused_allgather_gemm_refuses_capture(monkeypatch):
-    from tilescale_examples.ag_gemm import AllGatherGEMM
+    from tilescale_examples.overlap.ag_gemm import AllGatherGEMM
 
     agg = object.__new__(AllGatherGEMM)
     agg.plan, agg.world_size, agg.m_local, agg.k, agg.n = "fused", 2, 128, 64, 256
@@ -395,7 +395,7 @@ def test_a_kernel_captured_unshared_is_pinned_and_others_get_a_copy(monkeypatch)
     instance on another allocator compiles its own copy of the kernel (another symbol)."""
     from examples_helpers import record_compiles
 
-    from tilescale_examples.allreduce import AllReduce
+    from tilescale_examples.collectives.allreduce import AllReduce
 
     built = record_compiles(monkeypatch)
     a0, a1 = CpuAllocator(2, 0), CpuAllocator(2, 0)
@@ -414,7 +414,7 @@ def test_a_shared_kernel_binds_from_the_device_under_capture(monkeypatch):
     from examples_helpers import record_compiles
     from tilescale_lang import metadata
 
-    from tilescale_examples.allreduce import AllReduce
+    from tilescale_examples.collectives.allreduce import AllReduce
 
     record_compiles(monkeypatch)
     ar0 = AllReduce(CpuAllocator(2, 0), (64,), torch.float16, algorithm="one_shot")
@@ -449,9 +449,9 @@ def compile_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, f"inductor-{rank}"))
     import torch._dynamo
 
-    from tilescale_examples.ag_gemm import AllGatherGEMM
-    from tilescale_examples.allreduce import AllReduce
-    from tilescale_examples.gemm_rs import GemmReduceScatter
+    from tilescale_examples.overlap.ag_gemm import AllGatherGEMM
+    from tilescale_examples.collectives.allreduce import AllReduce
+    from tilescale_examples.overlap.gemm_rs import GemmReduceScatter
     from tilescale_examples.torch_ops import handle_of
 
     alloc = open_rank_heap(rank, world, cache_dir, 2**29)

@@ -16,10 +16,10 @@ from examples_helpers import (LaunchRecorder, CpuAllocator, close_rank_heap, ker
                              open_rank_heap, run_gpu_ranks)
 from tilelang import tvm
 
-from tilescale_examples.collective import TARGET
-from tilescale_examples.moe import (COMBINE_ATOL, COMBINE_RTOL, DispatchHandle, MoEDispatcher,
+from tilescale_examples.base import TARGET
+from tilescale_examples.moe.dispatcher import (COMBINE_ATOL, COMBINE_RTOL, DispatchHandle, MoEDispatcher,
                                     expected_routes, torch_combine_reference, torch_dispatch_reference)
-from tilescale_examples.moe_kernels import (DISPATCH_PHASES, PASS_CONFIGS, PUT_UNROLL, build_combine_kernel,
+from tilescale_examples.moe.kernels import (DISPATCH_PHASES, PASS_CONFIGS, PUT_UNROLL, build_combine_kernel,
                                            build_dispatch_kernel)
 from tilescale_lang.codegen import cuda_source
 

@@ -6,7 +6,7 @@ running every case of that size:
 * the benchmark shapes (k 8192, n 3584, m_local 4096, bfloat16), fused plan, three
   back-to-back calls with fresh inputs and poisoned outputs, no host synchronisation between
   them, every output checked element-wise against the float32 torch reference with
-  :func:`~tilescale_examples.gemm.error_bound`;
+  :func:`~tilescale_examples.overlap.gemm.error_bound`;
 * world 2: the producer started only after the peer GEMM's spinning tiles hold every SM
   (the deadlock the fused plan must be free of, made to happen on purpose); float16; the
   sequential plans; and 1000 back-to-back calls of each op at a moderate shape with a random
@@ -60,14 +60,14 @@ def _rs_inputs(p: int, call: int, world: int, m_local: int, k: int, n: int, dtyp
 
 
 def _ag_expected(rank, world, call, m_local, k, n, dtype, device):
-    from tilescale_examples.ag_gemm import torch_reference
+    from tilescale_examples.overlap.ag_gemm import torch_reference
 
     b = _ag_inputs(rank, call, m_local, k, n, dtype, device)[1]
     return torch_reference([_ag_inputs(p, call, m_local, k, n, dtype, device)[0] for p in range(world)], b), None
 
 
 def _rs_expected(rank, world, call, m_local, k, n, dtype, device):
-    from tilescale_examples.gemm_rs import partial_magnitudes, torch_reference
+    from tilescale_examples.overlap.gemm_rs import partial_magnitudes, torch_reference
 
     ins = [_rs_inputs(p, call, world, m_local, k, n, dtype, device) for p in range(world)]
     a, b = [x for x, _ in ins], [y for _, y in ins]
@@ -78,8 +78,8 @@ OPS = {"ag": (_ag_inputs, _ag_expected), "rs": (_rs_inputs, _rs_expected)}
 
 
 def _build(op: str, alloc, m_local, k, n, dtype, plan="auto"):
-    from tilescale_examples.ag_gemm import AllGatherGEMM
-    from tilescale_examples.gemm_rs import GemmReduceScatter
+    from tilescale_examples.overlap.ag_gemm import AllGatherGEMM
+    from tilescale_examples.overlap.gemm_rs import GemmReduceScatter
 
     cls = AllGatherGEMM if op == "ag" else GemmReduceScatter
     return cls(alloc, m_local, k, n, dtype, plan=plan)
@@ -106,7 +106,7 @@ def check_calls(op: str, alloc, rank: int, world: int, m_local: int, k: int, n: 
                 calls: int = 3, plan: str = "auto", expect_plan: str = None) -> int:
     """``calls`` back-to-back calls (fresh inputs, poisoned output, no host sync between
     them), then every output against the float32 reference. Returns the checks made."""
-    from tilescale_examples.gemm import count_outside
+    from tilescale_examples.overlap.gemm import count_outside
 
     device = torch.device(alloc.device)
     obj = _build(op, alloc, m_local, k, n, dtype, plan)
@@ -135,9 +135,9 @@ def producer_after_the_gemm_holds_every_sm(alloc, rank: int, world: int, m_local
     must be free of; here the copies and flag writes need no SM."""
     import torch.distributed as dist
 
-    from tilescale_examples.ag_gemm import AllGatherGEMM
-    from tilescale_examples.gemm import count_outside
-    from tilescale_examples.stream_ops import CopyEnginePush
+    from tilescale_examples.overlap.ag_gemm import AllGatherGEMM
+    from tilescale_examples.overlap.gemm import count_outside
+    from tilescale_examples.overlap.stream_ops import CopyEnginePush
 
     device = torch.device(alloc.device)
     agg = AllGatherGEMM(alloc, m_local, k, n, torch.bfloat16)
@@ -174,7 +174,7 @@ def straggler_stress(op: str, alloc, rank: int, world: int, m_local: int, k: int
     """``calls`` back-to-back calls; before each, one rank (the same random choice on every
     rank) is delayed by a host sleep or a busy kernel on its stream (up to 1 ms). Each
     output is poisoned before and checked on the GPU after its call; one host sync at the end."""
-    from tilescale_examples.gemm import error_bound
+    from tilescale_examples.overlap.gemm import error_bound
 
     device = torch.device(alloc.device)
     dtype = torch.bfloat16
@@ -207,7 +207,7 @@ def straggler_stress(op: str, alloc, rank: int, world: int, m_local: int, k: int
 
 
 def _heap(world: int, cases) -> int:
-    from tilescale_examples import ag_gemm, gemm_rs
+    from tilescale_examples.overlap import ag_gemm, gemm_rs
 
     total = 64 << 20
     for op, m_local, k, n, dtype in cases:

@@ -1,4 +1,4 @@
-"""tilescale_examples.precompile: kernels compiled in worker processes are cache hits for the
+"""tilescale_examples.testing.precompile: kernels compiled in worker processes are cache hits for the
 collectives' own compiles (the same cache key), duplicates are compiled once."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 from examples_helpers import needs_nvcc
 
-from tilescale_examples.precompile import precompile, reduction_jobs
+from tilescale_examples.testing.precompile import precompile, reduction_jobs
 
 
 def cache_files(cache) -> set:
@@ -20,13 +20,13 @@ def cache_files(cache) -> set:
 
 
 def test_reduction_jobs_match_the_collectives_defaults():
-    from tilescale_examples.reduce_engine import PASS_CONFIGS, default_unroll
+    from tilescale_examples.collectives.reduce_engine import PASS_CONFIGS, default_unroll
 
     jobs = reduction_jobs(["one_shot", "reduce_scatter"], ["float16"], [2, 8])
     assert [j[1] for j in jobs] == [("one_shot", "float16", 2, 512, default_unroll(2)),
                                     ("reduce_scatter", "float16", 2, 512, default_unroll(2)),
                                     ("one_shot", "float16", 8, 512, 1), ("reduce_scatter", "float16", 8, 512, 1)]
-    assert all(j[0] == "tilescale_examples.reduce_engine:build_reduce_kernel" and j[2] == PASS_CONFIGS for j in jobs)
+    assert all(j[0] == "tilescale_examples.collectives.reduce_engine:build_reduce_kernel" and j[2] == PASS_CONFIGS for j in jobs)
     assert reduction_jobs(["two_shot"], ["int32"], [4], threads=256, unroll=3)[0][1] == ("two_shot", "int32", 4, 256, 3)
     assert precompile([]) == []
 
@@ -35,8 +35,8 @@ def test_reduction_jobs_match_the_collectives_defaults():
 def test_precompiled_kernel_is_a_cache_hit(tmp_path, monkeypatch):
     import tilelang  # noqa: F401
 
-    from tilescale_examples.collective import compile_once
-    from tilescale_examples.reduce_engine import PASS_CONFIGS, build_reduce_kernel
+    from tilescale_examples.base import compile_once
+    from tilescale_examples.collectives.reduce_engine import PASS_CONFIGS, build_reduce_kernel
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(cache))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from examples_helpers import kernel_body, lower_with, needs_nvcc, nvcc_resources
 
-from tilescale_examples.reduce_engine import (FLAG_STRIDE, MAX_REGISTERS, MODES, PASS_CONFIGS, build_reduce_kernel,
+from tilescale_examples.collectives.reduce_engine import (FLAG_STRIDE, MAX_REGISTERS, MODES, PASS_CONFIGS, build_reduce_kernel,
                                               default_unroll, grid, plan_grid, rows_view, torch_reference,
                                               vector_elems)
 
@@ -204,7 +204,7 @@ def test_unroll_is_bounded_before_anything_is_traced():
     minutes): the plan refuses it at once, naming the argument and the bound."""
     import time
 
-    from tilescale_examples.reduce_engine import MAX_UNROLLED_VECTORS, check_unroll, max_unroll
+    from tilescale_examples.collectives.reduce_engine import MAX_UNROLLED_VECTORS, check_unroll, max_unroll
 
     assert [max_unroll(w) for w in (1, 2, 8, 32, 64)] == [32, 16, 4, 1, 1]
     assert check_unroll(None, 8) == default_unroll(8) <= max_unroll(8)

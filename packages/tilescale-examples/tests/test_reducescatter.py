@@ -11,8 +11,8 @@ import torch
 from examples_helpers import CpuAllocator, close_rank_heap, open_rank_heap, poison, random_tensor, run_gpu_ranks, needs_nvcc
 from examples_cache import CACHE_NAME, warm_cache
 
-from tilescale_examples.reducescatter import ReduceScatter, torch_reference
-from tilescale_examples.reduce_engine import FLAG_STRIDE
+from tilescale_examples.collectives.reducescatter import ReduceScatter, torch_reference
+from tilescale_examples.collectives.reduce_engine import FLAG_STRIDE
 
 
 def test_torch_reference_sums_row_rank_in_rank_order():

@@ -2,7 +2,7 @@ import io
 
 import pytest
 
-from tilescale_examples.report import format_bytes, format_table, gb_per_s, print_table, ratio, size_sweep
+from tilescale_examples.benchmarks._report import format_bytes, format_table, gb_per_s, print_table, ratio, size_sweep
 
 
 def test_format_bytes_units():

@@ -1,4 +1,4 @@
-"""The quick-start program (tilescale_examples.ring_put): its kernel on CPU, the whole program on a GPU."""
+"""The quick-start program (tilescale_examples.tutorials.ring_put): its kernel on CPU, the whole program on a GPU."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from examples_helpers import needs_nvcc
 from tilescale_lang.codegen import cuda_source
 
-from tilescale_examples.ring_put import build_ring_put
+from tilescale_examples.tutorials.ring_put import build_ring_put
 
 
 def test_kernel_puts_to_the_next_rank():
@@ -34,7 +34,7 @@ def _ring_put_body(rank, world_size):
     import torch
     import torch.distributed as dist
 
-    from tilescale_examples.ring_put import ring_put
+    from tilescale_examples.tutorials.ring_put import ring_put
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     ring_put(rank, world_size, dist.group.WORLD)

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from tilescale_examples.stream_ops import (PLANS, CopyEnginePush, choose_plan, plan_row_chunks, resolve_plan,
+from tilescale_examples.overlap.stream_ops import (PLANS, CopyEnginePush, choose_plan, plan_row_chunks, resolve_plan,
                                            stream_ops_available)
 
 
@@ -74,7 +74,8 @@ def _push(world=3, rank=1, m_local=512, k=64, chunks=((0, 1), (1, 3))):
     (True, True, "sequential"), (True, False, "fused"), (False, True, "fused"),
 ])
 def test_resolve_plan_needs_own_gpus_when_asked(monkeypatch, caplog, needs_own_gpus, shared, plan):
-    from tilescale_examples import collective, stream_ops
+    from tilescale_examples import base as collective
+    from tilescale_examples.overlap import stream_ops
 
     monkeypatch.setattr(stream_ops, "stream_ops_available", lambda device: (True, "supported"))
     monkeypatch.setattr(collective, "all_ranks_agree", lambda ok, group, device: ok)
@@ -91,7 +92,7 @@ def test_resolve_plan_needs_own_gpus_when_asked(monkeypatch, caplog, needs_own_g
 
 
 def test_ranks_share_a_gpu_is_false_for_one_rank():
-    from tilescale_examples.stream_ops import ranks_share_a_gpu
+    from tilescale_examples.overlap.stream_ops import ranks_share_a_gpu
 
     assert ranks_share_a_gpu(torch.device("cpu"), None, 1) is False
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from examples_helpers import TOOLKIT, CpuAllocator, close_rank_heap, kernel_body, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks, needs_toolkit
 
-from tilescale_examples.tma_allreduce import COLS, TILE_ROWS, TmaAllReduce, build_tma_allreduce_kernel, torch_reference
+from tilescale_examples.tutorials.tma_allreduce import COLS, TILE_ROWS, TmaAllReduce, build_tma_allreduce_kernel, torch_reference
 
 
 def test_torch_reference_sums_the_ranks():

@@ -6,13 +6,15 @@ from __future__ import annotations
 import pytest
 from examples_helpers import TOOLKIT, lower_source, lower_with, needs_toolkit
 
-from tilescale_examples import moe_kernels, reduce_engine
-from tilescale_examples.ag_gemm import build_ag_gemm_kernel
-from tilescale_examples.allgather import build_allgather_kernel, plan_chunks
-from tilescale_examples.alltoall import build_alltoall_kernel
-from tilescale_examples.gemm_rs import build_gemm_rs_kernel
-from tilescale_examples.gemm_rs import build_reduce_kernel as build_gemm_rs_reduce_kernel
-from tilescale_examples.ring_put import build_ring_put
+from tilescale_examples.moe import kernels as moe_kernels
+
+from tilescale_examples.collectives import reduce_engine
+from tilescale_examples.overlap.ag_gemm import build_ag_gemm_kernel
+from tilescale_examples.collectives.allgather import build_allgather_kernel, plan_chunks
+from tilescale_examples.collectives.alltoall import build_alltoall_kernel
+from tilescale_examples.overlap.gemm_rs import build_gemm_rs_kernel
+from tilescale_examples.overlap.gemm_rs import build_reduce_kernel as build_gemm_rs_reduce_kernel
+from tilescale_examples.tutorials.ring_put import build_ring_put
 
 W = 4
 #: name -> (kernel builder, TileLang pass configs the example compiles it with, or None)

@@ -12,14 +12,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import examples_helpers  # noqa: F401  (CUDA_HOME before TileLang is imported)
 import tilescale_examples
 from tilescale_examples import torch_ops
-from tilescale_examples.ag_gemm import AllGatherGEMM
-from tilescale_examples.allgather import AllGather
-from tilescale_examples.allreduce import AllReduce
-from tilescale_examples.alltoall import AllToAll
-from tilescale_examples.gemm_rs import GemmReduceScatter
-from tilescale_examples.moe import DispatchHandle, MoEDispatcher, torch_combine_reference, torch_dispatch_reference
-from tilescale_examples.reducescatter import ReduceScatter
-from tilescale_examples.tma_allreduce import TmaAllReduce
+from tilescale_examples.overlap.ag_gemm import AllGatherGEMM
+from tilescale_examples.collectives.allgather import AllGather
+from tilescale_examples.collectives.allreduce import AllReduce
+from tilescale_examples.collectives.alltoall import AllToAll
+from tilescale_examples.overlap.gemm_rs import GemmReduceScatter
+from tilescale_examples.moe.dispatcher import DispatchHandle, MoEDispatcher, torch_combine_reference, torch_dispatch_reference
+from tilescale_examples.collectives.reducescatter import ReduceScatter
+from tilescale_examples.tutorials.tma_allreduce import TmaAllReduce
 from tilescale_examples.torch_ops import handle_of, lookup, register, unregister
 
 pytestmark = pytest.mark.skipif(not torch_ops.AVAILABLE, reason="torch has no torch.library.custom_op")

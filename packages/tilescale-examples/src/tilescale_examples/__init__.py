@@ -1,6 +1,25 @@
-"""TileScale examples."""
+"""TileScale's collective library for TileLang users.
+
+The product classes are importable from here (loaded on first use)::
+
+    from tilescale_examples import AllReduce, AllGather, AllGatherGEMM
+
+Layout: :mod:`.collectives` (AllGather, AllToAll, ReduceScatter, AllReduce), :mod:`.overlap`
+(AllGatherGEMM, GemmReduceScatter), :mod:`.moe` (MoEDispatcher), :mod:`.tutorials`,
+:mod:`.testing` (emulated peers, precompile), :mod:`.benchmarks`, :mod:`.demo`, and
+:mod:`.torch_ops` (``torch.ops.tilescale.*``, registered when this package is imported).
+"""
+
+from tilescale_core.interface import lazy_getattr
 
 __version__ = "0.1.0"
+
+__all__ = ["AllGather", "AllToAll", "ReduceScatter", "AllReduce", "AllGatherGEMM", "GemmReduceScatter", "MoEDispatcher"]
+__getattr__ = lazy_getattr(globals(), {
+    "AllGather": "collectives.allgather", "AllToAll": "collectives.alltoall",
+    "ReduceScatter": "collectives.reducescatter", "AllReduce": "collectives.allreduce",
+    "AllGatherGEMM": "overlap.ag_gemm", "GemmReduceScatter": "overlap.gemm_rs", "MoEDispatcher": "moe.dispatcher",
+})
 
 try:  # registers torch.ops.tilescale.* (a no-op where torch has no torch.library.custom_op)
     from tilescale_examples import torch_ops  # noqa: E402,F401

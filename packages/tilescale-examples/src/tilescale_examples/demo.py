@@ -5,10 +5,10 @@ on whatever this machine has (``nox -s demo`` runs it from a clean clone).
    (and why not).
 2. **With GPUs**: one rank per visible GPU (at least 2; with one GPU, 2 ranks share it over a
    gloo group, and the table's title says that the times are time-sliced). The ranks run the
-   quick-start ring put (:mod:`tilescale_examples.ring_put`), then
-   :class:`~tilescale_examples.allgather.AllGather`,
-   :class:`~tilescale_examples.allreduce.AllReduce` and
-   :class:`~tilescale_examples.ag_gemm.AllGatherGEMM`, two sizes each, against the
+   quick-start ring put (:mod:`tilescale_examples.tutorials.ring_put`), then
+   :class:`~tilescale_examples.collectives.allgather.AllGather`,
+   :class:`~tilescale_examples.collectives.allreduce.AllReduce` and
+   :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM`, two sizes each, against the
    torch.distributed baseline measured in the same run (NCCL when every rank has its own GPU).
    Every output is checked against the baseline's on fresh random data, with the output
    poisoned first. One table: op, size, TileScale time, baseline time, ratio, check. Exit 1
@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from tilescale_examples.report import format_bytes, format_table, ratio
+from tilescale_examples.benchmarks._report import format_bytes, format_table, ratio
 
 __all__ = ["CASES", "Case", "Row", "doctor_summary", "kernels_of", "main", "poison_then_stage", "quiet_logs",
            "run_compile", "run_gpu"]
@@ -190,7 +190,7 @@ def _torch_dtype(name: str):
 
 
 def _random(shape, dtype, seed: int):
-    from tilescale_examples.benchmarks.collectives import random_input
+    from tilescale_examples.benchmarks._collectives import random_input
     import torch
 
     return random_input(shape, _torch_dtype(dtype), torch.Generator().manual_seed(seed))
@@ -202,8 +202,8 @@ class _RingPut:
     def __init__(self, alloc, n: int, dtype: str):
         import tilelang
 
-        from tilescale_examples.collective import TARGET
-        from tilescale_examples.ring_put import build_ring_put
+        from tilescale_examples.base import TARGET
+        from tilescale_examples.tutorials.ring_put import build_ring_put
 
         self.kernel = tilelang.compile(build_ring_put(n, dtype), target=TARGET, compile_once=True)
         self.kernel.initialize(allocator=alloc)
@@ -280,10 +280,10 @@ def build_case(case: Case, alloc, group, rank: int, world: int, device, with_bas
     ``with_baseline`` False (compile mode) skips inputs and baselines."""
     import torch
 
-    from tilescale_examples.ag_gemm import AllGatherGEMM
-    from tilescale_examples.allgather import AllGather
-    from tilescale_examples.allreduce import AllReduce
-    from tilescale_examples.benchmarks import collectives as C
+    from tilescale_examples.overlap.ag_gemm import AllGatherGEMM
+    from tilescale_examples.collectives.allgather import AllGather
+    from tilescale_examples.collectives.allreduce import AllReduce
+    from tilescale_examples.benchmarks import _collectives as C
 
     dtype = _torch_dtype(case.dtype)
     seed = rank * 7919 + case.size % 1000003
@@ -358,7 +358,7 @@ def _heap_bytes(world: int) -> int:
     for case in CASES:
         item = _ITEMSIZE[case.dtype]
         if case.op == "AllGatherGEMM":
-            from tilescale_examples.ag_gemm import heap_bytes
+            from tilescale_examples.overlap.ag_gemm import heap_bytes
 
             total += heap_bytes(world, case.size, GEMM_K, _torch_dtype(case.dtype))
         elif case.op == "all-reduce":
@@ -424,8 +424,8 @@ def _gpu_rank(rank: int, world: int, iters: int, verbose: bool = False) -> list[
     import torch.distributed as dist
 
     from tilescale_core.multiprocess import rank_device
-    from tilescale_examples.benchmarks.collectives import outputs_match, time_ms
-    from tilescale_examples.collective import collective_device
+    from tilescale_examples.benchmarks._collectives import outputs_match, time_ms
+    from tilescale_examples.base import collective_device
 
     quiet_logs(rank, verbose)
     os.environ.setdefault("TILESCALE_WAIT_TIMEOUT_MS", WAIT_TIMEOUT_MS)

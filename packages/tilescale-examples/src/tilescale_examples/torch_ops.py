@@ -19,8 +19,8 @@ has a fake (meta) implementation, so a function calling them traces under
 (never a collective's internal buffer, never a view of an input), so the results are
 ordinary values for the compiler and for CUDA graph trees (``mode="reduce-overhead"``).
 
-The ops are a thin layer over the class API (:class:`~tilescale_examples.allreduce.AllReduce`,
-:class:`~tilescale_examples.allgather.AllGather`, ...): you build the collectives as usual
+The ops are a thin layer over the class API (:class:`~tilescale_examples.collectives.allreduce.AllReduce`,
+:class:`~tilescale_examples.collectives.allgather.AllGather`, ...): you build the collectives as usual
 (collectively, on every rank) and pass an integer *handle* naming the instance::
 
     ar = AllReduce(allocator, (4096,), torch.bfloat16)       # collective, as always
@@ -97,14 +97,14 @@ SCHEMAS: Dict[str, str] = {
 #: Classes the registry accepts: ``"module.QualName"`` -> the name used in messages. A
 #: subclass registers as its nearest listed base.
 _CLASSES: Dict[str, str] = {
-    "tilescale_examples.allreduce.AllReduce": "AllReduce",
-    "tilescale_examples.tma_allreduce.TmaAllReduce": "TmaAllReduce",
-    "tilescale_examples.reducescatter.ReduceScatter": "ReduceScatter",
-    "tilescale_examples.allgather.AllGather": "AllGather",
-    "tilescale_examples.alltoall.AllToAll": "AllToAll",
-    "tilescale_examples.ag_gemm.AllGatherGEMM": "AllGatherGEMM",
-    "tilescale_examples.gemm_rs.GemmReduceScatter": "GemmReduceScatter",
-    "tilescale_examples.moe.MoEDispatcher": "MoEDispatcher",
+    "tilescale_examples.collectives.allreduce.AllReduce": "AllReduce",
+    "tilescale_examples.tutorials.tma_allreduce.TmaAllReduce": "TmaAllReduce",
+    "tilescale_examples.collectives.reducescatter.ReduceScatter": "ReduceScatter",
+    "tilescale_examples.collectives.allgather.AllGather": "AllGather",
+    "tilescale_examples.collectives.alltoall.AllToAll": "AllToAll",
+    "tilescale_examples.overlap.ag_gemm.AllGatherGEMM": "AllGatherGEMM",
+    "tilescale_examples.overlap.gemm_rs.GemmReduceScatter": "GemmReduceScatter",
+    "tilescale_examples.moe.dispatcher.MoEDispatcher": "MoEDispatcher",
 }
 
 #: Operator name -> the classes whose handles it takes (the ``kind`` of :func:`lookup`).
@@ -164,14 +164,14 @@ def register(obj) -> int:
     unique in this process and never reused; registering an instance again returns its
     handle (also stored as ``obj._op_handle``).
 
-    ``obj`` is an open :class:`~tilescale_examples.allreduce.AllReduce`,
-    :class:`~tilescale_examples.tma_allreduce.TmaAllReduce`,
-    :class:`~tilescale_examples.reducescatter.ReduceScatter`,
-    :class:`~tilescale_examples.allgather.AllGather`,
-    :class:`~tilescale_examples.alltoall.AllToAll`,
-    :class:`~tilescale_examples.ag_gemm.AllGatherGEMM`,
-    :class:`~tilescale_examples.gemm_rs.GemmReduceScatter` or
-    :class:`~tilescale_examples.moe.MoEDispatcher` (or a subclass); anything else raises
+    ``obj`` is an open :class:`~tilescale_examples.collectives.allreduce.AllReduce`,
+    :class:`~tilescale_examples.tutorials.tma_allreduce.TmaAllReduce`,
+    :class:`~tilescale_examples.collectives.reducescatter.ReduceScatter`,
+    :class:`~tilescale_examples.collectives.allgather.AllGather`,
+    :class:`~tilescale_examples.collectives.alltoall.AllToAll`,
+    :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM`,
+    :class:`~tilescale_examples.overlap.gemm_rs.GemmReduceScatter` or
+    :class:`~tilescale_examples.moe.dispatcher.MoEDispatcher` (or a subclass); anything else raises
     ``TypeError``, a closed instance ``RuntimeError``. The registry keeps only a weak
     reference: keep ``obj`` alive yourself (see the module docstring's lifetime rules).
     Local to the process: no communication.

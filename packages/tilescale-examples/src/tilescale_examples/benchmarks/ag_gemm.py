@@ -1,4 +1,4 @@
-"""All-gather + GEMM: TileScale's :class:`~tilescale_examples.ag_gemm.AllGatherGEMM` against
+"""All-gather + GEMM: TileScale's :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM` against
 ``all_gather_into_tensor`` + ``torch.matmul``, torch async-TP's
 ``fused_all_gather_matmul``, ``torch.matmul`` of the gathered operand alone and stock
 TileLang's GEMM of the same tiles, all in the same run.
@@ -6,10 +6,10 @@ TileLang's GEMM of the same tiles, all in the same run.
 ``python -m tilescale_examples.benchmarks.ag_gemm [--ranks 2] [--m-local 1024,2048,4096,8192]
 [--k 8192] [--n 3584] [--dtype bfloat16] [--iters 20]`` (or under ``tilescale-run -n N
 [--share-gpus] -m ...``). The shared machinery and the columns are described in
-:mod:`tilescale_examples.benchmarks.overlap`.
+:mod:`tilescale_examples.benchmarks._overlap`.
 """
 
-from tilescale_examples.benchmarks.overlap import entry, tflops
+from tilescale_examples.benchmarks._overlap import entry, tflops
 
 __all__ = ["main", "run", "tflops"]
 

@@ -7,11 +7,11 @@ under ``tilescale-run -n 4 [--share-gpus] -m tilescale_examples.benchmarks.allga
 uses the launcher's ranks and ``init_dist``'s group instead.
 
 For every output size S (4 KiB .. 1 GiB by 4x; shard = S / ranks) it builds an
-:class:`~tilescale_examples.allgather.AllGather`, checks its output once against the
+:class:`~tilescale_examples.collectives.allgather.AllGather`, checks its output once against the
 baseline's (bit-exact), then times back-to-back calls of both:
 
 * TileScale: ``AllGather.__call__`` with ``--engine`` (default ``auto``: the put_block kernel
-  below :data:`~tilescale_examples.allgather.COPY_ENGINE_MIN_BYTES`, copy engines through the
+  below :data:`~tilescale_examples.collectives.allgather.COPY_ENGINE_MIN_BYTES`, copy engines through the
   peer mapping from there; the grid column says ``copy engine`` for those rows; no host
   synchronisation between calls either way);
 * baseline: ``torch.distributed.all_gather_into_tensor`` (or ``all_gather`` into views where
@@ -20,10 +20,10 @@ baseline's (bit-exact), then times back-to-back calls of both:
   says which one ran).
 
 Bus bandwidth as nccl-tests define it for all-gather: ``busbw = (n - 1) / n * S / t``. The
-shared machinery is :mod:`tilescale_examples.benchmarks.collectives`.
+shared machinery is :mod:`tilescale_examples.benchmarks._collectives`.
 """
 
-from tilescale_examples.benchmarks.collectives import entry
+from tilescale_examples.benchmarks._collectives import entry
 
 __all__ = ["main", "run", "bus_bandwidth"]
 

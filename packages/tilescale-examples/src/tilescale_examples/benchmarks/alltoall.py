@@ -5,7 +5,7 @@
 [--share-gpus] -m ...``).
 
 For every size S (4 KiB .. 1 GiB by 4x; each rank sends ``(ranks, S / ranks)``: row ``p`` to
-rank ``p``) it builds an :class:`~tilescale_examples.alltoall.AllToAll`, checks its output
+rank ``p``) it builds an :class:`~tilescale_examples.collectives.alltoall.AllToAll`, checks its output
 once against the baseline's (bit-exact), then times back-to-back calls of ``a2a(a2a.input)``
 and of the baseline: ``torch.distributed.all_to_all_single`` with equal splits (over
 **NCCL** with one rank per GPU), else ``all_to_all`` on lists of rows, else ``all_gather``
@@ -13,10 +13,10 @@ of every input and a selection of row ``rank`` (whichever the backend runs first
 the title). Gloo runs when ranks share a GPU: time-sliced, not a bandwidth measurement.
 
 Bus bandwidth as nccl-tests define it for all-to-all: ``busbw = (n - 1) / n * S / t``. The
-shared machinery is :mod:`tilescale_examples.benchmarks.collectives`.
+shared machinery is :mod:`tilescale_examples.benchmarks._collectives`.
 """
 
-from tilescale_examples.benchmarks.collectives import entry
+from tilescale_examples.benchmarks._collectives import entry
 
 __all__ = ["main", "run", "bus_bandwidth"]
 

@@ -6,7 +6,7 @@
 [--max-blocks B] [--no-graph]``
 
 One process, no process group: ``N`` emulated ranks are ``N`` regions of one device buffer
-(:mod:`tilescale_examples.emulated`), and their metadata tables map PE ``p`` to region ``p``,
+(:mod:`tilescale_examples.testing.emulated`), and their metadata tables map PE ``p`` to region ``p``,
 so the unchanged all-reduce and reduce-scatter kernels run with local memory standing in for
 NVLink. Every emulated rank's kernel runs alone on the GPU, in turn (the peers' flags preset
 so that waits pass at once), so a kernel's time is one rank's share of the collective.
@@ -18,7 +18,7 @@ the rank-order reference (a failure is printed and makes the exit status 1), the
 each rank's kernel: ``--iters`` back-to-back launches (inputs already in the symmetric
 buffers, so the kernel is all that runs) between two CUDA events, enqueued behind a stream
 hold so that the host's launch cost is not counted
-(:mod:`tilescale_examples.benchmarks.gpu_time`), divided by the launch count. ``GB/s`` counts the bytes one rank's kernel reads plus writes:
+(:mod:`tilescale_examples.benchmarks._gpu_time`), divided by the launch count. ``GB/s`` counts the bytes one rank's kernel reads plus writes:
 one-shot reads ``N`` rows per output row and writes one; two-shot reads ``N`` rows of its shard
 and writes the result to ``N`` ranks; reduce-scatter reads ``N`` rows per output row and writes
 one. The baseline is torch's device-to-device ``copy_`` moving the same number of bytes (half
@@ -57,7 +57,7 @@ import functools
 import os
 import statistics
 
-from tilescale_examples.report import format_bytes, gb_per_s, print_table, ratio, size_sweep
+from tilescale_examples.benchmarks._report import format_bytes, gb_per_s, print_table, ratio, size_sweep
 
 __all__ = ["build", "fill_inputs", "expected", "check_round", "bytes_moved", "time_kernels", "copy_ms",
            "preset_flags", "graph_inputs", "time_graph", "run", "main", "HEADERS", "SMALL_BYTES", "LARGE_BYTES"]
@@ -78,14 +78,14 @@ def shape_of(op: str, nbytes: int, ranks: int, itemsize: int) -> tuple:
 
 def build(op: str, algorithm: str, ranks: int, nbytes: int, dtype, device, max_blocks=None,
           threads: int = 512, unroll=None):
-    """``(peers, collectives)``: an :class:`~tilescale_examples.emulated.EmulatedPeers` sized
+    """``(peers, collectives)``: an :class:`~tilescale_examples.testing.emulated.EmulatedPeers` sized
     for one collective and the collective built on each of its ranks (rank order);
     ``threads`` and ``unroll`` as for the collectives."""
     import torch
 
-    from tilescale_examples.allreduce import AllReduce, choose_algorithm
-    from tilescale_examples.emulated import ALIGNMENT, EmulatedPeers
-    from tilescale_examples.reduce_engine import plan_grid
+    from tilescale_examples.collectives.allreduce import AllReduce, choose_algorithm
+    from tilescale_examples.testing.emulated import ALIGNMENT, EmulatedPeers
+    from tilescale_examples.collectives.reduce_engine import plan_grid
 
     itemsize = torch.empty((), dtype=dtype).element_size()
     shape = shape_of(op, nbytes, ranks, itemsize)
@@ -105,7 +105,7 @@ def build(op: str, algorithm: str, ranks: int, nbytes: int, dtype, device, max_b
         if op == "allreduce":
             colls.append(AllReduce(peers.rank(r), shape, dtype, algorithm=mode, **kw))
         else:
-            from tilescale_examples.reducescatter import ReduceScatter
+            from tilescale_examples.collectives.reducescatter import ReduceScatter
 
             colls.append(ReduceScatter(peers.rank(r), shape, dtype, **kw))
     return peers, colls
@@ -130,7 +130,7 @@ def fill_inputs(colls, seed: int) -> list:
 
 def expected(op: str, inputs: list) -> list:
     """Every rank's expected output (bit-exact rank-order reference)."""
-    from tilescale_examples.reduce_engine import torch_reference
+    from tilescale_examples.collectives.reduce_engine import torch_reference
 
     if op == "allreduce":
         total = torch_reference(inputs)
@@ -141,7 +141,7 @@ def expected(op: str, inputs: list) -> list:
 def check_round(op: str, colls, seed: int) -> list:
     """Fill fresh inputs, poison the outputs, run one round, compare every rank's output
     with :func:`expected`; returns failure messages (empty when all match)."""
-    from tilescale_examples.emulated import run_round
+    from tilescale_examples.testing.emulated import run_round
 
     _poison_outputs(colls)
     inputs = fill_inputs(colls, seed)
@@ -151,7 +151,7 @@ def check_round(op: str, colls, seed: int) -> list:
 
 def _poison_outputs(colls) -> None:
     """Poison every rank's output, except where it is the input buffer (two-shot)."""
-    from tilescale_examples.benchmarks.collectives import poison_
+    from tilescale_examples.benchmarks._collectives import poison_
 
     for c in colls:
         if c.mode != "two_shot":
@@ -183,9 +183,9 @@ def bytes_moved(coll) -> int:
 def time_kernels(colls, iters: int) -> float:
     """Milliseconds of GPU time of one rank's kernel: for every emulated rank, ``iters``
     back-to-back calls (inputs already staged, every flag preset so that waits pass) timed as
-    one stretch behind a stream hold (:func:`~tilescale_examples.benchmarks.gpu_time.gpu_ms_per_launch`:
+    one stretch behind a stream hold (:func:`~tilescale_examples.benchmarks._gpu_time.gpu_ms_per_launch`:
     the host's launch cost is not counted); the mean over ranks."""
-    from tilescale_examples.benchmarks.gpu_time import gpu_ms_per_launch
+    from tilescale_examples.benchmarks._gpu_time import gpu_ms_per_launch
 
     per_rank = []
     for c in colls:
@@ -196,13 +196,13 @@ def time_kernels(colls, iters: int) -> float:
 
 
 def preset_flags(colls) -> None:
-    """Every emulated rank's flag words to :data:`~tilescale_examples.emulated.PRESET` (above
+    """Every emulated rank's flag words to :data:`~tilescale_examples.testing.emulated.PRESET` (above
     any call number: every wait passes), on the current stream: one fill over every region
     when the ranks' flags lie at one offset of equal regions (they do: same allocation
     sequence), else one fill per rank."""
     import torch
 
-    from tilescale_examples.emulated import PRESET
+    from tilescale_examples.testing.emulated import PRESET
 
     first = colls[0].flags.view(torch.int64)
     step = colls[1].flags.data_ptr() - first.data_ptr() if len(colls) > 1 else 0
@@ -228,11 +228,11 @@ def time_graph(op: str, colls, iters: int, seed: int) -> tuple:
     on :func:`graph_inputs`, after one fill presetting every rank's flags, as an eager round
     does: the calls set them to their call numbers) captured in a CUDA graph
     and replayed ``iters`` times behind a stream hold
-    (:func:`~tilescale_examples.benchmarks.collectives.graph_ms_per_call`), divided by the
+    (:func:`~tilescale_examples.benchmarks._collectives.graph_ms_per_call`), divided by the
     ranks; then one more replay on restaged inputs and poisoned outputs, checked against
     :func:`expected` (failure messages, empty when every rank matches)."""
-    from tilescale_examples.benchmarks.collectives import graph_ms_per_call
-    from tilescale_examples.benchmarks.gpu_time import gpu_ms_per_launch
+    from tilescale_examples.benchmarks._collectives import graph_ms_per_call
+    from tilescale_examples.benchmarks._gpu_time import gpu_ms_per_launch
 
     xs = [x.clone() for x in fill_inputs(colls, seed)]
     ins = graph_inputs(colls, xs)
@@ -259,7 +259,7 @@ def copy_ms(nbytes: int, iters: int, device, sources: int = 1) -> float:
     many staging buffers."""
     import torch
 
-    from tilescale_examples.benchmarks.gpu_time import gpu_ms_per_launch
+    from tilescale_examples.benchmarks._gpu_time import gpu_ms_per_launch
 
     if sources < 1:
         raise ValueError(f"sources must be >= 1, got {sources}")
@@ -369,7 +369,7 @@ def main(argv=None) -> int:
         print("emulated-peers benchmark: no CUDA GPU visible, nothing to measure")
         return 0
     device = torch.device("cuda", torch.cuda.current_device())
-    from tilescale_examples.precompile import precompile, reduction_jobs
+    from tilescale_examples.testing.precompile import precompile, reduction_jobs
 
     modes = (["one_shot", "two_shot"] if args.algorithm == "auto" else [args.algorithm]) * ("allreduce" in args.ops)
     modes += ["reduce_scatter"] * ("reducescatter" in args.ops)

@@ -15,7 +15,7 @@ after it.
 import argparse
 import statistics
 
-from tilescale_examples.report import print_table, ratio
+from tilescale_examples.benchmarks._report import print_table, ratio
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 

@@ -21,7 +21,7 @@ import os
 import statistics
 import time
 
-from tilescale_examples.report import format_bytes, print_table, ratio
+from tilescale_examples.benchmarks._report import format_bytes, print_table, ratio
 
 __all__ = ["bench_rank", "main"]
 

@@ -44,8 +44,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from tilescale_examples.benchmarks.collectives import run_on_ranks, time_ms
-from tilescale_examples.report import gb_per_s, print_table, ratio
+from tilescale_examples.benchmarks._collectives import run_on_ranks, time_ms
+from tilescale_examples.benchmarks._report import gb_per_s, print_table, ratio
 
 __all__ = ["TorchAllToAllMoE", "make_routing", "graph_ms", "add_shape_arguments", "check_shape_arguments",
            "main", "run", "HEADERS", "COMPARE_RTOL"]
@@ -76,7 +76,7 @@ class TorchAllToAllMoE:
     benchmark compares against (every index must be in ``[0, num_experts)``).
 
     ``dispatch(x, topk_idx)`` returns ``(rows, counts)``, the received rows in
-    :class:`~tilescale_examples.moe.MoEDispatcher`'s layout (expert, then source rank, then
+    :class:`~tilescale_examples.moe.dispatcher.MoEDispatcher`'s layout (expert, then source rank, then
     entry) and the ``(EL,)`` counts, and keeps the permutations for ``combine(y,
     topk_weights)``, which returns ``(T, hidden)`` in ``y``'s dtype. On a backend other than
     NCCL the two ``all_to_all_single`` calls stage through host memory (gloo takes CPU
@@ -143,7 +143,7 @@ def run(rank: int, world: int, group, device, args) -> list | None:
     import torch
     import torch.distributed as dist
 
-    from tilescale_examples.moe import MoEDispatcher
+    from tilescale_examples.moe.dispatcher import MoEDispatcher
 
     dtype = getattr(torch, args.dtype)
     token_counts = [int(t) for t in args.tokens.split(",")]
@@ -219,7 +219,7 @@ def run(rank: int, world: int, group, device, args) -> list | None:
 
 def graph_ms(fn, iters: int, group, device) -> float:
     """Milliseconds per replay of ``fn`` captured in a CUDA graph (after one eager call),
-    timed like :func:`~tilescale_examples.benchmarks.collectives.time_ms`."""
+    timed like :func:`~tilescale_examples.benchmarks._collectives.time_ms`."""
     import torch
 
     fn()
@@ -278,7 +278,7 @@ def main(argv=None) -> int:
     check_shape_arguments(p, args)
     if args.ranks is not None and args.ranks < 1:
         p.error("--ranks must be >= 1")
-    from tilescale_examples.collective import check_threads
+    from tilescale_examples.base import check_threads
 
     try:
         check_threads(args.threads)  # the rule MoEDispatcher applies, before any rank starts

@@ -9,7 +9,7 @@ For every token count each rank draws fresh tokens, indices and weights, then:
 
 1. **checks** the plain and the profiled dispatch (``MoEDispatcher.dispatch`` and
    ``dispatch_profiled``, receive buffer poisoned before each) against
-   :func:`~tilescale_examples.moe.torch_dispatch_reference` bit for bit;
+   :func:`~tilescale_examples.moe.dispatcher.torch_dispatch_reference` bit for bit;
 2. **times** from CUDA graphs of one call, replayed back to back (what the MoE benchmark's
    ``graph us`` column does): the dispatch, a torch device-to-device copy of the same bytes
    (``tokens * topk * hidden`` elements), and an empty kernel with the dispatch's grid
@@ -17,7 +17,7 @@ For every token count each rank draws fresh tokens, indices and weights, then:
    when the kernel does nothing);
 3. **profiles**: a graph of one ``dispatch_profiled`` call replayed ``--replays`` times; the
    last replay's timestamps of every block's thread 0 at the end of each of
-   :data:`~tilescale_examples.moe_kernels.DISPATCH_PHASES`, in microseconds after the
+   :data:`~tilescale_examples.moe.kernels.DISPATCH_PHASES`, in microseconds after the
    earliest block's ``start``, as min / median / max over the blocks (rank 0's; a phase the
    batch's path does not have is left out). ``median / copy`` relates each to the copy's
    graph time.
@@ -33,9 +33,9 @@ import argparse
 import os
 import statistics
 
-from tilescale_examples.benchmarks.collectives import run_on_ranks
+from tilescale_examples.benchmarks._collectives import run_on_ranks
 from tilescale_examples.benchmarks.moe import add_shape_arguments, check_shape_arguments
-from tilescale_examples.report import print_table, ratio
+from tilescale_examples.benchmarks._report import print_table, ratio
 
 __all__ = ["main", "run", "phase_offsets", "HEADERS", "PHASE_HEADERS"]
 
@@ -67,7 +67,7 @@ def _empty_grid_kernel(blocks: int, threads: int):
     import tilelang
     import tilelang.language as T
 
-    from tilescale_examples.collective import TARGET
+    from tilescale_examples.base import TARGET
 
     @T.prim_func
     def empty_grid(Out: T.Tensor((blocks * threads,), "int32")):
@@ -113,8 +113,8 @@ def run(rank: int, world: int, group, device, args) -> list | None:
     import torch.distributed as dist
 
     from tilescale_examples.benchmarks.moe import graph_ms
-    from tilescale_examples.moe import MoEDispatcher, torch_dispatch_reference
-    from tilescale_examples.moe_kernels import DISPATCH_PHASES, PLAN_THREADS
+    from tilescale_examples.moe.dispatcher import MoEDispatcher, torch_dispatch_reference
+    from tilescale_examples.moe.kernels import DISPATCH_PHASES, PLAN_THREADS
     from tilescale_lang.profiler import EventProfiler
 
     E, K, H = args.experts, args.topk, args.hidden

@@ -26,7 +26,7 @@ import os
 import statistics
 import time
 
-from tilescale_examples.report import format_bytes, gb_per_s, print_table, ratio, size_sweep
+from tilescale_examples.benchmarks._report import format_bytes, gb_per_s, print_table, ratio, size_sweep
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 WARPS_PER_BLOCK = 16

@@ -13,7 +13,7 @@ layout (block ``b`` owns rows ``((t * blocks + b) * U + u) * threads + tx`` of s
 same unroll (``max(1, 8 // ranks)`` rows per thread and iteration, every load issued before
 the first add), the rank-order float32 sum, 16-byte loads and stores. They run as rank 0 of
 ``N`` emulated ranks whose regions are slices of one buffer (the engine's emulation, see
-:mod:`tilescale_examples.emulated`), with every flag preset so that waits pass at once:
+:mod:`tilescale_examples.testing.emulated`), with every flag preset so that waits pass at once:
 
 * ``--ops``: ``two_shot`` (the sum stored back to shard 0 of every region, in place),
   ``reduce_scatter`` (the sum stored to a local output) and ``copy`` (one region copied to the
@@ -33,7 +33,7 @@ the first add), the rank-order float32 sum, 16-byte loads and stores. They run a
 
 Every variant is first run once on random inputs and its output compared bit for bit with
 the rank-order reference (``check``). Times are GPU time per launch of ``--iters``
-back-to-back launches behind a stream hold (:mod:`~tilescale_examples.benchmarks.gpu_time`),
+back-to-back launches behind a stream hold (:mod:`~tilescale_examples.benchmarks._gpu_time`),
 the median of ``--repeats`` rounds that alternate with the baseline: torch's device-to-device
 ``copy_`` moving the same bytes (half read, half written; two-shot and copy: ``2 S``,
 reduce-scatter: ``S + S / N`` for ``S`` bytes per rank). ``ratio`` = copy us / kernel us.
@@ -47,7 +47,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from tilescale_examples.report import print_table, ratio
+from tilescale_examples.benchmarks._report import print_table, ratio
 
 __all__ = ["OPS", "ROUNDS", "FLAGS", "Variant", "variants", "cuda_source", "CeilingModule", "run", "main",
            "HEADERS"]
@@ -110,7 +110,7 @@ def variants(ops, ranks, threads, rounds, flags, unrolls=None) -> list:
     """Every valid :class:`Variant` of the given choices: ``unrolls`` (default the engine's
     ``max(1, 8 // ranks)``); ``none`` once, with ``block``; ``both`` for the two-shot only; the
     copy once per grid and unroll (one rank, no rounds)."""
-    from tilescale_examples.reduce_engine import default_unroll
+    from tilescale_examples.collectives.reduce_engine import default_unroll
 
     out = []
     for op in ops:
@@ -219,9 +219,9 @@ def _measure(module, variant: Variant, nbytes: int, blocks_per_sm: int, iters: i
     import torch
 
     from tilescale_examples.benchmarks.emulated import copy_ms
-    from tilescale_examples.benchmarks.gpu_time import gpu_ms_per_launch
-    from tilescale_examples.reduce_engine import grid, torch_reference
-    from tilescale_examples.report import format_bytes
+    from tilescale_examples.benchmarks._gpu_time import gpu_ms_per_launch
+    from tilescale_examples.collectives.reduce_engine import grid, torch_reference
+    from tilescale_examples.benchmarks._report import format_bytes
 
     n = variant.ranks
     if nbytes % (16 * n):

@@ -6,7 +6,7 @@
 
 For every dtype and input size S (4 KiB .. 1 GiB by 4x; each rank's input is ``(ranks, S /
 ranks)``, its output one shard) it builds a
-:class:`~tilescale_examples.reducescatter.ReduceScatter` and checks its output once against
+:class:`~tilescale_examples.collectives.reducescatter.ReduceScatter` and checks its output once against
 the baseline's: ``torch.allclose`` for floats (the kernel adds in rank order in float32, NCCL
 in its ring order in the dtype), bit-exact for int32. Then it times back-to-back calls on an
 ordinary input tensor (staging counted) and of the baseline:
@@ -18,12 +18,12 @@ ordinary input tensor (staging counted) and of the baseline:
   bandwidth measurement.
 
 With one GPU per rank it also times ``rs(rs.input)`` against torch symmetric memory's
-``reduce_scatter_out`` (:mod:`tilescale_examples.benchmarks.symm_baseline`). Bus bandwidth as
+``reduce_scatter_out`` (:mod:`tilescale_examples.benchmarks._symm_baseline`). Bus bandwidth as
 nccl-tests define it for reduce-scatter: ``busbw = (n - 1) / n * S / t`` with S the input
-size. The shared machinery is :mod:`tilescale_examples.benchmarks.collectives`.
+size. The shared machinery is :mod:`tilescale_examples.benchmarks._collectives`.
 """
 
-from tilescale_examples.benchmarks.collectives import entry
+from tilescale_examples.benchmarks._collectives import entry
 
 __all__ = ["main", "run", "bus_bandwidth"]
 

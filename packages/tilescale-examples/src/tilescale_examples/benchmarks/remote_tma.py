@@ -22,7 +22,7 @@ destination.
 import argparse
 import os
 
-from tilescale_examples.report import format_bytes, gb_per_s, print_table, ratio, size_sweep
+from tilescale_examples.benchmarks._report import format_bytes, gb_per_s, print_table, ratio, size_sweep
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 COLS = 256  # float16 elements per row (512 B)

@@ -23,7 +23,7 @@ import argparse
 import statistics
 from collections.abc import Callable
 
-from tilescale_examples.report import print_table, ratio
+from tilescale_examples.benchmarks._report import print_table, ratio
 
 __all__ = ["main", "measure"]
 

@@ -129,8 +129,8 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from tilescale_examples.collective import TARGET, SymmetricCollective, check_tensor
-from tilescale_examples.moe_kernels import (DISPATCH_PHASES, MAX_EXPERTS, PLAN_THREADS, build_combine_kernel,
+from tilescale_examples.base import TARGET, SymmetricCollective, check_tensor
+from tilescale_examples.moe.kernels import (DISPATCH_PHASES, MAX_EXPERTS, PLAN_THREADS, build_combine_kernel,
                                             build_dispatch_kernel)
 
 __all__ = ["MoEDispatcher", "DispatchHandle", "expected_routes", "torch_dispatch_reference",
@@ -290,7 +290,7 @@ class MoEDispatcher(SymmetricCollective):
             ``torch.distributed``'s world group when initialised.
         threads: threads per block of the combine kernel (multiple of 32, at most 1024;
             default 1024: 64 registers each, twice the warps of 512 for large batches); the
-            dispatch kernel runs :data:`~tilescale_examples.moe_kernels.PLAN_THREADS` (1024),
+            dispatch kernel runs :data:`~tilescale_examples.moe.kernels.PLAN_THREADS` (1024),
             since each of its warps ranks a batch of 32 entries (and block 0 plans).
         max_blocks: blocks of the dispatch and combine grids (all must be co-resident);
             default the device's SM count.
@@ -316,7 +316,7 @@ class MoEDispatcher(SymmetricCollective):
                  index_dtype: torch.dtype = torch.int64, world_size: Optional[int] = None,
                  group=None, threads: int = 1024, max_blocks: Optional[int] = None,
                  validate: bool = True, target=None):
-        from tilescale_examples.collective import check_target
+        from tilescale_examples.base import check_target
 
         check_target(target)
         self.num_experts = _positive_int("num_experts", num_experts, MAX_EXPERTS)
@@ -459,7 +459,7 @@ class MoEDispatcher(SymmetricCollective):
         """:meth:`dispatch` (same arguments, results and collective rules: it counts as a
         dispatch call on every rank) run by the same kernel built with phase timestamps:
         thread 0 of every block records the end of each of
-        :data:`~tilescale_examples.moe_kernels.DISPATCH_PHASES` into ``profiler`` (a
+        :data:`~tilescale_examples.moe.kernels.DISPATCH_PHASES` into ``profiler`` (a
         :class:`tilescale_lang.profiler.EventProfiler` with at least ``max_blocks`` rows and a
         capacity of ``len(DISPATCH_PHASES)``; event task and slot ``p`` is phase ``p``,
         nanoseconds of ``%globaltimer``; a later call overwrites them). The profiled kernel is

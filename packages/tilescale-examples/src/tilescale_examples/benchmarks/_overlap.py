@@ -11,8 +11,8 @@ tensor-parallel GEMMs of a 70B-class MLP) it times, back to back with CUDA event
 rank), on the same inputs, in ``--rounds`` rounds that take every column in turn (each
 column's median round is reported; :func:`interleaved_ms`):
 
-* **TileScale**: :class:`~tilescale_examples.ag_gemm.AllGatherGEMM` /
-  :class:`~tilescale_examples.gemm_rs.GemmReduceScatter` (its plan is printed);
+* **TileScale**: :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM` /
+  :class:`~tilescale_examples.overlap.gemm_rs.GemmReduceScatter` (its plan is printed);
 * **collective + cuBLAS**: ``all_gather_into_tensor`` then ``torch.matmul`` (resp.
   ``torch.matmul`` then ``reduce_scatter_tensor``) on the host group: NCCL with one rank per
   GPU, gloo when ranks share one (host staging: no stand-in for NCCL);
@@ -22,12 +22,12 @@ column's median round is reported; :func:`interleaved_ms`):
   with one GPU per rank);
 * **matmul alone**: ``torch.matmul`` of the already-gathered operand (resp. of ``a``), no
   communication: the ceiling of a perfect overlap;
-* **stock TileLang**: :func:`~tilescale_examples.gemm.build_gemm_kernel`, stock TileLang's
+* **stock TileLang**: :func:`~tilescale_examples.overlap.gemm.build_gemm_kernel`, stock TileLang's
   GEMM with the same tiles as TileScale's, on the same operand as matmul alone.
 
 TFLOP/s is ``2 * world * m_local * n * k / t`` for every column (the GEMM's work), and each
 ratio is TileScale's TFLOP/s over the column's. Before timing, every output is checked
-element-wise against a float32 torch reference (:func:`~tilescale_examples.gemm.error_bound`;
+element-wise against a float32 torch reference (:func:`~tilescale_examples.overlap.gemm.error_bound`;
 the reduce-scatter baselines, which round their partial sums to the dtype up to ``world``
 times, get ``world`` times the partials' term); a failure is printed in the row and makes
 the exit status 1. Inputs come from seeded generators, so every rank builds every other
@@ -39,8 +39,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from tilescale_examples.benchmarks.collectives import pick_baseline, run_on_ranks, time_ms
-from tilescale_examples.report import print_table
+from tilescale_examples.benchmarks._collectives import pick_baseline, run_on_ranks, time_ms
+from tilescale_examples.benchmarks._report import print_table
 
 __all__ = ["OPS", "main", "run", "tflops", "parser", "heap_for", "entry", "interleaved_ms"]
 
@@ -64,7 +64,7 @@ def heap_for(op: str, world: int, m_local: int, k: int, n: int, dtype) -> int:
     """Symmetric heap per rank for one op object of this size, plus 64 MiB of slack."""
     import importlib
 
-    mod = importlib.import_module(f"tilescale_examples.{OPS[op][1]}")
+    mod = importlib.import_module(f"tilescale_examples.overlap.{OPS[op][1]}")
     size = mod.heap_bytes(world, m_local, k, dtype) if op == "ag_gemm" else mod.heap_bytes(world, m_local, n, dtype)
     return size + (64 << 20)
 
@@ -89,7 +89,7 @@ def reference(op: str, rank: int, world: int, m_local: int, k: int, n: int, dtyp
     """``(ref, rounded)``: this rank's float32 result and the partials' magnitudes (None for
     the all-gather, which rounds nothing before its output)."""
     if op == "ag_gemm":
-        from tilescale_examples.ag_gemm import torch_reference
+        from tilescale_examples.overlap.ag_gemm import torch_reference
 
         shards = [rank_inputs(op, p, world, m_local, k, n, dtype, device)[0] for p in range(world)]
         return torch_reference(shards, rank_inputs(op, rank, world, m_local, k, n, dtype, device)[1]), None
@@ -111,8 +111,8 @@ class _Columns:
         import torch
         import torch.distributed as dist
 
-        from tilescale_examples.collective import compile_once
-        from tilescale_examples.gemm import DTYPES, build_gemm_kernel
+        from tilescale_examples.base import compile_once
+        from tilescale_examples.overlap.gemm import DTYPES, build_gemm_kernel
 
         self.op, self.world, self.dtype, self.group = op, world, dtype, group
         self.a, self.b = rank_inputs(op, rank, world, m_local, k, n, dtype, device)
@@ -188,7 +188,7 @@ class _Columns:
 
     def check(self, column: str, out) -> int:
         """Elements of ``out`` outside the column's bound."""
-        from tilescale_examples.gemm import count_outside
+        from tilescale_examples.overlap.gemm import count_outside
 
         if column in ("matmul alone", "stock TileLang"):
             return count_outside(out, self.local_ref, self.dtype)[0]
@@ -206,12 +206,12 @@ def _measure_size(op, rank, world, group, device, m_local, args):
     import torch
     import torch.distributed as dist
 
-    from tilescale_examples.collective import all_ranks_agree, collective_device
-    from tilescale_examples.stream_ops import log
+    from tilescale_examples.base import all_ranks_agree, collective_device
+    from tilescale_examples.overlap.stream_ops import log
 
     dtype = getattr(torch, args.dtype)
     title, module, cls_name = OPS[op][:3]
-    cls = getattr(importlib.import_module(f"tilescale_examples.{module}"), cls_name)
+    cls = getattr(importlib.import_module(f"tilescale_examples.overlap.{module}"), cls_name)
     alloc = tilelang.get_allocator(size=heap_for(op, world, m_local, args.k, args.n, dtype), device=device,
                                    is_distributed=True, local_rank=rank, num_local_ranks=world, group=group)
     obj = cls(alloc, m_local, args.k, args.n, dtype, group=group)
@@ -340,7 +340,7 @@ def main(op: str, argv=None) -> int:
         p.error(f"--m-local must be comma-separated ints, got {args.m_local!r}")
     if any(m < 1 for m in args.sizes) or args.k < 1 or args.n < 1 or args.iters < 1 or args.rounds < 1:
         p.error("--m-local, --k, --n, --iters and --rounds must be positive")
-    from tilescale_examples.gemm import GemmTiles, check_gemm_dims
+    from tilescale_examples.overlap.gemm import GemmTiles, check_gemm_dims
 
     try:  # before any rank starts: a clear message naming the argument
         for m in args.sizes:

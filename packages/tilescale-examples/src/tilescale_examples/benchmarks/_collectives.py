@@ -36,7 +36,7 @@ says so). Bus bandwidth as nccl-tests define it: ``busbw = (n - 1) / n * S / t``
 three and ``2 (n - 1) / n * S / t`` for all-reduce (S its size). The ratio column is TileScale
 / baseline (above 1: faster).
 
-The reductions get more columns (:mod:`tilescale_examples.benchmarks.symm_baseline`):
+The reductions get more columns (:mod:`tilescale_examples.benchmarks._symm_baseline`):
 TileScale called on its own symmetric input buffer (``coll(coll.input)``, no staging), the
 fastest torch symmetric-memory op on a ``symm_mem.empty`` buffer holding the same input
 (checked against TileScale's output first), its name, and the ratio (symm time / TileScale
@@ -63,8 +63,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
-from tilescale_examples.reduce_engine import FLAG_STRIDE
-from tilescale_examples.report import format_bytes, gb_per_s, print_table, ratio, size_sweep
+from tilescale_examples.collectives.reduce_engine import FLAG_STRIDE
+from tilescale_examples.benchmarks._report import format_bytes, gb_per_s, print_table, ratio, size_sweep
 
 __all__ = ["Op", "Baseline", "OPS", "bus_bandwidth", "pick_baseline", "outputs_match", "tolerance",
            "heap_bytes", "title", "run", "main", "entry", "run_on_ranks", "time_ms", "capture_calls",
@@ -114,12 +114,12 @@ class Op:
     heap_rows: Callable[[int], int] | None = None
 
     def collective(self):
-        return getattr(importlib.import_module(f"tilescale_examples.{self.module}"), self.cls)
+        return getattr(importlib.import_module(f"tilescale_examples.collectives.{self.module}"), self.cls)
 
     def reference(self, inputs, rank: int):
         """The expected output on ``rank`` from every rank's input (the example's
         ``torch_reference``)."""
-        ref = importlib.import_module(f"tilescale_examples.{self.module}").torch_reference
+        ref = importlib.import_module(f"tilescale_examples.collectives.{self.module}").torch_reference
         return ref(inputs) if self.module == "allgather" else ref(inputs, rank)
 
 
@@ -309,7 +309,7 @@ def time_ms(fn, iters: int, group, device) -> float:
     import torch
     import torch.distributed as dist
 
-    from tilescale_examples.collective import collective_device
+    from tilescale_examples.base import collective_device
     from tilescale_host import synchronize_streams
 
     stream = torch.cuda.current_stream(device)
@@ -364,7 +364,7 @@ def graph_ms_per_call(fn, calls: int, replays: int, timer, capture=None) -> tupl
     ``capture(fn, calls)`` (default :func:`capture_calls`: one eager call, then ``calls`` calls
     captured into one graph), ``timer(graph.replay, replays)`` milliseconds per replay (e.g.
     ``functools.partial(time_ms, group=group, device=device)``, or
-    :func:`~tilescale_examples.benchmarks.gpu_time.gpu_ms_per_launch` with ``device``), divided
+    :func:`~tilescale_examples.benchmarks._gpu_time.gpu_ms_per_launch` with ``device``), divided
     by ``calls``. ``result`` is the last captured call's return value (written by every replay)."""
     if calls < 1 or replays < 1:
         raise ValueError(f"calls and replays must be >= 1, got {calls} and {replays}")
@@ -423,7 +423,7 @@ def run(op, rank: int, world: int, group, device, args) -> dict | None:
     backend = dist.get_backend(group)
     symm = None
     if op.reduces:
-        from tilescale_examples.benchmarks.symm_baseline import SymmBaseline
+        from tilescale_examples.benchmarks._symm_baseline import SymmBaseline
 
         share = torch.cuda.device_count() < world
         symm = SymmBaseline(op.module, group, device, backend, share)
@@ -457,7 +457,7 @@ def _check_cell(bad: int, graph_bad: int) -> str:
 def _run_dtype(op, rank, world, group, device, args, alloc, dtype_name, sizes, symm) -> list:
     import torch
 
-    from tilescale_examples.collective import collective_device
+    from tilescale_examples.base import collective_device
 
     dtype = getattr(torch, dtype_name)
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -625,12 +625,12 @@ def parser(op) -> argparse.ArgumentParser:
     p.add_argument("--dtype", nargs="+", default=default, choices=list(op.dtypes),
                    help=f"one table per dtype (default: {' '.join(default)})")
     if op.module == "allreduce":
-        from tilescale_examples.allreduce import ALGORITHMS
+        from tilescale_examples.collectives.allreduce import ALGORITHMS
 
         p.add_argument("--algorithm", default="auto", choices=list(ALGORITHMS),
                        help="auto: the size table (allreduce.ONE_SHOT_MAX_BYTES); or force one")
     if op.module == "allgather":
-        from tilescale_examples.allgather import ENGINES
+        from tilescale_examples.collectives.allgather import ENGINES
 
         p.add_argument("--engine", default="auto", choices=list(ENGINES),
                        help="auto: the size table (allgather.COPY_ENGINE_MIN_BYTES); sm: put_block kernel; copy: copy engines")

@@ -1,0 +1,76 @@
+"""Formatting helpers shared by the benchmarks: sizes, bandwidths, ratios and tables.
+
+Every benchmark prints one table whose last column(s) compare a TileScale measurement with a
+baseline measured in the same run (torch, NCCL or cuBLAS).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+__all__ = ["format_bytes", "gb_per_s", "ratio", "format_table", "print_table", "size_sweep"]
+
+
+def format_bytes(nbytes: int) -> str:
+    """Return ``nbytes`` as a short binary-unit string: ``4 KiB``, ``64 MiB``, ``1 GiB``."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:g} {unit}" if unit == "B" else f"{nbytes:.4g} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def gb_per_s(nbytes: float, milliseconds: float) -> float:
+    """Bandwidth in GB/s (10^9 bytes per second) of moving ``nbytes`` in ``milliseconds``."""
+    if milliseconds <= 0:
+        raise ValueError(f"milliseconds must be > 0, got {milliseconds}")
+    return nbytes / (milliseconds * 1e-3) / 1e9
+
+
+def ratio(measured: float, baseline: float) -> float:
+    """``measured / baseline``; NaN when the baseline is zero."""
+    return float("nan") if baseline == 0 else measured / baseline
+
+
+def size_sweep(lo: int, hi: int, factor: int = 4) -> list[int]:
+    """Sizes in bytes from ``lo`` to ``hi`` inclusive, multiplying by ``factor``."""
+    if lo <= 0 or hi < lo or factor < 2:
+        raise ValueError(f"need 0 < lo <= hi and factor >= 2, got {lo}, {hi}, {factor}")
+    sizes = []
+    n = lo
+    while n <= hi:
+        sizes.append(n)
+        n *= factor
+    return sizes
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Return a fixed-width text table; floats get 3 decimals (1 above 100)."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    for row in cells:
+        if len(row) != len(headers):
+            raise ValueError(f"row {row} has {len(row)} cells for {len(headers)} headers")
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]],
+                file: TextIO | None = None) -> None:
+    """Print ``title`` and the table to ``file`` (stdout by default), then flush."""
+    out = file or sys.stdout
+    print(f"\n== {title}", file=out)
+    print(format_table(headers, rows), file=out)
+    out.flush()

@@ -1,0 +1,174 @@
+"""Sum all-reduce: a one-shot kernel for small messages, a fused two-shot kernel for large ones.
+
+Every rank holds a tensor of one shape; afterwards every rank holds their element-wise sum::
+
+    ar = AllReduce(allocator, shape=(4096, 1024), dtype=torch.bfloat16)   # collective
+    out = ar(x)              # x: any contiguous (4096, 1024) tensor on the allocator's device
+    ar(x, out=x)             # in place
+    ar.input.copy_(x); ar(ar.input)   # zero-copy: x already in the symmetric buffer
+    ar.close()               # before allocator.close()
+
+Algorithms (one kernel launch per call either way; :mod:`tilescale_examples.collectives.reduce_engine`
+has the kernel, the deadlock argument and the buffer-reuse argument):
+
+* ``one_shot``: every rank stages its input into its symmetric buffer, signals one epoch flag
+  per block, reads every peer's buffer with 16-byte loads and reduces all of it. One flag
+  round; reads ``world_size * size`` bytes per rank (``(world_size - 1) * size`` over the
+  links). Best when latency dominates.
+* ``two_shot``: the same staging and flag, then rank ``r`` reduces shard ``r`` and stores it
+  into every rank's buffer (reduce-scatter and all-gather fused in one kernel), then a
+  second flag round. Moves ``2 (world_size - 1) / world_size * size`` bytes over the links
+  per rank, the bus-bandwidth optimum. Best for large messages.
+
+``algorithm="auto"`` picks by message size with :data:`ONE_SHOT_MAX_BYTES` (see
+:func:`choose_algorithm`); ``"one_shot"`` / ``"two_shot"`` force one.
+
+Determinism: every element of the result is ``x_0 + x_1 + ... + x_{n-1}`` added in rank order
+in float32 (float16/bfloat16) or the dtype itself (float32, int32, ...) and rounded once; every
+rank gets bit-identical output, and :func:`torch_reference` reproduces it exactly. Both
+algorithms give the same bits.
+"""
+
+# (no `from __future__ import annotations`: the engine defines TileLang kernels)
+
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+
+from tilescale_examples.base import check_shape, size_table_entry
+from tilescale_examples.collectives.reduce_engine import REDUCE_DTYPES, ReductionCollective
+from tilescale_examples.collectives.reduce_engine import torch_reference as _rank_order_sum
+
+__all__ = ["AllReduce", "ALGORITHMS", "ONE_SHOT_MAX_BYTES", "choose_algorithm", "torch_reference"]
+
+#: Values of the ``algorithm`` argument.
+ALGORITHMS = ("auto", "one_shot", "two_shot")
+#: Size table of ``algorithm="auto"``: the largest message (bytes) sent one-shot, by world
+#: size (a world size between two keys uses the smaller key's entry; 1 rank: always one-shot).
+#: One-shot reads ``(n - 1) * size`` over the links against two-shot's ``2 (n - 1) / n *
+#: size`` but saves a flag round, so its range shrinks as ``n`` grows. Re-tune from
+#: ``python -m tilescale_examples.benchmarks.allreduce --algorithm one_shot|two_shot``.
+ONE_SHOT_MAX_BYTES = {2: 1 << 20, 4: 256 << 10, 8: 64 << 10}
+
+
+def choose_algorithm(nbytes: int, world_size: int, table: Optional[dict] = None) -> str:
+    """``"one_shot"`` when ``nbytes`` is at most the table's limit for ``world_size``,
+    else ``"two_shot"``.
+
+    Args:
+        nbytes: message size in bytes (``numel * itemsize``).
+        world_size: number of ranks (>= 1).
+        table: world size -> largest one-shot message in bytes (default
+            :data:`ONE_SHOT_MAX_BYTES`).
+    """
+    limit = size_table_entry(ONE_SHOT_MAX_BYTES if table is None else table, world_size)
+    return "one_shot" if world_size == 1 or nbytes <= limit else "two_shot"
+
+
+def torch_reference(inputs: Sequence[torch.Tensor], rank: int = 0) -> torch.Tensor:
+    """The expected output (the same on every rank): ``sum_p inputs[p]`` in rank order in
+    the accumulation dtype, rounded once. ``rank`` is accepted for symmetry with the other
+    collectives' references and ignored."""
+    return _rank_order_sum(inputs)
+
+
+class AllReduce(ReductionCollective):
+    """A reusable sum all-reduce of one shape and dtype over an allocator's ranks.
+
+    Args:
+        allocator: an open tilescale-core allocator (``tilelang.get_allocator(...,
+            is_distributed=True, ...)``); its ``num_ranks`` ranks take part.
+        shape: the tensor's shape (an int or a tuple of positive ints); any size (sizes that
+            are not whole 16-byte vectors, or that the ranks do not divide, are zero-padded
+            inside the symmetric buffer).
+        dtype: torch dtype (or its name): float16, bfloat16, float32, float64, int32 or int64.
+        world_size: number of ranks; defaults to ``allocator.num_ranks`` and must equal it.
+        algorithm: ``"auto"`` (by size, :func:`choose_algorithm`), ``"one_shot"`` or
+            ``"two_shot"``.
+        group, threads, max_blocks, unroll, target: as for
+            :class:`~tilescale_examples.collectives.reducescatter.ReduceScatter`.
+
+    Attributes: ``algorithm`` (the one chosen), ``plan`` (grid and buffer plan), ``input``
+    (the symmetric buffer the next call reads, ``shape``: write into it and call
+    ``ar(ar.input)`` to skip staging), ``output`` (what a call without ``out`` returns),
+    ``stages``, ``flags``, ``kernel``, ``epoch``.
+
+    Memory (symmetric, per rank): one (two-shot) or two (one-shot: double-buffered) staging
+    buffers of the padded size, ``2 * world_size * blocks`` uint64 flags (one per 32-byte
+    sector); one-shot also a local result buffer.
+
+    Construction and calls are collective: every rank builds the same instances with the
+    same arguments and makes the same sequence of calls.
+    """
+
+    def __init__(self, allocator, shape: Union[int, Sequence[int]], dtype: Union[torch.dtype, str],
+                 world_size: Optional[int] = None, *, algorithm: str = "auto", group=None,
+                 threads: int = 512, max_blocks: Optional[int] = None, unroll: Optional[int] = None,
+                 target=None):
+        from tilescale_examples.base import check_target
+
+        check_target(target)
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        self.shape = check_shape(shape, "shape")
+        # (1,): the base class's per-shard size limit (world_size x shard) does not apply here
+        self._setup(allocator, (1,), dtype, world_size, group, threads, max_blocks, REDUCE_DTYPES)
+        self.shard_shape = self.shape
+        self.numel = self.shard_numel = math.prod(self.shape)
+        if self.numel >= self.MAX_ELEMENTS:
+            raise ValueError(f"shape {self.shape} has {self.numel} elements; the kernel indexes in int32 (< 2**31)")
+        if algorithm == "auto":
+            algorithm = choose_algorithm(self.numel * self.itemsize, self.world_size)
+        self.algorithm = algorithm
+        self._build(algorithm, self.numel, unroll, target)
+        self.output = (self.stages[0] if algorithm == "two_shot" else self.result).view(-1)[: self.numel].view(self.shape)
+
+    # ------------------------------------------------------------------ calls
+    INPUT_SHAPE_NAME = "the shape"
+
+    @property
+    def input_shape(self):
+        return self.shape
+
+    def _input_view(self, stage: torch.Tensor) -> torch.Tensor:
+        return stage.view(-1)[: self.numel].view(self.shape)
+
+    def __call__(self, input: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Sum ``input`` over all ranks.
+
+        Args:
+            input: a contiguous tensor of ``shape`` and ``dtype`` on the allocator's device
+                (an ordinary tensor, a heap tensor, or ``ar.input``).
+            out: where to write the sum (``shape``, ``dtype``, contiguous; may be ``input``
+                for an in-place call); default ``ar.output``, which the next call overwrites.
+
+        Returns ``out`` (or ``ar.output``), complete when the kernel finishes on the current
+        stream. Staging the input into the symmetric buffer is part of the call (inside the
+        kernel when ``input`` is 16-byte aligned whole vectors, else a copy before it).
+        """
+        self._check_open()
+        if not self._is_view_of(input, self._next_input_view()):
+            self.check_input(input)
+        if out is not None:
+            self._check_out(out, self.shape)
+        out_rows = None
+        if self.algorithm == "one_shot":
+            out_rows = self._out_rows(out)
+            out_rows = self.result if out_rows is None else out_rows
+        stage = self._launch(input, out_rows, self._stage_copy)
+        if out is None:
+            return self.output
+        result = stage.view(-1)[: self.numel] if self.algorithm == "two_shot" else self.result.view(-1)[: self.numel]
+        if out_rows is self.result or self.algorithm == "two_shot":
+            if out.data_ptr() != result.data_ptr():
+                out.view(-1).copy_(result)
+        return out
+
+    def _stage_copy(self, stage: torch.Tensor, input: torch.Tensor) -> None:
+        stage.view(-1)[: self.numel].copy_(input.reshape(-1))
+
+    def bus_bytes(self) -> float:
+        """Bytes per call for the bus bandwidth: ``2 (n - 1) / n * size`` (nccl-tests)."""
+        n = self.world_size
+        return 2 * (n - 1) / n * self.numel * self.itemsize

@@ -1,0 +1,107 @@
+"""All-to-all over the symmetric heap, built from ``T.put_block`` and flag signals.
+
+Every rank holds ``world_size`` rows of one shard shape; row ``p`` is for rank ``p``.
+Afterwards rank ``r`` holds ``output[src] == input of rank src, row r`` for every ``src``
+(what ``torch.distributed.all_to_all_single`` produces with equal splits)::
+
+    a2a = AllToAll(allocator, shard_shape=(4096,), dtype=torch.float16)   # collective
+    out = a2a(x)         # x: (world, 4096), row p goes to rank p; out: (world, 4096)
+    ...
+    a2a.close()          # before allocator.close()
+
+The kernel is the all-gather's (:mod:`tilescale_examples.collectives.put_exchange`, protocol described in
+:mod:`tilescale_examples.collectives.allgather`) with one difference: block ``(c, p)`` puts chunk ``c``
+of input row ``p`` (not of the single shard) into row ``me`` of rank ``p``'s output. The
+ready handshake makes back-to-back calls safe without host synchronisation, and the kernel
+returns on a rank only when every row of its output has landed. The kernel reads the input
+in place (the local rank's rows only), so any contiguous ``(world, *shard_shape)`` tensor on
+the allocator's device works; ``a2a.input`` is a symmetric buffer for it.
+"""
+
+# (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from tilescale_examples.base import DTYPES, plan_chunks
+from tilescale_examples.collectives.put_exchange import PutExchange, build_put_exchange_kernel
+
+__all__ = ["AllToAll", "build_alltoall_kernel", "torch_reference"]
+
+#: Smallest chunk a block is given before the grid grows (bytes).
+MIN_CHUNK_BYTES = 64 * 1024
+
+
+def build_alltoall_kernel(shard_numel: int, dtype: str, world_size: int, chunks: int,
+                          chunk: int, threads: int = 512):
+    """The all-to-all ``T.prim_func``: ``(In: (world_size * shard_numel,), Out: (world_size
+    * shard_numel,), Flags: (2 * world_size * chunks,) uint64, State: (world_size * chunks,)
+    int64)``, grid ``chunks x world_size`` (see :func:`build_put_exchange_kernel`)."""
+    return build_put_exchange_kernel(shard_numel, dtype, world_size, chunks, chunk, threads,
+                                     row_per_peer=True, name="alltoall")
+
+
+def torch_reference(inputs: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+    """The expected output on ``rank``: ``stack([inputs[p][rank] for p in ranks])``."""
+    inputs = list(inputs)
+    if not inputs:
+        raise ValueError("inputs must hold one tensor per rank, got none")
+    if not 0 <= rank < len(inputs):
+        raise ValueError(f"rank must be in [0, {len(inputs)}), got {rank}")
+    return torch.stack([x.detach()[rank] for x in inputs], dim=0)
+
+
+class AllToAll(PutExchange):
+    """A reusable all-to-all of equal ``shard_shape`` rows over an allocator's ranks.
+
+    Args:
+        allocator: an open tilescale-core allocator (``tilelang.get_allocator(...,
+            is_distributed=True, ...)``); its ``num_ranks`` ranks take part.
+        shard_shape: shape of one row (an int or a tuple of positive ints); input and output
+            are ``(world_size, *shard_shape)``.
+        dtype: torch dtype (or its name): float16, bfloat16, float32, float64, int8, uint8,
+            int16, int32 or int64.
+        world_size: number of ranks; defaults to ``allocator.num_ranks`` and must equal it.
+        group: process group for the constructor's barrier and the compile's
+            ``compile_group``; default ``torch.distributed``'s world group when initialised.
+        threads: threads per block (multiple of 32, at most 1024).
+        max_blocks: grid cap (all blocks must be co-resident); default the device's SM count.
+        min_chunk_bytes: smallest piece a block is given before the grid grows.
+        target: TileLang target (default ``sm_90a``).
+
+    Attributes: ``input`` (symmetric ``(world_size, *shard_shape)``), ``output`` (symmetric,
+    same shape, overwritten by the next call), ``flags``, ``state`` (the kernel's per-block
+    call counters, on the device), ``chunks``, ``chunk``, ``kernel``, ``epoch`` (calls issued
+    from the host; graph replays are counted on the device only). Construction and calls are collective (same instances, same call sequence on
+    every rank).
+    """
+
+    def __init__(self, allocator, shard_shape: Union[int, Sequence[int]],
+                 dtype: Union[torch.dtype, str], world_size: Optional[int] = None, *,
+                 group=None, threads: int = 512, max_blocks: Optional[int] = None,
+                 min_chunk_bytes: int = MIN_CHUNK_BYTES, target=None):
+        from tilescale_examples.base import check_target
+
+        check_target(target)
+        self._setup(allocator, shard_shape, dtype, world_size, group, threads, max_blocks)
+        self.chunks, self.chunk = plan_chunks(self.shard_numel, self.itemsize, self.world_size,
+                                              self.max_blocks, min_chunk_bytes)
+        rows = (self.world_size, *self.shard_shape)
+        self.input = self._tensor(rows)
+        self.output = self._tensor(rows)
+        self.flags = self._tensor((2 * self.world_size * self.chunks,), torch.uint64)
+        self.flags.zero_()
+        self._make_state()
+        self._finish(build_alltoall_kernel(self.shard_numel, DTYPES[self.dtype], self.world_size,
+                                           self.chunks, self.chunk, threads), target)
+
+    def __call__(self, input: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Send row ``p`` of ``input`` (``(world_size, *shard_shape)``) to rank ``p``;
+        returns ``self.output`` (row ``src``: what rank ``src`` sent here, overwritten by the
+        next call), or ``out`` (a contiguous tensor of that shape and dtype) holding a copy
+        of it; complete when the kernel finishes on the current stream. Every rank must make
+        the same sequence of calls (eagerly or in CUDA graph replays)."""
+        self._check_open()
+        self.check_input(input)
+        return self._exchange(input, out)

@@ -1,0 +1,102 @@
+"""The put-based exchange kernel shared by the all-gather and the all-to-all.
+
+Rank ``me`` sends ``S`` elements to every rank ``p`` (``p == me`` included) into row ``me``
+of ``p``'s output, chunk by chunk, with ``T.put_block`` and epoch flags:
+
+* all-gather (``row_per_peer=False``): the same input row (``In: (S,)``) goes to every rank;
+* all-to-all (``row_per_peer=True``): row ``p`` of the input (``In: (W * S,)``) goes to rank ``p``.
+
+The protocol (ready handshake, ``T.put_signal_block`` of the chunk with its flag, acquire
+wait for the peer's chunk) is described in :mod:`tilescale_examples.collectives.allgather`.
+"""
+
+# (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
+
+
+from typing import Optional
+
+import torch
+
+from tilescale_examples.base import SymmetricCollective
+
+__all__ = ["build_put_exchange_kernel", "PutExchange"]
+
+
+def build_put_exchange_kernel(shard_numel: int, dtype: str, world_size: int, chunks: int,
+                              chunk: int, threads: int = 512, row_per_peer: bool = False,
+                              name: str = "allgather"):
+    """The exchange ``T.prim_func``: grid ``chunks x world_size`` blocks of ``threads``.
+
+    Signature: ``(In: (R * shard_numel,), Out: (world_size * shard_numel,), Flags: (2 *
+    world_size * chunks,) uint64, State: (world_size * chunks,) int64)`` with ``R =
+    world_size`` when ``row_per_peer`` else 1; ``Flags[:world_size*chunks]`` are the data
+    flags ``data[src, c]``, the rest the ready flags ``ready[src, c]``; ``State[p * chunks +
+    c]`` counts block ``(c, p)``'s calls (the call number lives on the device, so a CUDA graph
+    replays correctly). Every flag counts the calls of the one block that adds to it: rank
+    ``src``'s block ``(c, me)`` adds 1 per call, and call ``e`` waits for ``>= e``.
+    ``name`` names the kernel.
+    """
+    import tilelang.language as T
+
+    S, W, C, CH = shard_numel, world_size, chunks, chunk
+    if (C - 1) * CH >= S or C * CH < S:
+        raise ValueError(f"chunks={C} x chunk={CH} does not tile shard_numel={S} (use plan_chunks)")
+    READY = W * C
+    IN_ROWS, ROW = (W, S) if row_per_peer else (1, 0)  # source row of peer p: p * ROW
+
+    @T.prim_func
+    def exchange(In: T.Tensor((IN_ROWS * S,), dtype), Out: T.Tensor((W * S,), dtype),
+                 Flags: T.Tensor((2 * W * C,), "uint64"), State: T.Tensor((W * C,), "int64")):
+        with T.Kernel(C, W, threads=threads) as (c, p):
+            tx = T.get_thread_binding()
+            me = T.get_rank()
+            # A variable, not the expression c * CH: TileLang 0.1.15's pointer-type pass fails
+            # ("Can't fetch the lanes of a scalable vector") on In[c * CH] when CH % 65536 >= 32768.
+            start = T.alloc_var("int32")
+            start = c * CH
+            epoch = T.alloc_var("int64")
+            epoch = State[p * C + c] + 1  # this call's number (the add below does not wait for it)
+            if tx == 0:
+                T.signal_op(Flags[READY + me * C + c], 1, "add", p)  # my slot for p's chunk c is free
+                T.wait_ge(Flags[READY + p * C + c], epoch)  # p's slot for my chunk c is free
+            T.sync_threads()
+            # put chunk c on p, then (release) add 1 to data[me, c] there: data before signal
+            T.put_signal_block(T.address_of(In[p * ROW + start]), T.address_of(Out[me * S + start]),
+                               T.min(CH, S - start), Flags[me * C + c], 1, "add", p)
+            if tx == 0:
+                T.wait_ge(Flags[p * C + c], epoch)  # acquire: p's chunk c is here
+                State[p * C + c] = epoch  # every thread read the count before the barriers above
+
+    return exchange.with_attr("global_symbol", name)
+
+
+class PutExchange(SymmetricCollective):
+    """What :class:`~tilescale_examples.collectives.allgather.AllGather` and
+    :class:`~tilescale_examples.collectives.alltoall.AllToAll` share: the per-block call counters of
+    :func:`build_put_exchange_kernel` (``state``, on the device) and the launch with its
+    optional ``out``. Subclasses set ``output``, ``flags``, ``chunks`` and ``kernel``."""
+
+    _BUFFERS = ("input", "output", "flags", "state")
+
+    def _make_state(self) -> None:
+        """The kernel's per-block call counters: ``(world_size * chunks,)`` int64, zero."""
+        self.state = torch.zeros((self.world_size * self.chunks,), dtype=torch.int64, device=self.device)
+
+    def _launch(self, input: torch.Tensor) -> None:
+        """One call's data movement on the current stream (the SM kernel; overridden by
+        engines that move data otherwise)."""
+        self.bind_table()
+        self.kernel(input.view(-1), self.output.view(-1), self.flags, self.state)
+
+    def _exchange(self, input: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+        """Run the exchange kernel on ``input`` (checked by the caller) on the current stream;
+        returns ``output``, or ``out`` holding a copy of it (checked here, before the launch)."""
+        if out is not None:
+            self.check_tensor(out, self.output.shape, "out", "the output shape")
+        self._note_capture()
+        self.epoch += 1
+        self._launch(input)
+        if out is None:
+            return self.output
+        out.copy_(self.output)
+        return out

@@ -1,0 +1,600 @@
+"""The reduction engine shared by the all-reduce (one-shot, fused two-shot) and the
+reduce-scatter: one kernel builder, one host-side plan, one base class.
+
+Data layout
+-----------
+
+Everything is moved in 16-byte *vectors* (``V = 16 // itemsize`` elements: 8 for float16 and
+bfloat16, 4 for float32 and int32). A tensor of ``n`` elements is ``nv = ceil(n / V)`` vector
+rows; the symmetric staging buffer ``Stage`` holds ``shards x span`` rows (``span`` rows per
+shard; one shard for the one-shot, ``world_size`` shards otherwise), zero-padded. Kernels see
+2-D ``(rows, V)`` views, so every access is one ``ld``/``st`` of 16 bytes
+(``T.copy(..., src_pe=p)`` into registers for peers' rows).
+
+The kernel (one builder, three modes)
+-------------------------------------
+
+A grid of ``blocks`` blocks of ``threads`` threads; block ``b`` owns the *rows*
+``r = ((t * blocks + b) * U + u) * threads + tx`` (``t < iters``, ``u < U``, ``r < span``) of
+every shard, so a warp moves 32 consecutive vectors (512 bytes). Rank ``me``, call ``epoch``:
+
+1. *Stage* (when the input is not already in ``Stage``): block ``b`` copies its rows of every
+   shard from the caller's input ``X`` into this rank's ``Stage``.
+2. *Ready*: thread ``p < W`` stores ``ready[me, b] = epoch`` on rank ``p``, then waits
+   ``ready[p, b] >= epoch`` here with acquire loads (then ``__syncthreads``): block ``b`` of
+   every rank has staged its rows. When the kernel staged (step 1), the store is a release
+   at system scope after a ``__syncthreads``. No separate fence: the block barrier puts every
+   thread's staging stores before the store in causality order, and a release is cumulative
+   over them (PTX memory model; the same argument as ``T.put_signal``'s, see
+   ``signal.cuh``). When the input was already in ``Stage`` (``stage_in == 0``: written by
+   earlier work on the stream), the store is relaxed (system scope) and needs no barrier
+   before it: a kernel's writes are performed at system scope when it completes (the host
+   may read them after synchronising with the stream), and this kernel starts after that;
+   so is every read of ``Stage`` by earlier kernels, which a peer's push must not overtake.
+   This is the ordering torch symmetric memory's one-shot all-reduce relies on for its
+   relaxed entry barrier, and it saves the release's system-scope fence (about 0.5 us of a
+   call on an H200).
+3. *Reduce*: for its rows ``r`` of shard ``s`` (``s = 0`` one-shot, ``s = me`` otherwise)
+   every thread loads the row from each rank's ``Stage`` (``W`` 16-byte loads per row, all
+   issued before the first add) and adds them **in rank order** ``0, 1, ..., W-1`` in the
+   accumulation type (float32 for float16/bfloat16), then rounds once.
+4. *Store*: ``one_shot`` and ``reduce_scatter`` write the row to the local output;
+   ``two_shot`` stores it into row ``r`` of shard ``me`` of every rank's ``Stage`` (the
+   all-gather half, in place; one 16-byte ``st.global.v4`` per rank, which tilescale-lang
+   makes of every remote 16-byte store), then ``__syncthreads`` and the release store
+   ``data[me, b] = epoch`` on every rank, and waits ``data[p, b] >= epoch`` for every ``p``:
+   every rank's block ``b`` has stored its rows here.
+
+Determinism: every output element is ``x_0 + x_1 + ... + x_{W-1}`` in that order, in the
+accumulation type, rounded once; the two-shot's rank ``s`` computes shard ``s`` and sends the
+same bits to everyone. So all ranks get bit-identical results, equal to
+:func:`torch_reference`.
+
+Deadlock freedom
+----------------
+
+Every block waits only for blocks of the same index on other ranks, and only in steps 2 and
+4. The grid has at most ``max_blocks`` blocks (default: the SM count), and a block of at most
+1024 threads using at most 128 registers per thread (checked by the CPU tests) always fits on
+an SM, so on an otherwise idle GPU all blocks are resident at once. A block reaches its
+step-2 signal after a finite amount of its own work, and it signals in step 4 after finishing
+all of its step-3 work (no wait inside the loop); so every awaited signal is eventually
+written and no cycle of waits can form. Kernels of other streams that do not wait on peers
+only delay residency. Do not run two collectives that wait on peers concurrently on
+different streams (each could hold SMs the other's blocks need).
+
+Reuse under back-to-back calls
+------------------------------
+
+Flags are ``uint64`` words *set* to the call's number ``epoch`` and waited on with ``>=``: no
+reset, no wrap. Each flag has a 32-byte sector to itself (:data:`FLAG_STRIDE`
+words apart), so the blocks' flag stores and polls do not contend for one sector. Stream
+order gives: rank ``p`` starts call ``e + 1`` only after its call ``e`` finished.
+
+* ``one_shot`` / ``reduce_scatter`` have one flag round, so a rank may finish call ``e``
+  while a slow peer is still reading its ``Stage``. They **double-buffer** ``Stage``: call
+  ``e`` uses buffer ``e % 2``. Rank ``me`` rewrites buffer ``e % 2`` only in call ``e + 2``,
+  after its call ``e + 1`` saw ``ready[p, b] >= e + 1`` from every peer, i.e. after every
+  peer started call ``e + 1`` and hence finished reading call ``e``.
+* ``two_shot`` has a second round that doubles as a completion handshake: rank ``me``'s call
+  returns only after ``data[p, b] >= e`` from every peer, and peer ``p``'s block ``b`` signals
+  that after reading its rows of ``me``'s ``Stage`` (read before its own stores). So one
+  buffer suffices, and peers push into ``me``'s ``Stage`` only after ``ready[me, b] >= e``,
+  i.e. after ``me`` staged call ``e`` (everything ``me`` enqueued before, like consumers of
+  the previous result, has run).
+
+Call numbers
+------------
+
+The call number lives on the device, never in a kernel argument: ``State[b]`` counts block
+``b``'s calls. Block ``b`` reads ``epoch = State[b] + 1`` at its start and thread 0 writes
+``epoch`` back after the first round's barrier (every thread of the block has read it by
+then; the next call starts after this kernel). The staging buffer of a call, ``epoch % 2``,
+is chosen in the kernel too (``Stage`` holds both buffers). So a call captured in a CUDA graph
+replays as a new call, and eager calls and replays of several graphs mix in any order, as
+long as every rank makes the same sequence. The host keeps its own count (``epoch`` of the
+collective) only to find the zero-copy input of the next eager call; once an instance has been
+captured, a double-buffered one no longer offers it (``input`` raises).
+"""
+
+# (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
+
+from typing import Optional, Sequence
+
+import torch
+
+from tilescale_examples.base import DTYPES, SymmetricCollective, check_threads, settle
+
+__all__ = ["MODES", "buffers", "ACCUMULATE", "REDUCE_DTYPES", "VECTOR_BYTES", "MAX_REGISTERS",
+           "FLAG_STRIDE", "MAX_UNROLLED_VECTORS", "build_reduce_kernel", "default_unroll", "max_unroll",
+           "check_unroll", "vector_elems", "grid", "plan_grid", "Plan",
+           "ReductionCollective", "rank_order_sum", "rows_view", "torch_reference", "PASS_CONFIGS"]
+
+#: Kernel modes of :func:`build_reduce_kernel`.
+MODES = ("one_shot", "two_shot", "reduce_scatter")
+#: Element dtype -> accumulation dtype (TileLang names).
+ACCUMULATE = {
+    "float16": "float32",
+    "bfloat16": "float32",
+    "float32": "float32",
+    "float64": "float64",
+    "int32": "int32",
+    "int64": "int64",
+}
+#: torch dtypes the reductions accept, with their TileLang names.
+REDUCE_DTYPES = {d: n for d, n in DTYPES.items() if n in ACCUMULATE}
+_TORCH_ACCUMULATE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+#: Bytes per vector (one ld/st.v4.b32).
+VECTOR_BYTES = 16
+#: Register budget of the reduction kernel: 65536 per SM / 512 threads (one block per SM).
+MAX_REGISTERS = 128
+#: uint64 words from one flag to the next in ``Flags``: one flag per 32-byte memory sector, so
+#: the flag stores and polls of different blocks never share a sector (packed flags cost the
+#: kernels 1-3.5% at 16 MiB on an H200, see docs/benchmarks.md).
+FLAG_STRIDE = 4
+
+
+def buffers(mode: str) -> int:
+    """Staging buffers of ``mode``: 2 for ``one_shot`` and ``reduce_scatter`` (one flag
+    round: call ``e`` uses buffer ``e % 2``), 1 for ``two_shot``."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return 1 if mode == "two_shot" else 2
+
+
+def vector_elems(itemsize: int) -> int:
+    """Elements per 16-byte vector for an element of ``itemsize`` bytes."""
+    if itemsize not in (1, 2, 4, 8, 16):
+        raise ValueError(f"itemsize must divide 16, got {itemsize}")
+    return VECTOR_BYTES // itemsize
+
+
+def default_unroll(world_size: int) -> int:
+    """Rows per thread and iteration: ``max(1, 8 // world_size)``, so that every thread keeps
+    about 8 independent 16-byte loads in flight at every world size within the register
+    budget."""
+    return max(1, 8 // world_size)
+
+
+#: Most 16-byte vectors a thread holds for one iteration (``unroll x world_size``): the
+#: register budget (:data:`MAX_REGISTERS`, 4 registers a vector) and a trace-time bound (the
+#: kernel is unrolled ``unroll x world_size`` times when it is built).
+MAX_UNROLLED_VECTORS = 32
+
+
+def max_unroll(world_size: int) -> int:
+    """The largest ``unroll`` at ``world_size`` ranks: ``max(1, MAX_UNROLLED_VECTORS //
+    world_size)``."""
+    return max(1, MAX_UNROLLED_VECTORS // world_size)
+
+
+def check_unroll(unroll, world_size: int) -> int:
+    """``unroll`` (None: :func:`default_unroll`) if it is an int in ``[1,
+    max_unroll(world_size)]``; else ``ValueError`` naming ``unroll``."""
+    if unroll is None:
+        return default_unroll(world_size)
+    if not isinstance(unroll, int) or isinstance(unroll, bool) or unroll < 1:
+        raise ValueError(f"unroll must be a positive int, got {unroll!r}")
+    if unroll > max_unroll(world_size):
+        raise ValueError(f"unroll must be at most {max_unroll(world_size)} at {world_size} rank(s) (a thread holds "
+                         f"unroll x world_size 16-byte vectors, at most {MAX_UNROLLED_VECTORS}), got {unroll}")
+    return unroll
+
+
+# ------------------------------------------------------------------------------ kernel
+def rank_order_sum(T, vals, u: int, i, world_size: int, acc: str):
+    """``vals[u, 0, i] + vals[u, 1, i] + ... + vals[u, W-1, i]`` in ``acc``, built at trace
+    time as one expression: the rank order of :func:`torch_reference`."""
+    total = T.Cast(acc, vals[u, 0, i])
+    for p in range(1, world_size):
+        total = total + T.Cast(acc, vals[u, p, i])
+    return total
+
+
+def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 512,
+                        unroll: Optional[int] = None):
+    """The reduction ``T.prim_func`` of ``mode`` (see the module docstring).
+
+    Sizes are run-time arguments, so one compiled kernel serves every tensor size of a
+    ``(mode, dtype, world_size, threads, unroll)``. Signature (``V = 16 // itemsize``)::
+
+        X: (rows_x, V)      the caller's input (read when stage_in == 1)
+        Stage: (rows_s, V)  this rank's symmetric staging buffers: buffers(mode) of
+                            shards * span rows each (call e uses buffer e % buffers(mode))
+        Out: (rows_o, V)    the local output, span rows (not for two_shot)
+        Flags: (n,) uint64  ready[p, b] = Flags[(p * blocks + b) * FLAG_STRIDE],
+                            data[p, b] = Flags[((W + p) * blocks + b) * FLAG_STRIDE]
+        State: (blocks,) int64  block b's count of the calls made so far (the call
+                            number lives on the device: see "Call numbers")
+        blocks: int32       grid size, the same on every rank
+        iters: int32        ceil(span / (blocks * threads * unroll))
+        span: int32         rows per shard
+        rows_in: int32      rows of real input (stage rows >= rows_in stay untouched: padding)
+        stage_in: int32     1: copy X into Stage first; 0: Stage already holds the input
+
+    ``one_shot`` reduces all ``span`` rows (one shard); ``reduce_scatter`` and ``two_shot``
+    reduce shard ``rank`` (rows ``rank * span + r``) of ``world_size`` shards.
+    """
+    import tilelang.language as T
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if dtype not in ACCUMULATE:
+        raise ValueError(f"dtype must be one of {sorted(ACCUMULATE)}, got {dtype!r}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= 1022:
+        raise ValueError(f"world_size must be an int in [1, 1022], got {world_size!r}")
+    check_threads(threads)
+    U = check_unroll(unroll, world_size)
+    W, TH, acc = world_size, threads, ACCUMULATE[dtype]
+    V = vector_elems(torch.empty((), dtype=getattr(torch, dtype)).element_size())
+    shards = 1 if mode == "one_shot" else W
+    push = mode == "two_shot"
+    NB = buffers(mode)
+    rows_x, rows_s, rows_o, nflags = T.dynamic("rows_x"), T.dynamic("rows_s"), T.dynamic("rows_o"), T.dynamic("nflags")
+    nstate = T.dynamic("nstate")
+
+
+    def shard_start(me, span):
+        """First row of the shard this rank reduces: 0 (one-shot) or ``me * span``."""
+        return 0 if shards == 1 else me * span
+
+    PEERS, ROWS, SHARDS = list(range(W)), list(range(U)), list(range(shards))  # unrolled at trace time
+
+    @T.macro
+    def stage(X, Stage, t, bx, tx, blocks, span, rows_in, lo):
+        """Step 1 for one iteration: this thread's rows of every shard, X -> the call's
+        buffer of Stage (its first row ``lo``)."""
+        for q in SHARDS:
+            for u in ROWS:
+                r = ((t * blocks + bx) * U + u) * TH + tx
+                if r < span:
+                    if q * span + r < rows_in:
+                        for i in T.vectorized(V):
+                            Stage[lo + q * span + r, i] = X[q * span + r, i]
+
+    @T.macro
+    def signal_and_wait(Flags, tx, me, bx, blocks, epoch, base, release=True):
+        """Steps 2/4: set this block's flag on every rank to ``epoch``, then wait until every
+        rank's flag here has reached it. ``release`` (trace time): publish the block's writes
+        of this kernel (a barrier, then a release store at system scope, which after the
+        barrier covers the block's writes); otherwise a relaxed store with no barrier before
+        it (nothing written in this kernel to publish). (Adding 1 instead, which needs no
+        call number, measured slower: 0.1-0.4 us a call at 4 KiB with emulated peers.)"""
+        if release:
+            T.sync_threads()
+        if tx < W:
+            if release:
+                T.notify(Flags[(base + me * blocks + bx) * FLAG_STRIDE], tx, epoch)
+            else:
+                T.st(Flags[(base + me * blocks + bx) * FLAG_STRIDE], epoch, scope="sys", sem="relaxed", dst_pe=tx)
+            T.wait_ge(Flags[(base + tx * blocks + bx) * FLAG_STRIDE], epoch)
+        T.sync_threads()
+
+    @T.macro
+    def stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in, lo):
+        """Steps 1 and 2: staged here, the release round of :func:`signal_and_wait`; staged
+        before the kernel, its relaxed round (see the module docstring)."""
+        if stage_in != 0:
+            for t in T.serial(iters):
+                stage(X, Stage, t, bx, tx, blocks, span, rows_in, lo)
+            signal_and_wait(Flags, tx, me, bx, blocks, epoch, 0)
+        else:
+            signal_and_wait(Flags, tx, me, bx, blocks, epoch, 0, release=False)
+
+    @T.macro
+    def count_call(State, bx, tx, epoch):
+        """Record the call in block ``bx``'s counter. After the first round's barrier: every
+        thread of the block has read the old count; the next call starts after this kernel."""
+        if tx == 0:
+            State[bx] = epoch
+
+    @T.macro
+    def load_reduce(Stage, vals, res, t, bx, tx, blocks, span, lo):
+        """Step 3: W rows per unrolled row (all loads issued before any add), rank-order sum."""
+        for u in ROWS:
+            r = ((t * blocks + bx) * U + u) * TH + tx
+            if r < span:
+                for p in PEERS:
+                    T.copy(Stage[lo + r, 0:V], vals[u, p, 0:V], src_pe=p)
+        for u in ROWS:
+            for i in T.vectorized(V):
+                res[u, i] = T.Cast(dtype, rank_order_sum(T, vals, u, i, W, acc))
+
+    @T.macro
+    def store_local(Out, res, t, bx, tx, blocks, span):
+        for u in ROWS:
+            r = ((t * blocks + bx) * U + u) * TH + tx
+            if r < span:
+                for i in T.vectorized(V):
+                    Out[r, i] = res[u, i]
+
+    @T.macro
+    def store_peers(Stage, res, t, bx, tx, blocks, span, lo):
+        for u in ROWS:
+            r = ((t * blocks + bx) * U + u) * TH + tx
+            if r < span:
+                for p in PEERS:
+                    T.copy(res[u, 0:V], Stage[lo + r, 0:V], dst_pe=p)
+
+    if push:
+
+        @T.prim_func
+        def two_shot(X: T.Tensor((rows_x, V), dtype), Stage: T.Tensor((rows_s, V), dtype),
+                     Flags: T.Tensor((nflags,), "uint64"), State: T.Tensor((nstate,), "int64"), blocks: T.int32,
+                     iters: T.int32, span: T.int32, rows_in: T.int32, stage_in: T.int32):
+            with T.Kernel(blocks, threads=TH) as bx:
+                tx = T.get_thread_binding()
+                me = T.get_rank()
+                vals = T.alloc_local((U, W, V), dtype)
+                res = T.alloc_local((U, V), dtype)
+                epoch = T.alloc_var("int64")
+                epoch = State[bx] + 1  # this call's number: block bx's count of earlier calls + 1
+                stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in, 0)
+                count_call(State, bx, tx, epoch)
+                for t in T.serial(iters):
+                    load_reduce(Stage, vals, res, t, bx, tx, blocks, span, me * span)
+                    store_peers(Stage, res, t, bx, tx, blocks, span, me * span)
+                signal_and_wait(Flags, tx, me, bx, blocks, epoch, W * blocks)  # data
+
+        return two_shot.with_attr("global_symbol", "allreduce_two_shot")
+
+    @T.prim_func
+    def reduce_local(X: T.Tensor((rows_x, V), dtype), Stage: T.Tensor((rows_s, V), dtype),
+                     Out: T.Tensor((rows_o, V), dtype), Flags: T.Tensor((nflags,), "uint64"),
+                     State: T.Tensor((nstate,), "int64"), blocks: T.int32, iters: T.int32, span: T.int32,
+                     rows_in: T.int32, stage_in: T.int32):
+        with T.Kernel(blocks, threads=TH) as bx:
+            tx = T.get_thread_binding()
+            me = T.get_rank()
+            vals = T.alloc_local((U, W, V), dtype)
+            res = T.alloc_local((U, V), dtype)
+            epoch = T.alloc_var("int64")
+            epoch = State[bx] + 1  # this call's number: block bx's count of earlier calls + 1
+            lo = T.alloc_var("int32")
+            lo = T.Cast("int32", epoch % NB) * (shards * span)  # first row of this call's buffer
+            stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in, lo)
+            count_call(State, bx, tx, epoch)
+            for t in T.serial(iters):
+                load_reduce(Stage, vals, res, t, bx, tx, blocks, span, lo + shard_start(me, span))
+                store_local(Out, res, t, bx, tx, blocks, span)
+
+    name = "allreduce_one_shot" if mode == "one_shot" else "reducescatter"
+    return reduce_local.with_attr("global_symbol", name)
+
+
+#: TileLang pass configuration of the reduction kernels: the host code sizes every buffer
+#: for the plan, so the bounds guards TileLang would add around each 16-byte access (and
+#: that would silently skip an out-of-range flag instead of failing) are left out.
+PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True}
+
+
+# ------------------------------------------------------------------------------ plan
+def grid(span: int, threads: int, unroll: int, max_blocks: int) -> tuple:
+    """``(blocks, iters)`` for ``span`` rows of ``threads * unroll`` rows per block and
+    iteration: at most ``max_blocks`` blocks, no more than the rows need, and enough
+    iterations to cover every row."""
+    if span < 1 or threads < 1 or unroll < 1 or max_blocks < 1:
+        raise ValueError(f"span, threads, unroll and max_blocks must be >= 1, got {span}, {threads}, {unroll}, "
+                         f"{max_blocks}")
+    per_iter = threads * unroll
+    blocks = max(1, min(max_blocks, -(-span // per_iter)))
+    return blocks, -(-span // (blocks * per_iter))
+
+
+class Plan:
+    """Grid and buffer plan of one reduction (all sizes in 16-byte vector rows).
+
+    Attributes: ``mode``, ``world_size``, ``vec`` (elements per row), ``span`` (rows per
+    shard), ``shards``, ``rows_in`` (rows of real input), ``blocks``, ``iters``,
+    ``threads``, ``unroll``; ``stage_rows = shards * span``.
+    """
+
+    def __init__(self, mode: str, world_size: int, vec: int, span: int, shards: int, rows_in: int,
+                 threads: int, unroll: int, max_blocks: int):
+        self.mode, self.world_size, self.vec = mode, world_size, vec
+        self.span, self.shards, self.rows_in = span, shards, rows_in
+        self.threads, self.unroll = threads, unroll
+        self.blocks, self.iters = grid(span, threads, unroll, max_blocks)
+
+    @property
+    def stage_rows(self) -> int:
+        return self.shards * self.span
+
+    @property
+    def flag_words(self) -> int:
+        """uint64 words of the flag array: ready and data flags of every rank and block,
+        :data:`FLAG_STRIDE` words apart."""
+        return 2 * self.world_size * self.blocks * FLAG_STRIDE
+
+    def __repr__(self) -> str:
+        return (f"Plan({self.mode}, world_size={self.world_size}, vec={self.vec}, span={self.span}, "
+                f"shards={self.shards}, blocks={self.blocks}, iters={self.iters}, "
+                f"threads={self.threads}, unroll={self.unroll})")
+
+
+def plan_grid(mode: str, numel: int, itemsize: int, world_size: int, threads: int = 512,
+              unroll: Optional[int] = None, max_blocks: int = 132) -> Plan:
+    """The plan for ``numel`` elements of ``itemsize`` bytes.
+
+    ``numel`` is the whole tensor for ``one_shot`` / ``two_shot`` and one output shard (one
+    input row) for ``reduce_scatter``. ``one_shot``: one shard of ``ceil(numel / vec)`` rows;
+    ``two_shot``: ``world_size`` shards of ``ceil(rows / world_size)`` rows (the last ones
+    zero-padded); ``reduce_scatter``: ``world_size`` shards of ``ceil(numel / vec)`` rows (each
+    input row padded to whole vectors). The grid is at most ``max_blocks`` blocks and no more
+    than there are ``threads * unroll`` rows of a shard.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    for name, value in (("numel", numel), ("world_size", world_size), ("threads", threads),
+                        ("max_blocks", max_blocks)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    unroll = check_unroll(unroll, world_size)
+    vec = vector_elems(itemsize)
+    rows = -(-numel // vec)
+    if mode == "one_shot":
+        return Plan(mode, world_size, vec, rows, 1, rows, threads, unroll, max_blocks)
+    if mode == "two_shot":
+        return Plan(mode, world_size, vec, -(-rows // world_size), world_size, rows, threads, unroll, max_blocks)
+    return Plan(mode, world_size, vec, rows, world_size, world_size * rows, threads, unroll, max_blocks)
+
+
+def torch_reference(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``sum_p inputs[p]`` added in rank order ``0, 1, ...`` in the accumulation dtype
+    (float32 for float16/bfloat16, the dtype itself otherwise), rounded once to the dtype:
+    what every rank's reduction kernel computes, bit for bit."""
+    inputs = list(inputs)
+    if not inputs:
+        raise ValueError("inputs must hold one tensor per rank, got none")
+    dtype = inputs[0].dtype
+    acc_dtype = _TORCH_ACCUMULATE.get(dtype, dtype)
+    total = inputs[0].to(acc_dtype)
+    for x in inputs[1:]:
+        total = total + x.to(acc_dtype)
+    return total.to(dtype)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the storage spans of ``a`` and ``b`` intersect (same device)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1, b1 = a0 + _extent(a), b0 + _extent(b)
+    return a0 < b1 and b0 < a1
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to one past its last (any strides >= 0)."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
+
+
+def rows_view(t: torch.Tensor, vec: int) -> Optional[torch.Tensor]:
+    """``t`` as a ``(numel / vec, vec)`` view when it is contiguous, 16-byte aligned and a
+    whole number of vectors; else None."""
+    n = t.numel()
+    if n % vec or not t.is_contiguous() or t.data_ptr() % VECTOR_BYTES:
+        return None
+    return t.view(n // vec, vec)
+
+
+# ------------------------------------------------------------------------------ base class
+class ReductionCollective(SymmetricCollective):
+    """Base of :class:`~tilescale_examples.collectives.allreduce.AllReduce` and
+    :class:`~tilescale_examples.collectives.reducescatter.ReduceScatter`: the plan, the staging buffers,
+    the flags, one compiled kernel of :func:`build_reduce_kernel` and its launch.
+
+    Subclasses call ``_setup(...)`` (from :class:`SymmetricCollective`) and then
+    ``_build(mode, numel, unroll, target)``.
+    """
+
+    _BUFFERS = ("stages", "stage_buffer", "flags", "state", "result", "output", "_inputs", "_padded")
+
+    def _build(self, mode: str, numel: int, unroll: Optional[int], target) -> None:
+        self.mode = mode
+        self.plan = plan_grid(mode, numel, self.itemsize, self.world_size, self.threads, unroll, self.max_blocks)
+        p = self.plan
+        nb = buffers(mode)
+        # one_shot / reduce_scatter have one flag round: double-buffer (see the module docstring);
+        # the kernel picks buffer e % 2 from its own call number, so one allocation holds both
+        self.stage_buffer = self._tensor((nb * p.stage_rows, p.vec))
+        self.stages = list(self.stage_buffer.split(p.stage_rows))
+        self.flags = self._tensor((p.flag_words,), torch.uint64)
+        self.stage_buffer.zero_()  # the padding rows are summed as zeros and never written by a call
+        self.flags.zero_()
+        self.state = torch.zeros((p.blocks,), dtype=torch.int64, device=self.device)
+        self.result = None if mode == "two_shot" else torch.empty((p.span, p.vec), dtype=self.dtype, device=self.device)
+        self._inputs = [self._input_view(stage) for stage in self.stages]
+        self._padded = None
+        name = REDUCE_DTYPES[self.dtype]
+        self.kernel = self._compile_kernel(lambda: build_reduce_kernel(mode, name, self.world_size, self.threads,
+                                                                       p.unroll),
+                                           target, PASS_CONFIGS,
+                                           key=("reduce", mode, name, self.world_size, self.threads, p.unroll))
+        self.bind_table(force=True)
+        settle(self.device, self.group)
+
+    def _input_view(self, stage: torch.Tensor) -> torch.Tensor:
+        """``stage`` as the caller's input shape (subclasses)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ buffers
+    def _next_input_view(self) -> Optional[torch.Tensor]:
+        """The zero-copy input view of the next call, or None where the host cannot know
+        which buffer that is (a double-buffered instance that has been captured in a CUDA
+        graph: replays advance the call number on the device only)."""
+        if len(self._inputs) > 1 and self.captured:
+            return None
+        return self._inputs[(self.epoch + 1) % len(self._inputs)]
+
+    @property
+    def input(self) -> torch.Tensor:
+        """The symmetric buffer the next call stages into, viewed as the input shape: fill
+        it and pass it to the call to skip staging (the view alternates between two buffers
+        for double-buffered modes, so read the attribute before every call).
+
+        Raises ``RuntimeError`` for a double-buffered mode (``one_shot``,
+        ``reduce_scatter``) once the instance has been captured in a CUDA graph: replays
+        advance the call number on the device, so the host no longer knows the next buffer
+        (pass a tensor of your own; the kernel stages it)."""
+        self._check_open()
+        view = self._next_input_view()
+        if view is None:
+            raise RuntimeError(f"{type(self).__name__}({self.mode}).input: this instance has been captured in a CUDA "
+                               "graph, so which of its two staging buffers the next call uses is known only on the "
+                               "device; pass a tensor of your own (the kernel stages it)")
+        return view
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(shape={self.input_shape}, dtype={self.dtype}, world_size={self.world_size}, "
+                f"mode={self.mode!r}, blocks={self.plan.blocks}, epoch={self.epoch}"
+                f"{', closed' if self.closed else ''})")
+
+    def _is_view_of(self, t, view: Optional[torch.Tensor]) -> bool:
+        return (view is not None and isinstance(t, torch.Tensor) and t.data_ptr() == view.data_ptr() and t.shape == view.shape and t.stride() == view.stride()
+                and t.dtype == view.dtype and t.device == view.device)
+
+    def _check_out(self, out: torch.Tensor, shape) -> None:
+        self.check_tensor(out, shape, "out", "the output shape")
+        if self._is_view_of(out, self.output):
+            return
+        if any(_overlaps(out, s) for s in self.stages):
+            raise ValueError(f"out overlaps this {type(self).__name__}'s symmetric staging buffers, which peers "
+                             "read and write during calls; pass a tensor of your own (or no out)")
+
+    def _out_rows(self, out: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``out`` as the kernel's ``(span, vec)`` output when it is exactly whole aligned
+        rows, else None (the kernel then writes ``result`` and the call copies)."""
+        rows = None if out is None else rows_view(out, self.plan.vec)
+        return rows if rows is not None and rows.shape[0] == self.plan.span else None
+
+    # ------------------------------------------------------------------ launch
+    def _launch(self, input: torch.Tensor, out_rows: Optional[torch.Tensor], stage_copy) -> torch.Tensor:
+        """Stage ``input`` (in the kernel when it is whole aligned vectors, else copied by
+        ``stage_copy(padded, input)`` into a zero-padded local buffer that the kernel stages)
+        and run this call's kernel; returns the staging buffer the call uses. ``input`` needs
+        no staging when it is the zero-copy view of this call's buffer (``self.input``)."""
+        p = self.plan
+        nb = len(self.stages)
+        if self._note_capture() and nb > 1 and any(_overlaps(input, s) for s in self.stages):
+            raise RuntimeError(f"{type(self).__name__}({self.mode}): input is one of this instance's own staging "
+                               "buffers, and the instance has been captured in a CUDA graph, where the buffer of "
+                               "each call is chosen on the device; pass a tensor of your own")
+        zero_copy = self._is_view_of(input, self._next_input_view())
+        self.epoch += 1
+        self.bind_table()
+        stage_in = 1
+        if zero_copy:
+            x, stage_in = self.stages[self.epoch % nb], 0
+        else:
+            x = rows_view(input, p.vec)
+            if x is not None and p.mode == "reduce_scatter" and x.shape[0] != p.stage_rows:
+                x = None  # rows of the input are not whole vectors: padded by the copy below
+            if x is None:
+                if self._padded is None:
+                    self._padded = torch.zeros((p.stage_rows, p.vec), dtype=self.dtype, device=self.device)
+                stage_copy(self._padded, input)
+                x = self._padded
+        args = [x, self.stage_buffer] + ([] if out_rows is None else [out_rows])
+        self.kernel(*args, self.flags, self.state, p.blocks, p.iters, p.span, p.rows_in, stage_in)
+        return self.stages[self.epoch % nb]

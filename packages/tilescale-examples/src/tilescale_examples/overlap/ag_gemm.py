@@ -1,0 +1,277 @@
+"""All-gather + GEMM, overlapped: ``out = all_gather(a) @ b`` (tensor-parallel column layout).
+
+Every rank holds ``a``, an ``(m_local, k)`` row block of the activations, and ``b``, its own
+``(k, n)`` weight columns; afterwards every rank holds ``out = A @ b`` with ``A`` the
+``(world_size * m_local, k)`` stack of every rank's ``a`` (what ``all_gather_into_tensor``
+followed by ``torch.matmul`` computes)::
+
+    agg = AllGatherGEMM(allocator, m_local=1024, k=8192, n=3584, dtype=torch.bfloat16)
+    out = agg(a, b)      # (world_size * 1024, 3584)
+    ...
+    agg.close()
+
+The fused plan (deadlock-free by construction)
+----------------------------------------------
+
+* **This rank's rows** need no communication: the stock GEMM
+  (:func:`~tilescale_examples.overlap.gemm.build_gemm_kernel`) multiplies ``a`` itself into its rows
+  of ``out`` on the caller's stream, launched first.
+* **Producer: the copy engines.** :class:`~tilescale_examples.overlap.stream_ops.CopyEnginePush`
+  copies each row chunk of ``a`` (``cuMemcpyAsync``, one side stream per peer) into slot
+  ``rank`` of every other rank's gathered buffer through the heap's peer mappings, and after
+  each copy writes the call's epoch into that chunk's flag on the receiving rank
+  (``cuStreamWriteValue64``, which fences the copy before the write). No SM is used, so the
+  producer progresses whatever the GEMMs do.
+* **Consumer: the peers' rows.** A pipelined TMA + WGMMA GEMM (:func:`build_ag_gemm_kernel`,
+  the same tile program) on a compute stream. Before its main loop, thread 0 of each
+  ``(block_m, block_n)`` tile waits (``T.wait_ge``, an ``ld.acquire.sys`` poll) for the flag
+  of the chunk holding its rows, then every thread issues ``fence.proxy.async`` (TMA reads
+  through the async proxy what the acquire made visible). Tiles run in :func:`tile_order`:
+  chunk by chunk, the order in which the copies arrive. It fills the SMs the first GEMM
+  leaves and takes over as that one drains.
+
+A spinning tile waits only for copy-engine work that depends on nothing running on SMs; no
+kernel needs another one to be resident. With one rank, the call is the first GEMM alone.
+
+Buffers are double-buffered by the parity of the epoch: call ``e`` writes parity ``e % 2``.
+Rank ``q`` starts the copies of call ``e + 1`` only after its GEMMs of call ``e`` finished
+(its side streams follow its stream), its peer GEMM waited for every rank's copies of call
+``e``, and each rank ``p`` started those only after its own peer GEMM of call ``e - 1``, the
+last reader of parity ``(e + 1) % 2`` on ``p``, had finished. So no copy overwrites rows a
+GEMM still reads, without any handshake. Flags are set to the epoch (never reset) and waits
+are ``>=``.
+
+The sequential plan (``plan="sequential"``, or ``"auto"`` where stream memory operations are
+missing, with a log line): the example :class:`~tilescale_examples.collectives.allgather.AllGather`
+kernel, then the stock GEMM on the gathered rows; no overlap.
+
+Constraints: ``m_local % block_m == 0``, ``k % block_k == 0``, ``n % block_n == 0`` (else a
+``ValueError`` naming the argument, before anything is allocated); float16 and bfloat16 with
+float32 accumulation.
+"""
+
+# (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from tilescale_examples.base import check_tensor, compile_once, settle
+from tilescale_examples.overlap.gemm import (DTYPES, GemmTiles, OverlappedGemm, build_gemm_kernel, check_gemm_dims,
+                                     check_positive, gemm_mainloop)
+from tilescale_examples.overlap.stream_ops import CopyEnginePush, plan_row_chunks
+
+__all__ = ["AllGatherGEMM", "build_ag_gemm_kernel", "tile_order", "torch_reference", "heap_bytes"]
+
+
+def tile_order(world_size: int, chunks: Sequence, units: int) -> torch.Tensor:
+    """The peer GEMM's row-block order, rank-agnostic: an ``int32`` ``((world_size - 1) *
+    units, 2)`` table whose row ``s`` is ``(j * units + u, c)`` for the ``s``-th row block
+    to compute: unit ``u`` (``block_m`` rows) of rank ``(rank + j) % world_size`` (``j >=
+    1``), delivered in chunk ``c``. Chunk by chunk, and within a chunk rank ``rank + 1``,
+    ``rank + 2``, ...: the order in which the peers' copies arrive."""
+    rows = [(j * units + u, c) for c, (first, n) in enumerate(chunks)
+            for j in range(1, world_size) for u in range(first, first + n)]
+    if sorted(code for code, _ in rows) != list(range(units, world_size * units)):
+        raise ValueError(f"chunks {list(chunks)} do not cover {units} units exactly once")
+    return torch.tensor(rows, dtype=torch.int32).view(-1, 2)
+
+
+def build_ag_gemm_kernel(m_local: int, k: int, n: int, world_size: int, num_chunks: int,
+                         dtype: str = "bfloat16", tiles: Optional[GemmTiles] = None):
+    """The fused plan's peer GEMM ``T.prim_func`` (the rows of the other ranks):
+    ``(A: (2 * world_size * m_local, k), B: (k, n), Out: (world_size * m_local, n), Flags:
+    (world_size * num_chunks,) uint64, Order: ((world_size - 1) * m_local / block_m, 2)
+    int32, epoch: int64)``.
+
+    ``A`` is the gathered buffer (parity ``epoch % 2`` is read), ``Flags[src * num_chunks +
+    c]`` the flag of chunk ``c`` from rank ``src``, ``Order`` the :func:`tile_order` table.
+    Needs ``kernel.initialize`` (it reads its rank from the table) and ``world_size >= 2``."""
+    import tilelang.language as T
+
+    tiles = tiles or GemmTiles()
+    check_gemm_dims("build_ag_gemm_kernel", tiles, m_local=m_local, k=k, n=n)
+    check_positive("num_chunks", num_chunks)
+    if not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"world_size must be an int >= 2 (one rank has no peer rows), got {world_size!r}")
+    W, C, BM, BN = world_size, num_chunks, tiles.block_m, tiles.block_n
+    U, M = m_local // BM, world_size * m_local
+    mainloop = gemm_mainloop(k, dtype, tiles)
+
+    @T.prim_func
+    def ag_gemm(A: T.Tensor((2 * M, k), dtype), B: T.Tensor((k, n), dtype), Out: T.Tensor((M, n), dtype),
+                Flags: T.Tensor((W * C,), "uint64"), Order: T.Tensor(((W - 1) * U, 2), "int32"), epoch: T.int64):
+        with T.Kernel(n // BN, (W - 1) * U, threads=tiles.threads) as (bx, by):
+            C_f = T.alloc_fragment((BM, BN), "float32")
+            code = Order[by, 0]
+            src = (T.get_rank() + code // U) % W
+            row = src * m_local + code % U * BM  # the tile's first row of the gathered A
+            if T.get_thread_binding() == 0:
+                T.wait_ge(Flags[src * C + Order[by, 1]], epoch)  # its chunk of call `epoch` landed
+            T.sync_threads()
+            T.fence_proxy_async()  # the landed rows before the async-proxy (TMA) reads
+            mainloop(A, B, C_f, (epoch % 2) * M + row, bx * BN)
+            T.copy(C_f, Out[row, bx * BN])
+
+    return ag_gemm
+
+
+def torch_reference(a_shards, b: torch.Tensor) -> torch.Tensor:
+    """``cat(a_shards) @ b`` in float32 (compare the kernel's output with
+    :func:`~tilescale_examples.overlap.gemm.count_outside`)."""
+    a_shards = list(a_shards)
+    if not a_shards:
+        raise ValueError("a_shards must hold one tensor per rank, got none")
+    return torch.cat([a.float() for a in a_shards], dim=0) @ b.float()
+
+
+def heap_bytes(world_size: int, m_local: int, k: int, dtype: torch.dtype = torch.bfloat16, max_chunks: int = 8,
+               max_blocks: int = 256) -> int:
+    """Symmetric-heap bytes per rank one :class:`AllGatherGEMM` needs under either plan
+    (the larger): fused, the double gathered buffer and the flags; sequential, the
+    all-gather's input, output and flags (``max_blocks`` bounds its chunks). Alignment slack
+    included."""
+    item = torch.empty((), dtype=dtype).element_size()
+    fused = 2 * world_size * m_local * k * item + 8 * world_size * max_chunks
+    sequential = (1 + world_size) * m_local * k * item + 16 * world_size * max_blocks
+    return max(fused, sequential) + 4 * 256
+
+
+class AllGatherGEMM(OverlappedGemm):
+    """``out = all_gather(a) @ b`` with the all-gather on the copy engines, overlapped with
+    the GEMM (see the module docstring).
+
+    Args:
+        allocator: an open tilescale-core allocator; its ``num_ranks`` ranks take part.
+        m_local, k, n: ``a`` is ``(m_local, k)`` on every rank, ``b`` ``(k, n)``; the output
+            is ``(world_size * m_local, n)``. Multiples of ``block_m``, ``block_k``,
+            ``block_n``.
+        dtype: float16 or bfloat16 (float32 accumulation).
+        group: process group (the constructor's barrier and plan agreement); default the
+            initialised world group.
+        block_m, block_n, block_k, num_stages, threads: the GEMM's tiling
+            (:class:`~tilescale_examples.overlap.gemm.GemmTiles`).
+        max_chunks: most row chunks per rank (:func:`~tilescale_examples.overlap.stream_ops.plan_row_chunks`).
+        plan: ``"auto"`` (fused where stream memory operations exist on every rank and every
+            rank has a GPU of its own, else sequential with a log line), ``"fused"`` or
+            ``"sequential"``.
+        target: TileLang target (default ``sm_90a``).
+
+    Attributes: ``output`` (``(world_size * m_local, n)``, overwritten by the next call),
+    ``epoch`` (calls made), ``plan`` and ``plan_reason``, ``tiles``; fused: ``own_kernel``
+    (this rank's rows), ``kernel`` (the peers' rows; the same as ``own_kernel`` with one
+    rank), ``chunks`` (``[(first_unit, n_units)]``), ``gathered`` (the local ``(2,
+    world_size, m_local, k)`` buffer) and ``flags``; sequential: ``all_gather`` and
+    ``kernel`` (the stock GEMM).
+    Construction and calls are collective: same instances, same call sequence on every rank.
+    """
+
+    _BUFFERS = ("output", "gathered", "flags", "all_gather", "own_kernel", "_push", "_peers", "_order",
+                "_compute")
+    #: Ranks sharing a GPU run the sequential plan: a copy within one GPU may be an SM kernel.
+    FUSED_NEEDS_OWN_GPUS = True
+
+    def __init__(self, allocator, m_local: int, k: int, n: int, dtype: Union[torch.dtype, str] = torch.float16, *,
+                 group=None, block_m: int = 128, block_n: int = 256, block_k: int = 64, num_stages: int = 3,
+                 threads: int = 256, max_chunks: int = 8, plan: str = "auto", target=None):
+        from tilescale_examples.base import check_target
+
+        check_target(target)
+        tiles = GemmTiles(block_m, block_n, block_k, num_stages, threads)
+        check_positive("max_chunks", max_chunks)
+        self._setup(allocator, m_local, k, n, dtype, group, tiles, plan, rows_per_call=2)
+        W, name = self.world_size, DTYPES[self.dtype]
+        self.all_gather = self.gathered = self.flags = self.chunks = self.own_kernel = None
+        self._push = self._peers = self._order = self._compute = None
+        self.output = torch.empty((W * m_local, n), dtype=self.dtype, device=self.device)
+        if self.plan == "sequential":
+            from tilescale_examples.collectives.allgather import AllGather
+
+            self.all_gather = AllGather(allocator, (m_local, k), self.dtype, group=self.group, target=target)
+            self.kernel = compile_once(build_gemm_kernel(W * m_local, n, k, name, tiles), self.group, target)
+            return
+        self.own_kernel = compile_once(build_gemm_kernel(m_local, n, k, name, tiles), self.group, target)
+        if W == 1:  # nothing to gather: the GEMM of this rank's rows is the whole call
+            self.kernel = self.own_kernel
+            self.plan_reason = "one rank: the GEMM alone, nothing to communicate"
+            return
+        import tilelang
+
+        units = m_local // block_m
+        self.chunks = plan_row_chunks(units, max_chunks)
+        gathered = _peer_list(tilelang.tensor((2, W, m_local, k), self.dtype, allocator=allocator, return_peers=True), W)
+        flags = _peer_list(tilelang.tensor((W * len(self.chunks),), torch.uint64, allocator=allocator, return_peers=True), W)
+        self.gathered, self.flags = gathered[self.rank], flags[self.rank]
+        self.flags.zero_()
+        self._peers = (gathered, flags)
+        self._order = tile_order(W, self.chunks, units).to(self.device)
+        self.kernel = self._compile_kernel(
+            lambda: build_ag_gemm_kernel(m_local, k, n, W, len(self.chunks), name, tiles), target)
+        self.bind_table(force=True)
+        settle(self.device, self.group)
+
+    def check_inputs(self, a, b) -> None:
+        """Raise ``TypeError`` / ``ValueError`` naming ``a`` or ``b`` unless they are contiguous
+        ``(m_local, k)`` and ``(k, n)`` tensors of this dtype on the allocator's device."""
+        check_tensor(a, (self.m_local, self.k), self.dtype, self.device, "a", "(m_local, k) =", "AllGatherGEMM")
+        check_tensor(b, (self.k, self.n), self.dtype, self.device, "b", "(k, n) =", "AllGatherGEMM")
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``all_gather(a) @ b`` on the current stream; returns ``self.output`` (overwritten
+        by the next call) or ``out`` (a contiguous ``(world_size * m_local, n)`` tensor of the
+        dtype on the device, written directly). ``a`` is read by the copy engines; it may be
+        overwritten by work enqueued after this call. Every rank makes the same sequence of
+        calls, eagerly or in CUDA graph replays.
+
+        Raises ``RuntimeError`` under CUDA graph capture for the fused plan with two or more
+        ranks (its copy-engine pushes carry the call number from the host); the sequential
+        plan and one rank capture."""
+        self._check_open()
+        self.check_inputs(a, b)
+        if out is not None:
+            check_tensor(out, (self.world_size * self.m_local, self.n), self.dtype, self.device, "out",
+                         "(world_size * m_local, n) =", "AllGatherGEMM")
+        if self.plan == "fused" and self.world_size > 1 and self._capturing():
+            raise RuntimeError("AllGatherGEMM(plan='fused') with two or more ranks cannot be captured in a CUDA "
+                               "graph: its copy-engine pushes carry the call number from the host. Build it with "
+                               "plan='sequential' to capture it")
+        result = self.output if out is None else out
+        main = self._begin_call()
+        if self.plan == "sequential":
+            gathered = self.all_gather(a)
+            self.kernel(gathered.view(-1, self.k), b, result)
+        else:
+            self._fused(a, b, main, result)
+        self._end_call(main)
+        return result
+
+    def _fused(self, a, b, main, output) -> None:
+        """Own rows on ``main`` straight from ``a``; the peers' rows on the compute stream as
+        their chunks land; the copies last (a copy waiting in a hardware queue shared with a
+        GEMM's stream then cannot hold that GEMM back)."""
+        m = self.m_local
+        own_rows = output[self.rank * m:(self.rank + 1) * m]
+        if self.world_size == 1:
+            self.own_kernel(a, b, own_rows)
+            return
+        if self._push is None:
+            self._push = CopyEnginePush(*self._peers, self.rank, self.world_size, self.chunks,
+                                        self.tiles.block_m, self.device)
+            self._compute = torch.cuda.Stream(device=self.device)
+        self._push.mark(main)
+        self._compute.wait_stream(main)
+        self.own_kernel(a, b, own_rows)
+        with torch.cuda.stream(self._compute):
+            self.bind_table()
+            self.kernel(self.gathered.view(-1, self.k), b, output, self.flags, self._order, self.epoch)
+        self._push.enqueue(a.data_ptr(), self.epoch)
+        self._push.finish(main)
+        main.wait_stream(self._compute)
+
+
+def _peer_list(views, world_size: int) -> list:
+    """``tilelang.tensor(..., return_peers=True)``'s result as a list of ``world_size`` views."""
+    views = list(views) if isinstance(views, (list, tuple)) else [views]
+    if len(views) != world_size:
+        raise RuntimeError(f"the allocator returned {len(views)} peer view(s) for {world_size} rank(s)")
+    return views

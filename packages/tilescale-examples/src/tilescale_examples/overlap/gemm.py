@@ -1,0 +1,251 @@
+"""The pipelined TMA + WGMMA GEMM that the overlapped examples share, its tile shape, the
+shape checks, and the error bound their tests and benchmarks use.
+
+* :class:`GemmTiles`: the tile program's shape (default ``128 x 256 x 64``, 3 stages, 256
+  threads: the shape of stock TileLang's Hopper GEMM example, which reaches about 0.9 of
+  cuBLAS on an H200 in bfloat16/float16).
+* :func:`gemm_mainloop`: a ``T.macro`` computing one ``block_m x block_n`` output tile into a
+  float32 fragment (``T.Pipelined`` over ``k``: TMA loads into shared memory, WGMMA); every
+  kernel here is this loop plus a prologue (which rows, what to wait for) and an epilogue.
+* :func:`build_gemm_kernel`: stock TileLang's GEMM with these tiles and no TileScale
+  intrinsic, ``C = A @ B``; the benchmarks' "stock TileLang GEMM" and the sequential plans'
+  GEMM.
+* :func:`check_gemm_dims`: ``ValueError`` naming the argument for a dimension that is not a
+  positive multiple of its tile.
+* :func:`error_bound` / :func:`count_outside`: the element-wise bound a 16-bit GEMM output
+  must meet against a float32 reference (see :func:`error_bound`).
+* :class:`OverlappedGemm`: the checks, plan, epoch and lifetime of the overlapped objects.
+"""
+
+# (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from tilescale_examples.base import Closable, KernelOwner
+
+__all__ = ["GemmTiles", "OverlappedGemm", "DTYPES", "gemm_mainloop", "build_gemm_kernel", "check_gemm_dims",
+           "check_positive", "unit_roundoff", "error_bound", "count_outside", "MAX_ELEMENTS"]
+
+#: torch dtype -> TileLang name of the operand dtypes the GEMMs accept (float32 accumulation).
+DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+#: Elements a kernel buffer may hold (the kernels index in ``int32``).
+MAX_ELEMENTS = 2**31
+
+
+def check_positive(name: str, value) -> int:
+    """``value`` if it is a positive int (not a bool); else ``ValueError`` naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """Shape of the GEMM tile program.
+
+    Attributes:
+        block_m, block_n, block_k: output tile rows and columns, and the ``k`` step (elements).
+        num_stages: shared-memory pipeline depth of the TMA loads.
+        threads: threads of the compute warpgroups (a multiple of 128; TileLang adds one
+            producer warpgroup for the TMA loads).
+    """
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    num_stages: int = 3
+    threads: int = 256
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "num_stages", "threads"):
+            check_positive(name, getattr(self, name))
+        if self.threads % 128:
+            raise ValueError(f"threads must be a multiple of 128 (whole warpgroups), got {self.threads}")
+        if self.threads + 128 > 1024:  # TileLang adds a 128-thread producer warpgroup; a block has <= 1024
+            raise ValueError(f"threads must be at most 896 (with TileLang's producer warpgroup a block has at most "
+                             f"1024 threads), got {self.threads}")
+
+
+def check_gemm_dims(owner: str, tiles: GemmTiles, **dims) -> None:
+    """Raise ``ValueError`` naming the argument unless every ``m`` / ``m_local`` / ``k`` /
+    ``n`` in ``dims`` is a positive int and a multiple of its tile (``block_m`` / ``block_m``
+    / ``block_k`` / ``block_n``). ``owner`` names the class in the message."""
+    tile_of = {"m": "block_m", "m_local": "block_m", "k": "block_k", "n": "block_n"}
+    for name, value in dims.items():
+        check_positive(name, value)
+        tile = tile_of[name]
+        size = getattr(tiles, tile)
+        if value % size:
+            raise ValueError(f"{owner}: {name}={value} is not a multiple of {tile}={size} (the GEMM tile); "
+                             f"pad {name} to {-(-value // size) * size} or pass a {tile} that divides it")
+
+
+def gemm_mainloop(k: int, dtype: str, tiles: GemmTiles):
+    """A ``T.macro`` ``mainloop(A, B, C_f, row, col)``: ``C_f = A[row:row+block_m, :] @
+    B[:, col:col+block_n]`` in the float32 fragment ``C_f`` (``(block_m, block_n)``), with
+    ``A`` and ``B`` global ``(*, k)`` / ``(k, *)`` tensors of ``dtype`` and ``row`` / ``col``
+    element offsets (run-time expressions are fine: the TMA coordinates take them)."""
+    import tilelang.language as T
+
+    BM, BN, BK, stages = tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages
+
+    @T.macro
+    def mainloop(A, B, C_f, row, col):
+        A_s = T.alloc_shared((BM, BK), dtype)
+        B_s = T.alloc_shared((BK, BN), dtype)
+        T.clear(C_f)
+        for kk in T.Pipelined(k // BK, num_stages=stages):
+            T.copy(A[row, kk * BK], A_s)
+            T.copy(B[kk * BK, col], B_s)
+            T.gemm(A_s, B_s, C_f)
+
+    return mainloop
+
+
+def build_gemm_kernel(m: int, n: int, k: int, dtype: str = "bfloat16", tiles: Optional[GemmTiles] = None):
+    """Stock TileLang's pipelined GEMM ``C = A @ B`` (``A: (m, k)``, ``B: (k, n)``, ``C: (m,
+    n)``, all ``dtype``, float32 accumulation) with ``tiles``; no TileScale intrinsic, so it
+    compiles and runs without a heap."""
+    import tilelang.language as T
+
+    tiles = tiles or GemmTiles()
+    check_gemm_dims("build_gemm_kernel", tiles, m=m, k=k, n=n)
+    BM, BN = tiles.block_m, tiles.block_n
+    mainloop = gemm_mainloop(k, dtype, tiles)
+
+    @T.prim_func
+    def gemm(A: T.Tensor((m, k), dtype), B: T.Tensor((k, n), dtype), C: T.Tensor((m, n), dtype)):
+        with T.Kernel(n // BN, m // BM, threads=tiles.threads) as (bx, by):
+            C_f = T.alloc_fragment((BM, BN), "float32")
+            mainloop(A, B, C_f, by * BM, bx * BN)
+            T.copy(C_f, C[by * BM, bx * BN])
+
+    return gemm
+
+
+# ------------------------------------------------------------------------------ checking
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Unit roundoff ``u`` of a 16-bit float (half an ulp at 1): ``2**-11`` for float16,
+    ``2**-8`` for bfloat16."""
+    u = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}.get(dtype)
+    if u is None:
+        raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}")
+    return u
+
+
+#: Slack for the float32 accumulation order, relative to the reference's RMS (a wrong element
+#: is off by about the RMS; a float32 sum of 8192 products errs by about 1e-6 of it).
+ORDER_SLACK = 1e-3
+
+
+def error_bound(ref: torch.Tensor, dtype: torch.dtype, rounded: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Element-wise bound on ``|out - ref|`` for an output of ``dtype`` computed with float32
+    accumulation, ``ref`` being the float32 result of the same products:
+
+    ``u * (|ref| + rounded) + ORDER_SLACK * rms(ref)``
+
+    ``u * |ref|``: the output's one rounding to ``dtype``; ``rounded`` (default 0): the sum of
+    the magnitudes of intermediate values that were rounded to ``dtype`` before being added
+    (the partial products of a reduce-scatter, each rounded once); ``ORDER_SLACK * rms``:
+    float32 summation-order differences between the kernel and the reference."""
+    ref = ref.float()
+    rms = ref.pow(2).mean().sqrt()
+    bound = ref.abs() if rounded is None else ref.abs() + rounded
+    return unit_roundoff(dtype) * bound + ORDER_SLACK * rms
+
+
+def count_outside(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
+                  rounded: Optional[torch.Tensor] = None) -> tuple:
+    """``(elements outside error_bound, worst |out - ref| / bound)``; NaN/inf count as outside."""
+    err = (out.float() - ref.float()).abs()
+    bound = error_bound(ref, dtype, rounded)
+    bad = ~(err <= bound)  # NaN compares False
+    worst = (err / bound).nan_to_num(float("inf")).max().item() if err.numel() else 0.0
+    return int(bad.sum().item()), worst
+
+
+# ------------------------------------------------------------------------------ the objects
+class OverlappedGemm(KernelOwner, Closable):
+    """What :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM` and
+    :class:`~tilescale_examples.overlap.gemm_rs.GemmReduceScatter` share: argument checks before
+    anything is allocated, the plan, the epoch, the call order across streams and the
+    lifetime. Subclasses call ``_setup(...)`` first, then build their plan; they keep the
+    GEMM in ``kernel`` (``None`` once closed) and list their buffers in ``_BUFFERS``."""
+
+    _BUFFERS: tuple = ()
+    #: Whether the fused plan needs one GPU per rank (its GEMM waits for copy-engine work).
+    FUSED_NEEDS_OWN_GPUS: bool = False
+
+    def _setup(self, allocator, m_local: int, k: int, n: int, dtype, group, tiles: GemmTiles, plan: str,
+               rows_per_call: int) -> None:
+        """Check everything (``ValueError`` / ``TypeError`` naming the argument), then set
+        ``allocator``, ``m_local``, ``k``, ``n``, ``dtype``, ``tiles``, ``world_size``,
+        ``rank``, ``device``, ``group``, ``plan``, ``plan_reason``, ``epoch``.
+        ``rows_per_call``: the largest row count of a buffer, in units of ``m_local`` (for the
+        ``int32`` indexing check)."""
+        from tilescale_examples.base import check_allocator, check_dtype, check_group, default_group
+        from tilescale_examples.overlap.stream_ops import CallOrder, resolve_plan
+
+        owner = type(self).__name__
+        check_allocator(allocator)
+        self.dtype = check_dtype(dtype, DTYPES)
+        check_gemm_dims(owner, tiles, m_local=m_local, k=k, n=n)
+        W = int(allocator.num_ranks)
+        if rows_per_call * W * m_local * max(k, n) >= MAX_ELEMENTS:
+            raise ValueError(f"{owner}: {rows_per_call} x {W} x {m_local} x {max(k, n)} elements exceed the "
+                             "kernels' int32 indexing (< 2**31); use a smaller m_local")
+        self.allocator, self.m_local, self.k, self.n, self.tiles = allocator, m_local, k, n, tiles
+        self.world_size, self.rank = W, int(allocator.local_rank)
+        check_group(group)
+        self.device = torch.device(allocator.device)
+        self.group = default_group() if group is None else group
+        self.plan, self.plan_reason = resolve_plan(owner, plan, self.device, self.group, W,
+                                                   type(self).FUSED_NEEDS_OWN_GPUS)
+        self.epoch = 0
+        self._order_calls = CallOrder()
+        self._captured = self._capturing_now = False
+
+    def _begin_call(self):
+        """Start a call on the current stream: order it after this instance's previous call
+        when the caller switched streams (not under CUDA graph capture, where the graph's own
+        order holds), count it; returns the stream."""
+        main = torch.cuda.current_stream(self.device)
+        self._capturing_now = self._capturing()
+        if self._capturing_now:
+            self._captured = True
+        else:
+            self._order_calls.before(main)
+        self.epoch += 1
+        return main
+
+    def _end_call(self, main) -> None:
+        """End a call: remember its stream position for the next eager call's ordering."""
+        if not self._capturing_now:
+            self._order_calls.after(main)
+
+    def flops(self) -> float:
+        """Floating-point operations of one call's GEMM: ``2 * world_size * m_local * n * k``."""
+        return 2.0 * self.world_size * self.m_local * self.n * self.k
+
+    def close(self) -> None:
+        """Drop the kernels, streams and buffers (idempotent); heap bytes return with
+        ``allocator.close()``."""
+        for name in self._BUFFERS:
+            part = getattr(self, name, None)
+            if isinstance(part, Closable):  # a collective of the sequential plan
+                part.close()
+            setattr(self, name, None)
+        self.kernel = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` has been called."""
+        return getattr(self, "kernel", None) is None
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(m_local={self.m_local}, k={self.k}, n={self.n}, dtype={self.dtype}, "
+                f"world_size={self.world_size}, plan={self.plan!r}, epoch={self.epoch}"
+                f"{', closed' if self.closed else ''})")

@@ -1,0 +1,280 @@
+"""Stream-ordered communication for the overlapped GEMMs: copy-engine pushes with flag
+writes, and waits on counters, all enqueued from the host (CUDA driver stream memory
+operations), so that no streaming multiprocessor (SM) is spent or held.
+
+* :class:`CopyEnginePush`: the all-gather producer of
+  :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM`. For every row chunk of this rank's
+  operand and every other rank ``p`` it enqueues ``cuMemcpyAsync`` into ``p``'s gathered
+  buffer through the heap's peer mapping, then ``cuStreamWriteValue64`` of the call's epoch
+  into the chunk's flag on ``p``. Both run on the copy engines and the stream front end:
+  they progress whatever the SMs are doing, which is what makes a GEMM that spins on those
+  flags deadlock-free.
+* :func:`wait_counter_geq`: ``cuStreamWaitValue32`` with ``GEQ`` (wrap-safe 32-bit compare)
+  on a counter that kernels of other ranks increment; work enqueued later on the stream
+  starts only when the counter has reached the value.
+* :func:`stream_ops_available`: whether the device supports these operations.
+* :func:`plan_row_chunks`: how a shard's row blocks are cut into chunks (growing sizes).
+* :func:`choose_plan` / :func:`resolve_plan`: ``"fused"`` when every rank's device supports
+  these operations, else (for ``plan="auto"``) the ``"sequential"`` fallback with a log line.
+* :class:`CallOrder`: keeps an object's calls in one stream order when the caller switches
+  streams between calls.
+
+The driver calls go through :mod:`tilescale_host._cuda` (checked: a failure raises
+``CudaError`` naming the call).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+__all__ = ["log", "PLANS", "stream_ops_available", "ranks_share_a_gpu", "choose_plan", "resolve_plan", "plan_row_chunks",
+           "CopyEnginePush", "CallOrder", "wait_counter_geq"]
+
+#: Logger of the examples (the plans' fallback notices go here, at WARNING).
+log = logging.getLogger("tilescale_examples")
+
+
+def stream_ops_available(device) -> tuple:
+    """``(ok, reason)``: whether ``device`` (a ``torch.device``) supports 64-bit stream memory
+    operations (``CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS``); never raises."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, f"{device} is not a CUDA device"
+    try:
+        from tilescale_host import _cuda
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if not _cuda.device_attribute("CAN_USE_64_BIT_STREAM_MEM_OPS", index):
+            return False, f"cuda:{index} reports no 64-bit stream memory operations"
+    except Exception as exc:  # no driver, no cuda-python, an old enum
+        return False, f"stream memory operations could not be queried: {exc}"
+    return True, f"cuda:{index} supports 64-bit stream memory operations"
+
+
+def ranks_share_a_gpu(device, group=None, world_size: int = 1) -> bool:
+    """Whether two ranks of ``group`` run on one physical GPU (their devices' UUIDs agree).
+    Collective over ``group`` when ``world_size > 1``; ``False`` for one rank.
+
+    Why it matters: a device-to-device ``cuMemcpyAsync`` whose source and destination are on
+    the same GPU may be carried out by a copy kernel on the SMs rather than by a copy engine,
+    and then a kernel that spins on every SM waiting for that copy never sees it."""
+    import torch
+
+    if world_size <= 1 or group is None:
+        return False
+    import torch.distributed as dist
+
+    device = torch.device(device)
+    mine = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else f"host:{device}"
+    # a fixed-size byte tensor on the backend's device: object collectives pick a device of
+    # their own, which a gloo group given CUDA tensors rejects
+    from tilescale_examples.base import collective_device
+
+    raw = mine.encode()[:64].ljust(64, b"\0")
+    local = torch.tensor(list(raw), dtype=torch.uint8, device=collective_device(group, device))
+    every = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(every, local, group=group)
+    uuids = {bytes(t.cpu().tolist()) for t in every}
+    return len(uuids) < world_size
+
+
+#: Values of the overlapped GEMMs' ``plan`` argument.
+PLANS = ("auto", "fused", "sequential")
+
+
+def choose_plan(requested: str, available: bool, reason: str = "") -> tuple:
+    """``(plan, reason)`` for a ``requested`` plan (one of :data:`PLANS`) given whether stream
+    memory operations are ``available`` on every rank (``reason`` says why or why not).
+
+    ``"sequential"`` is always honoured; ``"fused"`` needs the operations (``RuntimeError``
+    otherwise); ``"auto"`` is ``"fused"`` when they are available, else ``"sequential"``.
+    Pure: no device access."""
+    if requested not in PLANS:
+        raise ValueError(f"plan must be one of {PLANS}, got {requested!r}")
+    if requested == "sequential":
+        return "sequential", "requested"
+    if available:
+        return "fused", reason
+    if requested == "fused":
+        raise RuntimeError(f"plan='fused' needs stream memory operations on every rank: {reason}")
+    return "sequential", reason
+
+
+def resolve_plan(owner: str, requested: str, device, group=None, world_size: int = 1,
+                 needs_own_gpus: bool = False) -> tuple:
+    """:func:`choose_plan` with availability probed on ``device`` and agreed over ``group``
+    (collective when ``world_size > 1`` and ``requested`` is not ``"sequential"``: the ranks
+    must allocate the same buffers). ``needs_own_gpus``: the fused plan waits on SMs for
+    device-to-device copies, so it is unavailable when ranks share a GPU
+    (:func:`ranks_share_a_gpu`). Logs a WARNING when ``"auto"`` falls back."""
+    from tilescale_examples.base import all_ranks_agree
+
+    if requested not in PLANS:
+        raise ValueError(f"plan must be one of {PLANS}, got {requested!r}")
+    if requested == "sequential":
+        return choose_plan(requested, False)
+    ok, reason = stream_ops_available(device)
+    if world_size > 1:
+        agreed = all_ranks_agree(ok, group, device)
+        if ok and not agreed:
+            reason = "another rank's device has no 64-bit stream memory operations"
+        ok = agreed
+        if ok and needs_own_gpus and ranks_share_a_gpu(device, group, world_size):
+            ok, reason = False, ("ranks share a GPU, where device-to-device copies may run on the SMs "
+                                 "that the waiting GEMM holds")
+    plan, reason = choose_plan(requested, ok, reason)
+    if requested == "auto" and plan == "sequential":
+        log.warning("%s: %s; using the sequential plan (communication kernel, then GEMM, no overlap)", owner, reason)
+    return plan, reason
+
+
+def plan_row_chunks(units: int, max_chunks: int = 8) -> list:
+    """Cut ``units`` row blocks into at most ``max_chunks`` chunks ``(first_unit, n_units)``
+    of growing size: 1, 2, 4, ... units, the last one taking the rest (a rest smaller than the
+    chunk before joins it). The first chunk is small so that the first GEMM tiles start
+    early; later chunks are large so that few copies (and host calls) are needed."""
+    for name, value in (("units", units), ("max_chunks", max_chunks)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    sizes, size, left = [], 1, units
+    while left:
+        take = min(size, left)
+        if len(sizes) == max_chunks - 1 or (sizes and left - take < take and left - take > 0):
+            take = left  # the last chunk: everything left
+        sizes.append(take)
+        left -= take
+        size *= 2
+    chunks, first = [], 0
+    for n in sizes:
+        chunks.append((first, n))
+        first += n
+    return chunks
+
+
+def _driver():
+    from tilescale_host import _cuda
+
+    return _cuda.driver(), _cuda.check
+
+
+def wait_counter_geq(stream_handle: int, address: int, value: int) -> None:
+    """Enqueue on the stream with raw handle ``stream_handle`` a wait until the 32-bit word at
+    device ``address`` satisfies ``(int32)(word - value) >= 0`` (``cuStreamWaitValue32``,
+    ``GEQ``: correct across wrap-around while the two are within 2**31)."""
+    drv, check = _driver()
+    check(drv.cuStreamWaitValue32(stream_handle, address, value & 0xFFFFFFFF,
+                                  drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
+
+
+class CopyEnginePush:
+    """The copy-engine all-gather of a row-chunked ``(m_local, k)`` operand to the other ranks.
+
+    Args:
+        gathered: one view per rank (index = rank) of the symmetric ``(2, world_size,
+            m_local, k)`` gathered buffer: parity ``e % 2`` of call ``e`` holds the ranks'
+            rows, slot ``src`` rank ``src``'s.
+        flags: one view per rank of the symmetric ``uint64`` flags, ``(world_size *
+            len(chunks),)``; ``flags[src * len(chunks) + c]`` on rank ``p`` is set to the
+            epoch when chunk ``c`` of ``src`` has landed on ``p``.
+        rank, world_size: this rank and the number of ranks (at least 2).
+        chunks: ``[(first_unit, n_units), ...]`` (:func:`plan_row_chunks`) in units of
+            ``block_m`` rows.
+        block_m: rows per unit.
+        device: the CUDA device of the views (the side streams are made at the first call).
+
+    One side stream per peer offset ``j`` (peer ``(rank + j) % world_size``, ``j = 1 ..
+    world_size - 1``), so the copies to different ranks run on different copy engines. A call
+    is :meth:`mark` (the point of the caller's stream the copies follow), :meth:`enqueue`,
+    :meth:`finish`.
+    """
+
+    def __init__(self, gathered: Sequence, flags: Sequence, rank: int, world_size: int,
+                 chunks: Sequence, block_m: int, device):
+        if world_size < 2:
+            raise ValueError(f"world_size must be >= 2 (one rank has no peer), got {world_size}")
+        if len(gathered) != world_size or len(flags) != world_size:
+            raise ValueError(f"need one gathered and one flags view per rank ({world_size}), "
+                             f"got {len(gathered)} and {len(flags)}")
+        _, w, self.m_local, k = gathered[rank].shape
+        if w != world_size:
+            raise ValueError(f"gathered has {w} rank slots, world_size is {world_size}")
+        if sum(n for _, n in chunks) * block_m != self.m_local:
+            raise ValueError(f"chunks {list(chunks)} of {block_m} rows do not cover m_local={self.m_local}")
+        self.rank, self.world_size, self.chunks = rank, world_size, list(chunks)
+        self.row_bytes = k * gathered[rank].element_size()
+        self.block_m, self.device = block_m, device
+        self._dst = [g.data_ptr() for g in gathered]
+        self._flag = [f.data_ptr() for f in flags]
+        self.streams = None
+
+    def ops(self, a_ptr: int, epoch: int) -> list:
+        """Call ``epoch``'s operations in enqueue order: ``(j, dst, src, nbytes, flag)``:
+        on side stream ``j - 1``, copy ``nbytes`` from ``src`` to ``dst``, then write
+        ``epoch`` into the 8-byte ``flag`` (device addresses). Chunk by chunk, and within a
+        chunk to ``rank + 1``, ``rank + 2``, ... (pure: no device access)."""
+        W, me, C = self.world_size, self.rank, len(self.chunks)
+        slot = ((epoch % 2) * W + me) * self.m_local * self.row_bytes
+        unit_bytes = self.block_m * self.row_bytes
+        out = []
+        for c, (first, n) in enumerate(self.chunks):
+            offset = first * unit_bytes
+            for j in range(1, W):
+                p = (me + j) % W
+                out.append((j, self._dst[p] + slot + offset, a_ptr + offset, n * unit_bytes,
+                            self._flag[p] + 8 * (me * C + c)))
+        return out
+
+    def mark(self, after) -> None:
+        """The copies of the next :meth:`enqueue` follow everything enqueued on the stream
+        ``after`` so far (the operand is written; this rank's previous GEMMs have finished)."""
+        import torch
+
+        if self.streams is None:
+            self.streams = [torch.cuda.Stream(device=self.device) for _ in range(self.world_size - 1)]
+            self._start = torch.cuda.Event()
+            self._done = [torch.cuda.Event() for _ in self.streams]
+        self._start.record(after)
+
+    def enqueue(self, a_ptr: int, epoch: int) -> None:
+        """Enqueue :meth:`ops` on the side streams (after :meth:`mark`'s point)."""
+        drv, check = _driver()
+        memcpy, write = drv.cuMemcpyAsync, drv.cuStreamWriteValue64
+        fence = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT  # orders the copy before the flag
+        for s in self.streams:
+            s.wait_event(self._start)
+        handles = [s.cuda_stream for s in self.streams]
+        for j, dst, src, nbytes, flag in self.ops(a_ptr, epoch):
+            check(memcpy(dst, src, nbytes, handles[j - 1]), "cuMemcpyAsync")
+            check(write(handles[j - 1], flag, epoch, fence), "cuStreamWriteValue64")
+
+    def finish(self, main) -> None:
+        """Make ``main`` wait for the side streams: later work on ``main`` may overwrite the
+        operand."""
+        for s, done in zip(self.streams, self._done):
+            done.record(s)
+            main.wait_event(done)
+
+
+class CallOrder:
+    """Orders each call of an instance after the previous one when the caller switches
+    streams between calls (the double-buffering arguments assume one stream order):
+    ``before(stream)`` makes ``stream`` wait for the previous call's ``after(stream)``."""
+
+    def __init__(self):
+        self._event = None
+        self._stream = None
+
+    def before(self, stream) -> None:
+        if self._stream is not None and self._stream != stream.cuda_stream:
+            stream.wait_event(self._event)
+
+    def after(self, stream) -> None:
+        import torch
+
+        if self._event is None:
+            self._event = torch.cuda.Event()
+        self._event.record(stream)
+        self._stream = stream.cuda_stream

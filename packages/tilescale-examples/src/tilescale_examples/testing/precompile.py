@@ -1,0 +1,77 @@
+"""Fill TileLang's disk cache with many kernels at once, in parallel worker processes.
+
+A collective compiles its kernel on first use under the host-wide compile lock
+(``compile_once=True``: one process at a time). A test or benchmark that builds many
+collectives of different dtypes and world sizes would pay those compiles one after the other;
+:func:`precompile` runs them first in a pool of worker processes (plain ``tilelang.compile``,
+the same cache key as the collectives' compiles: same source, target, pass configuration and
+TileScale compile flags), so the later ``compile_once`` calls are cache hits.
+
+A job is ``(builder, args, pass_configs)``: ``builder`` names a kernel builder as
+``"module:function"`` (``"tilescale_examples.collectives.reduce_engine:build_reduce_kernel"``), ``args``
+its positional arguments, ``pass_configs`` the TileLang pass configuration the collective
+compiles with (or None). A cache miss afterwards only costs time, never correctness.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from typing import Iterable, Optional, Sequence, Tuple
+
+__all__ = ["precompile", "reduction_jobs", "compile_job"]
+
+Job = Tuple[str, tuple, Optional[dict]]
+
+
+def compile_job(job: Job, env: dict) -> str:
+    """Worker body: set ``env`` (cache directory, wait timeout), build and compile one job;
+    returns the kernel's global symbol."""
+    os.environ.update(env)
+    import tilelang
+
+    from tilescale_examples.base import TARGET
+
+    builder, args, pass_configs = job
+    module, name = builder.split(":")
+    func = getattr(importlib.import_module(module), name)(*args)
+    extra = {} if pass_configs is None else {"pass_configs": dict(pass_configs)}
+    tilelang.compile(func, target=TARGET, **extra)
+    return str(func.attrs["global_symbol"])
+
+
+def precompile(jobs: Iterable[Job], cache_dir: Optional[str] = None, workers: Optional[int] = None,
+               env: Optional[dict] = None) -> list:
+    """Compile ``jobs`` (duplicates dropped) into TileLang's disk cache ``cache_dir`` (default:
+    ``$TILELANG_CACHE_DIR``) with ``workers`` processes (default: one per job, at most the CPU
+    count). The workers get this process's ``TILELANG_*``, ``TILESCALE_*`` and ``CUDA_*``
+    variables updated with ``env``: give them the settings that change compile flags (like
+    ``TILESCALE_WAIT_TIMEOUT_MS``) as the later compiles will see them. Returns the kernels'
+    symbols, one per distinct job. Call it before the ranks start (it spawns processes and
+    uses no GPU)."""
+    unique = list(dict.fromkeys((b, tuple(a), None if p is None else tuple(sorted(p.items()))) for b, a, p in jobs))
+    if not unique:
+        return []
+    base = {k: v for k, v in os.environ.items() if k.startswith(("TILELANG_", "TILESCALE_", "CUDA_"))}
+    env = {**base, **(env or {})}
+    if cache_dir is not None:
+        env["TILELANG_CACHE_DIR"] = str(cache_dir)
+    n = workers or min(len(unique), os.cpu_count() or 1)
+    todo = [(b, a, None if p is None else dict(p)) for b, a, p in unique]
+    with ProcessPoolExecutor(max_workers=n, mp_context=get_context("spawn")) as pool:
+        return list(pool.map(compile_job, todo, [env] * len(todo)))
+
+
+def reduction_jobs(modes: Sequence[str], dtypes: Sequence[str], world_sizes: Sequence[int],
+                   threads: int = 512, unroll: Optional[int] = None) -> list:
+    """Jobs of the reduction kernels (:func:`~tilescale_examples.collectives.reduce_engine.build_reduce_kernel`)
+    that :class:`~tilescale_examples.collectives.allreduce.AllReduce` / ``ReduceScatter`` built with these
+    ``threads`` and ``unroll`` (None: the default) compile, for every ``mode x dtype name x
+    world size``."""
+    from tilescale_examples.collectives.reduce_engine import PASS_CONFIGS, default_unroll
+
+    return [("tilescale_examples.collectives.reduce_engine:build_reduce_kernel",
+             (m, d, w, threads, default_unroll(w) if unroll is None else unroll), PASS_CONFIGS)
+            for w in world_sizes for m in modes for d in dtypes]
