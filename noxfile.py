@@ -114,7 +114,7 @@ def tests(session: nox.Session, package: str) -> None:
     _install(session, package, extras="test")
     session.run(
         "python", "-m", "pytest", str(PACKAGES / f"tilescale-{package}" / "tests"),
-        "-m", "not gpu", "-q", "-p", "no:cacheprovider", *session.posargs,
+        "-m", "not gpu", "-p", "no:cacheprovider", "--durations=5", *session.posargs,  # a line per module
         env=_suite_env(session),
     )
     if package == "examples" and not session.posargs:
@@ -397,6 +397,31 @@ def build(session: nox.Session) -> None:
         session.run("python", "-m", "build", "--outdir", str(DIST), str(PACKAGES / directory))
     for f in sorted(DIST.iterdir()):
         session.log(f.name)
+
+
+@nox.session
+def snippets(session: nox.Session) -> None:
+    """Run README.md's and docs/quickstart.md's CPU snippets in this fresh environment, each after
+    its install line, from dist/ (``nox -s build`` first); see ci/snippets.py."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "ci"))
+    import snippets as doc_snippets
+
+    if not any(DIST.glob("*.whl")):
+        session.error("dist/ has no wheels: run `nox -s build` first")
+    env = {**_cuda_env(), "TILELANG_CACHE_DIR": str(Path(session.virtualenv.location) / "tilelang-cache")}
+    ran = 0
+    for doc in doc_snippets.DOCS:
+        for snip in doc_snippets.snippets((ROOT / doc).read_text(encoding="utf-8")):
+            if snip.kind != "cpu":
+                continue
+            session.log(f"{doc}:{snip.line}: {snip.install}")
+            session.install("-c", str(CONSTRAINTS), "--find-links", str(DIST), *doc_snippets.requirement(snip.install))
+            session.run("python", "-c", snip.code, env=env)
+            ran += 1
+    if not ran:
+        session.error("no <!-- snippet: cpu --> block found in " + ", ".join(doc_snippets.DOCS))
 
 
 #: install-parts cases: what to ask pip for, and the tilescale distributions it must bring.

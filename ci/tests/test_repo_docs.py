@@ -136,3 +136,21 @@ def test_gpu_sessions_stop_in_one_line_before_installing(session, tmp_path):
     text = out.stdout + out.stderr
     assert f"{session} needs" in text and "lists none" in text, text
     assert "pip install" not in text and "python -m pip" not in text, text
+
+
+import snippets as doc_snippets  # noqa: E402
+
+
+@pytest.mark.parametrize("doc", doc_snippets.DOCS)
+def test_every_python_block_says_where_it_runs(doc):
+    assert doc_snippets.problems((ROOT / doc).read_text(encoding="utf-8"), doc) == []
+
+
+def test_snippet_markers_and_install_lines_are_read():
+    text = ('pip install --find-links dist "tilescale[examples]>=0.1"\n\n<!-- snippet: cpu -->\n```python\nprint(1)\n```\n'
+            "```python\nx\n```\n")
+    found = doc_snippets.snippets(text)
+    assert [(s.kind, s.install, s.code) for s in found] == [
+        ("cpu", 'pip install --find-links dist "tilescale[examples]>=0.1"', "print(1)\n"), (None, 'pip install --find-links dist "tilescale[examples]>=0.1"', "x\n")]
+    assert doc_snippets.problems(text) == ["document:7: python block without a <!-- snippet: cpu|gpu|fragment --> marker"]
+    assert doc_snippets.requirement(found[0].install) == ["tilescale[examples]>=0.1"]
