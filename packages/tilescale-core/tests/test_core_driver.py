@@ -23,6 +23,22 @@ def test_public_names_are_the_core_layer():
     assert issubclass(tilescale_core.CudaError, RuntimeError)
 
 
+def test_public_faces_are_the_private_modules():
+    """driver fronts _driver and ipc fronts _ipc: every private export, the same objects, and
+    the names other wheels use (init, ensure_context, call, driver_module, malloc, free)."""
+    from tilescale_core import _ipc, ipc
+
+    for public, private in ((driver, _driver), (ipc, _ipc)):
+        assert public.__all__ == private.__all__
+        for name in private.__all__:
+            assert getattr(public, name) is getattr(private, name), f"{public.__name__}.{name}"
+        assert public.__doc__ and "public" in public.__doc__.splitlines()[0]
+    for name in ("init", "ensure_context", "call", "rt_call", "check", "driver_module", "device_attribute"):
+        assert name in driver.__all__
+    for name in ("malloc", "free", "HANDLE_BYTES"):
+        assert name in ipc.__all__
+
+
 def test_check_unpacks_and_raises_with_attributes():
     assert driver.check((_Status(0),), "cuVoid") is None
     assert driver.check((_Status(0), 7), "cuOne") == 7

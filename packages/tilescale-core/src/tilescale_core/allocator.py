@@ -33,6 +33,7 @@ from .probes import Probe
 from ._dlpack import byte_view
 from .env import flag
 from .tensors import normalize_device, numel_of, resolve_dtype, slice_view, view_at
+from .validate import check_positive_int, check_seconds
 
 __all__ = [
     "CHECK_ENV",
@@ -249,12 +250,6 @@ def _align_up(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def _resolve_group(is_distributed: bool, local_rank: int, num_local_ranks: int, group: Any) -> tuple[int, int, Any]:
     if not is_distributed:
         if (local_rank, num_local_ranks) != (0, 1):
@@ -263,7 +258,7 @@ def _resolve_group(is_distributed: bool, local_rank: int, num_local_ranks: int, 
                 f"num_local_ranks={num_local_ranks}"
             )
         return 0, 1, None
-    _check_positive_int("num_local_ranks", num_local_ranks)
+    num_local_ranks = check_positive_int("num_local_ranks", num_local_ranks)
     if isinstance(local_rank, bool) or not isinstance(local_rank, int) or not 0 <= local_rank < num_local_ranks:
         raise ValueError(f"local_rank must be an int in [0, {num_local_ranks}), got {local_rank!r}")
     import torch.distributed as dist
@@ -356,7 +351,7 @@ class BaseAllocator:
 
     def _validate(self, size, device, is_distributed, use_vmm, mcast_size, backend) -> None:
         """Check the arguments and choose the path and backend; no driver work."""
-        _check_positive_int("size", size)
+        size = check_positive_int("size", size)
         check_num_ranks(self.num_ranks)
         self.path = select_path(
             is_distributed=is_distributed,
@@ -462,7 +457,7 @@ class BaseAllocator:
 
         Args:
             timeout: seconds each step (device synchronisation, each exchange with the
-                peers) may take, > 0.  Past it the step fails with TimeoutError; the local
+                peers) may take, > 0 and finite.  Past it the step fails with TimeoutError; the local
                 mappings and the heap are released all the same.
 
         Raises:
@@ -473,8 +468,7 @@ class BaseAllocator:
         """
         if self._closed:
             return
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        timeout = check_seconds("timeout", timeout)
         self._closed = True
         self._heap_bytes = {}
         comm, backend = self._comm, self._backend
@@ -565,8 +559,8 @@ class BaseAllocator:
     def _bump(self, region: _Region, nbytes: int, alignment: int) -> int:
         if self._closed:
             raise RuntimeError(f"the allocator is closed; cannot allocate {nbytes} bytes")
-        _check_positive_int("nbytes", nbytes)
-        _check_positive_int("alignment", alignment)
+        nbytes = check_positive_int("nbytes", nbytes)
+        alignment = check_positive_int("alignment", alignment)
         if alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         record = (region.name, nbytes, alignment)

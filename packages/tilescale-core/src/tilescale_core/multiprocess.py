@@ -22,7 +22,6 @@ Example::
 from __future__ import annotations
 
 import faulthandler
-import math
 import multiprocessing as mp
 import os
 import queue
@@ -33,6 +32,8 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from .validate import check_positive_int, check_seconds
 
 __all__ = ["RankExitWarning", "RankFailure", "RankTimeout", "auto_backend", "find_free_port", "rank_device", "run_ranks"]
 
@@ -204,10 +205,9 @@ def run_ranks(
             even if the others failed first because of it (their tracebacks follow).
         RankTimeout: the deadline passed.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    _check_seconds("timeout", timeout, positive=True)
-    _check_seconds("grace", grace, positive=False)
+    world_size = check_positive_int("world_size", world_size)
+    timeout = check_seconds("timeout", timeout)
+    grace = check_seconds("grace", grace, positive=False)
     if backend == "auto":
         backend = auto_backend(world_size)
     if env is None or isinstance(env, Mapping):
@@ -286,13 +286,6 @@ def _warn_bad_exits(procs) -> None:
                    if p.exitcode in (-signal.SIGTERM, -signal.SIGKILL) else _exit_text(p.exitcode))
             warnings.warn(f"rank {rank} returned its result, then {how} while shutting down; its stderr "
                           f"above shows every thread's Python stack at the crash", RankExitWarning, stacklevel=3)
-
-
-def _check_seconds(name: str, value: Any, positive: bool) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name} must be a {'positive' if positive else 'non-negative'} finite number of "
-                         f"seconds, got {value!r}")
 
 
 def _exit_text(code: int | None) -> str:

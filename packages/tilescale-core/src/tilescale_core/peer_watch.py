@@ -38,6 +38,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from .validate import check_seconds
+
 __all__ = ["EXIT_PEER_DIED", "PeerWatch", "check_private_dir", "process_alive", "runtime_dir"]
 
 #: Exit status of a rank stopped because a peer died.
@@ -113,7 +115,7 @@ class PeerWatch:
 
     Args:
         group: a ``torch.distributed`` group (default: the world group).
-        interval: seconds between polls (> 0); a death is noticed within about this long.
+        interval: seconds between polls (> 0, finite); a death is noticed within about this long.
         on_death: called with ``(dead_rank, pid, message)`` instead of printing and exiting.
 
     Attributes: ``rank``, ``pids`` (index = rank), ``dead`` (rank found dead, or None).
@@ -123,8 +125,7 @@ class PeerWatch:
                  on_death: Callable[[int, int, str], None] | None = None):
         import torch.distributed as dist
 
-        if not interval > 0:
-            raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+        interval = check_seconds("interval", interval)
         self.rank = dist.get_rank(group)
         world = dist.get_world_size(group)
         notes = _make_notes_dir() if self.rank == 0 else None

@@ -31,9 +31,12 @@ group's keys live under the job id, out of reach of any other job's ranks.
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from tilescale_core.interface import check_seconds
 
 __all__ = [
     "DEFAULT_ENV",
@@ -411,14 +414,15 @@ DEFAULT_TIMEOUT_S = 300.0
 
 
 def check_timeout(timeout, name: str = "timeout") -> float:
-    """``timeout`` as a positive, finite number of seconds; ValueError/TypeError naming it."""
-    import math
+    """``timeout`` as a positive, finite number of seconds; ValueError/TypeError naming it.
 
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+    Raises:
+        TypeError: not a real number (or a bool).
+        ValueError: zero, negative, NaN or infinite (:func:`tilescale_core.interface.check_seconds`).
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"{name} must be a number of seconds, got {type(timeout).__name__} {timeout!r}")
-    if not (timeout > 0 and math.isfinite(timeout)):
-        raise ValueError(f"{name} must be a positive, finite number of seconds, got {timeout!r}")
-    return float(timeout)
+    return check_seconds(name, timeout)
 
 
 def init_dist(

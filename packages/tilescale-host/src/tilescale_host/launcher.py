@@ -48,7 +48,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from tilescale_core.interface import PARENT_PID_ENV
+from tilescale_core.interface import PARENT_PID_ENV, check_seconds
 
 from ._rank_main import ERROR_FILE_ENV
 from .dist_init import JOB_ID_ENV, _start_ticks, check_timeout, master_addr
@@ -151,11 +151,7 @@ def check_port(name: str, value) -> int:
 
 def check_grace(grace) -> float:
     """``grace`` as a non-negative, finite number of seconds; ValueError otherwise."""
-    import math
-
-    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (grace >= 0 and math.isfinite(grace)):
-        raise ValueError(f"grace must be a non-negative, finite number of seconds, got {grace!r}")
-    return float(grace)
+    return check_seconds("grace", grace, positive=False)
 
 
 def check_fd_budget(nranks: int) -> None:

@@ -31,6 +31,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from tilescale_core.interface import check_positive_int
+
 from ._tvm import tirx
 
 from . import validation as V
@@ -270,9 +272,8 @@ class EventProfiler:
     def __init__(self, blocks: int, capacity: int = 256, device: Any = "cuda"):
         import torch
 
-        for name, value in (("blocks", blocks), ("capacity", capacity)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        blocks = check_positive_int("blocks", blocks)
+        capacity = check_positive_int("capacity", capacity)
         self.blocks, self.capacity = blocks, capacity
         self.shape = (blocks, 1 + 2 * capacity)
         self.buffer = torch.zeros(self.shape, dtype=torch.uint64, device=device)
