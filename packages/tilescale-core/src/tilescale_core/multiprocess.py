@@ -161,10 +161,17 @@ def _child(fn, rank, world_size, args, env, backend, port, group_timeout, result
     finally:
         if backend is not None:
             try:
+                import gc
+
                 import torch.distributed as dist
 
+                # Free reference cycles first (a caught exception's frames can hold objects that
+                # hold the group): a group left for the interpreter's finalization aborts it with
+                # "terminate called without an active exception" (its C++ threads still joinable).
+                gc.collect()
                 if dist.is_initialized():
                     dist.destroy_process_group()
+                gc.collect()
             except Exception:
                 pass
 
