@@ -182,3 +182,26 @@ def test_console_script_is_installed():
 def test_bad_rank_count(tmp_path, argv):
     proc = subprocess.run([sys.executable, "-m", "tilescale_host.launcher", *argv], capture_output=True, text=True)
     assert proc.returncode != 0 and "at least 1" in proc.stderr
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_a_port_in_use_is_one_line_before_any_rank_starts(tmp_path, clean_env, monkeypatch, how):
+    """A rendezvous port another process holds: one line naming the port and what to do, exit 2,
+    no rank started (each rank used to fail with its own socket traceback, issue 46)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        marker = tmp_path / "started"
+        args = ("--master-port", str(port)) if how == "flag" else ()
+        if how == "env":
+            monkeypatch.setenv("MASTER_PORT", str(port))
+        proc, _ = run_launcher(tmp_path, f"open({str(marker)!r}, 'w').close()", "-n", "2", *args)
+    assert proc.returncode == 2, proc.stderr
+    name = "master_port" if how == "flag" else "MASTER_PORT"
+    assert proc.stderr.splitlines() == [
+        f"tilescale-run: error: {name}={port} is in use on this machine (another job, or one still shutting "
+        "down): pick another port, or leave it unset for a free one"], proc.stderr
+    assert not marker.exists()

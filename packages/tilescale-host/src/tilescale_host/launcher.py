@@ -54,7 +54,7 @@ from ._rank_main import ERROR_FILE_ENV
 from .dist_init import JOB_ID_ENV, _start_ticks, check_timeout, master_addr
 
 __all__ = ["EXIT_TIMEOUT", "FORWARDED_SIGNALS", "Interrupted", "LaunchResult", "check_fd_budget", "check_grace",
-           "check_port", "build_rank_env", "launch", "main", "parse_args"]
+           "check_port", "check_port_free", "build_rank_env", "launch", "main", "parse_args"]
 
 #: Exit status of the launcher when the overall timeout expires (as coreutils' timeout).
 EXIT_TIMEOUT = 124
@@ -149,6 +149,25 @@ def check_port(name: str, value) -> int:
     return port
 
 
+def check_port_free(name: str, port: int, addr: str) -> None:
+    """ValueError naming ``name`` when ``port`` is already bound on this machine (rank 0 hosts
+    the rendezvous there; its ranks would otherwise fail one by one with a socket error).
+    Only checked when ``addr`` is this machine (a loopback address or this host's name)."""
+    import errno
+    import socket
+
+    if addr not in ("127.0.0.1", "localhost", "::1", "0.0.0.0", socket.gethostname()):
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                return
+            raise ValueError(f"{name}={port} is in use on this machine (another job, or one still shutting "
+                             f"down): pick another port, or leave it unset for a free one") from None
+
+
 def check_grace(grace) -> float:
     """``grace`` as a non-negative, finite number of seconds; ValueError otherwise."""
     return check_seconds("grace", grace, positive=False)
@@ -179,7 +198,9 @@ def _default_port(base: Mapping[str, str]) -> int:
     """TILESCALE_MASTER_PORT, MASTER_PORT (validated), else a free port."""
     for name in ("TILESCALE_MASTER_PORT", "MASTER_PORT"):
         if base.get(name):
-            return check_port(name, base[name])
+            port = check_port(name, base[name])
+            check_port_free(name, port, master_addr(base))
+            return port
     from tilescale_core.multiprocess import find_free_port
 
     return find_free_port()
@@ -428,10 +449,14 @@ def launch(
     if timeout is not None:
         timeout = check_timeout(timeout)
     grace = check_grace(grace)
-    master_addr(os.environ)
     check_fd_budget(nranks)
     out, err = out or sys.stdout, err or sys.stderr
-    port = check_port("master_port", master_port) if master_port is not None else _default_port(os.environ)
+    addr = master_addr(os.environ)
+    if master_port is not None:
+        port = check_port("master_port", master_port)
+        check_port_free("master_port", port, addr)
+    else:
+        port = _default_port(os.environ)
     errors = None if verbose else tempfile.mkdtemp(prefix="tilescale-run-")
     try:
         return _launch(command, nranks, timeout, share_gpus, port, grace, out, err, errors)
