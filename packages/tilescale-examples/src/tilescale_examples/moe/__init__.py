@@ -1,5 +1,6 @@
-"""Mixture-of-experts token dispatch and combine: :class:`MoEDispatcher` (:mod:`.dispatcher`)
-and its kernels (:mod:`.kernels`).
+"""Mixture-of-experts token dispatch and combine: :class:`MoEDispatcher` (:mod:`.dispatcher`),
+its torch references (:mod:`.reference`) and its kernels (:mod:`.kernels`; the protocol is in
+``docs/moe.md``).
 
 ``tilescale_examples.moe`` was a module in 0.1.0; its public names are still importable from here."""
 

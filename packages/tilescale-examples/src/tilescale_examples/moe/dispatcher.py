@@ -34,75 +34,22 @@ Rows past ``recv_offsets[EL]`` are stale. ``counts`` (``(EL,)`` int32) and
 synchronisation: read them on the device, e.g. as a grouped GEMM's offsets, or copy them to
 the host yourself). ``handle.origin()`` gives each row's source rank and entry.
 
-How it runs (one kernel per call on the current stream, no host synchronisation)
------------------------------------------------------------------------------------
+How it runs
+-----------
 
-1. **dispatch** (one block per SM, 1024 threads each), one launch in two phases:
+One kernel per call on the current stream and no host synchronisation, so the calls can be
+captured in a CUDA graph: ``dispatch`` (one block per SM, 1024 threads) exchanges the
+per-expert counts with every rank on the device, plans every entry's row and copies each
+token row straight into its rows on the owner ranks, in one launch; ``combine`` returns each
+received row to its source rank and sums each token's ``topk`` rows with its weights in
+float32. Each kernel step by step, the call numbers and counters on the device, and why
+nothing deadlocks, also back to back without a host barrier: ``docs/moe.md``.
 
-   * *plan*: the blocks rank every entry within its expert with ``T.match_any_sync``
-     (deterministic: entry order; one batch of 32 entries per warp), count per block and
-     arrive on a local counter; block 0 (the other blocks wait for it on a local flag) sums
-     the blocks' counts, writes this rank's per-expert counts into row ``me`` of every other rank's
-     symmetric count matrix
-     (``T.st`` to each peer, a block barrier, a release ``T.notify``), waits for every
-     rank's counts (``T.wait_ge``) and computes each entry's destination row and the local
-     receive counts and offsets. The count exchange is on the device, so the call can be
-     captured in a CUDA graph.
-   * *data*: one warp per entry (per part of an entry's row when the batch has fewer
-     entries than the grid has warps) copies the token row straight into its final row on
-     the owner rank (``T.put_warp`` to the peer) with its origin; each block then
-     synchronises, adds 1 to a counter on every other rank (a system-scope release, which
-     after the block barrier covers every thread's rows) and waits until its own counter
-     shows every block of every other rank.
-   * A *small* batch (at most one entry per thread: 128 tokens of top-8) skips the hand-off:
-     every block plans all entries itself, and the row copies (512-byte pieces into each of
-     a token's ``topk`` rows) are split evenly over every warp of the grid, each lane storing
-     the 16-byte vectors it loaded at the kernel's start straight from registers.
-2. **combine** (one block per SM): a ready handshake when the same routing is combined again
-   (after a dispatch it is not needed: that dispatch's count exchange showed that every rank
-   had finished its previous combine; the kernel decides from the call numbers in ``state``,
-   so graph replays stay correct), then each received row goes back to its
-   source rank's symmetric combine buffer (rows of this rank's own tokens stay where they
-   are); block barrier, release counter add on every other rank, wait; then each token's
-   ``topk`` rows are summed with its weights in float32. With one rank only the sums run.
-
-A rank never signals or waits for itself: its own counts stay in registers, and the end of
-its kernel orders its own rows before anything later on its stream (so with one rank a
-kernel waits only for its own blocks: the dispatch for the plan's hand-off when several
-blocks rank a large batch, the combine never). Every block of either kernel keeps its own
-copy of the call numbers, so no block waits for the others to have read them.
-
-Flags hold a *call number* kept on the device (``state``), not passed from the host, so a
-captured graph replays correctly; counters are compared modulo 2**32 against ``calls * (W -
-1) * blocks``, which is exact because a rank's counter cannot move past one call's total
-before that rank starts the next call.
-
-Deadlock freedom and back-to-back calls
-----------------------------------------
-
-* Every wait (cross-rank, block 0 waiting for every block's counts, or a dispatch block
-  waiting for its block 0's plan) is done by a
-  grid whose blocks are all resident at once: the dispatch and combine grids have at most
-  one block per SM (``max_blocks`` defaults to the SM count; ``__launch_bounds__(threads,
-  1)`` makes one block fit on an SM: the dispatch kernel's 46 KiB of shared memory at most (256 experts),
-  the combine kernel's none), so on a GPU that is not held by other work that never
-  finishes, all blocks run concurrently. No kernel waits for another kernel of the same
-  rank: the two run in stream order, so nothing depends on two kernels being co-resident.
-  A wait is satisfied by the same kernel of the same call on the peers, and every rank
-  issues the same sequence of calls, so by induction over that sequence every kernel
-  finishes. Ranks that share one GPU progress by time-slicing (slowly).
-* A rank writes into a peer's buffer only after that peer has finished every earlier reader
-  of it: dispatch rows
-  go out after the peer's counts of this call arrived (sent when its dispatch kernel started,
-  i.e. after everything it enqueued earlier, such as readers of the previous ``recv_x``),
-  and combine rows after the peer's ready flag, or, in the first combine after a dispatch,
-  after that dispatch received the peer's counts (sent once the peer had finished its
-  previous combine, the last reader of its combine buffer). So calls need no host barrier.
-* Requirements: every rank makes the same sequence of ``dispatch``/``combine`` calls (a rank
-  that skips one leaves its peers waiting; set ``TILESCALE_WAIT_TIMEOUT_MS`` to turn that into
-  an error instead of a hang); work that reads ``recv_x``, ``counts`` or a combine output must
-  be ordered before the next call on this rank's stream; do not run the kernels under MPS or
-  green-context partitions that give them fewer SMs than ``max_blocks``.
+Requirements: every rank makes the same sequence of ``dispatch``/``combine`` calls (a rank
+that skips one leaves its peers waiting; set ``TILESCALE_WAIT_TIMEOUT_MS`` to turn that into
+an error instead of a hang); work that reads ``recv_x``, ``counts`` or a combine output must
+be ordered before the next call on this rank's stream; do not run the kernels under MPS or
+green-context partitions that give them fewer SMs than ``max_blocks``.
 
 Bad input
 ---------
@@ -125,13 +72,15 @@ on the device:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
 from tilescale_examples.base import TARGET, SymmetricCollective, check_tensor
 from tilescale_examples.moe.kernels import (DISPATCH_PHASES, MAX_EXPERTS, PLAN_THREADS, build_combine_kernel,
                                             build_dispatch_kernel)
+from tilescale_examples.moe.reference import (COMBINE_ATOL, COMBINE_RTOL, expected_routes, torch_combine_reference,
+                                              torch_dispatch_reference)
 
 __all__ = ["MoEDispatcher", "DispatchHandle", "expected_routes", "torch_dispatch_reference",
            "torch_combine_reference", "COMBINE_RTOL", "COMBINE_ATOL", "MAX_TOPK", "MAX_TOKENS"]
@@ -141,96 +90,6 @@ MAX_TOPK = 8
 MAX_TOKENS = 4096
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _INDEX_DTYPES = {torch.int64: "int64", torch.int32: "int32"}
-#: Tolerance of ``combine`` against the float64 :func:`torch_combine_reference`: the float32
-#: sum is rounded once to the dtype (half an ulp: at most 2**-8 relative for bfloat16, 2**-11
-#: for float16), and the float32 accumulation errs by at most ``topk * 2**-24 * sum_k |w_k
-#: y_k|``, which ``COMBINE_ATOL`` covers while that sum stays below 20 per element.
-COMBINE_RTOL = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -10}
-COMBINE_ATOL = 1e-5
-
-
-# ------------------------------------------------------------------------------ references
-def expected_routes(topk_idx: Sequence[torch.Tensor], num_experts: int):
-    """Where every entry goes, computed with torch on the CPU from every rank's ``topk_idx``.
-
-    Returns ``(routes, counts)``: ``routes[s] = (dest_rank, dest_row)``, two int64 tensors of
-    ``T_s * topk`` entries (flat index ``t * topk + k``; ``-1`` for an entry whose index is
-    outside ``[0, num_experts)``), and ``counts`` (``(W, num_experts)`` int64): entries of rank
-    ``s`` that chose expert ``g``. The rows follow the layout of the module docstring.
-    """
-    W = len(topk_idx)
-    if W == 0:
-        raise ValueError("topk_idx must hold one tensor per rank, got none")
-    if num_experts % W:
-        raise ValueError(f"num_experts={num_experts} is not a multiple of {W} ranks")
-    E, EL = num_experts, num_experts // W
-    flat = [idx.detach().reshape(-1).to("cpu", torch.int64) for idx in topk_idx]
-    valid = [(f >= 0) & (f < E) for f in flat]
-    counts = torch.stack([torch.bincount(f[ok], minlength=E) for f, ok in zip(flat, valid)])
-    per_owner = counts.sum(0).view(W, EL)
-    expert_start = (per_owner.cumsum(1) - per_owner).reshape(E)  # start of each expert on its owner
-    src_prefix = counts.cumsum(0) - counts  # entries of lower ranks, per expert
-    routes = []
-    for s, (f, ok) in enumerate(zip(flat, valid)):
-        g = f[ok]
-        order = torch.argsort(g, stable=True)
-        ranked = torch.empty_like(g)
-        sorted_g = g[order]
-        ranked[order] = torch.arange(len(g)) - torch.searchsorted(sorted_g, sorted_g)
-        dest_rank = torch.full_like(f, -1)
-        dest_row = torch.full_like(f, -1)
-        dest_rank[ok] = g // EL
-        dest_row[ok] = expert_start[g] + src_prefix[s, g] + ranked
-        routes.append((dest_rank, dest_row))
-    return routes, counts
-
-
-def torch_dispatch_reference(xs: Sequence[torch.Tensor], topk_idx: Sequence[torch.Tensor],
-                             num_experts: int, rank: int):
-    """What ``dispatch`` returns on ``rank``, from every rank's ``x`` and ``topk_idx``.
-
-    Returns ``(rows, counts, origin)``: ``rows`` (``(R, hidden)`` on ``xs[rank]``'s device:
-    the first ``R`` rows of ``recv_x``), ``counts`` (``(EL,)`` int64, CPU) and ``origin``
-    (``(R, 2)`` int64, CPU: source rank and entry ``t * topk + k`` of every row)."""
-    W = len(xs)
-    if len(topk_idx) != W:
-        raise ValueError(f"need one topk_idx per rank: {len(topk_idx)} for {W} x")
-    if not 0 <= rank < W:
-        raise ValueError(f"rank must be in [0, {W}), got {rank}")
-    routes, counts = expected_routes(topk_idx, num_experts)
-    EL = num_experts // W
-    mine = counts[:, rank * EL:(rank + 1) * EL].sum(0)
-    total = int(mine.sum())
-    device = xs[rank].device
-    rows = torch.empty((total, xs[rank].shape[1]), dtype=xs[rank].dtype, device=device)
-    origin = torch.full((total, 2), -1, dtype=torch.int64)
-    for s, (dest_rank, dest_row) in enumerate(routes):
-        here = (dest_rank == rank).nonzero().view(-1)
-        topk = topk_idx[s].shape[1]
-        rows[dest_row[here].to(device)] = xs[s].detach().to(device)[(here // topk).to(device)]
-        origin[dest_row[here], 0] = s
-        origin[dest_row[here], 1] = here
-    return rows, mine, origin
-
-
-def torch_combine_reference(ys: Sequence[torch.Tensor], topk_idx: Sequence[torch.Tensor],
-                            topk_weights: Sequence[torch.Tensor], num_experts: int,
-                            rank: int) -> torch.Tensor:
-    """What ``combine`` returns on ``rank``, in float64 on ``ys[rank]``'s device: ``out[t] =
-    sum_k topk_weights[rank][t, k] * ys[d][row]`` over the entries of ``rank`` with a valid
-    expert (``(d, row)`` from :func:`expected_routes`); ``ys[d]`` is rank ``d``'s ``y`` (at
-    least its received rows). Compare with ``COMBINE_RTOL`` / ``COMBINE_ATOL``."""
-    routes, _ = expected_routes(topk_idx, num_experts)
-    dest_rank, dest_row = routes[rank]
-    T, K = topk_idx[rank].shape
-    device = ys[rank].device
-    out = torch.zeros((T, ys[rank].shape[1]), dtype=torch.float64, device=device)
-    w = topk_weights[rank].detach().to(device, torch.float64).reshape(-1)
-    for d, y in enumerate(ys):
-        here = (dest_rank == d).nonzero().view(-1).to(device)
-        rows = y.detach().to(device)[dest_row.to(device)[here]].to(torch.float64) * w[here, None]
-        out.index_add_(0, here // K, rows)
-    return out
 
 
 # ------------------------------------------------------------------------------ the object
@@ -349,12 +208,12 @@ class MoEDispatcher(SymmetricCollective):
         self.comb_buf = self._tensor((TK, H))
         self.count_matrix = self._tensor((2, W, E), torch.int32)
         self.flags = self._tensor((2, W), torch.uint64)
-        self.counters = self._tensor((4,), torch.uint32)  # the Ctr words of moe_kernels
+        self.counters = self._tensor((4,), torch.uint32)  # the kernels' Ctr words (docs/moe.md)
         for t in (self.count_matrix, self.flags, self.counters):
             t.zero_()
         # ---- local state
         dev = self.device
-        # call numbers (moe_kernels' State), block b's copies: [0, b] dispatch calls; [1, b]
+        # call numbers (the kernels' State, docs/moe.md), block b's copies: [0, b] dispatch calls; [1, b]
         # combine calls and [2, b] the dispatch call the latest combine followed
         self.state = torch.zeros((3, self.blocks), dtype=torch.int64, device=dev)
         self.packed = torch.zeros((TK,), dtype=torch.int32, device=dev)
