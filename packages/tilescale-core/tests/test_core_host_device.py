@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import gc
 
+import numpy as np
 import pytest
 import torch
 
@@ -28,6 +29,40 @@ def test_bad_arguments_fail_before_any_cuda_call(monkeypatch):
         host_device.create_host_device_tensor((2,), "float128")
     with pytest.raises(TypeError, match="dtype"):
         host_device.create_host_device_tensor((2,), 4)
+
+
+@pytest.mark.parametrize("shape", [0, (0,), (4, 0), (2, -1), -3, (torch.tensor(0),), (np.int64(0), 2)])
+def test_non_positive_dimensions_are_refused_before_allocating(monkeypatch, shape):
+    """Upstream's contract: every dimension positive, checked before anything is allocated
+    (and before the CUDA check, so this runs on CPU-only machines too)."""
+    monkeypatch.setattr(host_device, "_PinnedMapped", lambda n: pytest.fail("allocated despite a bad shape"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("reached the CUDA check"))
+    with pytest.raises(ValueError, match=r"shape dimensions must be positive"):
+        host_device.create_host_device_tensor(shape, "float32")
+
+
+@pytest.mark.parametrize("shape", [(2, 1.5), (True, 2), ("a",), 2.0, None])
+def test_non_integer_dimensions_are_refused(monkeypatch, shape):
+    monkeypatch.setattr(host_device, "_PinnedMapped", lambda n: pytest.fail("allocated despite a bad shape"))
+    with pytest.raises(ValueError, match=r"shape"):
+        host_device.create_host_device_tensor(shape, "float32")
+
+
+def test_integer_like_dimensions_reach_the_allocation(monkeypatch):
+    """numpy integers and 0-dim integer tensors are dimensions (upstream converts with int())."""
+    sizes = []
+
+    class Fake:
+        def __init__(self, nbytes):
+            sizes.append(nbytes)
+            raise RuntimeError("stop here")
+
+    monkeypatch.setattr(host_device, "_PinnedMapped", Fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(RuntimeError, match="stop here"):
+        host_device.create_host_device_tensor((np.int32(3), torch.tensor(5)), torch.float32)
+    assert sizes == [3 * 5 * 4]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
@@ -88,5 +123,6 @@ def test_host_and_device_share_the_memory():
     del d2
     gc.collect()
     assert host_device.live_host_device_allocations() == before
-    h, d = host_device.create_host_device_tensor(0, "uint64")
-    assert h.numel() == d.numel() == 0
+    with pytest.raises(ValueError, match="dimensions must be positive"):
+        host_device.create_host_device_tensor(0, "uint64")
+    assert host_device.live_host_device_allocations() == before

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,6 +56,83 @@ def test_null_pointer():
 def test_bad_shapes(shape):
     with pytest.raises(ValueError, match="shape"):
         tensor(shape, "float32")
+
+
+# ---------------------------------------------- issue 45: dimensions are whatever int() takes exactly
+@pytest.mark.parametrize("shape, expected", [
+    ((torch.tensor(3), 4), (3, 4)),  # upstream passes (cu_seqlens_q[-1], heads, dim)
+    ((torch.tensor([7, 3])[-1], torch.tensor(2, dtype=torch.int32)), (3, 2)),
+    ((np.int64(2), np.uint8(5)), (2, 5)),
+    ((np.array(6),), (6,)),  # a 0-dim numpy array
+    (np.int32(4), (4,)),  # one dimension, not in a sequence
+    (torch.tensor(5), (5,)),
+    (torch.tensor([2, 3]), (2, 3)),  # a 1-D integer tensor as the whole shape
+    (np.array([2, 3]), (2, 3)),
+    (torch.Size([2, 3]), (2, 3)),
+    ([0, 2], (0, 2)),
+    ((), ()),
+])
+def test_integer_like_dimensions_are_accepted(shape, expected):
+    t = tensor(shape, "float32", device="cpu")
+    assert tuple(t.shape) == expected
+    from tilescale_core.tensors import _shape_tuple
+
+    dims = _shape_tuple(shape)
+    assert dims == expected and all(type(d) is int for d in dims)
+
+
+@pytest.mark.parametrize("shape, shown", [
+    ((2, 1.5), "1.5"),
+    ((2, 2.0), "2.0"),  # whole floats too: int() would truncate silently
+    ((True, 2), "True"),
+    ((np.bool_(True),), "True"),
+    ((torch.tensor(True),), "tensor(True)"),
+    ((torch.tensor(3.0),), "tensor(3.)"),
+    ((torch.tensor([3]),), "tensor([3])"),  # one element, but not 0-dim
+    ((np.float32(2),), "2.0"),
+    ((np.array([4]),), "array([4])"),
+    ((2, -1), "-1"),
+    ((torch.tensor(-2),), "tensor(-2)"),
+    (-1, "-1"),
+    (("a",), "'a'"),
+    ((None,), "None"),
+])
+def test_other_dimensions_are_refused_naming_the_argument(shape, shown):
+    with pytest.raises(ValueError, match=r"^shape dimensions must be non-negative integers \(an int, a numpy integer "
+                                         r"or a 0-dim integer tensor\), got ") as info:
+        tensor(shape, "float32", device="cpu")
+    assert shown in str(info.value)
+
+
+@pytest.mark.parametrize("shape", [2.5, "ab", None, object()])
+def test_a_shape_that_is_no_sequence_is_refused(shape):
+    with pytest.raises(ValueError, match="shape must be a dimension or a sequence of dimensions"):
+        tensor(shape, "float32", device="cpu")
+
+
+def test_allocator_receives_the_normalised_shape():
+    """The heap path gets plain ints (a 0-dim CUDA tensor is read once, on the host)."""
+    seen = []
+
+    class FakeAllocator:
+        device = torch.device("cpu")
+
+        def _allocate_tensor(self, shape, dtype, return_peers=False):
+            seen.append(shape)
+            return torch.empty(shape, dtype=dtype)
+
+    t = tensor((torch.tensor(2), np.int16(3)), torch.float16, allocator=FakeAllocator())
+    assert seen == [(2, 3)] and all(type(d) is int for d in seen[0])
+    assert t.shape == (2, 3)
+    with pytest.raises(ValueError, match="shape dimensions"):
+        tensor((2, 1.0), torch.float16, allocator=FakeAllocator())
+    assert len(seen) == 1  # refused before the allocator was asked
+
+
+def test_the_plugin_tensor_is_this_function():
+    import tilelang
+
+    assert tilelang.tensor is tensor
 
 
 @pytest.mark.parametrize("dtype", sorted(SPEC_DTYPES))

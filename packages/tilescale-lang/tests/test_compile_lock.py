@@ -66,13 +66,15 @@ def _only_rank0_compiles(rank, world_size, cache_dir):
     compile_fn = codegen.wrap_compile(lambda *a, **k: f"kernel on {rank}")
     out = None
     if rank == 0:  # a kernel only rank 0 launches: the peers never call compile
-        out = compile_fn("f", compile_once=True, compile_group=dist.group.WORLD)
+        out = compile_fn("f", compile_once=True)  # no compile_group: the lock alone, no collective
     dist.barrier()
     return out
 
 
 def test_a_kernel_only_one_rank_compiles_does_not_hang(tmp_path, monkeypatch):
-    """With a barrier inside compile_once this pairs rank 0's barrier with the peers' and hangs."""
+    """compile_once without a compile_group is the host-wide lock, not a collective: with a
+    barrier inside it, rank 0's barrier would pair with the peers' and hang.  (With a
+    compile_group it is the collective form, test_compile_root.py.)"""
     from tilescale_core.multiprocess import run_ranks
 
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))

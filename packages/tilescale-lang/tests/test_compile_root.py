@@ -157,3 +157,182 @@ def test_jit_compiles_are_coordinated(monkeypatch):
 
     assert f.compile(3) == "coordinated"
     assert seen == [(False, None, 0)]
+
+
+# ------------------------------------------- issue 45: compile_once + compile_group = the group's root
+def _once_with_group(rank, world, cache_dir, how):
+    import os
+
+    os.environ["TILELANG_CACHE_DIR"] = cache_dir
+    import tilelang
+    import torch.distributed as dist
+
+    calls = _count_nvcc()
+    group = dist.group.WORLD
+    flags = ["--no-such-nvcc-flag"] if how.endswith("fails") else []
+    try:
+        if how.startswith("jit"):
+            @tilelang.jit(target=TARGET, compile_once=True, compile_group=group, compile_flags=flags)
+            def build(scale):
+                return _kernel(scale)
+
+            k = build(9)
+        else:
+            k = tilelang.compile(_kernel(9), target=TARGET, compile_once=True, compile_group=group,
+                                 compile_flags=flags)
+    except RuntimeError as exc:
+        return {"nvcc": len(calls), "error": str(exc), "type": type(exc).__name__,
+                "root": getattr(exc, "root", None)}
+    return {"nvcc": len(calls), "error": None, "source_ok": "tilescale::get_rank()" in k.get_kernel_source()}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("how", ["compile", "jit"])
+def test_compile_once_with_a_group_compiles_on_its_root_only(how, tmp_path):
+    """Only group rank 0 runs nvcc; ranks 1 and 2 load its result (from the disk cache)."""
+    from tilescale_core.multiprocess import run_ranks
+
+    out = run_ranks(_once_with_group, 3, args=(str(tmp_path), how), backend="gloo", timeout=300)
+    assert [o["error"] for o in out] == [None] * 3, out
+    assert [o["nvcc"] for o in out] == [1, 0, 0], out
+    assert all(o["source_ok"] for o in out)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("how", ["compile fails", "jit fails"])
+def test_compile_once_with_a_group_root_failure_raises_everywhere(how, tmp_path):
+    from tilescale_core.multiprocess import run_ranks
+
+    out = run_ranks(_once_with_group, 3, args=(str(tmp_path), how), backend="gloo", timeout=300)
+    for rank, o in enumerate(out):
+        assert o["error"] is not None, f"rank {rank} did not raise"
+        assert o["type"] == "CompileRootError" and o["root"] == 0
+        assert "compile on root rank 0 (compile_once=True with compile_group) failed" in o["error"]
+        assert "no-such-nvcc-flag" in o["error"], o["error"][-2000:]  # the root's nvcc message
+    assert [o["nvcc"] for o in out] == [1, 0, 0]  # the others never ran the compiler
+
+
+def _once_with_a_fake_compiler(rank, world, cache_dir, sub_group):
+    """The compiler itself replaced by a function that records its calls; it fails on the
+    root.  ``sub_group``: the group is global ranks [1, 2] (its root is global rank 1)."""
+    import os
+
+    os.environ["TILELANG_CACHE_DIR"] = cache_dir
+    import torch.distributed as dist
+
+    from tilescale_lang import codegen
+
+    calls = []
+
+    def compiler(*args, **kwargs):
+        calls.append((args, kwargs))
+        raise ValueError(f"syntax error reported by the compiler on global rank {rank}")
+
+    compile_fn = codegen.wrap_compile(compiler)
+    group = dist.new_group([1, 2]) if sub_group else dist.group.WORLD  # collective: every rank
+    if sub_group and rank == 0:
+        return {"calls": 0, "error": None}  # not a member: never compiles
+    try:
+        compile_fn("prim_func", target="cuda", compile_once=True, compile_group=group)
+    except RuntimeError as exc:
+        return {"calls": len(calls), "error": str(exc), "is_runtime_error": isinstance(exc, RuntimeError)}
+    return {"calls": len(calls), "error": None}
+
+
+@pytest.mark.parametrize("sub_group", [False, True])
+def test_compile_once_with_a_group_never_calls_the_compiler_off_the_root(sub_group, tmp_path):
+    """CPU, no nvcc: the compiler is called once, on the group's rank 0, and its error (a
+    ValueError there) reaches every member as a RuntimeError carrying its message."""
+    from tilescale_core.multiprocess import run_ranks
+
+    out = run_ranks(_once_with_a_fake_compiler, 3, args=(str(tmp_path), sub_group), backend="gloo", timeout=120)
+    root = 1 if sub_group else 0
+    members = [1, 2] if sub_group else [0, 1, 2]
+    assert [o["calls"] for o in out] == [int(r == root) for r in range(3)], out
+    for r in members:
+        assert out[r]["is_runtime_error"], out[r]
+        assert "compile on root rank 0 (compile_once=True with compile_group) failed" in out[r]["error"]
+        assert f"ValueError: syntax error reported by the compiler on global rank {root}" in out[r]["error"]
+    if sub_group:
+        assert out[0]["error"] is None
+
+
+def _once_with_a_group_succeeds(rank, world, cache_dir):
+    import os
+    import time
+
+    os.environ["TILELANG_CACHE_DIR"] = cache_dir
+    import torch.distributed as dist
+
+    from tilescale_lang import codegen
+
+    def compiler(*args, **kwargs):
+        start = time.monotonic()
+        if rank == 0:
+            time.sleep(0.5)  # a slow compile on the root
+        return (f"kernel from rank {rank}", start, time.monotonic())
+
+    compile_fn = codegen.wrap_compile(compiler)
+    if rank != 0:
+        time.sleep(0.1)  # the others arrive while the root is still compiling
+    return compile_fn("f", compile_once=True, compile_group=dist.group.WORLD)
+
+
+def test_compile_once_with_a_group_root_compiles_before_the_others_load(tmp_path):
+    """The root's compile completes before any other rank asks for the kernel (the others'
+    call is then a cache load; here the same fake)."""
+    from tilescale_core.multiprocess import run_ranks
+
+    out = run_ranks(_once_with_a_group_succeeds, 3, args=(str(tmp_path),), backend="gloo", timeout=120)
+    assert [o[0] for o in out] == ["kernel from rank 0", "kernel from rank 1", "kernel from rank 2"]
+    root_done = out[0][2]
+    assert all(o[1] >= root_done for o in out[1:]), out  # CLOCK_MONOTONIC is system-wide
+
+
+def test_compile_once_routes(monkeypatch):
+    """coordinate(): compile_once with a group -> compile_from_root(group, root 0); without a
+    group -> the lock only; compile_root wins over both."""
+    from tilescale_lang import compile_lock, compile_root
+
+    seen = []
+    monkeypatch.setattr(compile_root, "compile_from_root",
+                        lambda build, group, root, **kw: seen.append(("root", group, root, kw.get("option"))) or "r")
+    monkeypatch.setattr(compile_lock, "compile_once", lambda build, group=None, **kw: seen.append(("lock",)) or "l")
+    g = object()
+    assert coordinate(lambda: "plain") == "plain"
+    assert coordinate(lambda: "x", True, g) == "r"
+    assert coordinate(lambda: "x", True, None) == "l"
+    assert coordinate(lambda: "x", True, g, 2) == "r"
+    assert coordinate(lambda: "x", False, g, 1) == "r"
+    assert coordinate(lambda: "plain", False, g) == "plain"  # a group alone changes nothing
+    assert seen == [("root", g, 0, "compile_once=True with compile_group"), ("lock",),
+                    ("root", g, 2, None), ("root", g, 1, None)]
+
+
+def test_compile_root_error_pickles_with_its_fields():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(CompileRootError(0, "nvcc: bad flag", "compile_once=True with compile_group")))
+    assert isinstance(err, RuntimeError)
+    assert (err.root, err.root_message, err.option) == (0, "nvcc: bad flag", "compile_once=True with compile_group")
+    assert str(err) == "compile on root rank 0 (compile_once=True with compile_group) failed:\nnvcc: bad flag"
+    assert "compile_root=3" in str(CompileRootError(3, "m"))
+
+
+def _not_a_member(rank, world):
+    import torch.distributed as dist
+
+    group = dist.new_group([0])
+    if rank == 1:
+        try:
+            compile_from_root(lambda: "k", group=group, root=0)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+def test_a_process_outside_the_group_gets_an_error():
+    from tilescale_core.multiprocess import run_ranks
+
+    out = run_ranks(_not_a_member, 2, backend="gloo", timeout=60)
+    assert out[0] is None and "not a member of compile_group" in out[1], out

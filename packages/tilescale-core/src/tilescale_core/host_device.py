@@ -60,7 +60,8 @@ def create_host_device_tensor(shape: Shape, dtype: str | torch.dtype) -> tuple[t
     """Allocate pinned host memory mapped into the current CUDA device.
 
     Args:
-        shape: tensor shape (non-negative ints).
+        shape: tensor shape: positive dimensions (ints, numpy integers or 0-dim integer
+            tensors).
         dtype: a ``torch.dtype`` or a dtype string (``"float32"``, ``"uint64"``, ...).
 
     Returns:
@@ -68,10 +69,13 @@ def create_host_device_tensor(shape: Shape, dtype: str | torch.dtype) -> tuple[t
         tensor on the current device; freed when both (and their views) are gone.
 
     Raises:
-        ValueError / TypeError: a bad shape or dtype (before any CUDA call).
+        ValueError: a dimension that is not positive (``"shape dimensions must be positive
+            ..."``) or not an integer, or an unknown dtype string -- before anything is
+            allocated.
+        TypeError: ``dtype`` is neither a string nor a ``torch.dtype``.
         RuntimeError: no CUDA device.
     """
-    dims = _shape_tuple(shape)
+    dims = _shape_tuple(shape, positive=True)
     dt = resolve_dtype(dtype)
     if not torch.cuda.is_available():
         raise RuntimeError("create_host_device_tensor needs a CUDA device")

@@ -7,6 +7,7 @@ region of a :class:`~tilescale_core.allocator.BaseAllocator` with one.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any, Union
 
@@ -68,12 +69,61 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise TypeError(f"dtype must be a string or torch.dtype, got {type(dtype).__name__}")
 
 
-def _shape_tuple(shape: Shape) -> tuple[int, ...]:
-    dims = (shape,) if isinstance(shape, int) else tuple(shape)
-    for d in dims:
-        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-            raise ValueError(f"shape must be non-negative ints, got {shape!r}")
-    return dims
+#: What a shape dimension may be, for the error messages.
+_DIM_KINDS = "an int, a numpy integer or a 0-dim integer tensor"
+
+
+def _as_dim(value: Any) -> int | None:
+    """``value`` as a plain int when it is an integer dimension, else None.
+
+    Accepted: anything ``operator.index`` accepts (``int``, numpy integers, 0-dim integer
+    numpy arrays), and 0-dim integer torch tensors (on any device: read with ``.item()``).
+    Refused: bools (``True``, ``numpy.bool_``, bool tensors), floats (even whole ones),
+    tensors and arrays with more than one dimension or element, everything else.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype == torch.bool or value.dtype.is_floating_point or value.dtype.is_complex:
+            return None
+        return int(value.item())
+    if getattr(getattr(value, "dtype", None), "kind", None) == "b":  # numpy bool scalars and arrays
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _shape_tuple(shape: Shape, name: str = "shape", positive: bool = False) -> tuple[int, ...]:
+    """``shape`` (one dimension or a sequence of them) as a tuple of plain ints.
+
+    Each dimension may be an int, a numpy integer or a 0-dim integer tensor (see
+    :func:`_as_dim`); it must be >= 0 (>= 1 with ``positive``).
+
+    Raises:
+        ValueError: a dimension of another kind or out of range, or ``shape`` is neither a
+            dimension nor a sequence of them; the message names ``name``.
+    """
+    least, sign = (1, "positive") if positive else (0, "non-negative")
+    if type(shape) is tuple and all(type(d) is int and d >= least for d in shape):
+        return shape  # the common case, checked without a call per dimension
+    single = _as_dim(shape)
+    if single is not None:
+        items: tuple = (shape,)
+    elif isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise ValueError(f"{name} must be a dimension or a sequence of dimensions ({_DIM_KINDS} each), "
+                         f"got {shape!r}")
+    else:
+        items = tuple(shape)
+    dims = []
+    for index, value in enumerate(items):
+        dim = _as_dim(value)
+        if dim is None or dim < least:
+            where = "" if single is not None else f" at index {index} of {shape!r}"
+            raise ValueError(f"{name} dimensions must be {sign} integers ({_DIM_KINDS}), got {value!r}{where}")
+        dims.append(dim)
+    return tuple(dims)
 
 
 def numel_of(shape: Shape) -> int:
@@ -162,19 +212,25 @@ def tensor(
     tensor), all on this process's device.  Every rank must make the same calls in the same
     order.
 
+    ``shape`` is one dimension or a sequence of them; a dimension is anything ``int()``
+    takes as an exact integer: an ``int``, a numpy integer, or a 0-dim integer tensor (for
+    example ``cu_seqlens[-1]``, read on the host).
+
     Raises:
-        ValueError: unknown dtype string; ``device`` differs from the allocator's device;
-            ``return_peers`` without an allocator.
+        ValueError: a dimension that is negative, a bool, a float (even ``2.0``) or not a
+            number (the message names ``shape``); unknown dtype string; ``device`` differs
+            from the allocator's device; ``return_peers`` without an allocator.
     """
     torch_dtype = resolve_dtype(dtype)
+    dims = _shape_tuple(shape)
     if allocator is None:
         if return_peers:
             raise ValueError("return_peers=True needs an allocator (peer views live in its heap)")
-        return torch.empty(_shape_tuple(shape), dtype=torch_dtype, device=device)
+        return torch.empty(dims, dtype=torch_dtype, device=device)
     if device is not None:
         wanted = normalize_device(device)
         if wanted != allocator.device:
             raise ValueError(
                 f"tensor requested on {wanted} but the allocator's heap is on {allocator.device}"
             )
-    return allocator._allocate_tensor(shape, torch_dtype, return_peers=bool(return_peers))
+    return allocator._allocate_tensor(dims, torch_dtype, return_peers=bool(return_peers))

@@ -8,7 +8,9 @@ as ``tilelang.distributed.host`` (and ``tilelang.distributed``) once the wheel i
 Modules: :mod:`~tilescale_host.dist_init` (``init_dist``), :mod:`~tilescale_host.launcher`
 (``tilescale-run``), :mod:`~tilescale_host.pytest_plugin` and :mod:`~tilescale_host.testing`
 (multi-rank tests), :mod:`~tilescale_host.signals`, :mod:`~tilescale_host.bench`,
-:mod:`~tilescale_host.topology`, :mod:`~tilescale_host.utils`, :mod:`~tilescale_host.doctor`.
+:mod:`~tilescale_host.topology`, :mod:`~tilescale_host.utils`, :mod:`~tilescale_host.doctor`,
+:mod:`~tilescale_host.cuda` (checked CUDA driver queries), :mod:`~tilescale_host.compat`
+(upstream TileScale's helper names).
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "init_dist": "dist_init",
+    "init_distributed": "compat",
+    "CUDA_CHECK": "compat",
+    "create_mapped_tensor": "compat",
+    "dtype_map": "compat",
     "set_signal": "signals",
     "synchronize_streams": "signals",
     "stream_wait_eq": "signals",
@@ -27,6 +33,7 @@ _LAZY = {
     "close_stream_barriers": "stream_barrier",
     "do_bench": "bench",
     "perf_fn": "bench",
+    "perf_rounds": "bench",
     "NvidiaSmiUtil": "topology",
     "cuda_stream_max_priority": "topology",
     "has_fullmesh_nvlink": "topology",

@@ -9,6 +9,8 @@ Markers:
   after ``timeout`` seconds (each rank's Python stack is dumped first).
 * ``@pytest.mark.requires_capability(name)`` skips, with the probe's reason, unless the
   capability is present.
+* ``@pytest.mark.distributed`` is registered for :func:`tilescale_host.testing.requires_distributed`
+  (``tilelang.testing.requires_distributed``), which adds it.
 * ``@pytest.mark.tilescale_gpu`` skips when no CUDA GPU is visible.  The plugin claims no
   generic marker name: a project whose tests say ``@pytest.mark.gpu`` makes that name an
   alias with :func:`add_gpu_marker_alias` (TileScale's own test suites do, in their
@@ -151,6 +153,7 @@ def pytest_configure(config) -> None:
         "ranks(n, timeout=120, cpu_only=False): run the test body on n spawned ranks (tilescale)",
         "requires_capability(name): skip unless the named TileScale capability is present",
         f"{GPU_MARKER}: {_GPU_MARKER_HELP}",
+        testing.DISTRIBUTED_MARKER_HELP,
     ):
         config.addinivalue_line("markers", line)
     directory = config.getoption("--tilescale-record") or os.environ.get(RECORD_ENV) or None

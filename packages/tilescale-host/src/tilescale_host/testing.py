@@ -22,6 +22,9 @@ sent from the pytest process.
 a named capability is absent; the plugin records which capability-gated tests ran.  Built-in
 capabilities: ``gpu``, ``multi_gpu``, ``p2p_native_atomic``, ``fullmesh_nvlink``, ``tma``,
 ``vmm_fabric``, ``multicast``; add more with :func:`register_capability`.
+
+:func:`requires_distributed` is upstream TileScale's ``tilelang.testing.requires_distributed``
+(the tilescale-host extension adds it to stock ``tilelang.testing`` when that is imported).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ __all__ = [
     "multirank",
     "register_capability",
     "requires_capability",
+    "requires_distributed",
 ]
 
 #: Seconds a multi-rank test may run before its ranks are killed.
@@ -72,6 +76,51 @@ def requires_capability(name: str):
     import pytest
 
     return pytest.mark.requires_capability(name)
+
+
+#: Upstream TileScale's switch for its distributed tests; here they run unless it is off.
+DISTRIBUTED_ENV = "TILELANG_USE_DISTRIBUTED"
+#: Help text of the ``distributed`` marker (registered by the ``tilescale`` pytest plugin).
+DISTRIBUTED_MARKER_HELP = (f"distributed: a multi-process test (tilelang.testing.requires_distributed); "
+                           f"skipped when {DISTRIBUTED_ENV} is off or torch.distributed is unavailable")
+
+
+def distributed_skip_reason(env=None) -> str | None:
+    """Why a :func:`requires_distributed` test is skipped here, or None when it runs.
+
+    It runs unless ``TILELANG_USE_DISTRIBUTED`` is set to an off spelling (``0``, ``false``,
+    ``no``, ``off``) or this torch build has no ``torch.distributed``.
+
+    Raises:
+        ValueError: ``TILELANG_USE_DISTRIBUTED`` is neither an on nor an off spelling.
+    """
+    from tilescale_core.env import parse_flag
+
+    env = os.environ if env is None else env
+    value = env.get(DISTRIBUTED_ENV)
+    if not parse_flag(DISTRIBUTED_ENV, value, default=True):
+        return f"{DISTRIBUTED_ENV}={value!r} turns distributed tests off"
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return "this torch build has no torch.distributed"
+    return None
+
+
+def requires_distributed(func):
+    """Decorator (upstream TileScale's ``tilelang.testing.requires_distributed``): mark the test
+    ``distributed`` (select or deselect with ``-m distributed``) and skip it, with the reason,
+    where :func:`distributed_skip_reason` gives one.
+
+    Unlike upstream, where such tests run only with ``TILELANG_USE_DISTRIBUTED=1`` (the switch
+    of its distributed build), they run by default: TileScale's distributed support is always
+    there once tilescale-host is installed.  ``TILELANG_USE_DISTRIBUTED=0`` skips them.
+    """
+    import pytest
+
+    reason = distributed_skip_reason()
+    func = pytest.mark.distributed(func)
+    return pytest.mark.skipif(reason is not None, reason=reason or "")(func)
 
 
 # --------------------------------------------------------------------------- capabilities

@@ -10,14 +10,21 @@ Called by tilescale-core's import hook right after ``import tilelang``; attaches
 * the CUDA post-processing callback that includes the TileScale headers, the
   ``runtime.nvshmem.cumodule_init`` module hook (before any launch), and the compile
   wrappers that add the header flags (``tilelang.compile`` / ``@tilelang.jit`` with
-  ``compile_once=``, ``compile_group=``, ``compile_root=`` too).
+  ``compile_once=``, ``compile_group=``, ``compile_root=`` too);
+* ``tilelang.utils.target`` (upstream TileScale's module of target helpers, aliases of stock
+  TileLang's) where stock has none: ``_facade/utils`` beside this file is appended to
+  ``tilelang.utils.__path__``.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from .state import STATE
+
+#: Directory appended to ``tilelang.utils.__path__`` (holds ``target.py``).
+UTILS_FACADE_DIR = Path(__file__).parent / "_facade" / "utils"
 
 #: Stock callables replaced by TileScale wrappers, by name (:attr:`.state.LangState.stock`).
 STOCK: dict[str, Any] = STATE.stock
@@ -82,6 +89,14 @@ def _initialize(self, allocator=None, stream=None):
     return kernel
 
 
+def add_utils_facade(utils_module) -> None:
+    """Append :data:`UTILS_FACADE_DIR` to ``tilelang.utils.__path__`` (once, after stock's
+    own directory, so that stock modules of the same name win)."""
+    from tilescale_core.interface import add_facade_dir
+
+    add_facade_dir(utils_module, UTILS_FACADE_DIR)
+
+
 def extend(tilelang_module) -> None:
     """Attach tilescale-lang to the freshly imported ``tilelang`` module."""
     import importlib
@@ -102,6 +117,7 @@ def extend(tilelang_module) -> None:
 
     JITKernel.initialize = _initialize
     tl_jit = importlib.import_module("tilelang.jit")  # the package (tilelang.jit is the decorator)
+    add_utils_facade(importlib.import_module("tilelang.utils"))
 
     codegen.install_postproc()
     pipeline_hooks.install()

@@ -131,10 +131,13 @@ def wrap_compile(compile_fn):
     * ``compile_root=r`` (collective over ``compile_group``, default the world group): rank
       ``r`` compiles, the others load its result from the disk cache; a failure on ``r``
       raises on every rank with ``r``'s message (:mod:`tilescale_lang.compile_root`).
-    * ``compile_once=True`` without ``compile_root``: the compile runs under a host-wide file
-      lock beside TileLang's disk cache (:mod:`tilescale_lang.compile_lock`): the first rank
-      compiles, every later rank loads the cached result.  No collective is involved, so a
-      kernel that only some ranks compile is fine; ``compile_group`` is accepted and unused.
+    * ``compile_once=True`` with ``compile_group`` and without ``compile_root``: the same
+      collective with the group's rank 0 as the root: only rank 0 runs the compiler, the
+      others load its result, and a failure on rank 0 raises on every rank with its message.
+    * ``compile_once=True`` alone: the compile runs under a host-wide file lock beside
+      TileLang's disk cache (:mod:`tilescale_lang.compile_lock`): the first rank compiles,
+      every later rank loads the cached result.  No collective is involved, so a kernel that
+      only some ranks compile is fine.
     * neither: plain ``tilelang.compile``.
     """
     if getattr(compile_fn, "__tilescale_wrapped__", False):

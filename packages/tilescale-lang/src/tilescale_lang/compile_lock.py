@@ -8,7 +8,9 @@ the same cache key on every rank.
 
 Unlike a barrier, the lock is not a collective: a rank may compile a kernel that its peers
 never compile (say, one only rank 0 launches) without pairing with anything, and a rank that
-dies releases the lock with its process.  Waiting has a deadline; past it a TimeoutError names
+dies releases the lock with its process.  (``compile_once=True`` together with a
+``compile_group`` is the collective form instead: the group's rank 0 compiles, see
+:mod:`tilescale_lang.compile_root`.)  Waiting has a deadline; past it a TimeoutError names
 the lock file and the process holding it.
 
 The lock lives in a per-user directory (mode 0700, owned by the caller, not a symlink: a
@@ -218,8 +220,10 @@ def compile_once(build: Callable[[], T], group: Any = None, *, cache_dir: str | 
 
     Args:
         build: the compile, e.g. ``lambda: tilelang.compile(func, ...)``.
-        group: accepted for ``compile_group=`` and unused: the lock already covers every
-            process on this host that shares the cache directory, so no collective is made.
+        group: ignored here: the lock covers every process on this host that shares the
+            cache directory, so no collective is made (``tilelang.compile`` sends a
+            ``compile_group`` to :func:`tilescale_lang.compile_root.compile_from_root`
+            instead).
         cache_dir: directory of the lock (default: TileLang's cache directory).
         timeout: seconds to wait for the lock.
     """

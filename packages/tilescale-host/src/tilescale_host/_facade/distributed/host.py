@@ -4,7 +4,8 @@
 here is re-exported by ``tilelang.distributed`` too.  See :mod:`tilescale_host`.
 """
 
-from tilescale_host.bench import do_bench, perf_fn
+from tilescale_host.bench import do_bench, perf_fn, perf_rounds
+from tilescale_host.compat import CUDA_CHECK, create_mapped_tensor, dtype_map, init_distributed
 from tilescale_host.dist_init import init_dist
 from tilescale_host.signals import set_signal, stream_wait_eq, synchronize_streams, wait_eq
 from tilescale_host.stream_barrier import barrier_all_on_stream, close_stream_barriers
@@ -29,12 +30,15 @@ from tilescale_host.utils import (
 )
 
 __all__ = [
+    "CUDA_CHECK",
     "NvidiaSmiUtil",
     "barrier_all_on_stream",
     "close_stream_barriers",
+    "create_mapped_tensor",
     "cuda_stream_max_priority",
     "dist_print",
     "do_bench",
+    "dtype_map",
     "get_bool_env",
     "get_current_gpu_clock_rate_in_khz",
     "get_device_max_shared_memory_size",
@@ -45,8 +49,10 @@ __all__ = [
     "has_fullmesh_nvlink_pynvml",
     "has_tma",
     "init_dist",
+    "init_distributed",
     "init_seed",
     "perf_fn",
+    "perf_rounds",
     "rand_tensor",
     "set_signal",
     "stream_wait_eq",
