@@ -18,20 +18,22 @@ def make(name: str, alloc, dtype=torch.float32):
     """The collective ``name`` over ``alloc`` and a reference ``ref(all_inputs, rank)``."""
     from tilescale_examples.collectives import allgather, allreduce, alltoall, reducescatter
 
+    rows = (int(alloc.num_ranks), *SHAPE)  # the input of the ops that send one row per rank
     if name == "allgather":
         coll = allgather.AllGather(alloc, SHAPE, dtype)
-        return coll, lambda xs, rank: allgather.torch_reference(xs)
-    if name == "reducescatter":
-        return reducescatter.ReduceScatter(alloc, SHAPE, dtype), reducescatter.torch_reference
-    if name == "alltoall":
-        return alltoall.AllToAll(alloc, SHAPE, dtype), alltoall.torch_reference
-    if name == "allreduce":
-        return allreduce.AllReduce(alloc, SHAPE, dtype), allreduce.torch_reference
-    raise ValueError(name)
+    elif name == "reducescatter":
+        coll = reducescatter.ReduceScatter(alloc, rows, dtype)
+    elif name == "alltoall":
+        coll = alltoall.AllToAll(alloc, rows, dtype)
+    elif name == "allreduce":
+        coll = allreduce.AllReduce(alloc, SHAPE, dtype)
+    else:
+        raise ValueError(name)
+    return coll, coll.torch_reference
 
 
 def input_shape(coll):
-    return tuple(getattr(coll, "input_shape", None) or coll.shape)
+    return tuple(coll.shape)
 
 
 def inputs_of_call(shape, world: int, seed: int, call: int, device) -> list:

@@ -61,12 +61,21 @@ class CpuAllocator:
         self.allocations = []
 
     def _allocate_tensor(self, shape, dtype, return_peers=False):
+        shape = (shape,) if isinstance(shape, int) else shape
         self.allocations.append((tuple(shape), dtype))
         local = torch.full(tuple(shape), 7, dtype=dtype)
         if not return_peers:
             return local
         return [local if r == self.local_rank else torch.full(tuple(shape), 7, dtype=dtype)
                 for r in range(self.num_ranks)]
+
+    @property
+    def heap_bytes(self) -> int:
+        """Heap bytes of the recorded allocations on tilescale-core's heap: each at least one
+        byte, rounded up to the heap's 256-byte alignment."""
+        sizes = (max(1, torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
+                 for shape, dtype in self.allocations)
+        return sum(-(-n // 256) * 256 for n in sizes)
 
 
 def run_gpu_ranks(body, world: int, tmp_path_factory, name: str, timeout: float = 240) -> list:

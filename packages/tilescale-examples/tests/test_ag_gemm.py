@@ -12,6 +12,7 @@ import torch
 from examples_helpers import CpuAllocator, kernel_body, lower_source, needs_nvcc, record_compiles
 
 from tilescale_examples.overlap import ag_gemm
+from tilescale_examples import ClosedError
 from tilescale_examples.overlap.ag_gemm import AllGatherGEMM, build_ag_gemm_kernel, heap_bytes, tile_order, torch_reference
 from tilescale_examples.base import TARGET
 from tilescale_examples.overlap.stream_ops import plan_row_chunks
@@ -20,9 +21,11 @@ from tilescale_examples.overlap.stream_ops import plan_row_chunks
 def test_torch_reference_is_gathered_matmul():
     a = [torch.eye(2), 2 * torch.eye(2)]
     b = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-    assert torch.equal(torch_reference(a, b), torch.cat([b, 2 * b]))
-    with pytest.raises(ValueError, match="one tensor per rank"):
-        torch_reference([], b)
+    inputs = [(a[0], b), (a[1], 3 * b)]  # every rank's (a, b); the result uses this rank's b
+    assert torch.equal(torch_reference(inputs, 0), torch.cat([b, 2 * b]))
+    assert torch.equal(AllGatherGEMM.torch_reference(inputs, 1), torch.cat([3 * b, 6 * b]))
+    with pytest.raises(ValueError, match="one \\(a, b\\) pair per rank"):
+        torch_reference([], 0)
 
 
 def test_tile_order_follows_chunk_arrival_over_the_peers():
@@ -76,13 +79,13 @@ def test_auto_plan_on_cpu_falls_back_to_sequential_with_a_log_line(no_compile, c
     alloc = CpuAllocator(num_ranks=2)
     with caplog.at_level(logging.WARNING, logger="tilescale_examples"):
         agg = AllGatherGEMM(alloc, 256, 128, 256, "bfloat16")
-    assert agg.plan == "sequential" and "not a CUDA device" in agg.plan_reason
+    assert agg.algorithm == agg.plan == "sequential" and "not a CUDA device" in agg.algorithm_reason
     assert "AllGatherGEMM: cpu is not a CUDA device; using the sequential plan" in caplog.text
     assert no_compile == ["allgather", "gemm"]  # the all-gather kernel, then the stock GEMM
     assert alloc.allocations == [((256, 128), torch.bfloat16), ((2, 256, 128), torch.bfloat16),
                                  ((2 * 2 * agg.all_gather.chunks,), torch.uint64), ((2, 2), torch.int32)]
     assert agg.output.shape == (512, 256) and agg.flops() == 2.0 * 512 * 256 * 128
-    assert "plan='sequential'" in repr(agg)
+    assert "algorithm='sequential'" in repr(agg)
     with pytest.raises(ValueError, match=r"a has shape \(128, 128\), expected \(m_local, k\) = \(256, 128\)"):
         agg.check_inputs(torch.zeros(128, 128, dtype=torch.bfloat16), torch.zeros(128, 256, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="b has dtype torch.float32, this AllGatherGEMM was built for torch.bfloat16"):
@@ -90,7 +93,7 @@ def test_auto_plan_on_cpu_falls_back_to_sequential_with_a_log_line(no_compile, c
     with agg:
         pass
     assert agg.closed and agg.all_gather is None and agg.output is None
-    with pytest.raises(RuntimeError, match="AllGatherGEMM is closed"):
+    with pytest.raises(ClosedError, match="AllGatherGEMM is closed"):
         agg(torch.zeros(256, 128, dtype=torch.bfloat16), torch.zeros(128, 256, dtype=torch.bfloat16))
     agg.close()  # idempotent
 
@@ -98,8 +101,8 @@ def test_auto_plan_on_cpu_falls_back_to_sequential_with_a_log_line(no_compile, c
 def test_fused_plan_allocates_the_double_buffer_and_flags(no_compile, monkeypatch):
     monkeypatch.setattr("tilescale_examples.overlap.stream_ops.stream_ops_available", lambda device: (True, "stub"))
     alloc = CpuAllocator(num_ranks=3, rank=2)
-    agg = AllGatherGEMM(alloc, 1024, 128, 512, torch.float16, plan="fused")
-    assert (agg.plan, agg.plan_reason) == ("fused", "stub")
+    agg = AllGatherGEMM(alloc, 1024, 128, 512, torch.float16, algorithm="fused")
+    assert (agg.algorithm, agg.algorithm_reason) == ("fused", "stub")
     assert agg.chunks == [(0, 1), (1, 2), (3, 5)]
     assert alloc.allocations == [((2, 3, 1024, 128), torch.float16), ((3 * 3,), torch.uint64)]
     assert agg.gathered.shape == (2, 3, 1024, 128) and int(agg.flags.sum()) == 0  # zeroed
@@ -113,7 +116,7 @@ def test_fused_plan_on_one_rank_is_the_gemm_alone(no_compile, monkeypatch):
     monkeypatch.setattr("tilescale_examples.overlap.stream_ops.stream_ops_available", lambda device: (True, "stub"))
     alloc = CpuAllocator(num_ranks=1)
     agg = AllGatherGEMM(alloc, 256, 128, 256, torch.bfloat16)
-    assert agg.plan == "fused" and "nothing to communicate" in agg.plan_reason
+    assert agg.algorithm == "fused" and "nothing to communicate" in agg.algorithm_reason
     assert alloc.allocations == [] and no_compile == ["gemm"]
     assert agg.kernel is agg.own_kernel and agg.output.shape == (256, 256)
 
@@ -127,8 +130,8 @@ def test_fused_plan_on_one_rank_is_the_gemm_alone(no_compile, monkeypatch):
     (dict(n=384, block_n=128), None, None),
     (dict(threads=160), ValueError, "threads must be a multiple of 128"),
     (dict(max_chunks=0), ValueError, "max_chunks must be a positive int"),
-    (dict(plan="overlap"), ValueError, "plan must be one of"),
-    (dict(plan="fused"), RuntimeError, "plan='fused' needs stream memory operations"),
+    (dict(algorithm="overlap"), ValueError, "algorithm must be one of"),
+    (dict(algorithm="fused"), RuntimeError, "algorithm='fused' needs stream memory operations"),
     (dict(allocator=object()), TypeError, "allocator must be a tilescale-core allocator"),
     (dict(m_local=2**20, k=2**10), ValueError, "exceed the kernels' int32 indexing"),
 ])
@@ -144,7 +147,19 @@ def test_constructor_rejects_before_allocating(kwargs, exc, match, no_compile):
     assert alloc.allocations == [] and no_compile == []
 
 
-def test_heap_bytes_covers_both_plans():
+def test_heap_bytes_is_the_larger_plan_of_a_dry_run(no_compile, monkeypatch):
     fused = 2 * 2 * 4096 * 8192 * 2
-    assert heap_bytes(2, 4096, 8192) >= fused
-    assert heap_bytes(1, 128, 64, torch.float16) >= (1 + 1) * 128 * 64 * 2 + 16 * 256
+    assert heap_bytes(2, 4096, 8192) >= fused  # the module's 0.1.0 function: a dry run too
+    one = AllGatherGEMM.heap_bytes(128, 64, 256, torch.float16, world_size=1, device="cpu")
+    alloc = CpuAllocator(num_ranks=1)
+    AllGatherGEMM(alloc, 128, 64, 256, torch.float16, algorithm="sequential")  # one rank fused: no heap
+    assert one == alloc.heap_bytes == heap_bytes(1, 128, 64, torch.float16, max_blocks=128)
+    monkeypatch.setattr("tilescale_examples.overlap.stream_ops.stream_ops_available", lambda device: (True, "stub"))
+    sizes = {}
+    for algorithm in ("fused", "sequential"):
+        alloc = CpuAllocator(num_ranks=2)
+        AllGatherGEMM(alloc, 256, 128, 256, torch.float16, algorithm=algorithm)
+        sizes[algorithm] = alloc.heap_bytes
+        assert AllGatherGEMM.heap_bytes(256, 128, 256, torch.float16, world_size=2, algorithm=algorithm,
+                                        device="cpu") == sizes[algorithm]
+    assert AllGatherGEMM.heap_bytes(256, 128, 256, torch.float16, world_size=2, device="cpu") == max(sizes.values())

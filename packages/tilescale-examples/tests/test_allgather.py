@@ -12,6 +12,7 @@ from examples_cache import warm_cache
 from examples_helpers import LaunchRecorder, CpuAllocator, close_rank_heap, have_gpu, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
 
 from tilescale_examples.collectives import allgather as ag_mod
+from tilescale_examples import ClosedError
 from tilescale_examples.collectives.allgather import AllGather, build_allgather_kernel, plan_chunks, torch_reference
 
 
@@ -41,10 +42,13 @@ def test_plan_chunks_rejects_bad_values():
 
 def test_torch_reference():
     shards = [torch.full((3, 2), float(r)) for r in range(4)]
-    ref = torch_reference(shards)
+    ref = torch_reference(shards, 1)
     assert ref.shape == (4, 3, 2) and torch.equal(ref[2], shards[2])
+    assert torch.equal(AllGather.torch_reference(shards, 3), ref)  # the same on every rank
     with pytest.raises(ValueError, match="one tensor per rank"):
-        torch_reference([])
+        torch_reference([], 0)
+    with pytest.raises(ValueError, match="rank must be in"):
+        torch_reference(shards, 4)
 
 
 # ------------------------------------------------------------------------------ codegen
@@ -128,12 +132,12 @@ def test_allgather_object_on_cpu_allocator(tmp_path, monkeypatch):
     ag = AllGather(alloc, (3, 5), "float32", threads=128)
     assert alloc.allocations == [((3, 5), torch.float32), ((2, 3, 5), torch.float32), ((2 * 2 * ag.chunks,), torch.uint64),
                                  ((2, 2), torch.int32)]
-    assert ag.engine == "sm" and ag.output is ag.peer_outputs[0] and not ag.copy_flags.ne(0).any()
+    assert ag.algorithm == ag.engine == "sm" and ag.output is ag.peer_outputs[0] and not ag.copy_flags.ne(0).any()
     assert ag.output.shape == (2, 3, 5) and ag.input.shape == (3, 5)
     assert not ag.flags.ne(0).any()
     assert (ag.chunks, ag.chunk) == (1, 16)
     assert ag.bus_bytes() == 0.5 * 2 * 15 * 4
-    assert "AllGather(shard_shape=(3, 5)" in repr(ag)
+    assert "AllGather(shape=(3, 5)" in repr(ag)
 
     launched = []
     ag.kernel = LaunchRecorder(launched)  # stands in for the GPU launch
@@ -152,12 +156,12 @@ def test_allgather_object_on_cpu_allocator(tmp_path, monkeypatch):
     ag(torch.ones(3, 5))
     assert launched[1][3] is ag.state and ag.state.shape == (2 * ag.chunks,) and ag.state.dtype == torch.int64
     alloc.closed = True
-    with pytest.raises(RuntimeError, match="allocator of this AllGather is closed"):
+    with pytest.raises(ClosedError, match="allocator of this AllGather is closed"):
         ag(torch.ones(3, 5))
     ag.close()
     ag.close()
     assert ag.closed
-    with pytest.raises(RuntimeError, match="AllGather is closed"):
+    with pytest.raises(ClosedError, match="AllGather is closed"):
         ag(torch.ones(3, 5))
 
 
@@ -172,39 +176,39 @@ def test_engine_size_table():
 
 
 @needs_nvcc
-def test_engine_argument(tmp_path, monkeypatch):
+def test_algorithm_argument(tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
     alloc = CpuAllocator(num_ranks=2, rank=1)
-    assert AllGather(alloc, (16,), torch.float16, engine="copy").engine == "copy"
-    big = AllGather(alloc, (ag_mod.COPY_ENGINE_MIN_BYTES[2] // 4,), torch.float16, engine="auto")
-    assert big.engine == "copy" and big.output is big.peer_outputs[1] and big.copy_flags is big.peer_copy_flags[1]
-    assert AllGather(alloc, (16,), torch.float16, engine="auto").engine == "sm"
-    with pytest.raises(ValueError, match="engine must be one of"):
-        AllGather(CpuAllocator(), (16,), torch.float16, engine="dma")
+    assert AllGather(alloc, (16,), torch.float16, algorithm="copy").algorithm == "copy"
+    big = AllGather(alloc, (ag_mod.COPY_ENGINE_MIN_BYTES[2] // 4,), torch.float16, algorithm="auto")
+    assert big.algorithm == "copy" and big.output is big.peer_outputs[1] and big.copy_flags is big.peer_copy_flags[1]
+    assert AllGather(alloc, (16,), torch.float16, algorithm="auto").algorithm == "sm"
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        AllGather(CpuAllocator(), (16,), torch.float16, algorithm="dma")
 
 
 def test_allgather_device_check():
     ag = object.__new__(AllGather)
-    ag.shard_shape, ag.dtype, ag.device = (4,), torch.float32, torch.device("cuda", 1)
+    ag.shape, ag.dtype, ag.device = (4,), torch.float32, torch.device("cuda", 1)
     with pytest.raises(ValueError, match="input is on cpu, the allocator's heap is on cuda:1"):
         ag.check_input(torch.zeros(4))
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [
     (dict(allocator=None), TypeError, "allocator must be a tilescale-core allocator"),
-    (dict(shard_shape=0), ValueError, "shard_shape must be non-empty positive ints"),
-    (dict(shard_shape=(4, -1)), ValueError, "shard_shape"),
-    (dict(shard_shape="x"), ValueError, "shard_shape"),
+    (dict(shape=0), ValueError, "shape must be non-empty positive ints"),
+    (dict(shape=(4, -1)), ValueError, "shape"),
+    (dict(shape="x"), ValueError, "shape"),
     (dict(dtype="complex64"), TypeError, "dtype must be one of"),
     (dict(dtype=torch.bool), TypeError, "dtype must be one of"),
     (dict(world_size=3), ValueError, r"world_size=3 but the allocator spans 2 rank\(s\)"),
     (dict(world_size=0), ValueError, "world_size must be a positive int"),
     (dict(threads=100), ValueError, "threads must be a multiple of 32"),
-    (dict(shard_shape=(1 << 30,)), ValueError, "int32 indexing"),
+    (dict(shape=(1 << 30,)), ValueError, "int32 indexing"),
 ])
 def test_constructor_rejects_before_allocating(kwargs, exc, match):
     alloc = CpuAllocator(num_ranks=2)
-    args = dict(allocator=alloc, shard_shape=(16,), dtype=torch.float16)
+    args = dict(allocator=alloc, shape=(16,), dtype=torch.float16)
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         AllGather(**args)
@@ -214,7 +218,7 @@ def test_constructor_rejects_before_allocating(kwargs, exc, match):
 def test_constructor_rejects_closed_allocator():
     alloc = CpuAllocator()
     alloc.closed = True
-    with pytest.raises(RuntimeError, match="allocator is closed"):
+    with pytest.raises(ClosedError, match="allocator is closed"):
         AllGather(alloc, 16, torch.float16)
 
 
@@ -244,7 +248,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str, device: str | None = No
     checks = 0
     # No collective after a failure: a rank raises, run_ranks reports it and stops the peers.
     for case, (shape, dtype, engine) in enumerate((s, d, e) for s, d in GPU_CASES for e in ENGINES):
-        ag = AllGather(alloc, shape, dtype, min_chunk_bytes=4096, engine=engine)  # small chunks: many blocks
+        ag = AllGather(alloc, shape, dtype, min_chunk_bytes=4096, algorithm=engine)  # small chunks: many blocks
         for step in range(4):
             g = torch.Generator().manual_seed(rank * 1000003 + case * 7919 + step)
             shard = torch.randn(shape, generator=g).to(dtype).to(dev)
@@ -256,7 +260,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str, device: str | None = No
             _sync(dev)
             gathered = [torch.empty_like(shard) for _ in range(world)]
             dist.all_gather(gathered, shard)
-            expect = torch_reference(gathered)
+            expect = torch_reference(gathered, rank)
             if not torch.equal(out, expect):
                 bad = (out != expect).nonzero()[:5].tolist()
                 raise AssertionError(f"rank {rank} world {world} shape {shape} {dtype} {engine} step {step} "
@@ -270,7 +274,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str, device: str | None = No
         _sync(dev)
         gathered = [torch.empty_like(ag.input) for _ in range(world)]
         dist.all_gather(gathered, ag.input)
-        if not torch.equal(ag.output, torch_reference(gathered)):
+        if not torch.equal(ag.output, torch_reference(gathered, rank)):
             raise AssertionError(f"rank {rank} world {world} shape {shape} {engine}: back-to-back calls differ")
         checks += 1
         ag.close()

@@ -14,6 +14,7 @@ import torch
 from examples_helpers import CpuAllocator, close_rank_heap, open_rank_heap, poison, random_tensor, run_gpu_ranks, needs_nvcc
 from examples_cache import CACHE_NAME, warm_cache
 
+from tilescale_examples import ClosedError
 from tilescale_examples.collectives.allreduce import ONE_SHOT_MAX_BYTES, AllReduce, choose_algorithm, torch_reference
 from tilescale_examples.collectives.reduce_engine import FLAG_STRIDE
 
@@ -36,7 +37,8 @@ def test_size_table():
 def test_torch_reference_is_the_rank_order_sum():
     h = [torch.full((4,), 2048.0, dtype=torch.float16), torch.ones(4, dtype=torch.float16),
          torch.ones(4, dtype=torch.float16)]
-    assert torch.equal(torch_reference(h), torch.full((4,), 2050.0, dtype=torch.float16))
+    assert torch.equal(torch_reference(h, 1), torch.full((4,), 2050.0, dtype=torch.float16))
+    assert torch.equal(AllReduce.torch_reference(h, 2), torch_reference(h, 0))  # the same on every rank
 
 
 # ------------------------------------------------------------------------------ the class on CPU
@@ -190,7 +192,7 @@ def test_close_and_repr(tmp_path, monkeypatch):
     assert ar.bus_bytes() == 2 * 0.5 * 64 * 2
     ar.close()
     assert ar.closed and "closed" in repr(ar)
-    with pytest.raises(RuntimeError, match="AllReduce is closed"):
+    with pytest.raises(ClosedError, match="AllReduce is closed"):
         ar(torch.zeros(64).half())
 
 
@@ -246,7 +248,7 @@ def size_classes(alloc, rank: int, world: int) -> int:
             for k in range(CALLS_PER_INSTANCE):
                 way = WAYS[(2 * case + 2 * j + k) % len(WAYS)]
                 x = inputs[rank][k].clone()
-                want = torch_reference([inputs[p][k] for p in range(world)])
+                want = torch_reference([inputs[p][k] for p in range(world)], rank)
                 poison(ar.output)
                 poison(ar.input) if way != "heap" else ar.input.copy_(x)
                 if way == "plain":
@@ -279,7 +281,7 @@ def back_to_back(alloc, rank: int, world: int) -> int:
     shape, dtype = (2048,), torch.float16  # 4 KiB
     inputs = [rank_inputs(p, shape, dtype, dev, 99, VARIANTS) for p in range(world)]
     mine = inputs[rank]
-    want = [torch_reference([inputs[p][v] for p in range(world)]) for v in range(VARIANTS)]
+    want = [torch_reference([inputs[p][v] for p in range(world)], rank) for v in range(VARIANTS)]
     rng = random.Random(rank)
     checks = 0
     for algorithm, calls in BACK_TO_BACK[world].items():

@@ -9,6 +9,7 @@ import tilelang
 import torch
 from examples_helpers import LaunchRecorder, CpuAllocator, close_rank_heap, kernel_body, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
 
+from tilescale_examples import ClosedError
 from tilescale_examples.collectives.alltoall import AllToAll, build_alltoall_kernel, torch_reference
 from tilescale_examples.base import TARGET, plan_chunks
 
@@ -53,13 +54,14 @@ def test_real_compile_to_cubin(tmp_path, monkeypatch):
 def test_alltoall_object_on_cpu_allocator(tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
     alloc = CpuAllocator(num_ranks=2)
-    a2a = AllToAll(alloc, (3, 5), "float32", threads=128)
+    a2a = AllToAll(alloc, (2, 3, 5), "float32", threads=128)
     assert alloc.allocations == [((2, 3, 5), torch.float32), ((2, 3, 5), torch.float32), ((2 * 2 * a2a.chunks,), torch.uint64)]
     assert not a2a.flags.ne(0).any() and a2a.bus_bytes() == 0.5 * 2 * 15 * 4
-    assert repr(a2a).startswith("AllToAll(shard_shape=(3, 5), dtype=torch.float32, world_size=2")
+    assert a2a.shard_shape == (3, 5) and a2a.input_shape == (2, 3, 5)
+    assert repr(a2a).startswith("AllToAll(shape=(2, 3, 5), dtype=torch.float32, world_size=2")
     launched = []
     a2a.kernel = LaunchRecorder(launched)
-    with pytest.raises(ValueError, match=r"input has shape \(3, 5\), expected \(world_size, \*shard_shape\) = \(2, 3, 5\)"):
+    with pytest.raises(ValueError, match=r"input has shape \(3, 5\), expected the shape \(2, 3, 5\)"):
         a2a(torch.zeros(3, 5))
     with pytest.raises(TypeError, match="input has dtype torch.int32"):
         a2a(torch.zeros(2, 3, 5, dtype=torch.int32))
@@ -68,18 +70,20 @@ def test_alltoall_object_on_cpu_allocator(tmp_path, monkeypatch):
     assert a2a(x) is a2a.output and launched[0][0].data_ptr() == x.data_ptr() and launched[0][3] is a2a.state
     a2a.close()
     assert a2a.input is None and a2a.closed
-    with pytest.raises(RuntimeError, match="AllToAll is closed"):
+    with pytest.raises(ClosedError, match="AllToAll is closed"):
         a2a(x)
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [
     (dict(dtype=torch.bool), TypeError, "dtype must be one of"),
     (dict(world_size=4), ValueError, r"world_size=4 but the allocator spans 2 rank\(s\)"),
-    (dict(shard_shape=(2, 0)), ValueError, "shard_shape must be non-empty positive ints"),
+    (dict(shape=(2, 0)), ValueError, "shape must be non-empty positive ints"),
+    (dict(shape=(3, 16)), ValueError, r"shape must be \(world_size, \*row\) = \(2, ...\)"),
+    (dict(shape=(2,)), ValueError, "with a non-empty row"),
 ])
 def test_constructor_rejects_before_allocating(kwargs, exc, match):
     alloc = CpuAllocator(num_ranks=2)
-    args = dict(allocator=alloc, shard_shape=(16,), dtype=torch.float16)
+    args = dict(allocator=alloc, shape=(2, 16), dtype=torch.float16)
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         AllToAll(**args)
@@ -100,7 +104,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     dev = torch.device(alloc.device)
     checks = 0
     for case, (shape, dtype) in enumerate(GPU_CASES):
-        a2a = AllToAll(alloc, shape, dtype, min_chunk_bytes=4096)
+        a2a = AllToAll(alloc, (world, *shape), dtype, min_chunk_bytes=4096)
         for step in range(5):
             g = torch.Generator().manual_seed(rank * 1000003 + case * 7919 + step)
             full = (world, *shape)

@@ -1,7 +1,8 @@
-"""The collective benchmarks (all-gather, reduce-scatter, all-to-all) on the CPU: bus-bandwidth
-factors, titles, heap sizing, the check's tolerance, the baseline probe and its fallbacks (a
-fake ``torch.distributed`` and a real 2-rank gloo group), argument checks and the no-GPU exit.
-The timed part needs GPUs (``ci/device-check.sh bench``)."""
+"""The collective benchmarks (all-gather, reduce-scatter, all-to-all, all-reduce) on the CPU:
+bus-bandwidth factors, titles, heap sizing, the check's tolerance, the baseline probe and its
+fallbacks (a fake ``torch.distributed`` and a real 2-rank gloo group), argument checks and the
+no-GPU exit; the harness every benchmark shares (timing on ``tilescale_host.bench``, ``--out
+DIR``). The timed part needs GPUs (``ci/device-check.sh bench``)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tilescale_examples.benchmarks import allgather, allreduce, alltoall, reducescatter
+from tilescale_examples.benchmarks import _collective_cli as CLI
+from tilescale_examples.benchmarks import _collective_run as R
 from tilescale_examples.benchmarks import _collectives as C
+from tilescale_examples.benchmarks import _harness as H
+from tilescale_examples.benchmarks import _timing as T
+from tilescale_examples.benchmarks import allgather, allreduce, alltoall, reducescatter
 
 NAMES = ["allgather", "reducescatter", "alltoall", "allreduce"]
 ENTRIES = {"allgather": allgather, "reducescatter": reducescatter, "alltoall": alltoall, "allreduce": allreduce}
@@ -46,54 +51,45 @@ def test_iters_and_shards():
     assert C.shard_numel(4096, 4, 2) == 512 and C.shard_numel(2, 4, 2) == 1
 
 
-def test_heap_bytes_per_op():
-    sizes, world, big = [4096, 1 << 30], 4, (1 << 30) // 4  # shard bytes at 1 GiB
-    ag, rs, a2a, ar = (C.heap_bytes(n, sizes, world, 2) for n in NAMES)
-    pad = C.REDUCE_PAD * world * 2 * world * len(sizes)  # reductions: whole vectors per shard
-    wider_flags = 2 * world * C.MAX_BLOCKS * 8 * (C.FLAG_STRIDE - 1) * len(sizes)  # one flag per 32-byte sector
-    assert ar == rs == a2a + pad + wider_flags  # two staging buffers of world shards; a2a: input + output
-    assert ag < a2a and ag > (1 << 30) * 5 // 4  # world + 1 shards: input + output
-    assert a2a - ag == 3 * big + 3 * 4096 // 4  # 2 * world shards
-    flags = 2 * world * 132 * 8
-    assert C.heap_bytes("alltoall", [1 << 30], world, 2, max_blocks=132) == (64 << 20) + 8 * big + flags + 768
-    reduce_flags = flags * C.FLAG_STRIDE  # one flag per 32-byte sector
-    assert C.heap_bytes("reducescatter", [1], world, 4, max_blocks=132) == (64 << 20) + 8 * 4 + 8 * C.REDUCE_PAD * world + reduce_flags + 768
+def test_heap_bytes_per_op_is_what_the_collectives_allocate(monkeypatch):
+    """The heap of a sweep is the collectives' own ``heap_bytes`` (a dry run of each
+    constructor) summed over the sizes, plus the slack: for every algorithm it is exactly what
+    the constructors allocate (plans at 132 SMs)."""
+    from examples_helpers import CpuAllocator, record_compiles
 
-
-def test_reductions_fit_their_heap_estimate():
-    """The estimate covers what AllReduce / ReduceScatter really allocate (plans at 132 SMs)."""
-    from tilescale_examples.collectives.reduce_engine import plan_grid
-
-    for world in (2, 4, 8):
-        for nbytes in (4096, 1000 * 4096 + 2, 1 << 30):
-            for dtype_size in (2, 4):
-                shard = C.shard_numel(nbytes, world, dtype_size)
-                budget = C.heap_bytes("allreduce", [nbytes], world, dtype_size, 132) - (64 << 20)
-                for mode in ("one_shot", "two_shot"):
-                    p = plan_grid(mode, world * shard, dtype_size, world, max_blocks=132)
-                    used = (2 if mode == "one_shot" else 1) * (p.stage_rows * 16 + 256) + p.flag_words * 8 + 256
-                    assert used <= budget, (world, nbytes, mode)
-                p = plan_grid("reduce_scatter", shard, dtype_size, world, max_blocks=132)
-                used = 2 * (p.stage_rows * 16 + 256) + p.flag_words * 8 + 256
-                assert used <= C.heap_bytes("reducescatter", [nbytes], world, dtype_size, 132) - (64 << 20)
+    record_compiles(monkeypatch)
+    sizes = (4096, 1000 * 4096 + 2)
+    for name in NAMES:
+        op, cls = C.OPS[name], C.OPS[name].collective()
+        for world in (1, 2, 4):
+            for itemsize, dtype in ((2, torch.float16), (4, torch.float32)):
+                for algorithm in cls.ALGORITHMS:
+                    used = 0
+                    for nbytes in sizes:
+                        alloc = CpuAllocator(num_ranks=world)
+                        cls(alloc, op.shape(C.shard_numel(nbytes, world, itemsize), world), dtype,
+                            max_blocks=132, algorithm=algorithm)
+                        used += alloc.heap_bytes
+                    got = C.heap_bytes(name, sizes, world, dtype, max_blocks=132, algorithm=algorithm)
+                    assert got - C.HEAP_SLACK == used, (name, world, dtype, algorithm)
 
 
 # ------------------------------------------------------------------------------ titles
 @pytest.mark.parametrize("name", NAMES)
 def test_titles_per_op_and_backend(name):
     op = C.OPS[name]
-    gloo = C.title(name, 4, "gloo", 1, "float16")
+    gloo = CLI.title(name, 4, "gloo", 1, "float16")
     assert gloo.startswith(f"{op.name} bus bandwidth, 4 ranks, float16, 4 ranks sharing 1 GPU(s)")
     assert f"torch.distributed.{op.baselines[0].name} over gloo (host staging, NOT NCCL" in gloo
     assert "time-sliced, not a bandwidth measurement" in gloo and "busbw = (n-1)/n * size / t" in gloo
     assert ("staging counted" in gloo) == op.reduces
-    nccl = C.title(name, 8, "nccl", 8, "bfloat16")
+    nccl = CLI.title(name, 8, "nccl", 8, "bfloat16")
     assert nccl.startswith(f"{op.name} bus bandwidth, 8 ranks, bfloat16, one rank per GPU (8 GPUs)")
     assert f"torch.distributed.{op.baselines[0].name} over NCCL;" in nccl and "NOT" not in nccl
 
 
 def test_reduction_titles_name_the_algorithm_and_the_symmetric_memory_ops():
-    t = C.title("allreduce", 2, "nccl", 2, "bfloat16", None,
+    t = CLI.title("allreduce", 2, "nccl", 2, "bfloat16", None,
                 "torch symmetric memory: torch.ops.symm_mem.one_shot_all_reduce / two_shot_all_reduce_", "auto")
     assert t.startswith("all-reduce (auto) bus bandwidth, 2 ranks")
     assert "torch.ops.symm_mem.one_shot_all_reduce / two_shot_all_reduce_" in t and "vs symm = symm us / TS heap us" in t
@@ -126,19 +122,19 @@ def test_symm_times_pick_the_fastest_op_eager_and_replayed():
     assert SymmTimes(graph_reason="n/a (x graph: capture: RuntimeError)").fastest(True) == (
         None, "n/a (x graph: capture: RuntimeError)")
     # the reduction columns: TileScale heap 2 us, graph 1 us; symm 3 us eager, 2 us replayed
-    assert C._symm_cells(0.002, times, 0.001) == [2.0, 3.0, "two_shot_all_reduce_", 1.5,
+    assert R._symm_cells(0.002, times, 0.001) == [2.0, 3.0, "two_shot_all_reduce_", 1.5,
                                                  2.0, "one_shot_all_reduce_out", 2.0]
-    assert C._symm_cells(0.002, times, None)[4:] == [2.0, "one_shot_all_reduce_out", "-"]
+    assert R._symm_cells(0.002, times, None)[4:] == [2.0, "one_shot_all_reduce_out", "-"]
     na = SymmTimes(reason="n/a (ranks share a GPU)", graph_reason="n/a (ranks share a GPU)")
-    assert C._symm_cells(0.002, na, 0.001) == [2.0, "n/a", "n/a (ranks share a GPU)", "n/a",
+    assert R._symm_cells(0.002, na, 0.001) == [2.0, "n/a", "n/a (ranks share a GPU)", "n/a",
                                               "n/a", "n/a (ranks share a GPU)", "n/a"]
-    assert len(C._symm_cells(0.002, times, 0.001)) == len(C.SYMM_HEADERS)
+    assert len(R._symm_cells(0.002, times, 0.001)) == len(C.SYMM_HEADERS)
 
 
 def test_titles_name_the_fallback_that_ran():
-    rs = C.title("reducescatter", 4, "gloo", 1, "float32", "all_reduce + slice")
+    rs = CLI.title("reducescatter", 4, "gloo", 1, "float32", "all_reduce + slice")
     assert "baseline torch.distributed.all_reduce + slice over gloo" in rs
-    a2a = C.title("alltoall", 2, "gloo", 1, "uint8", "all_gather + select")
+    a2a = CLI.title("alltoall", 2, "gloo", 1, "uint8", "all_gather + select")
     assert "baseline torch.distributed.all_gather + select over gloo" in a2a
     assert [b.name for b in C.OPS["reducescatter"].baselines] == ["reduce_scatter_tensor", "all_reduce + slice"]
     assert [b.name for b in C.OPS["alltoall"].baselines] == ["all_to_all_single", "all_to_all", "all_gather + select"]
@@ -172,64 +168,64 @@ def test_graph_time_is_replay_time_over_captured_calls():
         return 0.05
 
     count = iter(range(100))
-    ms, graph, result = C.graph_ms_per_call(lambda: next(count), 10, 7, timer, capture=fake_capture)
+    ms, graph, result = T.graph_ms_per_call(lambda: next(count), 10, 7, timer, capture=fake_capture)
     assert ms == pytest.approx(0.005)  # 50 us / 10 calls
     assert seen == [(graph.replay, 7)] and graph.calls == 10 and graph.replays == 1
     assert result == 1  # what the captured call returned (after the warm-up call's 0)
-    ms, _, _ = C.graph_ms_per_call(lambda: None, 1, 3, lambda replay, n: 0.004, capture=fake_capture)
+    ms, _, _ = T.graph_ms_per_call(lambda: None, 1, 3, lambda replay, n: 0.004, capture=fake_capture)
     assert ms == pytest.approx(0.004)
     for calls, replays in ((0, 1), (1, 0)):
         with pytest.raises(ValueError, match="calls and replays must be >= 1"):
-            C.graph_ms_per_call(lambda: None, calls, replays, timer, capture=fake_capture)
+            T.graph_ms_per_call(lambda: None, calls, replays, timer, capture=fake_capture)
 
 
 def test_graph_time_with_time_ms_as_timer(monkeypatch):
     """The collectives' timer: ``time_ms`` bound to the group and device, called per replay."""
     calls = []
-    monkeypatch.setattr(C, "time_ms", lambda fn, iters, group, device: (calls.append((iters, group, device)), 0.03)[1])
-    monkeypatch.setattr(C, "capture_calls", fake_capture)  # the default capture, looked up per call
-    timer = lambda fn, n: C.time_ms(fn, n, group="g", device="d")  # noqa: E731
-    ms, _, _ = C.graph_ms_per_call(lambda: 0, 3, 20, timer)
+    monkeypatch.setattr(T, "time_ms", lambda fn, iters, group, device: (calls.append((iters, group, device)), 0.03)[1])
+    monkeypatch.setattr(T, "capture_calls", fake_capture)  # the default capture, looked up per call
+    timer = lambda fn, n: T.time_ms(fn, n, group="g", device="d")  # noqa: E731
+    ms, _, _ = T.graph_ms_per_call(lambda: 0, 3, 20, timer)
     assert ms == pytest.approx(0.01) and calls == [(20, "g", "d")]
 
 
 def test_poison_fills_what_no_check_accepts():
     f, i, u = torch.zeros(3), torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.uint8)
     for t in (f, i, u):
-        C.poison_(t)
+        T.poison_(t)
     assert torch.isnan(f).all() and (i == 2**31 - 1).all() and (u == 255).all()
     assert not C.outputs_match(f, torch.zeros(3), (1e-3, 1e-3)) and not C.outputs_match(i, torch.zeros(3, dtype=torch.int32), None)
 
 
 def test_check_cell_names_the_failed_check():
-    assert C._check_cell(0, 0) == "ok"
-    assert C._check_cell(1, 0) == "FAIL (1 rank(s))"
-    assert C._check_cell(0, 2) == "FAIL graph (2 rank(s))"
-    assert C._check_cell(2, 1) == "FAIL (2 rank(s)), FAIL graph (1 rank(s))"
+    assert R._check_cell(0, 0) == "ok"
+    assert R._check_cell(1, 0) == "FAIL (1 rank(s))"
+    assert R._check_cell(0, 2) == "FAIL graph (2 rank(s))"
+    assert R._check_cell(2, 1) == "FAIL (2 rank(s)), FAIL graph (1 rank(s))"
 
 
 def test_graph_goal_line_states_the_ratio_against_the_goal():
-    line = C.graph_goal_line(1, "bfloat16", 2.9, "one_shot_all_reduce_out", 3.94)
+    line = CLI.graph_goal_line(1, "bfloat16", 2.9, "one_shot_all_reduce_out", 3.94)
     assert line.startswith("4 KiB all-reduce replayed from a CUDA graph, 1 rank(s), bfloat16: TileScale 2.90 us, "
                            "torch.ops.symm_mem.one_shot_all_reduce_out 3.94 us per call")
     assert "TileScale / symm one-shot = 0.736 (goal <= 0.8 at one rank on one H200: met)" in line
-    assert "= 1.015 (goal <= 0.8 at one rank on one H200: NOT met)" in C.graph_goal_line(1, "float16", 4.0, "x", 3.94)
+    assert "= 1.015 (goal <= 0.8 at one rank on one H200: NOT met)" in CLI.graph_goal_line(1, "float16", 4.0, "x", 3.94)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_graph_columns_and_options(name):
-    p = C.parser(name)
+    p = CLI.parser(name)
     args = p.parse_args([])
     assert args.graph is True and args.graph_calls == 10
     args = p.parse_args(["--no-graph", "--graph-calls", "4", "--ranks", "1"])
     assert args.graph is False and args.graph_calls == 4 and args.ranks == 1
     assert C.HEADERS[-2:] == ["TileScale graph us", "check"]  # a wrong graph result shows in the check column
     assert C.SYMM_HEADERS[-3:] == ["symm graph us", "symm graph op", "graph vs symm"]
-    t = C.title(name, 1, "nccl", 1, "float16", graph_calls=10)
+    t = CLI.title(name, 1, "nccl", 1, "float16", graph_calls=10)
     assert "1 rank: bus bandwidth 0 by definition, compare the us columns" in t
     assert "TileScale graph us: GPU time per call of 10 calls captured in one CUDA graph" in t
-    assert "graph" not in C.title(name, 2, "nccl", 2, "float16")  # --no-graph
-    symm = C.title(name, 2, "nccl", 2, "float16", symm="torch symmetric memory: x", graph_calls=10)
+    assert "graph" not in CLI.title(name, 2, "nccl", 2, "float16")  # --no-graph
+    symm = CLI.title(name, 2, "nccl", 2, "float16", symm="torch symmetric memory: x", graph_calls=10)
     assert "graph vs symm = symm graph us / TileScale graph us" in symm
 
 
@@ -420,14 +416,14 @@ def test_dtype_choices_per_op(capsys):
     with pytest.raises(SystemExit):
         reducescatter.main(["--dtype", "uint8"])  # ReduceScatter does not sum uint8
     assert "invalid choice: 'uint8'" in capsys.readouterr().err
-    assert C.parser("reducescatter").parse_args(["--dtype", "int32"]).dtype == ["int32"]
-    assert C.parser("reducescatter").parse_args([]).dtype == ["float16", "bfloat16"]
-    assert C.parser("alltoall").parse_args([]).dtype == ["float16"]
-    assert C.parser("allreduce").parse_args(["--algorithm", "two_shot"]).algorithm == "two_shot"
-    assert not hasattr(C.parser("allgather").parse_args([]), "algorithm")
-    assert C.parser("allgather").parse_args([]).engine == "auto"
-    assert C.options("allgather", C.parser("allgather").parse_args(["--engine", "copy"])) == {"engine": "copy"}
-    assert C.options("alltoall", C.parser("alltoall").parse_args([])) == {}
+    assert CLI.parser("reducescatter").parse_args(["--dtype", "int32"]).dtype == ["int32"]
+    assert CLI.parser("reducescatter").parse_args([]).dtype == ["float16", "bfloat16"]
+    assert CLI.parser("alltoall").parse_args([]).dtype == ["float16"]
+    assert CLI.parser("allreduce").parse_args(["--algorithm", "two_shot"]).algorithm == "two_shot"
+    assert CLI.parser("allgather").parse_args([]).algorithm == "auto"
+    for flag in ("--engine", "--algorithm"):  # --engine: the 0.1.0 name of the option
+        assert R.options("allgather", CLI.parser("allgather").parse_args([flag, "copy"])) == {"algorithm": "copy"}
+    assert R.options("alltoall", CLI.parser("alltoall").parse_args([])) == {}
     with pytest.raises(SystemExit):
         allreduce.main(["--algorithm", "three_shot"])
     assert "invalid choice: 'three_shot'" in capsys.readouterr().err
@@ -443,8 +439,8 @@ def test_main_without_gpus_has_nothing_to_measure(name, monkeypatch, capsys):
 def test_entry_points_pickle_for_spawned_ranks():
     for name in NAMES:
         run = pickle.loads(pickle.dumps(ENTRIES[name].run))
-        assert run.func is C.run and run.args == (name,)
-    assert pickle.loads(pickle.dumps(C._spawned_rank)) is C._spawned_rank
+        assert run.func is R.run and run.args == (name,)
+    assert pickle.loads(pickle.dumps(H._spawned_rank)) is H._spawned_rank
 
 
 def test_heap_benchmark_host_mode_prints_its_table(capsys):
@@ -484,15 +480,24 @@ def test_overlap_benchmark_numbers_and_arguments(name, monkeypatch, capsys):
     assert (args.ranks, args.m_local, args.k, args.n, args.dtype) == (2, "1024,2048,4096,8192", 8192, 3584, "bfloat16")
 
 
-def test_overlap_benchmark_interleaves_rounds_and_takes_each_columns_median(monkeypatch):
-    """Every round times every column in turn; a slow round (a clock drop) moves no median."""
-    from tilescale_examples.benchmarks import _overlap as overlap
+def test_interleaved_rounds_take_every_column_in_turn_and_keep_each_columns_median(monkeypatch):
+    """The overlap benchmarks' rounds (``_timing.interleaved_ms`` on ``perf_rounds``): every
+    round times every column in turn, each timing as ``time_ms`` (2 warm-up calls, ``iters``
+    timed calls, the device's stream, the wait timeout); a slow round (a clock drop) moves no
+    median."""
+    order, clock, seen = [], iter([10, 20, 99, 98, 11, 21, 12, 22, 13, 23]), []
 
-    order, clock = [], iter([10, 20, 99, 98, 11, 21, 12, 22, 13, 23])
-    monkeypatch.setattr(overlap, "time_ms", lambda fn, iters, group, device: (order.append(fn()), next(clock))[1])
-    got = overlap.interleaved_ms({"a": lambda: "a", "b": lambda: "b"}, 20, 5, None, "cpu")
+    def perf_fn(fn, warmup, rep, **kw):
+        seen.append((warmup, rep, kw["aggregate"], kw["stream"], kw["timeout"]))
+        order.append(fn())
+        return None, next(clock)
+
+    monkeypatch.setattr(T, "perf_fn", perf_fn)
+    monkeypatch.setattr(T, "_stream", lambda device: f"stream of {device}")
+    got = T.interleaved_ms({"a": lambda: "a", "b": lambda: "b"}, 20, 5, None, "cpu")
     assert order == ["a", "b"] * 5
     assert got == {"a": 12, "b": 22}
+    assert set(seen) == {(2, 20, "none", "stream of cpu", T.WAIT_S)}  # the slowest rank: perf_rounds' max
 
 
 def test_overlap_benchmark_titles_say_when_ranks_share_a_gpu():
@@ -514,13 +519,139 @@ def test_overlap_benchmark_reference_matches_the_examples_references():
     a0, b0 = overlap.rank_inputs("ag_gemm", 0, world, m, k, n, dt, "cpu")
     assert a0.shape == (m, k) and torch.equal(a0, overlap.rank_inputs("ag_gemm", 0, world, m, k, n, dt, "cpu")[0])
     ref, rounded = overlap.reference("ag_gemm", 1, world, m, k, n, dt, "cpu")
-    shards = [overlap.rank_inputs("ag_gemm", p, world, m, k, n, dt, "cpu")[0] for p in range(world)]
-    assert rounded is None and torch.allclose(ref, ag_gemm.torch_reference(shards, overlap.rank_inputs("ag_gemm", 1, world, m, k, n, dt, "cpu")[1]))
+    pairs = [overlap.rank_inputs("ag_gemm", p, world, m, k, n, dt, "cpu") for p in range(world)]
+    assert rounded is None and torch.allclose(ref, ag_gemm.torch_reference(pairs, 1))
     ins = [overlap.rank_inputs("gemm_rs", p, world, m, k, n, dt, "cpu") for p in range(world)]
     assert ins[0][0].shape == (world * m, k)
     ref, rounded = overlap.reference("gemm_rs", 2, world, m, k, n, dt, "cpu")
     a, b = [x for x, _ in ins], [y for _, y in ins]
-    assert torch.allclose(ref, gemm_rs.torch_reference(a, b, 2), atol=1e-5)
+    assert torch.allclose(ref, gemm_rs.torch_reference(ins, 2), atol=1e-5)
     assert torch.allclose(rounded, gemm_rs.partial_magnitudes(a, b, 2), atol=1e-5)
     assert overlap.heap_for("ag_gemm", 2, 1024, 8192, 3584, torch.bfloat16) >= 2 * 2 * 1024 * 8192 * 2
     assert overlap.heap_for("gemm_rs", 2, 1024, 8192, 3584, torch.bfloat16) >= 2 * 2 * 1024 * 3584 * 2
+
+
+# ------------------------------------------------------------------------------ the harness
+def test_collective_timing_is_perf_fn_on_the_devices_stream(monkeypatch):
+    """``time_ms``: 2 warm-up calls, ``iters`` back-to-back calls on the device's current
+    stream, the slowest rank of ``group``, waits that time out (``perf_fn``)."""
+    seen = []
+    monkeypatch.setattr(T, "perf_fn", lambda fn, warmup, rep, **kw: (seen.append((fn, warmup, rep, kw)), ("out", 0.5))[1])
+    monkeypatch.setattr(T, "_stream", lambda device: f"stream of {device}")
+    fn = lambda: None  # noqa: E731
+    assert T.time_ms(fn, 7, "g", "d") == 0.5
+    assert seen == [(fn, 2, 7, {"group": "g", "stream": "stream of d", "timeout": T.WAIT_S})]
+
+
+def test_held_launch_timing_is_perf_fn_behind_a_stream_hold(monkeypatch):
+    seen = []
+    monkeypatch.setattr(T, "perf_fn", lambda fn, warmup, rep, **kw: (seen.append((warmup, rep, kw)), (None, 0.25))[1])
+    monkeypatch.setattr(T, "_stream", lambda device: f"stream of {device}")
+    assert T.held_ms_per_launch(lambda: None, 50, "d") == 0.25
+    assert seen == [(0, 50, {"group": "local", "stream": "stream of d", "hold": True})]  # hold sized from 1 call
+
+
+def test_local_timing_is_do_bench_of_calls_from_an_idle_gpu(monkeypatch):
+    seen = []
+    monkeypatch.setattr(T, "do_bench", lambda fn, warmup, rep, **kw: (seen.append((warmup, rep, kw)), 0.125)[1])
+    assert T.local_ms(lambda: None, 9) == 0.125
+    assert seen == [(1, 9, {"flush_l2": False, "group": "local", "before": torch.cuda.synchronize})]
+
+
+def test_local_rounds_take_the_columns_in_turn_and_keep_each_ones_median_round(monkeypatch):
+    """putget's rounds (``perf_rounds`` with ``local_ms`` as the timer): each round times every
+    column in turn; a column this rank does not run (None) is NaN (its barriers still happen
+    on every rank)."""
+    import math
+
+    calls = []
+    fake = {"fa": iter([5.0, 1.0, 3.0]), "fb": iter([2.0, 9.0, 4.0])}
+    monkeypatch.setattr(T, "local_ms", lambda fn, iters: (calls.append((fn(), iters)), next(fake[fn()]))[1])
+    got = T.local_rounds([("a", lambda: "fa"), ("b", lambda: "fb")], 3, 7)
+    assert got == {"a": 3.0, "b": 4.0} and calls == [("fa", 7), ("fb", 7)] * 3
+    calls.clear()
+    fake["fb"] = iter([2.0, 9.0, 4.0])
+    got = T.local_rounds([("a", None), ("b", lambda: "fb")], 3, 7)
+    assert math.isnan(got["a"]) and got["b"] == 4.0 and calls == [("fb", 7)] * 3
+    with pytest.raises(ValueError, match="rounds"):
+        T.local_rounds([("a", lambda: "fa")], 0, 7)
+
+
+def test_no_benchmark_times_with_its_own_cuda_events():
+    """Every timing goes through tilescale_host.bench: no module of the benchmarks creates a
+    timing event pair itself."""
+    from pathlib import Path
+
+    from tilescale_examples import benchmarks
+
+    sources = sorted(Path(benchmarks.__file__).parent.glob("*.py"))
+    assert len(sources) > 20
+    assert [p.name for p in sources if "Event(enable_timing" in p.read_text()] == []
+
+
+def _benchmark(name):
+    import importlib
+
+    return importlib.import_module(f"tilescale_examples.benchmarks.{name}")
+
+
+@pytest.mark.parametrize("name", __import__("tilescale_examples.benchmarks", fromlist=["BENCHMARKS"]).BENCHMARKS)
+def test_every_benchmark_has_the_out_option(name, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _benchmark(name).main(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and "--out DIR" in out, out
+    assert out.split()[:5] == ["usage:", "python", "-m", f"tilescale_examples.benchmarks.{name}", "[-h]"]
+
+
+def test_out_saves_every_table_it_prints(tmp_path, capsys):
+    """``--out DIR``: each table printed is also saved (CSV, JSON, PNG) under the benchmark's
+    name, the later ones ``<name>_2``, ...; a run without ``--out`` saves nothing."""
+    from tilescale_examples.benchmarks import _export, _report, heap
+
+    out = tmp_path / "tables"
+    assert heap.main(["--host", "--calls", "20", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["heap.csv", "heap.json", "heap.png"]
+    assert f"saved: heap.csv, heap.json, heap.png in {out}" in printed
+    record = _export.read_table(out / "heap.json")
+    assert record["name"] == "heap" and record["headers"] == ["tensor us", "torch.empty us", "ratio"]
+    assert record["title"].startswith("tilelang.tensor latency on a host-memory heap") and len(record["rows"]) == 1
+    _report.print_table("a second table", ["size", "x us"], [["4 KiB", 1.0], ["16 KiB", 2.0]])
+    assert (out / "heap_2.json").exists() and _export.read_table(out / "heap_2.csv")["rows"][1] == ["16 KiB", 2.0]
+    assert "saved: heap_2.csv" in capsys.readouterr().out
+    assert heap.main(["--host", "--calls", "20"]) == 0  # no --out: nothing more saved
+    _report.print_table("not saved", ["a"], [[1]])
+    assert len(list(out.iterdir())) == 6 and "saved:" not in capsys.readouterr().out
+
+
+def test_out_without_matplotlib_saves_the_table_and_skips_the_plot(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from tilescale_examples.benchmarks import _report
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    p = H.parser("putget", "d")
+    H.parse_args(p, ["--out", str(tmp_path)])
+    try:
+        _report.print_table("t", ["size", "x GB/s"], [["4 KiB", 1.0]])
+    finally:
+        _report.save_tables(None)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["putget.csv", "putget.json"]
+    assert capsys.readouterr().err.count("putget: no plot") == 1
+
+
+def test_running_all_benchmarks_passes_out_on(monkeypatch, capsys, tmp_path):
+    from tilescale_examples.benchmarks import BENCHMARKS
+    from tilescale_examples.benchmarks import __main__ as run_all
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(run_all.subprocess, "call", lambda argv: (calls.append(argv), 0)[1])
+    assert run_all.main(["putget", "heap", "--out", str(tmp_path)]) == 0
+    assert [c[2:] for c in calls] == [["tilescale_examples.benchmarks.putget", "--out", str(tmp_path)],
+                                      ["tilescale_examples.benchmarks.heap", "--out", str(tmp_path)]]
+    calls.clear()
+    assert run_all.main([]) == 0
+    assert [c[2:] for c in calls] == [[f"tilescale_examples.benchmarks.{n}"] for n in BENCHMARKS]
+    assert run_all.main(["nope"]) == 2 and "unknown benchmark(s) ['nope']" in capsys.readouterr().err

@@ -35,13 +35,13 @@ from tilescale_examples.tutorials.tma_allreduce import TmaAllReduce
 #: Constructor -> good arguments besides ``allocator`` (a 2-rank CpuAllocator).
 GOOD = {
     AllReduce: dict(shape=(16,), dtype=torch.float32),
-    ReduceScatter: dict(shard_shape=(16,), dtype=torch.float32),
-    AllGather: dict(shard_shape=(16,), dtype=torch.float32),
-    AllToAll: dict(shard_shape=(16,), dtype=torch.float32),
+    ReduceScatter: dict(shape=(2, 16), dtype=torch.float32),
+    AllGather: dict(shape=(16,), dtype=torch.float32),
+    AllToAll: dict(shape=(2, 16), dtype=torch.float32),
     AllGatherGEMM: dict(m_local=128, k=64, n=256, dtype=torch.float16),
     GemmReduceScatter: dict(m_local=128, k=64, n=256, dtype=torch.float16),
     MoEDispatcher: dict(num_experts=8, hidden=64, topk=2, max_tokens=16),
-    TmaAllReduce: dict(),
+    TmaAllReduce: dict(shape=(64, 128), dtype=torch.float32),
 }
 
 _SHAPE = [(4, 0), (), -1, 1.5, True, "16", (1 << 31,)]
@@ -50,12 +50,9 @@ _COUNT = [0, -1, True, 1.5]
 BAD = {
     "allocator": [None, object()],
     "shape": _SHAPE,
-    "shard_shape": _SHAPE,
     "dtype": ["nonsense", 3, torch.complex64],
     "world_size": [3, 0, -1, True, 1.5],
-    "algorithm": ["three_shot", 3],
-    "plan": ["overlap", 3],
-    "engine": ["dma", 3],
+    "algorithm": ["three_shot", 3, None],
     "group": [object(), 3, "world"],
     "threads": [48, 0, -32, True, 1.5, 1 << 20],
     "max_blocks": [0, -1, True, 1.5],

@@ -105,7 +105,7 @@ def test_benchmark_arguments_and_byte_counts(capsys, monkeypatch):
         with pytest.raises(SystemExit):
             B.main(argv)
         assert message in capsys.readouterr().err
-    assert B.shape_of("allreduce", 4096, 4, 2) == (2048,) and B.shape_of("reducescatter", 4096, 4, 2) == (512,)
+    assert B.shape_of("allreduce", 4096, 4, 2) == (2048,) and B.shape_of("reducescatter", 4096, 4, 2) == (4, 512)
     two = SimpleNamespace(plan=plan_grid("two_shot", 1 << 20, 2, 4))  # 2 MiB: each rank reads and writes 2 MiB
     assert B.bytes_moved(two) == 2 * (2 << 20)
     one = SimpleNamespace(plan=plan_grid("one_shot", 2048, 2, 4))  # 4 KiB: 4 reads and 1 write per row
@@ -159,9 +159,8 @@ def test_graph_round_time_per_call_and_its_check(mode, monkeypatch):
     """One captured round of every rank's call: the replay time over the ranks, the inputs of
     the round (two-shot zero copy, else an ordinary tensor), the check after one more replay
     (inputs restaged, outputs poisoned), and a rank whose output is not written is reported."""
-    from tilescale_examples.benchmarks import _collectives as C
+    from tilescale_examples.benchmarks import _timing as T
     from tilescale_examples.benchmarks import emulated as B
-    from tilescale_examples.benchmarks import _gpu_time as gpu_time
 
     class Graph:
         def __init__(self, fn):
@@ -172,9 +171,9 @@ def test_graph_round_time_per_call_and_its_check(mode, monkeypatch):
         fn()  # the eager warm-up round
         return Graph(fn), fn()
 
-    monkeypatch.setattr(C, "capture_calls", capture)
+    monkeypatch.setattr(T, "capture_calls", capture)
     timed = []
-    monkeypatch.setattr(gpu_time, "gpu_ms_per_launch", lambda f, n, device: (timed.append(n), f(), 0.012)[2])
+    monkeypatch.setattr(T, "held_ms_per_launch", lambda f, n, device: (timed.append(n), f(), 0.012)[2])
     # broken rank 1: one-shot, its own output is unwritten; two-shot, its shard of every output
     for broken, want_bad in ((False, []), (True, [1] if mode == "one_shot" else [0, 1, 2])):
         buffers = [torch.zeros(64) for _ in range(3)]

@@ -12,6 +12,7 @@ from examples_helpers import CpuAllocator, kernel_body, lower_source, needs_nvcc
 
 from tilescale_examples.overlap import gemm_rs
 from tilescale_examples.base import TARGET
+from tilescale_examples import ClosedError
 from tilescale_examples.overlap.gemm_rs import (GemmReduceScatter, build_gemm_rs_kernel, build_reduce_kernel, heap_bytes,
                                         partial_magnitudes, torch_reference)
 
@@ -21,13 +22,15 @@ def test_torch_reference_sums_the_owned_rows_of_every_rank():
     a = [torch.randn(6, 4, generator=g) for _ in range(3)]  # world 3, m_local 2
     b = [torch.randn(4, 5, generator=g) for _ in range(3)]
     full = sum(x @ y for x, y in zip(a, b))
+    inputs = list(zip(a, b))  # every rank's (a, b)
     for r in range(3):
-        assert torch.allclose(torch_reference(a, b, r), full[2 * r:2 * r + 2], atol=1e-6)
+        assert torch.allclose(torch_reference(inputs, r), full[2 * r:2 * r + 2], atol=1e-6)
+        assert torch.equal(GemmReduceScatter.torch_reference(inputs, r), torch_reference(inputs, r))
         assert torch.allclose(partial_magnitudes(a, b, r), sum((x @ y).abs() for x, y in zip(a, b))[2 * r:2 * r + 2])
-    with pytest.raises(ValueError, match="one a and one b per rank"):
-        torch_reference(a, b[:2], 0)
+    with pytest.raises(ValueError, match="one \\(a, b\\) pair per rank"):
+        torch_reference([], 0)
     with pytest.raises(ValueError, match=r"rank must be in \[0, 3\)"):
-        torch_reference(a, b, 3)
+        torch_reference(inputs, 3)
 
 
 def test_generated_gemm_pushes_each_tile_to_its_owner_then_signals():
@@ -93,7 +96,7 @@ def test_auto_plan_on_cpu_falls_back_to_sequential_with_a_log_line(no_compile, c
     alloc = CpuAllocator(num_ranks=2)
     with caplog.at_level(logging.WARNING, logger="tilescale_examples"):
         grs = GemmReduceScatter(alloc, 256, 128, 256, "float16")
-    assert grs.plan == "sequential"
+    assert grs.algorithm == grs.plan == "sequential"
     assert "GemmReduceScatter: cpu is not a CUDA device; using the sequential plan" in caplog.text
     assert no_compile == ["reducescatter", "gemm"]
     assert grs.output is grs.reduce_scatter.output and grs.output.shape == (256, 256)
@@ -102,7 +105,7 @@ def test_auto_plan_on_cpu_falls_back_to_sequential_with_a_log_line(no_compile, c
         grs.check_inputs(torch.zeros(256, 128, dtype=torch.float16), torch.zeros(128, 256, dtype=torch.float16))
     grs.close()
     assert grs.closed and grs.reduce_scatter is None
-    with pytest.raises(RuntimeError, match="GemmReduceScatter is closed"):
+    with pytest.raises(ClosedError, match="GemmReduceScatter is closed"):
         grs(torch.zeros(512, 128, dtype=torch.float16), torch.zeros(128, 256, dtype=torch.float16))
 
 
@@ -110,7 +113,7 @@ def test_fused_plan_allocates_double_partials_and_counters(no_compile, monkeypat
     monkeypatch.setattr("tilescale_examples.overlap.stream_ops.stream_ops_available", lambda device: (True, "stub"))
     alloc = CpuAllocator(num_ranks=4, rank=1)
     grs = GemmReduceScatter(alloc, 256, 128, 512, torch.bfloat16)
-    assert grs.plan == "fused" and grs.tiles_per_rank == 2 * 2
+    assert grs.algorithm == "fused" and grs.tiles_per_rank == 2 * 2
     assert alloc.allocations == [((2, 4, 256, 512), torch.bfloat16), ((4,), torch.uint32)]
     assert int(grs.counters.sum()) == 0
     assert no_compile == ["gemm_rs", "reduce_partials"]
@@ -121,7 +124,7 @@ def test_fused_plan_on_one_rank_is_the_gemm_alone(no_compile, monkeypatch):
     monkeypatch.setattr("tilescale_examples.overlap.stream_ops.stream_ops_available", lambda device: (True, "stub"))
     alloc = CpuAllocator(num_ranks=1)
     grs = GemmReduceScatter(alloc, 256, 128, 256, torch.float16)
-    assert grs.plan == "fused" and "nothing to communicate" in grs.plan_reason
+    assert grs.algorithm == "fused" and "nothing to communicate" in grs.algorithm_reason
     assert alloc.allocations == [] and no_compile == ["gemm"] and grs.reduce_kernel is None
     assert grs.output.shape == (256, 256)
 
@@ -132,7 +135,7 @@ def test_fused_plan_on_one_rank_is_the_gemm_alone(no_compile, monkeypatch):
     (dict(k=96), ValueError, "GemmReduceScatter: k=96 is not a multiple of block_k=64"),
     (dict(n=100), ValueError, "GemmReduceScatter: n=100 is not a multiple of block_n=256"),
     (dict(block_k=0), ValueError, "block_k must be a positive int"),
-    (dict(plan="fused"), RuntimeError, "plan='fused' needs stream memory operations"),
+    (dict(algorithm="fused"), RuntimeError, "algorithm='fused' needs stream memory operations"),
     (dict(allocator=None), TypeError, "allocator must be a tilescale-core allocator"),
 ])
 def test_constructor_rejects_before_allocating(kwargs, exc, match, no_compile):
@@ -144,6 +147,15 @@ def test_constructor_rejects_before_allocating(kwargs, exc, match, no_compile):
     assert alloc.allocations == [] and no_compile == []
 
 
-def test_heap_bytes_covers_both_plans():
-    assert heap_bytes(2, 4096, 3584) >= 2 * 2 * 4096 * 3584 * 2
-    assert heap_bytes(1, 128, 256, torch.float16) >= 2 * 128 * 256 * 2 + 16 * 256
+def test_heap_bytes_is_the_larger_plan_of_a_dry_run(no_compile, monkeypatch):
+    assert heap_bytes(2, 4096, 3584) >= 2 * 2 * 4096 * 3584 * 2  # the module's 0.1.0 function: a dry run too
+    monkeypatch.setattr("tilescale_examples.overlap.stream_ops.stream_ops_available", lambda device: (True, "stub"))
+    sizes = {}
+    for algorithm in ("fused", "sequential"):
+        alloc = CpuAllocator(num_ranks=2)
+        GemmReduceScatter(alloc, 128, 64, 256, torch.float16, algorithm=algorithm)
+        sizes[algorithm] = alloc.heap_bytes
+        assert GemmReduceScatter.heap_bytes(128, 64, 256, torch.float16, world_size=2, algorithm=algorithm,
+                                            device="cpu") == sizes[algorithm]
+    assert GemmReduceScatter.heap_bytes(128, 64, 256, torch.float16, world_size=2, device="cpu") == max(sizes.values())
+    assert heap_bytes(2, 128, 256, torch.float16, max_blocks=128) == max(sizes.values())

@@ -1,5 +1,6 @@
 """Every collective and overlapped GEMM captured in CUDA graphs (``-m gpu``: 1, 2 and 4 ranks
-sharing one GPU), and the capture-time errors and call-state rules on the CPU.
+sharing one GPU); the capture-time errors and call-state rules on the CPU are in
+``test_graphs_cpu.py``.
 
 On the GPU, per op: warm-up, capture, then replays with fresh random inputs written into the
 captured input (made on the device from a per-replay, per-rank seed, so every rank rebuilds
@@ -16,7 +17,7 @@ import random
 
 import pytest
 import torch
-from examples_helpers import CpuAllocator, close_rank_heap, open_rank_heap, poison, run_gpu_ranks
+from examples_helpers import close_rank_heap, open_rank_heap, poison, run_gpu_ranks
 
 #: Replays per op by world size: ranks that share one GPU time-slice, so every replay of 4
 #: ranks costs several scheduling rounds.
@@ -48,20 +49,20 @@ def _cases(world: int) -> list:
     m, k, n = GEMM
     cases = [
         Case("AllReduce one_shot 1000 fp32", lambda a: AllReduce(a, (1000,), torch.float32, algorithm="one_shot"),
-             (1000,), torch.float32, lambda op, x: op(x), lambda xs, r: allreduce.torch_reference(xs)),
+             (1000,), torch.float32, lambda op, x: op(x), allreduce.torch_reference),
         Case("AllReduce two_shot 3M bf16", lambda a: AllReduce(a, (3 << 20,), torch.bfloat16, algorithm="two_shot"),
-             (3 << 20,), torch.bfloat16, lambda op, x: op(x), lambda xs, r: allreduce.torch_reference(xs)),
+             (3 << 20,), torch.bfloat16, lambda op, x: op(x), allreduce.torch_reference),
         Case("AllReduce one_shot out= 2048 fp16", lambda a: AllReduce(a, (2048,), torch.float16),
-             (2048,), torch.float16, None, lambda xs, r: allreduce.torch_reference(xs)),
+             (2048,), torch.float16, None, allreduce.torch_reference),
         Case("AllGather sm 4096 fp16", lambda a: AllGather(a, (4096,), torch.float16),
-             (4096,), torch.float16, lambda op, x: op(x), lambda xs, r: allgather.torch_reference(xs)),
-        Case("AllGather copy 64K fp16", lambda a: AllGather(a, (1 << 16,), torch.float16, engine="copy"),
-             (1 << 16,), torch.float16, lambda op, x: op(x), lambda xs, r: allgather.torch_reference(xs)),
-        Case("AllToAll 1024 bf16", lambda a: AllToAll(a, (1024,), torch.bfloat16),
+             (4096,), torch.float16, lambda op, x: op(x), allgather.torch_reference),
+        Case("AllGather copy 64K fp16", lambda a: AllGather(a, (1 << 16,), torch.float16, algorithm="copy"),
+             (1 << 16,), torch.float16, lambda op, x: op(x), allgather.torch_reference),
+        Case("AllToAll 1024 bf16", lambda a: AllToAll(a, (W, 1024), torch.bfloat16),
              (W, 1024), torch.bfloat16, lambda op, x: op(x), alltoall.torch_reference),
-        Case("ReduceScatter 4096 fp32", lambda a: ReduceScatter(a, (4096,), torch.float32),
+        Case("ReduceScatter 4096 fp32", lambda a: ReduceScatter(a, (W, 4096), torch.float32),
              (W, 4096), torch.float32, lambda op, x: op(x), reducescatter.torch_reference),
-        Case("ReduceScatter 1001 fp16 (padded rows)", lambda a: ReduceScatter(a, (1001,), torch.float16),
+        Case("ReduceScatter 1001 fp16 (padded rows)", lambda a: ReduceScatter(a, (W, 1001), torch.float16),
              (W, 1001), torch.float16, lambda op, x: op(x), reducescatter.torch_reference),
         Case("GemmReduceScatter", lambda a: GemmReduceScatter(a, m, k, n, torch.bfloat16),
              (W * m, k), torch.bfloat16, lambda op, x: op(x, op._test_b), None, exact=False,
@@ -116,10 +117,10 @@ class Checker:
         if kind == "rs":
             from tilescale_examples.overlap.gemm_rs import torch_reference
 
-            return torch_reference(inputs, self.b, self.rank)
+            return torch_reference(list(zip(inputs, self.b)), self.rank)
         from tilescale_examples.overlap.ag_gemm import torch_reference
 
-        return torch_reference(inputs, self.b[0])
+        return torch_reference([(a, self.b[0]) for a in inputs], self.rank)  # every rank multiplies by b[0]
 
     def record(self, out: torch.Tensor, replay: int) -> None:
         """Keep whether ``out`` is right for ``replay`` (device-side)."""
@@ -232,7 +233,7 @@ def _one_graph_several_ops(alloc, rank: int, world: int) -> tuple:
             poison(op.output)
         graph.replay()
         for j in range(3):
-            want = refs[j](every[j])
+            want = refs[j](every[j], rank)
             bits = torch.int32 if want.element_size() == 4 else torch.int16
             verdicts.append((outs[j].view(bits) == want.view(bits)).all())
     torch.cuda.synchronize()
@@ -302,137 +303,6 @@ def test_every_op_replays_correctly_in_cuda_graphs(world, tmp_path_factory):
         assert r["failures"] == [], f"rank {r['rank']}/{world}: {r['failures']}"
     assert len({r["checks"] for r in reports}) == 1
     print(f"graphs world {world}: {reports[0]['checks']} checked calls per rank: {reports[0]['per_case']}")
-
-
-# ------------------------------------------------------------------------------ CPU
-class _FakeKernel:
-    """Stands in for a compiled reduction kernel on the CPU: records its arguments."""
-
-    def __init__(self):
-        self.calls = []
-
-    def initialize(self, allocator=None, stream=None):
-        return self
-
-    def __call__(self, *args):
-        self.calls.append(args)
-
-
-def _cpu_allreduce(monkeypatch, algorithm="one_shot"):
-    from examples_helpers import record_compiles
-
-    from tilescale_examples.collectives.allreduce import AllReduce
-
-    record_compiles(monkeypatch)
-    ar = AllReduce(CpuAllocator(2, 0), (64,), torch.float16, algorithm=algorithm)
-    ar.kernel = _FakeKernel()
-    return ar
-
-
-def test_the_kernels_take_their_call_number_from_the_device(monkeypatch):
-    """No kernel argument carries a call number: the reduction kernel gets the per-block
-    counters (``state``) and its buffer choice is made on the device."""
-    ar = _cpu_allreduce(monkeypatch)
-    x = torch.zeros(64, dtype=torch.float16)
-    ar(x)
-    ar(x)
-    first, second = ar.kernel.calls
-    assert first[4] is ar.state and second[4] is ar.state  # the counters, not a number
-    assert first[1] is ar.stage_buffer and second[1] is ar.stage_buffer  # both buffers, always
-    assert ar.state.shape == (ar.plan.blocks,) and ar.state.dtype == torch.int64
-    assert ar.stage_buffer.shape[0] == 2 * ar.plan.stage_rows
-
-
-def test_zero_copy_input_is_refused_once_captured(monkeypatch):
-    ar = _cpu_allreduce(monkeypatch)
-    staged = ar.input
-    ar._captured = True  # as a call under capture leaves it
-    with pytest.raises(RuntimeError, match="captured in a CUDA graph.*pass a tensor of your own"):
-        ar.input
-    with pytest.raises(RuntimeError, match="own staging buffers.*captured in a CUDA graph"):
-        ar(staged)
-    ar(torch.zeros(64, dtype=torch.float16))  # an ordinary input still works
-    two = _cpu_allreduce(monkeypatch, "two_shot")
-    two._captured = True
-    assert two.input.data_ptr() == two.stage_buffer.data_ptr()  # one buffer: always known
-
-
-def test_tma_allreduce_refuses_capture(monkeypatch):
-    from tilescale_examples.tutorials.tma_allreduce import TmaAllReduce
-
-    ar = object.__new__(TmaAllReduce)
-    ar._closed, ar.allocator, ar.shard_shape = False, CpuAllocator(2, 0), (64, 128)
-    ar.dtype, ar.device = torch.float32, torch.device("cpu")
-    monkeypatch.setattr(TmaAllReduce, "_capturing", lambda self: True)
-    with pytest.raises(RuntimeError, match="TmaAllReduce cannot be captured in a CUDA graph"):
-        ar(torch.zeros((64, 128)))
-
-
-def test_fused_allgather_gemm_refuses_capture(monkeypatch):
-    from tilescale_examples.overlap.ag_gemm import AllGatherGEMM
-
-    agg = object.__new__(AllGatherGEMM)
-    agg.plan, agg.world_size, agg.m_local, agg.k, agg.n = "fused", 2, 128, 64, 256
-    agg.dtype, agg.device, agg.kernel, agg.allocator = torch.bfloat16, torch.device("cpu"), object(), None
-    monkeypatch.setattr(AllGatherGEMM, "_capturing", lambda self: True)
-    a, b = torch.zeros((128, 64), dtype=torch.bfloat16), torch.zeros((64, 256), dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"plan='fused'.*cannot be captured.*plan='sequential'"):
-        agg(a, b)
-
-
-def test_capture_of_a_kernel_never_launched_asks_for_a_warm_up(monkeypatch):
-    from tilescale_lang import metadata
-
-    ar = _cpu_allreduce(monkeypatch)
-    monkeypatch.setattr(type(ar), "_capturing", lambda self: True)
-    monkeypatch.setattr(metadata, "loaded", lambda kernel: False)
-    with pytest.raises(RuntimeError, match="never run.*outside the CUDA graph capture first"):
-        ar(torch.zeros(64, dtype=torch.float16))
-
-
-def test_a_kernel_captured_unshared_is_pinned_and_others_get_a_copy(monkeypatch):
-    """A graph captured without a table copy binds one allocator's table for good: an
-    instance on another allocator compiles its own copy of the kernel (another symbol)."""
-    from examples_helpers import record_compiles
-
-    from tilescale_examples.collectives.allreduce import AllReduce
-
-    built = record_compiles(monkeypatch)
-    a0, a1 = CpuAllocator(2, 0), CpuAllocator(2, 0)
-    first = AllReduce(a0, (64,), torch.float16, algorithm="one_shot")
-    monkeypatch.setattr(AllReduce, "_capturing", lambda self: True)
-    first.bind_table()  # as the launch under capture does: one user, so pinned
-    monkeypatch.setattr(AllReduce, "_capturing", lambda self: False)
-    second = AllReduce(a1, (64,), torch.float16, algorithm="one_shot")
-    assert second.kernel is not first.kernel
-    assert built[-1] == "allreduce_one_shot_copy1"
-    third = AllReduce(a0, (128,), torch.float16, algorithm="one_shot")
-    assert third.kernel is first.kernel  # the pinned allocator keeps sharing it
-
-
-def test_a_shared_kernel_binds_from_the_device_under_capture(monkeypatch):
-    from examples_helpers import record_compiles
-    from tilescale_lang import metadata
-
-    from tilescale_examples.collectives.allreduce import AllReduce
-
-    record_compiles(monkeypatch)
-    ar0 = AllReduce(CpuAllocator(2, 0), (64,), torch.float16, algorithm="one_shot")
-    ar1 = AllReduce(CpuAllocator(2, 1), (64,), torch.float16, algorithm="one_shot")
-    assert ar0.kernel is ar1.kernel
-    ar1._device_table()  # on a GPU, the first eager bind makes it (a host copy cannot be captured)
-    copies = []
-    monkeypatch.setattr(metadata, "bind_from_device", lambda kernel, table, stream: copies.append(table))
-    monkeypatch.setattr(AllReduce, "_capturing", lambda self: True)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
-    ar1.bind_table()
-    assert len(copies) == 1 and copies[0].tolist()[:2] == [1, 2]  # rank 1's table
-    monkeypatch.setattr(AllReduce, "_capturing", lambda self: False)
-    inits = []
-    monkeypatch.setattr(type(ar0.kernel), "initialize", lambda self, allocator=None, stream=None: inits.append(allocator))
-    ar1.bind_table()
-    ar1.bind_table()
-    assert inits == [ar1.allocator, ar1.allocator]  # after a captured copy, every eager launch rebinds
 
 
 # ------------------------------------------------------------------------------ torch.compile

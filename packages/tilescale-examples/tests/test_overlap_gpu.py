@@ -62,8 +62,7 @@ def _rs_inputs(p: int, call: int, world: int, m_local: int, k: int, n: int, dtyp
 def _ag_expected(rank, world, call, m_local, k, n, dtype, device):
     from tilescale_examples.overlap.ag_gemm import torch_reference
 
-    b = _ag_inputs(rank, call, m_local, k, n, dtype, device)[1]
-    return torch_reference([_ag_inputs(p, call, m_local, k, n, dtype, device)[0] for p in range(world)], b), None
+    return torch_reference([_ag_inputs(p, call, m_local, k, n, dtype, device) for p in range(world)], rank), None
 
 
 def _rs_expected(rank, world, call, m_local, k, n, dtype, device):
@@ -71,7 +70,7 @@ def _rs_expected(rank, world, call, m_local, k, n, dtype, device):
 
     ins = [_rs_inputs(p, call, world, m_local, k, n, dtype, device) for p in range(world)]
     a, b = [x for x, _ in ins], [y for _, y in ins]
-    return torch_reference(a, b, rank), partial_magnitudes(a, b, rank)
+    return torch_reference(ins, rank), partial_magnitudes(a, b, rank)
 
 
 OPS = {"ag": (_ag_inputs, _ag_expected), "rs": (_rs_inputs, _rs_expected)}
@@ -82,7 +81,7 @@ def _build(op: str, alloc, m_local, k, n, dtype, plan="auto"):
     from tilescale_examples.overlap.gemm_rs import GemmReduceScatter
 
     cls = AllGatherGEMM if op == "ag" else GemmReduceScatter
-    return cls(alloc, m_local, k, n, dtype, plan=plan)
+    return cls(alloc, m_local, k, n, dtype, algorithm=plan)
 
 
 def _inputs(op, p, call, world, m_local, k, n, dtype, device):
@@ -111,7 +110,8 @@ def check_calls(op: str, alloc, rank: int, world: int, m_local: int, k: int, n: 
     device = torch.device(alloc.device)
     obj = _build(op, alloc, m_local, k, n, dtype, plan)
     expect_plan = expect_plan or auto_plan(op, world)
-    assert obj.plan == expect_plan, f"rank {rank}: plan {obj.plan} ({obj.plan_reason}), expected {expect_plan}"
+    assert obj.algorithm == expect_plan, (f"rank {rank}: algorithm {obj.algorithm} ({obj.algorithm_reason}), "
+                                          f"expected {expect_plan}")
     kept = []
     for call in range(calls):
         a, b = _inputs(op, rank, call, world, m_local, k, n, dtype, device)
@@ -121,7 +121,7 @@ def check_calls(op: str, alloc, rank: int, world: int, m_local: int, k: int, n: 
     for call, (_, _, out) in enumerate(kept):
         ref, rounded = OPS[op][1](rank, world, call, m_local, k, n, dtype, device)
         bad, worst = count_outside(out, ref, dtype, rounded)
-        assert bad == 0, (f"{op} rank {rank}/{world} {dtype} m_local={m_local} k={k} n={n} plan={obj.plan} "
+        assert bad == 0, (f"{op} rank {rank}/{world} {dtype} m_local={m_local} k={k} n={n} algorithm={obj.algorithm} "
                           f"call {call}: {bad} element(s) outside the bound (worst {worst:.3g}x)")
     assert obj.epoch == calls
     obj.close()
@@ -141,7 +141,7 @@ def producer_after_the_gemm_holds_every_sm(alloc, rank: int, world: int, m_local
 
     device = torch.device(alloc.device)
     agg = AllGatherGEMM(alloc, m_local, k, n, torch.bfloat16)
-    assert agg.plan == "fused" and agg.world_size == world >= 2
+    assert agg.algorithm == "fused" and agg.world_size == world >= 2
     a, b = _ag_inputs(rank, 0, m_local, k, n, torch.bfloat16, device)
     push = CopyEnginePush(*agg._peers, rank, world, agg.chunks, agg.tiles.block_m, device)
     main, other = torch.cuda.current_stream(device), torch.cuda.Stream(device=device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -40,37 +41,25 @@ def test_unit_bytes_must_keep_16_byte_alignment():
         putget.build_copy("get_block", 1 << 20, 8, unit_bytes=1000)
 
 
-def test_time_columns_takes_the_columns_in_turn_and_keeps_each_ones_median_round():
-    calls, barriers = [], []
-    fake = {"a": iter([5.0, 1.0, 3.0]), "b": iter([2.0, 9.0, 4.0])}
-    columns = [("a", "fa"), ("b", "fb")]
-
-    def timer(fn, iters):
-        calls.append((fn, iters))
-        return next(fake[fn[1]])
-
-    got = putget.time_columns(columns, 3, 7, barrier=lambda: barriers.append(1), timer=timer)
-    assert got == {"a": 3.0, "b": 4.0}
-    assert calls == [("fa", 7), ("fb", 7)] * 3 and len(barriers) == 6
-    # a column this rank does not run: NaN, but its barriers still happen
-    calls.clear(), barriers.clear()
-    fake["b"] = iter([2.0, 9.0, 4.0])
-    got = putget.time_columns([("a", None), ("b", "fb")], 3, 7, barrier=lambda: barriers.append(1), timer=timer)
-    assert math.isnan(got["a"]) and got["b"] == 4.0 and calls == [("fb", 7)] * 3 and len(barriers) == 6
-    with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
-        putget.time_columns(columns, 0, 7)
-
-
 def test_call_overhead_times_the_kernels_in_turns_and_keeps_each_ones_best_round(monkeypatch):
+    """putget's call overhead (``_timing.host_us_rounds`` on ``perf_rounds``, host clock): 100
+    warm-up calls of each kernel, then rounds that time each kernel's calls back to back,
+    the first kernel alternating, each timing from an idle GPU to the end of its GPU work (a
+    synchronisation before and after the calls); each kernel's best round."""
     import torch
 
+    from tilescale_examples.benchmarks import _timing
+
     order = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # CUDA in use: the host clock waits for it
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: SimpleNamespace(device="cuda:0"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: order.append("sync"))
     fns = [lambda: order.append("d"), lambda: order.append("s")]
-    got = putget._host_us(fns, calls=3, rounds=4)
+    got = _timing.host_us_rounds(fns, calls=3, rounds=4)
     assert len(got) == 2 and all(t >= 0 and math.isfinite(t) for t in got)
-    assert order[:201] == ["d"] * 100 + ["s"] * 100 + ["sync"]  # warm-up of each
+    assert order[:201] == ["sync"] + ["d"] * 100 + ["s"] * 100  # idle GPU, then the warm-up of each
     rounds = [x for x in order[201:] if x != "sync"]
     # each round runs every kernel's calls back to back; the first kernel alternates
     assert rounds == ["d"] * 3 + ["s"] * 3 + ["s"] * 3 + ["d"] * 3 + ["d"] * 3 + ["s"] * 3 + ["s"] * 3 + ["d"] * 3
-    assert order[201:].count("sync") == 8  # one per kernel and round
+    timings = "".join("|" if x == "sync" else x for x in order[201:])
+    assert timings == "||ddd|" "||sss|" "||sss|" "||ddd|" "||ddd|" "||sss|" "||sss|" "||ddd|"  # barrier, before, after

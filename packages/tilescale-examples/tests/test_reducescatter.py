@@ -47,10 +47,10 @@ class FakeKernel:
         out.copy_(stage[:span] * 2)
 
 
-def make(shard_shape, dtype="float32", tmp_path=None, monkeypatch=None):
+def make(row, dtype="float32", tmp_path=None, monkeypatch=None):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
     alloc = CpuAllocator(num_ranks=2)
-    rs = ReduceScatter(alloc, shard_shape, dtype, threads=128)
+    rs = ReduceScatter(alloc, (2, *row), dtype, threads=128)
     rs.kernel = FakeKernel()
     return alloc, rs
 
@@ -88,7 +88,7 @@ def test_whole_vectors_are_staged_in_the_kernel(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("call,exc,match", [
     (lambda rs: rs(torch.zeros(2, 16, dtype=torch.float16)), TypeError, "input has dtype torch.float16"),
-    (lambda rs: rs(torch.zeros(16)), ValueError, r"input has shape \(16,\), expected \(world_size, \*shard_shape\) = \(2, 16\)"),
+    (lambda rs: rs(torch.zeros(16)), ValueError, r"input has shape \(16,\), expected the shape \(2, 16\)"),
     (lambda rs: rs(torch.zeros(16, 2).t()), ValueError, "input must be contiguous"),
     (lambda rs: rs(torch.zeros(2, 16), out=torch.zeros(2, 16)), ValueError, r"out has shape \(2, 16\)"),
     (lambda rs: rs(torch.zeros(2, 16), out=rs.input[0]), ValueError, "out overlaps this ReduceScatter's symmetric staging"),
@@ -104,12 +104,13 @@ def test_call_rejects_bad_arguments(call, exc, match, tmp_path, monkeypatch):
 @pytest.mark.parametrize("kwargs,exc,match", [
     (dict(dtype="uint8"), TypeError, "dtype must be one of"),
     (dict(world_size=3), ValueError, r"world_size=3 but the allocator spans 2 rank\(s\)"),
-    (dict(shard_shape=(0,)), ValueError, "shard_shape must be non-empty positive ints"),
+    (dict(shape=(2, 0)), ValueError, "shape must be non-empty positive ints"),
+    (dict(shape=(16,)), ValueError, r"shape must be \(world_size, \*row\)"),
     (dict(threads=48), ValueError, "threads must be a multiple of 32"),
 ])
 def test_constructor_rejects_before_allocating(kwargs, exc, match):
     alloc = CpuAllocator(num_ranks=2)
-    args = dict(allocator=alloc, shard_shape=(16,), dtype=torch.float32)
+    args = dict(allocator=alloc, shape=(2, 16), dtype=torch.float32)
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         ReduceScatter(**args)
@@ -142,7 +143,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     checks = 0
     rng = random.Random(rank)
     for case, (shape, dtype) in enumerate(GPU_CASES):
-        rs = ReduceScatter(alloc, shape, dtype)
+        rs = ReduceScatter(alloc, (world, *shape), dtype)
         for k, way in enumerate(("plain", "out", "heap")):
             x = random_tensor((world, *shape), dtype, torch.Generator().manual_seed(rank * 1000003 + case * 7919 + k), dev)
             inputs = [torch.empty_like(x) for _ in range(world)]

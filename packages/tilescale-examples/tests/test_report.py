@@ -2,7 +2,8 @@ import io
 
 import pytest
 
-from tilescale_examples.benchmarks._report import format_bytes, format_table, gb_per_s, print_table, ratio, size_sweep
+from tilescale_examples.benchmarks._report import (format_bytes, format_table, gb_per_s, print_table, ratio, save_tables,
+                                                   size_sweep, table_name)
 
 
 def test_format_bytes_units():
@@ -38,3 +39,25 @@ def test_table_alignment_and_errors():
     buf = io.StringIO()
     print_table("t", ["a"], [[1]], file=buf)
     assert buf.getvalue().startswith("\n== t\n")
+
+
+def test_saved_tables_are_named_after_the_benchmark_in_print_order(tmp_path):
+    assert [table_name("putget", i) for i in (1, 2, 3)] == ["putget", "putget_2", "putget_3"]
+    with pytest.raises(ValueError, match="index must be >= 1"):
+        table_name("putget", 0)
+    with pytest.raises(ValueError, match="needs the benchmark's name"):
+        save_tables(tmp_path)
+    buf = io.StringIO()
+    save_tables(tmp_path / "a", "signals")
+    try:
+        first = print_table("t1", ["operation", "x us"], [["flag write", 1.5]], file=buf)
+        second = print_table("t2", ["operation", "x us"], [["ping-pong", 2.5]], file=buf)
+        save_tables(tmp_path / "b", "heap")  # a new directory and benchmark: the count starts again
+        third = print_table("t3", ["a"], [[1]], file=buf)
+    finally:
+        save_tables(None)
+    assert [p.name for p in first[:2]] == ["signals.csv", "signals.json"]
+    assert [p.name for p in second[:2]] == ["signals_2.csv", "signals_2.json"]
+    assert [p.name for p in third[:2]] == ["heap.csv", "heap.json"] and third[0].parent == tmp_path / "b"
+    assert buf.getvalue().count("saved: ") == 3
+    assert print_table("t4", ["a"], [[1]], file=io.StringIO()) == []  # saving stopped

@@ -44,9 +44,9 @@ def test_plan_choice():
     assert choose_plan("auto", False, "no memops") == ("sequential", "no memops")
     assert choose_plan("fused", True) == ("fused", "")
     assert choose_plan("sequential", True) == ("sequential", "requested")
-    with pytest.raises(RuntimeError, match="plan='fused' needs stream memory operations on every rank: no memops"):
+    with pytest.raises(RuntimeError, match="algorithm='fused' needs stream memory operations on every rank: no memops"):
         choose_plan("fused", False, "no memops")
-    with pytest.raises(ValueError, match="plan must be one of"):
+    with pytest.raises(ValueError, match="algorithm must be one of"):
         choose_plan("overlap", True)
 
 
@@ -60,7 +60,7 @@ def test_resolve_plan_on_a_cpu_device_falls_back_with_a_log_line(caplog):
     with caplog.at_level(logging.WARNING, logger="tilescale_examples"):
         assert resolve_plan("Thing", "sequential", torch.device("cpu")) == ("sequential", "requested")
     assert caplog.text == ""
-    with pytest.raises(RuntimeError, match="plan='fused' needs stream memory operations"):
+    with pytest.raises(RuntimeError, match="algorithm='fused' needs stream memory operations"):
         resolve_plan("Thing", "fused", torch.device("cpu"))
 
 
@@ -87,7 +87,7 @@ def test_resolve_plan_needs_own_gpus_when_asked(monkeypatch, caplog, needs_own_g
     assert asked == ([2] if needs_own_gpus else [])
     if plan == "sequential":
         assert reason.startswith("ranks share a GPU") and "Thing: ranks share a GPU" in caplog.text
-        with pytest.raises(RuntimeError, match="plan='fused' needs .*ranks share a GPU"):
+        with pytest.raises(RuntimeError, match="algorithm='fused' needs .*ranks share a GPU"):
             resolve_plan("Thing", "fused", torch.device("cuda:0"), object(), 2, needs_own_gpus)
 
 

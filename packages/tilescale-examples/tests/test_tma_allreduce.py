@@ -5,16 +5,46 @@ from __future__ import annotations
 
 import pytest
 import torch
-from examples_helpers import TOOLKIT, CpuAllocator, close_rank_heap, kernel_body, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks, needs_toolkit
+from examples_helpers import (TOOLKIT, CpuAllocator, LaunchRecorder, close_rank_heap, kernel_body, lower_source,
+                              open_rank_heap, record_compiles, run_gpu_ranks, needs_toolkit)
 
+from tilescale_examples import ClosedError
+from tilescale_examples.tutorials import tma_allreduce
 from tilescale_examples.tutorials.tma_allreduce import COLS, TILE_ROWS, TmaAllReduce, build_tma_allreduce_kernel, torch_reference
 
 
 def test_torch_reference_sums_the_ranks():
     xs = [torch.full((2, 3), float(r)) for r in range(4)]
-    assert torch.equal(torch_reference(xs), torch.full((2, 3), 6.0))
+    assert torch.equal(torch_reference(xs, 0), torch.full((2, 3), 6.0))
+    assert torch.equal(TmaAllReduce.torch_reference(xs, 3), torch.full((2, 3), 6.0))
     with pytest.raises(ValueError):
-        torch_reference([])
+        torch_reference([], 0)
+
+
+def test_the_object_answers_as_an_all_reduce(monkeypatch):
+    """Its input is ``shape`` (not ``(world_size, *shape)``), its bus bytes are an
+    all-reduce's, ``out=`` gets a copy of the result, and a closed one raises ClosedError."""
+    record_compiles(monkeypatch, tma_allreduce)
+    alloc = CpuAllocator(num_ranks=2)
+    ar = TmaAllReduce(alloc, (TILE_ROWS, COLS), torch.float32)
+    assert ar.input_shape == ar.shape == (TILE_ROWS, COLS) and ar.algorithm == "tma"
+    assert ar.bus_bytes() == 2 * (2 - 1) / 2 * TILE_ROWS * COLS * 4
+    assert alloc.allocations == [((TILE_ROWS, COLS), torch.float32), ((2 * TILE_ROWS, COLS), torch.float32),
+                                 ((8,), torch.int32)]
+    launched = []
+    ar.kernel = LaunchRecorder(launched)
+    monkeypatch.setattr("tilelang.distributed.barrier_all_on_stream", lambda group=None: None)
+    with pytest.raises(ValueError, match=r"input has shape \(2, 64, 128\), expected shape \(64, 128\)"):
+        ar(torch.zeros(2, TILE_ROWS, COLS))
+    with pytest.raises(ValueError, match=r"out has shape \(64,\)"):
+        ar(torch.zeros(TILE_ROWS, COLS), out=torch.zeros(64))
+    ar.output.fill_(3.0)  # what the kernel would have written
+    mine = torch.zeros(TILE_ROWS, COLS)
+    assert ar(torch.ones(TILE_ROWS, COLS), out=mine) is mine and torch.equal(mine, ar.output)
+    assert ar(torch.ones(TILE_ROWS, COLS)) is ar.output is ar.out and ar.epoch == 2 and len(launched) == 2
+    ar.close()
+    with pytest.raises(ClosedError, match="TmaAllReduce is closed"):
+        ar(torch.ones(TILE_ROWS, COLS))
 
 
 def test_kernel_uses_the_three_upstream_features():
@@ -49,7 +79,7 @@ def test_kernel_compiles(tmp_path):
 ])
 def test_constructor_rejects_before_allocating(kwargs, exc, match):
     alloc = CpuAllocator(num_ranks=kwargs.pop("nranks", 2))
-    args = dict(allocator=alloc, shape=(TILE_ROWS, COLS))
+    args = dict(allocator=alloc, shape=(TILE_ROWS, COLS), dtype=torch.float32)
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         TmaAllReduce(**args)
@@ -74,10 +104,10 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     dev = torch.device(alloc.device)
     checks = 0
     for shape in ((TILE_ROWS, COLS), (4096, COLS), (64 * 133, COLS)):  # one tile, 64 tiles, > one per block
-        ar = TmaAllReduce(alloc, shape)
+        ar = TmaAllReduce(alloc, shape, torch.float32)
         for step in range(12):  # back-to-back calls: stream barrier + epoch counters, no reset
             x = _input(rank, shape, step).to(dev)
-            ar.out.fill_(float("nan"))  # poison
+            ar.output.fill_(float("nan"))  # poison
             out = ar(x)
             torch.cuda.synchronize()
             want = _want(world, shape, step)
@@ -85,7 +115,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
                 bad = (out.cpu() != want).nonzero()[:5].tolist()
                 raise AssertionError(f"rank {rank} world {world} shape {shape} step {step}: first mismatches at {bad}")
             checks += 1
-        assert torch_reference([_input(q, shape, 11) for q in range(world)]).allclose(out.cpu(), atol=1e-5)
+        assert torch_reference([_input(q, shape, 11) for q in range(world)], rank).allclose(out.cpu(), atol=1e-5)
         ar.close()
     from tilelang.distributed import close_stream_barriers
 

@@ -39,7 +39,7 @@ class _Collective:
         self.dtype, self.world_size, self.rank = dtype, world_size, 0
         self.device = torch.device("cpu")
         self._closed = False
-        self.kernel = object()  # OverlappedGemm.closed reads it
+        self.kernel = object()
         self.calls = 0
 
     def _record(self):
@@ -61,7 +61,7 @@ class StandInAllReduce(_Collective, AllReduce):
         self.shape = self.shard_shape = tuple(shape)
         self.output = torch.zeros(self.shape, dtype=dtype)
 
-    def __call__(self, input, out=None):
+    def __call__(self, input, *, out=None):
         self._record()
         out = self.output if out is None else out
         out.copy_(input * self.world_size)
@@ -69,25 +69,26 @@ class StandInAllReduce(_Collective, AllReduce):
 
 
 class StandInTmaAllReduce(_Collective, TmaAllReduce):
-    """No ``out=``: the op copies the result out of the internal buffer."""
+    """A subclass whose call takes no ``out=``: the op copies the result out of its buffer."""
 
     def __init__(self, shape, world_size=W):
         self._init(torch.float32, world_size)
-        self.shard_shape = tuple(shape)
-        self.out = torch.zeros(self.shard_shape)
+        self.shape = self.shard_shape = tuple(shape)
+        self.output = torch.zeros(self.shape)
 
     def __call__(self, x):
         self._record()
-        self.out.copy_(x * self.world_size)
-        return self.out
+        self.output.copy_(x * self.world_size)
+        return self.output
 
 
 class StandInReduceScatter(_Collective, ReduceScatter):
     def __init__(self, shard_shape, dtype=torch.float32, world_size=W):
         self._init(dtype, world_size)
         self.shard_shape = tuple(shard_shape)
+        self.shape = (world_size, *self.shard_shape)
 
-    def __call__(self, input, out=None):
+    def __call__(self, input, *, out=None):
         self._record()
         out.copy_(input[self.rank] * self.world_size)
         return out
@@ -96,10 +97,10 @@ class StandInReduceScatter(_Collective, ReduceScatter):
 class StandInAllGather(_Collective, AllGather):
     def __init__(self, shard_shape, dtype=torch.float32, world_size=W):
         self._init(dtype, world_size)
-        self.shard_shape = tuple(shard_shape)
+        self.shape = self.shard_shape = tuple(shard_shape)
         self.output = torch.zeros((world_size, *self.shard_shape), dtype=dtype)
 
-    def __call__(self, input, out=None):
+    def __call__(self, input, *, out=None):
         self._record()
         out = self.output if out is None else out
         out.copy_(input.expand(self.world_size, *self.shard_shape))
@@ -110,8 +111,9 @@ class StandInAllToAll(_Collective, AllToAll):
     def __init__(self, shard_shape, dtype=torch.float32, world_size=W):
         self._init(dtype, world_size)
         self.shard_shape = tuple(shard_shape)
+        self.shape = (world_size, *self.shard_shape)
 
-    def __call__(self, input, out=None):
+    def __call__(self, input, *, out=None):
         self._record()
         out.copy_(input[self.rank].expand(self.world_size, *self.shard_shape))
         return out
@@ -122,7 +124,7 @@ class StandInAllGatherGEMM(_Collective, AllGatherGEMM):
         self._init(dtype, world_size)
         self.m_local, self.k, self.n = m_local, k, n
 
-    def __call__(self, a, b, out=None):
+    def __call__(self, a, b, *, out=None):
         self._record()
         out.copy_(a.repeat(self.world_size, 1) @ b)
         return out
@@ -133,7 +135,7 @@ class StandInGemmReduceScatter(_Collective, GemmReduceScatter):
         self._init(dtype, world_size)
         self.m_local, self.k, self.n = m_local, k, n
 
-    def __call__(self, a, b, out=None):
+    def __call__(self, a, b, *, out=None):
         self._record()
         m = self.m_local
         out.copy_((a @ b)[self.rank * m:(self.rank + 1) * m] * self.world_size)

@@ -4,6 +4,9 @@ The product classes are importable from here (loaded on first use)::
 
     from tilescale_examples import AllReduce, AllGather, AllGatherGEMM
 
+They share one call contract (docs/architecture.md, "Call contract"); every call of a closed
+one raises :class:`ClosedError` (a ``RuntimeError``), also exported here.
+
 Layout: :mod:`.collectives` (AllGather, AllToAll, ReduceScatter, AllReduce), :mod:`.overlap`
 (AllGatherGEMM, GemmReduceScatter), :mod:`.moe` (MoEDispatcher), :mod:`.tutorials`,
 :mod:`.testing` (emulated peers, precompile), :mod:`.benchmarks`, :mod:`.demo`, and
@@ -14,8 +17,9 @@ from tilescale_core.interface import lazy_getattr
 
 __version__ = "0.1.0"
 
-__all__ = ["AllGather", "AllToAll", "ReduceScatter", "AllReduce", "AllGatherGEMM", "GemmReduceScatter", "MoEDispatcher"]
-__getattr__ = lazy_getattr(globals(), {
+__all__ = ["AllGather", "AllToAll", "ReduceScatter", "AllReduce", "AllGatherGEMM", "GemmReduceScatter", "MoEDispatcher",
+           "ClosedError"]
+__getattr__ = lazy_getattr(globals(), {"ClosedError": "base",
     "AllGather": "collectives.allgather", "AllToAll": "collectives.alltoall",
     "ReduceScatter": "collectives.reducescatter", "AllReduce": "collectives.allreduce",
     "AllGatherGEMM": "overlap.ag_gemm", "GemmReduceScatter": "overlap.gemm_rs", "MoEDispatcher": "moe.dispatcher",

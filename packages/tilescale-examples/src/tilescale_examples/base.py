@@ -1,178 +1,50 @@
-"""What the example collectives share: argument checks, symmetric buffers, the
-compile-once/initialise step and the lifetime (``close`` / context manager).
+"""What every symmetric op shares: argument checks, symmetric buffers, the
+compile-once/initialise step, one lifetime (``close`` / context manager / :class:`ClosedError`)
+and the call contract's machinery (docs/architecture.md, "Call contract").
 
-A collective built on this class is **collective to construct**: every rank must build the
-same collectives (same shapes, dtypes and order), because the heap hands out the same offsets
-on every rank only when the allocation sequence is the same, and the constructor ends with a
-barrier so that no peer signals a flag before its owner has zeroed it.
+:class:`SymmetricOp` is the one base of the product classes: the collectives (through
+:class:`SymmetricCollective`), the overlapped GEMMs (through
+:class:`~tilescale_examples.overlap.gemm.OverlappedGemm`) and the tutorial ``TmaAllReduce``.
+Its ``_setup_op`` is the one setup path (allocator, dtype, world size, group, lifetime state)
+and :meth:`SymmetricOp.heap_bytes` sizes the heap by a dry run of the constructor on a
+:class:`RecordingAllocator`.
+
+An op built on these classes is **collective to construct**: every rank must build the same
+ops (same shapes, dtypes and order), because the heap hands out the same offsets on every
+rank only when the allocation sequence is the same, and the constructor ends with a barrier
+so that no peer signals a flag before its owner has zeroed it.
 """
 
 # (no `from __future__ import annotations`: subclasses define TileLang kernels)
 
+import inspect
 import math
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["SymmetricCollective", "KernelOwner", "Closable", "check_tensor", "check_threads", "plan_chunks", "size_table_entry",
-           "check_allocator",
-           "check_group", "check_max_blocks", "check_target", "compile_once", "settle", "all_ranks_agree", "collective_device", "TARGET", "DTYPES"]
+from tilescale_examples._checks import (DEFAULT_MAX_BLOCKS, DTYPES, TARGET, check_allocator, check_dtype,
+                                        check_group, check_max_blocks, check_positive_int, check_shape,
+                                        check_target, check_tensor, check_threads, default_group, plan_chunks,
+                                        size_table_entry)
+from tilescale_examples._contract import (OldSpellingWarning, RecordingAllocator, accepts_0_1_init,
+                                          accepts_0_1_out, accepts_0_1_reference, dry_run_heap_bytes,
+                                          rank_left_out, row_shape_0_1, sm_count_of, warn_old_spelling)
 
-#: Default TileLang target (H100/H200).
-TARGET = {"kind": "cuda", "arch": "sm_90a"}
-#: Grid cap when the device cannot be queried (CPU-only builds).
-DEFAULT_MAX_BLOCKS = 128
-
-#: torch dtype -> TileLang dtype name, for the dtypes the examples accept.
-DTYPES = {
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.int16: "int16",
-    torch.int32: "int32",
-    torch.int64: "int64",
-}
+__all__ = ["ClosedError", "SymmetricOp", "SymmetricCollective", "KernelOwner", "Closable", "RecordingAllocator",
+           "OldSpellingWarning", "accepts_0_1_init", "accepts_0_1_out", "accepts_0_1_reference", "rank_left_out", "row_shape_0_1",
+           "warn_old_spelling",
+           "check_tensor", "check_threads", "plan_chunks", "size_table_entry", "check_allocator", "check_shape",
+           "check_dtype", "check_group", "check_max_blocks", "check_target", "check_positive_int", "compile_once",
+           "settle", "all_ranks_agree", "collective_device", "default_group", "TARGET", "DTYPES",
+           "DEFAULT_MAX_BLOCKS"]
 
 
-def plan_chunks(shard_numel: int, itemsize: int, world_size: int,
-                max_blocks: int = DEFAULT_MAX_BLOCKS,
-                min_chunk_bytes: int = 64 * 1024) -> Tuple[int, int]:
-    """Split a shard into ``(chunks, chunk)``: ``chunks`` pieces of ``chunk`` elements.
-
-    ``chunk`` is a multiple of 16 bytes (so chunk starts keep the shard's alignment), each
-    piece holds at least ``min_chunk_bytes`` unless the shard is smaller, no piece is empty
-    (``(chunks - 1) * chunk < shard_numel <= chunks * chunk``) and ``chunks * world_size <=
-    max(max_blocks, world_size)``.
-    """
-    for name, value in (("shard_numel", shard_numel), ("itemsize", itemsize),
-                        ("world_size", world_size), ("max_blocks", max_blocks),
-                        ("min_chunk_bytes", min_chunk_bytes)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    align = max(1, 16 // itemsize)
-    max_chunks = max(1, max_blocks // world_size)
-    wanted = -(-shard_numel * itemsize // min_chunk_bytes)
-    chunks = min(max(wanted, 1), max_chunks)
-    chunk = -(-shard_numel // chunks)
-    chunk = -(-chunk // align) * align
-    chunks = -(-shard_numel // chunk)
-    return chunks, chunk
+class ClosedError(RuntimeError):
+    """A call of a symmetric op after its ``close()``, or after its allocator was closed."""
 
 
-def size_table_entry(table: dict, world_size: int):
-    """The entry of a size table keyed by world size: the largest key not above
-    ``world_size`` (the smallest key below all of them). ``world_size`` must be a positive int."""
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    keys = [k for k in sorted(table) if k <= world_size]
-    return table[keys[-1]] if keys else table[min(table)]
-
-
-def default_group():
-    """``torch.distributed``'s world group when it is initialised, else None."""
-    import torch.distributed as dist
-
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-
-
-def check_shape(shape, name: str = "shard_shape") -> Tuple[int, ...]:
-    """``shape`` (an int or a sequence of positive ints) as a tuple; errors name ``name``."""
-    if isinstance(shape, int) and not isinstance(shape, bool):
-        shape = (shape,)
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        raise TypeError(f"{name} must be an int or a sequence of ints, got {shape!r}") from None
-    if not dims or any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in dims):
-        raise ValueError(f"{name} must be non-empty positive ints, got {shape!r}")
-    return dims
-
-
-def check_dtype(dtype, allowed=None) -> torch.dtype:
-    """``dtype`` (a torch dtype or its name) if it is in ``allowed`` (default: ``DTYPES``)."""
-    allowed = DTYPES if allowed is None else allowed
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None) if dtype.isidentifier() else None
-    if not isinstance(dtype, torch.dtype) or dtype not in allowed:
-        raise TypeError(f"dtype must be one of {sorted(DTYPES[d] for d in allowed)}, got {dtype!r}")
-    return dtype
-
-
-def check_threads(threads) -> None:
-    """``ValueError`` unless ``threads`` (threads per block of a kernel) is an int multiple of
-    32 in [32, 1024]."""
-    if not isinstance(threads, int) or threads < 32 or threads > 1024 or threads % 32:
-        raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads!r}")
-
-
-def check_tensor(tensor, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device, name: str = "input",
-                 shape_name: str = "the shape", owner: str = "collective") -> None:
-    """Raise ``TypeError`` / ``ValueError`` naming ``name`` unless ``tensor`` is a contiguous
-    tensor of ``shape`` (called ``shape_name`` in the message), ``dtype`` and ``device``;
-    ``owner`` names what was built for that dtype."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype != dtype:
-        raise TypeError(f"{name} has dtype {tensor.dtype}, this {owner} was built for {dtype}")
-    if tuple(tensor.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape_name} {tuple(shape)}")
-    if tensor.device != device:
-        raise ValueError(f"{name} is on {tensor.device}, the allocator's heap is on {device}")
-    if not tensor.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
-
-
-def check_group(group):
-    """``group`` if it is None or a ``torch.distributed`` process group; ``TypeError`` naming
-    it otherwise (a stray object would only fail at the first barrier, after allocating)."""
-    if group is None:
-        return group
-    import torch.distributed as dist
-
-    if dist.is_available() and isinstance(group, dist.ProcessGroup):
-        return group
-    raise TypeError(f"group must be None or a torch.distributed ProcessGroup, got {type(group).__name__}: {group!r}")
-
-
-def check_max_blocks(max_blocks) -> None:
-    """``ValueError`` unless ``max_blocks`` is None (the default grid cap) or a positive int."""
-    if max_blocks is not None and (not isinstance(max_blocks, int) or isinstance(max_blocks, bool) or max_blocks < 1):
-        raise ValueError(f"max_blocks must be None or a positive int, got {max_blocks!r}")
-
-
-def check_target(target) -> None:
-    """``TypeError`` / ``ValueError`` naming ``target`` unless it is None (:data:`TARGET`), a
-    TileLang target string or dict whose kind TVM knows (``"auto"`` too), or a TVM ``Target``
-    (a bad one would only fail at the compile, after the heap buffers were allocated)."""
-    if target is None:
-        return
-    from tilelang import tvm
-
-    if isinstance(target, tvm.target.Target):
-        return
-    if isinstance(target, str):
-        kind = target.split()[0] if target.strip() else ""
-    elif isinstance(target, dict):
-        kind = target.get("kind")
-    else:
-        raise TypeError(f"target must be None, a target string or dict, or a tvm Target, got {type(target).__name__}: {target!r}")
-    if kind != "auto" and kind not in tvm.target.Target.list_kinds():
-        raise ValueError(f"target {target!r}: unknown target kind {kind!r}")
-
-
-def check_allocator(allocator) -> None:
-    """``TypeError`` unless ``allocator`` looks like a tilescale-core allocator (``table``,
-    ``num_ranks``); ``RuntimeError`` if it is closed."""
-    if allocator is None or not hasattr(allocator, "table") or not hasattr(allocator, "num_ranks"):
-        raise TypeError(f"allocator must be a tilescale-core allocator (with table and num_ranks), got {type(allocator).__name__}")
-    if getattr(allocator, "closed", False):
-        raise RuntimeError("allocator is closed")
-
-
-#: Compiled kernels of this process shared by instances (:meth:`SymmetricCollective._compile_kernel`).
+#: Compiled kernels of this process shared by instances (:meth:`KernelOwner._compile_kernel`).
 _KERNELS: dict = {}
 #: Attributes of a compiled kernel: ids of the allocators that bound it, whether every launch
 #: must rebind (a graph captured table copies), the allocator a graph captured it for unbound.
@@ -239,11 +111,11 @@ class Closable:
         raise NotImplementedError
 
     def _check_open(self) -> None:
-        """``RuntimeError`` if this object, or the allocator it was built on, is closed."""
+        """:class:`ClosedError` if this object, or the allocator it was built on, is closed."""
         if self.closed:
-            raise RuntimeError(f"this {type(self).__name__} is closed")
+            raise ClosedError(f"this {type(self).__name__} is closed")
         if getattr(getattr(self, "allocator", None), "closed", False):
-            raise RuntimeError(f"the allocator of this {type(self).__name__} is closed")
+            raise ClosedError(f"the allocator of this {type(self).__name__} is closed")
 
     def __enter__(self):
         return self
@@ -362,55 +234,163 @@ class KernelOwner:
         return table
 
 
-class SymmetricCollective(KernelOwner, Closable):
-    """Base of the example collectives: validated arguments, buffers on the symmetric heap,
-    one rank-agnostic kernel compiled once per host, and an explicit lifetime.
+class _DryRunKernel:
+    """What a dry run (:class:`RecordingAllocator`) gets instead of a compiled kernel."""
+
+    def initialize(self, allocator=None, stream=None):
+        return self
+
+
+class SymmetricOp(KernelOwner, Closable):
+    """Base of every symmetric op: one setup path (:meth:`_setup_op`), one lifetime
+    (``close()``, ``closed``, :class:`ClosedError` from every call after ``close()``), and
+    :meth:`heap_bytes` from a dry run of the constructor.
+
+    Attributes set by :meth:`_setup_op`: ``allocator``, ``dtype``, ``itemsize``,
+    ``world_size``, ``rank``, ``device``, ``group``, ``epoch`` (calls made so far),
+    ``kernel``. Subclasses name the strategies of their ``algorithm`` keyword in
+    :attr:`ALGORITHMS` and their droppable buffers in ``_BUFFERS``.
+    """
+
+    #: Values of the ``algorithm`` keyword, ``"auto"`` first.
+    ALGORITHMS: Tuple[str, ...] = ("auto",)
+    #: Algorithms that ``"auto"`` chooses between at construction by probing devices and peers
+    #: (not by size): :meth:`heap_bytes` of ``"auto"`` is the largest of theirs.
+    _AUTO_PROBES: Tuple[str, ...] = ()
+    #: Attributes holding tensors (or ops of a plan), dropped (closed) by ``close()``.
+    _BUFFERS: tuple = ()
+
+    def _setup_op(self, allocator, dtype, world_size: Optional[int], group, allowed_dtypes=None) -> None:
+        """Check the allocator, dtype, world size and group (``TypeError`` / ``ValueError``
+        naming the argument, before anything is allocated) and set the lifetime state. On a
+        :class:`RecordingAllocator` the op runs dry: no group, no compile, no device."""
+        check_allocator(allocator)
+        self.dtype = check_dtype(dtype, allowed_dtypes)
+        num_ranks = int(allocator.num_ranks)
+        world_size = num_ranks if world_size is None else check_positive_int("world_size", world_size)
+        if world_size != num_ranks:
+            raise ValueError(f"world_size={world_size} but the allocator spans {num_ranks} rank(s)")
+        check_group(group)
+        self.world_size = world_size
+        self.allocator = allocator
+        self.rank = int(allocator.local_rank)
+        self.device = torch.device(allocator.device)
+        self.itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self._dry_run = bool(getattr(allocator, "dry_run", False))
+        self.group = None if self._dry_run else (default_group() if group is None else group)
+        self.epoch = 0
+        self.kernel = None
+        self._closed = False
+        self._captured = False
+
+    def _default_max_blocks(self) -> int:
+        """The grid cap when none is given: the device's SM count (a dry run's stand-in)."""
+        if self._dry_run:
+            return self.allocator.sm_count
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_properties(self.device).multi_processor_count
+        return DEFAULT_MAX_BLOCKS
+
+    def _compile_kernel(self, build, target=None, pass_configs=None, key=None):
+        if self._dry_run:
+            return _DryRunKernel()
+        return super()._compile_kernel(build, target, pass_configs, key)
+
+    def _compile_plain(self, build, target=None):
+        """``compile_once(build())`` (no process-wide sharing: for kernels without TileScale
+        intrinsics); nothing in a dry run."""
+        return _DryRunKernel() if self._dry_run else compile_once(build(), self.group, target)
+
+    def _check_out(self, out, shape, shape_name: str = "the output shape") -> None:
+        """``TypeError`` / ``ValueError`` naming ``out`` unless it is a contiguous tensor of
+        ``shape``, this op's dtype and the allocator's device."""
+        check_tensor(out, shape, self.dtype, self.device, "out", shape_name, type(self).__name__)
+
+    @staticmethod
+    def torch_reference(inputs, rank: int) -> torch.Tensor:
+        """What a call returns on ``rank``, computed with torch from every rank's inputs
+        (``inputs[p]``: rank ``p``'s call arguments; subclasses)."""
+        raise NotImplementedError
+
+    @classmethod
+    def heap_bytes(cls, *args, world_size: int, device=None, **kwargs) -> int:
+        """Symmetric-heap bytes per rank that ``cls(allocator, *args, world_size=world_size,
+        **kwargs)`` allocates (the constructor's arguments without the allocator): a dry run
+        of the constructor on a :class:`RecordingAllocator`, each allocation rounded up to the
+        heap's 256-byte alignment. ``device``: where the op will live (its SM count is the
+        default ``max_blocks``, which sizes the flags); default the current CUDA device."""
+        return cls._heap_bytes(args, kwargs, world_size, sm_count_of(device))
+
+    @classmethod
+    def _heap_bytes(cls, args: tuple, kwargs: dict, world_size: int, sm_count: int) -> int:
+        if cls._AUTO_PROBES:
+            default = inspect.signature(cls).parameters["algorithm"].default
+            if kwargs.get("algorithm", default) == "auto":
+                return max(dry_run_heap_bytes(cls, args, dict(kwargs, algorithm=a), world_size, sm_count)
+                           for a in cls._AUTO_PROBES)
+        return dry_run_heap_bytes(cls, args, kwargs, world_size, sm_count)
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Drop the kernel and the buffers, closing the ops of a plan among them
+        (idempotent). Heap bytes return with ``allocator.close()``; every call after this
+        raises :class:`ClosedError`."""
+        self._closed = True
+        self.kernel = None
+        for name in self._BUFFERS:
+            part = getattr(self, name, None)
+            if isinstance(part, Closable):
+                part.close()
+            if hasattr(self, name):
+                setattr(self, name, None)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` has been called."""
+        return self._closed
+
+
+class SymmetricCollective(SymmetricOp):
+    """Base of the collectives: a tensor ``shape`` (the per-rank input of a call), buffers
+    on the symmetric heap, one rank-agnostic kernel compiled once per host.
 
     Subclasses call ``_setup(...)`` from their constructor, allocate their symmetric tensors
     (same order on every rank), then call ``_finish(kernel_func, target)``. Attributes set
-    here: ``allocator``, ``shard_shape``, ``shard_numel``, ``dtype``, ``world_size``,
-    ``device``, ``group``, ``threads``, ``max_blocks``, ``epoch`` (calls made so far),
-    ``kernel``.
+    here besides :class:`SymmetricOp`'s: ``shape``, ``shard_shape`` and ``shard_numel`` (the
+    piece one rank owns: ``shape`` here, a row of it for the ops whose input holds one row
+    per rank), ``threads``, ``max_blocks``.
     """
 
     #: int32 indexing bound of the kernels (elements).
     MAX_ELEMENTS = 2**31
 
-    def _setup(self, allocator, shard_shape: Union[int, Sequence[int]], dtype, world_size: Optional[int],
+    def _setup(self, allocator, shape: Union[int, Sequence[int]], dtype, world_size: Optional[int],
                group, threads: int, max_blocks: Optional[int], allowed_dtypes=None,
-               shape_name: str = "shard_shape") -> None:
-        check_allocator(allocator)
-        self.shard_shape = check_shape(shard_shape, shape_name)
-        self.dtype = check_dtype(dtype, allowed_dtypes)
-        num_ranks = int(allocator.num_ranks)
-        if world_size is None:
-            world_size = num_ranks
-        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        if world_size != num_ranks:
-            raise ValueError(f"world_size={world_size} but the allocator spans {num_ranks} rank(s)")
+               shape_name: str = "shape") -> None:
+        self._setup_op(allocator, dtype, world_size, group, allowed_dtypes)
+        self.shape = self.shard_shape = check_shape(shape, shape_name)
         check_threads(threads)
         check_max_blocks(max_blocks)
-        check_group(group)
-        self.world_size = world_size
-        self.shard_numel = math.prod(self.shard_shape)
-        if world_size * self.shard_numel >= self.MAX_ELEMENTS:
-            raise ValueError(f"{shape_name} {self.shard_shape}: {world_size} x {self.shard_numel} elements exceeds the "
-                             "kernel's int32 indexing (< 2**31 elements)")
-        self.device = torch.device(allocator.device)
-        if max_blocks is None:
-            max_blocks = DEFAULT_MAX_BLOCKS
-            if self.device.type == "cuda":
-                max_blocks = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.max_blocks = max_blocks
-        self.itemsize = torch.empty((), dtype=self.dtype).element_size()
-        self.group = default_group() if group is None else group
-        self.allocator = allocator
+        self.shard_numel = math.prod(self.shape)
+        largest = self._largest_numel()
+        if largest >= self.MAX_ELEMENTS:
+            raise ValueError(f"{shape_name} {self.shape}: a buffer of {largest} elements exceeds the kernel's int32 "
+                             "indexing (< 2**31 elements)")
+        self.max_blocks = self._default_max_blocks() if max_blocks is None else max_blocks
         self.threads = threads
-        self.epoch = 0
-        self.kernel = None
-        self._closed = False
-        self._captured = False
+
+    def _largest_numel(self) -> int:
+        """Elements of the op's largest buffer (default: ``world_size`` pieces of ``shape``)."""
+        return self.world_size * math.prod(self.shape)
+
+    def _rows_of_shape(self) -> None:
+        """For ops whose input holds one row per rank: ``shape`` must be ``(world_size,
+        *row)``; sets ``shard_shape`` (the row) and ``shard_numel``. Before any allocation."""
+        if len(self.shape) < 2 or self.shape[0] != self.world_size:
+            raise ValueError(f"shape must be (world_size, *row) = ({self.world_size}, ...) with a non-empty row "
+                             f"(one row per rank), got {self.shape}")
+        self.shard_shape = self.shape[1:]
+        self.shard_numel = math.prod(self.shard_shape)
 
     def _tensor(self, shape, dtype=None, return_peers: bool = False):
         """A symmetric tensor on the allocator's heap (same offset on every rank); with
@@ -424,7 +404,11 @@ class SymmetricCollective(KernelOwner, Closable):
         """Compile ``func`` once per host (with TileLang ``pass_configs`` when given),
         initialise it with the allocator's table, then make sure every rank's flags are zero
         (device sync + barrier) before anyone signals."""
-        self.kernel = self._compile_kernel(lambda: func, target, pass_configs)
+        self._finish_build(lambda: func, target, pass_configs)
+
+    def _finish_build(self, build, target=None, pass_configs=None) -> None:
+        """:meth:`_finish` of ``build()`` (not traced in a dry run)."""
+        self.kernel = self._compile_kernel(build, target, pass_configs)
         self.bind_table(force=True)
         settle(self.device, self.group)
 
@@ -433,12 +417,12 @@ class SymmetricCollective(KernelOwner, Closable):
         check_tensor(tensor, shape, self.dtype, self.device, name, shape_name, type(self).__name__)
 
     #: How error messages call the expected input shape (``input_shape``).
-    INPUT_SHAPE_NAME = "(world_size, *shard_shape) ="
+    INPUT_SHAPE_NAME = "the shape"
 
     @property
     def input_shape(self) -> Tuple[int, ...]:
-        """Shape a call's ``input`` must have (default ``(world_size, *shard_shape)``)."""
-        return (self.world_size, *self.shard_shape)
+        """Shape a call's ``input`` must have: ``shape``."""
+        return self.shape
 
     def check_input(self, input) -> None:
         """Raise ``TypeError`` / ``ValueError`` naming ``input`` unless it is a contiguous
@@ -448,33 +432,15 @@ class SymmetricCollective(KernelOwner, Closable):
     def bus_bytes(self) -> float:
         """Bytes per call for the bus bandwidth as nccl-tests count it for all-gather,
         reduce-scatter and all-to-all: ``(n - 1) / n`` times the larger of the input and
-        output sizes (the ``world_size`` rows)."""
+        output sizes (the ``world_size`` pieces)."""
         n = self.world_size
         return (n - 1) / n * self.world_size * self.shard_numel * self.itemsize
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(shard_shape={self.shard_shape}, dtype={self.dtype}, "
+        return (f"{type(self).__name__}(shape={self.shape}, dtype={self.dtype}, "
                 f"world_size={self.world_size}, chunks={getattr(self, 'chunks', '?')}, "
                 f"chunk={getattr(self, 'chunk', '?')}, threads={self.threads}, epoch={self.epoch}"
                 f"{', closed' if self._closed else ''})")
 
-    # ------------------------------------------------------------------ lifetime
     #: Attributes holding tensors, dropped by ``close()``.
     _BUFFERS = ("input", "output", "flags", "stage")
-
-    def _drop_buffers(self) -> None:
-        for name in self._BUFFERS:
-            if hasattr(self, name):
-                setattr(self, name, None)
-
-    def close(self) -> None:
-        """Drop the kernel and the tensors (idempotent). Heap bytes return with
-        ``allocator.close()``; a closed instance refuses calls."""
-        self._closed = True
-        self.kernel = None
-        self._drop_buffers()
-
-    @property
-    def closed(self) -> bool:
-        """Whether ``close()`` has been called."""
-        return self._closed

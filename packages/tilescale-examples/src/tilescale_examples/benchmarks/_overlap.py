@@ -2,14 +2,16 @@
 what ``benchmarks.ag_gemm`` and ``benchmarks.gemm_rs`` share.
 
 ``python -m tilescale_examples.benchmarks.ag_gemm|gemm_rs [--ranks 2] [--m-local
-1024,2048,4096,8192] [--k 8192] [--n 3584] [--dtype bfloat16] [--iters 20] [--rounds 5]`` spawns ``--ranks``
+1024,2048,4096,8192] [--k 8192] [--n 3584] [--dtype bfloat16] [--iters 20] [--rounds 5]
+[--out DIR]`` spawns ``--ranks``
 ranks (one per GPU with an NCCL group when there are enough GPUs, else sharing the GPUs over
 gloo; the title says which), or runs under ``tilescale-run -n N -m ...``.
 
 For every ``m_local`` (bfloat16, ``k`` 8192 and ``n`` 3584 columns per rank by default: the
 tensor-parallel GEMMs of a 70B-class MLP) it times, back to back with CUDA events (the slowest
 rank), on the same inputs, in ``--rounds`` rounds that take every column in turn (each
-column's median round is reported; :func:`interleaved_ms`):
+column's median round is reported;
+:func:`tilescale_examples.benchmarks._timing.interleaved_ms`, on ``tilescale_host.bench``):
 
 * **TileScale**: :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM` /
   :class:`~tilescale_examples.overlap.gemm_rs.GemmReduceScatter` (its plan is printed);
@@ -36,13 +38,13 @@ rank's inputs for its reference without communication.
 
 from __future__ import annotations
 
-import argparse
 import os
 
-from tilescale_examples.benchmarks._collectives import pick_baseline, run_on_ranks, time_ms
+from tilescale_examples.benchmarks import _harness, _timing
+from tilescale_examples.benchmarks._collectives import HEAP_SLACK, pick_baseline
 from tilescale_examples.benchmarks._report import print_table
 
-__all__ = ["OPS", "main", "run", "tflops", "parser", "heap_for", "entry", "interleaved_ms"]
+__all__ = ["OPS", "main", "run", "tflops", "parser", "heap_for", "entry"]
 
 COLUMNS = ["TileScale", "collective + cuBLAS", "async-TP", "matmul alone", "stock TileLang"]
 HEADERS = (["m_local", "M x N x K", "plan"] + [f"{c} TFLOP/s" for c in COLUMNS]
@@ -60,13 +62,17 @@ def tflops(flops: float, milliseconds: float) -> float:
     return flops / (milliseconds * 1e-3) / 1e12
 
 
-def heap_for(op: str, world: int, m_local: int, k: int, n: int, dtype) -> int:
-    """Symmetric heap per rank for one op object of this size, plus 64 MiB of slack."""
+def _op_class(op: str):
     import importlib
 
-    mod = importlib.import_module(f"tilescale_examples.overlap.{OPS[op][1]}")
-    size = mod.heap_bytes(world, m_local, k, dtype) if op == "ag_gemm" else mod.heap_bytes(world, m_local, n, dtype)
-    return size + (64 << 20)
+    return getattr(importlib.import_module(f"tilescale_examples.overlap.{OPS[op][1]}"), OPS[op][2])
+
+
+def heap_for(op: str, world: int, m_local: int, k: int, n: int, dtype, device=None) -> int:
+    """Symmetric heap per rank for one op object of this size: what its constructor allocates
+    (the class's ``heap_bytes``, a dry run on ``device``'s SM count), plus the collectives'
+    :data:`~tilescale_examples.benchmarks._collectives.HEAP_SLACK`."""
+    return _op_class(op).heap_bytes(m_local, k, n, dtype, world_size=world, device=device) + HEAP_SLACK
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -91,8 +97,7 @@ def reference(op: str, rank: int, world: int, m_local: int, k: int, n: int, dtyp
     if op == "ag_gemm":
         from tilescale_examples.overlap.ag_gemm import torch_reference
 
-        shards = [rank_inputs(op, p, world, m_local, k, n, dtype, device)[0] for p in range(world)]
-        return torch_reference(shards, rank_inputs(op, rank, world, m_local, k, n, dtype, device)[1]), None
+        return torch_reference([rank_inputs(op, p, world, m_local, k, n, dtype, device) for p in range(world)], rank), None
     rows = slice(rank * m_local, (rank + 1) * m_local)
     ref = rounded = None
     for p in range(world):  # one rank's inputs at a time: a is world * m_local rows
@@ -200,8 +205,6 @@ class _Columns:
 
 def _measure_size(op, rank, world, group, device, m_local, args):
     """``(row, failures)`` for one ``m_local`` (every rank makes the same collectives)."""
-    import importlib
-
     import tilelang
     import torch
     import torch.distributed as dist
@@ -210,11 +213,10 @@ def _measure_size(op, rank, world, group, device, m_local, args):
     from tilescale_examples.overlap.stream_ops import log
 
     dtype = getattr(torch, args.dtype)
-    title, module, cls_name = OPS[op][:3]
-    cls = getattr(importlib.import_module(f"tilescale_examples.overlap.{module}"), cls_name)
-    alloc = tilelang.get_allocator(size=heap_for(op, world, m_local, args.k, args.n, dtype), device=device,
+    title = OPS[op][0]
+    alloc = tilelang.get_allocator(size=heap_for(op, world, m_local, args.k, args.n, dtype, device), device=device,
                                    is_distributed=True, local_rank=rank, num_local_ranks=world, group=group)
-    obj = cls(alloc, m_local, args.k, args.n, dtype, group=group)
+    obj = _op_class(op)(alloc, m_local, args.k, args.n, dtype, group=group)
     cols = _Columns(op, rank, world, group, device, m_local, args.k, args.n, dtype, obj)
     calls = {"TileScale": cols.tilescale, "collective + cuBLAS": cols.collective_cublas,
              "async-TP": cols.async_tp, "matmul alone": cols.matmul_alone, "stock TileLang": cols.stock_tilelang}
@@ -236,8 +238,8 @@ def _measure_size(op, rank, world, group, device, m_local, args):
             out = fn()
             torch.cuda.synchronize(device)
         bad[name] = cols.check(name, out)
-    times = interleaved_ms({name: fn for name, fn in calls.items() if name not in notes},
-                           args.iters, args.rounds, group, device)
+    times = _timing.interleaved_ms({name: fn for name, fn in calls.items() if name not in notes},
+                                   args.iters, args.rounds, group, device)
     for name, note in notes.items():
         if rank == 0:
             log.warning("%s m_local=%d: %s n/a: %s", title, m_local, name, note)
@@ -258,20 +260,6 @@ def _measure_size(op, rank, world, group, device, m_local, args):
     dist.barrier(group=group)
     alloc.close()
     return row, int(flag.item()), notes
-
-
-def interleaved_ms(calls: dict, iters: int, rounds: int, group, device) -> dict:
-    """Milliseconds per call of each of ``calls`` (name -> fn): ``rounds`` rounds that time
-    every column in turn (``iters`` back-to-back calls each, :func:`time_ms`), the median
-    round per column, so that a drift of the GPU's clocks during the run reaches every
-    column alike instead of the one that happened to run then."""
-    import statistics
-
-    samples = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, fn in calls.items():
-            samples[name].append(time_ms(fn, iters, group, device))
-    return {name: statistics.median(ms) for name, ms in samples.items()}
 
 
 def _gather_names(names, group):
@@ -301,10 +289,10 @@ def _run_op(rank, world, group, device, op, args):
     return run(op, rank, world, group, device, args)
 
 
-def parser(op: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m tilescale_examples.benchmarks.{op}",
-                                description=f"{OPS[op][0]}: TileScale's {OPS[op][2]} against the collective + "
-                                            "cuBLAS, torch async-TP, matmul alone and stock TileLang, same run.")
+def parser(op: str):
+    """The benchmark's command line (``--out DIR`` included, :func:`_harness.parser`)."""
+    p = _harness.parser(op, f"{OPS[op][0]}: TileScale's {OPS[op][2]} against the collective + cuBLAS, torch "
+                            "async-TP, matmul alone and stock TileLang, same run.")
     p.add_argument("--ranks", type=int, default=2, help="ranks to spawn (ignored under tilescale-run)")
     p.add_argument("--m-local", default="1024,2048,4096,8192", help="comma-separated rows per rank (a subset)")
     p.add_argument("--k", type=int, default=8192)
@@ -331,7 +319,7 @@ def title(op: str, world: int, backend: str, gpus: int, args) -> str:
 def main(op: str, argv=None) -> int:
     """0 when every check passed (or there is no GPU to measure on), 1 otherwise."""
     p = parser(op)
-    args = p.parse_args(argv)
+    args = _harness.parse_args(p, argv)
     if args.ranks < 1:
         p.error("--ranks must be >= 1")
     try:
@@ -354,7 +342,7 @@ def main(op: str, argv=None) -> int:
     if gpus == 0:
         print(f"{OPS[op][0]} benchmark: no CUDA GPU visible, nothing to measure")
         return 0
-    result, backend, world = run_on_ranks(_run_op, args.ranks, op, args)
+    result, backend, world = _harness.run_on_ranks(_run_op, args.ranks, op, args)
     if result is None:
         return 0
     rows, failures, notes = result

@@ -2,15 +2,24 @@
 
 Every benchmark prints one table whose last column(s) compare a TileScale measurement with a
 baseline measured in the same run (torch, NCCL or cuBLAS).
+
+Every table goes through :func:`print_table`. After :func:`save_tables` (what a benchmark's
+``--out DIR`` does, see :func:`tilescale_examples.benchmarks._harness.parse_args`) it also
+saves each table it prints into that directory
+(:func:`~tilescale_examples.benchmarks._export.export_table`: ``<name>.csv``, ``<name>.json``
+and, with matplotlib, the chart ``<name>.png``), named after the benchmark: ``putget``, then
+``putget_2``, ``putget_3`` for its later tables (the names of the published samples).
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["format_bytes", "gb_per_s", "ratio", "format_table", "print_table", "size_sweep"]
+__all__ = ["format_bytes", "gb_per_s", "ratio", "format_table", "print_table", "size_sweep", "save_tables",
+           "table_name"]
 
 
 def format_bytes(nbytes: int) -> str:
@@ -67,10 +76,47 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+class _Saving:
+    """Where :func:`print_table` saves its tables (``out_dir`` None: nowhere), the benchmark
+    they are named after and how many it has saved."""
+
+    out_dir: Path | None = None
+    benchmark: str = ""
+    count: int = 0
+
+
+def save_tables(out_dir: str | Path | None, benchmark: str = "") -> None:
+    """From now on, :func:`print_table` also saves every table it prints into ``out_dir``
+    (None: stops saving), as :func:`table_name` of ``benchmark``; the count starts again."""
+    if out_dir is not None and not benchmark:
+        raise ValueError("save_tables needs the benchmark's name (the tables' file names)")
+    _Saving.out_dir = None if out_dir is None else Path(out_dir)
+    _Saving.benchmark, _Saving.count = benchmark, 0
+
+
+def table_name(benchmark: str, index: int) -> str:
+    """The file stem of a benchmark's ``index``-th table (1-based): ``benchmark`` for the
+    first, ``benchmark_<index>`` after it."""
+    if index < 1:
+        raise ValueError(f"index must be >= 1, got {index}")
+    return benchmark if index == 1 else f"{benchmark}_{index}"
+
+
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]],
-                file: TextIO | None = None) -> None:
-    """Print ``title`` and the table to ``file`` (stdout by default), then flush."""
+                file: TextIO | None = None) -> list[Path]:
+    """Print ``title`` and the table to ``file`` (stdout by default), then flush. After
+    :func:`save_tables`, also save it (CSV, JSON, PNG) and say where in one line; returns
+    the paths saved (none without :func:`save_tables`)."""
     out = file or sys.stdout
     print(f"\n== {title}", file=out)
     print(format_table(headers, rows), file=out)
+    paths: list[Path] = []
+    if _Saving.out_dir is not None:
+        from tilescale_examples.benchmarks._export import export_table
+
+        _Saving.count += 1
+        name = table_name(_Saving.benchmark, _Saving.count)
+        paths = export_table(_Saving.out_dir, name, title, headers, rows)
+        print(f"saved: {', '.join(p.name for p in paths)} in {_Saving.out_dir}", file=out)
     out.flush()
+    return paths

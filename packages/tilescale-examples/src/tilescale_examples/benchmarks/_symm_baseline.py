@@ -120,9 +120,9 @@ class SymmBaseline:
                 graph_time: Callable | None = None) -> SymmTimes:
         """:class:`SymmTimes` of every op whose result ``match(result, expect)`` on a symmetric
         copy of ``x`` (this rank's flat input): ``time_ms(call, iters, group, device)``
-        milliseconds per back-to-back call, and with ``graph_time`` (``graph_time(call) ->
-        (milliseconds per call, graph, last captured result)``, e.g. ``collectives.
-        graph_ms_per_call``) per call replayed from a CUDA graph, the result checked again
+        milliseconds per back-to-back call (``_timing.time_ms``), and with ``graph_time``
+        (``graph_time(call) -> (milliseconds per call, graph, last captured result)``, e.g.
+        ``_timing.graph_ms_per_call``) per call replayed from a CUDA graph, the result checked again
         after the replays (not for the in-place op, whose replays sum their own output).
         Every rank must call it with the same sizes (rendezvous is collective)."""
         import torch

@@ -1,7 +1,7 @@
 """All-gather bus bandwidth: the put_block all-gather against torch.distributed, same run.
 
 ``python -m tilescale_examples.benchmarks.allgather [--ranks 4] [--min-bytes 4096]
-[--max-bytes 1073741824] [--iters 20] [--dtype float16] [--engine auto|sm|copy]`` spawns the ranks itself (one per
+[--max-bytes 1073741824] [--iters 20] [--dtype float16] [--algorithm auto|sm|copy] [--out DIR]`` spawns the ranks itself (one per
 GPU with an NCCL group when there are enough GPUs, else sharing the GPUs with a gloo group);
 under ``tilescale-run -n 4 [--share-gpus] -m tilescale_examples.benchmarks.allgather`` it
 uses the launcher's ranks and ``init_dist``'s group instead.
@@ -10,7 +10,7 @@ For every output size S (4 KiB .. 1 GiB by 4x; shard = S / ranks) it builds an
 :class:`~tilescale_examples.collectives.allgather.AllGather`, checks its output once against the
 baseline's (bit-exact), then times back-to-back calls of both:
 
-* TileScale: ``AllGather.__call__`` with ``--engine`` (default ``auto``: the put_block kernel
+* TileScale: ``AllGather.__call__`` with ``--algorithm`` (or ``--engine``; default ``auto``: the put_block kernel
   below :data:`~tilescale_examples.collectives.allgather.COPY_ENGINE_MIN_BYTES`, copy engines through the
   peer mapping from there; the grid column says ``copy engine`` for those rows; no host
   synchronisation between calls either way);
@@ -20,10 +20,10 @@ baseline's (bit-exact), then times back-to-back calls of both:
   says which one ran).
 
 Bus bandwidth as nccl-tests define it for all-gather: ``busbw = (n - 1) / n * S / t``. The
-shared machinery is :mod:`tilescale_examples.benchmarks._collectives`.
+shared machinery is :mod:`tilescale_examples.benchmarks._collective_cli`.
 """
 
-from tilescale_examples.benchmarks._collectives import entry
+from tilescale_examples.benchmarks._collective_cli import entry
 
 __all__ = ["main", "run", "bus_bandwidth"]
 

@@ -14,10 +14,10 @@ works in place). With one GPU per rank it also times TileScale on its own symmet
 buffer against torch symmetric memory's one-shot / two-shot all-reduce on a ``symm_mem``
 buffer (:mod:`tilescale_examples.benchmarks._symm_baseline`). Bus bandwidth as nccl-tests
 define it for all-reduce: ``busbw = 2 (n - 1) / n * S / t``. The shared machinery is
-:mod:`tilescale_examples.benchmarks._collectives`.
+:mod:`tilescale_examples.benchmarks._collective_cli`.
 """
 
-from tilescale_examples.benchmarks._collectives import entry
+from tilescale_examples.benchmarks._collective_cli import entry
 
 __all__ = ["main", "run", "bus_bandwidth"]
 

@@ -13,10 +13,10 @@ of every input and a selection of row ``rank`` (whichever the backend runs first
 the title). Gloo runs when ranks share a GPU: time-sliced, not a bandwidth measurement.
 
 Bus bandwidth as nccl-tests define it for all-to-all: ``busbw = (n - 1) / n * S / t``. The
-shared machinery is :mod:`tilescale_examples.benchmarks._collectives`.
+shared machinery is :mod:`tilescale_examples.benchmarks._collective_cli`.
 """
 
-from tilescale_examples.benchmarks._collectives import entry
+from tilescale_examples.benchmarks._collective_cli import entry
 
 __all__ = ["main", "run", "bus_bandwidth"]
 

@@ -3,7 +3,7 @@
 ``python -m tilescale_examples.benchmarks.emulated [--ranks 2 4 8] [--min-bytes 4096]
 [--max-bytes 1073741824] [--dtype float16] [--ops allreduce reducescatter]
 [--algorithm auto|one_shot|two_shot] [--iters 50] [--threads 512] [--unroll U]
-[--max-blocks B] [--no-graph]``
+[--max-blocks B] [--no-graph] [--out DIR]``
 
 One process, no process group: ``N`` emulated ranks are ``N`` regions of one device buffer
 (:mod:`tilescale_examples.testing.emulated`), and their metadata tables map PE ``p`` to region ``p``,
@@ -18,7 +18,7 @@ the rank-order reference (a failure is printed and makes the exit status 1), the
 each rank's kernel: ``--iters`` back-to-back launches (inputs already in the symmetric
 buffers, so the kernel is all that runs) between two CUDA events, enqueued behind a stream
 hold so that the host's launch cost is not counted
-(:mod:`tilescale_examples.benchmarks._gpu_time`), divided by the launch count. ``GB/s`` counts the bytes one rank's kernel reads plus writes:
+(:func:`~tilescale_examples.benchmarks._timing.held_ms_per_launch`), divided by the launch count. ``GB/s`` counts the bytes one rank's kernel reads plus writes:
 one-shot reads ``N`` rows per output row and writes one; two-shot reads ``N`` rows of its shard
 and writes the result to ``N`` ranks; reduce-scatter reads ``N`` rows per output row and writes
 one. The baseline is torch's device-to-device ``copy_`` moving the same number of bytes (half
@@ -51,15 +51,14 @@ The goals (printed at the end): from 16 MiB up, ratio >= 0.9; a 4 KiB all-reduce
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import functools
 import os
 import statistics
 
+from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import format_bytes, gb_per_s, print_table, ratio, size_sweep
 
-__all__ = ["build", "fill_inputs", "expected", "check_round", "bytes_moved", "time_kernels", "copy_ms",
+__all__ = ["build", "fill_inputs", "expected", "check_round", "bytes_moved", "time_kernels", "copy_fn", "copy_ms",
            "preset_flags", "graph_inputs", "time_graph", "run", "main", "HEADERS", "SMALL_BYTES", "LARGE_BYTES"]
 
 HEADERS = ["ranks", "size", "op", "blocks", "kernel us", "graph us", "moved", "GB/s", "copy GB/s", "ratio",
@@ -70,10 +69,10 @@ DTYPES = ("float16", "bfloat16", "float32")
 
 
 def shape_of(op: str, nbytes: int, ranks: int, itemsize: int) -> tuple:
-    """The collective's shape argument: the tensor (all-reduce) or one output shard
-    (reduce-scatter, ``size / ranks`` bytes)."""
+    """The collective's shape argument: the tensor (all-reduce) or its ``(ranks, shard)``
+    input (reduce-scatter, shards of ``size / ranks`` bytes)."""
     per = nbytes // itemsize if op == "allreduce" else nbytes // ranks // itemsize
-    return (max(1, per),)
+    return (max(1, per),) if op == "allreduce" else (ranks, max(1, per))
 
 
 def build(op: str, algorithm: str, ranks: int, nbytes: int, dtype, device, max_blocks=None,
@@ -95,7 +94,7 @@ def build(op: str, algorithm: str, ranks: int, nbytes: int, dtype, device, max_b
         mode = choose_algorithm(shape[0] * itemsize, ranks) if algorithm == "auto" else algorithm
     else:
         mode = "reduce_scatter"
-    plan = plan_grid(mode, shape[0], itemsize, ranks, threads, unroll, max_blocks)
+    plan = plan_grid(mode, shape[-1], itemsize, ranks, threads, unroll, max_blocks)
     kw = dict(max_blocks=max_blocks, threads=threads, unroll=unroll)
     stages = 1 if mode == "two_shot" else 2
     region = stages * (plan.stage_rows * 16 + ALIGNMENT) + plan.flag_words * 8 + 2 * ALIGNMENT
@@ -151,11 +150,9 @@ def check_round(op: str, colls, seed: int) -> list:
 
 def _poison_outputs(colls) -> None:
     """Poison every rank's output, except where it is the input buffer (two-shot)."""
-    from tilescale_examples.benchmarks._collectives import poison_
-
     for c in colls:
         if c.mode != "two_shot":
-            poison_(c.output)
+            _timing.poison_(c.output)
 
 
 def _compare(op: str, outs, want, what: str = "") -> list:
@@ -183,15 +180,13 @@ def bytes_moved(coll) -> int:
 def time_kernels(colls, iters: int) -> float:
     """Milliseconds of GPU time of one rank's kernel: for every emulated rank, ``iters``
     back-to-back calls (inputs already staged, every flag preset so that waits pass) timed as
-    one stretch behind a stream hold (:func:`~tilescale_examples.benchmarks._gpu_time.gpu_ms_per_launch`:
+    one stretch behind a stream hold (:func:`~tilescale_examples.benchmarks._timing.held_ms_per_launch`:
     the host's launch cost is not counted); the mean over ranks."""
-    from tilescale_examples.benchmarks._gpu_time import gpu_ms_per_launch
-
     per_rank = []
     for c in colls:
         preset_flags(colls)  # a peer's earlier calls set its flag words to its (smaller) epochs
         c.bind_table()  # stream-ordered, before the hold; the calls below keep this table
-        per_rank.append(gpu_ms_per_launch(lambda: c(c.input), iters, c.device))
+        per_rank.append(_timing.held_ms_per_launch(lambda: c(c.input), iters, c.device))
     return statistics.fmean(per_rank)
 
 
@@ -228,12 +223,9 @@ def time_graph(op: str, colls, iters: int, seed: int) -> tuple:
     on :func:`graph_inputs`, after one fill presetting every rank's flags, as an eager round
     does: the calls set them to their call numbers) captured in a CUDA graph
     and replayed ``iters`` times behind a stream hold
-    (:func:`~tilescale_examples.benchmarks._collectives.graph_ms_per_call`), divided by the
+    (:func:`~tilescale_examples.benchmarks._timing.graph_ms_per_call`), divided by the
     ranks; then one more replay on restaged inputs and poisoned outputs, checked against
     :func:`expected` (failure messages, empty when every rank matches)."""
-    from tilescale_examples.benchmarks._collectives import graph_ms_per_call
-    from tilescale_examples.benchmarks._gpu_time import gpu_ms_per_launch
-
     xs = [x.clone() for x in fill_inputs(colls, seed)]
     ins = graph_inputs(colls, xs)
 
@@ -241,8 +233,9 @@ def time_graph(op: str, colls, iters: int, seed: int) -> tuple:
         preset_flags(colls)
         return [c(x) for c, x in zip(colls, ins)]
 
-    timer = functools.partial(gpu_ms_per_launch, device=colls[0].device)
-    ms, graph, outs = graph_ms_per_call(round_, 1, iters, timer)
+    device = colls[0].device
+    ms, graph, outs = _timing.graph_ms_per_call(round_, 1, iters,
+                                                lambda replay, n: _timing.held_ms_per_launch(replay, n, device))
     for c, x, i in zip(colls, xs, ins):
         if i is not x:
             i.copy_(x)  # two-shot: the replays left sums of sums in the input buffers
@@ -251,15 +244,12 @@ def time_graph(op: str, colls, iters: int, seed: int) -> tuple:
     return ms / len(colls), _compare(op, outs, expected(op, xs), " graph")
 
 
-def copy_ms(nbytes: int, iters: int, device, sources: int = 1) -> float:
-    """Milliseconds of GPU time of torch's device-to-device ``copy_`` of ``nbytes`` bytes,
-    measured like :func:`time_kernels` (``iters`` back-to-back copies behind a stream hold).
-    ``sources`` > 1: consecutive copies read ``sources`` different source buffers in turn
-    (into one destination), the memory footprint of a kernel that alternates between that
-    many staging buffers."""
+def copy_fn(nbytes: int, device, sources: int = 1):
+    """A function that makes torch's device-to-device ``copy_`` of ``nbytes`` bytes; with
+    ``sources`` > 1, consecutive calls read ``sources`` different source buffers in turn (into
+    one destination), the memory footprint of a kernel that alternates between that many
+    staging buffers."""
     import torch
-
-    from tilescale_examples.benchmarks._gpu_time import gpu_ms_per_launch
 
     if sources < 1:
         raise ValueError(f"sources must be >= 1, got {sources}")
@@ -271,8 +261,16 @@ def copy_ms(nbytes: int, iters: int, device, sources: int = 1) -> float:
         turn[0] = (turn[0] + 1) % sources
         dst.copy_(srcs[turn[0]])
 
+    return copy
+
+
+def copy_ms(nbytes: int, iters: int, device, sources: int = 1) -> float:
+    """Milliseconds of GPU time of :func:`copy_fn` (``sources`` as there), measured like
+    :func:`time_kernels` (``iters`` back-to-back copies behind a stream hold, after one
+    warm-up copy)."""
+    copy = copy_fn(nbytes, device, sources)
     copy()
-    return gpu_ms_per_launch(copy, iters, device)
+    return _timing.held_ms_per_launch(copy, iters, device)
 
 
 def iters_for(nbytes: int, iters: int) -> int:
@@ -342,8 +340,7 @@ def run(args, device) -> tuple:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tilescale_examples.benchmarks.emulated",
-                                description=__doc__.splitlines()[0])
+    p = _harness.parser("emulated", __doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8], help="emulated world sizes")
     p.add_argument("--ops", nargs="+", default=["allreduce", "reducescatter"], choices=["allreduce", "reducescatter"])
     p.add_argument("--algorithm", default="auto", choices=["auto", "one_shot", "two_shot"], help="all-reduce algorithm")
@@ -357,7 +354,7 @@ def main(argv=None) -> int:
                    help="grid limit (default: the SM count; larger grids are safe here only: emulated waits pass at once)")
     p.add_argument("--no-graph", dest="graph", action="store_false",
                    help="skip the graph column (one round captured in a CUDA graph, replayed)")
-    args = p.parse_args(argv)
+    args = _harness.parse_args(p, argv)
     if any(n < 1 or n > 64 for n in args.ranks):
         p.error("--ranks must be in [1, 64]")
     if not 0 < args.min_bytes <= args.max_bytes:

@@ -1,20 +1,21 @@
 """GPU barrier latency: the one-word layout (upstream's ``T.Tensor([1], T.uint32)``) against
 the two-word layout, in the same run.
 
-``python -m tilescale_examples.benchmarks.gpu_barrier [--blocks N] [--iters K]``
+``python -m tilescale_examples.benchmarks.gpu_barrier [--blocks N] [--iters K] [--reps R] [--out DIR]``
 
 One kernel per layout runs ``K`` ``T.sync_barrier_gpu`` generations over ``N`` co-resident
-blocks (default: one per SM); the table gives microseconds per barrier (kernel time / K) and
-the ratio one-word / two-word (below 1: the one-word form is faster).  Each run is checked:
-every block stamps its generation before the barrier and checks every other block's stamp
-after it.
+blocks (default: one per SM); the table gives microseconds per barrier (kernel time / K, the
+median of ``R`` launches after one untimed launch, each launch on an idle GPU with its stamps
+zeroed; ``tilescale_host.bench.do_bench``) and the ratio one-word / two-word (below 1: the
+one-word form is faster).  Each run is checked: every block stamps its generation before the
+barrier and checks every other block's stamp after it.
 """
 
 # (no `from __future__ import annotations`: TileLang reads the kernels' annotations)
 
-import argparse
-import statistics
+from tilescale_host.bench import do_bench
 
+from tilescale_examples.benchmarks import _harness
 from tilescale_examples.benchmarks._report import print_table, ratio
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -47,11 +48,11 @@ def main(argv=None) -> int:
     import tilelang
     import torch
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = _harness.parser("gpu_barrier", __doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=0, help="blocks (default: the SM count; must be co-resident)")
     p.add_argument("--iters", type=int, default=10000)
     p.add_argument("--reps", type=int, default=10)
-    args = p.parse_args(argv)
+    args = _harness.parse_args(p, argv)
     blocks = args.blocks or torch.cuda.get_device_properties(0).multi_processor_count
     rows, ok = [], True
     times = {}
@@ -60,17 +61,10 @@ def main(argv=None) -> int:
         bar = torch.zeros(words, dtype=torch.uint32, device="cuda")
         slots = torch.zeros(blocks, dtype=torch.int32, device="cuda")
         err = torch.zeros(1, dtype=torch.int32, device="cuda")
-        samples = []
-        for _ in range(args.reps):
-            slots.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            k(bar, slots, err, args.iters)
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1000 / args.iters)
+        ms = do_bench(lambda: k(bar, slots, err, args.iters), 1, args.reps, flush_l2=False, group="local",
+                      before=lambda: (slots.zero_(), torch.cuda.synchronize()))
         ok &= int(err.item()) == 0
-        times[words] = statistics.median(samples)
+        times[words] = ms * 1000 / args.iters
     rows.append([blocks, args.iters, times[1], times[2], ratio(times[1], times[2])])
     print_table("GPU barrier: microseconds per generation (median of runs)",
                 ["blocks", "generations", "one word us", "two words us", "one/two"], rows)

@@ -5,43 +5,60 @@ Run ``python -m tilescale_examples.benchmarks.heap`` on a GPU machine.  For each
 fewer GPUs than ranks, over a gloo group) it measures:
 
 * time-to-ready: wall time of ``tilelang.get_allocator(size=1 GiB, ...)`` on every rank
-  (the slowest rank counts; median of ``--repeats`` after one small warm-up heap), against
-  ``cudaMalloc`` of the same size measured in the same processes;
+  (the slowest rank counts; median of ``--repeats`` after one small warm-up heap; the ranks
+  start each heap together), against ``cudaMalloc`` of the same size measured in the same
+  processes;
 * ``tilelang.tensor`` latency on the initialised heap (µs per call, with and without
   ``return_peers``), against ``torch.empty`` of the same shape on the same device.
 
 Without a GPU (or with ``--host``) it measures what a CPU can: the ``tilelang.tensor`` latency
 on a one-rank heap over host memory (the same Python path) against CPU ``torch.empty``.
+
+Every time is ``tilescale_host.bench``'s host clock: ``time.perf_counter`` from an idle GPU to
+the end of the calls' GPU work (one ``torch.cuda.synchronize`` before and one after the timed
+calls, nothing to wait for where CUDA is not in use), the slowest rank's for the heaps and
+cudaMalloc (``do_bench(clock="host")``), this rank's mean over ``--calls`` calls after one
+warm-up call for the latencies (``perf_fn(clock="host")``).
+
+``python -m tilescale_examples.benchmarks.heap [--size BYTES] [--ranks 1,2,4] [--paths ipc,vmm]
+[--repeats 3] [--calls 2000] [--host] [--out DIR]``
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
-import time
 
+from tilescale_host.bench import do_bench, perf_fn
+
+from tilescale_examples.benchmarks import _harness
 from tilescale_examples.benchmarks._report import format_bytes, print_table, ratio
 
-__all__ = ["bench_rank", "main"]
+__all__ = ["bench_rank", "host_tensor_latency", "main"]
 
 
-def _timed(fn) -> float:
-    """Seconds taken by ``fn()``."""
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def _slowest_median_ms(make, free, repeats: int, before=None) -> float:
+    """Median over ``repeats`` calls of ``make()`` of the slowest rank's host milliseconds
+    (``do_bench(clock="host")``); ``free(x)`` releases what a call made, outside the timed
+    interval (before the next call, and after the last); ``before()`` runs first before each
+    call, also outside it."""
+    made = []
 
+    def prepare():
+        while made:
+            free(made.pop())
+        if before is not None:
+            before()
 
-def _slowest(value: float) -> float:
-    import torch.distributed as dist
-
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return max(values)
+    try:
+        return do_bench(lambda: made.append(make()), 0, repeats, clock="host", before=prepare)
+    finally:
+        while made:
+            free(made.pop())
 
 
 def _time_to_ready(rank, world_size, size, use_vmm, repeats):
+    """``(path, ms)``: the heap's memory path and the median of the slowest rank's time to
+    make a heap of ``size`` bytes, every rank starting each together."""
     import torch.distributed as dist
 
     import tilelang
@@ -52,41 +69,30 @@ def _time_to_ready(rank, world_size, size, use_vmm, repeats):
         )
 
     make(1 << 20).close()  # warm-up: driver IPC/VMM state, socket paths, gloo buffers
-    samples, path = [], None
-    for _ in range(repeats):
-        dist.barrier()
-        box = []
-        elapsed = _timed(lambda: box.append(make(size)))
-        samples.append(_slowest(elapsed))
-        path = box[0].path
-        box[0].close()
-    return path, statistics.median(samples)
+    paths = []
+
+    def close(heap):
+        paths.append(heap.path)
+        heap.close()
+
+    ms = _slowest_median_ms(lambda: make(size), close, repeats, before=dist.barrier)
+    return paths[-1], ms
 
 
 def _cuda_malloc_time(size, repeats):
+    """Median of the slowest rank's milliseconds of a ``cudaMalloc`` of ``size`` bytes."""
     import torch
 
-    from tilescale_core import _driver, _ipc
+    from tilescale_core import driver, ipc
 
-    _driver.ensure_context(torch.cuda.current_device())
-    samples = []
-    for _ in range(repeats):
-        box = []
-        samples.append(_slowest(_timed(lambda: box.append(_ipc.malloc(size)))))
-        _ipc.free(box[0])
-    return statistics.median(samples)
+    driver.ensure_context(torch.cuda.current_device())
+    return _slowest_median_ms(lambda: ipc.malloc(size), ipc.free, repeats)
 
 
-def _per_call_us(fn, calls, cuda: bool = True):
-    import torch
-
-    fn()  # warm-up
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e6
+def _per_call_us(fn, calls):
+    """This rank's host microseconds per call of ``fn``: ``calls`` calls after one warm-up
+    (``perf_fn(clock="host")``)."""
+    return perf_fn(fn, 1, calls, clock="host", group="local")[1] * 1e3
 
 
 def _tensor_latency(rank, world_size, use_vmm, calls, shape):
@@ -118,10 +124,10 @@ def host_tensor_latency(calls: int, shape=(1024,)) -> tuple[float, float]:
     nbytes = 256 * (calls + 4) + 4 * shape[0] * (calls + 4)
     heap = BaseAllocator(nbytes, device="cpu", is_distributed=False, backend=HostBackend())
     try:
-        plain = _per_call_us(lambda: tilelang.tensor(shape, "float32", allocator=heap), calls, cuda=False)
+        plain = _per_call_us(lambda: tilelang.tensor(shape, "float32", allocator=heap), calls)
     finally:
         heap.close()
-    return plain, _per_call_us(lambda: torch.empty(shape, dtype=torch.float32), calls, cuda=False)
+    return plain, _per_call_us(lambda: torch.empty(shape, dtype=torch.float32), calls)
 
 
 def bench_rank(rank: int, world_size: int, use_vmm: bool, size: int, repeats: int, calls: int) -> dict:
@@ -136,19 +142,19 @@ def bench_rank(rank: int, world_size: int, use_vmm: bool, size: int, repeats: in
     path, ready = _time_to_ready(rank, world_size, size, use_vmm, repeats)
     malloc = _cuda_malloc_time(size, repeats)
     plain, peers, empty = _tensor_latency(rank, world_size, use_vmm, calls, (1024,))
-    return {"path": path, "ready_s": ready, "malloc_s": malloc, "tensor_us": plain, "peers_us": peers, "empty_us": empty}
+    return {"path": path, "ready_ms": ready, "malloc_ms": malloc, "tensor_us": plain, "peers_us": peers, "empty_us": empty}
 
 
 def main(argv=None) -> int:
     """Parse arguments, run every (path, ranks) case, print two tables."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _harness.parser("heap", __doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=1 << 30, help="heap bytes per rank (default 1 GiB)")
     parser.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts")
     parser.add_argument("--paths", default="ipc,vmm", help="ipc and/or vmm")
     parser.add_argument("--repeats", type=int, default=3, help="heaps timed per case (median)")
     parser.add_argument("--calls", type=int, default=2000, help="tilelang.tensor calls timed per case")
     parser.add_argument("--host", action="store_true", help="only the host-memory tensor latency (also the default without a GPU)")
-    args = parser.parse_args(argv)
+    args = _harness.parse_args(parser, argv)
 
     import torch
 
@@ -173,7 +179,7 @@ def main(argv=None) -> int:
                 print(f"{label} x{n}: failed: {type(exc).__name__}: {str(exc)[-1500:]}")
                 continue
             ready_rows.append(
-                [r["path"], n, r["ready_s"] * 1e3, r["malloc_s"] * 1e3, ratio(r["ready_s"], r["malloc_s"])]
+                [r["path"], n, r["ready_ms"], r["malloc_ms"], ratio(r["ready_ms"], r["malloc_ms"])]
             )
             tensor_rows.append(
                 [r["path"], n, r["tensor_us"], r["peers_us"], r["empty_us"], ratio(r["tensor_us"], r["empty_us"])]

@@ -3,7 +3,7 @@ measured in the same run.
 
 ``python -m tilescale_examples.benchmarks.moe [--ranks N] [--tokens 4096,128]
 [--hidden 7168] [--experts 64] [--topk 8] [--routing uniform,skewed] [--iters 50]
-[--dtype bfloat16] [--no-graph]`` (or under ``tilescale-run -n N -m ...``). ``--ranks``
+[--dtype bfloat16] [--no-graph] [--out DIR]`` (or under ``tilescale-run -n N -m ...``). ``--ranks``
 defaults to the number of visible GPUs (one rank per GPU, NCCL); more ranks than GPUs share
 them (gloo, time-sliced: not a performance measurement, the title says so).
 
@@ -44,7 +44,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from tilescale_examples.benchmarks._collectives import run_on_ranks, time_ms
+from tilescale_examples.benchmarks import _harness
+from tilescale_examples.benchmarks._timing import time_ms
 from tilescale_examples.benchmarks._report import gb_per_s, print_table, ratio
 
 __all__ = ["TorchAllToAllMoE", "make_routing", "graph_ms", "add_shape_arguments", "check_shape_arguments",
@@ -219,7 +220,7 @@ def run(rank: int, world: int, group, device, args) -> list | None:
 
 def graph_ms(fn, iters: int, group, device) -> float:
     """Milliseconds per replay of ``fn`` captured in a CUDA graph (after one eager call),
-    timed like :func:`~tilescale_examples.benchmarks._collectives.time_ms`."""
+    timed like :func:`~tilescale_examples.benchmarks._timing.time_ms`."""
     import torch
 
     fn()
@@ -257,10 +258,9 @@ def check_shape_arguments(p: argparse.ArgumentParser, args) -> None:
         p.error("need 1 <= --topk <= min(8, --experts), --hidden a positive multiple of 8, --iters >= 1")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tilescale_examples.benchmarks.moe",
-                                description="MoE dispatch/combine: MoEDispatcher against the torch "
-                                            "all_to_all_single path, same run.")
+def _parser():
+    p = _harness.parser("moe", "MoE dispatch/combine: MoEDispatcher against the torch all_to_all_single path, "
+                               "same run.")
     p.add_argument("--ranks", type=int, default=None, help="ranks to spawn (default: visible GPUs; "
                                                            "ignored under tilescale-run)")
     add_shape_arguments(p, tokens="4096,128", routing="uniform,skewed")
@@ -274,7 +274,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """0 when every check passed (or there is no GPU to measure on), 1 otherwise."""
     p = _parser()
-    args = p.parse_args(argv)
+    args = _harness.parse_args(p, argv)
     check_shape_arguments(p, args)
     if args.ranks is not None and args.ranks < 1:
         p.error("--ranks must be >= 1")
@@ -294,7 +294,7 @@ def main(argv=None) -> int:
     ranks = args.ranks or gpus
     if args.experts % ranks:
         p.error(f"--experts={args.experts} must be a multiple of the rank count {ranks}")
-    result, backend, world = run_on_ranks(run, ranks, args)
+    result, backend, world = _harness.run_on_ranks(run, ranks, args)
     if result is None:
         return 0
     rows, failures = result

@@ -2,7 +2,7 @@
 the same bytes measured in the same run.
 
 ``python -m tilescale_examples.benchmarks.moe_phases [--ranks N] [--tokens 128,4096]
-[--hidden 7168] [--experts 64] [--topk 8] [--routing uniform] [--replays 20]``
+[--hidden 7168] [--experts 64] [--topk 8] [--routing uniform] [--replays 20] [--out DIR]``
 (or under ``tilescale-run -n N -m ...``; ``--ranks`` defaults to 1).
 
 For every token count each rank draws fresh tokens, indices and weights, then:
@@ -29,11 +29,10 @@ has; ``data issued`` - ``planned`` is the row stores. Exit status 1 when a check
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 
-from tilescale_examples.benchmarks._collectives import run_on_ranks
+from tilescale_examples.benchmarks import _harness
 from tilescale_examples.benchmarks.moe import add_shape_arguments, check_shape_arguments
 from tilescale_examples.benchmarks._report import print_table, ratio
 
@@ -161,10 +160,9 @@ def run(rank: int, world: int, group, device, args) -> list | None:
     return [rows, phase_rows, failures] if rank == 0 else None
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tilescale_examples.benchmarks.moe_phases",
-                                description="The MoE dispatch kernel's phases against a device copy of the "
-                                            "same bytes, same run.")
+def _parser():
+    p = _harness.parser("moe_phases", "The MoE dispatch kernel's phases against a device copy of the same bytes, "
+                                      "same run.")
     p.add_argument("--ranks", type=int, default=1, help="ranks to spawn (default 1; ignored under tilescale-run)")
     add_shape_arguments(p, tokens="128,4096", routing="uniform")
     p.add_argument("--replays", type=int, default=20, help="replays of the profiled call; the last one is shown")
@@ -174,7 +172,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """0 when every check passed (or there is no GPU to measure on), 1 otherwise."""
     p = _parser()
-    args = p.parse_args(argv)
+    args = _harness.parse_args(p, argv)
     check_shape_arguments(p, args)
     if args.replays < 1 or args.ranks < 1:
         p.error("--replays and --ranks must be >= 1")
@@ -186,7 +184,7 @@ def main(argv=None) -> int:
     if torch.cuda.device_count() == 0:
         print("MoE dispatch phases: no CUDA GPU visible, nothing to measure")
         return 0
-    result, backend, world = run_on_ranks(run, args.ranks, args)
+    result, backend, world = _harness.run_on_ranks(run, args.ranks, args)
     if result is None:
         return 0
     rows, phase_rows, failures = result

@@ -1,7 +1,7 @@
 """Put/get bandwidth through a peer mapping, and the call overhead of a distributed kernel.
 
 ``python -m tilescale_examples.benchmarks.putget [--ranks 1|2] [--max-bytes N] [--iters K]
-[--rounds R] [--direction both|one]``
+[--rounds R] [--direction both|one] [--out DIR]``
 
 * Bandwidth: ``T.put_warp`` / ``T.get_warp`` / ``T.put_block`` / ``T.get_block`` of S bytes
   (4 KiB .. 1 GiB) from this rank's heap to the peer's mapping of it (1 rank: peer = self,
@@ -11,21 +11,23 @@
   engine) and, with one GPU per rank and an NCCL group, NCCL ``send``/``recv``. Every rank
   sends at once (``--direction both``) or rank 0 alone (``one``). Bandwidth counts bytes read
   + written (2 S / t) for every column; goal: ratio >= 0.9 (>= 0.97 over NVLink) from 64 MiB
-  up. Each size is timed in ``--rounds`` rounds that take the columns in turn (each column's
-  time in a round: the median of ``--iters`` calls, a quarter of them from 64 MiB up, at least
-  5); a column's figure is its median round.
+  up. Each size is timed in ``--rounds`` rounds that take the columns in turn, every rank
+  starting each timing together (each column's time in a round: the median of ``--iters``
+  calls, each timed on its own from an idle GPU, a quarter of them from 64 MiB up, at least
+  5; :func:`~tilescale_examples.benchmarks._timing.local_rounds`); a column's figure is its
+  median round.
 * Call overhead: host time per launch of an initialised distributed kernel against a stock
   TileLang kernel with the same body, the two taking turns in five rounds of ``--calls``
-  launches (best round each; goal: ratio <= 1.05).
+  launches (best round each; goal: ratio <= 1.05;
+  :func:`~tilescale_examples.benchmarks._timing.host_us_rounds`). A round's time runs from an
+  idle GPU to the end of the launches' GPU work (one synchronisation before and one after).
 """
 
 # (no `from __future__ import annotations`: TileLang reads the kernels' annotations)
 
-import argparse
 import os
-import statistics
-import time
 
+from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import format_bytes, gb_per_s, print_table, ratio, size_sweep
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -106,64 +108,6 @@ def build_overhead(distributed: bool):
     return tiny_stock
 
 
-def _time_ms(fn, iters: int) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def time_columns(columns, rounds: int, iters: int, barrier=None, timer=_time_ms) -> dict:
-    """Milliseconds per call of every ``(name, fn)`` in ``columns``: ``rounds`` rounds, each
-    timing every column in turn (``timer(fn, iters)`` after ``barrier()``, when given; NaN for
-    a column whose ``fn`` is None, which this rank does not run but whose barriers it joins),
-    and per column the median over the rounds, so that a drift of the GPU's clocks during a
-    size's measurements reaches every column alike. Returns ``{name: ms}``."""
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
-    times = {name: [] for name, _ in columns}
-    for _ in range(rounds):
-        for name, fn in columns:
-            if barrier is not None:
-                barrier()
-            times[name].append(float("nan") if fn is None else timer(fn, iters))
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def _host_us(fns, calls: int, rounds: int = 5) -> list:
-    """Host microseconds per call of each function in ``fns`` (its best of ``rounds``
-    rounds of ``calls`` calls each, synchronised at the end). The functions take turns in
-    every round, the first one alternating, so that a drift of the host's speed during the
-    measurement (clock boost, another process) reaches all of them alike."""
-    import torch
-
-    for fn in fns:
-        for _ in range(100):
-            fn()
-    torch.cuda.synchronize()
-    best = [float("inf")] * len(fns)
-    for r in range(rounds):
-        order = list(range(len(fns)))
-        if r % 2:
-            order.reverse()
-        for i in order:
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fns[i]()
-            torch.cuda.synchronize()
-            best[i] = min(best[i], (time.perf_counter() - t0) / calls * 1e6)
-    return best
-
-
 # Work split measured best on the H200 (docs/benchmarks.md): warps each copy one contiguous
 # chunk; blocks take 64 KiB units round-robin (one contiguous chunk per block reached only
 # 0.77-0.80 of torch's copy at 1 GiB, units 0.93).
@@ -210,7 +154,7 @@ def run(rank: int, world: int, max_bytes: int, iters: int, calls: int, min_bytes
             columns = [(name, fn if sends else None) for name, fn in columns]
             if nccl:
                 columns.append(("nccl", _send_recv(A, B, n, rank, direction)))
-            timed = time_columns(columns, rounds, it, barrier=dist.barrier)  # every rank starts each measurement together
+            timed = _timing.local_rounds(columns, rounds, it)  # every rank starts each measurement together
             nccl_bw = gb_per_s(2 * nbytes, timed["nccl"]) if nccl else float("nan")
             ref_bw = gb_per_s(2 * nbytes, timed["copy_"]) if sends else float("nan")
             row = [format_bytes(nbytes), ref_bw, nccl_bw if nccl else "n/a"]
@@ -224,7 +168,7 @@ def run(rank: int, world: int, max_bytes: int, iters: int, calls: int, min_bytes
         tiny_b = tilelang.tensor((1024,), torch.int32, allocator=alloc)
         dist_k = tilelang.compile(build_overhead(True), target=TARGET, compile_once=True, compile_group=dist.group.WORLD).initialize(allocator=alloc)
         stock_k = tilelang.compile(build_overhead(False), target=TARGET)
-        dist_us, stock_us = _host_us([lambda: dist_k(tiny_a, tiny_b, -1), lambda: stock_k(tiny_a, tiny_b, -1)], calls)
+        dist_us, stock_us = _timing.host_us_rounds([lambda: dist_k(tiny_a, tiny_b, -1), lambda: stock_k(tiny_a, tiny_b, -1)], calls)
         dist.barrier()
         return [rows, failures, dist_us, stock_us, alloc.path if hasattr(alloc, "path") else "?"]
     finally:
@@ -291,7 +235,7 @@ def _rank_main(rank, world, *args):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = _harness.parser("putget", __doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=1, help="1 (peer = self) or 2 (two processes sharing GPU 0)")
     p.add_argument("--max-bytes", type=int, default=1 << 30)
     p.add_argument("--iters", type=int, default=20)
@@ -303,7 +247,7 @@ def main(argv=None) -> int:
     p.add_argument("--warp-unit-bytes", type=int, default=DEFAULT_UNIT_BYTES["warp"], help="warp ops: 0 = one contiguous chunk per warp, else round-robin units of this size")
     p.add_argument("--block-unit-bytes", type=int, default=DEFAULT_UNIT_BYTES["block"], help="block ops: as --warp-unit-bytes, per block")
     p.add_argument("--direction", default="both", choices=["both", "one"], help="both: every rank sends at once; one: rank 0 alone")
-    args = p.parse_args(argv)
+    args = _harness.parse_args(p, argv)
     if args.rounds < 1 or args.iters < 1:
         p.error("--rounds and --iters must be >= 1")
     from tilescale_core.multiprocess import auto_backend, run_ranks

@@ -3,7 +3,7 @@ loop and flag rounds, hand-written in CUDA, against torch's ``copy_`` in the sam
 
 ``python -m tilescale_examples.benchmarks.reduce_ceiling [--ranks 2 8] [--sizes 16 64]
 [--threads 256 512] [--blocks-per-sm 1 2] [--rounds none ready both] [--flags block rank]
-[--ops two_shot reduce_scatter copy] [--unroll U ...] [--iters 50] [--repeats 5]``
+[--ops two_shot reduce_scatter copy] [--unroll U ...] [--iters 50] [--repeats 5] [--out DIR]``
 
 :mod:`tilescale_examples.benchmarks.emulated` times the shipped TileLang kernels. This
 benchmark answers the question behind its numbers: what does the same data movement cost
@@ -33,20 +33,21 @@ the first add), the rank-order float32 sum, 16-byte loads and stores. They run a
 
 Every variant is first run once on random inputs and its output compared bit for bit with
 the rank-order reference (``check``). Times are GPU time per launch of ``--iters``
-back-to-back launches behind a stream hold (:mod:`~tilescale_examples.benchmarks._gpu_time`),
-the median of ``--repeats`` rounds that alternate with the baseline: torch's device-to-device
+back-to-back launches behind a stream hold (``tilescale_host.bench.perf_rounds`` with
+``hold=True``: the hold is sized once per kernel from an untimed launch, and doubled and the
+timing repeated when it ran out), the median of ``--repeats`` rounds that alternate with the
+baseline (whose source and destination are allocated once per row): torch's device-to-device
 ``copy_`` moving the same bytes (half read, half written; two-shot and copy: ``2 S``,
 reduce-scatter: ``S + S / N`` for ``S`` bytes per rank). ``ratio`` = copy us / kernel us.
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from tilescale_examples.benchmarks import _harness
 from tilescale_examples.benchmarks._report import print_table, ratio
 
 __all__ = ["OPS", "ROUNDS", "FLAGS", "Variant", "variants", "cuda_source", "CeilingModule", "run", "main",
@@ -147,22 +148,22 @@ class CeilingModule:
 
     def __init__(self, kernels, workdir, device):
         import torch
-        from tilescale_core import _driver
+        from tilescale_core import driver
         from tilescale_lang.toolkit import find_toolkit
 
         toolkit = find_toolkit()
         if toolkit is None or toolkit.nvcc is None:
             raise RuntimeError("reduce_ceiling compiles its kernels with nvcc: set CUDA_HOME to a CUDA toolkit")
         # the driver calls below act on the calling thread's current context: make it torch's
-        _driver.init()
-        _driver.ensure_context(torch.cuda.current_device() if device.index is None else device.index)
-        self._call = _driver.call
+        driver.init()
+        driver.ensure_context(torch.cuda.current_device() if device.index is None else device.index)
+        self._call = driver.call
         cubin, _, _ = toolkit.compile(cuda_source(kernels), workdir, "cubin", "sm_90a")
         self._image = ctypes.create_string_buffer(cubin.read_bytes())
-        self._module = _driver.call("cuModuleLoadData", ctypes.addressof(self._image))
-        self._functions = {v: _driver.call("cuModuleGetFunction", self._module, v.name.encode()) for v in kernels}
-        self._bases = _driver.call("cuModuleGetGlobal", self._module, b"ceiling_bases")[0]
-        self._stream_type = _driver.driver_module().CUstream
+        self._module = driver.call("cuModuleLoadData", ctypes.addressof(self._image))
+        self._functions = {v: driver.call("cuModuleGetFunction", self._module, v.name.encode()) for v in kernels}
+        self._bases = driver.call("cuModuleGetGlobal", self._module, b"ceiling_bases")[0]
+        self._stream_type = driver.driver_module().CUstream
 
     def set_bases(self, bases) -> None:
         """Point ``ceiling_bases`` at the regions (``bases[p]``: device address of region p; the
@@ -218,8 +219,9 @@ def _measure(module, variant: Variant, nbytes: int, blocks_per_sm: int, iters: i
     """One table row: check, then interleaved timings against the copy."""
     import torch
 
-    from tilescale_examples.benchmarks.emulated import copy_ms
-    from tilescale_examples.benchmarks._gpu_time import gpu_ms_per_launch
+    from tilescale_host.bench import perf_rounds
+
+    from tilescale_examples.benchmarks.emulated import copy_fn
     from tilescale_examples.collectives.reduce_engine import grid, torch_reference
     from tilescale_examples.benchmarks._report import format_bytes
 
@@ -246,11 +248,9 @@ def _measure(module, variant: Variant, nbytes: int, blocks_per_sm: int, iters: i
     got = [regions.shard(p) for p in range(n)] if variant.op == "two_shot" else [regions.out.view(torch.float16)]
     ok = all(torch.equal(g.view(torch.int16), want.view(torch.int16)) for g in got)
     moved = nbytes + nbytes // n if variant.op == "reduce_scatter" else 2 * nbytes
-    kernel, copy = [], []
-    for _ in range(repeats):
-        kernel.append(gpu_ms_per_launch(launch, iters, device))
-        copy.append(copy_ms(moved // 2, iters, device))
-    k, c = statistics.median(kernel) * 1e3, statistics.median(copy) * 1e3
+    ms = perf_rounds({"kernel": launch, "copy": copy_fn(moved // 2, device)}, repeats, warmup=1, rep=iters, hold=True,
+                     stream=torch.cuda.current_stream(device), group="local")
+    k, c = ms["kernel"] * 1e3, ms["copy"] * 1e3
     row = [n, format_bytes(nbytes), variant.op, variant.rounds, variant.flags if variant.rounds != "none" else "-",
            variant.threads, variant.unroll, blocks, k, c, ratio(c, k), "ok" if ok else "FAIL"]
     del regions
@@ -276,8 +276,7 @@ def main(argv=None) -> int:
     failed, 0 otherwise (also when there is no GPU: nothing to measure)."""
     import tempfile
 
-    p = argparse.ArgumentParser(prog="python -m tilescale_examples.benchmarks.reduce_ceiling",
-                                description=__doc__.splitlines()[0])
+    p = _harness.parser("reduce_ceiling", __doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 8], choices=range(2, 9), metavar="N",
                    help="emulated world sizes (2..8)")
     p.add_argument("--sizes", type=int, nargs="+", default=[16, 64], help="MiB per rank")
@@ -290,7 +289,7 @@ def main(argv=None) -> int:
                    help="rows per thread and iteration (default: the engine's, max(1, 8 // ranks))")
     p.add_argument("--iters", type=int, default=50, help="back-to-back launches per timing")
     p.add_argument("--repeats", type=int, default=5, help="timing rounds (median), alternating with the copy")
-    args = p.parse_args(argv)
+    args = _harness.parse_args(p, argv)
     for name in ("sizes", "threads", "blocks_per_sm", "unroll"):
         if any(x < 1 for x in getattr(args, name) or ()):
             p.error(f"--{name.replace('_', '-')} must be positive")

@@ -20,10 +20,10 @@ ordinary input tensor (staging counted) and of the baseline:
 With one GPU per rank it also times ``rs(rs.input)`` against torch symmetric memory's
 ``reduce_scatter_out`` (:mod:`tilescale_examples.benchmarks._symm_baseline`). Bus bandwidth as
 nccl-tests define it for reduce-scatter: ``busbw = (n - 1) / n * S / t`` with S the input
-size. The shared machinery is :mod:`tilescale_examples.benchmarks._collectives`.
+size. The shared machinery is :mod:`tilescale_examples.benchmarks._collective_cli`.
 """
 
-from tilescale_examples.benchmarks._collectives import entry
+from tilescale_examples.benchmarks._collective_cli import entry
 
 __all__ = ["main", "run", "bus_bandwidth"]
 

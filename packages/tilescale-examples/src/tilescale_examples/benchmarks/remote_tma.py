@@ -1,6 +1,6 @@
 """Remote TMA bandwidth against ``T.put_block`` and the copy engine, in the same run.
 
-``python -m tilescale_examples.benchmarks.remote_tma [--ranks 1|2] [--max-bytes N] [--iters K]``
+``python -m tilescale_examples.benchmarks.remote_tma [--ranks 1|2] [--max-bytes N] [--iters K] [--out DIR]``
 
 Every rank moves S bytes (1 MiB .. 1 GiB) of a ``(rows, 256)`` float16 matrix from its heap
 into the next rank's copy of another one (1 rank: peer = self, its own heap through the
@@ -13,15 +13,17 @@ table; 2 ranks: the other process's heap, on the same GPU when there is one):
   fastest split in ``putget``);
 * **copy engine**: torch ``copy_`` into the peer's view of the destination.
 
-Bandwidth counts bytes read + written (2 S / t).  Every size is first checked on a poisoned
-destination.
+Bandwidth counts bytes read + written (2 S / t), t the median of ``--iters`` calls (a quarter
+of them from 64 MiB up, at least 5), each timed on its own from an idle GPU
+(:func:`~tilescale_examples.benchmarks._timing.local_ms`).  Every size is first checked on a
+poisoned destination.
 """
 
 # (no `from __future__ import annotations`: TileLang reads the kernels' annotations)
 
-import argparse
 import os
 
+from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import format_bytes, gb_per_s, print_table, ratio, size_sweep
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -67,7 +69,7 @@ def run(rank: int, world: int, max_bytes: int, iters: int, min_bytes: int) -> li
     import torch.distributed as dist
 
     from tilescale_core.multiprocess import rank_device
-    from tilescale_examples.benchmarks.putget import _time_ms, build_copy
+    from tilescale_examples.benchmarks.putget import build_copy
 
     dev = rank_device(rank)
     torch.cuda.set_device(dev)
@@ -110,7 +112,7 @@ def run(rank: int, world: int, max_bytes: int, iters: int, min_bytes: int) -> li
                     failures.append(f"rank {rank} {name} {format_bytes(nbytes)}: wrong data")
                 dist.barrier()
                 it = iters if nbytes < (64 << 20) else max(5, iters // 4)
-                ms = _time_ms(lambda: fn(rows), it)
+                ms = _timing.local_ms(lambda: fn(rows), it)
                 bws[name] = gb_per_s(2 * nbytes, ms)
                 dist.barrier()
             row += [f"{bws['remote TMA']:.1f}", f"{bws['put_block']:.1f}", f"{bws['copy engine']:.1f}",
@@ -128,12 +130,12 @@ def _rank_main(rank, world, *args):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = _harness.parser("remote_tma", __doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=1, help="1 (peer = self) or 2 (two processes, sharing a GPU if one)")
     p.add_argument("--max-bytes", type=int, default=1 << 30)
     p.add_argument("--min-bytes", type=int, default=1 << 20)
     p.add_argument("--iters", type=int, default=20)
-    args = p.parse_args(argv)
+    args = _harness.parse_args(p, argv)
     if args.min_bytes % (2 * COLS * TILE_ROWS) or args.max_bytes % (2 * COLS * TILE_ROWS):
         p.error(f"sizes must be multiples of one tile ({2 * COLS * TILE_ROWS} bytes)")
     from tilescale_core.multiprocess import run_ranks

@@ -1,10 +1,12 @@
 """Latency of host-enqueued stream signals against one-thread kernel flag writes, in µs.
 
-``python -m tilescale_examples.benchmarks.signals [--rounds 200] [--samples 20]``
+``python -m tilescale_examples.benchmarks.signals [--rounds 200] [--samples 20] [--out DIR]``
 
 Two measurements, each timed on the GPU with CUDA events around a batch of ``rounds``
-operations (a spin kernel placed first on the timed stream hides the host's enqueue time, so
-the numbers are device-side latencies):
+operations on stream A (a spin kernel of :data:`HOLD_MS` placed first on the timed stream
+hides the host's enqueue time, so the numbers are device-side latencies;
+``tilescale_host.bench.perf_rounds`` with ``hold``, which doubles the hold and times again
+when it ran out before the batch was enqueued):
 
 * flag write: back-to-back writes of one int32 flag on one stream, ``set_signal``
   (cuStreamWriteValue32) against ``flag.fill_(i)`` (a one-thread-block torch kernel);
@@ -13,38 +15,26 @@ the numbers are device-side latencies):
   each side writes its flag with ``fill_`` and the other side waits on a CUDA event recorded
   after it (``Stream.wait_event``), the usual way to order torch work across streams.
 
-The table reports the median over ``samples`` batches, per operation or round, and the ratio
+After one untimed batch of each, the memop and the kernel batch take turns in ``samples``
+rounds; the table reports each one's median batch, per operation or round, and the ratio
 memop / kernel (below 1: the host-enqueued signal is faster).
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
 from collections.abc import Callable
 
+from tilescale_host.bench import perf_rounds
+
+from tilescale_examples.benchmarks import _harness
 from tilescale_examples.benchmarks._report import print_table, ratio
 
-__all__ = ["main", "measure"]
+__all__ = ["main", "measure", "HOLD_MS", "WAIT_S"]
 
 #: Milliseconds of GPU spinning placed before each timed batch to cover the enqueue time.
-LEAD_MS = 20
-
-
-def _timed(stream, enqueue: Callable[[], None], rounds: int, lead_cycles: int) -> float:
-    """Device time of ``enqueue()``'s batch on ``stream``, in µs per round."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(lead_cycles)
-        start.record(stream)
-        enqueue()
-        end.record(stream)
-    from tilescale_host import synchronize_streams
-
-    synchronize_streams([stream], timeout=60.0)  # a lost signal fails the run instead of hanging it
-    return start.elapsed_time(end) * 1000.0 / rounds
+HOLD_MS = 20.0
+#: Seconds a wait for a batch may take: a lost signal fails the run instead of hanging it.
+WAIT_S = 60.0
 
 
 class _Bench:
@@ -53,14 +43,11 @@ class _Bench:
     def __init__(self, rounds: int):
         import torch
 
-        from tilescale_host.utils import get_max_gpu_clock_rate_in_khz
-
         self.rounds = rounds
         self.a, self.b = torch.cuda.Stream(), torch.cuda.Stream()
         self.ab = torch.zeros(1, dtype=torch.int32, device="cuda")
         self.ba = torch.zeros(1, dtype=torch.int32, device="cuda")
         self.ev_a, self.ev_b = torch.cuda.Event(), torch.cuda.Event()
-        self.lead = LEAD_MS * get_max_gpu_clock_rate_in_khz(torch.cuda.current_device())
         self.value = 0
         torch.cuda.synchronize()  # the zero fills run on the default stream, before A and B use the flags
 
@@ -101,10 +88,13 @@ class _Bench:
             self.ev_b.record(self.b)
             self.a.wait_event(self.ev_b)
 
-    def median_us(self, enqueue: Callable[[], None], samples: int) -> float:
-        """Median over ``samples`` batches (after one warm-up batch) in µs per round."""
-        _timed(self.a, enqueue, self.rounds, self.lead)
-        return statistics.median(_timed(self.a, enqueue, self.rounds, self.lead) for _ in range(samples))
+    def medians_us(self, memop: Callable[[], None], kernel: Callable[[], None], samples: int) -> tuple:
+        """``(memop µs, kernel µs)`` per round: one untimed batch of each, then ``samples``
+        rounds that time a batch of each in turn on stream A behind a :data:`HOLD_MS` hold;
+        each one's median batch."""
+        ms = perf_rounds({"memop": memop, "kernel": kernel}, samples, warmup=1, rep=1, hold=HOLD_MS,
+                         stream=self.a, timeout=WAIT_S, group="local")
+        return ms["memop"] * 1000.0 / self.rounds, ms["kernel"] * 1000.0 / self.rounds
 
 
 def measure(rounds: int = 200, samples: int = 20) -> list[tuple[str, float, float, float]]:
@@ -115,17 +105,17 @@ def measure(rounds: int = 200, samples: int = 20) -> list[tuple[str, float, floa
         ("flag write, one stream", bench.memop_writes, bench.kernel_writes),
         ("ping-pong round trip, two streams", bench.memop_ping_pong, bench.kernel_ping_pong),
     ):
-        m, k = bench.median_us(memop, samples), bench.median_us(kernel, samples)
+        m, k = bench.medians_us(memop, kernel, samples)
         rows.append((name, m, k, ratio(m, k)))
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; prints the table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _harness.parser("signals", __doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=200, help="operations or round trips per timed batch")
     parser.add_argument("--samples", type=int, default=20, help="timed batches; the median is reported")
-    args = parser.parse_args(argv)
+    args = _harness.parse_args(parser, argv)
     import torch
 
     if not torch.cuda.is_available():

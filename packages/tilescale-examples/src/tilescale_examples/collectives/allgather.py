@@ -3,7 +3,7 @@
 Every rank contributes one *shard* (same shape and dtype on every rank); afterwards every
 rank holds ``output[r] == shard of rank r`` for all ranks ``r``::
 
-    ag = AllGather(allocator, shard_shape=(4096,), dtype=torch.float16)   # collective
+    ag = AllGather(allocator, (4096,), torch.float16)   # collective; shape: this rank's shard
     out = ag(x)          # x: this rank's shard on the allocator's device; out: (world, 4096)
     ...
     ag.close()           # before allocator.close()
@@ -45,10 +45,10 @@ the grid is capped at ``max_blocks`` (default: the number of SMs) blocks of ``th
 threads (one block per SM always fits). Ranks that share one GPU still progress, because
 their contexts time-slice, but that mode measures scheduling, not bandwidth.
 
-Engines
--------
+Engines (the ``algorithm`` argument)
+------------------------------------
 
-``engine="sm"`` is the kernel above. ``engine="copy"`` moves the shards with the GPU's copy
+``algorithm="sm"`` is the kernel above. ``algorithm="copy"`` moves the shards with the GPU's copy
 engines instead: ``torch`` ``copy_`` of the input into every peer's output slot through the
 peer mapping of the heap (``cudaMemcpyAsync`` device to device; the local slot on a side
 stream), with the same two flag rounds as host-enqueued stream memory operations
@@ -56,7 +56,7 @@ stream), with the same two flag rounds as host-enqueued stream memory operations
 ready to every peer, wait for every peer's ready, the copies, data to every peer (the
 stream write orders the copies before the flag), wait for every peer's data. No SM runs
 while it waits, so it needs no residency argument; each stream operation costs a few
-microseconds, so it pays only for large shards. ``engine="auto"`` picks by the output's size
+microseconds, so it pays only for large shards. ``algorithm="auto"`` picks by the output's size
 with :data:`COPY_ENGINE_MIN_BYTES` (:func:`choose_engine`).
 
 The copy engine's flags are 32-bit words that hold only 0 or 1, so the stream operations
@@ -81,22 +81,23 @@ tensor returned by a call is overwritten by the next call (copy it if it must su
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
 
-from typing import Optional, Sequence, Union
+from typing import Literal, Optional, Sequence, Union
 
 import torch
 
 from tilescale_examples.base import DTYPES as _DTYPES
-from tilescale_examples.base import TARGET, plan_chunks, size_table_entry
+from tilescale_examples.base import (TARGET, accepts_0_1_init, accepts_0_1_out, accepts_0_1_reference, plan_chunks,
+                                     rank_left_out, size_table_entry)
 from tilescale_examples.collectives.put_exchange import PutExchange, build_put_exchange_kernel
 
 __all__ = ["AllGather", "plan_chunks", "build_allgather_kernel", "torch_reference", "TARGET",
-           "ENGINES", "COPY_ENGINE_MIN_BYTES", "choose_engine"]
+           "ALGORITHMS", "ENGINES", "COPY_ENGINE_MIN_BYTES", "choose_engine"]
 
 #: Smallest chunk a block is given before the grid grows (bytes).
 MIN_CHUNK_BYTES = 64 * 1024
-#: Values of the ``engine`` argument.
-ENGINES = ("auto", "sm", "copy")
-#: Size table of ``engine="auto"``: the smallest output (bytes, ``world_size`` shards) moved by
+#: Values of the ``algorithm`` argument (``ENGINES``: their 0.1.0 name).
+ALGORITHMS = ENGINES = ("auto", "sm", "copy")
+#: Size table of ``algorithm="auto"``: the smallest output (bytes, ``world_size`` shards) moved by
 #: the copy engines, by world size (between keys: the smaller key's entry); smaller outputs use
 #: the SM kernel (below it, the stream operations' fixed cost outweighs the copy engines'
 #: throughput). Re-tune from ``python -m tilescale_examples.benchmarks.allgather --engine sm|copy``.
@@ -123,12 +124,19 @@ def build_allgather_kernel(shard_numel: int, dtype: str, world_size: int, chunks
                                      row_per_peer=False)
 
 
-def torch_reference(shards: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The expected output: the shards of ranks ``0 .. n-1`` stacked along a new dim 0."""
-    shards = list(shards)
-    if not shards:
-        raise ValueError("shards must hold one tensor per rank, got none")
-    return torch.stack([s.detach() for s in shards], dim=0)
+def _reference(inputs: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+    """The expected output on ``rank`` (the same on every rank): the inputs (shards) of ranks
+    ``0 .. n-1`` stacked along a new dim 0."""
+    inputs = list(inputs)
+    if not inputs:
+        raise ValueError("inputs must hold one tensor per rank, got none")
+    if not 0 <= rank < len(inputs):
+        raise ValueError(f"rank must be in [0, {len(inputs)}), got {rank}")
+    return torch.stack([s.detach() for s in inputs], dim=0)
+
+
+#: :meth:`AllGather.torch_reference`; ``torch_reference(shards)`` is the 0.1.0 spelling (it warns).
+torch_reference = accepts_0_1_reference("allgather.torch_reference(shards)", rank_left_out)(_reference)
 
 
 class AllGather(PutExchange):
@@ -137,52 +145,58 @@ class AllGather(PutExchange):
     Args:
         allocator: an open tilescale-core allocator (``tilelang.get_allocator(...,
             is_distributed=True, ...)``); its ``num_ranks`` ranks take part.
-        shard_shape: shape of each rank's shard (an int or a tuple of positive ints).
+        shape: shape of each rank's shard, the input of a call (an int or a tuple of
+            positive ints).
         dtype: torch dtype (or its name) of the shards: float16, bfloat16, float32,
             float64, int8, uint8, int16, int32 or int64.
         world_size: number of ranks; defaults to ``allocator.num_ranks`` and must equal it.
+        algorithm: ``"sm"`` (the put_block kernel, the default), ``"copy"`` (copy engines
+            through the peer mapping) or ``"auto"`` (by size, :func:`choose_engine`). The
+            per-chunk ``flags`` are written by the SM kernel only: a consumer that waits on
+            them (as :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM` does) needs ``"sm"``.
         group: process group for the closing barrier (and the compile's ``compile_group``); default
             ``torch.distributed``'s world group when it is initialised, else none.
         threads: threads per block (multiple of 32, at most 1024).
         max_blocks: grid cap (all blocks must be co-resident); default the device's SM count.
         min_chunk_bytes: smallest piece a block is given before the grid grows.
         target: TileLang target (default ``sm_90a``).
-        engine: ``"sm"`` (the put_block kernel, the default), ``"copy"`` (copy engines
-            through the peer mapping) or ``"auto"`` (by size, :func:`choose_engine`). The
-            per-chunk ``flags`` are written by the SM kernel only: a consumer that waits on
-            them (as :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM` does) needs ``"sm"``.
 
-    Attributes: ``engine`` (the one chosen), ``input`` (a symmetric shard buffer, for ``ag(ag.input)``; the kernel reads
-    its input in place, so any contiguous tensor of the shard's shape and dtype on the
-    allocator's device works as well), ``output`` (symmetric, ``(world_size,
-    *shard_shape)``), ``flags`` (``uint64``, data then ready flags), ``state`` (the SM
-    kernel's per-block call counters, on the device), ``chunks``, ``chunk``, ``kernel``,
-    ``epoch`` (calls issued from the host; graph replays are counted on the device only).
+    Attributes: ``algorithm`` (the one chosen; ``engine`` is its 0.1.0 name), ``input`` (a
+    symmetric shard buffer, for ``ag(ag.input)``; the kernel reads its input in place, so any
+    contiguous tensor of the shard's shape and dtype on the allocator's device works as
+    well), ``output`` (symmetric, ``(world_size, *shape)``), ``flags`` (``uint64``, data then
+    ready flags), ``state`` (the SM kernel's per-block call counters, on the device),
+    ``chunks``, ``chunk``, ``kernel``, ``epoch`` (calls issued from the host; graph replays are
+    counted on the device only).
 
     The constructor is collective (see the module docstring); ``__call__`` is too, in the
-    sense that every rank must make the same sequence of calls.
+    sense that every rank must make the same sequence of calls. 0.1.0 spellings
+    (``shard_shape=``, ``engine=``, a positional ``world_size``) work with a warning.
     """
 
-    def __init__(self, allocator, shard_shape: Union[int, Sequence[int]],
-                 dtype: Union[torch.dtype, str], world_size: Optional[int] = None, *,
+    ALGORITHMS = ALGORITHMS
+    torch_reference = staticmethod(_reference)
+
+    @accepts_0_1_init(positional=("world_size",), renamed={"shard_shape": "shape", "engine": "algorithm"})
+    def __init__(self, allocator, shape: Union[int, Sequence[int]], dtype: Union[torch.dtype, str], *,
+                 world_size: Optional[int] = None, algorithm: Literal["auto", "sm", "copy"] = "sm",
                  group=None, threads: int = 512, max_blocks: Optional[int] = None,
-                 min_chunk_bytes: int = MIN_CHUNK_BYTES, target=None, engine: str = "sm"):
+                 min_chunk_bytes: int = MIN_CHUNK_BYTES, target=None):
         from tilescale_examples.base import check_target
 
         check_target(target)
-        if engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-        self._setup(allocator, shard_shape, dtype, world_size, group, threads, max_blocks)
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        self._setup(allocator, shape, dtype, world_size, group, threads, max_blocks)
         self.chunks, self.chunk = plan_chunks(self.shard_numel, self.itemsize, self.world_size,
                                               self.max_blocks, min_chunk_bytes)
-        if engine == "auto":
-            engine = choose_engine(self.world_size * self.shard_numel * self.itemsize, self.world_size)
-        self.engine = engine
-        self.rank = int(allocator.local_rank)
+        if algorithm == "auto":
+            algorithm = choose_engine(self.world_size * self.shard_numel * self.itemsize, self.world_size)
+        self.algorithm = algorithm
 
         # ---- symmetric buffers (same order on every rank)
-        self.input = self._tensor(self.shard_shape)
-        self.peer_outputs = self._tensor((self.world_size, *self.shard_shape), return_peers=True)
+        self.input = self._tensor(self.shape)
+        self.peer_outputs = self._tensor((self.world_size, *self.shape), return_peers=True)
         self.output = self.peer_outputs[self.rank]
         self.flags = self._tensor((2 * self.world_size * self.chunks,), torch.uint64)
         self.flags.zero_()
@@ -194,23 +208,25 @@ class AllGather(PutExchange):
         self._side = None
 
         # ---- one rank-agnostic kernel, compiled once per host; flags zero everywhere after
-        self._finish(build_allgather_kernel(self.shard_numel, _DTYPES[self.dtype], self.world_size,
-                                            self.chunks, self.chunk, threads), target)
+        self._finish_build(lambda: build_allgather_kernel(self.shard_numel, _DTYPES[self.dtype], self.world_size,
+                                                          self.chunks, self.chunk, threads), target)
+
+    @property
+    def engine(self) -> str:
+        """The 0.1.0 name of :attr:`algorithm`."""
+        return self.algorithm
 
     # ------------------------------------------------------------------ calls
     INPUT_SHAPE_NAME = "the shard shape"
 
-    @property
-    def input_shape(self):
-        """A call's input is one shard: ``shard_shape``."""
-        return self.shard_shape
-
-    def __call__(self, input: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Gather ``input`` (this rank's shard) from every rank; returns ``self.output``,
-        ``(world_size, *shard_shape)`` (overwritten by the next call), or ``out`` (a
+    @accepts_0_1_out(1)
+    def __call__(self, input: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Gather ``input`` (this rank's shard, ``shape``) from every rank; returns
+        ``self.output``, ``(world_size, *shape)`` (overwritten by the next call), or ``out`` (a
         contiguous tensor of that shape and dtype) holding a copy of it; complete when the
         call's work finishes on the current stream. Every rank must make the same sequence
-        of calls (eagerly or in CUDA graph replays)."""
+        of calls (eagerly or in CUDA graph replays). Raises
+        :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
         self._check_open()
         self.check_input(input)
         return self._exchange(input, out)
@@ -218,14 +234,14 @@ class AllGather(PutExchange):
     _BUFFERS = ("input", "output", "flags", "state", "peer_outputs", "copy_flags", "peer_copy_flags")
 
     def _launch(self, input: torch.Tensor) -> None:
-        if self.engine == "copy":
+        if self.algorithm == "copy":
             self._copy_engines(input)
         else:
             super()._launch(input)
 
     def _copy_engines(self, input: torch.Tensor) -> None:
         """One call on the copy engines (see "Engines" in the module docstring)."""
-        from tilescale_host.signals import set_signal, stream_wait_eq
+        from tilescale_host.signals import set_signal
 
         stream = torch.cuda.current_stream(self.device)
         if self._side is None:

@@ -2,9 +2,9 @@
 
 Every rank holds a tensor of one shape; afterwards every rank holds their element-wise sum::
 
-    ar = AllReduce(allocator, shape=(4096, 1024), dtype=torch.bfloat16)   # collective
+    ar = AllReduce(allocator, (4096, 1024), torch.bfloat16)   # collective
     out = ar(x)              # x: any contiguous (4096, 1024) tensor on the allocator's device
-    ar(x, out=x)             # in place
+    ar(x, out=x)             # in place (out is keyword-only)
     ar.input.copy_(x); ar(ar.input)   # zero-copy: x already in the symmetric buffer
     ar.close()               # before allocator.close()
 
@@ -32,11 +32,12 @@ algorithms give the same bits.
 # (no `from __future__ import annotations`: the engine defines TileLang kernels)
 
 import math
-from typing import Optional, Sequence, Union
+from typing import Literal, Optional, Sequence, Union
 
 import torch
 
-from tilescale_examples.base import check_shape, size_table_entry
+from tilescale_examples.base import (accepts_0_1_init, accepts_0_1_out, accepts_0_1_reference, rank_left_out,
+                                     size_table_entry)
 from tilescale_examples.collectives.reduce_engine import REDUCE_DTYPES, ReductionCollective
 from tilescale_examples.collectives.reduce_engine import torch_reference as _rank_order_sum
 
@@ -66,11 +67,17 @@ def choose_algorithm(nbytes: int, world_size: int, table: Optional[dict] = None)
     return "one_shot" if world_size == 1 or nbytes <= limit else "two_shot"
 
 
-def torch_reference(inputs: Sequence[torch.Tensor], rank: int = 0) -> torch.Tensor:
-    """The expected output (the same on every rank): ``sum_p inputs[p]`` in rank order in
-    the accumulation dtype, rounded once. ``rank`` is accepted for symmetry with the other
-    collectives' references and ignored."""
+def _reference(inputs: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+    """The expected output on ``rank`` (the same on every rank): ``sum_p inputs[p]`` in rank
+    order in the accumulation dtype, rounded once."""
+    inputs = list(inputs)
+    if inputs and not 0 <= rank < len(inputs):
+        raise ValueError(f"rank must be in [0, {len(inputs)}), got {rank}")
     return _rank_order_sum(inputs)
+
+
+#: :meth:`AllReduce.torch_reference`; ``torch_reference(inputs)`` is the 0.1.0 spelling (it warns).
+torch_reference = accepts_0_1_reference("allreduce.torch_reference(inputs)", rank_left_out)(_reference)
 
 
 class AllReduce(ReductionCollective):
@@ -102,39 +109,36 @@ class AllReduce(ReductionCollective):
     same arguments and makes the same sequence of calls.
     """
 
-    def __init__(self, allocator, shape: Union[int, Sequence[int]], dtype: Union[torch.dtype, str],
-                 world_size: Optional[int] = None, *, algorithm: str = "auto", group=None,
-                 threads: int = 512, max_blocks: Optional[int] = None, unroll: Optional[int] = None,
+    ALGORITHMS = ALGORITHMS
+    torch_reference = staticmethod(_reference)
+
+    @accepts_0_1_init(positional=("world_size",))
+    def __init__(self, allocator, shape: Union[int, Sequence[int]], dtype: Union[torch.dtype, str], *,
+                 world_size: Optional[int] = None, algorithm: Literal["auto", "one_shot", "two_shot"] = "auto",
+                 group=None, threads: int = 512, max_blocks: Optional[int] = None, unroll: Optional[int] = None,
                  target=None):
         from tilescale_examples.base import check_target
 
         check_target(target)
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-        self.shape = check_shape(shape, "shape")
-        # (1,): the base class's per-shard size limit (world_size x shard) does not apply here
-        self._setup(allocator, (1,), dtype, world_size, group, threads, max_blocks, REDUCE_DTYPES)
-        self.shard_shape = self.shape
-        self.numel = self.shard_numel = math.prod(self.shape)
-        if self.numel >= self.MAX_ELEMENTS:
-            raise ValueError(f"shape {self.shape} has {self.numel} elements; the kernel indexes in int32 (< 2**31)")
+        self._setup(allocator, shape, dtype, world_size, group, threads, max_blocks, REDUCE_DTYPES)
+        self.numel = self.shard_numel
         if algorithm == "auto":
             algorithm = choose_algorithm(self.numel * self.itemsize, self.world_size)
         self.algorithm = algorithm
         self._build(algorithm, self.numel, unroll, target)
         self.output = (self.stages[0] if algorithm == "two_shot" else self.result).view(-1)[: self.numel].view(self.shape)
 
+    def _largest_numel(self) -> int:
+        return math.prod(self.shape)  # one tensor of shape, not world_size pieces
+
     # ------------------------------------------------------------------ calls
-    INPUT_SHAPE_NAME = "the shape"
-
-    @property
-    def input_shape(self):
-        return self.shape
-
     def _input_view(self, stage: torch.Tensor) -> torch.Tensor:
         return stage.view(-1)[: self.numel].view(self.shape)
 
-    def __call__(self, input: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    @accepts_0_1_out(1)
+    def __call__(self, input: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Sum ``input`` over all ranks.
 
         Args:
@@ -145,7 +149,8 @@ class AllReduce(ReductionCollective):
 
         Returns ``out`` (or ``ar.output``), complete when the kernel finishes on the current
         stream. Staging the input into the symmetric buffer is part of the call (inside the
-        kernel when ``input`` is 16-byte aligned whole vectors, else a copy before it).
+        kernel when ``input`` is 16-byte aligned whole vectors, else a copy before it). Raises
+        :class:`~tilescale_examples.base.ClosedError` after ``close()``.
         """
         self._check_open()
         if not self._is_view_of(input, self._next_input_view()):

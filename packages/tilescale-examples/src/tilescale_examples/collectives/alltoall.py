@@ -1,10 +1,10 @@
 """All-to-all over the symmetric heap, built from ``T.put_block`` and flag signals.
 
-Every rank holds ``world_size`` rows of one shard shape; row ``p`` is for rank ``p``.
+Every rank holds ``world_size`` rows of one row shape; row ``p`` is for rank ``p``.
 Afterwards rank ``r`` holds ``output[src] == input of rank src, row r`` for every ``src``
 (what ``torch.distributed.all_to_all_single`` produces with equal splits)::
 
-    a2a = AllToAll(allocator, shard_shape=(4096,), dtype=torch.float16)   # collective
+    a2a = AllToAll(allocator, (world, 4096), torch.float16)   # collective; shape: the input
     out = a2a(x)         # x: (world, 4096), row p goes to rank p; out: (world, 4096)
     ...
     a2a.close()          # before allocator.close()
@@ -14,23 +14,26 @@ The kernel is the all-gather's (:mod:`tilescale_examples.collectives.put_exchang
 of input row ``p`` (not of the single shard) into row ``me`` of rank ``p``'s output. The
 ready handshake makes back-to-back calls safe without host synchronisation, and the kernel
 returns on a rank only when every row of its output has landed. The kernel reads the input
-in place (the local rank's rows only), so any contiguous ``(world, *shard_shape)`` tensor on
+in place (the local rank's rows only), so any contiguous tensor of ``shape`` on
 the allocator's device works; ``a2a.input`` is a symmetric buffer for it.
 """
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
 
-from typing import Optional, Sequence, Union
+import math
+from typing import Literal, Optional, Sequence, Union
 
 import torch
 
-from tilescale_examples.base import DTYPES, plan_chunks
+from tilescale_examples.base import DTYPES, accepts_0_1_init, accepts_0_1_out, plan_chunks, row_shape_0_1
 from tilescale_examples.collectives.put_exchange import PutExchange, build_put_exchange_kernel
 
-__all__ = ["AllToAll", "build_alltoall_kernel", "torch_reference"]
+__all__ = ["AllToAll", "build_alltoall_kernel", "torch_reference", "ALGORITHMS"]
 
 #: Smallest chunk a block is given before the grid grows (bytes).
 MIN_CHUNK_BYTES = 64 * 1024
+#: Values of the ``algorithm`` argument (one kernel: ``"auto"`` is ``"sm"``).
+ALGORITHMS = ("auto", "sm")
 
 
 def build_alltoall_kernel(shard_numel: int, dtype: str, world_size: int, chunks: int,
@@ -53,16 +56,17 @@ def torch_reference(inputs: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
 
 
 class AllToAll(PutExchange):
-    """A reusable all-to-all of equal ``shard_shape`` rows over an allocator's ranks.
+    """A reusable all-to-all of equal rows over an allocator's ranks.
 
     Args:
         allocator: an open tilescale-core allocator (``tilelang.get_allocator(...,
             is_distributed=True, ...)``); its ``num_ranks`` ranks take part.
-        shard_shape: shape of one row (an int or a tuple of positive ints); input and output
-            are ``(world_size, *shard_shape)``.
+        shape: the input of a call, ``(world_size, *row)`` (row ``p`` goes to rank ``p``);
+            the output has the same shape.
         dtype: torch dtype (or its name): float16, bfloat16, float32, float64, int8, uint8,
             int16, int32 or int64.
         world_size: number of ranks; defaults to ``allocator.num_ranks`` and must equal it.
+        algorithm: ``"auto"`` or ``"sm"`` (the put_block kernel; the only one).
         group: process group for the constructor's barrier and the compile's
             ``compile_group``; default ``torch.distributed``'s world group when initialised.
         threads: threads per block (multiple of 32, at most 1024).
@@ -70,38 +74,52 @@ class AllToAll(PutExchange):
         min_chunk_bytes: smallest piece a block is given before the grid grows.
         target: TileLang target (default ``sm_90a``).
 
-    Attributes: ``input`` (symmetric ``(world_size, *shard_shape)``), ``output`` (symmetric,
-    same shape, overwritten by the next call), ``flags``, ``state`` (the kernel's per-block
-    call counters, on the device), ``chunks``, ``chunk``, ``kernel``, ``epoch`` (calls issued
-    from the host; graph replays are counted on the device only). Construction and calls are collective (same instances, same call sequence on
-    every rank).
+    Attributes: ``input`` (symmetric, ``shape``), ``output`` (symmetric, same shape,
+    overwritten by the next call), ``shard_shape`` (the row), ``algorithm``, ``flags``,
+    ``state`` (the kernel's per-block call counters, on the device), ``chunks``, ``chunk``,
+    ``kernel``, ``epoch`` (calls issued from the host; graph replays are counted on the device
+    only). Construction and calls are collective (same instances, same call sequence on every
+    rank). 0.1.0 spellings (``shard_shape=`` the row, a row shape in place of ``shape``, a
+    positional ``world_size``) work with a warning.
     """
 
-    def __init__(self, allocator, shard_shape: Union[int, Sequence[int]],
-                 dtype: Union[torch.dtype, str], world_size: Optional[int] = None, *,
+    ALGORITHMS = ALGORITHMS
+    torch_reference = staticmethod(torch_reference)
+
+    @accepts_0_1_init(positional=("world_size",), translate=row_shape_0_1)
+    def __init__(self, allocator, shape: Union[int, Sequence[int]], dtype: Union[torch.dtype, str], *,
+                 world_size: Optional[int] = None, algorithm: Literal["auto", "sm"] = "auto",
                  group=None, threads: int = 512, max_blocks: Optional[int] = None,
                  min_chunk_bytes: int = MIN_CHUNK_BYTES, target=None):
         from tilescale_examples.base import check_target
 
         check_target(target)
-        self._setup(allocator, shard_shape, dtype, world_size, group, threads, max_blocks)
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        self._setup(allocator, shape, dtype, world_size, group, threads, max_blocks)
+        self._rows_of_shape()
+        self.algorithm = "sm"
         self.chunks, self.chunk = plan_chunks(self.shard_numel, self.itemsize, self.world_size,
                                               self.max_blocks, min_chunk_bytes)
-        rows = (self.world_size, *self.shard_shape)
-        self.input = self._tensor(rows)
-        self.output = self._tensor(rows)
+        self.input = self._tensor(self.shape)
+        self.output = self._tensor(self.shape)
         self.flags = self._tensor((2 * self.world_size * self.chunks,), torch.uint64)
         self.flags.zero_()
         self._make_state()
-        self._finish(build_alltoall_kernel(self.shard_numel, DTYPES[self.dtype], self.world_size,
-                                           self.chunks, self.chunk, threads), target)
+        self._finish_build(lambda: build_alltoall_kernel(self.shard_numel, DTYPES[self.dtype], self.world_size,
+                                                         self.chunks, self.chunk, threads), target)
 
-    def __call__(self, input: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Send row ``p`` of ``input`` (``(world_size, *shard_shape)``) to rank ``p``;
-        returns ``self.output`` (row ``src``: what rank ``src`` sent here, overwritten by the
-        next call), or ``out`` (a contiguous tensor of that shape and dtype) holding a copy
-        of it; complete when the kernel finishes on the current stream. Every rank must make
-        the same sequence of calls (eagerly or in CUDA graph replays)."""
+    def _largest_numel(self) -> int:
+        return math.prod(self.shape)  # shape is the whole input, (world_size, *row)
+
+    @accepts_0_1_out(1)
+    def __call__(self, input: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Send row ``p`` of ``input`` (``shape``) to rank ``p``; returns ``self.output`` (row
+        ``src``: what rank ``src`` sent here, overwritten by the next call), or ``out`` (a
+        contiguous tensor of that shape and dtype) holding a copy of it; complete when the
+        kernel finishes on the current stream. Every rank must make the same sequence of calls
+        (eagerly or in CUDA graph replays). Raises :class:`~tilescale_examples.base.ClosedError`
+        after ``close()``."""
         self._check_open()
         self.check_input(input)
         return self._exchange(input, out)

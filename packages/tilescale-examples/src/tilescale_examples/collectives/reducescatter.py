@@ -1,10 +1,10 @@
 """Sum reduce-scatter over the symmetric heap, on the all-reduce's reduction engine.
 
-Every rank contributes a ``(world_size, *shard_shape)`` tensor; afterwards rank ``r`` holds
-the element-wise sum over all ranks of row ``r`` (what ``torch.distributed.
+Every rank contributes a ``(world_size, *row)`` tensor (the op's ``shape``); afterwards rank
+``r`` holds the element-wise sum over all ranks of row ``r`` (what ``torch.distributed.
 reduce_scatter_tensor`` with ``op=SUM`` produces)::
 
-    rs = ReduceScatter(allocator, shard_shape=(4096,), dtype=torch.float16)   # collective
+    rs = ReduceScatter(allocator, (world, 4096), torch.float16)   # collective; shape: the input
     out = rs(x)          # x: (world, 4096) on the allocator's device; out: (4096,) = sum_p x_p[r]
     rs.input.copy_(x); rs(rs.input)   # zero-copy: x already in the symmetric buffer
     rs.close()           # before allocator.close()
@@ -21,14 +21,19 @@ bit for bit.
 
 # (no `from __future__ import annotations`: the engine defines TileLang kernels)
 
-from typing import Optional, Sequence, Union
+import math
+from typing import Literal, Optional, Sequence, Union
 
 import torch
 
+from tilescale_examples.base import accepts_0_1_init, accepts_0_1_out, row_shape_0_1
 from tilescale_examples.collectives.reduce_engine import ACCUMULATE, REDUCE_DTYPES, ReductionCollective
 from tilescale_examples.collectives.reduce_engine import torch_reference as _rank_order_sum
 
-__all__ = ["ReduceScatter", "torch_reference", "ACCUMULATE"]
+__all__ = ["ReduceScatter", "torch_reference", "ACCUMULATE", "ALGORITHMS"]
+
+#: Values of the ``algorithm`` argument (one kernel: ``"auto"`` is ``"sm"``).
+ALGORITHMS = ("auto", "sm")
 
 
 def torch_reference(inputs: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
@@ -43,16 +48,17 @@ def torch_reference(inputs: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
 
 
 class ReduceScatter(ReductionCollective):
-    """A reusable sum reduce-scatter of one shard shape and dtype over an allocator's ranks.
+    """A reusable sum reduce-scatter of one shape and dtype over an allocator's ranks.
 
     Args:
         allocator: an open tilescale-core allocator (``tilelang.get_allocator(...,
             is_distributed=True, ...)``); its ``num_ranks`` ranks take part.
-        shard_shape: shape of each output shard (an int or a tuple of positive ints); the
-            input is ``(world_size, *shard_shape)``. Any size (rows that are not whole
-            16-byte vectors are padded inside the symmetric buffer).
+        shape: the input of a call, ``(world_size, *row)``; the output is one ``row`` (the
+            sum of row ``rank`` over the ranks). Any size (rows that are not whole 16-byte
+            vectors are padded inside the symmetric buffer).
         dtype: torch dtype (or its name): float16, bfloat16, float32, float64, int32 or int64.
         world_size: number of ranks; defaults to ``allocator.num_ranks`` and must equal it.
+        algorithm: ``"auto"`` or ``"sm"`` (the reduction kernel; the only one).
         group: process group for the constructor's barrier; default ``torch.distributed``'s
             world group when initialised.
         threads: threads per block (multiple of 32, at most 1024; default 512).
@@ -61,42 +67,58 @@ class ReduceScatter(ReductionCollective):
             world_size)``).
         target: TileLang target (default ``sm_90a``).
 
-    Attributes: ``input`` (the symmetric buffer the next call reads, ``(world_size,
-    *shard_shape)``: write into it and call ``rs(rs.input)`` to skip staging), ``output``
-    (local, ``shard_shape``; what a call without ``out`` returns, overwritten by the next
-    call), ``plan``, ``stages`` (two, double-buffered), ``flags``, ``kernel``, ``epoch``.
+    Attributes: ``input`` (the symmetric buffer the next call reads, ``shape``: write into
+    it and call ``rs(rs.input)`` to skip staging), ``output`` (local, ``shard_shape``, the
+    row; what a call without ``out`` returns, overwritten by the next call), ``algorithm``,
+    ``plan`` (the grid), ``stages`` (two, double-buffered), ``flags``, ``kernel``, ``epoch``.
 
     Construction and calls are collective: every rank builds the same instances with the
-    same arguments and makes the same sequence of calls.
+    same arguments and makes the same sequence of calls. 0.1.0 spellings (``shard_shape=``
+    the row, a row shape in place of ``shape``, a positional ``world_size``) work with a
+    warning.
     """
 
-    def __init__(self, allocator, shard_shape: Union[int, Sequence[int]],
-                 dtype: Union[torch.dtype, str], world_size: Optional[int] = None, *,
+    ALGORITHMS = ALGORITHMS
+    torch_reference = staticmethod(torch_reference)
+
+    @accepts_0_1_init(positional=("world_size",), translate=row_shape_0_1)
+    def __init__(self, allocator, shape: Union[int, Sequence[int]], dtype: Union[torch.dtype, str], *,
+                 world_size: Optional[int] = None, algorithm: Literal["auto", "sm"] = "auto",
                  group=None, threads: int = 512, max_blocks: Optional[int] = None,
                  unroll: Optional[int] = None, target=None):
         from tilescale_examples.base import check_target
 
         check_target(target)
-        self._setup(allocator, shard_shape, dtype, world_size, group, threads, max_blocks, REDUCE_DTYPES)
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        self._setup(allocator, shape, dtype, world_size, group, threads, max_blocks, REDUCE_DTYPES)
+        self._rows_of_shape()
+        self.algorithm = "sm"
         self._build("reduce_scatter", self.shard_numel, unroll, target)
         self.output = self.result.view(-1)[: self.shard_numel].view(self.shard_shape)
 
+    def _largest_numel(self) -> int:
+        return math.prod(self.shape)  # shape is the whole input, (world_size, *row)
+
     def _input_view(self, stage: torch.Tensor) -> torch.Tensor:
-        """``stage`` as ``(world_size, *shard_shape)`` (strided when a row is not whole vectors)."""
+        """``stage`` as ``shape`` (strided when a row is not whole vectors)."""
         p = self.plan
         rows = stage.view(self.world_size, p.span * p.vec)[:, : self.shard_numel]
-        return rows.view(self.world_size, *self.shard_shape)
+        return rows.view(self.shape)
 
-    def __call__(self, input: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    @accepts_0_1_out(1)
+    def __call__(self, input: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Sum row ``rank`` of ``input`` over all ranks.
 
         Args:
-            input: a contiguous ``(world_size, *shard_shape)`` tensor of ``dtype`` on the
-                allocator's device (or ``rs.input``).
-            out: where to write the sum (``shard_shape``, contiguous); default ``rs.output``.
+            input: a contiguous tensor of ``shape`` (``(world_size, *row)``) and ``dtype`` on
+                the allocator's device (or ``rs.input``).
+            out: where to write the sum (``shard_shape``, the row; contiguous); default
+                ``rs.output``.
 
         Returns ``out`` (or ``rs.output``), complete when the kernel finishes on the current
-        stream. Staging into the symmetric buffer is part of the call.
+        stream. Staging into the symmetric buffer is part of the call. Raises
+        :class:`~tilescale_examples.base.ClosedError` after ``close()``.
         """
         self._check_open()
         if not self._is_view_of(input, self._next_input_view()):

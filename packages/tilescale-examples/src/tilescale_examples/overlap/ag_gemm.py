@@ -5,7 +5,7 @@ Every rank holds ``a``, an ``(m_local, k)`` row block of the activations, and ``
 ``(world_size * m_local, k)`` stack of every rank's ``a`` (what ``all_gather_into_tensor``
 followed by ``torch.matmul`` computes)::
 
-    agg = AllGatherGEMM(allocator, m_local=1024, k=8192, n=3584, dtype=torch.bfloat16)
+    agg = AllGatherGEMM(allocator, 1024, 8192, 3584, torch.bfloat16)   # m_local, k, n, dtype
     out = agg(a, b)      # (world_size * 1024, 3584)
     ...
     agg.close()
@@ -41,7 +41,7 @@ last reader of parity ``(e + 1) % 2`` on ``p``, had finished. So no copy overwri
 GEMM still reads, without any handshake. Flags are set to the epoch (never reset) and waits
 are ``>=``.
 
-The sequential plan (``plan="sequential"``, or ``"auto"`` where stream memory operations are
+The sequential plan (``algorithm="sequential"``, or ``"auto"`` where stream memory operations are
 missing, with a log line): the example :class:`~tilescale_examples.collectives.allgather.AllGather`
 kernel, then the stock GEMM on the gathered rows; no overlap.
 
@@ -52,13 +52,14 @@ float32 accumulation.
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
 
-from typing import Optional, Sequence, Union
+from typing import Literal, Optional, Sequence, Union
 
 import torch
 
-from tilescale_examples.base import check_tensor, compile_once, settle
+from tilescale_examples.base import (accepts_0_1_init, accepts_0_1_out, accepts_0_1_reference, check_tensor,
+                                     settle)
 from tilescale_examples.overlap.gemm import (DTYPES, GemmTiles, OverlappedGemm, build_gemm_kernel, check_gemm_dims,
-                                     check_positive, gemm_mainloop)
+                                             check_positive, gemm_mainloop)
 from tilescale_examples.overlap.stream_ops import CopyEnginePush, plan_row_chunks
 
 __all__ = ["AllGatherGEMM", "build_ag_gemm_kernel", "tile_order", "torch_reference", "heap_bytes"]
@@ -116,25 +117,40 @@ def build_ag_gemm_kernel(m_local: int, k: int, n: int, world_size: int, num_chun
     return ag_gemm
 
 
-def torch_reference(a_shards, b: torch.Tensor) -> torch.Tensor:
-    """``cat(a_shards) @ b`` in float32 (compare the kernel's output with
+def _reference(inputs: Sequence, rank: int) -> torch.Tensor:
+    """The float32 result on ``rank``: ``cat(a_p for every rank p) @ b_rank``, from every
+    rank's call arguments ``inputs[p] = (a_p, b_p)`` (compare the kernel's output with
     :func:`~tilescale_examples.overlap.gemm.count_outside`)."""
-    a_shards = list(a_shards)
-    if not a_shards:
-        raise ValueError("a_shards must hold one tensor per rank, got none")
-    return torch.cat([a.float() for a in a_shards], dim=0) @ b.float()
+    inputs = list(inputs)
+    if not inputs:
+        raise ValueError("inputs must hold one (a, b) pair per rank, got none")
+    if not 0 <= rank < len(inputs):
+        raise ValueError(f"rank must be in [0, {len(inputs)}), got {rank}")
+    return torch.cat([a.float() for a, _ in inputs], dim=0) @ inputs[rank][1].float()
+
+
+def _shards_and_b(*args, **kwargs):
+    """The 0.1.0 ``torch_reference(a_shards, b)``: ``([(a_p, b), ...], 0)``."""
+    if len(args) == 2 and not kwargs and isinstance(args[1], torch.Tensor):
+        shards = list(args[0])
+        if not shards:
+            raise ValueError("a_shards must hold one tensor per rank, got none")
+        return [(a, args[1]) for a in shards], 0
+    return None
+
+
+#: :meth:`AllGatherGEMM.torch_reference`; ``torch_reference(a_shards, b)`` is the 0.1.0 spelling (it warns).
+torch_reference = accepts_0_1_reference("ag_gemm.torch_reference(a_shards, b)", _shards_and_b)(_reference)
 
 
 def heap_bytes(world_size: int, m_local: int, k: int, dtype: torch.dtype = torch.bfloat16, max_chunks: int = 8,
                max_blocks: int = 256) -> int:
     """Symmetric-heap bytes per rank one :class:`AllGatherGEMM` needs under either plan
-    (the larger): fused, the double gathered buffer and the flags; sequential, the
-    all-gather's input, output and flags (``max_blocks`` bounds its chunks). Alignment slack
-    included."""
-    item = torch.empty((), dtype=dtype).element_size()
-    fused = 2 * world_size * m_local * k * item + 8 * world_size * max_chunks
-    sequential = (1 + world_size) * m_local * k * item + 16 * world_size * max_blocks
-    return max(fused, sequential) + 4 * 256
+    (the larger): :meth:`AllGatherGEMM.heap_bytes` (a dry run of the constructor) with the
+    all-gather of the sequential plan on a grid of ``max_blocks`` blocks (``n`` does not
+    change the heap)."""
+    return AllGatherGEMM._heap_bytes((m_local, k, GemmTiles().block_n, dtype), {"max_chunks": max_chunks},
+                                     world_size, max_blocks)
 
 
 class AllGatherGEMM(OverlappedGemm):
@@ -147,53 +163,58 @@ class AllGatherGEMM(OverlappedGemm):
             is ``(world_size * m_local, n)``. Multiples of ``block_m``, ``block_k``,
             ``block_n``.
         dtype: float16 or bfloat16 (float32 accumulation).
+        world_size: number of ranks; defaults to ``allocator.num_ranks`` and must equal it.
+        algorithm: ``"auto"`` (fused where stream memory operations exist on every rank and
+            every rank has a GPU of its own, else sequential with a log line), ``"fused"`` or
+            ``"sequential"``.
         group: process group (the constructor's barrier and plan agreement); default the
             initialised world group.
         block_m, block_n, block_k, num_stages, threads: the GEMM's tiling
             (:class:`~tilescale_examples.overlap.gemm.GemmTiles`).
         max_chunks: most row chunks per rank (:func:`~tilescale_examples.overlap.stream_ops.plan_row_chunks`).
-        plan: ``"auto"`` (fused where stream memory operations exist on every rank and every
-            rank has a GPU of its own, else sequential with a log line), ``"fused"`` or
-            ``"sequential"``.
         target: TileLang target (default ``sm_90a``).
 
     Attributes: ``output`` (``(world_size * m_local, n)``, overwritten by the next call),
-    ``epoch`` (calls made), ``plan`` and ``plan_reason``, ``tiles``; fused: ``own_kernel``
-    (this rank's rows), ``kernel`` (the peers' rows; the same as ``own_kernel`` with one
-    rank), ``chunks`` (``[(first_unit, n_units)]``), ``gathered`` (the local ``(2,
-    world_size, m_local, k)`` buffer) and ``flags``; sequential: ``all_gather`` and
-    ``kernel`` (the stock GEMM).
+    ``epoch`` (calls made), ``algorithm`` and ``algorithm_reason`` (``plan`` and
+    ``plan_reason`` in 0.1.0), ``tiles``; fused: ``own_kernel`` (this rank's rows), ``kernel``
+    (the peers' rows; the same as ``own_kernel`` with one rank), ``chunks``
+    (``[(first_unit, n_units)]``), ``gathered`` (the local ``(2, world_size, m_local, k)``
+    buffer) and ``flags``; sequential: ``all_gather`` and ``kernel`` (the stock GEMM).
     Construction and calls are collective: same instances, same call sequence on every rank.
+    0.1.0 spellings (no ``dtype``, ``plan=``, ``out`` positional) work with a warning.
     """
 
     _BUFFERS = ("output", "gathered", "flags", "all_gather", "own_kernel", "_push", "_peers", "_order",
                 "_compute")
     #: Ranks sharing a GPU run the sequential plan: a copy within one GPU may be an SM kernel.
     FUSED_NEEDS_OWN_GPUS = True
+    torch_reference = staticmethod(_reference)
 
-    def __init__(self, allocator, m_local: int, k: int, n: int, dtype: Union[torch.dtype, str] = torch.float16, *,
+    @accepts_0_1_init(renamed={"plan": "algorithm"}, defaults={"dtype": torch.float16})
+    def __init__(self, allocator, m_local: int, k: int, n: int, dtype: Union[torch.dtype, str], *,
+                 world_size: Optional[int] = None, algorithm: Literal["auto", "fused", "sequential"] = "auto",
                  group=None, block_m: int = 128, block_n: int = 256, block_k: int = 64, num_stages: int = 3,
-                 threads: int = 256, max_chunks: int = 8, plan: str = "auto", target=None):
+                 threads: int = 256, max_chunks: int = 8, target=None):
         from tilescale_examples.base import check_target
 
         check_target(target)
         tiles = GemmTiles(block_m, block_n, block_k, num_stages, threads)
         check_positive("max_chunks", max_chunks)
-        self._setup(allocator, m_local, k, n, dtype, group, tiles, plan, rows_per_call=2)
+        self._setup_gemm(allocator, m_local, k, n, dtype, world_size, group, tiles, algorithm, rows_per_call=2)
         W, name = self.world_size, DTYPES[self.dtype]
         self.all_gather = self.gathered = self.flags = self.chunks = self.own_kernel = None
         self._push = self._peers = self._order = self._compute = None
         self.output = torch.empty((W * m_local, n), dtype=self.dtype, device=self.device)
-        if self.plan == "sequential":
+        if self.algorithm == "sequential":
             from tilescale_examples.collectives.allgather import AllGather
 
             self.all_gather = AllGather(allocator, (m_local, k), self.dtype, group=self.group, target=target)
-            self.kernel = compile_once(build_gemm_kernel(W * m_local, n, k, name, tiles), self.group, target)
+            self.kernel = self._compile_plain(lambda: build_gemm_kernel(W * m_local, n, k, name, tiles), target)
             return
-        self.own_kernel = compile_once(build_gemm_kernel(m_local, n, k, name, tiles), self.group, target)
+        self.own_kernel = self._compile_plain(lambda: build_gemm_kernel(m_local, n, k, name, tiles), target)
         if W == 1:  # nothing to gather: the GEMM of this rank's rows is the whole call
             self.kernel = self.own_kernel
-            self.plan_reason = "one rank: the GEMM alone, nothing to communicate"
+            self.algorithm_reason = "one rank: the GEMM alone, nothing to communicate"
             return
         import tilelang
 
@@ -216,28 +237,29 @@ class AllGatherGEMM(OverlappedGemm):
         check_tensor(a, (self.m_local, self.k), self.dtype, self.device, "a", "(m_local, k) =", "AllGatherGEMM")
         check_tensor(b, (self.k, self.n), self.dtype, self.device, "b", "(k, n) =", "AllGatherGEMM")
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    @accepts_0_1_out(2)
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``all_gather(a) @ b`` on the current stream; returns ``self.output`` (overwritten
         by the next call) or ``out`` (a contiguous ``(world_size * m_local, n)`` tensor of the
         dtype on the device, written directly). ``a`` is read by the copy engines; it may be
         overwritten by work enqueued after this call. Every rank makes the same sequence of
-        calls, eagerly or in CUDA graph replays.
+        calls, eagerly or in CUDA graph replays. Raises
+        :class:`~tilescale_examples.base.ClosedError` after ``close()``.
 
-        Raises ``RuntimeError`` under CUDA graph capture for the fused plan with two or more
-        ranks (its copy-engine pushes carry the call number from the host); the sequential
-        plan and one rank capture."""
+        Raises ``RuntimeError`` under CUDA graph capture for the fused algorithm with two or
+        more ranks (its copy-engine pushes carry the call number from the host); the
+        sequential algorithm and one rank capture."""
         self._check_open()
         self.check_inputs(a, b)
         if out is not None:
-            check_tensor(out, (self.world_size * self.m_local, self.n), self.dtype, self.device, "out",
-                         "(world_size * m_local, n) =", "AllGatherGEMM")
-        if self.plan == "fused" and self.world_size > 1 and self._capturing():
-            raise RuntimeError("AllGatherGEMM(plan='fused') with two or more ranks cannot be captured in a CUDA "
+            self._check_out(out, (self.world_size * self.m_local, self.n), "(world_size * m_local, n) =")
+        if self.algorithm == "fused" and self.world_size > 1 and self._capturing():
+            raise RuntimeError("AllGatherGEMM(algorithm='fused') with two or more ranks cannot be captured in a CUDA "
                                "graph: its copy-engine pushes carry the call number from the host. Build it with "
-                               "plan='sequential' to capture it")
+                               "algorithm='sequential' to capture it")
         result = self.output if out is None else out
         main = self._begin_call()
-        if self.plan == "sequential":
+        if self.algorithm == "sequential":
             gathered = self.all_gather(a)
             self.kernel(gathered.view(-1, self.k), b, result)
         else:

@@ -14,7 +14,9 @@ shape checks, and the error bound their tests and benchmarks use.
   positive multiple of its tile.
 * :func:`error_bound` / :func:`count_outside`: the element-wise bound a 16-bit GEMM output
   must meet against a float32 reference (see :func:`error_bound`).
-* :class:`OverlappedGemm`: the checks, plan, epoch and lifetime of the overlapped objects.
+* :class:`OverlappedGemm`: the checks, algorithm (plan), call order across streams and
+  :func:`torch_reference` of the overlapped objects; their setup and lifetime are
+  :class:`~tilescale_examples.base.SymmetricOp`'s.
 """
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
@@ -24,7 +26,9 @@ from typing import Optional
 
 import torch
 
-from tilescale_examples.base import Closable, KernelOwner
+from tilescale_core.interface import check_positive_int
+
+from tilescale_examples.base import SymmetricOp
 
 __all__ = ["GemmTiles", "OverlappedGemm", "DTYPES", "gemm_mainloop", "build_gemm_kernel", "check_gemm_dims",
            "check_positive", "unit_roundoff", "error_bound", "count_outside", "MAX_ELEMENTS"]
@@ -36,10 +40,9 @@ MAX_ELEMENTS = 2**31
 
 
 def check_positive(name: str, value) -> int:
-    """``value`` if it is a positive int (not a bool); else ``ValueError`` naming ``name``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    """``value`` if it is a positive int (not a bool); else ``ValueError`` naming ``name``
+    (:func:`tilescale_core.interface.check_positive_int`)."""
+    return check_positive_int(name, value)
 
 
 @dataclass(frozen=True)
@@ -168,45 +171,57 @@ def count_outside(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
 
 
 # ------------------------------------------------------------------------------ the objects
-class OverlappedGemm(KernelOwner, Closable):
+class OverlappedGemm(SymmetricOp):
     """What :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM` and
-    :class:`~tilescale_examples.overlap.gemm_rs.GemmReduceScatter` share: argument checks before
-    anything is allocated, the plan, the epoch, the call order across streams and the
-    lifetime. Subclasses call ``_setup(...)`` first, then build their plan; they keep the
-    GEMM in ``kernel`` (``None`` once closed) and list their buffers in ``_BUFFERS``."""
+    :class:`~tilescale_examples.overlap.gemm_rs.GemmReduceScatter` share besides
+    :class:`~tilescale_examples.base.SymmetricOp`: the GEMM checks before anything is
+    allocated, the algorithm (``"fused"`` or ``"sequential"``), the call order across streams
+    and ``flops()``. Subclasses call ``_setup_gemm(...)`` first, then build their plan; they
+    list their buffers (and the collective of the sequential plan) in ``_BUFFERS``."""
 
-    _BUFFERS: tuple = ()
+    #: Values of the ``algorithm`` argument (:data:`~tilescale_examples.overlap.stream_ops.PLANS`).
+    ALGORITHMS = ("auto", "fused", "sequential")
+    #: ``"auto"`` probes the devices and peers: heap_bytes of "auto" is the larger plan's.
+    _AUTO_PROBES = ("fused", "sequential")
     #: Whether the fused plan needs one GPU per rank (its GEMM waits for copy-engine work).
     FUSED_NEEDS_OWN_GPUS: bool = False
 
-    def _setup(self, allocator, m_local: int, k: int, n: int, dtype, group, tiles: GemmTiles, plan: str,
-               rows_per_call: int) -> None:
+    def _setup_gemm(self, allocator, m_local: int, k: int, n: int, dtype, world_size, group, tiles: GemmTiles,
+                    algorithm: str, rows_per_call: int) -> None:
         """Check everything (``ValueError`` / ``TypeError`` naming the argument), then set
-        ``allocator``, ``m_local``, ``k``, ``n``, ``dtype``, ``tiles``, ``world_size``,
-        ``rank``, ``device``, ``group``, ``plan``, ``plan_reason``, ``epoch``.
-        ``rows_per_call``: the largest row count of a buffer, in units of ``m_local`` (for the
-        ``int32`` indexing check)."""
-        from tilescale_examples.base import check_allocator, check_dtype, check_group, default_group
-        from tilescale_examples.overlap.stream_ops import CallOrder, resolve_plan
+        :class:`~tilescale_examples.base.SymmetricOp`'s attributes and ``m_local``, ``k``,
+        ``n``, ``tiles``, ``algorithm``, ``algorithm_reason``. ``rows_per_call``: the largest
+        row count of a buffer, in units of ``m_local`` (for the ``int32`` indexing check)."""
+        from tilescale_examples.overlap.stream_ops import PLANS, CallOrder, resolve_plan
 
         owner = type(self).__name__
-        check_allocator(allocator)
-        self.dtype = check_dtype(dtype, DTYPES)
+        if algorithm not in PLANS:
+            raise ValueError(f"algorithm must be one of {PLANS}, got {algorithm!r}")
+        self._setup_op(allocator, dtype, world_size, group, DTYPES)
         check_gemm_dims(owner, tiles, m_local=m_local, k=k, n=n)
-        W = int(allocator.num_ranks)
+        W = self.world_size
         if rows_per_call * W * m_local * max(k, n) >= MAX_ELEMENTS:
             raise ValueError(f"{owner}: {rows_per_call} x {W} x {m_local} x {max(k, n)} elements exceed the "
                              "kernels' int32 indexing (< 2**31); use a smaller m_local")
-        self.allocator, self.m_local, self.k, self.n, self.tiles = allocator, m_local, k, n, tiles
-        self.world_size, self.rank = W, int(allocator.local_rank)
-        check_group(group)
-        self.device = torch.device(allocator.device)
-        self.group = default_group() if group is None else group
-        self.plan, self.plan_reason = resolve_plan(owner, plan, self.device, self.group, W,
-                                                   type(self).FUSED_NEEDS_OWN_GPUS)
-        self.epoch = 0
+        self.m_local, self.k, self.n, self.tiles = m_local, k, n, tiles
+        if self._dry_run:  # no device to probe: the plan asked for ("auto": see heap_bytes)
+            self.algorithm = "sequential" if algorithm == "auto" else algorithm
+            self.algorithm_reason = "dry run"
+        else:
+            self.algorithm, self.algorithm_reason = resolve_plan(owner, algorithm, self.device, self.group, W,
+                                                                 type(self).FUSED_NEEDS_OWN_GPUS)
         self._order_calls = CallOrder()
-        self._captured = self._capturing_now = False
+        self._capturing_now = False
+
+    @property
+    def plan(self) -> str:
+        """The 0.1.0 name of :attr:`algorithm`."""
+        return self.algorithm
+
+    @property
+    def plan_reason(self) -> str:
+        """The 0.1.0 name of :attr:`algorithm_reason`."""
+        return self.algorithm_reason
 
     def _begin_call(self):
         """Start a call on the current stream: order it after this instance's previous call
@@ -230,22 +245,7 @@ class OverlappedGemm(KernelOwner, Closable):
         """Floating-point operations of one call's GEMM: ``2 * world_size * m_local * n * k``."""
         return 2.0 * self.world_size * self.m_local * self.n * self.k
 
-    def close(self) -> None:
-        """Drop the kernels, streams and buffers (idempotent); heap bytes return with
-        ``allocator.close()``."""
-        for name in self._BUFFERS:
-            part = getattr(self, name, None)
-            if isinstance(part, Closable):  # a collective of the sequential plan
-                part.close()
-            setattr(self, name, None)
-        self.kernel = None
-
-    @property
-    def closed(self) -> bool:
-        """Whether ``close()`` has been called."""
-        return getattr(self, "kernel", None) is None
-
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(m_local={self.m_local}, k={self.k}, n={self.n}, dtype={self.dtype}, "
-                f"world_size={self.world_size}, plan={self.plan!r}, epoch={self.epoch}"
+                f"world_size={self.world_size}, algorithm={self.algorithm!r}, epoch={self.epoch}"
                 f"{', closed' if self.closed else ''})")

@@ -7,7 +7,7 @@ m_local .. (r + 1) * m_local - 1`` of the result; afterwards it holds ``out_shar
 ranks p of (a_p @ b_p)[its rows]``, ``(m_local, n)`` (what ``torch.matmul`` followed by
 ``reduce_scatter_tensor`` computes)::
 
-    grs = GemmReduceScatter(allocator, m_local=1024, k=8192, n=3584, dtype=torch.bfloat16)
+    grs = GemmReduceScatter(allocator, 1024, 8192, 3584, torch.bfloat16)   # m_local, k, n, dtype
     out = grs(a, b)      # a: (world_size * 1024, 8192); out: (1024, 3584)
     ...
     grs.close()
@@ -50,7 +50,7 @@ synchronisation is needed.
 With one rank there is nothing to reduce: the fused plan is the stock GEMM writing the
 output.
 
-The sequential plan (``plan="sequential"``, or ``"auto"`` where stream memory operations are
+The sequential plan (``algorithm="sequential"``, or ``"auto"`` where stream memory operations are
 missing, with a log line): the stock GEMM into the symmetric input of the example
 :class:`~tilescale_examples.collectives.reducescatter.ReduceScatter`, then that kernel; no overlap.
 
@@ -61,13 +61,14 @@ The partials are rounded to the dtype (a float32 accumulation sums them).
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
 
-from typing import Optional, Sequence, Union
+from typing import Literal, Optional, Sequence, Union
 
 import torch
 
-from tilescale_examples.base import check_tensor, compile_once, settle
+from tilescale_examples.base import (accepts_0_1_init, accepts_0_1_out, accepts_0_1_reference, check_tensor,
+                                     settle)
 from tilescale_examples.overlap.gemm import (DTYPES, GemmTiles, OverlappedGemm, build_gemm_kernel, check_gemm_dims,
-                                     check_positive, gemm_mainloop)
+                                             check_positive, gemm_mainloop)
 from tilescale_examples.overlap.stream_ops import wait_counter_geq
 
 __all__ = ["GemmReduceScatter", "build_gemm_rs_kernel", "build_reduce_kernel", "torch_reference",
@@ -168,21 +169,39 @@ def build_reduce_kernel(m_local: int, n: int, world_size: int, dtype: str = "bfl
     return reduce_partials
 
 
-def torch_reference(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+def _reference(inputs: Sequence, rank: int) -> torch.Tensor:
     """The float32 result on ``rank``: ``sum_p (a_p @ b_p)[rank * m_local:(rank + 1) *
-    m_local]`` from every rank's ``a`` (``(world_size * m_local, k)``) and ``b``."""
-    a_shards, b_shards = list(a_shards), list(b_shards)
-    if not a_shards or len(a_shards) != len(b_shards):
-        raise ValueError(f"need one a and one b per rank, got {len(a_shards)} and {len(b_shards)}")
-    if not 0 <= rank < len(a_shards):
-        raise ValueError(f"rank must be in [0, {len(a_shards)}), got {rank}")
-    m_local = a_shards[0].shape[0] // len(a_shards)
+    m_local]`` from every rank's call arguments ``inputs[p] = (a_p, b_p)`` (``a_p``:
+    ``(world_size * m_local, k)``)."""
+    inputs = list(inputs)
+    if not inputs:
+        raise ValueError("inputs must hold one (a, b) pair per rank, got none")
+    if not 0 <= rank < len(inputs):
+        raise ValueError(f"rank must be in [0, {len(inputs)}), got {rank}")
+    m_local = inputs[0][0].shape[0] // len(inputs)
     rows = slice(rank * m_local, (rank + 1) * m_local)
     total = None
-    for a, b in zip(a_shards, b_shards):
+    for a, b in inputs:
         part = a[rows].float() @ b.float()
         total = part if total is None else total + part
     return total
+
+
+def _shards_and_rank(*args, **kwargs):
+    """The 0.1.0 ``torch_reference(a_shards, b_shards, rank)``: ``(list(zip(a_shards,
+    b_shards)), rank)``."""
+    if len(args) == 3 and not kwargs:
+        a_shards, b_shards, rank = list(args[0]), list(args[1]), args[2]
+        if not a_shards or len(a_shards) != len(b_shards):
+            raise ValueError(f"need one a and one b per rank, got {len(a_shards)} and {len(b_shards)}")
+        return list(zip(a_shards, b_shards)), rank
+    return None
+
+
+#: :meth:`GemmReduceScatter.torch_reference`; ``torch_reference(a_shards, b_shards, rank)`` is
+#: the 0.1.0 spelling (it warns).
+torch_reference = accepts_0_1_reference("gemm_rs.torch_reference(a_shards, b_shards, rank)",
+                                        _shards_and_rank)(_reference)
 
 
 def partial_magnitudes(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
@@ -195,12 +214,10 @@ def partial_magnitudes(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torc
 
 def heap_bytes(world_size: int, m_local: int, n: int, dtype: torch.dtype = torch.bfloat16, max_blocks: int = 256) -> int:
     """Symmetric-heap bytes per rank one :class:`GemmReduceScatter` needs under either plan
-    (the larger): fused, the double partial buffer and the counters; sequential, the
-    reduce-scatter's input, output and flags (``max_blocks`` bounds its chunks)."""
-    item = torch.empty((), dtype=dtype).element_size()
-    fused = 2 * world_size * m_local * n * item + 4 * world_size
-    sequential = (world_size + 1) * m_local * n * item + 16 * world_size * max_blocks
-    return max(fused, sequential) + 4 * 256
+    (the larger): :meth:`GemmReduceScatter.heap_bytes` (a dry run of the constructor) with
+    the reduce-scatter of the sequential plan on a grid of at most ``max_blocks`` blocks
+    (``k`` does not change the heap)."""
+    return GemmReduceScatter._heap_bytes((m_local, GemmTiles().block_k, n, dtype), {}, world_size, max_blocks)
 
 
 class GemmReduceScatter(OverlappedGemm):
@@ -212,41 +229,46 @@ class GemmReduceScatter(OverlappedGemm):
         m_local, k, n: ``a`` is ``(world_size * m_local, k)``, ``b`` ``(k, n)``, the output
             ``(m_local, n)``. Multiples of ``block_m``, ``block_k``, ``block_n``.
         dtype: float16 or bfloat16 (float32 accumulation; partials rounded to ``dtype``).
+        world_size: number of ranks; defaults to ``allocator.num_ranks`` and must equal it.
+        algorithm: ``"auto"``, ``"fused"`` or ``"sequential"`` (as for
+            :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM`).
         group: process group (the constructor's barrier and plan agreement); default the
             initialised world group.
         block_m, block_n, block_k, num_stages, threads: the GEMM's tiling.
-        plan: ``"auto"``, ``"fused"`` or ``"sequential"`` (as for
-            :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM`).
         target: TileLang target (default ``sm_90a``).
 
     Attributes: ``output`` (``(m_local, n)``, overwritten by the next call), ``epoch``,
-    ``plan``, ``plan_reason``, ``kernel`` (the GEMM), ``reduce_kernel`` (fused, two or more
-    ranks), ``tiles``,
+    ``algorithm`` and ``algorithm_reason`` (``plan`` and ``plan_reason`` in 0.1.0),
+    ``kernel`` (the GEMM), ``reduce_kernel`` (fused, two or more ranks), ``tiles``,
     ``partials`` and ``counters`` (fused), ``reduce_scatter`` (sequential). Construction and
-    calls are collective: same instances, same call sequence on every rank.
+    calls are collective: same instances, same call sequence on every rank. 0.1.0 spellings
+    (no ``dtype``, ``plan=``, ``out`` positional) work with a warning.
     """
 
     _BUFFERS = ("output", "partials", "counters", "calls", "reduce_kernel", "reduce_scatter", "_products")
+    torch_reference = staticmethod(_reference)
 
-    def __init__(self, allocator, m_local: int, k: int, n: int, dtype: Union[torch.dtype, str] = torch.float16, *,
+    @accepts_0_1_init(renamed={"plan": "algorithm"}, defaults={"dtype": torch.float16})
+    def __init__(self, allocator, m_local: int, k: int, n: int, dtype: Union[torch.dtype, str], *,
+                 world_size: Optional[int] = None, algorithm: Literal["auto", "fused", "sequential"] = "auto",
                  group=None, block_m: int = 128, block_n: int = 256, block_k: int = 64, num_stages: int = 3,
-                 threads: int = 256, plan: str = "auto", target=None):
+                 threads: int = 256, target=None):
         from tilescale_examples.base import check_target
 
         check_target(target)
         tiles = GemmTiles(block_m, block_n, block_k, num_stages, threads)
-        self._setup(allocator, m_local, k, n, dtype, group, tiles, plan, rows_per_call=2)
+        self._setup_gemm(allocator, m_local, k, n, dtype, world_size, group, tiles, algorithm, rows_per_call=2)
         W, name = self.world_size, DTYPES[self.dtype]
         self.tiles_per_rank = (m_local // block_m) * (n // block_n)
         self.partials = self.counters = self.calls = self.reduce_kernel = self.reduce_scatter = None
         self._products = None  # sequential plan, under CUDA graphs: the GEMM's output
         import tilelang
 
-        if self.plan == "fused" and W == 1:  # nothing to reduce: the GEMM writes the output
+        if self.algorithm == "fused" and W == 1:  # nothing to reduce: the GEMM writes the output
             self.output = torch.empty((m_local, n), dtype=self.dtype, device=self.device)
-            self.kernel = compile_once(build_gemm_kernel(m_local, n, k, name, tiles), self.group, target)
-            self.plan_reason = "one rank: the GEMM alone, nothing to communicate"
-        elif self.plan == "fused":
+            self.kernel = self._compile_plain(lambda: build_gemm_kernel(m_local, n, k, name, tiles), target)
+            self.algorithm_reason = "one rank: the GEMM alone, nothing to communicate"
+        elif self.algorithm == "fused":
             self.partials = tilelang.tensor((2, W, m_local, n), self.dtype, allocator=allocator)
             self.counters = tilelang.tensor((W,), torch.uint32, allocator=allocator)
             self.counters.view(torch.int32).zero_()
@@ -254,14 +276,15 @@ class GemmReduceScatter(OverlappedGemm):
             self.output = torch.empty((m_local, n), dtype=self.dtype, device=self.device)
             self.kernel = self._compile_kernel(lambda: build_gemm_rs_kernel(m_local, k, n, W, name, tiles), target)
             self.bind_table(force=True)
-            self.reduce_kernel = compile_once(build_reduce_kernel(m_local, n, W, name, tiles), self.group, target)
+            self.reduce_kernel = self._compile_plain(lambda: build_reduce_kernel(m_local, n, W, name, tiles), target)
             settle(self.device, self.group)
         else:
             from tilescale_examples.collectives.reducescatter import ReduceScatter
 
-            self.reduce_scatter = ReduceScatter(allocator, (m_local, n), self.dtype, group=self.group, target=target)
+            self.reduce_scatter = ReduceScatter(allocator, (W, m_local, n), self.dtype, group=self.group,
+                                                target=target)
             self.output = self.reduce_scatter.output
-            self.kernel = compile_once(build_gemm_kernel(W * m_local, n, k, name, tiles), self.group, target)
+            self.kernel = self._compile_plain(lambda: build_gemm_kernel(W * m_local, n, k, name, tiles), target)
 
     def check_inputs(self, a, b) -> None:
         """Raise ``TypeError`` / ``ValueError`` naming ``a`` or ``b`` unless they are contiguous
@@ -271,22 +294,23 @@ class GemmReduceScatter(OverlappedGemm):
                      "(world_size * m_local, k) =", "GemmReduceScatter")
         check_tensor(b, (self.k, self.n), self.dtype, self.device, "b", "(k, n) =", "GemmReduceScatter")
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    @accepts_0_1_out(2)
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``reduce_scatter(a @ b)`` on the current stream; returns ``self.output``
         (``(m_local, n)``, overwritten by the next call) or ``out`` (a contiguous ``(m_local,
         n)`` tensor of the dtype on the device, written directly), complete when the stream
         reaches the end of the call. Every rank makes the same sequence of calls, eagerly or
-        in CUDA graph replays (the call state lives on the device)."""
+        in CUDA graph replays (the call state lives on the device). Raises
+        :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
         self._check_open()
         self.check_inputs(a, b)
         if out is not None:
-            check_tensor(out, (self.m_local, self.n), self.dtype, self.device, "out", "(m_local, n) =",
-                         "GemmReduceScatter")
+            self._check_out(out, (self.m_local, self.n), "(m_local, n) =")
         result = self.output if out is None else out
         main = self._begin_call()
-        if self.plan == "fused" and self.world_size == 1:
+        if self.algorithm == "fused" and self.world_size == 1:
             self.kernel(a, b, result)
-        elif self.plan == "fused":
+        elif self.algorithm == "fused":
             self.bind_table()
             self.kernel(a, b, self.partials, self.counters, self.calls)
             base = self.counters.data_ptr()

@@ -15,11 +15,11 @@ operations), so that no streaming multiprocessor (SM) is spent or held.
 * :func:`stream_ops_available`: whether the device supports these operations.
 * :func:`plan_row_chunks`: how a shard's row blocks are cut into chunks (growing sizes).
 * :func:`choose_plan` / :func:`resolve_plan`: ``"fused"`` when every rank's device supports
-  these operations, else (for ``plan="auto"``) the ``"sequential"`` fallback with a log line.
+  these operations, else (for ``algorithm="auto"``) the ``"sequential"`` fallback with a log line.
 * :class:`CallOrder`: keeps an object's calls in one stream order when the caller switches
   streams between calls.
 
-The driver calls go through :mod:`tilescale_host._cuda` (checked: a failure raises
+The driver calls go through :mod:`tilescale_host.cuda` (checked: a failure raises
 ``CudaError`` naming the call).
 """
 
@@ -44,10 +44,10 @@ def stream_ops_available(device) -> tuple:
     if device.type != "cuda":
         return False, f"{device} is not a CUDA device"
     try:
-        from tilescale_host import _cuda
+        from tilescale_host import cuda
 
         index = device.index if device.index is not None else torch.cuda.current_device()
-        if not _cuda.device_attribute("CAN_USE_64_BIT_STREAM_MEM_OPS", index):
+        if not cuda.device_attribute("CAN_USE_64_BIT_STREAM_MEM_OPS", index):
             return False, f"cuda:{index} reports no 64-bit stream memory operations"
     except Exception as exc:  # no driver, no cuda-python, an old enum
         return False, f"stream memory operations could not be queried: {exc}"
@@ -81,7 +81,7 @@ def ranks_share_a_gpu(device, group=None, world_size: int = 1) -> bool:
     return len(uuids) < world_size
 
 
-#: Values of the overlapped GEMMs' ``plan`` argument.
+#: Values of the overlapped GEMMs' ``algorithm`` argument (``plan`` in 0.1.0).
 PLANS = ("auto", "fused", "sequential")
 
 
@@ -93,13 +93,13 @@ def choose_plan(requested: str, available: bool, reason: str = "") -> tuple:
     otherwise); ``"auto"`` is ``"fused"`` when they are available, else ``"sequential"``.
     Pure: no device access."""
     if requested not in PLANS:
-        raise ValueError(f"plan must be one of {PLANS}, got {requested!r}")
+        raise ValueError(f"algorithm must be one of {PLANS}, got {requested!r}")
     if requested == "sequential":
         return "sequential", "requested"
     if available:
         return "fused", reason
     if requested == "fused":
-        raise RuntimeError(f"plan='fused' needs stream memory operations on every rank: {reason}")
+        raise RuntimeError(f"algorithm='fused' needs stream memory operations on every rank: {reason}")
     return "sequential", reason
 
 
@@ -113,7 +113,7 @@ def resolve_plan(owner: str, requested: str, device, group=None, world_size: int
     from tilescale_examples.base import all_ranks_agree
 
     if requested not in PLANS:
-        raise ValueError(f"plan must be one of {PLANS}, got {requested!r}")
+        raise ValueError(f"algorithm must be one of {PLANS}, got {requested!r}")
     if requested == "sequential":
         return choose_plan(requested, False)
     ok, reason = stream_ops_available(device)
@@ -155,9 +155,9 @@ def plan_row_chunks(units: int, max_chunks: int = 8) -> list:
 
 
 def _driver():
-    from tilescale_host import _cuda
+    from tilescale_host import cuda
 
-    return _cuda.driver(), _cuda.check
+    return cuda.driver(), cuda.check
 
 
 def wait_counter_geq(stream_handle: int, address: int, value: int) -> None:

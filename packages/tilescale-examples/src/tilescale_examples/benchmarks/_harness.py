@@ -1,0 +1,77 @@
+"""The benchmarks' command line and ranks: what every benchmark module shares besides its
+timing (:mod:`~tilescale_examples.benchmarks._timing`) and its table
+(:mod:`~tilescale_examples.benchmarks._report`).
+
+* :func:`parser`: a benchmark's ``argparse`` parser, with the option every benchmark has:
+  ``--out DIR`` (save every table it prints into ``DIR``: CSV, JSON and, with matplotlib, a
+  PNG chart; see :func:`~tilescale_examples.benchmarks._report.save_tables`).
+* :func:`parse_args`: parse a benchmark's command line and act on ``--out``.
+* :func:`run_on_ranks`: run a rank body on the launcher's ranks or on spawned ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+
+__all__ = ["parser", "parse_args", "run_on_ranks"]
+
+
+def parser(name: str, description: str) -> argparse.ArgumentParser:
+    """The parser of benchmark ``name`` (``python -m tilescale_examples.benchmarks.<name>``),
+    with ``--out DIR``; the benchmark adds its own options, then calls :func:`parse_args`."""
+    p = argparse.ArgumentParser(prog=f"python -m tilescale_examples.benchmarks.{name}", description=description)
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="also save every table printed into DIR: <name>.csv, <name>.json and, with matplotlib "
+                        "(the [plot] extra), the chart <name>.png")
+    p.benchmark = name
+    return p
+
+
+def parse_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """``p.parse_args(argv)`` (``p`` from :func:`parser`); from then on every table the
+    benchmark prints is also saved into ``--out`` when given (tables ``<name>``,
+    ``<name>_2``, ...), and nowhere otherwise."""
+    from tilescale_examples.benchmarks._report import save_tables
+
+    save_tables(None)
+    args = p.parse_args(argv)
+    save_tables(args.out, p.benchmark)
+    return args
+
+
+def _spawned_rank(rank: int, world: int, fn, fn_args):
+    import torch
+    import torch.distributed as dist
+    from tilescale_core.multiprocess import rank_device
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # *_into_tensor renames
+    device = torch.device(rank_device(rank))  # its own GPU, or shared round-robin
+    torch.cuda.set_device(device)
+    return fn(rank, world, dist.group.WORLD, device, *fn_args)
+
+
+def run_on_ranks(fn, ranks: int, *fn_args):
+    """Run ``fn(rank, world, group, device, *fn_args)`` on every rank and return ``(rank 0's
+    result, backend, world)``: under ``tilescale-run``/torchrun on the launcher's ranks (group
+    from ``init_dist``), otherwise on ``ranks`` spawned ranks (NCCL with one GPU each, gloo
+    when they share GPUs). ``fn`` must be picklable (module level)."""
+    import torch
+
+    if "LOCAL_RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:  # under tilescale-run / torchrun
+        import torch.distributed as dist
+
+        from tilelang.distributed.host import init_dist
+
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        rank, world, group = init_dist(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
+        result = fn(rank, world, group, torch.device("cuda", torch.cuda.current_device()), *fn_args)
+        backend = dist.get_backend(group)
+        dist.destroy_process_group()
+        return (result if rank == 0 else None), backend, world
+    from tilescale_core.multiprocess import auto_backend, run_ranks
+
+    backend = auto_backend(ranks, share=False)  # NCCL when every rank has a GPU, else gloo
+    result = run_ranks(_spawned_rank, ranks, args=(fn, fn_args), backend=backend, timeout=1200)[0]
+    return result, backend, ranks
