@@ -135,10 +135,9 @@ def docs(session: nox.Session) -> None:
     if session.venv_backend != "none":
         # pytest: autodoc imports tilescale_host.pytest_plugin
         session.install("-c", str(CONSTRAINTS), "sphinx>=7", "myst-parser>=2", "pytest>=8")
-    session.run(
-        "python", "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
-        str(ROOT / "docs"), str(ROOT / "docs" / "_build" / "html"),
-    )
+    html = ROOT / "docs" / "_build" / "html"
+    session.run("python", "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(ROOT / "docs"), str(html))
+    session.log(f"HTML written to {html}; open {html / 'index.html'}")
 
 
 def _listed_gpus() -> int:

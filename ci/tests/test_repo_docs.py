@@ -154,3 +154,19 @@ def test_snippet_markers_and_install_lines_are_read():
         ("cpu", 'pip install --find-links dist "tilescale[examples]>=0.1"', "print(1)\n"), (None, 'pip install --find-links dist "tilescale[examples]>=0.1"', "x\n")]
     assert doc_snippets.problems(text) == ["document:7: python block without a <!-- snippet: cpu|gpu|fragment --> marker"]
     assert doc_snippets.requirement(found[0].install) == ["tilescale[examples]>=0.1"]
+
+
+def test_quick_start_shows_the_ring_put_program_as_it_is():
+    """The quick start's program is the tutorial's source (from ``import os``), inline so that it
+    reads on a code host as well as in the built docs."""
+    source = (ROOT / "packages/tilescale-examples/src/tilescale_examples/tutorials/ring_put.py").read_text(encoding="utf-8")
+    program = source[source.index("import os"):]
+    blocks = [s.code for s in doc_snippets.snippets((ROOT / "docs/quickstart.md").read_text(encoding="utf-8"))]
+    assert program in blocks
+
+
+def test_docs_read_on_a_code_host_without_sphinx_directives():
+    """Pages a newcomer opens first carry no Sphinx directive (they show raw on a code host)."""
+    for page in ("README.md", "docs/index.md", "docs/quickstart.md"):
+        text = (ROOT / page).read_text(encoding="utf-8")
+        assert "```{" not in text, page

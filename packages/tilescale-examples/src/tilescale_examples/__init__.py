@@ -7,10 +7,10 @@ The product classes are importable from here (loaded on first use)::
 They share one call contract (docs/architecture.md, "Call contract"); every call of a closed
 one raises :class:`ClosedError` (a ``RuntimeError``), also exported here.
 
-Layout: :mod:`.collectives` (AllGather, AllToAll, ReduceScatter, AllReduce), :mod:`.overlap`
-(AllGatherGEMM, GemmReduceScatter), :mod:`.moe` (MoEDispatcher), :mod:`.tutorials`,
-:mod:`.testing` (emulated peers, precompile), :mod:`.benchmarks`, :mod:`.demo`, and
-:mod:`.torch_ops` (``torch.ops.tilescale.*``, registered when this package is imported).
+Layout: :mod:`tilescale_examples.collectives` (AllGather, AllToAll, ReduceScatter, AllReduce), :mod:`tilescale_examples.overlap`
+(AllGatherGEMM, GemmReduceScatter), :mod:`tilescale_examples.moe` (MoEDispatcher), :mod:`tilescale_examples.tutorials`,
+:mod:`tilescale_examples.testing` (emulated peers, precompile), :mod:`tilescale_examples.benchmarks`, :mod:`tilescale_examples.demo`, and
+:mod:`tilescale_examples.torch_ops` (``torch.ops.tilescale.*``, registered when this package is imported).
 """
 
 from tilescale_core.interface import lazy_getattr
