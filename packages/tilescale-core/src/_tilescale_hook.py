@@ -42,10 +42,6 @@ DEFAULT_ORDER = 100
 #: Environment variable that, when on (``1``/``true``/``yes``/``on``), keeps the hook from
 #: being installed.
 DISABLE_ENV = "TILESCALE_DISABLE_HOOK"
-#: Spellings of on and off: a copy of :data:`tilescale_core.env.TRUE` / ``FALSE`` (importing
-#: that module here would cost start-up time; a test keeps the copies equal).
-TRUE = ("1", "true", "yes", "on", "y", "t")
-FALSE = ("0", "false", "no", "off", "n", "f")
 _TARGET = "tilelang"
 _warned = False
 _MARKER = "__tilescale_extensions__"
@@ -149,21 +145,21 @@ def extend(tilelang_module):
 
 
 def parse_disable(value):
-    """``TILESCALE_DISABLE_HOOK``'s text (None when unset) as a bool, as
-    :func:`tilescale_core.env.parse_flag` reads it (unset or blank: False).
+    """``TILESCALE_DISABLE_HOOK``'s text (None when unset) as a bool, read as every TileScale
+    switch is (:func:`tilescale_core.env.parse_flag`; unset or blank: False).
+
+    Unset or blank, the answer needs no import: that is the start-up path, which must import
+    nothing. Any other value imports :mod:`tilescale_core.env` (standard library only), so
+    that its spellings and its error are the only ones.
 
     Raises:
         ValueError: neither an on nor an off spelling, naming the variable and the value.
     """
     if value is None or not value.strip():
         return False
-    text = value.strip().lower()
-    if text in TRUE:
-        return True
-    if text in FALSE:
-        return False
-    raise ValueError(f"{DISABLE_ENV}={value!r} is not a boolean: use one of {'/'.join(TRUE)} (on) or "
-                     f"{'/'.join(FALSE)} (off), or leave it unset")
+    from tilescale_core.env import parse_flag
+
+    return parse_flag(DISABLE_ENV, value)
 
 
 def startup():

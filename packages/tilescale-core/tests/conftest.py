@@ -1,4 +1,5 @@
-"""tilescale-core tests: GPU tests (``@pytest.mark.gpu``) are skipped, with the reason, without CUDA."""
+"""tilescale-core tests: GPU tests (``@pytest.mark.gpu``) are skipped, with the reason, without CUDA
+(by tilescale-host's ``tilescale`` plugin when it is installed, else by this conftest)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config.pluginmanager.get_plugin("tilescale"), "add_gpu_marker_alias"):
+        return  # the plugin skips ``gpu`` tests itself (``register_gpu_marker`` made ``gpu`` its alias)
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

@@ -7,6 +7,7 @@ own connections are served concurrently.
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import subprocess
@@ -125,19 +126,29 @@ def test_peer_credentials_are_this_process():
         assert peer_credentials(a) == (os.getpid(), os.getuid())
 
 
-FLOOD = textwrap.dedent(
+def _connect_nonblocking(address, full=OSError):
+    """A non-blocking connection to the Unix socket ``address``, or None when connecting
+    raises ``full`` (the listen queue is full)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.setblocking(False)
+    try:
+        s.connect(address)
+    except full:
+        s.close()
+        return None
+    return s
+
+
+# The flooder's script; it defines _connect_nonblocking from this module's source.
+FLOOD = inspect.getsource(_connect_nonblocking) + textwrap.dedent(
     """
     import socket, sys, time
     address, end = "\\0" + sys.argv[1], time.monotonic() + float(sys.argv[2])
     held = []
     print("flooding", flush=True)
     while time.monotonic() < end:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.setblocking(False)
-        try:
-            s.connect(address)
-        except OSError:
-            s.close()
+        s = _connect_nonblocking(address)
+        if s is None:
             continue
         held.append(s)
         if len(held) >= 256:
@@ -233,15 +244,9 @@ def _full_queue(address: str):
     srv.bind(address)
     srv.listen(0)
     fillers = []
-    while True:
-        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        c.setblocking(False)
-        try:
-            c.connect(address)
-        except BlockingIOError:
-            c.close()
-            return srv, fillers
+    while (c := _connect_nonblocking(address, BlockingIOError)) is not None:
         fillers.append(c)
+    return srv, fillers
 
 
 def test_receive_fd_waits_for_room_in_a_full_listen_queue(memfd):

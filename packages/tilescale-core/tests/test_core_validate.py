@@ -30,18 +30,17 @@ def test_positive_int_accepts_and_returns_an_int(value):
     assert type(check_positive_int("n", value)) is int
 
 
-@pytest.mark.parametrize("value", [0, -1, *_NOT_INTS])
-def test_positive_int_rejects(value):
-    with pytest.raises(ValueError, match=rf"^n must be a positive int, got {re_repr(value)}$"):
-        check_positive_int("n", value)
+#: The integer checks: (check, the name they are called with here, what they require).
+_INT_CHECKS = {"positive": (check_positive_int, "n", "a positive int"),
+               "non_negative": (check_non_negative_int, "warmup", "a non-negative int")}
 
 
-def test_positive_int_upper_bound_is_inclusive():
-    assert check_positive_int("blocks", 8, upper=8) == 8
-    with pytest.raises(ValueError, match=r"^blocks must be at most 8, got 9$"):
-        check_positive_int("blocks", 9, upper=8)
-    with pytest.raises(ValueError, match="must be a positive int"):  # the type is checked first
-        check_positive_int("blocks", 9.0, upper=8)
+@pytest.mark.parametrize("which,value", [("positive", v) for v in [0, -1, *_NOT_INTS]]
+                         + [("non_negative", v) for v in [-1, *_NOT_INTS]])
+def test_int_checks_reject(which, value):
+    check, name, kind = _INT_CHECKS[which]
+    with pytest.raises(ValueError, match=rf"^{name} must be {kind}, got {re_repr(value)}$"):
+        check(name, value)
 
 
 @pytest.mark.parametrize("value", [0, 1, 7])
@@ -49,16 +48,17 @@ def test_non_negative_int_accepts_zero(value):
     assert check_non_negative_int("warmup", value) == value
 
 
-@pytest.mark.parametrize("value", [-1, *_NOT_INTS])
-def test_non_negative_int_rejects(value):
-    with pytest.raises(ValueError, match=rf"^warmup must be a non-negative int, got {re_repr(value)}$"):
-        check_non_negative_int("warmup", value)
-
-
-def test_non_negative_int_upper_bound():
-    assert check_non_negative_int("rank", 0, upper=0) == 0
-    with pytest.raises(ValueError, match=r"^rank must be at most 3, got 4$"):
-        check_non_negative_int("rank", 4, upper=3)
+@pytest.mark.parametrize("which,name,good,bad", [("positive", "blocks", (8, 8), (9, 8)),
+                                                 ("non_negative", "rank", (0, 0), (4, 3))])
+def test_int_checks_upper_bound_is_inclusive(which, name, good, bad):
+    """``(value, upper)``: ``good`` passes (a value at the bound), ``bad`` is past it; as a
+    float ``bad`` is refused for its type, which is checked first."""
+    check, _, kind = _INT_CHECKS[which]
+    assert check(name, good[0], upper=good[1]) == good[0]
+    with pytest.raises(ValueError, match=rf"^{name} must be at most {bad[1]}, got {bad[0]}$"):
+        check(name, bad[0], upper=bad[1])
+    with pytest.raises(ValueError, match=f"must be {kind}"):
+        check(name, float(bad[0]), upper=bad[1])
 
 
 def test_int_enum_is_an_int_and_comes_back_plain():

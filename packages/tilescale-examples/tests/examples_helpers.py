@@ -38,6 +38,22 @@ def have_gpu() -> bool:
         return False
 
 
+def exits_naming(main, argv, message, capsys, code=2) -> None:
+    """A benchmark's ``main(argv)`` exits with status ``code`` (2: argparse's usage error) and
+    ``message`` in its standard error."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == code and message in capsys.readouterr().err
+
+
+def output_without_gpu(main, argv, monkeypatch, capsys) -> str:
+    """The standard output of a benchmark's ``main(argv)`` with no CUDA GPU visible (it
+    returns 0)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert main(argv) == 0
+    return capsys.readouterr().out
+
+
 def lower_source(func) -> str:
     """CUDA source of ``func`` under the examples' target, without nvcc."""
     return cuda_source(func, TARGET)
@@ -78,16 +94,115 @@ class CpuAllocator:
         return sum(-(-n // 256) * 256 for n in sizes)
 
 
+def build_rejected(cls, args: dict, exc, match=None, *, compiles: list | None = None, num_ranks: int = 2):
+    """``cls(**args)`` with ``allocator`` a :class:`CpuAllocator` of ``num_ranks`` ranks (unless
+    ``args`` names another) raises ``exc`` (matching ``match``) before allocating anything on
+    the heap and, given the ``compiles`` record of :func:`record_compiles`, before compiling
+    anything; the exception."""
+    alloc = CpuAllocator(num_ranks=num_ranks)
+    with pytest.raises(exc, match=match) as info:
+        cls(**{"allocator": alloc, **args})
+    assert alloc.allocations == []
+    assert compiles is None or compiles == []
+    return info.value
+
+
+def call_rejected(op, call, exc, match) -> None:
+    """``call(op)`` raises ``exc`` (matching ``match``) before any launch: the op's recording
+    kernel saw no call and its epoch is still 0."""
+    with pytest.raises(exc, match=match):
+        call(op)
+    assert op.kernel.calls == [] and op.epoch == 0
+
+
+def rejects_before_allocating(cls, good: dict, cases: list):
+    """The test that constructor ``cls`` rejects bad arguments before allocating or compiling
+    anything, one case per ``(changes, exc, match)`` of ``cases``: ``cls`` built on a 2-rank
+    :class:`CpuAllocator` with ``good`` arguments updated by ``changes`` (which may set the
+    allocator's ``num_ranks``) raises ``exc`` matching ``match`` (:func:`build_rejected`);
+    ``exc`` None: it builds.  A test module assigns it to its test's name."""
+
+    @pytest.mark.parametrize("kwargs,exc,match", cases)
+    def test(kwargs, exc, match, compiles):
+        args = dict(good, **kwargs)
+        num_ranks = args.pop("num_ranks", 2)
+        if exc is None:
+            cls(**{"allocator": CpuAllocator(num_ranks=num_ranks), **args})
+        else:
+            build_rejected(cls, args, exc, match, compiles=compiles, num_ranks=num_ranks)
+
+    return test
+
+
+def gemm_sequential_on_cpu(cls, dtype, caplog):
+    """A GEMM op ``cls`` (``m_local, k, n = 256, 128, 256``) on a 2-rank :class:`CpuAllocator`
+    with the automatic plan: the CPU is not a CUDA device, so it takes the sequential plan and
+    logs why; the allocator and the op."""
+    import logging
+
+    alloc = CpuAllocator(num_ranks=2)
+    with caplog.at_level(logging.WARNING, logger="tilescale_examples"):
+        op = cls(alloc, 256, 128, 256, dtype)
+    assert op.algorithm == op.plan == "sequential" and "not a CUDA device" in op.algorithm_reason
+    assert f"{cls.__name__}: cpu is not a CUDA device; using the sequential plan" in caplog.text
+    return alloc, op
+
+
+def gemm_fused_on_one_rank(cls, dtype, compiles):
+    """A GEMM op ``cls`` (``256, 128, 256``) on one rank, the fused plan available
+    (``fused_available``): the plan is the stock GEMM alone, with nothing on the heap; the op."""
+    alloc = CpuAllocator(num_ranks=1)
+    op = cls(alloc, 256, 128, 256, dtype)
+    assert op.algorithm == "fused" and "nothing to communicate" in op.algorithm_reason
+    assert alloc.allocations == [] and compiles == ["gemm"]
+    assert op.output.shape == (256, 256)
+    return op
+
+
+def gemm_heap_bytes_per_plan(cls, args: tuple, world: int) -> dict:
+    """``{plan: heap bytes}`` that ``cls(allocator, *args, algorithm=plan)`` allocates on a
+    ``world``-rank :class:`CpuAllocator`, for the fused and sequential plans (the fused one
+    available: ``fused_available``); ``cls.heap_bytes`` equals each, and the larger without a plan."""
+    sizes = {}
+    for algorithm in ("fused", "sequential"):
+        alloc = CpuAllocator(num_ranks=world)
+        cls(alloc, *args, algorithm=algorithm)
+        sizes[algorithm] = alloc.heap_bytes
+        assert cls.heap_bytes(*args, world_size=world, algorithm=algorithm, device="cpu") == sizes[algorithm]
+    assert cls.heap_bytes(*args, world_size=world, device="cpu") == max(sizes.values())
+    return sizes
+
+
+def on_gpu_ranks(*worlds: int, timeout: float):
+    """The marks of a multi-rank GPU test (the decorators ``@pytest.mark.gpu``,
+    ``@pytest.mark.timeout(timeout)``, ``@pytest.mark.parametrize("world", worlds)``): it runs
+    once per world size in ``worlds`` and is skipped, with the reason, without a GPU."""
+
+    def mark(test):
+        for m in (pytest.mark.parametrize("world", list(worlds)), pytest.mark.timeout(timeout), pytest.mark.gpu):
+            test = m(test)
+        return test
+
+    return mark
+
+
 def run_gpu_ranks(body, world: int, tmp_path_factory, name: str, timeout: float = 240) -> list:
     """Run ``body(rank, world, cache_dir)`` on ``world`` ranks (NCCL with one GPU per rank,
     gloo when they share GPUs: ``run_ranks(backend="auto")``; ``timeout`` s deadline) with a
-    TileLang cache shared by the session; skips without a GPU."""
-    if not have_gpu():
-        pytest.skip("needs a CUDA GPU (none visible)")
+    TileLang cache shared by the session.  Its callers are ``gpu`` tests: the marker skips
+    them, with the reason, without a GPU."""
     from tilescale_core.multiprocess import run_ranks
 
     cache = str(tmp_path_factory.getbasetemp() / f"tilelang-cache-{name}")
     return run_ranks(body, world, args=(cache,), backend="auto", timeout=timeout)
+
+
+def check_gpu_ranks(body, world: int, tmp_path_factory, name: str, checks: int, timeout: float = 240) -> list:
+    """:func:`run_gpu_ranks` of ``body``; every rank must report ``checks`` checked calls (its
+    report's ``"checks"``).  The reports."""
+    reports = run_gpu_ranks(body, world, tmp_path_factory, name, timeout=timeout)
+    assert [r["checks"] for r in reports] == [checks] * world
+    return reports
 
 
 def open_rank_heap(rank: int, world: int, cache_dir: str, size: int, device: str | None = None):

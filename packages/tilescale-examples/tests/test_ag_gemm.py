@@ -4,14 +4,12 @@ argument checks and the plan choice (fused vs sequential). The GPU runs are in
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import tilelang
 import torch
-from examples_helpers import CpuAllocator, kernel_body, lower_source, needs_nvcc, record_compiles
+from examples_helpers import (CpuAllocator, gemm_fused_on_one_rank, gemm_heap_bytes_per_plan, gemm_sequential_on_cpu,
+                              kernel_body, lower_source, needs_nvcc, rejects_before_allocating)
 
-from tilescale_examples.overlap import ag_gemm
 from tilescale_examples import ClosedError
 from tilescale_examples.overlap.ag_gemm import AllGatherGEMM, build_ag_gemm_kernel, heap_bytes, tile_order, torch_reference
 from tilescale_examples.base import TARGET
@@ -70,18 +68,9 @@ def test_fused_kernel_compiles_for_sm90a(world, tmp_path, monkeypatch):
     assert kernel.adapter.rt_mod.imports[0].kind == "cuda"
 
 
-@pytest.fixture
-def no_compile(monkeypatch):
-    return record_compiles(monkeypatch, ag_gemm)
-
-
-def test_auto_plan_on_cpu_falls_back_to_sequential_with_a_log_line(no_compile, caplog):
-    alloc = CpuAllocator(num_ranks=2)
-    with caplog.at_level(logging.WARNING, logger="tilescale_examples"):
-        agg = AllGatherGEMM(alloc, 256, 128, 256, "bfloat16")
-    assert agg.algorithm == agg.plan == "sequential" and "not a CUDA device" in agg.algorithm_reason
-    assert "AllGatherGEMM: cpu is not a CUDA device; using the sequential plan" in caplog.text
-    assert no_compile == ["allgather", "gemm"]  # the all-gather kernel, then the stock GEMM
+def test_auto_plan_on_cpu_falls_back_to_sequential_with_a_log_line(compiles, caplog):
+    alloc, agg = gemm_sequential_on_cpu(AllGatherGEMM, "bfloat16", caplog)
+    assert compiles == ["allgather", "gemm"]  # the all-gather kernel, then the stock GEMM
     assert alloc.allocations == [((256, 128), torch.bfloat16), ((2, 256, 128), torch.bfloat16),
                                  ((2 * 2 * agg.all_gather.chunks,), torch.uint64), ((2, 2), torch.int32)]
     assert agg.output.shape == (512, 256) and agg.flops() == 2.0 * 512 * 256 * 128
@@ -98,30 +87,26 @@ def test_auto_plan_on_cpu_falls_back_to_sequential_with_a_log_line(no_compile, c
     agg.close()  # idempotent
 
 
-def test_fused_plan_allocates_the_double_buffer_and_flags(no_compile, monkeypatch):
-    monkeypatch.setattr("tilescale_examples.overlap.stream_ops.stream_ops_available", lambda device: (True, "stub"))
+def test_fused_plan_allocates_the_double_buffer_and_flags(compiles, fused_available):
     alloc = CpuAllocator(num_ranks=3, rank=2)
     agg = AllGatherGEMM(alloc, 1024, 128, 512, torch.float16, algorithm="fused")
     assert (agg.algorithm, agg.algorithm_reason) == ("fused", "stub")
     assert agg.chunks == [(0, 1), (1, 2), (3, 5)]
     assert alloc.allocations == [((2, 3, 1024, 128), torch.float16), ((3 * 3,), torch.uint64)]
     assert agg.gathered.shape == (2, 3, 1024, 128) and int(agg.flags.sum()) == 0  # zeroed
-    assert no_compile == ["gemm", "ag_gemm"]  # this rank's rows (stock), then the peers' rows
+    assert compiles == ["gemm", "ag_gemm"]  # this rank's rows (stock), then the peers' rows
     assert agg._order.tolist()[:3] == [[8, 0], [16, 0], [9, 1]]
     agg.close()
     assert agg.closed and agg.own_kernel is None and agg.gathered is None
 
 
-def test_fused_plan_on_one_rank_is_the_gemm_alone(no_compile, monkeypatch):
-    monkeypatch.setattr("tilescale_examples.overlap.stream_ops.stream_ops_available", lambda device: (True, "stub"))
-    alloc = CpuAllocator(num_ranks=1)
-    agg = AllGatherGEMM(alloc, 256, 128, 256, torch.bfloat16)
-    assert agg.algorithm == "fused" and "nothing to communicate" in agg.algorithm_reason
-    assert alloc.allocations == [] and no_compile == ["gemm"]
-    assert agg.kernel is agg.own_kernel and agg.output.shape == (256, 256)
+def test_fused_plan_on_one_rank_is_the_gemm_alone(compiles, fused_available):
+    agg = gemm_fused_on_one_rank(AllGatherGEMM, torch.bfloat16, compiles)
+    assert agg.kernel is agg.own_kernel
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
+test_constructor_rejects_before_allocating = rejects_before_allocating(
+    AllGatherGEMM, dict(m_local=128, k=64, n=256, dtype=torch.float16), [
     (dict(dtype=torch.float32), TypeError, "dtype must be one of"),
     (dict(m_local=0), ValueError, "m_local must be a positive int"),
     (dict(m_local=200), ValueError, "AllGatherGEMM: m_local=200 is not a multiple of block_m=128"),
@@ -135,31 +120,14 @@ def test_fused_plan_on_one_rank_is_the_gemm_alone(no_compile, monkeypatch):
     (dict(allocator=object()), TypeError, "allocator must be a tilescale-core allocator"),
     (dict(m_local=2**20, k=2**10), ValueError, "exceed the kernels' int32 indexing"),
 ])
-def test_constructor_rejects_before_allocating(kwargs, exc, match, no_compile):
-    alloc = CpuAllocator(num_ranks=2)
-    args = dict(allocator=alloc, m_local=128, k=64, n=256, dtype=torch.float16)
-    args.update(kwargs)
-    if exc is None:
-        AllGatherGEMM(**args)
-        return
-    with pytest.raises(exc, match=match):
-        AllGatherGEMM(**args)
-    assert alloc.allocations == [] and no_compile == []
 
 
-def test_heap_bytes_is_the_larger_plan_of_a_dry_run(no_compile, monkeypatch):
+def test_heap_bytes_is_the_larger_plan_of_a_dry_run(compiles, request):
     fused = 2 * 2 * 4096 * 8192 * 2
     assert heap_bytes(2, 4096, 8192) >= fused  # the module's 0.1.0 function: a dry run too
     one = AllGatherGEMM.heap_bytes(128, 64, 256, torch.float16, world_size=1, device="cpu")
     alloc = CpuAllocator(num_ranks=1)
     AllGatherGEMM(alloc, 128, 64, 256, torch.float16, algorithm="sequential")  # one rank fused: no heap
     assert one == alloc.heap_bytes == heap_bytes(1, 128, 64, torch.float16, max_blocks=128)
-    monkeypatch.setattr("tilescale_examples.overlap.stream_ops.stream_ops_available", lambda device: (True, "stub"))
-    sizes = {}
-    for algorithm in ("fused", "sequential"):
-        alloc = CpuAllocator(num_ranks=2)
-        AllGatherGEMM(alloc, 256, 128, 256, torch.float16, algorithm=algorithm)
-        sizes[algorithm] = alloc.heap_bytes
-        assert AllGatherGEMM.heap_bytes(256, 128, 256, torch.float16, world_size=2, algorithm=algorithm,
-                                        device="cpu") == sizes[algorithm]
-    assert AllGatherGEMM.heap_bytes(256, 128, 256, torch.float16, world_size=2, device="cpu") == max(sizes.values())
+    request.getfixturevalue("fused_available")  # from here on
+    gemm_heap_bytes_per_plan(AllGatherGEMM, (256, 128, 256, torch.float16), 2)

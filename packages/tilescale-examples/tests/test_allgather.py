@@ -9,7 +9,8 @@ import pytest
 import tilelang  # noqa: F401  (the import hook attaches tilescale-lang)
 import torch
 from examples_cache import warm_cache
-from examples_helpers import LaunchRecorder, CpuAllocator, close_rank_heap, have_gpu, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
+from examples_helpers import (LaunchRecorder, CpuAllocator, close_rank_heap, lower_source, needs_nvcc, open_rank_heap,
+                              rejects_before_allocating, check_gpu_ranks, on_gpu_ranks)
 
 from tilescale_examples.collectives import allgather as ag_mod
 from tilescale_examples import ClosedError
@@ -194,7 +195,8 @@ def test_allgather_device_check():
         ag.check_input(torch.zeros(4))
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
+test_constructor_rejects_before_allocating = rejects_before_allocating(
+    AllGather, dict(shape=(16,), dtype=torch.float16), [
     (dict(allocator=None), TypeError, "allocator must be a tilescale-core allocator"),
     (dict(shape=0), ValueError, "shape must be non-empty positive ints"),
     (dict(shape=(4, -1)), ValueError, "shape"),
@@ -206,13 +208,6 @@ def test_allgather_device_check():
     (dict(threads=100), ValueError, "threads must be a multiple of 32"),
     (dict(shape=(1 << 30,)), ValueError, "int32 indexing"),
 ])
-def test_constructor_rejects_before_allocating(kwargs, exc, match):
-    alloc = CpuAllocator(num_ranks=2)
-    args = dict(allocator=alloc, shape=(16,), dtype=torch.float16)
-    args.update(kwargs)
-    with pytest.raises(exc, match=match):
-        AllGather(**args)
-    assert alloc.allocations == []
 
 
 def test_constructor_rejects_closed_allocator():
@@ -297,11 +292,8 @@ def allgather_kernels(worlds=(1, 2, 4)) -> list:
     return jobs
 
 
-@pytest.mark.gpu
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2, 4])
+@on_gpu_ranks(1, 2, 4, timeout=300)
 def test_allgather_on_gpu(world, tmp_path_factory):
-    if have_gpu():  # every world's kernels at once, in parallel (cache hits in the ranks)
-        warm_cache(tmp_path_factory, allgather_kernels(), "allgather")
-    reports = run_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "allgather")
-    assert [r["checks"] for r in reports] == [len(GPU_CASES) * len(ENGINES) * 5] * world
+    # every world's kernels at once, in parallel (cache hits in the ranks)
+    warm_cache(tmp_path_factory, allgather_kernels(), "allgather")
+    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "allgather", len(GPU_CASES) * len(ENGINES) * 5)

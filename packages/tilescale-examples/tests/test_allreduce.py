@@ -11,7 +11,8 @@ import time
 
 import pytest
 import torch
-from examples_helpers import CpuAllocator, close_rank_heap, open_rank_heap, poison, random_tensor, run_gpu_ranks, needs_nvcc
+from examples_helpers import (CpuAllocator, call_rejected, close_rank_heap, open_rank_heap, poison, random_tensor,
+                              rejects_before_allocating, check_gpu_ranks, needs_nvcc, on_gpu_ranks)
 from examples_cache import CACHE_NAME, warm_cache
 
 from tilescale_examples import ClosedError
@@ -161,13 +162,11 @@ def test_two_shot_is_in_place_on_one_buffer(tmp_path, monkeypatch):
 ])
 @needs_nvcc
 def test_call_rejects_bad_arguments_before_any_launch(call, exc, match, tmp_path, monkeypatch):
-    alloc, ar = make((64,), tmp_path=tmp_path, monkeypatch=monkeypatch)
-    with pytest.raises(exc, match=match):
-        call(ar)
-    assert ar.kernel.calls == [] and ar.epoch == 0
+    call_rejected(make((64,), tmp_path=tmp_path, monkeypatch=monkeypatch)[1], call, exc, match)
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
+test_constructor_rejects_before_allocating = rejects_before_allocating(
+    AllReduce, dict(shape=(16,), dtype=torch.float32), [
     (dict(allocator=None), TypeError, "allocator must be a tilescale-core allocator"),
     (dict(shape=(4, 0)), ValueError, "shape must be non-empty positive ints"),
     (dict(dtype="uint8"), TypeError, "dtype must be one of"),
@@ -176,13 +175,6 @@ def test_call_rejects_bad_arguments_before_any_launch(call, exc, match, tmp_path
     (dict(shape=(1 << 31,)), ValueError, "int32"),
     (dict(threads=48), ValueError, "threads must be a multiple of 32"),
 ])
-def test_constructor_rejects_before_allocating(kwargs, exc, match):
-    alloc = CpuAllocator(num_ranks=2)
-    args = dict(allocator=alloc, shape=(16,), dtype=torch.float32)
-    args.update(kwargs)
-    with pytest.raises(exc, match=match):
-        AllReduce(**args)
-    assert alloc.allocations == []
 
 
 @needs_nvcc
@@ -316,14 +308,11 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return close_rank_heap(alloc, rank, checks)
 
 
-@pytest.mark.gpu
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [2, 4])
+@on_gpu_ranks(2, 4, timeout=240)
 def test_allreduce_on_gpu(world, tmp_path_factory):
     """Every size class and dtype, both algorithms, bit-exact on every rank; then back-to-back
     calls with a straggling rank (1000 one-shot calls on 2 ranks)."""
     warm_cache(tmp_path_factory)
-    reports = run_gpu_ranks(gpu_rank_body, world, tmp_path_factory, CACHE_NAME, timeout=200)
     want = len(SIZES) * len(DTYPES) * 2 * CALLS_PER_INSTANCE + sum(BACK_TO_BACK[world].values())
-    assert [r["checks"] for r in reports] == [want] * world
+    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, CACHE_NAME, want, timeout=200)
     print(f"allreduce world {world}: {want} checked calls per rank")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import tilelang
 import torch
-from examples_helpers import LaunchRecorder, CpuAllocator, close_rank_heap, kernel_body, lower_source, needs_nvcc, open_rank_heap, run_gpu_ranks
+from examples_helpers import (LaunchRecorder, CpuAllocator, close_rank_heap, kernel_body, lower_source, needs_nvcc,
+                              open_rank_heap, rejects_before_allocating, check_gpu_ranks, on_gpu_ranks)
 
 from tilescale_examples import ClosedError
 from tilescale_examples.collectives.alltoall import AllToAll, build_alltoall_kernel, torch_reference
@@ -74,20 +75,14 @@ def test_alltoall_object_on_cpu_allocator(tmp_path, monkeypatch):
         a2a(x)
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
+test_constructor_rejects_before_allocating = rejects_before_allocating(
+    AllToAll, dict(shape=(2, 16), dtype=torch.float16), [
     (dict(dtype=torch.bool), TypeError, "dtype must be one of"),
     (dict(world_size=4), ValueError, r"world_size=4 but the allocator spans 2 rank\(s\)"),
     (dict(shape=(2, 0)), ValueError, "shape must be non-empty positive ints"),
     (dict(shape=(3, 16)), ValueError, r"shape must be \(world_size, \*row\) = \(2, ...\)"),
     (dict(shape=(2,)), ValueError, "with a non-empty row"),
 ])
-def test_constructor_rejects_before_allocating(kwargs, exc, match):
-    alloc = CpuAllocator(num_ranks=2)
-    args = dict(allocator=alloc, shape=(2, 16), dtype=torch.float16)
-    args.update(kwargs)
-    with pytest.raises(exc, match=match):
-        AllToAll(**args)
-    assert alloc.allocations == []
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -131,9 +126,6 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return close_rank_heap(alloc, rank, checks)
 
 
-@pytest.mark.gpu
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2, 4])
+@on_gpu_ranks(1, 2, 4, timeout=300)
 def test_alltoall_on_gpu(world, tmp_path_factory):
-    reports = run_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "alltoall")
-    assert [r["checks"] for r in reports] == [len(GPU_CASES) * 5] * world
+    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "alltoall", len(GPU_CASES) * 5)

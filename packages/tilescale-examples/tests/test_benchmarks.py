@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from examples_helpers import exits_naming, output_without_gpu
 
 from tilescale_examples.benchmarks import _collective_cli as CLI
 from tilescale_examples.benchmarks import _collective_run as R
@@ -407,15 +408,12 @@ def test_baselines_on_a_real_gloo_group():
     (["--dtype", "float64"], "invalid choice"),
 ])
 def test_main_rejects_bad_arguments(name, argv, message, capsys):
-    with pytest.raises(SystemExit) as exc:
-        ENTRIES[name].main(argv)
-    assert exc.value.code == 2 and message in capsys.readouterr().err
+    exits_naming(ENTRIES[name].main, argv, message, capsys)
 
 
 def test_dtype_choices_per_op(capsys):
-    with pytest.raises(SystemExit):
-        reducescatter.main(["--dtype", "uint8"])  # ReduceScatter does not sum uint8
-    assert "invalid choice: 'uint8'" in capsys.readouterr().err
+    # ReduceScatter does not sum uint8
+    exits_naming(reducescatter.main, ["--dtype", "uint8"], "invalid choice: 'uint8'", capsys)
     assert CLI.parser("reducescatter").parse_args(["--dtype", "int32"]).dtype == ["int32"]
     assert CLI.parser("reducescatter").parse_args([]).dtype == ["float16", "bfloat16"]
     assert CLI.parser("alltoall").parse_args([]).dtype == ["float16"]
@@ -424,16 +422,13 @@ def test_dtype_choices_per_op(capsys):
     for flag in ("--engine", "--algorithm"):  # --engine: the 0.1.0 name of the option
         assert R.options("allgather", CLI.parser("allgather").parse_args([flag, "copy"])) == {"algorithm": "copy"}
     assert R.options("alltoall", CLI.parser("alltoall").parse_args([])) == {}
-    with pytest.raises(SystemExit):
-        allreduce.main(["--algorithm", "three_shot"])
-    assert "invalid choice: 'three_shot'" in capsys.readouterr().err
+    exits_naming(allreduce.main, ["--algorithm", "three_shot"], "invalid choice: 'three_shot'", capsys)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_main_without_gpus_has_nothing_to_measure(name, monkeypatch, capsys):
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert ENTRIES[name].main(["--ranks", "4"]) == 0
-    assert capsys.readouterr().out == f"{C.OPS[name].name} benchmark: no CUDA GPU visible, nothing to measure\n"
+    out = output_without_gpu(ENTRIES[name].main, ["--ranks", "4"], monkeypatch, capsys)
+    assert out == f"{C.OPS[name].name} benchmark: no CUDA GPU visible, nothing to measure\n"
 
 
 def test_entry_points_pickle_for_spawned_ranks():
@@ -467,12 +462,8 @@ def test_overlap_benchmark_numbers_and_arguments(name, monkeypatch, capsys):
                           (["--rounds", "0"], "must be positive"),
                           (["--m-local", "1000"], "m_local=1000 is not a multiple of block_m=128"),
                           (["--n", "3000"], "n=3000 is not a multiple of block_n=256")):
-        with pytest.raises(SystemExit):
-            entry.main(argv)
-        assert message in capsys.readouterr().err
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert entry.main([]) == 0
-    assert "no CUDA GPU visible, nothing to measure" in capsys.readouterr().out
+        exits_naming(entry.main, argv, message, capsys)
+    assert "no CUDA GPU visible, nothing to measure" in output_without_gpu(entry.main, [], monkeypatch, capsys)
     run = pickle.loads(pickle.dumps(entry.run))
     assert run.func is overlap.run and run.args == (name,)
     assert pickle.loads(pickle.dumps(overlap._run_op)) is overlap._run_op

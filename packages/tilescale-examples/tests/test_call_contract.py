@@ -1,6 +1,7 @@
 """The call contract of the product classes (docs/architecture.md, "Call contract"), walked
-over every class ``tilescale_examples`` exports (minus ``MoEDispatcher``, whose calls are
-``dispatch`` / ``combine``) plus the tutorial ``TmaAllReduce``:
+over every class ``tilescale_examples`` exports (``MoEDispatcher``, whose calls are ``dispatch``
+/ ``combine``, in a section of its own: the contract where it applies) plus the tutorial
+``TmaAllReduce``:
 
 * constructor: ``(allocator, shape, dtype, *, world_size=None, algorithm=..., ...)`` (GEMM
   ops: ``(allocator, m_local, k, n, dtype, *, ...)``); ``dtype`` has no default; ``world_size``
@@ -277,3 +278,125 @@ def test_old_torch_reference_spellings_work_and_warn():
     aa, bb = [torch.randn(4, 3) for _ in range(2)], [torch.randn(3, 5) for _ in range(2)]
     with _old(r"gemm_rs.torch_reference\(a_shards, b_shards, rank\)"):
         assert torch.equal(gemm_rs.torch_reference(aa, bb, 1), gemm_rs.torch_reference(list(zip(aa, bb)), 1))
+
+
+# ------------------------------------------------------------------------------ MoEDispatcher
+#: MoEDispatcher's positional arguments after the allocator: num_experts, hidden, topk, max_tokens, dtype.
+MOE_ARGS = (8, 64, 2, 16, F16)
+
+
+def _moe(alloc=None, world: int = 2):
+    return tilescale_examples.MoEDispatcher(alloc or CpuAllocator(num_ranks=world), *MOE_ARGS,
+                                           index_dtype=torch.int32)
+
+
+def _moe_inputs(moe, tokens: int = 3) -> tuple:
+    return (torch.zeros((tokens, moe.hidden), dtype=moe.dtype), torch.zeros((tokens, moe.topk), dtype=torch.int32),
+            torch.zeros((tokens, moe.topk)))
+
+
+def test_moe_constructor_follows_the_contract():
+    """``(allocator, num_experts, hidden, topk, max_tokens, dtype, *, world_size=None, ...)``:
+    the shape arguments and ``dtype`` required, everything after ``dtype`` keyword-only,
+    ``world_size`` first; one kernel per call, so no ``algorithm``."""
+    P = inspect.Parameter
+    cls = tilescale_examples.MoEDispatcher
+    params = list(inspect.signature(cls).parameters.values())
+    positional = ["allocator", "num_experts", "hidden", "topk", "max_tokens", "dtype"]
+    assert issubclass(cls, SymmetricOp)
+    assert [p.name for p in params if p.kind is P.POSITIONAL_OR_KEYWORD] == positional
+    assert [p.name for p in params[:len(positional)]] == positional
+    assert all(p.default is P.empty for p in params[:len(positional)])
+    assert all(p.kind is P.KEYWORD_ONLY for p in params[len(positional):])
+    assert (params[len(positional)].name, params[len(positional)].default) == ("world_size", None)
+    names = {p.name for p in params}
+    assert {"group", "target"} <= names and not names & {"algorithm", "engine", "plan", "shape"}
+
+
+def test_moe_calls_are_dispatch_and_combine():
+    P = inspect.Parameter
+    cls = tilescale_examples.MoEDispatcher
+    assert not any("__call__" in vars(k) for k in cls.__mro__ if k is not object)
+    dispatch = list(inspect.signature(cls.dispatch).parameters.values())[1:]
+    arg = P.POSITIONAL_OR_KEYWORD
+    assert [(p.name, p.kind) for p in dispatch] == [("x", arg), ("topk_idx", arg), ("topk_weights", arg),
+                                                  ("validate", P.KEYWORD_ONLY)]
+    combine = list(inspect.signature(cls.combine).parameters.values())[1:]
+    assert [(p.name, p.kind) for p in combine] == [("y", arg), ("handle", arg)]
+
+
+def test_moe_every_call_after_close_raises_closed_error(compiles):
+    from examples_helpers import LaunchRecorder
+    from tilescale_lang.profiler import EventProfiler
+
+    moe = _moe()
+    launched = []
+    moe.dispatch_kernel = moe.combine_kernel = LaunchRecorder(launched)
+    x, idx, w = _moe_inputs(moe)
+    handle = moe.dispatch(x, idx, w)[2]
+    y = torch.zeros((moe.capacity, moe.hidden), dtype=moe.dtype)
+    prof = EventProfiler(blocks=moe.blocks, capacity=7, device="cpu")
+    moe.close()
+    moe.close()  # idempotent
+    assert moe.closed and moe.kernel is None and moe.dispatch_kernel is None and moe.recv_x is None
+    calls = {"dispatch": lambda: moe.dispatch(x, idx, w),
+             "dispatch_profiled": lambda: moe.dispatch_profiled(x, idx, w, prof),
+             "combine": lambda: moe.combine(y, handle), "check_index_errors": moe.check_index_errors,
+             "handle.origin": handle.origin}
+    for name, call in calls.items():
+        with pytest.raises(ClosedError, match="this MoEDispatcher is closed"):
+            call()
+    assert len(launched) == 1 and moe._profiled_kernel is None  # nothing ran or compiled after close
+    other = _moe()
+    other.allocator.closed = True
+    with pytest.raises(ClosedError, match="the allocator of this MoEDispatcher is closed"):
+        other.dispatch(*_moe_inputs(other))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_moe_heap_bytes_is_what_the_constructor_allocates(world, compiles):
+    cls = tilescale_examples.MoEDispatcher
+    for dtype in (F16, torch.bfloat16):
+        alloc = CpuAllocator(num_ranks=world)
+        cls(alloc, *MOE_ARGS[:4], dtype, max_blocks=world)
+        want = cls.heap_bytes(*MOE_ARGS[:4], dtype, world_size=world, device="cpu")
+        assert alloc.heap_bytes == want, alloc.allocations
+    # the heap does not depend on the grid: neither max_blocks nor the device's SM count changes it
+    assert cls.heap_bytes(*MOE_ARGS, world_size=world, max_blocks=1) == cls.heap_bytes(*MOE_ARGS, world_size=world)
+
+
+def test_moe_heap_bytes_on_the_real_allocator_and_without_compiling(compiles):
+    from tilescale_core.allocator import BaseAllocator
+    from tilescale_core.testing import HostBackend
+
+    from tilescale_examples.base import RecordingAllocator
+
+    alloc = BaseAllocator(1 << 22, device="cpu", is_distributed=False, backend=HostBackend())
+    try:
+        _moe(alloc).close()
+        assert -(-alloc.used // 256) * 256 == tilescale_examples.MoEDispatcher.heap_bytes(*MOE_ARGS, world_size=1)
+    finally:
+        alloc.close()
+    built = len(compiles)
+    recording = RecordingAllocator(2)
+    _moe(recording)
+    assert len(recording.records) == 6 and len(compiles) == built  # a dry run compiles nothing
+    with pytest.raises(TypeError, match="world_size"):
+        tilescale_examples.MoEDispatcher.heap_bytes(*MOE_ARGS)
+
+
+def test_moe_old_spellings_work_and_warn(compiles):
+    from tilescale_examples.moe import dispatcher
+
+    cls = tilescale_examples.MoEDispatcher
+    with _old(r"MoEDispatcher\(\) without dtype \(0.1.0 default torch.bfloat16\).*dtype=torch.bfloat16"):
+        assert cls(CpuAllocator(num_ranks=2), *MOE_ARGS[:4]).dtype == torch.bfloat16
+    exact = cls.heap_bytes(*MOE_ARGS[:4], torch.bfloat16, world_size=2)
+    with _old(r"MoEDispatcher.heap_bytes\(num_experts, hidden, topk, max_tokens, world_size, dtype\) is the 0.1.0 "
+              r"spelling .*use MoEDispatcher.heap_bytes\(num_experts, hidden, topk, max_tokens, dtype, \*, world_size"):
+        assert cls.heap_bytes(*MOE_ARGS[:4], 2) == exact  # 0.1.0: world_size positional, bfloat16 by default
+    with _old("0.1.0 spelling"):
+        assert cls.heap_bytes(*MOE_ARGS[:4], 2, F16) == cls.heap_bytes(*MOE_ARGS, world_size=2)
+    with _old(r"MoEDispatcher\(\) without dtype"):
+        assert cls.heap_bytes(num_experts=8, hidden=64, topk=2, max_tokens=16, world_size=2) == exact
+    assert dispatcher.heap_bytes(*MOE_ARGS[:4], 2) == exact  # the module's function keeps 0.1.0's order, silently

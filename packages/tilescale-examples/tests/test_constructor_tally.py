@@ -4,7 +4,7 @@ Every argument of every collective constructor (``inspect.signature``) gets bad 
 type, a bool for an int, zero / negative, out of range, an unknown string); each must raise
 ``TypeError``/``ValueError`` naming the argument before anything is allocated on the heap
 (:class:`examples_helpers.CpuAllocator` records allocations) or compiled
-(:func:`examples_helpers.record_compiles`).  :func:`test_every_constructor_argument_has_a_case`
+(the ``compiles`` fixture).  :func:`test_every_constructor_argument_has_a_case`
 fails when an argument has no case, so a new one cannot slip in untested.  Counts for the
 docs: :data:`TALLY`.
 """
@@ -16,13 +16,8 @@ import re
 
 import pytest
 import torch
-from examples_helpers import CpuAllocator, record_compiles
+from examples_helpers import CpuAllocator, build_rejected
 
-from tilescale_examples.overlap import ag_gemm, gemm_rs
-
-from tilescale_examples.moe import dispatcher as moe
-
-from tilescale_examples.tutorials import tma_allreduce
 from tilescale_examples.overlap.ag_gemm import AllGatherGEMM
 from tilescale_examples.collectives.allgather import AllGather
 from tilescale_examples.collectives.allreduce import AllReduce
@@ -40,7 +35,7 @@ GOOD = {
     AllToAll: dict(shape=(2, 16), dtype=torch.float32),
     AllGatherGEMM: dict(m_local=128, k=64, n=256, dtype=torch.float16),
     GemmReduceScatter: dict(m_local=128, k=64, n=256, dtype=torch.float16),
-    MoEDispatcher: dict(num_experts=8, hidden=64, topk=2, max_tokens=16),
+    MoEDispatcher: dict(num_experts=8, hidden=64, topk=2, max_tokens=16, dtype=torch.bfloat16),
     TmaAllReduce: dict(shape=(64, 128), dtype=torch.float32),
 }
 
@@ -81,32 +76,18 @@ TALLY = {
 }
 
 
-@pytest.fixture
-def compiles(monkeypatch):
-    return record_compiles(monkeypatch, ag_gemm, gemm_rs, moe, tma_allreduce)
-
-
-def _build(cls, alloc, **changes):
-    args = dict(allocator=alloc, **GOOD[cls])
-    args.update(changes)
-    return cls(**args)
-
-
 @pytest.mark.parametrize("cls", list(GOOD), ids=[c.__name__ for c in GOOD])
 def test_good_arguments_build(cls, compiles):
     alloc = CpuAllocator(num_ranks=2)
-    _build(cls, alloc)
+    cls(allocator=alloc, **GOOD[cls])
     assert alloc.allocations and compiles  # the probes below differ from this by one argument
 
 
 @pytest.mark.parametrize("cls,arg,value", PROBES, ids=[f"{c.__name__}.{a}={v!r}" for c, a, v in PROBES])
 def test_bad_argument_rejected_before_allocating(cls, arg, value, compiles):
-    alloc = CpuAllocator(num_ranks=2)
-    with pytest.raises((TypeError, ValueError)) as info:
-        _build(cls, alloc, **{arg: value})
-    assert re.search(rf"(?<![A-Za-z0-9_]){arg}(?![A-Za-z0-9_])", str(info.value)), \
-        f"{cls.__name__}({arg}={value!r}): the error does not name {arg!r}: {info.value}"
-    assert alloc.allocations == [] and compiles == []
+    error = build_rejected(cls, {**GOOD[cls], arg: value}, (TypeError, ValueError), compiles=compiles)
+    assert re.search(rf"(?<![A-Za-z0-9_]){arg}(?![A-Za-z0-9_])", str(error)), \
+        f"{cls.__name__}({arg}={value!r}): the error does not name {arg!r}: {error}"
 
 
 def test_every_constructor_argument_has_a_case():

@@ -3,14 +3,12 @@ compiles, argument checks and the plan choice. The GPU runs are in ``test_overla
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import tilelang
 import torch
-from examples_helpers import CpuAllocator, kernel_body, lower_source, needs_nvcc, record_compiles
+from examples_helpers import (CpuAllocator, gemm_fused_on_one_rank, gemm_heap_bytes_per_plan, gemm_sequential_on_cpu,
+                              kernel_body, lower_source, needs_nvcc, rejects_before_allocating)
 
-from tilescale_examples.overlap import gemm_rs
 from tilescale_examples.base import TARGET
 from tilescale_examples import ClosedError
 from tilescale_examples.overlap.gemm_rs import (GemmReduceScatter, build_gemm_rs_kernel, build_reduce_kernel, heap_bytes,
@@ -87,18 +85,9 @@ def test_both_kernels_compile_for_sm90a(world, tmp_path, monkeypatch):
         assert kernel.adapter.rt_mod.imports[0].kind == "cuda"
 
 
-@pytest.fixture
-def no_compile(monkeypatch):
-    return record_compiles(monkeypatch, gemm_rs)
-
-
-def test_auto_plan_on_cpu_falls_back_to_sequential_with_a_log_line(no_compile, caplog):
-    alloc = CpuAllocator(num_ranks=2)
-    with caplog.at_level(logging.WARNING, logger="tilescale_examples"):
-        grs = GemmReduceScatter(alloc, 256, 128, 256, "float16")
-    assert grs.algorithm == grs.plan == "sequential"
-    assert "GemmReduceScatter: cpu is not a CUDA device; using the sequential plan" in caplog.text
-    assert no_compile == ["reducescatter", "gemm"]
+def test_auto_plan_on_cpu_falls_back_to_sequential_with_a_log_line(compiles, caplog):
+    _, grs = gemm_sequential_on_cpu(GemmReduceScatter, "float16", caplog)
+    assert compiles == ["reducescatter", "gemm"]
     assert grs.output is grs.reduce_scatter.output and grs.output.shape == (256, 256)
     assert grs.flops() == 2.0 * 512 * 256 * 128
     with pytest.raises(ValueError, match=r"a has shape \(256, 128\), expected \(world_size \* m_local, k\) = \(512, 128\)"):
@@ -109,27 +98,22 @@ def test_auto_plan_on_cpu_falls_back_to_sequential_with_a_log_line(no_compile, c
         grs(torch.zeros(512, 128, dtype=torch.float16), torch.zeros(128, 256, dtype=torch.float16))
 
 
-def test_fused_plan_allocates_double_partials_and_counters(no_compile, monkeypatch):
-    monkeypatch.setattr("tilescale_examples.overlap.stream_ops.stream_ops_available", lambda device: (True, "stub"))
+def test_fused_plan_allocates_double_partials_and_counters(compiles, fused_available):
     alloc = CpuAllocator(num_ranks=4, rank=1)
     grs = GemmReduceScatter(alloc, 256, 128, 512, torch.bfloat16)
     assert grs.algorithm == "fused" and grs.tiles_per_rank == 2 * 2
     assert alloc.allocations == [((2, 4, 256, 512), torch.bfloat16), ((4,), torch.uint32)]
     assert int(grs.counters.sum()) == 0
-    assert no_compile == ["gemm_rs", "reduce_partials"]
+    assert compiles == ["gemm_rs", "reduce_partials"]
     assert grs.output.shape == (256, 512)
 
 
-def test_fused_plan_on_one_rank_is_the_gemm_alone(no_compile, monkeypatch):
-    monkeypatch.setattr("tilescale_examples.overlap.stream_ops.stream_ops_available", lambda device: (True, "stub"))
-    alloc = CpuAllocator(num_ranks=1)
-    grs = GemmReduceScatter(alloc, 256, 128, 256, torch.float16)
-    assert grs.algorithm == "fused" and "nothing to communicate" in grs.algorithm_reason
-    assert alloc.allocations == [] and no_compile == ["gemm"] and grs.reduce_kernel is None
-    assert grs.output.shape == (256, 256)
+def test_fused_plan_on_one_rank_is_the_gemm_alone(compiles, fused_available):
+    assert gemm_fused_on_one_rank(GemmReduceScatter, torch.float16, compiles).reduce_kernel is None
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
+test_constructor_rejects_before_allocating = rejects_before_allocating(
+    GemmReduceScatter, dict(m_local=128, k=64, n=256, dtype=torch.float16), [
     (dict(dtype="float32"), TypeError, "dtype must be one of"),
     (dict(m_local=192), ValueError, "GemmReduceScatter: m_local=192 is not a multiple of block_m=128"),
     (dict(k=96), ValueError, "GemmReduceScatter: k=96 is not a multiple of block_k=64"),
@@ -138,24 +122,10 @@ def test_fused_plan_on_one_rank_is_the_gemm_alone(no_compile, monkeypatch):
     (dict(algorithm="fused"), RuntimeError, "algorithm='fused' needs stream memory operations"),
     (dict(allocator=None), TypeError, "allocator must be a tilescale-core allocator"),
 ])
-def test_constructor_rejects_before_allocating(kwargs, exc, match, no_compile):
-    alloc = CpuAllocator(num_ranks=2)
-    args = dict(allocator=alloc, m_local=128, k=64, n=256, dtype=torch.float16)
-    args.update(kwargs)
-    with pytest.raises(exc, match=match):
-        GemmReduceScatter(**args)
-    assert alloc.allocations == [] and no_compile == []
 
 
-def test_heap_bytes_is_the_larger_plan_of_a_dry_run(no_compile, monkeypatch):
+def test_heap_bytes_is_the_larger_plan_of_a_dry_run(compiles, request):
     assert heap_bytes(2, 4096, 3584) >= 2 * 2 * 4096 * 3584 * 2  # the module's 0.1.0 function: a dry run too
-    monkeypatch.setattr("tilescale_examples.overlap.stream_ops.stream_ops_available", lambda device: (True, "stub"))
-    sizes = {}
-    for algorithm in ("fused", "sequential"):
-        alloc = CpuAllocator(num_ranks=2)
-        GemmReduceScatter(alloc, 128, 64, 256, torch.float16, algorithm=algorithm)
-        sizes[algorithm] = alloc.heap_bytes
-        assert GemmReduceScatter.heap_bytes(128, 64, 256, torch.float16, world_size=2, algorithm=algorithm,
-                                            device="cpu") == sizes[algorithm]
-    assert GemmReduceScatter.heap_bytes(128, 64, 256, torch.float16, world_size=2, device="cpu") == max(sizes.values())
+    request.getfixturevalue("fused_available")  # from here on
+    sizes = gemm_heap_bytes_per_plan(GemmReduceScatter, (128, 64, 256, torch.float16), 2)
     assert heap_bytes(2, 128, 256, torch.float16, max_blocks=128) == max(sizes.values())

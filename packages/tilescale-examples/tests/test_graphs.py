@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
-from examples_helpers import close_rank_heap, open_rank_heap, poison, run_gpu_ranks
+from examples_helpers import close_rank_heap, open_rank_heap, poison, run_gpu_ranks, on_gpu_ranks
 
 #: Replays per op by world size: ranks that share one GPU time-slice, so every replay of 4
 #: ranks costs several scheduling rounds.
@@ -287,17 +286,14 @@ def graph_jobs(worlds=(1, 2, 4)) -> list:
     return jobs
 
 
-@pytest.mark.gpu
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", [1, 2, 4])
+@on_gpu_ranks(1, 2, 4, timeout=600)
 def test_every_op_replays_correctly_in_cuda_graphs(world, tmp_path_factory):
     """Per op: warm-up, two captured graphs replayed alternately with fresh inputs, eager
     calls between them and a straggling rank, every call checked on every rank; then one
     graph holding several ops."""
     from examples_cache import warm_cache
 
-    if torch.cuda.is_available():
-        warm_cache(tmp_path_factory, graph_jobs(), name=CACHE_NAME)
+    warm_cache(tmp_path_factory, graph_jobs(), name=CACHE_NAME)
     reports = run_gpu_ranks(graph_rank_body, world, tmp_path_factory, CACHE_NAME, timeout=560)
     for r in reports:
         assert r["failures"] == [], f"rank {r['rank']}/{world}: {r['failures']}"
@@ -365,16 +361,13 @@ def compile_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return report
 
 
-@pytest.mark.gpu
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", [1, 2])
+@on_gpu_ranks(1, 2, timeout=600)
 def test_torch_compile_of_a_tensor_parallel_block(world, tmp_path_factory):
     """``torch.compile(fullgraph=True)`` and ``mode="reduce-overhead"`` of a block calling
     ``torch.ops.tilescale.*`` match the eager block bit for bit, step by step."""
     from examples_cache import warm_cache
 
-    if torch.cuda.is_available():
-        warm_cache(tmp_path_factory, graph_jobs(), name=CACHE_NAME)
+    warm_cache(tmp_path_factory, graph_jobs(), name=CACHE_NAME)
     reports = run_gpu_ranks(compile_rank_body, world, tmp_path_factory, CACHE_NAME, timeout=560)
     for r in reports:
         assert r["failures"] == [], f"rank {r['rank']}/{world}: {r['failures']}"

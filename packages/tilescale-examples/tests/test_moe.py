@@ -5,15 +5,15 @@ back-to-back calls with stragglers (``-m gpu``)."""
 
 from __future__ import annotations
 
-import math
 import os
 import re
 
 import pytest
 import tilelang
 import torch
-from examples_helpers import (LaunchRecorder, CpuAllocator, close_rank_heap, kernel_body, lower_with, needs_nvcc, nvcc_resources,
-                             open_rank_heap, run_gpu_ranks)
+from examples_helpers import (LaunchRecorder, CpuAllocator, close_rank_heap, exits_naming, kernel_body, lower_with,
+                              needs_nvcc, nvcc_resources, open_rank_heap, output_without_gpu, rejects_before_allocating,
+                              check_gpu_ranks, on_gpu_ranks)
 from tilelang import tvm
 
 from tilescale_examples.base import TARGET
@@ -402,7 +402,7 @@ def test_kernels_compile_with_nvcc(cache_dir):
 
 # ------------------------------------------------------------------------------ the object (CPU)
 def _make(alloc=None, **kwargs):
-    args = dict(num_experts=E, hidden=H, topk=K, max_tokens=TMAX)
+    args = dict(num_experts=E, hidden=H, topk=K, max_tokens=TMAX, dtype=torch.bfloat16)
     args.update(kwargs)
     return MoEDispatcher(alloc or CpuAllocator(num_ranks=2), **args)
 
@@ -416,8 +416,7 @@ def test_dispatcher_on_cpu_allocator(cache_dir):
     assert alloc.allocations == [((cap, H), torch.float16), ((cap,), torch.int32), ((TMAX * K, H), torch.float16),
                                  ((2, 2, E), torch.int32), ((2, 2), torch.uint64), ((4,), torch.uint32)]
     assert not moe.flags.ne(0).any() and not moe.counters.ne(0).any() and not moe.count_matrix.ne(0).any()
-    assert sum(math.prod(s) * t.itemsize for s, t in alloc.allocations) < \
-        MoEDispatcher.heap_bytes(E, H, K, TMAX, 2, torch.float16)
+    assert alloc.heap_bytes == MoEDispatcher.heap_bytes(E, H, K, TMAX, torch.float16, world_size=2)
     launched = []
     moe.dispatch_kernel = LaunchRecorder(launched, "dispatch")
     moe.combine_kernel = LaunchRecorder(launched, "combine")
@@ -513,7 +512,8 @@ def test_dispatcher_on_cpu_allocator(cache_dir):
         moe.dispatch_profiled(x, idx, w, prof)
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
+test_constructor_rejects_before_allocating = rejects_before_allocating(
+    MoEDispatcher, dict(num_experts=E, hidden=H, topk=K, max_tokens=TMAX, dtype=torch.bfloat16), [
     (dict(hidden=60), ValueError, "hidden must be a multiple of 8"),
     (dict(hidden=0), ValueError, "hidden must be a positive int"),
     (dict(topk=9), ValueError, "topk must be at most 8"),
@@ -525,11 +525,6 @@ def test_dispatcher_on_cpu_allocator(cache_dir):
     (dict(world_size=4), ValueError, r"world_size=4 but the allocator spans 2 rank\(s\)"),
     (dict(validate=1), TypeError, "validate must be a bool"),
 ])
-def test_constructor_rejects_before_allocating(kwargs, exc, match):
-    alloc = CpuAllocator(num_ranks=2)
-    with pytest.raises(exc, match=match):
-        _make(alloc, **kwargs)
-    assert alloc.allocations == []
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -547,8 +542,7 @@ def _heap_bytes(config, world: int, dispatchers: int = 1) -> int:
     """Heap bytes per rank for ``dispatchers`` dispatchers of ``config`` = ``(experts, topk,
     hidden, max_tokens)``, plus 64 MiB for the rest of the test."""
     experts, topk, hidden, max_tokens = config
-    one = MoEDispatcher.heap_bytes(num_experts=experts, hidden=hidden, topk=topk, max_tokens=max_tokens,
-                                   world_size=world)
+    one = MoEDispatcher.heap_bytes(experts, hidden, topk, max_tokens, torch.bfloat16, world_size=world)
     return dispatchers * one + (64 << 20)
 
 
@@ -772,12 +766,9 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return close_rank_heap(alloc, rank, checks)
 
 
-@pytest.mark.gpu
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2, 4])
+@on_gpu_ranks(1, 2, 4, timeout=300)
 def test_moe_on_gpu(world, tmp_path_factory):
-    reports = run_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "moe")
-    assert [r["checks"] for r in reports] == [len(GPU_CASES) + 3 + 2 + 5] * world
+    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "moe", len(GPU_CASES) + 3 + 2 + 5)
 
 
 def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
@@ -792,7 +783,7 @@ def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     gen = torch.Generator().manual_seed(99 + rank)
     checks = 0
     for max_blocks in (None, 3):
-        moe = MoEDispatcher(alloc, experts, hidden, topk, max_tokens, max_blocks=max_blocks)
+        moe = MoEDispatcher(alloc, experts, hidden, topk, max_tokens, torch.bfloat16, max_blocks=max_blocks)
         cases = [("uniform", max_tokens), ("skewed", max_tokens)]
         if max_blocks is None:
             cases += [("uniform", 128), ("skewed", 129), ("uniform", 128 + rank % 2)]
@@ -801,12 +792,9 @@ def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return close_rank_heap(alloc, rank, checks)
 
 
-@pytest.mark.gpu
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2])
+@on_gpu_ranks(1, 2, timeout=300)
 def test_moe_full_size_on_gpu(world, tmp_path_factory):
-    reports = run_gpu_ranks(full_size_rank_body, world, tmp_path_factory, "moe-full")
-    assert [r["checks"] for r in reports] == [7] * world
+    check_gpu_ranks(full_size_rank_body, world, tmp_path_factory, "moe-full", 7)
 
 
 def narrow_grid_rank_body(rank: int, world: int, cache_dir: str) -> dict:
@@ -818,7 +806,7 @@ def narrow_grid_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     experts, topk, hidden, max_tokens = NARROW
     alloc = open_rank_heap(rank, world, cache_dir, _heap_bytes(NARROW, world))
     gen = torch.Generator().manual_seed(555 + rank)
-    moe = MoEDispatcher(alloc, experts, hidden, topk, max_tokens, max_blocks=2)
+    moe = MoEDispatcher(alloc, experts, hidden, topk, max_tokens, torch.bfloat16, max_blocks=2)
     cases = [("uniform", 128), ("skewed", 37), ("uniform", 127 + rank % 2)]
     checks = _check_routings(moe, rank, world, cases, gen, "2 blocks")
     checks += _back_to_back(moe, rank, world, 50, gen)
@@ -826,12 +814,9 @@ def narrow_grid_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return close_rank_heap(alloc, rank, checks)
 
 
-@pytest.mark.gpu
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2])
+@on_gpu_ranks(1, 2, timeout=300)
 def test_moe_small_batch_on_a_two_block_grid_on_gpu(world, tmp_path_factory):
-    reports = run_gpu_ranks(narrow_grid_rank_body, world, tmp_path_factory, "moe-narrow")
-    assert [r["checks"] for r in reports] == [3 + 5] * world
+    check_gpu_ranks(narrow_grid_rank_body, world, tmp_path_factory, "moe-narrow", 3 + 5)
 
 
 def wide_rank_body(rank: int, world: int, cache_dir: str) -> dict:
@@ -840,7 +825,7 @@ def wide_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     experts, topk, hidden, max_tokens = WIDE
     alloc = open_rank_heap(rank, world, cache_dir, _heap_bytes(WIDE, world))
     gen = torch.Generator().manual_seed(4321 + rank)
-    moe = MoEDispatcher(alloc, experts, hidden, topk, max_tokens)
+    moe = MoEDispatcher(alloc, experts, hidden, topk, max_tokens, torch.bfloat16)
     checks = _back_to_back(moe, rank, world, 200, gen)
     moe.close()
     return close_rank_heap(alloc, rank, checks)
@@ -849,8 +834,7 @@ def wide_rank_body(rank: int, world: int, cache_dir: str) -> dict:
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_moe_two_ranking_blocks_back_to_back_on_gpu(tmp_path_factory):
-    reports = run_gpu_ranks(wide_rank_body, 2, tmp_path_factory, "moe-wide")
-    assert [r["checks"] for r in reports] == [5] * 2
+    check_gpu_ranks(wide_rank_body, 2, tmp_path_factory, "moe-wide", 5)
 
 
 # ------------------------------------------------------------------------------ benchmark (CPU)
@@ -908,17 +892,9 @@ def test_benchmark_routing_and_arguments(monkeypatch, capsys):
                           (["--ranks", "0"], "--ranks must be >= 1"),
                           (["--threads", "100"], "--threads must be a multiple of 32 in [32, 1024]"),
                           (["--threads", "2048"], "--threads must be a multiple of 32 in [32, 1024]")):
-        _exits_naming(bench.main, argv, message, capsys)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert bench.main([]) == 0
-    assert capsys.readouterr().out == "MoE benchmark: no CUDA GPU visible, nothing to measure\n"
-
-
-def _exits_naming(main, argv, message, capsys):
-    """``main(argv)`` exits with status 2 (argparse) and ``message`` in its stderr."""
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2 and message in capsys.readouterr().err
+        exits_naming(bench.main, argv, message, capsys)
+    out = output_without_gpu(bench.main, [], monkeypatch, capsys)
+    assert out == "MoE benchmark: no CUDA GPU visible, nothing to measure\n"
 
 
 def test_phase_benchmark_offsets_and_arguments(monkeypatch, capsys):
@@ -941,7 +917,6 @@ def test_phase_benchmark_offsets_and_arguments(monkeypatch, capsys):
                           (["--replays", "0"], "--replays and --ranks must be >= 1"),
                           (["--iters", "0"], "--iters >= 1"),
                           (["--ranks", "3"], "--experts=64 must be a multiple of --ranks=3")):
-        _exits_naming(moe_phases.main, argv, message, capsys)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert moe_phases.main([]) == 0
-    assert capsys.readouterr().out == "MoE dispatch phases: no CUDA GPU visible, nothing to measure\n"
+        exits_naming(moe_phases.main, argv, message, capsys)
+    out = output_without_gpu(moe_phases.main, [], monkeypatch, capsys)
+    assert out == "MoE dispatch phases: no CUDA GPU visible, nothing to measure\n"

@@ -24,9 +24,8 @@ from __future__ import annotations
 import random
 import time
 
-import pytest
 import torch
-from examples_helpers import close_rank_heap, open_rank_heap, run_gpu_ranks
+from examples_helpers import close_rank_heap, open_rank_heap, check_gpu_ranks, on_gpu_ranks
 
 K, N, M_LOCAL = 8192, 3584, 4096  # the benchmark shapes (a 70B-class MLP's tensor-parallel GEMMs)
 STRESS = dict(m_local=256, k=1024, n=512, calls=1000)
@@ -249,9 +248,6 @@ def expected_checks(world: int) -> int:
     return 3 + 3 + (0 if shared_gpu(world) else 1) + 2 * (2 + 2 + STRESS["calls"])
 
 
-@pytest.mark.gpu
-@pytest.mark.timeout(420)
-@pytest.mark.parametrize("world", [1, 2, 4])
+@on_gpu_ranks(1, 2, 4, timeout=420)
 def test_overlapped_gemms_on_gpu(world, tmp_path_factory):
-    reports = run_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "overlap", timeout=360)
-    assert [r["checks"] for r in reports] == [expected_checks(world)] * world
+    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "overlap", expected_checks(world), timeout=360)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from examples_helpers import TOOLKIT, have_gpu, needs_nvcc
+from examples_helpers import TOOLKIT, exits_naming, needs_nvcc
 
 from tilescale_examples.benchmarks import reduce_ceiling as rc
 
@@ -72,9 +72,7 @@ def test_every_kind_of_variant_compiles_without_spills(tmp_path):
     (["--unroll", "0"], "--unroll must be positive"),
 ])
 def test_main_rejects_bad_arguments(argv, message, capsys):
-    with pytest.raises(SystemExit):
-        rc.main(argv)
-    assert message in capsys.readouterr().err
+    exits_naming(rc.main, argv, message, capsys)
 
 
 @pytest.mark.gpu
@@ -83,8 +81,6 @@ def test_every_variant_matches_the_reference_on_gpu(tmp_path):
     """A small sweep (1 MiB per rank, 2 and 4 ranks, every op, round and flag choice, two
     grids): every kernel's output equals the rank-order reference (the copy: its source) bit
     for bit."""
-    if not have_gpu():
-        pytest.skip("needs a GPU")
     import argparse
 
     import torch

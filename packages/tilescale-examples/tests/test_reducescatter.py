@@ -8,7 +8,8 @@ import random
 
 import pytest
 import torch
-from examples_helpers import CpuAllocator, close_rank_heap, open_rank_heap, poison, random_tensor, run_gpu_ranks, needs_nvcc
+from examples_helpers import (CpuAllocator, call_rejected, close_rank_heap, open_rank_heap, poison, random_tensor,
+                              rejects_before_allocating, check_gpu_ranks, needs_nvcc, on_gpu_ranks)
 from examples_cache import CACHE_NAME, warm_cache
 
 from tilescale_examples.collectives.reducescatter import ReduceScatter, torch_reference
@@ -95,26 +96,17 @@ def test_whole_vectors_are_staged_in_the_kernel(tmp_path, monkeypatch):
 ])
 @needs_nvcc
 def test_call_rejects_bad_arguments(call, exc, match, tmp_path, monkeypatch):
-    alloc, rs = make((16,), tmp_path=tmp_path, monkeypatch=monkeypatch)
-    with pytest.raises(exc, match=match):
-        call(rs)
-    assert rs.kernel.calls == [] and rs.epoch == 0
+    call_rejected(make((16,), tmp_path=tmp_path, monkeypatch=monkeypatch)[1], call, exc, match)
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
+test_constructor_rejects_before_allocating = rejects_before_allocating(
+    ReduceScatter, dict(shape=(2, 16), dtype=torch.float32), [
     (dict(dtype="uint8"), TypeError, "dtype must be one of"),
     (dict(world_size=3), ValueError, r"world_size=3 but the allocator spans 2 rank\(s\)"),
     (dict(shape=(2, 0)), ValueError, "shape must be non-empty positive ints"),
     (dict(shape=(16,)), ValueError, r"shape must be \(world_size, \*row\)"),
     (dict(threads=48), ValueError, "threads must be a multiple of 32"),
 ])
-def test_constructor_rejects_before_allocating(kwargs, exc, match):
-    alloc = CpuAllocator(num_ranks=2)
-    args = dict(allocator=alloc, shape=(2, 16), dtype=torch.float32)
-    args.update(kwargs)
-    with pytest.raises(exc, match=match):
-        ReduceScatter(**args)
-    assert alloc.allocations == []
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -189,12 +181,9 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return close_rank_heap(alloc, rank, checks)
 
 
-@pytest.mark.gpu
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("world", [2, 4])
+@on_gpu_ranks(2, 4, timeout=200)
 def test_reducescatter_on_gpu(world, tmp_path_factory):
     warm_cache(tmp_path_factory)  # kernels shared with the all-reduce tests, compiled in parallel
-    reports = run_gpu_ranks(gpu_rank_body, world, tmp_path_factory, CACHE_NAME, timeout=160)
     want = len(GPU_CASES) * 3 + BACK_TO_BACK[world]
-    assert [r["checks"] for r in reports] == [want] * world
+    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, CACHE_NAME, want, timeout=160)
     print(f"reducescatter world {world}: {want} checked calls per rank")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from examples_helpers import (TOOLKIT, CpuAllocator, LaunchRecorder, close_rank_heap, kernel_body, lower_source,
-                              open_rank_heap, record_compiles, run_gpu_ranks, needs_toolkit)
+                              open_rank_heap, record_compiles, rejects_before_allocating, check_gpu_ranks,
+                              needs_toolkit, on_gpu_ranks)
 
 from tilescale_examples import ClosedError
 from tilescale_examples.tutorials import tma_allreduce
@@ -70,20 +71,14 @@ def test_kernel_compiles(tmp_path):
         assert instr in ptx, instr
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
+test_constructor_rejects_before_allocating = rejects_before_allocating(
+    TmaAllReduce, dict(shape=(TILE_ROWS, COLS), dtype=torch.float32), [
     (dict(allocator=None), TypeError, "allocator must be a tilescale-core allocator"),
     (dict(shape=(100, COLS)), ValueError, "multiple of 64"),
     (dict(shape=(64, 64)), ValueError, f"rows, {COLS}"),
     (dict(shape=(64,)), ValueError, f"rows, {COLS}"),
-    (dict(nranks=9), ValueError, "cover 8 ranks"),
+    (dict(num_ranks=9), ValueError, "cover 8 ranks"),
 ])
-def test_constructor_rejects_before_allocating(kwargs, exc, match):
-    alloc = CpuAllocator(num_ranks=kwargs.pop("nranks", 2))
-    args = dict(allocator=alloc, shape=(TILE_ROWS, COLS), dtype=torch.float32)
-    args.update(kwargs)
-    with pytest.raises(exc, match=match):
-        TmaAllReduce(**args)
-    assert alloc.allocations == []
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -127,9 +122,6 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return close_rank_heap(alloc, rank, checks)
 
 
-@pytest.mark.gpu
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2])
+@on_gpu_ranks(1, 2, timeout=300)
 def test_tma_allreduce_on_gpu(world, tmp_path_factory):
-    reports = run_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "tma_allreduce")
-    assert [r["checks"] for r in reports] == [3 * 12] * world
+    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "tma_allreduce", 3 * 12)

@@ -31,7 +31,8 @@ W = 2  # the stand-ins' world size
 # ------------------------------------------------------------------------------ stand-ins
 class _Collective:
     """Shared by the stand-ins: no heap, no kernel; ``calls`` records every call (with a
-    global order number in ``ORDER``)."""
+    global order number in ``ORDER``); a call writes ``_stand_in_result(input)`` to ``out`` (default:
+    the op's ``output``)."""
 
     ORDER = []
 
@@ -46,6 +47,12 @@ class _Collective:
         self.calls += 1
         _Collective.ORDER.append(self)
 
+    def __call__(self, input, *, out=None):
+        self._record()
+        out = self.output if out is None else out
+        out.copy_(self._stand_in_result(input))
+        return out
+
     def close(self):
         self._closed = True
         self.kernel = None
@@ -55,17 +62,23 @@ class _Collective:
         return self._closed
 
 
+class _Sharded(_Collective):
+    """Shared by the stand-ins whose input is ``(world_size, *shard_shape)``."""
+
+    def __init__(self, shard_shape, dtype=torch.float32, world_size=W):
+        self._init(dtype, world_size)
+        self.shard_shape = tuple(shard_shape)
+        self.shape = (world_size, *self.shard_shape)
+
+
 class StandInAllReduce(_Collective, AllReduce):
     def __init__(self, shape, dtype=torch.float32, world_size=W):
         self._init(dtype, world_size)
         self.shape = self.shard_shape = tuple(shape)
         self.output = torch.zeros(self.shape, dtype=dtype)
 
-    def __call__(self, input, *, out=None):
-        self._record()
-        out = self.output if out is None else out
-        out.copy_(input * self.world_size)
-        return out
+    def _stand_in_result(self, input):
+        return input * self.world_size
 
 
 class StandInTmaAllReduce(_Collective, TmaAllReduce):
@@ -82,16 +95,9 @@ class StandInTmaAllReduce(_Collective, TmaAllReduce):
         return self.output
 
 
-class StandInReduceScatter(_Collective, ReduceScatter):
-    def __init__(self, shard_shape, dtype=torch.float32, world_size=W):
-        self._init(dtype, world_size)
-        self.shard_shape = tuple(shard_shape)
-        self.shape = (world_size, *self.shard_shape)
-
-    def __call__(self, input, *, out=None):
-        self._record()
-        out.copy_(input[self.rank] * self.world_size)
-        return out
+class StandInReduceScatter(_Sharded, ReduceScatter):
+    def _stand_in_result(self, input):
+        return input[self.rank] * self.world_size
 
 
 class StandInAllGather(_Collective, AllGather):
@@ -100,46 +106,37 @@ class StandInAllGather(_Collective, AllGather):
         self.shape = self.shard_shape = tuple(shard_shape)
         self.output = torch.zeros((world_size, *self.shard_shape), dtype=dtype)
 
-    def __call__(self, input, *, out=None):
-        self._record()
-        out = self.output if out is None else out
-        out.copy_(input.expand(self.world_size, *self.shard_shape))
-        return out
+    def _stand_in_result(self, input):
+        return input.expand(self.world_size, *self.shard_shape)
 
 
-class StandInAllToAll(_Collective, AllToAll):
-    def __init__(self, shard_shape, dtype=torch.float32, world_size=W):
-        self._init(dtype, world_size)
-        self.shard_shape = tuple(shard_shape)
-        self.shape = (world_size, *self.shard_shape)
-
-    def __call__(self, input, *, out=None):
-        self._record()
-        out.copy_(input[self.rank].expand(self.world_size, *self.shard_shape))
-        return out
+class StandInAllToAll(_Sharded, AllToAll):
+    def _stand_in_result(self, input):
+        return input[self.rank].expand(self.world_size, *self.shard_shape)
 
 
-class StandInAllGatherGEMM(_Collective, AllGatherGEMM):
+class _Gemm(_Collective):
+    """Shared by the GEMM stand-ins: the GEMM's sizes; a call writes ``_stand_in_result(a, b)`` to ``out``."""
+
     def __init__(self, m_local, k, n, dtype=torch.float32, world_size=W):
         self._init(dtype, world_size)
         self.m_local, self.k, self.n = m_local, k, n
 
     def __call__(self, a, b, *, out=None):
         self._record()
-        out.copy_(a.repeat(self.world_size, 1) @ b)
+        out.copy_(self._stand_in_result(a, b))
         return out
 
 
-class StandInGemmReduceScatter(_Collective, GemmReduceScatter):
-    def __init__(self, m_local, k, n, dtype=torch.float32, world_size=W):
-        self._init(dtype, world_size)
-        self.m_local, self.k, self.n = m_local, k, n
+class StandInAllGatherGEMM(_Gemm, AllGatherGEMM):
+    def _stand_in_result(self, a, b):
+        return a.repeat(self.world_size, 1) @ b
 
-    def __call__(self, a, b, *, out=None):
-        self._record()
+
+class StandInGemmReduceScatter(_Gemm, GemmReduceScatter):
+    def _stand_in_result(self, a, b):
         m = self.m_local
-        out.copy_((a @ b)[self.rank * m:(self.rank + 1) * m] * self.world_size)
-        return out
+        return (a @ b)[self.rank * m:(self.rank + 1) * m] * self.world_size
 
 
 class StandInMoE(_Collective, MoEDispatcher):

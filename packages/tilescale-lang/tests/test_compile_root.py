@@ -40,6 +40,25 @@ def _count_nvcc():
     return calls
 
 
+def _on_three_ranks(body, tmp_path, *args, timeout=300) -> list:
+    """``body(rank, 3, cache_dir, *args)`` on 3 gloo ranks sharing the TileLang cache
+    ``tmp_path``: their results."""
+    from tilescale_core.multiprocess import run_ranks
+
+    return run_ranks(body, 3, args=(str(tmp_path), *args), backend="gloo", timeout=timeout)
+
+
+def _assert_every_rank_raised_the_roots_error(out, root: int, how: str) -> None:
+    """Every rank raised the root's nvcc error, ``compile on root rank <root> (<how>) failed``;
+    only the root ran nvcc."""
+    for rank, o in enumerate(out):
+        assert o["error"] is not None, f"rank {rank} did not raise"
+        assert f"compile on root rank {root} ({how}) failed" in o["error"]
+        assert "no-such-nvcc-flag" in o["error"], o["error"][-2000:]  # the root's nvcc message
+        assert o["root"] == root
+    assert [o["nvcc"] for o in out] == [int(rank == root) for rank in range(len(out))]  # only the root tried
+
+
 def _root_compiles(rank, world, cache_dir, scale):
     import os
 
@@ -54,9 +73,7 @@ def _root_compiles(rank, world, cache_dir, scale):
 
 @needs_nvcc
 def test_root_compiles_and_the_others_load(tmp_path):
-    from tilescale_core.multiprocess import run_ranks
-
-    out = run_ranks(_root_compiles, 3, args=(str(tmp_path), 7), backend="gloo", timeout=300)
+    out = _on_three_ranks(_root_compiles, tmp_path, 7)
     assert [o["nvcc"] for o in out] == [0, 1, 0], out  # only rank 1 ran nvcc; 0 and 2 hit the cache
     assert all(o["source_ok"] for o in out)
 
@@ -86,15 +103,7 @@ def _root_fails(rank, world, cache_dir, how):
 @pytest.mark.parametrize("how", ["compile", "jit"])
 def test_a_failure_on_the_root_raises_on_every_rank(how, tmp_path):
     """Never a hang, never a bare 'process exited': each rank raises with the root's message."""
-    from tilescale_core.multiprocess import run_ranks
-
-    out = run_ranks(_root_fails, 3, args=(str(tmp_path), how), backend="gloo", timeout=300)
-    for rank, o in enumerate(out):
-        assert o["error"] is not None, f"rank {rank} did not raise"
-        assert "compile on root rank 2 (compile_root=2) failed" in o["error"]
-        assert "no-such-nvcc-flag" in o["error"], o["error"][-2000:]  # the root's nvcc message
-        assert o["root"] == 2
-    assert [o["nvcc"] for o in out] == [0, 0, 1]  # only the root tried
+    _assert_every_rank_raised_the_roots_error(_on_three_ranks(_root_fails, tmp_path, how), 2, "compile_root=2")
 
 
 def _disagree(rank, world):
@@ -190,9 +199,7 @@ def _once_with_group(rank, world, cache_dir, how):
 @pytest.mark.parametrize("how", ["compile", "jit"])
 def test_compile_once_with_a_group_compiles_on_its_root_only(how, tmp_path):
     """Only group rank 0 runs nvcc; ranks 1 and 2 load its result (from the disk cache)."""
-    from tilescale_core.multiprocess import run_ranks
-
-    out = run_ranks(_once_with_group, 3, args=(str(tmp_path), how), backend="gloo", timeout=300)
+    out = _on_three_ranks(_once_with_group, tmp_path, how)
     assert [o["error"] for o in out] == [None] * 3, out
     assert [o["nvcc"] for o in out] == [1, 0, 0], out
     assert all(o["source_ok"] for o in out)
@@ -201,15 +208,9 @@ def test_compile_once_with_a_group_compiles_on_its_root_only(how, tmp_path):
 @needs_nvcc
 @pytest.mark.parametrize("how", ["compile fails", "jit fails"])
 def test_compile_once_with_a_group_root_failure_raises_everywhere(how, tmp_path):
-    from tilescale_core.multiprocess import run_ranks
-
-    out = run_ranks(_once_with_group, 3, args=(str(tmp_path), how), backend="gloo", timeout=300)
-    for rank, o in enumerate(out):
-        assert o["error"] is not None, f"rank {rank} did not raise"
-        assert o["type"] == "CompileRootError" and o["root"] == 0
-        assert "compile on root rank 0 (compile_once=True with compile_group) failed" in o["error"]
-        assert "no-such-nvcc-flag" in o["error"], o["error"][-2000:]  # the root's nvcc message
-    assert [o["nvcc"] for o in out] == [1, 0, 0]  # the others never ran the compiler
+    out = _on_three_ranks(_once_with_group, tmp_path, how)
+    _assert_every_rank_raised_the_roots_error(out, 0, "compile_once=True with compile_group")
+    assert [o["type"] for o in out] == ["CompileRootError"] * 3
 
 
 def _once_with_a_fake_compiler(rank, world, cache_dir, sub_group):
@@ -243,9 +244,7 @@ def _once_with_a_fake_compiler(rank, world, cache_dir, sub_group):
 def test_compile_once_with_a_group_never_calls_the_compiler_off_the_root(sub_group, tmp_path):
     """CPU, no nvcc: the compiler is called once, on the group's rank 0, and its error (a
     ValueError there) reaches every member as a RuntimeError carrying its message."""
-    from tilescale_core.multiprocess import run_ranks
-
-    out = run_ranks(_once_with_a_fake_compiler, 3, args=(str(tmp_path), sub_group), backend="gloo", timeout=120)
+    out = _on_three_ranks(_once_with_a_fake_compiler, tmp_path, sub_group, timeout=120)
     root = 1 if sub_group else 0
     members = [1, 2] if sub_group else [0, 1, 2]
     assert [o["calls"] for o in out] == [int(r == root) for r in range(3)], out
@@ -281,9 +280,7 @@ def _once_with_a_group_succeeds(rank, world, cache_dir):
 def test_compile_once_with_a_group_root_compiles_before_the_others_load(tmp_path):
     """The root's compile completes before any other rank asks for the kernel (the others'
     call is then a cache load; here the same fake)."""
-    from tilescale_core.multiprocess import run_ranks
-
-    out = run_ranks(_once_with_a_group_succeeds, 3, args=(str(tmp_path),), backend="gloo", timeout=120)
+    out = _on_three_ranks(_once_with_a_group_succeeds, tmp_path, timeout=120)
     assert [o[0] for o in out] == ["kernel from rank 0", "kernel from rank 1", "kernel from rank 2"]
     root_done = out[0][2]
     assert all(o[1] >= root_done for o in out[1:]), out  # CLOCK_MONOTONIC is system-wide

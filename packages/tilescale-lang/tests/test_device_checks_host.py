@@ -61,23 +61,29 @@ def _build_and_run_stdout(tmp_path, name: str, source: str, defines=()) -> str:
     return run.stdout
 
 
+def _cases(stdout: str) -> dict[str, str]:
+    """``{case: result}`` of a program's ``CASE <case>: <result>`` lines."""
+    return {k: v for k, _, v in (line[5:].partition(": ") for line in stdout.splitlines() if line.startswith("CASE "))}
+
+
 def _build_and_run(tmp_path, name: str, source: str, defines=()) -> dict[str, str]:
-    out = {}
-    for line in _build_and_run_stdout(tmp_path, name, source, defines).splitlines():
-        if line.startswith("CASE "):
-            key, _, value = line[5:].partition(": ")
-            out[key] = value
-    return out
+    return _cases(_build_and_run_stdout(tmp_path, name, source, defines))
+
+
+def _header_code(header: str, start: str, function: str) -> str:
+    """The code of ``header`` from the line ``start`` to the end of ``function`` (the start of
+    its signature), in namespace tilescale."""
+    text = (INCLUDE / header).read_text()
+    first = text.index(start)
+    end = text.index("\n}\n", text.index(function, first)) + 3
+    return "namespace tilescale {\n" + text[first:end] + "}  // namespace tilescale\n"
 
 
 # ------------------------------------------------------------------------------ remap
 def remap_source() -> str:
     """``pe_out_of_range_trap`` (when compiled in) and ``remap`` as common.cuh defines them."""
-    text = (INCLUDE / "common.cuh").read_text()
-    start = text.index("#if TILESCALE_CHECK_PE\n/// Trap: a run-time PE")
-    fn = text.index("template <typename T> TILESCALE_DEVICE T* remap(", start)
-    end = text.index("\n}\n", fn) + 3
-    return "namespace tilescale {\n" + text[start:end] + "}  // namespace tilescale\n"
+    return _header_code("common.cuh", "#if TILESCALE_CHECK_PE\n/// Trap: a run-time PE",
+                        "template <typename T> TILESCALE_DEVICE T* remap(")
 
 
 REMAP_MAIN = r"""
@@ -102,12 +108,6 @@ int main() {
 """
 
 
-def test_remap_is_extracted_whole():
-    src = remap_source()
-    assert src.count("{") == src.count("}"), src
-    assert "pe_out_of_range_trap" in src and "remap(" in src
-
-
 @needs_compiler
 def test_remap_only_minus_one_is_local(tmp_path):
     """A run-time PE of -2 is not local: with TILESCALE_CHECK_PE=1 it traps like any PE outside
@@ -125,11 +125,8 @@ def test_remap_only_minus_one_is_local(tmp_path):
 # ------------------------------------------------------------------------------ checked_count
 def checked_count_source() -> str:
     """``negative_count_trap`` (when compiled in) and ``checked_count`` as debug.cuh defines them."""
-    text = (INCLUDE / "debug.cuh").read_text()
-    start = text.index("#if TILESCALE_DEBUG || TILESCALE_CHECK_PE\n/// Trap: a signed run-time element count")
-    fn = text.index("template <typename T> TILESCALE_DEVICE T checked_count(", start)
-    end = text.index("\n}\n", fn) + 3
-    return "namespace tilescale {\n" + text[start:end] + "}  // namespace tilescale\n"
+    return _header_code("debug.cuh", "#if TILESCALE_DEBUG || TILESCALE_CHECK_PE\n/// Trap: a signed run-time element count",
+                        "template <typename T> TILESCALE_DEVICE T checked_count(")
 
 
 CHECKED_COUNT_MAIN = r"""
@@ -162,12 +159,6 @@ int main() {
 """
 
 
-def test_checked_count_is_extracted_whole():
-    src = checked_count_source()
-    assert src.count("{") == src.count("}"), src
-    assert "negative_count_trap" in src and "checked_count(" in src
-
-
 @needs_compiler
 @pytest.mark.parametrize("switch", ["-DTILESCALE_CHECK_PE=1", "-DTILESCALE_DEBUG=1"])
 def test_checked_count_traps_on_a_negative_count(tmp_path, switch):
@@ -177,7 +168,7 @@ def test_checked_count_traps_on_a_negative_count(tmp_path, switch):
     off = "-DTILESCALE_DEBUG=0" if "CHECK_PE" in switch else "-DTILESCALE_CHECK_PE=0"
     stdout = _build_and_run_stdout(tmp_path, "count_checked", PRELUDE + checked_count_source() + CHECKED_COUNT_MAIN,
                                    [switch, off])
-    out = {k: v for k, _, v in (line[5:].partition(": ") for line in stdout.splitlines() if line.startswith("CASE "))}
+    out = _cases(stdout)
     assert out["int 0"] == "value 0" and out["int 7"] == "value 7" and out["int max"] == "value 2147483647"
     assert out["int64 2**40"] == f"value {1 << 40}"
     for case in ("int -5", "int min", "int64 -2**40", "int8 -3"):
@@ -197,6 +188,16 @@ def test_checked_count_is_the_identity_without_the_checks(tmp_path):
     assert out["int -5"] == "value -5" and out["int min"] == f"value {-(1 << 31)}", out
     assert out["int64 -2**40"] == f"value {-(1 << 40)}" and out["int8 -3"] == "value -3"
     assert out["int 7"] == "value 7" and out["traps"] == "0"
+
+
+@pytest.mark.parametrize("source,names", [
+    (remap_source, ("pe_out_of_range_trap", "remap(")),
+    (checked_count_source, ("negative_count_trap", "checked_count(")),
+], ids=["remap", "checked_count"])
+def test_header_code_is_extracted_whole(source, names):
+    src = source()
+    assert src.count("{") == src.count("}"), src
+    assert all(name in src for name in names)
 
 
 # ------------------------------------------------------------------------------ teams

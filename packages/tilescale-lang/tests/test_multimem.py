@@ -390,21 +390,16 @@ def test_tma_store_rejected_at_lowering(case):
         assert w in str(info.value), (w, str(info.value))
 
 
-def test_tma_store_dtype_mismatch():
-    with pytest.raises(ValueError, match="dst dtype float32 does not match src dtype float16"):
+@pytest.mark.parametrize("alloc,op,match", [
+    (T.alloc_shared, lambda MC, local: T.multimem_tma_store(local, MC), "dst dtype float32 does not match src dtype float16"),
+    (T.alloc_fragment, lambda MC, local: T.multimem_ld_reduce(MC, local), "dst dtype float16 does not match src dtype float32"),
+], ids=["tma_store", "elementwise"])
+def test_dtype_mismatch(alloc, op, match):
+    """A float16 local buffer with a float32 multicast tensor, either way round."""
+    with pytest.raises(ValueError, match=match):
 
         @T.prim_func
         def k(MC: T.Tensor((64, 64), "float32")):
             with T.Kernel(1, threads=128) as _:
-                s = T.alloc_shared((64, 64), "float16")
-                T.multimem_tma_store(s, MC)
-
-
-def test_elementwise_dtype_mismatch():
-    with pytest.raises(ValueError, match="dst dtype float16 does not match src dtype float32"):
-
-        @T.prim_func
-        def k(MC: T.Tensor((64, 64), "float32")):
-            with T.Kernel(1, threads=128) as _:
-                h = T.alloc_fragment((64, 64), "float16")
-                T.multimem_ld_reduce(MC, h)
+                local = alloc((64, 64), "float16")
+                op(MC, local)

@@ -177,13 +177,15 @@ def test_values_that_fit_are_kept_exactly():
 
 
 # --------------------------------------------------------------------- the run-time PE check
-def _runtime_pe_kernel():
+def _peer_kernel():
+    """A store to a run-time PE (the PE check's subject; a kernel that reads the table)."""
+
     @T.prim_func
-    def k(F: T.Tensor((8,), "uint32"), pe: T.int32):
+    def peer_put(F: T.Tensor((8,), "uint32"), pe: T.int32):
         with T.Kernel(1, threads=32) as _:
             T.st(F[0], 1, dst_pe=pe)
 
-    return k
+    return peer_put
 
 
 def test_check_pe_flag(monkeypatch):
@@ -239,7 +241,7 @@ def test_wait_timeout_in_range_is_kept(monkeypatch):
 
 @needs_nvcc
 def test_runtime_pe_check_is_compiled_in_only_on_request(tmp_path, monkeypatch):
-    src = lower_source(_runtime_pe_kernel())
+    src = lower_source(_peer_kernel())
     monkeypatch.delenv(headers.CHECK_PE_ENV, raising=False)
     off = nvcc_ptx(src, tmp_path)
     monkeypatch.setenv(headers.CHECK_PE_ENV, "1")
@@ -347,15 +349,6 @@ def test_reading_an_empty_table_traps_with_a_message(tmp_path, monkeypatch):
     ptx = nvcc_ptx(lower_source(k), tmp_path)
     assert "launched without kernel.initialize(allocator=...)" in _strings(ptx)
     assert "trap;" in ptx
-
-
-def _peer_kernel():
-    @T.prim_func
-    def peer_put(F: T.Tensor((8,), "uint32"), pe: T.int32):
-        with T.Kernel(1, threads=32) as _:
-            T.st(F[0], 1, dst_pe=pe)
-
-    return peer_put
 
 
 def _local_kernel():

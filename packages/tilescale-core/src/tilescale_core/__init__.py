@@ -6,20 +6,12 @@ through stock TileLang's namespace once the package is installed: ``tilelang.get
 ``tilelang.tensor`` and ``tilelang.distributed``.
 """
 
-from ._lazy import lazy_getattr
+from ._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "BaseAllocator": "allocator",
-    "CudaError": "driver",
-    "CudaUnavailableError": "driver",
-    "get_allocator": "allocator",
-    "tensor": "tensors",
-    "tensor_from_ptr": "tensors",
-}
-
-__all__ = sorted(_LAZY) + ["__version__"]
-
-
-__getattr__ = lazy_getattr(globals(), _LAZY)
+__getattr__, __all__ = lazy_exports(globals(), {
+    "allocator": ("BaseAllocator", "get_allocator"),
+    "driver": ("CudaError", "CudaUnavailableError"),
+    "tensors": ("tensor", "tensor_from_ptr"),
+})

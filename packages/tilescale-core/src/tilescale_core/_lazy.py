@@ -24,3 +24,18 @@ def lazy_getattr(package_globals, names):
         return value
 
     return __getattr__
+
+
+def lazy_exports(package_globals, modules):
+    """``(__getattr__, __all__)`` of a package whose public names live in its sub-modules,
+    each loaded on first use (:func:`lazy_getattr`).
+
+    Args:
+        package_globals: the package's ``globals()``.
+        modules: sub-module name (relative to the package) -> the public names it provides.
+
+    ``__all__`` lists the names sorted, then ``__version__`` when the package defines one.
+    """
+    names = {name: module for module, provided in modules.items() for name in provided}
+    public = sorted(names) + (["__version__"] if "__version__" in package_globals else [])
+    return lazy_getattr(package_globals, names), public

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -683,19 +684,10 @@ class BaseAllocator:
         return mc_view, local_view
 
 
-def get_allocator(
-    size: int = 2**30,
-    device: Any = "cuda",
-    is_distributed: bool = True,
-    local_rank: int = 0,
-    num_local_ranks: int = 1,
-    group: Any = None,
-    use_vmm: bool | None = None,
-    mcast_size: int | None = None,
-    *,
-    check_alloc: bool | None = None,
-) -> BaseAllocator:
-    """Create a :class:`BaseAllocator` (collective over ``group``); see its arguments.
+def get_allocator(*args: Any, **kwargs: Any) -> BaseAllocator:
+    """Create a :class:`BaseAllocator` (collective over ``group``): the documented entry point,
+    with the constructor's arguments (one list, shown by ``inspect.signature``) except the
+    test-only ``backend``.
 
     Example::
 
@@ -706,14 +698,15 @@ def get_allocator(
         ...
         allocator.close()
     """
-    return BaseAllocator(
-        size=size,
-        device=device,
-        is_distributed=is_distributed,
-        local_rank=local_rank,
-        num_local_ranks=num_local_ranks,
-        group=group,
-        use_vmm=use_vmm,
-        mcast_size=mcast_size,
-        check_alloc=check_alloc,
-    )
+    bound = _GET_ALLOCATOR_SIGNATURE.bind(*args, **kwargs)  # a TypeError names a wrong argument
+    return BaseAllocator(*bound.args, **bound.kwargs)
+
+
+def _public_signature() -> inspect.Signature:
+    """:class:`BaseAllocator`'s constructor signature without ``self`` and ``backend``."""
+    sig = inspect.signature(BaseAllocator.__init__)
+    params = [p for name, p in sig.parameters.items() if name not in ("self", "backend")]
+    return sig.replace(parameters=params, return_annotation="BaseAllocator")
+
+
+_GET_ALLOCATOR_SIGNATURE = get_allocator.__signature__ = _public_signature()

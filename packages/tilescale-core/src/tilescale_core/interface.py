@@ -12,7 +12,7 @@ every wheel.
 from __future__ import annotations
 
 from ._extension import add_facade_dir, after_import
-from ._lazy import lazy_getattr
+from ._lazy import lazy_exports, lazy_getattr
 from ._parent_death import PARENT_PID_ENV, die_with_parent, parent_pid_from_env
 from .table import TABLE_LAYOUT, TABLE_VERSION
 from .validate import check_choice, check_non_negative_int, check_positive_int, check_seconds
@@ -28,6 +28,7 @@ __all__ = [
     "check_positive_int",
     "check_seconds",
     "die_with_parent",
+    "lazy_exports",
     "lazy_getattr",
     "parent_pid_from_env",
 ]

@@ -83,36 +83,45 @@ def probe_driver() -> Probe:
     return Probe(True, f"CUDA driver API {v // 1000}.{(v % 1000) // 10}, {n} visible GPU(s)")
 
 
-def _devices_lacking(attribute: str) -> list[int]:
+def _lacking(attribute: str, what: str) -> Probe | None:
+    """A failed probe naming the visible GPUs whose device ``attribute`` is off (they do not
+    support ``what``), or None when every GPU has it."""
     n = _driver.device_count()
-    return [d for d in range(n) if not _driver.device_attribute(attribute, d)]
+    lacking = [d for d in range(n) if not _driver.device_attribute(attribute, d)]
+    return Probe(False, f"GPU(s) {lacking} do not support {what}") if lacking else None
 
 
-@_guarded
-def probe_cuda_ipc() -> Probe:
-    """Whether CUDA IPC can work: a driver, and peer access between every pair of visible GPUs."""
+def _after_driver(*checks: Callable[[], Probe | None]) -> Probe:
+    """The driver probe, then each check (a failed probe, or None when it passes) in turn: the
+    first failure, else success with the driver's reason."""
     base = probe_driver()
     if not base:
         return base
+    for check in checks:
+        failed = check()
+        if failed is not None:
+            return failed
+    return Probe(True, base.reason)
+
+
+def _peer_access() -> Probe | None:
     n = _driver.device_count()
     missing = [(a, b) for a in range(n) for b in range(n) if a != b and not _driver.can_access_peer(a, b)]
     if missing:
         pairs = ", ".join(f"{a}->{b}" for a, b in missing)
         return Probe(False, f"no CUDA peer access between visible GPUs {pairs}")
-    return Probe(True, base.reason)
+    return None
+
+
+@_guarded
+def probe_cuda_ipc() -> Probe:
+    """Whether CUDA IPC can work: a driver, and peer access between every pair of visible GPUs."""
+    return _after_driver(_peer_access)
 
 
 def _vmm_with(attribute: str, label: str) -> Probe:
-    base = probe_driver()
-    if not base:
-        return base
-    lacking = _devices_lacking("VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED")
-    if lacking:
-        return Probe(False, f"GPU(s) {lacking} do not support CUDA virtual memory management")
-    lacking = _devices_lacking(attribute)
-    if lacking:
-        return Probe(False, f"GPU(s) {lacking} do not support {label} handles")
-    return Probe(True, base.reason)
+    return _after_driver(lambda: _lacking("VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", "CUDA virtual memory management"),
+                         lambda: _lacking(attribute, f"{label} handles"))
 
 
 @_guarded
@@ -194,7 +203,5 @@ def probe_multicast() -> Probe:
     fabric = probe_vmm_fabric()
     if not fabric:
         return Probe(False, f"multicast needs VMM fabric handles: {fabric.reason}")
-    lacking = _devices_lacking("MULTICAST_SUPPORTED")
-    if lacking:
-        return Probe(False, f"GPU(s) {lacking} do not support multicast objects")
-    return Probe(True, fabric.reason)
+    lacking = _lacking("MULTICAST_SUPPORTED", "multicast objects")
+    return Probe(True, fabric.reason) if lacking is None else lacking

@@ -31,7 +31,8 @@ from tilescale_examples._contract import (OldSpellingWarning, RecordingAllocator
                                           accepts_0_1_out, accepts_0_1_reference, dry_run_heap_bytes,
                                           rank_left_out, row_shape_0_1, sm_count_of, warn_old_spelling)
 
-__all__ = ["ClosedError", "SymmetricOp", "SymmetricCollective", "KernelOwner", "Closable", "RecordingAllocator",
+__all__ = ["ClosedError", "SymmetricOp", "SymmetricCollective", "RowsPerRank", "KernelOwner", "Closable",
+           "RecordingAllocator",
            "OldSpellingWarning", "accepts_0_1_init", "accepts_0_1_out", "accepts_0_1_reference", "rank_left_out", "row_shape_0_1",
            "warn_old_spelling",
            "check_tensor", "check_threads", "plan_chunks", "size_table_entry", "check_allocator", "check_shape",
@@ -350,6 +351,10 @@ class SymmetricOp(KernelOwner, Closable):
         return self._closed
 
 
+#: ``algorithm`` of :meth:`SymmetricCollective._setup` when the op has no such keyword.
+_NO_ALGORITHM = object()
+
+
 class SymmetricCollective(SymmetricOp):
     """Base of the collectives: a tensor ``shape`` (the per-rank input of a call), buffers
     on the symmetric heap, one rank-agnostic kernel compiled once per host.
@@ -358,7 +363,7 @@ class SymmetricCollective(SymmetricOp):
     (same order on every rank), then call ``_finish(kernel_func, target)``. Attributes set
     here besides :class:`SymmetricOp`'s: ``shape``, ``shard_shape`` and ``shard_numel`` (the
     piece one rank owns: ``shape`` here, a row of it for the ops whose input holds one row
-    per rank), ``threads``, ``max_blocks``.
+    per rank, :class:`RowsPerRank`), ``threads``, ``max_blocks``.
     """
 
     #: int32 indexing bound of the kernels (elements).
@@ -366,7 +371,17 @@ class SymmetricCollective(SymmetricOp):
 
     def _setup(self, allocator, shape: Union[int, Sequence[int]], dtype, world_size: Optional[int],
                group, threads: int, max_blocks: Optional[int], allowed_dtypes=None,
-               shape_name: str = "shape") -> None:
+               shape_name: str = "shape", *, algorithm=_NO_ALGORITHM, target=None) -> None:
+        """Check the constructor's common arguments, before anything is allocated: ``target``,
+        ``algorithm`` (one of :attr:`ALGORITHMS`; left out by an op without that keyword), then
+        :meth:`SymmetricOp._setup_op`'s, ``shape``, ``threads`` and ``max_blocks``. Sets
+        ``algorithm``: the one asked for, or for ``"auto"`` the op's one strategy where it has
+        one (an op that chooses among several sets it after)."""
+        check_target(target)
+        if algorithm is not _NO_ALGORITHM:
+            if algorithm not in self.ALGORITHMS:
+                raise ValueError(f"algorithm must be one of {self.ALGORITHMS}, got {algorithm!r}")
+            self.algorithm = self.ALGORITHMS[1] if algorithm == "auto" and len(self.ALGORITHMS) == 2 else algorithm
         self._setup_op(allocator, dtype, world_size, group, allowed_dtypes)
         self.shape = self.shard_shape = check_shape(shape, shape_name)
         check_threads(threads)
@@ -378,19 +393,15 @@ class SymmetricCollective(SymmetricOp):
                              "indexing (< 2**31 elements)")
         self.max_blocks = self._default_max_blocks() if max_blocks is None else max_blocks
         self.threads = threads
+        self._set_shard()
+
+    def _set_shard(self) -> None:
+        """The last step of :meth:`_setup`: ``shard_shape`` and ``shard_numel`` from ``shape``
+        (here the shape itself; :class:`RowsPerRank`: one row of it)."""
 
     def _largest_numel(self) -> int:
         """Elements of the op's largest buffer (default: ``world_size`` pieces of ``shape``)."""
         return self.world_size * math.prod(self.shape)
-
-    def _rows_of_shape(self) -> None:
-        """For ops whose input holds one row per rank: ``shape`` must be ``(world_size,
-        *row)``; sets ``shard_shape`` (the row) and ``shard_numel``. Before any allocation."""
-        if len(self.shape) < 2 or self.shape[0] != self.world_size:
-            raise ValueError(f"shape must be (world_size, *row) = ({self.world_size}, ...) with a non-empty row "
-                             f"(one row per rank), got {self.shape}")
-        self.shard_shape = self.shape[1:]
-        self.shard_numel = math.prod(self.shard_shape)
 
     def _tensor(self, shape, dtype=None, return_peers: bool = False):
         """A symmetric tensor on the allocator's heap (same offset on every rank); with
@@ -444,3 +455,24 @@ class SymmetricCollective(SymmetricOp):
 
     #: Attributes holding tensors, dropped by ``close()``.
     _BUFFERS = ("input", "output", "flags", "stage")
+
+
+class RowsPerRank:
+    """Mixin (the first base) of the collectives whose input holds one row per rank,
+    ``shape = (world_size, *row)``: :class:`~tilescale_examples.collectives.alltoall.AllToAll`
+    and :class:`~tilescale_examples.collectives.reducescatter.ReduceScatter`. ``_setup``
+    checks that shape and sets ``shard_shape`` to the row; their largest buffer is the input
+    itself; they have one kernel (``"sm"``). Their 0.1.0 spelling took the row as the shape
+    (:func:`row_shape_0_1`)."""
+
+    ALGORITHMS = ("auto", "sm")
+
+    def _set_shard(self) -> None:
+        if len(self.shape) < 2 or self.shape[0] != self.world_size:
+            raise ValueError(f"shape must be (world_size, *row) = ({self.world_size}, ...) with a non-empty row "
+                             f"(one row per rank), got {self.shape}")
+        self.shard_shape = self.shape[1:]
+        self.shard_numel = math.prod(self.shard_shape)
+
+    def _largest_numel(self) -> int:
+        return math.prod(self.shape)  # the whole input, (world_size, *row)

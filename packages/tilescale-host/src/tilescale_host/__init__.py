@@ -15,43 +15,18 @@ Modules: :mod:`~tilescale_host.dist_init` (``init_dist``), :mod:`~tilescale_host
 
 from __future__ import annotations
 
-from tilescale_core.interface import lazy_getattr
+from tilescale_core.interface import lazy_exports
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "init_dist": "dist_init",
-    "init_distributed": "compat",
-    "CUDA_CHECK": "compat",
-    "create_mapped_tensor": "compat",
-    "dtype_map": "compat",
-    "set_signal": "signals",
-    "synchronize_streams": "signals",
-    "stream_wait_eq": "signals",
-    "wait_eq": "signals",
-    "barrier_all_on_stream": "stream_barrier",
-    "close_stream_barriers": "stream_barrier",
-    "do_bench": "bench",
-    "perf_fn": "bench",
-    "perf_rounds": "bench",
-    "NvidiaSmiUtil": "topology",
-    "cuda_stream_max_priority": "topology",
-    "has_fullmesh_nvlink": "topology",
-    "has_fullmesh_nvlink_pynvml": "topology",
-    "supports_p2p_native_atomic": "topology",
-    "dist_print": "utils",
-    "get_bool_env": "utils",
-    "get_current_gpu_clock_rate_in_khz": "utils",
-    "get_device_max_shared_memory_size": "utils",
-    "get_int_env": "utils",
-    "get_max_gpu_clock_rate_in_khz": "utils",
-    "get_numa_node": "utils",
-    "has_tma": "utils",
-    "init_seed": "utils",
-    "rand_tensor": "utils",
-}
-
-__all__ = sorted(_LAZY) + ["__version__"]
-
-
-__getattr__ = lazy_getattr(globals(), _LAZY)
+__getattr__, __all__ = lazy_exports(globals(), {
+    "dist_init": ("init_dist",),
+    "compat": ("init_distributed", "CUDA_CHECK", "create_mapped_tensor", "dtype_map"),
+    "signals": ("set_signal", "synchronize_streams", "stream_wait_eq", "wait_eq"),
+    "stream_barrier": ("barrier_all_on_stream", "close_stream_barriers"),
+    "bench": ("do_bench", "perf_fn", "perf_rounds"),
+    "topology": ("NvidiaSmiUtil", "cuda_stream_max_priority", "has_fullmesh_nvlink", "has_fullmesh_nvlink_pynvml",
+                 "supports_p2p_native_atomic"),
+    "utils": ("dist_print", "get_bool_env", "get_current_gpu_clock_rate_in_khz", "get_device_max_shared_memory_size",
+              "get_int_env", "get_max_gpu_clock_rate_in_khz", "get_numa_node", "has_tma", "init_seed", "rand_tensor"),
+})

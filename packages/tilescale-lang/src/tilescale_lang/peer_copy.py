@@ -26,16 +26,7 @@ def copy_operands(kind: str, src, dst, size, pe, pe_name: str, remote_side: str)
     """
     s = V.operand(src, "src")
     d = V.operand(dst, "dst")
-    if s.itemsize is not None and d.itemsize is not None and s.itemsize != d.itemsize:
-        raise TypeError(f"{kind}: src ({s.dtype}) and dst ({d.dtype}) element sizes differ")
-    itemsize = s.itemsize or d.itemsize
-    if itemsize is None:
-        raise TypeError(f"{kind}: element type unknown for both src and dst; pass typed pointers (T.address_of(buf[i]))")
-    nbytes = V.size_bytes(size, itemsize, "size", kind)
-    V.require_contiguous(src, "src", kind)
-    V.require_contiguous(dst, "dst", kind)
-    V.check_extent(size, src, "src")
-    V.check_extent(size, dst, "dst")
+    nbytes = V.copy_bytes(kind, src, s, dst, d, size)
     pe_val = V.remote_pe(pe, pe_name, s if remote_side == "src" else d, remote_side)
     return s.ptr, d.ptr, nbytes, _LOCAL if pe_val is None else pe_val
 

@@ -229,16 +229,7 @@ def _collective(kind: str, dst, src, n):
     s = V.operand(src, "src")
     for op, name in ((d, "dst"), (s, "src")):
         V.require_global(op, name, f"({kind} reads and writes the symmetric heap)")
-    if s.itemsize is not None and d.itemsize is not None and s.itemsize != d.itemsize:
-        raise TypeError(f"{kind}: src ({s.dtype}) and dst ({d.dtype}) element sizes differ")
-    itemsize = s.itemsize or d.itemsize
-    if itemsize is None:
-        raise TypeError(f"{kind}: element type unknown for both src and dst; pass typed pointers")
-    nbytes = V.size_bytes(n, itemsize, "n", kind)
-    for x, name in ((src, "src"), (dst, "dst")):
-        V.require_contiguous(x, name, kind)
-        V.check_extent(n, x, name, "n")
-    return d, s, nbytes
+    return d, s, V.copy_bytes(kind, src, s, dst, d, n, "n")
 
 
 def _root(root) -> tirx.PrimExpr:

@@ -424,6 +424,30 @@ def size_bytes(size: Any, itemsize: int, name: str = "size", kind: str | None = 
     return tirx.Cast("uint64", size) * tirx.IntImm("uint64", itemsize)
 
 
+def copy_bytes(kind: str, src: Any, s: Operand, dst: Any, d: Operand, size: Any,
+               size_name: str = "size") -> tirx.PrimExpr:
+    """The uint64 byte count of a flat copy of ``size`` elements from ``src`` to ``dst``
+    (their operands ``s``, ``d``), checked the one way every copy intrinsic checks it: the two
+    element sizes agree (either side may be an untyped pointer), ``size`` is a valid count
+    (:func:`size_bytes`), and each side is one contiguous span (:func:`require_contiguous`)
+    that holds ``size`` elements (:func:`check_extent`).
+
+    Raises:
+        TypeError: the element sizes differ, or neither side's element type is known.
+        ValueError: see :func:`size_bytes`, :func:`require_contiguous` and :func:`check_extent`.
+    """
+    if s.itemsize is not None and d.itemsize is not None and s.itemsize != d.itemsize:
+        raise TypeError(f"{kind}: src ({s.dtype}) and dst ({d.dtype}) element sizes differ")
+    itemsize = s.itemsize or d.itemsize
+    if itemsize is None:
+        raise TypeError(f"{kind}: element type unknown for both src and dst; pass typed pointers (T.address_of(buf[i]))")
+    nbytes = size_bytes(size, itemsize, size_name, kind)
+    for x, name in ((src, "src"), (dst, "dst")):
+        require_contiguous(x, name, kind)
+        check_extent(size, x, name, size_name)
+    return nbytes
+
+
 def _non_negative(e: tirx.PrimExpr) -> bool:
     """Whether the integer expression ``e`` is provably >= 0 (e.g. an unsigned value cast to a
     wider signed type)."""

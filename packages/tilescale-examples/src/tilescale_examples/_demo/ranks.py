@@ -74,6 +74,16 @@ def kernels_of(obj, is_kernel: Callable[[Any], bool] | None = None) -> int:
 
 
 
+def _steps(rank: int, world: int, doing: str):
+    """Every case of :data:`CASES` with its label on ``world`` ranks; rank 0 first prints a
+    progress line, ``step i/n: doing`` (``doing`` formatted with the case's ``op`` and ``label``)."""
+    for i, case in enumerate(CASES, 1):
+        label = case.label(world)
+        if rank == 0:
+            progress(f"step {i}/{len(CASES)}: {doing.format(op=case.op, label=label)}")
+        yield case, label
+
+
 def compile_rank(rank: int, world: int, cache_dir: str, verbose: bool = False) -> list[dict] | None:
     """Compile mode: build every case on a host-memory heap (no kernel runs); rank 0 times
     each build, counts its kernels and lists the files it added to TileLang's cache."""
@@ -88,10 +98,7 @@ def compile_rank(rank: int, world: int, cache_dir: str, verbose: bool = False) -
                           num_local_ranks=world, group=group, backend=HostBackend())
     rows = []
     try:
-        for i, case in enumerate(CASES, 1):
-            label = case.label(world)
-            if rank == 0:
-                progress(f"step {i}/{len(CASES)}: lower + nvcc compile {case.op} {label} (sm_90a)")
+        for case, label in _steps(rank, world, "lower + nvcc compile {op} {label} (sm_90a)"):
             before = _files(cache_dir)
             start = time.perf_counter()
             built = build_case(case, alloc, group, rank, world, "cpu", with_baseline=False)
@@ -132,10 +139,7 @@ def gpu_rank(rank: int, world: int, iters: int, verbose: bool = False) -> list[d
                                    local_rank=rank, num_local_ranks=world, group=group)
     rows = []
     try:
-        for i, case in enumerate(CASES, 1):
-            label = case.label(world)
-            if rank == 0:
-                progress(f"step {i}/{len(CASES)}: {case.op} {label}: build, check, time")
+        for case, label in _steps(rank, world, "{op} {label}: build, check, time"):
             built = build_case(case, alloc, group, rank, world, device, with_baseline=True)
             ref = torch.empty_like(built.output)
             built.baseline(built.inputs, ref)

@@ -7,6 +7,7 @@ timing (:mod:`~tilescale_examples.benchmarks._timing`) and its table
   PNG chart; see :func:`~tilescale_examples.benchmarks._report.save_tables`).
 * :func:`parse_args`: parse a benchmark's command line and act on ``--out``.
 * :func:`run_on_ranks`: run a rank body on the launcher's ranks or on spawned ones.
+* :func:`gpu_mode`: how a table's title says the ranks used the GPUs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import argparse
 import os
 import warnings
 
-__all__ = ["parser", "parse_args", "run_on_ranks"]
+__all__ = ["parser", "parse_args", "run_on_ranks", "gpu_mode"]
 
 
 def parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -75,3 +76,14 @@ def run_on_ranks(fn, ranks: int, *fn_args):
     backend = auto_backend(ranks, share=False)  # NCCL when every rank has a GPU, else gloo
     result = run_ranks(_spawned_rank, ranks, args=(fn, fn_args), backend=backend, timeout=1200)[0]
     return result, backend, ranks
+
+
+def gpu_mode(world: int, backend: str, gpus: int, path: str) -> str:
+    """The part of a table's title that says how ``world`` ranks used ``gpus`` GPUs and what
+    ``path`` (the torch baseline: ``"collective"``, ``"torch path"``) ran over: one rank per
+    GPU over NCCL, or ranks sharing GPUs, time-sliced (no performance measurement), over
+    ``backend`` with host staging."""
+    if backend == "nccl":
+        return f"one rank per GPU ({gpus} GPU(s)); {path} over NCCL"
+    return (f"{world} ranks SHARING {gpus} GPU(s): time-sliced, NOT a performance measurement; "
+            f"{path} over {backend} (host staging, not NCCL)")

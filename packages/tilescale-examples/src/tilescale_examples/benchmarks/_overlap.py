@@ -307,11 +307,7 @@ def parser(op: str):
 def title(op: str, world: int, backend: str, gpus: int, args) -> str:
     """The table title: op, ranks, dtype, shapes and the GPU mode (shared GPUs say so)."""
     name = OPS[op][0]
-    if backend == "nccl":
-        mode = f"one rank per GPU ({gpus} GPU(s)); collective over NCCL"
-    else:
-        mode = (f"{world} ranks SHARING {gpus} GPU(s): time-sliced, NOT a performance measurement; "
-                f"collective over {backend} (host staging, not NCCL)")
+    mode = _harness.gpu_mode(world, backend, gpus, "collective")
     return (f"{name}, {world} rank(s), {args.dtype}, k={args.k}, n={args.n} per rank; {mode}; "
             f"TFLOP/s = 2*M*N*K/t; x col = TileScale TFLOP/s / col TFLOP/s")
 

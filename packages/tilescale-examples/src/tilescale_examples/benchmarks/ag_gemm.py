@@ -1,12 +1,8 @@
 """All-gather + GEMM: TileScale's :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM` against
-``all_gather_into_tensor`` + ``torch.matmul``, torch async-TP's
-``fused_all_gather_matmul``, ``torch.matmul`` of the gathered operand alone and stock
-TileLang's GEMM of the same tiles, all in the same run.
-
-``python -m tilescale_examples.benchmarks.ag_gemm [--ranks 2] [--m-local 1024,2048,4096,8192]
-[--k 8192] [--n 3584] [--dtype bfloat16] [--iters 20]`` (or under ``tilescale-run -n N
-[--share-gpus] -m ...``). The shared machinery and the columns are described in
-:mod:`tilescale_examples.benchmarks._overlap`.
+``all_gather_into_tensor`` + ``torch.matmul``, torch async-TP's ``fused_all_gather_matmul``,
+``torch.matmul`` of the gathered operand alone and stock TileLang's GEMM of the same tiles, all in
+the same run (``python -m tilescale_examples.benchmarks.ag_gemm --help``; usage, columns and
+machinery, shared with ``gemm_rs``: :mod:`tilescale_examples.benchmarks._overlap`).
 """
 
 from tilescale_examples.benchmarks._overlap import entry, tflops

@@ -151,7 +151,7 @@ def run(rank: int, world: int, group, device, args) -> list | None:
     routings = args.routing.split(",")
     E, K, H = args.experts, args.topk, args.hidden
     max_tokens = max(token_counts)
-    heap = MoEDispatcher.heap_bytes(E, H, K, max_tokens, world, dtype) + (64 << 20)
+    heap = MoEDispatcher.heap_bytes(E, H, K, max_tokens, dtype, world_size=world, device=device) + (64 << 20)
     alloc = tilelang.get_allocator(size=heap, device=device, is_distributed=True, local_rank=rank,
                                    num_local_ranks=world, group=group)
     flag_device = device if dist.get_backend(group) == "nccl" else "cpu"
@@ -298,11 +298,7 @@ def main(argv=None) -> int:
     if result is None:
         return 0
     rows, failures = result
-    if backend == "nccl":
-        mode = f"one rank per GPU ({min(gpus, world)} GPUs); torch path over NCCL"
-    else:
-        mode = (f"{world} ranks sharing {min(gpus, world)} GPU(s): time-sliced, NOT a performance "
-                f"measurement; torch path over {backend} (host staging)")
+    mode = _harness.gpu_mode(world, backend, min(gpus, world), "torch path")
     print_table(f"MoE dispatch/combine, {world} rank(s), hidden {args.hidden}, top-{args.topk} of "
                 f"{args.experts} experts, {args.dtype}, combine {args.threads} threads, {mode}; speedup = torch us / TileScale us; "
                 "vs copy = device copy of the same bytes / TileScale (1 rank)", HEADERS, rows)

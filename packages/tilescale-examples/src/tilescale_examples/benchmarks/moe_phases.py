@@ -118,10 +118,11 @@ def run(rank: int, world: int, group, device, args) -> list | None:
 
     E, K, H = args.experts, args.topk, args.hidden
     token_counts = [int(t) for t in args.tokens.split(",")]
-    heap = MoEDispatcher.heap_bytes(E, H, K, max(token_counts), world) + (64 << 20)
+    heap = MoEDispatcher.heap_bytes(E, H, K, max(token_counts), torch.bfloat16, world_size=world,
+                                    device=device) + (64 << 20)
     alloc = tilelang.get_allocator(size=heap, device=device, is_distributed=True, local_rank=rank,
                                    num_local_ranks=world, group=group)
-    moe = MoEDispatcher(alloc, E, H, K, max(token_counts), group=group)
+    moe = MoEDispatcher(alloc, E, H, K, max(token_counts), torch.bfloat16, group=group)
     prof = EventProfiler(blocks=moe.blocks, capacity=len(DISPATCH_PHASES), device=device)
     empty = _empty_grid_kernel(moe.blocks, PLAN_THREADS)
     empty_out = torch.zeros(moe.blocks * PLAN_THREADS, dtype=torch.int32, device=device)

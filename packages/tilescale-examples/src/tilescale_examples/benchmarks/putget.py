@@ -230,10 +230,6 @@ def _check_copy(op: str, kernel, A, B, n: int, rank: int, world: int) -> list[st
     return bad
 
 
-def _rank_main(rank, world, *args):
-    return run(rank, world, *args)
-
-
 def main(argv=None) -> int:
     p = _harness.parser("putget", __doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=1, help="1 (peer = self) or 2 (two processes sharing GPU 0)")
@@ -254,7 +250,7 @@ def main(argv=None) -> int:
 
     os.environ.setdefault("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
     backend = auto_backend(args.ranks, share=False)  # NCCL with one GPU per rank, else gloo
-    results = run_ranks(_rank_main, args.ranks, args=(args.max_bytes, args.iters, args.calls, args.min_bytes, args.blocks_per_sm, args.unroll, {"warp": args.warp_unit_bytes, "block": args.block_unit_bytes}, args.direction, args.rounds), backend=backend, timeout=900)
+    results = run_ranks(run, args.ranks, args=(args.max_bytes, args.iters, args.calls, args.min_bytes, args.blocks_per_sm, args.unroll, {"warp": args.warp_unit_bytes, "block": args.block_unit_bytes}, args.direction, args.rounds), backend=backend, timeout=900)
     rows, _, dist_us, stock_us, path = results[0]
     failures = [f for r in results for f in r[1]]
     heads = ["size", "copy_ GB/s", "NCCL GB/s"]

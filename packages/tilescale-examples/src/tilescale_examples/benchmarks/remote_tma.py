@@ -125,10 +125,6 @@ def run(rank: int, world: int, max_bytes: int, iters: int, min_bytes: int) -> li
         alloc.close()
 
 
-def _rank_main(rank, world, *args):
-    return run(rank, world, *args)
-
-
 def main(argv=None) -> int:
     p = _harness.parser("remote_tma", __doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=1, help="1 (peer = self) or 2 (two processes, sharing a GPU if one)")
@@ -141,7 +137,7 @@ def main(argv=None) -> int:
     from tilescale_core.multiprocess import run_ranks
 
     os.environ.setdefault("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
-    results = run_ranks(_rank_main, args.ranks, args=(args.max_bytes, args.iters, args.min_bytes), backend="auto",
+    results = run_ranks(run, args.ranks, args=(args.max_bytes, args.iters, args.min_bytes), backend="auto",
                         timeout=900)
     rows, _, path = results[0]
     failures = [f for r in results for f in r[1]]

@@ -182,14 +182,8 @@ class AllGather(PutExchange):
                  world_size: Optional[int] = None, algorithm: Literal["auto", "sm", "copy"] = "sm",
                  group=None, threads: int = 512, max_blocks: Optional[int] = None,
                  min_chunk_bytes: int = MIN_CHUNK_BYTES, target=None):
-        from tilescale_examples.base import check_target
-
-        check_target(target)
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-        self._setup(allocator, shape, dtype, world_size, group, threads, max_blocks)
-        self.chunks, self.chunk = plan_chunks(self.shard_numel, self.itemsize, self.world_size,
-                                              self.max_blocks, min_chunk_bytes)
+        self._setup(allocator, shape, dtype, world_size, group, threads, max_blocks, algorithm=algorithm,
+                    target=target, min_chunk_bytes=min_chunk_bytes)
         if algorithm == "auto":
             algorithm = choose_engine(self.world_size * self.shard_numel * self.itemsize, self.world_size)
         self.algorithm = algorithm
@@ -198,9 +192,7 @@ class AllGather(PutExchange):
         self.input = self._tensor(self.shape)
         self.peer_outputs = self._tensor((self.world_size, *self.shape), return_peers=True)
         self.output = self.peer_outputs[self.rank]
-        self.flags = self._tensor((2 * self.world_size * self.chunks,), torch.uint64)
-        self.flags.zero_()
-        self._make_state()
+        self._make_flags()
         # copy engine: ready[p] and data[p] words (uint32), written by rank p through its mapping
         self.peer_copy_flags = self._tensor((2, self.world_size), torch.int32, return_peers=True)
         self.copy_flags = self.peer_copy_flags[self.rank]

@@ -117,12 +117,8 @@ class AllReduce(ReductionCollective):
                  world_size: Optional[int] = None, algorithm: Literal["auto", "one_shot", "two_shot"] = "auto",
                  group=None, threads: int = 512, max_blocks: Optional[int] = None, unroll: Optional[int] = None,
                  target=None):
-        from tilescale_examples.base import check_target
-
-        check_target(target)
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-        self._setup(allocator, shape, dtype, world_size, group, threads, max_blocks, REDUCE_DTYPES)
+        self._setup(allocator, shape, dtype, world_size, group, threads, max_blocks, REDUCE_DTYPES,
+                    algorithm=algorithm, target=target)
         self.numel = self.shard_numel
         if algorithm == "auto":
             algorithm = choose_algorithm(self.numel * self.itemsize, self.world_size)
@@ -152,11 +148,7 @@ class AllReduce(ReductionCollective):
         kernel when ``input`` is 16-byte aligned whole vectors, else a copy before it). Raises
         :class:`~tilescale_examples.base.ClosedError` after ``close()``.
         """
-        self._check_open()
-        if not self._is_view_of(input, self._next_input_view()):
-            self.check_input(input)
-        if out is not None:
-            self._check_out(out, self.shape)
+        self._check_call(input, out, self.shape)
         out_rows = None
         if self.algorithm == "one_shot":
             out_rows = self._out_rows(out)

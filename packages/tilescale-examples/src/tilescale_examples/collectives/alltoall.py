@@ -20,12 +20,11 @@ the allocator's device works; ``a2a.input`` is a symmetric buffer for it.
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
 
-import math
 from typing import Literal, Optional, Sequence, Union
 
 import torch
 
-from tilescale_examples.base import DTYPES, accepts_0_1_init, accepts_0_1_out, plan_chunks, row_shape_0_1
+from tilescale_examples.base import DTYPES, RowsPerRank, accepts_0_1_init, accepts_0_1_out, row_shape_0_1
 from tilescale_examples.collectives.put_exchange import PutExchange, build_put_exchange_kernel
 
 __all__ = ["AllToAll", "build_alltoall_kernel", "torch_reference", "ALGORITHMS"]
@@ -33,7 +32,7 @@ __all__ = ["AllToAll", "build_alltoall_kernel", "torch_reference", "ALGORITHMS"]
 #: Smallest chunk a block is given before the grid grows (bytes).
 MIN_CHUNK_BYTES = 64 * 1024
 #: Values of the ``algorithm`` argument (one kernel: ``"auto"`` is ``"sm"``).
-ALGORITHMS = ("auto", "sm")
+ALGORITHMS = RowsPerRank.ALGORITHMS
 
 
 def build_alltoall_kernel(shard_numel: int, dtype: str, world_size: int, chunks: int,
@@ -55,7 +54,7 @@ def torch_reference(inputs: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
     return torch.stack([x.detach()[rank] for x in inputs], dim=0)
 
 
-class AllToAll(PutExchange):
+class AllToAll(RowsPerRank, PutExchange):
     """A reusable all-to-all of equal rows over an allocator's ranks.
 
     Args:
@@ -83,7 +82,6 @@ class AllToAll(PutExchange):
     positional ``world_size``) work with a warning.
     """
 
-    ALGORITHMS = ALGORITHMS
     torch_reference = staticmethod(torch_reference)
 
     @accepts_0_1_init(positional=("world_size",), translate=row_shape_0_1)
@@ -91,26 +89,13 @@ class AllToAll(PutExchange):
                  world_size: Optional[int] = None, algorithm: Literal["auto", "sm"] = "auto",
                  group=None, threads: int = 512, max_blocks: Optional[int] = None,
                  min_chunk_bytes: int = MIN_CHUNK_BYTES, target=None):
-        from tilescale_examples.base import check_target
-
-        check_target(target)
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-        self._setup(allocator, shape, dtype, world_size, group, threads, max_blocks)
-        self._rows_of_shape()
-        self.algorithm = "sm"
-        self.chunks, self.chunk = plan_chunks(self.shard_numel, self.itemsize, self.world_size,
-                                              self.max_blocks, min_chunk_bytes)
+        self._setup(allocator, shape, dtype, world_size, group, threads, max_blocks, algorithm=algorithm,
+                    target=target, min_chunk_bytes=min_chunk_bytes)
         self.input = self._tensor(self.shape)
         self.output = self._tensor(self.shape)
-        self.flags = self._tensor((2 * self.world_size * self.chunks,), torch.uint64)
-        self.flags.zero_()
-        self._make_state()
+        self._make_flags()
         self._finish_build(lambda: build_alltoall_kernel(self.shard_numel, DTYPES[self.dtype], self.world_size,
                                                          self.chunks, self.chunk, threads), target)
-
-    def _largest_numel(self) -> int:
-        return math.prod(self.shape)  # shape is the whole input, (world_size, *row)
 
     @accepts_0_1_out(1)
     def __call__(self, input: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:

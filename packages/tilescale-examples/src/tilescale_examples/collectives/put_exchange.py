@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from tilescale_examples.base import SymmetricCollective
+from tilescale_examples.base import SymmetricCollective, plan_chunks
 
 __all__ = ["build_put_exchange_kernel", "PutExchange"]
 
@@ -72,14 +72,27 @@ def build_put_exchange_kernel(shard_numel: int, dtype: str, world_size: int, chu
 
 class PutExchange(SymmetricCollective):
     """What :class:`~tilescale_examples.collectives.allgather.AllGather` and
-    :class:`~tilescale_examples.collectives.alltoall.AllToAll` share: the per-block call counters of
-    :func:`build_put_exchange_kernel` (``state``, on the device) and the launch with its
-    optional ``out``. Subclasses set ``output``, ``flags``, ``chunks`` and ``kernel``."""
+    :class:`~tilescale_examples.collectives.alltoall.AllToAll` share: the chunk plan (``_setup``
+    takes ``min_chunk_bytes``), the flags and per-block call counters of
+    :func:`build_put_exchange_kernel` (``_make_flags``) and the launch with its optional
+    ``out``. Subclasses set ``input``, ``output`` and ``kernel``."""
 
     _BUFFERS = ("input", "output", "flags", "state")
 
-    def _make_state(self) -> None:
-        """The kernel's per-block call counters: ``(world_size * chunks,)`` int64, zero."""
+    def _setup(self, *args, min_chunk_bytes: int, **kwargs) -> None:
+        """:meth:`~tilescale_examples.base.SymmetricCollective._setup`, then the plan of the
+        exchange: ``chunks`` pieces of ``chunk`` elements per shard (:func:`plan_chunks`, no
+        piece under ``min_chunk_bytes`` before the grid grows)."""
+        super()._setup(*args, **kwargs)
+        self.chunks, self.chunk = plan_chunks(self.shard_numel, self.itemsize, self.world_size, self.max_blocks,
+                                              min_chunk_bytes)
+
+    def _make_flags(self) -> None:
+        """The kernel's flags, symmetric (``(2 * world_size * chunks,)`` uint64: data then
+        ready flags, zeroed), and its per-block call counters (``state``: ``(world_size *
+        chunks,)`` int64, zero, on the device). After the output: the heap's order."""
+        self.flags = self._tensor((2 * self.world_size * self.chunks,), torch.uint64)
+        self.flags.zero_()
         self.state = torch.zeros((self.world_size * self.chunks,), dtype=torch.int64, device=self.device)
 
     def _launch(self, input: torch.Tensor) -> None:

@@ -304,6 +304,16 @@ class ReductionCollective(SymmetricCollective):
         return (view is not None and isinstance(t, torch.Tensor) and t.data_ptr() == view.data_ptr() and t.shape == view.shape and t.stride() == view.stride()
                 and t.dtype == view.dtype and t.device == view.device)
 
+    def _check_call(self, input, out: Optional[torch.Tensor], out_shape) -> None:
+        """What a call checks before anything runs: :class:`~tilescale_examples.base.ClosedError`
+        once closed, ``input`` (unless it is the zero-copy view of this call's buffer, ``self.input``)
+        and ``out`` when given (``out_shape``)."""
+        self._check_open()
+        if not self._is_view_of(input, self._next_input_view()):
+            self.check_input(input)
+        if out is not None:
+            self._check_out(out, out_shape)
+
     def _check_out(self, out: torch.Tensor, shape) -> None:
         self.check_tensor(out, shape, "out", "the output shape")
         if self._is_view_of(out, self.output):

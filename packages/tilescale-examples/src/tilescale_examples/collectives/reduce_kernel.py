@@ -241,25 +241,41 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
         """First row of the shard this rank reduces: 0 (one-shot) or ``me * span``."""
         return 0 if shards == 1 else me * span
 
-    if push:
-
-        @T.prim_func
-        def two_shot(X: T.Tensor((rows_x, V), dtype), Stage: T.Tensor((rows_s, V), dtype),
-                     Flags: T.Tensor((nflags,), "uint64"), State: T.Tensor((nstate,), "int64"), blocks: T.int32,
-                     iters: T.int32, span: T.int32, rows_in: T.int32, stage_in: T.int32):
-            with T.Kernel(blocks, threads=TH) as bx:
-                tx = T.get_thread_binding()
-                me = T.get_rank()
-                vals = T.alloc_local((U, W, V), dtype)
-                res = T.alloc_local((U, V), dtype)
-                epoch = T.alloc_var("int64")
-                epoch = State[bx] + 1  # this call's number: block bx's count of earlier calls + 1
+    @T.macro
+    def one_call(X, Stage, Out, Flags, State, blocks, iters, span, rows_in, stage_in):
+        """A call of either signature: each block's registers and this call's number, then
+        the steps of the mode (``push``, a trace-time constant, picks them; ``Out`` is not
+        used by ``two_shot``)."""
+        with T.Kernel(blocks, threads=TH) as bx:
+            tx = T.get_thread_binding()
+            me = T.get_rank()
+            vals = T.alloc_local((U, W, V), dtype)
+            res = T.alloc_local((U, V), dtype)
+            epoch = T.alloc_var("int64")
+            epoch = State[bx] + 1  # this call's number: block bx's count of earlier calls + 1
+            if push:
                 stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in, 0)
                 count_call(State, bx, tx, epoch)
                 for t in T.serial(iters):
                     load_reduce(Stage, vals, res, t, bx, tx, blocks, span, me * span)
                     store_peers(Stage, res, t, bx, tx, blocks, span, me * span)
                 signal_and_wait(Flags, tx, me, bx, blocks, epoch, W * blocks)  # data
+            else:
+                lo = T.alloc_var("int32")
+                lo = T.Cast("int32", epoch % NB) * (shards * span)  # first row of this call's buffer
+                stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in, lo)
+                count_call(State, bx, tx, epoch)
+                for t in T.serial(iters):
+                    load_reduce(Stage, vals, res, t, bx, tx, blocks, span, lo + shard_start(me, span))
+                    store_local(Out, res, t, bx, tx, blocks, span)
+
+    if push:
+
+        @T.prim_func
+        def two_shot(X: T.Tensor((rows_x, V), dtype), Stage: T.Tensor((rows_s, V), dtype),
+                     Flags: T.Tensor((nflags,), "uint64"), State: T.Tensor((nstate,), "int64"), blocks: T.int32,
+                     iters: T.int32, span: T.int32, rows_in: T.int32, stage_in: T.int32):
+            one_call(X, Stage, None, Flags, State, blocks, iters, span, rows_in, stage_in)
 
         return two_shot.with_attr("global_symbol", "allreduce_two_shot")
 
@@ -268,20 +284,7 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
                      Out: T.Tensor((rows_o, V), dtype), Flags: T.Tensor((nflags,), "uint64"),
                      State: T.Tensor((nstate,), "int64"), blocks: T.int32, iters: T.int32, span: T.int32,
                      rows_in: T.int32, stage_in: T.int32):
-        with T.Kernel(blocks, threads=TH) as bx:
-            tx = T.get_thread_binding()
-            me = T.get_rank()
-            vals = T.alloc_local((U, W, V), dtype)
-            res = T.alloc_local((U, V), dtype)
-            epoch = T.alloc_var("int64")
-            epoch = State[bx] + 1  # this call's number: block bx's count of earlier calls + 1
-            lo = T.alloc_var("int32")
-            lo = T.Cast("int32", epoch % NB) * (shards * span)  # first row of this call's buffer
-            stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in, lo)
-            count_call(State, bx, tx, epoch)
-            for t in T.serial(iters):
-                load_reduce(Stage, vals, res, t, bx, tx, blocks, span, lo + shard_start(me, span))
-                store_local(Out, res, t, bx, tx, blocks, span)
+        one_call(X, Stage, Out, Flags, State, blocks, iters, span, rows_in, stage_in)
 
     name = "allreduce_one_shot" if mode == "one_shot" else "reducescatter"
     return reduce_local.with_attr("global_symbol", name)

@@ -21,19 +21,18 @@ bit for bit.
 
 # (no `from __future__ import annotations`: the engine defines TileLang kernels)
 
-import math
 from typing import Literal, Optional, Sequence, Union
 
 import torch
 
-from tilescale_examples.base import accepts_0_1_init, accepts_0_1_out, row_shape_0_1
+from tilescale_examples.base import RowsPerRank, accepts_0_1_init, accepts_0_1_out, row_shape_0_1
 from tilescale_examples.collectives.reduce_engine import ACCUMULATE, REDUCE_DTYPES, ReductionCollective
 from tilescale_examples.collectives.reduce_engine import torch_reference as _rank_order_sum
 
 __all__ = ["ReduceScatter", "torch_reference", "ACCUMULATE", "ALGORITHMS"]
 
 #: Values of the ``algorithm`` argument (one kernel: ``"auto"`` is ``"sm"``).
-ALGORITHMS = ("auto", "sm")
+ALGORITHMS = RowsPerRank.ALGORITHMS
 
 
 def torch_reference(inputs: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
@@ -47,7 +46,7 @@ def torch_reference(inputs: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
     return _rank_order_sum([x[rank] for x in inputs])
 
 
-class ReduceScatter(ReductionCollective):
+class ReduceScatter(RowsPerRank, ReductionCollective):
     """A reusable sum reduce-scatter of one shape and dtype over an allocator's ranks.
 
     Args:
@@ -78,7 +77,6 @@ class ReduceScatter(ReductionCollective):
     warning.
     """
 
-    ALGORITHMS = ALGORITHMS
     torch_reference = staticmethod(torch_reference)
 
     @accepts_0_1_init(positional=("world_size",), translate=row_shape_0_1)
@@ -86,19 +84,10 @@ class ReduceScatter(ReductionCollective):
                  world_size: Optional[int] = None, algorithm: Literal["auto", "sm"] = "auto",
                  group=None, threads: int = 512, max_blocks: Optional[int] = None,
                  unroll: Optional[int] = None, target=None):
-        from tilescale_examples.base import check_target
-
-        check_target(target)
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-        self._setup(allocator, shape, dtype, world_size, group, threads, max_blocks, REDUCE_DTYPES)
-        self._rows_of_shape()
-        self.algorithm = "sm"
+        self._setup(allocator, shape, dtype, world_size, group, threads, max_blocks, REDUCE_DTYPES,
+                    algorithm=algorithm, target=target)
         self._build("reduce_scatter", self.shard_numel, unroll, target)
         self.output = self.result.view(-1)[: self.shard_numel].view(self.shard_shape)
-
-    def _largest_numel(self) -> int:
-        return math.prod(self.shape)  # shape is the whole input, (world_size, *row)
 
     def _input_view(self, stage: torch.Tensor) -> torch.Tensor:
         """``stage`` as ``shape`` (strided when a row is not whole vectors)."""
@@ -120,11 +109,7 @@ class ReduceScatter(ReductionCollective):
         stream. Staging into the symmetric buffer is part of the call. Raises
         :class:`~tilescale_examples.base.ClosedError` after ``close()``.
         """
-        self._check_open()
-        if not self._is_view_of(input, self._next_input_view()):
-            self.check_input(input)
-        if out is not None:
-            self._check_out(out, self.shard_shape)
+        self._check_call(input, out, self.shard_shape)
         out_rows = self._out_rows(out)
         self._launch(input, self.result if out_rows is None else out_rows, self._stage_copy)
         if out is None:

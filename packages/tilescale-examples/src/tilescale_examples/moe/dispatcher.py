@@ -6,7 +6,7 @@ Every rank holds ``x`` (``(T, hidden)`` tokens, ``T <= max_tokens``), a router's
 the ``W`` ranks: rank ``d`` owns experts ``[d * EL, (d + 1) * EL)``, ``EL = num_experts /
 W``::
 
-    moe = MoEDispatcher(allocator, num_experts=64, hidden=7168, topk=8, max_tokens=4096)
+    moe = MoEDispatcher(allocator, num_experts=64, hidden=7168, topk=8, max_tokens=4096, dtype=torch.bfloat16)
     recv_x, counts, handle = moe.dispatch(x, topk_idx, topk_weights)   # collective
     y = experts(recv_x, handle.recv_offsets)                           # (capacity, hidden)
     out = moe.combine(y, handle)                                       # (T, hidden)
@@ -76,14 +76,15 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from tilescale_examples.base import TARGET, SymmetricCollective, check_tensor
+from tilescale_examples.base import (SymmetricCollective, accepts_0_1_init, check_positive_int, check_tensor,
+                                     warn_old_spelling)
 from tilescale_examples.moe.kernels import (DISPATCH_PHASES, MAX_EXPERTS, PLAN_THREADS, build_combine_kernel,
                                             build_dispatch_kernel)
 from tilescale_examples.moe.reference import (COMBINE_ATOL, COMBINE_RTOL, expected_routes, torch_combine_reference,
                                               torch_dispatch_reference)
 
 __all__ = ["MoEDispatcher", "DispatchHandle", "expected_routes", "torch_dispatch_reference",
-           "torch_combine_reference", "COMBINE_RTOL", "COMBINE_ATOL", "MAX_TOPK", "MAX_TOKENS"]
+           "torch_combine_reference", "COMBINE_RTOL", "COMBINE_ATOL", "MAX_TOPK", "MAX_TOKENS", "heap_bytes"]
 
 #: Largest top-k and tokens per rank the dispatcher accepts.
 MAX_TOPK = 8
@@ -115,18 +116,32 @@ class DispatchHandle:
     def origin(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(src_rank, src_entry)`` of every row of ``recv_x`` (device int32 tensors of
         ``capacity`` rows; meaningful below ``recv_offsets[EL]``): the row is entry
-        ``src_entry = t * topk + k`` of rank ``src_rank``."""
+        ``src_entry = t * topk + k`` of rank ``src_rank``. Raises
+        :class:`~tilescale_examples.base.ClosedError` once the dispatcher is closed."""
+        self.dispatcher._check_open()
         packed = self.dispatcher.recv_src
         per_rank = self.dispatcher.max_tokens * self.dispatcher.topk
         return torch.div(packed, per_rank, rounding_mode="floor"), packed % per_rank
 
 
-def _positive_int(name: str, value, upper: Optional[int] = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if upper is not None and value > upper:
-        raise ValueError(f"{name} must be at most {upper}, got {value}")
-    return value
+def heap_bytes(num_experts: int, hidden: int, topk: int, max_tokens: int, world_size: int,
+               dtype: torch.dtype = torch.bfloat16) -> int:
+    """Symmetric-heap bytes per rank of one :class:`MoEDispatcher` (0.1.0's argument order, kept
+    for 0.1.x): :meth:`MoEDispatcher.heap_bytes`, a dry run of the constructor, which is exact
+    (0.1.0 answered a formula with slack, a little more)."""
+    return MoEDispatcher.heap_bytes(num_experts, hidden, topk, max_tokens, dtype, world_size=world_size)
+
+
+def _heap_bytes_0_1(args: tuple, kwargs: dict, world_size: Optional[int]) -> Tuple[tuple, Optional[int]]:
+    """``(args, world_size)`` of :meth:`MoEDispatcher.heap_bytes` in the contract's form for
+    0.1.0's ``heap_bytes(num_experts, hidden, topk, max_tokens, world_size, dtype=torch.bfloat16)``
+    (with a warning); other calls as they are."""
+    if len(args) < 5 or isinstance(args[4], bool) or not isinstance(args[4], int) or world_size is not None:
+        return args, world_size
+    dtype = args[5] if len(args) > 5 else kwargs.pop("dtype", torch.bfloat16)
+    warn_old_spelling("MoEDispatcher.heap_bytes(num_experts, hidden, topk, max_tokens, world_size, dtype)",
+                      "MoEDispatcher.heap_bytes(num_experts, hidden, topk, max_tokens, dtype, *, world_size=...)")
+    return (*args[:4], dtype, *args[6:]), args[4]
 
 
 class MoEDispatcher(SymmetricCollective):
@@ -141,7 +156,8 @@ class MoEDispatcher(SymmetricCollective):
         topk: experts per token (1 .. 8).
         max_tokens: most tokens (rows of ``x``) a rank passes to one ``dispatch`` (1 ..
             4096); sizes the receive buffer: ``world_size * max_tokens * topk`` rows.
-        dtype: token dtype, ``torch.bfloat16`` (default) or ``torch.float16``.
+        dtype: token dtype, ``torch.bfloat16`` or ``torch.float16`` (required; 0.1.0's default,
+            bfloat16, still applies through 0.1.x with an ``OldSpellingWarning``).
         index_dtype: dtype of ``topk_idx``: ``torch.int64`` (default, what ``torch.topk``
             returns) or ``torch.int32``.
         world_size: defaults to ``allocator.num_ranks`` and must equal it.
@@ -163,32 +179,33 @@ class MoEDispatcher(SymmetricCollective):
 
     Construction is collective (same arguments on every rank, same order among the
     allocator's other symmetric allocations); so is every call: all ranks make the same
-    sequence of ``dispatch`` and ``combine`` calls.
+    sequence of ``dispatch`` and ``combine`` calls. The call contract of the other product
+    classes (docs/architecture.md, "Call contract") holds where it applies: its calls are
+    ``dispatch`` and ``combine`` (no ``__call__``, no ``algorithm``), each raising
+    :class:`~tilescale_examples.base.ClosedError` after ``close()``, and :meth:`heap_bytes`
+    is a dry run of the constructor.
     """
 
     _BUFFERS = ("recv_x", "recv_src", "comb_buf", "count_matrix", "flags", "counters", "state",
                 "packed", "base", "weights", "dest_rank", "dest_row", "recv_counts",
                 "recv_offsets", "status", "output")
 
+    @accepts_0_1_init(defaults={"dtype": torch.bfloat16})
     def __init__(self, allocator, num_experts: int, hidden: int, topk: int, max_tokens: int,
-                 dtype: Union[torch.dtype, str] = torch.bfloat16, *,
-                 index_dtype: torch.dtype = torch.int64, world_size: Optional[int] = None,
-                 group=None, threads: int = 1024, max_blocks: Optional[int] = None,
-                 validate: bool = True, target=None):
-        from tilescale_examples.base import check_target
-
-        check_target(target)
-        self.num_experts = _positive_int("num_experts", num_experts, MAX_EXPERTS)
-        self.hidden = _positive_int("hidden", hidden)
-        if hidden % 8:
+                 dtype: Union[torch.dtype, str], *, world_size: Optional[int] = None,
+                 index_dtype: torch.dtype = torch.int64, group=None, threads: int = 1024,
+                 max_blocks: Optional[int] = None, validate: bool = True, target=None):
+        self.num_experts = check_positive_int("num_experts", num_experts, upper=MAX_EXPERTS)
+        self.hidden = check_positive_int("hidden", hidden)
+        if self.hidden % 8:
             raise ValueError(f"hidden must be a multiple of 8 (16-byte rows), got {hidden}")
-        self.topk = _positive_int("topk", topk, MAX_TOPK)
-        self.max_tokens = _positive_int("max_tokens", max_tokens, MAX_TOKENS)
+        self.topk = check_positive_int("topk", topk, upper=MAX_TOPK)
+        self.max_tokens = check_positive_int("max_tokens", max_tokens, upper=MAX_TOKENS)
         if index_dtype not in _INDEX_DTYPES:
             raise TypeError(f"index_dtype must be torch.int64 or torch.int32, got {index_dtype!r}")
         if not isinstance(validate, bool):
             raise TypeError(f"validate must be a bool, got {validate!r}")
-        self._setup(allocator, (hidden,), dtype, world_size, group, threads, max_blocks, _DTYPES)
+        self._setup(allocator, (self.hidden,), dtype, world_size, group, threads, max_blocks, _DTYPES, target=target)
         if self.max_blocks < 1:
             raise ValueError(f"max_blocks must be positive, got {self.max_blocks!r}")
         W, E, K, H = self.world_size, self.num_experts, self.topk, self.hidden
@@ -229,29 +246,35 @@ class MoEDispatcher(SymmetricCollective):
         self._views = {}  # token count -> views of the routing buffers and the output (_views_of)
 
         # ---- two rank-agnostic kernels (one binary for every world size), compiled once per host
+        # (traced only when compiled: a dry run, heap_bytes, builds neither)
         name = _DTYPES[self.dtype]
-        self.combine_kernel = self._compile(build_combine_kernel(E, K, H, self.max_tokens, name,
-                                                                 self.blocks, threads), target)
+        config = (E, K, H, self.max_tokens, name, self.blocks)
+        self.combine_kernel = self._compile(lambda: build_combine_kernel(*config, threads), target)
         self._dispatch_config = (E, K, H, self.max_tokens, name, _INDEX_DTYPES[index_dtype], self.blocks, PLAN_THREADS)
         self._target = target
         self._profiled_kernel = None  # dispatch_profiled's, compiled at its first call
-        self._finish(build_dispatch_kernel(*self._dispatch_config), target)
+        self._finish_build(lambda: build_dispatch_kernel(*self._dispatch_config), target)
         self.dispatch_kernel = self.kernel
 
-    def _compile(self, func, target):
-        """Compile ``func`` once per host and give it the allocator's table."""
-        kernel = self._compile_kernel(lambda: func, target)
+    def _compile(self, build, target):
+        """Compile ``build()`` once per host and give it the allocator's table."""
+        kernel = self._compile_kernel(build, target)
         self.bind_table(force=True, kernel=kernel)
         return kernel
 
-    @staticmethod
-    def heap_bytes(num_experts: int, hidden: int, topk: int, max_tokens: int, world_size: int,
-                   dtype: torch.dtype = torch.bfloat16) -> int:
-        """Symmetric heap bytes one dispatcher allocates per rank (with alignment slack)."""
-        item = torch.empty((), dtype=dtype).element_size()
-        cap = world_size * max_tokens * topk
-        return (cap * hidden * item + cap * 4 + max_tokens * topk * hidden * item
-                + 2 * world_size * num_experts * 4 + 2 * world_size * 8 + 16 + 6 * 1024)
+    @classmethod
+    def heap_bytes(cls, *args, world_size: Optional[int] = None, device=None, **kwargs) -> int:
+        """Symmetric-heap bytes per rank of ``MoEDispatcher(allocator, *args,
+        world_size=world_size, **kwargs)``: ``heap_bytes(num_experts, hidden, topk, max_tokens,
+        dtype, *, world_size, device=None, **options)``, a dry run of the constructor
+        (:meth:`SymmetricOp.heap_bytes <tilescale_examples.base.SymmetricOp.heap_bytes>`; the
+        heap does not depend on ``device``). 0.1.0's ``heap_bytes(num_experts, hidden, topk,
+        max_tokens, world_size, dtype=torch.bfloat16)`` works through 0.1.x with an
+        ``OldSpellingWarning`` (and the module's :func:`heap_bytes` keeps that order)."""
+        args, world_size = _heap_bytes_0_1(args, kwargs, world_size)
+        if world_size is None:
+            raise TypeError("MoEDispatcher.heap_bytes() needs world_size= (keyword-only)")
+        return super().heap_bytes(*args, world_size=world_size, device=device, **kwargs)
 
     # ------------------------------------------------------------------ checks
     def _check_tokens(self, x, topk_idx, topk_weights) -> int:
@@ -289,7 +312,9 @@ class MoEDispatcher(SymmetricCollective):
 
     def check_index_errors(self) -> None:
         """Raise ``ValueError`` naming ``topk_idx`` if the last dispatch skipped out-of-range
-        expert indices (``validate=False``); synchronises with the device."""
+        expert indices (``validate=False``); synchronises with the device. Raises
+        :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
+        self._check_open()
         count, first, value = (int(v) for v in self.status.tolist())
         if count:
             raise ValueError(self._index_message(count, first, value) + "; the dispatch skipped them")
@@ -336,7 +361,7 @@ class MoEDispatcher(SymmetricCollective):
             raise ValueError(f"profiler must have at least {self.blocks} blocks and capacity "
                              f"{len(DISPATCH_PHASES)} (buffer shape {want}), got {tuple(buf.shape)}")
         if self._profiled_kernel is None:
-            self._profiled_kernel = self._compile(build_dispatch_kernel(*self._dispatch_config, profile=True),
+            self._profiled_kernel = self._compile(lambda: build_dispatch_kernel(*self._dispatch_config, profile=True),
                                                   self._target)
         return self._profiled_kernel, (buf[:self.blocks],)
 

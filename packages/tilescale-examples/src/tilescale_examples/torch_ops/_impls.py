@@ -51,106 +51,63 @@ def _call_into(inst, out: torch.Tensor, *args) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- implementations
-def _all_reduce(x: torch.Tensor, handle: int) -> torch.Tensor:
-    """Sum ``x`` over every rank. ``x``: the instance's ``shape`` and dtype, on its device;
-    returns a fresh tensor of the same shape and dtype."""
-    h, _, inst = _lookup_entry(handle, "all_reduce")
-    _fail_shape("all_reduce", h, inst, "x", x, tuple(inst.shape), inst.dtype, "shape")
-    out = torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
-    return _call_into(inst, out, x.contiguous())
+#: The operators of the dense ops (collectives and GEMMs): operator -> ``(inputs, output)``;
+#: ``inputs``: for each tensor argument ``(name, its shape from the instance, how the error
+#: message calls that shape)`` (each also in the instance's dtype); ``output``: the result's
+#: shape from the instance. Every such operator returns a fresh tensor of the output shape in
+#: the inputs' dtype, filled by one call of the instance:
+#:
+#: * ``all_reduce(x)``: the sum of ``x`` over every rank (``x``: the instance's ``shape``);
+#: * ``reduce_scatter(x)``: the sum of row ``rank`` of ``x`` (``(world_size, *row)``) over
+#:   every rank, a ``row`` (``shard_shape``);
+#: * ``all_gather(x)``: every rank's shard ``x`` (``shape``), ``(world_size, *shape)``, row
+#:   ``r`` being rank ``r``'s;
+#: * ``all_to_all(x)``: row ``p`` of ``x`` (``(world_size, *row)``) sent to rank ``p``; row
+#:   ``s`` of the result is what rank ``s`` sent here;
+#: * ``all_gather_matmul(a, b)``: ``all_gather(a) @ b``, ``a`` ``(m_local, k)`` on every rank,
+#:   ``b`` ``(k, n)``: ``(world_size * m_local, n)`` (rows ``r * m_local ..`` from rank ``r``'s ``a``);
+#: * ``matmul_reduce_scatter(a, b)``: ``reduce_scatter(a @ b)``, ``a`` ``(world_size * m_local,
+#:   k)``: ``(m_local, n)``, rows ``rank * m_local ..`` of the product summed over every rank.
+_ROWS = "shape = (world_size, *row) ="
+_B = ("b", lambda i: (i.k, i.n), "b = (k, n) =")
+DENSE = {
+    "all_reduce": ((("x", lambda i: i.shape, "shape"),), lambda i: i.shape),
+    "reduce_scatter": ((("x", lambda i: i.shape, _ROWS),), lambda i: i.shard_shape),
+    "all_gather": ((("x", lambda i: i.shape, "shape ="),), lambda i: (i.world_size, *i.shape)),
+    "all_to_all": ((("x", lambda i: i.shape, _ROWS),), lambda i: i.shape),
+    "all_gather_matmul": ((("a", lambda i: (i.m_local, i.k), "a = (m_local, k) ="), _B),
+                          lambda i: (i.world_size * i.m_local, i.n)),
+    "matmul_reduce_scatter": ((("a", lambda i: (i.world_size * i.m_local, i.k), "a = (world_size * m_local, k) ="), _B),
+                              lambda i: (i.m_local, i.n)),
+}
 
 
-def _all_reduce_fake(x, handle):
-    h, _, inst = _lookup_entry(handle, "all_reduce")
-    _fail_shape("all_reduce", h, inst, "x", x, tuple(inst.shape), inst.dtype, "shape")
-    return x.new_empty(tuple(x.shape))
+def _dense_call(kind: str, args: tuple):
+    """``(instance, tensor arguments, output shape)`` of a call of dense operator ``kind``
+    (``args``: its tensors, then the handle), the tensors checked against the instance."""
+    *tensors, handle = args
+    h, _, inst = _lookup_entry(handle, kind)
+    inputs, output = DENSE[kind]
+    for (name, shape_of, what), t in zip(inputs, tensors):
+        _fail_shape(kind, h, inst, name, t, shape_of(inst), inst.dtype, what)
+    return inst, tensors, tuple(output(inst))
 
 
-def _reduce_scatter(x: torch.Tensor, handle: int) -> torch.Tensor:
-    """Sum row ``rank`` of ``x`` over every rank. ``x``: the instance's ``shape``,
-    ``(world_size, *row)``; returns a fresh ``row`` tensor (``shard_shape``)."""
-    h, _, inst = _lookup_entry(handle, "reduce_scatter")
-    _fail_shape("reduce_scatter", h, inst, "x", x, inst.shape, inst.dtype, "shape = (world_size, *row) =")
-    out = torch.empty(tuple(inst.shard_shape), dtype=x.dtype, device=x.device)
-    return _call_into(inst, out, x.contiguous())
+def _dense_impls(kind: str):
+    """``(implementation, fake)`` of dense operator ``kind`` (see :data:`DENSE`)."""
 
+    def implementation(*args):
+        inst, tensors, shape = _dense_call(kind, args)
+        out = torch.empty(shape, dtype=tensors[0].dtype, device=tensors[0].device)
+        return _call_into(inst, out, *(t.contiguous() for t in tensors))
 
-def _reduce_scatter_fake(x, handle):
-    h, _, inst = _lookup_entry(handle, "reduce_scatter")
-    _fail_shape("reduce_scatter", h, inst, "x", x, inst.shape, inst.dtype, "shape = (world_size, *row) =")
-    return x.new_empty(tuple(inst.shard_shape))
+    def fake(*args):
+        _, tensors, shape = _dense_call(kind, args)
+        return tensors[0].new_empty(shape)
 
-
-def _all_gather(x: torch.Tensor, handle: int) -> torch.Tensor:
-    """Gather every rank's shard ``x`` (the instance's ``shape``); returns a fresh
-    ``(world_size, *shape)`` tensor, row ``r`` being rank ``r``'s shard."""
-    h, _, inst = _lookup_entry(handle, "all_gather")
-    _fail_shape("all_gather", h, inst, "x", x, inst.shape, inst.dtype, "shape =")
-    out = torch.empty((inst.world_size, *inst.shape), dtype=x.dtype, device=x.device)
-    return _call_into(inst, out, x.contiguous())
-
-
-def _all_gather_fake(x, handle):
-    h, _, inst = _lookup_entry(handle, "all_gather")
-    _fail_shape("all_gather", h, inst, "x", x, inst.shape, inst.dtype, "shape =")
-    return x.new_empty((inst.world_size, *inst.shape))
-
-
-def _all_to_all(x: torch.Tensor, handle: int) -> torch.Tensor:
-    """Send row ``p`` of ``x`` (the instance's ``shape``, ``(world_size, *row)``) to rank
-    ``p``; returns a fresh tensor of the same shape, row ``s`` being what rank ``s`` sent
-    here."""
-    h, _, inst = _lookup_entry(handle, "all_to_all")
-    _fail_shape("all_to_all", h, inst, "x", x, inst.shape, inst.dtype, "shape = (world_size, *row) =")
-    out = torch.empty(tuple(inst.shape), dtype=x.dtype, device=x.device)
-    return _call_into(inst, out, x.contiguous())
-
-
-def _all_to_all_fake(x, handle):
-    h, _, inst = _lookup_entry(handle, "all_to_all")
-    _fail_shape("all_to_all", h, inst, "x", x, inst.shape, inst.dtype, "shape = (world_size, *row) =")
-    return x.new_empty(tuple(inst.shape))
-
-
-def _gemm_checks(kind: str, h: int, inst, a, b, gathered: bool) -> None:
-    if gathered:
-        _fail_shape(kind, h, inst, "a", a, (inst.m_local, inst.k), inst.dtype, "a = (m_local, k) =")
-    else:
-        _fail_shape(kind, h, inst, "a", a, (inst.world_size * inst.m_local, inst.k), inst.dtype,
-                    "a = (world_size * m_local, k) =")
-    _fail_shape(kind, h, inst, "b", b, (inst.k, inst.n), inst.dtype, "b = (k, n) =")
-
-
-def _all_gather_matmul(a: torch.Tensor, b: torch.Tensor, handle: int) -> torch.Tensor:
-    """``all_gather(a) @ b``: ``a`` ``(m_local, k)`` on every rank, ``b`` ``(k, n)``; returns a
-    fresh ``(world_size * m_local, n)`` tensor (rows ``r * m_local ..`` from rank ``r``'s
-    ``a``)."""
-    h, _, inst = _lookup_entry(handle, "all_gather_matmul")
-    _gemm_checks("all_gather_matmul", h, inst, a, b, True)
-    out = torch.empty((inst.world_size * inst.m_local, inst.n), dtype=a.dtype, device=a.device)
-    return _call_into(inst, out, a.contiguous(), b.contiguous())
-
-
-def _all_gather_matmul_fake(a, b, handle):
-    h, _, inst = _lookup_entry(handle, "all_gather_matmul")
-    _gemm_checks("all_gather_matmul", h, inst, a, b, True)
-    return a.new_empty((inst.world_size * inst.m_local, inst.n))
-
-
-def _matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, handle: int) -> torch.Tensor:
-    """``reduce_scatter(a @ b)``: ``a`` ``(world_size * m_local, k)``, ``b`` ``(k, n)``;
-    returns a fresh ``(m_local, n)`` tensor: rows ``rank * m_local ..`` of the product,
-    summed over every rank."""
-    h, _, inst = _lookup_entry(handle, "matmul_reduce_scatter")
-    _gemm_checks("matmul_reduce_scatter", h, inst, a, b, False)
-    out = torch.empty((inst.m_local, inst.n), dtype=a.dtype, device=a.device)
-    return _call_into(inst, out, a.contiguous(), b.contiguous())
-
-
-def _matmul_reduce_scatter_fake(a, b, handle):
-    h, _, inst = _lookup_entry(handle, "matmul_reduce_scatter")
-    _gemm_checks("matmul_reduce_scatter", h, inst, a, b, False)
-    return a.new_empty((inst.m_local, inst.n))
+    implementation.__name__, fake.__name__ = f"_{kind}", f"_{kind}_fake"
+    implementation.__qualname__, fake.__qualname__ = implementation.__name__, fake.__name__
+    return implementation, fake
 
 
 def _moe_token_checks(kind: str, h: int, inst, x, topk_idx, topk_weights) -> None:
@@ -232,12 +189,7 @@ def _moe_combine_fake(y, topk_idx, handle):
 
 #: Operator name -> ``(implementation, fake)``.
 IMPLS = {
-    "all_reduce": (_all_reduce, _all_reduce_fake),
-    "reduce_scatter": (_reduce_scatter, _reduce_scatter_fake),
-    "all_gather": (_all_gather, _all_gather_fake),
-    "all_to_all": (_all_to_all, _all_to_all_fake),
-    "all_gather_matmul": (_all_gather_matmul, _all_gather_matmul_fake),
-    "matmul_reduce_scatter": (_matmul_reduce_scatter, _matmul_reduce_scatter_fake),
+    **{kind: _dense_impls(kind) for kind in DENSE},
     "moe_dispatch": (_moe_dispatch, _moe_dispatch_fake),
     "moe_combine": (_moe_combine, _moe_combine_fake),
 }

@@ -164,18 +164,12 @@ class TmaAllReduce(SymmetricCollective):
     def __init__(self, allocator, shape: Union[int, Sequence[int]], dtype: Union[torch.dtype, str], *,
                  world_size: Optional[int] = None, algorithm: Literal["auto", "tma"] = "auto", group=None,
                  max_blocks: Optional[int] = None, target=None):
-        from tilescale_examples.base import check_target
-
-        check_target(target)
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         self._setup(allocator, shape, dtype, world_size, group, THREADS, max_blocks,
-                    allowed_dtypes={torch.float32: "float32"})
+                    allowed_dtypes={torch.float32: "float32"}, algorithm=algorithm, target=target)
         if len(self.shape) != 2 or self.shape[1] != COLS or self.shape[0] % TILE_ROWS:
             raise ValueError(f"shape must be (rows, {COLS}) with rows a multiple of {TILE_ROWS}, got {self.shape}")
         if self.world_size > MAX_RANKS:
             raise ValueError(f"TmaAllReduce uses remote TMA, whose descriptors cover {MAX_RANKS} ranks; got {self.world_size}")
-        self.algorithm = "tma"
         rows = self.shape[0]
         self.blocks = max(1, min(self.max_blocks, rows // TILE_ROWS))
         self.inp = self._tensor((rows, COLS))
