@@ -162,7 +162,7 @@ def test_csv_and_json_round_trip(tmp_path):
     assert record == _export.table_record("putget", "put/get", headers, rows, hardware="one NVIDIA H200",
                                           date="2026-12-04")
     assert record["rows"][1][2] == "nan"  # not finite: kept as printed, the JSON stays strict
-    json.loads(paths[1].read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
+    json.loads(paths[1].read_text(encoding="utf-8"), parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
     from_csv = _export.read_table(paths[0])
     assert from_csv["headers"] == headers and from_csv["rows"] == record["rows"]
     assert isinstance(from_csv["rows"][1][4], int) and isinstance(from_csv["rows"][0][1], float)
@@ -213,7 +213,7 @@ def test_missing_matplotlib_names_the_plot_extra(monkeypatch, tmp_path, capsys):
 
 
 def test_plot_module_imports_matplotlib_lazily():
-    tree = ast.parse(Path(_plot.__file__).read_text())
+    tree = ast.parse(Path(_plot.__file__).read_text(encoding="utf-8"))
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     names = [a.name for n in top for a in n.names] + [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
     assert not any(name.split(".")[0] in ("matplotlib", "PIL") for name in names)
