@@ -19,11 +19,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "ci"))
 import check_nox_doc  # noqa: E402
+import snippets as doc_snippets  # noqa: E402
 
 needs_nox = pytest.mark.skipif(importlib.util.find_spec("nox") is None, reason="nox is not installed")
 
-#: A pip install command (to the end of its line or inline code span).
-INSTALL = re.compile(r"pip install [^\n`]*")
 #: Its requirements: quoted, or editable checkout paths.
 REQUIREMENT = re.compile(r'"([^"]+)"|-e (packages/[\w-]+)')
 #: What a snippet uses: ``import x`` / ``from x import`` in Python, ``-m x`` on a command line.
@@ -63,7 +62,7 @@ def snippet_problems(text: str) -> list[str]:
     """Each use of a tilescale module in a code block or ``-m`` command of ``text`` that the
     latest install line before it does not install."""
     problems, installed, install_line = [], set(), None
-    events = [(m.start(), "install", m.group(0)) for m in INSTALL.finditer(text)]
+    events = [(m.start(), "install", m.group(0)) for m in doc_snippets.INSTALL.finditer(text)]
     events += [(m.start(), "use", m.group(1) or m.group(2)) for m in USES.finditer(text)]
     for _, kind, what in sorted(events):
         if kind == "install":
@@ -137,8 +136,6 @@ def test_gpu_sessions_stop_in_one_line_before_installing(session, tmp_path):
     assert f"{session} needs" in text and "lists none" in text, text
     assert "pip install" not in text and "python -m pip" not in text, text
 
-
-import snippets as doc_snippets  # noqa: E402
 
 
 @pytest.mark.parametrize("doc", doc_snippets.DOCS)
