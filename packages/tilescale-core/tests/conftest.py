@@ -1,5 +1,6 @@
 """tilescale-core tests: GPU tests (``@pytest.mark.gpu``) are skipped, with the reason, without CUDA
-(by tilescale-host's ``tilescale`` plugin when it is installed, else by this conftest)."""
+(by tilescale-host's ``tilescale`` plugin when it is installed, else by
+``tilescale_core.testing.register_gpu_marker``'s fallback)."""
 
 from __future__ import annotations
 
@@ -10,23 +11,6 @@ import pytest
 
 # Rank bodies live in core_rank_bodies.py beside this file; spawned ranks import it by name.
 sys.path.insert(0, os.path.dirname(__file__))
-
-
-def pytest_collection_modifyitems(config, items):
-    if hasattr(config.pluginmanager.get_plugin("tilescale"), "add_gpu_marker_alias"):
-        return  # the plugin skips ``gpu`` tests itself (``register_gpu_marker`` made ``gpu`` its alias)
-    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
-    if not gpu_items:
-        return
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    from tilescale_core.probes import probe_driver
-
-    skip = pytest.mark.skip(reason=f"needs a CUDA GPU: torch.cuda.is_available() is False ({probe_driver().reason})")
-    for item in gpu_items:
-        item.add_marker(skip)
 
 
 @pytest.fixture

@@ -31,14 +31,53 @@ def register_gpu_marker(config, name: str = "gpu") -> None:
 
     When a loaded pytest plugin offers ``add_gpu_marker_alias`` (tilescale-host's
     ``tilescale`` plugin does, for its ``tilescale_gpu`` marker), ``name`` becomes an alias of
-    that marker, which the plugin skips without a GPU and writes to its validation record;
-    otherwise ``name`` is a plain marker and the suite skips such tests itself.
+    that marker, which the plugin skips without a GPU and writes to its validation record.
+    Otherwise (tilescale-host not installed, or ``-p no:tilescale``) ``name`` is a plain marker
+    and a small plugin registered here skips its tests, with the reason, when
+    ``torch.cuda.is_available()`` is False: either way a GPU test never fails for want of a GPU.
     """
     plugin = config.pluginmanager.get_plugin("tilescale")
     if plugin is not None and hasattr(plugin, "add_gpu_marker_alias"):
         plugin.add_gpu_marker_alias(config, name)
-    else:
-        config.addinivalue_line("markers", f"{name}: {GPU_MARKER_HELP}")
+        return
+    config.addinivalue_line("markers", f"{name}: {GPU_MARKER_HELP}")
+    key = f"tilescale-gpu-skip-{name}"
+    if config.pluginmanager.get_plugin(key) is None:
+        config.pluginmanager.register(_SkipWithoutGpu(name), key)
+
+
+class _SkipWithoutGpu:
+    """The fallback of :func:`register_gpu_marker`: skips the tests marked ``name`` when no
+    CUDA device is visible (imports torch only when such a test was collected)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def pytest_collection_modifyitems(self, config, items) -> None:
+        marked = [item for item in items if item.get_closest_marker(self.name)]
+        if not marked:
+            return
+        reason = _no_gpu_reason()
+        if reason is None:
+            return
+        import pytest
+
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _no_gpu_reason() -> str | None:
+    """None when torch sees a CUDA device; else why not, in one line."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+    except Exception as exc:  # a broken torch install reads as "no GPU", with the reason
+        return f"needs a CUDA GPU: importing torch failed ({type(exc).__name__}: {exc})"
+    from .probes import probe_driver
+
+    return f"needs a CUDA GPU: torch.cuda.is_available() is False ({probe_driver().reason})"
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
