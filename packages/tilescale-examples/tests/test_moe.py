@@ -14,14 +14,12 @@ import torch
 from examples_helpers import (LaunchRecorder, CpuAllocator, close_rank_heap, exits_naming, kernel_body, lower_with,
                               needs_nvcc, nvcc_resources, open_rank_heap, output_without_gpu, rejects_before_allocating,
                               check_gpu_ranks, on_gpu_ranks)
-from tilelang import tvm
 
 from tilescale_examples.base import TARGET
 from tilescale_examples.moe.dispatcher import (COMBINE_ATOL, COMBINE_RTOL, DispatchHandle, MoEDispatcher,
                                     expected_routes, torch_combine_reference, torch_dispatch_reference)
 from tilescale_examples.moe.kernels import (DISPATCH_PHASES, PASS_CONFIGS, PUT_UNROLL, build_combine_kernel,
                                            build_dispatch_kernel)
-from tilescale_lang.codegen import cuda_source
 
 # The configuration of the CPU object tests and the nvcc test (shared compile cache).
 E, K, H, TMAX = 8, 2, 64, 16
@@ -42,8 +40,7 @@ def cache_dir(tmp_path_factory):
 def source(func) -> str:
     """The ``__global__`` function's CUDA, lowered with the kernel's own pass configs."""
     assert dict(func.attrs["tilelang_pass_configs"]) == PASS_CONFIGS
-    with tvm.transform.PassContext(config=PASS_CONFIGS):
-        return kernel_body(cuda_source(func, TARGET))
+    return kernel_body(lower_with(func, PASS_CONFIGS))
 
 
 # ------------------------------------------------------------------------------ planning

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-import examples_helpers  # noqa: F401  (sets CUDA_HOME before TileLang is imported)
+import examples_helpers  # (sets CUDA_HOME before TileLang is imported)
 import tilelang
 
 DATA = Path(__file__).parent / "data" / "moe_cuda_sha256.json"
@@ -75,15 +75,11 @@ CONFIGS = {
 
 def generate(name: str) -> str:
     """The CUDA source of configuration ``name``, lowered with the kernel's own pass configs."""
-    from tilelang import tvm
-
     from tilescale_examples.moe import kernels
 
     builder, kwargs = CONFIGS[name]
     func = (kernels.build_dispatch_kernel if builder == "dispatch" else kernels.build_combine_kernel)(**kwargs)
-    configs = dict(func.attrs["tilelang_pass_configs"])
-    with tvm.transform.PassContext(config=configs), tvm.target.Target(TARGET):
-        return tilelang.lower(func, target=TARGET).kernel_source
+    return examples_helpers.lower_with(func, dict(func.attrs["tilelang_pass_configs"]))
 
 
 def sha256(source: str) -> str:
