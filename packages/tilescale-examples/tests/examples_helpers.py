@@ -15,7 +15,6 @@ if "CUDA_HOME" not in os.environ and os.path.isdir("/usr/local/cuda"):
 
 import tilelang  # noqa: E402,F401  (the import hook attaches tilescale-lang)
 import torch  # noqa: E402
-from tilescale_lang.codegen import cuda_source  # noqa: E402
 
 from tilescale_examples.base import TARGET  # noqa: E402
 
