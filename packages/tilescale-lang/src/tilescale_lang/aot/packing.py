@@ -1,0 +1,244 @@
+"""Turn a call's arguments into what ``cuLaunchKernel`` takes, from a bundle entry alone.
+
+Everything here runs without a GPU: it checks each argument against the entry's ``params``
+(kind, dtype, shape), binds the symbolic variables from tensor shapes, evaluates the grid,
+block and scalar expressions, and packs each launch's parameter buffer (one ctypes value per
+kernel parameter, in the device order, and the ``void*`` array pointing at them).
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import functools
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["ArgPacker", "PackedLaunch", "SCALAR_CTYPES", "evaluate", "scalar_value"]
+
+#: ctypes type of a scalar kernel parameter, by TileLang dtype (16-bit floats as their bits).
+SCALAR_CTYPES = {
+    "bool": ctypes.c_bool, "int8": ctypes.c_int8, "int16": ctypes.c_int16, "int32": ctypes.c_int32,
+    "int64": ctypes.c_int64, "uint8": ctypes.c_uint8, "uint16": ctypes.c_uint16, "uint32": ctypes.c_uint32,
+    "uint64": ctypes.c_uint64, "float32": ctypes.c_float, "float64": ctypes.c_double,
+    "float16": ctypes.c_uint16, "bfloat16": ctypes.c_uint16, "handle": ctypes.c_uint64,
+}
+#: torch dtype names that TileLang spells otherwise.
+_DTYPE_ALIASES = {"float8_e4m3fn": "float8_e4m3", "float8_e5m2fnuz": "float8_e5m2", "float8_e4m3fnuz": "float8_e4m3"}
+
+_OPS: dict[type, Callable[[int, int], int]] = {
+    ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+    ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b,
+}
+
+
+def _compile_node(node: ast.AST, text: str) -> Callable[[dict], int]:
+    if isinstance(node, ast.Expression):
+        return _compile_node(node.body, text)
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        value = node.value
+        return lambda env: value
+    if isinstance(node, ast.Name):
+        name = node.id
+        return lambda env: env[name]
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        op, a, b = _OPS[type(node.op)], _compile_node(node.left, text), _compile_node(node.right, text)
+        return lambda env: op(a(env), b(env))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = _compile_node(node.operand, text)
+        return lambda env: -inner(env)
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("min", "max")
+            and len(node.args) == 2 and not node.keywords):
+        fn = min if node.func.id == "min" else max
+        a, b = _compile_node(node.args[0], text), _compile_node(node.args[1], text)
+        return lambda env: fn(a(env), b(env))
+    raise ValueError(f"launch expression {text!r}: {ast.dump(node)} is outside + - * // % min max")
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(text: str) -> Callable[[dict], int]:
+    return _compile_node(ast.parse(text, mode="eval"), text)
+
+
+def evaluate(expr: int | str, env: dict[str, int]) -> int:
+    """The value of a launch expression (an int, or text from
+    :func:`tilescale_lang.aot.launch_info.expr_text`) with the variables in ``env``.
+
+    Raises:
+        KeyError: a variable not in ``env``.
+        ValueError: an operation outside ``+ - * // % min max``.
+    """
+    if isinstance(expr, int):
+        return expr
+    return _compiled(expr)(env)
+
+
+def scalar_value(dtype: str, value: Any, name: str) -> Any:
+    """``value`` as the ctypes object a kernel parameter of ``dtype`` takes.
+
+    Raises:
+        TypeError: not a number of that kind (an int for integer types), naming ``name``.
+        ValueError: out of the type's range, naming ``name``.
+    """
+    ctype = SCALAR_CTYPES.get(dtype)
+    if ctype is None:
+        raise TypeError(f"{name}: scalar dtype {dtype!r} has no packing (known: {sorted(SCALAR_CTYPES)})")
+    if dtype.startswith("float") or dtype == "bfloat16":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number ({dtype}), got {type(value).__name__}")
+        if dtype == "float16":
+            return ctype(struct.unpack("<H", struct.pack("<e", float(value)))[0])
+        if dtype == "bfloat16":
+            return ctype(struct.unpack("<I", struct.pack("<f", float(value)))[0] >> 16)
+        return ctype(float(value))
+    if not isinstance(value, int):
+        raise TypeError(f"{name} must be an int ({dtype}), got {type(value).__name__}")
+    bits = 8 * ctypes.sizeof(ctype)
+    signed = not dtype.startswith(("uint", "handle", "bool"))
+    low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
+    if dtype == "bool":
+        high = 1
+    if not low <= int(value) <= high:
+        raise ValueError(f"{name}={value} is out of the range of {dtype} [{low}, {high}]")
+    return ctype(int(value))
+
+
+def _dtype_of(obj: Any) -> str | None:
+    dtype = getattr(obj, "dtype", None)
+    if dtype is None:
+        return None
+    text = str(dtype).removeprefix("torch.")
+    return _DTYPE_ALIASES.get(text, text)
+
+
+@dataclass
+class PackedLaunch:
+    """One kernel launch ready for ``cuLaunchKernel``: ``symbol``, ``grid`` and ``block``
+    ``(x, y, z)``, ``dynamic_smem`` bytes, ``cluster`` ``(x, y, z)`` or None, ``cooperative``,
+    ``values`` (the ctypes parameter values, kept alive here) and ``params`` (the ``void*``
+    array; :attr:`address` is what ``kernelParams`` takes)."""
+
+    symbol: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    dynamic_smem: int
+    cluster: tuple[int, int, int] | None
+    cooperative: bool
+    values: list[Any]
+    params: Any
+
+    @property
+    def address(self) -> int:
+        """Address of the ``void*`` parameter array (``kernelParams`` of ``cuLaunchKernel``)."""
+        return ctypes.addressof(self.params)
+
+    def raw(self) -> list[bytes]:
+        """The bytes of every parameter value, in the device order (what the kernel receives)."""
+        return [ctypes.string_at(ctypes.addressof(v), ctypes.sizeof(v)) for v in self.values]
+
+
+class ArgPacker:
+    """Checks and packs the arguments of one bundle entry (``entry`` from the manifest) for
+    the launches of ``arch``.
+
+    Call it with the PrimFunc's arguments in order: a tensor (anything with ``data_ptr()``;
+    its ``dtype`` and ``shape`` are checked when it has them) or an int device address for a
+    buffer, a Python number for a scalar.
+    """
+
+    def __init__(self, entry: dict[str, Any], arch: str):
+        self.entry = entry
+        self.name = entry["id"]
+        self.params = entry["params"]
+        self.launches = entry["archs"][arch]["launches"]
+        self.dynamic = {d["param"]: [] for d in entry["dynamic_vars"]}
+        for d in entry["dynamic_vars"]:
+            self.dynamic[d["param"]].append(d)
+
+    def _bind_buffer(self, param: dict, value: Any, env: dict[str, int]) -> int:
+        where = f"{self.name}: argument {param['name']!r}"
+        if isinstance(value, int) and not isinstance(value, bool):
+            if param["name"] in self.dynamic:
+                raise TypeError(f"{where} sizes a symbolic dimension; pass a tensor (its shape gives "
+                                f"{[d['name'] for d in self.dynamic[param['name']]]}), not an address")
+            return value
+        if not hasattr(value, "data_ptr"):
+            raise TypeError(f"{where} must be a tensor (with data_ptr()) or an int device address, "
+                            f"got {type(value).__name__}")
+        dtype = _dtype_of(value)
+        if dtype is not None and dtype != param["dtype"]:
+            raise TypeError(f"{where} must have dtype {param['dtype']}, got {dtype}")
+        shape = getattr(value, "shape", None)
+        if shape is not None:
+            self._check_dims(where, "shape", param["shape"], list(shape), env)
+            if param["strides"] is not None and hasattr(value, "stride"):
+                # a size-1 axis has any stride (torch gives slices of one row other strides)
+                strides = [w if int(n) == 1 else int(h) for w, h, n in zip(param["strides"], value.stride(), shape)]
+                self._check_dims(where, "strides", param["strides"], strides, env)
+            elif param["strides"] is None and hasattr(value, "is_contiguous") and not value.is_contiguous():
+                raise ValueError(f"{where} must be contiguous")
+        return int(value.data_ptr())
+
+    @staticmethod
+    def _check_dims(where: str, what: str, expected: list, got: list, env: dict[str, int]) -> None:
+        if len(expected) != len(got):
+            raise ValueError(f"{where} must have {len(expected)} dimensions ({what} {expected}), got {got}")
+        for axis, (want, have) in enumerate(zip(expected, got)):
+            have = int(have)
+            if isinstance(want, str) and want.isidentifier():
+                if env.setdefault(want, have) != have:
+                    raise ValueError(f"{where} {what}[{axis}] is {have} but {want} is {env[want]} from an earlier argument")
+            elif isinstance(want, int) and want != have:
+                raise ValueError(f"{where} must have {what} {expected}, got {got} (axis {axis})")
+
+    def check_device(self, args: tuple) -> None:
+        """Raise ValueError, naming the argument, for a buffer given as a tensor that is not
+        on a CUDA device (a tensor without ``is_cuda`` passes)."""
+        for param, value in zip(self.params, args):
+            if param["kind"] == "buffer" and getattr(value, "is_cuda", True) is False:
+                raise ValueError(f"{self.name}: argument {param['name']!r} must be a CUDA tensor, got one on "
+                                 f"{getattr(value, 'device', 'the host')}")
+
+    def bind(self, args: tuple) -> tuple[dict[str, int], dict[str, int]]:
+        """Check ``args`` and return ``(env, pointers)``: the scalar and symbolic variable values,
+        and each buffer parameter's device address.
+
+        Raises:
+            TypeError: wrong number or kind of arguments, or a dtype mismatch, naming the argument.
+            ValueError: a shape mismatch or a scalar out of range, naming the argument.
+        """
+        if len(args) != len(self.params):
+            names = [p["name"] for p in self.params]
+            raise TypeError(f"{self.name} takes {len(self.params)} arguments {names}, got {len(args)}")
+        env: dict[str, Any] = {}
+        pointers: dict[str, int] = {}
+        for param, value in zip(self.params, args):
+            if param["kind"] == "buffer":
+                pointers[param["name"]] = self._bind_buffer(param, value, env)
+            else:
+                scalar_value(param["dtype"], value, f"{self.name}: argument {param['name']!r}")  # checks only
+                env[param["name"]] = value
+        return env, pointers
+
+    def pack(self, *args: Any) -> list[PackedLaunch]:
+        """The launches of one call with ``args`` (the PrimFunc's parameters, in order)."""
+        env, pointers = self.bind(args)
+        out = []
+        for launch in self.launches:
+            values = []
+            for i, arg in enumerate(launch["args"]):
+                if arg["kind"] == "pointer":
+                    values.append(ctypes.c_uint64(pointers[arg["param"]]))
+                else:
+                    where = f"{self.name}: {launch['symbol']} argument {i}"
+                    values.append(scalar_value(arg["dtype"], evaluate(arg["value"], env), where))
+            params = (ctypes.c_void_p * max(1, len(values)))(*(ctypes.addressof(v) for v in values))
+            grid = tuple(evaluate(g, env) for g in launch["grid"])
+            block = tuple(evaluate(b, env) for b in launch["block"])
+            if min(grid + block) < 1:
+                raise ValueError(f"{self.name}: {launch['symbol']} has an empty launch (grid {grid}, block {block})")
+            cluster = tuple(launch["cluster"]) if launch.get("cluster") else None
+            out.append(PackedLaunch(launch["symbol"], grid, block, int(launch["dynamic_smem"]), cluster,
+                                    bool(launch.get("cooperative")), values, params))
+        return out
