@@ -1,6 +1,7 @@
 """The call contract of the product classes (docs/architecture.md, "Call contract"), walked
 over every class ``tilescale_examples`` exports (``MoEDispatcher``, whose calls are ``dispatch``
-/ ``combine``, in a section of its own: the contract where it applies) plus the tutorial
+/ ``combine``, and ``AllReduceResidualRMSNorm``, whose call takes three inputs and returns a
+tuple, in sections of their own: the contract where it applies) plus the tutorial
 ``TmaAllReduce``:
 
 * constructor: ``(allocator, shape, dtype, *, world_size=None, algorithm=..., ...)`` (GEMM
@@ -32,7 +33,7 @@ from tilescale_examples.tutorials import tma_allreduce
 from tilescale_examples.tutorials.tma_allreduce import TmaAllReduce
 
 PRODUCTS = [getattr(tilescale_examples, name) for name in tilescale_examples.__all__
-            if name not in ("MoEDispatcher", "ClosedError")] + [TmaAllReduce]
+            if name not in ("MoEDispatcher", "AllReduceResidualRMSNorm", "ClosedError")] + [TmaAllReduce]
 GEMMS = {tilescale_examples.AllGatherGEMM, tilescale_examples.GemmReduceScatter}
 IDS = [cls.__name__ for cls in PRODUCTS]
 F16, F32 = torch.float16, torch.float32
@@ -400,3 +401,42 @@ def test_moe_old_spellings_work_and_warn(compiles):
     with _old(r"MoEDispatcher\(\) without dtype"):
         assert cls.heap_bytes(num_experts=8, hidden=64, topk=2, max_tokens=16, world_size=2) == exact
     assert dispatcher.heap_bytes(*MOE_ARGS[:4], 2) == exact  # the module's function keeps 0.1.0's order, silently
+
+
+# ------------------------------------------------------------------------------ AllReduceResidualRMSNorm
+def test_decode_norm_follows_the_contract_where_it_applies(compiles):
+    """``(allocator, shape, dtype, *, world_size=None, ..., target=None)`` with no
+    ``algorithm`` (one kernel per call); its call ``(x, residual, weight, *, out=None,
+    residual_out=None, scales_out=None)``; ``torch_reference(inputs, rank)``, the class's and
+    its module's; :class:`ClosedError` after ``close()``; ``heap_bytes`` what the constructor
+    takes on tilescale-core's allocator. (The rest, the argument errors among it, is in
+    ``test_decode_norm.py``.)"""
+    from tilescale_core.allocator import BaseAllocator
+    from tilescale_core.testing import HostBackend
+
+    from tilescale_examples.decode import allreduce_norm
+
+    P = inspect.Parameter
+    cls = tilescale_examples.AllReduceResidualRMSNorm
+    params = list(inspect.signature(cls).parameters.values())
+    assert issubclass(cls, SymmetricOp) and [p.name for p in params[:3]] == ["allocator", "shape", "dtype"]
+    assert all(p.kind is P.POSITIONAL_OR_KEYWORD and p.default is P.empty for p in params[:3])
+    assert all(p.kind is P.KEYWORD_ONLY for p in params[3:]) and (params[3].name, params[3].default) == ("world_size", None)
+    assert {"group", "target", "eps", "fp8"} <= {p.name for p in params} and "algorithm" not in {p.name for p in params}
+    call = list(inspect.signature(cls.__call__).parameters.values())[1:]
+    assert [(p.name, p.kind, p.default) for p in call] == [
+        ("x", P.POSITIONAL_OR_KEYWORD, P.empty), ("residual", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("weight", P.POSITIONAL_OR_KEYWORD, P.empty), ("out", P.KEYWORD_ONLY, None),
+        ("residual_out", P.KEYWORD_ONLY, None), ("scales_out", P.KEYWORD_ONLY, None)]
+    for ref in (cls.torch_reference, allreduce_norm.torch_reference):
+        assert [p.name for p in inspect.signature(ref).parameters.values()][:2] == ["inputs", "rank"]
+    alloc = BaseAllocator(1 << 22, device="cpu", is_distributed=False, backend=HostBackend())
+    try:
+        op = cls(alloc, (4, 1024), torch.bfloat16)
+        assert -(-alloc.used // 256) * 256 == cls.heap_bytes((4, 1024), torch.bfloat16, world_size=1, device="cpu")
+        x = torch.zeros((4, 1024), dtype=torch.bfloat16)
+        op.close()
+        with pytest.raises(ClosedError, match="this AllReduceResidualRMSNorm is closed"):
+            op(x, x, x[0])
+    finally:
+        alloc.close()

@@ -29,7 +29,7 @@ def test_product_classes_import_from_the_top(name):
     assert cls.__module__.startswith("tilescale_examples.") and cls.__doc__
 
 
-@pytest.mark.parametrize("sub", ["collectives", "overlap", "moe"])
+@pytest.mark.parametrize("sub", ["collectives", "overlap", "moe", "decode"])
 def test_subpackages_export_their_classes(sub):
     pkg = importlib.import_module(f"tilescale_examples.{sub}")
     for name in pkg.__all__:

@@ -113,7 +113,7 @@ from tilescale_examples.collectives.reduce_kernel import (ACCUMULATE, FLAG_STRID
 __all__ = ["MODES", "buffers", "ACCUMULATE", "REDUCE_DTYPES", "VECTOR_BYTES", "MAX_REGISTERS",
            "FLAG_STRIDE", "MAX_UNROLLED_VECTORS", "build_reduce_kernel", "default_unroll", "max_unroll",
            "check_unroll", "vector_elems", "grid", "plan_grid", "Plan",
-           "ReductionCollective", "rank_order_sum", "rows_view", "torch_reference", "PASS_CONFIGS"]
+           "ReductionCollective", "rank_order_sum", "rows_view", "overlaps", "torch_reference", "PASS_CONFIGS"]
 
 _TORCH_ACCUMULATE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
@@ -204,7 +204,7 @@ def torch_reference(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
     return total.to(dtype)
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the storage spans of ``a`` and ``b`` intersect (same device)."""
     if a.device != b.device or a.numel() == 0 or b.numel() == 0:
         return False
@@ -318,7 +318,7 @@ class ReductionCollective(SymmetricCollective):
         self.check_tensor(out, shape, "out", "the output shape")
         if self._is_view_of(out, self.output):
             return
-        if any(_overlaps(out, s) for s in self.stages):
+        if any(overlaps(out, s) for s in self.stages):
             raise ValueError(f"out overlaps this {type(self).__name__}'s symmetric staging buffers, which peers "
                              "read and write during calls; pass a tensor of your own (or no out)")
 
@@ -336,7 +336,7 @@ class ReductionCollective(SymmetricCollective):
         no staging when it is the zero-copy view of this call's buffer (``self.input``)."""
         p = self.plan
         nb = len(self.stages)
-        if self._note_capture() and nb > 1 and any(_overlaps(input, s) for s in self.stages):
+        if self._note_capture() and nb > 1 and any(overlaps(input, s) for s in self.stages):
             raise RuntimeError(f"{type(self).__name__}({self.mode}): input is one of this instance's own staging "
                                "buffers, and the instance has been captured in a CUDA graph, where the buffer of "
                                "each call is chosen on the device; pass a tensor of your own")

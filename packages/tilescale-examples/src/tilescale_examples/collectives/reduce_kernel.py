@@ -14,7 +14,7 @@ from tilescale_examples.base import DTYPES, check_threads
 
 __all__ = ["MODES", "buffers", "ACCUMULATE", "REDUCE_DTYPES", "VECTOR_BYTES", "MAX_REGISTERS", "FLAG_STRIDE",
            "MAX_UNROLLED_VECTORS", "PASS_CONFIGS", "build_reduce_kernel", "default_unroll", "max_unroll",
-           "check_unroll", "vector_elems", "rank_order_sum"]
+           "check_unroll", "vector_elems", "rank_order_sum", "step_macros"]
 
 #: Kernel modes of :func:`build_reduce_kernel`.
 MODES = ("one_shot", "two_shot", "reduce_scatter")
@@ -97,11 +97,12 @@ def rank_order_sum(T, vals, u: int, i, world_size: int, acc: str):
     return total
 
 
-def _step_macros(T, W: int, TH: int, U: int, V: int, shards: int):
+def step_macros(T, W: int, TH: int, U: int, V: int, shards: int):
     """The steps that move whole rows and signal (trace-time constants: ``W`` ranks, ``TH``
     threads, ``U`` rows per thread and iteration, ``V`` elements per row, ``shards``):
     ``stage`` (step 1), ``signal_and_wait`` (steps 2 and 4), ``stage_and_ready`` (steps 1 and
-    2) and ``count_call``."""
+    2) and ``count_call``. Also the flag round and call counter of
+    :mod:`tilescale_examples.decode.norm_kernel` (``signal_and_wait``, ``count_call``)."""
     SHARDS, ROWS = list(range(shards)), list(range(U))  # unrolled at trace time
 
     @T.macro
@@ -233,7 +234,7 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
     NB = buffers(mode)
     rows_x, rows_s, rows_o, nflags = T.dynamic("rows_x"), T.dynamic("rows_s"), T.dynamic("rows_o"), T.dynamic("nflags")
     nstate = T.dynamic("nstate")
-    steps, rows = _step_macros(T, W, TH, U, V, shards), _row_macros(T, W, TH, U, V, dtype, acc)
+    steps, rows = step_macros(T, W, TH, U, V, shards), _row_macros(T, W, TH, U, V, dtype, acc)
     stage_and_ready, count_call, signal_and_wait = steps.stage_and_ready, steps.count_call, steps.signal_and_wait
     load_reduce, store_local, store_peers = rows.load_reduce, rows.store_local, rows.store_peers
 
