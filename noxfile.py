@@ -6,6 +6,7 @@ A bare `nox` runs the CPU suite of every wheel (`nox -s tests`).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -62,6 +63,21 @@ MATRIX = {
 #: ``allow_parallel=`` (sessions side by side under ``nox -j N``) came with nox 2026.8.10.
 nox.needs_version = ">=2026.8.10"
 nox.options.sessions = ["tests"]
+#: Sessions that allow it (the CPU suites, the matrix, ...) run side by side, one per CPU; each
+#: buffers its output and prints it when it ends (``-j 1``: one at a time, output live).
+nox.options.parallel = "auto"
+
+
+class _SequentialNotice(logging.Filter):
+    """Drops nox's notice that the selected sessions run one at a time despite
+    :data:`nox.options.parallel` (``nox -s demo``, ``nox -s gpu``): that is how those sessions
+    are meant to run, and a newcomer would read the notice as a problem."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No selected session allows parallel execution")
+
+
+logging.getLogger("nox").addFilter(_SequentialNotice())
 nox.options.default_venv_backend = "venv"
 
 
@@ -104,8 +120,13 @@ def _suite_env(session: nox.Session) -> dict[str, str]:
     return env
 
 
+#: The CPU suites, longest first (side by side, the longest starts at once).
+SUITES = ["examples", "lang", "core", "host"]
+assert sorted(SUITES) == sorted(LOCAL_DEPENDENCIES), "every package has a CPU suite"
+
+
 @nox.session(allow_parallel=True)
-@nox.parametrize("package", list(LOCAL_DEPENDENCIES))
+@nox.parametrize("package", SUITES)
 def tests(session: nox.Session, package: str) -> None:
     """CPU suite of one wheel, installed alone (with its tilescale dependencies).
 
