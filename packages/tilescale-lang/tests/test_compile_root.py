@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 
 import pytest
-from lang_helpers import needs_nvcc
+from lang_helpers import have_nvcc, needs_nvcc
 
 from tilescale_lang import codegen
 from tilescale_lang.compile_root import CompileRootError, compile_from_root, coordinate
@@ -40,12 +40,53 @@ def _count_nvcc():
     return calls
 
 
-def _on_three_ranks(body, tmp_path, *args, timeout=300) -> list:
-    """``body(rank, 3, cache_dir, *args)`` on 3 gloo ranks sharing the TileLang cache
-    ``tmp_path``: their results."""
+#: The 3-rank scenarios: name -> (rank body, its extra arguments, needs nvcc). Each compiles a
+#: kernel of its own (its own ``scale`` or flags), so no scenario finds another's kernel in a
+#: cache; each has a TileLang cache directory of its own as well.
+SCENARIOS = {
+    "root compiles": ("_root_compiles", (7,), True),
+    "root fails (compile)": ("_root_fails", ("compile",), True),
+    "root fails (jit)": ("_root_fails", ("jit",), True),
+    "once+group (compile)": ("_once_with_group", ("compile", 9), True),
+    "once+group (jit)": ("_once_with_group", ("jit", 11), True),
+    "once+group (compile fails)": ("_once_with_group", ("compile fails", 13), True),
+    "once+group (jit fails)": ("_once_with_group", ("jit fails", 15), True),
+    "fake compiler (world)": ("_once_with_a_fake_compiler", (False,), False),
+    "fake compiler (sub-group)": ("_once_with_a_fake_compiler", (True,), False),
+    "root first": ("_once_with_a_group_succeeds", (), False),
+    "disagree": ("_disagree", (), False),
+    "not a member": ("_not_a_member", (), False),
+}
+
+
+def _every_scenario(rank, world, cache_root, names):
+    """Rank body: each scenario of ``names`` in order (all ranks run the same sequence, so
+    their collectives pair up), with its own cache directory; ``{name: result}``."""
+    import os
+
+    import torch.distributed as dist
+
+    results = {}
+    for name in names:
+        body, args, _ = SCENARIOS[name]
+        cache_dir = os.path.join(cache_root, str(list(SCENARIOS).index(name)))
+        os.environ["TILELANG_CACHE_DIR"] = cache_dir
+        results[name] = globals()[body](rank, world, cache_dir, *args)
+        dist.barrier()  # a scenario's last rank is done before the next one starts
+    return results
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory):
+    """The result of every scenario on 3 gloo ranks, from ONE run of spawned ranks (each rank
+    imports torch and TileLang once, not once per test): ``{name: [result per rank]}``.
+    Scenarios that compile with nvcc are left out without it."""
     from tilescale_core.multiprocess import run_ranks
 
-    return run_ranks(body, 3, args=(str(tmp_path), *args), backend="gloo", timeout=timeout)
+    names = [n for n, (_, _, nvcc) in SCENARIOS.items() if have_nvcc() or not nvcc]
+    out = run_ranks(_every_scenario, 3, args=(str(tmp_path_factory.mktemp("compile-root")), names),
+                    backend="gloo", timeout=600)
+    return {name: [per_rank[name] for per_rank in out] for name in names}
 
 
 def _assert_every_rank_raised_the_roots_error(out, root: int, how: str) -> None:
@@ -60,9 +101,6 @@ def _assert_every_rank_raised_the_roots_error(out, root: int, how: str) -> None:
 
 
 def _root_compiles(rank, world, cache_dir, scale):
-    import os
-
-    os.environ["TILELANG_CACHE_DIR"] = cache_dir
     import tilelang
     import torch.distributed as dist
 
@@ -72,16 +110,13 @@ def _root_compiles(rank, world, cache_dir, scale):
 
 
 @needs_nvcc
-def test_root_compiles_and_the_others_load(tmp_path):
-    out = _on_three_ranks(_root_compiles, tmp_path, 7)
+def test_root_compiles_and_the_others_load(scenarios):
+    out = scenarios["root compiles"]
     assert [o["nvcc"] for o in out] == [0, 1, 0], out  # only rank 1 ran nvcc; 0 and 2 hit the cache
     assert all(o["source_ok"] for o in out)
 
 
 def _root_fails(rank, world, cache_dir, how):
-    import os
-
-    os.environ["TILELANG_CACHE_DIR"] = cache_dir
     import tilelang
 
     calls = _count_nvcc()
@@ -101,12 +136,12 @@ def _root_fails(rank, world, cache_dir, how):
 
 @needs_nvcc
 @pytest.mark.parametrize("how", ["compile", "jit"])
-def test_a_failure_on_the_root_raises_on_every_rank(how, tmp_path):
+def test_a_failure_on_the_root_raises_on_every_rank(how, scenarios):
     """Never a hang, never a bare 'process exited': each rank raises with the root's message."""
-    _assert_every_rank_raised_the_roots_error(_on_three_ranks(_root_fails, tmp_path, how), 2, "compile_root=2")
+    _assert_every_rank_raised_the_roots_error(scenarios[f"root fails ({how})"], 2, "compile_root=2")
 
 
-def _disagree(rank, world):
+def _disagree(rank, world, cache_dir):
     try:
         compile_from_root(lambda: "k", root=rank)
     except ValueError as exc:
@@ -114,10 +149,8 @@ def _disagree(rank, world):
     return None
 
 
-def test_ranks_that_disagree_on_the_root_get_an_error():
-    from tilescale_core.multiprocess import run_ranks
-
-    out = run_ranks(_disagree, 2, backend="gloo", timeout=60)
+def test_ranks_that_disagree_on_the_root_get_an_error(scenarios):
+    out = scenarios["disagree"]
     assert all(o and "disagree on compile_root" in o for o in out), out
 
 
@@ -169,10 +202,7 @@ def test_jit_compiles_are_coordinated(monkeypatch):
 
 
 # ------------------------------------------- issue 45: compile_once + compile_group = the group's root
-def _once_with_group(rank, world, cache_dir, how):
-    import os
-
-    os.environ["TILELANG_CACHE_DIR"] = cache_dir
+def _once_with_group(rank, world, cache_dir, how, scale):
     import tilelang
     import torch.distributed as dist
 
@@ -185,9 +215,9 @@ def _once_with_group(rank, world, cache_dir, how):
             def build(scale):
                 return _kernel(scale)
 
-            k = build(9)
+            k = build(scale)
         else:
-            k = tilelang.compile(_kernel(9), target=TARGET, compile_once=True, compile_group=group,
+            k = tilelang.compile(_kernel(scale), target=TARGET, compile_once=True, compile_group=group,
                                  compile_flags=flags)
     except RuntimeError as exc:
         return {"nvcc": len(calls), "error": str(exc), "type": type(exc).__name__,
@@ -197,9 +227,9 @@ def _once_with_group(rank, world, cache_dir, how):
 
 @needs_nvcc
 @pytest.mark.parametrize("how", ["compile", "jit"])
-def test_compile_once_with_a_group_compiles_on_its_root_only(how, tmp_path):
+def test_compile_once_with_a_group_compiles_on_its_root_only(how, scenarios):
     """Only group rank 0 runs nvcc; ranks 1 and 2 load its result (from the disk cache)."""
-    out = _on_three_ranks(_once_with_group, tmp_path, how)
+    out = scenarios[f"once+group ({how})"]
     assert [o["error"] for o in out] == [None] * 3, out
     assert [o["nvcc"] for o in out] == [1, 0, 0], out
     assert all(o["source_ok"] for o in out)
@@ -207,8 +237,8 @@ def test_compile_once_with_a_group_compiles_on_its_root_only(how, tmp_path):
 
 @needs_nvcc
 @pytest.mark.parametrize("how", ["compile fails", "jit fails"])
-def test_compile_once_with_a_group_root_failure_raises_everywhere(how, tmp_path):
-    out = _on_three_ranks(_once_with_group, tmp_path, how)
+def test_compile_once_with_a_group_root_failure_raises_everywhere(how, scenarios):
+    out = scenarios[f"once+group ({how})"]
     _assert_every_rank_raised_the_roots_error(out, 0, "compile_once=True with compile_group")
     assert [o["type"] for o in out] == ["CompileRootError"] * 3
 
@@ -216,9 +246,6 @@ def test_compile_once_with_a_group_root_failure_raises_everywhere(how, tmp_path)
 def _once_with_a_fake_compiler(rank, world, cache_dir, sub_group):
     """The compiler itself replaced by a function that records its calls; it fails on the
     root.  ``sub_group``: the group is global ranks [1, 2] (its root is global rank 1)."""
-    import os
-
-    os.environ["TILELANG_CACHE_DIR"] = cache_dir
     import torch.distributed as dist
 
     from tilescale_lang import codegen
@@ -241,10 +268,10 @@ def _once_with_a_fake_compiler(rank, world, cache_dir, sub_group):
 
 
 @pytest.mark.parametrize("sub_group", [False, True])
-def test_compile_once_with_a_group_never_calls_the_compiler_off_the_root(sub_group, tmp_path):
+def test_compile_once_with_a_group_never_calls_the_compiler_off_the_root(sub_group, scenarios):
     """CPU, no nvcc: the compiler is called once, on the group's rank 0, and its error (a
     ValueError there) reaches every member as a RuntimeError carrying its message."""
-    out = _on_three_ranks(_once_with_a_fake_compiler, tmp_path, sub_group, timeout=120)
+    out = scenarios["fake compiler (sub-group)" if sub_group else "fake compiler (world)"]
     root = 1 if sub_group else 0
     members = [1, 2] if sub_group else [0, 1, 2]
     assert [o["calls"] for o in out] == [int(r == root) for r in range(3)], out
@@ -257,10 +284,8 @@ def test_compile_once_with_a_group_never_calls_the_compiler_off_the_root(sub_gro
 
 
 def _once_with_a_group_succeeds(rank, world, cache_dir):
-    import os
     import time
 
-    os.environ["TILELANG_CACHE_DIR"] = cache_dir
     import torch.distributed as dist
 
     from tilescale_lang import codegen
@@ -277,10 +302,10 @@ def _once_with_a_group_succeeds(rank, world, cache_dir):
     return compile_fn("f", compile_once=True, compile_group=dist.group.WORLD)
 
 
-def test_compile_once_with_a_group_root_compiles_before_the_others_load(tmp_path):
+def test_compile_once_with_a_group_root_compiles_before_the_others_load(scenarios):
     """The root's compile completes before any other rank asks for the kernel (the others'
     call is then a cache load; here the same fake)."""
-    out = _on_three_ranks(_once_with_a_group_succeeds, tmp_path, timeout=120)
+    out = scenarios["root first"]
     assert [o[0] for o in out] == ["kernel from rank 0", "kernel from rank 1", "kernel from rank 2"]
     root_done = out[0][2]
     assert all(o[1] >= root_done for o in out[1:]), out  # CLOCK_MONOTONIC is system-wide
@@ -316,11 +341,11 @@ def test_compile_root_error_pickles_with_its_fields():
     assert "compile_root=3" in str(CompileRootError(3, "m"))
 
 
-def _not_a_member(rank, world):
+def _not_a_member(rank, world, cache_dir):
     import torch.distributed as dist
 
     group = dist.new_group([0])
-    if rank == 1:
+    if rank != 0:
         try:
             compile_from_root(lambda: "k", group=group, root=0)
         except ValueError as exc:
@@ -328,8 +353,6 @@ def _not_a_member(rank, world):
     return None
 
 
-def test_a_process_outside_the_group_gets_an_error():
-    from tilescale_core.multiprocess import run_ranks
-
-    out = run_ranks(_not_a_member, 2, backend="gloo", timeout=60)
-    assert out[0] is None and "not a member of compile_group" in out[1], out
+def test_a_process_outside_the_group_gets_an_error(scenarios):
+    out = scenarios["not a member"]
+    assert out[0] is None and all("not a member of compile_group" in o for o in out[1:]), out
