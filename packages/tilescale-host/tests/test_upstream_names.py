@@ -131,7 +131,8 @@ def fake_init_dist(clean_env, monkeypatch):
     from tilescale_host import dist_init
 
     monkeypatch.setattr(dist_init, "init_dist", init_dist)
-    monkeypatch.delitem(sys.modules, "pynvshmem", raising=False)
+    # No pynvshmem importable (tilescale-host's own one is tested in test_pynvshmem.py).
+    monkeypatch.setitem(sys.modules, "pynvshmem", None)
     return calls, group
 
 

@@ -51,12 +51,13 @@ NO_ARGUMENTS = frozenset({
     "get_rank", "get_num_ranks",          # rank queries
     "fence_cta", "fence_gpu", "fence_sys",  # memory fences
     "quiet", "fence",                     # NVSHMEM-style completion / ordering
+    "get_pe", "get_pe_num",               # upstream's NVSHMEM spellings of the rank queries
 })
 #: Exported constants, not intrinsics (strings and an Enum; they are the *good* values of
 #: ``sig_op``/``cmp``/``reduce_op``, whose bad values are probed on the intrinsics).
 CONSTANTS = frozenset({
     "SIGNAL_SET", "SIGNAL_ADD", "CMP_EQ", "CMP_NE", "CMP_GT", "CMP_GE", "CMP_LT", "CMP_LE",
-    "MultimemReduceOp",
+    "MultimemReduceOp", "CmpType", "Amo",
 })
 #: (intrinsic, argument) pairs with no bad value of their own, and why.
 NO_BAD_VALUE = frozenset({
@@ -230,6 +231,23 @@ for _name in ("put_signal_block", "put_signal_warp", "put_signal_nbi_block", "pu
         (_name, "signal", lambda k, f=_name: getattr(T, f)(k.A, k.B, 4, k.G[0], 1.5), TypeError),
         (_name, "sig_op", lambda k, f=_name: getattr(T, f)(k.A, k.B, 4, k.G[0], 1, "xor"), ValueError),
         (_name, "dst_pe", lambda k, f=_name: getattr(T, f)(k.A, k.B, 4, k.G[0], 1, "set", _OUT), ValueError),
+    ]
+for _name in [f"{d}mem{n}_{s}" for d in ("put", "get") for n in ("", "_nbi") for s in ("block", "warp")]:
+    NEW += [  # upstream's NVSHMEM spellings (dest, src, bytes, pe)
+        (_name, "dest", lambda k, f=_name: getattr(T, f)(5, k.A, 16, 1), TypeError),
+        (_name, "src", lambda k, f=_name: getattr(T, f)(k.B, 5, 16, 1), TypeError),
+        (_name, "nelems", lambda k, f=_name: getattr(T, f)(k.B, k.A, 257, 1), ValueError),
+        (_name, "pe", lambda k, f=_name: getattr(T, f)(k.B, k.A, 16, True), TypeError),
+    ]
+for _name in ("putmem_signal_block", "putmem_signal_warp", "putmem_signal_nbi_block", "putmem_signal_nbi_warp"):
+    NEW += [
+        (_name, "dest", lambda k, f=_name: getattr(T, f)(k.S, k.A, 16, k.G[0], 1, 9, 1), ValueError),
+        (_name, "src", lambda k, f=_name: getattr(T, f)(k.B, 5, 16, k.G[0], 1, 9, 1), TypeError),
+        (_name, "nelems", lambda k, f=_name: getattr(T, f)(k.B, k.A, -4, k.G[0], 1, 9, 1), ValueError),
+        (_name, "sig_addr", lambda k, f=_name: getattr(T, f)(k.B, k.A, 16, k.Ff[0], 1, 9, 1), TypeError),
+        (_name, "signal", lambda k, f=_name: getattr(T, f)(k.B, k.A, 16, k.G[0], 1.5, 9, 1), TypeError),
+        (_name, "sig_op", lambda k, f=_name: getattr(T, f)(k.B, k.A, 16, k.G[0], 1, 4, 1), ValueError),
+        (_name, "pe", lambda k, f=_name: getattr(T, f)(k.B, k.A, 16, k.G[0], 1, 10, _OUT), ValueError),
     ]
 for _name in ("wait_eq", "wait_ne", "wait_ge", "wait_le", "wait_gt", "wait_lt"):
     NEW += [

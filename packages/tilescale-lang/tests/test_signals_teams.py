@@ -196,7 +196,7 @@ REJECT = [
     (lambda A, B, Sg, F, L, Tm, O, pe, s: T.atomic_cas(3, 0, 1), TypeError, "ptr"),
     # signals: set/add only, integer signals in global memory
     (lambda A, B, Sg, F, L, Tm, O, pe, s: T.signal_op(Sg[0], 1, "xor"), ValueError, "sig_op"),
-    (lambda A, B, Sg, F, L, Tm, O, pe, s: T.signal_op(Sg[0], 1, 9), TypeError, "sig_op"),
+    (lambda A, B, Sg, F, L, Tm, O, pe, s: T.signal_op(Sg[0], 1, 1.5), TypeError, "sig_op"),  # 9 / 10: NVSHMEM's set / add
     (lambda A, B, Sg, F, L, Tm, O, pe, s: T.put_signal_block(A, B, 4, Sg[0], 1, "max", pe), ValueError, "sig_op"),
     (lambda A, B, Sg, F, L, Tm, O, pe, s: T.put_signal_warp(A, B, 4, A[0], 1), TypeError, "sig_addr"),
     (lambda A, B, Sg, F, L, Tm, O, pe, s: T.put_signal_block(A, s, 4, Sg[0], 1, dst_pe=1), ValueError, "dst"),

@@ -6,7 +6,9 @@ allocator's metadata table that compiled kernels receive; tilescale-lang checks 
 is imported and refuses, with a clear error, a core that speaks another layout.
 :func:`check_positive_int`, :func:`check_non_negative_int`, :func:`check_seconds` and
 :func:`check_choice` (:mod:`tilescale_core.validate`) check arguments with one wording in
-every wheel.
+every wheel. :func:`set_default_allocator` / :func:`default_allocator`
+(:mod:`tilescale_core.default_heap`) hold the heap that kernels launched without
+``kernel.initialize`` bind to (set by tilescale-host's ``pynvshmem``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from ._extension import add_facade_dir, after_import
 from ._lazy import lazy_exports, lazy_getattr
 from ._parent_death import PARENT_PID_ENV, die_with_parent, parent_pid_from_env
+from .default_heap import default_allocator, set_default_allocator
 from .table import TABLE_LAYOUT, TABLE_VERSION
 from .validate import check_choice, check_non_negative_int, check_positive_int, check_seconds
 
@@ -27,9 +30,11 @@ __all__ = [
     "check_non_negative_int",
     "check_positive_int",
     "check_seconds",
+    "default_allocator",
     "die_with_parent",
     "lazy_exports",
     "lazy_getattr",
     "parent_pid_from_env",
+    "set_default_allocator",
 ]
 # TABLE_VERSION and TABLE_LAYOUT are tilescale_core.table's (the table's one owner).

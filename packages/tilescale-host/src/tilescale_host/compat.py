@@ -114,8 +114,9 @@ def init_distributed(return_tp_group: bool = False, init_nvshmem: bool = True, r
     Args:
         return_tp_group: also return the group of all ranks.
         init_nvshmem: when a ``pynvshmem`` module can be imported, call its
-            ``init_nvshmem_by_uniqueid(group)``; when none is installed there is nothing to
-            initialise (TileScale's symmetric heap needs no NVSHMEM) and this is skipped.
+            ``init_nvshmem_by_uniqueid(group)``: a real one (NVSHMEM's bindings) or
+            tilescale-host's own (:mod:`tilescale_host.pynvshmem`, which records the group
+            for its heap); when none can be imported this is skipped.
         return_lc_group: also return the group of the ranks on this node (and the group of all
             ranks before it).  TileScale runs on one node, so both are the same group.
 

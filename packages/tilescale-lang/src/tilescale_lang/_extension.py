@@ -3,7 +3,8 @@
 Called by tilescale-core's import hook right after ``import tilelang``; attaches:
 
 * the intrinsics to ``tilelang.language`` (``T.get_rank``, ``T.put_warp``, ``T.wait_eq``,
-  ...), and ``T.copy`` / ``T.tma_copy`` wrappers that accept ``src_pe``/``dst_pe`` and are
+  ..., and upstream's NVSHMEM-style names ``T.get_pe``, ``T.putmem_nbi_block``, ``T.Amo``, ...
+  where stock has none: :mod:`.nvshmem_names`), and ``T.copy`` / ``T.tma_copy`` wrappers that accept ``src_pe``/``dst_pe`` and are
   stock TileLang when no peer is given;
 * ``JITKernel.initialize(allocator=..., stream=None)``;
 * wrappers around stock pipeline passes for TileScale kernels (:mod:`.pipeline_hooks`);
@@ -32,7 +33,7 @@ STOCK: dict[str, Any] = STATE.stock
 
 def intrinsics() -> dict[str, Any]:
     """Name -> callable of every intrinsic exported on ``tilelang.language``."""
-    from . import atomics, barrier, memory, multimem, peer_copy, profiler, rank, signals, team, wait
+    from . import atomics, barrier, memory, multimem, nvshmem_names, peer_copy, profiler, rank, signals, team, wait
 
     names = {
         "get_rank": rank.get_rank,
@@ -65,7 +66,7 @@ def intrinsics() -> dict[str, Any]:
         "MultimemReduceOp": multimem.MultimemReduceOp,
     }
     names.update(wait.WAITS)
-    for module in (signals, atomics, team):
+    for module in (signals, atomics, team, nvshmem_names):
         names.update(module.EXPORTS)
     return names
 
@@ -89,6 +90,21 @@ def _initialize(self, allocator=None, stream=None):
     return kernel
 
 
+def attach_intrinsics(language) -> list[str]:
+    """Set every intrinsic of :func:`intrinsics` on ``language`` (``tilelang.language``),
+    except an NVSHMEM-style name (:mod:`.nvshmem_names`) that ``language`` already has from
+    stock TileLang, which stays stock's.  Returns the names left alone."""
+    from . import nvshmem_names
+
+    kept = []
+    for name, fn in intrinsics().items():
+        if name in nvshmem_names.EXPORTS and getattr(language, name, fn) is not fn:
+            kept.append(name)
+            continue
+        setattr(language, name, fn)
+    return kept
+
+
 def add_utils_facade(utils_module) -> None:
     """Append :data:`UTILS_FACADE_DIR` to ``tilelang.utils.__path__`` (once, after stock's
     own directory, so that stock modules of the same name win)."""
@@ -106,8 +122,7 @@ def extend(tilelang_module) -> None:
 
     from . import atomics, codegen, metadata, peer_copy, pipeline_hooks, remote_tma
 
-    for name, fn in intrinsics().items():
-        setattr(T, name, fn)
+    attach_intrinsics(T)
     wrappers = {"copy": peer_copy.copy, "tma_copy": peer_copy.tma_copy, **atomics.WRAPPERS}
     for name, wrapper in wrappers.items():
         current = getattr(T, name)

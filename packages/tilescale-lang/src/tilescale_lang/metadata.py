@@ -247,7 +247,10 @@ def guard_launch(kernel: Any, readers: list[str]) -> None:
 
     An uninitialised table is all zeros: every peer address would silently be the local
     one.  The guard replaces the kernel's launch function; :func:`initialize` puts the
-    original back, so an initialised kernel launches with no extra cost.
+    original back, so an initialised kernel launches with no extra cost.  When the process
+    has a default heap (``tilescale_core.interface.default_allocator()``, set by
+    ``pynvshmem``'s initialisation: NVSHMEM programs never bind kernels), the first launch
+    initialises the kernel with it instead of refusing.
     """
     if not readers:
         return
@@ -259,8 +262,15 @@ def guard_launch(kernel: Any, readers: list[str]) -> None:
         if inner is None:
             return
         name = _kernel_name(kernel)
+        ref = weakref.ref(kernel)
 
         def refuse(*args, **kwargs):
+            from tilescale_core.interface import default_allocator
+
+            heap, k = default_allocator(), ref()
+            if heap is not None and k is not None:
+                initialize(k, allocator=heap)  # puts the launch function back
+                return k.torch_function(*args, **kwargs)
             raise KernelNotInitializedError(
                 f"kernel {name!r} uses {', '.join(readers)} (the rank/peer metadata table) and was "
                 "launched before kernel.initialize(allocator=...); an empty table would make every "

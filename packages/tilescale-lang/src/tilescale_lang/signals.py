@@ -35,6 +35,7 @@ from ._tvm import tirx
 
 from . import validation as V
 from . import wait as W
+from .nvshmem_enums import cmp_name, sig_op_name
 from .peer_copy import copy_operands
 
 #: ``sig_op`` values (Triton-distributed: ``NVSHMEM_SIGNAL_SET`` / ``NVSHMEM_SIGNAL_ADD``).
@@ -56,18 +57,29 @@ def _signal(sig_addr, name: str = "sig_addr") -> tuple[V.Operand, str]:
 
 
 def _sig_op(sig_op) -> bool:
-    """True for ``"add"``; ValueError naming ``sig_op`` for anything but set/add."""
-    return V.choice(sig_op, SIG_OPS, "sig_op") == SIGNAL_ADD
+    """True for ``"add"``; ValueError naming ``sig_op`` for anything but set/add (NVSHMEM's
+    ``T.Amo.SIGNAL_SET`` / ``T.Amo.SIGNAL_ADD`` and their values 9 / 10 are set/add too)."""
+    return V.choice(sig_op_name(sig_op), SIG_OPS, "sig_op") == SIGNAL_ADD
+
+
+def put_signal_call(scope: str, nbi: bool, operands, sig_addr, signal, sig_op):
+    """The ``tilescale::put_signal`` call of checked copy ``operands`` ``(src ptr, dst ptr,
+    byte count, int32 PE)``: data first, then the signal ``sig_addr`` updated by ``sig_op``
+    (``scope`` ``"block"`` or ``"warp"``; ``nbi`` the non-blocking form)."""
+    add = _sig_op(sig_op)
+    sig, dtype = _signal(sig_addr)
+    template = f"4, {'true' if scope == 'warp' else 'false'}, {'true' if nbi else 'false'}, {'true' if add else 'false'}"
+    value = V.cast_to(signal, dtype, "signal")
+    s, d, nbytes, pe = operands
+    return V.extern("handle", f"tilescale::put_signal<{template}>", s, d, nbytes, sig.ptr, value, pe)
 
 
 def _put_signal(scope: str, nbi: bool, src, dst, size, sig_addr, signal, sig_op, dst_pe):
     kind = f"put_signal{'_nbi' if nbi else ''}_{scope}"
-    add = _sig_op(sig_op)
-    sig, dtype = _signal(sig_addr)
-    s, d, nbytes, pe = copy_operands(kind, src, dst, size, dst_pe, "dst_pe", "dst")
-    template = f"4, {'true' if scope == 'warp' else 'false'}, {'true' if nbi else 'false'}, {'true' if add else 'false'}"
-    value = V.cast_to(signal, dtype, "signal")
-    return V.extern("handle", f"tilescale::put_signal<{template}>", s, d, nbytes, sig.ptr, value, pe)
+    _sig_op(sig_op)  # checked before the copy operands, as before
+    _signal(sig_addr)
+    operands = copy_operands(kind, src, dst, size, dst_pe, "dst_pe", "dst")
+    return put_signal_call(scope, nbi, operands, sig_addr, signal, sig_op)
 
 
 def put_signal_block(src, dst, size, sig_addr, signal, sig_op: str = "set", dst_pe=-1):
@@ -109,7 +121,8 @@ def signal_op(sig_addr, signal, sig_op: str = "set", pe=-1):
     """Update the signal ``sig_addr`` on rank ``pe`` (-1: local): store (``"set"``) or
     atomically add (``"add"``) ``signal``, as a release at system scope (this thread's
     earlier accesses are visible to whoever acquires the new value).  Single-thread
-    operation: guard it with a thread condition.
+    operation: guard it with a thread condition.  ``sig_op`` may also be NVSHMEM's
+    ``T.Amo.SIGNAL_SET`` / ``T.Amo.SIGNAL_ADD`` or their values 9 / 10 (upstream's spelling).
     """
     add = _sig_op(sig_op)
     sig, dtype = _signal(sig_addr)
@@ -122,9 +135,10 @@ def signal_op(sig_addr, signal, sig_op: str = "set", pe=-1):
 def signal_wait_until(sig_addr, cmp, value):
     """Spin until ``sig_addr <cmp> value`` holds for the local signal, polling with
     ``ld.acquire.sys``; returns the value observed.  ``cmp`` is one of ``"eq"``, ``"ne"``,
-    ``"gt"``, ``"ge"``, ``"lt"``, ``"le"`` (``T.CMP_EQ`` ...).  The comparison is signed for
+    ``"gt"``, ``"ge"``, ``"lt"``, ``"le"`` (``T.CMP_EQ`` ...), or NVSHMEM's comparison as
+    upstream TileScale spells it: a ``T.CmpType`` member or its value (``0`` is EQ, ``5`` GE).  The comparison is signed for
     int signals and unsigned for uint signals.  Honours ``TILESCALE_WAIT_TIMEOUT_MS``."""
-    relation = V.choice(cmp, CMPS, "cmp")
+    relation = V.choice(cmp_name(cmp), CMPS, "cmp")
     _, dtype = _signal(sig_addr)
     V.cast_to(value, dtype, "value")  # a bad value is an error naming ``value`` (wait calls it expected)
     return W.wait(relation, sig_addr, value, -1, scope="sys", semantics="acquire")
