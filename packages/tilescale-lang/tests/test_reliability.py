@@ -423,3 +423,88 @@ def test_failed_initialize_keeps_the_guard():
         metadata.initialize(k, allocator=FakeAllocator([5, 1, 0]))
     with pytest.raises(metadata.KernelNotInitializedError, match="get_rank"):
         k.torch_function()
+
+
+def _header_functions() -> dict:
+    """``{name: [body of each overload]}`` of every ``TILESCALE_DEVICE`` function in the CUDA
+    headers."""
+    import re
+    from pathlib import Path
+
+    import tilescale_lang
+
+    functions: dict = {}
+    for header in (Path(tilescale_lang.__file__).parent / "include" / "tilescale").glob("*.cuh"):
+        text = header.read_text()
+        for m in re.finditer(r"TILESCALE_DEVICE\b[^;{(]*?\b(\w+)\s*\(", text):
+            start = text.find("{", m.end())
+            if start < 0 or ";" in text[m.end():start].split(")")[-1]:
+                continue  # a declaration
+            depth, i = 0, start
+            while True:
+                depth += {"{": 1, "}": -1}.get(text[i], 0)
+                i += 1
+                if depth == 0:
+                    break
+            functions.setdefault(m.group(1), []).append(text[start:i])
+    return functions
+
+
+def _table_readers_in_headers() -> set:
+    """Names of the header functions with an overload that reads the table: it calls
+    ``require_table()`` (every read of the table goes through it) or a function whose every
+    overload reads it (a call to an overloaded name such as ``st`` counts only when no overload
+    of it is local: the scan does not resolve overloads)."""
+    import re
+
+    functions = _header_functions()
+
+    def calls(body, names):
+        return any(re.search(rf"\b{n}\s*(<[^;()]*>)?\s*\(", body) for n in names)
+
+    always = {"require_table"}
+    changed = True
+    while changed:
+        changed = False
+        for name, bodies in functions.items():
+            if name not in always and all(calls(b, always) for b in bodies):
+                always.add(name)
+                changed = True
+    return {name for name, bodies in functions.items() if any(calls(b, always) for b in bodies)}
+
+
+def test_every_emitted_helper_that_reads_the_table_is_guarded():
+    """The launch guard (``table_readers``) knows every helper a kernel can call that reads the
+    metadata table: each helper the intrinsics emit that reads it (found in the headers) is in
+    ``TABLE_HELPERS`` or ``PE_ARGUMENT``; else an uninitialised kernel using it would trap on
+    the device instead of raising before the launch."""
+    import re
+    from pathlib import Path
+
+    from tilescale_lang import validation
+
+    readers = _table_readers_in_headers()
+    assert {"get_rank", "remap", "put_signal", "signal_op", "barrier_team", "put_block"} <= readers  # the scan works
+    assert not {"fence_sys", "init_barrier_gpu", "wait_barrier_gpu"} & readers
+    emitted = set()
+    for module in Path(validation.__file__).parent.glob("*.py"):
+        emitted |= set(re.findall(r"tilescale::(\w+)", module.read_text()))
+    known = validation.TABLE_HELPERS | set(validation.PE_ARGUMENT)
+    missing = sorted((emitted & readers) - known)
+    assert not missing, f"helpers that read the table but are not in TABLE_HELPERS / PE_ARGUMENT: {missing}"
+
+
+def test_table_readers_finds_signals_atomics_and_teams():
+    def readers(body):
+        @T.prim_func
+        def k(F: T.Tensor((8,), "uint64"), A: T.Tensor((64,), "float32"), G: T.Tensor((8,), "int32"), pe: T.int32):
+            with T.Kernel(1, threads=128) as _:
+                body(F, A, G, pe)
+
+        return metadata.table_readers(k)
+
+    assert readers(lambda F, A, G, pe: T.signal_op(F[0], 1, "set", pe)) == ["signal_op"]
+    assert readers(lambda F, A, G, pe: T.signal_op(F[0], 1, "set")) == []
+    assert readers(lambda F, A, G, pe: T.put_signal_block(A, A, 16, F[1], 1, "add", dst_pe=pe)) == ["put_signal"]
+    assert readers(lambda F, A, G, pe: T.evaluate(T.atomic_cas(G[0], 0, 1, pe=pe))) == ["atomic_cas"]
+    assert readers(lambda F, A, G, pe: T.evaluate(T.atomic_cas(G[0], 0, 1))) == []

@@ -24,12 +24,15 @@ MAX_PE = TABLE_ENTRIES - HEADER_ENTRIES - 1
 CHECK_PE_ENV = "TILESCALE_CHECK_PE"
 
 #: Helpers that read the metadata table whatever their arguments.
-TABLE_HELPERS = frozenset({"get_rank", "get_num_ranks", "remap", "remap_ptr", "peer_base", "barrier_blocks", "sync_blocks"})
+TABLE_HELPERS = frozenset({"get_rank", "get_num_ranks", "remap", "remap_ptr", "peer_base", "barrier_blocks", "sync_blocks",
+                           "team_rank", "team_num_ranks", "team_translate_pe", "barrier_team", "broadcast_block",
+                           "fcollect_block"})
 #: ``helper -> index`` of its PE argument (after the name); a call whose PE there is not the
 #: constant -1 reads the table.  New intrinsics that take a PE register it here.
 PE_ARGUMENT: dict[str, int] = {
     "ld": 1, "st": 2, "wait_until": 2, "notify": 1,
     "put_warp": 3, "get_warp": 3, "put_block": 3, "get_block": 3,
+    "put_signal": 5, "signal_op": 2, "atomic_cas": 3, "atomic_add_sys": 2, "atomic_addx2_sys": 2, "atom_add": 2,
 }
 
 SCOPES = {"cta": "tilescale::Scope::CTA", "gpu": "tilescale::Scope::GPU", "sys": "tilescale::Scope::SYS"}
