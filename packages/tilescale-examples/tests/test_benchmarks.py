@@ -646,3 +646,37 @@ def test_running_all_benchmarks_passes_out_on(monkeypatch, capsys, tmp_path):
     assert run_all.main([]) == 0
     assert [c[2:] for c in calls] == [[f"tilescale_examples.benchmarks.{n}"] for n in BENCHMARKS]
     assert run_all.main(["nope"]) == 2 and "unknown benchmark(s) ['nope']" in capsys.readouterr().err
+
+
+def test_kernel_builds_are_shown_on_rank_0_only(monkeypatch):
+    """The benchmarks say what they are doing while compiling: compile_once logs each kernel
+    build and its time; show_progress prints those lines on rank 0 (and only there)."""
+    import io
+    import logging
+
+    import tilelang
+
+    from tilescale_examples import base
+    from tilescale_examples.benchmarks import _harness
+
+    log = logging.getLogger("tilescale_examples")
+    monkeypatch.setattr(log, "handlers", [])
+    monkeypatch.setattr(log, "level", logging.NOTSET)
+    monkeypatch.setattr(tilelang, "compile", lambda func, **kw: ("compiled", func))
+
+    class Func:
+        attrs = {"global_symbol": "allreduce_one_shot"}
+
+    quiet = io.StringIO()
+    _harness.show_progress(1, quiet)
+    func = Func()
+    assert base.compile_once(func) == ("compiled", func)
+    assert quiet.getvalue() == ""
+    shown = io.StringIO()
+    _harness.show_progress(0, shown)
+    _harness.show_progress(0, shown)  # idempotent: one handler
+    base.compile_once(Func())
+    lines = shown.getvalue().splitlines()
+    assert lines[0] == "[benchmark] building kernel allreduce_one_shot ..."
+    assert lines[1].startswith("[benchmark] kernel allreduce_one_shot ready (") and lines[1].endswith(" s)")
+    assert len(lines) == 2

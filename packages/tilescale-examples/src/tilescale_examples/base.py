@@ -18,7 +18,9 @@ so that no peer signals a flag before its owner has zeroed it.
 # (no `from __future__ import annotations`: subclasses define TileLang kernels)
 
 import inspect
+import logging
 import math
+import time
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -59,14 +61,26 @@ def _compile_flags() -> tuple:
     return tuple(headers.compile_flags())
 
 
+#: Logger of the library's progress messages (INFO: each kernel build, with its time); silent
+#: unless configured (the benchmarks show it on rank 0, see ``benchmarks._harness``).
+log = logging.getLogger("tilescale_examples")
+
+
 def compile_once(func, group=None, target=None, pass_configs=None):
     """``func`` compiled once per host (``compile_once=True``: one rank compiles, the others
     hit TileLang's disk cache) for ``target`` (default :data:`TARGET`), with TileLang
-    ``pass_configs`` when given."""
+    ``pass_configs`` when given. Logs ``building kernel <name> ...`` and the seconds it took
+    (lowering and nvcc, or a cache load) on :data:`log` at INFO."""
     import tilelang
 
+    attrs = getattr(func, "attrs", None)
+    name = str(attrs["global_symbol"]) if attrs is not None and "global_symbol" in attrs else "kernel"
     extra = {} if pass_configs is None else {"pass_configs": dict(pass_configs)}
-    return tilelang.compile(func, target=target or TARGET, compile_once=True, compile_group=group, **extra)
+    log.info("building kernel %s ...", name)
+    start = time.monotonic()
+    kernel = tilelang.compile(func, target=target or TARGET, compile_once=True, compile_group=group, **extra)
+    log.info("kernel %s ready (%.1f s)", name, time.monotonic() - start)
+    return kernel
 
 
 def settle(device, group=None) -> None:

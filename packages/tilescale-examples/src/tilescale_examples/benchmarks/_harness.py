@@ -8,15 +8,18 @@ timing (:mod:`~tilescale_examples.benchmarks._timing`) and its table
 * :func:`parse_args`: parse a benchmark's command line and act on ``--out``.
 * :func:`run_on_ranks`: run a rank body on the launcher's ranks or on spawned ones.
 * :func:`gpu_mode`: how a table's title says the ranks used the GPUs.
+* :func:`show_progress`: rank 0 prints each kernel build (``[benchmark] building kernel ...``).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import sys
 import warnings
 
-__all__ = ["parser", "parse_args", "run_on_ranks", "gpu_mode"]
+__all__ = ["parser", "parse_args", "run_on_ranks", "gpu_mode", "show_progress"]
 
 
 def parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -33,13 +36,46 @@ def parser(name: str, description: str) -> argparse.ArgumentParser:
 def parse_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """``p.parse_args(argv)`` (``p`` from :func:`parser`); from then on every table the
     benchmark prints is also saved into ``--out`` when given (tables ``<name>``,
-    ``<name>_2``, ...), and nowhere otherwise."""
+    ``<name>_2``, ...), and nowhere otherwise, and rank 0 (``RANK``, default 0) shows the
+    kernel builds (:func:`show_progress`)."""
     from tilescale_examples.benchmarks._report import save_tables
 
     save_tables(None)
     args = p.parse_args(argv)
     save_tables(args.out, p.benchmark)
+    show_progress(int(os.environ.get("RANK", "0")))  # under a launcher each rank runs main()
     return args
+
+
+class _ProgressHandler(logging.Handler):
+    """Writes ``[benchmark] <message>`` lines to ``stream``, or to whatever ``sys.stderr`` is
+    when a message comes (so a replaced stderr, as under pytest, is followed)."""
+
+    def __init__(self, stream=None):
+        super().__init__()
+        self.stream = stream
+        self.setFormatter(logging.Formatter("[benchmark] %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            stream = sys.stderr if self.stream is None else self.stream
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:  # never let a progress line break a benchmark
+            self.handleError(record)
+
+
+def show_progress(rank: int, stream=None) -> None:
+    """On rank 0, print the library's progress messages (``tilescale_examples`` logger, INFO:
+    each kernel being built and how long it took) to ``stream`` (default stderr) as
+    ``[benchmark] ...`` lines, so a long first run says what it is doing; other ranks stay
+    quiet. Idempotent."""
+    if rank != 0:
+        return
+    log = logging.getLogger("tilescale_examples")
+    if not any(isinstance(h, _ProgressHandler) for h in log.handlers):
+        log.addHandler(_ProgressHandler(stream))
+    log.setLevel(logging.INFO)
 
 
 def _spawned_rank(rank: int, world: int, fn, fn_args):
@@ -48,6 +84,7 @@ def _spawned_rank(rank: int, world: int, fn, fn_args):
     from tilescale_core.multiprocess import rank_device
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # *_into_tensor renames
+    show_progress(rank)
     device = torch.device(rank_device(rank))  # its own GPU, or shared round-robin
     torch.cuda.set_device(device)
     return fn(rank, world, dist.group.WORLD, device, *fn_args)
@@ -67,6 +104,7 @@ def run_on_ranks(fn, ranks: int, *fn_args):
 
         warnings.filterwarnings("ignore", category=FutureWarning)
         rank, world, group = init_dist(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
+        show_progress(rank)
         result = fn(rank, world, group, torch.device("cuda", torch.cuda.current_device()), *fn_args)
         backend = dist.get_backend(group)
         dist.destroy_process_group()
