@@ -33,7 +33,7 @@ from tilescale_examples.tutorials import tma_allreduce
 from tilescale_examples.tutorials.tma_allreduce import TmaAllReduce
 
 PRODUCTS = [getattr(tilescale_examples, name) for name in tilescale_examples.__all__
-            if name not in ("MoEDispatcher", "AllReduceResidualRMSNorm", "ClosedError")] + [TmaAllReduce]
+            if name not in ("MoEDispatcher", "AllReduceResidualRMSNorm", "ClosedError", "MoELowLatency")] + [TmaAllReduce]
 GEMMS = {tilescale_examples.AllGatherGEMM, tilescale_examples.GemmReduceScatter}
 IDS = [cls.__name__ for cls in PRODUCTS]
 F16, F32 = torch.float16, torch.float32
@@ -438,5 +438,47 @@ def test_decode_norm_follows_the_contract_where_it_applies(compiles):
         op.close()
         with pytest.raises(ClosedError, match="this AllReduceResidualRMSNorm is closed"):
             op(x, x, x[0])
+    finally:
+        alloc.close()
+
+
+# ------------------------------------------------------------------------------ MoELowLatency
+def test_moe_low_latency_follows_the_contract_where_it_applies(compiles):
+    """``MoELowLatency(allocator, num_experts, hidden, topk, max_tokens, dtype, *, world_size=None,
+    fp8=False, ...)`` like ``MoEDispatcher`` (no ``algorithm``: one kernel per phase); its calls
+    ``dispatch(x, topk_idx, topk_weights=None, *, return_recv_hook=False, validate=None)`` and
+    ``combine(y, handle, topk_weights=None)``; :class:`ClosedError` after ``close()``;
+    ``heap_bytes`` what the constructor takes on tilescale-core's allocator. (The rest: in
+    ``test_moe_low_latency.py``.)"""
+    from tilescale_core.allocator import BaseAllocator
+    from tilescale_core.testing import HostBackend
+
+    P = inspect.Parameter
+    cls = tilescale_examples.MoELowLatency
+    params = list(inspect.signature(cls).parameters.values())
+    positional = ["allocator", "num_experts", "hidden", "topk", "max_tokens", "dtype"]
+    assert issubclass(cls, SymmetricOp) and [p.name for p in params[:len(positional)]] == positional
+    assert all(p.kind is P.POSITIONAL_OR_KEYWORD and p.default is P.empty for p in params[:len(positional)])
+    assert all(p.kind is P.KEYWORD_ONLY for p in params[len(positional):])
+    assert (params[len(positional)].name, params[len(positional)].default) == ("world_size", None)
+    names = {p.name for p in params}
+    assert {"group", "target", "fp8"} <= names and not names & {"algorithm", "engine", "plan", "shape"}
+    assert not any("__call__" in vars(k) for k in cls.__mro__ if k is not object)
+    arg = P.POSITIONAL_OR_KEYWORD
+    dispatch = list(inspect.signature(cls.dispatch).parameters.values())[1:]
+    assert [(p.name, p.kind) for p in dispatch] == [("x", arg), ("topk_idx", arg), ("topk_weights", arg),
+                                                  ("return_recv_hook", P.KEYWORD_ONLY), ("validate", P.KEYWORD_ONLY)]
+    combine = list(inspect.signature(cls.combine).parameters.values())[1:]
+    assert [(p.name, p.kind) for p in combine] == [("y", arg), ("handle", arg), ("topk_weights", arg)]
+    alloc = BaseAllocator(1 << 22, device="cpu", is_distributed=False, backend=HostBackend())
+    try:
+        ll = cls(alloc, *MOE_ARGS[:4], torch.bfloat16)
+        assert -(-alloc.used // 256) * 256 == cls.heap_bytes(*MOE_ARGS[:4], torch.bfloat16, world_size=1)
+        x, idx = torch.zeros((3, 64), dtype=torch.bfloat16), torch.zeros((3, 2), dtype=torch.long)
+        ll.close()
+        ll.close()  # idempotent
+        for call in (lambda: ll.dispatch(x, idx), lambda: ll.combine(x, None), ll.check_index_errors):
+            with pytest.raises(ClosedError, match="this MoELowLatency is closed"):
+                call()
     finally:
         alloc.close()

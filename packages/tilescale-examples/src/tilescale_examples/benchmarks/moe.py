@@ -37,6 +37,14 @@ TileScale time; ``vs copy`` = copy us / TileScale us (only at one rank, where th
 ceiling; goal >= 0.8); ``graph vs copy`` = the same ratio with both replayed from CUDA graphs (GPU time without the host's
 launch cost, which bounds small batches: a TileLang launch costs several microseconds of
 host time).
+
+``--mode low_latency`` (``[--fp8]``) measures :class:`~tilescale_examples.moe.low_latency.MoELowLatency`
+instead (:func:`run_low_latency`): per token count and routing, after one validation of its
+dispatch against :func:`~tilescale_examples.moe.ll_reference.ll_dispatch_reference`, the
+graph time of ``dispatch`` and of ``dispatch+combine`` (one-call CUDA graphs) of the
+low-latency mode, of the normal ``MoEDispatcher``, of a same-bytes ``copy_`` and the torch
+path's eager time (``all_to_all_single`` + index ops, whose host synchronisation a graph cannot
+hold); token counts above the low-latency limit (1024) show ``-`` there.
 """
 
 from __future__ import annotations
@@ -49,10 +57,14 @@ from tilescale_examples.benchmarks._timing import time_ms
 from tilescale_examples.benchmarks._report import gb_per_s, print_table, ratio
 
 __all__ = ["TorchAllToAllMoE", "make_routing", "graph_ms", "add_shape_arguments", "check_shape_arguments",
-           "main", "run", "HEADERS", "COMPARE_RTOL"]
+           "main", "run", "run_low_latency", "HEADERS", "LL_HEADERS", "COMPARE_RTOL"]
 
 HEADERS = ["tokens", "routing", "phase", "TileScale us", "graph us", "torch us", "speedup", "GB/s",
            "copy us", "vs copy", "copy graph us", "graph vs copy", "check"]
+#: Columns of ``--mode low_latency`` (graph times in microseconds; ratios: the other's time / the
+#: low-latency time).
+LL_HEADERS = ["tokens", "routing", "phase", "low-latency us", "normal us", "copy us", "torch us", "vs copy",
+              "vs normal", "vs torch", "check"]
 #: The check of TileScale's combine against the torch path's: both round a float32 sum of the
 #: same products once, in different orders (one ulp of bfloat16 is up to 2**-7 relative).
 COMPARE_RTOL = 2.0 ** -7
@@ -140,6 +152,8 @@ class TorchAllToAllMoE:
 
 def run(rank: int, world: int, group, device, args) -> list | None:
     """One rank's part; returns ``[rows, failures]`` on rank 0 (None elsewhere)."""
+    if getattr(args, "mode", "normal") == "low_latency":
+        return run_low_latency(rank, world, group, device, args)
     import tilelang
     import torch
     import torch.distributed as dist
@@ -218,6 +232,83 @@ def run(rank: int, world: int, group, device, args) -> list | None:
     return [rows, failures] if rank == 0 else None
 
 
+def _ll_row_check(ll, x, idx, rank: int, world: int) -> bool:
+    """One low-latency dispatch against the reference on every rank (bit-exact rows and counts)."""
+    import torch
+
+    from tilescale_examples.moe.ll_reference import ll_dispatch_reference
+
+    recv, counts, handle = ll.dispatch(x, idx)
+    y = torch.zeros((ll.experts_per_rank, world * ll.max_tokens, ll.hidden), dtype=ll.dtype, device=x.device)
+    ll.combine(y, handle, torch.ones(idx.shape, device=x.device))
+    xs, idxs = [x.cpu()] * world, [idx.cpu()] * world  # (every rank routes the same tokens: same seed)
+    ref = ll_dispatch_reference(xs, idxs, ll.num_experts, ll.max_tokens, rank, fp8=ll.fp8)
+    rows = (recv[0] if ll.fp8 else recv).cpu()
+    mask = ref["mask"]
+    view = (lambda t: t.view(torch.uint8)) if ll.fp8 else (lambda t: t)
+    return torch.equal(counts.cpu().long(), ref["counts"]) and torch.equal(view(rows)[mask], view(ref["x"])[mask])
+
+
+def run_low_latency(rank: int, world: int, group, device, args) -> list | None:
+    """``--mode low_latency``: one rank's part; ``[rows, failures]`` on rank 0 (None elsewhere)."""
+    import tilelang
+    import torch
+    import torch.distributed as dist
+
+    from tilescale_examples.moe.dispatcher import MoEDispatcher
+    from tilescale_examples.moe.ll_dispatch import LL_MAX_TOKENS
+    from tilescale_examples.moe.low_latency import MoELowLatency
+
+    dtype, E, K, H = getattr(torch, args.dtype), args.experts, args.topk, args.hidden
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    tmax = max(token_counts)
+    ll_tmax = max([t for t in token_counts if t <= LL_MAX_TOKENS] or [1])
+    heap = (MoEDispatcher.heap_bytes(E, H, K, tmax, dtype, world_size=world, device=device)
+            + MoELowLatency.heap_bytes(E, H, K, ll_tmax, dtype, world_size=world, fp8=args.fp8) + (64 << 20))
+    alloc = tilelang.get_allocator(size=heap, device=device, is_distributed=True, local_rank=rank,
+                                   num_local_ranks=world, group=group)
+    normal = MoEDispatcher(alloc, E, H, K, tmax, dtype, group=group, threads=args.threads)
+    ll = MoELowLatency(alloc, E, H, K, ll_tmax, dtype, group=group, fp8=args.fp8)
+    ref, rows, failures = TorchAllToAllMoE(E, group, world), [], 0
+    flag_device = device if dist.get_backend(group) == "nccl" else "cpu"
+    for tokens in token_counts:
+        gen = torch.Generator().manual_seed(tokens)  # the same tokens on every rank
+        src = torch.randn(tokens * K, H, device=device).to(dtype)
+        dst = torch.empty_like(src)
+        copy = graph_ms(lambda: dst.copy_(src), args.iters, group, device)
+        for kind in args.routing.split(","):
+            x = torch.randn(tokens, H, generator=gen).to(dtype).to(device)
+            idx = make_routing(kind, tokens, E, K, gen).to(device)
+            w = torch.softmax(torch.randn(tokens, K, generator=gen), 1).to(device)
+            fits = tokens <= ll_tmax
+            ok = _ll_row_check(ll, x, idx, rank, world) if fits else True
+            flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=flag_device)
+            dist.all_reduce(flag, group=group)
+            failures += int(flag.item())
+            y = torch.zeros((ll.experts_per_rank, world * ll_tmax, H), dtype=dtype, device=device)
+            timed = {
+                "dispatch": (lambda: ll.dispatch(x, idx), lambda: normal.dispatch(x, idx, w, validate=False),
+                             lambda: ref.dispatch(x, idx)),
+                "dispatch+combine": (lambda: ll.combine(y, ll.dispatch(x, idx)[2], w),
+                                     lambda: normal.combine(normal.recv_x,
+                                                            normal.dispatch(x, idx, w, validate=False)[2]),
+                                     lambda: ref.combine(ref.dispatch(x, idx)[0], w))}
+            for phase, (low, norm, torch_path) in timed.items():
+                t_ll = graph_ms(low, args.iters, group, device) if fits else float("nan")
+                t_n = graph_ms(norm, args.iters, group, device)
+                t_t = time_ms(torch_path, args.iters, group, device)
+                moves = 2 if "+" in phase else 1
+                rows.append([tokens, kind, phase, t_ll * 1e3 if fits else "-", t_n * 1e3, moves * copy * 1e3, t_t * 1e3,
+                             ratio(moves * copy, t_ll) if fits else "-", ratio(t_n, t_ll) if fits else "-",
+                             ratio(t_t, t_ll) if fits else "-", "ok" if int(flag.item()) == 0 else "FAIL"])
+    ll.close()
+    normal.close()
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group)
+    alloc.close()
+    return [rows, failures] if rank == 0 else None
+
+
 def graph_ms(fn, iters: int, group, device) -> float:
     """Milliseconds per replay of ``fn`` captured in a CUDA graph (after one eager call),
     timed like :func:`~tilescale_examples.benchmarks._timing.time_ms`."""
@@ -268,6 +359,9 @@ def _parser():
     p.add_argument("--threads", type=int, default=1024, help="threads per block of the combine kernel "
                                                             "(multiple of 32, at most 1024)")
     p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph timings")
+    p.add_argument("--mode", default="normal", choices=["normal", "low_latency"],
+                   help="low_latency: MoELowLatency against MoEDispatcher, a copy and the torch path")
+    p.add_argument("--fp8", action="store_true", help="--mode low_latency: FP8 dispatch")
     return p
 
 
@@ -299,6 +393,13 @@ def main(argv=None) -> int:
         return 0
     rows, failures = result
     mode = _harness.gpu_mode(world, backend, min(gpus, world), "torch path")
+    if args.mode == "low_latency":
+        print_table(f"MoE low-latency dispatch/combine{' (FP8 dispatch)' if args.fp8 else ''}, {world} rank(s), hidden "
+                    f"{args.hidden}, top-{args.topk} of {args.experts} experts, {args.dtype}, {mode}; one-call CUDA "
+                    "graphs (torch path: eager); vs X = X us / low-latency us", LL_HEADERS, rows)
+        print(f"\ncorrectness (low-latency dispatch bit-exact vs the reference): "
+              f"{'ok' if failures == 0 else f'{failures} FAILURE(S)'}")
+        return 0 if failures == 0 else 1
     print_table(f"MoE dispatch/combine, {world} rank(s), hidden {args.hidden}, top-{args.topk} of "
                 f"{args.experts} experts, {args.dtype}, combine {args.threads} threads, {mode}; speedup = torch us / TileScale us; "
                 "vs copy = device copy of the same bytes / TileScale (1 rank)", HEADERS, rows)
