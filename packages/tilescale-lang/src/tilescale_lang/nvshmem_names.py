@@ -14,8 +14,8 @@ upstream name (NVSHMEM's argument order)         TileScale intrinsic it lowers t
 ``putmem_nbi_block/warp(...)``                   the same code (see "nbi" below)
 ``getmem_block/warp(dest, src, nelems, pe)``     sync, ``T.get_block/get_warp``, sync
 ``getmem_nbi_block/warp(...)``                   the same code
-``putmem_signal_block/warp(dest, src, nelems,    sync, ``T.put_signal_block/warp`` (data, then
-sig_addr, signal, sig_op, pe)``                  the signal by ``sig_op``), blocking form
+``putmem_signal_block/warp(...)``                sync, ``T.put_signal_block/warp`` (data, then
+                                                 the signal by ``sig_op``), blocking form
 ``putmem_signal_nbi_block/warp(...)``            sync, ``T.put_signal_nbi_block/warp``
 ``signal_op``, ``signal_wait_until``,            TileScale's own (``tilescale_lang.signals``),
 ``fence``, ``quiet``                             which also take ``T.Amo`` / ``T.CmpType``
@@ -38,7 +38,8 @@ Semantics are NVSHMEM's:
   blocking and nbi forms are the same code -- weak stores issued by the time the call returns
   -- and ``T.quiet()`` (``fence.sc.sys``) / ``T.fence()`` (``fence.acq_rel.sys``) then a signal
   (a release at system scope) publish them, as TileScale's own nbi intrinsics document.
-* **putmem_signal**: the data is visible at ``pe`` before the signal ``sig_addr`` there is
+* **putmem_signal** (``putmem_signal[_nbi]_block/warp(dest, src, nelems, sig_addr, signal,
+  sig_op, pe)``): the data is visible at ``pe`` before the signal ``sig_addr`` there is
   updated by ``sig_op`` (``T.Amo.SIGNAL_SET`` / ``SIGNAL_ADD``, 9 / 10, or ``"set"`` /
   ``"add"``), a release at system scope.  The blocking form returns once the signal was
   issued; the nbi form's threads other than the signalling one may return earlier.
