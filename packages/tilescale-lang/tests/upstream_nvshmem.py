@@ -38,6 +38,16 @@ def program(name: str) -> str:
     return "".join(text.splitlines(keepends=True)[HEADER_LINES:])
 
 
+class _TorchDtypes(dict):
+    """Upstream's ``dtype_map`` where tilescale-host (which provides it) is not installed: a
+    dtype name to its torch dtype (``"s8"`` / ``"s32"``: int8 / int32), looked up in torch."""
+
+    def __missing__(self, name: str):
+        import torch
+
+        return {"s8": torch.int8, "s32": torch.int32}.get(name) or getattr(torch, name)
+
+
 def _defines_prim_func(node: ast.AST) -> bool:
     return isinstance(node, ast.FunctionDef) and any(
         isinstance(inner, ast.FunctionDef) and any(ast.unparse(d) == "T.prim_func" for d in inner.decorator_list)
@@ -49,8 +59,11 @@ def factories(name: str) -> dict:
     """Program ``name``'s kernel factories, by function name, defined from upstream's source."""
     import tilelang
     import tilelang.language as T
-    from tilelang.distributed import dtype_map
 
+    try:
+        from tilelang.distributed import dtype_map
+    except ImportError:  # tilescale-lang installed alone: tilescale-host's dtype_map is absent
+        dtype_map = _TorchDtypes()
     source = program(name)
     filename = str(DATA / f"{name}.py")
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
