@@ -317,3 +317,68 @@ def random_tensor(shape, dtype, generator, device):
 def poison(t) -> None:
     """Fill ``t`` with a value no correct result has: NaN for floats, -123456789 for ints."""
     t.fill_(-123456789 if not t.dtype.is_floating_point else float("nan"))
+
+
+def replay_with_graphs(call, fill, poison, keep, count: int, rng) -> None:
+    """The CUDA-graph part of a fused op's GPU test: ``fill(0)`` and an eager ``call()`` (the
+    warm-up loads the module before the capture) kept as result 0, two graphs of ``call()``
+    captured, then for ``i`` in ``1 .. count - 1``: ``fill(i)`` (fresh inputs), ``poison()``
+    (the op's outputs and buffers), now and then (5%) a straggler (a sleep of 1k-200k cycles
+    on the stream), an eager call every 7th call and otherwise a replay of graph ``i % 2``,
+    and ``keep(i, result)`` (copy it on the stream). Synchronises and resets the graphs at the
+    end; the caller checks what it kept."""
+    fill(0)
+    keep(0, call())
+    torch.cuda.synchronize()
+    captured = []
+    for _ in range(2):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = call()
+        captured.append((graph, got))
+    for i in range(1, count):
+        fill(i)
+        poison()
+        if rng.random() < 0.05:
+            torch.cuda._sleep(rng.randrange(1000, 200_000))
+        if i % 7 == 3:
+            got = call()
+        else:
+            graph, got = captured[i % 2]
+            graph.replay()
+        keep(i, got)
+    torch.cuda.synchronize()
+    for graph, _ in captured:
+        graph.reset()
+
+
+def parts_rank_body(rank: int, world: int, cache_dir: str, parts, heap_bytes: int = 2**28) -> dict:
+    """A GPU rank body made of test parts: a heap (:func:`open_rank_heap`), then each
+    ``part(alloc, rank, world, rng)`` of ``parts`` (module-level functions returning ``(checked
+    calls, failures)``; ``rng`` seeded by the rank); raises on any failure, else the rank's
+    report (:func:`close_rank_heap`). Bind ``parts`` with ``functools.partial`` for
+    :func:`check_gpu_ranks`."""
+    import random
+
+    alloc = open_rank_heap(rank, world, cache_dir, heap_bytes)
+    rng = random.Random(rank)
+    checks, failures = 0, []
+    for part in parts:
+        done, bad = part(alloc, rank, world, rng)
+        checks += done
+        failures += bad
+    assert not failures, f"{len(failures)} failure(s): {failures[:10]}"
+    return close_rank_heap(alloc, rank, checks)
+
+
+def check_warm_gpu_ranks(body, world: int, tmp_path_factory, jobs, name: str, checks: int, timeout: float,
+                         label: str) -> list:
+    """:func:`check_gpu_ranks` after compiling ``jobs`` into the session cache ``name`` in
+    parallel (``examples_cache.warm_cache``: the ranks' compiles are then cache hits); prints
+    ``<label> world <world>: <checks> checked calls per rank``. The reports."""
+    from examples_cache import warm_cache
+
+    warm_cache(tmp_path_factory, jobs, name=name)
+    reports = check_gpu_ranks(body, world, tmp_path_factory, name, checks, timeout=timeout)
+    print(f"{label} world {world}: {checks} checked calls per rank")
+    return reports

@@ -1,7 +1,8 @@
 """The call contract of the product classes (docs/architecture.md, "Call contract"), walked
 over every class ``tilescale_examples`` exports (``MoEDispatcher``, whose calls are ``dispatch``
 / ``combine``, and ``AllReduceResidualRMSNorm``, whose call takes three inputs and returns a
-tuple, in sections of their own: the contract where it applies) plus the tutorial
+tuple, and ``GemmAllReduce``, a GEMM op with no ``algorithm``, in sections of their own: the
+contract where it applies) plus the tutorial
 ``TmaAllReduce``:
 
 * constructor: ``(allocator, shape, dtype, *, world_size=None, algorithm=..., ...)`` (GEMM
@@ -33,7 +34,8 @@ from tilescale_examples.tutorials import tma_allreduce
 from tilescale_examples.tutorials.tma_allreduce import TmaAllReduce
 
 PRODUCTS = [getattr(tilescale_examples, name) for name in tilescale_examples.__all__
-            if name not in ("MoEDispatcher", "AllReduceResidualRMSNorm", "ClosedError", "MoELowLatency")] + [TmaAllReduce]
+            if name not in ("MoEDispatcher", "AllReduceResidualRMSNorm", "ClosedError", "MoELowLatency",
+                            "GemmAllReduce")] + [TmaAllReduce]
 GEMMS = {tilescale_examples.AllGatherGEMM, tilescale_examples.GemmReduceScatter}
 IDS = [cls.__name__ for cls in PRODUCTS]
 F16, F32 = torch.float16, torch.float32
@@ -480,5 +482,48 @@ def test_moe_low_latency_follows_the_contract_where_it_applies(compiles):
         for call in (lambda: ll.dispatch(x, idx), lambda: ll.combine(x, None), ll.check_index_errors):
             with pytest.raises(ClosedError, match="this MoELowLatency is closed"):
                 call()
+    finally:
+        alloc.close()
+
+
+# ------------------------------------------------------------------------------ GemmAllReduce
+def test_gemm_allreduce_follows_the_contract_where_it_applies(compiles):
+    """``GemmAllReduce(allocator, m, k, n, dtype, *, world_size=None, group=None, block_m=...,
+    ..., max_blocks=None, target=None)``: the GEMM ops' with ``m`` (every rank's rows, not a
+    shard) and no ``algorithm`` (one kernel per call); its call ``(a, b, *, out=None)``;
+    ``torch_reference(inputs, rank)`` with ``inputs[p] = (a_p, b_p)``, the class's and its
+    module's; :class:`ClosedError` after ``close()``; ``heap_bytes`` what the constructor takes
+    on tilescale-core's allocator. (The rest, the argument errors among it, is in
+    ``test_gemm_allreduce.py``.)"""
+    from tilescale_core.allocator import BaseAllocator
+    from tilescale_core.testing import HostBackend
+
+    from tilescale_examples.decode import gemm_allreduce
+
+    P = inspect.Parameter
+    cls = tilescale_examples.GemmAllReduce
+    params = list(inspect.signature(cls).parameters.values())
+    assert issubclass(cls, SymmetricOp) and [p.name for p in params[:5]] == ["allocator", "m", "k", "n", "dtype"]
+    assert all(p.kind is P.POSITIONAL_OR_KEYWORD and p.default is P.empty for p in params[:5])
+    assert all(p.kind is P.KEYWORD_ONLY for p in params[5:]) and (params[5].name, params[5].default) == ("world_size", None)
+    names = {p.name for p in params}
+    assert {"group", "target", "block_m", "block_n", "block_k", "threads", "max_blocks"} <= names
+    assert not names & {"algorithm", "engine", "plan", "m_local", "shape"}
+    call = list(inspect.signature(cls.__call__).parameters.values())[1:]
+    assert [(p.name, p.kind, p.default) for p in call] == [
+        ("a", P.POSITIONAL_OR_KEYWORD, P.empty), ("b", P.POSITIONAL_OR_KEYWORD, P.empty), ("out", P.KEYWORD_ONLY, None)]
+    for ref in (cls.torch_reference, gemm_allreduce.torch_reference):
+        assert [p.name for p in inspect.signature(ref).parameters.values()] == ["inputs", "rank"]
+    alloc = BaseAllocator(1 << 22, device="cpu", is_distributed=False, backend=HostBackend())
+    try:
+        op = cls(alloc, 3, 128, 256, torch.bfloat16)
+        assert -(-alloc.used // 256) * 256 == cls.heap_bytes(3, 128, 256, torch.bfloat16, world_size=1, device="cpu")
+        a, b = torch.zeros((3, 128), dtype=torch.bfloat16), torch.zeros((128, 256), dtype=torch.bfloat16)
+        op.close()
+        op.close()  # idempotent
+        with pytest.raises(ClosedError, match="this GemmAllReduce is closed"):
+            op(a, b)
+        with pytest.raises(ClosedError):
+            op(a, b, out=torch.zeros(1))
     finally:
         alloc.close()

@@ -18,11 +18,12 @@ The kernels are compiled once, in parallel, before the ranks start."""
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 
 import torch
-from examples_helpers import check_gpu_ranks, close_rank_heap, on_gpu_ranks, open_rank_heap, poison
+from examples_helpers import check_warm_gpu_ranks, on_gpu_ranks, parts_rank_body, poison, replay_with_graphs
 
 from tilescale_examples.decode.reference import compare
 
@@ -88,7 +89,7 @@ def _fresh_outputs(op, residual) -> dict:
     return dict(out=out, residual_out=residual, **({} if scales is None else {"scales_out": scales}))
 
 
-def cases(alloc, rank: int, world: int) -> tuple:
+def cases(alloc, rank: int, world: int, rng=None) -> tuple:
     """Every case of :data:`CASES`, two calls each; ``(checked calls, failures)``."""
     from tilescale_examples.decode.allreduce_norm import AllReduceResidualRMSNorm
 
@@ -199,52 +200,19 @@ def graphs(alloc, rank: int, world: int, rng) -> tuple:
             for dst, src in zip((x, residual, weight), _graph_inputs(shape, dtype, dev, world, 1000 * index + i)[rank]):
                 dst.copy_(src)
 
-        fill(0)
-        results.keep(0, call(), 0)  # warm-up (eager): loads the module before the capture
-        torch.cuda.synchronize()
-        captured = []
-        for _ in range(2):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                got = call()
-            captured.append((graph, got))
-        for i in range(1, n):
-            fill(i)
-            _poison_op(op)
-            if rng.random() < 0.05:
-                torch.cuda._sleep(rng.randrange(1000, 200_000))
-            if i % 7 == 3:
-                got = call()
-            else:
-                graph, got = captured[i % 2]
-                graph.replay()
-            results.keep(i, got, i)
+        replay_with_graphs(call, fill, lambda: _poison_op(op), lambda i, got: results.keep(i, got, i), n, rng)
         want = {i: op.reference(_graph_inputs(shape, dtype, dev, world, 1000 * index + i), rank) for i in range(n)}
         bad += results.failures(want, f"rank {rank}/{world} graph {shape} fp8={fp8}")
         checks += n
-        for graph, _ in captured:
-            graph.reset()
         op.close()
     return checks, bad
 
 
-def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
-    """The cases, the back-to-back calls, the graphs; raises on any failure."""
-    alloc = open_rank_heap(rank, world, cache_dir, 2**28)
-    rng = random.Random(rank)
-    checks, failures = 0, []
-    for part in (cases(alloc, rank, world), back_to_back(alloc, rank, world, rng), graphs(alloc, rank, world, rng)):
-        checks += part[0]
-        failures += part[1]
-    assert not failures, f"{len(failures)} failure(s): {failures[:10]}"
-    return close_rank_heap(alloc, rank, checks)
+#: The rank body: the cases, the back-to-back calls, the graphs; raises on any failure.
+gpu_rank_body = functools.partial(parts_rank_body, parts=(cases, back_to_back, graphs))
 
 
 @on_gpu_ranks(1, 2, 4, timeout=600)
 def test_allreduce_residual_rmsnorm_on_gpu(world, tmp_path_factory):
-    from examples_cache import warm_cache
-
-    warm_cache(tmp_path_factory, norm_kernels(), name=CACHE_NAME)
     want = 2 * len(CASES) + BACK_TO_BACK[world] * len(B2B_CASES) + (REPLAYS[world] + 1) * len(GRAPH_CASES)
-    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, CACHE_NAME, want, timeout=560)
-    print(f"AllReduceResidualRMSNorm world {world}: {want} checked calls per rank")
+    check_warm_gpu_ranks(gpu_rank_body, world, tmp_path_factory, norm_kernels(), CACHE_NAME, want, 560, "AllReduceResidualRMSNorm")

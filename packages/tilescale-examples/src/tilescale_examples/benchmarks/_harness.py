@@ -9,6 +9,8 @@ timing (:mod:`~tilescale_examples.benchmarks._timing`) and its table
 * :func:`run_on_ranks`: run a rank body on the launcher's ranks or on spawned ones.
 * :func:`gpu_mode`: how a table's title says the ranks used the GPUs.
 * :func:`show_progress`: rank 0 prints each kernel build (``[benchmark] building kernel ...``).
+* :func:`fused_parser`, :func:`emulated_device`: the options and the prologue of the benchmarks
+  that emulate peers in one process.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import os
 import sys
 import warnings
 
-__all__ = ["parser", "parse_args", "run_on_ranks", "gpu_mode", "show_progress"]
+__all__ = ["parser", "parse_args", "run_on_ranks", "gpu_mode", "show_progress", "fused_parser", "emulated_device"]
 
 
 def parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -125,3 +127,32 @@ def gpu_mode(world: int, backend: str, gpus: int, path: str) -> str:
         return f"one rank per GPU ({gpus} GPU(s)); {path} over NCCL"
     return (f"{world} ranks SHARING {gpus} GPU(s): time-sliced, NOT a performance measurement; "
             f"{path} over {backend} (host staging, not NCCL)")
+
+
+def fused_parser(name: str, description: str, iters: int) -> argparse.ArgumentParser:
+    """:func:`parser` with the options of the benchmarks of a fused op against its unfused
+    sequence on emulated peers: ``--ranks`` (world sizes, default 1 2 4 8), ``--dtype``
+    (bfloat16 or float16), ``--iters`` (back-to-back calls timed per rank and case, default
+    ``iters``) and ``--max-blocks`` (grid limit, default the SM count)."""
+    p = parser(name, description)
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8], help="emulated world sizes")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--iters", type=int, default=iters, help="back-to-back calls timed per rank and case")
+    p.add_argument("--max-blocks", type=int, default=None, help="grid limit (default: the SM count)")
+    return p
+
+
+def emulated_device(p: argparse.ArgumentParser, args: argparse.Namespace, what: str):
+    """The prologue of a benchmark that emulates its peers in one process (``--ranks`` world
+    sizes, each in [1, 64], else ``p.error``): TileLang's cache defaults to the user's
+    (``~/.tilelang/cache``), and the current CUDA device is returned, or None after the line
+    ``<what> benchmark: no CUDA GPU visible, nothing to measure`` when there is none."""
+    if any(n < 1 or n > 64 for n in args.ranks):
+        p.error("--ranks must be in [1, 64]")
+    os.environ.setdefault("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"{what} benchmark: no CUDA GPU visible, nothing to measure")
+        return None
+    return torch.device("cuda", torch.cuda.current_device())

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["format_bytes", "gb_per_s", "ratio", "format_table", "print_table", "size_sweep", "save_tables",
-           "table_name"]
+__all__ = ["format_bytes", "gb_per_s", "ratio", "format_table", "print_table", "print_checked", "size_sweep",
+           "save_tables", "table_name"]
 
 
 def format_bytes(nbytes: int) -> str:
@@ -120,3 +120,21 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]
         print(f"saved: {', '.join(p.name for p in paths)} in {_Saving.out_dir}", file=out)
     out.flush()
     return paths
+
+
+def print_checked(tables: dict, title, headers: Sequence[str], failures: Sequence[str], goals: Sequence[str],
+                  reference: str, args: Any, device_name: str) -> None:
+    """A fused op's emulated-peer report: one table per key of ``tables``, titled
+    ``<title(key)>, emulated peers (one <device_name>), <args.dtype>; GPU time per call of
+    <args.iters> back-to-back calls, mean over the emulated ranks``, the first 20
+    ``failures``, the ``goals`` lines, then the verdict line ``correctness (every rank's
+    fused output against <reference>): ok`` (or the failure count)."""
+    for key, rows in tables.items():
+        print_table(f"{title(key)}, emulated peers (one {device_name}), {args.dtype}; GPU time per call of "
+                    f"{args.iters} back-to-back calls, mean over the emulated ranks", headers, rows)
+    for failure in list(failures)[:20]:
+        print("FAILED:", failure)
+    for line in goals:
+        print(line)
+    verdict = "ok" if not failures else f"{len(failures)} FAILURE(S)"
+    print(f"correctness (every rank's fused output against {reference}): {verdict}")

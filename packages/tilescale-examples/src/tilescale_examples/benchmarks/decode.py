@@ -35,30 +35,16 @@ unfused sequence, and at most 5 us at 1-16 tokens (printed at the end).
 
 from __future__ import annotations
 
-import os
-import statistics
+from tilescale_examples.benchmarks import _fused, _harness
+from tilescale_examples.benchmarks._report import print_checked, ratio
 
-from tilescale_examples.benchmarks import _harness, _timing
-from tilescale_examples.benchmarks._report import print_table, ratio
-
-__all__ = ["HEADERS", "GOAL_RATIO", "GOAL_US", "GOAL_TOKENS", "build", "rank_inputs", "check_round", "unfused_call",
-           "time_ranks", "run_case", "goal_lines", "print_results", "run", "main"]
+__all__ = ["HEADERS", "GOAL_RATIO", "GOAL_US", "GOAL_TOKENS", "rank_inputs", "check_round", "unfused_call", "run_case",
+           "goal_lines", "print_results", "run", "main"]
 
 HEADERS = ["ranks", "tokens", "fused us", "unfused us", "fused/unfused", "check"]
 #: The goals: fused / unfused at most GOAL_RATIO (N >= 2), fused at most GOAL_US up to GOAL_TOKENS tokens.
 GOAL_RATIO, GOAL_US, GOAL_TOKENS = 0.6, 5.0, 16
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
-def build(cls, n: int, shape: tuple, dtype, device, **kwargs) -> tuple:
-    """``(peers, ops)``: :class:`~tilescale_examples.testing.emulated.EmulatedPeers` of ``n``
-    ranks sized by ``cls.heap_bytes`` and ``cls(rank, shape, dtype, **kwargs)`` on each of
-    them, rank order."""
-    from tilescale_examples.testing.emulated import ALIGNMENT, EmulatedPeers
-
-    region = cls.heap_bytes(shape, dtype, world_size=n, device=device, **kwargs) + ALIGNMENT
-    peers = EmulatedPeers(n, region, device)
-    return peers, [cls(peers.rank(r), shape, dtype, **kwargs) for r in range(n)]
 
 
 def rank_inputs(n: int, tokens: int, hidden: int, dtype, device, seed: int) -> list:
@@ -107,19 +93,6 @@ def unfused_call(ar, x, residual, weight, eps: float, fp8):
     return y if fp8 is None else quantize_fp8(y.float(), fp8)
 
 
-def time_ranks(ops, launch, iters: int, device) -> float:
-    """Milliseconds of GPU time per call of ``launch(op)``, the mean over the emulated ranks:
-    for each rank, flags preset and its table bound, ``iters`` calls behind a stream hold."""
-    from tilescale_examples.benchmarks.emulated import preset_flags
-
-    per_rank = []
-    for op in ops:
-        preset_flags(ops)
-        op.bind_table()
-        per_rank.append(_timing.held_ms_per_launch(lambda: launch(op), iters, device))
-    return statistics.fmean(per_rank)
-
-
 def run_case(args, n: int, tokens: int, hidden: int, device) -> tuple:
     """``(fused ms, unfused ms, failures)`` of one case (the ops built, checked, timed, closed)."""
     import torch
@@ -130,21 +103,12 @@ def run_case(args, n: int, tokens: int, hidden: int, device) -> tuple:
     dtype, fp8 = getattr(torch, args.dtype), args.fp8
     inputs = rank_inputs(n, tokens, hidden, dtype, device, seed=tokens * 31 + hidden + n)
     kw = dict(threads=args.threads, max_blocks=args.max_blocks)
-    peers, ops = build(AllReduceResidualRMSNorm, n, (tokens, hidden), dtype, device, eps=args.eps, fp8=fp8, **kw)
-    try:
-        bad = check_round(ops, inputs)
-        fused = time_ranks(ops, lambda op: op(*inputs[op.rank]), args.iters, device)
-    finally:
-        for op in ops:
-            op.close()
-        peers.close()
-    peers, ars = build(AllReduce, n, (tokens, hidden), dtype, device, algorithm="one_shot", **kw)
-    try:
-        unfused = time_ranks(ars, lambda ar: unfused_call(ar, *inputs[ar.rank], args.eps, fp8), args.iters, device)
-    finally:
-        for ar in ars:
-            ar.close()
-        peers.close()
+    fused, bad = _fused.measure(AllReduceResidualRMSNorm, n, ((tokens, hidden), dtype), device,
+                                lambda op: op(*inputs[op.rank]), args.iters, check=lambda ops: check_round(ops, inputs),
+                                eps=args.eps, fp8=fp8, **kw)
+    unfused, _ = _fused.measure(AllReduce, n, ((tokens, hidden), dtype), device,
+                                lambda ar: unfused_call(ar, *inputs[ar.rank], args.eps, fp8), args.iters,
+                                algorithm="one_shot", **kw)
     torch.cuda.empty_cache()
     return fused, unfused, bad
 
@@ -176,45 +140,31 @@ def goal_lines(tables: dict) -> list:
 
 def print_results(tables: dict, failures: list, args, device_name: str) -> None:
     """One table per hidden size, the failures, the goals and the verdict."""
-    for hidden, rows in tables.items():
-        print_table(f"all-reduce + residual + RMSNorm{'' if args.fp8 is None else f' + FP8 {args.fp8}'}, fused "
-                    f"(one TileScale kernel) vs unfused (TileScale one-shot all-reduce, torch add, torch rms_norm"
-                    f"{'' if args.fp8 is None else ', torch quantisation'}), emulated peers (one {device_name}), "
-                    f"hidden {hidden}, {args.dtype}; GPU time per call of {args.iters} back-to-back calls, mean "
-                    "over the emulated ranks", HEADERS, rows)
-    for f in failures[:20]:
-        print("FAILED:", f)
-    for line in goal_lines(tables):
-        print(line)
-    print(f"correctness (every rank's fused output against the float32 torch reference): "
-          f"{'ok' if not failures else f'{len(failures)} FAILURE(S)'}")
+    fp8 = "" if args.fp8 is None else f" + FP8 {args.fp8}"
+    quantise = "" if args.fp8 is None else ", torch quantisation"
+    unfused = f"TileScale one-shot all-reduce, torch add, torch rms_norm{quantise}"
+    print_checked(tables, lambda hidden: f"all-reduce + residual + RMSNorm{fp8}, fused (one TileScale kernel) vs "
+                  f"unfused ({unfused}), hidden {hidden}", HEADERS, failures, goal_lines(tables),
+                  "the float32 torch reference", args, device_name)
 
 
 def main(argv=None) -> int:
     """The command line (see the module docstring); 0, or 1 when a check failed."""
-    p = _harness.parser("decode", __doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8], help="emulated world sizes")
+    p = _harness.fused_parser("decode", __doc__.splitlines()[0], iters=50)
     p.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192], help="hidden sizes (elements per token)")
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="token counts")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--fp8", default="none", choices=["none", "per_token", "per_block"], help="FP8 output")
-    p.add_argument("--iters", type=int, default=50, help="back-to-back calls timed per rank and case")
     p.add_argument("--threads", type=int, default=512, help="threads per block of the kernels")
-    p.add_argument("--max-blocks", type=int, default=None, help="grid limit (default: the SM count)")
     p.add_argument("--eps", type=float, default=1e-6)
     args = _harness.parse_args(p, argv)
-    if any(n < 1 or n > 64 for n in args.ranks):
-        p.error("--ranks must be in [1, 64]")
     if any(t < 1 for t in args.tokens) or any(h < 8 or h % 8 for h in args.hidden) or args.iters < 1:
         p.error("--tokens and --iters must be >= 1 and --hidden a positive multiple of 8")
     args.fp8 = None if args.fp8 == "none" else args.fp8
-    os.environ.setdefault("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
+    device = _harness.emulated_device(p, args, "decode")
+    if device is None:
+        return 0
     import torch
 
-    if not torch.cuda.is_available():
-        print("decode benchmark: no CUDA GPU visible, nothing to measure")
-        return 0
-    device = torch.device("cuda", torch.cuda.current_device())
     from tilescale_examples.decode.norm_kernel import norm_jobs
     from tilescale_examples.testing.precompile import precompile, reduction_jobs
 

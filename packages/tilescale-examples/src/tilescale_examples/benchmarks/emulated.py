@@ -52,7 +52,6 @@ The goals (printed at the end): from 16 MiB up, ratio >= 0.9; a 4 KiB all-reduce
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 
 from tilescale_examples.benchmarks import _harness, _timing
@@ -355,17 +354,13 @@ def main(argv=None) -> int:
     p.add_argument("--no-graph", dest="graph", action="store_false",
                    help="skip the graph column (one round captured in a CUDA graph, replayed)")
     args = _harness.parse_args(p, argv)
-    if any(n < 1 or n > 64 for n in args.ranks):
-        p.error("--ranks must be in [1, 64]")
     if not 0 < args.min_bytes <= args.max_bytes:
         p.error("need 0 < --min-bytes <= --max-bytes")
-    os.environ.setdefault("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
+    device = _harness.emulated_device(p, args, "emulated-peers")
+    if device is None:
+        return 0
     import torch
 
-    if not torch.cuda.is_available():
-        print("emulated-peers benchmark: no CUDA GPU visible, nothing to measure")
-        return 0
-    device = torch.device("cuda", torch.cuda.current_device())
     from tilescale_examples.testing.precompile import precompile, reduction_jobs
 
     modes = (["one_shot", "two_shot"] if args.algorithm == "auto" else [args.algorithm]) * ("allreduce" in args.ops)

@@ -1,0 +1,146 @@
+"""GemmAllReduce (GEMM + all-reduce in one kernel) against torch.matmul + TileScale's all-reduce, with emulated peers.
+
+``python -m tilescale_examples.benchmarks.gemm_allreduce [--ranks 1 2 4 8] [--m 1 2 4 ... 512]
+[--k 8192] [--n 8192] [--dtype bfloat16|float16] [--iters 20] [--max-blocks B] [--out DIR]``
+
+The method of :mod:`tilescale_examples.benchmarks.emulated` (and of :mod:`.decode`): one
+process, no process group; ``N`` emulated ranks are ``N`` regions of one device buffer whose
+metadata tables map PE ``p`` to region ``p``, so the unchanged kernel runs with local memory
+standing in for NVLink. Every emulated rank's calls run alone on the GPU, in turn, with every
+peer's flags preset so that waits pass at once: a time is one rank's share (its GEMM and its
+reads of every rank's tiles), without the flag latency between GPUs. ``N = 1`` is a real
+single rank.
+
+For every ``N`` and ``m`` it times, per emulated rank, ``--iters`` back-to-back calls behind
+a stream hold (:func:`~tilescale_examples.benchmarks._timing.held_ms_per_launch`), the mean
+over the ranks:
+
+* ``fused us``: :class:`~tilescale_examples.decode.gemm_allreduce.GemmAllReduce`;
+* ``mm+AR us``: ``torch.matmul`` then TileScale's one-shot
+  :class:`~tilescale_examples.collectives.allreduce.AllReduce` of its result, back to back;
+* ``mm us``: ``torch.matmul`` alone;
+* ``fused/(mm+AR)`` and ``fused/mm``.
+
+Before timing, one round of fused calls is checked (every rank's partial ``a_p @ b_p`` staged
+beforehand by torch, so the ranks that run first read their peers' tiles; each rank's own tile
+is its kernel's) with :func:`~tilescale_examples.decode.gemm_allreduce.compare`; a failure is
+printed and makes the exit status 1.
+
+The goals (issue 43, one H200): ``fused/(mm+AR)`` at most 0.85 everywhere, and ``fused/mm``
+at most 1.05 at ``N = 1`` (printed at the end).
+"""
+
+from __future__ import annotations
+
+from tilescale_examples.benchmarks import _fused, _harness, _timing
+from tilescale_examples.benchmarks._report import print_checked, ratio
+
+__all__ = ["HEADERS", "GOAL_RATIO", "GOAL_WORLD1", "M_SIZES", "check_round", "run_case", "goal_lines",
+           "print_results", "run", "main"]
+
+HEADERS = ["ranks", "m", "fused us", "mm+AR us", "mm us", "fused/(mm+AR)", "fused/mm", "check"]
+#: The goals: fused / (matmul + all-reduce) at most GOAL_RATIO; at one rank fused / matmul at most GOAL_WORLD1.
+GOAL_RATIO, GOAL_WORLD1 = 0.85, 1.05
+M_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def check_round(ops, inputs) -> list:
+    """One call of every emulated rank (rank order, flags preset), every rank's partial staged
+    by torch beforehand, compared with the exact sum; failure messages."""
+    import torch
+
+    from tilescale_examples.decode.gemm_allreduce import compare
+    from tilescale_examples.testing.emulated import run_round
+
+    for op, (a, b) in zip(ops, inputs):
+        op.stages[(op.epoch + 1) % 2][:op.m].copy_((a.float() @ b.float()).to(op.dtype))
+    results = run_round(ops, call=lambda op: op(*inputs[op.rank]))
+    torch.cuda.synchronize()
+    bad = []
+    for op, got in zip(ops, results):
+        bad += compare(got, inputs, f"{op.world_size} ranks m={op.m} rank {op.rank}")
+    return bad
+
+
+def run_case(args, n_ranks: int, m: int, device) -> tuple:
+    """``(fused ms, matmul + all-reduce ms, failures)`` of one case (built, checked, timed, closed)."""
+    import torch
+
+    from tilescale_examples.collectives.allreduce import AllReduce
+    from tilescale_examples.decode.gemm_allreduce import GemmAllReduce
+
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator(device=device).manual_seed(m * 31 + n_ranks)
+    inputs = [(torch.randn((m, args.k), generator=g, device=device).to(dtype),
+               (torch.randn((args.k, args.n), generator=g, device=device) / args.k**0.5).to(dtype))
+              for _ in range(n_ranks)]
+    fused, bad = _fused.measure(GemmAllReduce, n_ranks, (m, args.k, args.n, dtype), device,
+                                lambda op: op(*inputs[op.rank]), args.iters, check=lambda ops: check_round(ops, inputs),
+                                max_blocks=args.max_blocks)
+    unfused, _ = _fused.measure(AllReduce, n_ranks, ((m, args.n), dtype), device,
+                                lambda ar: ar(torch.matmul(*inputs[ar.rank])), args.iters, algorithm="one_shot",
+                                max_blocks=args.max_blocks)
+    torch.cuda.empty_cache()
+    return fused, unfused, bad
+
+
+def run(args, device) -> tuple:
+    """``({ranks: rows}, failures)`` of the whole sweep; a row is :data:`HEADERS`."""
+    import torch
+
+    tables, failures, alone = {}, [], {}
+    for m in args.m:
+        a = torch.randn((m, args.k), device=device).to(getattr(torch, args.dtype))
+        b = torch.randn((args.k, args.n), device=device).to(a.dtype)
+        alone[m] = _timing.held_ms_per_launch(lambda: torch.matmul(a, b), args.iters, device)
+    for n_ranks in args.ranks:
+        rows = tables.setdefault(n_ranks, [])
+        for m in args.m:
+            fused, unfused, bad = run_case(args, n_ranks, m, device)
+            failures += bad
+            rows.append([n_ranks, m, fused * 1e3, unfused * 1e3, alone[m] * 1e3, ratio(fused, unfused),
+                         ratio(fused, alone[m]), "ok" if not bad else "FAIL"])
+    return tables, failures
+
+
+def goal_lines(tables: dict) -> list:
+    """The goals' lines: the worst ``fused/(mm+AR)`` (goal <= :data:`GOAL_RATIO`) and the
+    worst ``fused/mm`` at one rank (goal <= :data:`GOAL_WORLD1`)."""
+    rows = [r for rows in tables.values() for r in rows]
+    unfused = [r[5] for r in rows]
+    alone = [r[6] for r in rows if r[0] == 1]
+    return [f"worst fused/(matmul + all-reduce): {max(unfused):.3f} (goal <= {GOAL_RATIO})" if unfused
+            else "worst fused/(matmul + all-reduce): not measured",
+            f"worst fused/matmul at 1 rank: {max(alone):.3f} (goal <= {GOAL_WORLD1})" if alone
+            else "worst fused/matmul at 1 rank: not measured"]
+
+
+def print_results(tables: dict, failures: list, args, device_name: str) -> None:
+    """One table per world size, the failures, the goals and the verdict."""
+    baselines = "torch.matmul + TileScale one-shot all-reduce and torch.matmul alone"
+    print_checked(tables, lambda n_ranks: f"GEMM + all-reduce, fused (one TileScale kernel) vs {baselines}, "
+                  f"{n_ranks} rank(s), k {args.k}, n {args.n}", HEADERS, failures, goal_lines(tables),
+                  "the exact sum", args, device_name)
+
+
+def main(argv=None) -> int:
+    """The command line (see the module docstring); 0, or 1 when a check failed."""
+    p = _harness.fused_parser("gemm_allreduce", __doc__.splitlines()[0], iters=20)
+    p.add_argument("--m", type=int, nargs="+", default=list(M_SIZES), help="rows of a (tokens)")
+    p.add_argument("--k", type=int, default=8192, help="columns of a (a multiple of 64)")
+    p.add_argument("--n", type=int, default=8192, help="columns of b and the output (a multiple of 64)")
+    args = _harness.parse_args(p, argv)
+    if any(m < 1 for m in args.m) or args.iters < 1 or args.k < 64 or args.k % 64 or args.n < 64 or args.n % 64:
+        p.error("--m and --iters must be >= 1 and --k, --n positive multiples of 64")
+    device = _harness.emulated_device(p, args, "gemm_allreduce")
+    if device is None:
+        return 0
+    import torch
+
+    tables, failures = run(args, device)
+    print_results(tables, failures, args, torch.cuda.get_device_name(device))
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

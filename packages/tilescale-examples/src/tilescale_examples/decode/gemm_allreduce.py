@@ -1,0 +1,273 @@
+"""GEMM + all-reduce fused: ``out = all_reduce(a @ b)`` (a row-parallel linear layer of tensor
+parallelism at decode and small prefill), one kernel per call::
+
+    gar = GemmAllReduce(allocator, m, k, n, torch.bfloat16)   # collective; a: (m, k), b: (k, n)
+    out = gar(a, b)                                           # every rank: its a and its b
+    out = gar(a, b, out=y)                                    # into a tensor of your own
+    gar.close()                                               # before allocator.close()
+
+What a call computes (every rank the same bits; float16 or bfloat16 in and out, float32
+accumulation): each rank's GEMM ``c_p = a_p @ b_p`` with float32 accumulation, **rounded to
+the dtype** (what a GEMM followed by an all-reduce, as in TensorRT-LLM's and vLLM's GEMM +
+custom all-reduce, hands over), then ``out = (c_0 + c_1 + ... + c_{W-1})`` added in rank order
+in float32 and rounded once to the dtype (the reduction engine's convention,
+:func:`tilescale_examples.collectives.reduce_engine.torch_reference`). Every rank adds the
+same staged partials in the same order, so ``out`` is bit-identical on every rank.
+:func:`torch_reference` makes exactly these roundings with torch; the one difference from the
+kernel is the float32 summation order inside each partial's dot products (``k`` products),
+so compare with :func:`compare` (the bound of
+:func:`~tilescale_examples.overlap.gemm.error_bound`, the partials counted as rounded).
+
+The kernel (:mod:`tilescale_examples.decode.gemm_ar_kernel`) is a persistent GEMM whose
+epilogue stages each finished tile in this rank's symmetric buffer and signals it; the same
+block then sums that tile over the ranks while the other tiles' GEMMs still run (the reduction
+starts before the GEMM ends). Call numbers live on the device, so back-to-back calls need no
+host synchronisation and CUDA-graph replays are new calls.
+
+One-shot only (every rank reads ``world_size x`` the output): right for decode's few rows.
+:data:`TWO_SHOT_FROM_BYTES` is the size table's hook for a two-shot reduction of large
+outputs (a later version); :func:`reduction_for` reads it.
+"""
+
+# (no `from __future__ import annotations`: the kernel module defines TileLang kernels)
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from tilescale_examples.base import (ClosedError, SymmetricOp, check_max_blocks, check_target, check_tensor, settle,
+                                     size_table_entry)
+from tilescale_examples.collectives.reduce_engine import overlaps
+from tilescale_examples.collectives.reduce_engine import torch_reference as rank_order_reduce
+from tilescale_examples.decode.gemm_ar_kernel import (FLAG_STRIDE, GEMM_AR_DTYPES, PASS_CONFIGS,
+                                                      build_gemm_ar_kernel, padded_rows, tile_count)
+from tilescale_examples.overlap.gemm import MAX_ELEMENTS, GemmTiles, check_positive, count_outside
+
+__all__ = ["GemmAllReduce", "torch_reference", "partial_magnitudes", "compare", "default_tiles", "reduction_for",
+           "TWO_SHOT_FROM_BYTES", "ClosedError"]
+
+#: Size table of the reduction, keyed by world size (:func:`~tilescale_examples.base.size_table_entry`):
+#: outputs of at least this many bytes would take a two-shot reduction. None everywhere: this
+#: version is one-shot at every size; the GemmAllReduce benchmark tunes the entries when a
+#: two-shot kernel exists.
+TWO_SHOT_FROM_BYTES = {1: None, 2: None, 4: None, 8: None}
+
+
+def reduction_for(nbytes: int, world_size: int) -> str:
+    """The reduction a call of ``nbytes`` output bytes on ``world_size`` ranks takes per
+    :data:`TWO_SHOT_FROM_BYTES`: ``"one_shot"`` (always, in this version) or ``"two_shot"``."""
+    check_positive("nbytes", nbytes)
+    limit = size_table_entry(TWO_SHOT_FROM_BYTES, world_size)
+    return "two_shot" if limit is not None and nbytes >= limit else "one_shot"
+
+
+def default_tiles(m: int, n: int, max_blocks: int, block_m=None, block_n=None, block_k=None, num_stages=None,
+                  threads=None) -> GemmTiles:
+    """The tile program for an ``(m, n)`` output on a grid of at most ``max_blocks`` blocks,
+    each field the given value or, when None: ``block_m`` 64 (one WGMMA row block) up to
+    ``m = 64``, else 128; ``block_n`` the largest of 256, 128, 64 that divides ``n`` and still
+    gives ``max_blocks`` tiles (one full wave: decode's GEMM is bound by reading ``b``, which
+    needs every SM), else the smallest dividing one; ``block_k`` 64; ``num_stages`` 4 for
+    ``block_m`` 64, else 3; ``threads`` (the compute warpgroups) 128 for ``block_m`` 64, else 256."""
+    bm = block_m if block_m is not None else (64 if m <= 64 else 128)
+    if block_n is None:
+        fits = [c for c in (256, 128, 64) if n % c == 0] or [64]
+        full = [c for c in fits if -(-m // bm) * (n // c) >= max_blocks]
+        block_n = full[0] if full else fits[-1]
+    return GemmTiles(bm, block_n, 64 if block_k is None else block_k,
+                     num_stages if num_stages is not None else (4 if bm == 64 else 3),
+                     threads if threads is not None else (128 if bm == 64 else 256))
+
+
+def _check_inputs(inputs, rank: int) -> list:
+    inputs = list(inputs)
+    if not inputs:
+        raise ValueError("inputs must hold one (a, b) pair per rank, got none")
+    if not isinstance(rank, int) or not 0 <= rank < len(inputs):
+        raise ValueError(f"rank must be in [0, {len(inputs)}), got {rank!r}")
+    return inputs
+
+
+def torch_reference(inputs: Sequence[tuple], rank: int) -> torch.Tensor:
+    """What a call returns on ``rank`` (every rank the same), from every rank's call arguments
+    ``inputs[p] = (a_p, b_p)`` (``(m, k)`` and ``(k, n)``, float16 or bfloat16): each
+    ``a_p @ b_p`` in float32 rounded to the dtype, then added in rank order in float32 and
+    rounded once; an ``(m, n)`` tensor of the dtype (see the module docstring)."""
+    inputs = _check_inputs(inputs, rank)
+    dtype = inputs[0][0].dtype
+    return rank_order_reduce([(a.float() @ b.float()).to(dtype) for a, b in inputs])
+
+
+def partial_magnitudes(inputs: Sequence[tuple]) -> torch.Tensor:
+    """``sum_p |a_p @ b_p|`` in float32: the ``rounded`` term of
+    :func:`~tilescale_examples.overlap.gemm.error_bound` (each partial is rounded to the dtype
+    once), ``(m, n)``."""
+    return sum((a.float() @ b.float()).abs() for a, b in _check_inputs(inputs, 0))
+
+
+def compare(out: torch.Tensor, inputs: Sequence[tuple], what: str = "") -> list:
+    """Failure messages (empty when it matches) of a call's ``out`` against the exact float32
+    sum of every rank's ``a_p @ b_p``: every element within
+    :func:`~tilescale_examples.overlap.gemm.error_bound` with the partials counted as rounded
+    (NaN and inf fail)."""
+    inputs = _check_inputs(inputs, 0)
+    exact = sum(a.float() @ b.float() for a, b in inputs)
+    bad, worst = count_outside(out.to(exact.device), exact, out.dtype, partial_magnitudes(inputs))
+    return [f"{what} out: {bad} elements outside the error bound (worst {worst:.3g}x)"] if bad else []
+
+
+class GemmAllReduce(SymmetricOp):
+    """``out = all_reduce(a @ b)`` in one kernel per call, over an allocator's ranks (see the
+    module docstring).
+
+    Args:
+        allocator: an open tilescale-core allocator; its ``num_ranks`` ranks take part.
+        m, k, n: ``a`` is ``(m, k)``, ``b`` ``(k, n)``, the output ``(m, n)`` on every rank;
+            ``m`` any positive int (decode: 1-512), ``k`` a multiple of ``block_k``, ``n`` of
+            ``block_n``.
+        dtype: torch.float16 or torch.bfloat16 (or its name); float32 accumulation.
+        world_size: number of ranks; defaults to ``allocator.num_ranks`` and must equal it.
+        group: the process group of the constructor's barrier and grid agreement (default:
+            the WORLD group).
+        block_m, block_n, block_k, num_stages, threads: the GEMM's tiles
+            (:class:`~tilescale_examples.overlap.gemm.GemmTiles`); None: :func:`default_tiles`.
+        max_blocks: grid cap (default: the SM count; the smallest over the ranks is used, so
+            every rank runs the same grid); ``blocks = min(tiles, max_blocks)``.
+        target: TileLang target (default sm_90a).
+
+    Attributes: ``m``, ``k``, ``n``, ``tiles``, ``tile_count``, ``blocks``, ``iters`` (tiles per
+    block, at most), ``output`` (what a call without ``out`` returns; the next call overwrites
+    it), ``stages`` (the two symmetric staging buffers, ``(mp, n)`` each, ``mp`` = ``m``
+    rounded up to ``block_m``), ``flags``, ``state`` (the device's call counts, one per block),
+    ``kernel``, ``epoch`` (calls made from the host).
+
+    Memory (symmetric, per rank): ``2 * mp * n`` elements of the dtype and ``world_size *
+    blocks * 4`` uint64 flags.
+    """
+
+    _BUFFERS = ("stage_buffer", "stages", "flags", "state", "output")
+    torch_reference = staticmethod(torch_reference)
+
+    def __init__(self, allocator, m: int, k: int, n: int, dtype: Union[torch.dtype, str], *,
+                 world_size: Optional[int] = None, group=None, block_m: Optional[int] = None,
+                 block_n: Optional[int] = None, block_k: Optional[int] = None, num_stages: Optional[int] = None,
+                 threads: Optional[int] = None, max_blocks: Optional[int] = None, target=None):
+        check_target(target)
+        self._setup_op(allocator, dtype, world_size, group, GEMM_AR_DTYPES)
+        for name, value in (("m", m), ("k", k), ("n", n)):
+            check_positive(name, value)
+        check_max_blocks(max_blocks)
+        self.max_blocks = self._agreed_min(self._default_max_blocks() if max_blocks is None else max_blocks)
+        self.tiles = default_tiles(m, n, self.max_blocks, block_m, block_n, block_k, num_stages, threads)
+        self._check_dims(m, k, n)
+        self.m, self.k, self.n = m, k, n
+        self.mp = padded_rows(m, self.tiles.block_m)
+        self.tile_count = tile_count(m, n, self.tiles)
+        self.blocks = min(self.tile_count, self.max_blocks)
+        self.iters = -(-self.tile_count // self.blocks)
+        self._build(target)
+
+    def _check_dims(self, m: int, k: int, n: int) -> None:
+        """``ValueError`` naming the argument for ``k`` / ``n`` not a multiple of their tile,
+        buffers beyond int32 indexing, or more ranks than threads (one flag per thread)."""
+        t, owner = self.tiles, type(self).__name__
+        for name, value, tile in (("k", k, "block_k"), ("n", n, "block_n")):
+            if value % getattr(t, tile):
+                raise ValueError(f"{owner}: {name}={value} is not a multiple of {tile}={getattr(t, tile)} (the GEMM "
+                                 f"tile); pass a {tile} that divides it")
+        if t.block_n % 8:
+            raise ValueError(f"{owner}: block_n={t.block_n} must be a multiple of 8 (16-byte vectors)")
+        if max(2 * padded_rows(m, t.block_m) * n, m * k, k * n) >= MAX_ELEMENTS:
+            raise ValueError(f"{owner}: m={m}, k={k}, n={n}: a buffer exceeds the kernel's int32 indexing "
+                             "(< 2**31 elements)")
+        if self.world_size > t.threads:
+            raise ValueError(f"{owner}: threads ({t.threads}) must be >= world_size ({self.world_size})")
+
+    def _agreed_min(self, value: int) -> int:
+        """The smallest ``value`` over the ranks of the group (the grid must be the same on
+        every rank); ``value`` itself without a group."""
+        if self.group is None:
+            return value
+        import torch.distributed as dist
+
+        from tilescale_examples.base import collective_device
+
+        t = torch.tensor([value], dtype=torch.int64, device=collective_device(self.group, self.device))
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def _symmetric(self, shape, dtype) -> torch.Tensor:
+        import tilelang
+
+        return tilelang.tensor(tuple(shape), dtype, allocator=self.allocator)
+
+    def _build(self, target) -> None:
+        self.stage_buffer = self._symmetric((2 * self.mp, self.n), self.dtype)
+        self.stages = list(self.stage_buffer.split(self.mp))
+        self.flags = self._symmetric((self.world_size * self.blocks * FLAG_STRIDE,), torch.uint64)
+        self.flags.zero_()
+        self.state = torch.zeros((self.blocks,), dtype=torch.int64, device=self.device)
+        self.output = torch.empty((self.m, self.n), dtype=self.dtype, device=self.device)
+        args = (self.m, self.k, self.n, self.world_size, GEMM_AR_DTYPES[self.dtype], self.tiles)
+        self.kernel = self._compile_kernel(lambda: build_gemm_ar_kernel(*args), target, PASS_CONFIGS,
+                                           key=("gemm_allreduce",) + args)
+        self.bind_table(force=True)
+        settle(self.device, self.group)
+
+    # ------------------------------------------------------------------ calls
+    def check_inputs(self, a, b, out=None) -> None:
+        """Raise ``TypeError`` / ``ValueError`` naming ``a``, ``b`` or ``out`` unless ``a`` and
+        ``b`` are contiguous ``(m, k)`` / ``(k, n)`` tensors of the dtype on the allocator's
+        device and ``out`` (when given) a contiguous ``(m, n)`` one that overlaps neither the
+        inputs nor the symmetric buffers."""
+        owner = type(self).__name__
+        check_tensor(a, (self.m, self.k), self.dtype, self.device, "a", "(m, k) =", owner)
+        check_tensor(b, (self.k, self.n), self.dtype, self.device, "b", "(k, n) =", owner)
+        if out is None:
+            return
+        self._check_out(out, (self.m, self.n), "(m, n) =")
+        if overlaps(out, self.stage_buffer) or overlaps(out, self.flags):
+            raise ValueError(f"out overlaps this {owner}'s symmetric buffers, which peers read during calls; pass a "
+                             "tensor of your own")
+        for name, t in (("a", a), ("b", b)):
+            if overlaps(out, t):
+                raise ValueError(f"out overlaps {name}: the kernel reads {name} while it writes out")
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``all_reduce(a @ b)`` on the current stream.
+
+        Args:
+            a: this rank's ``(m, k)`` activations, the op's dtype, contiguous, on the
+                allocator's device.
+            b: this rank's ``(k, n)`` weight rows.
+            out: where to write the ``(m, n)`` result (default ``op.output``, which the next
+                call overwrites).
+
+        Returns ``out`` or ``op.output``, complete when the kernel finishes on the current
+        stream; the same bits on every rank. Every rank makes the same sequence of calls,
+        eagerly or in CUDA graph replays (warm up with one eager call before capturing).
+        Raises :class:`~tilescale_examples.base.ClosedError` after ``close()``.
+        """
+        self._check_open()
+        self.check_inputs(a, b, out)
+        self._note_capture()
+        result = self.output if out is None else out
+        direct = result.data_ptr() % 16 == 0
+        a, b = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (a, b))  # TMA needs 16-byte aligned bases
+        self.epoch += 1
+        self.bind_table()
+        self.kernel(a, b, self.stage_buffer, result if direct else self.output, self.flags, self.state,
+                    self.blocks, self.iters)
+        if not direct:
+            result.copy_(self.output)  # not 16-byte aligned: through the op's own output
+        return result
+
+    def flops(self) -> float:
+        """Floating-point operations of one call's GEMM on one rank: ``2 * m * n * k``."""
+        return 2.0 * self.m * self.n * self.k
+
+    def __repr__(self) -> str:
+        t = self.tiles
+        return (f"{type(self).__name__}(m={self.m}, k={self.k}, n={self.n}, dtype={self.dtype}, "
+                f"world_size={self.world_size}, tiles={t.block_m}x{t.block_n}x{t.block_k}, blocks={self.blocks}, "
+                f"epoch={self.epoch}{', closed' if self.closed else ''})")

@@ -1,0 +1,179 @@
+"""The kernel of :class:`~tilescale_examples.decode.gemm_allreduce.GemmAllReduce`: a
+persistent GEMM whose epilogue hands every output tile to a one-shot all-reduce of that tile,
+one launch per call (``out = all_reduce(a @ b)``).
+
+The algorithm
+-------------
+
+The output ``(m, n)`` is cut into ``(block_m, block_n)`` tiles (rows padded to ``mp``, a
+multiple of ``block_m``): ``tiles = mp / block_m * n / block_n``, tile ``t`` at row block ``t
+% (mp / block_m)`` and column block ``t // (mp / block_m)`` (the row blocks of one column
+block are neighbours: they share ``b``'s columns in L2). A persistent grid of ``blocks =
+min(tiles, max_blocks)`` blocks (the same on every rank); block ``b`` computes the tiles ``t
+= i * blocks + b`` (``i < iters = ceil(tiles / blocks)``), in that order on every rank.
+Rank ``me``, call ``epoch`` (``State[b] + 1``, read on the device), for each of its tiles:
+
+1. *GEMM*: the mainloop of the overlapped GEMMs
+   (:func:`~tilescale_examples.overlap.gemm.gemm_mainloop`: TMA loads, WGMMA, float32
+   accumulation) into a float32 fragment.
+2. *Epilogue*: the tile rounded to the dtype and stored into buffer ``epoch % 2`` of this
+   rank's symmetric ``Stage`` (``(2 * mp, n)``, double-buffered by call number as the
+   reduction engine's one-shot).
+3. *Flag round*: the reduction engine's release round
+   (:func:`~tilescale_examples.collectives.reduce_kernel.step_macros`' ``signal_and_wait``):
+   barrier, ``ready[me, b] = epoch * iters + i`` on every rank with a system-scope release,
+   wait ``ready[p, b] >= epoch * iters + i`` here for every rank ``p``, barrier. The flag
+   value grows with every tile of every call, so flags are never reset.
+4. *Reduce*: the tile's real rows (``min(block_m, m - row)``) read from every rank's
+   ``Stage`` in 16-byte vectors (all ``W`` loads of a vector issued before the first add),
+   added in rank order ``0 .. W-1`` in float32
+   (:func:`~tilescale_examples.collectives.reduce_kernel.rank_order_sum`), rounded once and
+   stored into ``Out``.
+
+So the reduction of the first tiles runs while the later tiles' GEMMs are still running on
+other SMs (and, with more tiles than blocks, on this block's next iterations): the reduction
+starts before the GEMM ends, with no second launch and no host round trip.
+
+Call numbers, buffer reuse and deadlock freedom are the reduction engine's
+(:mod:`tilescale_examples.collectives.reduce_engine`, "Call numbers", "Reuse under
+back-to-back calls", "Deadlock freedom"): tile ``t`` is computed by block ``b`` on every rank,
+so a block waits only for the blocks of its own index on the peers; the grid is at most the SM
+count and a block fits on an SM (checked by the CPU tests), so all blocks are resident at once
+and every awaited flag is eventually written. Block ``b`` rewrites a tile of buffer ``e % 2``
+in call ``e + 2`` only after its call ``e + 1`` saw every peer's block ``b`` start call ``e + 1``
+(its first tile's flag), i.e. finish reading its tiles of call ``e``. ``State[b] = epoch`` is
+written after the block's last barrier, so CUDA-graph replays are new calls.
+"""
+
+# (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
+
+from typing import Optional
+
+import torch
+
+from tilescale_examples.collectives.reduce_kernel import (FLAG_STRIDE, default_unroll, rank_order_sum, step_macros,
+                                                          vector_elems)
+from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, check_positive, gemm_mainloop
+
+__all__ = ["GEMM_AR_DTYPES", "PASS_CONFIGS", "FLAG_STRIDE", "padded_rows", "tile_count", "build_gemm_ar_kernel",
+           "gemm_ar_jobs"]
+
+#: torch dtypes of ``a``, ``b`` and the output, with their TileLang names (float32 accumulation).
+GEMM_AR_DTYPES = DTYPES
+#: TileLang pass configs of the kernel (none: the GEMM's stock lowering, warp specialisation on).
+PASS_CONFIGS: dict = {}
+
+
+def padded_rows(m: int, block_m: int) -> int:
+    """``m`` rounded up to a multiple of ``block_m``: the rows of one staging buffer."""
+    return -(-m // block_m) * block_m
+
+
+def tile_count(m: int, n: int, tiles: GemmTiles) -> int:
+    """Output tiles of an ``(m, n)`` result: ``ceil(m / block_m) * n / block_n``."""
+    return padded_rows(m, tiles.block_m) // tiles.block_m * (n // tiles.block_n)
+
+
+def _reduce_macro(T, W: int, TH: int, V: int, BM: int, BN: int, m: int, dtype: str):
+    """``reduce_tile(Stage, Out, vals, res, lo, row, col, tx)``: step 4 for the tile at
+    ``(row, col)``: its real rows from every rank's ``Stage`` (buffer rows from ``lo``),
+    rank-order float32 sum, one rounding, into ``Out``."""
+    U = default_unroll(W)
+    CV = BN // V  # vectors per tile row
+    STEPS = -(-BM * CV // (TH * U))
+    PEERS, ROWS = list(range(W)), list(range(U))
+
+    @T.macro
+    def reduce_tile(Stage, Out, vals, res, lo, row, col, tx):
+        nvec = T.min(BM, m - row) * CV
+        for j in T.serial(STEPS):
+            for u in ROWS:
+                v = (j * U + u) * TH + tx
+                if v < nvec:
+                    for p in PEERS:
+                        T.copy(Stage[lo + row + v // CV, col + v % CV * V:col + v % CV * V + V], vals[u, p, 0:V],
+                               src_pe=p)
+            for u in ROWS:
+                v = (j * U + u) * TH + tx
+                if v < nvec:
+                    for i in T.vectorized(V):
+                        res[u, i] = T.Cast(dtype, rank_order_sum(T, vals, u, i, W, "float32"))
+                    for i in T.vectorized(V):
+                        Out[row + v // CV, col + v % CV * V + i] = res[u, i]
+
+    return reduce_tile, U
+
+
+def build_gemm_ar_kernel(m: int, k: int, n: int, world_size: int, dtype: str = "bfloat16",
+                         tiles: Optional[GemmTiles] = None):
+    """The fused GEMM + all-reduce ``T.prim_func`` (see the module docstring).
+
+    ``m`` (any positive int), ``k`` (a multiple of ``block_k``), ``n`` (a multiple of
+    ``block_n``) and the tiles are trace-time constants; the grid is a run-time argument.
+    Signature (``mp = ceil(m / block_m) * block_m``)::
+
+        A: (m, k)             this rank's a (dtype)
+        B: (k, n)             this rank's b (dtype)
+        Stage: (2 * mp, n)    this rank's symmetric staging buffers (call e: rows e % 2 * mp ..)
+        Out: (m, n)           the all-reduced result (dtype)
+        Flags: (n,) uint64    ready[p, b] = Flags[(p * blocks + b) * FLAG_STRIDE]
+        State: (blocks,) int64  block b's count of the calls made so far
+        blocks: int32         grid size (<= tiles, the same on every rank)
+        iters: int32          ceil(tiles / blocks)
+
+    Needs ``kernel.initialize`` (it reads its rank and the peers' heap bases from the table).
+    """
+    import tilelang.language as T
+
+    tiles = tiles or GemmTiles()
+    if dtype not in GEMM_AR_DTYPES.values():
+        raise ValueError(f"dtype must be one of {sorted(GEMM_AR_DTYPES.values())}, got {dtype!r}")
+    for name, value in (("m", m), ("k", k), ("n", n)):
+        check_positive(name, value)
+    if k % tiles.block_k or n % tiles.block_n:
+        raise ValueError(f"k ({k}) must be a multiple of block_k ({tiles.block_k}) and n ({n}) of block_n "
+                         f"({tiles.block_n})")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= tiles.threads:
+        raise ValueError(f"world_size must be an int in [1, threads={tiles.threads}], got {world_size!r}")
+    W, TH, BM, BN = world_size, tiles.threads, tiles.block_m, tiles.block_n
+    V = vector_elems(torch.empty((), dtype=getattr(torch, dtype)).element_size())
+    if BN % V:
+        raise ValueError(f"block_n ({BN}) must be a multiple of {V} (16-byte vectors)")
+    mp = padded_rows(m, BM)
+    MT, NT = mp // BM, tile_count(m, n, tiles)
+    mainloop = gemm_mainloop(k, dtype, tiles)
+    steps = step_macros(T, W, TH, 1, V, 1)
+    reduce_tile, U = _reduce_macro(T, W, TH, V, BM, BN, m, dtype)
+    nflags, nstate = T.dynamic("nflags"), T.dynamic("nstate")
+
+    @T.prim_func
+    def gemm_allreduce(A: T.Tensor((m, k), dtype), B: T.Tensor((k, n), dtype), Stage: T.Tensor((2 * mp, n), dtype),
+                       Out: T.Tensor((m, n), dtype), Flags: T.Tensor((nflags,), "uint64"),
+                       State: T.Tensor((nstate,), "int64"), blocks: T.int32, iters: T.int32):
+        with T.Kernel(blocks, threads=TH) as bx:
+            tx = T.get_thread_binding()
+            me = T.get_rank()
+            C_f = T.alloc_fragment((BM, BN), "float32")
+            vals = T.alloc_local((U, W, V), dtype)
+            res = T.alloc_local((U, V), dtype)
+            epoch = T.alloc_var("int64")
+            epoch = State[bx] + 1  # this call's number: block bx's count of earlier calls + 1
+            lo = T.alloc_var("int32")
+            lo = T.Cast("int32", epoch % 2) * mp  # first row of this call's staging buffer
+            for i in T.serial((NT - bx + blocks - 1) // blocks):
+                t = i * blocks + bx
+                mainloop(A, B, C_f, t % MT * BM, t // MT * BN)
+                T.copy(C_f, Stage[lo + t % MT * BM, t // MT * BN])  # rounded to dtype, this rank's copy
+                steps.signal_and_wait(Flags, tx, me, bx, blocks, epoch * iters + i, 0)
+                reduce_tile(Stage, Out, vals, res, lo, t % MT * BM, t // MT * BN, tx)
+            steps.count_call(State, bx, tx, epoch)
+
+    return gemm_allreduce.with_attr("global_symbol", "gemm_allreduce")
+
+
+def gemm_ar_jobs(shapes, dtypes, world_sizes, tiles: Optional[GemmTiles] = None) -> list:
+    """:func:`~tilescale_examples.testing.precompile.precompile` jobs of every kernel
+    :func:`build_gemm_ar_kernel` makes for ``(m, k, n)`` in ``shapes`` x dtype name x world
+    size (``tiles`` default: :class:`~tilescale_examples.overlap.gemm.GemmTiles`'s)."""
+    return [("tilescale_examples.decode.gemm_ar_kernel:build_gemm_ar_kernel", (m, k, n, w, d, tiles), PASS_CONFIGS)
+            for (m, k, n) in shapes for d in dtypes for w in world_sizes]

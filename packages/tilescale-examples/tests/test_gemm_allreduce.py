@@ -1,0 +1,299 @@
+"""GemmAllReduce on the CPU: the torch reference against a float64 computation of the documented
+rounding (partials rounded to the dtype, rank-order float32 sum rounded once), the comparison's
+bound, the tile choice and the size table, argument errors before any kernel, the host side of
+a call on a CPU stand-in allocator (a fake kernel), the heap, the generated CUDA (epilogue
+store, release, the flag wait on same-index blocks, the rank-order sum, in that order) and
+nvcc's register budget at sm_90a. The GPU runs are in ``test_gemm_allreduce_gpu.py``."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from examples_helpers import (CpuAllocator, LaunchRecorder, call_rejected, kernel_body, lower_with, needs_nvcc, nvcc_resources,
+                              rejects_before_allocating)
+
+from tilescale_examples import ClosedError, GemmAllReduce
+from tilescale_examples.decode.gemm_allreduce import (compare, default_tiles, partial_magnitudes, reduction_for,
+                                                      torch_reference)
+from tilescale_examples.decode.gemm_ar_kernel import PASS_CONFIGS, build_gemm_ar_kernel, padded_rows, tile_count
+from tilescale_examples.overlap.gemm import GemmTiles
+
+BF16, F16 = torch.bfloat16, torch.float16
+
+
+def int_inputs(world, m=5, k=64, n=128, dtype=BF16, seed=0):
+    """Small integers: every float32 and float64 product and sum is exact, so the only
+    roundings are the documented ones."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(-15, 16, (m, k), generator=g).to(dtype), torch.randint(-15, 16, (k, n), generator=g).to(dtype))
+            for _ in range(world)]
+
+
+def normal_inputs(world, m=3, k=256, n=512, dtype=BF16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(m, k, generator=g).to(dtype), torch.randn(k, n, generator=g).to(dtype)) for _ in range(world)]
+
+
+# ------------------------------------------------------------------------------ reference
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_reference_is_the_documented_rounding_exactly(dtype, world):
+    ins = int_inputs(world, dtype=dtype, seed=world)
+    got = torch_reference(ins, world - 1)
+    partials = [(a.double() @ b.double()).to(dtype) for a, b in ins]  # each rank's GEMM rounded to the dtype
+    want = sum(p.double() for p in partials).to(dtype)  # exact sum (float32 is exact here), rounded once
+    assert got.dtype == dtype and got.shape == (5, 128) and torch.equal(got, want)
+    assert torch.equal(GemmAllReduce.torch_reference(ins, 0), got)  # every rank: the same bits
+    if dtype == BF16 and world > 1:  # the partials' rounding is visible: bfloat16 holds integers only to 256
+        assert not torch.equal(got, sum(a.double() @ b.double() for a, b in ins).to(dtype))
+
+
+def test_reference_rounds_partials_then_the_rank_order_sum_once():
+    one = torch.ones(1, 1, dtype=F16)
+
+    def rank(value):
+        return one, torch.full((1, 8), value, dtype=F16)
+
+    # partial 2049 rounds to 2048 (float16), + 1 = 2049, rounded once: 2048 (ties to even); float32 partials: 2050
+    assert torch.equal(torch_reference([rank(2049.0), rank(1.0)], 0), torch.full((1, 8), 2048.0, dtype=F16))
+    # 2048 + 1 + 1 in float32, rounded once: 2050 (rounding after every add would give 2048)
+    assert torch.equal(torch_reference([rank(2048.0), rank(1.0), rank(1.0)], 2), torch.full((1, 8), 2050.0, dtype=F16))
+    with pytest.raises(ValueError, match=r"one \(a, b\) pair per rank"):
+        torch_reference([], 0)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
+        torch_reference([rank(1.0)] * 2, 2)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_compare_bounds_the_kernel_against_float64(dtype):
+    ins = normal_inputs(4, dtype=dtype)
+    ref = torch_reference(ins, 0)
+    exact = sum(a.double() @ b.double() for a, b in ins)
+    u = 2.0**-8 if dtype == BF16 else 2.0**-11
+    # the reference is within one rounding of each partial and one of the sum of the float64 result
+    mags = partial_magnitudes(ins).double()
+    assert ((ref.double() - exact).abs() <= u * (exact.abs() + mags) + 1e-4 * exact.abs().max()).all()
+    assert compare(ref, ins) == []
+    bad = ref.clone()
+    bad[0, :3] = bad[0, :3] * 1.5 + 1
+    bad[2, 7] = float("nan")
+    assert compare(bad, ins, "x") == [compare(bad, ins, "x")[0]] and "x out: 4 elements outside" in compare(bad, ins, "x")[0]
+
+
+def test_default_tiles_and_the_size_table():
+    assert default_tiles(1, 8192, 132) == GemmTiles(64, 64, 64, 4, 128)  # 128 tiles: BN 64 (no size fills 132)
+    assert default_tiles(64, 8192, 64) == GemmTiles(64, 128, 64, 4, 128)  # BN 128 gives 64 tiles: one wave
+    assert default_tiles(512, 8192, 132) == GemmTiles(128, 128, 64, 3, 256)
+    assert default_tiles(1, 8192, 16) == GemmTiles(64, 256, 64, 4, 128)
+    assert default_tiles(100, 1024, 132, block_n=128, threads=256).block_n == 128
+    assert padded_rows(1, 64) == 64 and padded_rows(200, 128) == 256 and tile_count(200, 1024, GemmTiles(128, 256)) == 8
+    assert reduction_for(2**30, 8) == "one_shot" and reduction_for(64, 1) == "one_shot"
+    with pytest.raises(ValueError, match="nbytes"):
+        reduction_for(0, 2)
+
+
+# ------------------------------------------------------------------------------ host side on the CPU
+class FakeKernel(LaunchRecorder):
+    """Stands in for the GPU launch (recording each call's arguments in ``calls``): stages the
+    rounded ``a @ b`` into the call's buffer (``e % 2``, ``e`` from the device counters) and
+    writes the reference of ``world_size`` ranks that all hold this rank's inputs."""
+
+    def __init__(self, op):
+        super().__init__([])
+        self.op, self.calls = op, self.launched
+
+    def __call__(self, *args):
+        super().__call__(*args)
+        a, b, stage, out, _, state = args[:6]
+        op, epoch = self.op, int(args[5][0]) + 1
+        state += 1
+        stage[(epoch % 2) * op.mp:][:op.m].copy_((a.float() @ b.float()).to(op.dtype))
+        out.copy_(op.torch_reference([(a, b)] * op.world_size, op.rank))
+
+
+def make(m=3, k=256, n=512, dtype=BF16, num_ranks=2, **kwargs):
+    op = GemmAllReduce(CpuAllocator(num_ranks=num_ranks), m, k, n, dtype, **kwargs)
+    op.kernel = FakeKernel(op)
+    return op
+
+
+def test_buffers_arguments_and_call_numbers(compiles):
+    op = make(max_blocks=4, block_n=64)
+    assert compiles == ["gemm_allreduce"] and (op.mp, op.tile_count, op.blocks, op.iters) == (64, 8, 4, 2)
+    assert op.tiles == GemmTiles(64, 64, 64, 4, 128)
+    assert op.allocator.allocations == [((128, 512), BF16), ((2 * 4 * 4,), torch.uint64)]
+    assert not op.flags.ne(0).any() and not op.state.ne(0).any()
+    a, b = normal_inputs(1)[0]
+    out = op(a, b)
+    (args,) = op.kernel.calls
+    assert [t.data_ptr() for t in args[:2]] == [a.data_ptr(), b.data_ptr()]
+    assert args[2] is op.stage_buffer and args[3] is op.output and args[4] is op.flags and args[5] is op.state
+    assert args[6:] == (4, 2)  # blocks, iters: no call number from the host
+    assert out is op.output and torch.equal(out, torch_reference([(a, b)] * 2, 0))
+    assert torch.equal(op.stages[1][:3], (a.float() @ b.float()).to(BF16))  # call 1: buffer 1
+    mine = torch.empty(3, 512, dtype=BF16)
+    assert op(a, b, out=mine) is mine and op.kernel.calls[-1][3] is mine and torch.equal(mine, out)
+    assert op.state.tolist() == [2] * 4 and op.epoch == 2
+    flat = torch.empty(3 * 512 + 1, dtype=BF16)
+    odd = flat[1:].view(3, 512)  # 2-byte aligned: the kernel writes op.output, the call copies
+    assert op(a, b, out=odd) is odd and op.kernel.calls[-1][3] is op.output and torch.equal(odd, out)
+    au = torch.empty(3 * 256 + 1, dtype=BF16)[1:].view(3, 256)
+    au.copy_(a)
+    assert torch.equal(op(au, b), out) and op.kernel.calls[-1][0].data_ptr() % 16 == 0  # TMA: an aligned copy
+
+
+A, B = (3, 256), (256, 512)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda op: op(torch.zeros(2, 256, dtype=BF16), torch.zeros(B, dtype=BF16)), ValueError,
+     r"a has shape \(2, 256\), expected \(m, k\) = \(3, 256\)"),
+    (lambda op: op(torch.zeros(A, dtype=BF16), torch.zeros(B)), TypeError,
+     "b has dtype torch.float32, this GemmAllReduce was built for torch.bfloat16"),
+    (lambda op: op(torch.zeros(256, 3, dtype=BF16).t(), torch.zeros(B, dtype=BF16)), ValueError, "a must be contiguous"),
+    (lambda op: op(torch.zeros(A, dtype=BF16), [0.0]), TypeError, "b must be a torch.Tensor"),
+    (lambda op: op(torch.zeros(A, dtype=BF16), torch.zeros(B, dtype=BF16), out=torch.zeros(3, 511, dtype=BF16)),
+     ValueError, r"out has shape \(3, 511\), expected \(m, n\) = \(3, 512\)"),
+    (lambda op: op(torch.zeros(A, dtype=BF16), torch.zeros(B, dtype=BF16), out=op.stages[1][:3]), ValueError,
+     "out overlaps this GemmAllReduce's symmetric buffers"),
+])
+def test_call_rejects_bad_arguments_before_any_launch(call, exc, match, compiles):
+    call_rejected(make(), call, exc, match)
+
+
+def test_out_may_not_overlap_the_inputs(compiles):
+    op = make()
+    big = torch.zeros(256 * 512, dtype=BF16)
+    call_rejected(op, lambda o: o(torch.zeros(A, dtype=BF16), big.view(B), out=big[:1536].view(3, 512)), ValueError,
+                  "out overlaps b")
+
+
+test_constructor_rejects_before_allocating = rejects_before_allocating(
+    GemmAllReduce, dict(m=3, k=256, n=512, dtype=BF16), [
+    (dict(allocator=None), TypeError, "allocator must be a tilescale-core allocator"),
+    (dict(m=0), ValueError, "m must be"),
+    (dict(k=2.0), ValueError, "k must be"),
+    (dict(k=100), ValueError, "k=100 is not a multiple of block_k=64"),
+    (dict(n=100), ValueError, "n=100 is not a multiple of block_n=64"),
+    (dict(n=512, block_n=4), ValueError, "block_n=4 must be a multiple of 8"),
+    (dict(m=2**20, k=4096, n=4096), ValueError, "exceeds the kernel's int32 indexing"),
+    (dict(dtype=torch.float32), TypeError, "dtype must be one of"),
+    (dict(world_size=3), ValueError, r"world_size=3 but the allocator spans 2 rank\(s\)"),
+    (dict(threads=100), ValueError, "threads must be a multiple of 128"),
+    (dict(threads=128, num_ranks=256), ValueError, r"threads \(128\) must be >= world_size \(256\)"),
+    (dict(max_blocks=0), ValueError, "max_blocks must be None or a positive int"),
+    (dict(target=3), TypeError, "target"),
+    (dict(m=200, k=128, n=1024, block_n=256), None, None),
+])
+
+
+def test_close_and_closed_allocator(compiles):
+    op = make()
+    assert "GemmAllReduce(m=3, k=256, n=512, dtype=torch.bfloat16, world_size=2, tiles=64x64x64" in repr(op)
+    a, b = normal_inputs(1)[0]
+    op.close()
+    op.close()
+    assert op.closed and op.kernel is None and op.stage_buffer is None and "closed" in repr(op)
+    with pytest.raises(ClosedError, match="this GemmAllReduce is closed"):
+        op(a, b)
+    other = make()
+    other.allocator.closed = True
+    with pytest.raises(ClosedError, match="the allocator of this GemmAllReduce is closed"):
+        other(a, b)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_heap_bytes_is_what_the_constructor_allocates(world, compiles):
+    from tilescale_examples.base import RecordingAllocator
+
+    for (m, k, n), kwargs in (((1, 8192, 8192), {}), ((512, 8192, 8192), dict(max_blocks=132)),
+                              ((7, 128, 1024), dict(max_blocks=4, block_n=128))):
+        alloc = CpuAllocator(num_ranks=world)
+        GemmAllReduce(alloc, m, k, n, BF16, **kwargs)
+        assert GemmAllReduce.heap_bytes(m, k, n, BF16, world_size=world, device="cpu", **kwargs) == alloc.heap_bytes
+    assert GemmAllReduce.heap_bytes(1, 8192, 8192, F16, world_size=2, device="cpu") == 2 * 64 * 8192 * 2 + 2 * 128 * 4 * 8  # 128 blocks (the CPU's cap)
+    built = len(compiles)
+    GemmAllReduce(RecordingAllocator(2), 3, 256, 512, BF16)
+    assert len(compiles) == built  # a dry run compiles nothing
+
+
+# ------------------------------------------------------------------------------ codegen
+def source(m, k, n, world, dtype="bfloat16", tiles=None):
+    return kernel_body(lower_with(build_gemm_ar_kernel(m, k, n, world, dtype, tiles), PASS_CONFIGS))
+
+
+NOTIFY = "tilescale::notify<false>("
+WAIT = "tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>("
+
+
+def test_protocol_order_on_one_decode_row():
+    """m = 1, 4 ranks: per tile, the GEMM, the epilogue's store into this rank's staging buffer,
+    a barrier of the compute warps, the release to every rank, the acquire wait on the same
+    block index, a barrier, the peers' rows 0..3 in order, the rank-order sum, the store to Out;
+    the call count after the loop."""
+    body = source(1, 512, 1024, 4, "bfloat16", GemmTiles(64, 64, 64, 4, 128))
+    gemm = body.index("tl::wgmma_ss<")
+    stage = body.index("*(uint1*)(Stage + ")
+    sync = [m.start() for m in re.finditer(r"tl::__sync_thread_partial\(\d+, 128\);", body)]
+    ready, wait = body.index(NOTIFY), body.index(WAIT)
+    loads = [m.start() for m in re.finditer(r"tilescale::remap_ptr\(Stage, (\d)\)", body)]
+    out = body.index("*(uint4*)(Out + ")
+    write = body.index("State[((int)blockIdx.x)] = epoch")
+    assert "fence_sys" not in body and "fence_proxy" not in body and body.count(NOTIFY) == 1 and body.count(WAIT) == 1  # one flag round a tile
+    assert gemm < stage < sync[0] < ready < wait < sync[1] < loads[0] < out < write and len(sync) == 2
+    assert re.findall(r"remap_ptr\(Stage, (\d)\)", body) == ["0", "1", "2", "3"]
+    assert "lo = (((int)(epoch & (int64_t)1)) * 64);" in body  # call e's buffer: e % 2, 64 padded rows
+    assert "((epoch * ((int64_t)iters)) + ((int64_t)i))" in body  # the flag value: e * iters + tile
+    # ready[me, b] on peer tx and ready[tx, b] here: same block index, FLAG_STRIDE (4) words apart
+    assert "(&(Flags[(((((int64_t)me) * ((int64_t)blocks)) * (int64_t)4) + (((int64_t)((int)blockIdx.x)) * (int64_t)4))]))" in body
+    assert "(((int64_t)((int)threadIdx.x)) - (int64_t)128) * ((int64_t)blocks)) * (int64_t)4)" in body
+    # the tile's 64 x 8 vectors in 2 steps of 128 threads x 2 (unrolled), the real rows only
+    assert "for (int j = 0; j < 2; ++j)" in body and "if (((int)threadIdx.x) < 132)" in body  # flags: 4 ranks
+
+
+def test_rank_order_sum_and_rounding_once():
+    body = source(200, 256, 512, 4, "float16", GemmTiles(128, 128, 64, 3, 256))
+    adds = re.findall(r"(__\d+)\.x = \((__\d+)\.x\+(__\d+)\.x\);", body)
+    # ((v0 + v1) + v2) + v3: each add's left operand is the previous sum, converted once at the end
+    assert len(adds) >= 3 and all(adds[i + 1][1] == adds[i][0] for i in range(2))
+    assert "__float22half2_rn" in body and "half_t vals[" in body
+    assert "lo = (((int)(epoch & (int64_t)1)) * 256);" in body  # 200 rows padded to 256
+
+
+def test_builder_rejects_bad_arguments():
+    for kwargs, match in ((dict(dtype="float32"), "dtype must be one of"), (dict(world_size=0), "world_size must be"),
+                          (dict(world_size=129), "world_size must be"), (dict(k=100), "multiple of block_k"),
+                          (dict(n=100), "multiple of block_k"), (dict(m=0), "m must be")):
+        args = dict(m=4, k=256, n=512, world_size=2, dtype="bfloat16", tiles=GemmTiles(64, 64, 64, 4, 128))
+        args.update(kwargs)
+        with pytest.raises(ValueError, match=match):
+            build_gemm_ar_kernel(**args)
+
+
+@needs_nvcc
+def test_nvcc_register_budget(tmp_path):
+    """sm_90a cubin of the largest default tiles (m = 512: 128 x 128, 256 compute threads plus
+    TileLang's producer warpgroup), 8 ranks: the registers fit one block per SM, no spills."""
+    tiles = default_tiles(512, 8192, 132)
+    registers, spills = nvcc_resources(lower_with(build_gemm_ar_kernel(512, 8192, 8192, 8, "bfloat16", tiles),
+                                                  PASS_CONFIGS), tmp_path)
+    assert registers * (tiles.threads + 128) <= 65536 and spills == 0, (registers, spills)
+
+
+# ------------------------------------------------------------------------------ the benchmark
+def test_benchmark_without_gpu_bad_arguments_and_goals(monkeypatch, capsys):
+    from examples_helpers import exits_naming, output_without_gpu
+
+    from tilescale_examples.benchmarks import BENCHMARKS, gemm_allreduce
+
+    assert "gemm_allreduce" in BENCHMARKS
+    assert output_without_gpu(gemm_allreduce.main, [], monkeypatch, capsys) == (
+        "gemm_allreduce benchmark: no CUDA GPU visible, nothing to measure\n")
+    exits_naming(gemm_allreduce.main, ["--ranks", "0"], "--ranks must be in [1, 64]", capsys)
+    exits_naming(gemm_allreduce.main, ["--k", "100"], "--k, --n positive multiples of 64", capsys)
+    rows = {1: [[1, 1, 30.0, 33.0, 29.0, 0.909, 1.034, "ok"]], 4: [[4, 8, 40.0, 50.0, 30.0, 0.8, 1.333, "ok"]]}
+    assert gemm_allreduce.goal_lines(rows) == ["worst fused/(matmul + all-reduce): 0.909 (goal <= 0.85)",
+                                               "worst fused/matmul at 1 rank: 1.034 (goal <= 1.05)"]
+    assert gemm_allreduce.goal_lines({})[0].endswith("not measured")

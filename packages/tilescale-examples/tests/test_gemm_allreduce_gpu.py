@@ -1,0 +1,180 @@
+"""GemmAllReduce on 1, 2 and 4 ranks sharing one GPU (``-m gpu``; the CPU tests are in
+``test_gemm_allreduce.py``):
+
+* every case (dtype x ``m`` from 1 row to more than a row block, several waves of tiles),
+  fresh random inputs, poisoned outputs and staging buffer, two calls each (the op's output,
+  then ``out=``): within :func:`~tilescale_examples.decode.gemm_allreduce.compare`'s bound of
+  the exact sum, and **bit-identical on every rank** (the ranks' outputs gathered);
+* back-to-back calls without host synchronisation (1000 on 1 and 2 ranks), a straggling rank
+  (stream stalls and host sleeps), each rank choosing per call between the op's output and its
+  own: every result copied out on the stream, checked at the end;
+* CUDA graphs: warm-up, two graphs of one call each replayed alternately with eager calls in
+  between, fresh inputs written into the captured ones before each replay (made on the device
+  from a per-replay seed, so every rank rebuilds every rank's inputs), poisoned outputs, a
+  straggler; every replay's result copied out and checked at the end.
+
+The kernels are compiled once, in parallel, before the ranks start."""
+
+from __future__ import annotations
+
+import functools
+import random
+import time
+
+import torch
+from examples_helpers import check_warm_gpu_ranks, on_gpu_ranks, parts_rank_body, poison, replay_with_graphs
+
+from tilescale_examples.decode.gemm_allreduce import compare
+
+BF16, F16 = torch.bfloat16, torch.float16
+#: (m, k, n, dtype) of the checked cases: one row, a few, a full row block, more than one row
+#: block (padded), several waves of tiles per block.
+CASES = [(1, 1024, 2048, BF16), (7, 512, 1024, F16), (64, 2048, 4096, BF16), (200, 1024, 2048, BF16),
+         (512, 512, 8192, F16)]
+#: Back-to-back calls per world size and case (4 ranks time-slice one GPU: fewer).
+BACK_TO_BACK = {1: 1000, 2: 1000, 4: 200}
+B2B_CASES = [(4, 1024, 2048, BF16), (130, 256, 4096, BF16)]
+#: Graph replays (and eager calls between them) per world size and case.
+REPLAYS = {1: 300, 2: 300, 4: 60}
+GRAPH_CASES = [(2, 512, 1024, BF16), (96, 256, 2048, F16)]
+VARIANTS = 8
+CACHE_NAME = "gemm_allreduce"
+
+
+def gemm_ar_kernels(worlds=(1, 2, 4)) -> list:
+    """Precompile jobs of every kernel the rank bodies build (the default tiles on this GPU)."""
+    from tilescale_examples.decode.gemm_allreduce import default_tiles
+    from tilescale_examples.decode.gemm_ar_kernel import gemm_ar_jobs
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    names = {BF16: "bfloat16", F16: "float16"}
+    return [job for m, k, n, d in sorted(set(CASES + B2B_CASES + GRAPH_CASES), key=str)
+            for job in gemm_ar_jobs([(m, k, n)], [names[d]], worlds, default_tiles(m, n, sms))]
+
+
+def rank_inputs(p: int, m: int, k: int, n: int, dtype, device, seed: int) -> tuple:
+    """Rank ``p``'s ``(a, b)`` of ``seed`` (any rank rebuilds any rank's), scaled so that the
+    output is about 1."""
+    g = torch.Generator().manual_seed(seed * 7919 + p * 1000003)
+    return (torch.randn(m, k, generator=g).to(dtype).to(device),
+            (torch.randn(k, n, generator=g) / k**0.5).to(dtype).to(device))
+
+
+def _poison_op(op) -> None:
+    """Poison the op's output and, while the host knows it (not captured), the staging buffer
+    of its next call (no peer reads it: every peer has finished the call before the last)."""
+    poison(op.output)
+    if not op.captured:
+        poison(op.stages[(op.epoch + 1) % 2])
+
+
+def same_on_every_rank(out: torch.Tensor, world: int) -> bool:
+    """Whether ``out`` has the same bits on every rank (gathered over the WORLD group)."""
+    import torch.distributed as dist
+
+    from tilescale_examples.base import collective_device
+
+    bits = out.contiguous().view(torch.int16).to(collective_device(dist.group.WORLD, out.device))
+    every = [torch.empty_like(bits) for _ in range(world)]
+    dist.all_gather(every, bits)
+    return all(torch.equal(e, every[0]) for e in every)
+
+
+def cases(alloc, rank: int, world: int, rng=None) -> tuple:
+    """Every case of :data:`CASES`, two calls each; ``(checked calls, failures)``."""
+    from tilescale_examples.decode.gemm_allreduce import GemmAllReduce
+
+    dev = torch.device(alloc.device)
+    checks, bad = 0, []
+    for index, (m, k, n, dtype) in enumerate(CASES):
+        op = GemmAllReduce(alloc, m, k, n, dtype)
+        for call in range(2):
+            every = [rank_inputs(p, m, k, n, dtype, dev, 2 * index + call) for p in range(world)]
+            a, b = (t.clone() for t in every[rank])
+            _poison_op(op)
+            out = torch.full((m, n), float("nan"), dtype=dtype, device=dev)
+            got = op(a, b) if call == 0 else op(a, b, out=out)
+            torch.cuda.synchronize()
+            what = f"rank {rank}/{world} {(m, k, n)} {dtype} call {call}"
+            bad += compare(got, every, what)
+            if not same_on_every_rank(got, world):
+                bad.append(f"{what}: the ranks' outputs differ")
+            checks += 1
+        op.close()
+    return checks, bad
+
+
+def back_to_back(alloc, rank: int, world: int, rng) -> tuple:
+    """:data:`BACK_TO_BACK` calls per case without host synchronisation, a straggler, outputs
+    the op's or the caller's (each rank picks per call); ``(checked calls, failures)``."""
+    from tilescale_examples.decode.gemm_allreduce import GemmAllReduce
+
+    dev = torch.device(alloc.device)
+    checks, bad, calls = 0, [], BACK_TO_BACK[world]
+    for index, (m, k, n, dtype) in enumerate(B2B_CASES):
+        op = GemmAllReduce(alloc, m, k, n, dtype)
+        every = [[rank_inputs(p, m, k, n, dtype, dev, 100 + 10 * index + v) for p in range(world)]
+                 for v in range(VARIANTS)]
+        slots = torch.full((calls, m, n), float("nan"), dtype=dtype, device=dev)
+        for i in range(calls):
+            if rng.random() < 0.05:
+                torch.cuda._sleep(rng.randrange(1000, 200_000))  # stall this rank's stream
+            if rng.random() < 0.01:
+                time.sleep(rng.random() * 0.01)  # and its host
+            a, b = every[i % VARIANTS][rank]
+            _poison_op(op)
+            got = op(a, b) if rng.random() < 0.5 else op(a, b, out=torch.empty((m, n), dtype=dtype, device=dev))
+            slots[i].copy_(got)
+        torch.cuda.synchronize()
+        for i in range(calls):
+            bad += compare(slots[i], every[i % VARIANTS], f"rank {rank}/{world} back-to-back {(m, k, n)} call {i}")
+        checks += calls
+        op.close()
+    return checks, bad
+
+
+def _graph_inputs(m, k, n, dtype, device, world: int, seed: int) -> list:
+    """Every rank's ``(a, b)`` of ``seed``, made on the device (no host sync)."""
+    out = []
+    for p in range(world):
+        g = torch.Generator(device=device).manual_seed(seed * 64 + p)
+        out.append((torch.randn((m, k), generator=g, device=device).to(dtype),
+                    (torch.randn((k, n), generator=g, device=device) / k**0.5).to(dtype)))
+    return out
+
+
+def graphs(alloc, rank: int, world: int, rng) -> tuple:
+    """Per case: warm-up, two captured graphs replayed alternately, an eager call every 7th
+    call, fresh inputs, poisoned outputs, a straggler; ``(checked calls, failures)``."""
+    from tilescale_examples.decode.gemm_allreduce import GemmAllReduce
+
+    dev = torch.device(alloc.device)
+    checks, bad = 0, []
+    for index, (m, k, n, dtype) in enumerate(GRAPH_CASES):
+        op = GemmAllReduce(alloc, m, k, n, dtype)
+        a, b = (t.clone() for t in _graph_inputs(m, k, n, dtype, dev, world, 0)[rank])
+        count = REPLAYS[world] + 1
+        slots = torch.full((count, m, n), float("nan"), dtype=dtype, device=dev)
+
+        def fill(i):
+            for dst, src in zip((a, b), _graph_inputs(m, k, n, dtype, dev, world, 1000 * index + i)[rank]):
+                dst.copy_(src)
+
+        replay_with_graphs(lambda: op(a, b), fill, lambda: _poison_op(op), lambda i, got: slots[i].copy_(got), count,
+                           rng)
+        for i in range(count):
+            every = _graph_inputs(m, k, n, dtype, dev, world, 1000 * index + i)
+            bad += compare(slots[i], every, f"rank {rank}/{world} graph {(m, k, n)} call {i}")
+        checks += count
+        op.close()
+    return checks, bad
+
+
+#: The rank body: the cases, the back-to-back calls, the graphs; raises on any failure.
+gpu_rank_body = functools.partial(parts_rank_body, parts=(cases, back_to_back, graphs))
+
+
+@on_gpu_ranks(1, 2, 4, timeout=900)
+def test_gemm_allreduce_on_gpu(world, tmp_path_factory):
+    want = 2 * len(CASES) + BACK_TO_BACK[world] * len(B2B_CASES) + (REPLAYS[world] + 1) * len(GRAPH_CASES)
+    check_warm_gpu_ranks(gpu_rank_body, world, tmp_path_factory, gemm_ar_kernels(), CACHE_NAME, want, 860, "GemmAllReduce")
