@@ -577,7 +577,7 @@ def test_no_benchmark_times_with_its_own_cuda_events():
 
     sources = sorted(Path(benchmarks.__file__).parent.glob("*.py"))
     assert len(sources) > 20
-    assert [p.name for p in sources if "Event(enable_timing" in p.read_text()] == []
+    assert [p.name for p in sources if "Event(enable_timing" in p.read_text(encoding="utf-8")] == []
 
 
 def _benchmark(name):

@@ -303,9 +303,9 @@ def test_command_line_builds_and_shows_a_bundle(tmp_path):
 def test_aot_modules_stay_small_and_documented():
     root = Path(aot.__file__).parent
     for path in sorted(root.glob("*.py")):
-        tree = ast.parse(path.read_text())
+        tree = ast.parse(path.read_text(encoding="utf-8"))
         assert ast.get_docstring(tree), path.name
-        assert path.read_text().count("\n") + 1 <= 500, path.name
+        assert path.read_text(encoding="utf-8").count("\n") + 1 <= 500, path.name
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 assert node.end_lineno - node.lineno + 1 <= 120, f"{path.name}:{node.name}"

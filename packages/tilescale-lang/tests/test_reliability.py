@@ -435,7 +435,7 @@ def _header_functions() -> dict:
 
     functions: dict = {}
     for header in (Path(tilescale_lang.__file__).parent / "include" / "tilescale").glob("*.cuh"):
-        text = header.read_text()
+        text = header.read_text(encoding="utf-8")
         for m in re.finditer(r"TILESCALE_DEVICE\b[^;{(]*?\b(\w+)\s*\(", text):
             start = text.find("{", m.end())
             if start < 0 or ";" in text[m.end():start].split(")")[-1]:
@@ -488,7 +488,7 @@ def test_every_emitted_helper_that_reads_the_table_is_guarded():
     assert not {"fence_sys", "init_barrier_gpu", "wait_barrier_gpu"} & readers
     emitted = set()
     for module in Path(validation.__file__).parent.glob("*.py"):
-        emitted |= set(re.findall(r"tilescale::(\w+)", module.read_text()))
+        emitted |= set(re.findall(r"tilescale::(\w+)", module.read_text(encoding="utf-8")))
     known = validation.TABLE_HELPERS | set(validation.PE_ARGUMENT)
     missing = sorted((emitted & readers) - known)
     assert not missing, f"helpers that read the table but are not in TABLE_HELPERS / PE_ARGUMENT: {missing}"
