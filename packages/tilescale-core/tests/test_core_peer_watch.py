@@ -128,7 +128,7 @@ def test_another_users_planted_directory_and_symlinks_are_not_followed(tmp_path,
             if p.poll() is None:
                 p.kill()
         subprocess.run(["rm", "-rf", planted], check=False)
-    assert secret.read_text() == "SECRET", "a rank followed another user's symlink and overwrote the file"
+    assert secret.read_text(encoding="utf-8") == "SECRET", "a rank followed another user's symlink and overwrote the file"
     for r in (0, 1):
         assert procs[r].returncode == EXIT_PEER_DIED, outs[r]
         assert f"[tilescale] rank {r}: peer rank 2 (pid {procs[2].pid}) died" in outs[r][1]

@@ -20,7 +20,7 @@ def _run_demo(tmp_path, timeout: float):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     res = subprocess.run([sys.executable, "-m", "tilescale_examples.demo", "--json", str(out_json),
                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=timeout, env=env)
-    return res, (json.loads(out_json.read_text()) if out_json.exists() else None)
+    return res, (json.loads(out_json.read_text(encoding="utf-8")) if out_json.exists() else None)
 
 
 def _expected_rows(world: int) -> list[tuple[str, str]]:

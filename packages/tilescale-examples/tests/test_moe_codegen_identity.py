@@ -87,7 +87,7 @@ def sha256(source: str) -> str:
 
 
 def _recorded() -> dict:
-    return json.loads(DATA.read_text())
+    return json.loads(DATA.read_text(encoding="utf-8"))
 
 
 def test_the_recorded_configurations_are_the_ones_checked():

@@ -184,7 +184,7 @@ def test_two_shot_pushes_whole_16_byte_vectors(tmp_path):
 
     for dtype, world in (("float16", 2), ("float32", 8)):
         src = lower_with(build_reduce_kernel("two_shot", dtype, world, 512), PASS_CONFIGS)
-        ptx = TOOLKIT.compile(src, tmp_path / f"{dtype}{world}", "ptx", "sm_90a")[0].read_text()
+        ptx = TOOLKIT.compile(src, tmp_path / f"{dtype}{world}", "ptx", "sm_90a")[0].read_text(encoding="utf-8")
         assert len(re.findall(r"\bst\.global\.v4\.b32\b", ptx)) == world * default_unroll(world), dtype
         assert not re.findall(r"\bst(?:\.global)?\.(?:u32|b32|f32)\b", ptx), dtype
 

@@ -65,7 +65,7 @@ def test_kernel_uses_the_three_upstream_features():
 @needs_toolkit
 def test_kernel_compiles(tmp_path):
     out, _, _ = TOOLKIT.compile(lower_source(build_tma_allreduce_kernel(4096, 8, 132)), tmp_path, "ptx", "sm_90a")
-    ptx = out.read_text()
+    ptx = out.read_text(encoding="utf-8")
     for instr in ("cp.async.bulk.tensor.2d.global.shared::cta", "atom.release.sys.add.u32", "ld.acquire.sys.b32",
                   "atom.acq_rel.gpu.add.u32", "fence.proxy.async"):
         assert instr in ptx, instr

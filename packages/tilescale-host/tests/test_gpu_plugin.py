@@ -37,7 +37,7 @@ def test_plugin_runs_four_ranks_on_one_gpu(pytester, monkeypatch):
     import json
 
     (path,) = record.glob("*.jsonl")
-    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    lines = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
     assert lines[0]["gpu_count"] >= 1 and lines[0]["mode"] == "shared"
     expected = "shared" if lines[0]["gpu_count"] < 4 else "one-rank-per-GPU"
     assert lines[1]["outcome"] == "passed" and lines[1]["mode"] == expected

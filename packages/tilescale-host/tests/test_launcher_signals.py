@@ -58,8 +58,8 @@ def _start(tmp_path, n=2, extra_env=None, args=()):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         files = [tmp_path / f"pid.{r}" for r in range(n)]
-        if all(f.exists() and f.read_text().strip() for f in files):
-            return proc, [tuple(int(x) for x in f.read_text().split()) for f in files]
+        if all(f.exists() and f.read_text(encoding="utf-8").strip() for f in files):
+            return proc, [tuple(int(x) for x in f.read_text(encoding="utf-8").split()) for f in files]
         if proc.poll() is not None:
             break
         time.sleep(0.05)

@@ -113,7 +113,7 @@ def test_skip_reasons(result):
 def test_validation_record(result):
     _, record = result
     (path,) = record.glob("tilescale-validation-*.jsonl")
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
     session, tests, summary = lines[0], lines[1:-1], lines[-1]
     assert session["kind"] == "session" and session["gpu_count"] == 0 and session["mode"] == "one-rank-per-GPU"
     by_id = {t["nodeid"].split("::")[1]: t for t in tests}
@@ -151,7 +151,7 @@ def test_share_mode_runs_instead_of_skipping_on_too_few_gpus(pytester, clean_env
     res = pytester.runpytest_subprocess("--tilescale-record", str(pytester.path / "rec"))
     res.assert_outcomes(passed=1)
     (path,) = (pytester.path / "rec").glob("*.jsonl")
-    test_line = json.loads(path.read_text().splitlines()[1])
+    test_line = json.loads(path.read_text(encoding="utf-8").splitlines()[1])
     assert test_line["mode"] == "shared" and test_line["ranks"] == 4
 
 
@@ -178,7 +178,7 @@ def test_skips_added_by_other_plugins_are_recorded(pytester, clean_env):
     pytester.makepyfile("import pytest\n@pytest.mark.requires_capability('tma')\ndef test_x():\n    pass\n")
     pytester.runpytest_subprocess("--tilescale-record", str(pytester.path / "rec")).assert_outcomes(skipped=1)
     (path,) = (pytester.path / "rec").glob("*.jsonl")
-    summary = json.loads(path.read_text().splitlines()[-1])
+    summary = json.loads(path.read_text(encoding="utf-8").splitlines()[-1])
     assert list(summary["skipped"].values()) == ["skipped by a conftest"]
 
 

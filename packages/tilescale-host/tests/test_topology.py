@@ -14,7 +14,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def layout(name: str) -> list[list[str]]:
-    return parse_topo_matrix((FIXTURES / "topo" / name).read_text())
+    return parse_topo_matrix((FIXTURES / "topo" / name).read_text(encoding="utf-8"))
 
 
 def test_hgx_8gpu_nv18_full_mesh_ignores_nic_rows_and_legend():
@@ -80,7 +80,7 @@ def test_bus_id_normalisation(raw, norm):
 
 def test_fullmesh_from_nvidia_smi_maps_visible_devices(monkeypatch):
     """CUDA ordinals are matched to nvidia-smi rows by bus id (CUDA_VISIBLE_DEVICES=4,5 here)."""
-    text = (FIXTURES / "topo" / "dgx1v_8gpu_partial_mesh.txt").read_text()
+    text = (FIXTURES / "topo" / "dgx1v_8gpu_partial_mesh.txt").read_text(encoding="utf-8")
     smi_bus = [f"0000:{0x10 + i:02x}:00.0" for i in range(8)]
     monkeypatch.setattr(topology.NvidiaSmiUtil, "topo_matrix_text", staticmethod(lambda: text))
     monkeypatch.setattr(topology.NvidiaSmiUtil, "bus_ids", staticmethod(lambda: smi_bus))

@@ -59,7 +59,7 @@ def kernel_body(src: str) -> str:
 def nvcc_ptx(src: str, tmp_path, extra=()) -> str:
     """PTX of a generated source, compiled by the toolkit the way TileLang compiles kernels."""
     out, _, _ = TOOLKIT.compile(src, tmp_path / "ptx", "ptx", TARGET["arch"], extra)
-    return out.read_text()
+    return out.read_text(encoding="utf-8")
 
 
 def nvcc_registers(src: str, tmp_path) -> int:

@@ -84,7 +84,7 @@ def bundle_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def manifest(bundle_dir):
-    return json.loads((bundle_dir / "manifest.json").read_text())
+    return json.loads((bundle_dir / "manifest.json").read_text(encoding="utf-8"))
 
 
 def _entry(manifest, name):
@@ -131,7 +131,7 @@ def test_manifest_records_key_kernels_and_launch_metadata(bundle_dir, manifest):
         per_arch = entry["archs"]["sm_90a"]
         data = (bundle_dir / per_arch["cubin"]).read_bytes()
         assert data[:4] == b"\x7fELF" and hashlib.sha256(data).hexdigest() == per_arch["sha256"]
-        assert (bundle_dir / per_arch["source"]).read_text().count("__global__") >= 1
+        assert (bundle_dir / per_arch["source"]).read_text(encoding="utf-8").count("__global__") >= 1
     scale, ring = _entry(manifest, "scale"), _entry(manifest, "put_signal")
     assert scale["bound"] == {"n": 256, "block": 128, "dtype": "float32"}
     assert scale["params"] == [
@@ -148,7 +148,7 @@ def test_manifest_records_key_kernels_and_launch_metadata(bundle_dir, manifest):
     assert ring["table"]["needed"] is True and ring["table"]["symbol"] == "meta_data"
     assert ring["table"]["entries"] == table.MAX_TABLE_ENTRIES and "get_rank" in ring["table"]["readers"]
     assert b"meta_data" in (bundle_dir / ring["archs"]["sm_90a"]["cubin"]).read_bytes()
-    assert "#include <tilescale/tilescale.cuh>" in (bundle_dir / ring["archs"]["sm_90a"]["source"]).read_text()
+    assert "#include <tilescale/tilescale.cuh>" in (bundle_dir / ring["archs"]["sm_90a"]["source"]).read_text(encoding="utf-8")
     (launch,) = ring["archs"]["sm_90a"]["launches"]
     assert [a.get("param", a.get("value")) for a in launch["args"]] == ["dst", "sig", "src", "epoch"]
     assert [p["name"] for p in ring["params"]] == ["src", "dst", "sig", "epoch"]
@@ -157,7 +157,7 @@ def test_manifest_records_key_kernels_and_launch_metadata(bundle_dir, manifest):
 def _copy_with_key(bundle_dir, tmp_path, **changes):
     out = tmp_path / "copy"
     shutil.copytree(bundle_dir, out)
-    data = json.loads((out / "manifest.json").read_text())
+    data = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
     for field, value in changes.items():
         (data if field in ("format", "format_version") else data["key"])[field] = value
     (out / "manifest.json").write_text(json.dumps(data))
@@ -254,7 +254,7 @@ def test_argument_packing_without_a_gpu(bundle_dir):
 @pytest.mark.skipif(CC is None, reason="needs a host C compiler (gcc or cc)")
 def test_c_export_compiles_with_the_host_compiler(bundle_dir, manifest, tmp_path):
     header, source = aot.dump_c(bundle_dir, tmp_path, prefix="demo")
-    text = header.read_text()
+    text = header.read_text(encoding="utf-8")
     scale, ring = _entry(manifest, "scale"), _entry(manifest, "put_signal")
     assert f"CUresult demo_{scale['id']}(CUstream stream, float *a, float *b, float scale, int32_t m);" in text
     assert f"CUresult demo_{ring['id']}(CUstream stream, float *src, float *dst, uint64_t *sig, uint64_t epoch);" in text

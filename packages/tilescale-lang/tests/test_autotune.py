@@ -162,7 +162,7 @@ def test_cache_format_round_trip(tmp_path):
     path = cache.store(key, _entry())
     assert path == tmp_path / DIRECTORY_NAME / "toy.json"
     assert cache.lock_path == tmp_path / f"tilescale-locks-{os.getuid()}" / LOCK_NAME
-    data = json.loads(path.read_text())
+    data = json.loads(path.read_text(encoding="utf-8"))
     assert data["format"] == FORMAT and data["version"] == FORMAT_VERSION
     stored = data["entries"][key_hash(key)]
     assert stored["key"] == key and stored["config"] == {"block_m": 64, "block_n": 256}
@@ -189,7 +189,7 @@ def test_cache_ignores_foreign_files_and_replaces_them(tmp_path):
     with pytest.warns(RuntimeWarning):
         cache.store(key, _entry())
     assert cache.load(key)["config"] == {"block_m": 64, "block_n": 256}
-    forged = json.loads(cache.path("toy").read_text())
+    forged = json.loads(cache.path("toy").read_text(encoding="utf-8"))
     forged["entries"][key_hash(key)]["key"]["world_size"] = 8  # an edited key: not this entry
     cache.path("toy").write_text(json.dumps(forged))
     assert cache.load(key) is None
@@ -212,7 +212,7 @@ def _read_until(path, stop, reads):
     """Read ``path`` without the lock until ``stop``; every read must parse (no torn file)."""
     while not stop.is_set():
         if path.exists():
-            reads.append(json.loads(path.read_text())["format"])
+            reads.append(json.loads(path.read_text(encoding="utf-8"))["format"])
         time.sleep(0.001)
 
 

@@ -38,7 +38,7 @@ def test_processes_take_turns(tmp_path):
     """)
     procs = [subprocess.Popen([sys.executable, "-c", script]) for _ in range(3)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
-    events = [line.split() for line in log.read_text().splitlines()]
+    events = [line.split() for line in log.read_text(encoding="utf-8").splitlines()]
     assert [kind for kind, _ in events] == ["start", "end"] * 3  # strictly alternating: no overlap
 
 
@@ -91,7 +91,7 @@ def test_lock_is_private_and_never_follows_a_symlink(tmp_path):
         pass
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
-    assert path.read_text() == ""  # the holder's pid is cleared on release
+    assert path.read_text(encoding="utf-8") == ""  # the holder's pid is cleared on release
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
     path.unlink()
@@ -99,7 +99,7 @@ def test_lock_is_private_and_never_follows_a_symlink(tmp_path):
     with pytest.raises(PermissionError, match="is a symlink; refusing to follow it"):
         with compile_lock.compile_lock(path):
             pass
-    assert victim.read_text() == "precious"
+    assert victim.read_text(encoding="utf-8") == "precious"
 
 
 def test_lock_directory_that_is_a_symlink_is_refused(tmp_path):

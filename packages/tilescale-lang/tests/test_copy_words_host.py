@@ -89,7 +89,7 @@ int main() {
 
 def copy_words_source() -> str:
     """The ``copy_words`` template as the header defines it, inside its namespace."""
-    text = HEADER.read_text()
+    text = HEADER.read_text(encoding="utf-8")
     start = text.index("template <typename W, int UNROLL>\nTILESCALE_DEVICE void copy_words(")
     end = text.index("\n}\n", start) + 3
     return "namespace tilescale {\n" + text[start:end] + "}  // namespace tilescale\n"

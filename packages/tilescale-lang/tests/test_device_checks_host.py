@@ -73,7 +73,7 @@ def _build_and_run(tmp_path, name: str, source: str, defines=()) -> dict[str, st
 def _header_code(header: str, start: str, function: str) -> str:
     """The code of ``header`` from the line ``start`` to the end of ``function`` (the start of
     its signature), in namespace tilescale."""
-    text = (INCLUDE / header).read_text()
+    text = (INCLUDE / header).read_text(encoding="utf-8")
     first = text.index(start)
     end = text.index("\n}\n", text.index(function, first)) + 3
     return "namespace tilescale {\n" + text[first:end] + "}  // namespace tilescale\n"
@@ -203,7 +203,7 @@ def test_header_code_is_extracted_whole(source, names):
 # ------------------------------------------------------------------------------ teams
 def team_source() -> str:
     """The team helpers of team.cuh (everything inside its namespace)."""
-    text = (INCLUDE / "team.cuh").read_text()
+    text = (INCLUDE / "team.cuh").read_text(encoding="utf-8")
     start = text.index("namespace tilescale {")
     end = text.index("}  // namespace tilescale", start) + len("}  // namespace tilescale\n")
     return text[start:end]

@@ -156,7 +156,7 @@ def test_profiler_traces_a_collective_across_ranks(world, tmp_path):
             assert sorted(tasks) == [0, 1] and tasks[0][1] <= tasks[1][0], f"rank {rank} block {block}: {tasks}"
     merged_path = tmp_path / "trace.json"
     merge_chrome_traces([rep["path"] for rep in reports], str(merged_path))
-    trace = json.loads(merged_path.read_text())
+    trace = json.loads(merged_path.read_text(encoding="utf-8"))
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert sorted({(e["pid"], e["tid"] // TID_BLOCK_STRIDE, e["name"]) for e in spans}) == sorted(
         (r, b, name) for r in range(world) for b in range(G.BLOCKS) for name in G.TASKS)

@@ -112,7 +112,7 @@ def test_abi_hash_changes_with_headers(tmp_path):
     shutil.copytree(headers.INCLUDE_DIR, copy)
     assert headers.abi_hash(copy) == headers.abi_hash()
     target = copy / "tilescale" / "wait.cuh"
-    target.write_text(target.read_text() + "\n// changed\n")
+    target.write_text(target.read_text(encoding="utf-8") + "\n// changed\n")
     assert headers.abi_hash(copy) != headers.abi_hash()
     (copy / "tilescale" / "extra.cuh").write_text("#pragma once\n")
     assert len(headers.header_files(copy)) == len(headers.header_files()) + 1

@@ -189,7 +189,7 @@ def test_chrome_trace_and_merge(tmp_path):
     path.write_text(json.dumps(trace))
     merged = P.merge_chrome_traces([str(path), P.chrome_trace(spans, rank=4)], str(tmp_path / "m.json"))
     assert len(merged["traceEvents"]) == 2 * len(trace["traceEvents"])
-    assert json.loads((tmp_path / "m.json").read_text()) == merged
+    assert json.loads((tmp_path / "m.json").read_text(encoding="utf-8")) == merged
 
 
 def test_event_profiler_buffer_round_trip(tmp_path):
@@ -202,7 +202,7 @@ def test_event_profiler_buffer_round_trip(tmp_path):
     spans, unmatched = prof.spans()
     assert unmatched == [] and spans[0].duration_ns == 4_000
     trace = prof.save(str(tmp_path / "t.json"), ["copy"], rank=1)
-    assert json.loads((tmp_path / "t.json").read_text()) == trace
+    assert json.loads((tmp_path / "t.json").read_text(encoding="utf-8")) == trace
     assert [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"] == ["copy"]
     prof.reset()
     assert prof.events() == ([], 0)

@@ -178,7 +178,7 @@ def numa_node_of_bus_id(bus_id: str, sysfs: Path = SYSFS_PCI_DEVICES) -> int:
     """NUMA node of the PCI device ``bus_id`` (-1: no affinity reported)."""
     path = Path(sysfs) / _cuda.normalize_bus_id(bus_id) / "numa_node"
     try:
-        return int(path.read_text().strip())
+        return int(path.read_text(encoding="utf-8").strip())
     except (OSError, ValueError) as exc:
         raise RuntimeError(f"cannot read the NUMA node of PCI device {bus_id} from {path}: {exc}") from exc
 

@@ -129,7 +129,7 @@ def variants(ops, ranks, threads, rounds, flags, unrolls=None) -> list:
 def cuda_source(kernels) -> str:
     """``reduce_ceiling.cu`` plus one ``extern "C"`` wrapper per :class:`Variant`, signature
     ``(char* out, uint64 flag_off, uint64 epoch, int blocks, int iters, int64 span)``."""
-    lines = [_SOURCE.read_text()]
+    lines = [_SOURCE.read_text(encoding="utf-8")]
     for v in kernels:
         op = OPS.index(v.op)
         rounds = ROUNDS.index(v.rounds)
