@@ -74,7 +74,7 @@ def same_on_every_rank(out: torch.Tensor, world: int) -> bool:
 
     from tilescale_examples.base import collective_device
 
-    bits = out.contiguous().view(torch.int16).to(collective_device(dist.group.WORLD, out.device))
+    bits = out.contiguous().view(torch.uint8).to(collective_device(dist.group.WORLD, out.device))  # gloo: no int16
     every = [torch.empty_like(bits) for _ in range(world)]
     dist.all_gather(every, bits)
     return all(torch.equal(e, every[0]) for e in every)
