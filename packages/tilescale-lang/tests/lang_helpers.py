@@ -32,15 +32,6 @@ def have_nvcc() -> bool:
     return TOOLKIT is not None and TOOLKIT.nvcc is not None
 
 
-def have_gpu() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:
-        return False
-
-
 #: Tests that run ``tilelang.compile`` (TileLang calls nvcc).
 needs_nvcc = pytest.mark.skipif(not have_nvcc(), reason=f"needs the nvcc driver (toolkit: {TOOLKIT or 'none; set CUDA_HOME'})")
 #: Tests that compile generated CUDA with the toolkit, by nvcc or by NVRTC + ptxas.

@@ -149,14 +149,15 @@ def _mem(direction: str, scope: str, nbi: bool):
 
 def _mem_signal(scope: str, nbi: bool):
     """``putmem_signal[_nbi]_{block,warp}``."""
-    from .signals import put_signal_call
+    from .signals import checked_signal, put_signal_call
 
     name = f"putmem_signal{'_nbi' if nbi else ''}_{scope}"
 
     def fn(dest, src, nelems, sig_addr, signal, sig_op, pe):
         operands = byte_operands(name, dest, src, nelems, pe, "dest")
         # put_signal synchronises before its signal (and, blocking, after it) itself.
-        _collective(scope, put_signal_call(scope, nbi, operands, sig_addr, signal, sig_op), on_return=False)
+        call = put_signal_call(scope, nbi, operands, *checked_signal(sig_addr, sig_op), signal)
+        _collective(scope, call, on_return=False)
 
     fn.__name__ = fn.__qualname__ = name
     fn.__doc__ = (

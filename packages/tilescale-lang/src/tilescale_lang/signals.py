@@ -62,12 +62,19 @@ def _sig_op(sig_op) -> bool:
     return V.choice(sig_op_name(sig_op), SIG_OPS, "sig_op") == SIGNAL_ADD
 
 
-def put_signal_call(scope: str, nbi: bool, operands, sig_addr, signal, sig_op):
-    """The ``tilescale::put_signal`` call of checked copy ``operands`` ``(src ptr, dst ptr,
-    byte count, int32 PE)``: data first, then the signal ``sig_addr`` updated by ``sig_op``
-    (``scope`` ``"block"`` or ``"warp"``; ``nbi`` the non-blocking form)."""
+def checked_signal(sig_addr, sig_op) -> tuple[V.Operand, str, bool]:
+    """``(signal operand, its dtype, add)`` of a put-with-signal's signal: ``sig_op`` checked
+    first, then ``sig_addr`` (errors name them)."""
     add = _sig_op(sig_op)
     sig, dtype = _signal(sig_addr)
+    return sig, dtype, add
+
+
+def put_signal_call(scope: str, nbi: bool, operands, sig: V.Operand, dtype: str, add: bool, signal):
+    """The ``tilescale::put_signal`` call of checked copy ``operands`` ``(src ptr, dst ptr,
+    byte count, int32 PE)`` and checked signal ``sig`` / ``dtype`` / ``add``
+    (:func:`checked_signal`): data first, then the signal set to (or increased by) ``signal``
+    (``scope`` ``"block"`` or ``"warp"``; ``nbi`` the non-blocking form)."""
     template = f"4, {'true' if scope == 'warp' else 'false'}, {'true' if nbi else 'false'}, {'true' if add else 'false'}"
     value = V.cast_to(signal, dtype, "signal")
     s, d, nbytes, pe = operands
@@ -76,10 +83,9 @@ def put_signal_call(scope: str, nbi: bool, operands, sig_addr, signal, sig_op):
 
 def _put_signal(scope: str, nbi: bool, src, dst, size, sig_addr, signal, sig_op, dst_pe):
     kind = f"put_signal{'_nbi' if nbi else ''}_{scope}"
-    _sig_op(sig_op)  # checked before the copy operands, as before
-    _signal(sig_addr)
+    checked = checked_signal(sig_addr, sig_op)  # before the copy operands
     operands = copy_operands(kind, src, dst, size, dst_pe, "dst_pe", "dst")
-    return put_signal_call(scope, nbi, operands, sig_addr, signal, sig_op)
+    return put_signal_call(scope, nbi, operands, *checked, signal)
 
 
 def put_signal_block(src, dst, size, sig_addr, signal, sig_op: str = "set", dst_pe=-1):
