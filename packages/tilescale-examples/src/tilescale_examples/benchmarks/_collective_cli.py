@@ -57,7 +57,6 @@ one-shot, ratio TileScale / symm (goal at one rank on one H200: <= 0.8)::
 from __future__ import annotations
 
 import functools
-import os
 
 from tilescale_examples.benchmarks import _harness
 from tilescale_examples.benchmarks._collectives import (GRAPH_GOAL, GRAPH_GOAL_BYTES, HEADERS, SYMM_HEADERS, _check_name,
@@ -158,12 +157,8 @@ def main(op, argv=None) -> int:
         p.error("--graph-calls must be >= 1")
     if not 0 < args.min_bytes <= args.max_bytes:
         p.error("need 0 < --min-bytes <= --max-bytes")
-    os.environ.setdefault("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
-    import torch
-
-    gpus = torch.cuda.device_count()
+    gpus = _harness.visible_gpus(f"{op.name} benchmark")
     if gpus == 0:
-        print(f"{op.name} benchmark: no CUDA GPU visible, nothing to measure")
         return 0
     result, backend, world = _harness.run_on_ranks(_run_op, args.ranks, op.module, args)
     if result is None:  # a launcher rank other than 0

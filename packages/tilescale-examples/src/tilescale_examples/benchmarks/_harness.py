@@ -9,6 +9,7 @@ timing (:mod:`~tilescale_examples.benchmarks._timing`) and its table
 * :func:`run_on_ranks`: run a rank body on the launcher's ranks or on spawned ones.
 * :func:`gpu_mode`: how a table's title says the ranks used the GPUs.
 * :func:`show_progress`: rank 0 prints each kernel build (``[benchmark] building kernel ...``).
+* :func:`visible_gpus`: the prologue before measuring (the kernel cache, the line without a GPU).
 * :func:`fused_parser`, :func:`emulated_device`: the options and the prologue of the benchmarks
   that emulate peers in one process.
 """
@@ -21,7 +22,8 @@ import os
 import sys
 import warnings
 
-__all__ = ["parser", "parse_args", "run_on_ranks", "gpu_mode", "show_progress", "fused_parser", "emulated_device"]
+__all__ = ["parser", "parse_args", "run_on_ranks", "gpu_mode", "show_progress", "fused_parser", "visible_gpus",
+           "emulated_device"]
 
 
 def parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -142,17 +144,28 @@ def fused_parser(name: str, description: str, iters: int) -> argparse.ArgumentPa
     return p
 
 
-def emulated_device(p: argparse.ArgumentParser, args: argparse.Namespace, what: str):
-    """The prologue of a benchmark that emulates its peers in one process (``--ranks`` world
-    sizes, each in [1, 64], else ``p.error``): TileLang's cache defaults to the user's
-    (``~/.tilelang/cache``), and the current CUDA device is returned, or None after the line
-    ``<what> benchmark: no CUDA GPU visible, nothing to measure`` when there is none."""
-    if any(n < 1 or n > 64 for n in args.ranks):
-        p.error("--ranks must be in [1, 64]")
+def visible_gpus(what: str) -> int:
+    """The prologue every benchmark shares before it measures: TileLang's cache defaults to the
+    user's (``~/.tilelang/cache``: kernels compiled by one run serve the next), and the number
+    of visible CUDA GPUs is returned, after the line ``<what>: no CUDA GPU visible, nothing to
+    measure`` when there is none."""
     os.environ.setdefault("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
     import torch
 
-    if not torch.cuda.is_available():
-        print(f"{what} benchmark: no CUDA GPU visible, nothing to measure")
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        print(f"{what}: no CUDA GPU visible, nothing to measure")
+    return gpus
+
+
+def emulated_device(p: argparse.ArgumentParser, args: argparse.Namespace, what: str):
+    """The prologue of a benchmark that emulates its peers in one process: ``--ranks`` world
+    sizes each in [1, 64] (else ``p.error``), then :func:`visible_gpus` (``<what> benchmark``);
+    the current CUDA device, or None when there is no GPU."""
+    if any(n < 1 or n > 64 for n in args.ranks):
+        p.error("--ranks must be in [1, 64]")
+    if visible_gpus(f"{what} benchmark") == 0:
         return None
+    import torch
+
     return torch.device("cuda", torch.cuda.current_device())

@@ -38,7 +38,6 @@ rank's inputs for its reference without communication.
 
 from __future__ import annotations
 
-import os
 
 from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._collectives import HEAP_SLACK, pick_baseline
@@ -331,12 +330,8 @@ def main(op: str, argv=None) -> int:
             check_gemm_dims(OPS[op][2], GemmTiles(), m_local=m, k=args.k, n=args.n)
     except ValueError as exc:
         p.error(str(exc))
-    os.environ.setdefault("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
-    import torch
-
-    gpus = torch.cuda.device_count()
+    gpus = _harness.visible_gpus(f"{OPS[op][0]} benchmark")
     if gpus == 0:
-        print(f"{OPS[op][0]} benchmark: no CUDA GPU visible, nothing to measure")
         return 0
     result, backend, world = _harness.run_on_ranks(_run_op, args.ranks, op, args)
     if result is None:

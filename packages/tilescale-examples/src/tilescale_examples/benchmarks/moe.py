@@ -50,7 +50,6 @@ hold); token counts above the low-latency limit (1024) show ``-`` there.
 from __future__ import annotations
 
 import argparse
-import os
 
 from tilescale_examples.benchmarks import _harness
 from tilescale_examples.benchmarks._timing import time_ms
@@ -378,12 +377,8 @@ def main(argv=None) -> int:
         check_threads(args.threads)  # the rule MoEDispatcher applies, before any rank starts
     except ValueError as exc:
         p.error(f"--{exc}")
-    os.environ.setdefault("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
-    import torch
-
-    gpus = torch.cuda.device_count()
+    gpus = _harness.visible_gpus("MoE benchmark")
     if gpus == 0:
-        print("MoE benchmark: no CUDA GPU visible, nothing to measure")
         return 0
     ranks = args.ranks or gpus
     if args.experts % ranks:

@@ -29,7 +29,6 @@ has; ``data issued`` - ``planned`` is the row stores. Exit status 1 when a check
 
 from __future__ import annotations
 
-import os
 import statistics
 
 from tilescale_examples.benchmarks import _harness
@@ -179,11 +178,7 @@ def main(argv=None) -> int:
         p.error("--replays and --ranks must be >= 1")
     if args.experts % args.ranks:
         p.error(f"--experts={args.experts} must be a multiple of --ranks={args.ranks}")
-    os.environ.setdefault("TILELANG_CACHE_DIR", os.path.expanduser("~/.tilelang/cache"))
-    import torch
-
-    if torch.cuda.device_count() == 0:
-        print("MoE dispatch phases: no CUDA GPU visible, nothing to measure")
+    if _harness.visible_gpus("MoE dispatch phases") == 0:
         return 0
     result, backend, world = _harness.run_on_ranks(run, args.ranks, args)
     if result is None:
