@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 
 import torch
-from examples_helpers import close_rank_heap, open_rank_heap, poison, run_gpu_ranks, on_gpu_ranks
+from examples_helpers import close_rank_heap, on_gpu_ranks, open_rank_heap, poison, replay_with_graphs, run_gpu_ranks
 
 #: Replays per op by world size: ranks that share one GPU time-slice, so every replay of 4
 #: ranks costs several scheduling rounds.
@@ -164,35 +164,10 @@ def _run_case(case: Case, index: int, alloc, rank: int, world: int, rng) -> tupl
         if out is not None:
             poison(out)
 
-    # warm-up (eager, checked): loads the kernels' modules before the capture
-    calls = 0
-    x.copy_(chk.inputs(calls)[rank])
-    chk.record(call(), calls)
-    calls += 1
-    torch.cuda.synchronize()
-    graphs, results = [], []
-    for _ in range(2):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            results.append(call())
-        graphs.append(graph)
-    for i in range(REPLAYS[world]):
-        x.copy_(chk.inputs(calls)[rank])
-        poison_outputs()
-        if rng.random() < 0.05:
-            torch.cuda._sleep(rng.randrange(1000, 200_000))  # this rank straggles
-        if i % 7 == 3:
-            result = call()  # an eager call between replays
-        else:
-            g = i % 2
-            graphs[g].replay()
-            result = results[g]
-        chk.record(result, calls)
-        calls += 1
-    torch.cuda.synchronize()
+    calls = REPLAYS[world] + 1  # the warm-up (eager, checked), then replays and eager calls
+    replay_with_graphs(call, lambda i: x.copy_(chk.inputs(i)[rank]), poison_outputs,
+                       lambda i, result: chk.record(result, i), calls, rng)
     bad = chk.failures()
-    for graph in graphs:
-        graph.reset()
     op.close()
     return calls, [f"{case.name}: call {i}" for i in bad]
 
