@@ -152,7 +152,8 @@ def test_tensors_come_from_one_heap_that_becomes_the_default(group):
     assert default_allocator() is None and heap.closed
 
 
-@pytest.mark.parametrize("shape, exc", [([0, 4], ValueError), ([-1], ValueError), (["a"], TypeError), (None, TypeError)])
+@pytest.mark.parametrize("shape, exc", [([0, 4], ValueError), ([-1], ValueError), (["a"], TypeError), (None, TypeError),
+                                        ([2.5, 4], TypeError)])
 def test_create_tensor_rejects_shapes(group, shape, exc):
     P.init_nvshmem_by_uniqueid(group)
     with pytest.raises(exc, match="shape"):

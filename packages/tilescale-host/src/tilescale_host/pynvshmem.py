@@ -26,6 +26,7 @@ imported instead, and this module stays reachable as ``tilescale_host.pynvshmem`
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 import threading
@@ -208,9 +209,9 @@ def nvshmem_team_n_pes(team: Any) -> int:
 def _shape(shape: Any) -> list[int]:
     if isinstance(shape, int) and not isinstance(shape, bool):
         shape = [shape]
-    try:
-        dims = [int(d) for d in shape]
-    except (TypeError, ValueError):
+    try:  # operator.index: ints, numpy integers, 0-dim integer tensors; never a float truncated
+        dims = [operator.index(d) for d in shape]
+    except TypeError:
         raise TypeError(f"shape must be a sequence of ints, got {shape!r}") from None
     if any(d < 0 for d in dims):
         raise ValueError(f"shape must have non-negative dimensions, got {dims}")
