@@ -194,9 +194,9 @@ def test_get_pe_is_get_rank():
 
 
 # ------------------------------------------------------------------------------ upstream kernels
-#: (program, factory, upstream-style arguments, expected helpers).  cannon and summa xfail: see
-#: docs/compatibility.md (stock TileLang's StorageRewrite fails on any TileScale peer operand of
-#: a tensor that a T.Pipelined loop also copies with cp.async; T.put_block fails the same way).
+#: (program, factory, upstream-style arguments, expected helpers).  cannon and summa pass a
+#: tensor element whose index is a block index times 2**15 elements to a peer intrinsic: with
+#: ``T.address_of`` kept as written, stock StorageRewrite rejects them (test_operand_addresses).
 UPSTREAM = [
     ("example_allgather", "allgather", (2, 64, 128), ["put_block<4>", "get_rank", "get_num_ranks"]),
     ("example_all_to_all", "all_to_all", (2, 8, 8, 3584, 128), ["put_block<4>", "fence()", "signal_op<false>",
@@ -212,10 +212,8 @@ UPSTREAM = [
     ("example_simple_shift", "simple_shift", (128, 128, 128, 128), ["put_block<4>"]),
     ("example_overlapping_allgather", "internode_gather", (2, 1, 2, 128), ["put_block<4>"]),
     ("example_overlapping_allgather", "intranode_gather", (2, 2, 2, 128), ["put_block<4>", "get_num_ranks"]),
-    pytest.param("example_cannon", "cannon", (2, 1024, 1024, 1024, 128, 256, 64), ["put_signal<4, false, true, true>"],
-                 marks=pytest.mark.xfail(strict=True, reason="stock StorageRewrite: cp.async + peer operand")),
-    pytest.param("example_summa", "summa", (2, 1024, 1024, 1024, 128, 256, 64), ["put_signal<4, false, true, true>"],
-                 marks=pytest.mark.xfail(strict=True, reason="stock StorageRewrite: cp.async + peer operand")),
+    ("example_cannon", "cannon", (2, 1024, 1024, 1024, 128, 256, 64), ["put_signal<4, false, true, true>"]),
+    ("example_summa", "summa", (2, 1024, 1024, 1024, 128, 256, 64), ["put_signal<4, false, true, true>"]),
 ]
 #: The pass configurations upstream's programs compile with.
 PASS_CONFIGS = {"tl.disable_tma_lower": True, "tl.disable_warp_specialized": True}

@@ -71,19 +71,33 @@ def tvm_dtype(dtype: Any):
 
 
 def _addr(buffer: tirx.Buffer, indices, as_value: bool = False) -> tirx.PrimExpr:
-    """The address of ``buffer[indices]``.
+    """The address of ``buffer[indices]``: ``address_of(buf[i])``, or for a global buffer
+    indexed by an expression, where stock TileLang's passes would fail on that, a read-write
+    ``tvm_access_ptr`` at the flat offset (printed as the same ``&buf[i]``, which those passes
+    leave alone).  They fail on
 
-    ``address_of(buf[i])`` for constant indices, non-global buffers and operands of
-    statements; for the operand of an intrinsic whose result is a value (``as_value``: ``T.ld``,
-    ``T.wait_*``, ``T.atom_add``) on a global buffer indexed by an expression (``flags[T.get_rank()]``, ``flags[n]``) a read-write
-    ``tvm_access_ptr`` at the flat offset (printed as the same ``&buf[i]``): TileLang's
-    safe-memory pass would otherwise wrap that element in a bounds-guarded ``if_then_else``,
-    which is not an lvalue (TVM ``InternalError`` in ``address_of``).
+    * the element of an intrinsic whose result is a value (``as_value``: ``T.ld``,
+      ``T.wait_*``, ``T.atom_add``): the safe-memory pass wraps it in a bounds-guarded
+      ``if_then_else``, which is not an lvalue (TVM ``InternalError`` in ``address_of``);
+    * an index that is an odd multiple of 2**15 in some variable (a block index times 32768
+      elements: one (512, 64) attention head): ``StorageRewrite`` takes that stride for a
+      vector width and raises ``InternalError: Can't fetch the lanes of a scalable vector``.
     """
     indices = list(indices)
-    if as_value and _scope_of(buffer) == "global" and not all(isinstance(i, tirx.IntImm) for i in indices):
-        return buffer.access_ptr("rw", offset=_row_major_offset(buffer, indices), extent=1)
+    if _scope_of(buffer) == "global" and not all(isinstance(i, tirx.IntImm) for i in indices):
+        offset = _row_major_offset(buffer, indices)
+        if as_value or _stride_of_2_15(offset):
+            return buffer.access_ptr("rw", offset=offset, extent=1)
     return tirx.address_of(tirx.BufferLoad(buffer, indices))
+
+
+def _stride_of_2_15(offset: tirx.PrimExpr) -> bool:
+    """Whether the largest power of two dividing every multiple ``offset`` steps by is 2**15
+    (``offset = c * x + b`` with ``c`` an odd multiple of 32768)."""
+    from tvm import arith
+
+    coeff = int(arith.Analyzer().modular_set(offset).coeff)
+    return coeff != 0 and coeff & -coeff == 1 << 15
 
 
 def _row_major_offset(buffer: tirx.Buffer, indices) -> tirx.PrimExpr:
@@ -130,10 +144,11 @@ def operand(x: Any, name: str, as_value: bool = False) -> Operand:
     if isinstance(x, tirx.Call) and getattr(x.op, "name", "") == "tirx.address_of":
         inner = x.args[0]
         if isinstance(inner, tirx.BufferLoad):
-            if not as_value:
-                return Operand(x, str(inner.buffer.dtype), _scope_of(inner.buffer), inner.buffer, list(inner.indices))
             idx = [i.base if isinstance(i, tirx.Ramp) else i for i in inner.indices]
-            return Operand(_addr(inner.buffer, idx, True), str(inner.buffer.dtype), _scope_of(inner.buffer), inner.buffer, idx)
+            addr = _addr(inner.buffer, idx, as_value)
+            if not as_value and getattr(addr.op, "name", "") == "tirx.address_of":
+                return Operand(x, str(inner.buffer.dtype), _scope_of(inner.buffer), inner.buffer, list(inner.indices))
+            return Operand(addr, str(inner.buffer.dtype), _scope_of(inner.buffer), inner.buffer, idx)
         return Operand(x, None, None)
     if isinstance(x, tirx.PrimExpr) and str(x.dtype) == "handle":
         dtype = scope = None
