@@ -400,6 +400,25 @@ def test_uninitialised_peer_kernel_refuses_to_launch(tmp_path, monkeypatch):
 
 
 @needs_nvcc
+def test_the_adapter_path_is_guarded_too(tmp_path, monkeypatch):
+    """Stock TileLang's profiler launches through ``kernel.adapter(...)``, not ``kernel(...)``:
+    the guard covers it (an upstream program that benchmarks with ``get_profiler().run_once()``
+    gets the error, not a device trap), and initialize lifts it on both paths."""
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
+    @T.prim_func
+    def peer_put_2(F: T.Tensor((16,), "uint32"), pe: T.int32):  # a kernel of its own (TileLang caches in memory)
+        with T.Kernel(1, threads=32) as _:
+            T.st(F[1], 1, dst_pe=pe)
+
+    kernel = tilelang.compile(peer_put_2, target=TARGET)
+    with pytest.raises(metadata.KernelNotInitializedError, match="peer_put_2"):
+        kernel.adapter("not a tensor", 1)
+    kernel.initialize(allocator=FakeAllocator([0, 1, 4096]))
+    assert kernel.adapter.func is kernel.torch_function
+    assert kernel.torch_function.__name__ != "refuse"
+
+
+@needs_nvcc
 def test_local_only_kernel_launches_without_initialize(tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
     kernel = tilelang.compile(_local_kernel(), target=TARGET)

@@ -202,9 +202,19 @@ def track_kernel(kernel: Any) -> None:
                 if kst["modules"]:
                     kst["capturing"] = False
                     # Back to the untouched launch path: no per-call overhead from here on.
-                    k.__dict__["torch_function"] = original
+                    _set_launch(k, original)
 
-    kernel.__dict__["torch_function"] = first_launch
+    _set_launch(kernel, first_launch)
+
+
+def _set_launch(kernel: Any, fn: Any) -> None:
+    """Route both launch paths of ``kernel`` through ``fn``: ``kernel(...)`` (its
+    ``torch_function``) and ``kernel.adapter(...)`` (the adapter's ``func``, which stock
+    TileLang's profiler calls: ``kernel.get_profiler().run_once()``)."""
+    kernel.__dict__["torch_function"] = fn
+    adapter = getattr(kernel, "adapter", None)
+    if adapter is not None and callable(getattr(adapter, "func", None)):
+        adapter.func = fn
 
 
 # ------------------------------------------------------------------------------ launch guard
@@ -279,7 +289,7 @@ def guard_launch(kernel: Any, readers: list[str]) -> None:
             )
 
         st["unguarded"] = inner
-        kernel.__dict__["torch_function"] = refuse
+        _set_launch(kernel, refuse)
 
 
 def _unguard(kernel: Any) -> None:
@@ -288,7 +298,7 @@ def _unguard(kernel: Any) -> None:
         st["initialized"] = True
         inner = st.pop("unguarded", None)
         if inner is not None:
-            kernel.__dict__["torch_function"] = inner
+            _set_launch(kernel, inner)
 
 
 # ------------------------------------------------------------------------------ initialize
