@@ -55,13 +55,17 @@ def _experts(ll, recv) -> torch.Tensor:
 
 
 def _expected_out(ll, x, idx, w) -> torch.Tensor:
-    """The combine of :func:`_experts` on this rank's tokens: float32 sums in slot order."""
+    """The combine of :func:`_experts` on this rank's tokens: float32 sums in slot order (with
+    FP8, of the rows :func:`~tilescale_examples.moe.ll_reference.ll_dispatch_reference`
+    quantises)."""
     from tilescale_examples.moe.ll_reference import quantize_fp8_blocks
 
     rows = x.float()
     if ll.fp8:
-        q, s = quantize_fp8_blocks(x)
-        rows = (q.float().view(x.shape[0], -1, 128) * s[..., None]).view_as(rows)
+        # quantised on the host, as ll_dispatch_reference does (the dispatch is checked bit for
+        # bit against it): torch's CUDA path rounds a few elements to the neighbouring e4m3 value
+        q, s = quantize_fp8_blocks(x.cpu())
+        rows = (q.float().view(x.shape[0], -1, 128) * s[..., None]).view_as(rows.cpu()).to(x.device)
     acc = torch.zeros_like(rows)
     EL = ll.experts_per_rank
     for k in range(ll.topk):
@@ -73,12 +77,18 @@ def _expected_out(ll, x, idx, w) -> torch.Tensor:
 
 
 def _poison(ll) -> None:
-    """NaN everywhere a call writes (0xFF, an e4m3 NaN, in FP8 rows), -7 in the counts."""
+    """NaN everywhere a call writes (0xFF, an e4m3 NaN, in FP8 rows), -7 in the counts; then
+    every rank waits for every other rank's poison (the receive buffer is written by the peers'
+    next dispatch, which may otherwise start before this rank's fill)."""
+    import torch.distributed as dist
+
     ll.recv_x_buf.fill_(0xFF if ll.fp8 else float("nan"))
     if ll.fp8:
         ll.recv_scales_buf.fill_(float("nan"))
     ll.recv_counts_buf.fill_(-7)
     ll.output.fill_(float("nan"))
+    torch.cuda.synchronize()
+    dist.barrier()
 
 
 def _check_call(ll, rank, world, x, idx, w, label, hook=False) -> int:
