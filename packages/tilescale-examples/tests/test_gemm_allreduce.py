@@ -297,3 +297,21 @@ def test_benchmark_without_gpu_bad_arguments_and_goals(monkeypatch, capsys):
     assert gemm_allreduce.goal_lines(rows) == ["worst fused/(matmul + all-reduce): 0.909 (goal <= 0.85)",
                                                "worst fused/matmul at 1 rank: 1.034 (goal <= 1.05)"]
     assert gemm_allreduce.goal_lines({})[0].endswith("not measured")
+
+
+@pytest.mark.parametrize("m, n, world", [(1, 8192, 2), (7, 512, 4), (128, 8192, 8), (512, 4096, 1)])
+def test_precompile_jobs_are_the_kernels_the_op_builds(compiles, monkeypatch, m, n, world):
+    from tilescale_examples.decode import gemm_allreduce as mod
+
+    built = []
+
+    def recording(*args):
+        built.append(args)
+        return build_gemm_ar_kernel(*args)
+
+    monkeypatch.setattr(mod, "build_gemm_ar_kernel", recording)
+    make(m=m, k=256, n=n, num_ranks=world, max_blocks=132)
+    [(builder, args, configs)] = mod.gemm_allreduce_jobs([m], 256, n, "bfloat16", [world], 132)
+    assert builder == "tilescale_examples.decode.gemm_ar_kernel:build_gemm_ar_kernel" and configs == PASS_CONFIGS
+    assert built == [args]
+    assert len(mod.gemm_allreduce_jobs([1, 2, 4], 256, 512, "float16", [1, 2], 132)) == 6

@@ -47,3 +47,20 @@ def test_precompiled_kernel_is_a_cache_hit(tmp_path, monkeypatch):
     assert before
     compile_once(build_reduce_kernel("one_shot", "float32", 2, 512, job[1][4]), None, None, PASS_CONFIGS)
     assert cache_files(cache) == before  # nothing new compiled: the same cache key
+
+
+@needs_nvcc
+def test_precompiled_gemm_allreduce_is_a_cache_hit(tmp_path, monkeypatch):
+    import tilelang  # noqa: F401
+
+    from tilescale_examples.base import compile_once
+    from tilescale_examples.decode.gemm_allreduce import gemm_allreduce_jobs
+    from tilescale_examples.decode.gemm_ar_kernel import PASS_CONFIGS, build_gemm_ar_kernel
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(cache))
+    [job] = gemm_allreduce_jobs([1], 64, 128, "bfloat16", [2], 132)
+    assert precompile([job], str(cache)) == ["gemm_allreduce"]
+    before = cache_files(cache)
+    compile_once(build_gemm_ar_kernel(*job[1]), None, None, PASS_CONFIGS)
+    assert cache_files(cache) == before

@@ -40,11 +40,11 @@ from tilescale_examples.base import (ClosedError, SymmetricOp, check_max_blocks,
 from tilescale_examples.collectives.reduce_engine import overlaps
 from tilescale_examples.collectives.reduce_engine import torch_reference as rank_order_reduce
 from tilescale_examples.decode.gemm_ar_kernel import (FLAG_STRIDE, GEMM_AR_DTYPES, PASS_CONFIGS,
-                                                      build_gemm_ar_kernel, padded_rows, tile_count)
+                                                      build_gemm_ar_kernel, gemm_ar_jobs, padded_rows, tile_count)
 from tilescale_examples.overlap.gemm import MAX_ELEMENTS, GemmTiles, check_positive, count_outside
 
 __all__ = ["GemmAllReduce", "torch_reference", "partial_magnitudes", "compare", "default_tiles", "reduction_for",
-           "TWO_SHOT_FROM_BYTES", "ClosedError"]
+           "gemm_allreduce_jobs", "TWO_SHOT_FROM_BYTES", "ClosedError"]
 
 #: Size table of the reduction, keyed by world size (:func:`~tilescale_examples.base.size_table_entry`):
 #: outputs of at least this many bytes would take a two-shot reduction. None everywhere: this
@@ -77,6 +77,15 @@ def default_tiles(m: int, n: int, max_blocks: int, block_m=None, block_n=None, b
     return GemmTiles(bm, block_n, 64 if block_k is None else block_k,
                      num_stages if num_stages is not None else (4 if bm == 64 else 3),
                      threads if threads is not None else (128 if bm == 64 else 256))
+
+
+def gemm_allreduce_jobs(ms: Sequence[int], k: int, n: int, dtype: str, world_sizes: Sequence[int],
+                       max_blocks: int) -> list:
+    """:func:`~tilescale_examples.testing.precompile.precompile` jobs of the kernels
+    ``GemmAllReduce(allocator, m, k, n, dtype, max_blocks=max_blocks)`` builds (default tiles)
+    for every ``m`` in ``ms`` and world size; ``dtype`` a name (``"bfloat16"``); ``max_blocks``
+    the grid cap (the op's default: the device's SM count)."""
+    return [job for m in ms for job in gemm_ar_jobs([(m, k, n)], [dtype], world_sizes, default_tiles(m, n, max_blocks))]
 
 
 def _check_inputs(inputs, rank: int) -> list:
