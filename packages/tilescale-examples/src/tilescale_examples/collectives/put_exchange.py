@@ -17,9 +17,30 @@ from typing import Optional
 
 import torch
 
+from tilescale_examples._macros import T, macro, variable
 from tilescale_examples.base import SymmetricCollective, plan_chunks
 
-__all__ = ["build_put_exchange_kernel", "PutExchange"]
+__all__ = ["build_put_exchange_kernel", "PutExchange", "claim_slot", "await_chunk"]
+
+
+@macro
+def claim_slot(Flags, READY, C, c, p, me, tx, epoch):
+    """The ready handshake of block ``(c, p)``'s call ``epoch``: tell ``p`` that my slot for its
+    chunk ``c`` is free (add 1 to ``ready[me, c]`` on ``p``), wait until ``p``'s slot for my chunk
+    ``c`` is (``ready[p, c] >= epoch``), block barrier. ``READY``: the index of ``ready[0, 0]``."""
+    if tx == 0:
+        T.signal_op(Flags[READY + me * C + c], 1, "add", p)  # my slot for p's chunk c is free
+        T.wait_ge(Flags[READY + p * C + c], epoch)  # p's slot for my chunk c is free
+    T.sync_threads()
+
+
+@macro
+def await_chunk(Flags, State, C, c, p, tx, epoch):
+    """The end of block ``(c, p)``'s call ``epoch``: acquire ``p``'s chunk ``c`` (``data[p, c]
+    >= epoch``) and record the call in ``State`` (every thread read it before the barriers)."""
+    if tx == 0:
+        T.wait_ge(Flags[p * C + c], epoch)  # acquire: p's chunk c is here
+        State[p * C + c] = epoch
 
 
 def build_put_exchange_kernel(shard_numel: int, dtype: str, world_size: int, chunks: int,
@@ -56,16 +77,11 @@ def build_put_exchange_kernel(shard_numel: int, dtype: str, world_size: int, chu
             start = c * CH
             epoch = T.alloc_var("int64")
             epoch = State[p * C + c] + 1  # this call's number (the add below does not wait for it)
-            if tx == 0:
-                T.signal_op(Flags[READY + me * C + c], 1, "add", p)  # my slot for p's chunk c is free
-                T.wait_ge(Flags[READY + p * C + c], epoch)  # p's slot for my chunk c is free
-            T.sync_threads()
+            claim_slot(Flags, READY, C, c, p, me, tx, variable(epoch))
             # put chunk c on p, then (release) add 1 to data[me, c] there: data before signal
             T.put_signal_block(T.address_of(In[p * ROW + start]), T.address_of(Out[me * S + start]),
                                T.min(CH, S - start), Flags[me * C + c], 1, "add", p)
-            if tx == 0:
-                T.wait_ge(Flags[p * C + c], epoch)  # acquire: p's chunk c is here
-                State[p * C + c] = epoch  # every thread read the count before the barriers above
+            await_chunk(Flags, State, C, c, p, tx, variable(epoch))
 
     return exchange.with_attr("global_symbol", name)
 

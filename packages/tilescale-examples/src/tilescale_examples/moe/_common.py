@@ -1,16 +1,12 @@
 """What the MoE kernels share: their constants and argument checks, the module-level ``T.macro``
-machinery (:data:`T`, :func:`macro`, :class:`Scope`) and the macros and expressions both
-dispatch paths or both kernels use. The protocol is described in ``docs/moe.md``.
-
-Importing this package does not import TileLang: :data:`T` imports ``tilelang.language`` at
-its first use and :func:`macro` makes its ``T.macro`` at its first call, both during a kernel
-build.
+machinery (:data:`T`, :func:`macro`, :class:`Scope`, from :mod:`tilescale_examples._macros`)
+and the macros and expressions both dispatch paths or both kernels use. The protocol is
+described in ``docs/moe.md``.
 """
 
 # (no `from __future__ import annotations`: TileLang reads the macros' annotations)
 
-import functools
-import types
+from tilescale_examples._macros import Scope, T, macro
 
 __all__ = ["PLAN_THREADS", "PLAN_WARPS", "MAX_PARTS", "CHUNK", "PUT_UNROLL", "MAX_EXPERTS", "PASS_CONFIGS",
            "DISPATCH_PHASES", "RANK_BITS", "T", "macro", "Scope", "check_sizes", "grid_ids", "expert_key",
@@ -49,62 +45,6 @@ DISPATCH_PHASES = ("start", "index loaded", "ranked", "scanned", "planned", "dat
 #: Bits of a packed plan entry below the expert key: the entry's rank within its ranking
 #: block's range of entries (fewer than ``TMAX * K + threads <= 2**16``).
 RANK_BITS = 16
-
-
-class _TileLang:
-    """``tilelang.language``, imported at the first attribute read (a kernel build)."""
-
-    def __getattr__(self, name):
-        import tilelang.language
-
-        return getattr(tilelang.language, name)
-
-
-#: The TileLang language namespace of the module-level macros.
-T = _TileLang()
-
-
-class macro:  # noqa: N801 (used like T.macro)
-    """``T.macro(func)`` for a module-level function, made at the first call, so that defining
-    it does not import TileLang."""
-
-    def __init__(self, func):
-        functools.update_wrapper(self, func)
-        self._func = func
-        self._macro = None
-
-    def __call__(self, *args, **kwargs):
-        if self._macro is None:
-            self._macro = T.macro(self._func)
-        return self._macro(*args, **kwargs)
-
-
-def _variable(value):
-    """An ``alloc_var`` read inside a macro arrives as a load of it: keep the variable itself."""
-    buffer = getattr(value, "buffer", None)
-    if buffer is not None and hasattr(value, "indices") and buffer.scope() == "local.var":
-        return buffer
-    return value
-
-
-class Scope(types.SimpleNamespace):
-    """The names a kernel's macros share: sizes (ints, dtypes, the run-time dimensions), the
-    kernel's parameters, its buffers, its thread ids and its variables.
-
-    A macro unpacks what it uses into locals of the same names (``lane, wcnt = k.lane,
-    k.wcnt``): TileLang names a TIR variable or buffer after the Python name it is bound to, so
-    the same names keep the generated code what it was when the kernel was one function. An
-    ``alloc_var`` passed in is kept as the variable itself (not its value), so a macro that
-    unpacks it can assign it; a macro returns the variables it creates for later steps as
-    ``k.extend(name=variable, ...)`` (a macro's ``return`` would pass their values).
-    """
-
-    def __init__(self, **names):
-        super().__init__(**{name: _variable(value) for name, value in names.items()})
-
-    def extend(self, **names) -> "Scope":
-        """A scope with this one's names and ``names``."""
-        return Scope(**{**vars(self), **names})
 
 
 def check_sizes(num_experts: int, topk: int, hidden: int, max_tokens: int, threads: int = PLAN_THREADS) -> None:
