@@ -10,7 +10,8 @@ contract where it applies) plus the tutorial
   and everything after it keyword-only; one strategy keyword, ``algorithm``, typed
   ``Literal[...]`` with ``"auto"`` among its values;
 * ``__call__(input, *, out=None)`` (GEMM ops ``(a, b, *, out=None)``);
-* ``torch_reference(inputs, rank)``, the class's and its module's;
+* ``torch_reference(inputs, rank)``, the class's and its module's (plus, with their defaults,
+  the constructor options the result depends on: ``UlyssesAllToAll``'s ``direction``);
 * :class:`~tilescale_examples.ClosedError` from every call after ``close()``;
 * ``heap_bytes(...)`` equal to what the constructor allocates (a recording allocator, and
   tilescale-core's real allocator on a host-memory heap);
@@ -46,7 +47,7 @@ def good_args(cls, world: int = 2) -> tuple:
     return {
         "AllGather": ((16,), F32), "AllToAll": ((world, 16), F32), "ReduceScatter": ((world, 16), F32),
         "AllReduce": ((16,), F32), "AllGatherGEMM": (128, 64, 256, F16), "GemmReduceScatter": (128, 64, 256, F16),
-        "TmaAllReduce": ((64, 128), F32),
+        "TmaAllReduce": ((64, 128), F32), "UlyssesAllToAll": ((2, 8, 2 * world, 16), F32),
     }[cls.__name__]
 
 
@@ -70,7 +71,7 @@ def fused_available(monkeypatch):
 
 
 def test_the_products_are_symmetric_ops():
-    assert len(PRODUCTS) == 7 and all(issubclass(cls, SymmetricOp) for cls in PRODUCTS)
+    assert len(PRODUCTS) == 8 and all(issubclass(cls, SymmetricOp) for cls in PRODUCTS)
     assert issubclass(ClosedError, RuntimeError) and tilescale_examples.ClosedError is ClosedError
     assert issubclass(OldSpellingWarning, FutureWarning)
 
@@ -110,9 +111,12 @@ def test_torch_reference_signature(cls):
     module = importlib.import_module(cls.__module__)
     for ref in (cls.torch_reference, module.torch_reference):
         params = list(inspect.signature(ref).parameters.values())
-        assert [(p.name, p.kind, p.default) for p in params] == [
+        assert [(p.name, p.kind, p.default) for p in params[:2]] == [
             ("inputs", inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty),
             ("rank", inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty)]
+        # beyond them only the constructor options the result depends on, with their defaults
+        assert all(p.default is not inspect.Parameter.empty and p.name in inspect.signature(cls).parameters
+                   for p in params[2:]), params
 
 
 # ------------------------------------------------------------------------------ behaviour

@@ -9,7 +9,8 @@ one raises :class:`ClosedError` (a ``RuntimeError``), also exported here.
 
 Layout: :mod:`tilescale_examples.collectives` (AllGather, AllToAll, ReduceScatter, AllReduce), :mod:`tilescale_examples.overlap`
 (AllGatherGEMM, GemmReduceScatter), :mod:`tilescale_examples.moe` (MoEDispatcher, MoELowLatency),
-:mod:`tilescale_examples.decode` (AllReduceResidualRMSNorm, GemmAllReduce), :mod:`tilescale_examples.tutorials`,
+:mod:`tilescale_examples.decode` (AllReduceResidualRMSNorm, GemmAllReduce), :mod:`tilescale_examples.sequence`
+(UlyssesAllToAll), :mod:`tilescale_examples.tutorials`,
 :mod:`tilescale_examples.testing` (emulated peers, precompile), :mod:`tilescale_examples.benchmarks`, :mod:`tilescale_examples.demo`, and
 :mod:`tilescale_examples.torch_ops` (``torch.ops.tilescale.*``, registered when this package is imported).
 """
@@ -19,13 +20,13 @@ from tilescale_core.interface import lazy_getattr
 __version__ = "0.1.0"
 
 __all__ = ["AllGather", "AllToAll", "ReduceScatter", "AllReduce", "AllGatherGEMM", "GemmReduceScatter", "MoEDispatcher",
-           "AllReduceResidualRMSNorm", "ClosedError", "MoELowLatency", "GemmAllReduce"]
+           "AllReduceResidualRMSNorm", "ClosedError", "MoELowLatency", "GemmAllReduce", "UlyssesAllToAll"]
 __getattr__ = lazy_getattr(globals(), {"ClosedError": "base",
     "AllGather": "collectives.allgather", "AllToAll": "collectives.alltoall",
     "ReduceScatter": "collectives.reducescatter", "AllReduce": "collectives.allreduce",
     "AllGatherGEMM": "overlap.ag_gemm", "GemmReduceScatter": "overlap.gemm_rs", "MoEDispatcher": "moe.dispatcher",
     "AllReduceResidualRMSNorm": "decode.allreduce_norm", "MoELowLatency": "moe.low_latency",
-    "GemmAllReduce": "decode.gemm_allreduce",
+    "GemmAllReduce": "decode.gemm_allreduce", "UlyssesAllToAll": "sequence.ulysses",
 })
 
 try:  # registers torch.ops.tilescale.* (a no-op where torch has no torch.library.custom_op)
