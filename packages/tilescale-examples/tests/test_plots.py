@@ -29,6 +29,8 @@ EXPECTED = {
     # a panel per phase; lines per routing: GB/s; speedup, vs copy, graph vs copy
     "moe": ("lines", [2, 2, 2, 6, 6, 6]),
     "moe_phases": ("lines", [2]),  # graph vs copy per routing, against tokens
+    "decode": ("lines", [4]),  # fused/unfused per rank count (1, 2, 4, 8), against tokens; hidden 4096
+    "decode_2": ("lines", [4]),  # the same, hidden 8192
     "ag_gemm": ("gemm", [4 * 5]),  # 4 shapes x 5 TFLOP/s columns
     "gemm_rs": ("gemm", [4 * 5]),
     "heap": ("bars", [6 * 2]),  # ready ms, cudaMalloc ms per path and ranks
