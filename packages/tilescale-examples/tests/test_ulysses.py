@@ -45,6 +45,30 @@ def test_torch_reference_is_the_layout_change(W):
         torch_reference(xs, 0, "sideways")
 
 
+@pytest.mark.parametrize("direction", ["seq_to_head", "head_to_seq"])
+@pytest.mark.parametrize("W, B, S, H, D", [(1, 2, 6, 3, 4), (2, 3, 10, 4, 2), (4, 1, 8, 8, 3)])
+def test_the_kernels_row_offsets_make_the_reference(direction, W, B, S, H, D):
+    """The exchange emulated with the kernel's own offset arithmetic (rank ``me`` puts row
+    ``r`` of its input for ``p`` into ``p``'s output) gives the reference on every rank."""
+    from tilescale_examples.sequence.ulysses import head_sharded_offset, seq_sharded_offset
+
+    SP, HP, ROW = S // W, H // W, H // W * D
+    xs, _ = _local_inputs(W, B, S, H, D, direction)
+    outs = [torch.full((xs[0].numel(),), -1, dtype=xs[0].dtype) for _ in range(W)]
+    for me in range(W):
+        flat = xs[me].reshape(-1)
+        for p in range(W):
+            for r in range(B * SP):
+                if direction == "seq_to_head":
+                    src, dst = seq_sharded_offset(r, p, H, HP, D), head_sharded_offset(r, me, S, SP, HP, D)
+                else:
+                    src, dst = head_sharded_offset(r, p, S, SP, HP, D), seq_sharded_offset(r, me, H, HP, D)
+                outs[p][dst:dst + ROW] = flat[src:src + ROW]
+    for p in range(W):
+        want = torch_reference(xs, p, direction)
+        assert torch.equal(outs[p].view(want.shape), want), (p, direction)
+
+
 def _source(direction, B=2, S=1000, H=16, D=64, W=4, threads=256):
     C, CH = plan_chunks(B * S // W, H // W * D * 2, W, 32, 4096)
     return kernel_body(lower_source(build_ulysses_kernel(B, S, H, D, W, "bfloat16", direction, C, CH, threads))), C, CH

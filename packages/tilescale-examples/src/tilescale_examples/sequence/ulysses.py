@@ -37,8 +37,8 @@ from tilescale_examples._macros import variable
 from tilescale_examples.base import DTYPES, check_positive_int, plan_chunks
 from tilescale_examples.collectives.put_exchange import PutExchange, await_chunk, claim_slot
 
-__all__ = ["UlyssesAllToAll", "build_ulysses_kernel", "torch_reference", "global_sizes", "output_shape", "DIRECTIONS",
-           "MIN_CHUNK_BYTES"]
+__all__ = ["UlyssesAllToAll", "build_ulysses_kernel", "torch_reference", "global_sizes", "output_shape",
+           "seq_sharded_offset", "head_sharded_offset", "DIRECTIONS", "MIN_CHUNK_BYTES"]
 
 #: Values of ``direction``.
 DIRECTIONS = ("seq_to_head", "head_to_seq")
@@ -64,6 +64,19 @@ def output_shape(shape, world_size: int, direction: str) -> tuple:
     return (B, S, H // W, D) if direction == "seq_to_head" else (B, S // W, H, D)
 
 
+def seq_sharded_offset(r, q, H: int, HP: int, D: int):
+    """Element offset of row ``r`` (``b * SP + s``) of the sequence-sharded ``(B, SP, H, D)``
+    layout, at the first of rank ``q``'s heads: ``r * H * D + q * HP * D`` (ints or TIR
+    expressions: the kernel's addresses and the tests' emulation are the same arithmetic)."""
+    return r * (H * D) + q * (HP * D)
+
+
+def head_sharded_offset(r, q, S: int, SP: int, HP: int, D: int):
+    """Element offset of row ``r`` (``b * SP + s``) of rank ``q``'s positions in the
+    head-sharded ``(B, S, HP, D)`` layout: position ``q * SP + s`` of batch ``b``."""
+    return (r // SP * S + q * SP + r % SP) * (HP * D)
+
+
 def build_ulysses_kernel(batch: int, seq_len: int, num_heads: int, head_dim: int, world_size: int, dtype: str,
                          direction: str, chunks: int, chunk: int, threads: int = 512):
     """The Ulysses all-to-all ``T.prim_func``: ``(In: (B * SP * H * D,), Out: (B * SP * H *
@@ -83,11 +96,11 @@ def build_ulysses_kernel(batch: int, seq_len: int, num_heads: int, head_dim: int
     NW, READY = threads // 32, W * C
     to_heads = direction == "seq_to_head"
 
-    def by_seq(r, q):  # row r of (B, SP, H, D), heads of rank q
-        return r * (H * D) + q * ROW
+    def by_seq(r, q):
+        return seq_sharded_offset(r, q, H, HP, D)
 
-    def by_heads(r, q):  # row r of rank q's positions in (B, S, HP, D)
-        return (r // SP * S + q * SP + r % SP) * ROW
+    def by_heads(r, q):
+        return head_sharded_offset(r, q, S, SP, HP, D)
 
     @T.prim_func
     def ulysses(In: T.Tensor((N,), dtype), Out: T.Tensor((N,), dtype), Flags: T.Tensor((2 * W * C,), "uint64"),
