@@ -215,7 +215,20 @@ def _measure_size(op, rank, world, group, device, m_local, args):
     title = OPS[op][0]
     alloc = tilelang.get_allocator(size=heap_for(op, world, m_local, args.k, args.n, dtype, device), device=device,
                                    is_distributed=True, local_rank=rank, num_local_ranks=world, group=group)
-    obj = _op_class(op)(alloc, m_local, args.k, args.n, dtype, group=group)
+    tiles, tiles_text = {}, None
+    if args.tune:  # the library GEMM's tiles for this shape, the same on every rank (cached on disk)
+        import dataclasses
+
+        from tilescale_lang.autotune import gemm_space
+
+        from tilescale_examples.overlap.tuning import tune_tiles
+
+        space = gemm_space(world * m_local, args.n, args.k, args.dtype,
+                           valid=lambda config: m_local % config["block_m"] == 0)  # the op's rows per rank too
+        tuned, result = tune_tiles(world * m_local, args.n, args.k, dtype, device=device, group=group, space=space)
+        tiles = dataclasses.asdict(tuned)
+        tiles_text = "{block_m}x{block_n}x{block_k} s{num_stages} t{threads}".format(**tiles) + f" ({result.source})"
+    obj = _op_class(op)(alloc, m_local, args.k, args.n, dtype, group=group, **tiles)
     cols = _Columns(op, rank, world, group, device, m_local, args.k, args.n, dtype, obj)
     calls = {"TileScale": cols.tilescale, "collective + cuBLAS": cols.collective_cublas,
              "async-TP": cols.async_tp, "matmul alone": cols.matmul_alone, "stock TileLang": cols.stock_tilelang}
@@ -253,6 +266,8 @@ def _measure_size(op, rank, world, group, device, m_local, args):
     row += [ts.get(c, "n/a") for c in COLUMNS]
     row += [ts["TileScale"] / ts[c] if c in ts else "n/a" for c in COLUMNS[1:]]
     row.append("ok" if int(flag.item()) == 0 else "FAIL: " + ", ".join(failed))
+    if tiles_text is not None:
+        row.append(tiles_text)
     obj.close()
     del cols
     torch.cuda.synchronize(device)
@@ -300,6 +315,9 @@ def parser(op: str):
     p.add_argument("--iters", type=int, default=20, help="timed back-to-back calls per column and round")
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds over all columns; each column's median round is reported")
+    p.add_argument("--tune", action="store_true",
+                   help="tiles from the autotuner for the GEMM of world_size * m_local rows (cached on disk; "
+                        "TILESCALE_AUTOTUNE=cache_only reads the cache only), shown in a tiles column")
     return p
 
 
@@ -337,7 +355,7 @@ def main(op: str, argv=None) -> int:
     if result is None:
         return 0
     rows, failures, notes = result
-    print_table(title(op, world, backend, min(gpus, world), args), HEADERS, rows)
+    print_table(title(op, world, backend, min(gpus, world), args), HEADERS + (["tiles"] if args.tune else []), rows)
     for name, why in sorted(notes.items()):
         print(f"n/a {name}: {why}")
     print(f"\ncorrectness (every column's output vs a float32 torch reference, element-wise bound): "
