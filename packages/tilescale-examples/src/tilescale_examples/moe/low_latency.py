@@ -13,8 +13,8 @@ masked receive layout, FP8 dispatch, a send/receive split, CUDA-graph safe.
     ...                                                                # other work on the stream
     hook()                                                             # the receive wait
 
-Receive layout (masked; bit-exact against :func:`~tilescale_examples.moe.ll_reference.ll_dispatch_reference`)
----------------------------------------------------------------------------------------------------------
+**Receive layout** (masked; bit-exact against
+:func:`~tilescale_examples.moe.ll_reference.ll_dispatch_reference`).
 
 ``recv_x`` is ``(EL, W * max_tokens, hidden)`` (``EL = num_experts / W`` local experts): local
 expert ``j``'s rows from source rank ``s`` are ``recv_x[j, s * max_tokens:][:recv_counts[j, s]]``,
