@@ -19,6 +19,7 @@ from tilescale_examples.collectives.alltoall import AllToAll
 from tilescale_examples.overlap.gemm_rs import GemmReduceScatter
 from tilescale_examples.moe.dispatcher import DispatchHandle, MoEDispatcher, torch_combine_reference, torch_dispatch_reference
 from tilescale_examples.collectives.reducescatter import ReduceScatter
+from tilescale_examples.sequence.ulysses import UlyssesAllToAll, output_shape, torch_reference as ulysses_reference
 from tilescale_examples.tutorials.tma_allreduce import TmaAllReduce
 from tilescale_examples.torch_ops import handle_of, lookup, register, unregister
 
@@ -115,6 +116,19 @@ class StandInAllToAll(_Sharded, AllToAll):
         return input[self.rank].expand(self.world_size, *self.shard_shape)
 
 
+class StandInUlysses(_Collective, UlyssesAllToAll):
+    """What ``world_size`` ranks holding the same input would each get (rank 0's view)."""
+
+    def __init__(self, shape, direction="seq_to_head", dtype=torch.float32, world_size=W):
+        self._init(dtype, world_size)
+        self.shape, self.direction = tuple(shape), direction
+        self.output_shape = output_shape(self.shape, world_size, direction)
+        self.output = torch.zeros(self.output_shape, dtype=dtype)
+
+    def _stand_in_result(self, input):
+        return ulysses_reference([input] * self.world_size, self.rank, self.direction)
+
+
 class _Gemm(_Collective):
     """Shared by the GEMM stand-ins: the GEMM's sizes; a call writes ``_stand_in_result(a, b)`` to ``out``."""
 
@@ -200,7 +214,7 @@ def _routing(T=5, topk=2, num_experts=4, seed=0):
 def test_every_op_is_registered_with_its_schema():
     assert tilescale_examples.torch_ops is torch_ops
     assert set(torch_ops.SCHEMAS) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul",
-                                      "matmul_reduce_scatter", "moe_dispatch", "moe_combine"}
+                                      "matmul_reduce_scatter", "moe_dispatch", "moe_combine", "ulysses_all_to_all"}
     for name, schema in torch_ops.SCHEMAS.items():
         op = getattr(OPS, name)
         assert str(op.default._schema) == f"tilescale::{name}{schema}"
@@ -464,3 +478,25 @@ def test_moe_compile_fullgraph_matches_eager():
     for g_, w_ in zip(got, want):
         torch.testing.assert_close(g_, w_)
     assert moe.calls == 4  # dispatch + combine, eagerly and compiled
+
+
+# ------------------------------------------------------------------------------ ulysses_all_to_all
+@pytest.mark.parametrize("direction, shape", [("seq_to_head", (2, 3, 4, 5)), ("head_to_seq", (2, 6, 2, 5))])
+def test_ulysses_all_to_all_eager_fake_and_compiled(direction, shape):
+    op = StandInUlysses(shape, direction)
+    h = handle_of(op)
+    x = torch.randn(shape)
+    want = ulysses_reference([x] * W, 0, direction)
+    got = OPS.ulysses_all_to_all(x, h)
+    torch.testing.assert_close(got, want)
+    assert got.data_ptr() not in (op.output.data_ptr(), x.data_ptr()) and tuple(got.shape) == op.output_shape
+    with FakeTensorMode() as mode:
+        fake = OPS.ulysses_all_to_all(mode.from_tensor(x), h)
+        assert (tuple(fake.shape), fake.dtype) == (op.output_shape, torch.float32)
+    compiled = torch.compile(lambda t: OPS.ulysses_all_to_all(t * 2, h), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), ulysses_reference([x * 2] * W, 0, direction))
+    with pytest.raises(ValueError, match=r"shape = \(batch, positions, heads, head_dim\)"):
+        OPS.ulysses_all_to_all(torch.randn(2, 3, 4), h)
+    other = StandInAllToAll((3, 4))
+    with pytest.raises(ValueError, match="UlyssesAllToAll"):
+        OPS.ulysses_all_to_all(x, handle_of(other))

@@ -7,6 +7,7 @@ Importing :mod:`tilescale_examples` registers, with :func:`torch.library.custom_
     torch.ops.tilescale.reduce_scatter(Tensor x, int handle) -> Tensor
     torch.ops.tilescale.all_gather(Tensor x, int handle) -> Tensor
     torch.ops.tilescale.all_to_all(Tensor x, int handle) -> Tensor
+    torch.ops.tilescale.ulysses_all_to_all(Tensor x, int handle) -> Tensor
     torch.ops.tilescale.all_gather_matmul(Tensor a, Tensor b, int handle) -> Tensor
     torch.ops.tilescale.matmul_reduce_scatter(Tensor a, Tensor b, int handle) -> Tensor
     torch.ops.tilescale.moe_dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, int handle)
@@ -87,6 +88,7 @@ SCHEMAS: Dict[str, str] = {
     "reduce_scatter": "(Tensor x, int handle) -> Tensor",
     "all_gather": "(Tensor x, int handle) -> Tensor",
     "all_to_all": "(Tensor x, int handle) -> Tensor",
+    "ulysses_all_to_all": "(Tensor x, int handle) -> Tensor",
     "all_gather_matmul": "(Tensor a, Tensor b, int handle) -> Tensor",
     "matmul_reduce_scatter": "(Tensor a, Tensor b, int handle) -> Tensor",
     "moe_dispatch": ("(Tensor x, Tensor topk_idx, Tensor topk_weights, int handle)"

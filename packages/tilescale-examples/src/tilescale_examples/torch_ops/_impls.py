@@ -64,6 +64,8 @@ def _call_into(inst, out: torch.Tensor, *args) -> torch.Tensor:
 #:   ``r`` being rank ``r``'s;
 #: * ``all_to_all(x)``: row ``p`` of ``x`` (``(world_size, *row)``) sent to rank ``p``; row
 #:   ``s`` of the result is what rank ``s`` sent here;
+#: * ``ulysses_all_to_all(x)``: the Ulysses exchange of ``x`` (the instance's ``shape``,
+#:   ``(batch, positions, heads, head_dim)``), the instance's ``output_shape`` (its direction's);
 #: * ``all_gather_matmul(a, b)``: ``all_gather(a) @ b``, ``a`` ``(m_local, k)`` on every rank,
 #:   ``b`` ``(k, n)``: ``(world_size * m_local, n)`` (rows ``r * m_local ..`` from rank ``r``'s ``a``);
 #: * ``matmul_reduce_scatter(a, b)``: ``reduce_scatter(a @ b)``, ``a`` ``(world_size * m_local,
@@ -75,6 +77,8 @@ DENSE = {
     "reduce_scatter": ((("x", lambda i: i.shape, _ROWS),), lambda i: i.shard_shape),
     "all_gather": ((("x", lambda i: i.shape, "shape ="),), lambda i: (i.world_size, *i.shape)),
     "all_to_all": ((("x", lambda i: i.shape, _ROWS),), lambda i: i.shape),
+    "ulysses_all_to_all": ((("x", lambda i: i.shape, "shape = (batch, positions, heads, head_dim) ="),),
+                           lambda i: i.output_shape),
     "all_gather_matmul": ((("a", lambda i: (i.m_local, i.k), "a = (m_local, k) ="), _B),
                           lambda i: (i.world_size * i.m_local, i.n)),
     "matmul_reduce_scatter": ((("a", lambda i: (i.world_size * i.m_local, i.k), "a = (world_size * m_local, k) ="), _B),

@@ -22,6 +22,7 @@ _CLASSES: Dict[str, str] = {
     "tilescale_examples.overlap.ag_gemm.AllGatherGEMM": "AllGatherGEMM",
     "tilescale_examples.overlap.gemm_rs.GemmReduceScatter": "GemmReduceScatter",
     "tilescale_examples.moe.dispatcher.MoEDispatcher": "MoEDispatcher",
+    "tilescale_examples.sequence.ulysses.UlyssesAllToAll": "UlyssesAllToAll",
 }
 
 #: Operator name -> the classes whose handles it takes (the ``kind`` of :func:`lookup`).
@@ -30,6 +31,7 @@ OP_CLASSES: Dict[str, Tuple[str, ...]] = {
     "reduce_scatter": ("ReduceScatter",),
     "all_gather": ("AllGather",),
     "all_to_all": ("AllToAll",),
+    "ulysses_all_to_all": ("UlyssesAllToAll",),
     "all_gather_matmul": ("AllGatherGEMM",),
     "matmul_reduce_scatter": ("GemmReduceScatter",),
     "moe_dispatch": ("MoEDispatcher",),
@@ -87,8 +89,9 @@ def register(obj) -> int:
     :class:`~tilescale_examples.collectives.allgather.AllGather`,
     :class:`~tilescale_examples.collectives.alltoall.AllToAll`,
     :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM`,
-    :class:`~tilescale_examples.overlap.gemm_rs.GemmReduceScatter` or
-    :class:`~tilescale_examples.moe.dispatcher.MoEDispatcher` (or a subclass); anything else raises
+    :class:`~tilescale_examples.overlap.gemm_rs.GemmReduceScatter`,
+    :class:`~tilescale_examples.moe.dispatcher.MoEDispatcher` or
+    :class:`~tilescale_examples.sequence.ulysses.UlyssesAllToAll` (or a subclass); anything else raises
     ``TypeError``, a closed instance ``RuntimeError``. The registry keeps only a weak
     reference: keep ``obj`` alive yourself (see the module docstring's lifetime rules).
     Local to the process: no communication.
