@@ -212,11 +212,12 @@ STEPS = 4
 
 
 def _gathered(x, world):
+    """Every rank's ``x`` (device tensors: gloo and NCCL both gather them)."""
     import torch.distributed as dist
 
-    every = [torch.empty(x.shape, dtype=x.dtype) for _ in range(world)]
-    dist.all_gather(every, x.cpu())
-    return [e.to(x.device) for e in every]
+    every = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(every, x.contiguous())
+    return every
 
 
 def _check(out, x, rank, world, direction, where):

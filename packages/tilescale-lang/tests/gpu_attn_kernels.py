@@ -91,9 +91,9 @@ def rank_body(rank: int, world: int, cache_dir: str) -> dict:
                 pynvshmem.nvshmem_barrier_all()  # every rank's buffers are ready
                 kernel(src, dst, signal)
                 pynvshmem.nvshmem_barrier_all()
-                every = [torch.empty(src_shape, dtype=torch.float16) for _ in range(world)]
-                dist.all_gather(every, src.cpu())
-                want = reference(program, [s.to(src.device) for s in every], rank, world, NH, S)
+                every = [torch.empty_like(src) for _ in range(world)]
+                dist.all_gather(every, src)  # device tensors: gloo and NCCL both gather them
+                want = reference(program, every, rank, world, NH, S)
                 if not torch.equal(dst, want):
                     bad = (dst != want).sum().item()
                     errors.append(f"{program} {(B, NH, S, D)} repeat {rep}: {bad} of {dst.numel()} elements differ")
