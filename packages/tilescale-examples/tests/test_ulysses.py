@@ -187,8 +187,9 @@ def test_benchmark_without_gpu_bad_arguments_and_goal(monkeypatch, capsys):
 
 @pytest.mark.parametrize("W", [1, 2, 4])
 def test_benchmark_torch_path_makes_the_output_layout(W):
-    """The torch path's layout changes, with its exchange a local copy: at one rank it is the
-    reference; at more, the output holds rank p's piece where rank p's rows would land."""
+    """The torch path's layout changes, with its exchange a local copy: the output layout's
+    shape at every rank count, and the reference itself at one rank (where the copy is the
+    whole exchange)."""
     from tilescale_examples.benchmarks.ulysses import torch_path
 
     B, S, H, D = 2, 8, 4, 3

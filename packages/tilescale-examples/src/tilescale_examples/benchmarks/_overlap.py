@@ -38,7 +38,6 @@ rank's inputs for its reference without communication.
 
 from __future__ import annotations
 
-
 from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._collectives import HEAP_SLACK, pick_baseline
 from tilescale_examples.benchmarks._report import print_table

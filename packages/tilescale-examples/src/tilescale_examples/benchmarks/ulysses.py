@@ -77,8 +77,9 @@ def check_round(ops, inputs) -> list:
     return bad
 
 
-def run_case(args, n: int, seq: int, direction: str, device) -> list:
-    """One row of :data:`HEADERS` and the failures: built, checked, timed, closed."""
+def run_case(args, n: int, seq: int, direction: str, device) -> tuple:
+    """``(row, failures)``: one row of :data:`HEADERS` and the check's failure messages; the
+    op built, checked, timed and closed."""
     import torch
 
     from tilescale_examples.sequence.ulysses import UlyssesAllToAll

@@ -97,11 +97,16 @@ class PutExchange(SymmetricCollective):
 
     def _setup(self, *args, min_chunk_bytes: int, **kwargs) -> None:
         """:meth:`~tilescale_examples.base.SymmetricCollective._setup`, then the plan of the
-        exchange: ``chunks`` pieces of ``chunk`` elements per shard (:func:`plan_chunks`, no
-        piece under ``min_chunk_bytes`` before the grid grows)."""
+        exchange: ``chunks`` pieces of ``chunk`` units (:meth:`_chunk_units`) per peer
+        (:func:`plan_chunks`, no piece under ``min_chunk_bytes`` before the grid grows)."""
         super()._setup(*args, **kwargs)
-        self.chunks, self.chunk = plan_chunks(self.shard_numel, self.itemsize, self.world_size, self.max_blocks,
-                                              min_chunk_bytes)
+        units, unit_bytes = self._chunk_units()
+        self.chunks, self.chunk = plan_chunks(units, unit_bytes, self.world_size, self.max_blocks, min_chunk_bytes)
+
+    def _chunk_units(self) -> tuple:
+        """``(units, bytes per unit)`` a rank sends each peer, which the chunk plan splits: the
+        shard's elements (an exchange that moves rows overrides it)."""
+        return self.shard_numel, self.itemsize
 
     def _make_flags(self) -> None:
         """The kernel's flags, symmetric (``(2 * world_size * chunks,)`` uint64: data then

@@ -34,7 +34,7 @@ from typing import Literal, Optional, Sequence, Union
 import torch
 
 from tilescale_examples._macros import variable
-from tilescale_examples.base import DTYPES, check_positive_int, plan_chunks
+from tilescale_examples.base import DTYPES
 from tilescale_examples.collectives.put_exchange import PutExchange, await_chunk, claim_slot
 
 __all__ = ["UlyssesAllToAll", "build_ulysses_kernel", "torch_reference", "global_sizes", "output_shape",
@@ -195,19 +195,20 @@ class UlyssesAllToAll(PutExchange):
         self._finish_build(lambda: build_ulysses_kernel(*sizes, self.world_size, DTYPES[self.dtype], direction,
                                                         self.chunks, self.chunk, threads), target)
 
-    def _setup(self, *args, min_chunk_bytes: int, **kwargs) -> None:
-        """The collectives' checks, then the sizes of all ranks together (``shape`` must be
-        4-d, the split dimension a multiple of ``world_size``) and the plan: ``chunks`` pieces
-        of ``chunk`` rows (``B * S / W`` rows of ``H / W * D`` elements go to each rank)."""
-        check_positive_int("min_chunk_bytes", min_chunk_bytes)
-        super(PutExchange, self)._setup(*args, **kwargs)
+    def _set_shard(self) -> None:
+        """The last step of the collectives' checks: ``shape`` must be 4-d and its split
+        dimension a multiple of ``world_size``; the sizes of all ranks together and the output
+        shape."""
         if len(self.shape) != 4:
             raise ValueError(f"shape must be (batch, positions, heads, head_dim), got {self.shape}")
         W = self.world_size
         self.batch, self.seq_len, self.num_heads, self.head_dim = global_sizes(self.shape, W, self.direction)
         self.output_shape = output_shape(self.shape, W, self.direction)
-        rows, row_bytes = self.batch * self.seq_len // W, self.num_heads // W * self.head_dim * self.itemsize
-        self.chunks, self.chunk = plan_chunks(rows, row_bytes, W, self.max_blocks, min_chunk_bytes)
+
+    def _chunk_units(self) -> tuple:
+        """The chunk plan's units: ``B * S / W`` rows of ``H / W * D`` elements go to each rank."""
+        W = self.world_size
+        return self.batch * self.seq_len // W, self.num_heads // W * self.head_dim * self.itemsize
 
     def _largest_numel(self) -> int:
         return math.prod(self.shape)  # input and output hold the same elements
