@@ -29,6 +29,7 @@ from tilescale_examples._checks import (DEFAULT_MAX_BLOCKS, DTYPES, TARGET, chec
                                         check_group, check_max_blocks, check_positive_int, check_shape,
                                         check_target, check_tensor, check_threads, default_group, plan_chunks,
                                         size_table_entry)
+from tilescale_examples._group import all_ranks_agree, collective_device, settle
 from tilescale_examples._contract import (OldSpellingWarning, RecordingAllocator, accepts_0_1_init,
                                           accepts_0_1_out, accepts_0_1_reference, dry_run_heap_bytes,
                                           rank_left_out, row_shape_0_1, sm_count_of, warn_old_spelling)
@@ -81,37 +82,6 @@ def compile_once(func, group=None, target=None, pass_configs=None):
     kernel = tilelang.compile(func, target=target or TARGET, compile_once=True, compile_group=group, **extra)
     log.info("kernel %s ready (%.1f s)", name, time.monotonic() - start)
     return kernel
-
-
-def settle(device, group=None) -> None:
-    """End of a collective constructor: wait for the device (flags zeroed, tables copied),
-    then barrier over ``group`` so that no peer signals a flag before its owner zeroed it."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    if group is not None:
-        import torch.distributed as dist
-
-        dist.barrier(group=group)
-
-
-def collective_device(group, device) -> torch.device:
-    """Where small host-side collectives over ``group`` (flags, timings, agreements) put
-    their tensors: ``device`` under NCCL, the CPU otherwise (gloo takes host tensors)."""
-    import torch.distributed as dist
-
-    return torch.device(device) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-
-
-def all_ranks_agree(ok: bool, group=None, device=None) -> bool:
-    """Whether ``ok`` holds on every rank of ``group`` (a MIN all-reduce; ``ok`` itself
-    without a group). Collective: every rank of ``group`` must call it."""
-    if group is None:
-        return bool(ok)
-    import torch.distributed as dist
-
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=collective_device(group, device))
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
 
 
 class Closable:
@@ -233,6 +203,23 @@ class KernelOwner:
         kernel.initialize(allocator=self.allocator, stream=stream)
         state[self._TABLE_OWNER] = self.allocator
 
+    #: Whether this instance launches its kernels through the lean launcher
+    #: (:mod:`tilescale_lang.lean`; the default) or through TileLang's launcher at every
+    #: call (``op.lean_launch = False``: the same results, for comparison or debugging).
+    lean_launch = True
+
+    def _launch_kernel(self, args: tuple, changing: Sequence[int], kernel=None) -> None:
+        """Launch ``kernel`` (default ``self.kernel``) with ``args`` (every parameter, in
+        order) on the current stream, the arguments at the ``changing`` positions packed per
+        call (:func:`tilescale_examples._launch.launch`)."""
+        from tilescale_examples._launch import launch
+
+        kernel = self.kernel if kernel is None else kernel
+        if not self.lean_launch or self.device.type != "cuda":
+            kernel(*args)
+        else:
+            launch(self.__dict__.setdefault("_lean_launches", {}), kernel, args, changing)
+
     def _device_table(self) -> torch.Tensor:
         """This allocator's metadata table as a device tensor (made once, by the first eager
         :meth:`bind_table`): the source of the table copies captured in CUDA graphs."""
@@ -352,6 +339,7 @@ class SymmetricOp(KernelOwner, Closable):
         raises :class:`ClosedError`."""
         self._closed = True
         self.kernel = None
+        self.__dict__.pop("_lean_launches", None)  # their prepared buffers
         for name in self._BUFFERS:
             part = getattr(self, name, None)
             if isinstance(part, Closable):

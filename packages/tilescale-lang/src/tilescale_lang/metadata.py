@@ -371,6 +371,14 @@ def initialize(kernel: Any, allocator: Any = None, stream: int | None = None) ->
 
 
 # ------------------------------------------------------------------------------ graph capture
+def modules(kernel: Any) -> list[int]:
+    """The ``CUmodule`` handles (ints) of ``kernel``'s code that TileScale has seen loaded:
+    a ``tvm_ffi`` kernel's module once its first launch ran under tracking (after
+    :func:`initialize` or :func:`track_kernel`), one per CUDA context; empty otherwise."""
+    with _lock:
+        return list(_state(kernel)["modules"])
+
+
 def loaded(kernel: Any) -> bool:
     """Whether ``kernel``'s module is loaded (it has been launched once, or it is not a
     ``tvm_ffi`` kernel, whose modules load when the kernel is compiled)."""

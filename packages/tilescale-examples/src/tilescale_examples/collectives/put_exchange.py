@@ -120,7 +120,7 @@ class PutExchange(SymmetricCollective):
         """One call's data movement on the current stream (the SM kernel; overridden by
         engines that move data otherwise)."""
         self.bind_table()
-        self.kernel(input.view(-1), self.output.view(-1), self.flags, self.state)
+        self._launch_kernel((input.view(-1), self.output.view(-1), self.flags, self.state), changing=(0,))
 
     def _exchange(self, input: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
         """Run the exchange kernel on ``input`` (checked by the caller) on the current stream;

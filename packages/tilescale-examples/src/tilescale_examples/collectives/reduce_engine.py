@@ -355,6 +355,7 @@ class ReductionCollective(SymmetricCollective):
                     self._padded = torch.zeros((p.stage_rows, p.vec), dtype=self.dtype, device=self.device)
                 stage_copy(self._padded, input)
                 x = self._padded
-        args = [x, self.stage_buffer] + ([] if out_rows is None else [out_rows])
-        self.kernel(*args, self.flags, self.state, p.blocks, p.iters, p.span, p.rows_in, stage_in)
+        args = (x, self.stage_buffer) + (() if out_rows is None else (out_rows,))
+        self._launch_kernel(args + (self.flags, self.state, p.blocks, p.iters, p.span, p.rows_in, stage_in),
+                            changing=(0, len(args) + 6) if out_rows is None else (0, 2, len(args) + 6))
         return self.stages[self.epoch % nb]

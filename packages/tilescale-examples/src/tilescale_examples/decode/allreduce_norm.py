@@ -221,8 +221,8 @@ class AllReduceResidualRMSNorm(SymmetricCollective):
         tmp = [self.residual_output.view(-1, self.vec) if outs[0] is None else outs[0],
                self.output.view(-1, self.vec) if outs[1] is None else outs[1]]
         scales = [] if s is None else [s.view(-1)]
-        self.kernel(*ins[:2], ins[2], self.stage_buffer, tmp[0], tmp[1], *scales, self.flags, self.state,
-                    self.blocks, self.iters, self.tokens, self.eps)
+        self._launch_kernel((*ins, self.stage_buffer, *tmp, *scales, self.flags, self.state, self.blocks, self.iters,
+                             self.tokens, self.eps), changing=(0, 1, 2, 4, 5, 6) if scales else (0, 1, 2, 4, 5))
         for dst, got, own in ((h, outs[0], self.residual_output), (y, outs[1], self.output)):
             if got is None:
                 dst.copy_(own)  # an output that is not whole aligned vectors: through the op's own

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["UnsupportedKernelError", "describe", "expr_text", "lower"]
+__all__ = ["UnsupportedKernelError", "describe", "expr_text", "lower", "parameters", "symbol_of"]
 
 
 class UnsupportedKernelError(ValueError):
@@ -75,6 +75,12 @@ def lower(func: Any, arch: str, pass_configs: dict[str, Any] | None = None) -> A
         return tilelang.lower(func, target=target)
 
 
+def symbol_of(func: Any) -> str:
+    """``func``'s ``global_symbol`` (``"kernel"`` when it has none)."""
+    attrs = getattr(func, "attrs", None)
+    return str(attrs["global_symbol"]) if attrs is not None and "global_symbol" in attrs else "kernel"
+
+
 def _dim(value: Any) -> int | str:
     return expr_text(value)
 
@@ -100,6 +106,12 @@ def _params(func: Any) -> tuple[list[dict], list[dict], dict[str, str]]:
                     dynamic[d.name] = {"name": d.name, "dtype": str(d.dtype), "param": buf.name, "axis": axis,
                                        "of": of}
     return params, list(dynamic.values()), data_names
+
+
+def parameters(func: Any) -> tuple[list[dict], list[dict]]:
+    """``(params, dynamic_vars)`` of PrimFunc ``func`` (see the module docstring), without lowering it."""
+    params, dynamic, _ = _params(func)
+    return params, dynamic
 
 
 def _packed_calls(host_mod: Any) -> dict[str, list]:

@@ -1,0 +1,212 @@
+"""Host time per eager call: TileScale's ops (lean launcher and TileLang's launcher) against torch.add, torch symmetric memory and NCCL.
+
+``python -m tilescale_examples.benchmarks.launch [--bytes 4096] [--calls 3000] [--rounds 5]
+[--dtype bfloat16|float16|float32] [--out DIR]``
+
+One rank on one GPU (an NCCL group of one), as a serving process calls its collectives
+outside CUDA graphs. Each row is the host's microseconds per call over ``--calls`` back-to-back
+calls with the stream left running (the GPU work of a call is shorter than its host cost, so
+the host sets the pace), each function's best of ``--rounds`` alternating rounds after 100
+warm-up calls (:func:`~tilescale_examples.benchmarks._timing.host_us_rounds`):
+
+* baselines: ``torch.add`` of two ``--bytes`` tensors, ``torch.ops.symm_mem.one_shot_all_reduce``
+  on a symmetric buffer, NCCL's ``all_reduce`` (``torch.distributed``);
+* TileScale ``AllReduce`` (one-shot), ``AllGather``, ``AllToAll``, ``ReduceScatter`` and the
+  decode op ``AllReduceResidualRMSNorm`` (1 token of ``--bytes`` / itemsize channels), each
+  through the lean launcher (:mod:`tilescale_lang.lean`, the default) and through TileLang's
+  launcher (``op.lean_launch = False``), one instance each;
+* the raw kernel launch of the all-reduce (its kernel called with all its arguments through
+  TileLang's launcher, and through a prepared :class:`~tilescale_lang.lean.LeanLaunch`).
+
+Before timing, every op's lean result is checked against its torch reference (fresh random
+input, poisoned output); a failure is printed and makes the exit status 1.
+
+The goals (issue 47, one H200): every TileScale op's host time per call at most 1.2x
+``torch.add``'s and at most 0.8x torch symmetric memory's one-shot all-reduce (printed last).
+"""
+
+from __future__ import annotations
+
+from tilescale_examples.benchmarks import _harness
+from tilescale_examples.benchmarks._report import print_table, ratio
+
+__all__ = ["HEADERS", "GOAL_ADD", "GOAL_SYMM", "run", "goal_lines", "main"]
+
+HEADERS = ["call", "launcher", "host us", "vs torch.add", "vs symm one-shot", "check"]
+#: The goals: TileScale's host time per call at most GOAL_ADD x torch.add's, GOAL_SYMM x symm mem's.
+GOAL_ADD, GOAL_SYMM = 1.2, 0.8
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _ops(alloc, numel: int, dtype, group, device) -> dict:
+    """``{name: (make, call, reference)}`` of the TileScale ops measured: ``make()`` builds
+    one instance, ``call(op, x)`` runs it on input ``x`` and returns what it wrote,
+    ``reference(x)`` is the torch result at world 1."""
+    import torch
+
+    from tilescale_examples import AllGather, AllReduce, AllToAll, ReduceScatter
+    from tilescale_examples.decode.allreduce_norm import AllReduceResidualRMSNorm
+    from tilescale_examples.decode.reference import torch_reference
+
+    residual = torch.randn(1, numel, device=device).to(dtype)
+    weight = (1 + 0.1 * torch.randn(numel, device=device)).to(dtype)
+
+    def norm_call(op, x):
+        y, h = op(x.view(1, numel), residual, weight)
+        return torch.cat([y.view(-1), h.view(-1)])
+
+    def norm_reference(x):
+        y, h = torch_reference([(x.view(1, numel), residual, weight)], 0)
+        return torch.cat([y.view(-1), h.view(-1)])
+
+    def make_norm():
+        return AllReduceResidualRMSNorm(alloc, (1, numel), dtype, world_size=1, group=group)
+
+    return {
+        "AllReduce one-shot": (lambda: AllReduce(alloc, (numel,), dtype, world_size=1, algorithm="one_shot", group=group),
+                               lambda op, x: op(x), lambda x: x),
+        "AllGather": (lambda: AllGather(alloc, (numel,), dtype, world_size=1, group=group), lambda op, x: op(x),
+                      lambda x: x.view(1, numel)),
+        "AllToAll": (lambda: AllToAll(alloc, (numel,), dtype, world_size=1, group=group), lambda op, x: op(x),
+                     lambda x: x),
+        "ReduceScatter": (lambda: ReduceScatter(alloc, (numel,), dtype, world_size=1, group=group), lambda op, x: op(x),
+                          lambda x: x),
+        "AllReduceResidualRMSNorm": (make_norm, norm_call, norm_reference),
+    }
+
+
+def _check(op, call, reference, numel: int, dtype, device) -> str:
+    """"ok", or what differed: one call on a fresh random input, outputs poisoned first."""
+    import torch
+
+    x = torch.randn(numel, device=device).to(dtype)
+    want = reference(x)
+    for name in ("output", "residual_output"):
+        t = getattr(op, name, None)
+        if isinstance(t, torch.Tensor):
+            t.fill_(float("nan"))
+    got = call(op, x)
+    torch.cuda.synchronize(device)
+    if got.shape != want.shape and got.numel() == want.numel():
+        got = got.reshape(want.shape)
+    close = torch.allclose(got.float(), want.float(), rtol=2**-7, atol=1e-3) if got.shape == want.shape else False
+    return "ok" if close else f"FAIL (shape {tuple(got.shape)} vs {tuple(want.shape)})" if got.shape != want.shape \
+        else "FAIL (values)"
+
+
+def run(rank: int, world: int, group, device, args) -> list | None:
+    """Rank body (one rank): every row of the table."""
+    import torch
+    import torch.distributed as dist
+
+    import tilelang
+    from tilescale_lang.lean import prepare
+
+    from tilescale_examples.benchmarks import _timing
+
+    dtype = getattr(torch, args.dtype)
+    numel = args.bytes // dtype.itemsize
+    a, b = torch.randn(numel, device=device).to(dtype), torch.randn(numel, device=device).to(dtype)
+    fns, labels = [lambda: torch.add(a, b)], [("torch.add", "torch")]
+    symm_reason = None
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buf = symm_mem.empty(numel, dtype=dtype, device=device)
+        symm_mem.rendezvous(buf, group.group_name)
+        buf.copy_(a)
+        torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group.group_name)
+        fns.append(lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group.group_name))
+        labels.append(("symm_mem.one_shot_all_reduce", "torch"))
+    except Exception as exc:  # an old torch, or no symmetric memory backend
+        symm_reason = f"{type(exc).__name__}: {exc}"[:120]
+    nccl_in = a.clone()
+    fns.append(lambda: dist.all_reduce(nccl_in, group=group))
+    labels.append(("NCCL all_reduce", "torch.distributed"))
+
+    alloc = tilelang.get_allocator(size=64 << 20, local_rank=rank, num_local_ranks=world, group=group)
+    checks = {}
+    ops = []
+    for name, (make, call, reference) in _ops(alloc, numel, dtype, group, device).items():
+        lean_op, plain_op = make(), make()
+        plain_op.lean_launch = False
+        x = torch.randn(numel, device=device).to(dtype)
+        call(lean_op, x), call(plain_op, x)  # first calls: module loads, the lean launcher prepared
+        checks[name] = _check(lean_op, call, reference, numel, dtype, device)
+        ops.append(lean_op)
+        ops.append(plain_op)
+        for op, launcher in ((lean_op, "lean"), (plain_op, "TileLang")):
+            fns.append(lambda op=op, call=call, x=x: call(op, x))
+            labels.append((name, launcher))
+    ar = ops[0]  # the lean AllReduce: its kernel, raw
+    xr = torch.randn(numel, device=device).to(dtype)
+    ar(xr)
+    (launch, _), = [v for k, v in ar._lean_launches.items()]
+    raw_args = list(launch._args)
+    fns.append(lambda: ar.kernel(*raw_args))
+    labels.append(("all-reduce kernel, raw", "TileLang"))
+    raw = prepare(ar.kernel, raw_args, changing=launch.changing)
+    changing = [raw_args[i] for i in raw.positions]
+    fns.append(lambda: raw(*changing))
+    labels.append(("all-reduce kernel, raw", "lean" if raw.lean else f"lean: {raw.why_not}"))
+    torch.cuda.synchronize(device)
+    times = _timing.host_us_rounds(fns, args.calls, args.rounds)
+    add_us = times[0]
+    symm_us = times[1] if symm_reason is None else None
+    rows = []
+    for (name, launcher), us in zip(labels, times):
+        rows.append([name, launcher, us, ratio(us, add_us), ratio(us, symm_us) if symm_us else "n/a",
+                     checks.get(name, "-") if launcher == "lean" else "-"])
+    for op in ops:
+        op.close()
+    torch.cuda.synchronize(device)
+    alloc.close()
+    return [rows, symm_reason]
+
+
+def goal_lines(rows: list) -> list:
+    """The goals' lines: the worst TileScale op (lean launcher) against torch.add (goal <=
+    :data:`GOAL_ADD`) and against symm mem's one-shot all-reduce (goal <= :data:`GOAL_SYMM`)."""
+    lean = [r for r in rows if r[1] == "lean" and "raw" not in r[0]]
+    if not lean:
+        return ["TileScale ops: not measured"]
+    worst_add = max(lean, key=lambda r: r[3])
+    lines = [f"worst op vs torch.add: {worst_add[3]:.2f} ({worst_add[0]}; goal <= {GOAL_ADD})"]
+    symm = [r for r in lean if isinstance(r[4], float)]
+    if symm:
+        worst = max(symm, key=lambda r: r[4])
+        lines.append(f"worst op vs symm_mem one-shot all-reduce: {worst[4]:.2f} ({worst[0]}; goal <= {GOAL_SYMM})")
+    else:
+        lines.append("worst op vs symm_mem one-shot all-reduce: not measured")
+    return lines
+
+
+def main(argv=None) -> int:
+    """The command line (see the module docstring); 0, or 1 when a check failed."""
+    p = _harness.parser("launch", __doc__.splitlines()[0])
+    p.add_argument("--bytes", type=int, default=4096, help="bytes per rank of each call's input")
+    p.add_argument("--calls", type=int, default=3000, help="back-to-back calls per round")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (best round per call)")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    args = _harness.parse_args(p, argv)
+    if args.calls < 1 or args.rounds < 1 or args.bytes < 16 or args.bytes % 16:
+        p.error("--calls and --rounds must be >= 1 and --bytes a positive multiple of 16")
+    if _harness.visible_gpus("launch benchmark") == 0:
+        return 0
+    import torch
+
+    result, backend, world = _harness.run_on_ranks(run, 1, args)
+    rows, symm_reason = result
+    print_table(f"host us per eager call, 1 rank on {torch.cuda.get_device_name(0)}, {args.bytes} bytes of "
+                f"{args.dtype}, {args.calls} calls per round, best of {args.rounds} rounds"
+                + (f"; symm_mem: n/a ({symm_reason})" if symm_reason else ""), HEADERS, rows)
+    print()
+    for line in goal_lines(rows):
+        print(line)
+    failed = [r[0] for r in rows if isinstance(r[5], str) and r[5].startswith("FAIL")]
+    print(f"\ncorrectness (lean calls vs the torch reference): {'ok' if not failed else 'FAILED: ' + ', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,252 @@
+"""The lean launcher (tilescale_lang.lean): launch metadata of a compiled kernel (fresh or from
+the disk cache), the checks made once at ``prepare`` and cheaply per call, and the packed
+parameters of each call -- byte for byte what the full packing of the same arguments gives --
+through a recording driver (CPU). GPU tests (``gpu``): the same bits as TileLang's launcher
+over 1000 calls, on a side stream and captured in a CUDA graph.
+
+The kernels are test_aot's: ``build_scale`` (a symbolic row count, a grid over it, a float
+scalar) and ``build_put_signal`` (a TileScale kernel reading the heap table, a uint64 epoch)."""
+
+import ctypes
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lang_helpers import TARGET, FakeAllocator, needs_nvcc
+
+from tilescale_lang import lean
+from tilescale_lang.aot import launch_info
+from tilescale_lang.aot.packing import ArgPacker
+
+import test_aot  # noqa: E402  (its kernel factories)
+
+
+class Named:
+    def __init__(self, name_hint):
+        self.name_hint = name_hint
+
+
+class FakeCudaTensor:
+    """A CPU tensor that says it lives on cuda:``index`` (what the launcher reads of a tensor)."""
+
+    is_cuda = True
+
+    def __init__(self, tensor, index=0):
+        self.t, self.index = tensor, index
+        self.dtype, self.shape = tensor.dtype, tensor.shape
+        self.device = f"cuda:{index}"
+
+    def data_ptr(self):
+        return self.t.data_ptr()
+
+    def stride(self):
+        return self.t.stride()
+
+    def is_contiguous(self):
+        return self.t.is_contiguous()
+
+    def get_device(self):
+        return self.index
+
+
+def fake(*shape, dtype=torch.float32, index=0):
+    return FakeCudaTensor(torch.zeros(*shape, dtype=dtype), index)
+
+
+class RecordingDriver:
+    """Stands for cuda.bindings.driver: records every launch's grid, block, shared memory and
+    the bytes of each parameter (read through the ``void*`` array, as the driver does)."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    def __init__(self, sizes):
+        self.sizes, self.launches = sizes, []
+        self.CUstream = lambda handle: ("stream", handle)
+
+    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        n = len(self.sizes[fn])
+        ptrs = (ctypes.c_void_p * n).from_address(params)
+        raw = [ctypes.string_at(ptrs[i], size) for i, size in enumerate(self.sizes[fn])]
+        self.launches.append({"fn": fn, "dims": (gx, gy, gz, bx, by, bz), "smem": smem, "stream": stream, "raw": raw})
+        return (0,)
+
+
+@pytest.fixture(scope="module")
+def scale_kernel():
+    import tilelang
+
+    return tilelang.compile(test_aot.build_scale.get_tir(n=256), target=TARGET)
+
+
+@pytest.fixture(scope="module")
+def put_kernel():
+    import tilelang
+
+    return tilelang.compile(test_aot.build_put_signal(), target=TARGET)
+
+
+def _go_lean(launch, monkeypatch):
+    """Make ``launch`` take its lean path on this machine: functions "f0", "f1", ... and a
+    recording driver."""
+    from tilescale_core import driver
+
+    launch._functions = [f"f{i}" for i in range(len(launch._launches))]
+    launch.why_not = None
+    rec = RecordingDriver({f"f{i}": [ctypes.sizeof(v) for v in entry[4]] for i, entry in enumerate(launch._launches)})
+    monkeypatch.setattr(driver, "driver_module", lambda: rec)
+    monkeypatch.setattr(lean, "_raw_stream", lambda index: 1234)
+    return rec
+
+
+def _full_packing(kernel, args):
+    info = lean.describe_kernel(kernel)
+    packer = ArgPacker({"id": info["id"], "params": info["params"], "dynamic_vars": info["dynamic_vars"],
+                        "archs": {"x": {"launches": info["launches"]}}}, "x")
+    return packer.pack(*args)
+
+
+@needs_nvcc
+def test_describe_fresh_and_cached_kernels_alike(scale_kernel):
+    fresh = lean.describe_kernel(scale_kernel)
+    cached = SimpleNamespace(prim_func=scale_kernel.prim_func, target=scale_kernel.target, artifact=None,
+                             pass_configs=scale_kernel.pass_configs)  # what a disk-cache load keeps
+    assert lean.describe_kernel(cached) == fresh
+    assert fresh["unsupported"] is None
+    assert [p["name"] for p in fresh["params"]] == ["a", "b", "scale"]
+    (launch,) = fresh["launches"]
+    assert launch["block"] == [128, 1, 1] and isinstance(launch["grid"][0], str)  # ceildiv(m, 4)
+    with pytest.raises(ValueError, match="names no CUDA arch"):
+        lean.describe_kernel(SimpleNamespace(prim_func=scale_kernel.prim_func, target={"kind": "cuda"}, artifact=None))
+
+
+@needs_nvcc
+def test_unknown_launch_attributes_take_tilelangs_path():
+    art = launch_info.lower(test_aot.build_put_signal(), TARGET["arch"])
+    assert lean._unsupported(art.device_mod) is None
+    fn = next(iter(art.device_mod.functions.values()))
+    odd = SimpleNamespace(functions={Named("k"): fn.with_attr("tl.use_pdl", True)})
+    assert "tl.use_pdl" in lean._unsupported(odd)
+
+
+@needs_nvcc
+def test_each_call_packs_what_the_full_packing_gives(scale_kernel, monkeypatch):
+    a, b = fake(10, 256), fake(10, 256)
+    launch = lean.prepare(scale_kernel, (a, b, 1.5), changing=("a", "b", "scale"))
+    assert not launch.lean and launch.changing == ("a", "b", "scale")
+    rec = _go_lean(launch, monkeypatch)
+    for scale in (1.5, -3.25, 0.0):
+        a2, b2 = fake(10, 256), fake(10, 256)
+        launch(a2, b2, scale)
+        (want,) = _full_packing(scale_kernel, (a2, b2, scale))
+        got = rec.launches[-1]
+        assert got["raw"] == want.raw()
+        assert got["dims"] == want.grid + want.block and got["dims"][0] == 3  # ceildiv(10, 4)
+        assert got["stream"] == ("stream", 1234)
+    launch(a2, b2, 2.0, stream=77)
+    assert rec.launches[-1]["stream"] == ("stream", 77)
+
+
+@needs_nvcc
+def test_changing_scalars_are_recomputed_and_fixed_buffers_stay(put_kernel, monkeypatch):
+    src, dst, sig = fake(1024), fake(1024), fake(1, dtype=torch.uint64)
+    launch = lean.prepare(put_kernel, (src, dst, sig, 1), changing=("src", "epoch"))
+    rec = _go_lean(launch, monkeypatch)
+    for epoch in (2, 3, 2**64 - 1):
+        src2 = fake(1024)
+        launch(src2, epoch)
+        (want,) = _full_packing(put_kernel, (src2, dst, sig, epoch))
+        assert rec.launches[-1]["raw"] == want.raw()
+
+
+@needs_nvcc
+@pytest.mark.parametrize("call, error, match", [
+    (lambda x: x(fake(1024, dtype=torch.float16), 1), TypeError, "'src' must have dtype torch.float32"),
+    (lambda x: x(fake(512), 1), ValueError, r"'src' must have shape \[1024\] \(as prepared\)"),
+    (lambda x: x(FakeCudaTensor(torch.zeros(2048)[::2]), 1), ValueError, "'src' must be contiguous"),
+    (lambda x: x(fake(1024, index=1), 1), ValueError, "'src' must be on cuda:0"),
+    (lambda x: x(fake(1024), -1), ValueError, "'epoch'=-1 is out of the range of uint64"),
+    (lambda x: x(fake(1024), 1.5), TypeError, "'epoch' must be an int"),
+    (lambda x: x(fake(1024)), TypeError, r"takes the changing arguments \['src', 'epoch'\]"),
+])
+def test_bad_calls_are_refused_before_any_launch(put_kernel, monkeypatch, call, error, match):
+    launch = lean.prepare(put_kernel, (fake(1024), fake(1024), fake(1, dtype=torch.uint64), 1), changing=("src", "epoch"))
+    rec = _go_lean(launch, monkeypatch)
+    with pytest.raises(error, match=match):
+        call(launch)
+    assert rec.launches == []
+
+
+@needs_nvcc
+def test_prepare_checks_every_argument_once(put_kernel):
+    good = (fake(1024), fake(1024), fake(1, dtype=torch.uint64), 1)
+    with pytest.raises(ValueError, match=r"changing must name distinct parameters of \['src', 'dst', 'sig', 'epoch'\]"):
+        lean.prepare(put_kernel, good, changing=("source",))
+    with pytest.raises(TypeError, match="argument 'sig' must have dtype uint64"):
+        lean.prepare(put_kernel, (good[0], good[1], fake(1), 1))
+    with pytest.raises(ValueError, match="argument 'dst' must be a CUDA tensor"):
+        lean.prepare(put_kernel, (good[0], torch.zeros(1024), good[2], 1))
+    with pytest.raises(TypeError, match="'src' must be prepared with a tensor"):
+        lean.prepare(put_kernel, (good[0].data_ptr(),) + good[1:], changing=("src",))
+
+
+@needs_nvcc
+def test_until_the_module_is_known_calls_go_through_the_kernel(put_kernel, monkeypatch):
+    seen = []
+    monkeypatch.setitem(put_kernel.__dict__, "torch_function", lambda *args: seen.append(args))
+    src, dst, sig = fake(1024), fake(1024), fake(1, dtype=torch.uint64)
+    launch = lean.prepare(put_kernel, (src, dst, sig, 1), changing=("src", "epoch"))
+    assert not launch.lean and "not loaded yet" in launch.why_not
+    src2 = fake(1024)
+    launch(src2, 9)
+    assert len(seen) == 1 and seen[0][0] is src2 and seen[0][1:] == (dst, sig, 9)
+
+
+# ------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+def test_gpu_lean_calls_match_tilelangs_launcher(scale_kernel, put_kernel):
+    """1000 calls with fresh inputs: the lean path gives TileLang's bits; a side stream and a
+    CUDA graph capture of the lean call work."""
+    a = torch.randn(10, 256, device="cuda")
+    b = torch.full_like(a, float("nan"))
+    launch = lean.prepare(scale_kernel, (a, b, 1.0), changing=("a", "b", "scale"))
+    launch(a, b, 1.0)  # through TileLang: loads the module, which the launcher then uses
+    torch.cuda.synchronize()
+    assert launch.lean, launch.why_not
+    ref = torch.empty_like(b)
+    for i in range(1000):
+        a.normal_()
+        b.fill_(float("nan"))
+        launch(a, b, 0.5 + i)
+        scale_kernel(a, ref, 0.5 + i)
+        if i % 100 == 0:
+            torch.cuda.synchronize()
+            assert torch.equal(b, ref) and torch.equal(b, a * (0.5 + i))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        b.fill_(float("nan"))
+        launch(a, b, 2.0)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert torch.equal(b, a * 2.0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(a, b, 3.0)
+    for _ in range(3):
+        a.normal_()
+        b.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(b, a * 3.0)
+
+    src, dst = torch.rand(1024, device="cuda"), torch.full((1024,), float("nan"), device="cuda")
+    sig = torch.zeros(1, dtype=torch.uint64, device="cuda")
+    put_kernel.initialize(allocator=FakeAllocator(torch.tensor([0, 1, 0x7F0000000000], dtype=torch.uint64)))
+    ring = lean.prepare(put_kernel, (src, dst, sig, 1), changing=("src", "epoch"))
+    for epoch in range(1, 50):
+        src2 = torch.rand(1024, device="cuda")
+        ring(src2, epoch)  # world 1: the next rank is this one
+        torch.cuda.synchronize()
+        assert torch.equal(dst, src2) and int(sig.cpu().view(torch.int64)[0]) == epoch
+    assert ring.lean, ring.why_not
