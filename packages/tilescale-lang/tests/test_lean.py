@@ -8,6 +8,7 @@ The kernels are test_aot's: ``build_scale`` (a symbolic row count, a grid over i
 scalar) and ``build_put_signal`` (a TileScale kernel reading the heap table, a uint64 epoch)."""
 
 import ctypes
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -121,6 +122,28 @@ def test_describe_fresh_and_cached_kernels_alike(scale_kernel):
 
 
 @needs_nvcc
+def test_launch_metadata_is_kept_per_kernel_and_per_machine(scale_kernel, tmp_path, monkeypatch):
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+
+    def cached():  # a kernel as a disk-cache load gives it: a new object, the same PrimFunc
+        return SimpleNamespace(prim_func=scale_kernel.prim_func, target=scale_kernel.target,
+                               pass_configs=scale_kernel.pass_configs)
+
+    first = cached()
+    info = lean.describe_kernel(first)
+    (kept,) = (tmp_path / "tilescale-launch").glob("*.json")
+    lowered = []
+    monkeypatch.setattr(launch_info, "lower", lambda *a: lowered.append(a))
+    assert lean.describe_kernel(first) is info  # kept on the kernel
+    assert lean.describe_kernel(cached()) == info and lowered == []  # read back from the machine's cache
+    kept.write_text("{not json")
+    monkeypatch.undo()
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    assert lean.describe_kernel(cached()) == info  # a damaged file: lowered again, and rewritten
+    assert json.loads(kept.read_text()) == info
+
+
+@needs_nvcc
 def test_unknown_launch_attributes_take_tilelangs_path():
     art = launch_info.lower(test_aot.build_put_signal(), TARGET["arch"])
     assert lean._unsupported(art.device_mod) is None
@@ -145,6 +168,31 @@ def test_each_call_packs_what_the_full_packing_gives(scale_kernel, monkeypatch):
         assert got["stream"] == ("stream", 1234)
     launch(a2, b2, 2.0, stream=77)
     assert rec.launches[-1]["stream"] == ("stream", 77)
+
+
+@needs_nvcc
+def test_symbolic_sizes_of_changing_tensors_are_bound_at_each_call(scale_kernel, monkeypatch):
+    a, b = fake(10, 256), fake(10, 256)
+    launch = lean.prepare(scale_kernel, (a, b, 1.5), changing=("a", "b"))
+    assert launch.sized_positions == ()
+    rec = _go_lean(launch, monkeypatch)
+    for rows in (1, 7, 10, 33):
+        a2, b2 = fake(rows, 256), fake(rows, 256)
+        launch(a2, b2)
+        (want,) = _full_packing(scale_kernel, (a2, b2, 1.5))
+        assert rec.launches[-1]["raw"] == want.raw() and rec.launches[-1]["dims"] == want.grid + want.block
+        assert rec.launches[-1]["dims"][0] == (rows + 3) // 4
+    with pytest.raises(ValueError, match=r"'b' shape\[0\] is 8 but m is 9 from an earlier argument"):
+        launch(fake(9, 256), fake(8, 256))
+    with pytest.raises(ValueError, match=r"'a' must have shape \['m', 256\], got \[9, 128\]"):
+        launch(fake(9, 128), fake(9, 128))
+    with pytest.raises(ValueError, match="would launch an empty grid"):
+        launch(fake(0, 256), fake(0, 256))
+    fixed_rows = lean.prepare(scale_kernel, (a, b, 1.5), changing=("b",))  # a binds m: b must keep it
+    assert fixed_rows.sized_positions == (0,)
+    _go_lean(fixed_rows, monkeypatch)
+    with pytest.raises(ValueError, match=r"'b' must have shape \[10, 256\] \(as prepared\), got \[7, 256\]"):
+        fixed_rows(fake(7, 256))
 
 
 @needs_nvcc

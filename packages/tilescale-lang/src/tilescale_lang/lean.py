@@ -26,12 +26,21 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
 from typing import Any, Sequence
 
 from .aot import launch_info
 from .aot.packing import SCALAR_CTYPES, ArgPacker, _compiled, scalar_value
 
 __all__ = ["LeanLaunch", "describe_kernel", "prepare"]
+
+log = logging.getLogger("tilescale_lang.lean")
+#: Version of the launch metadata kept in TileLang's cache directory.
+FORMAT = 1
 
 #: Device-function attributes whose meaning the lean launcher reproduces (or that do not
 #: affect a launch); a kernel with any other attribute launches through TileLang.
@@ -73,28 +82,94 @@ def _arch(kernel: Any) -> str:
                      "'arch': 'sm_90a'}} or 'auto' on a GPU)")
 
 
+def _disk_path(func: Any, arch: str, pass_configs: dict[str, Any]) -> Path | None:
+    """Where the launch metadata of ``func`` lowered for ``arch`` is kept between processes:
+    ``$TILELANG_CACHE_DIR/tilescale-launch/<key>.json``, the key hashing the PrimFunc's
+    structure, the arch, the pass configs and the TileLang and tilescale-lang versions;
+    None when TileLang names no cache directory."""
+    import tilelang
+    from tilelang import tvm
+    from tilelang.env import env
+
+    from . import __version__
+
+    cache = str(env.TILELANG_CACHE_DIR or "").strip()
+    if not cache:
+        return None
+    text = json.dumps([FORMAT, tvm.ir.structural_hash(func), arch, sorted((str(k), repr(v)) for k, v in
+                       pass_configs.items()), tilelang.__version__, __version__])
+    return Path(cache) / "tilescale-launch" / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.json"
+
+
+def _read(path: Path | None) -> dict[str, Any] | None:
+    try:
+        info = json.loads(path.read_text(encoding="utf-8")) if path is not None else None
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and info.get("format") == FORMAT else None
+
+
+def _write(path: Path | None, info: dict[str, Any]) -> None:
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(info), encoding="utf-8")
+        os.replace(tmp, path)  # whole files only, whichever process writes last
+    except OSError as exc:  # a read-only cache: lowered again next time
+        log.debug("lean: cannot keep launch metadata in %s: %s", path, exc)
+
+
 def describe_kernel(kernel: Any) -> dict[str, Any]:
     """The launch metadata of a compiled TileLang ``kernel``, in the shape of an AOT bundle
     entry (:mod:`tilescale_lang.aot.launch_info`): ``id``, ``params``, ``dynamic_vars``,
     ``launches`` and ``unsupported`` (why the lean launcher cannot launch it itself, or None).
 
-    The PrimFunc is lowered again (the kernel keeps only compiled modules; no nvcc:
-    milliseconds for the library's kernels), for the kernel's arch and pass configs.
+    The kernel keeps only compiled modules, so its PrimFunc is lowered again (no nvcc) for
+    its arch and pass configs: once per kernel and process (kept on the kernel), and once
+    per machine (kept in TileLang's cache directory: lowering a large kernel takes seconds).
 
     Raises:
         launch_info.UnsupportedKernelError: a device kernel takes an argument the metadata
             cannot describe (a TMA descriptor built on the host at each call).
     """
-    func = kernel.prim_func
-    artifact = launch_info.lower(func, _arch(kernel), dict(getattr(kernel, "pass_configs", None) or {}))
-    info = launch_info.describe(func, artifact)
-    return {"id": launch_info.symbol_of(func), **info, "unsupported": _unsupported(artifact.device_mod)}
+    state = getattr(kernel, "__dict__", {})
+    info = state.get("_tilescale_launch_info")
+    if info is None:
+        func, arch = kernel.prim_func, _arch(kernel)
+        pass_configs = dict(getattr(kernel, "pass_configs", None) or {})
+        path = _disk_path(func, arch, pass_configs)
+        info = _read(path)
+        if info is None:
+            info = {"format": FORMAT, "id": launch_info.symbol_of(func)}
+            artifact = launch_info.lower(func, arch, pass_configs)
+            try:
+                info.update(launch_info.describe(func, artifact), unsupported=_unsupported(artifact.device_mod))
+            except launch_info.UnsupportedKernelError as exc:
+                info["error"] = str(exc)
+            _write(path, info)
+        state["_tilescale_launch_info"] = info
+    if "error" in info:
+        raise launch_info.UnsupportedKernelError(info["error"])
+    return info
 
 
 def _names(expr: int | str) -> set[str]:
     if isinstance(expr, int):
         return set()
     return {n.id for n in ast.walk(ast.parse(expr, mode="eval")) if isinstance(n, ast.Name)} - {"min", "max"}
+
+
+def _fixed_vars(params: list[dict], args: Sequence[Any], changing: set[str]) -> dict[str, int]:
+    """The symbolic sizes the arguments outside ``changing`` bind (from their shapes)."""
+    fixed: dict[str, int] = {}
+    for param, value in zip(params, args):
+        if param["kind"] == "buffer" and param["name"] not in changing and hasattr(value, "shape"):
+            for d, n in zip(param["shape"], value.shape):
+                if isinstance(d, str) and d.isidentifier():
+                    fixed[d] = int(n)
+    return fixed
 
 
 def _raw_stream(device_index: int) -> int:
@@ -110,11 +185,13 @@ class _Slot:
     """One changing argument: how to check it and which packed values it writes."""
 
     __slots__ = ("name", "kind", "dtype", "shape", "contiguous", "strides", "device", "targets", "low", "high",
-                 "tl_dtype")
+                 "tl_dtype", "free", "fixed_axes")
 
     def __init__(self, name: str, kind: str):
         self.name, self.kind = name, kind
         self.targets: list[Any] = []  # ctypes values (pointer args; scalars passed as they are)
+        self.free: list[tuple[int, str]] = []  # (axis, symbolic variable) bound by this argument at each call
+        self.fixed_axes: list[tuple[int, int]] = []  # (axis, size) of the other axes, when ``free``
 
 
 class LeanLaunch:
@@ -125,6 +202,9 @@ class LeanLaunch:
         kernel: the TileLang ``JITKernel`` or :class:`~tilescale_lang.aot.AotKernel`.
         changing: the names of the arguments a call takes, in call order.
         positions: their positions among the kernel's parameters.
+        sized_positions: positions of the other (prepared) tensors whose shapes bind
+            symbolic sizes: a caller reusing this launcher with other tensors there must
+            prepare again when their shapes differ.
         lean: whether calls launch through ``cuLaunchKernel`` here (False until the kernel's
             module is known, or for a launch this launcher does not make).
         why_not: why calls go through ``kernel(*args)``, or None when :attr:`lean`.
@@ -162,7 +242,11 @@ class LeanLaunch:
         self._env = env
         self._device = next((v.get_device() for v in args if hasattr(v, "get_device") and getattr(v, "is_cuda", False)),
                             None)
-        self._slots = [self._slot(info["params"][index[c]], args[index[c]]) for c in changing]
+        fixed = _fixed_vars(info["params"], args, set(changing))
+        self.sized_positions = tuple(
+            i for i, p in enumerate(info["params"]) if p["kind"] == "buffer" and p["name"] not in changing
+            and any(isinstance(d, str) for d in p["shape"]))
+        self._slots = [self._slot(info["params"][index[c]], args[index[c]], fixed) for c in changing]
         self._launches = self._pack(launches, pointers, env)
         self._functions: list[Any] | None = None
         self._streams: dict[int, Any] = {}
@@ -180,8 +264,10 @@ class LeanLaunch:
                     metadata.track_kernel(kernel)  # the first launch reports the module
 
     # ---------------------------------------------------------------- preparation
-    def _slot(self, param: dict, example: Any) -> _Slot:
-        """A changing argument's checks; a tensor's symbolic sizes stay those of ``example``."""
+    def _slot(self, param: dict, example: Any, fixed: dict[str, int]) -> _Slot:
+        """A changing argument's checks. A tensor's symbolic sizes that no fixed argument
+        binds (``fixed``) are bound at each call (the launch recomputed from them); the
+        others stay those of ``example``."""
         slot = _Slot(param["name"], param["kind"])
         if param["kind"] == "buffer":
             if isinstance(example, int):
@@ -193,6 +279,11 @@ class LeanLaunch:
             slot.contiguous = param["strides"] is None or bool(example.is_contiguous())
             slot.strides = None if slot.contiguous else tuple(example.stride())
             slot.device = self._device
+            shape = param["shape"]
+            if slot.contiguous and all(isinstance(d, int) or d.isidentifier() for d in shape):
+                slot.free = [(axis, d) for axis, d in enumerate(shape) if isinstance(d, str) and d not in fixed]
+                slot.fixed_axes = [(axis, int(n)) for axis, n in enumerate(slot.shape) if (axis, shape[axis]) not in
+                                   slot.free]
         else:
             ctype = SCALAR_CTYPES[param["dtype"]]
             slot.tl_dtype = param["dtype"]
@@ -205,7 +296,8 @@ class LeanLaunch:
         """Per launch: ``[grid, block, smem, cooperative, values, params, recompute]``; pointer
         values of changing buffers are registered with their slots, expressions over changing
         scalars recomputed per call."""
-        changing_scalars = {s.name for s in self._slots if s.kind == "scalar"}
+        changing_scalars = {s.name for s in self._slots if s.kind == "scalar"} | {
+            name for s in self._slots for _, name in s.free}
         by_name = {s.name: s for s in self._slots}
         packed = []
         for launch in launches:
@@ -266,7 +358,21 @@ class LeanLaunch:
         """Whether calls launch through ``cuLaunchKernel`` here (see the class docstring)."""
         return self._functions is not None
 
-    def _check(self, slot: _Slot, value: Any) -> None:
+    def _bind_free(self, slot: _Slot, value: Any, bound: dict[str, int]) -> dict[str, int]:
+        """Check a tensor whose shape binds symbolic sizes; returns ``bound`` with them."""
+        shape = getattr(value, "shape", None)
+        if not (getattr(value, "dtype", None) is slot.dtype and shape is not None and len(shape) == len(slot.shape)
+                and all(shape[a] == n for a, n in slot.fixed_axes) and value.is_contiguous()
+                and (slot.device is None or value.get_device() == slot.device)):
+            self._check(slot, value, free=True)
+        for axis, name in slot.free:
+            have = int(shape[axis])
+            if bound.setdefault(name, have) != have:
+                raise ValueError(f"{self._name}: argument {slot.name!r} shape[{axis}] is {have} but {name} is "
+                                 f"{bound[name]} from an earlier argument of this call")
+        return bound
+
+    def _check(self, slot: _Slot, value: Any, free: bool = False) -> None:
         """The full check, with messages, for a value the fast test refused."""
         where = f"{self._name}: argument {slot.name!r}"
         if slot.kind == "scalar":
@@ -276,8 +382,13 @@ class LeanLaunch:
             raise TypeError(f"{where} must be a tensor, got {type(value).__name__}")
         if value.dtype != slot.dtype:
             raise TypeError(f"{where} must have dtype {slot.dtype}, got {value.dtype}")
-        if tuple(value.shape) != slot.shape:
-            raise ValueError(f"{where} must have shape {list(slot.shape)} (as prepared), got {list(value.shape)}")
+        shape = tuple(value.shape)
+        if free:
+            want = [dict(slot.free).get(a, n) for a, n in enumerate(slot.shape)]
+            if len(shape) != len(want) or any(shape[a] != n for a, n in slot.fixed_axes):
+                raise ValueError(f"{where} must have shape {want}, got {list(shape)}")
+        elif shape != slot.shape:
+            raise ValueError(f"{where} must have shape {list(slot.shape)} (as prepared), got {list(shape)}")
         if slot.contiguous and not value.is_contiguous():
             raise ValueError(f"{where} must be contiguous")
         if not slot.contiguous and tuple(value.stride()) != slot.strides:
@@ -297,9 +408,12 @@ class LeanLaunch:
         slots = self._slots
         if len(values) != len(slots):
             raise TypeError(f"{self._name}: takes the changing arguments {list(self.changing)}, got {len(values)} values")
+        bound: dict[str, int] | None = None
         for slot, value in zip(slots, values):
             if slot.kind == "buffer":
-                if not (value.dtype is slot.dtype and value.shape == slot.shape and (
+                if slot.free:
+                    bound = self._bind_free(slot, value, {} if bound is None else bound)
+                elif not (value.dtype is slot.dtype and value.shape == slot.shape and (
                         value.is_contiguous() if slot.contiguous else value.stride() == slot.strides)
                         and (slot.device is None or value.get_device() == slot.device)):
                     self._check(slot, value)
@@ -313,6 +427,8 @@ class LeanLaunch:
                     else:
                         self._check(slot, value)
                 self._env[slot.name] = value
+        if bound:
+            self._env.update(bound)
         if self._functions is None:
             self._through_kernel(values, stream)
             return
@@ -352,6 +468,8 @@ class LeanLaunch:
                 value.value = scalar_value(dtype, expr(env), where).value
             for axis, expr in dyn:
                 dims[axis] = expr(env)
+                if dims[axis] < 1:
+                    raise ValueError(f"{self._name}: {symbol} would launch an empty grid {dims[:3]} (block {dims[3:]})")
             if cooperative:
                 err, = drv.cuLaunchCooperativeKernel(fn, *dims, smem, handle, ctypes.addressof(params))
             else:

@@ -374,9 +374,10 @@ class MoEDispatcher(SymmetricCollective):
         kernel, extra = launch()
         self.epoch += 1
         self.bind_table(kernel=kernel)
-        kernel(topk_idx, topk_weights, x, self.packed, self.base, self.weights, self.count_matrix, self.flags,
-               self.recv_x, self.recv_src, self.dest_rank, self.dest_row, self.recv_counts, self.recv_offsets,
-               self.status, self.counters, self.state, *extra)
+        self._launch_kernel((topk_idx, topk_weights, x, self.packed, self.base, self.weights, self.count_matrix,
+                             self.flags, self.recv_x, self.recv_src, self.dest_rank, self.dest_row, self.recv_counts,
+                             self.recv_offsets, self.status, self.counters, self.state, *extra),
+                            changing=(0, 1, 2) + tuple(range(17, 17 + len(extra))), kernel=kernel)
         handle = DispatchHandle(self, self.epoch, T, *self._views_of(T)[:4])
         return self.recv_x, handle.counts, handle
 
@@ -406,8 +407,9 @@ class MoEDispatcher(SymmetricCollective):
         out = self._views_of(handle.num_tokens)[4]
         self.combines += 1
         self.bind_table(kernel=self.combine_kernel)
-        self.combine_kernel(y, out, self.comb_buf, self.recv_src, self.recv_offsets, self.dest_rank,
-                            self.dest_row, self.weights, self.flags, self.counters, self.state)
+        self._launch_kernel((y, out, self.comb_buf, self.recv_src, self.recv_offsets, self.dest_rank, self.dest_row,
+                             self.weights, self.flags, self.counters, self.state), changing=(0, 1),
+                            kernel=self.combine_kernel)
         return out
 
     def _views_of(self, tokens: int) -> tuple:

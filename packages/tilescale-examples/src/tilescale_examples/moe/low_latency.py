@@ -255,9 +255,9 @@ class MoELowLatency(SymmetricCollective):
         self.epoch += 1
         self.bind_table(kernel=kernel)
         scales = (self.recv_scales_buf,) if self.fp8 else ()
-        kernel(topk_idx, x, self.recv_x_buf.view(FP8_TORCH_DTYPE) if self.fp8 else self.recv_x_buf, *scales,
-               self.recv_src, self.signals, self.flags, self.route_rank, self.route_row, self.recv_counts_buf,
-               self.status, self.arrive, self.state)
+        self._launch_kernel((topk_idx, x, self.recv_x_buf.view(FP8_TORCH_DTYPE) if self.fp8 else self.recv_x_buf,
+                             *scales, self.recv_src, self.signals, self.flags, self.route_rank, self.route_row,
+                             self.recv_counts_buf, self.status, self.arrive, self.state), changing=(0, 1), kernel=kernel)
         TK = tokens * self.topk
         handle = self._last = LowLatencyHandle(self, self.epoch, tokens, self.recv_counts,
                                                self.route_rank[:TK].view(tokens, self.topk),
@@ -285,7 +285,7 @@ class MoELowLatency(SymmetricCollective):
             raise RuntimeError("this receive hook has already run (or belongs to an older dispatch)")
         recv = self._send_kernels()[1]
         self.bind_table(kernel=recv)
-        recv(self.signals, self.recv_counts_buf, self.state)
+        self._launch_kernel((self.signals, self.recv_counts_buf, self.state), changing=(), kernel=recv)
         self._pending, handle.received = None, True
 
     def combine(self, y: torch.Tensor, handle: LowLatencyHandle, topk_weights: Optional[torch.Tensor] = None):
@@ -322,8 +322,9 @@ class MoELowLatency(SymmetricCollective):
         self.combines += 1
         handle.combined = True
         self.bind_table(kernel=self.combine_kernel)
-        self.combine_kernel(y.view(-1, self.hidden), out, weights.view(-1), self.comb_buf, self.recv_src,
-                            self.recv_counts_buf, self.route_rank, self.route_row, self.flags, self.arrive, self.state)
+        self._launch_kernel((y.view(-1, self.hidden), out, weights.view(-1), self.comb_buf, self.recv_src,
+                             self.recv_counts_buf, self.route_rank, self.route_row, self.flags, self.arrive, self.state),
+                            changing=(0, 1, 2), kernel=self.combine_kernel)
         return out
 
     def bus_bytes(self) -> float:

@@ -1,0 +1,98 @@
+"""How the ops launch their kernels (tilescale_examples._launch): one lean launcher prepared per
+kernel, only the changing arguments passed per call, a new preparation whenever a prepared
+argument differs; kernels of other backends (and test stand-ins) called directly (CPU)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import tilescale_lang.lean
+from tilescale_examples import _launch
+
+
+class FakeLean:
+    """Stands for tilescale_lang.lean.LeanLaunch: records its preparation and its calls."""
+
+    prepared: list = []
+
+    def __init__(self, kernel, args, changing):
+        self.kernel, self.positions, self.sized_positions, self.calls = kernel, tuple(changing), (1,), []
+        FakeLean.prepared.append(args)
+
+    def __call__(self, *values):
+        self.calls.append(values)
+
+
+def test_one_preparation_until_a_prepared_argument_differs(monkeypatch):
+    FakeLean.prepared = []
+    monkeypatch.setattr(tilescale_lang.lean, "prepare", FakeLean)
+    kernel, cache = SimpleNamespace(execution_backend="tvm_ffi"), {}
+    buf, sized, x1, x2 = torch.zeros(8), torch.zeros(4, 4), torch.ones(3), torch.ones(5)
+    _launch.launch(cache, kernel, (x1, sized, buf, 7), changing=(0,))
+    _launch.launch(cache, kernel, (x2, sized, buf, 7), changing=(0,))
+    (lean, fixed), = cache.values()
+    assert len(FakeLean.prepared) == 1 and [c[0] for c in lean.calls] == [x1, x2]
+    assert [i for i, _, _ in fixed] == [1, 2, 3]
+    _launch.launch(cache, kernel, (x1, sized, torch.zeros(8), 7), changing=(0,))  # another buffer
+    _launch.launch(cache, kernel, (x1, sized.view(2, 8), torch.zeros(8), 7), changing=(0,))  # same address, new sizes
+    _launch.launch(cache, kernel, (x1, sized.view(2, 8), torch.zeros(8), 8), changing=(0,))  # another scalar
+    assert len(FakeLean.prepared) == 4 and len(cache) == 1
+
+
+def test_other_backends_and_stand_ins_are_called_directly(monkeypatch):
+    FakeLean.prepared = []
+    monkeypatch.setattr(tilescale_lang.lean, "prepare", FakeLean)
+    seen = []
+    stand_in = lambda *args: seen.append(args)  # noqa: E731
+    _launch.launch({}, stand_in, (1, 2), changing=(0,))
+    class CythonKernel:
+        execution_backend = "cython"
+
+        def __call__(self, *args):
+            seen.append(args)
+
+    _launch.launch({}, CythonKernel(), (3,), changing=(0,))
+    assert seen == [(1, 2), (3,)] and FakeLean.prepared == []
+
+
+# ------------------------------------------------------------------------------ the library's kernels
+def _kernels():
+    from tilescale_examples.collectives.put_exchange import build_put_exchange_kernel
+    from tilescale_examples.collectives.reduce_kernel import PASS_CONFIGS, build_reduce_kernel
+    from tilescale_examples.decode.norm_kernel import build_norm_kernel
+    from tilescale_examples.moe.combine import build_combine_kernel
+    from tilescale_examples.moe.dispatch import build_dispatch_kernel
+    from tilescale_examples.moe.ll_combine import build_ll_combine_kernel
+    from tilescale_examples.moe.ll_dispatch import build_ll_dispatch_kernel, build_ll_recv_kernel
+
+    return {
+        "one_shot": (lambda: build_reduce_kernel("one_shot", "bfloat16", 4), PASS_CONFIGS),
+        "two_shot": (lambda: build_reduce_kernel("two_shot", "bfloat16", 4), PASS_CONFIGS),
+        "put_exchange": (lambda: build_put_exchange_kernel(4096, "float16", 2, 2, 2048), None),
+        "rmsnorm": (lambda: build_norm_kernel("bfloat16", 2, 4096, fp8="per_token"), None),
+        "moe_dispatch": (lambda: build_dispatch_kernel(8, 2, 64, 16, "float16", "int32", 8), None),
+        "moe_combine": (lambda: build_combine_kernel(8, 2, 64, 16, "float16", 8, 256), None),
+        "ll_dispatch": (lambda: build_ll_dispatch_kernel(8, 2, 256, 16, blocks=8, fp8=True), None),
+        "ll_send": (lambda: build_ll_dispatch_kernel(8, 2, 256, 16, blocks=8, phase="send"), None),
+        "ll_recv": (lambda: build_ll_recv_kernel(8, blocks=8), None),
+        "ll_combine": (lambda: build_ll_combine_kernel(8, 2, 256, 16, blocks=8), None),
+    }
+
+
+@pytest.mark.parametrize("name", list(_kernels()))
+def test_the_ops_kernels_launch_lean(name):
+    """Every kernel the ops launch through ``_launch_kernel`` is one the lean launcher makes
+    itself (no host-built argument, no unknown launch attribute, no cluster): otherwise its
+    calls would fall back to TileLang's launcher and pay its cost (lowered on the CPU)."""
+    from tilescale_lang.aot import launch_info
+    from tilescale_lang.lean import _unsupported
+
+    build, pass_configs = _kernels()[name]
+    func = build()
+    artifact = launch_info.lower(func, "sm_90a", pass_configs or {})
+    info = launch_info.describe(func, artifact)
+    assert _unsupported(artifact.device_mod) is None
+    assert info["launches"] and all(launch["cluster"] is None for launch in info["launches"])
