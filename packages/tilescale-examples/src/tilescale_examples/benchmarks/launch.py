@@ -11,10 +11,12 @@ warm-up calls (:func:`~tilescale_examples.benchmarks._timing.host_us_rounds`):
 
 * baselines: ``torch.add`` of two ``--bytes`` tensors, ``torch.ops.symm_mem.one_shot_all_reduce``
   on a symmetric buffer, NCCL's ``all_reduce`` (``torch.distributed``);
-* TileScale ``AllReduce`` (one-shot), ``AllGather``, ``AllToAll``, ``ReduceScatter`` and the
-  decode op ``AllReduceResidualRMSNorm`` (1 token of ``--bytes`` / itemsize channels), each
-  through the lean launcher (:mod:`tilescale_lang.lean`, the default) and through TileLang's
-  launcher (``op.lean_launch = False``), one instance each;
+* TileScale ``AllReduce`` (one-shot), ``AllGather``, ``AllToAll``, ``ReduceScatter``, the
+  decode op ``AllReduceResidualRMSNorm`` (1 token of ``--bytes`` / itemsize channels) and the
+  ``MoEDispatcher``'s dispatch + combine of 128 tokens (hidden 7168, top-8 of 64 experts,
+  ``validate=False`` as a serving loop calls it), each through the lean launcher
+  (:mod:`tilescale_lang.lean`, the default) and through TileLang's launcher
+  (``op.lean_launch = False``), one instance each;
 * the raw kernel launch of the all-reduce (its kernel called with all its arguments through
   TileLang's launcher, and through a prepared :class:`~tilescale_lang.lean.LeanLaunch`).
 
@@ -38,15 +40,22 @@ GOAL_ADD, GOAL_SYMM = 1.2, 0.8
 DTYPES = ("bfloat16", "float16", "float32")
 
 
+#: The MoE row's shape: DeepSeek-V3's hidden size and routing, one decode batch.
+MOE = dict(num_experts=64, hidden=7168, topk=8, max_tokens=128)
+
+
 def _ops(alloc, numel: int, dtype, group, device) -> dict:
-    """``{name: (make, call, reference)}`` of the TileScale ops measured: ``make()`` builds
-    one instance, ``call(op, x)`` runs it on input ``x`` and returns what it wrote,
-    ``reference(x)`` is the torch result at world 1."""
+    """``{name: (make, make_input, call, reference)}`` of the TileScale ops measured:
+    ``make()`` builds one instance, ``make_input()`` a fresh random input, ``call(op, x)`` runs
+    the op on it and returns what it wrote, ``reference(x)`` is the torch result at world 1."""
     import torch
 
-    from tilescale_examples import AllGather, AllReduce, AllToAll, ReduceScatter
+    from tilescale_examples import AllGather, AllReduce, AllToAll, MoEDispatcher, ReduceScatter
     from tilescale_examples.decode.allreduce_norm import AllReduceResidualRMSNorm
     from tilescale_examples.decode.reference import torch_reference
+
+    def flat():
+        return torch.randn(numel, device=device).to(dtype)
 
     residual = torch.randn(1, numel, device=device).to(dtype)
     weight = (1 + 0.1 * torch.randn(numel, device=device)).to(dtype)
@@ -59,39 +68,62 @@ def _ops(alloc, numel: int, dtype, group, device) -> dict:
         y, h = torch_reference([(x.view(1, numel), residual, weight)], 0)
         return torch.cat([y.view(-1), h.view(-1)])
 
-    def make_norm():
-        return AllReduceResidualRMSNorm(alloc, (1, numel), dtype, world_size=1, group=group)
+    def moe_input():
+        t, e, k = MOE["max_tokens"], MOE["num_experts"], MOE["topk"]
+        idx = torch.rand(t, e, device=device).argsort(dim=1)[:, :k]  # distinct experts per token
+        return (torch.randn(t, MOE["hidden"], device=device).to(dtype), idx,
+                torch.rand(t, k, device=device, dtype=torch.float32))
+
+    def moe_call(op, inputs):
+        recv, _, handle = op.dispatch(*inputs)
+        return op.combine(recv, handle)  # y = the received rows: out[t] = x[t] * sum_k w[t, k]
+
+    def moe_reference(inputs):
+        x, _, w = inputs
+        return (x.float() * w.sum(1, keepdim=True)).to(dtype)
+
+    def simple(cls, reference, **kwargs):
+        return (lambda: cls(alloc, (numel,), dtype, world_size=1, group=group, **kwargs), flat, lambda op, x: op(x),
+                reference)
 
     return {
-        "AllReduce one-shot": (lambda: AllReduce(alloc, (numel,), dtype, world_size=1, algorithm="one_shot", group=group),
-                               lambda op, x: op(x), lambda x: x),
-        "AllGather": (lambda: AllGather(alloc, (numel,), dtype, world_size=1, group=group), lambda op, x: op(x),
-                      lambda x: x.view(1, numel)),
-        "AllToAll": (lambda: AllToAll(alloc, (numel,), dtype, world_size=1, group=group), lambda op, x: op(x),
-                     lambda x: x),
-        "ReduceScatter": (lambda: ReduceScatter(alloc, (numel,), dtype, world_size=1, group=group), lambda op, x: op(x),
-                          lambda x: x),
-        "AllReduceResidualRMSNorm": (make_norm, norm_call, norm_reference),
+        "AllReduce one-shot": simple(AllReduce, lambda x: x, algorithm="one_shot"),
+        "AllGather": simple(AllGather, lambda x: x.view(1, numel)),
+        "AllToAll": simple(AllToAll, lambda x: x),
+        "ReduceScatter": simple(ReduceScatter, lambda x: x),
+        "AllReduceResidualRMSNorm": (lambda: AllReduceResidualRMSNorm(alloc, (1, numel), dtype, world_size=1,
+                                                                      group=group), flat, norm_call, norm_reference),
+        "MoE dispatch + combine, 128 tokens": (lambda: MoEDispatcher(alloc, dtype=dtype, world_size=1, group=group,
+                                                                     validate=False, **MOE),
+                                               moe_input, moe_call, moe_reference),
     }
 
 
-def _check(op, call, reference, numel: int, dtype, device) -> str:
+def heap_bytes(numel: int, dtype) -> int:
+    """Heap bytes per rank for two instances of every op of :func:`_ops`."""
+    from tilescale_examples import MoEDispatcher
+
+    moe = MoEDispatcher.heap_bytes(dtype=dtype, world_size=1, **MOE)
+    return 2 * moe + (64 << 20)
+
+
+def _check(op, make_input, call, reference, device) -> str:
     """"ok", or what differed: one call on a fresh random input, outputs poisoned first."""
     import torch
 
-    x = torch.randn(numel, device=device).to(dtype)
+    x = make_input()
     want = reference(x)
     for name in ("output", "residual_output"):
         t = getattr(op, name, None)
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
             t.fill_(float("nan"))
     got = call(op, x)
     torch.cuda.synchronize(device)
     if got.shape != want.shape and got.numel() == want.numel():
         got = got.reshape(want.shape)
-    close = torch.allclose(got.float(), want.float(), rtol=2**-7, atol=1e-3) if got.shape == want.shape else False
-    return "ok" if close else f"FAIL (shape {tuple(got.shape)} vs {tuple(want.shape)})" if got.shape != want.shape \
-        else "FAIL (values)"
+    if got.shape != want.shape:
+        return f"FAIL (shape {tuple(got.shape)} vs {tuple(want.shape)})"
+    return "ok" if torch.allclose(got.float(), want.float(), rtol=2**-7, atol=1e-3) else "FAIL (values)"
 
 
 def run(rank: int, world: int, group, device, args) -> list | None:
@@ -124,15 +156,15 @@ def run(rank: int, world: int, group, device, args) -> list | None:
     fns.append(lambda: dist.all_reduce(nccl_in, group=group))
     labels.append(("NCCL all_reduce", "torch.distributed"))
 
-    alloc = tilelang.get_allocator(size=64 << 20, local_rank=rank, num_local_ranks=world, group=group)
+    alloc = tilelang.get_allocator(size=heap_bytes(numel, dtype), local_rank=rank, num_local_ranks=world, group=group)
     checks = {}
     ops = []
-    for name, (make, call, reference) in _ops(alloc, numel, dtype, group, device).items():
+    for name, (make, make_input, call, reference) in _ops(alloc, numel, dtype, group, device).items():
         lean_op, plain_op = make(), make()
         plain_op.lean_launch = False
-        x = torch.randn(numel, device=device).to(dtype)
+        x = make_input()
         call(lean_op, x), call(plain_op, x)  # first calls: module loads, the lean launcher prepared
-        checks[name] = _check(lean_op, call, reference, numel, dtype, device)
+        checks[name] = _check(lean_op, make_input, call, reference, device)
         ops.append(lean_op)
         ops.append(plain_op)
         for op, launcher in ((lean_op, "lean"), (plain_op, "TileLang")):
