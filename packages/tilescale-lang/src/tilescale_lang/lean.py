@@ -173,12 +173,17 @@ def _fixed_vars(params: list[dict], args: Sequence[Any], changing: set[str]) -> 
 
 
 def _raw_stream(device_index: int) -> int:
-    import torch
+    """The current torch stream's handle on ``device_index``."""
+    global _stream_getter
+    if _stream_getter is None:
+        import torch
 
-    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch's own launchers use
-    if getter is not None:
-        return int(getter(device_index))
-    return int(torch.cuda.current_stream(device_index).cuda_stream)
+        getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch's own launchers use
+        _stream_getter = getter or (lambda index: torch.cuda.current_stream(index).cuda_stream)
+    return _stream_getter(device_index)
+
+
+_stream_getter: Any = None
 
 
 class _Slot:
@@ -250,6 +255,8 @@ class LeanLaunch:
         self._launches = self._pack(launches, pointers, env)
         self._functions: list[Any] | None = None
         self._streams: dict[int, Any] = {}
+        self._drv: Any = None  # cuda.bindings.driver, at the first lean launch
+        self._success: Any = 0
         self.why_not: str | None = None if self._aot else info.get("unsupported")
         if self.why_not is None and any(launch["cluster"] for launch in launches):
             self.why_not = "a thread-block cluster launch (made by TileLang's launcher)"
@@ -322,7 +329,7 @@ class LeanLaunch:
             dims = [(axis, _compiled(e)) for axis, e in enumerate(list(launch["grid"]) + list(launch["block"]))
                     if isinstance(e, str) and _names(e) & changing_scalars]
             packed.append([launch["symbol"], grid + block, int(launch["dynamic_smem"]), bool(launch.get("cooperative")),
-                           values, params, recompute, dims])
+                           values, params, recompute, dims, ctypes.addressof(params)])
         return packed
 
     def _resolve(self) -> None:
@@ -452,9 +459,12 @@ class LeanLaunch:
             self._resolve()
 
     def _launch(self, stream: int | None) -> None:
-        from tilescale_core import driver
+        drv = self._drv
+        if drv is None:
+            from tilescale_core import driver
 
-        drv = driver.driver_module()
+            drv = self._drv = driver.driver_module()
+            self._success = drv.CUresult.CUDA_SUCCESS
         if stream is None:
             stream = _raw_stream(self._device if self._device is not None else 0)
         handle = self._streams.get(stream)
@@ -463,7 +473,8 @@ class LeanLaunch:
                 self._streams.clear()
             handle = self._streams[stream] = drv.CUstream(stream)
         env = self._env
-        for fn, (symbol, dims, smem, cooperative, _values, params, recompute, dyn) in zip(self._functions, self._launches):
+        for fn, (symbol, dims, smem, cooperative, _values, params, recompute, dyn, address) in zip(
+                self._functions, self._launches):
             for value, expr, dtype, where in recompute:
                 value.value = scalar_value(dtype, expr(env), where).value
             for axis, expr in dyn:
@@ -471,10 +482,12 @@ class LeanLaunch:
                 if dims[axis] < 1:
                     raise ValueError(f"{self._name}: {symbol} would launch an empty grid {dims[:3]} (block {dims[3:]})")
             if cooperative:
-                err, = drv.cuLaunchCooperativeKernel(fn, *dims, smem, handle, ctypes.addressof(params))
+                err, = drv.cuLaunchCooperativeKernel(fn, *dims, smem, handle, address)
             else:
-                err, = drv.cuLaunchKernel(fn, *dims, smem, handle, ctypes.addressof(params), 0)
-            if err != drv.CUresult.CUDA_SUCCESS:
+                err, = drv.cuLaunchKernel(fn, *dims, smem, handle, address, 0)
+            if err != self._success:
+                from tilescale_core import driver
+
                 driver.check((err,), f"cuLaunchKernel({symbol})")
 
 
