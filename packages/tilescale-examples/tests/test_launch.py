@@ -22,7 +22,7 @@ class FakeLean:
         self.kernel, self.positions, self.sized_positions, self.calls = kernel, tuple(changing), (1,), []
         FakeLean.prepared.append(args)
 
-    def __call__(self, *values):
+    def trusted(self, *values):
         self.calls.append(values)
 
 
@@ -35,7 +35,7 @@ def test_one_preparation_until_a_prepared_argument_differs(monkeypatch):
     _launch.launch(cache, kernel, (x2, sized, buf, 7), changing=(0,))
     (lean, fixed), = cache.values()
     assert len(FakeLean.prepared) == 1 and [c[0] for c in lean.calls] == [x1, x2]
-    assert [i for i, _, _ in fixed] == [1, 2, 3]
+    assert [i for i, _, _, _ in fixed] == [1, 2, 3]
     _launch.launch(cache, kernel, (x1, sized, torch.zeros(8), 7), changing=(0,))  # another buffer
     _launch.launch(cache, kernel, (x1, sized.view(2, 8), torch.zeros(8), 7), changing=(0,))  # same address, new sizes
     _launch.launch(cache, kernel, (x1, sized.view(2, 8), torch.zeros(8), 8), changing=(0,))  # another scalar

@@ -55,22 +55,19 @@ def fake(*shape, dtype=torch.float32, index=0):
 
 
 class RecordingDriver:
-    """Stands for cuda.bindings.driver: records every launch's grid, block, shared memory and
-    the bytes of each parameter (read through the ``void*`` array, as the driver does)."""
-
-    class CUresult:
-        CUDA_SUCCESS = 0
+    """Stands for the driver's launch entry points: records every launch's grid, block, shared
+    memory, stream and the bytes of each parameter (read through the ``void*`` array, as the
+    driver does)."""
 
     def __init__(self, sizes):
         self.sizes, self.launches = sizes, []
-        self.CUstream = lambda handle: ("stream", handle)
 
-    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+    def launch(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params):
         n = len(self.sizes[fn])
         ptrs = (ctypes.c_void_p * n).from_address(params)
         raw = [ctypes.string_at(ptrs[i], size) for i, size in enumerate(self.sizes[fn])]
         self.launches.append({"fn": fn, "dims": (gx, gy, gz, bx, by, bz), "smem": smem, "stream": stream, "raw": raw})
-        return (0,)
+        return 0
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +87,10 @@ def put_kernel():
 def _go_lean(launch, monkeypatch):
     """Make ``launch`` take its lean path on this machine: functions "f0", "f1", ... and a
     recording driver."""
-    from tilescale_core import driver
-
     launch._functions = [f"f{i}" for i in range(len(launch._launches))]
     launch.why_not = None
     rec = RecordingDriver({f"f{i}": [ctypes.sizeof(v) for v in entry[4]] for i, entry in enumerate(launch._launches)})
-    monkeypatch.setattr(driver, "driver_module", lambda: rec)
+    monkeypatch.setattr(lean, "_driver_calls", lambda: (rec.launch, rec.launch))
     monkeypatch.setattr(lean, "_raw_stream", lambda index: 1234)
     return rec
 
@@ -165,9 +160,9 @@ def test_each_call_packs_what_the_full_packing_gives(scale_kernel, monkeypatch):
         got = rec.launches[-1]
         assert got["raw"] == want.raw()
         assert got["dims"] == want.grid + want.block and got["dims"][0] == 3  # ceildiv(10, 4)
-        assert got["stream"] == ("stream", 1234)
+        assert got["stream"] == 1234
     launch(a2, b2, 2.0, stream=77)
-    assert rec.launches[-1]["stream"] == ("stream", 77)
+    assert rec.launches[-1]["stream"] == 77
 
 
 @needs_nvcc
@@ -226,6 +221,20 @@ def test_bad_calls_are_refused_before_any_launch(put_kernel, monkeypatch, call, 
 
 
 @needs_nvcc
+def test_trusted_calls_check_shapes_and_ranges_only(put_kernel, monkeypatch):
+    launch = lean.prepare(put_kernel, (fake(1024), fake(1024), fake(1, dtype=torch.uint64), 1), changing=("src", "epoch"))
+    rec = _go_lean(launch, monkeypatch)
+    src = fake(1024, index=1)  # the caller vouches for the device (and dtype, contiguity)
+    launch.trusted(src, 5)
+    assert rec.launches[-1]["raw"][2] == src.data_ptr().to_bytes(8, "little")  # src is the kernel's third
+    with pytest.raises(ValueError, match=r"'src' must have shape \[1024\]"):
+        launch.trusted(fake(512), 5)
+    with pytest.raises(ValueError, match="'epoch'=-1 is out of the range"):
+        launch.trusted(fake(1024), -1)
+    assert len(rec.launches) == 1
+
+
+@needs_nvcc
 def test_prepare_checks_every_argument_once(put_kernel):
     good = (fake(1024), fake(1024), fake(1, dtype=torch.uint64), 1)
     with pytest.raises(ValueError, match=r"changing must name distinct parameters of \['src', 'dst', 'sig', 'epoch'\]"):
@@ -251,8 +260,23 @@ def test_until_the_module_is_known_calls_go_through_the_kernel(put_kernel, monke
 
 
 # ------------------------------------------------------------------------------ GPU
+def build_put_signal_i32(n: int = 1024):
+    """test_aot's put_signal with an int32 epoch."""
+    import tilelang.language as T
+
+    @T.prim_func
+    def put_signal_i32(src: T.Tensor((n,), "float32"), dst: T.Tensor((n,), "float32"), sig: T.Tensor((1,), "uint64"),
+                       epoch: T.int32):
+        with T.Kernel(1, threads=128):
+            peer = (T.get_rank() + 1) % T.get_num_ranks()
+            T.put_signal_block(src[0], dst[0], n, sig[0], T.cast(epoch, "uint64"), "set", peer)
+            T.signal_wait_until(sig[0], "eq", T.cast(epoch, "uint64"))
+
+    return put_signal_i32
+
+
 @pytest.mark.gpu
-def test_gpu_lean_calls_match_tilelangs_launcher(scale_kernel, put_kernel):
+def test_gpu_lean_calls_match_tilelangs_launcher(scale_kernel):
     """1000 calls with fresh inputs: the lean path gives TileLang's bits; a side stream and a
     CUDA graph capture of the lean call work."""
     a = torch.randn(10, 256, device="cuda")
@@ -288,13 +312,25 @@ def test_gpu_lean_calls_match_tilelangs_launcher(scale_kernel, put_kernel):
         torch.cuda.synchronize()
         assert torch.equal(b, a * 3.0)
 
+    import tilelang
+
+    put = tilelang.compile(build_put_signal_i32(), target="auto")  # TileLang's launcher takes no uint64 scalar
     src, dst = torch.rand(1024, device="cuda"), torch.full((1024,), float("nan"), device="cuda")
     sig = torch.zeros(1, dtype=torch.uint64, device="cuda")
-    put_kernel.initialize(allocator=FakeAllocator(torch.tensor([0, 1, 0x7F0000000000], dtype=torch.uint64)))
-    ring = lean.prepare(put_kernel, (src, dst, sig, 1), changing=("src", "epoch"))
+    put.initialize(allocator=FakeAllocator(torch.tensor([0, 1, 0x7F0000000000], dtype=torch.uint64)))
+    ring = lean.prepare(put, (src, dst, sig, 1), changing=("src", "epoch"))
     for epoch in range(1, 50):
         src2 = torch.rand(1024, device="cuda")
         ring(src2, epoch)  # world 1: the next rank is this one
         torch.cuda.synchronize()
         assert torch.equal(dst, src2) and int(sig.cpu().view(torch.int64)[0]) == epoch
     assert ring.lean, ring.why_not
+
+
+def test_the_driver_entry_points_have_the_c_signatures():
+    """cuLaunchKernel: the function, 7 unsigned ints, the stream, the parameter array and
+    ``extra``; cuLaunchCooperativeKernel: the same without ``extra``. Without a driver the
+    entry points are cuda-bindings' calls, with the same arguments."""
+    assert len(lean._LAUNCH._argtypes_) == 11 and len(lean._COOPERATIVE_LAUNCH._argtypes_) == 10
+    launch, cooperative = lean._driver_calls()
+    assert callable(launch) and callable(cooperative)

@@ -26,9 +26,11 @@ def launch(prepared: dict, kernel: Any, args: tuple, changing: Sequence[int]) ->
 
     ``prepared`` is the calling instance's cache. A launcher is prepared (one full check of
     every argument) at the first call; later calls pack only the ``changing`` arguments (their
-    symbolic sizes may change from call to call), after checking that every other argument is
-    the prepared one (a tensor's address, and its shape where it sizes the kernel; a scalar's
-    value); when one is not, the launcher is prepared again. Until the kernel's module is
+    symbolic sizes may change from call to call; their dtype, contiguity and device are the
+    calling op's checks: :meth:`~tilescale_lang.lean.LeanLaunch.trusted`), after checking that
+    every other argument is the prepared one (the same object, or a tensor with the same
+    address, and shape where it sizes the kernel; a scalar's value); when one is not, the
+    launcher is prepared again. Until the kernel's module is
     loaded (its first launch) the call goes through TileLang's launcher, and so does every
     call of a kernel that is not a ``tvm_ffi`` JITKernel (another execution backend, or a
     test's stand-in).
@@ -39,11 +41,12 @@ def launch(prepared: dict, kernel: Any, args: tuple, changing: Sequence[int]) ->
     from tilescale_lang.lean import prepare
 
     entry = prepared.get(id(kernel))
-    if entry is None or entry[0].kernel is not kernel or not all(key(args[i]) == fixed for i, key, fixed in entry[1]):
+    if entry is None or entry[0].kernel is not kernel or not all(
+            args[i] is obj or key(args[i]) == fixed for i, obj, key, fixed in entry[1]):
         if len(prepared) >= MAX_PREPARED:
             prepared.clear()
         lean = prepare(kernel, args, changing)
-        fixed = [(i, _sized_key if i in lean.sized_positions else _key) for i in range(len(args))
-                 if i not in lean.positions]
-        entry = prepared[id(kernel)] = (lean, [(i, key, key(args[i])) for i, key in fixed])
-    entry[0](*[args[i] for i in changing])
+        keys = [(i, _sized_key if i in lean.sized_positions else _key) for i in range(len(args))
+                if i not in lean.positions]
+        entry = prepared[id(kernel)] = (lean, [(i, args[i], key, key(args[i])) for i, key in keys])
+    entry[0].trusted(*[args[i] for i in changing])  # the op checked its tensors before

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import functools
 import hashlib
 import json
 import logging
@@ -172,6 +173,56 @@ def _fixed_vars(params: list[dict], args: Sequence[Any], changing: set[str]) -> 
     return fixed
 
 
+_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *(ctypes.c_uint,) * 7, ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_void_p)
+_COOPERATIVE_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *(ctypes.c_uint,) * 7, ctypes.c_void_p,
+                                       ctypes.c_void_p)
+_calls: tuple | None = None
+
+
+def _with_no_extra(launch, fn, gx, gy, gz, bx, by, bz, smem, stream, params):
+    return launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, None)
+
+
+def _driver_calls() -> tuple:
+    """``(launch, cooperative_launch)``: each ``(function, gx, gy, gz, bx, by, bz,
+    shared_bytes, stream, params_address) -> CUresult`` (ints in, an int out).
+
+    The driver's ``cuLaunchKernel`` and ``cuLaunchCooperativeKernel`` entry points, found
+    through cuda-bindings' ``cuGetProcAddress`` and called through ctypes (a few hundred
+    nanoseconds, where a cuda-bindings call converts eleven Python arguments); cuda-bindings'
+    own calls when the driver does not give them.
+    """
+    global _calls
+    if _calls is None:
+        from tilescale_core import driver
+
+        drv = driver.driver_module()
+        found = []
+        for name, prototype in (("cuLaunchKernel", _LAUNCH), ("cuLaunchCooperativeKernel", _COOPERATIVE_LAUNCH)):
+            try:
+                flags = drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+                address = driver.call("cuGetProcAddress", name.encode(), driver.driver_version(), flags)
+                address = address[0] if isinstance(address, tuple) else address
+                found.append(prototype(int(address)) if int(address) else None)
+            except (driver.CudaError, AttributeError, TypeError, ValueError):
+                found.append(None)
+        if found[0] is not None:
+            launch = functools.partial(_with_no_extra, found[0])
+        else:
+            def launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params):
+                return int(drv.cuLaunchKernel(drv.CUfunction(fn), gx, gy, gz, bx, by, bz, smem, drv.CUstream(stream),
+                                              params, 0)[0])
+        if found[1] is not None:
+            cooperative = found[1]
+        else:
+            def cooperative(fn, gx, gy, gz, bx, by, bz, smem, stream, params):
+                return int(drv.cuLaunchCooperativeKernel(drv.CUfunction(fn), gx, gy, gz, bx, by, bz, smem,
+                                                         drv.CUstream(stream), params)[0])
+        _calls = (launch, cooperative)
+    return _calls
+
+
 def _raw_stream(device_index: int) -> int:
     """The current torch stream's handle on ``device_index``."""
     global _stream_getter
@@ -253,10 +304,7 @@ class LeanLaunch:
             and any(isinstance(d, str) for d in p["shape"]))
         self._slots = [self._slot(info["params"][index[c]], args[index[c]], fixed) for c in changing]
         self._launches = self._pack(launches, pointers, env)
-        self._functions: list[Any] | None = None
-        self._streams: dict[int, Any] = {}
-        self._drv: Any = None  # cuda.bindings.driver, at the first lean launch
-        self._success: Any = 0
+        self._functions: list[Any] | None = None  # CUfunction handles (ints), in launch order
         self.why_not: str | None = None if self._aot else info.get("unsupported")
         if self.why_not is None and any(launch["cluster"] for launch in launches):
             self.why_not = "a thread-block cluster launch (made by TileLang's launcher)"
@@ -340,7 +388,7 @@ class LeanLaunch:
             if self.kernel.entry["table"]["needed"] and self.kernel._table is None:
                 return  # launch through the AOT kernel: it raises KernelNotInitializedError
             self.kernel.load()
-            self._functions = [self.kernel._functions[launch[0]] for launch in self._launches]
+            self._functions = [int(self.kernel._functions[launch[0]]) for launch in self._launches]
             return
         from . import metadata
 
@@ -355,7 +403,7 @@ class LeanLaunch:
             if launch[2] > DEFAULT_SMEM_LIMIT:
                 attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
                 driver.call("cuFuncSetAttribute", fn, attr, launch[2])
-            functions.append(fn)
+            functions.append(int(fn))
         self._functions = functions
         self.why_not = None
 
@@ -365,12 +413,13 @@ class LeanLaunch:
         """Whether calls launch through ``cuLaunchKernel`` here (see the class docstring)."""
         return self._functions is not None
 
-    def _bind_free(self, slot: _Slot, value: Any, bound: dict[str, int]) -> dict[str, int]:
-        """Check a tensor whose shape binds symbolic sizes; returns ``bound`` with them."""
+    def _bind_free(self, slot: _Slot, value: Any, bound: dict[str, int], check: bool = True) -> dict[str, int]:
+        """Check a tensor whose shape binds symbolic sizes (``check``: also its dtype,
+        contiguity and device); returns ``bound`` with them."""
         shape = getattr(value, "shape", None)
-        if not (getattr(value, "dtype", None) is slot.dtype and shape is not None and len(shape) == len(slot.shape)
-                and all(shape[a] == n for a, n in slot.fixed_axes) and value.is_contiguous()
-                and (slot.device is None or value.get_device() == slot.device)):
+        if not (shape is not None and len(shape) == len(slot.shape) and all(shape[a] == n for a, n in slot.fixed_axes)
+                and (not check or getattr(value, "dtype", None) is slot.dtype and value.is_contiguous()
+                     and (slot.device is None or value.get_device() == slot.device))):
             self._check(slot, value, free=True)
         for axis, name in slot.free:
             have = int(shape[axis])
@@ -412,6 +461,25 @@ class LeanLaunch:
             TypeError / ValueError: a value that does not fit what was prepared, naming it.
             tilescale_core.CudaError: the launch failed.
         """
+        self._fill(values, True)
+        if self._functions is None:
+            self._through_kernel(values, stream)
+        else:
+            self._launch(stream)
+
+    def trusted(self, *values: Any, stream: int | None = None) -> None:
+        """:meth:`__call__` for a caller that has checked the tensors' dtype, contiguity and
+        device itself (an op checking its inputs): only their shapes are checked (and bind
+        the symbolic sizes), and scalars' ranges."""
+        self._fill(values, False)
+        if self._functions is None:
+            self._through_kernel(values, stream)
+        else:
+            self._launch(stream)
+
+    def _fill(self, values: tuple, check: bool) -> None:
+        """Check ``values`` (``check``: fully, else shapes and ranges) and write them into the
+        packed parameters."""
         slots = self._slots
         if len(values) != len(slots):
             raise TypeError(f"{self._name}: takes the changing arguments {list(self.changing)}, got {len(values)} values")
@@ -419,10 +487,10 @@ class LeanLaunch:
         for slot, value in zip(slots, values):
             if slot.kind == "buffer":
                 if slot.free:
-                    bound = self._bind_free(slot, value, {} if bound is None else bound)
-                elif not (value.dtype is slot.dtype and value.shape == slot.shape and (
+                    bound = self._bind_free(slot, value, {} if bound is None else bound, check)
+                elif not (value.shape == slot.shape and (not check or value.dtype is slot.dtype and (
                         value.is_contiguous() if slot.contiguous else value.stride() == slot.strides)
-                        and (slot.device is None or value.get_device() == slot.device)):
+                        and (slot.device is None or value.get_device() == slot.device))):
                     self._check(slot, value)
                 ptr = value.data_ptr()
                 for target in slot.targets:
@@ -436,10 +504,6 @@ class LeanLaunch:
                 self._env[slot.name] = value
         if bound:
             self._env.update(bound)
-        if self._functions is None:
-            self._through_kernel(values, stream)
-            return
-        self._launch(stream)
 
     def _through_kernel(self, values: tuple, stream: int | None) -> None:
         """A call through ``kernel(*args)`` (see :attr:`why_not`); afterwards the lean path
@@ -459,21 +523,11 @@ class LeanLaunch:
             self._resolve()
 
     def _launch(self, stream: int | None) -> None:
-        drv = self._drv
-        if drv is None:
-            from tilescale_core import driver
-
-            drv = self._drv = driver.driver_module()
-            self._success = drv.CUresult.CUDA_SUCCESS
+        launch, cooperative_launch = _driver_calls()
         if stream is None:
             stream = _raw_stream(self._device if self._device is not None else 0)
-        handle = self._streams.get(stream)
-        if handle is None:
-            if len(self._streams) >= 64:
-                self._streams.clear()
-            handle = self._streams[stream] = drv.CUstream(stream)
         env = self._env
-        for fn, (symbol, dims, smem, cooperative, _values, params, recompute, dyn, address) in zip(
+        for fn, (symbol, dims, smem, cooperative, _values, _params, recompute, dyn, address) in zip(
                 self._functions, self._launches):
             for value, expr, dtype, where in recompute:
                 value.value = scalar_value(dtype, expr(env), where).value
@@ -481,14 +535,11 @@ class LeanLaunch:
                 dims[axis] = expr(env)
                 if dims[axis] < 1:
                     raise ValueError(f"{self._name}: {symbol} would launch an empty grid {dims[:3]} (block {dims[3:]})")
-            if cooperative:
-                err, = drv.cuLaunchCooperativeKernel(fn, *dims, smem, handle, address)
-            else:
-                err, = drv.cuLaunchKernel(fn, *dims, smem, handle, address, 0)
-            if err != self._success:
+            err = (cooperative_launch if cooperative else launch)(fn, *dims, smem, stream, address)
+            if err:
                 from tilescale_core import driver
 
-                driver.check((err,), f"cuLaunchKernel({symbol})")
+                driver.check((driver.driver_module().CUresult(err),), f"cuLaunchKernel({symbol})")
 
 
 def prepare(kernel: Any, args: Sequence[Any], changing: Sequence[str] = ()) -> LeanLaunch:

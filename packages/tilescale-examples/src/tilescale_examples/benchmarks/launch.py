@@ -70,7 +70,7 @@ def _ops(alloc, numel: int, dtype, group, device) -> dict:
 
     def moe_input():
         t, e, k = MOE["max_tokens"], MOE["num_experts"], MOE["topk"]
-        idx = torch.rand(t, e, device=device).argsort(dim=1)[:, :k]  # distinct experts per token
+        idx = torch.rand(t, e, device=device).argsort(dim=1)[:, :k].contiguous()  # distinct experts per token
         return (torch.randn(t, MOE["hidden"], device=device).to(dtype), idx,
                 torch.rand(t, k, device=device, dtype=torch.float32))
 
@@ -89,8 +89,10 @@ def _ops(alloc, numel: int, dtype, group, device) -> dict:
     return {
         "AllReduce one-shot": simple(AllReduce, lambda x: x, algorithm="one_shot"),
         "AllGather": simple(AllGather, lambda x: x.view(1, numel)),
-        "AllToAll": simple(AllToAll, lambda x: x),
-        "ReduceScatter": simple(ReduceScatter, lambda x: x),
+        "AllToAll": (lambda: AllToAll(alloc, (numel,), dtype, world_size=1, group=group), flat,
+                     lambda op, x: op(x.view(1, numel)), lambda x: x.view(1, numel)),
+        "ReduceScatter": (lambda: ReduceScatter(alloc, (numel,), dtype, world_size=1, group=group), flat,
+                          lambda op, x: op(x.view(1, numel)), lambda x: x),
         "AllReduceResidualRMSNorm": (lambda: AllReduceResidualRMSNorm(alloc, (1, numel), dtype, world_size=1,
                                                                       group=group), flat, norm_call, norm_reference),
         "MoE dispatch + combine, 128 tokens": (lambda: MoEDispatcher(alloc, dtype=dtype, world_size=1, group=group,
