@@ -96,3 +96,16 @@ def test_the_ops_kernels_launch_lean(name):
     info = launch_info.describe(func, artifact)
     assert _unsupported(artifact.device_mod) is None
     assert info["launches"] and all(launch["cluster"] is None for launch in info["launches"])
+
+
+def test_the_launch_benchmarks_goals_are_read_from_the_default_launcher():
+    from tilescale_examples.benchmarks.launch import goal_lines
+
+    rows = [["torch.add", "torch", 6.5, 1.0, 0.78, "-"],
+            ["AllReduce one-shot", "TileLang", 16.6, 2.55, 2.0, "ok"],
+            ["AllReduce one-shot", "lean", 22.0, 3.39, 2.66, "ok"],
+            ["AllReduceResidualRMSNorm", "TileLang", 40.4, 6.22, 4.88, "ok"],
+            ["all-reduce kernel, raw", "TileLang", 8.1, 9.0, 9.0, "-"]]
+    assert goal_lines(rows) == ["worst op vs torch.add: 6.22 (AllReduceResidualRMSNorm; goal <= 1.2)",
+                                "worst op vs symm_mem one-shot all-reduce: 4.88 (AllReduceResidualRMSNorm; goal <= 0.8)"]
+    assert goal_lines(rows[:1]) == ["TileScale ops: not measured"]

@@ -37,6 +37,9 @@ EXPECTED = {
     "heap_2": ("bars", [6 * 3]),
     "signals": ("bars", [2 * 2]),
     "gpu_barrier": ("bars", [1 * 2]),
+    "launch": ("bars", [17]),  # host us per call and launcher
+    "ulysses": ("bars", [12 * 3]),  # ulysses, copy, torch us per (ranks, seq)
+    "low_latency_moe": ("lines", [6]),  # ratios per phase (dispatch, dispatch+combine) against tokens
 }
 
 

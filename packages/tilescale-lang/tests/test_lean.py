@@ -20,6 +20,7 @@ from tilescale_lang.aot import launch_info
 from tilescale_lang.aot.packing import ArgPacker
 
 import test_aot  # noqa: E402  (its kernel factories)
+from test_aot import bundle_dir  # noqa: E402,F401  (a fixture: the bundle of test_aot's kernels)
 
 
 class Named:
@@ -259,6 +260,21 @@ def test_until_the_module_is_known_calls_go_through_the_kernel(put_kernel, monke
     assert len(seen) == 1 and seen[0][0] is src2 and seen[0][1:] == (dst, sig, 9)
 
 
+@needs_nvcc
+def test_an_aot_kernel_is_prepared_like_a_jit_kernel(bundle_dir, monkeypatch):
+    from tilescale_lang import aot
+
+    kernel = aot.load(bundle_dir, arch="sm_90a").kernel("scale", n=256)
+    a, b = fake(10, 256), fake(10, 256)
+    launch = lean.prepare(kernel, (a, b, 1.5), changing=("a", "b", "scale"))
+    assert not launch.lean and launch.why_not == lean._NOT_LOADED  # the module loads at the first call
+    rec = _go_lean(launch, monkeypatch)
+    a2, b2 = fake(6, 256), fake(6, 256)
+    launch(a2, b2, -2.0)
+    (want,) = kernel.pack(a2, b2, -2.0)
+    assert rec.launches[-1]["raw"] == want.raw() and rec.launches[-1]["dims"] == want.grid + want.block
+
+
 # ------------------------------------------------------------------------------ GPU
 def build_put_signal_i32(n: int = 1024):
     """test_aot's put_signal with an int32 epoch."""
@@ -325,6 +341,23 @@ def test_gpu_lean_calls_match_tilelangs_launcher(scale_kernel):
         torch.cuda.synchronize()
         assert torch.equal(dst, src2) and int(sig.cpu().view(torch.int64)[0]) == epoch
     assert ring.lean, ring.why_not
+
+
+@pytest.mark.gpu
+def test_gpu_lean_calls_of_an_aot_kernel(bundle_dir):
+    from tilescale_lang import aot
+
+    kernel = aot.load(bundle_dir, strict=True).kernel("scale", n=256)
+    a = torch.randn(10, 256, device="cuda")
+    b = torch.full_like(a, float("nan"))
+    launch = lean.prepare(kernel, (a, b, 1.0), changing=("a", "b", "scale"))
+    for i in range(100):
+        rows = 1 + i % 13
+        a2, b2 = torch.randn(rows, 256, device="cuda"), torch.full((rows, 256), float("nan"), device="cuda")
+        launch(a2, b2, 0.25 * i)
+        torch.cuda.synchronize()
+        assert torch.equal(b2, a2 * (0.25 * i))
+    assert launch.lean, launch.why_not
 
 
 def test_the_driver_entry_points_have_the_c_signatures():

@@ -204,9 +204,10 @@ class KernelOwner:
         state[self._TABLE_OWNER] = self.allocator
 
     #: Whether this instance launches its kernels through the lean launcher
-    #: (:mod:`tilescale_lang.lean`; the default) or through TileLang's launcher at every
-    #: call (``op.lean_launch = False``: the same results, for comparison or debugging).
-    lean_launch = True
+    #: (:mod:`tilescale_lang.lean`: ``op.lean_launch = True``) instead of TileLang's launcher
+    #: (the default: its compiled launcher costs less host time per call than the lean one's
+    #: Python, see docs/launch.md). Both give the same results.
+    lean_launch = False
 
     def _launch_kernel(self, args: tuple, changing: Sequence[int], kernel=None) -> None:
         """Launch ``kernel`` (default ``self.kernel``) with ``args`` (every parameter, in
