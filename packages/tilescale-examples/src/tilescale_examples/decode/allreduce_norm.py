@@ -94,7 +94,7 @@ class AllReduceResidualRMSNorm(SymmetricCollective):
     ``world_size * blocks`` uint64 flags (one per 32-byte sector).
     """
 
-    _BUFFERS = ("stage_buffer", "stages", "flags", "state", "output", "residual_output", "scales")
+    _BUFFERS = ("stage_buffer", "stages", "flags", "state", "output", "residual_output", "scales", "_own_rows")
 
     def __init__(self, allocator, shape: Union[int, Sequence[int]], dtype: Union[torch.dtype, str], *,
                  world_size: Optional[int] = None, eps: float = 1e-6,
@@ -133,6 +133,9 @@ class AllReduceResidualRMSNorm(SymmetricCollective):
         self.residual_output = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         self.scales = None if self.fp8 is None else torch.empty(
             scales_shape(self.tokens, self.hidden, self.fp8), dtype=torch.float32, device=self.device)
+        # the kernel's views of the op's own outputs (h, y, scales), made once: a view costs host time per call
+        self._own_rows = (self.residual_output.view(-1, vec), self.output.view(-1, vec),
+                          None if self.scales is None else self.scales.view(-1))
         name = NORM_DTYPES[self.dtype]
         args = (name, self.world_size, self.hidden, self.threads, self.fp8)
         self.kernel = self._compile_kernel(lambda: build_norm_kernel(*args), target, PASS_CONFIGS,
@@ -216,11 +219,11 @@ class AllReduceResidualRMSNorm(SymmetricCollective):
         s = self.scales if scales_out is None else scales_out
         self.epoch += 1
         self.bind_table()
-        ins = [_aligned_rows(t, self.vec) for t in (x, residual)] + [_aligned_rows(weight, self.vec)]
-        outs = [rows_view(t, self.vec) for t in (h, y)]
-        tmp = [self.residual_output.view(-1, self.vec) if outs[0] is None else outs[0],
-               self.output.view(-1, self.vec) if outs[1] is None else outs[1]]
-        scales = [] if s is None else [s.view(-1)]
+        vec, (own_h, own_y, own_s) = self.vec, self._own_rows
+        ins = (_aligned_rows(x, vec), _aligned_rows(residual, vec), _aligned_rows(weight, vec))
+        outs = [own_h if residual_out is None else rows_view(h, vec), own_y if out is None else rows_view(y, vec)]
+        tmp = [own_h if outs[0] is None else outs[0], own_y if outs[1] is None else outs[1]]
+        scales = [] if s is None else [own_s if scales_out is None else s.view(-1)]
         self._launch_kernel((*ins, self.stage_buffer, *tmp, *scales, self.flags, self.state, self.blocks, self.iters,
                              self.tokens, self.eps), changing=(0, 1, 2, 4, 5, 6) if scales else (0, 1, 2, 4, 5))
         for dst, got, own in ((h, outs[0], self.residual_output), (y, outs[1], self.output)):
