@@ -34,6 +34,9 @@ def fake_compiler(monkeypatch):
         return kernel
 
     monkeypatch.setattr(tilelang, "compile", compile)
+    from tilescale_examples.testing import precompile
+
+    monkeypatch.setattr(precompile, "precompile", lambda jobs, **kw: built.append(("precompile", list(jobs), kw)))
     return built
 
 
@@ -54,7 +57,12 @@ def test_fastest_correct_candidate_wins_and_is_cached(fake_compiler, tmp_path):
         return speed[(config.block_m, config.block_n)] + (0.0 if config.num_stages == 2 else 0.25)
 
     tiles, result = tune_tiles(M, N, K, torch.bfloat16, device="cpu", space=space, timer=timer, cache_dir=tmp_path,
-                               mode="on")
+                               mode="on", workers=3)
+    (_, jobs, options), *_ = fake_compiler  # every candidate compiled in parallel first, then built one by one
+    assert fake_compiler[0][0] == "precompile" and options == {"workers": 3}
+    assert [job[1][4] for job in jobs] == [tiles_of(c) for c in candidates]
+    assert jobs[0][0] == "tilescale_examples.overlap.gemm:build_gemm_kernel" and jobs[0][1][:4] == (M, N, K, "bfloat16")
+    del fake_compiler[0]
     # num_stages 2 is the fastest for every tile but wrong: skipped; the fastest right one wins
     assert tiles == GemmTiles(128, 128, 64, 3, 128) and result.source == "tuned"
     assert all(t.num_stages == 3 for t in timed)
@@ -104,3 +112,18 @@ def test_overlap_benchmarks_take_tune():
     for op in ("ag_gemm", "gemm_rs"):
         parser = _overlap.parser(op)
         assert parser.parse_args(["--tune"]).tune and not parser.parse_args([]).tune
+
+
+def test_the_parallel_compile_builds_the_library_gemm():
+    """The workers import GEMM_BUILDER: the real builder, and its job arguments are hashable
+    (precompile drops duplicate jobs) and picklable (they go to spawned processes)."""
+    import importlib
+    import pickle
+
+    from tilescale_examples.overlap import gemm
+    from tilescale_examples.overlap.tuning import GEMM_BUILDER
+
+    module, name = GEMM_BUILDER.split(":")
+    assert getattr(importlib.import_module(module), name) is gemm.build_gemm_kernel
+    job = (GEMM_BUILDER, (M, N, K, "bfloat16", GemmTiles(128, 128, 64, 3, 128)), None)
+    assert pickle.loads(pickle.dumps(job)) == job and hash(job[1])

@@ -266,6 +266,15 @@ def test_tune_picks_the_fastest_and_caches_it(tmp_path):
     assert again.key_hash == result.key_hash and again.path == result.path
 
 
+def test_prepare_sees_every_candidate_once_and_only_when_tuning(tmp_path):
+    seen = []
+    result = _tune(tmp_path, prepare=lambda configs: seen.append(configs))
+    assert result.source == "tuned" and seen == [list(SearchSpace(AXES))]
+    assert _tune(tmp_path, prepare=lambda configs: seen.append(configs)).source == "cache" and len(seen) == 1
+    with pytest.warns(RuntimeWarning, match="prepare failed"):  # a failing prepare: each build compiles
+        assert _tune(tmp_path / "other", prepare=lambda configs: 1 / 0).source == "tuned"
+
+
 def test_ties_go_to_the_earlier_candidate(tmp_path):
     assert _tune(tmp_path, clock=FakeClock(lambda c: 1.0)).config == {"block_m": 64, "block_n": 64}
 
@@ -361,6 +370,7 @@ def test_no_survivor_is_a_clear_error(tmp_path):
     ({"reference": None}, "exactly one of reference"),
     ({"reference": None, "check": 3}, "check must be a callable"),
     ({"timer": 5}, "timer must be a callable"),
+    ({"prepare": 5}, "prepare must be a callable"),
     ({"name": ""}, "name must be a non-empty str"),
     ({"dtype": None}, "dtype must be given"),
     ({"shapes": {"m": {1, 2}}}, r"shapes\['m'\] must be an int, float, str"),

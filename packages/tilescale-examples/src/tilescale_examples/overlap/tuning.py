@@ -8,7 +8,8 @@ The tiles are the overlapped GEMMs' keyword arguments::
     tiles, result = tune_tiles(world_size * m_local, n, k, torch.bfloat16, device=device, group=group)
     op = AllGatherGEMM(allocator, m_local, k, n, torch.bfloat16, group=group, **dataclasses.asdict(tiles))
 
-Each candidate is compiled (stock TileLang, no heap), run on random operands, checked with
+Each candidate is compiled (stock TileLang, no heap; all of them first, in parallel worker
+processes, when tuning), run on random operands, checked with
 the overlapped GEMMs' own element-wise bound (:func:`~tilescale_examples.overlap.gemm.count_outside`)
 and timed; the winner is cached on disk by GPU, toolkit, versions, dtype, shape and search
 space, so a later call (any process, any rank) reads it without timing. ``mode`` (or
@@ -25,7 +26,10 @@ import torch
 
 from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, build_gemm_kernel, count_outside
 
-__all__ = ["tune_tiles", "tiles_of"]
+__all__ = ["tune_tiles", "tiles_of", "GEMM_BUILDER"]
+
+#: The library GEMM's builder, as the parallel compile's worker processes import it.
+GEMM_BUILDER = "tilescale_examples.overlap.gemm:build_gemm_kernel"
 
 
 def tiles_of(config: dict) -> GemmTiles:
@@ -40,7 +44,7 @@ def tiles_of(config: dict) -> GemmTiles:
 
 def tune_tiles(m: int, n: int, k: int, dtype: Union[torch.dtype, str], *, device=None, group=None,
                mode: Optional[str] = None, space=None, timer=None, cache_dir=None, seed: int = 0,
-               target=None) -> Tuple[GemmTiles, Any]:
+               target=None, workers: Optional[int] = None) -> Tuple[GemmTiles, Any]:
     """The fastest correct tiles of the library GEMM ``C (m, n) = A (m, k) @ B (k, n)`` on this
     GPU, and the autotuner's :class:`~tilescale_lang.autotune.TuneResult` (the timings, and
     ``source``: ``"tuned"``, ``"cache"`` or ``"off"``).
@@ -59,6 +63,9 @@ def tune_tiles(m: int, n: int, k: int, dtype: Union[torch.dtype, str], *, device
         cache_dir: the cache directory (default TileLang's).
         seed: of the random operands.
         target: TileLang target (default ``sm_90a``).
+        workers: processes that compile the candidates in parallel before the first is timed
+            (only when tuning, not on a cache hit; default one per candidate, at most the CPU
+            count; 1: each candidate compiles when it is tried, as with another ``target``).
 
     Raises:
         TypeError / ValueError: naming a bad argument, before anything is compiled.
@@ -94,6 +101,13 @@ def tune_tiles(m: int, n: int, k: int, dtype: Union[torch.dtype, str], *, device
             reference["ref"] = a.float() @ b.float()
         return count_outside(out, reference["ref"], dtype)[0] == 0
 
+    def compile_all(configs) -> None:  # in parallel worker processes: build() then hits TileLang's disk cache
+        from tilescale_examples.testing.precompile import precompile
+
+        precompile([(GEMM_BUILDER, (m, n, k, name, tiles_of(c)), None) for c in configs], workers=workers)
+
+    parallel = workers != 1 and (target is None or target == TARGET)  # the workers compile for TARGET
     result = tune(space, build, name="library_gemm", dtype=dtype, shapes={"m": m, "n": n, "k": k}, check=check,
-                  group=group, policy="root", mode=mode, timer=timer, cache_dir=cache_dir)
+                  group=group, policy="root", mode=mode, timer=timer, cache_dir=cache_dir,
+                  prepare=compile_all if parallel else None)
     return tiles_of(result.config), result

@@ -180,7 +180,8 @@ def tune(space: SearchSpace, build: Callable[[dict], Callable[[], Any]], *, name
          reference: Any = None, check: Callable[[Any], bool] | None = None, rtol: float | None = None,
          atol: float | None = None, group: Any = None, policy: str = "root", mode: str | None = None,
          timer: Callable[[Callable[[], Any]], float] | None = None, cache_dir: str | os.PathLike | None = None,
-         extra: Mapping[str, Any] | None = None, environment: Mapping[str, Any] | None = None) -> TuneResult:
+         extra: Mapping[str, Any] | None = None, environment: Mapping[str, Any] | None = None,
+         prepare: Callable[[list], None] | None = None) -> TuneResult:
     """Choose the fastest correct candidate of ``space``, the same one on every rank of ``group``.
 
     A collective over ``group``: every rank calls it with the same arguments. Every rank
@@ -214,6 +215,10 @@ def tune(space: SearchSpace, build: Callable[[dict], Callable[[], Any]], *, name
         extra: further JSON-able key fields the winner depends on.
         environment: the hardware/software key fields (default
             :func:`~tilescale_lang.autotune.cache.current_environment`).
+        prepare: ``prepare(candidates)``, called on the root once it is going to tune (not
+            on a cache hit), with every candidate config, before the first ``build``: e.g. to
+            compile them all in parallel into a disk cache that ``build`` then hits. A
+            failure is a warning (``build`` compiles what is missing).
 
     Returns:
         A :class:`TuneResult`.
@@ -227,6 +232,8 @@ def tune(space: SearchSpace, build: Callable[[dict], Callable[[], Any]], *, name
     mode = resolve_mode(mode)
     check_choice("policy", policy, POLICIES)
     _check_callables(build, reference, check, timer)
+    if prepare is not None and not callable(prepare):
+        raise TypeError(f"prepare must be a callable candidates -> None, or None, got {prepare!r}")
     comm = Comm.of(group)
     environment = current_environment() if environment is None else environment
     key = make_key(name, space, dtype, shapes, comm.size, environment, extra)
@@ -252,14 +259,19 @@ def tune(space: SearchSpace, build: Callable[[dict], Callable[[], Any]], *, name
     if mode == "cache_only":
         raise AutotuneCacheMiss(key, cache.path(name))
     return _tune_now(space, build, comm, key, cache, policy, make_verifier(reference, check, rtol, atol),
-                     timer or default_timer, result)
+                     timer or default_timer, result, prepare)
 
 
 def _tune_now(space: SearchSpace, build, comm: Comm, key: dict, cache: TuneCache, policy: str, verify, timer,
-              result: dict) -> TuneResult:
+              result: dict, prepare=None) -> TuneResult:
     """Steps 3 and 4 of the module docstring."""
     candidates = space.candidates()
     name = key["name"]
+    if prepare is not None and comm.is_root:
+        ok, error = guarded(lambda: prepare([dict(c) for c in candidates]))
+        if not ok:
+            warnings.warn(f"autotune {name!r}: prepare failed (each candidate compiles in build):\n{error}",
+                          RuntimeWarning, stacklevel=3)
     if policy == "slowest":
         skipped, every = run_lockstep(comm, candidates, build, verify, timer)
         decision = guarded(lambda: _decide(slowest_outcome(candidates, skipped, every))) if comm.is_root else None
