@@ -5,7 +5,7 @@
 # STEPs: doctor; demo (python -m tilescale_examples.demo: the README's main job); tests (GPU suite of every package, ranks sharing the GPUs); tests-4 (one
 # rank per GPU); tests-core, tests-host, tests-lang, tests-examples (one package, shared);
 # tests-moe (the MoE dispatch/combine GPU tests alone, shared); tests-reduce (the reduction and all-gather GPU tests, shared);
-# tests-decode (AllReduceResidualRMSNorm, GemmAllReduce), tests-sequence (UlyssesAllToAll), tests-moe-ll (MoELowLatency), tests-lang-new (AOT bundles,
+# tests-decode (AllReduceResidualRMSNorm, GemmAllReduce), tests-sequence (UlyssesAllToAll, flash attention), tests-moe-ll (MoELowLatency), tests-lang-new (AOT bundles, the lean launcher,
 # the autotuner, upstream's NVSHMEM-path programs) -- the ops and modules whose GPU tests are newest;
 # bench (every benchmark); bench-NAME (one); bench-overlap-1 (ag_gemm and gemm_rs on one rank:
 # the world-1 goal); all (default: doctor demo tests bench). Logs go to $OUT (or ./device-logs) and a summary
@@ -56,7 +56,7 @@ for step in "${steps[@]}"; do
     tests-4) gpu_tests tests-4 0 ;;
     chaos) run_step chaos env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
              packages/tilescale-examples/tests/test_chaos.py -m chaos -q -s -rfEs --tb=short -p no:cacheprovider ;;
-    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs emulated reduce_ceiling moe moe_phases remote_tma gpu_barrier decode gemm_allreduce ulysses launch; do
+    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs emulated reduce_ceiling moe moe_phases remote_tma gpu_barrier decode gemm_allreduce ulysses launch flash_attention; do
              run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
            done ;;
     bench-overlap-1) for b in ag_gemm gemm_rs; do
@@ -71,13 +71,13 @@ for step in "${steps[@]}"; do
                     packages/tilescale-examples/tests/test_gemm_allreduce_gpu.py \
                     -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-sequence) run_step tests-sequence env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
-                      packages/tilescale-examples/tests/test_ulysses.py \
+                      packages/tilescale-examples/tests/test_ulysses.py packages/tilescale-examples/tests/test_flash_attention.py \
                       -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-moe-ll) run_step tests-moe-ll env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
                     packages/tilescale-examples/tests/test_moe_low_latency_gpu.py \
                     -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-lang-new) run_step tests-lang-new env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
-                      packages/tilescale-lang/tests/test_aot.py packages/tilescale-lang/tests/test_autotune_gpu.py \
+                      packages/tilescale-lang/tests/test_aot.py packages/tilescale-lang/tests/test_lean.py packages/tilescale-lang/tests/test_autotune_gpu.py \
                       packages/tilescale-lang/tests/test_gpu_upstream.py \
                       -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-reduce) run_step tests-reduce env TILESCALE_SHARE_GPUS=1 timeout -k 10 240 python3 -m pytest \

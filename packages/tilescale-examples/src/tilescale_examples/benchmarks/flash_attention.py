@@ -1,0 +1,139 @@
+"""The TileLang flash-attention forward against torch's scaled_dot_product_attention (cuDNN and flash backends), same run.
+
+``python -m tilescale_examples.benchmarks.flash_attention [--seq 4096 8192 16384 32768]
+[--batch 1] [--heads 32] [--kv-heads 32] [--head-dim 128] [--dtype bfloat16|float16]
+[--iters 20] [--out DIR]``
+
+For every sequence length, causal and not, on one GPU: GPU time per call of ``--iters``
+calls (each from an idle GPU, the median; ``_timing.local_ms``) of
+
+* ``tilescale``: :func:`~tilescale_examples.sequence.flash_attention.flash_attention`;
+* ``cudnn`` and ``flash``: ``torch.nn.functional.scaled_dot_product_attention`` under
+  ``torch.nn.attention.sdpa_kernel`` with that backend (``-`` when the backend refuses the
+  shape); ``best torch``: the faster of the two;
+
+and the TFLOP/s of each (``4 B H Sq Skv D`` floating-point operations, half of them for
+causal), and ``vs best``: best torch time / tilescale time (above 1: TileScale is faster).
+Before timing, TileScale's output is compared with the cuDNN (else flash, else math)
+backend's at every size (bf16 tolerance); a failure is printed and makes the exit status 1.
+
+The goal (issue 44, one H200): at least 0.9 of the best torch backend's speed (printed last).
+"""
+
+from __future__ import annotations
+
+from tilescale_examples.benchmarks import _harness, _timing
+from tilescale_examples.benchmarks._report import print_table, ratio
+
+__all__ = ["HEADERS", "GOAL", "flops", "run_case", "goal_lines", "main"]
+
+HEADERS = ["seq", "causal", "tilescale us", "cudnn us", "flash us", "tilescale TFLOP/s", "best torch TFLOP/s",
+           "vs best", "check"]
+#: The goal: TileScale's kernel at least GOAL of the best torch backend's speed.
+GOAL = 0.9
+
+
+def flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> float:
+    """Floating-point operations of one forward (two GEMMs of ``2 B H S S D``; half causal)."""
+    total = 4.0 * batch * heads * seq * seq * head_dim
+    return total / 2 if causal else total
+
+
+def _sdpa(q, k, v, causal: bool, backend):
+    """``scaled_dot_product_attention`` in the ``bhsd`` layout it takes (views of the
+    ``bshd`` tensors) under ``backend``; its output back in ``bshd``."""
+    import torch
+    from torch.nn.attention import sdpa_kernel
+
+    groups = q.shape[2] // k.shape[2]
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    with sdpa_kernel(backend):
+        o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=groups > 1)
+    return o.transpose(1, 2)
+
+
+def run_case(args, seq: int, causal: bool, device) -> tuple:
+    """``(row, failure or None)`` of one sequence length."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from tilescale_examples.sequence.flash_attention import flash_attention
+
+    g = torch.Generator(device=device).manual_seed(seq + causal)
+    dtype = getattr(torch, args.dtype)
+    q = torch.randn((args.batch, seq, args.heads, args.head_dim), generator=g, device=device).to(dtype)
+    k = torch.randn((args.batch, seq, args.kv_heads, args.head_dim), generator=g, device=device).to(dtype)
+    v = torch.randn((args.batch, seq, args.kv_heads, args.head_dim), generator=g, device=device).to(dtype)
+    out, _ = flash_attention(q, k, v, causal=causal)
+    times, reference = {}, None
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                          ("math", SDPBackend.MATH)):
+        try:
+            o = _sdpa(q, k, v, causal, backend)
+        except RuntimeError:  # the backend does not take this shape or GPU
+            continue
+        reference = o if reference is None else reference
+        if name != "math":
+            times[name] = _timing.local_ms(lambda b=backend: _sdpa(q, k, v, causal, b), args.iters)
+    out.fill_(float("nan"))
+    flash_attention(q, k, v, causal=causal, out=out)
+    torch.cuda.synchronize(device)
+    failure = None
+    if reference is None or not torch.allclose(out.float(), reference.float(), atol=2e-2, rtol=2e-2):
+        failure = f"seq {seq} causal {causal}: output differs from torch's" if reference is not None else \
+            f"seq {seq} causal {causal}: no torch backend ran"
+    ours = _timing.local_ms(lambda: flash_attention(q, k, v, causal=causal, out=out), args.iters)
+    work = flops(args.batch, args.heads, seq, args.head_dim, causal)
+    best = min(times.values()) if times else None
+    row = [seq, causal, ours * 1e3, times["cudnn"] * 1e3 if "cudnn" in times else "-",
+           times["flash"] * 1e3 if "flash" in times else "-", work / ours / 1e9,
+           work / best / 1e9 if best else "-", ratio(best, ours) if best else "-", "ok" if failure is None else "FAIL"]
+    return row, failure
+
+
+def goal_lines(rows: list) -> list:
+    """The goal's line: the smallest ``vs best`` (goal >= :data:`GOAL`)."""
+    values = [r[7] for r in rows if isinstance(r[7], float)]
+    if not values:
+        return ["worst tilescale vs best torch backend: not measured"]
+    return [f"worst tilescale vs best torch backend: {min(values):.3f} (goal >= {GOAL})"]
+
+
+def main(argv=None) -> int:
+    """The command line (see the module docstring); 0, or 1 when a check failed."""
+    p = _harness.parser("flash_attention", __doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384, 32768], help="sequence lengths")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default --heads)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--iters", type=int, default=20, help="calls timed per case (median)")
+    args = _harness.parse_args(p, argv)
+    args.kv_heads = args.heads if args.kv_heads is None else args.kv_heads
+    if args.iters < 1 or args.batch < 1 or args.kv_heads < 1 or args.heads % args.kv_heads or any(s < 1 for s in args.seq):
+        p.error("--iters, --batch, --seq and --kv-heads must be >= 1, and --heads a multiple of --kv-heads")
+    if _harness.visible_gpus("flash-attention benchmark") == 0:
+        return 0
+    import torch
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows, failures = [], []
+    for seq in args.seq:
+        for causal in (False, True):
+            row, failure = run_case(args, seq, causal, device)
+            rows.append(row)
+            failures += [failure] if failure else []
+    print_table(f"flash-attention forward vs torch scaled_dot_product_attention, {torch.cuda.get_device_name(device)}, "
+                f"batch {args.batch}, {args.heads} heads ({args.kv_heads} kv) of {args.head_dim}, {args.dtype}; "
+                f"median GPU time of {args.iters} calls", HEADERS, rows)
+    for failure in failures:
+        print("FAILED:", failure)
+    for line in goal_lines(rows):
+        print(line)
+    print(f"correctness (TileScale's output against torch's): {'ok' if not failures else f'{len(failures)} FAILURE(S)'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

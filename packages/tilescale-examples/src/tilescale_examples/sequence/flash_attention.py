@@ -1,0 +1,223 @@
+"""A TileLang flash-attention forward: the compute core of sequence-parallel attention.
+
+``flash_attention(q, k, v, causal=False)`` returns ``(o, lse)`` for ``q (B, Sq, H, D)`` and
+``k``, ``v (B, Skv, Hkv, D)`` in the ``bshd`` layout (flash-attention's; the layout
+:class:`~tilescale_examples.sequence.ulysses.UlyssesAllToAll` produces), ``H`` a multiple of
+``Hkv`` (grouped-query attention: query head ``h`` reads key/value head ``h // (H / Hkv)``):
+
+* ``o (B, Sq, H, D)`` in the inputs' dtype: ``softmax(q k^T * scale) v`` per head;
+* ``lse (B, H, Sq)`` float32: the natural log of each row's softmax denominator,
+  ``log(sum_j exp(q k_j * scale))``, which the partial results of a split key/value sequence
+  combine with (sequence-parallel attention, flash-decode).
+
+``scale`` defaults to ``1 / sqrt(D)``. ``causal``: query ``i`` sees keys ``j <= i + offset``
+with ``offset = Skv - Sq`` (the queries are the last ``Sq`` positions, flash-attention's
+convention; ``Sq == Skv`` for self-attention).
+
+The kernel (:func:`build_flash_attention_kernel`) runs one block per ``block_m`` queries of one
+head: Q stays in shared memory, K and V tiles of ``block_n`` keys stream through a
+``num_stages``-deep software pipeline, the scores and the output accumulate in registers in
+float32 (tensor-core GEMMs, WGMMA on Hopper) with the online softmax in base 2; a causal block
+stops at its diagonal. Sequence lengths must be multiples of the tiles (``block_m``,
+``block_n``: 128 and 128 by default for head dim 64 and 128, 128 and 64 above), head dim one of
+:data:`HEAD_DIMS`, dtype bfloat16 or float16.
+"""
+
+# (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["flash_attention", "build_flash_attention_kernel", "torch_reference", "default_tiles", "HEAD_DIMS",
+           "DTYPES"]
+
+#: Head dimensions the kernel is built for.
+HEAD_DIMS = (64, 128, 256)
+#: torch dtype -> TileLang dtype name.
+DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def default_tiles(head_dim: int) -> dict:
+    """``block_m``, ``block_n``, ``num_stages`` and ``threads`` for a head dimension."""
+    if head_dim <= 128:
+        return {"block_m": 128, "block_n": 128, "num_stages": 2, "threads": 256}
+    return {"block_m": 128, "block_n": 64, "num_stages": 2, "threads": 256}
+
+
+def build_flash_attention_kernel(batch: int, heads: int, kv_heads: int, seq_q: int, seq_kv: int, head_dim: int,
+                                 causal: bool, scale: float, dtype: str = "bfloat16", block_m: int = 128,
+                                 block_n: int = 128, num_stages: int = 2, threads: int = 256):
+    """The forward ``T.prim_func`` ``flash_attention(Q, K, V, O, LSE)`` (grid ``Sq / block_m x
+    H x B``; see the module docstring). The arguments are checked by :func:`flash_attention`."""
+    import tilelang.language as T
+
+    groups = heads // kv_heads
+    offset = seq_kv - seq_q  # causal: query i sees keys j <= i + offset
+    scale_log2 = scale * LOG2E
+    acc = "float32"
+    n_kv_blocks = seq_kv // block_n
+
+    @T.prim_func
+    def flash_attention(Q: T.Tensor((batch, seq_q, heads, head_dim), dtype),
+                        K: T.Tensor((batch, seq_kv, kv_heads, head_dim), dtype),
+                        V: T.Tensor((batch, seq_kv, kv_heads, head_dim), dtype),
+                        O: T.Tensor((batch, seq_q, heads, head_dim), dtype),
+                        LSE: T.Tensor((batch, heads, seq_q), acc)):
+        with T.Kernel(seq_q // block_m, heads, batch, threads=threads) as (bx, by, bz):
+            q_tile = T.alloc_shared((block_m, head_dim), dtype)
+            k_tile = T.alloc_shared((block_n, head_dim), dtype)
+            v_tile = T.alloc_shared((block_n, head_dim), dtype)
+            scores = T.alloc_fragment((block_m, block_n), acc)
+            probs = T.alloc_fragment((block_m, block_n), dtype)
+            out = T.alloc_fragment((block_m, head_dim), acc)
+            row_max = T.alloc_fragment((block_m,), acc)
+            prev_max = T.alloc_fragment((block_m,), acc)
+            rescale = T.alloc_fragment((block_m,), acc)
+            row_sum = T.alloc_fragment((block_m,), acc)
+            denom = T.alloc_fragment((block_m,), acc)
+            kv_head = by // groups
+
+            T.copy(Q[bz, bx * block_m:(bx + 1) * block_m, by, :], q_tile)
+            T.fill(out, 0)
+            T.fill(denom, 0)
+            T.fill(row_max, -T.infinity(acc))
+            # a causal block stops after the key tile holding its last query's diagonal
+            blocks = T.min(n_kv_blocks, T.ceildiv((bx + 1) * block_m + offset, block_n)) if causal else n_kv_blocks
+            for kb in T.Pipelined(blocks, num_stages=num_stages):
+                T.copy(K[bz, kb * block_n:(kb + 1) * block_n, kv_head, :], k_tile)
+                if causal:
+                    for i, j in T.Parallel(block_m, block_n):
+                        scores[i, j] = T.if_then_else(bx * block_m + i + offset >= kb * block_n + j, 0,
+                                                      -T.infinity(acc))
+                else:
+                    T.clear(scores)
+                T.gemm(q_tile, k_tile, scores, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.copy(row_max, prev_max)
+                T.reduce_max(scores, row_max, dim=1, clear=False)  # the max so far, this tile included
+                for i in T.Parallel(block_m):
+                    rescale[i] = T.exp2(prev_max[i] * scale_log2 - row_max[i] * scale_log2)
+                for i, j in T.Parallel(block_m, block_n):
+                    scores[i, j] = T.exp2(scores[i, j] * scale_log2 - row_max[i] * scale_log2)
+                T.reduce_sum(scores, row_sum, dim=1)
+                for i in T.Parallel(block_m):
+                    denom[i] = denom[i] * rescale[i] + row_sum[i]
+                T.copy(scores, probs)
+                for i, j in T.Parallel(block_m, head_dim):
+                    out[i, j] *= rescale[i]
+                T.copy(V[bz, kb * block_n:(kb + 1) * block_n, kv_head, :], v_tile)
+                T.gemm(probs, v_tile, out, policy=T.GemmWarpPolicy.FullRow)
+            for i, j in T.Parallel(block_m, head_dim):
+                out[i, j] /= denom[i]
+            T.copy(out, O[bz, bx * block_m:(bx + 1) * block_m, by, :])
+            for i in T.Parallel(block_m):  # natural log: ln(denom) + scale * max
+                denom[i] = T.log2(denom[i]) * LN2 + row_max[i] * scale
+            T.copy(denom, LSE[bz, by, bx * block_m:(bx + 1) * block_m])
+
+    return flash_attention
+
+
+def _check(q, k, v, causal, scale, tiles) -> Tuple[int, ...]:
+    """The sizes ``(B, Sq, H, Skv, Hkv, D)``, or ``TypeError`` / ``ValueError`` naming the
+    argument."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{name} must be bfloat16 or float16, got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    B, Sq, H, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k and v must be (batch={B}, seq_kv, kv_heads, head_dim={D}) alike, got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
+        raise ValueError("q, k and v must have one dtype and one device")
+    Skv, Hkv = k.shape[1], k.shape[2]
+    if H % Hkv:
+        raise ValueError(f"q's heads ({H}) must be a multiple of k's ({Hkv})")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {D}")
+    if Sq % tiles["block_m"] or Skv % tiles["block_n"]:
+        raise ValueError(f"the sequence lengths must be multiples of the tiles: q's {Sq} of block_m={tiles['block_m']}, "
+                         f"k's {Skv} of block_n={tiles['block_n']}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if causal and Skv < Sq:
+        raise ValueError(f"causal attention needs at least as many keys as queries, got {Skv} < {Sq}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+        raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+    return B, Sq, H, Skv, Hkv, D
+
+
+_KERNELS: dict = {}
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                    scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
+                    lse: Optional[torch.Tensor] = None, **tiles) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward ``(o, lse)`` of ``q (B, Sq, H, D)``, ``k``, ``v (B, Skv, Hkv, D)``
+    (see the module docstring), on the current stream.
+
+    Args:
+        causal: query ``i`` sees keys ``j <= i + Skv - Sq``.
+        scale: of the scores (default ``1 / sqrt(D)``).
+        out, lse: where to write (``(B, Sq, H, D)`` in q's dtype, ``(B, H, Sq)`` float32,
+            contiguous, on q's device); default new tensors.
+        tiles: ``block_m``, ``block_n``, ``num_stages``, ``threads`` (default
+            :func:`default_tiles`).
+
+    The kernel is compiled once per shape, dtype, scale and tiles in this process (TileLang's
+    disk cache keeps it across processes).
+
+    Raises:
+        TypeError / ValueError: naming the argument, before anything is compiled or launched.
+    """
+    unknown = set(tiles) - {"block_m", "block_n", "num_stages", "threads"}
+    if unknown:
+        raise TypeError(f"unknown tile options {sorted(unknown)}")
+    tiles = {**default_tiles(q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 128), **tiles}
+    B, Sq, H, Skv, Hkv, D = _check(q, k, v, causal, scale, tiles)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    for name, t, shape, dtype in (("out", out, (B, Sq, H, D), q.dtype), ("lse", lse, (B, H, Sq), torch.float32)):
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
+                              or t.device != q.device or not t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {q.device}")
+    key = (B, H, Hkv, Sq, Skv, D, causal, scale, DTYPES[q.dtype], *sorted(tiles.items()))
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        import tilelang
+
+        from tilescale_examples.base import TARGET
+
+        func = build_flash_attention_kernel(B, H, Hkv, Sq, Skv, D, causal, scale, DTYPES[q.dtype], **tiles)
+        kernel = _KERNELS[key] = tilelang.compile(func, target=TARGET)
+    out = torch.empty((B, Sq, H, D), dtype=q.dtype, device=q.device) if out is None else out
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device) if lse is None else lse
+    kernel(q, k, v, out, lse)
+    return out, lse
+
+
+def torch_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                    scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(o, lse)`` in float32 with torch (the scores materialised): what :func:`flash_attention`
+    computes, for checking it."""
+    B, Sq, H, D = q.shape
+    Skv, Hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    qf = q.float().permute(0, 2, 1, 3)  # (B, H, Sq, D)
+    kf = k.float().permute(0, 2, 1, 3).repeat_interleave(H // Hkv, dim=1)
+    vf = v.float().permute(0, 2, 1, 3).repeat_interleave(H // Hkv, dim=1)
+    s = qf @ kf.transpose(-1, -2) * scale
+    if causal:
+        i = torch.arange(Sq, device=q.device)[:, None]
+        j = torch.arange(Skv, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (Skv - Sq), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.softmax(s, dim=-1) @ vf
+    return o.permute(0, 2, 1, 3).contiguous(), lse

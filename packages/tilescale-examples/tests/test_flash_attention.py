@@ -1,0 +1,169 @@
+"""The flash-attention forward (tilescale_examples.sequence.flash_attention).
+
+CPU: the torch reference against torch's own attention and a row-by-row computation (causal
+with more keys than queries: the queries are the last positions), argument errors before
+anything is compiled, the generated CUDA (tensor-core WGMMA, base-2 exponentials, a causal
+block's loop bound) and an nvcc compile. GPU (``gpu``): outputs and log-sum-exps against the
+float32 reference for causal and full attention, grouped-query heads, head dims 64/128/256,
+fresh random inputs and poisoned outputs, on a side stream and replayed from a CUDA graph."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from examples_helpers import lower_with, needs_nvcc
+
+from tilescale_examples.sequence.flash_attention import (build_flash_attention_kernel, default_tiles,
+                                                         flash_attention, torch_reference)
+
+
+def _inputs(B, Sq, Skv, H, Hkv, D, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn((B, Sq, H, D), generator=g, device=device).to(dtype)
+    k = torch.randn((B, Skv, Hkv, D), generator=g, device=device).to(dtype)
+    v = torch.randn((B, Skv, Hkv, D), generator=g, device=device).to(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_is_torch_attention(causal):
+    q, k, v = _inputs(2, 16, 16, 4, 2, 8)
+    o, lse = torch_reference(q, k, v, causal=causal)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2), v.repeat_interleave(2, 2).transpose(1, 2),
+        is_causal=causal).transpose(1, 2)
+    assert torch.allclose(o, want, atol=1e-5)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, 2)) / math.sqrt(8)
+    if causal:
+        s = s.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    assert torch.allclose(lse, torch.logsumexp(s, -1), atol=1e-5)
+
+
+def test_reference_causal_with_more_keys_sees_the_last_positions():
+    q, k, v = _inputs(1, 4, 10, 2, 1, 8)
+    o, lse = torch_reference(q, k, v, causal=True, scale=0.5)
+    for i in range(4):  # query i is position 6 + i: keys 0..6+i
+        s = torch.einsum("hd,khd->hk", q[0, i], k[0, :7 + i].expand(-1, 2, -1)) * 0.5
+        assert torch.allclose(lse[0, :, i], torch.logsumexp(s, -1), atol=1e-5)
+        assert torch.allclose(o[0, i], torch.softmax(s, -1) @ v[0, :7 + i, 0], atol=1e-5)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda q, k, v: (q.float(), k, v), TypeError, "q must be bfloat16 or float16"),
+    (lambda q, k, v: (q[0], k, v), ValueError, r"q must be \(batch, seq, heads, head_dim\)"),
+    (lambda q, k, v: (q.transpose(1, 2), k, v), ValueError, "q must be contiguous"),
+    (lambda q, k, v: (q, k, v[:, :128].contiguous()), ValueError, "k and v must be"),
+    (lambda q, k, v: (q[:, :, :3].contiguous(), k, v), ValueError, r"q's heads \(3\) must be a multiple of k's \(2\)"),
+    (lambda q, k, v: (q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous()), ValueError,
+     "head_dim must be one of"),
+    (lambda q, k, v: (q[:, :192].contiguous(), k, v), ValueError, "multiples of the tiles: q's 192 of block_m=128"),
+])
+def test_bad_arguments_are_named_before_anything_compiles(change, error, match, monkeypatch):
+    import tilelang
+
+    monkeypatch.setattr(tilelang, "compile", lambda *a, **kw: pytest.fail("compiled"))
+    q, k, v = _inputs(1, 256, 256, 4, 2, 64, torch.bfloat16)
+    with pytest.raises(error, match=match):
+        flash_attention(*change(q, k, v))
+
+
+def test_more_argument_errors(monkeypatch):
+    import tilelang
+
+    monkeypatch.setattr(tilelang, "compile", lambda *a, **kw: pytest.fail("compiled"))
+    q, k, v = _inputs(1, 256, 128, 4, 2, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="causal attention needs at least as many keys as queries"):
+        flash_attention(q, k, v, causal=True)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_attention(q, k, v, causal=1)
+    with pytest.raises(ValueError, match="scale must be a positive number"):
+        flash_attention(q, k, v, scale=0)
+    with pytest.raises(TypeError, match=r"unknown tile options \['block_k'\]"):
+        flash_attention(q, k, v, block_k=64)
+    with pytest.raises(ValueError, match=r"out must be a contiguous torch.bfloat16 tensor of shape \(1, 256, 4, 64\)"):
+        flash_attention(q, k, v, out=torch.empty(1, 256, 4, 32, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_generated_cuda_uses_wgmma_and_base_2(causal):
+    src = lower_with(build_flash_attention_kernel(1, 8, 2, 1024, 2048, 128, causal, 128 ** -0.5), {})
+    assert "wgmma" in src.lower() and "exp2" in src and "log2" in src
+    # 16 key tiles; a causal query block stops after its diagonal's tile: ceil(((bx + 1) * 128 + 1024) / 128)
+    # = bx + 9 (the queries are the last 1024 of 2048 positions)
+    bound = "kb < (((int)blockIdx.x) + 9)" if causal else "kb < 16"
+    assert f"for (int kb = 0; {bound}; ++kb)" in src
+
+
+@needs_nvcc
+def test_kernel_compiles_with_nvcc(tmp_path, monkeypatch):
+    import tilelang
+
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    for D in (64, 256):
+        kernel = tilelang.compile(build_flash_attention_kernel(1, 4, 2, 256, 256, D, True, D ** -0.5,
+                                                               **default_tiles(D)),
+                                  target={"kind": "cuda", "arch": "sm_90a"})
+        assert kernel.prim_func.attrs["global_symbol"] == "flash_attention"
+
+
+# ------------------------------------------------------------------------------ GPU
+CASES = [  # B, Sq, Skv, H, Hkv, D, causal, dtype
+    (2, 1024, 1024, 8, 8, 128, False, torch.bfloat16),
+    (2, 1024, 1024, 8, 2, 128, True, torch.bfloat16),
+    (1, 512, 2048, 4, 1, 128, True, torch.float16),
+    (1, 2048, 2048, 16, 4, 64, True, torch.bfloat16),
+    (1, 512, 512, 4, 4, 256, False, torch.bfloat16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
+def test_gpu_flash_attention_matches_the_reference(case):
+    B, Sq, Skv, H, Hkv, D, causal, dtype = case
+    for seed in range(3):
+        q, k, v = _inputs(B, Sq, Skv, H, Hkv, D, dtype, "cuda", seed)
+        out = torch.full((B, Sq, H, D), float("nan"), dtype=dtype, device="cuda")
+        lse = torch.full((B, H, Sq), float("nan"), device="cuda")
+        flash_attention(q, k, v, causal=causal, out=out, lse=lse)
+        want_o, want_lse = torch_reference(q, k, v, causal=causal)
+        torch.cuda.synchronize()
+        assert torch.allclose(out.float(), want_o, atol=2e-2, rtol=2e-2), (out.float() - want_o).abs().max()
+        assert torch.allclose(lse, want_lse, atol=1e-3, rtol=1e-3), (lse - want_lse).abs().max()
+
+
+@pytest.mark.gpu
+def test_gpu_flash_attention_on_a_side_stream_and_in_a_cuda_graph():
+    q, k, v = _inputs(1, 1024, 1024, 8, 2, 128, torch.bfloat16, "cuda")
+    out, lse = flash_attention(q, k, v, causal=True)  # compiled and warm
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out.fill_(float("nan"))
+        flash_attention(q, k, v, causal=True, out=out, lse=lse)
+    torch.cuda.current_stream().wait_stream(side)
+    want_o, _ = torch_reference(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    assert torch.allclose(out.float(), want_o, atol=2e-2, rtol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flash_attention(q, k, v, causal=True, out=out, lse=lse)
+    for seed in (5, 6):
+        fresh = _inputs(1, 1024, 1024, 8, 2, 128, torch.bfloat16, "cuda", seed)
+        for dst, src in zip((q, k, v), fresh):
+            dst.copy_(src)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.allclose(out.float(), torch_reference(q, k, v, causal=True)[0], atol=2e-2, rtol=2e-2)
+
+
+def test_benchmark_flops_and_goal():
+    from tilescale_examples.benchmarks.flash_attention import flops, goal_lines
+
+    assert flops(1, 32, 4096, 128, False) == 4.0 * 32 * 4096 * 4096 * 128
+    assert flops(1, 32, 4096, 128, True) == flops(1, 32, 4096, 128, False) / 2
+    rows = [[4096, False, 100.0, 90.0, 120.0, 500.0, 550.0, 0.9, "ok"], [4096, True, 60.0, "-", "-", 400.0, "-", "-", "ok"]]
+    assert goal_lines(rows) == ["worst tilescale vs best torch backend: 0.900 (goal >= 0.9)"]
+    assert goal_lines(rows[1:]) == ["worst tilescale vs best torch backend: not measured"]
