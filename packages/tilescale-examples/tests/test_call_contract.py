@@ -1,7 +1,8 @@
 """The call contract of the product classes (docs/architecture.md, "Call contract"), walked
 over every class ``tilescale_examples`` exports (``MoEDispatcher``, whose calls are ``dispatch``
 / ``combine``, and ``AllReduceResidualRMSNorm``, whose call takes three inputs and returns a
-tuple, and ``GemmAllReduce``, a GEMM op with no ``algorithm``, in sections of their own: the
+tuple, ``GemmAllReduce``, a GEMM op with no ``algorithm``, and ``SPFlashDecode``, whose call
+takes a query and this rank's cache, in sections of their own: the
 contract where it applies) plus the tutorial
 ``TmaAllReduce``:
 
@@ -36,7 +37,7 @@ from tilescale_examples.tutorials.tma_allreduce import TmaAllReduce
 
 PRODUCTS = [getattr(tilescale_examples, name) for name in tilescale_examples.__all__
             if name not in ("MoEDispatcher", "AllReduceResidualRMSNorm", "ClosedError", "MoELowLatency",
-                            "GemmAllReduce")] + [TmaAllReduce]
+                            "GemmAllReduce", "SPFlashDecode")] + [TmaAllReduce]
 GEMMS = {tilescale_examples.AllGatherGEMM, tilescale_examples.GemmReduceScatter}
 IDS = [cls.__name__ for cls in PRODUCTS]
 F16, F32 = torch.float16, torch.float32
@@ -529,5 +530,45 @@ def test_gemm_allreduce_follows_the_contract_where_it_applies(compiles):
             op(a, b)
         with pytest.raises(ClosedError):
             op(a, b, out=torch.zeros(1))
+    finally:
+        alloc.close()
+
+
+# ------------------------------------------------------------------------------ SPFlashDecode
+def test_flash_decode_follows_the_contract_where_it_applies(compiles):
+    """``SPFlashDecode(allocator, batch, heads, kv_heads, seq_local, head_dim, dtype, *,
+    world_size=None, group=None, splits=None, scale=None, target=None)``: no ``algorithm``
+    (one plan); its call ``(q, k, v, *, out=None, lse=None)``; ``torch_reference(inputs, rank)``
+    with ``inputs[p] = (q, k_p, v_p)``, the class's and its module's; :class:`ClosedError`
+    after ``close()``; ``heap_bytes`` what the constructor takes on tilescale-core's allocator.
+    (The rest is in ``test_flash_decode.py``.)"""
+    from tilescale_core.allocator import BaseAllocator
+    from tilescale_core.testing import HostBackend
+
+    from tilescale_examples.sequence import flash_decode
+
+    P = inspect.Parameter
+    cls = tilescale_examples.SPFlashDecode
+    params = list(inspect.signature(cls).parameters.values())
+    positional = ["allocator", "batch", "heads", "kv_heads", "seq_local", "head_dim", "dtype"]
+    assert issubclass(cls, SymmetricOp) and [p.name for p in params[:7]] == positional
+    assert all(p.kind is P.POSITIONAL_OR_KEYWORD and p.default is P.empty for p in params[:7])
+    assert all(p.kind is P.KEYWORD_ONLY for p in params[7:]) and (params[7].name, params[7].default) == ("world_size", None)
+    assert {"group", "target", "splits", "scale"} <= {p.name for p in params}
+    call = list(inspect.signature(cls.__call__).parameters.values())[1:]
+    assert [(p.name, p.kind, p.default) for p in call] == [
+        ("q", P.POSITIONAL_OR_KEYWORD, P.empty), ("k", P.POSITIONAL_OR_KEYWORD, P.empty),
+        ("v", P.POSITIONAL_OR_KEYWORD, P.empty), ("out", P.KEYWORD_ONLY, None), ("lse", P.KEYWORD_ONLY, None)]
+    for ref in (cls.torch_reference, flash_decode.torch_reference):
+        assert [p.name for p in inspect.signature(ref).parameters.values()][:2] == ["inputs", "rank"]
+    alloc = BaseAllocator(1 << 22, device="cpu", is_distributed=False, backend=HostBackend())
+    try:
+        op = cls(alloc, 1, 8, 2, 128, 64, torch.bfloat16)
+        assert -(-alloc.used // 256) * 256 == cls.heap_bytes(1, 8, 2, 128, 64, torch.bfloat16, world_size=1, device="cpu")
+        q, k = torch.zeros((1, 8, 64), dtype=torch.bfloat16), torch.zeros((1, 128, 2, 64), dtype=torch.bfloat16)
+        op.close()
+        op.close()  # idempotent
+        with pytest.raises(ClosedError, match="this SPFlashDecode is closed"):
+            op(q, k, k)
     finally:
         alloc.close()

@@ -132,11 +132,11 @@ def test_launch_metadata_is_kept_per_kernel_and_per_machine(scale_kernel, tmp_pa
     monkeypatch.setattr(launch_info, "lower", lambda *a: lowered.append(a))
     assert lean.describe_kernel(first) is info  # kept on the kernel
     assert lean.describe_kernel(cached()) == info and lowered == []  # read back from the machine's cache
-    kept.write_text("{not json")
+    kept.write_text("{not json", encoding="utf-8")
     monkeypatch.undo()
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
     assert lean.describe_kernel(cached()) == info  # a damaged file: lowered again, and rewritten
-    assert json.loads(kept.read_text()) == info
+    assert json.loads(kept.read_text(encoding="utf-8")) == info
 
 
 @needs_nvcc

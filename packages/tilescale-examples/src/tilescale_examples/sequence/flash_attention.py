@@ -30,8 +30,11 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["flash_attention", "build_flash_attention_kernel", "torch_reference", "default_tiles", "HEAD_DIMS",
-           "DTYPES"]
+from tilescale_examples._macros import T, macro
+
+__all__ = ["flash_attention", "build_flash_attention_kernel", "torch_reference", "default_tiles", "softmax_tile",
+           "attention_buffers",
+           "HEAD_DIMS", "DTYPES"]
 
 #: Head dimensions the kernel is built for.
 HEAD_DIMS = (64, 128, 256)
@@ -39,6 +42,39 @@ HEAD_DIMS = (64, 128, 256)
 DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+
+
+def attention_buffers(rows: int, cols: int, head_dim: int, dtype: str) -> tuple:
+    """The buffers of an attention block of ``rows`` queries and K/V tiles of ``cols``
+    positions (inside a kernel being built): shared ``q_tile``, ``k_tile``, ``v_tile``;
+    fragments ``scores`` (float32), ``probs`` (``dtype``), ``out`` (float32 ``rows x
+    head_dim``) and the online softmax's float32 ``row_max``, ``prev_max``, ``rescale``,
+    ``row_sum``, ``denom`` (see :func:`softmax_tile`), in that order."""
+    return (T.alloc_shared((rows, head_dim), dtype), T.alloc_shared((cols, head_dim), dtype),
+            T.alloc_shared((cols, head_dim), dtype), T.alloc_fragment((rows, cols), "float32"),
+            T.alloc_fragment((rows, cols), dtype), T.alloc_fragment((rows, head_dim), "float32"),
+            *(T.alloc_fragment((rows,), "float32") for _ in range(5)))
+
+
+@macro
+def softmax_tile(scores, probs, out, row_max, prev_max, rescale, row_sum, denom, scale_log2, rows, cols, head_dim):
+    """One K/V tile of the online softmax, in base 2: ``row_max`` becomes the running maximum
+    of the raw scores (this tile's included), the earlier sum ``denom`` and output ``out`` are
+    rescaled to it, the tile's ``exp2((s - max) * scale_log2)`` is added to ``denom`` and left
+    in ``probs`` (the inputs' dtype) for the probabilities-times-V GEMM. ``prev_max``,
+    ``rescale``, ``row_sum``: scratch fragments of ``rows``."""
+    T.copy(row_max, prev_max)
+    T.reduce_max(scores, row_max, dim=1, clear=False)  # the max so far, this tile included
+    for i in T.Parallel(rows):
+        rescale[i] = T.exp2(prev_max[i] * scale_log2 - row_max[i] * scale_log2)
+    for i, j in T.Parallel(rows, cols):
+        scores[i, j] = T.exp2(scores[i, j] * scale_log2 - row_max[i] * scale_log2)
+    T.reduce_sum(scores, row_sum, dim=1)
+    for i in T.Parallel(rows):
+        denom[i] = denom[i] * rescale[i] + row_sum[i]
+    T.copy(scores, probs)
+    for i, j in T.Parallel(rows, head_dim):
+        out[i, j] *= rescale[i]
 
 
 def default_tiles(head_dim: int) -> dict:
@@ -53,8 +89,6 @@ def build_flash_attention_kernel(batch: int, heads: int, kv_heads: int, seq_q: i
                                  block_n: int = 128, num_stages: int = 2, threads: int = 256):
     """The forward ``T.prim_func`` ``flash_attention(Q, K, V, O, LSE)`` (grid ``Sq / block_m x
     H x B``; see the module docstring). The arguments are checked by :func:`flash_attention`."""
-    import tilelang.language as T
-
     groups = heads // kv_heads
     offset = seq_kv - seq_q  # causal: query i sees keys j <= i + offset
     scale_log2 = scale * LOG2E
@@ -68,17 +102,8 @@ def build_flash_attention_kernel(batch: int, heads: int, kv_heads: int, seq_q: i
                         O: T.Tensor((batch, seq_q, heads, head_dim), dtype),
                         LSE: T.Tensor((batch, heads, seq_q), acc)):
         with T.Kernel(seq_q // block_m, heads, batch, threads=threads) as (bx, by, bz):
-            q_tile = T.alloc_shared((block_m, head_dim), dtype)
-            k_tile = T.alloc_shared((block_n, head_dim), dtype)
-            v_tile = T.alloc_shared((block_n, head_dim), dtype)
-            scores = T.alloc_fragment((block_m, block_n), acc)
-            probs = T.alloc_fragment((block_m, block_n), dtype)
-            out = T.alloc_fragment((block_m, head_dim), acc)
-            row_max = T.alloc_fragment((block_m,), acc)
-            prev_max = T.alloc_fragment((block_m,), acc)
-            rescale = T.alloc_fragment((block_m,), acc)
-            row_sum = T.alloc_fragment((block_m,), acc)
-            denom = T.alloc_fragment((block_m,), acc)
+            (q_tile, k_tile, v_tile, scores, probs, out, row_max, prev_max, rescale, row_sum,
+             denom) = attention_buffers(block_m, block_n, head_dim, dtype)
             kv_head = by // groups
 
             T.copy(Q[bz, bx * block_m:(bx + 1) * block_m, by, :], q_tile)
@@ -96,18 +121,8 @@ def build_flash_attention_kernel(batch: int, heads: int, kv_heads: int, seq_q: i
                 else:
                     T.clear(scores)
                 T.gemm(q_tile, k_tile, scores, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                T.copy(row_max, prev_max)
-                T.reduce_max(scores, row_max, dim=1, clear=False)  # the max so far, this tile included
-                for i in T.Parallel(block_m):
-                    rescale[i] = T.exp2(prev_max[i] * scale_log2 - row_max[i] * scale_log2)
-                for i, j in T.Parallel(block_m, block_n):
-                    scores[i, j] = T.exp2(scores[i, j] * scale_log2 - row_max[i] * scale_log2)
-                T.reduce_sum(scores, row_sum, dim=1)
-                for i in T.Parallel(block_m):
-                    denom[i] = denom[i] * rescale[i] + row_sum[i]
-                T.copy(scores, probs)
-                for i, j in T.Parallel(block_m, head_dim):
-                    out[i, j] *= rescale[i]
+                softmax_tile(scores, probs, out, row_max, prev_max, rescale, row_sum, denom, scale_log2, block_m,
+                             block_n, head_dim)
                 T.copy(V[bz, kb * block_n:(kb + 1) * block_n, kv_head, :], v_tile)
                 T.gemm(probs, v_tile, out, policy=T.GemmWarpPolicy.FullRow)
             for i, j in T.Parallel(block_m, head_dim):

@@ -1,0 +1,249 @@
+"""Distributed flash-decode: decode attention over a KV cache split along the sequence across ranks.
+
+Each rank holds ``seq_local`` positions of every sequence's cache, ``k, v (B, seq_local, Hkv,
+D)``; every rank gets the same decode queries ``q (B, H, D)`` (one new token per sequence) and
+returns the attention over the whole cache::
+
+    decode = SPFlashDecode(allocator, batch=B, heads=H, kv_heads=Hkv, seq_local=S_r, head_dim=D,
+                           dtype=torch.bfloat16)
+    o, lse = decode(q, k_cache, v_cache)       # o (B, H, D), lse (B, H) float32, the same on every rank
+    decode.close()                             # before allocator.close()
+
+A call runs three kernels on the current stream:
+
+1. :func:`build_decode_partial_kernel`: one block per (split, kv head, sequence) attends the
+   ``H / Hkv`` query heads of that kv head (grouped-query attention, padded to the tensor
+   cores' 64 rows) over its ``seq_local / splits`` positions, with the online softmax of
+   :mod:`~tilescale_examples.sequence.flash_attention`, and writes the split's output and
+   log-sum-exp (float32) into this rank's part of a flat buffer;
+2. an :class:`~tilescale_examples.collectives.allgather.AllGather` of that buffer (float32,
+   device-side call numbers: graph-safe, back-to-back calls need no host synchronisation);
+3. :func:`build_decode_combine_kernel`: every rank rescales and sums the ``W * splits``
+   partials of each (sequence, head) by their log-sum-exps (the same order on every rank, so
+   every rank's result has the same bits).
+
+A partial's log-sum-exp is ``ln(sum_j exp(s_j))`` over its positions (``s_j = q k_j * scale``);
+the combine's is ``m + ln(sum_p exp(lse_p - m))`` with ``m`` the largest, and its output
+``sum_p exp(lse_p - lse) o_p``. :func:`partial_reference` and :func:`combine_reference` are the
+same arithmetic in torch.
+"""
+
+# (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
+
+import math
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+from tilescale_examples.base import SymmetricOp, check_positive_int, check_tensor
+from tilescale_examples._macros import T
+from tilescale_examples.sequence.flash_attention import HEAD_DIMS, LN2, LOG2E, attention_buffers, softmax_tile
+
+__all__ = ["SPFlashDecode", "build_decode_partial_kernel", "build_decode_combine_kernel", "partial_reference",
+           "combine_reference", "torch_reference", "BLOCK_H", "BLOCK_N"]
+
+#: Query heads per partial block (the tensor cores' rows; a kv head's group is padded to it).
+BLOCK_H = 64
+#: Positions per K/V tile.
+BLOCK_N = 64
+DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def build_decode_partial_kernel(batch: int, heads: int, kv_heads: int, seq_local: int, head_dim: int, splits: int,
+                                scale: float, dtype: str = "bfloat16", threads: int = 128, num_stages: int = 2):
+    """``decode_partial(Q, K, V, P)``: ``P`` (flat float32, ``splits * B * H * (D + 1)``) gets
+    ``O[split, b, h, :]`` (first ``splits * B * H * D`` elements) and ``LSE[split, b, h]``
+    (the rest). Grid ``splits x Hkv x B``."""
+    groups = heads // kv_heads
+    per_split = seq_local // splits
+    scale_log2 = scale * LOG2E
+    acc = "float32"
+    n_out = splits * batch * heads * head_dim
+
+    @T.prim_func
+    def decode_partial(Q: T.Tensor((batch, heads, head_dim), dtype),
+                       K: T.Tensor((batch, seq_local, kv_heads, head_dim), dtype),
+                       V: T.Tensor((batch, seq_local, kv_heads, head_dim), dtype),
+                       P: T.Tensor((n_out + splits * batch * heads,), acc)):
+        with T.Kernel(splits, kv_heads, batch, threads=threads) as (sp, hk, b):
+            (q_tile, k_tile, v_tile, scores, probs, out, row_max, prev_max, rescale, row_sum,
+             denom) = attention_buffers(BLOCK_H, BLOCK_N, head_dim, dtype)
+
+            for i, d in T.Parallel(BLOCK_H, head_dim):  # the group's queries; rows past it are zeros
+                q_tile[i, d] = T.if_then_else(i < groups, Q[b, hk * groups + T.min(i, groups - 1), d], 0)
+            T.fill(out, 0)
+            T.fill(denom, 0)
+            T.fill(row_max, -T.infinity(acc))
+            start = sp * per_split
+            for kb in T.Pipelined(per_split // BLOCK_N, num_stages=num_stages):
+                T.copy(K[b, start + kb * BLOCK_N:start + (kb + 1) * BLOCK_N, hk, :], k_tile)
+                T.clear(scores)
+                T.gemm(q_tile, k_tile, scores, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                softmax_tile(scores, probs, out, row_max, prev_max, rescale, row_sum, denom, scale_log2, BLOCK_H,
+                             BLOCK_N, head_dim)
+                T.copy(V[b, start + kb * BLOCK_N:start + (kb + 1) * BLOCK_N, hk, :], v_tile)
+                T.gemm(probs, v_tile, out, policy=T.GemmWarpPolicy.FullRow)
+            for i, d in T.Parallel(BLOCK_H, head_dim):
+                if i < groups:
+                    P[((sp * batch + b) * heads + hk * groups + i) * head_dim + d] = out[i, d] / denom[i]
+            for i in T.Parallel(BLOCK_H):
+                if i < groups:
+                    P[n_out + (sp * batch + b) * heads + hk * groups + i] = T.log2(denom[i]) * LN2 + row_max[i] * scale
+
+    return decode_partial
+
+
+def build_decode_combine_kernel(world_size: int, splits: int, batch: int, heads: int, head_dim: int,
+                                dtype: str = "bfloat16"):
+    """``decode_combine(G, O, LSE)``: ``G (W, splits * B * H * (D + 1))`` every rank's partial
+    buffer (:func:`build_decode_partial_kernel`'s layout) -> ``O (B, H, D)`` in ``dtype``,
+    ``LSE (B, H)`` float32. Grid ``H x B``, one thread per channel; the partials are summed in
+    rank-then-split order."""
+    acc = "float32"
+    parts = world_size * splits
+    n_out = splits * batch * heads * head_dim
+    total = n_out + splits * batch * heads
+
+    @T.prim_func
+    def decode_combine(G: T.Tensor((world_size, total), acc), O: T.Tensor((batch, heads, head_dim), dtype),
+                       LSE: T.Tensor((batch, heads), acc)):
+        with T.Kernel(heads, batch, threads=head_dim) as (h, b):
+            m = T.alloc_local((1,), acc)
+            s = T.alloc_local((1,), acc)
+            o = T.alloc_fragment((head_dim,), acc)
+            m[0] = -T.infinity(acc)
+            for p in T.serial(parts):
+                m[0] = T.max(m[0], G[p // splits, n_out + ((p % splits) * batch + b) * heads + h])
+            s[0] = 0
+            for p in T.serial(parts):
+                s[0] += T.exp2((G[p // splits, n_out + ((p % splits) * batch + b) * heads + h] - m[0]) * LOG2E)
+            T.clear(o)
+            for p in T.serial(parts):
+                for d in T.Parallel(head_dim):
+                    o[d] += T.exp2((G[p // splits, n_out + ((p % splits) * batch + b) * heads + h] - m[0]) * LOG2E) \
+                        / s[0] * G[p // splits, (((p % splits) * batch + b) * heads + h) * head_dim + d]
+            for d in T.Parallel(head_dim):
+                O[b, h, d] = o[d]
+            LSE[b, h] = m[0] + T.log2(s[0]) * LN2
+
+    return decode_combine
+
+
+# ------------------------------------------------------------------------------ torch references
+def partial_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(o (B, H, D), lse (B, H))`` in float32 of ``q (B, H, D)`` over the positions of ``k``,
+    ``v (B, S, Hkv, D)``."""
+    H, Hkv = q.shape[1], k.shape[2]
+    kf = k.float().repeat_interleave(H // Hkv, dim=2)  # (B, S, H, D)
+    vf = v.float().repeat_interleave(H // Hkv, dim=2)
+    s = torch.einsum("bhd,bshd->bhs", q.float(), kf) * scale
+    return torch.einsum("bhs,bshd->bhd", torch.softmax(s, -1), vf), torch.logsumexp(s, -1)
+
+
+def combine_reference(parts: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The combine of partials ``[(o_p, lse_p), ...]`` (float32, in order): ``(o, lse)``."""
+    lses = torch.stack([lse for _, lse in parts])  # (P, B, H)
+    lse = torch.logsumexp(lses, 0)
+    weights = torch.exp(lses - lse)  # (P, B, H)
+    return sum(w[..., None] * o for w, (o, _) in zip(weights, parts)), lse
+
+
+def torch_reference(inputs: Sequence[tuple], rank: int, scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """What a call returns on ``rank`` (the same on every rank): attention of rank 0's ``q``
+    over every rank's cache, ``inputs[p] = (q, k_p, v_p)``, in float32."""
+    q = inputs[0][0]
+    k = torch.cat([x[1] for x in inputs], dim=1)
+    v = torch.cat([x[2] for x in inputs], dim=1)
+    return partial_reference(q, k, v, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+
+
+# ------------------------------------------------------------------------------ the op
+class SPFlashDecode(SymmetricOp):
+    """Decode attention over a sequence-split KV cache (see the module docstring).
+
+    Args:
+        allocator: the distributed allocator (collective: every rank builds the same ops).
+        batch, heads, kv_heads, seq_local, head_dim: ``q (batch, heads, head_dim)``, this
+            rank's ``k``, ``v (batch, seq_local, kv_heads, head_dim)``; ``heads`` a multiple
+            of ``kv_heads`` (at most :data:`BLOCK_H` apart), ``head_dim`` in
+            :data:`~tilescale_examples.sequence.flash_attention.HEAD_DIMS`.
+        dtype: bfloat16 or float16 (of ``q``, ``k``, ``v`` and the output).
+        world_size, group: as every op (keyword-only).
+        splits: partial blocks per (sequence, kv head) on each rank (default: enough to give
+            every SM a block, dividing ``seq_local`` into whole K/V tiles).
+        scale: of the scores (default ``1 / sqrt(head_dim)``).
+    """
+
+    _BUFFERS = ("partials", "gather", "output", "lse", "combine_kernel")
+
+    def __init__(self, allocator, batch: int, heads: int, kv_heads: int, seq_local: int, head_dim: int,
+                 dtype: Union[torch.dtype, str], *, world_size: Optional[int] = None, group=None,
+                 splits: Optional[int] = None, scale: Optional[float] = None, target=None):
+        self._setup_op(allocator, dtype, world_size, group, tuple(DTYPES))
+        self.batch, self.heads = check_positive_int("batch", batch), check_positive_int("heads", heads)
+        self.kv_heads, self.seq_local = check_positive_int("kv_heads", kv_heads), check_positive_int("seq_local", seq_local)
+        self.head_dim = check_positive_int("head_dim", head_dim)
+        if heads % kv_heads or heads // kv_heads > BLOCK_H:
+            raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}, at most {BLOCK_H} times it")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+        if seq_local % BLOCK_N:
+            raise ValueError(f"seq_local={seq_local} must be a multiple of {BLOCK_N} (the K/V tile)")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+            raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        tiles = seq_local // BLOCK_N
+        if splits is None:
+            want = max(1, self._default_max_blocks() // (batch * kv_heads))
+            splits = max(d for d in range(1, tiles + 1) if tiles % d == 0 and d <= want)
+        self.splits = check_positive_int("splits", splits)
+        if tiles % self.splits:
+            raise ValueError(f"splits={splits} must divide the {tiles} K/V tiles of seq_local={seq_local}")
+        from tilescale_examples.collectives.allgather import AllGather
+
+        total = self.splits * batch * heads * (head_dim + 1)
+        self.gather = AllGather(allocator, (total,), torch.float32, world_size=self.world_size, group=group,
+                                target=target)
+        self.partials = torch.empty((total,), dtype=torch.float32, device=self.device)
+        self.output = torch.empty((batch, heads, head_dim), dtype=self.dtype, device=self.device)
+        self.lse = torch.empty((batch, heads), dtype=torch.float32, device=self.device)
+        name = DTYPES[self.dtype]
+        self.kernel = self._compile_plain(lambda: build_decode_partial_kernel(
+            batch, heads, kv_heads, seq_local, head_dim, self.splits, self.scale, name), target)
+        self.combine_kernel = self._compile_plain(lambda: build_decode_combine_kernel(
+            self.world_size, self.splits, batch, heads, head_dim, name), target)
+
+    @staticmethod
+    def torch_reference(inputs, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """:func:`torch_reference` (``inputs[p] = (q, k_p, v_p)``)."""
+        return torch_reference(inputs, rank)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: Optional[torch.Tensor] = None,
+                 lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Attention of ``q (B, H, D)`` over every rank's cache (collective: every rank calls
+        with the same ``q``). Returns ``(out, lse)``, default the op's own (overwritten by
+        the next call), complete on the current stream. Raises
+        :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
+        self._check_open()
+        name = type(self).__name__
+        check_tensor(q, (self.batch, self.heads, self.head_dim), self.dtype, self.device, "q", "(B, H, D) =", name)
+        cache = (self.batch, self.seq_local, self.kv_heads, self.head_dim)
+        check_tensor(k, cache, self.dtype, self.device, "k", "(B, seq_local, Hkv, D) =", name)
+        check_tensor(v, cache, self.dtype, self.device, "v", "(B, seq_local, Hkv, D) =", name)
+        if out is not None:
+            self._check_out(out, self.output.shape)
+        if lse is not None:
+            check_tensor(lse, self.lse.shape, torch.float32, self.device, "lse", "(B, H) =", name)
+        self._note_capture()
+        self.epoch += 1
+        out = self.output if out is None else out
+        lse = self.lse if lse is None else lse
+        self.kernel(q, k, v, self.partials)
+        gathered = self.gather(self.partials)
+        self.combine_kernel(gathered, out, lse)
+        return out, lse
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(batch={self.batch}, heads={self.heads}, kv_heads={self.kv_heads}, "
+                f"seq_local={self.seq_local}, head_dim={self.head_dim}, dtype={self.dtype}, "
+                f"world_size={self.world_size}, splits={self.splits}{', closed' if self.closed else ''})")

@@ -1,0 +1,195 @@
+"""Distributed flash-decode (tilescale_examples.sequence.flash_decode).
+
+CPU: the partials-then-combine arithmetic the kernels implement equals attention over the whole
+cache (grouped-query heads, several ranks and splits), the generated CUDA (WGMMA partials; the
+combine's offsets into the gathered buffer), nvcc compiles, the op's argument errors before
+anything is allocated, its default splits, heap bytes, call sequence and lifetime. GPU
+(``gpu``, ranks sharing one GPU, worlds 1, 2, 4): every rank's output and log-sum-exp against
+the float32 reference over every rank's cache shard, fresh data and poisoned outputs, 100
+back-to-back calls with a straggler, CUDA-graph replays on fresh inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from examples_helpers import (CpuAllocator, check_gpu_ranks, close_rank_heap, lower_with, needs_nvcc, on_gpu_ranks,
+                              open_rank_heap, record_compiles)
+
+from tilescale_examples import ClosedError
+from tilescale_examples.sequence.flash_decode import (BLOCK_N, SPFlashDecode, build_decode_combine_kernel,
+                                                      build_decode_partial_kernel, combine_reference,
+                                                      partial_reference, torch_reference)
+
+
+def _shard(seed, B, S, Hkv, D, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn((B, S, Hkv, D), generator=g).to(dtype), torch.randn((B, S, Hkv, D), generator=g).to(dtype))
+
+
+@pytest.mark.parametrize("world, splits", [(1, 1), (2, 4), (4, 3)])
+def test_partials_combined_equal_attention_over_the_whole_cache(world, splits):
+    B, H, Hkv, D, S = 2, 8, 2, 16, 24
+    q = torch.randn(B, H, D)
+    shards = [_shard(p, B, S, Hkv, D) for p in range(world)]
+    parts = []
+    for k, v in shards:  # in the kernels' order: rank, then split
+        for s in range(splits):
+            rows = slice(s * S // splits, (s + 1) * S // splits)
+            parts.append(partial_reference(q, k[:, rows], v[:, rows], D ** -0.5))
+    o, lse = combine_reference(parts)
+    want_o, want_lse = torch_reference([(q, k, v) for k, v in shards], 0)
+    assert torch.allclose(o, want_o, atol=1e-5) and torch.allclose(lse, want_lse, atol=1e-5)
+    full = torch.softmax(torch.einsum("bhd,bshd->bhs", q, torch.cat([k for k, _ in shards], 1).repeat_interleave(4, 2))
+                         * D ** -0.5, -1)
+    assert torch.allclose(want_o, torch.einsum("bhs,bshd->bhd", full,
+                                               torch.cat([v for _, v in shards], 1).repeat_interleave(4, 2)), atol=1e-5)
+
+
+def test_generated_cuda():
+    partial = lower_with(build_decode_partial_kernel(2, 32, 8, 4096, 128, 4, 128 ** -0.5), {})
+    assert "wgmma" in partial.lower() and "exp2f" in partial and "log2f" in partial
+    combine = lower_with(build_decode_combine_kernel(2, 4, 2, 32, 128), {})
+    # every (rank, split) part: its lse at 32768 + split * B * H + b * H + h of the rank's 33024-element row
+    assert "G[((((((p >> 2) * 33024) + ((p & 3) * 64)) + (((int)blockIdx.y) * 32)) + ((int)blockIdx.x)) + 32768)]" in combine
+    assert "LSE[((((int)blockIdx.y) * 32) + ((int)blockIdx.x))]" in combine
+
+
+@needs_nvcc
+def test_kernels_compile_with_nvcc(tmp_path, monkeypatch):
+    import tilelang
+
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    target = {"kind": "cuda", "arch": "sm_90a"}
+    for func in (build_decode_partial_kernel(1, 8, 1, 256, 128, 2, 128 ** -0.5),
+                 build_decode_combine_kernel(2, 2, 1, 8, 128)):
+        assert tilelang.compile(func, target=target).prim_func is not None
+
+
+def _make(monkeypatch, world=2, **kw):
+    record_compiles(monkeypatch)
+    args = dict(batch=2, heads=8, kv_heads=2, seq_local=256, head_dim=128, dtype=torch.bfloat16)
+    args.update(kw)
+    return SPFlashDecode(CpuAllocator(world), **args)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"heads": 6, "kv_heads": 4}, ValueError, "heads=6 must be a multiple of kv_heads=4"),
+    ({"heads": 256, "kv_heads": 2}, ValueError, "at most 64 times it"),
+    ({"head_dim": 96}, ValueError, "head_dim must be one of"),
+    ({"seq_local": 100}, ValueError, "seq_local=100 must be a multiple of 64"),
+    ({"splits": 3}, ValueError, "splits=3 must divide the 4 K/V tiles"),
+    ({"scale": -1.0}, ValueError, "scale must be a positive number"),
+    ({"batch": 0}, ValueError, "batch"),
+    ({"dtype": torch.float32}, (TypeError, ValueError), "dtype"),
+])
+def test_argument_errors_before_anything_is_allocated(monkeypatch, kwargs, error, match):
+    record_compiles(monkeypatch)
+    alloc = CpuAllocator(2)
+    args = dict(batch=2, heads=8, kv_heads=2, seq_local=256, head_dim=128, dtype=torch.bfloat16)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        SPFlashDecode(alloc, **args)
+    assert alloc.allocations == []
+
+
+def test_splits_heap_and_the_calls_kernels(monkeypatch):
+    op = _make(monkeypatch)
+    tiles = 256 // BLOCK_N
+    assert op.splits in [d for d in range(1, tiles + 1) if tiles % d == 0]
+    total = op.splits * 2 * 8 * (128 + 1)
+    assert op.partials.shape == (total,) and op.gather.output.shape == (2, total)
+    assert SPFlashDecode.heap_bytes(2, 8, 2, 256, 128, torch.bfloat16, world_size=2, splits=op.splits, device="cpu") \
+        == type(op.gather).heap_bytes((total,), torch.float32, world_size=2, device="cpu")
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def initialize(self, allocator=None, stream=None):
+            return self
+
+        def __call__(self, *args):
+            calls.append((self.name, args))
+
+    op.kernel, op.combine_kernel, op.gather.kernel = Recorder("partial"), Recorder("combine"), Recorder("gather")
+    q = torch.randn(2, 8, 128).bfloat16()
+    k, v = _shard(0, 2, 256, 2, 128, torch.bfloat16)
+    out, lse = op(q, k, v)
+    assert [c[0] for c in calls] == ["partial", "gather", "combine"]
+    assert calls[0][1][:3] == (q, k, v) and calls[0][1][3] is op.partials
+    assert calls[1][1][0].data_ptr() == op.partials.data_ptr()  # the partials are what is gathered
+    assert calls[2][1][0] is op.gather.output and calls[2][1][1:] == (out, lse) and out is op.output
+    with pytest.raises(ValueError, match=r"k has shape \(2, 128, 2, 128\)"):
+        op(q, k[:, :128].contiguous(), v)
+    op.close()
+    with pytest.raises(ClosedError):
+        op(q, k, v)
+
+
+# ------------------------------------------------------------------------------ GPU
+GPU_CASES = [  # batch, heads, kv_heads, seq_local, head_dim, dtype
+    (2, 32, 8, 1024, 128, torch.bfloat16),
+    (1, 16, 16, 512, 64, torch.float16),
+    (3, 8, 1, 256, 256, torch.bfloat16),
+]
+
+
+def _inputs(case, world, seed):
+    """``q`` (the same on every rank) and every rank's cache shard, from seeds alone."""
+    B, H, Hkv, S, D, dtype = case
+    q = torch.randn((B, H, D), generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return q, [_shard(seed * 31 + 1 + p, B, S, Hkv, D, dtype) for p in range(world)]
+
+
+def gpu_rank_body(rank: int, world: int, cache_dir: str) -> int:
+    alloc = open_rank_heap(rank, world, cache_dir, 2**28)
+    dev = torch.device(alloc.device)
+    checks = 0
+    for c, case in enumerate(GPU_CASES):
+        op = SPFlashDecode(alloc, *case[:5], case[5])
+
+        def check(q, shards, where):
+            want_o, want_lse = torch_reference([(q, k, v) for k, v in shards], rank)
+            if not torch.allclose(op.output.float().cpu(), want_o, atol=2e-2, rtol=2e-2):
+                raise AssertionError(f"rank {rank}/{world} {where}: output differs")
+            if not torch.allclose(op.lse.cpu(), want_lse, atol=1e-3, rtol=1e-3):
+                raise AssertionError(f"rank {rank}/{world} {where}: lse differs")
+
+        for step in range(3):
+            q, shards = _inputs(case, world, 100 * c + step)
+            op.output.fill_(float("nan"))
+            op.lse.fill_(float("nan"))
+            op(q.to(dev), *(t.to(dev) for t in shards[rank]))
+            torch.cuda.synchronize()
+            check(q, shards, f"case {c} step {step}")
+            checks += 1
+        q, shards = _inputs(case, world, 100 * c + 50)
+        qd, (kd, vd) = q.to(dev), (t.to(dev) for t in shards[rank])
+        for call in range(100):  # back to back, a straggling rank every 25 calls
+            if call % 25 == 0 and rank == (call // 25) % world:
+                torch.cuda._sleep(2_000_000)
+            op(qd, kd, vd)
+        torch.cuda.synchronize()
+        check(q, shards, f"case {c} after 100 calls")
+        checks += 1
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            op(qd, kd, vd)
+        for replay in range(2):
+            q, shards = _inputs(case, world, 100 * c + 60 + replay)
+            qd.copy_(q.to(dev))
+            kd.copy_(shards[rank][0].to(dev))
+            vd.copy_(shards[rank][1].to(dev))
+            op.output.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            check(q, shards, f"case {c} replay {replay}")
+            checks += 1
+        op.close()
+    return close_rank_heap(alloc, rank, checks)
+
+
+@on_gpu_ranks(1, 2, 4, timeout=400)
+def test_flash_decode_on_gpu(world, tmp_path_factory):
+    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "flash-decode", len(GPU_CASES) * (3 + 1 + 2))
