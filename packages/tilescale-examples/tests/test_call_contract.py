@@ -1,8 +1,9 @@
 """The call contract of the product classes (docs/architecture.md, "Call contract"), walked
 over every class ``tilescale_examples`` exports (``MoEDispatcher``, whose calls are ``dispatch``
 / ``combine``, and ``AllReduceResidualRMSNorm``, whose call takes three inputs and returns a
-tuple, ``GemmAllReduce``, a GEMM op with no ``algorithm``, and ``SPFlashDecode``, whose call
-takes a query and this rank's cache, in sections of their own: the
+tuple, ``GemmAllReduce``, a GEMM op with no ``algorithm``, and the sequence-parallel ops
+(``SPFlashDecode``, ``SPAllGatherAttention``), whose calls take queries and this rank's K/V
+shard, in sections of their own: the
 contract where it applies) plus the tutorial
 ``TmaAllReduce``:
 
@@ -37,7 +38,7 @@ from tilescale_examples.tutorials.tma_allreduce import TmaAllReduce
 
 PRODUCTS = [getattr(tilescale_examples, name) for name in tilescale_examples.__all__
             if name not in ("MoEDispatcher", "AllReduceResidualRMSNorm", "ClosedError", "MoELowLatency",
-                            "GemmAllReduce", "SPFlashDecode")] + [TmaAllReduce]
+                            "GemmAllReduce", "SPFlashDecode", "SPAllGatherAttention")] + [TmaAllReduce]
 GEMMS = {tilescale_examples.AllGatherGEMM, tilescale_examples.GemmReduceScatter}
 IDS = [cls.__name__ for cls in PRODUCTS]
 F16, F32 = torch.float16, torch.float32
@@ -534,41 +535,52 @@ def test_gemm_allreduce_follows_the_contract_where_it_applies(compiles):
         alloc.close()
 
 
-# ------------------------------------------------------------------------------ SPFlashDecode
-def test_flash_decode_follows_the_contract_where_it_applies(compiles):
-    """``SPFlashDecode(allocator, batch, heads, kv_heads, seq_local, head_dim, dtype, *,
-    world_size=None, group=None, splits=None, scale=None, target=None)``: no ``algorithm``
-    (one plan); its call ``(q, k, v, *, out=None, lse=None)``; ``torch_reference(inputs, rank)``
-    with ``inputs[p] = (q, k_p, v_p)``, the class's and its module's; :class:`ClosedError`
-    after ``close()``; ``heap_bytes`` what the constructor takes on tilescale-core's allocator.
-    (The rest is in ``test_flash_decode.py``.)"""
+# ------------------------------------------------------------------------------ sequence parallelism
+SEQUENCE_OPS = {  # name: (positional names after the allocator, small arguments, call inputs, option names)
+    "SPFlashDecode": (["batch", "heads", "kv_heads", "seq_local", "head_dim", "dtype"], (1, 8, 2, 128, 64, torch.bfloat16),
+                      ((1, 8, 64), (1, 128, 2, 64), (1, 128, 2, 64)), {"splits", "scale"}),
+    "SPAllGatherAttention": (["batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype"],
+                             (1, 128, 4, 2, 64, torch.bfloat16), ((1, 128, 4, 64), (1, 128, 2, 64), (1, 128, 2, 64)),
+                             {"causal", "scale"}),
+}
+
+
+@pytest.mark.parametrize("name", list(SEQUENCE_OPS))
+def test_sequence_ops_follow_the_contract_where_it_applies(name, compiles):
+    """``Cls(allocator, <sizes>, dtype, *, world_size=None, group=None, ..., target=None)``: no
+    ``algorithm`` (one plan); the call ``(q, k, v, *, out=None, lse=None)`` (a query and this
+    rank's K/V shard); ``torch_reference(inputs, rank)`` with ``inputs[p] = (q_p, k_p, v_p)``,
+    the class's and its module's; :class:`ClosedError` after ``close()``; ``heap_bytes`` what
+    the constructor takes on tilescale-core's allocator. (The rest is in their own tests.)"""
+    import importlib
+
     from tilescale_core.allocator import BaseAllocator
     from tilescale_core.testing import HostBackend
 
-    from tilescale_examples.sequence import flash_decode
-
+    positional, args, inputs, options = SEQUENCE_OPS[name]
     P = inspect.Parameter
-    cls = tilescale_examples.SPFlashDecode
+    cls = getattr(tilescale_examples, name)
     params = list(inspect.signature(cls).parameters.values())
-    positional = ["allocator", "batch", "heads", "kv_heads", "seq_local", "head_dim", "dtype"]
-    assert issubclass(cls, SymmetricOp) and [p.name for p in params[:7]] == positional
-    assert all(p.kind is P.POSITIONAL_OR_KEYWORD and p.default is P.empty for p in params[:7])
-    assert all(p.kind is P.KEYWORD_ONLY for p in params[7:]) and (params[7].name, params[7].default) == ("world_size", None)
-    assert {"group", "target", "splits", "scale"} <= {p.name for p in params}
+    n = len(positional) + 1
+    assert issubclass(cls, SymmetricOp) and [p.name for p in params[:n]] == ["allocator"] + positional
+    assert all(p.kind is P.POSITIONAL_OR_KEYWORD and p.default is P.empty for p in params[:n])
+    assert all(p.kind in (P.KEYWORD_ONLY, P.VAR_KEYWORD) for p in params[n:])
+    assert (params[n].name, params[n].default) == ("world_size", None)
+    assert {"group", "target"} | options <= {p.name for p in params} and "algorithm" not in {p.name for p in params}
     call = list(inspect.signature(cls.__call__).parameters.values())[1:]
     assert [(p.name, p.kind, p.default) for p in call] == [
         ("q", P.POSITIONAL_OR_KEYWORD, P.empty), ("k", P.POSITIONAL_OR_KEYWORD, P.empty),
         ("v", P.POSITIONAL_OR_KEYWORD, P.empty), ("out", P.KEYWORD_ONLY, None), ("lse", P.KEYWORD_ONLY, None)]
-    for ref in (cls.torch_reference, flash_decode.torch_reference):
+    for ref in (cls.torch_reference, importlib.import_module(cls.__module__).torch_reference):
         assert [p.name for p in inspect.signature(ref).parameters.values()][:2] == ["inputs", "rank"]
     alloc = BaseAllocator(1 << 22, device="cpu", is_distributed=False, backend=HostBackend())
     try:
-        op = cls(alloc, 1, 8, 2, 128, 64, torch.bfloat16)
-        assert -(-alloc.used // 256) * 256 == cls.heap_bytes(1, 8, 2, 128, 64, torch.bfloat16, world_size=1, device="cpu")
-        q, k = torch.zeros((1, 8, 64), dtype=torch.bfloat16), torch.zeros((1, 128, 2, 64), dtype=torch.bfloat16)
+        op = cls(alloc, *args)
+        assert -(-alloc.used // 256) * 256 == cls.heap_bytes(*args, world_size=1, device="cpu")
+        tensors = [torch.zeros(shape, dtype=torch.bfloat16) for shape in inputs]
         op.close()
         op.close()  # idempotent
-        with pytest.raises(ClosedError, match="this SPFlashDecode is closed"):
-            op(q, k, k)
+        with pytest.raises(ClosedError, match=f"this {name} is closed"):
+            op(*tensors)
     finally:
         alloc.close()

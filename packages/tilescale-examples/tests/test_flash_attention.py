@@ -90,9 +90,9 @@ def test_more_argument_errors(monkeypatch):
 def test_generated_cuda_uses_wgmma_and_base_2(causal):
     src = lower_with(build_flash_attention_kernel(1, 8, 2, 1024, 2048, 128, causal, 128 ** -0.5), {})
     assert "wgmma" in src.lower() and "exp2" in src and "log2" in src
-    # 16 key tiles; a causal query block stops after its diagonal's tile: ceil(((bx + 1) * 128 + 1024) / 128)
-    # = bx + 9 (the queries are the last 1024 of 2048 positions)
-    bound = "kb < (((int)blockIdx.x) + 9)" if causal else "kb < 16"
+    # 16 key tiles; a causal query block stops after its diagonal's tile: ceil((q_start + (bx + 1) * 128) / 128),
+    # q_start = Skv - Sq given at launch (the queries are the last positions)
+    bound = "kb < min(16, (((q_start + 255) >> 7) + ((int)blockIdx.x)))" if causal else "kb < 16"
     assert f"for (int kb = 0; {bound}; ++kb)" in src
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from examples_helpers import (CpuAllocator, check_gpu_ranks, close_rank_heap, lower_with, needs_nvcc, on_gpu_ranks,
+from examples_helpers import (CpuAllocator, LaunchRecorder, check_gpu_ranks, close_rank_heap, lower_with, needs_nvcc, on_gpu_ranks,
                               open_rank_heap, record_compiles)
 
 from tilescale_examples import ClosedError
@@ -102,17 +102,7 @@ def test_splits_heap_and_the_calls_kernels(monkeypatch):
         == type(op.gather).heap_bytes((total,), torch.float32, world_size=2, device="cpu")
     calls = []
 
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def initialize(self, allocator=None, stream=None):
-            return self
-
-        def __call__(self, *args):
-            calls.append((self.name, args))
-
-    op.kernel, op.combine_kernel, op.gather.kernel = Recorder("partial"), Recorder("combine"), Recorder("gather")
+    op.kernel, op.combine_kernel, op.gather.kernel = LaunchRecorder(calls, "partial"), LaunchRecorder(calls, "combine"), LaunchRecorder(calls, "gather")
     q = torch.randn(2, 8, 128).bfloat16()
     k, v = _shard(0, 2, 256, 2, 128, torch.bfloat16)
     out, lse = op(q, k, v)

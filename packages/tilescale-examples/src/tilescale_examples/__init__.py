@@ -21,14 +21,14 @@ __version__ = "0.1.0"
 
 __all__ = ["AllGather", "AllToAll", "ReduceScatter", "AllReduce", "AllGatherGEMM", "GemmReduceScatter", "MoEDispatcher",
            "AllReduceResidualRMSNorm", "ClosedError", "MoELowLatency", "GemmAllReduce", "UlyssesAllToAll",
-           "SPFlashDecode"]
+           "SPFlashDecode", "SPAllGatherAttention"]
 __getattr__ = lazy_getattr(globals(), {"ClosedError": "base",
     "AllGather": "collectives.allgather", "AllToAll": "collectives.alltoall",
     "ReduceScatter": "collectives.reducescatter", "AllReduce": "collectives.allreduce",
     "AllGatherGEMM": "overlap.ag_gemm", "GemmReduceScatter": "overlap.gemm_rs", "MoEDispatcher": "moe.dispatcher",
     "AllReduceResidualRMSNorm": "decode.allreduce_norm", "MoELowLatency": "moe.low_latency",
     "GemmAllReduce": "decode.gemm_allreduce", "UlyssesAllToAll": "sequence.ulysses",
-    "SPFlashDecode": "sequence.flash_decode",
+    "SPFlashDecode": "sequence.flash_decode", "SPAllGatherAttention": "sequence.sp_attention",
 })
 
 try:  # registers torch.ops.tilescale.* (a no-op where torch has no torch.library.custom_op)

@@ -32,8 +32,8 @@ import torch
 
 from tilescale_examples._macros import T, macro
 
-__all__ = ["flash_attention", "build_flash_attention_kernel", "torch_reference", "default_tiles", "softmax_tile",
-           "attention_buffers",
+__all__ = ["flash_attention", "build_attention_kernel", "build_flash_attention_kernel", "torch_reference", "default_tiles", "softmax_tile",
+           "attention_buffers", "start_rows", "tile_scores", "finish_rows",
            "HEAD_DIMS", "DTYPES"]
 
 #: Head dimensions the kernel is built for.
@@ -77,6 +77,36 @@ def softmax_tile(scores, probs, out, row_max, prev_max, rescale, row_sum, denom,
         out[i, j] *= rescale[i]
 
 
+@macro
+def start_rows(out, denom, row_max):
+    """Before the first K/V tile: no output, no sum, a running maximum of minus infinity."""
+    T.fill(out, 0)
+    T.fill(denom, 0)
+    T.fill(row_max, -T.infinity("float32"))
+
+
+@macro
+def tile_scores(scores, q_tile, k_tile, first_query, first_key, rows, cols, causal):
+    """``scores`` of a K/V tile: ``q_tile @ k_tile^T`` (raw, unscaled); with ``causal`` minus
+    infinity where key ``first_key + j`` is after query ``first_query + i`` (global positions)."""
+    if causal:
+        for i, j in T.Parallel(rows, cols):
+            scores[i, j] = T.if_then_else(first_query + i >= first_key + j, 0, -T.infinity("float32"))
+    else:
+        T.clear(scores)
+    T.gemm(q_tile, k_tile, scores, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+
+
+@macro
+def finish_rows(out, denom, row_max, scale, rows, head_dim):
+    """After the last K/V tile: ``out`` divided by the sum; ``denom`` becomes the rows'
+    natural-log LSE, ``ln(sum) + scale * max``."""
+    for i, j in T.Parallel(rows, head_dim):
+        out[i, j] /= denom[i]
+    for i in T.Parallel(rows):
+        denom[i] = T.log2(denom[i]) * LN2 + row_max[i] * scale
+
+
 def default_tiles(head_dim: int) -> dict:
     """``block_m``, ``block_n``, ``num_stages`` and ``threads`` for a head dimension."""
     if head_dim <= 128:
@@ -84,55 +114,57 @@ def default_tiles(head_dim: int) -> dict:
     return {"block_m": 128, "block_n": 64, "num_stages": 2, "threads": 256}
 
 
-def build_flash_attention_kernel(batch: int, heads: int, kv_heads: int, seq_q: int, seq_kv: int, head_dim: int,
-                                 causal: bool, scale: float, dtype: str = "bfloat16", block_m: int = 128,
-                                 block_n: int = 128, num_stages: int = 2, threads: int = 256):
-    """The forward ``T.prim_func`` ``flash_attention(Q, K, V, O, LSE)`` (grid ``Sq / block_m x
-    H x B``; see the module docstring). The arguments are checked by :func:`flash_attention`."""
+def build_attention_kernel(world_size: int, batch: int, seq_q: int, seq_kv: int, heads: int, kv_heads: int,
+                           head_dim: int, causal: bool, scale: float, dtype: str = "bfloat16", block_m: int = 128,
+                           block_n: int = 128, num_stages: int = 2, threads: int = 256, name: str = "attention"):
+    """The forward ``T.prim_func`` ``<name>(Q, K, V, O, LSE, q_start)``: ``Q (B, Sq, H, D)``,
+    ``K``, ``V (W, B, Skv, Hkv, D)`` (``W`` shards of ``Skv`` keys each, in position order: key
+    tile ``t`` is shard ``t // (Skv / block_n)``'s), ``O (B, Sq, H, D)``, ``LSE (B, H, Sq)``
+    float32, ``q_start`` (int32) the global position of the first query (``causal``: query
+    ``i`` sees keys ``j <= q_start + i``; a block stops after its diagonal's tile). Grid ``Sq /
+    block_m x H x B``. Sizes are checked by the callers."""
     groups = heads // kv_heads
-    offset = seq_kv - seq_q  # causal: query i sees keys j <= i + offset
     scale_log2 = scale * LOG2E
     acc = "float32"
-    n_kv_blocks = seq_kv // block_n
+    tiles_per_shard = seq_kv // block_n
+    n_tiles = world_size * tiles_per_shard
 
     @T.prim_func
-    def flash_attention(Q: T.Tensor((batch, seq_q, heads, head_dim), dtype),
-                        K: T.Tensor((batch, seq_kv, kv_heads, head_dim), dtype),
-                        V: T.Tensor((batch, seq_kv, kv_heads, head_dim), dtype),
-                        O: T.Tensor((batch, seq_q, heads, head_dim), dtype),
-                        LSE: T.Tensor((batch, heads, seq_q), acc)):
+    def attention(Q: T.Tensor((batch, seq_q, heads, head_dim), dtype),
+                  K: T.Tensor((world_size, batch, seq_kv, kv_heads, head_dim), dtype),
+                  V: T.Tensor((world_size, batch, seq_kv, kv_heads, head_dim), dtype),
+                  O: T.Tensor((batch, seq_q, heads, head_dim), dtype),
+                  LSE: T.Tensor((batch, heads, seq_q), acc), q_start: T.int32):
         with T.Kernel(seq_q // block_m, heads, batch, threads=threads) as (bx, by, bz):
             (q_tile, k_tile, v_tile, scores, probs, out, row_max, prev_max, rescale, row_sum,
              denom) = attention_buffers(block_m, block_n, head_dim, dtype)
             kv_head = by // groups
-
             T.copy(Q[bz, bx * block_m:(bx + 1) * block_m, by, :], q_tile)
-            T.fill(out, 0)
-            T.fill(denom, 0)
-            T.fill(row_max, -T.infinity(acc))
-            # a causal block stops after the key tile holding its last query's diagonal
-            blocks = T.min(n_kv_blocks, T.ceildiv((bx + 1) * block_m + offset, block_n)) if causal else n_kv_blocks
+            start_rows(out, denom, row_max)
+            blocks = T.min(n_tiles, T.ceildiv(q_start + (bx + 1) * block_m, block_n)) if causal else n_tiles
             for kb in T.Pipelined(blocks, num_stages=num_stages):
-                T.copy(K[bz, kb * block_n:(kb + 1) * block_n, kv_head, :], k_tile)
-                if causal:
-                    for i, j in T.Parallel(block_m, block_n):
-                        scores[i, j] = T.if_then_else(bx * block_m + i + offset >= kb * block_n + j, 0,
-                                                      -T.infinity(acc))
-                else:
-                    T.clear(scores)
-                T.gemm(q_tile, k_tile, scores, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                shard, s0 = kb // tiles_per_shard, (kb % tiles_per_shard) * block_n
+                T.copy(K[shard, bz, s0:s0 + block_n, kv_head, :], k_tile)
+                tile_scores(scores, q_tile, k_tile, q_start + bx * block_m, kb * block_n, block_m, block_n, causal)
                 softmax_tile(scores, probs, out, row_max, prev_max, rescale, row_sum, denom, scale_log2, block_m,
                              block_n, head_dim)
-                T.copy(V[bz, kb * block_n:(kb + 1) * block_n, kv_head, :], v_tile)
+                T.copy(V[shard, bz, s0:s0 + block_n, kv_head, :], v_tile)
                 T.gemm(probs, v_tile, out, policy=T.GemmWarpPolicy.FullRow)
-            for i, j in T.Parallel(block_m, head_dim):
-                out[i, j] /= denom[i]
+            finish_rows(out, denom, row_max, scale, block_m, head_dim)
             T.copy(out, O[bz, bx * block_m:(bx + 1) * block_m, by, :])
-            for i in T.Parallel(block_m):  # natural log: ln(denom) + scale * max
-                denom[i] = T.log2(denom[i]) * LN2 + row_max[i] * scale
             T.copy(denom, LSE[bz, by, bx * block_m:(bx + 1) * block_m])
 
-    return flash_attention
+    return attention.with_attr("global_symbol", name)
+
+
+def build_flash_attention_kernel(batch: int, heads: int, kv_heads: int, seq_q: int, seq_kv: int, head_dim: int,
+                                 causal: bool, scale: float, dtype: str = "bfloat16", block_m: int = 128,
+                                 block_n: int = 128, num_stages: int = 2, threads: int = 256):
+    """:func:`build_attention_kernel` of one shard: ``flash_attention(Q, K, V, O, LSE,
+    q_start)`` with ``K``, ``V`` as ``(1, B, Skv, Hkv, D)`` (a view of the ``bshd`` tensors) and
+    ``q_start = Skv - Sq`` (the queries are the last positions)."""
+    return build_attention_kernel(1, batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, scale, dtype, block_m,
+                                  block_n, num_stages, threads, name="flash_attention")
 
 
 def _check(q, k, v, causal, scale, tiles) -> Tuple[int, ...]:
@@ -214,7 +246,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         kernel = _KERNELS[key] = tilelang.compile(func, target=TARGET)
     out = torch.empty((B, Sq, H, D), dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device) if lse is None else lse
-    kernel(q, k, v, out, lse)
+    kernel(q, k.unsqueeze(0), v.unsqueeze(0), out, lse, Skv - Sq)
     return out, lse
 
 

@@ -35,9 +35,10 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from tilescale_examples.base import SymmetricOp, check_positive_int, check_tensor
+from tilescale_examples.base import check_positive_int
+from tilescale_examples.sequence._attention_op import AttentionOp
 from tilescale_examples._macros import T
-from tilescale_examples.sequence.flash_attention import HEAD_DIMS, LN2, LOG2E, attention_buffers, softmax_tile
+from tilescale_examples.sequence.flash_attention import HEAD_DIMS, LN2, LOG2E, attention_buffers, softmax_tile, start_rows, tile_scores
 
 __all__ = ["SPFlashDecode", "build_decode_partial_kernel", "build_decode_combine_kernel", "partial_reference",
            "combine_reference", "torch_reference", "BLOCK_H", "BLOCK_N"]
@@ -71,14 +72,11 @@ def build_decode_partial_kernel(batch: int, heads: int, kv_heads: int, seq_local
 
             for i, d in T.Parallel(BLOCK_H, head_dim):  # the group's queries; rows past it are zeros
                 q_tile[i, d] = T.if_then_else(i < groups, Q[b, hk * groups + T.min(i, groups - 1), d], 0)
-            T.fill(out, 0)
-            T.fill(denom, 0)
-            T.fill(row_max, -T.infinity(acc))
+            start_rows(out, denom, row_max)
             start = sp * per_split
             for kb in T.Pipelined(per_split // BLOCK_N, num_stages=num_stages):
                 T.copy(K[b, start + kb * BLOCK_N:start + (kb + 1) * BLOCK_N, hk, :], k_tile)
-                T.clear(scores)
-                T.gemm(q_tile, k_tile, scores, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                tile_scores(scores, q_tile, k_tile, 0, 0, BLOCK_H, BLOCK_N, False)
                 softmax_tile(scores, probs, out, row_max, prev_max, rescale, row_sum, denom, scale_log2, BLOCK_H,
                              BLOCK_N, head_dim)
                 T.copy(V[b, start + kb * BLOCK_N:start + (kb + 1) * BLOCK_N, hk, :], v_tile)
@@ -158,7 +156,7 @@ def torch_reference(inputs: Sequence[tuple], rank: int, scale: Optional[float] =
 
 
 # ------------------------------------------------------------------------------ the op
-class SPFlashDecode(SymmetricOp):
+class SPFlashDecode(AttentionOp):
     """Decode attention over a sequence-split KV cache (see the module docstring).
 
     Args:
@@ -175,6 +173,7 @@ class SPFlashDecode(SymmetricOp):
     """
 
     _BUFFERS = ("partials", "gather", "output", "lse", "combine_kernel")
+    Q_SHAPE_NAME, KV_SHAPE_NAME, LSE_SHAPE_NAME = "(B, H, D) =", "(B, seq_local, Hkv, D) =", "(B, H) ="
 
     def __init__(self, allocator, batch: int, heads: int, kv_heads: int, seq_local: int, head_dim: int,
                  dtype: Union[torch.dtype, str], *, world_size: Optional[int] = None, group=None,
@@ -192,6 +191,7 @@ class SPFlashDecode(SymmetricOp):
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
             raise ValueError(f"scale must be a positive number or None, got {scale!r}")
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        self.q_shape, self.kv_shape = (batch, heads, head_dim), (batch, seq_local, kv_heads, head_dim)
         tiles = seq_local // BLOCK_N
         if splits is None:
             want = max(1, self._default_max_blocks() // (batch * kv_heads))
@@ -224,20 +224,7 @@ class SPFlashDecode(SymmetricOp):
         with the same ``q``). Returns ``(out, lse)``, default the op's own (overwritten by
         the next call), complete on the current stream. Raises
         :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
-        self._check_open()
-        name = type(self).__name__
-        check_tensor(q, (self.batch, self.heads, self.head_dim), self.dtype, self.device, "q", "(B, H, D) =", name)
-        cache = (self.batch, self.seq_local, self.kv_heads, self.head_dim)
-        check_tensor(k, cache, self.dtype, self.device, "k", "(B, seq_local, Hkv, D) =", name)
-        check_tensor(v, cache, self.dtype, self.device, "v", "(B, seq_local, Hkv, D) =", name)
-        if out is not None:
-            self._check_out(out, self.output.shape)
-        if lse is not None:
-            check_tensor(lse, self.lse.shape, torch.float32, self.device, "lse", "(B, H) =", name)
-        self._note_capture()
-        self.epoch += 1
-        out = self.output if out is None else out
-        lse = self.lse if lse is None else lse
+        out, lse = self._begin_call(q, k, v, out, lse)
         self.kernel(q, k, v, self.partials)
         gathered = self.gather(self.partials)
         self.combine_kernel(gathered, out, lse)

@@ -1,0 +1,137 @@
+"""Sequence-parallel attention by all-gathering K and V: each rank holds its shard of the sequence.
+
+With ``W`` ranks and ``SP`` positions per rank, rank ``r`` holds positions ``[r SP, (r + 1) SP)``
+of ``q (B, SP, H, D)``, ``k``, ``v (B, SP, Hkv, D)`` (the ``bshd`` layout) and gets its
+queries' attention over the whole sequence::
+
+    attn = SPAllGatherAttention(allocator, batch=B, seq_local=SP, heads=H, kv_heads=Hkv, head_dim=D,
+                                dtype=torch.bfloat16, causal=True)
+    o, lse = attn(q, k, v)      # o (B, SP, H, D), lse (B, H, SP) float32: this rank's queries
+    attn.close()                # before allocator.close()
+
+A call all-gathers ``k`` and ``v`` (two :class:`~tilescale_examples.collectives.allgather.AllGather`
+calls: device-side call state, so back-to-back calls need no host synchronisation and a call
+can be captured in a CUDA graph), then runs :func:`build_sp_attention_kernel`: the flash
+kernel's blocks (:mod:`~tilescale_examples.sequence.flash_attention`'s online softmax and
+buffers) reading the gathered ``(W, B, SP, Hkv, D)`` buffers in place, key tile ``t`` from rank
+``t // (SP / block_n)``. ``causal`` masks by global position: query ``r SP + i`` sees keys up to
+itself, and a block stops after its diagonal's tile (the rank's first position is a run-time
+argument: every rank runs the same compiled kernel).
+"""
+
+# (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
+
+import math
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+from tilescale_examples.base import check_positive_int
+from tilescale_examples.sequence._attention_op import AttentionOp
+from tilescale_examples.sequence.flash_attention import DTYPES, HEAD_DIMS, build_attention_kernel, default_tiles
+from tilescale_examples.sequence.flash_attention import torch_reference as attention_reference
+
+__all__ = ["SPAllGatherAttention", "build_sp_attention_kernel", "torch_reference"]
+
+
+def build_sp_attention_kernel(world_size: int, batch: int, seq_local: int, heads: int, kv_heads: int, head_dim: int,
+                              causal: bool, scale: float, dtype: str = "bfloat16", block_m: int = 128,
+                              block_n: int = 128, num_stages: int = 2, threads: int = 256):
+    """:func:`~tilescale_examples.sequence.flash_attention.build_attention_kernel` over the
+    gathered shards: ``sp_attention(Q, K, V, O, LSE, q_start)``, ``Q (B, SP, H, D)``, ``K``, ``V
+    (W, B, SP, Hkv, D)``, ``q_start`` this rank's first position ``rank * SP``."""
+    return build_attention_kernel(world_size, batch, seq_local, seq_local, heads, kv_heads, head_dim, causal, scale,
+                                  dtype, block_m, block_n, num_stages, threads, name="sp_attention")
+
+
+def torch_reference(inputs: Sequence[tuple], rank: int, causal: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """What a call returns on ``rank`` in float32: ``inputs[p] = (q_p, k_p, v_p)``, rank ``p``'s
+    shards; ``rank``'s queries over every rank's keys (causal by global position)."""
+    q = inputs[rank][0]
+    k = torch.cat([x[1] for x in inputs], dim=1)
+    v = torch.cat([x[2] for x in inputs], dim=1)
+    if not causal:
+        return attention_reference(q, k, v)
+    # the queries at global positions [rank SP, (rank + 1) SP) see the first (rank + 1) SP keys,
+    # aligned with the last of them (flash attention's causal convention)
+    keys = (rank + 1) * q.shape[1]
+    return attention_reference(q, k[:, :keys], v[:, :keys], causal=True)
+
+
+class SPAllGatherAttention(AttentionOp):
+    """Sequence-parallel attention over K/V all-gathered from every rank (see the module
+    docstring).
+
+    Args:
+        allocator: the distributed allocator (collective: every rank builds the same ops).
+        batch, seq_local, heads, kv_heads, head_dim: this rank's ``q (batch, seq_local, heads,
+            head_dim)`` and ``k``, ``v (batch, seq_local, kv_heads, head_dim)``; ``heads`` a
+            multiple of ``kv_heads``; ``head_dim`` in
+            :data:`~tilescale_examples.sequence.flash_attention.HEAD_DIMS`; ``seq_local`` a
+            multiple of the tiles (``block_m``, ``block_n``).
+        dtype: bfloat16 or float16.
+        world_size, group: as every op (keyword-only).
+        causal: mask by global position (default True).
+        scale: of the scores (default ``1 / sqrt(head_dim)``).
+        tiles: ``block_m``, ``block_n``, ``num_stages``, ``threads`` (default
+            :func:`~tilescale_examples.sequence.flash_attention.default_tiles`).
+    """
+
+    _BUFFERS = ("gather_k", "gather_v", "output", "lse")
+    Q_SHAPE_NAME, KV_SHAPE_NAME, LSE_SHAPE_NAME = "(B, seq_local, H, D) =", "(B, seq_local, Hkv, D) =", "(B, H, seq_local) ="
+
+    def __init__(self, allocator, batch: int, seq_local: int, heads: int, kv_heads: int, head_dim: int,
+                 dtype: Union[torch.dtype, str], *, world_size: Optional[int] = None, group=None, causal: bool = True,
+                 scale: Optional[float] = None, target=None, **tiles):
+        self._setup_op(allocator, dtype, world_size, group, tuple(DTYPES))
+        unknown = set(tiles) - {"block_m", "block_n", "num_stages", "threads"}
+        if unknown:
+            raise TypeError(f"unknown tile options {sorted(unknown)}")
+        self.batch, self.seq_local = check_positive_int("batch", batch), check_positive_int("seq_local", seq_local)
+        self.heads, self.kv_heads = check_positive_int("heads", heads), check_positive_int("kv_heads", kv_heads)
+        self.head_dim = check_positive_int("head_dim", head_dim)
+        if heads % kv_heads:
+            raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+        self.tiles = {**default_tiles(head_dim), **tiles}
+        if seq_local % self.tiles["block_m"] or seq_local % self.tiles["block_n"]:
+            raise ValueError(f"seq_local={seq_local} must be a multiple of block_m={self.tiles['block_m']} and "
+                             f"block_n={self.tiles['block_n']}")
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {causal!r}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+            raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+        self.causal = causal
+        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        from tilescale_examples.collectives.allgather import AllGather
+
+        self.q_shape, self.kv_shape = (batch, seq_local, heads, head_dim), (batch, seq_local, kv_heads, head_dim)
+        self.gather_k = AllGather(allocator, self.kv_shape, self.dtype, world_size=self.world_size, group=group,
+                                  target=target)
+        self.gather_v = AllGather(allocator, self.kv_shape, self.dtype, world_size=self.world_size, group=group,
+                                  target=target)
+        self.output = torch.empty((batch, seq_local, heads, head_dim), dtype=self.dtype, device=self.device)
+        self.lse = torch.empty((batch, heads, seq_local), dtype=torch.float32, device=self.device)
+        args = (self.world_size, batch, seq_local, heads, kv_heads, head_dim, causal, self.scale, DTYPES[self.dtype])
+        self.kernel = self._compile_plain(lambda: build_sp_attention_kernel(*args, **self.tiles), target)
+
+    @staticmethod
+    def torch_reference(inputs, rank: int, causal: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+        """:func:`torch_reference`."""
+        return torch_reference(inputs, rank, causal)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: Optional[torch.Tensor] = None,
+                 lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """This rank's queries over every rank's keys (collective). Returns ``(out, lse)``,
+        default the op's own (overwritten by the next call), complete on the current stream.
+        Raises :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
+        out, lse = self._begin_call(q, k, v, out, lse)
+        keys, values = self.gather_k(k), self.gather_v(v)
+        self.kernel(q, keys, values, out, lse, self.rank * self.seq_local)
+        return out, lse
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(batch={self.batch}, seq_local={self.seq_local}, heads={self.heads}, "
+                f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, causal={self.causal}, "
+                f"world_size={self.world_size}{', closed' if self.closed else ''})")
