@@ -56,7 +56,7 @@ for step in "${steps[@]}"; do
     tests-4) gpu_tests tests-4 0 ;;
     chaos) run_step chaos env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
              packages/tilescale-examples/tests/test_chaos.py -m chaos -q -s -rfEs --tb=short -p no:cacheprovider ;;
-    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs emulated reduce_ceiling moe moe_phases remote_tma gpu_barrier decode gemm_allreduce ulysses launch flash_attention; do
+    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs emulated reduce_ceiling moe moe_phases remote_tma gpu_barrier decode gemm_allreduce ulysses launch attention sp_attention; do
              run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
            done ;;
     bench-overlap-1) for b in ag_gemm gemm_rs; do

@@ -160,7 +160,7 @@ def test_gpu_flash_attention_on_a_side_stream_and_in_a_cuda_graph():
 
 
 def test_benchmark_flops_and_goal():
-    from tilescale_examples.benchmarks.flash_attention import flops, goal_lines
+    from tilescale_examples.benchmarks.attention import flops, goal_lines
 
     assert flops(1, 32, 4096, 128, False) == 4.0 * 32 * 4096 * 4096 * 128
     assert flops(1, 32, 4096, 128, True) == flops(1, 32, 4096, 128, False) / 2

@@ -163,3 +163,14 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
 @on_gpu_ranks(1, 2, 4, timeout=400)
 def test_sp_attention_on_gpu(world, tmp_path_factory):
     check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "sp-attention", len(GPU_CASES) * (3 + 1 + 2))
+
+
+def test_benchmark_goals():
+    from tilescale_examples.benchmarks.sp_attention import goal_lines
+
+    sp = [[4096, 100.0, 97.0, 0.97, "ok"], [16384, 900.0, 850.0, 0.944, "ok"]]
+    decode = [[1, 8192, 10.0, 9.5, 2.5, 0.95, "ok"], [64, 131072, 500.0, "-", 3.5, "-", "ok"]]
+    assert goal_lines(sp, decode) == ["worst flash/sp: 0.944 (goal >= 0.95)", "worst torch/decode: 0.950 (goal >= 0.9)",
+                                      "slowest combine: 3.50 us (goal <= 3.0)"]
+    assert goal_lines([], []) == ["worst flash/sp: not measured", "worst torch/decode: not measured",
+                                  "slowest combine: not measured"]

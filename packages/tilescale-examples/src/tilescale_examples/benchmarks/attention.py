@@ -1,6 +1,6 @@
 """The TileLang flash-attention forward against torch's scaled_dot_product_attention (cuDNN and flash backends), same run.
 
-``python -m tilescale_examples.benchmarks.flash_attention [--seq 4096 8192 16384 32768]
+``python -m tilescale_examples.benchmarks.attention [--seq 4096 8192 16384 32768]
 [--batch 1] [--heads 32] [--kv-heads 32] [--head-dim 128] [--dtype bfloat16|float16]
 [--iters 20] [--out DIR]``
 
@@ -101,7 +101,7 @@ def goal_lines(rows: list) -> list:
 
 def main(argv=None) -> int:
     """The command line (see the module docstring); 0, or 1 when a check failed."""
-    p = _harness.parser("flash_attention", __doc__.splitlines()[0])
+    p = _harness.parser("attention", __doc__.splitlines()[0])
     p.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384, 32768], help="sequence lengths")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=32)
