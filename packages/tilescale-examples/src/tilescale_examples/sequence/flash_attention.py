@@ -18,9 +18,10 @@ The kernel (:func:`build_flash_attention_kernel`) runs one block per ``block_m``
 head: Q stays in shared memory, K and V tiles of ``block_n`` keys stream through a
 ``num_stages``-deep software pipeline, the scores and the output accumulate in registers in
 float32 (tensor-core GEMMs, WGMMA on Hopper) with the online softmax in base 2; a causal block
-stops at its diagonal. Sequence lengths must be multiples of the tiles (``block_m``,
-``block_n``: 128 and 128 by default for head dim 64 and 128, 128 and 64 above), head dim one of
-:data:`HEAD_DIMS`, dtype bfloat16 or float16.
+stops at its diagonal. Any sequence lengths (a tail tile's loads read zeros, its keys are
+masked and its rows not stored; the tiles, ``block_m`` x ``block_n``, are 128 x 128 by default
+for head dim 64 and 128, 128 x 64 above), head dim one of :data:`HEAD_DIMS`, dtype bfloat16 or
+float16.
 """
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
@@ -86,12 +87,20 @@ def start_rows(out, denom, row_max):
 
 
 @macro
-def tile_scores(scores, q_tile, k_tile, first_query, first_key, rows, cols, causal):
-    """``scores`` of a K/V tile: ``q_tile @ k_tile^T`` (raw, unscaled); with ``causal`` minus
-    infinity where key ``first_key + j`` is after query ``first_query + i`` (global positions)."""
-    if causal:
+def tile_scores(scores, q_tile, k_tile, first_query, first_key, rows, cols, causal, key_end):
+    """``scores`` of a K/V tile: ``q_tile @ k_tile^T`` (raw, unscaled), minus infinity where key
+    ``first_key + j`` is at or past ``key_end`` (None: every key exists) or, with ``causal``,
+    after query ``first_query + i`` (global positions)."""
+    if causal and key_end is not None:
+        for i, j in T.Parallel(rows, cols):
+            scores[i, j] = T.if_then_else(first_query + i >= first_key + j and first_key + j < key_end, 0,
+                                          -T.infinity("float32"))
+    elif causal:
         for i, j in T.Parallel(rows, cols):
             scores[i, j] = T.if_then_else(first_query + i >= first_key + j, 0, -T.infinity("float32"))
+    elif key_end is not None:
+        for i, j in T.Parallel(rows, cols):
+            scores[i, j] = T.if_then_else(first_key + j < key_end, 0, -T.infinity("float32"))
     else:
         T.clear(scores)
     T.gemm(q_tile, k_tile, scores, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -121,13 +130,16 @@ def build_attention_kernel(world_size: int, batch: int, seq_q: int, seq_kv: int,
     ``K``, ``V (W, B, Skv, Hkv, D)`` (``W`` shards of ``Skv`` keys each, in position order: key
     tile ``t`` is shard ``t // (Skv / block_n)``'s), ``O (B, Sq, H, D)``, ``LSE (B, H, Sq)``
     float32, ``q_start`` (int32) the global position of the first query (``causal``: query
-    ``i`` sees keys ``j <= q_start + i``; a block stops after its diagonal's tile). Grid ``Sq /
-    block_m x H x B``. Sizes are checked by the callers."""
+    ``i`` sees keys ``j <= q_start + i``; a block stops after its diagonal's tile). Grid
+    ``ceil(Sq / block_m) x H x B``. One shard may have lengths that are not multiples of the
+    tiles (the tail's loads read zeros, its keys are masked, its rows are not stored);
+    several shards must be whole tiles. Sizes are checked by the callers."""
     groups = heads // kv_heads
     scale_log2 = scale * LOG2E
     acc = "float32"
-    tiles_per_shard = seq_kv // block_n
+    tiles_per_shard = -(-seq_kv // block_n)
     n_tiles = world_size * tiles_per_shard
+    key_end = None if seq_kv % block_n == 0 else seq_kv  # a tail: keys past the end masked
 
     @T.prim_func
     def attention(Q: T.Tensor((batch, seq_q, heads, head_dim), dtype),
@@ -135,7 +147,7 @@ def build_attention_kernel(world_size: int, batch: int, seq_q: int, seq_kv: int,
                   V: T.Tensor((world_size, batch, seq_kv, kv_heads, head_dim), dtype),
                   O: T.Tensor((batch, seq_q, heads, head_dim), dtype),
                   LSE: T.Tensor((batch, heads, seq_q), acc), q_start: T.int32):
-        with T.Kernel(seq_q // block_m, heads, batch, threads=threads) as (bx, by, bz):
+        with T.Kernel(T.ceildiv(seq_q, block_m), heads, batch, threads=threads) as (bx, by, bz):
             (q_tile, k_tile, v_tile, scores, probs, out, row_max, prev_max, rescale, row_sum,
              denom) = attention_buffers(block_m, block_n, head_dim, dtype)
             kv_head = by // groups
@@ -145,7 +157,8 @@ def build_attention_kernel(world_size: int, batch: int, seq_q: int, seq_kv: int,
             for kb in T.Pipelined(blocks, num_stages=num_stages):
                 shard, s0 = kb // tiles_per_shard, (kb % tiles_per_shard) * block_n
                 T.copy(K[shard, bz, s0:s0 + block_n, kv_head, :], k_tile)
-                tile_scores(scores, q_tile, k_tile, q_start + bx * block_m, kb * block_n, block_m, block_n, causal)
+                tile_scores(scores, q_tile, k_tile, q_start + bx * block_m, kb * block_n, block_m, block_n, causal,
+                            key_end)
                 softmax_tile(scores, probs, out, row_max, prev_max, rescale, row_sum, denom, scale_log2, block_m,
                              block_n, head_dim)
                 T.copy(V[shard, bz, s0:s0 + block_n, kv_head, :], v_tile)
@@ -190,9 +203,6 @@ def _check(q, k, v, causal, scale, tiles) -> Tuple[int, ...]:
         raise ValueError(f"q's heads ({H}) must be a multiple of k's ({Hkv})")
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {D}")
-    if Sq % tiles["block_m"] or Skv % tiles["block_n"]:
-        raise ValueError(f"the sequence lengths must be multiples of the tiles: q's {Sq} of block_m={tiles['block_m']}, "
-                         f"k's {Skv} of block_n={tiles['block_n']}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if causal and Skv < Sq:

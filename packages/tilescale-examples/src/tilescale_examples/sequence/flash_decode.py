@@ -76,7 +76,7 @@ def build_decode_partial_kernel(batch: int, heads: int, kv_heads: int, seq_local
             start = sp * per_split
             for kb in T.Pipelined(per_split // BLOCK_N, num_stages=num_stages):
                 T.copy(K[b, start + kb * BLOCK_N:start + (kb + 1) * BLOCK_N, hk, :], k_tile)
-                tile_scores(scores, q_tile, k_tile, 0, 0, BLOCK_H, BLOCK_N, False)
+                tile_scores(scores, q_tile, k_tile, 0, 0, BLOCK_H, BLOCK_N, False, None)
                 softmax_tile(scores, probs, out, row_max, prev_max, rescale, row_sum, denom, scale_log2, BLOCK_H,
                              BLOCK_N, head_dim)
                 T.copy(V[b, start + kb * BLOCK_N:start + (kb + 1) * BLOCK_N, hk, :], v_tile)
