@@ -109,3 +109,23 @@ def test_the_launch_benchmarks_goals_are_read_from_the_default_launcher():
     assert goal_lines(rows) == ["worst op vs torch.add: 6.22 (AllReduceResidualRMSNorm; goal <= 1.2)",
                                 "worst op vs symm_mem one-shot all-reduce: 4.88 (AllReduceResidualRMSNorm; goal <= 0.8)"]
     assert goal_lines(rows[:1]) == ["TileScale ops: not measured"]
+
+
+def test_the_launch_benchmarks_profile_reports_one_rows_calls(monkeypatch):
+    import torch
+
+    from tilescale_examples.benchmarks import launch as bench
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    seen = []
+
+    def lean_call():
+        seen.append("lean")
+
+    def default_call():
+        seen.append("default")
+
+    labels = [("AllGather", "lean"), ("AllGather", "TileLang")]
+    report = bench._profile([lean_call, default_call], labels, "AllGather", 7)
+    assert seen == ["default"] * 7 and "default_call" in report and "profile of 7 calls of AllGather (TileLang)" in report
+    assert bench._profile([lean_call], labels[:1], "AllReduce", 1).startswith("--profile: no row named 'AllReduce'")

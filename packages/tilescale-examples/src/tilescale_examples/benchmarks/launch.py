@@ -1,7 +1,7 @@
 """Host time per eager call: TileScale's ops (lean launcher and TileLang's launcher) against torch.add, torch symmetric memory and NCCL.
 
 ``python -m tilescale_examples.benchmarks.launch [--bytes 4096] [--calls 3000] [--rounds 5]
-[--dtype bfloat16|float16|float32] [--out DIR]``
+[--dtype bfloat16|float16|float32] [--profile CALL] [--out DIR]``
 
 One rank on one GPU (an NCCL group of one), as a serving process calls its collectives
 outside CUDA graphs. Each row is the host's microseconds per call over ``--calls`` back-to-back
@@ -188,6 +188,7 @@ def run(rank: int, world: int, group, device, args) -> list | None:
     fns.append(lambda: raw(*changing))
     labels.append(("all-reduce kernel, raw", "lean" if raw.lean else f"lean: {raw.why_not}"))
     torch.cuda.synchronize(device)
+    profile = _profile(fns, labels, args.profile, args.calls) if args.profile else None
     times = _timing.host_us_rounds(fns, args.calls, args.rounds)
     add_us = times[0]
     symm_us = times[1] if symm_reason is None else None
@@ -199,7 +200,31 @@ def run(rank: int, world: int, group, device, args) -> list | None:
         op.close()
     torch.cuda.synchronize(device)
     alloc.close()
-    return [rows, symm_reason]
+    return [rows, symm_reason, profile]
+
+
+def _profile(fns, labels, call: str, calls: int) -> str:
+    """cProfile's report (the 25 functions with the most own time) of ``calls`` calls of the
+    row named ``call`` (its default launcher's, else the first of that name)."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    picks = [i for i, (name, _) in enumerate(labels) if name == call]
+    if not picks:
+        return f"--profile: no row named {call!r} (rows: {sorted({name for name, _ in labels})})"
+    i = next((j for j in picks if labels[j][1] == DEFAULT), picks[0])
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fns[i]()
+    profiler.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+    return f"profile of {calls} calls of {call} ({labels[i][1]}):\n{out.getvalue()}"
 
 
 def goal_lines(rows: list) -> list:
@@ -226,6 +251,9 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=3000, help="back-to-back calls per round")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds (best round per call)")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--profile", metavar="CALL", default=None,
+                   help="also print cProfile's report of --calls calls of the row named CALL (e.g. "
+                        "AllReduceResidualRMSNorm): where an op's host time goes")
     args = _harness.parse_args(p, argv)
     if args.calls < 1 or args.rounds < 1 or args.bytes < 16 or args.bytes % 16:
         p.error("--calls and --rounds must be >= 1 and --bytes a positive multiple of 16")
@@ -234,13 +262,15 @@ def main(argv=None) -> int:
     import torch
 
     result, backend, world = _harness.run_on_ranks(run, 1, args)
-    rows, symm_reason = result
+    rows, symm_reason, profile = result
     print_table(f"host us per eager call, 1 rank on {torch.cuda.get_device_name(0)}, {args.bytes} bytes of "
                 f"{args.dtype}, {args.calls} calls per round, best of {args.rounds} rounds"
                 + (f"; symm_mem: n/a ({symm_reason})" if symm_reason else ""), HEADERS, rows)
     print()
     for line in goal_lines(rows):
         print(line)
+    if profile:
+        print("\n" + profile)
     failed = [r[0] for r in rows if isinstance(r[5], str) and r[5].startswith("FAIL")]
     print(f"\ncorrectness (every instance vs the torch reference): {'ok' if not failed else 'FAILED: ' + ', '.join(failed)}")
     return 1 if failed else 0
