@@ -5,7 +5,8 @@ cache (grouped-query heads, several ranks and splits), the generated CUDA (WGMMA
 combine's offsets into the gathered buffer), nvcc compiles, the op's argument errors before
 anything is allocated, its default splits, heap bytes, call sequence and lifetime. GPU
 (``gpu``, ranks sharing one GPU, worlds 1, 2, 4): every rank's output and log-sum-exp against
-the float32 reference over every rank's cache shard, fresh data and poisoned outputs, 100
+the float32 reference over every rank's cache shard (full, and partly filled with per-sequence
+lengths), fresh data and poisoned outputs, 100
 back-to-back calls with a straggler, CUDA-graph replays on fresh inputs."""
 
 from __future__ import annotations
@@ -45,9 +46,30 @@ def test_partials_combined_equal_attention_over_the_whole_cache(world, splits):
                                                torch.cat([v for _, v in shards], 1).repeat_interleave(4, 2)), atol=1e-5)
 
 
+def test_reference_with_cache_lengths_counts_only_the_filled_positions():
+    B, H, Hkv, D, S = 3, 4, 2, 8, 10
+    q = torch.randn(B, H, D)
+    shards = [_shard(p, B, S, Hkv, D) for p in range(2)]
+    lens = [torch.tensor([10, 3, 0], dtype=torch.int32), torch.tensor([2, 10, 5], dtype=torch.int32)]
+    o, lse = torch_reference([(q, k, v, n) for (k, v), n in zip(shards, lens)], 0)
+    for b in range(B):
+        k = torch.cat([shards[p][0][b:b + 1, :int(lens[p][b])] for p in range(2)], dim=1)
+        v = torch.cat([shards[p][1][b:b + 1, :int(lens[p][b])] for p in range(2)], dim=1)
+        want_o, want_lse = partial_reference(q[b:b + 1], k, v, D ** -0.5)
+        assert torch.allclose(o[b:b + 1], want_o, atol=1e-5) and torch.allclose(lse[b:b + 1], want_lse, atol=1e-5)
+    # an empty partial (-inf lse, zero output) changes nothing in the combine
+    part = partial_reference(q, shards[0][0], shards[0][1], D ** -0.5)
+    empty = (torch.zeros_like(part[0]), torch.full_like(part[1], float("-inf")))
+    combined = combine_reference([part, empty])
+    assert torch.allclose(combined[0], part[0], atol=1e-6) and torch.allclose(combined[1], part[1], atol=1e-6)
+
+
 def test_generated_cuda():
     partial = lower_with(build_decode_partial_kernel(2, 32, 8, 4096, 128, 4, 128 ** -0.5), {})
     assert "wgmma" in partial.lower() and "exp2f" in partial and "log2f" in partial
+    # a split reads only its filled positions: the loop's extent comes from the sequence's length
+    assert "int valid = min(max((Lens[((int)blockIdx.z)] - (((int)blockIdx.x) * 1024)), 0), 1024);" in partial
+    assert "for (int kb = 0; kb < ((valid + 63) >> 6); ++kb)" in partial
     combine = lower_with(build_decode_combine_kernel(2, 4, 2, 32, 128), {})
     # every (rank, split) part: its lse at 32768 + split * B * H + b * H + h of the rank's 33024-element row
     assert "G[((((((p >> 2) * 33024) + ((p & 3) * 64)) + (((int)blockIdx.y) * 32)) + ((int)blockIdx.x)) + 32768)]" in combine
@@ -107,7 +129,14 @@ def test_splits_heap_and_the_calls_kernels(monkeypatch):
     k, v = _shard(0, 2, 256, 2, 128, torch.bfloat16)
     out, lse = op(q, k, v)
     assert [c[0] for c in calls] == ["partial", "gather", "combine"]
-    assert calls[0][1][:3] == (q, k, v) and calls[0][1][3] is op.partials
+    assert calls[0][1][:3] == (q, k, v) and calls[0][1][3] is op.full_lengths and calls[0][1][4] is op.partials
+    assert op.full_lengths.tolist() == [256, 256]
+    lens = torch.tensor([5, 256], dtype=torch.int32)
+    op(q, k, v, cache_seqlens=lens)
+    assert calls[-3][1][3] is lens  # the partial kernel (then the gather, the combine)
+    with pytest.raises(TypeError, match="cache_seqlens has dtype torch.int64, this SPFlashDecode was built for torch.int32"):
+        op(q, k, v, cache_seqlens=lens.long())
+    del calls[3:]
     assert calls[1][1][0].data_ptr() == op.partials.data_ptr()  # the partials are what is gathered
     assert calls[2][1][0] is op.gather.output and calls[2][1][1:] == (out, lse) and out is op.output
     with pytest.raises(ValueError, match=r"k has shape \(2, 128, 2, 128\)"):
@@ -139,8 +168,9 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> int:
     for c, case in enumerate(GPU_CASES):
         op = SPFlashDecode(alloc, *case[:5], case[5])
 
-        def check(q, shards, where):
-            want_o, want_lse = torch_reference([(q, k, v) for k, v in shards], rank)
+        def check(q, shards, where, lens=None):
+            want_o, want_lse = torch_reference([(q, *kv, *([] if lens is None else [lens[p]]))
+                                                for p, kv in enumerate(shards)], rank)
             if not torch.allclose(op.output.float().cpu(), want_o, atol=2e-2, rtol=2e-2):
                 raise AssertionError(f"rank {rank}/{world} {where}: output differs")
             if not torch.allclose(op.lse.cpu(), want_lse, atol=1e-3, rtol=1e-3):
@@ -153,6 +183,16 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> int:
             op(q.to(dev), *(t.to(dev) for t in shards[rank]))
             torch.cuda.synchronize()
             check(q, shards, f"case {c} step {step}")
+            checks += 1
+        for step in range(2):  # partly filled caches: every rank's lengths from one seed, rank 0's at least 1
+            q, shards = _inputs(case, world, 100 * c + 10 + step)
+            g = torch.Generator().manual_seed(100 * c + 20 + step)
+            lens = [torch.randint(1 if p == 0 else 0, case[3] + 1, (case[0],), generator=g, dtype=torch.int32)
+                    for p in range(world)]
+            op.output.fill_(float("nan"))
+            op(q.to(dev), *(t.to(dev) for t in shards[rank]), cache_seqlens=lens[rank].to(dev))
+            torch.cuda.synchronize()
+            check(q, shards, f"case {c} lengths {step}", lens)
             checks += 1
         q, shards = _inputs(case, world, 100 * c + 50)
         qd, (kd, vd) = q.to(dev), (t.to(dev) for t in shards[rank])
@@ -182,4 +222,4 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> int:
 
 @on_gpu_ranks(1, 2, 4, timeout=400)
 def test_flash_decode_on_gpu(world, tmp_path_factory):
-    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "flash-decode", len(GPU_CASES) * (3 + 1 + 2))
+    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "flash-decode", len(GPU_CASES) * (3 + 2 + 1 + 2))

@@ -35,7 +35,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from tilescale_examples.base import check_positive_int
+from tilescale_examples.base import check_positive_int, check_tensor
 from tilescale_examples.sequence._attention_op import AttentionOp
 from tilescale_examples._macros import T
 from tilescale_examples.sequence.flash_attention import HEAD_DIMS, LN2, LOG2E, attention_buffers, softmax_tile, start_rows, tile_scores
@@ -52,9 +52,11 @@ DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 def build_decode_partial_kernel(batch: int, heads: int, kv_heads: int, seq_local: int, head_dim: int, splits: int,
                                 scale: float, dtype: str = "bfloat16", threads: int = 128, num_stages: int = 2):
-    """``decode_partial(Q, K, V, P)``: ``P`` (flat float32, ``splits * B * H * (D + 1)``) gets
-    ``O[split, b, h, :]`` (first ``splits * B * H * D`` elements) and ``LSE[split, b, h]``
-    (the rest). Grid ``splits x Hkv x B``."""
+    """``decode_partial(Q, K, V, Lens, P)``: ``P`` (flat float32, ``splits * B * H * (D + 1)``)
+    gets ``O[split, b, h, :]`` (first ``splits * B * H * D`` elements) and ``LSE[split, b, h]``
+    (the rest) over this rank's first ``Lens[b]`` positions of sequence ``b`` (int32, at most
+    ``seq_local``); a split without a position gives ``O = 0`` and ``LSE = -inf``. Grid
+    ``splits x Hkv x B``."""
     groups = heads // kv_heads
     per_split = seq_local // splits
     scale_log2 = scale * LOG2E
@@ -65,7 +67,7 @@ def build_decode_partial_kernel(batch: int, heads: int, kv_heads: int, seq_local
     def decode_partial(Q: T.Tensor((batch, heads, head_dim), dtype),
                        K: T.Tensor((batch, seq_local, kv_heads, head_dim), dtype),
                        V: T.Tensor((batch, seq_local, kv_heads, head_dim), dtype),
-                       P: T.Tensor((n_out + splits * batch * heads,), acc)):
+                       Lens: T.Tensor((batch,), "int32"), P: T.Tensor((n_out + splits * batch * heads,), acc)):
         with T.Kernel(splits, kv_heads, batch, threads=threads) as (sp, hk, b):
             (q_tile, k_tile, v_tile, scores, probs, out, row_max, prev_max, rescale, row_sum,
              denom) = attention_buffers(BLOCK_H, BLOCK_N, head_dim, dtype)
@@ -74,19 +76,22 @@ def build_decode_partial_kernel(batch: int, heads: int, kv_heads: int, seq_local
                 q_tile[i, d] = T.if_then_else(i < groups, Q[b, hk * groups + T.min(i, groups - 1), d], 0)
             start_rows(out, denom, row_max)
             start = sp * per_split
-            for kb in T.Pipelined(per_split // BLOCK_N, num_stages=num_stages):
+            valid = T.min(T.max(Lens[b] - start, 0), per_split)  # this split's positions in the cache
+            for kb in T.Pipelined(T.ceildiv(valid, BLOCK_N), num_stages=num_stages):
                 T.copy(K[b, start + kb * BLOCK_N:start + (kb + 1) * BLOCK_N, hk, :], k_tile)
-                tile_scores(scores, q_tile, k_tile, 0, 0, BLOCK_H, BLOCK_N, False, None)
+                tile_scores(scores, q_tile, k_tile, 0, start + kb * BLOCK_N, BLOCK_H, BLOCK_N, False, start + valid)
                 softmax_tile(scores, probs, out, row_max, prev_max, rescale, row_sum, denom, scale_log2, BLOCK_H,
                              BLOCK_N, head_dim)
                 T.copy(V[b, start + kb * BLOCK_N:start + (kb + 1) * BLOCK_N, hk, :], v_tile)
                 T.gemm(probs, v_tile, out, policy=T.GemmWarpPolicy.FullRow)
             for i, d in T.Parallel(BLOCK_H, head_dim):
                 if i < groups:
-                    P[((sp * batch + b) * heads + hk * groups + i) * head_dim + d] = out[i, d] / denom[i]
+                    P[((sp * batch + b) * heads + hk * groups + i) * head_dim + d] = T.if_then_else(
+                        denom[i] > 0, out[i, d] / T.max(denom[i], 1e-30), 0)
             for i in T.Parallel(BLOCK_H):
                 if i < groups:
-                    P[n_out + (sp * batch + b) * heads + hk * groups + i] = T.log2(denom[i]) * LN2 + row_max[i] * scale
+                    P[n_out + (sp * batch + b) * heads + hk * groups + i] = T.if_then_else(
+                        denom[i] > 0, T.log2(T.max(denom[i], 1e-30)) * LN2 + row_max[i] * scale, -T.infinity(acc))
 
     return decode_partial
 
@@ -128,13 +133,16 @@ def build_decode_combine_kernel(world_size: int, splits: int, batch: int, heads:
 
 
 # ------------------------------------------------------------------------------ torch references
-def partial_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def partial_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      valid: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(o (B, H, D), lse (B, H))`` in float32 of ``q (B, H, D)`` over the positions of ``k``,
-    ``v (B, S, Hkv, D)``."""
+    ``v (B, S, Hkv, D)`` (only where ``valid (B, S)`` is True, when given)."""
     H, Hkv = q.shape[1], k.shape[2]
     kf = k.float().repeat_interleave(H // Hkv, dim=2)  # (B, S, H, D)
     vf = v.float().repeat_interleave(H // Hkv, dim=2)
     s = torch.einsum("bhd,bshd->bhs", q.float(), kf) * scale
+    if valid is not None:
+        s = s.masked_fill(~valid[:, None, :].to(s.device), float("-inf"))
     return torch.einsum("bhs,bshd->bhd", torch.softmax(s, -1), vf), torch.logsumexp(s, -1)
 
 
@@ -148,11 +156,17 @@ def combine_reference(parts: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> Tup
 
 def torch_reference(inputs: Sequence[tuple], rank: int, scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """What a call returns on ``rank`` (the same on every rank): attention of rank 0's ``q``
-    over every rank's cache, ``inputs[p] = (q, k_p, v_p)``, in float32."""
+    over every rank's cache, ``inputs[p] = (q, k_p, v_p)`` or ``(q, k_p, v_p,
+    cache_seqlens_p)`` (then only the first ``cache_seqlens_p[b]`` positions of rank ``p``'s
+    shard of sequence ``b`` count), in float32."""
     q = inputs[0][0]
     k = torch.cat([x[1] for x in inputs], dim=1)
     v = torch.cat([x[2] for x in inputs], dim=1)
-    return partial_reference(q, k, v, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    valid = None
+    if any(len(x) > 3 for x in inputs):
+        valid = torch.cat([torch.arange(x[1].shape[1])[None, :] < (x[3].cpu()[:, None] if len(x) > 3 else x[1].shape[1])
+                           for x in inputs], dim=1)
+    return partial_reference(q, k, v, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, valid)
 
 
 # ------------------------------------------------------------------------------ the op
@@ -172,7 +186,7 @@ class SPFlashDecode(AttentionOp):
         scale: of the scores (default ``1 / sqrt(head_dim)``).
     """
 
-    _BUFFERS = ("partials", "gather", "output", "lse", "combine_kernel")
+    _BUFFERS = ("partials", "gather", "output", "lse", "combine_kernel", "full_lengths")
     Q_SHAPE_NAME, KV_SHAPE_NAME, LSE_SHAPE_NAME = "(B, H, D) =", "(B, seq_local, Hkv, D) =", "(B, H) ="
 
     def __init__(self, allocator, batch: int, heads: int, kv_heads: int, seq_local: int, head_dim: int,
@@ -207,6 +221,7 @@ class SPFlashDecode(AttentionOp):
         self.partials = torch.empty((total,), dtype=torch.float32, device=self.device)
         self.output = torch.empty((batch, heads, head_dim), dtype=self.dtype, device=self.device)
         self.lse = torch.empty((batch, heads), dtype=torch.float32, device=self.device)
+        self.full_lengths = torch.full((batch,), seq_local, dtype=torch.int32, device=self.device)
         name = DTYPES[self.dtype]
         self.kernel = self._compile_plain(lambda: build_decode_partial_kernel(
             batch, heads, kv_heads, seq_local, head_dim, self.splits, self.scale, name), target)
@@ -218,14 +233,26 @@ class SPFlashDecode(AttentionOp):
         """:func:`torch_reference` (``inputs[p] = (q, k_p, v_p)``)."""
         return torch_reference(inputs, rank)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: Optional[torch.Tensor] = None,
-                 lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cache_seqlens: Optional[torch.Tensor] = None,
+                 out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Attention of ``q (B, H, D)`` over every rank's cache (collective: every rank calls
-        with the same ``q``). Returns ``(out, lse)``, default the op's own (overwritten by
-        the next call), complete on the current stream. Raises
-        :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
+        with the same ``q``).
+
+        Args:
+            cache_seqlens: ``(B,)`` int32 on the device: how many of this rank's ``seq_local``
+                positions of each sequence hold keys (the rest are ignored; default all of
+                them). Every sequence needs at least one position on some rank.
+
+        Returns ``(out, lse)``, default the op's own (overwritten by the next call), complete
+        on the current stream. Raises :class:`~tilescale_examples.base.ClosedError` after
+        ``close()``."""
         out, lse = self._begin_call(q, k, v, out, lse)
-        self.kernel(q, k, v, self.partials)
+        if cache_seqlens is None:
+            cache_seqlens = self.full_lengths
+        else:
+            check_tensor(cache_seqlens, (self.batch,), torch.int32, self.device, "cache_seqlens", "(B,) =",
+                         type(self).__name__)
+        self.kernel(q, k, v, cache_seqlens, self.partials)
         gathered = self.gather(self.partials)
         self.combine_kernel(gathered, out, lse)
         return out, lse
