@@ -19,6 +19,8 @@ from tilescale_examples.collectives.alltoall import AllToAll
 from tilescale_examples.overlap.gemm_rs import GemmReduceScatter
 from tilescale_examples.moe.dispatcher import DispatchHandle, MoEDispatcher, torch_combine_reference, torch_dispatch_reference
 from tilescale_examples.collectives.reducescatter import ReduceScatter
+from tilescale_examples.sequence.flash_decode import SPFlashDecode, torch_reference as decode_reference
+from tilescale_examples.sequence.sp_attention import SPAllGatherAttention, torch_reference as sp_reference
 from tilescale_examples.sequence.ulysses import UlyssesAllToAll, output_shape, torch_reference as ulysses_reference
 from tilescale_examples.tutorials.tma_allreduce import TmaAllReduce
 from tilescale_examples.torch_ops import handle_of, lookup, register, unregister
@@ -129,6 +131,33 @@ class StandInUlysses(_Collective, UlyssesAllToAll):
         return ulysses_reference([input] * self.world_size, self.rank, self.direction)
 
 
+class _Attention(_Collective):
+    """Shared by the attention stand-ins: ``world_size`` ranks holding this rank's shard each
+    (rank 0's view); a call writes the module's float32 reference into ``out`` and ``lse``."""
+
+    def __init__(self, q_shape, kv_shape, out_shape, lse_shape, dtype=torch.float32, world_size=W):
+        self._init(dtype, world_size)
+        self.q_shape, self.kv_shape = tuple(q_shape), tuple(kv_shape)
+        self.output, self.lse = torch.zeros(out_shape, dtype=dtype), torch.zeros(lse_shape)
+
+    def __call__(self, q, k, v, *, out=None, lse=None):
+        self._record()
+        o, l = self._reference(q, k, v)
+        (self.output if out is None else out).copy_(o)
+        (self.lse if lse is None else lse).copy_(l)
+        return out, lse
+
+
+class StandInSPAttention(_Attention, SPAllGatherAttention):
+    def _reference(self, q, k, v):
+        return sp_reference([(q, k, v)] * self.world_size, 0, True)
+
+
+class StandInFlashDecode(_Attention, SPFlashDecode):
+    def _reference(self, q, k, v):
+        return decode_reference([(q, k, v)] * self.world_size, 0)
+
+
 class _Gemm(_Collective):
     """Shared by the GEMM stand-ins: the GEMM's sizes; a call writes ``_stand_in_result(a, b)`` to ``out``."""
 
@@ -214,7 +243,8 @@ def _routing(T=5, topk=2, num_experts=4, seed=0):
 def test_every_op_is_registered_with_its_schema():
     assert tilescale_examples.torch_ops is torch_ops
     assert set(torch_ops.SCHEMAS) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul",
-                                      "matmul_reduce_scatter", "moe_dispatch", "moe_combine", "ulysses_all_to_all"}
+                                      "matmul_reduce_scatter", "moe_dispatch", "moe_combine", "ulysses_all_to_all",
+                                      "sp_attention", "sp_flash_decode"}
     for name, schema in torch_ops.SCHEMAS.items():
         op = getattr(OPS, name)
         assert str(op.default._schema) == f"tilescale::{name}{schema}"
@@ -500,3 +530,35 @@ def test_ulysses_all_to_all_eager_fake_and_compiled(direction, shape):
     other = StandInAllToAll((3, 4))
     with pytest.raises(ValueError, match="UlyssesAllToAll"):
         OPS.ulysses_all_to_all(x, handle_of(other))
+
+
+# ------------------------------------------------------------------------------ sp_attention, sp_flash_decode
+@pytest.mark.parametrize("kind, make, shapes", [
+    ("sp_attention", lambda: StandInSPAttention((1, 8, 4, 16), (1, 8, 2, 16), (1, 8, 4, 16), (1, 4, 8)),
+     ((1, 8, 4, 16), (1, 8, 2, 16))),
+    ("sp_flash_decode", lambda: StandInFlashDecode((2, 4, 16), (2, 8, 2, 16), (2, 4, 16), (2, 4)),
+     ((2, 4, 16), (2, 8, 2, 16))),
+])
+def test_attention_ops_eager_fake_and_compiled(kind, make, shapes):
+    op = make()
+    h = handle_of(op)
+    fn = getattr(OPS, kind)
+    q, k, v = torch.randn(shapes[0]), torch.randn(shapes[1]), torch.randn(shapes[1])
+    want = op._reference(q, k, v)
+    got = fn(q, k, v, h)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert got[0].data_ptr() not in (op.output.data_ptr(), q.data_ptr()) and got[1].data_ptr() != op.lse.data_ptr()
+    with FakeTensorMode() as mode:
+        fake_o, fake_lse = fn(mode.from_tensor(q), mode.from_tensor(k), mode.from_tensor(v), h)
+        assert tuple(fake_o.shape) == tuple(op.output.shape) and fake_lse.dtype == torch.float32
+        assert tuple(fake_lse.shape) == tuple(op.lse.shape)
+    compiled = torch.compile(lambda a, b, c: fn(a * 2, b, c, h), fullgraph=True, backend="aot_eager")
+    for g, w in zip(compiled(q, k, v), op._reference(q * 2, k, v)):
+        torch.testing.assert_close(g, w)
+    with pytest.raises(ValueError, match=rf"torch.ops.tilescale.{kind}: k is \(1, 2\) torch.float32"):
+        fn(q, torch.randn(1, 2), v, h)
+    other = StandInAllToAll((3, 4))
+    with pytest.raises(ValueError, match=f"names an AllToAll, but {kind} takes the handle of a "
+                                         f"{'SPAllGatherAttention' if kind == 'sp_attention' else 'SPFlashDecode'}"):
+        fn(q, k, v, handle_of(other))

@@ -191,9 +191,47 @@ def _moe_combine_fake(y, topk_idx, handle):
     return y.new_empty((topk_idx.shape[0], inst.hidden))
 
 
+#: The attention operators, ``(q, k, v, handle) -> (out, lse)``: the instance's call
+#: (:class:`~tilescale_examples.sequence._attention_op.AttentionOp`) on this rank's queries and
+#: K/V shard, into fresh ``out`` (the instance's output shape, the inputs' dtype) and ``lse``
+#: (float32):
+#:
+#: * ``sp_attention``: :class:`~tilescale_examples.sequence.sp_attention.SPAllGatherAttention`;
+#: * ``sp_flash_decode``: :class:`~tilescale_examples.sequence.flash_decode.SPFlashDecode`
+#:   (every position of the cache shard).
+ATTENTION = ("sp_attention", "sp_flash_decode")
+
+
+def _attention_impls(kind: str):
+    """``(implementation, fake)`` of attention operator ``kind`` (see :data:`ATTENTION`)."""
+
+    def checked(q, k, v, handle):
+        h, _, inst = _lookup_entry(handle, kind)
+        _fail_shape(kind, h, inst, "q", q, inst.q_shape, inst.dtype, f"q {inst.Q_SHAPE_NAME}")
+        for name, t in (("k", k), ("v", v)):
+            _fail_shape(kind, h, inst, name, t, inst.kv_shape, inst.dtype, f"{name} {inst.KV_SHAPE_NAME}")
+        return inst
+
+    def implementation(q, k, v, handle):
+        inst = checked(q, k, v, handle)
+        out = torch.empty(tuple(inst.output.shape), dtype=q.dtype, device=q.device)
+        lse = torch.empty(tuple(inst.lse.shape), dtype=torch.float32, device=q.device)
+        inst(q.contiguous(), k.contiguous(), v.contiguous(), out=out, lse=lse)
+        return out, lse
+
+    def fake(q, k, v, handle):
+        inst = checked(q, k, v, handle)
+        return q.new_empty(tuple(inst.output.shape)), q.new_empty(tuple(inst.lse.shape), dtype=torch.float32)
+
+    implementation.__name__, fake.__name__ = f"_{kind}", f"_{kind}_fake"
+    implementation.__qualname__, fake.__qualname__ = implementation.__name__, fake.__name__
+    return implementation, fake
+
+
 #: Operator name -> ``(implementation, fake)``.
 IMPLS = {
     **{kind: _dense_impls(kind) for kind in DENSE},
+    **{kind: _attention_impls(kind) for kind in ATTENTION},
     "moe_dispatch": (_moe_dispatch, _moe_dispatch_fake),
     "moe_combine": (_moe_combine, _moe_combine_fake),
 }

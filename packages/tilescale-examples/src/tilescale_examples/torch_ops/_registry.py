@@ -23,6 +23,8 @@ _CLASSES: Dict[str, str] = {
     "tilescale_examples.overlap.gemm_rs.GemmReduceScatter": "GemmReduceScatter",
     "tilescale_examples.moe.dispatcher.MoEDispatcher": "MoEDispatcher",
     "tilescale_examples.sequence.ulysses.UlyssesAllToAll": "UlyssesAllToAll",
+    "tilescale_examples.sequence.sp_attention.SPAllGatherAttention": "SPAllGatherAttention",
+    "tilescale_examples.sequence.flash_decode.SPFlashDecode": "SPFlashDecode",
 }
 
 #: Operator name -> the classes whose handles it takes (the ``kind`` of :func:`lookup`).
@@ -36,6 +38,8 @@ OP_CLASSES: Dict[str, Tuple[str, ...]] = {
     "matmul_reduce_scatter": ("GemmReduceScatter",),
     "moe_dispatch": ("MoEDispatcher",),
     "moe_combine": ("MoEDispatcher",),
+    "sp_attention": ("SPAllGatherAttention",),
+    "sp_flash_decode": ("SPFlashDecode",),
 }
 
 
