@@ -154,8 +154,16 @@ class StandInSPAttention(_Attention, SPAllGatherAttention):
 
 
 class StandInFlashDecode(_Attention, SPFlashDecode):
-    def _reference(self, q, k, v):
-        return decode_reference([(q, k, v)] * self.world_size, 0)
+    def _reference(self, q, k, v, cache_seqlens=None):
+        shard = (q, k, v) if cache_seqlens is None else (q, k, v, cache_seqlens)
+        return decode_reference([shard] * self.world_size, 0)
+
+    def __call__(self, q, k, v, *, cache_seqlens=None, out=None, lse=None):
+        self._record()
+        o, l = self._reference(q, k, v, cache_seqlens)
+        out.copy_(o)
+        lse.copy_(l)
+        return out, lse
 
 
 class _Gemm(_Collective):
@@ -562,3 +570,18 @@ def test_attention_ops_eager_fake_and_compiled(kind, make, shapes):
     with pytest.raises(ValueError, match=f"names an AllToAll, but {kind} takes the handle of a "
                                          f"{'SPAllGatherAttention' if kind == 'sp_attention' else 'SPFlashDecode'}"):
         fn(q, k, v, handle_of(other))
+
+
+def test_sp_flash_decode_takes_cache_lengths():
+    op = StandInFlashDecode((2, 4, 16), (2, 8, 2, 16), (2, 4, 16), (2, 4))
+    h = handle_of(op)
+    q, k, v = torch.randn(2, 4, 16), torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16)
+    lens = torch.tensor([3, 8], dtype=torch.int32)
+    got = OPS.sp_flash_decode(q, k, v, h, lens)
+    for g, w in zip(got, op._reference(q, k, v, lens)):
+        torch.testing.assert_close(g, w)
+    assert not torch.allclose(got[0], op._reference(q, k, v)[0])  # the lengths count
+    compiled = torch.compile(lambda a, n: OPS.sp_flash_decode(a, k, v, h, n), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, lens)[1], op._reference(q, k, v, lens)[1])
+    with pytest.raises(ValueError, match=r"cache_seqlens is \(2,\) torch.int64"):
+        OPS.sp_flash_decode(q, k, v, h, lens.long())

@@ -14,7 +14,8 @@ Importing :mod:`tilescale_examples` registers, with :func:`torch.library.custom_
         -> (Tensor recv_x, Tensor counts, Tensor recv_offsets)
     torch.ops.tilescale.moe_combine(Tensor y, Tensor topk_idx, int handle) -> Tensor
     torch.ops.tilescale.sp_attention(Tensor q, Tensor k, Tensor v, int handle) -> (Tensor out, Tensor lse)
-    torch.ops.tilescale.sp_flash_decode(Tensor q, Tensor k, Tensor v, int handle) -> (Tensor out, Tensor lse)
+    torch.ops.tilescale.sp_flash_decode(Tensor q, Tensor k, Tensor v, int handle, Tensor? cache_seqlens=None)
+        -> (Tensor out, Tensor lse)
 
 (:data:`SCHEMAS` holds them; each op's docstring in :mod:`._impls` gives shapes and dtypes; the
 handle registry is :mod:`._registry`). Every op
@@ -97,7 +98,8 @@ SCHEMAS: Dict[str, str] = {
                      " -> (Tensor recv_x, Tensor counts, Tensor recv_offsets)"),
     "moe_combine": "(Tensor y, Tensor topk_idx, int handle) -> Tensor",
     "sp_attention": "(Tensor q, Tensor k, Tensor v, int handle) -> (Tensor out, Tensor lse)",
-    "sp_flash_decode": "(Tensor q, Tensor k, Tensor v, int handle) -> (Tensor out, Tensor lse)",
+    "sp_flash_decode": ("(Tensor q, Tensor k, Tensor v, int handle, Tensor? cache_seqlens=None)"
+                        " -> (Tensor out, Tensor lse)"),
 }
 
 

@@ -198,29 +198,33 @@ def _moe_combine_fake(y, topk_idx, handle):
 #:
 #: * ``sp_attention``: :class:`~tilescale_examples.sequence.sp_attention.SPAllGatherAttention`;
 #: * ``sp_flash_decode``: :class:`~tilescale_examples.sequence.flash_decode.SPFlashDecode`
-#:   (every position of the cache shard).
+#:   (``cache_seqlens``: the ``(B,)`` int32 filled lengths of this rank's shard, default every
+#:   position).
 ATTENTION = ("sp_attention", "sp_flash_decode")
 
 
 def _attention_impls(kind: str):
     """``(implementation, fake)`` of attention operator ``kind`` (see :data:`ATTENTION`)."""
 
-    def checked(q, k, v, handle):
+    def checked(q, k, v, handle, lengths=None):
         h, _, inst = _lookup_entry(handle, kind)
         _fail_shape(kind, h, inst, "q", q, inst.q_shape, inst.dtype, f"q {inst.Q_SHAPE_NAME}")
         for name, t in (("k", k), ("v", v)):
             _fail_shape(kind, h, inst, name, t, inst.kv_shape, inst.dtype, f"{name} {inst.KV_SHAPE_NAME}")
+        if lengths is not None:
+            _fail_shape(kind, h, inst, "cache_seqlens", lengths, inst.q_shape[:1], torch.int32, "cache_seqlens (B,) =")
         return inst
 
-    def implementation(q, k, v, handle):
-        inst = checked(q, k, v, handle)
+    def implementation(q, k, v, handle, *lengths):
+        inst = checked(q, k, v, handle, *lengths)
         out = torch.empty(tuple(inst.output.shape), dtype=q.dtype, device=q.device)
         lse = torch.empty(tuple(inst.lse.shape), dtype=torch.float32, device=q.device)
-        inst(q.contiguous(), k.contiguous(), v.contiguous(), out=out, lse=lse)
+        options = {} if not lengths or lengths[0] is None else {"cache_seqlens": lengths[0].contiguous()}
+        inst(q.contiguous(), k.contiguous(), v.contiguous(), out=out, lse=lse, **options)
         return out, lse
 
-    def fake(q, k, v, handle):
-        inst = checked(q, k, v, handle)
+    def fake(q, k, v, handle, *lengths):
+        inst = checked(q, k, v, handle, *lengths)
         return q.new_empty(tuple(inst.output.shape)), q.new_empty(tuple(inst.lse.shape), dtype=torch.float32)
 
     implementation.__name__, fake.__name__ = f"_{kind}", f"_{kind}_fake"
