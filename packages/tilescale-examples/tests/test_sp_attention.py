@@ -17,7 +17,8 @@ from examples_helpers import (CpuAllocator, LaunchRecorder, check_gpu_ranks, clo
 
 from tilescale_examples import ClosedError
 from tilescale_examples.sequence.flash_attention import torch_reference as attention_reference
-from tilescale_examples.sequence.sp_attention import SPAllGatherAttention, build_sp_attention_kernel, torch_reference
+from tilescale_examples.sequence.sp_attention import (SPAllGatherAttention, build_sp_attention_kernel, positions,
+                                                      torch_reference)
 
 
 def _shards(world, B, SP, H, Hkv, D, dtype=torch.float32, seed=0):
@@ -30,16 +31,30 @@ def _shards(world, B, SP, H, Hkv, D, dtype=torch.float32, seed=0):
     return out
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_reference_is_global_attention_sliced_by_rank(causal):
+def test_positions_of_the_orders():
+    assert positions(1, 3, 4).tolist() == [4, 5, 6, 7]
+    assert positions(0, 3, 4, "zigzag").tolist() == [0, 1, 10, 11]  # chunks 0 and 5 of 2 positions
+    assert positions(2, 3, 4, "zigzag").tolist() == [4, 5, 6, 7]  # chunks 2 and 3
+    assert sorted(torch.cat([positions(r, 3, 4, "zigzag") for r in range(3)]).tolist()) == list(range(12))
+
+
+@pytest.mark.parametrize("causal, order", [(False, "contiguous"), (True, "contiguous"), (True, "zigzag")])
+def test_reference_is_global_attention_sliced_by_rank(causal, order):
     world, SP = 3, 8
     shards = _shards(world, 2, SP, 4, 2, 16)
-    q, k, v = (torch.cat([s[i] for s in shards], dim=1) for i in range(3))
+    q, k, v = (torch.zeros(2, world * SP, *shards[0][i].shape[2:]) for i in range(3))
+    for p in range(world):  # the global sequence, each rank's rows in their places
+        for full, part in zip((q, k, v), shards[p]):
+            full[:, positions(p, world, SP, order)] = part
     o, lse = attention_reference(q, k, v, causal=causal)
     for rank in range(world):
-        got_o, got_lse = torch_reference(shards, rank, causal)
-        assert torch.allclose(got_o, o[:, rank * SP:(rank + 1) * SP], atol=1e-5)
-        assert torch.allclose(got_lse, lse[:, :, rank * SP:(rank + 1) * SP], atol=1e-5)
+        got_o, got_lse = torch_reference(shards, rank, causal, order)
+        mine = positions(rank, world, SP, order)
+        assert torch.allclose(got_o, o[:, mine], atol=1e-5) and torch.allclose(got_lse, lse[:, :, mine], atol=1e-5)
+    if causal and order == "contiguous":  # against a direct computation: rank r's queries see the first (r + 1) SP keys
+        r = 1
+        want = attention_reference(shards[r][0], k[:, :(r + 1) * SP], v[:, :(r + 1) * SP], causal=causal)
+        assert torch.allclose(torch_reference(shards, r, causal)[0], want[0], atol=1e-5)
 
 
 def test_generated_cuda():
@@ -49,6 +64,10 @@ def test_generated_cuda():
     assert "for (int kb = 0; kb < min(32, (((q_start + 255) >> 7) + ((int)blockIdx.x))); ++kb)" in src
     full = lower_with(build_sp_attention_kernel(4, 2, 1024, 8, 2, 128, False, 128 ** -0.5), {})
     assert "for (int kb = 0; kb < 32; ++kb)" in full
+    zigzag = lower_with(build_sp_attention_kernel(4, 1, 1024, 8, 2, 128, True, 128 ** -0.5, order="zigzag"), {})
+    # key tiles in global order up to the block's diagonal, each read at its chunk's offset in its shard
+    assert "for (int kb = 0; kb < min(32, ((condval + 255) >> 7)); ++kb)" in zigzag
+    assert "(((kb & 3) * 128) + condval_1)" in zigzag
 
 
 @needs_nvcc
@@ -58,7 +77,7 @@ def test_kernel_compiles_with_nvcc(tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
     kernel = tilelang.compile(build_sp_attention_kernel(2, 1, 256, 4, 1, 128, True, 128 ** -0.5),
                               target={"kind": "cuda", "arch": "sm_90a"})
-    assert kernel.prim_func.attrs["global_symbol"] == "sp_attention"
+    assert kernel.prim_func.attrs["global_symbol"] == "sp_attention_contiguous"
 
 
 ARGS = dict(batch=2, seq_local=256, heads=8, kv_heads=2, head_dim=128, dtype=torch.bfloat16)
@@ -70,6 +89,8 @@ ARGS = dict(batch=2, seq_local=256, heads=8, kv_heads=2, head_dim=128, dtype=tor
     ({"seq_local": 192}, ValueError, "seq_local=192 must be a multiple of block_m=128"),
     ({"causal": 1}, TypeError, "causal must be a bool"),
     ({"scale": 0}, ValueError, "scale must be a positive number"),
+    ({"order": "ring"}, ValueError, "order must be one of"),
+    ({"order": "zigzag", "seq_local": 128}, ValueError, r"seq_local=128 must be a multiple of 2 x block_m=128"),
     ({"block_k": 64}, TypeError, r"unknown tile options \['block_k'\]"),
     ({"dtype": torch.float32}, (TypeError, ValueError), "dtype"),
 ])
@@ -98,6 +119,11 @@ def test_heap_and_the_calls_sequence(monkeypatch):
     attention = calls[2][1]
     assert attention[0] is q and attention[1] is op.gather_k.output and attention[2] is op.gather_v.output
     assert attention[3:5] == (out, lse) and attention[5] == 256  # rank 1's first position
+    zigzag = SPAllGatherAttention(CpuAllocator(2, 1), **ARGS, order="zigzag")
+    zigzag.kernel = LaunchRecorder(calls, "zigzag")
+    zigzag.gather_k.kernel = zigzag.gather_v.kernel = LaunchRecorder(calls, "gather")
+    zigzag(q, k, v)
+    assert calls[-1][0] == "zigzag" and calls[-1][1][5] == 128  # chunk 1 of four 128-position chunks
     with pytest.raises(ValueError, match=r"q has shape \(2, 128, 8, 128\)"):
         op(q[:, :128].contiguous(), k, v)
     op.close()
@@ -106,10 +132,11 @@ def test_heap_and_the_calls_sequence(monkeypatch):
 
 
 # ------------------------------------------------------------------------------ GPU
-GPU_CASES = [  # batch, seq_local, heads, kv_heads, head_dim, causal, dtype
-    (1, 1024, 8, 2, 128, True, torch.bfloat16),
-    (2, 512, 4, 4, 64, False, torch.float16),
-    (1, 256, 4, 1, 256, True, torch.bfloat16),
+GPU_CASES = [  # batch, seq_local, heads, kv_heads, head_dim, causal, dtype, order
+    (1, 1024, 8, 2, 128, True, torch.bfloat16, "contiguous"),
+    (2, 512, 4, 4, 64, False, torch.float16, "contiguous"),
+    (1, 256, 4, 1, 256, True, torch.bfloat16, "contiguous"),
+    (1, 1024, 8, 2, 128, True, torch.bfloat16, "zigzag"),
 ]
 
 
@@ -117,11 +144,11 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     alloc = open_rank_heap(rank, world, cache_dir, 2**29)
     dev = torch.device(alloc.device)
     checks = 0
-    for c, (B, SP, H, Hkv, D, causal, dtype) in enumerate(GPU_CASES):
-        op = SPAllGatherAttention(alloc, B, SP, H, Hkv, D, dtype, causal=causal)
+    for c, (B, SP, H, Hkv, D, causal, dtype, order) in enumerate(GPU_CASES):
+        op = SPAllGatherAttention(alloc, B, SP, H, Hkv, D, dtype, causal=causal, order=order)
 
         def check(shards, where):
-            want_o, want_lse = torch_reference(shards, rank, causal)
+            want_o, want_lse = torch_reference(shards, rank, causal, order)
             if not torch.allclose(op.output.float().cpu(), want_o, atol=2e-2, rtol=2e-2):
                 raise AssertionError(f"rank {rank}/{world} {where}: output differs")
             if not torch.allclose(op.lse.cpu(), want_lse, atol=1e-3, rtol=1e-3):

@@ -125,7 +125,8 @@ def default_tiles(head_dim: int) -> dict:
 
 def build_attention_kernel(world_size: int, batch: int, seq_q: int, seq_kv: int, heads: int, kv_heads: int,
                            head_dim: int, causal: bool, scale: float, dtype: str = "bfloat16", block_m: int = 128,
-                           block_n: int = 128, num_stages: int = 2, threads: int = 256, name: str = "attention"):
+                           block_n: int = 128, num_stages: int = 2, threads: int = 256, name: str = "attention",
+                           zigzag: bool = False):
     """The forward ``T.prim_func`` ``<name>(Q, K, V, O, LSE, q_start)``: ``Q (B, Sq, H, D)``,
     ``K``, ``V (W, B, Skv, Hkv, D)`` (``W`` shards of ``Skv`` keys each, in position order: key
     tile ``t`` is shard ``t // (Skv / block_n)``'s), ``O (B, Sq, H, D)``, ``LSE (B, H, Sq)``
@@ -133,13 +134,21 @@ def build_attention_kernel(world_size: int, batch: int, seq_q: int, seq_kv: int,
     ``i`` sees keys ``j <= q_start + i``; a block stops after its diagonal's tile). Grid
     ``ceil(Sq / block_m) x H x B``. One shard may have lengths that are not multiples of the
     tiles (the tail's loads read zeros, its keys are masked, its rows are not stored);
-    several shards must be whole tiles. Sizes are checked by the callers."""
+    several shards must be whole tiles. Sizes are checked by the callers.
+
+    ``zigzag``: the sequence is ``2 W`` chunks of ``C = Skv / 2`` positions and shard ``p``
+    holds chunks ``p`` and ``2 W - 1 - p`` (so causal work is the same on every rank); the
+    queries are such a shard too (``Sq == Skv``), ``q_start = r C`` the first chunk's
+    position (the second's is ``(2 W - 1) C - q_start``). Key tiles are visited in global
+    order, each read from the shard that holds it; ``C`` must be whole tiles."""
     groups = heads // kv_heads
     scale_log2 = scale * LOG2E
     acc = "float32"
     tiles_per_shard = -(-seq_kv // block_n)
     n_tiles = world_size * tiles_per_shard
     key_end = None if seq_kv % block_n == 0 else seq_kv  # a tail: keys past the end masked
+    chunk = seq_kv // 2
+    tiles_per_chunk = chunk // block_n
 
     @T.prim_func
     def attention(Q: T.Tensor((batch, seq_q, heads, head_dim), dtype),
@@ -153,12 +162,20 @@ def build_attention_kernel(world_size: int, batch: int, seq_q: int, seq_kv: int,
             kv_head = by // groups
             T.copy(Q[bz, bx * block_m:(bx + 1) * block_m, by, :], q_tile)
             start_rows(out, denom, row_max)
-            blocks = T.min(n_tiles, T.ceildiv(q_start + (bx + 1) * block_m, block_n)) if causal else n_tiles
+            # the global position of this block's first query (zigzag: in the shard's first or second chunk)
+            first = T.if_then_else(bx * block_m < chunk, q_start + bx * block_m,
+                                   (2 * world_size - 1) * chunk - q_start + bx * block_m - chunk) if zigzag \
+                else q_start + bx * block_m
+            blocks = T.min(n_tiles, T.ceildiv(first + block_m, block_n)) if causal else n_tiles
             for kb in T.Pipelined(blocks, num_stages=num_stages):
-                shard, s0 = kb // tiles_per_shard, (kb % tiles_per_shard) * block_n
+                if zigzag:  # global key tile kb: chunk c, held by shard c (first half) or 2 W - 1 - c (second)
+                    c = kb // tiles_per_chunk
+                    shard = T.if_then_else(c < world_size, c, 2 * world_size - 1 - c)
+                    s0 = T.if_then_else(c < world_size, 0, chunk) + (kb % tiles_per_chunk) * block_n
+                else:
+                    shard, s0 = kb // tiles_per_shard, (kb % tiles_per_shard) * block_n
                 T.copy(K[shard, bz, s0:s0 + block_n, kv_head, :], k_tile)
-                tile_scores(scores, q_tile, k_tile, q_start + bx * block_m, kb * block_n, block_m, block_n, causal,
-                            key_end)
+                tile_scores(scores, q_tile, k_tile, first, kb * block_n, block_m, block_n, causal, key_end)
                 softmax_tile(scores, probs, out, row_max, prev_max, rescale, row_sum, denom, scale_log2, block_m,
                              block_n, head_dim)
                 T.copy(V[shard, bz, s0:s0 + block_n, kv_head, :], v_tile)

@@ -16,7 +16,9 @@ kernel's blocks (:mod:`~tilescale_examples.sequence.flash_attention`'s online so
 buffers) reading the gathered ``(W, B, SP, Hkv, D)`` buffers in place, key tile ``t`` from rank
 ``t // (SP / block_n)``. ``causal`` masks by global position: query ``r SP + i`` sees keys up to
 itself, and a block stops after its diagonal's tile (the rank's first position is a run-time
-argument: every rank runs the same compiled kernel).
+argument: every rank runs the same compiled kernel). ``order="zigzag"`` gives rank ``r`` the
+chunks ``r`` and ``2 W - 1 - r`` of ``SP / 2`` positions instead (:func:`positions`), so that
+every rank has the same causal work.
 """
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
@@ -31,31 +33,52 @@ from tilescale_examples.sequence._attention_op import AttentionOp
 from tilescale_examples.sequence.flash_attention import DTYPES, HEAD_DIMS, build_attention_kernel, default_tiles
 from tilescale_examples.sequence.flash_attention import torch_reference as attention_reference
 
-__all__ = ["SPAllGatherAttention", "build_sp_attention_kernel", "torch_reference"]
+__all__ = ["SPAllGatherAttention", "build_sp_attention_kernel", "torch_reference", "positions", "ORDERS"]
 
 
 def build_sp_attention_kernel(world_size: int, batch: int, seq_local: int, heads: int, kv_heads: int, head_dim: int,
                               causal: bool, scale: float, dtype: str = "bfloat16", block_m: int = 128,
-                              block_n: int = 128, num_stages: int = 2, threads: int = 256):
+                              block_n: int = 128, num_stages: int = 2, threads: int = 256, order: str = "contiguous"):
     """:func:`~tilescale_examples.sequence.flash_attention.build_attention_kernel` over the
     gathered shards: ``sp_attention(Q, K, V, O, LSE, q_start)``, ``Q (B, SP, H, D)``, ``K``, ``V
-    (W, B, SP, Hkv, D)``, ``q_start`` this rank's first position ``rank * SP``."""
+    (W, B, SP, Hkv, D)``, ``q_start`` the global position of this rank's first query (see
+    :func:`positions`)."""
     return build_attention_kernel(world_size, batch, seq_local, seq_local, heads, kv_heads, head_dim, causal, scale,
-                                  dtype, block_m, block_n, num_stages, threads, name="sp_attention")
+                                  dtype, block_m, block_n, num_stages, threads, name=f"sp_attention_{order}",
+                                  zigzag=order == "zigzag")
 
 
-def torch_reference(inputs: Sequence[tuple], rank: int, causal: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+#: Values of ``order``: how the sequence is split into the ranks' shards.
+ORDERS = ("contiguous", "zigzag")
+
+
+def positions(rank: int, world_size: int, seq_local: int, order: str = "contiguous") -> torch.Tensor:
+    """The global positions of rank ``rank``'s ``seq_local`` rows: ``[r SP, (r + 1) SP)``
+    (``"contiguous"``), or chunks ``r`` and ``2 W - 1 - r`` of ``SP / 2`` positions each
+    (``"zigzag"``: every rank then has the same causal work)."""
+    if order == "contiguous":
+        return torch.arange(rank * seq_local, (rank + 1) * seq_local)
+    c = seq_local // 2
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                      torch.arange((2 * world_size - 1 - rank) * c, (2 * world_size - rank) * c)])
+
+
+def torch_reference(inputs: Sequence[tuple], rank: int, causal: bool = True,
+                    order: str = "contiguous") -> Tuple[torch.Tensor, torch.Tensor]:
     """What a call returns on ``rank`` in float32: ``inputs[p] = (q_p, k_p, v_p)``, rank ``p``'s
-    shards; ``rank``'s queries over every rank's keys (causal by global position)."""
-    q = inputs[rank][0]
-    k = torch.cat([x[1] for x in inputs], dim=1)
-    v = torch.cat([x[2] for x in inputs], dim=1)
-    if not causal:
-        return attention_reference(q, k, v)
-    # the queries at global positions [rank SP, (rank + 1) SP) see the first (rank + 1) SP keys,
-    # aligned with the last of them (flash attention's causal convention)
-    keys = (rank + 1) * q.shape[1]
-    return attention_reference(q, k[:, :keys], v[:, :keys], causal=True)
+    shards (rows at :func:`positions`); ``rank``'s queries over the whole sequence (causal by
+    global position): global attention, sliced."""
+    world, SP = len(inputs), inputs[0][0].shape[1]
+    full = []
+    for i in range(3):
+        x = inputs[0][i]
+        t = x.new_empty((x.shape[0], world * SP, *x.shape[2:]))
+        for p in range(world):
+            t[:, positions(p, world, SP, order)] = inputs[p][i]
+        full.append(t)
+    o, lse = attention_reference(*full, causal=causal)
+    mine = positions(rank, world, SP, order)
+    return o[:, mine], lse[:, :, mine]
 
 
 class SPAllGatherAttention(AttentionOp):
@@ -72,6 +95,10 @@ class SPAllGatherAttention(AttentionOp):
         dtype: bfloat16 or float16.
         world_size, group: as every op (keyword-only).
         causal: mask by global position (default True).
+        order: ``"contiguous"`` (rank ``r`` holds positions ``[r SP, (r + 1) SP)``) or
+            ``"zigzag"`` (chunks ``r`` and ``2 W - 1 - r`` of ``SP / 2``: every rank has the
+            same causal work; ``seq_local`` then a multiple of twice the tiles); see
+            :func:`positions`.
         scale: of the scores (default ``1 / sqrt(head_dim)``).
         tiles: ``block_m``, ``block_n``, ``num_stages``, ``threads`` (default
             :func:`~tilescale_examples.sequence.flash_attention.default_tiles`).
@@ -82,7 +109,7 @@ class SPAllGatherAttention(AttentionOp):
 
     def __init__(self, allocator, batch: int, seq_local: int, heads: int, kv_heads: int, head_dim: int,
                  dtype: Union[torch.dtype, str], *, world_size: Optional[int] = None, group=None, causal: bool = True,
-                 scale: Optional[float] = None, target=None, **tiles):
+                 order: str = "contiguous", scale: Optional[float] = None, target=None, **tiles):
         self._setup_op(allocator, dtype, world_size, group, tuple(DTYPES))
         unknown = set(tiles) - {"block_m", "block_n", "num_stages", "threads"}
         if unknown:
@@ -95,9 +122,14 @@ class SPAllGatherAttention(AttentionOp):
         if head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
         self.tiles = {**default_tiles(head_dim), **tiles}
-        if seq_local % self.tiles["block_m"] or seq_local % self.tiles["block_n"]:
-            raise ValueError(f"seq_local={seq_local} must be a multiple of block_m={self.tiles['block_m']} and "
-                             f"block_n={self.tiles['block_n']}")
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+        unit = 2 if order == "zigzag" else 1  # a zigzag shard is two chunks of whole tiles
+        if seq_local % (unit * self.tiles["block_m"]) or seq_local % (unit * self.tiles["block_n"]):
+            times = "" if unit == 1 else f"{unit} x "
+            raise ValueError(f"seq_local={seq_local} must be a multiple of {times}block_m={self.tiles['block_m']} and "
+                             f"{times}block_n={self.tiles['block_n']} (order={order!r})")
+        self.order = order
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {causal!r}")
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
@@ -114,12 +146,14 @@ class SPAllGatherAttention(AttentionOp):
         self.output = torch.empty((batch, seq_local, heads, head_dim), dtype=self.dtype, device=self.device)
         self.lse = torch.empty((batch, heads, seq_local), dtype=torch.float32, device=self.device)
         args = (self.world_size, batch, seq_local, heads, kv_heads, head_dim, causal, self.scale, DTYPES[self.dtype])
-        self.kernel = self._compile_plain(lambda: build_sp_attention_kernel(*args, **self.tiles), target)
+        self.kernel = self._compile_plain(lambda: build_sp_attention_kernel(*args, **self.tiles, order=order), target)
+        self._q_start = int(positions(self.rank, self.world_size, seq_local, order)[0])
 
     @staticmethod
-    def torch_reference(inputs, rank: int, causal: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    def torch_reference(inputs, rank: int, causal: bool = True, order: str = "contiguous") -> Tuple[torch.Tensor,
+                                                                                                    torch.Tensor]:
         """:func:`torch_reference`."""
-        return torch_reference(inputs, rank, causal)
+        return torch_reference(inputs, rank, causal, order)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, out: Optional[torch.Tensor] = None,
                  lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +162,7 @@ class SPAllGatherAttention(AttentionOp):
         Raises :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
         out, lse = self._begin_call(q, k, v, out, lse)
         keys, values = self.gather_k(k), self.gather_v(v)
-        self.kernel(q, keys, values, out, lse, self.rank * self.seq_local)
+        self.kernel(q, keys, values, out, lse, self._q_start)
         return out, lse
 
     def __repr__(self) -> str:
