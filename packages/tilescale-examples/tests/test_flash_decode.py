@@ -6,7 +6,7 @@ combine's offsets into the gathered buffer), nvcc compiles, the op's argument er
 anything is allocated, its default splits, heap bytes, call sequence and lifetime. GPU
 (``gpu``, ranks sharing one GPU, worlds 1, 2, 4): every rank's output and log-sum-exp against
 the float32 reference over every rank's cache shard (full, and partly filled with per-sequence
-lengths), fresh data and poisoned outputs, 100
+lengths), fresh data and poisoned outputs, 200
 back-to-back calls with a straggler, CUDA-graph replays on fresh inputs."""
 
 from __future__ import annotations
@@ -196,12 +196,12 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> int:
             checks += 1
         q, shards = _inputs(case, world, 100 * c + 50)
         qd, (kd, vd) = q.to(dev), (t.to(dev) for t in shards[rank])
-        for call in range(100):  # back to back, a straggling rank every 25 calls
-            if call % 25 == 0 and rank == (call // 25) % world:
+        for call in range(200):  # back to back, a straggling rank every 50 calls
+            if call % 50 == 0 and rank == (call // 50) % world:
                 torch.cuda._sleep(2_000_000)
             op(qd, kd, vd)
         torch.cuda.synchronize()
-        check(q, shards, f"case {c} after 100 calls")
+        check(q, shards, f"case {c} after 200 calls")
         checks += 1
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -5,7 +5,7 @@ CUDA (WGMMA, key tiles read from their rank's gathered shard, the causal loop bo
 run-time first position), an nvcc compile, argument errors before anything is allocated, heap
 bytes, the call's sequence (two all-gathers, then the kernel with this rank's first position).
 GPU (``gpu``, ranks sharing one GPU, worlds 1, 2, 4): every rank's output and log-sum-exp
-against the float32 reference, causal and not, fresh data with poisoned outputs, 50 back-to-back
+against the float32 reference, causal and not, fresh data with poisoned outputs, 200 back-to-back
 calls with a straggler, CUDA-graph replays on fresh inputs."""
 
 from __future__ import annotations
@@ -164,12 +164,12 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
             checks += 1
         shards = _shards(world, B, SP, H, Hkv, D, dtype, seed=100 * c + 50)
         mine = [t.to(dev) for t in shards[rank]]
-        for call in range(50):  # back to back, a straggling rank every 10 calls
-            if call % 10 == 0 and rank == (call // 10) % world:
+        for call in range(200):  # back to back, a straggling rank every 50 calls
+            if call % 50 == 0 and rank == (call // 50) % world:
                 torch.cuda._sleep(2_000_000)
             op(*mine)
         torch.cuda.synchronize()
-        check(shards, f"case {c} after 50 calls")
+        check(shards, f"case {c} after 200 calls")
         checks += 1
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
