@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .aot import launch_info
-from .aot.packing import SCALAR_CTYPES, ArgPacker, _compiled, scalar_value
+from .aot.packing import ArgPacker, _compiled, evaluate, scalar_range, scalar_value
 
 __all__ = ["LeanLaunch", "describe_kernel", "prepare"]
 
@@ -340,17 +340,15 @@ class LeanLaunch:
                 slot.fixed_axes = [(axis, int(n)) for axis, n in enumerate(slot.shape) if (axis, shape[axis]) not in
                                    slot.free]
         else:
-            ctype = SCALAR_CTYPES[param["dtype"]]
             slot.tl_dtype = param["dtype"]
-            bits = 8 * ctypes.sizeof(ctype)
-            signed = not param["dtype"].startswith(("uint", "handle", "bool"))
-            slot.low, slot.high = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
+            slot.low, slot.high = scalar_range(param["dtype"])
         return slot
 
     def _pack(self, launches: list[dict], pointers: dict[str, int], env: dict[str, Any]) -> list[list]:
-        """Per launch: ``[grid, block, smem, cooperative, values, params, recompute]``; pointer
-        values of changing buffers are registered with their slots, expressions over changing
-        scalars recomputed per call."""
+        """Per launch: ``[symbol, grid + block, smem, cooperative, values, params, recompute,
+        dims, params address]``; pointer values of changing buffers are registered with their
+        slots; ``recompute`` (scalar arguments) and ``dims`` (grid or block extents) are the
+        expressions over changing scalars and sizes, evaluated again at each call."""
         changing_scalars = {s.name for s in self._slots if s.kind == "scalar"} | {
             name for s in self._slots for _, name in s.free}
         by_name = {s.name: s for s in self._slots}
@@ -364,14 +362,13 @@ class LeanLaunch:
                         by_name[arg["param"]].targets.append(value)
                 else:
                     where = f"{self._name}: {launch['symbol']} argument {i}"
-                    value = scalar_value(arg["dtype"], _compiled(str(arg["value"]))(env) if isinstance(arg["value"], str)
-                                         else arg["value"], where)
+                    value = scalar_value(arg["dtype"], evaluate(arg["value"], env), where)
                     if _names(arg["value"]) & changing_scalars:
                         recompute.append((value, _compiled(arg["value"]), arg["dtype"], where))
                 values.append(value)
             params = (ctypes.c_void_p * max(1, len(values)))(*(ctypes.addressof(v) for v in values))
-            grid = [_compiled(str(g))(env) if isinstance(g, str) else g for g in launch["grid"]]
-            block = [_compiled(str(b))(env) if isinstance(b, str) else b for b in launch["block"]]
+            grid = [evaluate(g, env) for g in launch["grid"]]
+            block = [evaluate(b, env) for b in launch["block"]]
             if min(grid + block) < 1:
                 raise ValueError(f"{self._name}: {launch['symbol']} has an empty launch (grid {grid}, block {block})")
             dims = [(axis, _compiled(e)) for axis, e in enumerate(list(launch["grid"]) + list(launch["block"]))
@@ -461,17 +458,16 @@ class LeanLaunch:
             TypeError / ValueError: a value that does not fit what was prepared, naming it.
             tilescale_core.CudaError: the launch failed.
         """
-        self._fill(values, True)
-        if self._functions is None:
-            self._through_kernel(values, stream)
-        else:
-            self._launch(stream)
+        self._call(values, stream, check=True)
 
     def trusted(self, *values: Any, stream: int | None = None) -> None:
         """:meth:`__call__` for a caller that has checked the tensors' dtype, contiguity and
         device itself (an op checking its inputs): only their shapes are checked (and bind
         the symbolic sizes), and scalars' ranges."""
-        self._fill(values, False)
+        self._call(values, stream, check=False)
+
+    def _call(self, values: tuple, stream: int | None, check: bool) -> None:
+        self._fill(values, check)
         if self._functions is None:
             self._through_kernel(values, stream)
         else:
@@ -497,10 +493,7 @@ class LeanLaunch:
                     target.value = ptr
             else:
                 if isinstance(value, bool) or not isinstance(value, int) or not slot.low <= value <= slot.high:
-                    if slot.tl_dtype.startswith(("float", "bfloat")):
-                        scalar_value(slot.tl_dtype, value, slot.name)
-                    else:
-                        self._check(slot, value)
+                    self._check(slot, value)  # floats, and the message for a bad value
                 self._env[slot.name] = value
         if bound:
             self._env.update(bound)

@@ -384,8 +384,7 @@ def loaded(kernel: Any) -> bool:
     ``tvm_ffi`` kernel, whose modules load when the kernel is compiled)."""
     if getattr(kernel, "execution_backend", None) != "tvm_ffi":
         return True
-    with _lock:
-        return bool(_state(kernel)["modules"])
+    return bool(modules(kernel))
 
 
 def bind_from_device(kernel: Any, table: Any, stream: int | None = None) -> None:
@@ -410,14 +409,13 @@ def bind_from_device(kernel: Any, table: Any, stream: int | None = None) -> None
     backend = getattr(kernel, "execution_backend", None)
     driver = _driver()
     if backend == "tvm_ffi":
-        with _lock:
-            modules = list(_state(kernel)["modules"])
-        if not modules:
+        handles = modules(kernel)
+        if not handles:
             raise RuntimeError(
                 f"kernel {_kernel_name(kernel)!r} has not been launched yet, so its module (and table) is not "
                 "loaded; call it once outside the CUDA graph capture first (a warm-up), then capture")
         targets = [_check(driver.cuModuleGetGlobal(driver.CUmodule(m), SYMBOL), "cuModuleGetGlobal(meta_data)")
-                   for m in modules]
+                   for m in handles]
     elif backend == "nvrtc":
         culib = getattr(getattr(getattr(kernel, "adapter", None), "lib_generator", None), "culib", None)
         if culib is None:

@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["ArgPacker", "PackedLaunch", "SCALAR_CTYPES", "evaluate", "scalar_value"]
+__all__ = ["ArgPacker", "PackedLaunch", "SCALAR_CTYPES", "evaluate", "scalar_range", "scalar_value"]
 
 #: ctypes type of a scalar kernel parameter, by TileLang dtype (16-bit floats as their bits).
 SCALAR_CTYPES = {
@@ -74,6 +74,16 @@ def evaluate(expr: int | str, env: dict[str, int]) -> int:
     return _compiled(expr)(env)
 
 
+def scalar_range(dtype: str) -> tuple[int, int]:
+    """``(low, high)``: the ints a scalar parameter of integer ``dtype`` holds."""
+    bits = 8 * ctypes.sizeof(SCALAR_CTYPES[dtype])
+    if dtype == "bool":
+        return 0, 1
+    if dtype.startswith(("uint", "handle")):
+        return 0, 2**bits - 1
+    return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+
+
 def scalar_value(dtype: str, value: Any, name: str) -> Any:
     """``value`` as the ctypes object a kernel parameter of ``dtype`` takes.
 
@@ -94,11 +104,7 @@ def scalar_value(dtype: str, value: Any, name: str) -> Any:
         return ctype(float(value))
     if not isinstance(value, int):
         raise TypeError(f"{name} must be an int ({dtype}), got {type(value).__name__}")
-    bits = 8 * ctypes.sizeof(ctype)
-    signed = not dtype.startswith(("uint", "handle", "bool"))
-    low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
-    if dtype == "bool":
-        high = 1
+    low, high = scalar_range(dtype)
     if not low <= int(value) <= high:
         raise ValueError(f"{name}={value} is out of the range of {dtype} [{low}, {high}]")
     return ctype(int(value))
