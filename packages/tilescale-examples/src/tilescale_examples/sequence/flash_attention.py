@@ -34,7 +34,8 @@ import torch
 from tilescale_examples._macros import T, macro
 
 __all__ = ["flash_attention", "build_attention_kernel", "build_flash_attention_kernel", "torch_reference", "default_tiles", "softmax_tile",
-           "attention_buffers", "start_rows", "tile_scores", "finish_rows",
+           "attention_buffers", "start_rows", "tile_scores", "finish_rows", "check_tiles", "check_head_dim",
+           "check_scale", "TILE_OPTIONS",
            "HEAD_DIMS", "DTYPES"]
 
 #: Head dimensions the kernel is built for.
@@ -197,6 +198,36 @@ def build_flash_attention_kernel(batch: int, heads: int, kv_heads: int, seq_q: i
                                   block_n, num_stages, threads, name="flash_attention")
 
 
+#: The tile options of the attention kernels (:func:`default_tiles`).
+TILE_OPTIONS = ("block_m", "block_n", "num_stages", "threads")
+
+
+def check_tiles(tiles: dict, head_dim: int) -> dict:
+    """``tiles`` (some of :data:`TILE_OPTIONS`) over :func:`default_tiles` of ``head_dim``;
+    ``TypeError`` naming an unknown option."""
+    unknown = set(tiles) - set(TILE_OPTIONS)
+    if unknown:
+        raise TypeError(f"unknown tile options {sorted(unknown)}")
+    return {**default_tiles(head_dim), **tiles}
+
+
+def check_head_dim(head_dim: int) -> int:
+    """``head_dim``, or ``ValueError`` unless it is one of :data:`HEAD_DIMS`."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    return head_dim
+
+
+def check_scale(scale: Optional[float], head_dim: int) -> float:
+    """The scores' scale: ``scale``, default ``1 / sqrt(head_dim)``; ``ValueError`` unless a
+    positive number or None."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+    return float(scale)
+
+
 def _check(q, k, v, causal, scale, tiles) -> Tuple[int, ...]:
     """The sizes ``(B, Sq, H, Skv, Hkv, D)``, or ``TypeError`` / ``ValueError`` naming the
     argument."""
@@ -218,14 +249,12 @@ def _check(q, k, v, causal, scale, tiles) -> Tuple[int, ...]:
     Skv, Hkv = k.shape[1], k.shape[2]
     if H % Hkv:
         raise ValueError(f"q's heads ({H}) must be a multiple of k's ({Hkv})")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {D}")
+    check_head_dim(D)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if causal and Skv < Sq:
         raise ValueError(f"causal attention needs at least as many keys as queries, got {Skv} < {Sq}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
-        raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+    check_scale(scale, D)
     return B, Sq, H, Skv, Hkv, D
 
 
@@ -252,12 +281,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     Raises:
         TypeError / ValueError: naming the argument, before anything is compiled or launched.
     """
-    unknown = set(tiles) - {"block_m", "block_n", "num_stages", "threads"}
-    if unknown:
-        raise TypeError(f"unknown tile options {sorted(unknown)}")
-    tiles = {**default_tiles(q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 128), **tiles}
+    tiles = check_tiles(tiles, q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 128)
     B, Sq, H, Skv, Hkv, D = _check(q, k, v, causal, scale, tiles)
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    scale = check_scale(scale, D)
     for name, t, shape, dtype in (("out", out, (B, Sq, H, D), q.dtype), ("lse", lse, (B, H, Sq), torch.float32)):
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
                               or t.device != q.device or not t.is_contiguous()):

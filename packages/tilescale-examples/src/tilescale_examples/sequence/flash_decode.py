@@ -30,7 +30,6 @@ same arithmetic in torch.
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
 
-import math
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -38,7 +37,8 @@ import torch
 from tilescale_examples.base import check_positive_int, check_tensor
 from tilescale_examples.sequence._attention_op import AttentionOp
 from tilescale_examples._macros import T
-from tilescale_examples.sequence.flash_attention import HEAD_DIMS, LN2, LOG2E, attention_buffers, softmax_tile, start_rows, tile_scores
+from tilescale_examples.sequence.flash_attention import (LN2, LOG2E, attention_buffers, check_head_dim,
+                                                         check_scale, softmax_tile, start_rows, tile_scores)
 
 __all__ = ["SPFlashDecode", "build_decode_partial_kernel", "build_decode_combine_kernel", "partial_reference",
            "combine_reference", "torch_reference", "BLOCK_H", "BLOCK_N"]
@@ -166,7 +166,7 @@ def torch_reference(inputs: Sequence[tuple], rank: int, scale: Optional[float] =
     if any(len(x) > 3 for x in inputs):
         valid = torch.cat([torch.arange(x[1].shape[1])[None, :] < (x[3].cpu()[:, None] if len(x) > 3 else x[1].shape[1])
                            for x in inputs], dim=1)
-    return partial_reference(q, k, v, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, valid)
+    return partial_reference(q, k, v, check_scale(scale, q.shape[-1]), valid)
 
 
 # ------------------------------------------------------------------------------ the op
@@ -195,16 +195,12 @@ class SPFlashDecode(AttentionOp):
         self._setup_op(allocator, dtype, world_size, group, tuple(DTYPES))
         self.batch, self.heads = check_positive_int("batch", batch), check_positive_int("heads", heads)
         self.kv_heads, self.seq_local = check_positive_int("kv_heads", kv_heads), check_positive_int("seq_local", seq_local)
-        self.head_dim = check_positive_int("head_dim", head_dim)
+        self.head_dim = check_head_dim(check_positive_int("head_dim", head_dim))
         if heads % kv_heads or heads // kv_heads > BLOCK_H:
             raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}, at most {BLOCK_H} times it")
-        if head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
         if seq_local % BLOCK_N:
             raise ValueError(f"seq_local={seq_local} must be a multiple of {BLOCK_N} (the K/V tile)")
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
-            raise ValueError(f"scale must be a positive number or None, got {scale!r}")
-        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        self.scale = check_scale(scale, head_dim)
         self.q_shape, self.kv_shape = (batch, heads, head_dim), (batch, seq_local, kv_heads, head_dim)
         tiles = seq_local // BLOCK_N
         if splits is None:
@@ -219,7 +215,7 @@ class SPFlashDecode(AttentionOp):
         self.gather = AllGather(allocator, (total,), torch.float32, world_size=self.world_size, group=group,
                                 target=target)
         self.partials = torch.empty((total,), dtype=torch.float32, device=self.device)
-        self.output = torch.empty((batch, heads, head_dim), dtype=self.dtype, device=self.device)
+        self.output = torch.empty(self.q_shape, dtype=self.dtype, device=self.device)
         self.lse = torch.empty((batch, heads), dtype=torch.float32, device=self.device)
         self.full_lengths = torch.full((batch,), seq_local, dtype=torch.int32, device=self.device)
         name = DTYPES[self.dtype]

@@ -23,14 +23,14 @@ every rank has the same causal work.
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
 
-import math
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
 from tilescale_examples.base import check_positive_int
 from tilescale_examples.sequence._attention_op import AttentionOp
-from tilescale_examples.sequence.flash_attention import DTYPES, HEAD_DIMS, build_attention_kernel, default_tiles
+from tilescale_examples.sequence.flash_attention import (DTYPES, build_attention_kernel, check_head_dim, check_scale,
+                                                         check_tiles)
 from tilescale_examples.sequence.flash_attention import torch_reference as attention_reference
 
 __all__ = ["SPAllGatherAttention", "build_sp_attention_kernel", "torch_reference", "positions", "ORDERS"]
@@ -111,17 +111,12 @@ class SPAllGatherAttention(AttentionOp):
                  dtype: Union[torch.dtype, str], *, world_size: Optional[int] = None, group=None, causal: bool = True,
                  order: str = "contiguous", scale: Optional[float] = None, target=None, **tiles):
         self._setup_op(allocator, dtype, world_size, group, tuple(DTYPES))
-        unknown = set(tiles) - {"block_m", "block_n", "num_stages", "threads"}
-        if unknown:
-            raise TypeError(f"unknown tile options {sorted(unknown)}")
         self.batch, self.seq_local = check_positive_int("batch", batch), check_positive_int("seq_local", seq_local)
         self.heads, self.kv_heads = check_positive_int("heads", heads), check_positive_int("kv_heads", kv_heads)
-        self.head_dim = check_positive_int("head_dim", head_dim)
+        self.head_dim = check_head_dim(check_positive_int("head_dim", head_dim))
         if heads % kv_heads:
             raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
-        if head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
-        self.tiles = {**default_tiles(head_dim), **tiles}
+        self.tiles = check_tiles(tiles, head_dim)
         if order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
         unit = 2 if order == "zigzag" else 1  # a zigzag shard is two chunks of whole tiles
@@ -132,10 +127,8 @@ class SPAllGatherAttention(AttentionOp):
         self.order = order
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {causal!r}")
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
-            raise ValueError(f"scale must be a positive number or None, got {scale!r}")
         self.causal = causal
-        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        self.scale = check_scale(scale, head_dim)
         from tilescale_examples.collectives.allgather import AllGather
 
         self.q_shape, self.kv_shape = (batch, seq_local, heads, head_dim), (batch, seq_local, kv_heads, head_dim)
@@ -143,7 +136,7 @@ class SPAllGatherAttention(AttentionOp):
                                   target=target)
         self.gather_v = AllGather(allocator, self.kv_shape, self.dtype, world_size=self.world_size, group=group,
                                   target=target)
-        self.output = torch.empty((batch, seq_local, heads, head_dim), dtype=self.dtype, device=self.device)
+        self.output = torch.empty(self.q_shape, dtype=self.dtype, device=self.device)
         self.lse = torch.empty((batch, heads, seq_local), dtype=torch.float32, device=self.device)
         args = (self.world_size, batch, seq_local, heads, kv_heads, head_dim, causal, self.scale, DTYPES[self.dtype])
         self.kernel = self._compile_plain(lambda: build_sp_attention_kernel(*args, **self.tiles, order=order), target)
