@@ -7,7 +7,8 @@ anything is allocated, its default splits, heap bytes, call sequence and lifetim
 (``gpu``, ranks sharing one GPU, worlds 1, 2, 4): every rank's output and log-sum-exp against
 the float32 reference over every rank's cache shard (full, and partly filled with per-sequence
 lengths), fresh data and poisoned outputs, 200
-back-to-back calls with a straggler, CUDA-graph replays on fresh inputs."""
+back-to-back calls with a straggler, CUDA-graph replays on fresh inputs, a call on a side stream
+beside another instance's on the current stream."""
 
 from __future__ import annotations
 
@@ -168,12 +169,12 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> int:
     for c, case in enumerate(GPU_CASES):
         op = SPFlashDecode(alloc, *case[:5], case[5])
 
-        def check(q, shards, where, lens=None):
+        def check(q, shards, where, lens=None, inst=op):
             want_o, want_lse = torch_reference([(q, *kv, *([] if lens is None else [lens[p]]))
                                                 for p, kv in enumerate(shards)], rank)
-            if not torch.allclose(op.output.float().cpu(), want_o, atol=2e-2, rtol=2e-2):
+            if not torch.allclose(inst.output.float().cpu(), want_o, atol=2e-2, rtol=2e-2):
                 raise AssertionError(f"rank {rank}/{world} {where}: output differs")
-            if not torch.allclose(op.lse.cpu(), want_lse, atol=1e-3, rtol=1e-3):
+            if not torch.allclose(inst.lse.cpu(), want_lse, atol=1e-3, rtol=1e-3):
                 raise AssertionError(f"rank {rank}/{world} {where}: lse differs")
 
         for step in range(3):
@@ -216,10 +217,23 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> int:
             torch.cuda.synchronize()
             check(q, shards, f"case {c} replay {replay}")
             checks += 1
+        # two instances at once: this one on a side stream, another on the current stream
+        other = SPFlashDecode(alloc, *case[:5], case[5])
+        (qa, sa), (qb, sb) = _inputs(case, world, 100 * c + 70), _inputs(case, world, 100 * c + 71)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            op(qa.to(dev), *(t.to(dev) for t in sa[rank]))
+        other(qb.to(dev), *(t.to(dev) for t in sb[rank]))
+        torch.cuda.synchronize()
+        check(qa, sa, f"case {c} side stream")
+        check(qb, sb, f"case {c} second instance", inst=other)
+        checks += 2
+        other.close()
         op.close()
     return close_rank_heap(alloc, rank, checks)
 
 
 @on_gpu_ranks(1, 2, 4, timeout=400)
 def test_flash_decode_on_gpu(world, tmp_path_factory):
-    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "flash-decode", len(GPU_CASES) * (3 + 2 + 1 + 2))
+    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "flash-decode", len(GPU_CASES) * (3 + 2 + 1 + 2 + 2))

@@ -6,7 +6,8 @@ run-time first position), an nvcc compile, argument errors before anything is al
 bytes, the call's sequence (two all-gathers, then the kernel with this rank's first position).
 GPU (``gpu``, ranks sharing one GPU, worlds 1, 2, 4): every rank's output and log-sum-exp
 against the float32 reference, causal and not, fresh data with poisoned outputs, 200 back-to-back
-calls with a straggler, CUDA-graph replays on fresh inputs."""
+calls with a straggler, CUDA-graph replays on fresh inputs, a call on a side stream beside another
+instance's on the current stream."""
 
 from __future__ import annotations
 
@@ -147,11 +148,11 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     for c, (B, SP, H, Hkv, D, causal, dtype, order) in enumerate(GPU_CASES):
         op = SPAllGatherAttention(alloc, B, SP, H, Hkv, D, dtype, causal=causal, order=order)
 
-        def check(shards, where):
+        def check(shards, where, inst=op):
             want_o, want_lse = torch_reference(shards, rank, causal, order)
-            if not torch.allclose(op.output.float().cpu(), want_o, atol=2e-2, rtol=2e-2):
+            if not torch.allclose(inst.output.float().cpu(), want_o, atol=2e-2, rtol=2e-2):
                 raise AssertionError(f"rank {rank}/{world} {where}: output differs")
-            if not torch.allclose(op.lse.cpu(), want_lse, atol=1e-3, rtol=1e-3):
+            if not torch.allclose(inst.lse.cpu(), want_lse, atol=1e-3, rtol=1e-3):
                 raise AssertionError(f"rank {rank}/{world} {where}: lse differs")
 
         for step in range(3):
@@ -183,13 +184,27 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
             torch.cuda.synchronize()
             check(shards, f"case {c} replay {replay}")
             checks += 1
+        # two instances at once: this one on a side stream, another on the current stream
+        other = SPAllGatherAttention(alloc, B, SP, H, Hkv, D, dtype, causal=causal, order=order)
+        sa = _shards(world, B, SP, H, Hkv, D, dtype, seed=100 * c + 70)
+        sb = _shards(world, B, SP, H, Hkv, D, dtype, seed=100 * c + 71)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            op(*(t.to(dev) for t in sa[rank]))
+        other(*(t.to(dev) for t in sb[rank]))
+        torch.cuda.synchronize()
+        check(sa, f"case {c} side stream")
+        check(sb, f"case {c} second instance", inst=other)
+        checks += 2
+        other.close()
         op.close()
     return close_rank_heap(alloc, rank, checks)
 
 
 @on_gpu_ranks(1, 2, 4, timeout=400)
 def test_sp_attention_on_gpu(world, tmp_path_factory):
-    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "sp-attention", len(GPU_CASES) * (3 + 1 + 2))
+    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "sp-attention", len(GPU_CASES) * (3 + 1 + 2 + 2))
 
 
 def test_benchmark_goals():
