@@ -5,7 +5,8 @@
 # STEPs: doctor; demo (python -m tilescale_examples.demo: the README's main job); tests (GPU suite of every package, ranks sharing the GPUs); tests-4 (one
 # rank per GPU); tests-core, tests-host, tests-lang, tests-examples (one package, shared);
 # tests-moe (the MoE dispatch/combine GPU tests alone, shared); tests-reduce (the reduction and all-gather GPU tests, shared);
-# tests-decode (AllReduceResidualRMSNorm, GemmAllReduce), tests-sequence (UlyssesAllToAll, flash attention, SPAllGatherAttention, SPFlashDecode), tests-moe-ll (MoELowLatency), tests-lang-new (AOT bundles, the lean launcher,
+# tests-decode (AllReduceResidualRMSNorm, GemmAllReduce), tests-sequence (UlyssesAllToAll, flash attention, SPAllGatherAttention, SPFlashDecode), tests-moe-ll (MoELowLatency), tests-overlap-emulated (the fused
+# plans of AllGatherGEMM and GemmReduceScatter on emulated peers), tests-lang-new (AOT bundles, the lean launcher,
 # the autotuner, upstream's NVSHMEM-path programs) -- the ops and modules whose GPU tests are newest;
 # bench (every benchmark); bench-NAME (one); bench-overlap-1 (ag_gemm and gemm_rs on one rank:
 # the world-1 goal); all (default: doctor demo tests bench). Logs go to $OUT (or ./device-logs) and a summary
@@ -56,7 +57,7 @@ for step in "${steps[@]}"; do
     tests-4) gpu_tests tests-4 0 ;;
     chaos) run_step chaos env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
              packages/tilescale-examples/tests/test_chaos.py -m chaos -q -s -rfEs --tb=short -p no:cacheprovider ;;
-    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs emulated reduce_ceiling moe moe_phases remote_tma gpu_barrier decode gemm_allreduce ulysses launch attention sp_attention; do
+    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs overlap_emulated emulated reduce_ceiling moe moe_phases remote_tma gpu_barrier decode gemm_allreduce ulysses launch attention sp_attention; do
              run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
            done ;;
     bench-overlap-1) for b in ag_gemm gemm_rs; do
@@ -73,6 +74,9 @@ for step in "${steps[@]}"; do
     tests-sequence) run_step tests-sequence env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
                       packages/tilescale-examples/tests/test_ulysses.py packages/tilescale-examples/tests/test_flash_attention.py packages/tilescale-examples/tests/test_flash_decode.py packages/tilescale-examples/tests/test_sp_attention.py \
                       -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
+    tests-overlap-emulated) run_step tests-overlap-emulated timeout -k 10 540 python3 -m pytest \
+                              packages/tilescale-examples/tests/test_overlap_emulated.py \
+                              -m gpu -q -rfEs --tb=short -p no:cacheprovider "${pytest_args[@]}" ;;
     tests-moe-ll) run_step tests-moe-ll env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
                     packages/tilescale-examples/tests/test_moe_low_latency_gpu.py \
                     -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;

@@ -277,9 +277,7 @@ class AllGatherGEMM(OverlappedGemm):
             self.own_kernel(a, b, own_rows)
             return
         if self._push is None:
-            self._push = CopyEnginePush(*self._peers, self.rank, self.world_size, self.chunks,
-                                        self.tiles.block_m, self.device)
-            self._compute = torch.cuda.Stream(device=self.device)
+            self._push, self._compute = self._make_push(), self._make_compute_stream()
         self._push.mark(main)
         self._compute.wait_stream(main)
         self.own_kernel(a, b, own_rows)
@@ -289,6 +287,17 @@ class AllGatherGEMM(OverlappedGemm):
         self._push.enqueue(a.data_ptr(), self.epoch)
         self._push.finish(main)
         main.wait_stream(self._compute)
+
+
+    def _make_push(self) -> CopyEnginePush:
+        """The fused plan's producer, made at the first call: a
+        :class:`~tilescale_examples.overlap.stream_ops.CopyEnginePush` of this rank's chunks
+        into every peer's gathered buffer (one side stream per peer)."""
+        return CopyEnginePush(*self._peers, self.rank, self.world_size, self.chunks, self.tiles.block_m, self.device)
+
+    def _make_compute_stream(self) -> torch.cuda.Stream:
+        """The stream of the fused plan's peer GEMM, made at the first call (its own)."""
+        return torch.cuda.Stream(device=self.device)
 
 
 def _peer_list(views, world_size: int) -> list:

@@ -311,12 +311,8 @@ class GemmReduceScatter(OverlappedGemm):
         if self.algorithm == "fused" and self.world_size == 1:
             self.kernel(a, b, result)
         elif self.algorithm == "fused":
-            self.bind_table()
-            self.kernel(a, b, self.partials, self.counters, self.calls)
-            base = self.counters.data_ptr()
-            for src in range(self.world_size):  # every partial of this call has landed here
-                wait_counter_geq(main.cuda_stream, base + 4 * src, self.tiles_per_rank)
-            self.reduce_kernel(self.partials, result, self.counters, self.calls)
+            self._send_partials(a, b)
+            self._reduce_landed(main, result)
         else:
             rs = self.reduce_scatter
             products = rs._next_input_view()  # zero-copy into the reduce-scatter's staging buffer
@@ -329,3 +325,18 @@ class GemmReduceScatter(OverlappedGemm):
             rs(products, out=out)
         self._end_call(main)
         return result
+
+    def _send_partials(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Fused plan, step 1 on the current stream: the GEMM whose epilogue stores each
+        partial tile on its owner and counts it there (this instance's table bound first)."""
+        self.bind_table()
+        self.kernel(a, b, self.partials, self.counters, self.calls)
+
+    def _reduce_landed(self, stream, result: torch.Tensor) -> None:
+        """Fused plan, steps 2 and 3 on ``stream`` (the current one): wait in the stream's
+        front end until every rank's partials of this call have landed here, then reduce
+        them into ``result``."""
+        base = self.counters.data_ptr()
+        for src in range(self.world_size):  # every partial of this call has landed here
+            wait_counter_geq(stream.cuda_stream, base + 4 * src, self.tiles_per_rank)
+        self.reduce_kernel(self.partials, result, self.counters, self.calls)

@@ -1,0 +1,162 @@
+"""The overlapped GEMMs' fused plans with emulated peers (:mod:`tilescale_examples.testing.emulated_overlap`)
+and their benchmark (``benchmarks.overlap_emulated``).
+
+CPU: the host-staged push plan (executed on host memory: every peer's gathered slot gets
+the operand, every flag the call number), the emulated classes' heap sizes, argument errors,
+the kernels the benchmark precompiles (compiled with nvcc), the benchmark's options and goal.
+
+GPU (``-m gpu``): every op at 2, 4 and 8 emulated ranks with odd chunkings, 1000 back-to-back
+rounds with a random emulated rank delayed before each, fresh random inputs and poisoned
+outputs every round, every rank's output of every round against the float32 reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import pytest
+import torch
+from examples_cache import WAIT_TIMEOUT_MS
+from examples_helpers import exits_naming, needs_nvcc, output_without_gpu
+
+from tilescale_examples.overlap.stream_ops import CopyEnginePush, plan_row_chunks
+from tilescale_examples.testing.emulated_overlap import (EmulatedAllGatherGEMM, EmulatedGemmReduceScatter,
+                                                         EmulatedOverlap, precompile_jobs, staged_steps)
+
+
+def _push_on_host(world: int, m_local: int, k: int, block_m: int, max_chunks: int):
+    """A CopyEnginePush of rank 1 over host tensors: ``(push, gathered, flags)``."""
+    gathered = [torch.zeros((2, world, m_local, k), dtype=torch.int16) for _ in range(world)]
+    flags = [torch.zeros((world * len(plan_row_chunks(m_local // block_m, max_chunks)),), dtype=torch.int64)
+             for _ in range(world)]
+    chunks = plan_row_chunks(m_local // block_m, max_chunks)
+    return CopyEnginePush(gathered, flags, 1, world, chunks, block_m, "cpu"), gathered, flags
+
+
+@pytest.mark.parametrize("world, m_local, max_chunks", [(2, 8, 8), (4, 12, 2), (5, 20, 3)])
+def test_host_staged_steps_deliver_every_chunk_to_every_peer(world, m_local, max_chunks):
+    """Carry out staged_steps on host memory in order: the operand lands in slot ``rank`` of
+    parity ``epoch % 2`` on every peer, every chunk is staged once before its pushes, each
+    flag of this rank's chunks on every peer gets the epoch, and nothing else is written."""
+    k, block_m, epoch = 6, 4, 3
+    push, gathered, flags = _push_on_host(world, m_local, k, block_m, max_chunks)
+    a = torch.randint(-1000, 1000, (m_local, k), dtype=torch.int16)
+    stage = torch.zeros_like(a)
+    steps = staged_steps(push.ops(a.data_ptr(), epoch), a.data_ptr(), stage.data_ptr(), world)
+    staged = set()
+    for step in steps:
+        if step[0] == "stage":
+            _, c, dst, src, nbytes = step
+            assert c not in staged and dst - stage.data_ptr() == src - a.data_ptr()
+            staged.add(c)
+        else:
+            _, c, j, dst, src, nbytes, flag = step
+            assert c in staged and 1 <= j < world
+            ctypes.c_int64.from_address(flag).value = epoch
+        ctypes.memmove(dst, src, nbytes)
+    assert staged == set(range(len(push.chunks)))
+    assert sum(step[0] == "push" for step in steps) == len(push.chunks) * (world - 1)
+    for p in range(world):
+        expect = torch.zeros((2, world, m_local, k), dtype=torch.int16)
+        if p != 1:
+            expect[epoch % 2, 1] = a
+        assert torch.equal(gathered[p], expect), p
+        C = len(push.chunks)
+        want = torch.zeros_like(flags[p])
+        if p != 1:
+            want[C:2 * C] = epoch  # rank 1's chunks
+        assert torch.equal(flags[p], want), p
+
+
+def test_emulated_ops_allocate_what_the_fused_plans_do():
+    from tilescale_examples.overlap.ag_gemm import AllGatherGEMM
+    from tilescale_examples.overlap.gemm_rs import GemmReduceScatter
+
+    for emulated, real in ((EmulatedAllGatherGEMM, AllGatherGEMM), (EmulatedGemmReduceScatter, GemmReduceScatter)):
+        for world in (2, 4, 8):
+            got = emulated.heap_bytes(256, 512, 256, torch.bfloat16, world_size=world, device="cpu")
+            assert got == real.heap_bytes(256, 512, 256, torch.bfloat16, world_size=world, algorithm="fused",
+                                          device="cpu")
+
+
+@pytest.mark.parametrize("args, match", [(("allgather", 2), "op must be one of"), (("ag_gemm", 1), "ranks must be"),
+                                         (("gemm_rs", True), "ranks must be")])
+def test_emulated_overlap_rejects_bad_arguments_before_allocating(args, match):
+    with pytest.raises(ValueError, match=match):
+        EmulatedOverlap(*args, 256, 512, 256, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="op must be one of"):
+        precompile_jobs("allgather", 2, 256, 512, 256, "bfloat16")
+
+
+@needs_nvcc
+def test_precompiled_kernels_are_the_ones_the_ops_build(tmp_path):
+    """The jobs compile (nvcc) and name the kernels the fused plans and the benchmark's
+    baseline build: the whole-operand GEMM, the peer GEMM with the plan's chunk count and the
+    own-rows GEMM; the remote-epilogue GEMM and the reduction."""
+    from tilescale_examples.testing.precompile import precompile
+
+    ag = precompile_jobs("ag_gemm", 2, 384, 512, 256, "bfloat16", max_chunks=2)
+    assert ag[1][1] == (384, 512, 256, 2, len(plan_row_chunks(3, 2)), "bfloat16")
+    rs = precompile_jobs("gemm_rs", 2, 256, 512, 256, "bfloat16")
+    assert rs[0][1] == (512, 256, 512, "bfloat16")  # the whole a: 2 x 256 rows
+    assert precompile(ag + rs, cache_dir=tmp_path, workers=2) == ["gemm", "ag_gemm", "gemm", "gemm", "gemm_rs",
+                                                                   "reduce_partials"]
+
+
+def test_benchmark_options_goal_and_no_gpu(capsys, monkeypatch):
+    from tilescale_examples.benchmarks import overlap_emulated as B
+
+    for argv, message in ((["--ranks", "1"], "--ranks must be in [2, 16]"), (["--iters", "0"], "must be positive"),
+                          (["--ops", "allgather"], "invalid choice")):
+        exits_naming(B.main, argv, message, capsys)
+    col = B.HEADERS.index("x GEMM alone")
+    row = lambda x: [x if i == col else 0 for i in range(len(B.HEADERS))]  # noqa: E731
+    assert B.goal_lines({"ag_gemm": [row(0.97), row(0.96)]}) == [
+        "goal: AllGatherGEMM fused >= 0.95 of GEMM alone at every N: worst 0.960 (met)"]
+    assert "NOT met" in B.goal_lines({"ag_gemm": [row(0.97), row(0.6)]})[0]
+    assert B.goal_lines({"gemm_rs": [row(0.5)]}) == []
+    assert "no CUDA GPU visible" in output_without_gpu(B.main, [], monkeypatch, capsys)
+
+
+# ------------------------------------------------------------------------------ GPU
+GPU_CASES = [(2, 384, 2), (4, 256, 8), (8, 384, 3)]  # ranks, m_local (3 or 2 row blocks), max_chunks
+K, N_COLS, ROUNDS, BATCH = 512, 256, 1000, 25
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs"])
+def test_emulated_fused_plans_under_stragglers_on_gpu(op, monkeypatch):
+    """1000 back-to-back rounds per world size, each with fresh inputs, poisoned outputs and
+    one random emulated rank delayed (a busy kernel of up to ~0.1 ms ahead of its call), no
+    host synchronisation inside a batch of 25 rounds; then every rank's output of every round
+    is checked against the float32 reference."""
+    from tilescale_examples.benchmarks._timing import poison_
+    from tilescale_examples.overlap.gemm import count_outside
+    from tilescale_examples.overlap.gemm_rs import partial_magnitudes
+
+    monkeypatch.setenv("TILESCALE_WAIT_TIMEOUT_MS", WAIT_TIMEOUT_MS)
+    device, dtype, rng = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, random.Random(5)
+    for ranks, m_local, max_chunks in GPU_CASES:
+        tiles = {"max_chunks": max_chunks} if op == "ag_gemm" else {}
+        with EmulatedOverlap(op, ranks, m_local, K, N_COLS, dtype, device, **tiles) as emu:
+            a_shape, b_shape = emu.input_shapes()
+            for first in range(0, ROUNDS, BATCH):
+                batch = []
+                for _ in range(BATCH):
+                    inputs = [(torch.randn(a_shape, device=device).to(dtype),
+                               (torch.randn(b_shape, device=device) * K ** -0.5).to(dtype)) for _ in range(ranks)]
+                    outs = [torch.empty(emu.output_shape(), dtype=dtype, device=device) for _ in range(ranks)]
+                    for out in outs:
+                        poison_(out)
+                    emu.round(inputs, outs, delay=(rng.randrange(ranks), rng.choice([0, 20_000, 200_000])))
+                    batch.append((inputs, outs))
+                torch.cuda.synchronize(device)
+                for i, (inputs, outs) in enumerate(batch):
+                    for r, out in enumerate(outs):
+                        rounded = None if op == "ag_gemm" else partial_magnitudes(
+                            [a for a, _ in inputs], [b for _, b in inputs], r)
+                        bad, worst = count_outside(out, emu.reference(inputs, r), dtype, rounded)
+                        assert bad == 0, (f"{op} N={ranks} round {first + i} rank {r}: {bad} element(s) outside the "
+                                          f"bound (worst {worst:.3g})")
