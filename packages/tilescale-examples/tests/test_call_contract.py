@@ -536,19 +536,21 @@ def test_gemm_allreduce_follows_the_contract_where_it_applies(compiles):
 
 
 # ------------------------------------------------------------------------------ sequence parallelism
-SEQUENCE_OPS = {  # name: (positional names after the allocator, small arguments, call inputs, option names)
+SEQUENCE_OPS = {  # name: (positional names after the allocator, small arguments, call inputs, option names,
+    #                        the algorithm keyword's values or None)
     "SPFlashDecode": (["batch", "heads", "kv_heads", "seq_local", "head_dim", "dtype"], (1, 8, 2, 128, 64, torch.bfloat16),
-                      ((1, 8, 64), (1, 128, 2, 64), (1, 128, 2, 64)), {"splits", "scale"}),
+                      ((1, 8, 64), (1, 128, 2, 64), (1, 128, 2, 64)), {"splits", "scale"}, None),
     "SPAllGatherAttention": (["batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype"],
                              (1, 128, 4, 2, 64, torch.bfloat16), ((1, 128, 4, 64), (1, 128, 2, 64), (1, 128, 2, 64)),
-                             {"causal", "scale"}),
+                             {"causal", "scale"}, ("auto", "fused", "sequential")),
 }
 
 
 @pytest.mark.parametrize("name", list(SEQUENCE_OPS))
 def test_sequence_ops_follow_the_contract_where_it_applies(name, compiles):
     """``Cls(allocator, <sizes>, dtype, *, world_size=None, group=None, ..., target=None)``: no
-    ``algorithm`` (one plan); the call ``(q, k, v, *, <options>=None, out=None, lse=None)``
+    ``algorithm`` where there is one plan, else ``algorithm: Literal[...] = "auto"`` keyword-only
+    with the class's ``ALGORITHMS``; the call ``(q, k, v, *, <options>=None, out=None, lse=None)``
     (queries and this rank's K/V shard); ``torch_reference(inputs, rank)`` with ``inputs[p] = (q_p, k_p, v_p)``,
     the class's and its module's; :class:`ClosedError` after ``close()``; ``heap_bytes`` what
     the constructor takes on tilescale-core's allocator. (The rest is in their own tests.)"""
@@ -557,7 +559,7 @@ def test_sequence_ops_follow_the_contract_where_it_applies(name, compiles):
     from tilescale_core.allocator import BaseAllocator
     from tilescale_core.testing import HostBackend
 
-    positional, args, inputs, options = SEQUENCE_OPS[name]
+    positional, args, inputs, options, algorithms = SEQUENCE_OPS[name]
     P = inspect.Parameter
     cls = getattr(tilescale_examples, name)
     params = list(inspect.signature(cls).parameters.values())
@@ -566,7 +568,14 @@ def test_sequence_ops_follow_the_contract_where_it_applies(name, compiles):
     assert all(p.kind is P.POSITIONAL_OR_KEYWORD and p.default is P.empty for p in params[:n])
     assert all(p.kind in (P.KEYWORD_ONLY, P.VAR_KEYWORD) for p in params[n:])
     assert (params[n].name, params[n].default) == ("world_size", None)
-    assert {"group", "target"} | options <= {p.name for p in params} and "algorithm" not in {p.name for p in params}
+    assert {"group", "target"} | options <= {p.name for p in params}
+    by_name = {p.name: p for p in params}
+    if algorithms is None:
+        assert "algorithm" not in by_name
+    else:
+        algorithm = by_name["algorithm"]
+        assert algorithm.kind is P.KEYWORD_ONLY and algorithm.default == "auto"
+        assert typing.get_args(algorithm.annotation) == algorithms == cls.ALGORITHMS
     call = list(inspect.signature(cls.__call__).parameters.values())[1:]
     assert [(p.name, p.kind, p.default) for p in call[:3]] == [
         ("q", P.POSITIONAL_OR_KEYWORD, P.empty), ("k", P.POSITIONAL_OR_KEYWORD, P.empty),

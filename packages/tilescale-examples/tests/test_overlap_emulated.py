@@ -22,7 +22,8 @@ from examples_helpers import exits_naming, needs_nvcc, output_without_gpu
 
 from tilescale_examples.overlap.stream_ops import CopyEnginePush, plan_row_chunks
 from tilescale_examples.testing.emulated_overlap import (EmulatedAllGatherGEMM, EmulatedGemmReduceScatter,
-                                                         EmulatedOverlap, precompile_jobs, staged_steps)
+                                                         EmulatedOverlap, EmulatedSPAllGatherAttention,
+                                                         precompile_jobs, staged_steps)
 
 
 def _push_on_host(world: int, m_local: int, k: int, block_m: int, max_chunks: int):
@@ -72,19 +73,21 @@ def test_host_staged_steps_deliver_every_chunk_to_every_peer(world, m_local, max
 def test_emulated_ops_allocate_what_the_fused_plans_do():
     from tilescale_examples.overlap.ag_gemm import AllGatherGEMM
     from tilescale_examples.overlap.gemm_rs import GemmReduceScatter
+    from tilescale_examples.sequence.sp_attention import SPAllGatherAttention
 
-    for emulated, real in ((EmulatedAllGatherGEMM, AllGatherGEMM), (EmulatedGemmReduceScatter, GemmReduceScatter)):
+    for emulated, real, args in ((EmulatedAllGatherGEMM, AllGatherGEMM, (256, 512, 256)),
+                                 (EmulatedGemmReduceScatter, GemmReduceScatter, (256, 512, 256)),
+                                 (EmulatedSPAllGatherAttention, SPAllGatherAttention, (1, 256, 4, 2, 128))):
         for world in (2, 4, 8):
-            got = emulated.heap_bytes(256, 512, 256, torch.bfloat16, world_size=world, device="cpu")
-            assert got == real.heap_bytes(256, 512, 256, torch.bfloat16, world_size=world, algorithm="fused",
-                                          device="cpu")
+            got = emulated.heap_bytes(*args, torch.bfloat16, world_size=world, device="cpu")
+            assert got == real.heap_bytes(*args, torch.bfloat16, world_size=world, algorithm="fused", device="cpu")
 
 
 @pytest.mark.parametrize("args, match", [(("allgather", 2), "op must be one of"), (("ag_gemm", 1), "ranks must be"),
                                          (("gemm_rs", True), "ranks must be")])
 def test_emulated_overlap_rejects_bad_arguments_before_allocating(args, match):
     with pytest.raises(ValueError, match=match):
-        EmulatedOverlap(*args, 256, 512, 256, torch.bfloat16, "cpu")
+        EmulatedOverlap(*args, 256, 512, 256, torch.bfloat16, device="cpu")
     with pytest.raises(ValueError, match="op must be one of"):
         precompile_jobs("allgather", 2, 256, 512, 256, "bfloat16")
 
@@ -100,8 +103,10 @@ def test_precompiled_kernels_are_the_ones_the_ops_build(tmp_path):
     assert ag[1][1] == (384, 512, 256, 2, len(plan_row_chunks(3, 2)), "bfloat16")
     rs = precompile_jobs("gemm_rs", 2, 256, 512, 256, "bfloat16")
     assert rs[0][1] == (512, 256, 512, "bfloat16")  # the whole a: 2 x 256 rows
-    assert precompile(ag + rs, cache_dir=tmp_path, workers=2) == ["gemm", "ag_gemm", "gemm", "gemm", "gemm_rs",
-                                                                   "reduce_partials"]
+    sp = precompile_jobs("sp_attention", 2, 1, 256, 4, 2, 128, "bfloat16", causal=False)
+    assert sp[1][1] == (2, 1, 256, 4, 2, 128, False, 128 ** -0.5, "bfloat16")
+    assert precompile(ag + rs + sp, cache_dir=tmp_path, workers=2) == [
+        "gemm", "ag_gemm", "gemm", "gemm", "gemm_rs", "reduce_partials", "sp_attention_own", "sp_attention_peers"]
 
 
 def test_benchmark_options_goal_and_no_gpu(capsys, monkeypatch):
@@ -120,43 +125,45 @@ def test_benchmark_options_goal_and_no_gpu(capsys, monkeypatch):
 
 
 # ------------------------------------------------------------------------------ GPU
-GPU_CASES = [(2, 384, 2), (4, 256, 8), (8, 384, 3)]  # ranks, m_local (3 or 2 row blocks), max_chunks
-K, N_COLS, ROUNDS, BATCH = 512, 256, 1000, 25
+#: op -> [(ranks, constructor arguments after the allocator, keywords)]: odd chunkings (3 or 2
+#: row blocks in 2, 8 or 3 chunks), attention causal and not with GQA.
+GPU_CASES = {
+    "ag_gemm": [(2, (384, 512, 256, torch.bfloat16), {"max_chunks": 2}),
+                (4, (256, 512, 256, torch.bfloat16), {"max_chunks": 8}),
+                (8, (384, 512, 256, torch.bfloat16), {"max_chunks": 3})],
+    "gemm_rs": [(2, (384, 512, 256, torch.bfloat16), {}), (4, (256, 512, 256, torch.bfloat16), {}),
+                (8, (384, 512, 256, torch.bfloat16), {})],
+    "sp_attention": [(2, (1, 256, 8, 2, 128, torch.bfloat16), {"causal": True}),
+                     (4, (2, 128, 4, 4, 64, torch.float16), {"causal": False}),
+                     (8, (1, 128, 4, 1, 128, torch.bfloat16), {"causal": True})],
+}
+ROUNDS, BATCH = 1000, 25
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs"])
+@pytest.mark.parametrize("op", sorted(GPU_CASES))
 def test_emulated_fused_plans_under_stragglers_on_gpu(op, monkeypatch):
-    """1000 back-to-back rounds per world size, each with fresh inputs, poisoned outputs and
+    """Per world size, 1000 back-to-back rounds, each with fresh inputs, poisoned outputs and
     one random emulated rank delayed (a busy kernel of up to ~0.1 ms ahead of its call), no
     host synchronisation inside a batch of 25 rounds; then every rank's output of every round
     is checked against the float32 reference."""
     from tilescale_examples.benchmarks._timing import poison_
-    from tilescale_examples.overlap.gemm import count_outside
-    from tilescale_examples.overlap.gemm_rs import partial_magnitudes
 
     monkeypatch.setenv("TILESCALE_WAIT_TIMEOUT_MS", WAIT_TIMEOUT_MS)
-    device, dtype, rng = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, random.Random(5)
-    for ranks, m_local, max_chunks in GPU_CASES:
-        tiles = {"max_chunks": max_chunks} if op == "ag_gemm" else {}
-        with EmulatedOverlap(op, ranks, m_local, K, N_COLS, dtype, device, **tiles) as emu:
-            a_shape, b_shape = emu.input_shapes()
+    device, rng = torch.device("cuda", torch.cuda.current_device()), random.Random(5)
+    for ranks, args, kwargs in GPU_CASES[op]:
+        with EmulatedOverlap(op, ranks, *args, device=device, **kwargs) as emu:
             for first in range(0, ROUNDS, BATCH):
                 batch = []
-                for _ in range(BATCH):
-                    inputs = [(torch.randn(a_shape, device=device).to(dtype),
-                               (torch.randn(b_shape, device=device) * K ** -0.5).to(dtype)) for _ in range(ranks)]
-                    outs = [torch.empty(emu.output_shape(), dtype=dtype, device=device) for _ in range(ranks)]
+                for i in range(BATCH):
+                    inputs, outs = emu.random_inputs(seed=first + i), emu.empty_outputs()
                     for out in outs:
-                        poison_(out)
+                        for t in (out if isinstance(out, tuple) else (out,)):
+                            poison_(t)
                     emu.round(inputs, outs, delay=(rng.randrange(ranks), rng.choice([0, 20_000, 200_000])))
                     batch.append((inputs, outs))
                 torch.cuda.synchronize(device)
                 for i, (inputs, outs) in enumerate(batch):
-                    for r, out in enumerate(outs):
-                        rounded = None if op == "ag_gemm" else partial_magnitudes(
-                            [a for a, _ in inputs], [b for _, b in inputs], r)
-                        bad, worst = count_outside(out, emu.reference(inputs, r), dtype, rounded)
-                        assert bad == 0, (f"{op} N={ranks} round {first + i} rank {r}: {bad} element(s) outside the "
-                                          f"bound (worst {worst:.3g})")
+                    failures = emu.check(inputs, outs)
+                    assert not failures, f"round {first + i}: {failures}"

@@ -11,6 +11,8 @@ instance's on the current stream."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from examples_helpers import (CpuAllocator, LaunchRecorder, check_gpu_ranks, close_rank_heap, lower_with, needs_nvcc, on_gpu_ranks,
@@ -18,8 +20,9 @@ from examples_helpers import (CpuAllocator, LaunchRecorder, check_gpu_ranks, clo
 
 from tilescale_examples import ClosedError
 from tilescale_examples.sequence.flash_attention import torch_reference as attention_reference
-from tilescale_examples.sequence.sp_attention import (SPAllGatherAttention, build_sp_attention_kernel, positions,
-                                                      torch_reference)
+from tilescale_examples.sequence.sp_attention import (SPAllGatherAttention, build_sp_attention_kernel,
+                                                      build_sp_own_attention_kernel, build_sp_peer_attention_kernel,
+                                                      positions, torch_reference)
 
 
 def _shards(world, B, SP, H, Hkv, D, dtype=torch.float32, seed=0):
@@ -94,6 +97,8 @@ ARGS = dict(batch=2, seq_local=256, heads=8, kv_heads=2, head_dim=128, dtype=tor
     ({"order": "zigzag", "seq_local": 128}, ValueError, r"seq_local=128 must be a multiple of 2 x block_m=128"),
     ({"block_k": 64}, TypeError, r"unknown tile options \['block_k'\]"),
     ({"dtype": torch.float32}, (TypeError, ValueError), "dtype"),
+    ({"algorithm": "ring"}, ValueError, "algorithm must be one of"),
+    ({"algorithm": "fused", "order": "zigzag"}, ValueError, "algorithm='fused' needs order='contiguous'"),
 ])
 def test_argument_errors_before_anything_is_allocated(monkeypatch, kwargs, error, match):
     record_compiles(monkeypatch)
@@ -108,8 +113,11 @@ def test_heap_and_the_calls_sequence(monkeypatch):
     op = SPAllGatherAttention(CpuAllocator(2, 1), **ARGS)
     shard = (2, 256, 2, 128)
     assert op.gather_k.output.shape == (2, *shard) and op.gather_v.output.shape == (2, *shard)
-    assert SPAllGatherAttention.heap_bytes(2, 256, 8, 2, 128, torch.bfloat16, world_size=2, device="cpu") == \
-        2 * type(op.gather_k).heap_bytes(shard, torch.bfloat16, world_size=2, device="cpu")
+    sequential = 2 * type(op.gather_k).heap_bytes(shard, torch.bfloat16, world_size=2, device="cpu")
+    fused = 2 * 2 * 2 * math.prod(shard) * 2 + 2 * 256  # two (2, W, *shard) buffers, two flag words per rank
+    for algorithm, size in (("sequential", sequential), ("fused", fused), ("auto", max(sequential, fused))):
+        assert SPAllGatherAttention.heap_bytes(2, 256, 8, 2, 128, torch.bfloat16, world_size=2, device="cpu",
+                                               algorithm=algorithm) == size, algorithm
     calls = []
 
     op.kernel, op.gather_k.kernel, op.gather_v.kernel = LaunchRecorder(calls, "attention"), LaunchRecorder(calls, "k"), LaunchRecorder(calls, "v")
@@ -130,6 +138,159 @@ def test_heap_and_the_calls_sequence(monkeypatch):
     op.close()
     with pytest.raises(ClosedError):
         op(q, k, v)
+
+
+def _online_softmax(q, keys, values, scale, state=None):
+    """The kernels' online softmax in float64 (base 2, raw-score running maximum), over key
+    tiles of 4, from ``state = (out, denom, row_max)`` or from nothing; ``(out, lse)`` after
+    finish_rows."""
+    LOG2E, LN2 = math.log2(math.e), math.log(2.0)
+    out, denom, row_max = state if state is not None else (
+        torch.zeros(q.shape[0], values.shape[1], dtype=torch.float64), torch.zeros(q.shape[0], dtype=torch.float64),
+        torch.full((q.shape[0],), float("-inf"), dtype=torch.float64))
+    for t in range(0, keys.shape[0], 4):
+        s = q @ keys[t:t + 4].T
+        prev, row_max = row_max, torch.maximum(row_max, s.max(dim=1).values)
+        rescale = torch.exp2(prev * scale * LOG2E - row_max * scale * LOG2E)
+        p = torch.exp2(s * scale * LOG2E - row_max[:, None] * scale * LOG2E)
+        denom = denom * rescale + p.sum(dim=1)
+        out = out * rescale[:, None] + p @ values[t:t + 4]
+    return out / denom[:, None], torch.log2(denom) * LN2 + row_max * scale
+
+
+def test_resuming_from_a_finished_result_equals_one_pass():
+    """resume_rows' state (the normalised output, denominator 1, running maximum lse / scale)
+    continued over the peers' keys gives the one-pass result over every key: the fused
+    algorithm's own-shard-first split is exact, in any shard order."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(shape, generator=g, dtype=torch.float64) for shape in ((5, 8), (24, 8), (24, 8)))
+    scale = 8 ** -0.5
+    whole_o, whole_lse = _online_softmax(q, k, v, scale)
+    own_o, own_lse = _online_softmax(q, k[8:16], v[8:16], scale)  # this rank's shard first
+    peers = torch.cat([k[16:], k[:8]]), torch.cat([v[16:], v[:8]])
+    o, lse = _online_softmax(q, *peers, scale, state=(own_o, torch.ones(5, dtype=torch.float64), own_lse / scale))
+    assert torch.allclose(o, whole_o, atol=1e-12) and torch.allclose(lse, whole_lse, atol=1e-12)
+    s = q @ k.T * scale
+    assert torch.allclose(lse, torch.logsumexp(s, 1)) and torch.allclose(o, torch.softmax(s, 1) @ v)
+
+
+def test_generated_cuda_of_the_fused_kernels():
+    peers = lower_with(build_sp_peer_attention_kernel(4, 2, 1024, 8, 2, 128, True, 128 ** -0.5), {})
+    assert "wgmma" in peers.lower() and "exp2f" in peers
+    # thread 0 waits (acquire, system scope) for both flags of the shards before this rank
+    wait = "tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>"
+    assert "for (int src = 0; src < 4; ++src)" in peers and "if ((src != rank) && (src < rank))" in peers
+    for flags in ("FlagsK", "FlagsV"):
+        assert f"{wait}((&({flags}[src])), ((uint64_t)epoch));" in peers
+    # before the producer / consumer split, then the proxy fence before the TMA loads
+    assert peers.index(wait) < peers.index("__syncthreads();\n  tl::fence_proxy_async();") < peers.index("tma_load")
+    assert peers.index("tl::fence_proxy_async();") < peers.index("warpgroup_reg_dealloc")
+    # rank x 8 key tiles (producer and consumer), resumed from the own shard's output and lse / scale
+    assert peers.count("for (int kb = 0; kb < (rank * 8); ++kb)") == 1 and "kb_1 < (rank * 8)" in peers
+    assert "__bfloat1622float2" in peers and "row_max[i_4] = (LSE[" in peers and "denom[i_4] = 0x1p+0f" in peers
+    full = lower_with(build_sp_peer_attention_kernel(4, 2, 1024, 8, 2, 128, False, 128 ** -0.5), {})
+    assert "if (src != rank) {" in full and "for (int t = 0; t < 24; ++t)" in full  # 3 other shards x 8 tiles
+    assert "if (((rank * 8) <= t)) {" in full and "condval = 8;" in full  # past the own shard: skip its 8 tiles
+    own = lower_with(build_sp_own_attention_kernel(2, 1024, 8, 2, 128, True, 128 ** -0.5), {})
+    assert "sp_attention_own_kernel" in own and "FlagsK" not in own
+
+
+@needs_nvcc
+def test_fused_kernels_compile_with_nvcc(tmp_path, monkeypatch):
+    import tilelang
+
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    for func, name in ((build_sp_peer_attention_kernel(2, 1, 256, 4, 1, 128, True, 128 ** -0.5), "sp_attention_peers"),
+                       (build_sp_peer_attention_kernel(2, 1, 256, 4, 2, 64, False, 64 ** -0.5), "sp_attention_peers"),
+                       (build_sp_own_attention_kernel(1, 256, 4, 1, 128, True, 128 ** -0.5), "sp_attention_own")):
+        kernel = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"})
+        assert kernel.prim_func.attrs["global_symbol"] == name
+
+
+class _Push:
+    """Stands in for CopyEnginePush: records its construction and calls."""
+
+    def __init__(self, log, gathered, flags, rows):
+        self.log = log
+        log.append(("push", tuple(gathered[0].shape), len(flags), rows))
+
+    def mark(self, stream):
+        self.log.append("mark")
+
+    def enqueue(self, ptr, epoch):
+        self.log.append(("enqueue", ptr, epoch))
+
+    def finish(self, stream):
+        self.log.append("finish")
+
+
+def test_fused_plan_buffers_and_call_sequence(monkeypatch, fused_available):
+    """Two ranks, fused: the gathered buffers and zeroed flags instead of all-gathers; a call
+    is own shard, pushes of k and v with the call number, then the peers' kernel on this
+    call's parity with the flags, rank and call number (not for a causal rank 0), then the
+    pushes joined."""
+    compiles = record_compiles(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    for rank, causal in ((1, True), (0, True), (0, False)):
+        compiles.clear()
+        log = []
+        op = SPAllGatherAttention(CpuAllocator(2, rank), **ARGS, causal=causal, algorithm="fused")
+        assert (op.algorithm, op.algorithm_reason) == ("fused", "stub") and op.gather_k is None
+        assert compiles == ["sp_attention_own", "sp_attention_peers"]
+        assert op.gathered_k.shape == op.gathered_v.shape == (2, 2, 2, 256, 2, 128)
+        assert op.flags_k.dtype == torch.uint64 and int(op.flags_k.sum()) == int(op.flags_v.sum()) == 0
+        monkeypatch.setattr(op, "_make_push", lambda gathered, flags, rows: _Push(log, gathered, flags, rows))
+        op.own_kernel, op.kernel = LaunchRecorder(log, "own"), LaunchRecorder(log, "peers")
+        q, k, v = _shards(2, 2, 256, 8, 2, 128, torch.bfloat16)[rank]
+        for call in (1, 2):
+            del log[:]
+            out, lse = op(q, k, v)
+            pushes = [("push", (2, 2, 512, 256), 2, 512)] * 2 if call == 1 else []
+            assert log[:len(pushes)] == pushes
+            body = log[len(pushes):]
+            assert body[:2] == ["mark", "mark"] and body[2][0] == "own"
+            own = body[2][1]
+            assert own[0] is q and own[1].shape == (1, 2, 256, 2, 128) and own[1].data_ptr() == k.data_ptr()
+            assert own[2].data_ptr() == v.data_ptr() and own[3:] == (out, lse, 0)
+            assert body[3:5] == [("enqueue", k.data_ptr(), call), ("enqueue", v.data_ptr(), call)]
+            if rank == 0 and causal:
+                assert body[5:] == ["finish", "finish"]
+                continue
+            tag, peers = body[5]
+            assert tag == "peers" and peers[0] is q and peers[3:5] == (out, lse)
+            assert peers[1].data_ptr() == op.gathered_k[call % 2].data_ptr() and peers[2].data_ptr() == \
+                op.gathered_v[call % 2].data_ptr()
+            assert peers[5] is op.flags_k and peers[6] is op.flags_v and peers[7:] == (rank, call)
+            assert body[6:] == ["finish", "finish"]
+        op.close()
+
+
+def test_fused_plan_on_one_rank_is_the_flash_kernel_alone(monkeypatch, fused_available):
+    compiles = record_compiles(monkeypatch)
+    alloc = CpuAllocator(1)
+    op = SPAllGatherAttention(alloc, **ARGS, algorithm="fused")
+    assert op.algorithm == "fused" and "nothing to gather" in op.algorithm_reason
+    assert alloc.allocations == [] and compiles == ["sp_attention_own"] and op.kernel is op.own_kernel
+    calls = []
+    op.kernel = op.own_kernel = LaunchRecorder(calls)
+    q, k, v = _shards(1, 2, 256, 8, 2, 128, torch.bfloat16)[0]
+    out, lse = op(q, k, v)
+    assert len(calls) == 1 and calls[0][0] is q and calls[0][3:] == (out, lse, 0)
+
+
+def test_auto_algorithm_choices(monkeypatch, fused_available, caplog):
+    record_compiles(monkeypatch)
+    zigzag = SPAllGatherAttention(CpuAllocator(2), **ARGS, order="zigzag")
+    assert zigzag.algorithm == "sequential" and "zigzag" in zigzag.algorithm_reason
+    assert SPAllGatherAttention(CpuAllocator(2), **ARGS).algorithm == "fused"
+    monkeypatch.setattr("tilescale_examples.overlap.stream_ops.stream_ops_available", lambda device: (False, "none"))
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="tilescale_examples"):
+        assert SPAllGatherAttention(CpuAllocator(2), **ARGS).algorithm == "sequential"
+    assert "SPAllGatherAttention: none; using the sequential plan" in caplog.text
+    with pytest.raises(RuntimeError, match="algorithm='fused' needs stream memory operations"):
+        SPAllGatherAttention(CpuAllocator(2), **ARGS, algorithm="fused")
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -210,7 +371,7 @@ def test_sp_attention_on_gpu(world, tmp_path_factory):
 def test_benchmark_goals():
     from tilescale_examples.benchmarks.sp_attention import goal_lines
 
-    sp = [[4096, 100.0, 97.0, 0.97, "ok"], [16384, 900.0, 850.0, 0.944, "ok"]]
+    sp = [[4096, 100.0, 97.0, 0.97, "fused", 120.0, 0.81, "ok"], [16384, 900.0, 850.0, 0.944, "fused", 990.0, 0.86, "ok"]]
     decode = [[1, 8192, 10.0, 9.5, 2.5, 0.95, "ok"], [64, 131072, 500.0, "-", 3.5, "-", "ok"]]
     assert goal_lines(sp, decode) == ["worst flash/sp: 0.944 (goal >= 0.95)", "worst torch/decode: 0.950 (goal >= 0.9)",
                                       "slowest combine: 3.50 us (goal <= 3.0)"]

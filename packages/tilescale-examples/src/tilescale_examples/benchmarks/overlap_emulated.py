@@ -73,22 +73,11 @@ def check_round(emu, inputs, outs) -> list:
     failure messages (none when every element is within the bound)."""
     import torch
 
-    from tilescale_examples.overlap.gemm import count_outside
-    from tilescale_examples.overlap.gemm_rs import partial_magnitudes
-
     for out in outs:
         _timing.poison_(out)
     emu.round(inputs, outs)
     torch.cuda.synchronize(emu.device)
-    failures = []
-    for r, out in enumerate(outs):
-        ref = emu.reference(inputs, r)
-        rounded = None if emu.op == "ag_gemm" else partial_magnitudes([a for a, _ in inputs], [b for _, b in inputs], r)
-        bad, worst = count_outside(out, ref, out.dtype, rounded)
-        if bad:
-            failures.append(f"{emu.op} N={emu.ranks} m_local={emu.ops[0].m_local} rank {r}: {bad} element(s) "
-                            f"outside the bound (worst {worst:.3g} x the bound)")
-    return failures
+    return emu.check(inputs, outs)
 
 
 class Columns:
@@ -155,14 +144,13 @@ def run_case(op: str, ranks: int, m_local: int, args, device) -> tuple:
     failure messages."""
     import torch
 
-    from tilescale_examples.benchmarks._overlap import rank_inputs, tflops
+    from tilescale_examples.benchmarks._overlap import tflops
     from tilescale_examples.testing.emulated_overlap import EmulatedOverlap
 
     dtype = getattr(torch, args.dtype)
     tiles = {"max_chunks": args.max_chunks} if op == "ag_gemm" else {}
-    with EmulatedOverlap(op, ranks, m_local, args.k, args.n, dtype, device, **tiles) as emu:
-        inputs = [rank_inputs(op, p, ranks, m_local, args.k, args.n, dtype, device) for p in range(ranks)]
-        outs = [torch.empty(emu.output_shape(), dtype=dtype, device=device) for _ in range(ranks)]
+    with EmulatedOverlap(op, ranks, m_local, args.k, args.n, dtype, device=device, **tiles) as emu:
+        inputs, outs = emu.random_inputs(seed=ranks * 131 + m_local), emu.empty_outputs()
         failures = check_round(emu, inputs, outs)
         cols = Columns(emu, inputs, outs)
         names = ["fused", "gemm", "matmul"] + (["copies", "copies_then_gemm"] if op == "ag_gemm" else [])
@@ -198,7 +186,7 @@ def run(args) -> int:
     from tilescale_examples.testing.precompile import precompile
 
     precompile([job for op in args.ops for ranks in args.ranks for m_local in args.m_local  # in parallel: hits below
-                for job in precompile_jobs(op, ranks, m_local, args.k, args.n, args.dtype, args.max_chunks)])
+                for job in precompile_jobs(op, ranks, m_local, args.k, args.n, args.dtype, max_chunks=args.max_chunks)])
     device = torch.device("cuda", torch.cuda.current_device())
     name = torch.cuda.get_device_name(device)
     rows_by_op, failures = {}, []

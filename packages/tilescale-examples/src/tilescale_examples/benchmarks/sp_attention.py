@@ -8,10 +8,11 @@ One rank on one GPU (an NCCL group of one), where the communication machinery ha
 should cost nothing. Median GPU time of ``--iters`` calls, each from an idle GPU
 (``_timing.local_ms``):
 
-* table 1, per sequence length, causal: ``SPAllGatherAttention`` (its all-gathers and the
-  attention kernel) against
-  :func:`~tilescale_examples.sequence.flash_attention.flash_attention` on the same tensors;
-  ``flash/sp`` (goal at least 0.95);
+* table 1, per sequence length, causal: ``SPAllGatherAttention`` with its default algorithm
+  (printed; at one rank the fused algorithm is the attention kernel alone) against
+  :func:`~tilescale_examples.sequence.flash_attention.flash_attention` on the same tensors,
+  ``flash/sp`` (goal at least 0.95); and the sequential algorithm (its all-gathers, then the
+  kernel over the gathered buffers), ``flash/sequential``;
 * table 2, per batch and KV length: ``SPFlashDecode`` (batch x 32 query heads, one token each)
   against ``torch.nn.functional.scaled_dot_product_attention`` of the one-token queries over
   the cache (the faster of its flash and cuDNN backends, ``enable_gqa``); ``torch/decode``
@@ -28,7 +29,7 @@ from tilescale_examples.benchmarks._report import print_table, ratio
 
 __all__ = ["SP_HEADERS", "DECODE_HEADERS", "GOAL_SP", "GOAL_DECODE", "GOAL_COMBINE_US", "run", "goal_lines", "main"]
 
-SP_HEADERS = ["seq", "sp us", "flash us", "flash/sp", "check"]
+SP_HEADERS = ["seq", "sp us", "flash us", "flash/sp", "algorithm", "sequential us", "flash/sequential", "check"]
 DECODE_HEADERS = ["batch", "kv", "decode us", "torch us", "combine us", "torch/decode", "check"]
 #: Goals: SP attention at least GOAL_SP of the flash kernel's speed; flash-decode at least
 #: GOAL_DECODE of torch's; the combine at most GOAL_COMBINE_US.
@@ -51,18 +52,23 @@ def _sp_row(args, alloc, group, device, seq: int) -> tuple:
     g = torch.Generator(device=device).manual_seed(seq)
     q = torch.randn((1, seq, args.heads, args.head_dim), generator=g, device=device).to(dtype)
     k, v = (torch.randn((1, seq, args.kv_heads, args.head_dim), generator=g, device=device).to(dtype) for _ in "kv")
-    op = SPAllGatherAttention(alloc, 1, seq, args.heads, args.kv_heads, args.head_dim, dtype, world_size=1,
-                              group=group, causal=True)
+    ops = [SPAllGatherAttention(alloc, 1, seq, args.heads, args.kv_heads, args.head_dim, dtype, world_size=1,
+                                group=group, causal=True, algorithm=algorithm) for algorithm in ("auto", "sequential")]
     try:
-        o, _ = op(q, k, v)
         want, _ = flash_attention(q, k, v, causal=True)
-        torch.cuda.synchronize(device)
-        ok = _close(o, want)
-        sp = _timing.local_ms(lambda: op(q, k, v), args.iters)
+        ok = True
+        for op in ops:
+            o, _ = op(q, k, v)
+            torch.cuda.synchronize(device)
+            ok = ok and _close(o, want)
+        sp, sequential = (_timing.local_ms(lambda op=op: op(q, k, v), args.iters) for op in ops)
         alone = _timing.local_ms(lambda: flash_attention(q, k, v, causal=True, out=want), args.iters)
+        algorithm = ops[0].algorithm
     finally:
-        op.close()
-    return [seq, sp * 1e3, alone * 1e3, ratio(alone, sp), "ok" if ok else "FAIL"], ok
+        for op in ops:
+            op.close()
+    return [seq, sp * 1e3, alone * 1e3, ratio(alone, sp), algorithm, sequential * 1e3, ratio(alone, sequential),
+            "ok" if ok else "FAIL"], ok
 
 
 def _torch_decode(q, k, v):

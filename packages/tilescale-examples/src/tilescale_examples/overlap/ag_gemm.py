@@ -60,7 +60,7 @@ from tilescale_examples.base import (accepts_0_1_init, accepts_0_1_out, accepts_
                                      settle)
 from tilescale_examples.overlap.gemm import (DTYPES, GemmTiles, OverlappedGemm, build_gemm_kernel, check_gemm_dims,
                                              check_positive, gemm_mainloop)
-from tilescale_examples.overlap.stream_ops import CopyEnginePush, plan_row_chunks
+from tilescale_examples.overlap.stream_ops import CopyEnginePush, peer_views, plan_row_chunks
 
 __all__ = ["AllGatherGEMM", "build_ag_gemm_kernel", "tile_order", "torch_reference", "heap_bytes"]
 
@@ -220,8 +220,8 @@ class AllGatherGEMM(OverlappedGemm):
 
         units = m_local // block_m
         self.chunks = plan_row_chunks(units, max_chunks)
-        gathered = _peer_list(tilelang.tensor((2, W, m_local, k), self.dtype, allocator=allocator, return_peers=True), W)
-        flags = _peer_list(tilelang.tensor((W * len(self.chunks),), torch.uint64, allocator=allocator, return_peers=True), W)
+        gathered = peer_views(tilelang.tensor((2, W, m_local, k), self.dtype, allocator=allocator, return_peers=True), W)
+        flags = peer_views(tilelang.tensor((W * len(self.chunks),), torch.uint64, allocator=allocator, return_peers=True), W)
         self.gathered, self.flags = gathered[self.rank], flags[self.rank]
         self.flags.zero_()
         self._peers = (gathered, flags)
@@ -298,11 +298,3 @@ class AllGatherGEMM(OverlappedGemm):
     def _make_compute_stream(self) -> torch.cuda.Stream:
         """The stream of the fused plan's peer GEMM, made at the first call (its own)."""
         return torch.cuda.Stream(device=self.device)
-
-
-def _peer_list(views, world_size: int) -> list:
-    """``tilelang.tensor(..., return_peers=True)``'s result as a list of ``world_size`` views."""
-    views = list(views) if isinstance(views, (list, tuple)) else [views]
-    if len(views) != world_size:
-        raise RuntimeError(f"the allocator returned {len(views)} peer view(s) for {world_size} rank(s)")
-    return views

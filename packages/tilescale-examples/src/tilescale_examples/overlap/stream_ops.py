@@ -3,7 +3,8 @@ writes, and waits on counters, all enqueued from the host (CUDA driver stream me
 operations), so that no streaming multiprocessor (SM) is spent or held.
 
 * :class:`CopyEnginePush`: the all-gather producer of
-  :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM`. For every row chunk of this rank's
+  :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM` (and of
+  :class:`~tilescale_examples.sequence.sp_attention.SPAllGatherAttention`'s fused algorithm). For every row chunk of this rank's
   operand and every other rank ``p`` it enqueues ``cuMemcpyAsync`` into ``p``'s gathered
   buffer through the heap's peer mapping, then ``cuStreamWriteValue64`` of the call's epoch
   into the chunk's flag on ``p``. Both run on the copy engines and the stream front end:
@@ -18,6 +19,7 @@ operations), so that no streaming multiprocessor (SM) is spent or held.
   these operations, else (for ``algorithm="auto"``) the ``"sequential"`` fallback with a log line.
 * :class:`CallOrder`: keeps an object's calls in one stream order when the caller switches
   streams between calls.
+* :func:`peer_views`: every rank's view of a symmetric tensor, as a list.
 
 The driver calls go through :mod:`tilescale_host.cuda` (checked: a failure raises
 ``CudaError`` naming the call).
@@ -29,7 +31,7 @@ import logging
 from typing import Sequence
 
 __all__ = ["log", "PLANS", "stream_ops_available", "ranks_share_a_gpu", "choose_plan", "resolve_plan", "plan_row_chunks",
-           "CopyEnginePush", "CallOrder", "wait_counter_geq"]
+           "CopyEnginePush", "CallOrder", "wait_counter_geq", "peer_views"]
 
 #: Logger of the examples (the plans' fallback notices go here, at WARNING).
 log = logging.getLogger("tilescale_examples")
@@ -127,7 +129,7 @@ def resolve_plan(owner: str, requested: str, device, group=None, world_size: int
                                  "that the waiting GEMM holds")
     plan, reason = choose_plan(requested, ok, reason)
     if requested == "auto" and plan == "sequential":
-        log.warning("%s: %s; using the sequential plan (communication kernel, then GEMM, no overlap)", owner, reason)
+        log.warning("%s: %s; using the sequential plan (the communication kernel, then the compute kernel: no overlap)", owner, reason)
     return plan, reason
 
 
@@ -152,6 +154,15 @@ def plan_row_chunks(units: int, max_chunks: int = 8) -> list:
         chunks.append((first, n))
         first += n
     return chunks
+
+
+def peer_views(views, world_size: int) -> list:
+    """``tilelang.tensor(..., return_peers=True)``'s result as a list of ``world_size`` views
+    (index = rank); ``RuntimeError`` when the allocator returned another number."""
+    views = list(views) if isinstance(views, (list, tuple)) else [views]
+    if len(views) != world_size:
+        raise RuntimeError(f"the allocator returned {len(views)} peer view(s) for {world_size} rank(s)")
+    return views
 
 
 def _driver():

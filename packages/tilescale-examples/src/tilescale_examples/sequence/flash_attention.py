@@ -34,7 +34,7 @@ import torch
 from tilescale_examples._macros import T, macro
 
 __all__ = ["flash_attention", "build_attention_kernel", "build_flash_attention_kernel", "torch_reference", "default_tiles", "softmax_tile",
-           "attention_buffers", "start_rows", "tile_scores", "finish_rows", "check_tiles", "check_head_dim",
+           "attention_buffers", "start_rows", "resume_rows", "tile_scores", "finish_rows", "attend_tile", "store_rows", "check_tiles", "check_head_dim",
            "check_scale", "TILE_OPTIONS",
            "HEAD_DIMS", "DTYPES"]
 
@@ -88,6 +88,19 @@ def start_rows(out, denom, row_max):
 
 
 @macro
+def resume_rows(out, denom, row_max, O, LSE, batch_index, first_row, head, scale, rows):
+    """Before the first K/V tile of a continuation: the state that :func:`finish_rows` left
+    for ``rows`` queries from ``first_row`` of head ``head`` in ``O`` (their normalised
+    output, in ``O``'s dtype) and ``LSE`` (their natural-log LSE), so that the next tiles add
+    to that result: ``out`` the output, ``denom`` 1, ``row_max`` ``lse / scale`` (in the
+    scores' units: the running maximum that makes the earlier sum exactly 1)."""
+    T.copy(O[batch_index, first_row:first_row + rows, head, :], out)
+    for i in T.Parallel(rows):
+        row_max[i] = LSE[batch_index, head, first_row + i] / scale
+        denom[i] = 1.0
+
+
+@macro
 def tile_scores(scores, q_tile, k_tile, first_query, first_key, rows, cols, causal, key_end):
     """``scores`` of a K/V tile: ``q_tile @ k_tile^T`` (raw, unscaled), minus infinity where key
     ``first_key + j`` is at or past ``key_end`` (None: every key exists) or, with ``causal``,
@@ -115,6 +128,33 @@ def finish_rows(out, denom, row_max, scale, rows, head_dim):
         out[i, j] /= denom[i]
     for i in T.Parallel(rows):
         denom[i] = T.log2(denom[i]) * LN2 + row_max[i] * scale
+
+
+@macro
+def attend_tile(K, V, shard, first, batch_index, kv_head, buffers, first_query, first_key, causal, key_end, scale_log2):
+    """One K/V tile of ``block_n`` keys into the rows' online softmax: keys ``first ..
+    first + block_n`` of shard ``shard`` of ``K`` and ``V`` (``(W, B, S, Hkv, D)``), scored
+    against ``q_tile`` (:func:`tile_scores`: global positions ``first_query`` and
+    ``first_key`` for the masks), :func:`softmax_tile`, then ``probs @ v_tile`` added to
+    ``out``. ``buffers``: :func:`attention_buffers`' tuple."""
+    (q_tile, k_tile, v_tile, scores, probs, out, row_max, prev_max, rescale, row_sum, denom) = buffers
+    rows, cols, head_dim = scores.shape[0], scores.shape[1], out.shape[1]
+    T.copy(K[shard, batch_index, first:first + cols, kv_head, :], k_tile)
+    tile_scores(scores, q_tile, k_tile, first_query, first_key, rows, cols, causal, key_end)
+    softmax_tile(scores, probs, out, row_max, prev_max, rescale, row_sum, denom, scale_log2, rows, cols, head_dim)
+    T.copy(V[shard, batch_index, first:first + cols, kv_head, :], v_tile)
+    T.gemm(probs, v_tile, out, policy=T.GemmWarpPolicy.FullRow)
+
+
+@macro
+def store_rows(O, LSE, buffers, batch_index, first_row, head, scale):
+    """After the last K/V tile: :func:`finish_rows`, then the rows' output into ``O (B, S, H,
+    D)`` and their natural-log LSE into ``LSE (B, H, S)``."""
+    out, denom, row_max = buffers[5], buffers[10], buffers[6]
+    rows, head_dim = out.shape[0], out.shape[1]
+    finish_rows(out, denom, row_max, scale, rows, head_dim)
+    T.copy(out, O[batch_index, first_row:first_row + rows, head, :])
+    T.copy(denom, LSE[batch_index, head, first_row:first_row + rows])
 
 
 def default_tiles(head_dim: int) -> dict:
@@ -158,8 +198,8 @@ def build_attention_kernel(world_size: int, batch: int, seq_q: int, seq_kv: int,
                   O: T.Tensor((batch, seq_q, heads, head_dim), dtype),
                   LSE: T.Tensor((batch, heads, seq_q), acc), q_start: T.int32):
         with T.Kernel(T.ceildiv(seq_q, block_m), heads, batch, threads=threads) as (bx, by, bz):
-            (q_tile, k_tile, v_tile, scores, probs, out, row_max, prev_max, rescale, row_sum,
-             denom) = attention_buffers(block_m, block_n, head_dim, dtype)
+            buffers = attention_buffers(block_m, block_n, head_dim, dtype)
+            q_tile, out, row_max, denom = buffers[0], buffers[5], buffers[6], buffers[10]
             kv_head = by // groups
             T.copy(Q[bz, bx * block_m:(bx + 1) * block_m, by, :], q_tile)
             start_rows(out, denom, row_max)
@@ -175,15 +215,8 @@ def build_attention_kernel(world_size: int, batch: int, seq_q: int, seq_kv: int,
                     s0 = T.if_then_else(c < world_size, 0, chunk) + (kb % tiles_per_chunk) * block_n
                 else:
                     shard, s0 = kb // tiles_per_shard, (kb % tiles_per_shard) * block_n
-                T.copy(K[shard, bz, s0:s0 + block_n, kv_head, :], k_tile)
-                tile_scores(scores, q_tile, k_tile, first, kb * block_n, block_m, block_n, causal, key_end)
-                softmax_tile(scores, probs, out, row_max, prev_max, rescale, row_sum, denom, scale_log2, block_m,
-                             block_n, head_dim)
-                T.copy(V[shard, bz, s0:s0 + block_n, kv_head, :], v_tile)
-                T.gemm(probs, v_tile, out, policy=T.GemmWarpPolicy.FullRow)
-            finish_rows(out, denom, row_max, scale, block_m, head_dim)
-            T.copy(out, O[bz, bx * block_m:(bx + 1) * block_m, by, :])
-            T.copy(denom, LSE[bz, by, bx * block_m:(bx + 1) * block_m])
+                attend_tile(K, V, shard, s0, bz, kv_head, buffers, first, kb * block_n, causal, key_end, scale_log2)
+            store_rows(O, LSE, buffers, bz, bx * block_m, by, scale)
 
     return attention.with_attr("global_symbol", name)
 

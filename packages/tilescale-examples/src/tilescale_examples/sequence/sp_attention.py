@@ -9,31 +9,58 @@ queries' attention over the whole sequence::
     o, lse = attn(q, k, v)      # o (B, SP, H, D), lse (B, H, SP) float32: this rank's queries
     attn.close()                # before allocator.close()
 
-A call all-gathers ``k`` and ``v`` (two :class:`~tilescale_examples.collectives.allgather.AllGather`
-calls: device-side call state, so back-to-back calls need no host synchronisation and a call
-can be captured in a CUDA graph), then runs :func:`build_sp_attention_kernel`: the flash
-kernel's blocks (:mod:`~tilescale_examples.sequence.flash_attention`'s online softmax and
-buffers) reading the gathered ``(W, B, SP, Hkv, D)`` buffers in place, key tile ``t`` from rank
-``t // (SP / block_n)``. ``causal`` masks by global position: query ``r SP + i`` sees keys up to
-itself, and a block stops after its diagonal's tile (the rank's first position is a run-time
-argument: every rank runs the same compiled kernel). ``order="zigzag"`` gives rank ``r`` the
-chunks ``r`` and ``2 W - 1 - r`` of ``SP / 2`` positions instead (:func:`positions`), so that
-every rank has the same causal work.
+``causal`` masks by global position: query ``r SP + i`` sees keys up to itself.
+``order="zigzag"`` gives rank ``r`` the chunks ``r`` and ``2 W - 1 - r`` of ``SP / 2`` positions
+instead (:func:`positions`), so that every rank has the same causal work.
+
+The fused algorithm (``algorithm="fused"``; ``"auto"`` takes it where every rank has a GPU of
+its own with stream memory operations, and ``order`` is ``"contiguous"``): the all-gather
+overlaps the attention of the rank's own shard, as in
+:class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM`.
+
+1. The copy engines push ``k`` and ``v`` (one
+   :class:`~tilescale_examples.overlap.stream_ops.CopyEnginePush` each, one side stream per
+   peer) into slot ``rank`` of every peer's gathered ``(2, W, B, SP, Hkv, D)`` buffers (parity
+   ``epoch % 2``), then write the call number into this rank's flag on the peer.
+2. Meanwhile the flash kernel attends this rank's queries to its own shard
+   (:func:`build_sp_own_attention_kernel`, no communication), writing ``out`` and ``lse``.
+3. Then :func:`build_sp_peer_attention_kernel` continues each row's online softmax from that
+   result over the peers' shards (causal: the shards before this rank's, whose keys precede
+   every query here, so nothing is masked; otherwise every other shard). Thread 0 of each
+   block first waits for the flags of the shards it reads; the copies it waits for run on
+   copy engines, never on an SM that a waiting block holds. A causal rank 0 reads no peer
+   shard and skips it.
+
+It allocates the gathered buffers and flags instead of two all-gathers, and its flags carry
+the call number from the host: with two or more ranks it cannot be captured in a CUDA graph
+(a capture raises ``RuntimeError``; build with ``algorithm="sequential"`` to capture). With
+one rank it is the flash kernel alone.
+
+The sequential algorithm (``"auto"`` where ranks share a GPU, or with ``order="zigzag"``):
+two :class:`~tilescale_examples.collectives.allgather.AllGather` calls (device-side call state:
+back-to-back calls need no host synchronisation and a call can be captured in a CUDA graph),
+then :func:`build_sp_attention_kernel`: the flash kernel's blocks reading the gathered
+``(W, B, SP, Hkv, D)`` buffers in place, key tile ``t`` from rank ``t // (SP / block_n)``; a
+causal block stops after its diagonal's tile (the rank's first position is a run-time
+argument: every rank runs the same compiled kernel).
 """
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import Literal, Optional, Sequence, Tuple, Union
 
 import torch
 
-from tilescale_examples.base import check_positive_int
+from tilescale_examples._macros import T
+from tilescale_examples.base import check_positive_int, settle
 from tilescale_examples.sequence._attention_op import AttentionOp
-from tilescale_examples.sequence.flash_attention import (DTYPES, build_attention_kernel, check_head_dim, check_scale,
-                                                         check_tiles)
+from tilescale_examples.sequence.flash_attention import (DTYPES, LOG2E, attend_tile, attention_buffers,
+                                                         build_attention_kernel, check_head_dim, check_scale,
+                                                         check_tiles, resume_rows, store_rows)
 from tilescale_examples.sequence.flash_attention import torch_reference as attention_reference
 
-__all__ = ["SPAllGatherAttention", "build_sp_attention_kernel", "torch_reference", "positions", "ORDERS"]
+__all__ = ["SPAllGatherAttention", "build_sp_attention_kernel", "build_sp_own_attention_kernel",
+           "build_sp_peer_attention_kernel", "torch_reference", "positions", "ORDERS", "ALGORITHMS"]
 
 
 def build_sp_attention_kernel(world_size: int, batch: int, seq_local: int, heads: int, kv_heads: int, head_dim: int,
@@ -47,6 +74,65 @@ def build_sp_attention_kernel(world_size: int, batch: int, seq_local: int, heads
                                   dtype, block_m, block_n, num_stages, threads, name=f"sp_attention_{order}",
                                   zigzag=order == "zigzag")
 
+
+def build_sp_own_attention_kernel(batch: int, seq_local: int, heads: int, kv_heads: int, head_dim: int, causal: bool,
+                                  scale: float, dtype: str = "bfloat16", block_m: int = 128, block_n: int = 128,
+                                  num_stages: int = 2, threads: int = 256):
+    """The fused algorithm's first kernel: the flash kernel over this rank's own shard,
+    ``sp_attention_own(Q, K, V, O, LSE, q_start)`` with ``K``, ``V`` as ``(1, B, SP, Hkv, D)``
+    and ``q_start = 0`` (queries and keys are the same positions: causal is the diagonal)."""
+    return build_attention_kernel(1, batch, seq_local, seq_local, heads, kv_heads, head_dim, causal, scale, dtype,
+                                  block_m, block_n, num_stages, threads, name="sp_attention_own")
+
+
+def build_sp_peer_attention_kernel(world_size: int, batch: int, seq_local: int, heads: int, kv_heads: int,
+                                   head_dim: int, causal: bool, scale: float, dtype: str = "bfloat16",
+                                   block_m: int = 128, block_n: int = 128, num_stages: int = 2, threads: int = 256):
+    """The fused algorithm's second kernel ``sp_attention_peers(Q, K, V, O, LSE, FlagsK, FlagsV,
+    rank, epoch)``: ``Q (B, SP, H, D)``; ``K``, ``V (W, B, SP, Hkv, D)`` the gathered shards of
+    this call's parity; ``O (B, SP, H, D)`` and ``LSE (B, H, SP)`` float32 the own shard's
+    result, continued and overwritten; ``FlagsK``, ``FlagsV (W,)`` uint64; ``rank``, ``epoch``.
+
+    Thread 0 of each block waits until ``FlagsK[src]`` and ``FlagsV[src]`` reach ``epoch`` for
+    every shard ``src`` it reads, then the block resumes its rows' online softmax
+    (:func:`~tilescale_examples.sequence.flash_attention.resume_rows`) over those shards' key
+    tiles: causal, shards ``0 .. rank - 1`` (``rank * SP / block_n`` tiles; every key precedes
+    every query, nothing masked); otherwise every shard but ``rank``. Grid ``SP / block_m x H x
+    B``; ``SP`` a multiple of the tiles (checked by the caller)."""
+    W, groups, tps = world_size, heads // kv_heads, seq_local // block_n
+    scale_log2 = scale * LOG2E
+
+    @T.prim_func
+    def sp_attention_peers(Q: T.Tensor((batch, seq_local, heads, head_dim), dtype),
+                           K: T.Tensor((W, batch, seq_local, kv_heads, head_dim), dtype),
+                           V: T.Tensor((W, batch, seq_local, kv_heads, head_dim), dtype),
+                           O: T.Tensor((batch, seq_local, heads, head_dim), dtype),
+                           LSE: T.Tensor((batch, heads, seq_local), "float32"), FlagsK: T.Tensor((W,), "uint64"),
+                           FlagsV: T.Tensor((W,), "uint64"), rank: T.int32, epoch: T.int64):
+        with T.Kernel(seq_local // block_m, heads, batch, threads=threads) as (bx, by, bz):
+            buffers = attention_buffers(block_m, block_n, head_dim, dtype)
+            q_tile, out, row_max, denom = buffers[0], buffers[5], buffers[6], buffers[10]
+            kv_head = by // groups
+            if T.get_thread_binding() == 0:  # the shards this block reads, of call `epoch`, landed
+                for src in T.serial(W):
+                    if src != rank and (src < rank or not causal):
+                        T.wait_ge(FlagsK[src], epoch)
+                        T.wait_ge(FlagsV[src], epoch)
+            T.sync_threads()
+            T.fence_proxy_async()  # the landed shards before the async-proxy (TMA) reads
+            T.copy(Q[bz, bx * block_m:(bx + 1) * block_m, by, :], q_tile)
+            resume_rows(out, denom, row_max, O, LSE, bz, bx * block_m, by, scale, block_m)
+            visits = rank * tps if causal else (W - 1) * tps
+            for t in T.Pipelined(visits, num_stages=num_stages):
+                kb = t if causal else t + T.if_then_else(t >= rank * tps, tps, 0)  # every tile but the own shard's
+                attend_tile(K, V, kb // tps, (kb % tps) * block_n, bz, kv_head, buffers, 0, 0, False, None, scale_log2)
+            store_rows(O, LSE, buffers, bz, bx * block_m, by, scale)
+
+    return sp_attention_peers
+
+
+#: Values of ``algorithm`` (see the module docstring).
+ALGORITHMS = ("auto", "fused", "sequential")
 
 #: Values of ``order``: how the sequence is split into the ranks' shards.
 ORDERS = ("contiguous", "zigzag")
@@ -99,17 +185,33 @@ class SPAllGatherAttention(AttentionOp):
             ``"zigzag"`` (chunks ``r`` and ``2 W - 1 - r`` of ``SP / 2``: every rank has the
             same causal work; ``seq_local`` then a multiple of twice the tiles); see
             :func:`positions`.
+        algorithm: ``"auto"``, ``"fused"`` (the all-gather on the copy engines, overlapped with
+            the own shard's attention; ``order="contiguous"`` only) or ``"sequential"`` (two
+            all-gathers, then the kernel); see the module docstring. ``"auto"`` is fused where
+            every rank has a GPU of its own with stream memory operations and ``order`` is
+            contiguous, else sequential (with a log line when a probe decided).
         scale: of the scores (default ``1 / sqrt(head_dim)``).
         tiles: ``block_m``, ``block_n``, ``num_stages``, ``threads`` (default
             :func:`~tilescale_examples.sequence.flash_attention.default_tiles`).
+
+    Attributes: ``output``, ``lse`` (the default outputs), ``algorithm`` and
+    ``algorithm_reason``, ``kernel``; fused: ``own_kernel``, ``gathered_k``, ``gathered_v``
+    (this rank's ``(2, W, B, SP, Hkv, D)`` buffers), ``flags_k``, ``flags_v``; sequential:
+    ``gather_k``, ``gather_v``.
     """
 
-    _BUFFERS = ("gather_k", "gather_v", "output", "lse")
+    ALGORITHMS = ALGORITHMS
+    _AUTO_PROBES = ("fused", "sequential")
+    _BUFFERS = ("gather_k", "gather_v", "output", "lse", "gathered_k", "gathered_v", "flags_k", "flags_v", "own_kernel",
+                "_peers", "_push_k", "_push_v")
     Q_SHAPE_NAME, KV_SHAPE_NAME, LSE_SHAPE_NAME = "(B, seq_local, H, D) =", "(B, seq_local, Hkv, D) =", "(B, H, seq_local) ="
 
     def __init__(self, allocator, batch: int, seq_local: int, heads: int, kv_heads: int, head_dim: int,
                  dtype: Union[torch.dtype, str], *, world_size: Optional[int] = None, group=None, causal: bool = True,
-                 order: str = "contiguous", scale: Optional[float] = None, target=None, **tiles):
+                 order: str = "contiguous", algorithm: Literal["auto", "fused", "sequential"] = "auto",
+                 scale: Optional[float] = None, target=None, **tiles):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         self._setup_op(allocator, dtype, world_size, group, tuple(DTYPES))
         self.batch, self.seq_local = check_positive_int("batch", batch), check_positive_int("seq_local", seq_local)
         self.heads, self.kv_heads = check_positive_int("heads", heads), check_positive_int("kv_heads", kv_heads)
@@ -119,6 +221,9 @@ class SPAllGatherAttention(AttentionOp):
         self.tiles = check_tiles(tiles, head_dim)
         if order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+        if order == "zigzag" and algorithm == "fused":
+            raise ValueError("algorithm='fused' needs order='contiguous' (its kernels read whole shards); use "
+                             "algorithm='sequential' or 'auto' with order='zigzag'")
         unit = 2 if order == "zigzag" else 1  # a zigzag shard is two chunks of whole tiles
         if seq_local % (unit * self.tiles["block_m"]) or seq_local % (unit * self.tiles["block_n"]):
             times = "" if unit == 1 else f"{unit} x "
@@ -129,18 +234,70 @@ class SPAllGatherAttention(AttentionOp):
             raise TypeError(f"causal must be a bool, got {causal!r}")
         self.causal = causal
         self.scale = check_scale(scale, head_dim)
-        from tilescale_examples.collectives.allgather import AllGather
-
         self.q_shape, self.kv_shape = (batch, seq_local, heads, head_dim), (batch, seq_local, kv_heads, head_dim)
-        self.gather_k = AllGather(allocator, self.kv_shape, self.dtype, world_size=self.world_size, group=group,
-                                  target=target)
-        self.gather_v = AllGather(allocator, self.kv_shape, self.dtype, world_size=self.world_size, group=group,
-                                  target=target)
+        self.algorithm, self.algorithm_reason = self._choose_algorithm(algorithm)
+        self.gather_k = self.gather_v = self.gathered_k = self.gathered_v = self.flags_k = self.flags_v = None
+        self.own_kernel = self._peers = self._push_k = self._push_v = None
         self.output = torch.empty(self.q_shape, dtype=self.dtype, device=self.device)
         self.lse = torch.empty((batch, heads, seq_local), dtype=torch.float32, device=self.device)
-        args = (self.world_size, batch, seq_local, heads, kv_heads, head_dim, causal, self.scale, DTYPES[self.dtype])
-        self.kernel = self._compile_plain(lambda: build_sp_attention_kernel(*args, **self.tiles, order=order), target)
         self._q_start = int(positions(self.rank, self.world_size, seq_local, order)[0])
+        if self.algorithm == "fused":
+            self._build_fused(target)
+        else:
+            self._build_sequential(group, target)
+
+    def _choose_algorithm(self, requested: str) -> Tuple[str, str]:
+        """``(algorithm, reason)``: zigzag is sequential; otherwise the overlapped GEMMs'
+        choice (:func:`~tilescale_examples.overlap.stream_ops.resolve_plan`: collective, one
+        GPU per rank and stream memory operations for the fused one)."""
+        if self._dry_run:
+            return ("sequential" if requested == "auto" else requested), "dry run"
+        if requested == "sequential":
+            return "sequential", "requested"
+        if self.order == "zigzag":
+            return "sequential", "order='zigzag': the fused algorithm reads whole contiguous shards"
+        from tilescale_examples.overlap.stream_ops import resolve_plan
+
+        return resolve_plan(type(self).__name__, requested, self.device, self.group, self.world_size,
+                            needs_own_gpus=True)
+
+    def _kernel_args(self) -> tuple:
+        return (self.batch, self.seq_local, self.heads, self.kv_heads, self.head_dim, self.causal, self.scale,
+                DTYPES[self.dtype])
+
+    def _build_sequential(self, group, target) -> None:
+        from tilescale_examples.collectives.allgather import AllGather
+
+        self.gather_k = AllGather(self.allocator, self.kv_shape, self.dtype, world_size=self.world_size, group=group,
+                                  target=target)
+        self.gather_v = AllGather(self.allocator, self.kv_shape, self.dtype, world_size=self.world_size, group=group,
+                                  target=target)
+        args = (self.world_size, *self._kernel_args())
+        self.kernel = self._compile_plain(lambda: build_sp_attention_kernel(*args, **self.tiles, order=self.order),
+                                          target)
+
+    def _build_fused(self, target) -> None:
+        import tilelang
+
+        from tilescale_examples.overlap.stream_ops import peer_views
+
+        W = self.world_size
+        self.own_kernel = self._compile_plain(lambda: build_sp_own_attention_kernel(*self._kernel_args(), **self.tiles),
+                                              target)
+        if W == 1:  # nothing to gather: the own shard is the whole sequence
+            self.kernel = self.own_kernel
+            self.algorithm_reason = "one rank: the attention kernel alone, nothing to gather"
+            return
+        views = [peer_views(tilelang.tensor(shape, dtype, allocator=self.allocator, return_peers=True), W)
+                 for shape, dtype in (((2, W, *self.kv_shape), self.dtype), ((2, W, *self.kv_shape), self.dtype),
+                                      ((W,), torch.uint64), ((W,), torch.uint64))]
+        self._peers = views
+        self.gathered_k, self.gathered_v, self.flags_k, self.flags_v = (v[self.rank] for v in views)
+        self.flags_k.zero_()
+        self.flags_v.zero_()
+        args = (W, *self._kernel_args())
+        self.kernel = self._compile_plain(lambda: build_sp_peer_attention_kernel(*args, **self.tiles), target)
+        settle(self.device, self.group)
 
     @staticmethod
     def torch_reference(inputs, rank: int, causal: bool = True, order: str = "contiguous") -> Tuple[torch.Tensor,
@@ -152,13 +309,55 @@ class SPAllGatherAttention(AttentionOp):
                  lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """This rank's queries over every rank's keys (collective). Returns ``(out, lse)``,
         default the op's own (overwritten by the next call), complete on the current stream.
-        Raises :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
+        ``k`` and ``v`` may be overwritten by work enqueued after the call. Raises
+        :class:`~tilescale_examples.base.ClosedError` after ``close()``, and ``RuntimeError``
+        under CUDA graph capture for the fused algorithm with two or more ranks."""
+        if self.algorithm == "fused" and self.world_size > 1 and not self.closed and self._capturing():
+            raise RuntimeError("SPAllGatherAttention(algorithm='fused') with two or more ranks cannot be captured in a "
+                               "CUDA graph: its copy-engine pushes carry the call number from the host. Build it "
+                               "with algorithm='sequential' to capture it")
         out, lse = self._begin_call(q, k, v, out, lse)
-        keys, values = self.gather_k(k), self.gather_v(v)
-        self.kernel(q, keys, values, out, lse, self._q_start)
+        if self.algorithm == "sequential":
+            keys, values = self.gather_k(k), self.gather_v(v)
+            self.kernel(q, keys, values, out, lse, self._q_start)
+        elif self.world_size == 1:
+            self.own_kernel(q, k.view(1, *self.kv_shape), v.view(1, *self.kv_shape), out, lse, 0)
+        else:
+            self._fused(q, k, v, out, lse)
         return out, lse
+
+    def _fused(self, q, k, v, out, lse) -> None:
+        """The fused algorithm's call on the current stream: pushes marked, own shard,
+        pushes enqueued, peers' shards (not for a causal rank 0), then the stream waits for
+        the pushes (``k`` and ``v`` may be overwritten afterwards)."""
+        main = torch.cuda.current_stream(self.device)
+        if self._push_k is None:
+            rows, W = self.batch * self.seq_local, self.world_size
+            self._push_k, self._push_v = (self._make_push([g.view(2, W, rows, -1) for g in gathered], flags, rows)
+                                          for gathered, flags in ((self._peers[0], self._peers[2]),
+                                                                  (self._peers[1], self._peers[3])))
+        for push in (self._push_k, self._push_v):
+            push.mark(main)
+        self.own_kernel(q, k.view(1, *self.kv_shape), v.view(1, *self.kv_shape), out, lse, 0)
+        self._push_k.enqueue(k.data_ptr(), self.epoch)
+        self._push_v.enqueue(v.data_ptr(), self.epoch)
+        if self.rank > 0 or not self.causal:
+            parity = self.epoch % 2
+            self.kernel(q, self.gathered_k[parity], self.gathered_v[parity], out, lse, self.flags_k, self.flags_v,
+                        self.rank, self.epoch)
+        for push in (self._push_k, self._push_v):
+            push.finish(main)
+
+    def _make_push(self, gathered: list, flags: list, rows: int):
+        """The producer of one of K and V, made at the first fused call: a
+        :class:`~tilescale_examples.overlap.stream_ops.CopyEnginePush` of this rank's shard (one
+        chunk of ``rows = B * SP`` rows) into slot ``rank`` of every peer's ``gathered`` view
+        ``(2, W, rows, Hkv * D)``, then its flag."""
+        from tilescale_examples.overlap.stream_ops import CopyEnginePush
+
+        return CopyEnginePush(gathered, flags, self.rank, self.world_size, [(0, 1)], rows, self.device)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(batch={self.batch}, seq_local={self.seq_local}, heads={self.heads}, "
                 f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, causal={self.causal}, "
-                f"world_size={self.world_size}{', closed' if self.closed else ''})")
+                f"world_size={self.world_size}, algorithm={self.algorithm!r}{', closed' if self.closed else ''})")

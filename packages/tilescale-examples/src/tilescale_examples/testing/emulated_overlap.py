@@ -18,12 +18,15 @@ waiting consumer holds:
 * **GemmReduceScatter** (:class:`EmulatedGemmReduceScatter`): no copies; the GEMMs' remote
   epilogues store into the peers' regions (local HBM standing in for NVLink), each rank's
   stream waits for its counters and reduces.
+* **SPAllGatherAttention** (:class:`EmulatedSPAllGatherAttention`): the fused algorithm, its
+  K and V pushes through pinned host memory as the all-gather's; its kernels read no table.
 
 The emulated ranks share one compiled kernel per op, and a kernel's metadata table (its rank
 and the peers' bases) is a global of its module. So the kernels that read the table run on
 one *compute stream* shared by the ranks, in rank order, each after binding its rank's table
 there (stream-ordered): the AllGatherGEMM peer GEMMs, the GemmReduceScatter GEMMs. The own
-GEMMs, pushes, waits and reductions of every rank run concurrently on the ranks' streams.
+GEMMs, pushes, waits, reductions and attention kernels of every rank run concurrently on the
+ranks' streams.
 
 A round (:meth:`EmulatedOverlap.round`) is one call of every emulated rank, forked from and
 joined into the caller's current stream, so it can be timed with events, held behind a
@@ -40,9 +43,10 @@ import torch
 from tilescale_examples.overlap.ag_gemm import AllGatherGEMM
 from tilescale_examples.overlap.gemm_rs import GemmReduceScatter
 from tilescale_examples.overlap.stream_ops import CopyEnginePush, _driver
+from tilescale_examples.sequence.sp_attention import SPAllGatherAttention
 
-__all__ = ["HostStagedPush", "EmulatedAllGatherGEMM", "EmulatedGemmReduceScatter", "EmulatedOverlap", "OPS",
-           "staged_steps", "precompile_jobs"]
+__all__ = ["HostStagedPush", "EmulatedAllGatherGEMM", "EmulatedGemmReduceScatter", "EmulatedSPAllGatherAttention",
+           "EmulatedOverlap", "OPS", "staged_steps", "precompile_jobs"]
 
 
 def staged_steps(ops: Sequence[tuple], a_ptr: int, stage_ptr: int, world_size: int) -> list:
@@ -139,25 +143,43 @@ class EmulatedGemmReduceScatter(GemmReduceScatter):
         super().__init__(allocator, m_local, k, n, dtype, algorithm="fused", **kwargs)
 
 
+class EmulatedSPAllGatherAttention(SPAllGatherAttention):
+    """:class:`~tilescale_examples.sequence.sp_attention.SPAllGatherAttention` with the fused
+    algorithm on an emulated rank: its K and V pushes through pinned host memory
+    (:class:`HostStagedPush`). ``compute`` is accepted for symmetry and unused (the fused
+    kernels read no table). The other arguments are SPAllGatherAttention's."""
+
+    _AUTO_PROBES = ()  # always the fused algorithm: heap_bytes is its
+
+    def __init__(self, allocator, *args, compute=None, **kwargs):
+        del compute
+        super().__init__(allocator, *args, algorithm="fused", **kwargs)
+
+    def _make_push(self, gathered: list, flags: list, rows: int) -> CopyEnginePush:
+        return HostStagedPush(gathered, flags, self.rank, self.world_size, [(0, 1)], rows, self.device)
+
+
 #: op name -> emulated class.
-OPS = {"ag_gemm": EmulatedAllGatherGEMM, "gemm_rs": EmulatedGemmReduceScatter}
+OPS = {"ag_gemm": EmulatedAllGatherGEMM, "gemm_rs": EmulatedGemmReduceScatter,
+       "sp_attention": EmulatedSPAllGatherAttention}
 
 
 class EmulatedOverlap:
-    """``ranks`` emulated ranks of one overlapped GEMM's fused plan on one GPU.
+    """``ranks`` emulated ranks of one op's fused plan on one GPU.
 
     Args:
-        op: ``"ag_gemm"`` or ``"gemm_rs"`` (:data:`OPS`).
+        op: ``"ag_gemm"``, ``"gemm_rs"`` or ``"sp_attention"`` (:data:`OPS`).
         ranks: emulated world size (>= 2).
-        m_local, k, n, dtype: the op's sizes and dtype (as its constructor's).
-        device: the CUDA device.
-        tiles: the op's tile and chunk keywords (``block_m``, ..., ``max_chunks``).
+        args: the op's constructor arguments after the allocator: ``m_local, k, n, dtype``
+            (the GEMMs), ``batch, seq_local, heads, kv_heads, head_dim, dtype`` (attention).
+        device: the CUDA device (keyword).
+        kwargs: the op's keywords (tiles, ``max_chunks``, ``causal``, ...).
 
     Attributes: ``peers``, ``ops`` (rank order), ``streams`` (one per rank), ``compute`` (the
     shared stream of the table-reading kernels). Close with :meth:`close` (or ``with``).
     """
 
-    def __init__(self, op: str, ranks: int, m_local: int, k: int, n: int, dtype, device, **tiles):
+    def __init__(self, op: str, ranks: int, *args, device, **kwargs):
         from tilescale_examples.testing.emulated import ALIGNMENT, EmulatedPeers
 
         if op not in OPS:
@@ -166,14 +188,14 @@ class EmulatedOverlap:
             raise ValueError(f"ranks must be an int >= 2 (one rank has no peer to emulate), got {ranks!r}")
         cls = OPS[op]
         self.op, self.device = op, torch.device(device)
-        region = cls.heap_bytes(m_local, k, n, dtype, world_size=ranks, device=self.device, **tiles) + ALIGNMENT
+        region = cls.heap_bytes(*args, world_size=ranks, device=self.device, **kwargs) + ALIGNMENT
         self.peers = EmulatedPeers(ranks, region, self.device)
         self.ops = []
         try:
             self.compute = torch.cuda.Stream(device=self.device)
             self.streams = [torch.cuda.Stream(device=self.device) for _ in range(ranks)]
             for r in range(ranks):
-                self.ops.append(cls(self.peers.rank(r), m_local, k, n, dtype, compute=self.compute, **tiles))
+                self.ops.append(cls(self.peers.rank(r), *args, compute=self.compute, **kwargs))
         except BaseException:
             self.close()
             raise
@@ -183,56 +205,100 @@ class EmulatedOverlap:
         """The emulated world size."""
         return len(self.streams)
 
-    def round(self, inputs: Sequence[tuple], outs: Sequence[torch.Tensor], delay: Optional[tuple] = None) -> None:
+    def round(self, inputs: Sequence[tuple], outs: Sequence, delay: Optional[tuple] = None) -> None:
         """One call of every emulated rank, forked from and joined into the current stream.
 
         Args:
-            inputs: ``(a, b)`` per rank (rank order), the op's call arguments.
-            outs: per rank, the tensor the call writes (the op's ``out``).
+            inputs: per rank (rank order), the op's call arguments: ``(a, b)``, or ``(q, k, v)``.
+            outs: per rank, what the call writes: the ``out`` tensor, or ``(out, lse)``.
             delay: ``(rank, cycles)``: a busy kernel of ``cycles`` clock cycles
-                (``torch.cuda._sleep``) ahead of that rank's call, on its stream
-                (AllGatherGEMM: delays its GEMM and pushes) or on the compute stream
-                (GemmReduceScatter: delays its GEMM and the later ranks').
+                (``torch.cuda._sleep``) ahead of that rank's call, on its stream (it delays
+                its kernels and pushes) or, for GemmReduceScatter, on the compute stream
+                (it delays its GEMM and the later ranks').
         """
         if len(inputs) != self.ranks or len(outs) != self.ranks:
-            raise ValueError(f"need one input pair and one output per emulated rank ({self.ranks}), "
+            raise ValueError(f"need one input and one output per emulated rank ({self.ranks}), "
                              f"got {len(inputs)} and {len(outs)}")
         current = torch.cuda.current_stream(self.device)
         for s in (self.compute, *self.streams):
             s.wait_stream(current)
-        if self.op == "ag_gemm":
-            for r, (op, (a, b), out) in enumerate(zip(self.ops, inputs, outs)):
-                with torch.cuda.stream(self.streams[r]):
-                    _maybe_delay(delay, r)
-                    op(a, b, out=out)
+        if self.op == "gemm_rs":
+            self._reduce_scatter_round(inputs, outs, delay)
         else:
-            for r, (op, (a, b)) in enumerate(zip(self.ops, inputs)):
-                op.check_inputs(a, b)
-                op._check_out(outs[r], (op.m_local, op.n), "(m_local, n) =")
-                with torch.cuda.stream(self.compute):
-                    _maybe_delay(delay, r)
-                    op.epoch += 1
-                    op._send_partials(a, b)
-            for r, op in enumerate(self.ops):
+            for r, (op, args, out) in enumerate(zip(self.ops, inputs, outs)):
                 with torch.cuda.stream(self.streams[r]):
-                    op._reduce_landed(self.streams[r], outs[r])
+                    _maybe_delay(delay, r)
+                    if self.op == "sp_attention":
+                        op(*args, out=out[0], lse=out[1])
+                    else:
+                        op(*args, out=out)
         for s in (self.compute, *self.streams):
             current.wait_stream(s)
 
-    def reference(self, inputs: Sequence[tuple], rank: int) -> torch.Tensor:
-        """The float32 result of ``rank`` (the op's ``torch_reference``)."""
-        return type(self.ops[0]).torch_reference(inputs, rank)
+    def _reduce_scatter_round(self, inputs, outs, delay) -> None:
+        """Every rank's GEMM in rank order on the compute stream (its table bound there), then
+        each rank's waits and reduction on its own stream."""
+        for r, (op, (a, b)) in enumerate(zip(self.ops, inputs)):
+            op.check_inputs(a, b)
+            op._check_out(outs[r], (op.m_local, op.n), "(m_local, n) =")
+            with torch.cuda.stream(self.compute):
+                _maybe_delay(delay, r)
+                op.epoch += 1
+                op._send_partials(a, b)
+        for r, op in enumerate(self.ops):
+            with torch.cuda.stream(self.streams[r]):
+                op._reduce_landed(self.streams[r], outs[r])
 
-    def output_shape(self) -> tuple:
-        """The shape of one rank's output."""
+    def random_inputs(self, seed: int) -> list:
+        """Per rank, fresh call arguments on the device from ``seed``: the GEMMs' ``a`` standard
+        normal and ``b`` scaled by ``k ** -0.5`` (outputs about N(0, 1) per rank); attention's
+        ``q``, ``k``, ``v`` standard normal."""
+        g = torch.Generator(device=self.device).manual_seed(seed)
         op = self.ops[0]
-        return (op.world_size * op.m_local, op.n) if self.op == "ag_gemm" else (op.m_local, op.n)
 
-    def input_shapes(self) -> tuple:
-        """``(a shape, b shape)`` of one rank's call."""
-        op = self.ops[0]
+        def randn(shape, scale=1.0):
+            return (torch.randn(shape, generator=g, device=self.device) * scale).to(op.dtype)
+
+        if self.op == "sp_attention":
+            return [(randn(op.q_shape), randn(op.kv_shape), randn(op.kv_shape)) for _ in self.ops]
         rows = op.m_local if self.op == "ag_gemm" else op.world_size * op.m_local
-        return (rows, op.k), (op.k, op.n)
+        return [(randn((rows, op.k)), randn((op.k, op.n), op.k ** -0.5)) for _ in self.ops]
+
+    def empty_outputs(self) -> list:
+        """Per rank, uninitialised tensors for :meth:`round`'s ``outs``."""
+        op = self.ops[0]
+
+        def empty(shape, dtype=op.dtype):
+            return torch.empty(shape, dtype=dtype, device=self.device)
+
+        if self.op == "sp_attention":
+            return [(empty(op.q_shape), empty(op.lse.shape, torch.float32)) for _ in self.ops]
+        shape = (op.world_size * op.m_local, op.n) if self.op == "ag_gemm" else (op.m_local, op.n)
+        return [empty(shape) for _ in self.ops]
+
+    def check(self, inputs: Sequence[tuple], outs: Sequence) -> list:
+        """Failure messages for the outputs ``outs`` of a round on ``inputs`` (none when every
+        rank's output is right): the GEMMs against the float32 reference within
+        :func:`~tilescale_examples.overlap.gemm.error_bound`; attention's output and LSE
+        within 2e-2 and 1e-3 (absolute and relative) of the float32 reference."""
+        from tilescale_examples.overlap.gemm import count_outside
+        from tilescale_examples.overlap.gemm_rs import partial_magnitudes
+
+        failures, op0 = [], self.ops[0]
+        for r, out in enumerate(outs):
+            where = f"{self.op} N={self.ranks} rank {r}"
+            if self.op == "sp_attention":
+                want_o, want_lse = op0.torch_reference(inputs, r, op0.causal)
+                if not torch.allclose(out[0].float(), want_o, atol=2e-2, rtol=2e-2):
+                    failures.append(f"{where}: output differs (worst {(out[0].float() - want_o).abs().max():.3g})")
+                if not torch.allclose(out[1], want_lse, atol=1e-3, rtol=1e-3):
+                    failures.append(f"{where}: lse differs")
+                continue
+            rounded = None if self.op == "ag_gemm" else partial_magnitudes([a for a, _ in inputs], [b for _, b in inputs], r)
+            bad, worst = count_outside(out, op0.torch_reference(inputs, r), out.dtype, rounded)
+            if bad:
+                failures.append(f"{where}: {bad} element(s) outside the bound (worst {worst:.3g} x the bound)")
+        return failures
 
     def close(self) -> None:
         """Close every op, then the peers (idempotent)."""
@@ -250,26 +316,32 @@ class EmulatedOverlap:
         self.close()
 
 
-def precompile_jobs(op: str, ranks: int, m_local: int, k: int, n: int, dtype: str, max_chunks: int = 8) -> list:
+def precompile_jobs(op: str, ranks: int, *args, max_chunks: int = 8, causal: bool = True) -> list:
     """:func:`~tilescale_examples.testing.precompile.precompile` jobs of the kernels
-    :class:`EmulatedOverlap` ``(op, ranks, m_local, k, n)`` builds with the default tiles
-    (``dtype`` a name, ``"bfloat16"``), plus the stock GEMM of the whole operand
-    (``ranks * m_local`` rows) that the benchmarks compare with."""
+    :class:`EmulatedOverlap` builds with the default tiles: ``args`` are the op's sizes with the
+    dtype as a name (``m_local, k, n, "bfloat16"``; attention: ``batch, seq_local, heads,
+    kv_heads, head_dim, "bfloat16"``). The GEMMs' jobs include the stock GEMM of the whole
+    operand (``ranks * m_local`` rows) that the benchmark compares with."""
     from tilescale_examples.overlap.gemm import GemmTiles
     from tilescale_examples.overlap.stream_ops import plan_row_chunks
 
+    if op not in OPS:
+        raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
+    if op == "sp_attention":
+        batch, seq_local, heads, kv_heads, head_dim, dtype = args
+        sizes = (batch, seq_local, heads, kv_heads, head_dim, causal, head_dim ** -0.5, dtype)
+        module = "tilescale_examples.sequence.sp_attention"
+        return [(f"{module}:build_sp_own_attention_kernel", sizes, None),
+                (f"{module}:build_sp_peer_attention_kernel", (ranks, *sizes), None)]
+    m_local, k, n, dtype = args
     gemm = "tilescale_examples.overlap.gemm:build_gemm_kernel"
     jobs = [(gemm, (ranks * m_local, n, k, dtype), None)]
     if op == "ag_gemm":
         chunks = len(plan_row_chunks(m_local // GemmTiles().block_m, max_chunks))
-        jobs += [("tilescale_examples.overlap.ag_gemm:build_ag_gemm_kernel", (m_local, k, n, ranks, chunks, dtype), None),
-                 (gemm, (m_local, n, k, dtype), None)]
-    elif op == "gemm_rs":
-        jobs += [("tilescale_examples.overlap.gemm_rs:build_gemm_rs_kernel", (m_local, k, n, ranks, dtype), None),
-                 ("tilescale_examples.overlap.gemm_rs:build_reduce_kernel", (m_local, n, ranks, dtype), None)]
-    else:
-        raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
-    return jobs
+        return jobs + [("tilescale_examples.overlap.ag_gemm:build_ag_gemm_kernel", (m_local, k, n, ranks, chunks, dtype),
+                        None), (gemm, (m_local, n, k, dtype), None)]
+    return jobs + [("tilescale_examples.overlap.gemm_rs:build_gemm_rs_kernel", (m_local, k, n, ranks, dtype), None),
+                   ("tilescale_examples.overlap.gemm_rs:build_reduce_kernel", (m_local, n, ranks, dtype), None)]
 
 
 def _maybe_delay(delay: Optional[tuple], rank: int) -> None:
