@@ -15,13 +15,15 @@ from tilescale_examples.overlap.gemm import (GemmTiles, build_gemm_kernel, check
 
 def test_default_tiles_are_the_hopper_example_shape():
     t = GemmTiles()
-    assert (t.block_m, t.block_n, t.block_k, t.num_stages, t.threads) == (128, 256, 64, 3, 256)
+    assert (t.block_m, t.block_n, t.block_k, t.num_stages, t.threads, t.swizzle) == (128, 256, 64, 3, 256, 0)
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(block_m=0), "block_m must be a positive int"),
     (dict(num_stages=True), "num_stages must be a positive int"),
     (dict(threads=192), "threads must be a multiple of 128"),
+    (dict(swizzle=-1), "swizzle must be an int >= 0"),
+    (dict(swizzle=True), "swizzle must be an int >= 0"),
 ])
 def test_tiles_reject_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -67,8 +69,23 @@ def test_stock_gemm_uses_tma_and_wgmma_and_no_tilescale():
         build_gemm_kernel(200, 512, 256)
 
 
+def test_swizzle_rasterizes_the_plain_gemm_only():
+    """``swizzle`` remaps the plain GEMM's blocks in panels; 0 leaves the grid's order (and the
+    kernel's source) as it was; the tile-ordered kernels ignore it."""
+    from tilescale_examples.overlap.ag_gemm import build_ag_gemm_kernel
+
+    plain = lower_source(build_gemm_kernel(512, 512, 256, "bfloat16"))
+    swizzled = lower_source(build_gemm_kernel(512, 512, 256, "bfloat16", GemmTiles(swizzle=8)))
+    assert "rasterization" not in plain and "const dim3 blockIdx = tl::rasterization2DRow<8>();" in swizzled
+    assert lower_source(build_ag_gemm_kernel(256, 256, 512, 2, 2, "bfloat16", GemmTiles(swizzle=8))) == \
+        lower_source(build_ag_gemm_kernel(256, 256, 512, 2, 2, "bfloat16"))
+
+
 @needs_nvcc
 def test_stock_gemm_compiles_for_sm90a(tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
     kernel = tilelang.compile(build_gemm_kernel(256, 256, 128, "float16"), target=TARGET, execution_backend="tvm_ffi")
     assert kernel.adapter.rt_mod.imports[0].kind == "cuda"
+    swizzled = tilelang.compile(build_gemm_kernel(256, 512, 128, "bfloat16", GemmTiles(swizzle=8)), target=TARGET,
+                                execution_backend="tvm_ffi")
+    assert swizzled.adapter.rt_mod.imports[0].kind == "cuda"

@@ -220,13 +220,14 @@ def _measure_size(op, rank, world, group, device, m_local, args):
 
         from tilescale_lang.autotune import gemm_space
 
-        from tilescale_examples.overlap.tuning import tune_tiles
+        from tilescale_examples.overlap.tuning import SWIZZLES, tune_tiles
 
-        space = gemm_space(world * m_local, args.n, args.k, args.dtype,
+        space = gemm_space(world * m_local, args.n, args.k, args.dtype, swizzle=SWIZZLES,
                            valid=lambda config: m_local % config["block_m"] == 0)  # the op's rows per rank too
         tuned, result = tune_tiles(world * m_local, args.n, args.k, dtype, device=device, group=group, space=space)
         tiles = dataclasses.asdict(tuned)
-        tiles_text = "{block_m}x{block_n}x{block_k} s{num_stages} t{threads}".format(**tiles) + f" ({result.source})"
+        tiles_text = ("{block_m}x{block_n}x{block_k} s{num_stages} t{threads} w{swizzle}".format(**tiles)
+                      + f" ({result.source})")
     obj = _op_class(op)(alloc, m_local, args.k, args.n, dtype, group=group, **tiles)
     cols = _Columns(op, rank, world, group, device, m_local, args.k, args.n, dtype, obj)
     calls = {"TileScale": cols.tilescale, "collective + cuBLAS": cols.collective_cublas,

@@ -54,6 +54,10 @@ class GemmTiles:
         num_stages: shared-memory pipeline depth of the TMA loads.
         threads: threads of the compute warpgroups (a multiple of 128; TileLang adds one
             producer warpgroup for the TMA loads).
+        swizzle: panel width of the plain GEMM's block rasterization (``T.use_swizzle``:
+            blocks that run together share rows of ``A`` and columns of ``B`` in L2); 0, the
+            default, keeps the grid's own order. The kernels with a tile order of their own
+            (the peer GEMM of AllGatherGEMM, the remote-epilogue GEMM) ignore it.
     """
 
     block_m: int = 128
@@ -61,10 +65,13 @@ class GemmTiles:
     block_k: int = 64
     num_stages: int = 3
     threads: int = 256
+    swizzle: int = 0
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "num_stages", "threads"):
             check_positive(name, getattr(self, name))
+        if not isinstance(self.swizzle, int) or isinstance(self.swizzle, bool) or self.swizzle < 0:
+            raise ValueError(f"swizzle must be an int >= 0 (0: no rasterization), got {self.swizzle!r}")
         if self.threads % 128:
             raise ValueError(f"threads must be a multiple of 128 (whole warpgroups), got {self.threads}")
         if self.threads + 128 > 1024:  # TileLang adds a 128-thread producer warpgroup; a block has <= 1024
@@ -110,8 +117,8 @@ def gemm_mainloop(k: int, dtype: str, tiles: GemmTiles):
 
 def build_gemm_kernel(m: int, n: int, k: int, dtype: str = "bfloat16", tiles: Optional[GemmTiles] = None):
     """Stock TileLang's pipelined GEMM ``C = A @ B`` (``A: (m, k)``, ``B: (k, n)``, ``C: (m,
-    n)``, all ``dtype``, float32 accumulation) with ``tiles``; no TileScale intrinsic, so it
-    compiles and runs without a heap."""
+    n)``, all ``dtype``, float32 accumulation) with ``tiles`` (their ``swizzle`` rasterizes
+    the block order); no TileScale intrinsic, so it compiles and runs without a heap."""
     import tilelang.language as T
 
     tiles = tiles or GemmTiles()
@@ -122,6 +129,8 @@ def build_gemm_kernel(m: int, n: int, k: int, dtype: str = "bfloat16", tiles: Op
     @T.prim_func
     def gemm(A: T.Tensor((m, k), dtype), B: T.Tensor((k, n), dtype), C: T.Tensor((m, n), dtype)):
         with T.Kernel(n // BN, m // BM, threads=tiles.threads) as (bx, by):
+            if tiles.swizzle:
+                T.use_swizzle(panel_size=tiles.swizzle)
             C_f = T.alloc_fragment((BM, BN), "float32")
             mainloop(A, B, C_f, by * BM, bx * BN)
             T.copy(C_f, C[by * BM, bx * BN])

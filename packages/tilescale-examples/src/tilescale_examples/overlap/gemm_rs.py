@@ -234,7 +234,7 @@ class GemmReduceScatter(OverlappedGemm):
             :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM`).
         group: process group (the constructor's barrier and plan agreement); default the
             initialised world group.
-        block_m, block_n, block_k, num_stages, threads: the GEMM's tiling.
+        block_m, block_n, block_k, num_stages, threads, swizzle: the GEMM's tiling.
         target: TileLang target (default ``sm_90a``).
 
     Attributes: ``output`` (``(m_local, n)``, overwritten by the next call), ``epoch``,
@@ -252,11 +252,11 @@ class GemmReduceScatter(OverlappedGemm):
     def __init__(self, allocator, m_local: int, k: int, n: int, dtype: Union[torch.dtype, str], *,
                  world_size: Optional[int] = None, algorithm: Literal["auto", "fused", "sequential"] = "auto",
                  group=None, block_m: int = 128, block_n: int = 256, block_k: int = 64, num_stages: int = 3,
-                 threads: int = 256, target=None):
+                 threads: int = 256, swizzle: int = 0, target=None):
         from tilescale_examples.base import check_target
 
         check_target(target)
-        tiles = GemmTiles(block_m, block_n, block_k, num_stages, threads)
+        tiles = GemmTiles(block_m, block_n, block_k, num_stages, threads, swizzle)
         self._setup_gemm(allocator, m_local, k, n, dtype, world_size, group, tiles, algorithm, rows_per_call=2)
         W, name = self.world_size, DTYPES[self.dtype]
         self.tiles_per_rank = (m_local // block_m) * (n // block_n)

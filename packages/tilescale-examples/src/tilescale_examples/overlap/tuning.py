@@ -26,20 +26,24 @@ import torch
 
 from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, build_gemm_kernel, count_outside
 
-__all__ = ["tune_tiles", "tiles_of", "GEMM_BUILDER"]
+__all__ = ["tune_tiles", "tiles_of", "GEMM_BUILDER", "SWIZZLES"]
 
 #: The library GEMM's builder, as the parallel compile's worker processes import it.
 GEMM_BUILDER = "tilescale_examples.overlap.gemm:build_gemm_kernel"
 
 
+#: The library GEMM's rasterization panel widths the tuner tries (0: none).
+SWIZZLES = (0, 8)
+
+
 def tiles_of(config: dict) -> GemmTiles:
-    """The :class:`GemmTiles` of an autotuner config (its five tile axes; ``ValueError`` for a
-    config without them)."""
-    fields = [f.name for f in dataclasses.fields(GemmTiles)]
+    """The :class:`GemmTiles` of an autotuner config: its five tile axes (``ValueError`` for a
+    config without them) and its ``swizzle`` (0 when the space has no such axis)."""
+    fields = [f.name for f in dataclasses.fields(GemmTiles) if f.name != "swizzle"]
     missing = [name for name in fields if name not in config]
     if missing:
         raise ValueError(f"config {config!r} lacks the tile axes {missing}")
-    return GemmTiles(**{name: int(config[name]) for name in fields})
+    return GemmTiles(**{name: int(config[name]) for name in fields}, swizzle=int(config.get("swizzle", 0)))
 
 
 def tune_tiles(m: int, n: int, k: int, dtype: Union[torch.dtype, str], *, device=None, group=None,
@@ -57,8 +61,9 @@ def tune_tiles(m: int, n: int, k: int, dtype: Union[torch.dtype, str], *, device
         group: the ``torch.distributed`` group that must agree (default the world group when
             initialised); collective over it: every rank calls with the same arguments.
         mode: ``"on"``, ``"cache_only"`` or ``"off"``; None reads ``$TILESCALE_AUTOTUNE``.
-        space: a :class:`~tilescale_lang.autotune.SearchSpace` over the five tile axes
-            (default :func:`~tilescale_lang.autotune.gemm_space` of the shape).
+        space: a :class:`~tilescale_lang.autotune.SearchSpace` over the five tile axes and
+            optionally ``swizzle`` (default :func:`~tilescale_lang.autotune.gemm_space` of the
+            shape with ``swizzle=SWIZZLES``).
         timer: ``timer(launch) -> ms`` (default the autotuner's).
         cache_dir: the cache directory (default TileLang's).
         seed: of the random operands.
@@ -77,7 +82,7 @@ def tune_tiles(m: int, n: int, k: int, dtype: Union[torch.dtype, str], *, device
 
     dtype = check_dtype(dtype, DTYPES)
     name = DTYPES[dtype]
-    space = gemm_space(m, n, k, name) if space is None else space
+    space = gemm_space(m, n, k, name, swizzle=SWIZZLES) if space is None else space
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     g = torch.Generator(device=device).manual_seed(seed)
     a = torch.randn((m, k), generator=g, device=device).to(dtype)
