@@ -9,7 +9,8 @@
 # plans of AllGatherGEMM and GemmReduceScatter on emulated peers), tests-lang-new (AOT bundles, the lean launcher,
 # the autotuner, upstream's NVSHMEM-path programs) -- the ops and modules whose GPU tests are newest;
 # bench (every benchmark); bench-NAME (one); bench-overlap-1 (ag_gemm and gemm_rs on one rank:
-# the world-1 goal); all (default: doctor demo tests bench). Logs go to $OUT (or ./device-logs) and a summary
+# the world-1 goal); unverified (the checks written but not yet run on a GPU); all (default: doctor demo tests
+# bench). Logs go to $OUT (or ./device-logs) and a summary
 # table is printed last.
 set -uo pipefail
 steps=() pytest_args=()
@@ -20,6 +21,9 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
+# unverified: the GPU checks written but not yet run on a GPU, most important first
+[[ " ${steps[*]} " == *" unverified "* ]] && steps=(tests-sequence tests-overlap-emulated bench-sp_attention
+                                                      bench-attention bench-overlap_emulated tests-lang-new)
 logs=${OUT:-device-logs}
 mkdir -p "$logs"
 source .device/install.sh || exit 1
