@@ -1,13 +1,15 @@
-"""The overlapped GEMMs' fused plans with emulated peers (:mod:`tilescale_examples.testing.emulated_overlap`)
-and their benchmark (``benchmarks.overlap_emulated``).
+"""The fused plans with emulated peers (:mod:`tilescale_examples.testing.emulated_overlap`:
+AllGatherGEMM, GemmReduceScatter, SPAllGatherAttention) and their benchmark
+(``benchmarks.overlap_emulated``).
 
 CPU: the host-staged push plan (executed on host memory: every peer's gathered slot gets
-the operand, every flag the call number), the emulated classes' heap sizes, argument errors,
-the kernels the benchmark precompiles (compiled with nvcc), the benchmark's options and goal.
+the operand, every ready flag 1), the emulated classes' heap sizes, argument errors, the
+kernels the benchmark precompiles (compiled with nvcc), the benchmark's options and goal.
 
 GPU (``-m gpu``): every op at 2, 4 and 8 emulated ranks with odd chunkings, 1000 back-to-back
 rounds with a random emulated rank delayed before each, fresh random inputs and poisoned
-outputs every round, every rank's output of every round against the float32 reference.
+outputs every round, every rank's output of every round against the float32 reference; then
+a round captured in a CUDA graph, replayed with fresh inputs between eager rounds.
 """
 
 from __future__ import annotations
@@ -28,23 +30,23 @@ from tilescale_examples.testing.emulated_overlap import (EmulatedAllGatherGEMM, 
 
 def _push_on_host(world: int, m_local: int, k: int, block_m: int, max_chunks: int):
     """A CopyEnginePush of rank 1 over host tensors: ``(push, gathered, flags)``."""
-    gathered = [torch.zeros((2, world, m_local, k), dtype=torch.int16) for _ in range(world)]
-    flags = [torch.zeros((world * len(plan_row_chunks(m_local // block_m, max_chunks)),), dtype=torch.int64)
-             for _ in range(world)]
     chunks = plan_row_chunks(m_local // block_m, max_chunks)
-    return CopyEnginePush(gathered, flags, 1, world, chunks, block_m, "cpu"), gathered, flags
+    gathered = [torch.zeros((world, m_local, k), dtype=torch.int16) for _ in range(world)]
+    flags = [torch.zeros((world * len(chunks),), dtype=torch.int64) for _ in range(world)]
+    free = [torch.ones((world,), dtype=torch.int64) for _ in range(world)]
+    return CopyEnginePush(gathered, flags, free, 1, world, chunks, block_m, "cpu"), gathered, flags
 
 
 @pytest.mark.parametrize("world, m_local, max_chunks", [(2, 8, 8), (4, 12, 2), (5, 20, 3)])
 def test_host_staged_steps_deliver_every_chunk_to_every_peer(world, m_local, max_chunks):
-    """Carry out staged_steps on host memory in order: the operand lands in slot ``rank`` of
-    parity ``epoch % 2`` on every peer, every chunk is staged once before its pushes, each
-    flag of this rank's chunks on every peer gets the epoch, and nothing else is written."""
-    k, block_m, epoch = 6, 4, 3
+    """Carry out staged_steps on host memory in order: the operand lands in slot ``rank`` on
+    every peer, every chunk is staged once before its pushes, each ready flag of this rank's
+    chunks on every peer gets 1, and nothing else is written."""
+    k, block_m = 6, 4
     push, gathered, flags = _push_on_host(world, m_local, k, block_m, max_chunks)
     a = torch.randint(-1000, 1000, (m_local, k), dtype=torch.int16)
     stage = torch.zeros_like(a)
-    steps = staged_steps(push.ops(a.data_ptr(), epoch), a.data_ptr(), stage.data_ptr(), world)
+    steps = staged_steps(push.ops(a.data_ptr()), a.data_ptr(), stage.data_ptr(), world)
     staged = set()
     for step in steps:
         if step[0] == "stage":
@@ -54,19 +56,19 @@ def test_host_staged_steps_deliver_every_chunk_to_every_peer(world, m_local, max
         else:
             _, c, j, dst, src, nbytes, flag = step
             assert c in staged and 1 <= j < world
-            ctypes.c_int64.from_address(flag).value = epoch
+            ctypes.c_int64.from_address(flag).value = 1
         ctypes.memmove(dst, src, nbytes)
     assert staged == set(range(len(push.chunks)))
     assert sum(step[0] == "push" for step in steps) == len(push.chunks) * (world - 1)
     for p in range(world):
-        expect = torch.zeros((2, world, m_local, k), dtype=torch.int16)
+        expect = torch.zeros((world, m_local, k), dtype=torch.int16)
         if p != 1:
-            expect[epoch % 2, 1] = a
+            expect[1] = a
         assert torch.equal(gathered[p], expect), p
         C = len(push.chunks)
         want = torch.zeros_like(flags[p])
         if p != 1:
-            want[C:2 * C] = epoch  # rank 1's chunks
+            want[C:2 * C] = 1  # rank 1's chunks
         assert torch.equal(flags[p], want), p
 
 
@@ -147,9 +149,8 @@ def test_emulated_fused_plans_under_stragglers_on_gpu(op, monkeypatch):
     """Per world size, 1000 back-to-back rounds, each with fresh inputs, poisoned outputs and
     one random emulated rank delayed (a busy kernel of up to ~0.1 ms ahead of its call), no
     host synchronisation inside a batch of 25 rounds; then every rank's output of every round
-    is checked against the float32 reference."""
-    from tilescale_examples.benchmarks._timing import poison_
-
+    is checked against the float32 reference. Then a round captured in a CUDA graph, replayed
+    with fresh inputs between eager rounds (:func:`_graph_replays`)."""
     monkeypatch.setenv("TILESCALE_WAIT_TIMEOUT_MS", WAIT_TIMEOUT_MS)
     device, rng = torch.device("cuda", torch.cuda.current_device()), random.Random(5)
     for ranks, args, kwargs in GPU_CASES[op]:
@@ -158,12 +159,41 @@ def test_emulated_fused_plans_under_stragglers_on_gpu(op, monkeypatch):
                 batch = []
                 for i in range(BATCH):
                     inputs, outs = emu.random_inputs(seed=first + i), emu.empty_outputs()
-                    for out in outs:
-                        for t in (out if isinstance(out, tuple) else (out,)):
-                            poison_(t)
+                    _poison_all(outs)
                     emu.round(inputs, outs, delay=(rng.randrange(ranks), rng.choice([0, 20_000, 200_000])))
                     batch.append((inputs, outs))
                 torch.cuda.synchronize(device)
                 for i, (inputs, outs) in enumerate(batch):
                     failures = emu.check(inputs, outs)
                     assert not failures, f"round {first + i}: {failures}"
+            _graph_replays(emu, device)
+
+
+def _poison_all(outs) -> None:
+    from tilescale_examples.benchmarks._timing import poison_
+
+    for out in outs:
+        for t in (out if isinstance(out, tuple) else (out,)):
+            poison_(t)
+
+
+def _graph_replays(emu, device, replays: int = 3) -> None:
+    """One round captured in a CUDA graph, replayed with fresh inputs written into the captured
+    ones and poisoned outputs, an eager round on other tensors between replays; every output
+    checked."""
+    inputs, outs = emu.random_inputs(seed=10_000), emu.empty_outputs()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        emu.round(inputs, outs)
+    for replay in range(replays):
+        for dst, src in zip(inputs, emu.random_inputs(seed=20_000 + replay)):
+            for d, x in zip(dst, src):
+                d.copy_(x)
+        _poison_all(outs)
+        graph.replay()
+        eager_inputs, eager_outs = emu.random_inputs(seed=30_000 + replay), emu.empty_outputs()
+        _poison_all(eager_outs)
+        emu.round(eager_inputs, eager_outs)
+        torch.cuda.synchronize(device)
+        assert not emu.check(inputs, outs), f"graph replay {replay}: {emu.check(inputs, outs)}"
+        assert not emu.check(eager_inputs, eager_outs), f"eager round after replay {replay}"

@@ -150,14 +150,14 @@ def producer_after_the_gemm_holds_every_sm(alloc, rank: int, world: int, m_local
     assert tiles > sms, f"{tiles} tiles do not fill {sms} SMs"
     torch.cuda.synchronize(device)
     dist.barrier()
-    epoch = 1
     push.mark(other)  # the copies follow nothing on the GEMM's stream
-    agg.kernel(agg.gathered.view(-1, k), b, agg.output, agg.flags, agg._order, epoch)
+    agg.kernel(agg.gathered.view(-1, k), b, agg.output, agg.flags, agg._order)
     time.sleep(0.2)
     spinning = not main.query()
     dist.barrier()  # no rank pushes before every rank has looked at its spinning GEMM
     assert spinning, f"rank {rank}: the peer GEMM finished before anything was pushed"
-    push.enqueue(a.data_ptr(), epoch)
+    push.enqueue(a.data_ptr())
+    push.release(main)
     push.finish(main)
     agg.own_kernel(a, b, agg.output[rank * m_local:(rank + 1) * m_local])
     _sync(device)

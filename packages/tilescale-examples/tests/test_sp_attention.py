@@ -114,7 +114,7 @@ def test_heap_and_the_calls_sequence(monkeypatch):
     shard = (2, 256, 2, 128)
     assert op.gather_k.output.shape == (2, *shard) and op.gather_v.output.shape == (2, *shard)
     sequential = 2 * type(op.gather_k).heap_bytes(shard, torch.bfloat16, world_size=2, device="cpu")
-    fused = 2 * 2 * 2 * math.prod(shard) * 2 + 2 * 256  # two (2, W, *shard) buffers, two flag words per rank
+    fused = 2 * 2 * math.prod(shard) * 2 + 4 * 256  # two (W, *shard) buffers; ready and free flags of K and V
     for algorithm, size in (("sequential", sequential), ("fused", fused), ("auto", max(sequential, fused))):
         assert SPAllGatherAttention.heap_bytes(2, 256, 8, 2, 128, torch.bfloat16, world_size=2, device="cpu",
                                                algorithm=algorithm) == size, algorithm
@@ -181,7 +181,8 @@ def test_generated_cuda_of_the_fused_kernels():
     wait = "tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>"
     assert "for (int src = 0; src < 4; ++src)" in peers and "if ((src != rank) && (src < rank))" in peers
     for flags in ("FlagsK", "FlagsV"):
-        assert f"{wait}((&({flags}[src])), ((uint64_t)epoch));" in peers
+        assert f"{wait}((&({flags}[src])), (uint64_t)1);" in peers  # ready: 1 (a constant: graph-safe)
+    assert "epoch" not in peers
     # before the producer / consumer split, then the proxy fence before the TMA loads
     assert peers.index(wait) < peers.index("__syncthreads();\n  tl::fence_proxy_async();") < peers.index("tma_load")
     assert peers.index("tl::fence_proxy_async();") < peers.index("warpgroup_reg_dealloc")
@@ -217,18 +218,21 @@ class _Push:
     def mark(self, stream):
         self.log.append("mark")
 
-    def enqueue(self, ptr, epoch):
-        self.log.append(("enqueue", ptr, epoch))
+    def enqueue(self, ptr):
+        self.log.append(("enqueue", ptr))
+
+    def release(self, stream):
+        self.log.append("release")
 
     def finish(self, stream):
         self.log.append("finish")
 
 
 def test_fused_plan_buffers_and_call_sequence(monkeypatch, fused_available):
-    """Two ranks, fused: the gathered buffers and zeroed flags instead of all-gathers; a call
-    is own shard, pushes of k and v with the call number, then the peers' kernel on this
-    call's parity with the flags, rank and call number (not for a causal rank 0), then the
-    pushes joined."""
+    """Two ranks, fused: the gathered buffers, zeroed ready flags and set free flags instead of
+    all-gathers; a call is own shard, pushes of k and v, the peers' kernel on the gathered
+    buffers with the ready flags and the rank (not for a causal rank 0; no call number: the
+    flags are constants), then each push's release and join, on every call."""
     compiles = record_compiles(monkeypatch)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     for rank, causal in ((1, True), (0, True), (0, False)):
@@ -237,31 +241,31 @@ def test_fused_plan_buffers_and_call_sequence(monkeypatch, fused_available):
         op = SPAllGatherAttention(CpuAllocator(2, rank), **ARGS, causal=causal, algorithm="fused")
         assert (op.algorithm, op.algorithm_reason) == ("fused", "stub") and op.gather_k is None
         assert compiles == ["sp_attention_own", "sp_attention_peers"]
-        assert op.gathered_k.shape == op.gathered_v.shape == (2, 2, 2, 256, 2, 128)
+        assert op.gathered_k.shape == op.gathered_v.shape == (2, 2, 256, 2, 128)
         assert op.flags_k.dtype == torch.uint64 and int(op.flags_k.sum()) == int(op.flags_v.sum()) == 0
-        monkeypatch.setattr(op, "_make_push", lambda gathered, flags, rows: _Push(log, gathered, flags, rows))
+        assert op.free_k.view(torch.int64).tolist() == op.free_v.view(torch.int64).tolist() == [1, 1]
+        monkeypatch.setattr(op, "_make_push", lambda gathered, flags, free, rows: _Push(log, gathered, flags, rows))
         op.own_kernel, op.kernel = LaunchRecorder(log, "own"), LaunchRecorder(log, "peers")
         q, k, v = _shards(2, 2, 256, 8, 2, 128, torch.bfloat16)[rank]
         for call in (1, 2):
             del log[:]
             out, lse = op(q, k, v)
-            pushes = [("push", (2, 2, 512, 256), 2, 512)] * 2 if call == 1 else []
+            pushes = [("push", (2, 512, 256), 2, 512)] * 2 if call == 1 else []
             assert log[:len(pushes)] == pushes
             body = log[len(pushes):]
             assert body[:2] == ["mark", "mark"] and body[2][0] == "own"
             own = body[2][1]
             assert own[0] is q and own[1].shape == (1, 2, 256, 2, 128) and own[1].data_ptr() == k.data_ptr()
             assert own[2].data_ptr() == v.data_ptr() and own[3:] == (out, lse, 0)
-            assert body[3:5] == [("enqueue", k.data_ptr(), call), ("enqueue", v.data_ptr(), call)]
+            assert body[3:5] == [("enqueue", k.data_ptr()), ("enqueue", v.data_ptr())]
             if rank == 0 and causal:
-                assert body[5:] == ["finish", "finish"]
+                assert body[5:] == ["release", "finish", "release", "finish"]
                 continue
             tag, peers = body[5]
             assert tag == "peers" and peers[0] is q and peers[3:5] == (out, lse)
-            assert peers[1].data_ptr() == op.gathered_k[call % 2].data_ptr() and peers[2].data_ptr() == \
-                op.gathered_v[call % 2].data_ptr()
-            assert peers[5] is op.flags_k and peers[6] is op.flags_v and peers[7:] == (rank, call)
-            assert body[6:] == ["finish", "finish"]
+            assert peers[1] is op.gathered_k and peers[2] is op.gathered_v
+            assert peers[5] is op.flags_k and peers[6] is op.flags_v and peers[7:] == (rank,)
+            assert body[6:] == ["release", "finish", "release", "finish"]
         op.close()
 
 

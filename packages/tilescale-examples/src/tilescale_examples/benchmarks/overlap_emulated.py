@@ -124,14 +124,17 @@ class Columns:
         self._reduce()
 
     def copies(self) -> None:
-        """Every rank's host-staged pushes of its ``a`` (the pushes of the last fused call's
-        number: the flags keep their values, the gathered rows theirs), joined."""
+        """Every rank's host-staged pushes of its ``a`` with the handshake (claims, copies,
+        ready flags; then every rank's release), joined: the emulated link's share of a
+        round."""
         import torch
 
         current = torch.cuda.current_stream(self.emu.device)
         for op, (a, _) in zip(self.emu.ops, self.inputs):
             op._push.mark(current)
-            op._push.enqueue(a.data_ptr(), op.epoch)
+            op._push.enqueue(a.data_ptr())
+        for op in self.emu.ops:
+            op._push.release(current)
             op._push.finish(current)
 
     def copies_then_gemm(self) -> None:

@@ -19,9 +19,9 @@ The fused plan (deadlock-free by construction)
 * **Producer: the copy engines.** :class:`~tilescale_examples.overlap.stream_ops.CopyEnginePush`
   copies each row chunk of ``a`` (``cuMemcpyAsync``, one side stream per peer) into slot
   ``rank`` of every other rank's gathered buffer through the heap's peer mappings, and after
-  each copy writes the call's epoch into that chunk's flag on the receiving rank
-  (``cuStreamWriteValue64``, which fences the copy before the write). No SM is used, so the
-  producer progresses whatever the GEMMs do.
+  each copy writes 1 into that chunk's flag on the receiving rank (``cuStreamWriteValue64``,
+  which fences the copy before the write). No SM is used, so the producer progresses whatever
+  the GEMMs do.
 * **Consumer: the peers' rows.** A pipelined TMA + WGMMA GEMM (:func:`build_ag_gemm_kernel`,
   the same tile program) on a compute stream. Before its main loop, thread 0 of each
   ``(block_m, block_n)`` tile waits (``T.wait_ge``, an ``ld.acquire.sys`` poll) for the flag
@@ -33,13 +33,13 @@ The fused plan (deadlock-free by construction)
 A spinning tile waits only for copy-engine work that depends on nothing running on SMs; no
 kernel needs another one to be resident. With one rank, the call is the first GEMM alone.
 
-Buffers are double-buffered by the parity of the epoch: call ``e`` writes parity ``e % 2``.
-Rank ``q`` starts the copies of call ``e + 1`` only after its GEMMs of call ``e`` finished
-(its side streams follow its stream), its peer GEMM waited for every rank's copies of call
-``e``, and each rank ``p`` started those only after its own peer GEMM of call ``e - 1``, the
-last reader of parity ``(e + 1) % 2`` on ``p``, had finished. So no copy overwrites rows a
-GEMM still reads, without any handshake. Flags are set to the epoch (never reset) and waits
-are ``>=``.
+The handshake (constant values only, so a call captured in a CUDA graph replays correctly,
+mixed with eager calls in any order): after the peer GEMM, the caller's stream *releases* the
+call (:meth:`~tilescale_examples.overlap.stream_ops.CopyEnginePush.release`: it waits until
+every chunk flag is 1, sets them back to 0, then sets ``free[rank]`` on every other rank to
+1), and rank ``q``'s copies to ``p`` start only once ``free[p]`` on ``q`` is 1, which it then
+sets to 0. So no copy overwrites rows a GEMM still reads, and every wait is in a stream's
+front end or on copy-engine work.
 
 The sequential plan (``algorithm="sequential"``, or ``"auto"`` where stream memory operations are
 missing, with a log line): the example :class:`~tilescale_examples.collectives.allgather.AllGather`
@@ -81,13 +81,14 @@ def tile_order(world_size: int, chunks: Sequence, units: int) -> torch.Tensor:
 def build_ag_gemm_kernel(m_local: int, k: int, n: int, world_size: int, num_chunks: int,
                          dtype: str = "bfloat16", tiles: Optional[GemmTiles] = None):
     """The fused plan's peer GEMM ``T.prim_func`` (the rows of the other ranks):
-    ``(A: (2 * world_size * m_local, k), B: (k, n), Out: (world_size * m_local, n), Flags:
+    ``(A: (world_size * m_local, k), B: (k, n), Out: (world_size * m_local, n), Flags:
     (world_size * num_chunks,) uint64, Order: ((world_size - 1) * m_local / block_m, 2)
-    int32, epoch: int64)``.
+    int32)``.
 
-    ``A`` is the gathered buffer (parity ``epoch % 2`` is read), ``Flags[src * num_chunks +
-    c]`` the flag of chunk ``c`` from rank ``src``, ``Order`` the :func:`tile_order` table.
-    Needs ``kernel.initialize`` (it reads its rank from the table) and ``world_size >= 2``."""
+    ``A`` is the gathered buffer, ``Flags[src * num_chunks + c]`` the ready flag of chunk
+    ``c`` from rank ``src`` (a tile waits until it is 1), ``Order`` the :func:`tile_order`
+    table. Needs ``kernel.initialize`` (it reads its rank from the table) and ``world_size >=
+    2``."""
     import tilelang.language as T
 
     tiles = tiles or GemmTiles()
@@ -100,18 +101,18 @@ def build_ag_gemm_kernel(m_local: int, k: int, n: int, world_size: int, num_chun
     mainloop = gemm_mainloop(k, dtype, tiles)
 
     @T.prim_func
-    def ag_gemm(A: T.Tensor((2 * M, k), dtype), B: T.Tensor((k, n), dtype), Out: T.Tensor((M, n), dtype),
-                Flags: T.Tensor((W * C,), "uint64"), Order: T.Tensor(((W - 1) * U, 2), "int32"), epoch: T.int64):
+    def ag_gemm(A: T.Tensor((M, k), dtype), B: T.Tensor((k, n), dtype), Out: T.Tensor((M, n), dtype),
+                Flags: T.Tensor((W * C,), "uint64"), Order: T.Tensor(((W - 1) * U, 2), "int32")):
         with T.Kernel(n // BN, (W - 1) * U, threads=tiles.threads) as (bx, by):
             C_f = T.alloc_fragment((BM, BN), "float32")
             code = Order[by, 0]
             src = (T.get_rank() + code // U) % W
             row = src * m_local + code % U * BM  # the tile's first row of the gathered A
             if T.get_thread_binding() == 0:
-                T.wait_ge(Flags[src * C + Order[by, 1]], epoch)  # its chunk of call `epoch` landed
+                T.wait_ge(Flags[src * C + Order[by, 1]], 1)  # its chunk of this call landed
             T.sync_threads()
             T.fence_proxy_async()  # the landed rows before the async-proxy (TMA) reads
-            mainloop(A, B, C_f, (epoch % 2) * M + row, bx * BN)
+            mainloop(A, B, C_f, row, bx * BN)
             T.copy(C_f, Out[row, bx * BN])
 
     return ag_gemm
@@ -178,13 +179,13 @@ class AllGatherGEMM(OverlappedGemm):
     ``epoch`` (calls made), ``algorithm`` and ``algorithm_reason`` (``plan`` and
     ``plan_reason`` in 0.1.0), ``tiles``; fused: ``own_kernel`` (this rank's rows), ``kernel``
     (the peers' rows; the same as ``own_kernel`` with one rank), ``chunks``
-    (``[(first_unit, n_units)]``), ``gathered`` (the local ``(2, world_size, m_local, k)``
-    buffer) and ``flags``; sequential: ``all_gather`` and ``kernel`` (the stock GEMM).
+    (``[(first_unit, n_units)]``), ``gathered`` (the local ``(world_size, m_local, k)``
+    buffer), ``flags`` (ready) and ``free``; sequential: ``all_gather`` and ``kernel`` (the stock GEMM).
     Construction and calls are collective: same instances, same call sequence on every rank.
     0.1.0 spellings (no ``dtype``, ``plan=``, ``out`` positional) work with a warning.
     """
 
-    _BUFFERS = ("output", "gathered", "flags", "all_gather", "own_kernel", "_push", "_peers", "_order",
+    _BUFFERS = ("output", "gathered", "flags", "free", "all_gather", "own_kernel", "_push", "_peers", "_order",
                 "_compute")
     #: Ranks sharing a GPU run the sequential plan: a copy within one GPU may be an SM kernel.
     FUSED_NEEDS_OWN_GPUS = True
@@ -200,9 +201,9 @@ class AllGatherGEMM(OverlappedGemm):
         check_target(target)
         tiles = GemmTiles(block_m, block_n, block_k, num_stages, threads, swizzle)
         check_positive("max_chunks", max_chunks)
-        self._setup_gemm(allocator, m_local, k, n, dtype, world_size, group, tiles, algorithm, rows_per_call=2)
+        self._setup_gemm(allocator, m_local, k, n, dtype, world_size, group, tiles, algorithm, rows_per_call=1)
         W, name = self.world_size, DTYPES[self.dtype]
-        self.all_gather = self.gathered = self.flags = self.chunks = self.own_kernel = None
+        self.all_gather = self.gathered = self.flags = self.free = self.chunks = self.own_kernel = None
         self._push = self._peers = self._order = self._compute = None
         self.output = torch.empty((W * m_local, n), dtype=self.dtype, device=self.device)
         if self.algorithm == "sequential":
@@ -220,11 +221,13 @@ class AllGatherGEMM(OverlappedGemm):
 
         units = m_local // block_m
         self.chunks = plan_row_chunks(units, max_chunks)
-        gathered = peer_views(tilelang.tensor((2, W, m_local, k), self.dtype, allocator=allocator, return_peers=True), W)
+        gathered = peer_views(tilelang.tensor((W, m_local, k), self.dtype, allocator=allocator, return_peers=True), W)
         flags = peer_views(tilelang.tensor((W * len(self.chunks),), torch.uint64, allocator=allocator, return_peers=True), W)
-        self.gathered, self.flags = gathered[self.rank], flags[self.rank]
+        free = peer_views(tilelang.tensor((W,), torch.uint64, allocator=allocator, return_peers=True), W)
+        self.gathered, self.flags, self.free = gathered[self.rank], flags[self.rank], free[self.rank]
         self.flags.zero_()
-        self._peers = (gathered, flags)
+        self.free.view(torch.int64).fill_(1)  # every peer's slot may be written
+        self._peers = (gathered, flags, free)
         self._order = tile_order(W, self.chunks, units).to(self.device)
         self.kernel = self._compile_kernel(
             lambda: build_ag_gemm_kernel(m_local, k, n, W, len(self.chunks), name, tiles), target)
@@ -243,20 +246,13 @@ class AllGatherGEMM(OverlappedGemm):
         by the next call) or ``out`` (a contiguous ``(world_size * m_local, n)`` tensor of the
         dtype on the device, written directly). ``a`` is read by the copy engines; it may be
         overwritten by work enqueued after this call. Every rank makes the same sequence of
-        calls, eagerly or in CUDA graph replays. Raises
-        :class:`~tilescale_examples.base.ClosedError` after ``close()``.
-
-        Raises ``RuntimeError`` under CUDA graph capture for the fused algorithm with two or
-        more ranks (its copy-engine pushes carry the call number from the host); the
-        sequential algorithm and one rank capture."""
+        calls, eagerly or in CUDA graph replays (in any mix: the fused plan's handshake uses
+        constant flag values). Raises :class:`~tilescale_examples.base.ClosedError` after
+        ``close()``."""
         self._check_open()
         self.check_inputs(a, b)
         if out is not None:
             self._check_out(out, (self.world_size * self.m_local, self.n), "(world_size * m_local, n) =")
-        if self.algorithm == "fused" and self.world_size > 1 and self._capturing():
-            raise RuntimeError("AllGatherGEMM(algorithm='fused') with two or more ranks cannot be captured in a CUDA "
-                               "graph: its copy-engine pushes carry the call number from the host. Build it with "
-                               "algorithm='sequential' to capture it")
         result = self.output if out is None else out
         main = self._begin_call()
         if self.algorithm == "sequential":
@@ -270,7 +266,8 @@ class AllGatherGEMM(OverlappedGemm):
     def _fused(self, a, b, main, output) -> None:
         """Own rows on ``main`` straight from ``a``; the peers' rows on the compute stream as
         their chunks land; the copies last (a copy waiting in a hardware queue shared with a
-        GEMM's stream then cannot hold that GEMM back)."""
+        GEMM's stream then cannot hold that GEMM back); then ``main`` releases the gathered
+        rows to the peers and waits for this rank's copies."""
         m = self.m_local
         own_rows = output[self.rank * m:(self.rank + 1) * m]
         if self.world_size == 1:
@@ -283,10 +280,11 @@ class AllGatherGEMM(OverlappedGemm):
         self.own_kernel(a, b, own_rows)
         with torch.cuda.stream(self._compute):
             self.bind_table()
-            self.kernel(self.gathered.view(-1, self.k), b, output, self.flags, self._order, self.epoch)
-        self._push.enqueue(a.data_ptr(), self.epoch)
-        self._push.finish(main)
+            self.kernel(self.gathered.view(-1, self.k), b, output, self.flags, self._order)
+        self._push.enqueue(a.data_ptr())
         main.wait_stream(self._compute)
+        self._push.release(main)
+        self._push.finish(main)
 
 
     def _make_push(self) -> CopyEnginePush:

@@ -3,13 +3,15 @@ writes, and waits on counters, all enqueued from the host (CUDA driver stream me
 operations), so that no streaming multiprocessor (SM) is spent or held.
 
 * :class:`CopyEnginePush`: the all-gather producer of
-  :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM` (and of
-  :class:`~tilescale_examples.sequence.sp_attention.SPAllGatherAttention`'s fused algorithm). For every row chunk of this rank's
-  operand and every other rank ``p`` it enqueues ``cuMemcpyAsync`` into ``p``'s gathered
-  buffer through the heap's peer mapping, then ``cuStreamWriteValue64`` of the call's epoch
-  into the chunk's flag on ``p``. Both run on the copy engines and the stream front end:
-  they progress whatever the SMs are doing, which is what makes a GEMM that spins on those
-  flags deadlock-free.
+  :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM` and of
+  :class:`~tilescale_examples.sequence.sp_attention.SPAllGatherAttention`'s fused algorithm.
+  For every row chunk of this rank's operand and every other rank ``p`` it enqueues
+  ``cuMemcpyAsync`` into ``p``'s gathered buffer through the heap's peer mapping, then
+  ``cuStreamWriteValue64`` of 1 into the chunk's flag on ``p``; the consumer releases the rows
+  (flags back to 0, the producer's *free* flag to 1) before the next call's copies may start.
+  Copies and flag operations run on the copy engines and the stream front end: they progress
+  whatever the SMs are doing, which is what makes a GEMM that spins on those flags
+  deadlock-free; the values are constants, so a call captured in a CUDA graph replays.
 * :func:`wait_counter_geq`: ``cuStreamWaitValue32`` with ``GEQ`` (wrap-safe 32-bit compare)
   on a counter that kernels of other ranks increment; work enqueued later on the stream
   starts only when the counter has reached the value.
@@ -181,35 +183,45 @@ def wait_counter_geq(stream_handle: int, address: int, value: int) -> None:
 
 
 class CopyEnginePush:
-    """The copy-engine all-gather of a row-chunked ``(m_local, k)`` operand to the other ranks.
+    """The copy-engine all-gather of a row-chunked ``(m_local, k)`` operand to the other ranks,
+    with a handshake of constant flag values, so that a call captured in a CUDA graph replays
+    correctly (nothing carries a call number from the host).
 
     Args:
-        gathered: one view per rank (index = rank) of the symmetric ``(2, world_size,
-            m_local, k)`` gathered buffer: parity ``e % 2`` of call ``e`` holds the ranks'
-            rows, slot ``src`` rank ``src``'s.
-        flags: one view per rank of the symmetric ``uint64`` flags, ``(world_size *
-            len(chunks),)``; ``flags[src * len(chunks) + c]`` on rank ``p`` is set to the
-            epoch when chunk ``c`` of ``src`` has landed on ``p``.
+        gathered: one view per rank (index = rank) of the symmetric ``(world_size, m_local,
+            k)`` gathered buffer: slot ``src`` holds rank ``src``'s rows.
+        flags: one view per rank of the symmetric ``uint64`` *ready* flags, ``(world_size *
+            len(chunks),)``: ``flags[src * len(chunks) + c]`` on rank ``p`` is 1 while chunk
+            ``c`` of ``src`` has landed on ``p`` and ``p`` has not released it.
+        free: one view per rank of the symmetric ``uint64`` *free* flags, ``(world_size,)``,
+            1 at construction: ``free[p]`` on rank ``q`` is 1 while ``q`` may push into its
+            slot on ``p`` (``p`` has released ``q``'s previous rows).
         rank, world_size: this rank and the number of ranks (at least 2).
         chunks: ``[(first_unit, n_units), ...]`` (:func:`plan_row_chunks`) in units of
             ``block_m`` rows.
         block_m: rows per unit.
         device: the CUDA device of the views (the side streams are made at the first call).
 
-    One side stream per peer offset ``j`` (peer ``(rank + j) % world_size``, ``j = 1 ..
-    world_size - 1``), so the copies to different ranks run on different copy engines. A call
-    is :meth:`mark` (the point of the caller's stream the copies follow), :meth:`enqueue`,
-    :meth:`finish`.
+    A call is :meth:`mark` (the point of the caller's stream the copies follow),
+    :meth:`enqueue` (on one side stream per peer offset ``j``, peer ``(rank + j) %
+    world_size``: wait until ``free[p]`` is 1 and set it to 0, then per chunk
+    ``cuMemcpyAsync`` into ``p``'s slot ``rank`` and ``cuStreamWriteValue64`` of 1 into the
+    chunk's flag on ``p``, fenced after the copy), the consumer's kernels, :meth:`release` on
+    the caller's stream once they have read the rows (for every other rank ``src`` and chunk:
+    wait until its flag is 1, set it to 0, then set ``free[rank]`` on ``src`` to 1), and
+    :meth:`finish`. Every wait is in a stream's front end: no SM is held, and a copy never
+    needs one. Rank ``q``'s copies of one call wait for ``p``'s release of the call before,
+    which follows ``p``'s reads of it, so no copy overwrites rows a kernel still reads.
     """
 
-    def __init__(self, gathered: Sequence, flags: Sequence, rank: int, world_size: int,
+    def __init__(self, gathered: Sequence, flags: Sequence, free: Sequence, rank: int, world_size: int,
                  chunks: Sequence, block_m: int, device):
         if world_size < 2:
             raise ValueError(f"world_size must be >= 2 (one rank has no peer), got {world_size}")
-        if len(gathered) != world_size or len(flags) != world_size:
-            raise ValueError(f"need one gathered and one flags view per rank ({world_size}), "
-                             f"got {len(gathered)} and {len(flags)}")
-        _, w, self.m_local, k = gathered[rank].shape
+        if not len(gathered) == len(flags) == len(free) == world_size:
+            raise ValueError(f"need one gathered, one flags and one free view per rank ({world_size}), "
+                             f"got {len(gathered)}, {len(flags)} and {len(free)}")
+        w, self.m_local, k = gathered[rank].shape
         if w != world_size:
             raise ValueError(f"gathered has {w} rank slots, world_size is {world_size}")
         if sum(n for _, n in chunks) * block_m != self.m_local:
@@ -219,15 +231,16 @@ class CopyEnginePush:
         self.block_m, self.device = block_m, device
         self._dst = [g.data_ptr() for g in gathered]
         self._flag = [f.data_ptr() for f in flags]
+        self._free = [f.data_ptr() for f in free]
         self.streams = None
 
-    def ops(self, a_ptr: int, epoch: int) -> list:
-        """Call ``epoch``'s operations in enqueue order: ``(j, dst, src, nbytes, flag)``:
-        on side stream ``j - 1``, copy ``nbytes`` from ``src`` to ``dst``, then write
-        ``epoch`` into the 8-byte ``flag`` (device addresses). Chunk by chunk, and within a
-        chunk to ``rank + 1``, ``rank + 2``, ... (pure: no device access)."""
+    def ops(self, a_ptr: int) -> list:
+        """A call's copies in enqueue order: ``(j, dst, src, nbytes, flag)``: on side stream
+        ``j - 1``, copy ``nbytes`` from ``src`` to ``dst``, then write 1 into the 8-byte
+        ``flag`` (device addresses). Chunk by chunk, and within a chunk to ``rank + 1``,
+        ``rank + 2``, ... (pure: no device access)."""
         W, me, C = self.world_size, self.rank, len(self.chunks)
-        slot = ((epoch % 2) * W + me) * self.m_local * self.row_bytes
+        slot = me * self.m_local * self.row_bytes
         unit_bytes = self.block_m * self.row_bytes
         out = []
         for c, (first, n) in enumerate(self.chunks):
@@ -238,9 +251,24 @@ class CopyEnginePush:
                             self._flag[p] + 8 * (me * C + c)))
         return out
 
+    def claims(self) -> list:
+        """``(j, free)`` per side stream: before its copies, stream ``j - 1`` waits until the
+        word at ``free`` (this rank's ``free[p]``, ``p = (rank + j) % world_size``) is 1, then
+        sets it to 0 (pure)."""
+        W, me = self.world_size, self.rank
+        return [(j, self._free[me] + 8 * ((me + j) % W)) for j in range(1, W)]
+
+    def releases(self) -> list:
+        """``(flags, free)`` per other rank ``src`` (rank order): the addresses of ``src``'s
+        ready flags on this rank, each waited for (1) and reset (0), then the word ``free``
+        (``free[rank]`` on ``src``) set to 1 (pure)."""
+        W, me, C = self.world_size, self.rank, len(self.chunks)
+        return [([self._flag[me] + 8 * (src * C + c) for c in range(C)], self._free[src] + 8 * me)
+                for src in range(W) if src != me]
+
     def mark(self, after) -> None:
         """The copies of the next :meth:`enqueue` follow everything enqueued on the stream
-        ``after`` so far (the operand is written; this rank's previous GEMMs have finished)."""
+        ``after`` so far (the operand is written; this rank's previous calls are released)."""
         import torch
 
         if self.streams is None:
@@ -249,17 +277,39 @@ class CopyEnginePush:
             self._done = [torch.cuda.Event() for _ in self.streams]
         self._start.record(after)
 
-    def enqueue(self, a_ptr: int, epoch: int) -> None:
-        """Enqueue :meth:`ops` on the side streams (after :meth:`mark`'s point)."""
+    def enqueue(self, a_ptr: int) -> None:
+        """Enqueue the :meth:`claims`, then the copies (:meth:`_copy`) on the side streams
+        (after :meth:`mark`'s point)."""
         drv, check = _driver()
-        memcpy, write = drv.cuMemcpyAsync, drv.cuStreamWriteValue64
-        fence = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT  # orders the copy before the flag
         for s in self.streams:
             s.wait_event(self._start)
+        for j, free in self.claims():
+            handle = self.streams[j - 1].cuda_stream
+            check(drv.cuStreamWaitValue64(handle, free, 1, drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
+                  "cuStreamWaitValue64")
+            check(drv.cuStreamWriteValue64(handle, free, 0, _no_fence(drv)), "cuStreamWriteValue64")
+        self._copy(drv, check, a_ptr)
+
+    def _copy(self, drv, check, a_ptr: int) -> None:
+        """The copies and flag writes of :meth:`ops` on the side streams."""
         handles = [s.cuda_stream for s in self.streams]
-        for j, dst, src, nbytes, flag in self.ops(a_ptr, epoch):
-            check(memcpy(dst, src, nbytes, handles[j - 1]), "cuMemcpyAsync")
-            check(write(handles[j - 1], flag, epoch, fence), "cuStreamWriteValue64")
+        fence = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT  # orders the copy before the flag
+        for j, dst, src, nbytes, flag in self.ops(a_ptr):
+            check(drv.cuMemcpyAsync(dst, src, nbytes, handles[j - 1]), "cuMemcpyAsync")
+            check(drv.cuStreamWriteValue64(handles[j - 1], flag, 1, fence), "cuStreamWriteValue64")
+
+    def release(self, stream) -> None:
+        """Enqueue :meth:`releases` on ``stream`` (the caller's), after the kernels that read
+        the gathered rows: every other rank may then push its next call's rows."""
+        drv, check = _driver()
+        geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        fence = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT  # the resets before the peer sees free
+        handle = stream.cuda_stream
+        for flags, free in self.releases():
+            for flag in flags:
+                check(drv.cuStreamWaitValue64(handle, flag, 1, geq), "cuStreamWaitValue64")
+                check(drv.cuStreamWriteValue64(handle, flag, 0, _no_fence(drv)), "cuStreamWriteValue64")
+            check(drv.cuStreamWriteValue64(handle, free, 1, fence), "cuStreamWriteValue64")
 
     def finish(self, main) -> None:
         """Make ``main`` wait for the side streams: later work on ``main`` may overwrite the
@@ -267,6 +317,11 @@ class CopyEnginePush:
         for s, done in zip(self.streams, self._done):
             done.record(s)
             main.wait_event(done)
+
+
+def _no_fence(drv):
+    """The write flag without the memory fence (a reset that orders nothing before it)."""
+    return drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER
 
 
 class CallOrder:

@@ -20,8 +20,9 @@ overlaps the attention of the rank's own shard, as in
 
 1. The copy engines push ``k`` and ``v`` (one
    :class:`~tilescale_examples.overlap.stream_ops.CopyEnginePush` each, one side stream per
-   peer) into slot ``rank`` of every peer's gathered ``(2, W, B, SP, Hkv, D)`` buffers (parity
-   ``epoch % 2``), then write the call number into this rank's flag on the peer.
+   peer) into slot ``rank`` of every peer's gathered ``(W, B, SP, Hkv, D)`` buffers, then set
+   this rank's ready flag on the peer to 1 (once the peer has released the previous call's
+   rows: the push's handshake of constant values).
 2. Meanwhile the flash kernel attends this rank's queries to its own shard
    (:func:`build_sp_own_attention_kernel`, no communication), writing ``out`` and ``lse``.
 3. Then :func:`build_sp_peer_attention_kernel` continues each row's online softmax from that
@@ -30,10 +31,11 @@ overlaps the attention of the rank's own shard, as in
    block first waits for the flags of the shards it reads; the copies it waits for run on
    copy engines, never on an SM that a waiting block holds. A causal rank 0 reads no peer
    shard and skips it.
+4. The caller's stream releases the gathered shards (flags back to 0, the producers' free
+   flags to 1) and waits for this rank's copies.
 
-It allocates the gathered buffers and flags instead of two all-gathers, and its flags carry
-the call number from the host: with two or more ranks it cannot be captured in a CUDA graph
-(a capture raises ``RuntimeError``; build with ``algorithm="sequential"`` to capture). With
+It allocates the gathered buffers and flags instead of two all-gathers. Every flag value is a
+constant, so a call captured in a CUDA graph replays correctly, mixed with eager calls. With
 one rank it is the flash kernel alone.
 
 The sequential algorithm (``"auto"`` where ranks share a GPU, or with ``order="zigzag"``):
@@ -89,12 +91,12 @@ def build_sp_peer_attention_kernel(world_size: int, batch: int, seq_local: int, 
                                    head_dim: int, causal: bool, scale: float, dtype: str = "bfloat16",
                                    block_m: int = 128, block_n: int = 128, num_stages: int = 2, threads: int = 256):
     """The fused algorithm's second kernel ``sp_attention_peers(Q, K, V, O, LSE, FlagsK, FlagsV,
-    rank, epoch)``: ``Q (B, SP, H, D)``; ``K``, ``V (W, B, SP, Hkv, D)`` the gathered shards of
-    this call's parity; ``O (B, SP, H, D)`` and ``LSE (B, H, SP)`` float32 the own shard's
-    result, continued and overwritten; ``FlagsK``, ``FlagsV (W,)`` uint64; ``rank``, ``epoch``.
+    rank)``: ``Q (B, SP, H, D)``; ``K``, ``V (W, B, SP, Hkv, D)`` the gathered shards; ``O (B,
+    SP, H, D)`` and ``LSE (B, H, SP)`` float32 the own shard's result, continued and
+    overwritten; ``FlagsK``, ``FlagsV (W,)`` uint64 ready flags; ``rank``.
 
-    Thread 0 of each block waits until ``FlagsK[src]`` and ``FlagsV[src]`` reach ``epoch`` for
-    every shard ``src`` it reads, then the block resumes its rows' online softmax
+    Thread 0 of each block waits until ``FlagsK[src]`` and ``FlagsV[src]`` are 1 for every
+    shard ``src`` it reads, then the block resumes its rows' online softmax
     (:func:`~tilescale_examples.sequence.flash_attention.resume_rows`) over those shards' key
     tiles: causal, shards ``0 .. rank - 1`` (``rank * SP / block_n`` tiles; every key precedes
     every query, nothing masked); otherwise every shard but ``rank``. Grid ``SP / block_m x H x
@@ -108,16 +110,16 @@ def build_sp_peer_attention_kernel(world_size: int, batch: int, seq_local: int, 
                            V: T.Tensor((W, batch, seq_local, kv_heads, head_dim), dtype),
                            O: T.Tensor((batch, seq_local, heads, head_dim), dtype),
                            LSE: T.Tensor((batch, heads, seq_local), "float32"), FlagsK: T.Tensor((W,), "uint64"),
-                           FlagsV: T.Tensor((W,), "uint64"), rank: T.int32, epoch: T.int64):
+                           FlagsV: T.Tensor((W,), "uint64"), rank: T.int32):
         with T.Kernel(seq_local // block_m, heads, batch, threads=threads) as (bx, by, bz):
             buffers = attention_buffers(block_m, block_n, head_dim, dtype)
             q_tile, out, row_max, denom = buffers[0], buffers[5], buffers[6], buffers[10]
             kv_head = by // groups
-            if T.get_thread_binding() == 0:  # the shards this block reads, of call `epoch`, landed
+            if T.get_thread_binding() == 0:  # the shards this block reads have landed
                 for src in T.serial(W):
                     if src != rank and (src < rank or not causal):
-                        T.wait_ge(FlagsK[src], epoch)
-                        T.wait_ge(FlagsV[src], epoch)
+                        T.wait_ge(FlagsK[src], 1)
+                        T.wait_ge(FlagsV[src], 1)
             T.sync_threads()
             T.fence_proxy_async()  # the landed shards before the async-proxy (TMA) reads
             T.copy(Q[bz, bx * block_m:(bx + 1) * block_m, by, :], q_tile)
@@ -196,14 +198,15 @@ class SPAllGatherAttention(AttentionOp):
 
     Attributes: ``output``, ``lse`` (the default outputs), ``algorithm`` and
     ``algorithm_reason``, ``kernel``; fused: ``own_kernel``, ``gathered_k``, ``gathered_v``
-    (this rank's ``(2, W, B, SP, Hkv, D)`` buffers), ``flags_k``, ``flags_v``; sequential:
+    (this rank's ``(W, B, SP, Hkv, D)`` buffers), ``flags_k``, ``flags_v`` (ready),
+    ``free_k``, ``free_v``; sequential:
     ``gather_k``, ``gather_v``.
     """
 
     ALGORITHMS = ALGORITHMS
     _AUTO_PROBES = ("fused", "sequential")
-    _BUFFERS = ("gather_k", "gather_v", "output", "lse", "gathered_k", "gathered_v", "flags_k", "flags_v", "own_kernel",
-                "_peers", "_push_k", "_push_v")
+    _BUFFERS = ("gather_k", "gather_v", "output", "lse", "gathered_k", "gathered_v", "flags_k", "flags_v", "free_k",
+                "free_v", "own_kernel", "_peers", "_push_k", "_push_v")
     Q_SHAPE_NAME, KV_SHAPE_NAME, LSE_SHAPE_NAME = "(B, seq_local, H, D) =", "(B, seq_local, Hkv, D) =", "(B, H, seq_local) ="
 
     def __init__(self, allocator, batch: int, seq_local: int, heads: int, kv_heads: int, head_dim: int,
@@ -237,6 +240,7 @@ class SPAllGatherAttention(AttentionOp):
         self.q_shape, self.kv_shape = (batch, seq_local, heads, head_dim), (batch, seq_local, kv_heads, head_dim)
         self.algorithm, self.algorithm_reason = self._choose_algorithm(algorithm)
         self.gather_k = self.gather_v = self.gathered_k = self.gathered_v = self.flags_k = self.flags_v = None
+        self.free_k = self.free_v = None
         self.own_kernel = self._peers = self._push_k = self._push_v = None
         self.output = torch.empty(self.q_shape, dtype=self.dtype, device=self.device)
         self.lse = torch.empty((batch, heads, seq_local), dtype=torch.float32, device=self.device)
@@ -289,12 +293,16 @@ class SPAllGatherAttention(AttentionOp):
             self.algorithm_reason = "one rank: the attention kernel alone, nothing to gather"
             return
         views = [peer_views(tilelang.tensor(shape, dtype, allocator=self.allocator, return_peers=True), W)
-                 for shape, dtype in (((2, W, *self.kv_shape), self.dtype), ((2, W, *self.kv_shape), self.dtype),
-                                      ((W,), torch.uint64), ((W,), torch.uint64))]
+                 for shape, dtype in (((W, *self.kv_shape), self.dtype), ((W, *self.kv_shape), self.dtype),
+                                      ((W,), torch.uint64), ((W,), torch.uint64), ((W,), torch.uint64),
+                                      ((W,), torch.uint64))]
         self._peers = views
-        self.gathered_k, self.gathered_v, self.flags_k, self.flags_v = (v[self.rank] for v in views)
-        self.flags_k.zero_()
-        self.flags_v.zero_()
+        (self.gathered_k, self.gathered_v, self.flags_k, self.flags_v, self.free_k,
+         self.free_v) = (v[self.rank] for v in views)
+        for flags in (self.flags_k, self.flags_v):
+            flags.zero_()
+        for free in (self.free_k, self.free_v):
+            free.view(torch.int64).fill_(1)  # every peer's slot may be written
         args = (W, *self._kernel_args())
         self.kernel = self._compile_plain(lambda: build_sp_peer_attention_kernel(*args, **self.tiles), target)
         settle(self.device, self.group)
@@ -309,13 +317,9 @@ class SPAllGatherAttention(AttentionOp):
                  lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """This rank's queries over every rank's keys (collective). Returns ``(out, lse)``,
         default the op's own (overwritten by the next call), complete on the current stream.
-        ``k`` and ``v`` may be overwritten by work enqueued after the call. Raises
-        :class:`~tilescale_examples.base.ClosedError` after ``close()``, and ``RuntimeError``
-        under CUDA graph capture for the fused algorithm with two or more ranks."""
-        if self.algorithm == "fused" and self.world_size > 1 and not self.closed and self._capturing():
-            raise RuntimeError("SPAllGatherAttention(algorithm='fused') with two or more ranks cannot be captured in a "
-                               "CUDA graph: its copy-engine pushes carry the call number from the host. Build it "
-                               "with algorithm='sequential' to capture it")
+        ``k`` and ``v`` may be overwritten by work enqueued after the call. Calls may be
+        captured in CUDA graphs (both algorithms). Raises
+        :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
         out, lse = self._begin_call(q, k, v, out, lse)
         if self.algorithm == "sequential":
             keys, values = self.gather_k(k), self.gather_v(v)
@@ -328,34 +332,34 @@ class SPAllGatherAttention(AttentionOp):
 
     def _fused(self, q, k, v, out, lse) -> None:
         """The fused algorithm's call on the current stream: pushes marked, own shard,
-        pushes enqueued, peers' shards (not for a causal rank 0), then the stream waits for
-        the pushes (``k`` and ``v`` may be overwritten afterwards)."""
+        pushes enqueued, peers' shards (not for a causal rank 0), the gathered shards
+        released, then the stream waits for the pushes (``k`` and ``v`` may be overwritten
+        afterwards)."""
         main = torch.cuda.current_stream(self.device)
         if self._push_k is None:
             rows, W = self.batch * self.seq_local, self.world_size
-            self._push_k, self._push_v = (self._make_push([g.view(2, W, rows, -1) for g in gathered], flags, rows)
-                                          for gathered, flags in ((self._peers[0], self._peers[2]),
-                                                                  (self._peers[1], self._peers[3])))
+            gk, gv, fk, fv, free_k, free_v = self._peers
+            self._push_k, self._push_v = (self._make_push([g.view(W, rows, -1) for g in gathered], flags, free, rows)
+                                          for gathered, flags, free in ((gk, fk, free_k), (gv, fv, free_v)))
         for push in (self._push_k, self._push_v):
             push.mark(main)
         self.own_kernel(q, k.view(1, *self.kv_shape), v.view(1, *self.kv_shape), out, lse, 0)
-        self._push_k.enqueue(k.data_ptr(), self.epoch)
-        self._push_v.enqueue(v.data_ptr(), self.epoch)
+        self._push_k.enqueue(k.data_ptr())
+        self._push_v.enqueue(v.data_ptr())
         if self.rank > 0 or not self.causal:
-            parity = self.epoch % 2
-            self.kernel(q, self.gathered_k[parity], self.gathered_v[parity], out, lse, self.flags_k, self.flags_v,
-                        self.rank, self.epoch)
+            self.kernel(q, self.gathered_k, self.gathered_v, out, lse, self.flags_k, self.flags_v, self.rank)
         for push in (self._push_k, self._push_v):
+            push.release(main)
             push.finish(main)
 
-    def _make_push(self, gathered: list, flags: list, rows: int):
+    def _make_push(self, gathered: list, flags: list, free: list, rows: int):
         """The producer of one of K and V, made at the first fused call: a
         :class:`~tilescale_examples.overlap.stream_ops.CopyEnginePush` of this rank's shard (one
         chunk of ``rows = B * SP`` rows) into slot ``rank`` of every peer's ``gathered`` view
-        ``(2, W, rows, Hkv * D)``, then its flag."""
+        ``(W, rows, Hkv * D)``, then its ready flag (``flags``, ``free``: every rank's views)."""
         from tilescale_examples.overlap.stream_ops import CopyEnginePush
 
-        return CopyEnginePush(gathered, flags, self.rank, self.world_size, [(0, 1)], rows, self.device)
+        return CopyEnginePush(gathered, flags, free, self.rank, self.world_size, [(0, 1)], rows, self.device)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(batch={self.batch}, seq_local={self.seq_local}, heads={self.heads}, "

@@ -42,7 +42,7 @@ import torch
 
 from tilescale_examples.overlap.ag_gemm import AllGatherGEMM
 from tilescale_examples.overlap.gemm_rs import GemmReduceScatter
-from tilescale_examples.overlap.stream_ops import CopyEnginePush, _driver
+from tilescale_examples.overlap.stream_ops import CopyEnginePush
 from tilescale_examples.sequence.sp_attention import SPAllGatherAttention
 
 __all__ = ["HostStagedPush", "EmulatedAllGatherGEMM", "EmulatedGemmReduceScatter", "EmulatedSPAllGatherAttention",
@@ -57,7 +57,7 @@ def staged_steps(ops: Sequence[tuple], a_ptr: int, stage_ptr: int, world_size: i
       ``stage`` (the same offset from ``stage_ptr`` as ``src`` from ``a_ptr``), once per chunk,
       before the chunk's pushes;
     * ``("push", c, j, dst, stage, nbytes, flag)``: on side stream ``j - 1``, after chunk
-      ``c`` is staged: host to device from ``stage`` to ``dst``, then the flag write.
+      ``c`` is staged: host to device from ``stage`` to ``dst``, then 1 into ``flag``.
 
     Pure: no device access."""
     per = world_size - 1
@@ -72,12 +72,13 @@ def staged_steps(ops: Sequence[tuple], a_ptr: int, stage_ptr: int, world_size: i
 
 class HostStagedPush(CopyEnginePush):
     """:class:`~tilescale_examples.overlap.stream_ops.CopyEnginePush` through pinned host
-    memory, for emulated peers on one GPU: :func:`staged_steps`. The device-to-host copies
-    run on a staging stream of their own (a CUDA event per chunk releases its pushes), the
-    host-to-device copies and flag writes on the side streams, so both directions of the
-    link and every peer's copies proceed at once. The pinned buffer (``m_local`` rows) is
-    made at the first call; the next call's staging starts only after this call's pushes
-    (its side streams follow the caller's stream, which :meth:`finish` made wait)."""
+    memory, for emulated peers on one GPU: the same claims and releases, and the copies of
+    :func:`staged_steps`. The device-to-host copies run on a staging stream of their own (a
+    CUDA event per chunk releases its pushes), the host-to-device copies and flag writes on
+    the side streams, so both directions of the link and every peer's copies proceed at once.
+    The pinned buffer (``m_local`` rows) is made at the first call; the next call's staging
+    starts only after this call's pushes (its side streams follow the caller's stream, which
+    :meth:`finish` made wait)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -90,17 +91,14 @@ class HostStagedPush(CopyEnginePush):
             self._stager = torch.cuda.Stream(device=self.device)
             self._staged = [torch.cuda.Event() for _ in self.chunks]
 
-    def enqueue(self, a_ptr: int, epoch: int) -> None:
-        """Enqueue :func:`staged_steps` of call ``epoch`` (after :meth:`mark`'s point)."""
-        drv, check = _driver()
+    def _copy(self, drv, check, a_ptr: int) -> None:
+        """:func:`staged_steps` of the call (after :meth:`mark`'s point and the claims)."""
         memcpy, write = drv.cuMemcpyAsync, drv.cuStreamWriteValue64
         fence = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT  # orders the copy before the flag
         self._stager.wait_event(self._start)
-        for s in self.streams:
-            s.wait_event(self._start)
         handles = [s.cuda_stream for s in self.streams]
         stager = self._stager.cuda_stream
-        for step in staged_steps(self.ops(a_ptr, epoch), a_ptr, self._staging.data_ptr(), self.world_size):
+        for step in staged_steps(self.ops(a_ptr), a_ptr, self._staging.data_ptr(), self.world_size):
             if step[0] == "stage":
                 _, c, stage, src, nbytes = step
                 check(memcpy(stage, src, nbytes, stager), "cuMemcpyAsync")
@@ -109,7 +107,7 @@ class HostStagedPush(CopyEnginePush):
                 _, c, j, dst, stage, nbytes, flag = step
                 self.streams[j - 1].wait_event(self._staged[c])
                 check(memcpy(dst, stage, nbytes, handles[j - 1]), "cuMemcpyAsync")
-                check(write(handles[j - 1], flag, epoch, fence), "cuStreamWriteValue64")
+                check(write(handles[j - 1], flag, 1, fence), "cuStreamWriteValue64")
 
 
 class EmulatedAllGatherGEMM(AllGatherGEMM):
@@ -155,8 +153,8 @@ class EmulatedSPAllGatherAttention(SPAllGatherAttention):
         del compute
         super().__init__(allocator, *args, algorithm="fused", **kwargs)
 
-    def _make_push(self, gathered: list, flags: list, rows: int) -> CopyEnginePush:
-        return HostStagedPush(gathered, flags, self.rank, self.world_size, [(0, 1)], rows, self.device)
+    def _make_push(self, gathered: list, flags: list, free: list, rows: int) -> CopyEnginePush:
+        return HostStagedPush(gathered, flags, free, self.rank, self.world_size, [(0, 1)], rows, self.device)
 
 
 #: op name -> emulated class.
