@@ -106,7 +106,7 @@ def test_precompiled_kernels_are_the_ones_the_ops_build(tmp_path):
     rs = precompile_jobs("gemm_rs", 2, 256, 512, 256, "bfloat16")
     assert rs[0][1] == (512, 256, 512, "bfloat16")  # the whole a: 2 x 256 rows
     sp = precompile_jobs("sp_attention", 2, 1, 256, 4, 2, 128, "bfloat16", causal=False)
-    assert sp[1][1] == (2, 1, 256, 4, 2, 128, False, 128 ** -0.5, "bfloat16")
+    assert sp[1][1] == (2, 1, 256, 4, 2, 128, False, 128 ** -0.5, "bfloat16", 128, 128, 2, 256, "contiguous")
     assert precompile(ag + rs + sp, cache_dir=tmp_path, workers=2) == [
         "gemm", "ag_gemm", "gemm", "gemm", "gemm_rs", "reduce_partials", "sp_attention_own", "sp_attention_peers"]
 
@@ -128,7 +128,7 @@ def test_benchmark_options_goal_and_no_gpu(capsys, monkeypatch):
 
 # ------------------------------------------------------------------------------ GPU
 #: op -> [(ranks, constructor arguments after the allocator, keywords)]: odd chunkings (3 or 2
-#: row blocks in 2, 8 or 3 chunks), attention causal and not with GQA.
+#: row blocks in 2, 8 or 3 chunks), attention causal and not, contiguous and zigzag, with GQA.
 GPU_CASES = {
     "ag_gemm": [(2, (384, 512, 256, torch.bfloat16), {"max_chunks": 2}),
                 (4, (256, 512, 256, torch.bfloat16), {"max_chunks": 8}),
@@ -137,6 +137,7 @@ GPU_CASES = {
                 (8, (384, 512, 256, torch.bfloat16), {})],
     "sp_attention": [(2, (1, 256, 8, 2, 128, torch.bfloat16), {"causal": True}),
                      (4, (2, 128, 4, 4, 64, torch.float16), {"causal": False}),
+                     (4, (1, 256, 4, 2, 128, torch.bfloat16), {"causal": True, "order": "zigzag"}),
                      (8, (1, 128, 4, 1, 128, torch.bfloat16), {"causal": True})],
 }
 ROUNDS, BATCH = 1000, 25

@@ -98,7 +98,6 @@ ARGS = dict(batch=2, seq_local=256, heads=8, kv_heads=2, head_dim=128, dtype=tor
     ({"block_k": 64}, TypeError, r"unknown tile options \['block_k'\]"),
     ({"dtype": torch.float32}, (TypeError, ValueError), "dtype"),
     ({"algorithm": "ring"}, ValueError, "algorithm must be one of"),
-    ({"algorithm": "fused", "order": "zigzag"}, ValueError, "algorithm='fused' needs order='contiguous'"),
 ])
 def test_argument_errors_before_anything_is_allocated(monkeypatch, kwargs, error, match):
     record_compiles(monkeypatch)
@@ -192,6 +191,18 @@ def test_generated_cuda_of_the_fused_kernels():
     full = lower_with(build_sp_peer_attention_kernel(4, 2, 1024, 8, 2, 128, False, 128 ** -0.5), {})
     assert "if (src != rank) {" in full and "for (int t = 0; t < 24; ++t)" in full  # 3 other shards x 8 tiles
     assert "if (((rank * 8) <= t)) {" in full and "condval = 8;" in full  # past the own shard: skip its 8 tiles
+    # zigzag (4 ranks, chunks of 512 = 4 tiles): a first-chunk block reads the first chunks of the shards
+    # before this rank; a second-chunk block (blockIdx.x >= 4) reads every other shard's first chunk
+    # (skipping its own), then the later shards' second chunks
+    zz = lower_with(build_sp_peer_attention_kernel(4, 1, 1024, 8, 2, 128, True, 128 ** -0.5, order="zigzag"), {})
+    assert "sp_attention_peers_zigzag_kernel" in zz
+    assert "if ((src != rank) && ((src < rank) || (4 <= ((int)blockIdx.x)))) {" in zz
+    assert "if ((4 <= ((int)blockIdx.x))) {\n      condval = (24 - (rank * 4));\n    } else {\n      condval = (rank * 4);" in zz
+    assert "condval_2 = (((t >> 2) + rank) - 2);" in zz and "(((4 <= ((int)blockIdx.x)) && (rank <= (t >> 2))))" in zz
+    assert "if ((12 <= t)) {\n            condval_1 = 512;" in zz  # the second chunk's rows of the later shards
+    # without a mask the order changes nothing: non-causal zigzag is the contiguous kernel
+    assert lower_with(build_sp_peer_attention_kernel(4, 1, 1024, 8, 2, 128, False, 128 ** -0.5, order="zigzag"), {}) \
+        == lower_with(build_sp_peer_attention_kernel(4, 1, 1024, 8, 2, 128, False, 128 ** -0.5), {})
     own = lower_with(build_sp_own_attention_kernel(2, 1024, 8, 2, 128, True, 128 ** -0.5), {})
     assert "sp_attention_own_kernel" in own and "FlagsK" not in own
 
@@ -203,6 +214,8 @@ def test_fused_kernels_compile_with_nvcc(tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
     for func, name in ((build_sp_peer_attention_kernel(2, 1, 256, 4, 1, 128, True, 128 ** -0.5), "sp_attention_peers"),
                        (build_sp_peer_attention_kernel(2, 1, 256, 4, 2, 64, False, 64 ** -0.5), "sp_attention_peers"),
+                       (build_sp_peer_attention_kernel(2, 1, 512, 4, 1, 128, True, 128 ** -0.5, order="zigzag"),
+                        "sp_attention_peers_zigzag"),
                        (build_sp_own_attention_kernel(1, 256, 4, 1, 128, True, 128 ** -0.5), "sp_attention_own")):
         kernel = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"})
         assert kernel.prim_func.attrs["global_symbol"] == name
@@ -235,12 +248,13 @@ def test_fused_plan_buffers_and_call_sequence(monkeypatch, fused_available):
     flags are constants), then each push's release and join, on every call."""
     compiles = record_compiles(monkeypatch)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    for rank, causal in ((1, True), (0, True), (0, False)):
+    for rank, causal, order in ((1, True, "contiguous"), (0, True, "contiguous"), (0, False, "contiguous"),
+                                (0, True, "zigzag")):
         compiles.clear()
         log = []
-        op = SPAllGatherAttention(CpuAllocator(2, rank), **ARGS, causal=causal, algorithm="fused")
+        op = SPAllGatherAttention(CpuAllocator(2, rank), **ARGS, causal=causal, algorithm="fused", order=order)
         assert (op.algorithm, op.algorithm_reason) == ("fused", "stub") and op.gather_k is None
-        assert compiles == ["sp_attention_own", "sp_attention_peers"]
+        assert compiles == ["sp_attention_own", "sp_attention_peers" + ("_zigzag" if order == "zigzag" else "")]
         assert op.gathered_k.shape == op.gathered_v.shape == (2, 2, 256, 2, 128)
         assert op.flags_k.dtype == torch.uint64 and int(op.flags_k.sum()) == int(op.flags_v.sum()) == 0
         assert op.free_k.view(torch.int64).tolist() == op.free_v.view(torch.int64).tolist() == [1, 1]
@@ -258,7 +272,7 @@ def test_fused_plan_buffers_and_call_sequence(monkeypatch, fused_available):
             assert own[0] is q and own[1].shape == (1, 2, 256, 2, 128) and own[1].data_ptr() == k.data_ptr()
             assert own[2].data_ptr() == v.data_ptr() and own[3:] == (out, lse, 0)
             assert body[3:5] == [("enqueue", k.data_ptr()), ("enqueue", v.data_ptr())]
-            if rank == 0 and causal:
+            if rank == 0 and causal and order == "contiguous":  # no earlier shard; zigzag's second chunk has some
                 assert body[5:] == ["release", "finish", "release", "finish"]
                 continue
             tag, peers = body[5]
@@ -283,9 +297,9 @@ def test_fused_plan_on_one_rank_is_the_flash_kernel_alone(monkeypatch, fused_ava
 
 
 def test_auto_algorithm_choices(monkeypatch, fused_available, caplog):
-    record_compiles(monkeypatch)
+    compiles = record_compiles(monkeypatch)
     zigzag = SPAllGatherAttention(CpuAllocator(2), **ARGS, order="zigzag")
-    assert zigzag.algorithm == "sequential" and "zigzag" in zigzag.algorithm_reason
+    assert zigzag.algorithm == "fused" and compiles[-1] == "sp_attention_peers_zigzag"
     assert SPAllGatherAttention(CpuAllocator(2), **ARGS).algorithm == "fused"
     monkeypatch.setattr("tilescale_examples.overlap.stream_ops.stream_ops_available", lambda device: (False, "none"))
     import logging

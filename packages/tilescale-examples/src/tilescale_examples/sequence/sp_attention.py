@@ -14,8 +14,8 @@ queries' attention over the whole sequence::
 instead (:func:`positions`), so that every rank has the same causal work.
 
 The fused algorithm (``algorithm="fused"``; ``"auto"`` takes it where every rank has a GPU of
-its own with stream memory operations, and ``order`` is ``"contiguous"``): the all-gather
-overlaps the attention of the rank's own shard, as in
+its own with stream memory operations): the all-gather overlaps the attention of the rank's
+own shard, as in
 :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM`.
 
 1. The copy engines push ``k`` and ``v`` (one
@@ -26,11 +26,12 @@ overlaps the attention of the rank's own shard, as in
 2. Meanwhile the flash kernel attends this rank's queries to its own shard
    (:func:`build_sp_own_attention_kernel`, no communication), writing ``out`` and ``lse``.
 3. Then :func:`build_sp_peer_attention_kernel` continues each row's online softmax from that
-   result over the peers' shards (causal: the shards before this rank's, whose keys precede
-   every query here, so nothing is masked; otherwise every other shard). Thread 0 of each
+   result over the peers' key chunks that its queries see, each wholly visible (causal,
+   contiguous: the shards before this rank's; zigzag: per chunk of queries, see the
+   builder; otherwise every other shard). Thread 0 of each
    block first waits for the flags of the shards it reads; the copies it waits for run on
-   copy engines, never on an SM that a waiting block holds. A causal rank 0 reads no peer
-   shard and skips it.
+   copy engines, never on an SM that a waiting block holds. A causal rank 0 of the
+   contiguous order reads no peer shard and skips it.
 4. The caller's stream releases the gathered shards (flags back to 0, the producers' free
    flags to 1) and waits for this rank's copies.
 
@@ -38,7 +39,7 @@ It allocates the gathered buffers and flags instead of two all-gathers. Every fl
 constant, so a call captured in a CUDA graph replays correctly, mixed with eager calls. With
 one rank it is the flash kernel alone.
 
-The sequential algorithm (``"auto"`` where ranks share a GPU, or with ``order="zigzag"``):
+The sequential algorithm (``"auto"`` where ranks share a GPU):
 two :class:`~tilescale_examples.collectives.allgather.AllGather` calls (device-side call state:
 back-to-back calls need no host synchronisation and a call can be captured in a CUDA graph),
 then :func:`build_sp_attention_kernel`: the flash kernel's blocks reading the gathered
@@ -89,7 +90,8 @@ def build_sp_own_attention_kernel(batch: int, seq_local: int, heads: int, kv_hea
 
 def build_sp_peer_attention_kernel(world_size: int, batch: int, seq_local: int, heads: int, kv_heads: int,
                                    head_dim: int, causal: bool, scale: float, dtype: str = "bfloat16",
-                                   block_m: int = 128, block_n: int = 128, num_stages: int = 2, threads: int = 256):
+                                   block_m: int = 128, block_n: int = 128, num_stages: int = 2, threads: int = 256,
+                                   order: str = "contiguous"):
     """The fused algorithm's second kernel ``sp_attention_peers(Q, K, V, O, LSE, FlagsK, FlagsV,
     rank)``: ``Q (B, SP, H, D)``; ``K``, ``V (W, B, SP, Hkv, D)`` the gathered shards; ``O (B,
     SP, H, D)`` and ``LSE (B, H, SP)`` float32 the own shard's result, continued and
@@ -98,10 +100,20 @@ def build_sp_peer_attention_kernel(world_size: int, batch: int, seq_local: int, 
     Thread 0 of each block waits until ``FlagsK[src]`` and ``FlagsV[src]`` are 1 for every
     shard ``src`` it reads, then the block resumes its rows' online softmax
     (:func:`~tilescale_examples.sequence.flash_attention.resume_rows`) over those shards' key
-    tiles: causal, shards ``0 .. rank - 1`` (``rank * SP / block_n`` tiles; every key precedes
-    every query, nothing masked); otherwise every shard but ``rank``. Grid ``SP / block_m x H x
-    B``; ``SP`` a multiple of the tiles (checked by the caller)."""
+    tiles, each either wholly visible or not read (nothing is masked):
+
+    * not causal: every shard but ``rank``;
+    * causal, ``"contiguous"``: shards ``0 .. rank - 1`` (``rank * SP / block_n`` tiles);
+    * causal, ``"zigzag"`` (shard ``p`` is chunks ``p`` and ``2 W - 1 - p`` of ``C = SP / 2``
+      positions, :func:`positions`): a block of the first chunk reads the first chunks of
+      shards ``0 .. rank - 1``; a block of the second chunk reads the first chunk of every
+      other shard, then the second chunks of shards ``rank + 1 .. W - 1``.
+
+    Grid ``SP / block_m x H x B``; ``SP`` a multiple of the tiles (zigzag: of twice the tiles;
+    checked by the caller)."""
     W, groups, tps = world_size, heads // kv_heads, seq_local // block_n
+    zigzag = causal and order == "zigzag"  # without a mask the order changes nothing
+    C, tpc = seq_local // 2, seq_local // 2 // block_n
     scale_log2 = scale * LOG2E
 
     @T.prim_func
@@ -115,22 +127,39 @@ def build_sp_peer_attention_kernel(world_size: int, batch: int, seq_local: int, 
             buffers = attention_buffers(block_m, block_n, head_dim, dtype)
             q_tile, out, row_max, denom = buffers[0], buffers[5], buffers[6], buffers[10]
             kv_head = by // groups
+            if zigzag:
+                second = bx * block_m >= C  # this block's rows are the shard's second chunk
             if T.get_thread_binding() == 0:  # the shards this block reads have landed
                 for src in T.serial(W):
-                    if src != rank and (src < rank or not causal):
+                    if zigzag:
+                        if src != rank and (src < rank or second):
+                            T.wait_ge(FlagsK[src], 1)
+                            T.wait_ge(FlagsV[src], 1)
+                    elif src != rank and (src < rank or not causal):
                         T.wait_ge(FlagsK[src], 1)
                         T.wait_ge(FlagsV[src], 1)
             T.sync_threads()
             T.fence_proxy_async()  # the landed shards before the async-proxy (TMA) reads
             T.copy(Q[bz, bx * block_m:(bx + 1) * block_m, by, :], q_tile)
             resume_rows(out, denom, row_max, O, LSE, bz, bx * block_m, by, scale, block_m)
-            visits = rank * tps if causal else (W - 1) * tps
+            if zigzag:
+                visits = T.if_then_else(second, (2 * W - 2 - rank) * tpc, rank * tpc)
+            else:
+                visits = rank * tps if causal else (W - 1) * tps
             for t in T.Pipelined(visits, num_stages=num_stages):
-                kb = t if causal else t + T.if_then_else(t >= rank * tps, tps, 0)  # every tile but the own shard's
-                attend_tile(K, V, kb // tps, (kb % tps) * block_n, bz, kv_head, buffers, 0, 0, False, None, scale_log2)
+                if zigzag:  # first chunks (skipping the own shard), then the later shards' second chunks
+                    late, early = t >= (W - 1) * tpc, t // tpc
+                    shard = T.if_then_else(late, rank + 1 + (t - (W - 1) * tpc) // tpc,
+                                           T.if_then_else(second and early >= rank, early + 1, early))
+                    first = T.if_then_else(late, C, 0) + (t % tpc) * block_n
+                else:
+                    kb = t if causal else t + T.if_then_else(t >= rank * tps, tps, 0)  # every tile but the own shard's
+                    shard, first = kb // tps, (kb % tps) * block_n
+                attend_tile(K, V, shard, first, bz, kv_head, buffers, 0, 0, False, None, scale_log2)
             store_rows(O, LSE, buffers, bz, bx * block_m, by, scale)
 
-    return sp_attention_peers
+    return sp_attention_peers.with_attr("global_symbol", f"sp_attention_peers_{order}" if zigzag
+                                        else "sp_attention_peers")
 
 
 #: Values of ``algorithm`` (see the module docstring).
@@ -188,10 +217,9 @@ class SPAllGatherAttention(AttentionOp):
             same causal work; ``seq_local`` then a multiple of twice the tiles); see
             :func:`positions`.
         algorithm: ``"auto"``, ``"fused"`` (the all-gather on the copy engines, overlapped with
-            the own shard's attention; ``order="contiguous"`` only) or ``"sequential"`` (two
-            all-gathers, then the kernel); see the module docstring. ``"auto"`` is fused where
-            every rank has a GPU of its own with stream memory operations and ``order`` is
-            contiguous, else sequential (with a log line when a probe decided).
+            the own shard's attention) or ``"sequential"`` (two all-gathers, then the kernel);
+            see the module docstring. ``"auto"`` is fused where every rank has a GPU of its
+            own with stream memory operations, else sequential (with a log line).
         scale: of the scores (default ``1 / sqrt(head_dim)``).
         tiles: ``block_m``, ``block_n``, ``num_stages``, ``threads`` (default
             :func:`~tilescale_examples.sequence.flash_attention.default_tiles`).
@@ -224,9 +252,6 @@ class SPAllGatherAttention(AttentionOp):
         self.tiles = check_tiles(tiles, head_dim)
         if order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-        if order == "zigzag" and algorithm == "fused":
-            raise ValueError("algorithm='fused' needs order='contiguous' (its kernels read whole shards); use "
-                             "algorithm='sequential' or 'auto' with order='zigzag'")
         unit = 2 if order == "zigzag" else 1  # a zigzag shard is two chunks of whole tiles
         if seq_local % (unit * self.tiles["block_m"]) or seq_local % (unit * self.tiles["block_n"]):
             times = "" if unit == 1 else f"{unit} x "
@@ -251,15 +276,13 @@ class SPAllGatherAttention(AttentionOp):
             self._build_sequential(group, target)
 
     def _choose_algorithm(self, requested: str) -> Tuple[str, str]:
-        """``(algorithm, reason)``: zigzag is sequential; otherwise the overlapped GEMMs'
-        choice (:func:`~tilescale_examples.overlap.stream_ops.resolve_plan`: collective, one
-        GPU per rank and stream memory operations for the fused one)."""
+        """``(algorithm, reason)``: the overlapped GEMMs' choice
+        (:func:`~tilescale_examples.overlap.stream_ops.resolve_plan`: collective, one GPU per
+        rank and stream memory operations for the fused one)."""
         if self._dry_run:
             return ("sequential" if requested == "auto" else requested), "dry run"
         if requested == "sequential":
             return "sequential", "requested"
-        if self.order == "zigzag":
-            return "sequential", "order='zigzag': the fused algorithm reads whole contiguous shards"
         from tilescale_examples.overlap.stream_ops import resolve_plan
 
         return resolve_plan(type(self).__name__, requested, self.device, self.group, self.world_size,
@@ -304,7 +327,8 @@ class SPAllGatherAttention(AttentionOp):
         for free in (self.free_k, self.free_v):
             free.view(torch.int64).fill_(1)  # every peer's slot may be written
         args = (W, *self._kernel_args())
-        self.kernel = self._compile_plain(lambda: build_sp_peer_attention_kernel(*args, **self.tiles), target)
+        self.kernel = self._compile_plain(lambda: build_sp_peer_attention_kernel(*args, **self.tiles,
+                                                                                 order=self.order), target)
         settle(self.device, self.group)
 
     @staticmethod
@@ -331,10 +355,10 @@ class SPAllGatherAttention(AttentionOp):
         return out, lse
 
     def _fused(self, q, k, v, out, lse) -> None:
-        """The fused algorithm's call on the current stream: pushes marked, own shard,
-        pushes enqueued, peers' shards (not for a causal rank 0), the gathered shards
-        released, then the stream waits for the pushes (``k`` and ``v`` may be overwritten
-        afterwards)."""
+        """The fused algorithm's call on the current stream: pushes marked, own shard, pushes
+        enqueued, peers' shards (not for a causal rank 0 of the contiguous order), the
+        gathered shards released, then the stream waits for the pushes (``k`` and ``v`` may be
+        overwritten afterwards)."""
         main = torch.cuda.current_stream(self.device)
         if self._push_k is None:
             rows, W = self.batch * self.seq_local, self.world_size
@@ -346,7 +370,7 @@ class SPAllGatherAttention(AttentionOp):
         self.own_kernel(q, k.view(1, *self.kv_shape), v.view(1, *self.kv_shape), out, lse, 0)
         self._push_k.enqueue(k.data_ptr())
         self._push_v.enqueue(v.data_ptr())
-        if self.rank > 0 or not self.causal:
+        if self.rank > 0 or not self.causal or self.order == "zigzag":
             self.kernel(q, self.gathered_k, self.gathered_v, out, lse, self.flags_k, self.flags_v, self.rank)
         for push in (self._push_k, self._push_v):
             push.release(main)

@@ -286,7 +286,7 @@ class EmulatedOverlap:
         for r, out in enumerate(outs):
             where = f"{self.op} N={self.ranks} rank {r}"
             if self.op == "sp_attention":
-                want_o, want_lse = op0.torch_reference(inputs, r, op0.causal)
+                want_o, want_lse = op0.torch_reference(inputs, r, op0.causal, op0.order)
                 if not torch.allclose(out[0].float(), want_o, atol=2e-2, rtol=2e-2):
                     failures.append(f"{where}: output differs (worst {(out[0].float() - want_o).abs().max():.3g})")
                 if not torch.allclose(out[1], want_lse, atol=1e-3, rtol=1e-3):
@@ -314,11 +314,12 @@ class EmulatedOverlap:
         self.close()
 
 
-def precompile_jobs(op: str, ranks: int, *args, max_chunks: int = 8, causal: bool = True) -> list:
+def precompile_jobs(op: str, ranks: int, *args, max_chunks: int = 8, causal: bool = True,
+                    order: str = "contiguous") -> list:
     """:func:`~tilescale_examples.testing.precompile.precompile` jobs of the kernels
     :class:`EmulatedOverlap` builds with the default tiles: ``args`` are the op's sizes with the
     dtype as a name (``m_local, k, n, "bfloat16"``; attention: ``batch, seq_local, heads,
-    kv_heads, head_dim, "bfloat16"``). The GEMMs' jobs include the stock GEMM of the whole
+    kv_heads, head_dim, "bfloat16"``, with ``causal`` and ``order``). The GEMMs' jobs include the stock GEMM of the whole
     operand (``ranks * m_local`` rows) that the benchmark compares with."""
     from tilescale_examples.overlap.gemm import GemmTiles
     from tilescale_examples.overlap.stream_ops import plan_row_chunks
@@ -326,11 +327,15 @@ def precompile_jobs(op: str, ranks: int, *args, max_chunks: int = 8, causal: boo
     if op not in OPS:
         raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
     if op == "sp_attention":
+        from tilescale_examples.sequence.flash_attention import TILE_OPTIONS, default_tiles
+
         batch, seq_local, heads, kv_heads, head_dim, dtype = args
-        sizes = (batch, seq_local, heads, kv_heads, head_dim, causal, head_dim ** -0.5, dtype)
+        tiles = default_tiles(head_dim)
+        sizes = (batch, seq_local, heads, kv_heads, head_dim, causal, head_dim ** -0.5, dtype,
+                 *(tiles[name] for name in TILE_OPTIONS))
         module = "tilescale_examples.sequence.sp_attention"
         return [(f"{module}:build_sp_own_attention_kernel", sizes, None),
-                (f"{module}:build_sp_peer_attention_kernel", (ranks, *sizes), None)]
+                (f"{module}:build_sp_peer_attention_kernel", (ranks, *sizes, order), None)]
     m_local, k, n, dtype = args
     gemm = "tilescale_examples.overlap.gemm:build_gemm_kernel"
     jobs = [(gemm, (ranks * m_local, n, k, dtype), None)]
