@@ -173,6 +173,52 @@ def test_resuming_from_a_finished_result_equals_one_pass():
     assert torch.allclose(lse, torch.logsumexp(s, 1)) and torch.allclose(o, torch.softmax(s, 1) @ v)
 
 
+def _peer_tiles(rank, world, seq_local, block_n, causal, order, second):
+    """The (shard, first key) of every key tile the peers' kernel reads for a block of the
+    first (``second`` False) or second chunk, in its order: the kernel's index arithmetic."""
+    tps, C = seq_local // block_n, seq_local // 2
+    tpc = C // block_n
+    if causal and order == "zigzag":
+        visits = (2 * world - 2 - rank) * tpc if second else rank * tpc
+        out = []
+        for t in range(visits):
+            late, early = t >= (world - 1) * tpc, t // tpc
+            shard = rank + 1 + (t - (world - 1) * tpc) // tpc if late else (early + 1 if second and early >= rank else early)
+            out.append((shard, (C if late else 0) + (t % tpc) * block_n))
+        return out
+    visits = rank * tps if causal else (world - 1) * tps
+    kbs = [t if causal else t + (tps if t >= rank * tps else 0) for t in range(visits)]
+    return [(kb // tps, (kb % tps) * block_n) for kb in kbs]
+
+
+@pytest.mark.parametrize("world, causal, order", [(3, True, "contiguous"), (3, False, "contiguous"),
+                                                  (4, True, "zigzag"), (2, True, "zigzag"), (3, False, "zigzag")])
+def test_fused_split_is_global_attention(world, causal, order):
+    """For every rank and chunk of queries: attention over the own shard (causal in local
+    positions), resumed over exactly the peers' key tiles the peers' kernel reads (no mask),
+    equals global attention sliced to those rows. Every key a query sees is read once."""
+    SP, block_n, D = 8, 2, 4
+    shards = _shards(world, 1, SP, 1, 1, D, torch.float32, seed=world)
+    for rank in range(world):
+        q, k, v = (t[0, :, 0] for t in shards[rank])
+        want_o, want_lse = torch_reference(shards, rank, causal, order)
+        halves = (False, True) if order == "zigzag" and causal else (None,)
+        for second in halves:
+            rows = slice(0, SP) if second is None else (slice(SP // 2, SP) if second else slice(0, SP // 2))
+            s_own = q[rows] @ k.T / D ** 0.5
+            if causal:
+                i = torch.arange(SP)[rows][:, None]
+                s_own = s_own.masked_fill(torch.arange(SP)[None, :] > i, float("-inf"))
+            keys = [shards[p][1][0, f:f + block_n, 0] for p, f in _peer_tiles(rank, world, SP, block_n, causal, order,
+                                                                              bool(second))]
+            vals = [shards[p][2][0, f:f + block_n, 0] for p, f in _peer_tiles(rank, world, SP, block_n, causal, order,
+                                                                              bool(second))]
+            s = torch.cat([s_own] + [q[rows] @ kk.T / D ** 0.5 for kk in keys], dim=1)
+            vv = torch.cat([v] + vals)
+            assert torch.allclose(torch.logsumexp(s, 1), want_lse[0, 0, rows], atol=1e-5), (rank, second)
+            assert torch.allclose(torch.softmax(s, 1) @ vv, want_o[0, rows, 0], atol=1e-5), (rank, second)
+
+
 def test_generated_cuda_of_the_fused_kernels():
     peers = lower_with(build_sp_peer_attention_kernel(4, 2, 1024, 8, 2, 128, True, 128 ** -0.5), {})
     assert "wgmma" in peers.lower() and "exp2f" in peers
