@@ -134,6 +134,16 @@ def test_heap_and_the_calls_sequence(monkeypatch):
     assert calls[-1][0] == "zigzag" and calls[-1][1][5] == 128  # chunk 1 of four 128-position chunks
     with pytest.raises(ValueError, match=r"q has shape \(2, 128, 8, 128\)"):
         op(q[:, :128].contiguous(), k, v)
+    # outputs may not overlap the inputs or each other (the kernels read inputs after other blocks wrote outputs)
+    alias = torch.empty((2, 256, 8, 128), dtype=torch.bfloat16)  # q's shape; v's elements at its start
+    v_inside = alias.view(-1)[:v.numel()].view(v.shape)
+    v_inside.copy_(v)
+    lse_inside = alias.view(-1).view(torch.float32)[:2 * 8 * 256].view(2, 8, 256)
+    for args, kwargs, match in (((q, k, v), {"out": q}, "out overlaps q"),
+                                ((q, k, v_inside), {"out": alias}, "out overlaps v"),
+                                ((q, k, v), {"out": alias, "lse": lse_inside}, "out overlaps lse")):
+        with pytest.raises(ValueError, match=match):
+            op(*args, **kwargs)
     op.close()
     with pytest.raises(ClosedError):
         op(q, k, v)

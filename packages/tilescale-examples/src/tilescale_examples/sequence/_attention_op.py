@@ -22,9 +22,10 @@ class AttentionOp(SymmetricOp):
     def _begin_call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Optional[torch.Tensor],
                     lse: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         """Check a call's arguments (``TypeError`` / ``ValueError`` naming the argument,
-        :class:`~tilescale_examples.base.ClosedError` after ``close()``), note a CUDA graph
-        capture, count the call; returns where the call writes: ``(out, lse)``, default the
-        op's own."""
+        :class:`~tilescale_examples.base.ClosedError` after ``close()``; ``out`` and ``lse``
+        must not overlap ``q``, ``k``, ``v`` or each other: kernels read the inputs after
+        others have written outputs), note a CUDA graph capture, count the call; returns where
+        the call writes: ``(out, lse)``, default the op's own."""
         self._check_open()
         name = type(self).__name__
         check_tensor(q, self.q_shape, self.dtype, self.device, "q", self.Q_SHAPE_NAME, name)
@@ -34,6 +35,19 @@ class AttentionOp(SymmetricOp):
             self._check_out(out, self.output.shape)
         if lse is not None:
             check_tensor(lse, self.lse.shape, torch.float32, self.device, "lse", self.LSE_SHAPE_NAME, name)
+        _check_disjoint({"out": out, "lse": lse}, {"q": q, "k": k, "v": v})
         self._note_capture()
         self.epoch += 1
         return (self.output if out is None else out), (self.lse if lse is None else lse)
+
+
+def _check_disjoint(outputs: dict, inputs: dict) -> None:
+    """``ValueError`` naming the pair when a given output overlaps an input or another output."""
+    from tilescale_examples.collectives.reduce_engine import overlaps
+
+    given = [(name, t) for name, t in outputs.items() if t is not None]
+    for i, (name, t) in enumerate(given):
+        for other, u in [*inputs.items(), *given[i + 1:]]:
+            if overlaps(t, u):
+                raise ValueError(f"{name} overlaps {other}: the attention kernels read the inputs after other "
+                                 "blocks have written the outputs; pass separate tensors")
