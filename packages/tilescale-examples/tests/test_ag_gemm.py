@@ -172,6 +172,18 @@ def test_fused_call_sequence(compiles, fused_available, monkeypatch, captured):
         assert log[6:] == [("release", "main"), ("finish", "main")]
 
 
+def test_out_may_not_overlap_the_operands(compiles, caplog):
+    _, agg = gemm_sequential_on_cpu(AllGatherGEMM, "bfloat16", caplog)
+    space = torch.zeros((512 * 256 + 256 * 128,), dtype=torch.bfloat16)
+    out, a = space[:512 * 256].view(512, 256), space[512 * 256 - 256 * 128:512 * 256].view(256, 128)
+    b = torch.zeros((128, 256), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out overlaps a"):
+        agg(a, b, out=out)
+    with pytest.raises(ValueError, match="out overlaps b"):
+        agg(torch.zeros((256, 128), dtype=torch.bfloat16), space[:128 * 256].view(128, 256), out=out)
+    agg.close()
+
+
 def test_fused_plan_on_one_rank_is_the_gemm_alone(compiles, fused_available):
     agg = gemm_fused_on_one_rank(AllGatherGEMM, torch.bfloat16, compiles)
     assert agg.kernel is agg.own_kernel

@@ -244,15 +244,21 @@ class AllGatherGEMM(OverlappedGemm):
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``all_gather(a) @ b`` on the current stream; returns ``self.output`` (overwritten
         by the next call) or ``out`` (a contiguous ``(world_size * m_local, n)`` tensor of the
-        dtype on the device, written directly). ``a`` is read by the copy engines; it may be
-        overwritten by work enqueued after this call. Every rank makes the same sequence of
-        calls, eagerly or in CUDA graph replays (in any mix: the fused plan's handshake uses
-        constant flag values). Raises :class:`~tilescale_examples.base.ClosedError` after
-        ``close()``."""
+        dtype on the device, written directly, overlapping neither ``a`` nor ``b``: else a
+        ``ValueError``). ``a`` is read by the copy engines; it may be overwritten by work
+        enqueued after this call. Every rank makes the same sequence of calls, eagerly or in
+        CUDA graph replays (in any mix: the fused plan's handshake uses constant flag
+        values). Raises :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
         self._check_open()
         self.check_inputs(a, b)
         if out is not None:
             self._check_out(out, (self.world_size * self.m_local, self.n), "(world_size * m_local, n) =")
+            from tilescale_examples.collectives.reduce_engine import overlaps
+
+            for name, t in (("a", a), ("b", b)):
+                if overlaps(out, t):
+                    raise ValueError(f"out overlaps {name}: the GEMMs (and the copies of a) read it while the "
+                                     "output is written; pass a separate tensor")
         result = self.output if out is None else out
         main = self._begin_call()
         if self.algorithm == "sequential":
