@@ -368,11 +368,12 @@ def test_auto_algorithm_choices(monkeypatch, fused_available, caplog):
 
 
 # ------------------------------------------------------------------------------ GPU
-GPU_CASES = [  # batch, seq_local, heads, kv_heads, head_dim, causal, dtype, order
-    (1, 1024, 8, 2, 128, True, torch.bfloat16, "contiguous"),
-    (2, 512, 4, 4, 64, False, torch.float16, "contiguous"),
-    (1, 256, 4, 1, 256, True, torch.bfloat16, "contiguous"),
-    (1, 1024, 8, 2, 128, True, torch.bfloat16, "zigzag"),
+GPU_CASES = [  # batch, seq_local, heads, kv_heads, head_dim, causal, dtype, order, algorithm
+    (1, 1024, 8, 2, 128, True, torch.bfloat16, "contiguous", "auto"),
+    (2, 512, 4, 4, 64, False, torch.float16, "contiguous", "auto"),
+    (1, 256, 4, 1, 256, True, torch.bfloat16, "contiguous", "auto"),
+    (1, 1024, 8, 2, 128, True, torch.bfloat16, "zigzag", "auto"),
+    (1, 512, 8, 2, 128, True, torch.bfloat16, "contiguous", "sequential"),  # auto is fused at one rank
 ]
 
 
@@ -380,8 +381,8 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     alloc = open_rank_heap(rank, world, cache_dir, 2**29)
     dev = torch.device(alloc.device)
     checks = 0
-    for c, (B, SP, H, Hkv, D, causal, dtype, order) in enumerate(GPU_CASES):
-        op = SPAllGatherAttention(alloc, B, SP, H, Hkv, D, dtype, causal=causal, order=order)
+    for c, (B, SP, H, Hkv, D, causal, dtype, order, algorithm) in enumerate(GPU_CASES):
+        op = SPAllGatherAttention(alloc, B, SP, H, Hkv, D, dtype, causal=causal, order=order, algorithm=algorithm)
 
         def check(shards, where, inst=op):
             want_o, want_lse = torch_reference(shards, rank, causal, order)
@@ -420,7 +421,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
             check(shards, f"case {c} replay {replay}")
             checks += 1
         # two instances at once: this one on a side stream, another on the current stream
-        other = SPAllGatherAttention(alloc, B, SP, H, Hkv, D, dtype, causal=causal, order=order)
+        other = SPAllGatherAttention(alloc, B, SP, H, Hkv, D, dtype, causal=causal, order=order, algorithm=algorithm)
         sa = _shards(world, B, SP, H, Hkv, D, dtype, seed=100 * c + 70)
         sb = _shards(world, B, SP, H, Hkv, D, dtype, seed=100 * c + 71)
         side = torch.cuda.Stream()
