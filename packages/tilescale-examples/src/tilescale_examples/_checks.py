@@ -15,7 +15,7 @@ from tilescale_core.interface import check_positive_int
 
 __all__ = ["TARGET", "DEFAULT_MAX_BLOCKS", "DTYPES", "plan_chunks", "size_table_entry", "default_group",
            "check_shape", "check_dtype", "check_threads", "check_tensor", "check_group", "check_max_blocks",
-           "check_target", "check_allocator", "check_positive_int"]
+           "check_target", "check_allocator", "check_positive_int", "check_disjoint"]
 
 #: Default TileLang target (H100/H200).
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -120,6 +120,18 @@ def check_tensor(tensor, shape: Tuple[int, ...], dtype: torch.dtype, device: tor
         raise ValueError(f"{name} is on {tensor.device}, the allocator's heap is on {device}")
     if not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+
+
+def check_disjoint(outputs: dict, inputs: dict, reason: str) -> None:
+    """``ValueError`` ``"<output> overlaps <other>: <reason>"`` when a given (not None) tensor
+    of ``outputs`` overlaps a tensor of ``inputs`` or another output (``{name: tensor}``)."""
+    from tilescale_examples.collectives.reduce_engine import overlaps
+
+    given = [(name, t) for name, t in outputs.items() if t is not None]
+    for i, (name, t) in enumerate(given):
+        for other, u in [*inputs.items(), *given[i + 1:]]:
+            if overlaps(t, u):
+                raise ValueError(f"{name} overlaps {other}: {reason}")
 
 
 def check_group(group):

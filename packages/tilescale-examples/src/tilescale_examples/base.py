@@ -25,8 +25,8 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from tilescale_examples._checks import (DEFAULT_MAX_BLOCKS, DTYPES, TARGET, check_allocator, check_dtype,
-                                        check_group, check_max_blocks, check_positive_int, check_shape,
+from tilescale_examples._checks import (DEFAULT_MAX_BLOCKS, DTYPES, TARGET, check_allocator, check_disjoint,
+                                        check_dtype, check_group, check_max_blocks, check_positive_int, check_shape,
                                         check_target, check_tensor, check_threads, default_group, plan_chunks,
                                         size_table_entry)
 from tilescale_examples._group import all_ranks_agree, collective_device, settle
@@ -38,7 +38,8 @@ __all__ = ["ClosedError", "SymmetricOp", "SymmetricCollective", "RowsPerRank", "
            "RecordingAllocator",
            "OldSpellingWarning", "accepts_0_1_init", "accepts_0_1_out", "accepts_0_1_reference", "rank_left_out", "row_shape_0_1",
            "warn_old_spelling",
-           "check_tensor", "check_threads", "plan_chunks", "size_table_entry", "check_allocator", "check_shape",
+           "check_tensor", "check_disjoint", "check_threads", "plan_chunks", "size_table_entry", "check_allocator",
+           "check_shape",
            "check_dtype", "check_group", "check_max_blocks", "check_target", "check_positive_int", "compile_once",
            "settle", "all_ranks_agree", "collective_device", "default_group", "TARGET", "DTYPES",
            "DEFAULT_MAX_BLOCKS"]

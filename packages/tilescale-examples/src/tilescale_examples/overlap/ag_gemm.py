@@ -56,8 +56,8 @@ from typing import Literal, Optional, Sequence, Union
 
 import torch
 
-from tilescale_examples.base import (accepts_0_1_init, accepts_0_1_out, accepts_0_1_reference, check_tensor,
-                                     settle)
+from tilescale_examples.base import (accepts_0_1_init, accepts_0_1_out, accepts_0_1_reference, check_disjoint,
+                                     check_tensor, settle)
 from tilescale_examples.overlap.gemm import (DTYPES, GemmTiles, OverlappedGemm, build_gemm_kernel, check_gemm_dims,
                                              check_positive, gemm_mainloop)
 from tilescale_examples.overlap.stream_ops import CopyEnginePush, peer_views, plan_row_chunks
@@ -222,7 +222,8 @@ class AllGatherGEMM(OverlappedGemm):
         units = m_local // block_m
         self.chunks = plan_row_chunks(units, max_chunks)
         gathered = peer_views(tilelang.tensor((W, m_local, k), self.dtype, allocator=allocator, return_peers=True), W)
-        flags = peer_views(tilelang.tensor((W * len(self.chunks),), torch.uint64, allocator=allocator, return_peers=True), W)
+        flags = peer_views(tilelang.tensor((W * len(self.chunks),), torch.uint64, allocator=allocator,
+                                           return_peers=True), W)
         free = peer_views(tilelang.tensor((W,), torch.uint64, allocator=allocator, return_peers=True), W)
         self.gathered, self.flags, self.free = gathered[self.rank], flags[self.rank], free[self.rank]
         self.flags.zero_()
@@ -253,12 +254,9 @@ class AllGatherGEMM(OverlappedGemm):
         self.check_inputs(a, b)
         if out is not None:
             self._check_out(out, (self.world_size * self.m_local, self.n), "(world_size * m_local, n) =")
-            from tilescale_examples.collectives.reduce_engine import overlaps
-
-            for name, t in (("a", a), ("b", b)):
-                if overlaps(out, t):
-                    raise ValueError(f"out overlaps {name}: the GEMMs (and the copies of a) read it while the "
-                                     "output is written; pass a separate tensor")
+            check_disjoint({"out": out}, {"a": a, "b": b},
+                           "the GEMMs (and the copies of a) read it while the output is written; pass a separate "
+                           "tensor")
         result = self.output if out is None else out
         main = self._begin_call()
         if self.algorithm == "sequential":
@@ -291,7 +289,6 @@ class AllGatherGEMM(OverlappedGemm):
         main.wait_stream(self._compute)
         self._push.release(main)
         self._push.finish(main)
-
 
     def _make_push(self) -> CopyEnginePush:
         """The fused plan's producer, made at the first call: a

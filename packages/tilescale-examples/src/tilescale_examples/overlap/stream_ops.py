@@ -131,7 +131,8 @@ def resolve_plan(owner: str, requested: str, device, group=None, world_size: int
                                  "that the waiting GEMM holds")
     plan, reason = choose_plan(requested, ok, reason)
     if requested == "auto" and plan == "sequential":
-        log.warning("%s: %s; using the sequential plan (the communication kernel, then the compute kernel: no overlap)", owner, reason)
+        log.warning("%s: %s; using the sequential plan (the communication kernel, then the compute kernel: no "
+                    "overlap)", owner, reason)
     return plan, reason
 
 
@@ -284,31 +285,33 @@ class CopyEnginePush:
         for s in self.streams:
             s.wait_event(self._start)
         for j, free in self.claims():
-            handle = self.streams[j - 1].cuda_stream
-            check(drv.cuStreamWaitValue64(handle, free, 1, drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
-                  "cuStreamWaitValue64")
-            check(drv.cuStreamWriteValue64(handle, free, 0, _no_fence(drv)), "cuStreamWriteValue64")
+            _take(drv, check, self.streams[j - 1].cuda_stream, free)
         self._copy(drv, check, a_ptr)
 
     def _copy(self, drv, check, a_ptr: int) -> None:
         """The copies and flag writes of :meth:`ops` on the side streams."""
         handles = [s.cuda_stream for s in self.streams]
-        fence = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT  # orders the copy before the flag
         for j, dst, src, nbytes, flag in self.ops(a_ptr):
-            check(drv.cuMemcpyAsync(dst, src, nbytes, handles[j - 1]), "cuMemcpyAsync")
-            check(drv.cuStreamWriteValue64(handles[j - 1], flag, 1, fence), "cuStreamWriteValue64")
+            self._copy_then_set(drv, check, handles[j - 1], dst, src, nbytes, flag)
+
+    @staticmethod
+    def _copy_then_set(drv, check, handle: int, dst: int, src: int, nbytes: int, flag: int) -> None:
+        """Enqueue on the stream ``handle``: copy ``nbytes`` from ``src`` to ``dst``, then set
+        the 64-bit ``flag`` to 1, fenced after the copy (the default write flag's memory
+        barrier)."""
+        check(drv.cuMemcpyAsync(dst, src, nbytes, handle), "cuMemcpyAsync")
+        check(drv.cuStreamWriteValue64(handle, flag, 1, drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
+              "cuStreamWriteValue64")
 
     def release(self, stream) -> None:
         """Enqueue :meth:`releases` on ``stream`` (the caller's), after the kernels that read
         the gathered rows: every other rank may then push its next call's rows."""
         drv, check = _driver()
-        geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         fence = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT  # the resets before the peer sees free
         handle = stream.cuda_stream
         for flags, free in self.releases():
             for flag in flags:
-                check(drv.cuStreamWaitValue64(handle, flag, 1, geq), "cuStreamWaitValue64")
-                check(drv.cuStreamWriteValue64(handle, flag, 0, _no_fence(drv)), "cuStreamWriteValue64")
+                _take(drv, check, handle, flag)
             check(drv.cuStreamWriteValue64(handle, free, 1, fence), "cuStreamWriteValue64")
 
     def finish(self, main) -> None:
@@ -319,9 +322,14 @@ class CopyEnginePush:
             main.wait_event(done)
 
 
-def _no_fence(drv):
-    """The write flag without the memory fence (a reset that orders nothing before it)."""
-    return drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER
+def _take(drv, check, handle: int, address: int) -> None:
+    """Enqueue on the stream ``handle``: wait until the 64-bit flag at ``address`` is 1 (a GEQ
+    wait), then set it back to 0 (no fence: the reset orders nothing before it)."""
+    check(drv.cuStreamWaitValue64(handle, address, 1, drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
+          "cuStreamWaitValue64")
+    check(drv.cuStreamWriteValue64(handle, address, 0,
+                                   drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER),
+          "cuStreamWriteValue64")
 
 
 class CallOrder:

@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from tilescale_examples.base import SymmetricOp, check_tensor
+from tilescale_examples.base import SymmetricOp, check_disjoint, check_tensor
 
 __all__ = ["AttentionOp"]
 
@@ -35,19 +35,9 @@ class AttentionOp(SymmetricOp):
             self._check_out(out, self.output.shape)
         if lse is not None:
             check_tensor(lse, self.lse.shape, torch.float32, self.device, "lse", self.LSE_SHAPE_NAME, name)
-        _check_disjoint({"out": out, "lse": lse}, {"q": q, "k": k, "v": v})
+        check_disjoint({"out": out, "lse": lse}, {"q": q, "k": k, "v": v},
+                       "the attention kernels read the inputs after other blocks have written the outputs; pass "
+                       "separate tensors")
         self._note_capture()
         self.epoch += 1
         return (self.output if out is None else out), (self.lse if lse is None else lse)
-
-
-def _check_disjoint(outputs: dict, inputs: dict) -> None:
-    """``ValueError`` naming the pair when a given output overlaps an input or another output."""
-    from tilescale_examples.collectives.reduce_engine import overlaps
-
-    given = [(name, t) for name, t in outputs.items() if t is not None]
-    for i, (name, t) in enumerate(given):
-        for other, u in [*inputs.items(), *given[i + 1:]]:
-            if overlaps(t, u):
-                raise ValueError(f"{name} overlaps {other}: the attention kernels read the inputs after other "
-                                 "blocks have written the outputs; pass separate tensors")

@@ -33,9 +33,9 @@ import torch
 
 from tilescale_examples._macros import T, macro
 
-__all__ = ["flash_attention", "build_attention_kernel", "build_flash_attention_kernel", "torch_reference", "default_tiles", "softmax_tile",
-           "attention_buffers", "start_rows", "resume_rows", "tile_scores", "finish_rows", "attend_tile", "store_rows", "check_tiles", "check_head_dim",
-           "check_scale", "TILE_OPTIONS",
+__all__ = ["flash_attention", "build_attention_kernel", "build_flash_attention_kernel", "torch_reference",
+           "default_tiles", "attention_buffers", "start_rows", "resume_rows", "tile_scores", "softmax_tile",
+           "attend_tile", "finish_rows", "store_rows", "check_tiles", "check_head_dim", "check_scale", "TILE_OPTIONS",
            "HEAD_DIMS", "DTYPES"]
 
 #: Head dimensions the kernel is built for.

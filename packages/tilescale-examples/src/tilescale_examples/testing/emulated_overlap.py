@@ -93,21 +93,18 @@ class HostStagedPush(CopyEnginePush):
 
     def _copy(self, drv, check, a_ptr: int) -> None:
         """:func:`staged_steps` of the call (after :meth:`mark`'s point and the claims)."""
-        memcpy, write = drv.cuMemcpyAsync, drv.cuStreamWriteValue64
-        fence = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT  # orders the copy before the flag
         self._stager.wait_event(self._start)
         handles = [s.cuda_stream for s in self.streams]
         stager = self._stager.cuda_stream
         for step in staged_steps(self.ops(a_ptr), a_ptr, self._staging.data_ptr(), self.world_size):
             if step[0] == "stage":
                 _, c, stage, src, nbytes = step
-                check(memcpy(stage, src, nbytes, stager), "cuMemcpyAsync")
+                check(drv.cuMemcpyAsync(stage, src, nbytes, stager), "cuMemcpyAsync")
                 self._staged[c].record(self._stager)
             else:
                 _, c, j, dst, stage, nbytes, flag = step
                 self.streams[j - 1].wait_event(self._staged[c])
-                check(memcpy(dst, stage, nbytes, handles[j - 1]), "cuMemcpyAsync")
-                check(write(handles[j - 1], flag, 1, fence), "cuStreamWriteValue64")
+                self._copy_then_set(drv, check, handles[j - 1], dst, stage, nbytes, flag)
 
 
 class EmulatedAllGatherGEMM(AllGatherGEMM):
@@ -237,8 +234,7 @@ class EmulatedOverlap:
         """Every rank's GEMM in rank order on the compute stream (its table bound there), then
         each rank's waits and reduction on its own stream."""
         for r, (op, (a, b)) in enumerate(zip(self.ops, inputs)):
-            op.check_inputs(a, b)
-            op._check_out(outs[r], (op.m_local, op.n), "(m_local, n) =")
+            op._check_call(a, b, outs[r])
             with torch.cuda.stream(self.compute):
                 _maybe_delay(delay, r)
                 op.epoch += 1
@@ -292,7 +288,8 @@ class EmulatedOverlap:
                 if not torch.allclose(out[1], want_lse, atol=1e-3, rtol=1e-3):
                     failures.append(f"{where}: lse differs")
                 continue
-            rounded = None if self.op == "ag_gemm" else partial_magnitudes([a for a, _ in inputs], [b for _, b in inputs], r)
+            rounded = None if self.op == "ag_gemm" else partial_magnitudes([a for a, _ in inputs],
+                                                                           [b for _, b in inputs], r)
             bad, worst = count_outside(out, op0.torch_reference(inputs, r), out.dtype, rounded)
             if bad:
                 failures.append(f"{where}: {bad} element(s) outside the bound (worst {worst:.3g} x the bound)")
@@ -319,8 +316,9 @@ def precompile_jobs(op: str, ranks: int, *args, max_chunks: int = 8, causal: boo
     """:func:`~tilescale_examples.testing.precompile.precompile` jobs of the kernels
     :class:`EmulatedOverlap` builds with the default tiles: ``args`` are the op's sizes with the
     dtype as a name (``m_local, k, n, "bfloat16"``; attention: ``batch, seq_local, heads,
-    kv_heads, head_dim, "bfloat16"``, with ``causal`` and ``order``). The GEMMs' jobs include the stock GEMM of the whole
-    operand (``ranks * m_local`` rows) that the benchmark compares with."""
+    kv_heads, head_dim, "bfloat16"``, with ``causal`` and ``order``). The GEMMs' jobs include
+    the stock GEMM of the whole operand (``ranks * m_local`` rows) that the benchmark compares
+    with."""
     from tilescale_examples.overlap.gemm import GemmTiles
     from tilescale_examples.overlap.stream_ops import plan_row_chunks
 
@@ -341,8 +339,8 @@ def precompile_jobs(op: str, ranks: int, *args, max_chunks: int = 8, causal: boo
     jobs = [(gemm, (ranks * m_local, n, k, dtype), None)]
     if op == "ag_gemm":
         chunks = len(plan_row_chunks(m_local // GemmTiles().block_m, max_chunks))
-        return jobs + [("tilescale_examples.overlap.ag_gemm:build_ag_gemm_kernel", (m_local, k, n, ranks, chunks, dtype),
-                        None), (gemm, (m_local, n, k, dtype), None)]
+        peer = "tilescale_examples.overlap.ag_gemm:build_ag_gemm_kernel"
+        return jobs + [(peer, (m_local, k, n, ranks, chunks, dtype), None), (gemm, (m_local, n, k, dtype), None)]
     return jobs + [("tilescale_examples.overlap.gemm_rs:build_gemm_rs_kernel", (m_local, k, n, ranks, dtype), None),
                    ("tilescale_examples.overlap.gemm_rs:build_reduce_kernel", (m_local, n, ranks, dtype), None)]
 
