@@ -125,9 +125,11 @@ def check_tensor(tensor, shape: Tuple[int, ...], dtype: torch.dtype, device: tor
 def check_disjoint(outputs: dict, inputs: dict, reason: str) -> None:
     """``ValueError`` ``"<output> overlaps <other>: <reason>"`` when a given (not None) tensor
     of ``outputs`` overlaps a tensor of ``inputs`` or another output (``{name: tensor}``)."""
+    given = [(name, t) for name, t in outputs.items() if t is not None]
+    if not given:  # the common call: the op's own outputs
+        return
     from tilescale_examples.collectives.reduce_engine import overlaps
 
-    given = [(name, t) for name, t in outputs.items() if t is not None]
     for i, (name, t) in enumerate(given):
         for other, u in [*inputs.items(), *given[i + 1:]]:
             if overlaps(t, u):
