@@ -85,6 +85,43 @@ def test_emulated_ops_allocate_what_the_fused_plans_do():
             assert got == real.heap_bytes(*args, torch.bfloat16, world_size=world, algorithm="fused", device="cpu")
 
 
+class _SteppedOp:
+    """An emulated rank's op that records the steps of its calls as ``(rank, step)``."""
+
+    def __init__(self, rank, log):
+        self.rank, self.log = rank, log
+
+    def call_steps(self, *args):
+        self.log.append((self.rank, "checked", len(args)))
+        return tuple((lambda name=name: self.log.append((self.rank, name))) for name in ("start", "push", "peers",
+                                                                                      "join"))
+
+
+@pytest.mark.parametrize("op, per_rank", [("ag_gemm", ((1, 2), "out")), ("sp_attention", ((1, 2, 3), ("o", "l")))])
+def test_a_round_enqueues_each_step_of_every_rank_before_the_next(op, per_rank, monkeypatch):
+    """The stepped round (AllGatherGEMM, SPAllGatherAttention): every rank's arguments
+    checked first, then start, push, peers and join, each for ranks 0..N-1 before the next
+    step, so no wait is enqueued before the work it waits for (a wait at a hardware queue's
+    head holds back other ranks' streams mapped to that queue)."""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _NoStream())
+    log, ranks = [], 3
+    emu = object.__new__(EmulatedOverlap)
+    emu.op, emu.device = op, torch.device("cpu")
+    emu.ops = [_SteppedOp(r, log) for r in range(ranks)]
+    emu.compute = _NoStream()
+    emu.streams = [_NoStream() for _ in range(ranks)]
+    args, out = per_rank
+    emu.round([args] * ranks, [out] * ranks)
+    n_args = len(args) + (len(out) if isinstance(out, tuple) else 1)
+    assert log == [(r, "checked", n_args) for r in range(ranks)] + [
+        (r, step) for step in ("start", "push", "peers", "join") for r in range(ranks)]
+
+
+class _NoStream:
+    def wait_stream(self, other):
+        pass
+
+
 @pytest.mark.parametrize("args, match", [(("allgather", 2), "op must be one of"), (("ag_gemm", 1), "ranks must be"),
                                          (("gemm_rs", True), "ranks must be")])
 def test_emulated_overlap_rejects_bad_arguments_before_allocating(args, match):

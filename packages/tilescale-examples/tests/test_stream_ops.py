@@ -4,9 +4,9 @@ producer's operation list (addresses, order, flags)."""
 from __future__ import annotations
 
 import ctypes
-import random
-
 import logging
+import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -126,6 +126,63 @@ def test_copy_engine_ops_cover_every_chunk_of_every_peer_in_order():
     assert push.claims() == [(1, free[1][2].data_ptr()), (2, free[1][0].data_ptr())]
     assert push.releases() == [([flags[1][0].data_ptr(), flags[1][1].data_ptr()], free[0][1].data_ptr()),
                                ([flags[1][4].data_ptr(), flags[1][5].data_ptr()], free[2][1].data_ptr())]
+
+
+class _RecordingDriver:
+    """The stream memory operations a push enqueues, recorded; like the driver, a write with
+    any flag but the default (``CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER`` is refused by the
+    current API: CUDA_ERROR_INVALID_VALUE) fails."""
+
+    class CUstreamWaitValue_flags:
+        CU_STREAM_WAIT_VALUE_GEQ = "geq"
+
+    class CUstreamWriteValue_flags:
+        CU_STREAM_WRITE_VALUE_DEFAULT = 0
+        CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER = 1
+
+    def __init__(self):
+        self.ops = []
+
+    def cuStreamWaitValue64(self, handle, address, value, flags):
+        self.ops.append(("wait", handle, address, value, flags))
+        return 0
+
+    def cuStreamWriteValue64(self, handle, address, value, flags):
+        self.ops.append(("write", handle, address, value, flags))
+        return 0 if flags == 0 else 1  # CUDA_ERROR_INVALID_VALUE
+
+    def cuMemcpyAsync(self, dst, src, nbytes, handle):
+        self.ops.append(("copy", handle, dst, src, nbytes))
+        return 0
+
+
+def _checked(status, name):
+    assert status == 0, f"{name} failed: CUDA_ERROR_INVALID_VALUE"
+
+
+def test_enqueued_stream_operations_use_flags_the_driver_accepts(monkeypatch):
+    """The release on the consumer's stream and a chunk's copy on a side stream, through a
+    recording driver: every wait is GEQ 1 followed by its reset, every write has the default
+    flag (the fenced write the current driver API accepts), in protocol order."""
+    from tilescale_examples.overlap import stream_ops
+
+    drv = _RecordingDriver()
+    monkeypatch.setattr(stream_ops, "_driver", lambda: (drv, _checked))
+    push, _, flags, free = _push(3, 1, 512, 64)
+    push.release(SimpleNamespace(cuda_stream=7))
+    expected = []
+    for chunk_flags, free_word in push.releases():
+        for f in chunk_flags:
+            expected += [("wait", 7, f, 1, "geq"), ("write", 7, f, 0, 0)]
+        expected.append(("write", 7, free_word, 1, 0))
+    assert drv.ops == expected
+    drv.ops.clear()
+    j, dst, src, nbytes, flag = push.ops(1 << 40)[0]
+    push._copy_then_set(drv, _checked, 9, dst, src, nbytes, flag)
+    assert drv.ops == [("copy", 9, dst, src, nbytes), ("write", 9, flag, 1, 0)]
+    drv.ops.clear()
+    stream_ops._take(drv, _checked, 5, free[1][0].data_ptr())
+    assert drv.ops == [("wait", 5, free[1][0].data_ptr(), 1, "geq"), ("write", 5, free[1][0].data_ptr(), 0, 0)]
 
 
 def test_copy_engine_rejects_inconsistent_views():

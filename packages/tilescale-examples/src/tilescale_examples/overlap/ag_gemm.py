@@ -250,14 +250,7 @@ class AllGatherGEMM(OverlappedGemm):
         enqueued after this call. Every rank makes the same sequence of calls, eagerly or in
         CUDA graph replays (in any mix: the fused plan's handshake uses constant flag
         values). Raises :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
-        self._check_open()
-        self.check_inputs(a, b)
-        if out is not None:
-            self._check_out(out, (self.world_size * self.m_local, self.n), "(world_size * m_local, n) =")
-            check_disjoint({"out": out}, {"a": a, "b": b},
-                           "the GEMMs (and the copies of a) read it while the output is written; pass a separate "
-                           "tensor")
-        result = self.output if out is None else out
+        result = self._check_call(a, b, out)
         main = self._begin_call()
         if self.algorithm == "sequential":
             gathered = self.all_gather(a)
@@ -267,28 +260,65 @@ class AllGatherGEMM(OverlappedGemm):
         self._end_call(main)
         return result
 
+    def _check_call(self, a, b, out):
+        """Everything a call checks before anything runs (``TypeError`` / ``ValueError``
+        naming the argument, :class:`~tilescale_examples.base.ClosedError`); returns where
+        the call writes (``out`` or ``self.output``)."""
+        self._check_open()
+        self.check_inputs(a, b)
+        if out is not None:
+            self._check_out(out, (self.world_size * self.m_local, self.n), "(world_size * m_local, n) =")
+            check_disjoint({"out": out}, {"a": a, "b": b},
+                           "the GEMMs (and the copies of a) read it while the output is written; pass a separate "
+                           "tensor")
+        return self.output if out is None else out
+
     def _fused(self, a, b, main, output) -> None:
         """Own rows on ``main`` straight from ``a``; the peers' rows on the compute stream as
         their chunks land; the copies last (a copy waiting in a hardware queue shared with a
         GEMM's stream then cannot hold that GEMM back); then ``main`` releases the gathered
         rows to the peers and waits for this rank's copies."""
-        m = self.m_local
-        own_rows = output[self.rank * m:(self.rank + 1) * m]
         if self.world_size == 1:
-            self.own_kernel(a, b, own_rows)
+            m = self.m_local
+            self.own_kernel(a, b, output[self.rank * m:(self.rank + 1) * m])
             return
+        start, push, peers, join = self._fused_steps(a, b, main, output)
+        start()
+        peers()
+        push()
+        join()
+
+    def _fused_steps(self, a, b, main, output) -> tuple:
+        """A fused call (``world_size > 1``) as its four steps, callables enqueueing on their
+        own streams: ``start`` (mark the copies' point on ``main``, fork the compute stream,
+        this rank's GEMM on ``main``), ``push`` (the copies), ``peers`` (the peer GEMM on the
+        compute stream) and ``join`` (``main`` waits for the compute stream, releases the
+        gathered rows, waits for the copies). :meth:`_fused` runs them in that order but
+        ``push`` last but one; emulated ranks sharing a GPU run each step for every rank
+        before the next step, so that nothing waits in a hardware queue on work enqueued
+        after it (:mod:`tilescale_examples.testing.emulated_overlap`)."""
+        m = self.m_local
         if self._push is None:
             self._push, self._compute = self._make_push(), self._make_compute_stream()
-        self._push.mark(main)
-        self._compute.wait_stream(main)
-        self.own_kernel(a, b, own_rows)
-        with torch.cuda.stream(self._compute):
-            self.bind_table()
-            self.kernel(self.gathered.view(-1, self.k), b, output, self.flags, self._order)
-        self._push.enqueue(a.data_ptr())
-        main.wait_stream(self._compute)
-        self._push.release(main)
-        self._push.finish(main)
+        push_, compute = self._push, self._compute
+
+        def start():
+            push_.mark(main)
+            compute.wait_stream(main)
+            with torch.cuda.stream(main):
+                self.own_kernel(a, b, output[self.rank * m:(self.rank + 1) * m])
+
+        def peers():
+            with torch.cuda.stream(compute):
+                self.bind_table()
+                self.kernel(self.gathered.view(-1, self.k), b, output, self.flags, self._order)
+
+        def join():
+            main.wait_stream(compute)
+            push_.release(main)
+            push_.finish(main)
+
+        return start, lambda: push_.enqueue(a.data_ptr()), peers, join
 
     def _make_push(self) -> CopyEnginePush:
         """The fused plan's producer, made at the first call: a

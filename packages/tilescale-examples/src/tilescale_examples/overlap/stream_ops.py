@@ -324,11 +324,12 @@ class CopyEnginePush:
 
 def _take(drv, check, handle: int, address: int) -> None:
     """Enqueue on the stream ``handle``: wait until the 64-bit flag at ``address`` is 1 (a GEQ
-    wait), then set it back to 0 (no fence: the reset orders nothing before it)."""
+    wait), then set it back to 0. The reset keeps the default fence: the driver's current
+    stream memory operations refuse ``CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER``
+    (``CUDA_ERROR_INVALID_VALUE``)."""
     check(drv.cuStreamWaitValue64(handle, address, 1, drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
           "cuStreamWaitValue64")
-    check(drv.cuStreamWriteValue64(handle, address, 0,
-                                   drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER),
+    check(drv.cuStreamWriteValue64(handle, address, 0, drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
           "cuStreamWriteValue64")
 
 

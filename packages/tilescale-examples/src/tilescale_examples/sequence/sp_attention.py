@@ -359,22 +359,48 @@ class SPAllGatherAttention(AttentionOp):
         enqueued, peers' shards (not for a causal rank 0 of the contiguous order), the
         gathered shards released, then the stream waits for the pushes (``k`` and ``v`` may be
         overwritten afterwards)."""
+        start, push, peers, join = self._fused_steps(q, k, v, out, lse)
+        start()
+        push()
+        peers()
+        join()
+
+    def _fused_steps(self, q, k, v, out, lse) -> tuple:
+        """A fused call as its four steps on the current stream ``main``, callables:
+        ``start`` (mark the pushes' point, this rank's own shard), ``push`` (the K and V
+        copies), ``peers`` (the peers' shards, waiting for their flags) and ``join`` (release
+        the gathered shards, wait for the copies). :meth:`_fused` runs them in order; emulated
+        ranks sharing a GPU run each step for every rank before the next
+        (:mod:`tilescale_examples.testing.emulated_overlap`)."""
         main = torch.cuda.current_stream(self.device)
         if self._push_k is None:
             rows, W = self.batch * self.seq_local, self.world_size
             gk, gv, fk, fv, free_k, free_v = self._peers
             self._push_k, self._push_v = (self._make_push([g.view(W, rows, -1) for g in gathered], flags, free, rows)
                                           for gathered, flags, free in ((gk, fk, free_k), (gv, fv, free_v)))
-        for push in (self._push_k, self._push_v):
-            push.mark(main)
-        self.own_kernel(q, k.view(1, *self.kv_shape), v.view(1, *self.kv_shape), out, lse, 0)
-        self._push_k.enqueue(k.data_ptr())
-        self._push_v.enqueue(v.data_ptr())
-        if self.rank > 0 or not self.causal or self.order == "zigzag":
-            self.kernel(q, self.gathered_k, self.gathered_v, out, lse, self.flags_k, self.flags_v, self.rank)
-        for push in (self._push_k, self._push_v):
-            push.release(main)
-            push.finish(main)
+        pushes = (self._push_k, self._push_v)
+
+        def start():
+            for push in pushes:
+                push.mark(main)
+            with torch.cuda.stream(main):
+                self.own_kernel(q, k.view(1, *self.kv_shape), v.view(1, *self.kv_shape), out, lse, 0)
+
+        def push():
+            self._push_k.enqueue(k.data_ptr())
+            self._push_v.enqueue(v.data_ptr())
+
+        def peers():
+            if self.rank > 0 or not self.causal or self.order == "zigzag":
+                with torch.cuda.stream(main):
+                    self.kernel(q, self.gathered_k, self.gathered_v, out, lse, self.flags_k, self.flags_v, self.rank)
+
+        def join():
+            for p in pushes:
+                p.release(main)
+                p.finish(main)
+
+        return start, push, peers, join
 
     def _make_push(self, gathered: list, flags: list, free: list, rows: int):
         """The producer of one of K and V, made at the first fused call: a

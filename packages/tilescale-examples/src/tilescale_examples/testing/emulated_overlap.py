@@ -122,6 +122,20 @@ class EmulatedAllGatherGEMM(AllGatherGEMM):
     def _make_push(self) -> CopyEnginePush:
         return HostStagedPush(*self._peers, self.rank, self.world_size, self.chunks, self.tiles.block_m, self.device)
 
+    def call_steps(self, a, b, out) -> tuple:
+        """A call on the current stream as its four steps (``start``, ``push``, ``peers``,
+        ``join``: :meth:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM._fused_steps`),
+        the arguments checked first."""
+        output = self._check_call(a, b, out)
+        main = self._begin_call()
+        start, push, peers, join = self._fused_steps(a, b, main, output)
+
+        def join_call():
+            join()
+            self._end_call(main)
+
+        return start, push, peers, join_call
+
     def _make_compute_stream(self):
         return self._shared_compute if self._shared_compute is not None else super()._make_compute_stream()
 
@@ -152,6 +166,13 @@ class EmulatedSPAllGatherAttention(SPAllGatherAttention):
 
     def _make_push(self, gathered: list, flags: list, free: list, rows: int) -> CopyEnginePush:
         return HostStagedPush(gathered, flags, free, self.rank, self.world_size, [(0, 1)], rows, self.device)
+
+    def call_steps(self, q, k, v, out, lse) -> tuple:
+        """A call on the current stream as its four steps (``start``, ``push``, ``peers``,
+        ``join``: :meth:`~tilescale_examples.sequence.sp_attention.SPAllGatherAttention._fused_steps`),
+        the arguments checked first."""
+        out, lse = self._begin_call(q, k, v, out, lse)
+        return self._fused_steps(q, k, v, out, lse)
 
 
 #: op name -> emulated class.
@@ -220,15 +241,26 @@ class EmulatedOverlap:
         if self.op == "gemm_rs":
             self._reduce_scatter_round(inputs, outs, delay)
         else:
-            for r, (op, args, out) in enumerate(zip(self.ops, inputs, outs)):
-                with torch.cuda.stream(self.streams[r]):
-                    _maybe_delay(delay, r)
-                    if self.op == "sp_attention":
-                        op(*args, out=out[0], lse=out[1])
-                    else:
-                        op(*args, out=out)
+            self._stepped_round(inputs, outs, delay)
         for s in (self.compute, *self.streams):
             current.wait_stream(s)
+
+    def _stepped_round(self, inputs, outs, delay) -> None:
+        """AllGatherGEMM and SPAllGatherAttention: every rank's call split in its steps
+        (``call_steps``: start, push, peers, join), each step of every rank enqueued before
+        the next step. Streams share the GPU's hardware queues, where a wait at the head
+        holds back everything behind it; in this order every wait (a stream's wait for
+        another, a flag wait, a kernel after a spinning one) is enqueued after the work it
+        waits for, so no rank's call can be held behind another rank's waiting one."""
+        steps = []
+        for r, (op, args, out) in enumerate(zip(self.ops, inputs, outs)):
+            with torch.cuda.stream(self.streams[r]):
+                _maybe_delay(delay, r)
+                steps.append(op.call_steps(*args, *(out if isinstance(out, tuple) else (out,))))
+        for step in range(4):
+            for r, rank_steps in enumerate(steps):
+                with torch.cuda.stream(self.streams[r]):
+                    rank_steps[step]()
 
     def _reduce_scatter_round(self, inputs, outs, delay) -> None:
         """Every rank's GEMM in rank order on the compute stream (its table bound there), then
