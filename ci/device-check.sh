@@ -28,6 +28,14 @@ logs=${OUT:-device-logs}
 mkdir -p "$logs"
 source .device/install.sh || exit 1
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+# One TileLang cache for every step and the GPU tests' ranks (TILESCALE_TEST_KERNEL_CACHE), kept in
+# the repository's .tlcache: a machine kept warm between calls compiles a kernel once, and a
+# .tlcache carried from an earlier call (see the end of this script) or filled on a CPU machine
+# with nvcc (TileLang's cache keys hold no GPU) is used as it is.
+mkdir -p .tlcache
+export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tlcache}
+export TILESCALE_TEST_KERNEL_CACHE=${TILESCALE_TEST_KERNEL_CACHE:-$TILELANG_CACHE_DIR}
+cache_start=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-build-isolation \
   -e packages/tilescale-core -e packages/tilescale-host -e packages/tilescale-lang \
   -e packages/tilescale-examples > "$logs/install.log" 2>&1 || { cat "$logs/install.log"; exit 1; }
@@ -97,4 +105,7 @@ for step in "${steps[@]}"; do
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
+# The kernels this call compiled, newest first up to 15 MiB, as $logs/tlcache-new.tar: unpack it
+# into .tlcache (tar -C .tlcache -xf tlcache-new.tar) to carry them to the next machine.
+python3 ci/pack_kernel_cache.py "$TILELANG_CACHE_DIR" "$cache_start" "$logs/tlcache-new.tar" || true
 echo; echo "=== summary"; printf '%s\n' "${summary[@]}"

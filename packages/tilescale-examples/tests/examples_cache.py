@@ -32,7 +32,9 @@ def warm_cache(tmp_path_factory, jobs=None, name: str = CACHE_NAME) -> str:
     the cache directory."""
     from tilescale_examples.testing.precompile import precompile
 
-    cache = str(tmp_path_factory.getbasetemp() / f"tilelang-cache-{name}")
+    from examples_helpers import session_cache
+
+    cache = session_cache(tmp_path_factory, name)
     jobs = reduction_kernels() if jobs is None else list(jobs)
     key = (cache, repr(jobs))
     if key not in _warm:

@@ -192,8 +192,18 @@ def run_gpu_ranks(body, world: int, tmp_path_factory, name: str, timeout: float 
     them, with the reason, without a GPU."""
     from tilescale_core.multiprocess import run_ranks
 
-    cache = str(tmp_path_factory.getbasetemp() / f"tilelang-cache-{name}")
-    return run_ranks(body, world, args=(cache,), backend="auto", timeout=timeout)
+    return run_ranks(body, world, args=(session_cache(tmp_path_factory, name),), backend="auto", timeout=timeout)
+
+
+#: A TileLang cache directory the GPU tests use instead of one per pytest session (kept across
+#: sessions: ``ci/device-check.sh`` points it at the repository's ``.tlcache``).
+KEPT_CACHE_ENV = "TILESCALE_TEST_KERNEL_CACHE"
+
+
+def session_cache(tmp_path_factory, name: str) -> str:
+    """The GPU tests' TileLang cache ``name``: ``$TILESCALE_TEST_KERNEL_CACHE`` when set, else
+    ``tilelang-cache-NAME`` in this pytest session's temporary directory."""
+    return os.environ.get(KEPT_CACHE_ENV) or str(tmp_path_factory.getbasetemp() / f"tilelang-cache-{name}")
 
 
 def check_gpu_ranks(body, world: int, tmp_path_factory, name: str, checks: int, timeout: float = 240) -> list:

@@ -8,6 +8,17 @@ from __future__ import annotations
 import os
 
 
+#: A TileLang cache directory the GPU tests use instead of one per pytest session (kept across
+#: sessions: ``ci/device-check.sh`` points it at the repository's ``.tlcache``).
+KEPT_CACHE_ENV = "TILESCALE_TEST_KERNEL_CACHE"
+
+
+def session_cache(tmp_path_factory, name: str) -> str:
+    """The GPU tests' TileLang cache ``name``: ``$TILESCALE_TEST_KERNEL_CACHE`` when set, else a
+    new directory of this pytest session."""
+    return os.environ.get(KEPT_CACHE_ENV) or str(tmp_path_factory.mktemp(name))
+
+
 def open_rank(rank: int, world: int, cache_dir: str, heap_bytes: int = 2**26):
     """Point TileLang's cache at ``cache_dir``, select the rank's device (cuda:0 when ranks
     share one GPU) and make a distributed heap; returns ``(allocator, sync)`` where ``sync()``

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tilelang-cache"))
+    from lang_gpu_helpers import session_cache
+
+    return session_cache(tmp_path_factory, "tilelang-cache")
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

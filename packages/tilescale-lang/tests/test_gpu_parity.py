@@ -20,7 +20,9 @@ ROUNDS = int(os.environ.get("TILESCALE_STRESS_ROUNDS", "100000"))
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tilelang-cache-parity"))
+    from lang_gpu_helpers import session_cache
+
+    return session_cache(tmp_path_factory, "tilelang-cache-parity")
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -19,7 +19,9 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("tilelang-cache-upstream"))
+    from lang_gpu_helpers import session_cache
+
+    return session_cache(tmp_path_factory, "tilelang-cache-upstream")
 
 
 @pytest.mark.parametrize("world", [1, 2])
