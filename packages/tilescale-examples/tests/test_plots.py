@@ -39,6 +39,7 @@ EXPECTED = {
     "gpu_barrier": ("bars", [1 * 2]),
     "launch": ("bars", [17]),  # host us per call and launcher
     "ulysses": ("bars", [12 * 3]),  # ulysses, copy, torch us per (ranks, seq)
+    "overlap_emulated": ("bars", [4 * 2]),  # x GEMM alone, x copies then GEMM per (op, ranks)
     "low_latency_moe": ("lines", [6]),  # ratios per phase (dispatch, dispatch+combine) against tokens
 }
 
