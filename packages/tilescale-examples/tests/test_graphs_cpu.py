@@ -125,3 +125,38 @@ def test_a_shared_kernel_binds_from_the_device_under_capture(monkeypatch):
     ar1.bind_table()
     ar1.bind_table()
     assert inits == [ar1.allocator, ar1.allocator]  # after a captured copy, every eager launch rebinds
+
+
+def test_an_eager_rebind_of_a_loaded_kernel_copies_from_the_device(monkeypatch):
+    """On a CUDA device, a kernel shared by two allocators rebinds eagerly from the instance's
+    device copy of its table once its module is loaded (a copy from pageable host memory may
+    wait for the stream); before that (the first launch loads the module) through
+    ``kernel.initialize``."""
+    from examples_helpers import record_compiles
+    from tilescale_lang import metadata
+
+    from tilescale_examples.collectives.allreduce import AllReduce
+
+    record_compiles(monkeypatch)
+    ar0 = AllReduce(CpuAllocator(2, 0), (64,), torch.float16, algorithm="one_shot")
+    ar1 = AllReduce(CpuAllocator(2, 1), (64,), torch.float16, algorithm="one_shot")
+    kernel = ar0.kernel
+    assert kernel is ar1.kernel
+    for ar in (ar0, ar1):
+        ar._device_table()  # the CPU tensor stands for the device copy
+        ar.device = torch.device("cuda", 0)
+    kernel.execution_backend = "tvm_ffi"
+    copies, inits = [], []
+    monkeypatch.setattr(AllReduce, "_capturing", lambda self: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 7})())
+    monkeypatch.setattr(metadata, "bind_from_device", lambda k, table, stream: copies.append((table, stream)))
+    monkeypatch.setattr(type(kernel), "initialize", lambda self, allocator=None, stream=None: inits.append(allocator))
+    monkeypatch.setattr(metadata, "loaded", lambda k: False)
+    ar0.bind_table()  # ar1 was bound last (its constructor)
+    assert inits == [ar0.allocator] and copies == []
+    monkeypatch.setattr(metadata, "loaded", lambda k: True)
+    ar1.bind_table()
+    ar1.bind_table()  # bound already: nothing
+    ar0.bind_table()
+    assert inits == [ar0.allocator]
+    assert [(t.tolist()[:2], stream) for t, stream in copies] == [([1, 2], 7), ([0, 2], 7)]

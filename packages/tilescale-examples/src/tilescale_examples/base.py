@@ -54,6 +54,8 @@ _KERNELS: dict = {}
 #: Attributes of a compiled kernel: ids of the allocators that bound it, whether every launch
 #: must rebind (a graph captured table copies), the allocator a graph captured it for unbound.
 _USERS, _REBIND, _PINNED = "_tilescale_table_users", "_tilescale_always_rebind", "_tilescale_pinned_to"
+#: Execution backends whose loaded table :func:`tilescale_lang.metadata.bind_from_device` sets.
+_DEVICE_BINDABLE = ("tvm_ffi", "nvrtc")
 
 
 def _compile_flags() -> tuple:
@@ -171,7 +173,9 @@ class KernelOwner:
         TileLang hands out one compiled kernel (one module, one table) per kernel source and
         process, so instances on different allocators (or emulated ranks) that share a
         kernel must rebind before they launch. Eagerly the table is copied when another
-        allocator's is bound (or ``force``). Under CUDA graph capture, a shared kernel gets a
+        allocator's is bound (or ``force``): from the instance's device copy of its table once
+        the kernel's module is loaded (a device-to-device copy never waits for the stream),
+        from host memory before (``kernel.initialize``). Under CUDA graph capture, a shared kernel gets a
         captured device-to-device copy of this allocator's table, so every replay binds its
         own table, and from then on every eager call rebinds too (replays change the bound
         table behind the host's back); a kernel only this allocator uses needs no copy and
@@ -198,10 +202,20 @@ class KernelOwner:
             return
         if not force and not state.get(_REBIND) and state.get(self._TABLE_OWNER) is self.allocator:
             return
-        if self.device.type == "cuda":
-            self._device_table()  # made eagerly: a host-to-device copy cannot be captured
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
-        kernel.initialize(allocator=self.allocator, stream=stream)
+        if self.device.type != "cuda":
+            kernel.initialize(allocator=self.allocator, stream=None)
+        else:
+            from tilescale_lang.metadata import bind_from_device, loaded
+
+            table = self._device_table()  # made eagerly: a host-to-device copy cannot be captured
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            if getattr(kernel, "execution_backend", None) in _DEVICE_BINDABLE and loaded(kernel):
+                # From the device copy: a copy from pageable host memory may wait until the
+                # stream reaches it, so a rebind behind a kernel that waits for work the host
+                # has yet to enqueue (emulated ranks, a stream hold) would never return.
+                bind_from_device(kernel, table, stream)
+            else:
+                kernel.initialize(allocator=self.allocator, stream=stream)
         state[self._TABLE_OWNER] = self.allocator
 
     #: Whether this instance launches its kernels through the lean launcher
