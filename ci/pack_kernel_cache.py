@@ -8,7 +8,7 @@ may hold 16 MiB), plus TileScale's launch metadata (``tilescale-launch/*.json``)
 into the tar ``OUT`` with paths relative to ``CACHE_DIR``. Unpacked into a ``.tlcache`` that is
 carried to the next machine (``tar -C .tlcache -xf OUT.tar``), they load there without a
 compile: TileLang's cache key holds the kernel source, target, pass configuration, compile
-flags and TileLang's version and library hash, and nothing of the machine that compiled.
+flags and TileLang's version and library hash, and of the machine that compiled only its CPU architecture.
 Prints one line saying what it packed and what it left out; no archive when nothing is new.
 """
 
