@@ -295,8 +295,8 @@ class AllGatherGEMM(OverlappedGemm):
         compute stream) and ``join`` (``main`` waits for the compute stream, releases the
         gathered rows, waits for the copies). :meth:`_fused` runs them in that order but
         ``push`` last but one; emulated ranks sharing a GPU run each step for every rank
-        before the next step, so that nothing waits in a hardware queue on work enqueued
-        after it (:mod:`tilescale_examples.testing.emulated_overlap`)."""
+        before the next step, so that no wait is enqueued before the work it waits for
+        (:mod:`tilescale_examples.testing.emulated_overlap`)."""
         m = self.m_local
         if self._push is None:
             self._push, self._compute = self._make_push(), self._make_compute_stream()

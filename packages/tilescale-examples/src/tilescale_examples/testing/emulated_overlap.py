@@ -248,10 +248,12 @@ class EmulatedOverlap:
     def _stepped_round(self, inputs, outs, delay) -> None:
         """AllGatherGEMM and SPAllGatherAttention: every rank's call split in its steps
         (``call_steps``: start, push, peers, join), each step of every rank enqueued before
-        the next step. Streams share the GPU's hardware queues, where a wait at the head
-        holds back everything behind it; in this order every wait (a stream's wait for
-        another, a flag wait, a kernel after a spinning one) is enqueued after the work it
-        waits for, so no rank's call can be held behind another rank's waiting one."""
+        the next step. In this order every wait (a stream's wait for another, a flag wait,
+        a kernel or table copy queued after a spinning kernel) is enqueued after the work it
+        waits for. Made rank by rank, rank ``r``'s waits came before rank ``r + 1``'s
+        pushes: a wait at the head of a hardware queue the streams share holds back
+        everything behind it, and a host call that waits for its stream (a copy from
+        pageable memory) holds back the host, so that order could wait forever."""
         steps = []
         for r, (op, args, out) in enumerate(zip(self.ops, inputs, outs)):
             with torch.cuda.stream(self.streams[r]):
