@@ -302,8 +302,7 @@ class GemmReduceScatter(OverlappedGemm):
         reaches the end of the call. Every rank makes the same sequence of calls, eagerly or
         in CUDA graph replays (the call state lives on the device). Raises
         :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
-        self._check_call(a, b, out)
-        result = self.output if out is None else out
+        result = self._check_call(a, b, out)
         main = self._begin_call()
         if self.algorithm == "fused" and self.world_size == 1:
             self.kernel(a, b, result)
@@ -323,13 +322,15 @@ class GemmReduceScatter(OverlappedGemm):
         self._end_call(main)
         return result
 
-    def _check_call(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+    def _check_call(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
         """What a call checks before anything runs: :class:`~tilescale_examples.base.ClosedError`
-        once closed, ``a`` and ``b`` (:meth:`check_inputs`), and ``out`` when given."""
+        once closed, ``a`` and ``b`` (:meth:`check_inputs`), and ``out`` when given; returns
+        where the call writes (``out`` or ``self.output``), as AllGatherGEMM's does."""
         self._check_open()
         self.check_inputs(a, b)
         if out is not None:
             self._check_out(out, (self.m_local, self.n), "(m_local, n) =")
+        return self.output if out is None else out
 
     def _send_partials(self, a: torch.Tensor, b: torch.Tensor) -> None:
         """Fused plan, step 1 on the current stream: the GEMM whose epilogue stores each

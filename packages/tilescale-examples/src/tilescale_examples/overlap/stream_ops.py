@@ -300,19 +300,17 @@ class CopyEnginePush:
         the 64-bit ``flag`` to 1, fenced after the copy (the default write flag's memory
         barrier)."""
         check(drv.cuMemcpyAsync(dst, src, nbytes, handle), "cuMemcpyAsync")
-        check(drv.cuStreamWriteValue64(handle, flag, 1, drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
-              "cuStreamWriteValue64")
+        _write(drv, check, handle, flag, 1)
 
     def release(self, stream) -> None:
         """Enqueue :meth:`releases` on ``stream`` (the caller's), after the kernels that read
         the gathered rows: every other rank may then push its next call's rows."""
         drv, check = _driver()
-        fence = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT  # the resets before the peer sees free
         handle = stream.cuda_stream
         for flags, free in self.releases():
             for flag in flags:
                 _take(drv, check, handle, flag)
-            check(drv.cuStreamWriteValue64(handle, free, 1, fence), "cuStreamWriteValue64")
+            _write(drv, check, handle, free, 1)  # fenced: the resets before the peer sees free
 
     def finish(self, main) -> None:
         """Make ``main`` wait for the side streams: later work on ``main`` may overwrite the
@@ -329,7 +327,14 @@ def _take(drv, check, handle: int, address: int) -> None:
     (``CUDA_ERROR_INVALID_VALUE``)."""
     check(drv.cuStreamWaitValue64(handle, address, 1, drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
           "cuStreamWaitValue64")
-    check(drv.cuStreamWriteValue64(handle, address, 0, drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
+    _write(drv, check, handle, address, 0)
+
+
+def _write(drv, check, handle: int, address: int, value: int) -> None:
+    """Enqueue on the stream ``handle`` a write of ``value`` into the 64-bit word at
+    ``address``, after a memory fence over the stream's earlier work (the default write flag,
+    the only one the driver's current stream memory operations accept)."""
+    check(drv.cuStreamWriteValue64(handle, address, value, drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
           "cuStreamWriteValue64")
 
 

@@ -381,8 +381,8 @@ class SPAllGatherAttention(AttentionOp):
         pushes = (self._push_k, self._push_v)
 
         def start():
-            for push in pushes:
-                push.mark(main)
+            for p in pushes:
+                p.mark(main)
             with torch.cuda.stream(main):
                 self.own_kernel(q, k.view(1, *self.kv_shape), v.view(1, *self.kv_shape), out, lse, 0)
 
