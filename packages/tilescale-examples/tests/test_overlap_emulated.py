@@ -9,7 +9,8 @@ kernels the benchmark precompiles (compiled with nvcc), the benchmark's options 
 GPU (``-m gpu``): every op at 2, 4 and 8 emulated ranks with odd chunkings, 1000 back-to-back
 rounds with a random emulated rank delayed before each, fresh random inputs and poisoned
 outputs every round, every rank's output of every round against the float32 reference; then
-a round captured in a CUDA graph, replayed with fresh inputs between eager rounds.
+a round captured in a CUDA graph, replayed with fresh inputs between eager rounds; two
+instances of each plan called in turns from a side stream.
 """
 
 from __future__ import annotations
@@ -205,6 +206,36 @@ def test_emulated_fused_plans_under_stragglers_on_gpu(op, monkeypatch):
                     failures = emu.check(inputs, outs)
                     assert not failures, f"round {first + i}: {failures}"
             _graph_replays(emu, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("op", sorted(GPU_CASES))
+def test_two_emulated_instances_on_a_side_stream_on_gpu(op, monkeypatch):
+    """Two instances of one fused plan (the first case of :data:`GPU_CASES`: the same kernels,
+    each instance on its own emulated heaps, so every call rebinds the shared kernels'
+    tables), called in turns from a side stream, 100 rounds each with a random straggler and
+    no host synchronisation in between; every rank's output of every round of both
+    instances checked against the float32 reference."""
+    monkeypatch.setenv("TILESCALE_WAIT_TIMEOUT_MS", WAIT_TIMEOUT_MS)
+    device, rng = torch.device("cuda", torch.cuda.current_device()), random.Random(7)
+    ranks, args, kwargs = GPU_CASES[op][0]
+    side = torch.cuda.Stream(device=device)
+    with EmulatedOverlap(op, ranks, *args, device=device, **kwargs) as first, \
+            EmulatedOverlap(op, ranks, *args, device=device, **kwargs) as second:
+        done = []
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for i in range(200):
+                emu = (first, second)[i % 2]
+                inputs, outs = emu.random_inputs(seed=40_000 + i), emu.empty_outputs()
+                _poison_all(outs)
+                emu.round(inputs, outs, delay=(rng.randrange(ranks), rng.choice([0, 20_000, 200_000])))
+                done.append((emu, inputs, outs))
+        torch.cuda.synchronize(device)
+        for i, (emu, inputs, outs) in enumerate(done):
+            failures = emu.check(inputs, outs)
+            assert not failures, f"round {i} (instance {i % 2}): {failures}"
 
 
 def _poison_all(outs) -> None:

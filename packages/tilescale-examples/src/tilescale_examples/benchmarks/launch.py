@@ -18,7 +18,10 @@ warm-up calls (:func:`~tilescale_examples.benchmarks._timing.host_us_rounds`):
   default) and through the lean launcher (:mod:`tilescale_lang.lean`,
   ``op.lean_launch = True``), one instance each;
 * the raw kernel launch of the all-reduce (its kernel called with all its arguments through
-  TileLang's launcher, and through a prepared :class:`~tilescale_lang.lean.LeanLaunch`).
+  TileLang's launcher, and through a prepared :class:`~tilescale_lang.lean.LeanLaunch`), and
+  the lean launch's two parts alone: its Python (checks and packing of the changing
+  arguments, no launch) and the driver's ``cuLaunchKernel`` called through ctypes with the
+  packed parameters.
 
 Before timing, every op instance's result is checked against its torch reference (fresh
 random input, poisoned output); a failure is printed and makes the exit status 1.
@@ -187,6 +190,16 @@ def run(rank: int, world: int, group, device, args) -> list | None:
     changing = [raw_args[i] for i in raw.positions]
     fns.append(lambda: raw(*changing))
     labels.append(("all-reduce kernel, raw", "lean" if raw.lean else f"lean: {raw.why_not}"))
+    if raw.lean:  # where the lean launch's time goes: its Python alone, the driver call alone
+        from tilescale_lang import lean as lean_module
+
+        fns.append(lambda: raw._fill(changing, True))
+        labels.append(("all-reduce kernel, raw", "lean checks and packing only"))
+        driver_launch, _ = lean_module._driver_calls()
+        fn, (_, dims, smem, _, _, _, _, _, address) = raw._functions[0], raw._launches[0]
+        stream = torch.cuda.current_stream(device).cuda_stream
+        fns.append(lambda: driver_launch(fn, *dims, smem, stream, address))
+        labels.append(("all-reduce kernel, raw", "cuLaunchKernel (ctypes) only"))
     torch.cuda.synchronize(device)
     profile = _profile(fns, labels, args.profile, args.calls) if args.profile else None
     times = _timing.host_us_rounds(fns, args.calls, args.rounds)
