@@ -148,12 +148,12 @@ class AllReduce(ReductionCollective):
         kernel when ``input`` is 16-byte aligned whole vectors, else a copy before it). Raises
         :class:`~tilescale_examples.base.ClosedError` after ``close()``.
         """
-        self._check_call(input, out, self.shape)
+        zero_copy = self._check_call(input, out, self.shape)
         out_rows = None
         if self.algorithm == "one_shot":
             out_rows = self._out_rows(out)
             out_rows = self.result if out_rows is None else out_rows
-        stage = self._launch(input, out_rows, self._stage_copy)
+        stage = self._launch(input, out_rows, self._stage_copy, zero_copy)
         if out is None:
             return self.output
         result = stage.view(-1)[: self.numel] if self.algorithm == "two_shot" else self.result.view(-1)[: self.numel]

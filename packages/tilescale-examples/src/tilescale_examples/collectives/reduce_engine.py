@@ -304,15 +304,18 @@ class ReductionCollective(SymmetricCollective):
         return (view is not None and isinstance(t, torch.Tensor) and t.data_ptr() == view.data_ptr() and t.shape == view.shape and t.stride() == view.stride()
                 and t.dtype == view.dtype and t.device == view.device)
 
-    def _check_call(self, input, out: Optional[torch.Tensor], out_shape) -> None:
+    def _check_call(self, input, out: Optional[torch.Tensor], out_shape) -> bool:
         """What a call checks before anything runs: :class:`~tilescale_examples.base.ClosedError`
         once closed, ``input`` (unless it is the zero-copy view of this call's buffer, ``self.input``)
-        and ``out`` when given (``out_shape``)."""
+        and ``out`` when given (``out_shape``). Returns whether ``input`` is that zero-copy view
+        (:meth:`_launch`'s ``zero_copy``)."""
         self._check_open()
-        if not self._is_view_of(input, self._next_input_view()):
+        zero_copy = self._is_view_of(input, self._next_input_view())
+        if not zero_copy:
             self.check_input(input)
         if out is not None:
             self._check_out(out, out_shape)
+        return zero_copy
 
     def _check_out(self, out: torch.Tensor, shape) -> None:
         self.check_tensor(out, shape, "out", "the output shape")
@@ -329,18 +332,19 @@ class ReductionCollective(SymmetricCollective):
         return rows if rows is not None and rows.shape[0] == self.plan.span else None
 
     # ------------------------------------------------------------------ launch
-    def _launch(self, input: torch.Tensor, out_rows: Optional[torch.Tensor], stage_copy) -> torch.Tensor:
+    def _launch(self, input: torch.Tensor, out_rows: Optional[torch.Tensor], stage_copy,
+                zero_copy: bool) -> torch.Tensor:
         """Stage ``input`` (in the kernel when it is whole aligned vectors, else copied by
         ``stage_copy(padded, input)`` into a zero-padded local buffer that the kernel stages)
         and run this call's kernel; returns the staging buffer the call uses. ``input`` needs
-        no staging when it is the zero-copy view of this call's buffer (``self.input``)."""
+        no staging when it is the zero-copy view of this call's buffer (``zero_copy``, from
+        :meth:`_check_call`)."""
         p = self.plan
         nb = len(self.stages)
         if self._note_capture() and nb > 1 and any(overlaps(input, s) for s in self.stages):
             raise RuntimeError(f"{type(self).__name__}({self.mode}): input is one of this instance's own staging "
                                "buffers, and the instance has been captured in a CUDA graph, where the buffer of "
                                "each call is chosen on the device; pass a tensor of your own")
-        zero_copy = self._is_view_of(input, self._next_input_view())
         self.epoch += 1
         self.bind_table()
         stage_in = 1
