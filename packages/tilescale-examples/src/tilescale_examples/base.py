@@ -30,6 +30,7 @@ from tilescale_examples._checks import (DEFAULT_MAX_BLOCKS, DTYPES, TARGET, chec
                                         check_target, check_tensor, check_threads, default_group, plan_chunks,
                                         size_table_entry)
 from tilescale_examples._group import all_ranks_agree, collective_device, settle
+from tilescale_examples._launch import launch as lean_launch
 from tilescale_examples._contract import (OldSpellingWarning, RecordingAllocator, accepts_0_1_init,
                                           accepts_0_1_out, accepts_0_1_reference, dry_run_heap_bytes,
                                           rank_left_out, row_shape_0_1, sm_count_of, warn_old_spelling)
@@ -183,6 +184,9 @@ class KernelOwner:
         a copy of their own)."""
         kernel = self.kernel if kernel is None else kernel
         state = kernel.__dict__
+        if (not force and state.get(self._TABLE_OWNER) is self.allocator and not state.get(_REBIND)
+                and not self._capturing()):
+            return  # the common eager call: this allocator's table is bound (it is among the users)
         users = state.setdefault(_USERS, set())
         users.add(id(self.allocator))
         if self._capturing():
@@ -228,13 +232,11 @@ class KernelOwner:
         """Launch ``kernel`` (default ``self.kernel``) with ``args`` (every parameter, in
         order) on the current stream, the arguments at the ``changing`` positions packed per
         call (:func:`tilescale_examples._launch.launch`)."""
-        from tilescale_examples._launch import launch
-
         kernel = self.kernel if kernel is None else kernel
         if not self.lean_launch or self.device.type != "cuda":
             kernel(*args)
         else:
-            launch(self.__dict__.setdefault("_lean_launches", {}), kernel, args, changing)
+            lean_launch(self.__dict__.setdefault("_lean_launches", {}), kernel, args, changing)
 
     def _device_table(self) -> torch.Tensor:
         """This allocator's metadata table as a device tensor (made once, by the first eager
