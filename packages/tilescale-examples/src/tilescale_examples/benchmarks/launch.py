@@ -52,27 +52,21 @@ MOE = dict(num_experts=64, hidden=7168, topk=8, max_tokens=128)
 
 def _ops(alloc, numel: int, dtype, group, device) -> dict:
     """``{name: (make, make_input, call, reference)}`` of the TileScale ops measured:
-    ``make()`` builds one instance, ``make_input()`` a fresh random input, ``call(op, x)`` runs
-    the op on it and returns what it wrote, ``reference(x)`` is the torch result at world 1."""
+    ``make()`` builds one instance, ``make_input()`` a fresh random input (shaped as the op
+    takes it), ``call(op, x)`` runs the op on it and returns what the op returns (nothing
+    else: it is what is timed), ``reference(x)`` is the torch result at world 1 (a tensor, or
+    a tuple of tensors for an op that returns several)."""
     import torch
 
     from tilescale_examples import AllGather, AllReduce, AllToAll, MoEDispatcher, ReduceScatter
     from tilescale_examples.decode.allreduce_norm import AllReduceResidualRMSNorm
     from tilescale_examples.decode.reference import torch_reference
 
-    def flat():
-        return torch.randn(numel, device=device).to(dtype)
+    def shaped(*shape):
+        return lambda: torch.randn(numel, device=device).to(dtype).view(*shape)
 
     residual = torch.randn(1, numel, device=device).to(dtype)
     weight = (1 + 0.1 * torch.randn(numel, device=device)).to(dtype)
-
-    def norm_call(op, x):
-        y, h = op(x.view(1, numel), residual, weight)
-        return torch.cat([y.view(-1), h.view(-1)])
-
-    def norm_reference(x):
-        y, h = torch_reference([(x.view(1, numel), residual, weight)], 0)
-        return torch.cat([y.view(-1), h.view(-1)])
 
     def moe_input():
         t, e, k = MOE["max_tokens"], MOE["num_experts"], MOE["topk"]
@@ -88,19 +82,19 @@ def _ops(alloc, numel: int, dtype, group, device) -> dict:
         x, _, w = inputs
         return (x.float() * w.sum(1, keepdim=True)).to(dtype)
 
-    def simple(cls, reference, **kwargs):
-        return (lambda: cls(alloc, (numel,), dtype, world_size=1, group=group, **kwargs), flat, lambda op, x: op(x),
-                reference)
+    def one_input(cls, shape, reference, **kwargs):
+        return (lambda: cls(alloc, shape, dtype, world_size=1, group=group, **kwargs), shaped(*shape),
+                lambda op, x: op(x), reference)
 
     return {
-        "AllReduce one-shot": simple(AllReduce, lambda x: x, algorithm="one_shot"),
-        "AllGather": simple(AllGather, lambda x: x.view(1, numel)),
-        "AllToAll": (lambda: AllToAll(alloc, (numel,), dtype, world_size=1, group=group), flat,
-                     lambda op, x: op(x.view(1, numel)), lambda x: x.view(1, numel)),
-        "ReduceScatter": (lambda: ReduceScatter(alloc, (numel,), dtype, world_size=1, group=group), flat,
-                          lambda op, x: op(x.view(1, numel)), lambda x: x),
+        "AllReduce one-shot": one_input(AllReduce, (numel,), lambda x: x, algorithm="one_shot"),
+        "AllGather": one_input(AllGather, (numel,), lambda x: x.view(1, numel)),
+        "AllToAll": one_input(AllToAll, (1, numel), lambda x: x),
+        "ReduceScatter": one_input(ReduceScatter, (1, numel), lambda x: x.view(numel)),
         "AllReduceResidualRMSNorm": (lambda: AllReduceResidualRMSNorm(alloc, (1, numel), dtype, world_size=1,
-                                                                      group=group), flat, norm_call, norm_reference),
+                                                                      group=group), shaped(1, numel),
+                                     lambda op, x: op(x, residual, weight),
+                                     lambda x: torch_reference([(x, residual, weight)], 0)),
         "MoE dispatch + combine, 128 tokens": (lambda: MoEDispatcher(alloc, dtype=dtype, world_size=1, group=group,
                                                                      validate=False, **MOE),
                                                moe_input, moe_call, moe_reference),
@@ -127,11 +121,15 @@ def _check(op, make_input, call, reference, device) -> str:
             t.fill_(float("nan"))
     got = call(op, x)
     torch.cuda.synchronize(device)
-    if got.shape != want.shape and got.numel() == want.numel():
-        got = got.reshape(want.shape)
-    if got.shape != want.shape:
-        return f"FAIL (shape {tuple(got.shape)} vs {tuple(want.shape)})"
-    return "ok" if torch.allclose(got.float(), want.float(), rtol=2**-7, atol=1e-3) else "FAIL (values)"
+    got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+    if len(got) != len(want):
+        return f"FAIL ({len(got)} outputs vs {len(want)})"
+    for g, w in zip(got, want):
+        if g.shape != w.shape:
+            return f"FAIL (shape {tuple(g.shape)} vs {tuple(w.shape)})"
+        if not torch.allclose(g.float(), w.float(), rtol=2**-7, atol=1e-3):
+            return "FAIL (values)"
+    return "ok"
 
 
 def run(rank: int, world: int, group, device, args) -> list | None:
