@@ -1,5 +1,6 @@
 """tilescale_examples.testing.precompile: kernels compiled in worker processes are cache hits for the
-collectives' own compiles (the same cache key), duplicates are compiled once."""
+collectives' own compiles (the same cache key), duplicates are compiled once; precompile_op
+compiles what a dry run of an op's constructor records, the kernels the op then loads."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 
 from examples_helpers import needs_nvcc
 
-from tilescale_examples.testing.precompile import precompile, reduction_jobs
+from tilescale_examples.testing.precompile import precompile, precompile_op, reduction_jobs
 
 
 def cache_files(cache) -> set:
@@ -64,3 +65,42 @@ def test_precompiled_gemm_allreduce_is_a_cache_hit(tmp_path, monkeypatch):
     before = cache_files(cache)
     compile_once(build_gemm_ar_kernel(*job[1]), None, None, PASS_CONFIGS)
     assert cache_files(cache) == before
+
+
+def test_a_dry_run_records_what_the_op_would_compile():
+    import torch
+
+    from tilescale_examples import AllGather, AllReduce
+    from tilescale_examples._contract import RecordingAllocator
+
+    alloc = RecordingAllocator(4, sm_count=132)
+    AllReduce(alloc, (4096,), torch.bfloat16, world_size=4, algorithm="two_shot")
+    [(build, target, pass_configs)] = alloc.builds
+    assert str(build().attrs["global_symbol"]) == "allreduce_two_shot" and target is None and pass_configs
+    alloc = RecordingAllocator(2)
+    AllGather(alloc, (256,), torch.float16, world_size=2, algorithm="sm")
+    assert len(alloc.builds) == 1
+
+
+@needs_nvcc
+def test_precompile_op_fills_the_cache_the_op_loads_from(tmp_path, monkeypatch):
+    import pytest
+    import torch
+
+    from tilescale_examples import AllReduce
+    from tilescale_examples.base import compile_once
+    from tilescale_examples.collectives.reduce_engine import PASS_CONFIGS, build_reduce_kernel, default_unroll
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TILESCALE_WAIT_TIMEOUT_MS", "4321")
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        precompile_op(AllReduce, (4096,), torch.float32, world_size=2, algorithm="three_shot", cache_dir=cache)
+    assert not cache.exists()  # refused before compiling
+    assert precompile_op(AllReduce, (4096,), torch.float32, world_size=3, algorithm="one_shot",
+                         cache_dir=cache) == ["allreduce_one_shot"]
+    assert "TILELANG_CACHE_DIR" not in os.environ or os.environ["TILELANG_CACHE_DIR"] != str(cache)
+    before = cache_files(cache)
+    assert before
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(cache))
+    compile_once(build_reduce_kernel("one_shot", "float32", 3, 512, default_unroll(3)), None, None, PASS_CONFIGS)
+    assert cache_files(cache) == before  # the op's own compile is a cache hit

@@ -21,7 +21,7 @@ import torch
 
 from tilescale_examples._checks import DEFAULT_MAX_BLOCKS, check_positive_int
 
-__all__ = ["OldSpellingWarning", "warn_old_spelling", "accepts_0_1_init", "accepts_0_1_out", "row_shape_0_1",
+__all__ = ["OldSpellingWarning", "warn_old_spelling", "DryRunKernel", "accepts_0_1_init", "accepts_0_1_out", "row_shape_0_1",
            "accepts_0_1_reference", "rank_left_out", "RecordingAllocator",
            "HEAP_ALIGNMENT", "sm_count_of", "dry_run_heap_bytes"]
 
@@ -206,6 +206,14 @@ class RecordingAllocator:
         self.device = torch.device("meta")
         self.table = ()
         self.records: list = []
+        #: What the op would compile: ``(build, target, pass_configs)``, ``build()`` giving the
+        #: ``T.prim_func`` (:func:`~tilescale_examples.testing.precompile.precompile_op` compiles them).
+        self.builds: list = []
+
+    def record_build(self, build, target, pass_configs) -> "DryRunKernel":
+        """Record a kernel the op would compile (its dry-run compile); the stand-in kernel."""
+        self.builds.append((build, target, pass_configs))
+        return DryRunKernel()
 
     def tensor(self, shape, dtype, return_peers: bool = False):
         """Record an allocation of ``shape`` x ``dtype``; a meta tensor (one per rank with
@@ -225,6 +233,13 @@ class RecordingAllocator:
         upper bound of what they use on a heap whose next allocation starts aligned, exact
         up to the last allocation's rounding."""
         return sum(-(-n // a) * a for n, a in self.records)
+
+
+class DryRunKernel:
+    """What a dry run (:class:`RecordingAllocator`) gets instead of a compiled kernel."""
+
+    def initialize(self, allocator=None, stream=None):
+        return self
 
 
 def sm_count_of(device) -> int:

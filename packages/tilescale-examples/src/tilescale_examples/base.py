@@ -254,13 +254,6 @@ class KernelOwner:
         return table
 
 
-class _DryRunKernel:
-    """What a dry run (:class:`RecordingAllocator`) gets instead of a compiled kernel."""
-
-    def initialize(self, allocator=None, stream=None):
-        return self
-
-
 class SymmetricOp(KernelOwner, Closable):
     """Base of every symmetric op: one setup path (:meth:`_setup_op`), one lifetime
     (``close()``, ``closed``, :class:`ClosedError` from every call after ``close()``), and
@@ -312,14 +305,16 @@ class SymmetricOp(KernelOwner, Closable):
         return DEFAULT_MAX_BLOCKS
 
     def _compile_kernel(self, build, target=None, pass_configs=None, key=None):
-        if self._dry_run:
-            return _DryRunKernel()
+        if self._dry_run:  # nothing compiled: the build is recorded (RecordingAllocator.builds)
+            return self.allocator.record_build(build, target, pass_configs)
         return super()._compile_kernel(build, target, pass_configs, key)
 
     def _compile_plain(self, build, target=None):
         """``compile_once(build())`` (no process-wide sharing: for kernels without TileScale
-        intrinsics); nothing in a dry run."""
-        return _DryRunKernel() if self._dry_run else compile_once(build(), self.group, target)
+        intrinsics); in a dry run the build is recorded instead."""
+        if self._dry_run:
+            return self.allocator.record_build(build, target, None)
+        return compile_once(build(), self.group, target)
 
     def _check_out(self, out, shape, shape_name: str = "the output shape") -> None:
         """``TypeError`` / ``ValueError`` naming ``out`` unless it is a contiguous tensor of

@@ -11,6 +11,12 @@ A job is ``(builder, args, pass_configs)``: ``builder`` names a kernel builder a
 ``"module:function"`` (``"tilescale_examples.collectives.reduce_engine:build_reduce_kernel"``), ``args``
 its positional arguments, ``pass_configs`` the TileLang pass configuration the collective
 compiles with (or None). A cache miss afterwards only costs time, never correctness.
+
+:func:`precompile_op` fills the cache with every kernel one op instance compiles, found by a
+dry run of its constructor (no GPU, no heap): on a build machine with nvcc and no GPU, for
+GPUs of the same architecture and SM count::
+
+    precompile_op(AllReduce, (8192,), torch.bfloat16, world_size=8, algorithm="one_shot")
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from typing import Iterable, Optional, Sequence, Tuple
 
-__all__ = ["precompile", "reduction_jobs", "compile_job"]
+__all__ = ["precompile", "precompile_op", "reduction_jobs", "compile_job"]
 
 Job = Tuple[str, tuple, Optional[dict]]
 
@@ -75,3 +81,57 @@ def reduction_jobs(modes: Sequence[str], dtypes: Sequence[str], world_sizes: Seq
     return [("tilescale_examples.collectives.reduce_engine:build_reduce_kernel",
              (m, d, w, threads, default_unroll(w) if unroll is None else unroll), PASS_CONFIGS)
             for w in world_sizes for m in modes for d in dtypes]
+
+
+#: SM count of the GPUs :func:`precompile_op` compiles for by default (H100 SXM and H200).
+SM_COUNT = 132
+
+
+def precompile_op(cls, *args, world_size: int, sm_count: int = SM_COUNT, cache_dir: Optional[str] = None,
+                  **kwargs) -> list:
+    """Compile (nvcc; no GPU needed) every kernel ``cls(allocator, *args, world_size=world_size,
+    **kwargs)`` compiles, into TileLang's disk cache ``cache_dir`` (default:
+    ``$TILELANG_CACHE_DIR``), so that the op built later on a GPU of ``sm_count`` SMs loads
+    them without compiling. The kernels are found by a dry run of the constructor on a
+    :class:`~tilescale_examples._contract.RecordingAllocator` (the grid cap some kernels are
+    built for is the SM count); an op whose ``algorithm="auto"`` chooses by probing devices
+    gets the kernels of every algorithm it may choose. Compiles one after the other in this
+    process, with this process's ``TILESCALE_*`` settings (the compile flags must be those of
+    the later run); call it in a fresh process (TileLang serves a kernel this process has
+    compiled before from memory, without writing it to ``cache_dir``). Returns the kernels'
+    global symbols, in build order.
+
+    Raises the constructor's ``TypeError`` / ``ValueError`` for bad arguments, before
+    compiling anything.
+    """
+    import tilelang
+
+    from tilescale_examples._contract import RecordingAllocator
+    from tilescale_examples.base import TARGET
+
+    algorithms = [kwargs.get("algorithm")]
+    probes = getattr(cls, "_AUTO_PROBES", ())
+    if probes and kwargs.get("algorithm", "auto") == "auto":
+        algorithms = list(probes)
+    builds = []
+    for algorithm in algorithms:
+        allocator = RecordingAllocator(world_size, sm_count=sm_count)
+        cls(allocator, *args, world_size=world_size, **(kwargs if algorithm is None else dict(kwargs, algorithm=algorithm)))
+        builds += allocator.builds
+    old = os.environ.get("TILELANG_CACHE_DIR")
+    if cache_dir is not None:
+        os.environ["TILELANG_CACHE_DIR"] = str(cache_dir)
+    try:
+        names = []
+        for build, target, pass_configs in builds:
+            func = build()
+            extra = {} if pass_configs is None else {"pass_configs": dict(pass_configs)}
+            tilelang.compile(func, target=target or TARGET, **extra)
+            names.append(str(func.attrs["global_symbol"]))
+        return names
+    finally:
+        if cache_dir is not None:
+            if old is None:
+                os.environ.pop("TILELANG_CACHE_DIR", None)
+            else:
+                os.environ["TILELANG_CACHE_DIR"] = old
