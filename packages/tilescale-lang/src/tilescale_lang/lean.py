@@ -347,8 +347,9 @@ class LeanLaunch:
     def _pack(self, launches: list[dict], pointers: dict[str, int], env: dict[str, Any]) -> list[list]:
         """Per launch: ``[symbol, grid + block, smem, cooperative, values, params, recompute,
         dims, params address]``; pointer values of changing buffers are registered with their
-        slots; ``recompute`` (scalar arguments) and ``dims`` (grid or block extents) are the
-        expressions over changing scalars and sizes, evaluated again at each call."""
+        slots; ``recompute`` (scalar arguments: ``(value, expression, dtype, name, low,
+        high)``, the range of an integer dtype or None) and ``dims`` (grid or block extents)
+        are the expressions over changing scalars and sizes, evaluated again at each call."""
         changing_scalars = {s.name for s in self._slots if s.kind == "scalar"} | {
             name for s in self._slots for _, name in s.free}
         by_name = {s.name: s for s in self._slots}
@@ -364,7 +365,9 @@ class LeanLaunch:
                     where = f"{self._name}: {launch['symbol']} argument {i}"
                     value = scalar_value(arg["dtype"], evaluate(arg["value"], env), where)
                     if _names(arg["value"]) & changing_scalars:
-                        recompute.append((value, _compiled(arg["value"]), arg["dtype"], where))
+                        ints = not (arg["dtype"].startswith("float") or arg["dtype"] == "bfloat16")
+                        low, high = scalar_range(arg["dtype"]) if ints else (None, None)
+                        recompute.append((value, _compiled(arg["value"]), arg["dtype"], where, low, high))
                 values.append(value)
             params = (ctypes.c_void_p * max(1, len(values)))(*(ctypes.addressof(v) for v in values))
             grid = [evaluate(g, env) for g in launch["grid"]]
@@ -522,8 +525,12 @@ class LeanLaunch:
         env = self._env
         for fn, (symbol, dims, smem, cooperative, _values, _params, recompute, dyn, address) in zip(
                 self._functions, self._launches):
-            for value, expr, dtype, where in recompute:
-                value.value = scalar_value(dtype, expr(env), where).value
+            for value, expr, dtype, where, low, high in recompute:
+                v = expr(env)
+                if low is not None and type(v) is int and low <= v <= high:
+                    value.value = v  # an int in range: stored as it is (the common case, no new ctypes object)
+                else:
+                    value.value = scalar_value(dtype, v, where).value
             for axis, expr in dyn:
                 dims[axis] = expr(env)
                 if dims[axis] < 1:
