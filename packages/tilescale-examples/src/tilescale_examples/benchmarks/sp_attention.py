@@ -5,8 +5,11 @@
 [--dtype bfloat16|float16] [--iters 20] [--out DIR]``
 
 One rank on one GPU (an NCCL group of one), where the communication machinery has no peer and
-should cost nothing. Median GPU time of ``--iters`` calls, each from an idle GPU
-(``_timing.local_ms``):
+should cost nothing. Table 1: median GPU time of ``--iters`` calls, each from an idle GPU
+(``_timing.local_ms``). Table 2 (decode, where a call's GPU work is a few microseconds and the
+host's launch cost would otherwise be most of the time): GPU time per call of ``--iters``
+back-to-back calls enqueued behind a stream hold (``_timing.held_ms_per_launch``), as a decode
+step runs in a CUDA graph or on a busy stream:
 
 * table 1, per sequence length, causal: ``SPAllGatherAttention`` with its default algorithm
   (printed; at one rank the fused algorithm is the attention kernel alone) against
@@ -104,14 +107,15 @@ def _decode_row(args, alloc, group, device, batch: int, kv: int) -> tuple:
                         return _torch_decode(q, k, v)
 
                     call()
-                    torch_ms.append(_timing.local_ms(call, args.iters))
+                    torch_ms.append(_timing.held_ms_per_launch(call, args.iters, device))
             except RuntimeError:  # the backend does not take this shape
                 continue
         torch.cuda.synchronize(device)
         ok = want is not None and _close(o, want)
-        ours = _timing.local_ms(lambda: op(q, k, v), args.iters)
+        ours = _timing.held_ms_per_launch(lambda: op(q, k, v), args.iters, device)
         gathered = op.gather(op.partials)
-        combine = _timing.local_ms(lambda: op.combine_kernel(gathered, op.output, op.lse), args.iters)
+        combine = _timing.held_ms_per_launch(lambda: op.combine_kernel(gathered, op.output, op.lse), args.iters,
+                                             device)
     finally:
         op.close()
     best = min(torch_ms) if torch_ms else None
