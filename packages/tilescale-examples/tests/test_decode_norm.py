@@ -169,6 +169,26 @@ def test_outputs_in_place_and_unaligned(compiles):
     assert compare(op(xu, r, w), want) == [] and op.kernel.calls[-1][0].data_ptr() % 16 == 0  # staged from a copy
 
 
+def test_the_weight_view_is_kept_only_while_it_is_the_same_aligned_tensor(compiles):
+    """A call passes the weight's rows; the next call with the same weight reuses them (its
+    in-place updates show through), another weight (or an unaligned one, staged from a copy
+    at every call) is what the kernel gets."""
+    op = make()
+    x, r, w = inputs_for(1)[0]
+    op(x, r, w)
+    first = op.kernel.calls[-1][2]
+    w.mul_(2)  # in place: the kept view shows it
+    assert compare(op(x, r, w), expected(op, x, r, w)) == [] and op.kernel.calls[-1][2] is first
+    w2 = w.clone()
+    assert compare(op(x, r, w2), expected(op, x, r, w2)) == [] and op.kernel.calls[-1][2].data_ptr() == w2.data_ptr()
+    wu = torch.empty(257, dtype=BF16)[1:]
+    wu.copy_(w)
+    op(x, r, wu)
+    staged = op.kernel.calls[-1][2]
+    wu.mul_(3)  # a copy is never kept: the next call stages the new values
+    assert compare(op(x, r, wu), expected(op, x, r, wu)) == [] and op.kernel.calls[-1][2] is not staged
+
+
 @pytest.mark.parametrize("fp8", ["per_token", "per_block"])
 def test_fp8_outputs(fp8, compiles):
     op = make(fp8=fp8)

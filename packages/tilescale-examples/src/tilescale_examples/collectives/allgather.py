@@ -223,7 +223,8 @@ class AllGather(PutExchange):
         self.check_input(input)
         return self._exchange(input, out)
 
-    _BUFFERS = ("input", "output", "flags", "state", "peer_outputs", "copy_flags", "peer_copy_flags")
+    _BUFFERS = ("input", "output", "flags", "state", "peer_outputs", "copy_flags", "peer_copy_flags",
+                "_flat_output")
 
     def _launch(self, input: torch.Tensor) -> None:
         if self.algorithm == "copy":

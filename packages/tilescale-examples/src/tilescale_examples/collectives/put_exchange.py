@@ -93,7 +93,7 @@ class PutExchange(SymmetricCollective):
     :func:`build_put_exchange_kernel` (``_make_flags``) and the launch with its optional
     ``out``. Subclasses set ``input``, ``output`` and ``kernel``."""
 
-    _BUFFERS = ("input", "output", "flags", "state")
+    _BUFFERS = ("input", "output", "flags", "state", "_flat_output")
 
     def _setup(self, *args, min_chunk_bytes: int, **kwargs) -> None:
         """:meth:`~tilescale_examples.base.SymmetricCollective._setup`, then the plan of the
@@ -120,7 +120,10 @@ class PutExchange(SymmetricCollective):
         """One call's data movement on the current stream (the SM kernel; overridden by
         engines that move data otherwise)."""
         self.bind_table()
-        self._launch_kernel((input.view(-1), self.output.view(-1), self.flags, self.state), changing=(0,))
+        flat = self.__dict__.get("_flat_output")
+        if flat is None or flat[0] is not self.output:  # made once: a view costs host time at every call
+            flat = self._flat_output = (self.output, self.output.view(-1))
+        self._launch_kernel((input.view(-1), flat[1], self.flags, self.state), changing=(0,))
 
     def _exchange(self, input: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
         """Run the exchange kernel on ``input`` (checked by the caller) on the current stream;

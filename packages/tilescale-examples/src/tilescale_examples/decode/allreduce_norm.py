@@ -94,7 +94,8 @@ class AllReduceResidualRMSNorm(SymmetricCollective):
     ``world_size * blocks`` uint64 flags (one per 32-byte sector).
     """
 
-    _BUFFERS = ("stage_buffer", "stages", "flags", "state", "output", "residual_output", "scales", "_own_rows")
+    _BUFFERS = ("stage_buffer", "stages", "flags", "state", "output", "residual_output", "scales", "_own_rows",
+                "_kept_weight")
 
     def __init__(self, allocator, shape: Union[int, Sequence[int]], dtype: Union[torch.dtype, str], *,
                  world_size: Optional[int] = None, eps: float = 1e-6,
@@ -220,7 +221,7 @@ class AllReduceResidualRMSNorm(SymmetricCollective):
         self.epoch += 1
         self.bind_table()
         vec, (own_h, own_y, own_s) = self.vec, self._own_rows
-        ins = (_aligned_rows(x, vec), _aligned_rows(residual, vec), _aligned_rows(weight, vec))
+        ins = (_aligned_rows(x, vec), _aligned_rows(residual, vec), self._weight_rows(weight))
         outs = [own_h if residual_out is None else rows_view(h, vec), own_y if out is None else rows_view(y, vec)]
         tmp = [own_h if outs[0] is None else outs[0], own_y if outs[1] is None else outs[1]]
         scales = [] if s is None else [own_s if scales_out is None else s.view(-1)]
@@ -230,6 +231,18 @@ class AllReduceResidualRMSNorm(SymmetricCollective):
             if got is None:
                 dst.copy_(own)  # an output that is not whole aligned vectors: through the op's own
         return (y, h) if self.fp8 is None else (y, s, h)
+
+    def _weight_rows(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` as the kernel's rows; kept for the next call, which usually passes the
+        same weight (a view costs host time at every call)."""
+        kept = self.__dict__.get("_kept_weight")
+        if kept is not None and kept[0] is weight and kept[1] == weight.data_ptr():
+            return kept[2]
+        rows = rows_view(weight, self.vec)
+        if rows is None:
+            return _aligned_rows(weight, self.vec)  # an aligned copy, made at every call (never kept)
+        self._kept_weight = (weight, weight.data_ptr(), rows)
+        return rows
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(shape={self.shape}, dtype={self.dtype}, world_size={self.world_size}, "
