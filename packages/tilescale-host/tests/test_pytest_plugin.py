@@ -28,6 +28,14 @@ def test_all_reduce(rank, world_size, scale, tmp_path):
     (tmp_path / f"rank{rank}").write_text(str(os.getpid()))
 
 
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.ranks("world", cpu_only=True, timeout=60)
+def test_rank_count_from_a_parameter(rank, world_size, world):
+    t = torch.tensor([1.0])
+    dist.all_reduce(t)
+    assert world_size == world and t.item() == world and 0 <= rank < world
+
+
 @multirank(2, cpu_only=True, timeout=60)
 def test_rank_one_fails(rank):
     if rank == 1:
@@ -87,7 +95,7 @@ def result(tmp_path_factory):
 
 def test_outcomes(result):
     res, _ = result
-    res.assert_outcomes(passed=3, failed=2, skipped=3)
+    res.assert_outcomes(passed=5, failed=2, skipped=3)
 
 
 def test_failing_rank_traceback_is_the_failure(result):
@@ -124,7 +132,8 @@ def test_validation_record(result):
     assert "no CUDA GPU" in by_id["test_needs_gpus"]["skip_reason"]
     assert by_id["test_gated_present"]["capabilities"] == ["always"]
     assert by_id["test_gated_unknown"]["skip_reason"].startswith("unknown capability 'no_such_thing'")
-    assert summary["kind"] == "summary" and summary["counts"] == {"ran": 3, "failed": 2, "skipped": 3}
+    assert by_id["test_rank_count_from_a_parameter[3]"]["ranks"] == 3
+    assert summary["kind"] == "summary" and summary["counts"] == {"ran": 5, "failed": 2, "skipped": 3}
     assert set(summary["skipped"]) == {t["nodeid"] for t in tests if t["outcome"] == "skipped"}
 
 
@@ -153,6 +162,13 @@ def test_share_mode_runs_instead_of_skipping_on_too_few_gpus(pytester, clean_env
     (path,) = (pytester.path / "rec").glob("*.jsonl")
     test_line = json.loads(path.read_text(encoding="utf-8").splitlines()[1])
     assert test_line["mode"] == "shared" and test_line["ranks"] == 4
+
+
+def test_a_rank_count_naming_no_parameter_is_a_usage_error(pytester):
+    pytester.makepyfile("import pytest\n@pytest.mark.parametrize('world', [2])\n"
+                        "@pytest.mark.ranks('wrld', cpu_only=True)\ndef test_x(rank, world):\n    pass\n")
+    res = pytester.runpytest_subprocess()
+    res.stderr.fnmatch_lines(["*ranks('wrld') names no parametrize argument of the test (it has *'world'*)*"])
 
 
 def test_rank_fixture_outside_ranks_test_is_a_usage_error(pytester):

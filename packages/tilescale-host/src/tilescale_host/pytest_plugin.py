@@ -3,7 +3,8 @@
 Markers:
 
 * ``@pytest.mark.ranks(n, timeout=120, cpu_only=False)`` runs the test body on ``n`` spawned
-  ranks (see :mod:`tilescale_host.testing`).  It is skipped, with the reason, when no GPU is
+  ranks (see :mod:`tilescale_host.testing`); ``n`` may name a ``parametrize`` argument
+  (``@pytest.mark.ranks("world")``: one run per value of ``world``).  It is skipped, with the reason, when no GPU is
   visible or fewer GPUs than ranks are visible and TILESCALE_SHARE_GPUS is not 1 (unless
   ``cpu_only``); it fails with the failing rank's traceback when any rank fails and is killed
   after ``timeout`` seconds (each rank's Python stack is dumped first).
@@ -173,7 +174,13 @@ def _ranks_marker(item):
     if marker is None:
         return None
     n = marker.args[0] if marker.args else marker.kwargs.get("n")
-    if not isinstance(n, int) or n < 1:
+    if isinstance(n, str):  # the name of a parametrize argument
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if n not in params:
+            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.ranks({n!r}) names no parametrize argument "
+                                    f"of the test (it has {sorted(params)})")
+        n = params[n]
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.ranks needs a positive rank count, got {n!r}")
     return n, float(marker.kwargs.get("timeout", testing.DEFAULT_RANK_TIMEOUT)), bool(marker.kwargs.get("cpu_only", False))
 
