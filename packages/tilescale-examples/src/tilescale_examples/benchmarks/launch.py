@@ -21,7 +21,9 @@ warm-up calls (:func:`~tilescale_examples.benchmarks._timing.host_us_rounds`):
   TileLang's launcher, and through a prepared :class:`~tilescale_lang.lean.LeanLaunch`), and
   the lean launch's two parts alone: its Python (checks and packing of the changing
   arguments, no launch) and the driver's ``cuLaunchKernel`` called through ctypes with the
-  packed parameters.
+  packed parameters; and a kernel with no work (one block of 32 threads, which the GPU runs
+  faster than the host launches it) through TileLang's launcher and through the driver call
+  alone: the host's floor for one launch.
 
 Before timing, every op instance's result is checked against its torch reference (fresh
 random input, poisoned output); a failure is printed and makes the exit status 1.
@@ -44,6 +46,8 @@ DEFAULT = "TileLang"
 #: The goals: TileScale's host time per call at most GOAL_ADD x torch.add's, GOAL_SYMM x symm mem's.
 GOAL_ADD, GOAL_SYMM = 1.2, 0.8
 DTYPES = ("bfloat16", "float16", "float32")
+#: Rows that time a launch alone (no op): left out of the goals.
+DIAGNOSTIC_ROWS = ("all-reduce kernel, raw", "empty kernel")
 
 
 #: The MoE row's shape: DeepSeek-V3's hidden size and routing, one decode batch.
@@ -188,16 +192,30 @@ def run(rank: int, world: int, group, device, args) -> list | None:
     changing = [raw_args[i] for i in raw.positions]
     fns.append(lambda: raw(*changing))
     labels.append(("all-reduce kernel, raw", "lean" if raw.lean else f"lean: {raw.why_not}"))
-    if raw.lean:  # where the lean launch's time goes: its Python alone, the driver call alone
-        from tilescale_lang import lean as lean_module
+    from tilescale_lang import lean as lean_module
 
+    driver_launch = lean_module._driver_calls()[0]
+    if raw.lean:  # where the lean launch's time goes: its Python alone, the driver call alone
         fns.append(lambda: raw._fill(changing, True))
         labels.append(("all-reduce kernel, raw", "lean checks and packing only"))
-        driver_launch, _ = lean_module._driver_calls()
         fn, (_, dims, smem, _, _, _, _, _, address) = raw._functions[0], raw._launches[0]
         stream = torch.cuda.current_stream(device).cuda_stream
         fns.append(lambda: driver_launch(fn, *dims, smem, stream, address))
         labels.append(("all-reduce kernel, raw", "cuLaunchKernel (ctypes) only"))
+    # the host's floor: a kernel with no work (one block of 32 threads), which the GPU runs
+    # faster than the host launches it
+    from tilescale_examples.benchmarks.moe_phases import empty_grid_kernel
+
+    empty, empty_out = empty_grid_kernel(1, 32), torch.zeros(32, dtype=torch.int32, device=device)
+    empty(empty_out)
+    fns.append(lambda: empty(empty_out))
+    labels.append(("empty kernel", "TileLang"))
+    empty_lean = prepare(empty, (empty_out,), changing=())
+    if empty_lean.lean:
+        fn0, (_, dims0, smem0, _, _, _, _, _, address0) = empty_lean._functions[0], empty_lean._launches[0]
+        stream0 = torch.cuda.current_stream(device).cuda_stream
+        fns.append(lambda: driver_launch(fn0, *dims0, smem0, stream0, address0))
+        labels.append(("empty kernel", "cuLaunchKernel (ctypes) only"))
     torch.cuda.synchronize(device)
     profile = _profile(fns, labels, args.profile, args.calls) if args.profile else None
     times = _timing.host_us_rounds(fns, args.calls, args.rounds)
@@ -241,7 +259,7 @@ def _profile(fns, labels, call: str, calls: int) -> str:
 def goal_lines(rows: list) -> list:
     """The goals' lines: the worst TileScale op (its default launcher) against torch.add (goal
     <= :data:`GOAL_ADD`) and against symm mem's one-shot all-reduce (goal <= :data:`GOAL_SYMM`)."""
-    ops = [r for r in rows if r[1] == DEFAULT and "raw" not in r[0]]
+    ops = [r for r in rows if r[1] == DEFAULT and r[0] not in DIAGNOSTIC_ROWS]
     if not ops:
         return ["TileScale ops: not measured"]
     worst_add = max(ops, key=lambda r: r[3])

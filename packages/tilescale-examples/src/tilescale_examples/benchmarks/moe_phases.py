@@ -35,7 +35,7 @@ from tilescale_examples.benchmarks import _harness
 from tilescale_examples.benchmarks.moe import add_shape_arguments, check_shape_arguments
 from tilescale_examples.benchmarks._report import print_table, ratio
 
-__all__ = ["main", "run", "phase_offsets", "HEADERS", "PHASE_HEADERS"]
+__all__ = ["main", "run", "phase_offsets", "empty_grid_kernel", "HEADERS", "PHASE_HEADERS"]
 
 HEADERS = ["tokens", "routing", "dispatch graph us", "copy graph us", "graph vs copy", "empty grid graph us", "check"]
 PHASE_HEADERS = ["tokens routing", "phase", "min us", "median us", "max us", "median / copy"]
@@ -59,7 +59,7 @@ def phase_offsets(events, phases) -> list[tuple[str, float, float, float]]:
     return rows
 
 
-def _empty_grid_kernel(blocks: int, threads: int):
+def empty_grid_kernel(blocks: int, threads: int):
     """A kernel of ``blocks`` x ``threads`` that writes shared memory, synchronises and
     stores nothing (launch bounds of one block per SM, like the dispatch)."""
     import tilelang
@@ -123,7 +123,7 @@ def run(rank: int, world: int, group, device, args) -> list | None:
                                    num_local_ranks=world, group=group)
     moe = MoEDispatcher(alloc, E, H, K, max(token_counts), torch.bfloat16, group=group)
     prof = EventProfiler(blocks=moe.blocks, capacity=len(DISPATCH_PHASES), device=device)
-    empty = _empty_grid_kernel(moe.blocks, PLAN_THREADS)
+    empty = empty_grid_kernel(moe.blocks, PLAN_THREADS)
     empty_out = torch.zeros(moe.blocks * PLAN_THREADS, dtype=torch.int32, device=device)
     flag_device = device if dist.get_backend(group) == "nccl" else "cpu"
     rows, phase_rows, failures = [], [], 0
