@@ -21,8 +21,8 @@ import torch
 
 from tilescale_examples._checks import DEFAULT_MAX_BLOCKS, check_positive_int
 
-__all__ = ["OldSpellingWarning", "warn_old_spelling", "DryRunKernel", "accepts_0_1_init", "accepts_0_1_out", "row_shape_0_1",
-           "accepts_0_1_reference", "rank_left_out", "RecordingAllocator",
+__all__ = ["OldSpellingWarning", "warn_old_spelling", "DryRunKernel", "accepts_0_1_init", "accepts_0_1_out",
+           "row_shape_0_1", "accepts_0_1_reference", "rank_left_out", "RecordingAllocator",
            "HEAP_ALIGNMENT", "sm_count_of", "dry_run_heap_bytes"]
 
 #: Alignment of every symmetric allocation (bytes): tilescale-core's heap rounds each start up to it.

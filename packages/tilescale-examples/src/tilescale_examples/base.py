@@ -204,8 +204,6 @@ class KernelOwner:
             else:
                 state[_PINNED] = self.allocator
             return
-        if not force and not state.get(_REBIND) and state.get(self._TABLE_OWNER) is self.allocator:
-            return
         if self.device.type != "cuda":
             kernel.initialize(allocator=self.allocator, stream=None)
         else:

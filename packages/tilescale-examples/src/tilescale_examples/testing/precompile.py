@@ -116,7 +116,8 @@ def precompile_op(cls, *args, world_size: int, sm_count: int = SM_COUNT, cache_d
     builds = []
     for algorithm in algorithms:
         allocator = RecordingAllocator(world_size, sm_count=sm_count)
-        cls(allocator, *args, world_size=world_size, **(kwargs if algorithm is None else dict(kwargs, algorithm=algorithm)))
+        cls(allocator, *args, world_size=world_size,
+            **(kwargs if algorithm is None else dict(kwargs, algorithm=algorithm)))
         builds += allocator.builds
     old = os.environ.get("TILELANG_CACHE_DIR")
     if cache_dir is not None:
