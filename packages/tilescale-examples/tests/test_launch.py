@@ -33,9 +33,11 @@ def test_one_preparation_until_a_prepared_argument_differs(monkeypatch):
     buf, sized, x1, x2 = torch.zeros(8), torch.zeros(4, 4), torch.ones(3), torch.ones(5)
     _launch.launch(cache, kernel, (x1, sized, buf, 7), changing=(0,))
     _launch.launch(cache, kernel, (x2, sized, buf, 7), changing=(0,))
-    (lean, fixed), = cache.values()
+    (lean, fixed, objects, keyed), = cache.values()
     assert len(FakeLean.prepared) == 1 and [c[0] for c in lean.calls] == [x1, x2]
-    assert [i for i, _, _, _ in fixed] == [1, 2, 3]
+    assert fixed == [1, 2, 3] and objects == [sized, buf, 7] and [i for i, _, _ in keyed] == [1, 2, 3]
+    _launch.launch(cache, kernel, (x1, sized.view(4, 4), buf, 7), changing=(0,))  # another object, the same key
+    assert len(FakeLean.prepared) == 1
     _launch.launch(cache, kernel, (x1, sized, torch.zeros(8), 7), changing=(0,))  # another buffer
     _launch.launch(cache, kernel, (x1, sized.view(2, 8), torch.zeros(8), 7), changing=(0,))  # same address, new sizes
     _launch.launch(cache, kernel, (x1, sized.view(2, 8), torch.zeros(8), 8), changing=(0,))  # another scalar
