@@ -10,7 +10,8 @@ GPU (``-m gpu``): every op at 2, 4 and 8 emulated ranks with odd chunkings, 1000
 rounds with a random emulated rank delayed before each, fresh random inputs and poisoned
 outputs every round, every rank's output of every round against the float32 reference; then
 a round captured in a CUDA graph, replayed with fresh inputs between eager rounds; two
-instances of each plan called in turns from a side stream.
+instances of each plan called in turns from a side stream; the GEMM plans at the benchmark's
+shape (m_local 1024, k 8192, n 3584) for 50 rounds.
 """
 
 from __future__ import annotations
@@ -194,18 +195,46 @@ def test_emulated_fused_plans_under_stragglers_on_gpu(op, monkeypatch):
     device, rng = torch.device("cuda", torch.cuda.current_device()), random.Random(5)
     for ranks, args, kwargs in GPU_CASES[op]:
         with EmulatedOverlap(op, ranks, *args, device=device, **kwargs) as emu:
-            for first in range(0, ROUNDS, BATCH):
-                batch = []
-                for i in range(BATCH):
-                    inputs, outs = emu.random_inputs(seed=first + i), emu.empty_outputs()
-                    _poison_all(outs)
-                    emu.round(inputs, outs, delay=(rng.randrange(ranks), rng.choice([0, 20_000, 200_000])))
-                    batch.append((inputs, outs))
-                torch.cuda.synchronize(device)
-                for i, (inputs, outs) in enumerate(batch):
-                    failures = emu.check(inputs, outs)
-                    assert not failures, f"round {first + i}: {failures}"
+            _straggler_rounds(emu, ROUNDS, BATCH, 0, rng, (0, 20_000, 200_000))
             _graph_replays(emu, device)
+
+
+#: The benchmark's shape (``benchmarks.overlap_emulated`` defaults, m_local 1024): op -> ranks.
+SHAPE_CASES = {"ag_gemm": (2, 4), "gemm_rs": (2, 4)}
+SHAPE = (1024, 8192, 3584, torch.bfloat16)  # m_local, k, n, dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("op", sorted(SHAPE_CASES))
+def test_emulated_fused_plans_at_the_benchmark_shape_on_gpu(op, monkeypatch):
+    """The GEMM plans at the size users run (m_local 1024, k 8192, n 3584, bfloat16; 2 and 4
+    emulated ranks): 50 back-to-back rounds with a random straggler, batches of 5 without host
+    synchronisation, every rank's output of every round against the float32 reference."""
+    monkeypatch.setenv("TILESCALE_WAIT_TIMEOUT_MS", WAIT_TIMEOUT_MS)
+    device, rng = torch.device("cuda", torch.cuda.current_device()), random.Random(11)
+    for ranks in SHAPE_CASES[op]:
+        with EmulatedOverlap(op, ranks, *SHAPE, device=device) as emu:
+            _straggler_rounds(emu, 50, 5, 50_000, rng, (0, 200_000, 2_000_000))
+
+
+def _straggler_rounds(emu, rounds: int, batch: int, seed: int, rng, delays) -> None:
+    """``rounds`` back-to-back rounds of ``emu``, each on fresh random inputs (seeds from
+    ``seed``) with poisoned outputs and one random emulated rank delayed by one of ``delays``
+    (clock cycles); the host synchronises only after every ``batch`` rounds, then checks every
+    rank's output of each against the float32 reference."""
+    device = emu.device
+    for first in range(0, rounds, batch):
+        done = []
+        for i in range(first, min(first + batch, rounds)):
+            inputs, outs = emu.random_inputs(seed=seed + i), emu.empty_outputs()
+            _poison_all(outs)
+            emu.round(inputs, outs, delay=(rng.randrange(emu.ranks), rng.choice(delays)))
+            done.append((i, inputs, outs))
+        torch.cuda.synchronize(device)
+        for i, inputs, outs in done:
+            failures = emu.check(inputs, outs)
+            assert not failures, f"{emu.ranks} emulated ranks, round {i}: {failures}"
 
 
 @pytest.mark.gpu
