@@ -26,8 +26,8 @@ done
 # first: the launch benchmark's empty-kernel rows, the decode table timed behind a stream hold,
 # the emulated fused plans at the benchmark's shape, the AOT / lean / autotune / upstream GPU tests, the tuned GEMM at world 1 (issue 41's goal),
 # GEMM + all-reduce
-[[ " ${steps[*]} " == *" unverified "* ]] && steps=(bench-launch bench-sp_attention tests-overlap-emulated tests-lang-new bench-tuned-1
-                                                      bench-gemm_allreduce)
+[[ " ${steps[*]} " == *" unverified "* ]] && steps=(bench-launch bench-sp_attention tests-overlap-emulated
+                                                      tests-lang-new bench-tuned-1 bench-gemm_allreduce)
 logs=${OUT:-device-logs}
 mkdir -p "$logs"
 source .device/install.sh || exit 1
