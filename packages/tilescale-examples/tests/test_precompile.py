@@ -104,3 +104,20 @@ def test_precompile_op_fills_the_cache_the_op_loads_from(tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(cache))
     compile_once(build_reduce_kernel("one_shot", "float32", 3, 512, default_unroll(3)), None, None, PASS_CONFIGS)
     assert cache_files(cache) == before  # the op's own compile is a cache hit
+
+
+def test_precompile_op_of_an_auto_op_compiles_every_plan_it_may_choose(monkeypatch):
+    """AllGatherGEMM's ``"auto"`` picks its plan by probing the devices at construction: the
+    precompile covers both plans (the fused plan's own-rows and peer GEMMs, the sequential
+    plan's all-gather and whole-operand GEMM); a named plan, that plan's kernels only."""
+    import tilelang
+    import torch
+
+    from tilescale_examples import AllGatherGEMM
+
+    seen = []
+    monkeypatch.setattr(tilelang, "compile", lambda func, **kw: seen.append(str(func.attrs["global_symbol"])))
+    assert precompile_op(AllGatherGEMM, 256, 512, 256, torch.bfloat16, world_size=2) == [
+        "gemm", "ag_gemm", "allgather", "gemm"] == seen
+    assert precompile_op(AllGatherGEMM, 256, 512, 256, torch.bfloat16, world_size=2,
+                         algorithm="sequential") == ["allgather", "gemm"]
