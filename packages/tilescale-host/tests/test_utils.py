@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-from tilescale_core.multiprocess import run_ranks
 
 from tilescale_host import utils
 from tilescale_host.utils import dist_print, get_bool_env, get_int_env, has_tma, init_seed, rand_tensor
@@ -60,7 +59,8 @@ def test_dist_print_without_group(capsys, clean_env):
         dist_print("x", allowed_ranks="some")
 
 
-def _print_ranks(rank, world_size):
+@pytest.mark.ranks(2, cpu_only=True, timeout=60)
+def test_dist_print_synchronised_over_a_group(rank, world_size):
     import contextlib
     import io
 
@@ -68,12 +68,7 @@ def _print_ranks(rank, world_size):
     with contextlib.redirect_stdout(buf):
         dist_print("hello", allowed_ranks="all", prefix=True, need_sync=True)
         dist_print("only zero")
-    return buf.getvalue()
-
-
-def test_dist_print_synchronised_over_a_group(clean_env):
-    out = run_ranks(_print_ranks, 2, backend="gloo", timeout=60)
-    assert out == ["[rank:0] hello\nonly zero\n", "[rank:1] hello\n"]
+    assert buf.getvalue() == ["[rank:0] hello\nonly zero\n", "[rank:1] hello\n"][rank]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn])
