@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .aot import launch_info
-from .aot.packing import ArgPacker, _compiled, evaluate, scalar_range, scalar_value
+from .aot.packing import ArgPacker, _compiled, evaluate, is_float_dtype, scalar_range, scalar_value
 
 __all__ = ["LeanLaunch", "describe_kernel", "prepare"]
 
@@ -365,8 +365,7 @@ class LeanLaunch:
                     where = f"{self._name}: {launch['symbol']} argument {i}"
                     value = scalar_value(arg["dtype"], evaluate(arg["value"], env), where)
                     if _names(arg["value"]) & changing_scalars:
-                        ints = not (arg["dtype"].startswith("float") or arg["dtype"] == "bfloat16")
-                        low, high = scalar_range(arg["dtype"]) if ints else (None, None)
+                        low, high = (None, None) if is_float_dtype(arg["dtype"]) else scalar_range(arg["dtype"])
                         recompute.append((value, _compiled(arg["value"]), arg["dtype"], where, low, high))
                 values.append(value)
             params = (ctypes.c_void_p * max(1, len(values)))(*(ctypes.addressof(v) for v in values))

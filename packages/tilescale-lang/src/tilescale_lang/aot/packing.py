@@ -74,6 +74,11 @@ def evaluate(expr: int | str, env: dict[str, int]) -> int:
     return _compiled(expr)(env)
 
 
+def is_float_dtype(dtype: str) -> bool:
+    """Whether a scalar parameter of ``dtype`` takes a float (else an int)."""
+    return dtype.startswith("float") or dtype == "bfloat16"
+
+
 def scalar_range(dtype: str) -> tuple[int, int]:
     """``(low, high)``: the ints a scalar parameter of integer ``dtype`` holds."""
     bits = 8 * ctypes.sizeof(SCALAR_CTYPES[dtype])
@@ -94,7 +99,7 @@ def scalar_value(dtype: str, value: Any, name: str) -> Any:
     ctype = SCALAR_CTYPES.get(dtype)
     if ctype is None:
         raise TypeError(f"{name}: scalar dtype {dtype!r} has no packing (known: {sorted(SCALAR_CTYPES)})")
-    if dtype.startswith("float") or dtype == "bfloat16":
+    if is_float_dtype(dtype):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{name} must be a number ({dtype}), got {type(value).__name__}")
         if dtype == "float16":
