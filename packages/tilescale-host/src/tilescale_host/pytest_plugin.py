@@ -4,10 +4,10 @@ Markers:
 
 * ``@pytest.mark.ranks(n, timeout=120, cpu_only=False)`` runs the test body on ``n`` spawned
   ranks (see :mod:`tilescale_host.testing`); ``n`` may name a ``parametrize`` argument
-  (``@pytest.mark.ranks("world")``: one run per value of ``world``).  It is skipped, with the reason, when no GPU is
-  visible or fewer GPUs than ranks are visible and TILESCALE_SHARE_GPUS is not 1 (unless
-  ``cpu_only``); it fails with the failing rank's traceback when any rank fails and is killed
-  after ``timeout`` seconds (each rank's Python stack is dumped first).
+  (``@pytest.mark.ranks("world")``: one run per value of ``world``).  It is skipped, with the
+  reason, when no GPU is visible or fewer GPUs than ranks are visible and TILESCALE_SHARE_GPUS
+  is not 1 (unless ``cpu_only``); it fails with the failing rank's traceback when any rank
+  fails and is killed after ``timeout`` seconds (each rank's Python stack is dumped first).
 * ``@pytest.mark.requires_capability(name)`` skips, with the probe's reason, unless the
   capability is present.
 * ``@pytest.mark.distributed`` is registered for :func:`tilescale_host.testing.requires_distributed`

@@ -192,15 +192,10 @@ def run(rank: int, world: int, group, device, args) -> list | None:
     changing = [raw_args[i] for i in raw.positions]
     fns.append(lambda: raw(*changing))
     labels.append(("all-reduce kernel, raw", "lean" if raw.lean else f"lean: {raw.why_not}"))
-    from tilescale_lang import lean as lean_module
-
-    driver_launch = lean_module._driver_calls()[0]
     if raw.lean:  # where the lean launch's time goes: its Python alone, the driver call alone
         fns.append(lambda: raw._fill(changing, True))
         labels.append(("all-reduce kernel, raw", "lean checks and packing only"))
-        fn, (_, dims, smem, _, _, _, _, _, address) = raw._functions[0], raw._launches[0]
-        stream = torch.cuda.current_stream(device).cuda_stream
-        fns.append(lambda: driver_launch(fn, *dims, smem, stream, address))
+        fns.append(_driver_call_alone(raw, device))
         labels.append(("all-reduce kernel, raw", "cuLaunchKernel (ctypes) only"))
     # the host's floor: a kernel with no work (one block of 32 threads), which the GPU runs
     # faster than the host launches it
@@ -212,9 +207,7 @@ def run(rank: int, world: int, group, device, args) -> list | None:
     labels.append(("empty kernel", "TileLang"))
     empty_lean = prepare(empty, (empty_out,), changing=())
     if empty_lean.lean:
-        fn0, (_, dims0, smem0, _, _, _, _, _, address0) = empty_lean._functions[0], empty_lean._launches[0]
-        stream0 = torch.cuda.current_stream(device).cuda_stream
-        fns.append(lambda: driver_launch(fn0, *dims0, smem0, stream0, address0))
+        fns.append(_driver_call_alone(empty_lean, device))
         labels.append(("empty kernel", "cuLaunchKernel (ctypes) only"))
     torch.cuda.synchronize(device)
     profile = _profile(fns, labels, args.profile, args.calls) if args.profile else None
@@ -230,6 +223,20 @@ def run(rank: int, world: int, group, device, args) -> list | None:
     torch.cuda.synchronize(device)
     alloc.close()
     return [rows, symm_reason, profile]
+
+
+def _driver_call_alone(prepared, device):
+    """A call of the driver's ``cuLaunchKernel`` (through ctypes, as the lean launcher makes
+    it) with ``prepared``'s packed parameters of its first launch, on ``device``'s current
+    stream: a :class:`~tilescale_lang.lean.LeanLaunch`'s launch without its Python."""
+    import torch
+
+    from tilescale_lang import lean
+
+    driver_launch = lean._driver_calls()[0]
+    fn, (_, dims, smem, _, _, _, _, _, address) = prepared._functions[0], prepared._launches[0]
+    stream = torch.cuda.current_stream(device).cuda_stream
+    return lambda: driver_launch(fn, *dims, smem, stream, address)
 
 
 def _profile(fns, labels, call: str, calls: int) -> str:

@@ -26,6 +26,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from typing import Iterable, Optional, Sequence, Tuple
+from unittest.mock import patch
 
 __all__ = ["precompile", "precompile_op", "reduction_jobs", "compile_job"]
 
@@ -119,20 +120,11 @@ def precompile_op(cls, *args, world_size: int, sm_count: int = SM_COUNT, cache_d
         cls(allocator, *args, world_size=world_size,
             **(kwargs if algorithm is None else dict(kwargs, algorithm=algorithm)))
         builds += allocator.builds
-    old = os.environ.get("TILELANG_CACHE_DIR")
-    if cache_dir is not None:
-        os.environ["TILELANG_CACHE_DIR"] = str(cache_dir)
-    try:
-        names = []
+    names = []
+    with patch.dict(os.environ, {} if cache_dir is None else {"TILELANG_CACHE_DIR": str(cache_dir)}):
         for build, target, pass_configs in builds:
             func = build()
             extra = {} if pass_configs is None else {"pass_configs": dict(pass_configs)}
             tilelang.compile(func, target=target or TARGET, **extra)
             names.append(str(func.attrs["global_symbol"]))
-        return names
-    finally:
-        if cache_dir is not None:
-            if old is None:
-                os.environ.pop("TILELANG_CACHE_DIR", None)
-            else:
-                os.environ["TILELANG_CACHE_DIR"] = old
+    return names
