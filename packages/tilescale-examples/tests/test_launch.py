@@ -42,6 +42,9 @@ def test_one_preparation_until_a_prepared_argument_differs(monkeypatch):
     _launch.launch(cache, kernel, (x1, sized.view(2, 8), torch.zeros(8), 7), changing=(0,))  # same address, new sizes
     _launch.launch(cache, kernel, (x1, sized.view(2, 8), torch.zeros(8), 8), changing=(0,))  # another scalar
     assert len(FakeLean.prepared) == 4 and len(cache) == 1
+    assert _launch.prepared_launch(cache, kernel) is cache[id(kernel)][0]  # what benchmarks.launch times raw
+    with pytest.raises(KeyError, match="no lean launcher prepared"):
+        _launch.prepared_launch(cache, SimpleNamespace(execution_backend="tvm_ffi"))
 
 
 def test_other_backends_and_stand_ins_are_called_directly(monkeypatch):

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["launch"]
+__all__ = ["launch", "prepared_launch"]
 
 #: Prepared launchers an instance keeps at most (one per kernel it launches).
 MAX_PREPARED = 8
@@ -55,3 +55,14 @@ def launch(prepared: dict, kernel: Any, args: tuple, changing: Sequence[int]) ->
         entry = prepared[id(kernel)] = (lean, fixed, [args[i] for i in fixed],
                                         [(i, key, key(args[i])) for i, key in keys])
     entry[0].trusted(*map(args.__getitem__, changing))  # the op checked its tensors before
+
+
+def prepared_launch(prepared: dict, kernel: Any):
+    """The lean launcher (:class:`~tilescale_lang.lean.LeanLaunch`) that :func:`launch`
+    prepared for ``kernel`` in the instance cache ``prepared``; ``KeyError`` naming the kernel
+    when none was (no call yet, or not a ``tvm_ffi`` kernel)."""
+    entry = prepared.get(id(kernel))
+    if entry is None:
+        raise KeyError(f"no lean launcher prepared for kernel {getattr(kernel, 'name', kernel)!r}: call the op once "
+                       "with lean_launch = True first")
+    return entry[0]

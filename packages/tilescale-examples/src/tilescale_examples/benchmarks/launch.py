@@ -144,6 +144,7 @@ def run(rank: int, world: int, group, device, args) -> list | None:
     import tilelang
     from tilescale_lang.lean import prepare
 
+    from tilescale_examples._launch import prepared_launch
     from tilescale_examples.benchmarks import _timing
 
     dtype = getattr(torch, args.dtype)
@@ -184,7 +185,7 @@ def run(rank: int, world: int, group, device, args) -> list | None:
     ar = ops[0]  # the lean AllReduce: its kernel, raw
     xr = torch.randn(numel, device=device).to(dtype)
     ar(xr)
-    (launch, _), = [v for k, v in ar._lean_launches.items()]
+    launch = prepared_launch(ar._lean_launches, ar.kernel)
     raw_args = list(launch._args)
     fns.append(lambda: ar.kernel(*raw_args))
     labels.append(("all-reduce kernel, raw", "TileLang"))
