@@ -461,8 +461,19 @@ def test_overlap_benchmark_numbers_and_arguments(name, monkeypatch, capsys):
                           (["--k", "0"], "must be positive"),
                           (["--rounds", "0"], "must be positive"),
                           (["--m-local", "1000"], "m_local=1000 is not a multiple of block_m=128"),
-                          (["--n", "3000"], "n=3000 is not a multiple of block_n=256")):
+                          (["--n", "3000"], "n=3000 is not a multiple of block_n=256"),
+                          (["--tiles", "128x256"], "--tiles must be BMxBNxBK"),
+                          (["--tiles", "128x256x64:3:256:8:1"], "--tiles must be BMxBNxBK"),
+                          (["--tiles", "128xax64"], "--tiles must hold ints only"),
+                          (["--tiles", "128x256x64:3:200"], "threads must be a multiple of 128"),
+                          (["--tiles", "128x512x64", "--n", "3840"], "n=3840 is not a multiple of block_n=512"),
+                          (["--tiles", "128x256x64", "--tune"], "--tiles and --tune pick the tiles two ways")):
         exits_naming(entry.main, argv, message, capsys)
+    assert overlap.parse_tiles("64x128x32") == dict(block_m=64, block_n=128, block_k=32, num_stages=3, threads=256,
+                                                    swizzle=0)
+    assert overlap.parse_tiles("128x256x64:4:384:8") == dict(block_m=128, block_n=256, block_k=64, num_stages=4,
+                                                             threads=384, swizzle=8)
+    assert overlap.TILES_FORMAT.format(**overlap.parse_tiles("128x256x64:3:256:8")) == "128x256x64 s3 t256 w8"
     assert "no CUDA GPU visible, nothing to measure" in output_without_gpu(entry.main, [], monkeypatch, capsys)
     run = pickle.loads(pickle.dumps(entry.run))
     assert run.func is overlap.run and run.args == (name,)

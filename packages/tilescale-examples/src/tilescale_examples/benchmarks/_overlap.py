@@ -214,8 +214,11 @@ def _measure_size(op, rank, world, group, device, m_local, args):
     title = OPS[op][0]
     alloc = tilelang.get_allocator(size=heap_for(op, world, m_local, args.k, args.n, dtype, device), device=device,
                                    is_distributed=True, local_rank=rank, num_local_ranks=world, group=group)
-    tiles, tiles_text = {}, None
-    if args.tune:  # the library GEMM's tiles for this shape, the same on every rank (cached on disk)
+    fixed = getattr(args, "tiles", None)
+    tiles, tiles_text = dict(fixed or {}), None
+    if fixed:
+        tiles_text = TILES_FORMAT.format(**tiles) + " (--tiles)"
+    elif args.tune:  # the library GEMM's tiles for this shape, the same on every rank (cached on disk)
         import dataclasses
 
         from tilescale_lang.autotune import gemm_space
@@ -226,8 +229,7 @@ def _measure_size(op, rank, world, group, device, m_local, args):
                            valid=lambda config: m_local % config["block_m"] == 0)  # the op's rows per rank too
         tuned, result = tune_tiles(world * m_local, args.n, args.k, dtype, device=device, group=group, space=space)
         tiles = dataclasses.asdict(tuned)
-        tiles_text = ("{block_m}x{block_n}x{block_k} s{num_stages} t{threads} w{swizzle}".format(**tiles)
-                      + f" ({result.source})")
+        tiles_text = TILES_FORMAT.format(**tiles) + f" ({result.source})"
     obj = _op_class(op)(alloc, m_local, args.k, args.n, dtype, group=group, **tiles)
     cols = _Columns(op, rank, world, group, device, m_local, args.k, args.n, dtype, obj)
     calls = {"TileScale": cols.tilescale, "collective + cuBLAS": cols.collective_cublas,
@@ -276,6 +278,29 @@ def _measure_size(op, rank, world, group, device, m_local, args):
     return row, int(flag.item()), notes
 
 
+#: How the tiles column prints a GemmTiles' fields.
+TILES_FORMAT = "{block_m}x{block_n}x{block_k} s{num_stages} t{threads} w{swizzle}"
+
+
+def parse_tiles(text: str) -> dict:
+    """``--tiles BMxBNxBK[:STAGES[:THREADS[:SWIZZLE]]]`` as GemmTiles keyword arguments
+    (``ValueError`` naming the argument on a malformed or invalid value)."""
+    import dataclasses
+
+    from tilescale_examples.overlap.gemm import GemmTiles
+
+    parts = text.split(":")
+    blocks = parts[0].split("x")
+    if len(blocks) != 3 or len(parts) > 4:
+        raise ValueError(f"--tiles must be BMxBNxBK[:STAGES[:THREADS[:SWIZZLE]]], got {text!r}")
+    names = ["block_m", "block_n", "block_k", "num_stages", "threads", "swizzle"]
+    try:
+        values = [int(v) for v in blocks + parts[1:]]
+    except ValueError:
+        raise ValueError(f"--tiles must hold ints only, got {text!r}") from None
+    return dataclasses.asdict(GemmTiles(**dict(zip(names, values))))
+
+
 def _gather_names(names, group):
     """The union over ranks of ``names`` (sorted), via ``all_gather_object``."""
     import torch.distributed as dist
@@ -318,6 +343,9 @@ def parser(op: str):
     p.add_argument("--tune", action="store_true",
                    help="tiles from the autotuner for the GEMM of world_size * m_local rows (cached on disk; "
                         "TILESCALE_AUTOTUNE=cache_only reads the cache only), shown in a tiles column")
+    p.add_argument("--tiles", default=None, metavar="BMxBNxBK[:STAGES[:THREADS[:SWIZZLE]]]",
+                   help="the library GEMM's tiles for every size (the stock TileLang column uses them too), "
+                        "e.g. 128x256x64:3:256:8 for a rasterized block order of panel 8; shown in a tiles column")
     return p
 
 
@@ -343,9 +371,12 @@ def main(op: str, argv=None) -> int:
         p.error("--m-local, --k, --n, --iters and --rounds must be positive")
     from tilescale_examples.overlap.gemm import GemmTiles, check_gemm_dims
 
+    if args.tiles is not None and args.tune:
+        p.error("--tiles and --tune pick the tiles two ways; pass one")
     try:  # before any rank starts: a clear message naming the argument
+        args.tiles = parse_tiles(args.tiles) if args.tiles is not None else None
         for m in args.sizes:
-            check_gemm_dims(OPS[op][2], GemmTiles(), m_local=m, k=args.k, n=args.n)
+            check_gemm_dims(OPS[op][2], GemmTiles(**(args.tiles or {})), m_local=m, k=args.k, n=args.n)
     except ValueError as exc:
         p.error(str(exc))
     gpus = _harness.visible_gpus(f"{OPS[op][0]} benchmark")
@@ -355,7 +386,8 @@ def main(op: str, argv=None) -> int:
     if result is None:
         return 0
     rows, failures, notes = result
-    print_table(title(op, world, backend, min(gpus, world), args), HEADERS + (["tiles"] if args.tune else []), rows)
+    headers = HEADERS + (["tiles"] if args.tune or args.tiles else [])
+    print_table(title(op, world, backend, min(gpus, world), args), headers, rows)
     for name, why in sorted(notes.items()):
         print(f"n/a {name}: {why}")
     print(f"\ncorrectness (every column's output vs a float32 torch reference, element-wise bound): "
