@@ -9,8 +9,9 @@ import torch
 from examples_helpers import kernel_body, lower_source, needs_nvcc
 
 from tilescale_examples.base import TARGET
-from tilescale_examples.overlap.gemm import (GemmTiles, build_gemm_kernel, check_gemm_dims, count_outside, error_bound,
-                                     unit_roundoff)
+from tilescale_examples.overlap.gemm import (RASTER_MIN_COLUMN_BLOCKS, RASTER_PANEL, GemmTiles, build_gemm_kernel,
+                                             check_gemm_dims, count_outside, default_swizzle, default_tiles,
+                                             error_bound, resolve_tiles, unit_roundoff)
 
 
 def test_default_tiles_are_the_hopper_example_shape():
@@ -69,16 +70,45 @@ def test_stock_gemm_uses_tma_and_wgmma_and_no_tilescale():
         build_gemm_kernel(200, 512, 256)
 
 
-def test_swizzle_rasterizes_the_plain_gemm_only():
-    """``swizzle`` remaps the plain GEMM's blocks in panels; 0 leaves the grid's order (and the
-    kernel's source) as it was; the tile-ordered kernels ignore it."""
+def test_swizzle_rasterizes_every_tiled_gemm():
+    """``swizzle`` remaps the blocks of the plain GEMM, the AllGatherGEMM peer GEMM and the
+    GemmReduceScatter GEMM in panels; 0 leaves the grid's order (and the kernel's source) as it
+    was."""
+    from tilescale_examples.overlap.ag_gemm import build_ag_gemm_kernel
+    from tilescale_examples.overlap.gemm_rs import build_gemm_rs_kernel
+
+    raster = "const dim3 blockIdx = tl::rasterization2DRow<8>();"
+    for build in (lambda t: build_gemm_kernel(512, 512, 256, "bfloat16", t),
+                  lambda t: build_ag_gemm_kernel(256, 256, 512, 2, 2, "bfloat16", t),
+                  lambda t: build_gemm_rs_kernel(256, 256, 512, 2, "bfloat16", t)):
+        plain, swizzled = lower_source(build(GemmTiles())), lower_source(build(GemmTiles(swizzle=8)))
+        assert "rasterization" not in plain and raster in swizzled
+
+
+@pytest.mark.parametrize("n,block_n,expected", [(3584, 256, 0), (4096, 256, 0), (4352, 256, 8), (28672, 256, 8),
+                                                (3584, 128, 8), (1024, 64, 0)])
+def test_default_swizzle_rasterizes_outputs_wider_than_16_column_blocks(n, block_n, expected):
+    assert default_swizzle(n, block_n) == expected
+    assert RASTER_PANEL == 8 and RASTER_MIN_COLUMN_BLOCKS == 16
+    assert default_tiles(n).swizzle == default_swizzle(n, GemmTiles.block_n)
+    tiles = resolve_tiles(n, 128, block_n, 64, 3, 256, None)
+    assert tiles == GemmTiles(128, block_n, 64, 3, 256, expected)
+    assert resolve_tiles(n, 128, block_n, 64, 3, 256, 0).swizzle == 0  # an explicit choice wins
+    assert resolve_tiles(n, 128, block_n, 64, 3, 256, 4).swizzle == 4
+    with pytest.raises(ValueError, match="block_n must be a positive int"):
+        resolve_tiles(n, 128, 0, 64, 3, 256, None)
+
+
+def test_builders_default_to_the_shape_s_rasterization():
+    """Given no tiles, the builders use :func:`default_tiles` of the output width: the wide
+    output rasterizes, the benchmark's n 3584 keeps the grid's order (the same source as
+    ``GemmTiles()``)."""
     from tilescale_examples.overlap.ag_gemm import build_ag_gemm_kernel
 
-    plain = lower_source(build_gemm_kernel(512, 512, 256, "bfloat16"))
-    swizzled = lower_source(build_gemm_kernel(512, 512, 256, "bfloat16", GemmTiles(swizzle=8)))
-    assert "rasterization" not in plain and "const dim3 blockIdx = tl::rasterization2DRow<8>();" in swizzled
-    assert lower_source(build_ag_gemm_kernel(256, 256, 512, 2, 2, "bfloat16", GemmTiles(swizzle=8))) == \
-        lower_source(build_ag_gemm_kernel(256, 256, 512, 2, 2, "bfloat16"))
+    assert "rasterization2DRow<8>" in lower_source(build_gemm_kernel(128, 4608, 64, "bfloat16"))
+    assert "rasterization2DRow<8>" in lower_source(build_ag_gemm_kernel(128, 64, 4608, 2, 1, "bfloat16"))
+    assert lower_source(build_gemm_kernel(128, 3584, 64, "bfloat16")) == \
+        lower_source(build_gemm_kernel(128, 3584, 64, "bfloat16", GemmTiles()))
 
 
 @needs_nvcc
@@ -89,3 +119,15 @@ def test_stock_gemm_compiles_for_sm90a(tmp_path, monkeypatch):
     swizzled = tilelang.compile(build_gemm_kernel(256, 512, 128, "bfloat16", GemmTiles(swizzle=8)), target=TARGET,
                                 execution_backend="tvm_ffi")
     assert swizzled.adapter.rt_mod.imports[0].kind == "cuda"
+
+
+@needs_nvcc
+def test_rasterized_peer_and_remote_epilogue_gemms_compile_for_sm90a(tmp_path, monkeypatch):
+    from tilescale_examples.overlap.ag_gemm import build_ag_gemm_kernel
+    from tilescale_examples.overlap.gemm_rs import build_gemm_rs_kernel
+
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
+    for func in (build_ag_gemm_kernel(256, 128, 512, 2, 2, "bfloat16", GemmTiles(swizzle=8)),
+                 build_gemm_rs_kernel(256, 128, 512, 2, "bfloat16", GemmTiles(swizzle=8))):
+        kernel = tilelang.compile(func, target=TARGET, execution_backend="tvm_ffi")
+        assert kernel.adapter.rt_mod.imports[0].kind == "cuda"

@@ -59,7 +59,7 @@ import torch
 from tilescale_examples.base import (accepts_0_1_init, accepts_0_1_out, accepts_0_1_reference, check_disjoint,
                                      check_tensor, settle)
 from tilescale_examples.overlap.gemm import (DTYPES, GemmTiles, OverlappedGemm, build_gemm_kernel, check_gemm_dims,
-                                             check_positive, gemm_mainloop)
+                                             check_positive, default_tiles, gemm_mainloop, resolve_tiles)
 from tilescale_examples.overlap.stream_ops import CopyEnginePush, peer_views, plan_row_chunks
 
 __all__ = ["AllGatherGEMM", "build_ag_gemm_kernel", "tile_order", "torch_reference", "heap_bytes"]
@@ -91,7 +91,7 @@ def build_ag_gemm_kernel(m_local: int, k: int, n: int, world_size: int, num_chun
     2``."""
     import tilelang.language as T
 
-    tiles = tiles or GemmTiles()
+    tiles = tiles or default_tiles(n)
     check_gemm_dims("build_ag_gemm_kernel", tiles, m_local=m_local, k=k, n=n)
     check_positive("num_chunks", num_chunks)
     if not isinstance(world_size, int) or world_size < 2:
@@ -104,6 +104,8 @@ def build_ag_gemm_kernel(m_local: int, k: int, n: int, world_size: int, num_chun
     def ag_gemm(A: T.Tensor((M, k), dtype), B: T.Tensor((k, n), dtype), Out: T.Tensor((M, n), dtype),
                 Flags: T.Tensor((W * C,), "uint64"), Order: T.Tensor(((W - 1) * U, 2), "int32")):
         with T.Kernel(n // BN, (W - 1) * U, threads=tiles.threads) as (bx, by):
+            if tiles.swizzle:  # by: the row of the order table, in panels of tiles.swizzle rows
+                T.use_swizzle(panel_size=tiles.swizzle)
             C_f = T.alloc_fragment((BM, BN), "float32")
             code = Order[by, 0]
             src = (T.get_rank() + code // U) % W
@@ -171,7 +173,8 @@ class AllGatherGEMM(OverlappedGemm):
         group: process group (the constructor's barrier and plan agreement); default the
             initialised world group.
         block_m, block_n, block_k, num_stages, threads, swizzle: the GEMM's tiling
-            (:class:`~tilescale_examples.overlap.gemm.GemmTiles`).
+            (:class:`~tilescale_examples.overlap.gemm.GemmTiles`); ``swizzle=None`` (default)
+            rasterizes wide outputs (:func:`~tilescale_examples.overlap.gemm.default_swizzle`).
         max_chunks: most row chunks per rank (:func:`~tilescale_examples.overlap.stream_ops.plan_row_chunks`).
         target: TileLang target (default ``sm_90a``).
 
@@ -195,11 +198,11 @@ class AllGatherGEMM(OverlappedGemm):
     def __init__(self, allocator, m_local: int, k: int, n: int, dtype: Union[torch.dtype, str], *,
                  world_size: Optional[int] = None, algorithm: Literal["auto", "fused", "sequential"] = "auto",
                  group=None, block_m: int = 128, block_n: int = 256, block_k: int = 64, num_stages: int = 3,
-                 threads: int = 256, swizzle: int = 0, max_chunks: int = 8, target=None):
+                 threads: int = 256, swizzle: Optional[int] = None, max_chunks: int = 8, target=None):
         from tilescale_examples.base import check_target
 
         check_target(target)
-        tiles = GemmTiles(block_m, block_n, block_k, num_stages, threads, swizzle)
+        tiles = resolve_tiles(n, block_m, block_n, block_k, num_stages, threads, swizzle)
         check_positive("max_chunks", max_chunks)
         self._setup_gemm(allocator, m_local, k, n, dtype, world_size, group, tiles, algorithm, rows_per_call=1)
         W, name = self.world_size, DTYPES[self.dtype]

@@ -4,6 +4,10 @@ shape checks, and the error bound their tests and benchmarks use.
 * :class:`GemmTiles`: the tile program's shape (default ``128 x 256 x 64``, 3 stages, 256
   threads: the shape of stock TileLang's Hopper GEMM example, which reaches about 0.9 of
   cuBLAS on an H200 in bfloat16/float16).
+* :func:`default_swizzle` / :func:`default_tiles`: the block rasterization the ops pick when
+  the caller names none: a panel of :data:`RASTER_PANEL` row blocks once the output has more
+  than :data:`RASTER_MIN_COLUMN_BLOCKS` column blocks (wide outputs, where the grid's own order
+  re-reads ``B`` from memory for every row block).
 * :func:`gemm_mainloop`: a ``T.macro`` computing one ``block_m x block_n`` output tile into a
   float32 fragment (``T.Pipelined`` over ``k``: TMA loads into shared memory, WGMMA); every
   kernel here is this loop plus a prologue (which rows, what to wait for) and an epilogue.
@@ -31,7 +35,8 @@ from tilescale_core.interface import check_positive_int
 from tilescale_examples.base import SymmetricOp
 
 __all__ = ["GemmTiles", "OverlappedGemm", "DTYPES", "gemm_mainloop", "build_gemm_kernel", "check_gemm_dims",
-           "check_positive", "unit_roundoff", "error_bound", "count_outside", "MAX_ELEMENTS"]
+           "check_positive", "unit_roundoff", "error_bound", "count_outside", "MAX_ELEMENTS", "default_swizzle",
+           "default_tiles", "resolve_tiles", "RASTER_PANEL", "RASTER_MIN_COLUMN_BLOCKS"]
 
 #: torch dtype -> TileLang name of the operand dtypes the GEMMs accept (float32 accumulation).
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -54,10 +59,13 @@ class GemmTiles:
         num_stages: shared-memory pipeline depth of the TMA loads.
         threads: threads of the compute warpgroups (a multiple of 128; TileLang adds one
             producer warpgroup for the TMA loads).
-        swizzle: panel width of the plain GEMM's block rasterization (``T.use_swizzle``:
-            blocks that run together share rows of ``A`` and columns of ``B`` in L2); 0, the
-            default, keeps the grid's own order. The kernels with a tile order of their own
-            (the peer GEMM of AllGatherGEMM, the remote-epilogue GEMM) ignore it.
+        swizzle: panel width (row blocks) of the GEMM kernels' block rasterization
+            (``T.use_swizzle``: blocks that run together share rows of ``A`` and columns of
+            ``B`` in L2); 0, this class's default, keeps the grid's own order. The ops take
+            :func:`default_swizzle` of their output width when the caller passes none. The
+            peer GEMM of AllGatherGEMM and the remote-epilogue GEMM rasterize their row
+            order tables (rows in panels, in table order) the same way; the persistent GEMM of
+            GemmAllReduce has a tile order of its own and ignores it.
     """
 
     block_m: int = 128
@@ -77,6 +85,40 @@ class GemmTiles:
         if self.threads + 128 > 1024:  # TileLang adds a 128-thread producer warpgroup; a block has <= 1024
             raise ValueError(f"threads must be at most 896 (with TileLang's producer warpgroup a block has at most "
                              f"1024 threads), got {self.threads}")
+
+
+#: Row blocks per rasterization panel that :func:`default_swizzle` picks.
+RASTER_PANEL = 8
+#: Column blocks (``n / block_n``) above which :func:`default_swizzle` rasterizes. At 14 column
+#: blocks (n 3584, block_n 256) the two orders run alike; at 112 (n 28672) the grid's own order
+#: reaches about half of cuBLAS and a panel of 8 over 0.9 (docs/benchmarks.md, "Block
+#: rasterization").
+RASTER_MIN_COLUMN_BLOCKS = 16
+
+
+def default_swizzle(n: int, block_n: int) -> int:
+    """The rasterization panel (row blocks; 0: the grid's own order) for an output of ``n``
+    columns in tiles of ``block_n``: :data:`RASTER_PANEL` when the grid has more than
+    :data:`RASTER_MIN_COLUMN_BLOCKS` column blocks, else 0. In the grid's own order the blocks
+    running at once span few row blocks and every column of ``B``, so a wide ``B`` is read from
+    memory once per row block; a panel keeps the blocks running at once on a few columns."""
+    return RASTER_PANEL if n // block_n > RASTER_MIN_COLUMN_BLOCKS else 0
+
+
+def default_tiles(n: int) -> GemmTiles:
+    """:class:`GemmTiles`' defaults with :func:`default_swizzle` of an ``n``-column output: the
+    tiles the ops and the kernel builders use when given none."""
+    return GemmTiles(swizzle=default_swizzle(n, GemmTiles.block_n))
+
+
+def resolve_tiles(n: int, block_m: int, block_n: int, block_k: int, num_stages: int, threads: int,
+                  swizzle: Optional[int]) -> GemmTiles:
+    """The ops' :class:`GemmTiles` from their keyword arguments: ``swizzle=None`` means
+    :func:`default_swizzle` of the ``n``-column output (``ValueError`` naming a bad field)."""
+    if swizzle is None:
+        check_positive("block_n", block_n)
+        swizzle = default_swizzle(n, block_n)
+    return GemmTiles(block_m, block_n, block_k, num_stages, threads, swizzle)
 
 
 def check_gemm_dims(owner: str, tiles: GemmTiles, **dims) -> None:
@@ -117,11 +159,12 @@ def gemm_mainloop(k: int, dtype: str, tiles: GemmTiles):
 
 def build_gemm_kernel(m: int, n: int, k: int, dtype: str = "bfloat16", tiles: Optional[GemmTiles] = None):
     """Stock TileLang's pipelined GEMM ``C = A @ B`` (``A: (m, k)``, ``B: (k, n)``, ``C: (m,
-    n)``, all ``dtype``, float32 accumulation) with ``tiles`` (their ``swizzle`` rasterizes
-    the block order); no TileScale intrinsic, so it compiles and runs without a heap."""
+    n)``, all ``dtype``, float32 accumulation) with ``tiles`` (default :func:`default_tiles`;
+    their ``swizzle`` rasterizes the block order); no TileScale intrinsic, so it compiles and
+    runs without a heap."""
     import tilelang.language as T
 
-    tiles = tiles or GemmTiles()
+    tiles = tiles or default_tiles(n)
     check_gemm_dims("build_gemm_kernel", tiles, m=m, k=k, n=n)
     BM, BN = tiles.block_m, tiles.block_n
     mainloop = gemm_mainloop(k, dtype, tiles)

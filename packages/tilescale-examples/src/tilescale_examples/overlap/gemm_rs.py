@@ -68,7 +68,7 @@ import torch
 from tilescale_examples.base import (accepts_0_1_init, accepts_0_1_out, accepts_0_1_reference, check_tensor,
                                      settle)
 from tilescale_examples.overlap.gemm import (DTYPES, GemmTiles, OverlappedGemm, build_gemm_kernel, check_gemm_dims,
-                                             check_positive, gemm_mainloop)
+                                             check_positive, default_tiles, gemm_mainloop, resolve_tiles)
 from tilescale_examples.overlap.stream_ops import wait_counter_geq
 
 __all__ = ["GemmReduceScatter", "build_gemm_rs_kernel", "build_reduce_kernel", "torch_reference",
@@ -87,7 +87,7 @@ def build_gemm_rs_kernel(m_local: int, k: int, n: int, world_size: int, dtype: s
     ``o``, then ``Counters[rank]`` on ``o`` grows by 1. Needs ``kernel.initialize``."""
     import tilelang.language as T
 
-    tiles = tiles or GemmTiles()
+    tiles = tiles or default_tiles(n)
     check_gemm_dims("build_gemm_rs_kernel", tiles, m_local=m_local, k=k, n=n)
     check_positive("world_size", world_size)
     W, BM, BN = world_size, tiles.block_m, tiles.block_n
@@ -99,6 +99,8 @@ def build_gemm_rs_kernel(m_local: int, k: int, n: int, world_size: int, dtype: s
                 Partials: T.Tensor((2, W, m_local, n), dtype), Counters: T.Tensor((W,), "uint32"),
                 Calls: T.Tensor((2,), "uint32")):
         with T.Kernel(n // BN, W * U, threads=tiles.threads) as (bx, by):
+            if tiles.swizzle:  # by: the row block in send order, in panels of tiles.swizzle rows
+                T.use_swizzle(panel_size=tiles.swizzle)
             C_f = T.alloc_fragment((BM, BN), "float32")
             C_s = T.alloc_shared((BM, BN), dtype)
             me = T.get_rank()
@@ -234,7 +236,9 @@ class GemmReduceScatter(OverlappedGemm):
             :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM`).
         group: process group (the constructor's barrier and plan agreement); default the
             initialised world group.
-        block_m, block_n, block_k, num_stages, threads, swizzle: the GEMM's tiling.
+        block_m, block_n, block_k, num_stages, threads, swizzle: the GEMM's tiling
+            (:class:`~tilescale_examples.overlap.gemm.GemmTiles`); ``swizzle=None`` (default)
+            rasterizes wide outputs (:func:`~tilescale_examples.overlap.gemm.default_swizzle`).
         target: TileLang target (default ``sm_90a``).
 
     Attributes: ``output`` (``(m_local, n)``, overwritten by the next call), ``epoch``,
@@ -252,11 +256,11 @@ class GemmReduceScatter(OverlappedGemm):
     def __init__(self, allocator, m_local: int, k: int, n: int, dtype: Union[torch.dtype, str], *,
                  world_size: Optional[int] = None, algorithm: Literal["auto", "fused", "sequential"] = "auto",
                  group=None, block_m: int = 128, block_n: int = 256, block_k: int = 64, num_stages: int = 3,
-                 threads: int = 256, swizzle: int = 0, target=None):
+                 threads: int = 256, swizzle: Optional[int] = None, target=None):
         from tilescale_examples.base import check_target
 
         check_target(target)
-        tiles = GemmTiles(block_m, block_n, block_k, num_stages, threads, swizzle)
+        tiles = resolve_tiles(n, block_m, block_n, block_k, num_stages, threads, swizzle)
         self._setup_gemm(allocator, m_local, k, n, dtype, world_size, group, tiles, algorithm, rows_per_call=2)
         W, name = self.world_size, DTYPES[self.dtype]
         self.tiles_per_rank = (m_local // block_m) * (n // block_n)
