@@ -33,6 +33,8 @@ EXPECTED = {
     "decode_2": ("lines", [4]),  # the same, hidden 8192
     "ag_gemm": ("gemm", [4 * 5]),  # 4 shapes x 5 TFLOP/s columns
     "gemm_rs": ("gemm", [4 * 5]),
+    "block_rasterization": ("gemm", [8 * 4]),  # (n, m_local, panel) x 4 TFLOP/s columns
+    "cuda_graphs": ("lines", [1]),  # graph vs symm against the all-reduce size
     "heap": ("bars", [6 * 2]),  # ready ms, cudaMalloc ms per path and ranks
     "heap_2": ("bars", [6 * 3]),
     "signals": ("bars", [2 * 2]),
