@@ -72,9 +72,20 @@ def test_generated_cuda():
     assert "int valid = min(max((Lens[((int)blockIdx.z)] - (((int)blockIdx.x) * 1024)), 0), 1024);" in partial
     assert "for (int kb = 0; kb < ((valid + 63) >> 6); ++kb)" in partial
     combine = lower_with(build_decode_combine_kernel(2, 4, 2, 32, 128), {})
-    # every (rank, split) part: its lse at 32768 + split * B * H + b * H + h of the rank's 33024-element row
-    assert "G[((((((p >> 2) * 33024) + ((p & 3) * 64)) + (((int)blockIdx.y) * 32)) + ((int)blockIdx.x)) + 32768)]" in combine
+    # every (rank, split) part: its lse at 32768 + split * B * H + b * H + h of the rank's 33024-element row,
+    # all 8 loaded at once (one per thread) into shared memory before one barrier
+    t = "((int)threadIdx.x)"
+    assert (f"lse[{t}] = G[(((((({t} >> 2) * 33024) + (({t} & 3) * 64)) + (((int)blockIdx.y) * 32)) "
+            "+ ((int)blockIdx.x)) + 32768)];") in combine
+    assert combine.count("__syncthreads()") == 1 and combine.index("__syncthreads()") < combine.index("lse[p]")
+    # the partial outputs at split * B * H * D + b * H * D + h * D + d, the 8 loads unrolled
+    assert "#pragma unroll\n  for (int pu = 0; pu < 8; ++pu)" in combine
+    assert ("G[((((((pu >> 2) * 33024) + ((pu & 3) * 8192)) + (((int)blockIdx.y) * 4096)) + (((int)blockIdx.x) * 128)) "
+            f"+ {t})]") in combine
     assert "LSE[((((int)blockIdx.y) * 32) + ((int)blockIdx.x))]" in combine
+    # a part count the unroll does not divide: the largest of 8, 4, 2, 1 that does (2 * 3 parts: 2)
+    odd = lower_with(build_decode_combine_kernel(2, 3, 1, 8, 64), {})
+    assert "for (int pu = 0; pu < 2; ++pu)" in odd and "for (int p0 = 0; p0 < 3; ++p0)" in odd
 
 
 @needs_nvcc

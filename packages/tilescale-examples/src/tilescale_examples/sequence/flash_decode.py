@@ -96,35 +96,51 @@ def build_decode_partial_kernel(batch: int, heads: int, kv_heads: int, seq_local
     return decode_partial
 
 
+#: Partials whose loads the combine keeps in flight at once (its output loop's unroll).
+COMBINE_UNROLL = 8
+
+
 def build_decode_combine_kernel(world_size: int, splits: int, batch: int, heads: int, head_dim: int,
                                 dtype: str = "bfloat16"):
     """``decode_combine(G, O, LSE)``: ``G (W, splits * B * H * (D + 1))`` every rank's partial
     buffer (:func:`build_decode_partial_kernel`'s layout) -> ``O (B, H, D)`` in ``dtype``,
     ``LSE (B, H)`` float32. Grid ``H x B``, one thread per channel; the partials are summed in
-    rank-then-split order."""
+    rank-then-split order.
+
+    The block loads the ``W * splits`` log-sum-exps of its (sequence, head) at once (one per
+    thread, into shared memory), so finding their maximum and sum costs one round of global
+    loads rather than one per partial; the output loop then keeps the loads of up to
+    :data:`COMBINE_UNROLL` partials in flight. The arithmetic and its order are the same as one
+    partial after the other."""
     acc = "float32"
     parts = world_size * splits
     n_out = splits * batch * heads * head_dim
     total = n_out + splits * batch * heads
+    unroll = next(u for u in (COMBINE_UNROLL, 4, 2, 1) if parts % u == 0)
 
     @T.prim_func
     def decode_combine(G: T.Tensor((world_size, total), acc), O: T.Tensor((batch, heads, head_dim), dtype),
                        LSE: T.Tensor((batch, heads), acc)):
         with T.Kernel(heads, batch, threads=head_dim) as (h, b):
+            lse = T.alloc_shared((parts,), acc)
             m = T.alloc_local((1,), acc)
             s = T.alloc_local((1,), acc)
             o = T.alloc_fragment((head_dim,), acc)
+            for p in T.Parallel(parts):
+                lse[p] = G[p // splits, n_out + ((p % splits) * batch + b) * heads + h]
             m[0] = -T.infinity(acc)
             for p in T.serial(parts):
-                m[0] = T.max(m[0], G[p // splits, n_out + ((p % splits) * batch + b) * heads + h])
+                m[0] = T.max(m[0], lse[p])
             s[0] = 0
             for p in T.serial(parts):
-                s[0] += T.exp2((G[p // splits, n_out + ((p % splits) * batch + b) * heads + h] - m[0]) * LOG2E)
+                s[0] += T.exp2((lse[p] - m[0]) * LOG2E)
             T.clear(o)
-            for p in T.serial(parts):
-                for d in T.Parallel(head_dim):
-                    o[d] += T.exp2((G[p // splits, n_out + ((p % splits) * batch + b) * heads + h] - m[0]) * LOG2E) \
-                        / s[0] * G[p // splits, (((p % splits) * batch + b) * heads + h) * head_dim + d]
+            for p0 in T.serial(parts // unroll):
+                for pu in T.unroll(unroll):
+                    for d in T.Parallel(head_dim):
+                        o[d] += T.exp2((lse[p0 * unroll + pu] - m[0]) * LOG2E) / s[0] * G[
+                            (p0 * unroll + pu) // splits,
+                            ((((p0 * unroll + pu) % splits) * batch + b) * heads + h) * head_dim + d]
             for d in T.Parallel(head_dim):
                 O[b, h, d] = o[d]
             LSE[b, h] = m[0] + T.log2(s[0]) * LN2
