@@ -9,7 +9,7 @@
 # plans of AllGatherGEMM and GemmReduceScatter on emulated peers), tests-lang-new (AOT bundles, the lean launcher,
 # the autotuner, upstream's NVSHMEM-path programs) -- the ops and modules whose GPU tests are newest;
 # bench (every benchmark); bench-NAME (one); bench-overlap-1 (ag_gemm and gemm_rs on one rank:
-# the world-1 goal); bench-tuned-1 (ag_gemm on one rank with the autotuner's tiles, n 3584 and
+# the world-1 goal); bench-overlap-wide (the emulated fused plans at n 28672, 2/4/8 ranks); bench-tuned-1 (ag_gemm on one rank with the autotuner's tiles, n 3584 and
 # 7168); unverified (the checks written but not yet run on a GPU); all (default: doctor demo tests
 # bench). Logs go to $OUT (or ./device-logs) and a summary
 # table is printed last.
@@ -23,11 +23,11 @@ while [[ $# -gt 0 ]]; do
 done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
-# first: the launch benchmark's empty-kernel rows, the decode table timed behind a stream hold,
-# the emulated fused plans at the benchmark's shape, the AOT / lean / autotune / upstream GPU tests, the tuned GEMM at world 1 (issue 41's goal),
-# GEMM + all-reduce
-[[ " ${steps[*]} " == *" unverified "* ]] && steps=(bench-launch bench-sp_attention tests-overlap-emulated
-                                                      tests-lang-new bench-tuned-1 bench-gemm_allreduce)
+# first: the launch benchmark (its empty-kernel rows), SPFlashDecode's combine kernel (loads its
+# partials' log-sum-exps at once) and its time, the emulated fused plans at n 28672 with the
+# rasterized default tiles, the tuned GEMM at world 1 (issue 41's goal), GEMM + all-reduce
+[[ " ${steps[*]} " == *" unverified "* ]] && steps=(bench-launch tests-sequence bench-sp_attention
+                                                      bench-overlap-wide bench-tuned-1 bench-gemm_allreduce)
 logs=${OUT:-device-logs}
 mkdir -p "$logs"
 source .device/install.sh || exit 1
@@ -79,6 +79,8 @@ for step in "${steps[@]}"; do
     bench-overlap-1) for b in ag_gemm gemm_rs; do
                run_step "bench-$b-1" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b" --ranks 1
              done ;;
+    bench-overlap-wide) run_step bench-overlap-wide timeout -k 10 560 python3 -m \
+                          tilescale_examples.benchmarks.overlap_emulated --n 28672 --iters 10 ;;  # GEMM outlasts the copies
     bench-tuned-1) for n in 3584 7168; do  # the autotuner's tiles against torch.matmul at world 1 (k 8192)
              run_step "bench-ag_gemm-1-tuned-n$n" timeout -k 10 560 python3 -m tilescale_examples.benchmarks.ag_gemm \
                --ranks 1 --tune --n "$n" --m-local 1024,4096
