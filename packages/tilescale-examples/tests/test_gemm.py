@@ -131,3 +131,25 @@ def test_rasterized_peer_and_remote_epilogue_gemms_compile_for_sm90a(tmp_path, m
                  build_gemm_rs_kernel(256, 128, 512, 2, "bfloat16", GemmTiles(swizzle=8))):
         kernel = tilelang.compile(func, target=TARGET, execution_backend="tvm_ffi")
         assert kernel.adapter.rt_mod.imports[0].kind == "cuda"
+
+
+def test_every_block_n_224_candidate_of_the_default_space_lowers_to_tma_and_wgmma():
+    """The tuner's default space holds block_n 224 (n 3584 in 16 column blocks: 128 tiles of
+    128 x 224 fill one wave of 132 SMs where 128 x 256 leaves 112 tiles); each such candidate
+    lowers to the TMA + WGMMA program."""
+    from tilescale_lang.autotune import gemm_space
+
+    wide = [c for c in gemm_space(1024, 3584, 8192, "bfloat16") if c["block_n"] == 224]
+    assert len(wide) == 14
+    for config in wide:
+        body = kernel_body(lower_source(build_gemm_kernel(1024, 3584, 8192, "bfloat16", GemmTiles(**config))))
+        assert "tl::tma_load(B_desc" in body and "wgmma" in body, config
+
+
+@needs_nvcc
+def test_a_block_n_224_gemm_compiles_for_sm90a(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
+    kernel = tilelang.compile(build_gemm_kernel(256, 448, 128, "bfloat16", GemmTiles(block_n=224)), target=TARGET,
+                              execution_backend="tvm_ffi")
+    assert kernel.adapter.rt_mod.imports[0].kind == "cuda"
+

@@ -35,7 +35,7 @@ GEMM_TILE_AXES = ("block_m", "block_n", "block_k", "num_stages", "threads")
 #: The values :func:`gemm_space` tries per axis unless told otherwise.
 GEMM_DEFAULTS = {
     "block_m": (64, 128, 256),
-    "block_n": (128, 256),
+    "block_n": (128, 224, 256),
     "block_k": (64, 128),
     "num_stages": (2, 3, 4),
     "threads": (128, 256),
