@@ -37,15 +37,21 @@ def compile_job(job: Job, env: dict) -> str:
     """Worker body: set ``env`` (cache directory, wait timeout), build and compile one job;
     returns the kernel's global symbol."""
     os.environ.update(env)
+    builder, args, pass_configs = job
+    module, name = builder.split(":")
+    return _compile(getattr(importlib.import_module(module), name)(*args), None, pass_configs)
+
+
+def _compile(func, target, pass_configs: Optional[dict]) -> str:
+    """``tilelang.compile`` of the ``T.prim_func`` ``func`` for ``target`` (None: the ops'
+    ``TARGET``) with ``pass_configs`` (None: TileLang's defaults), as the ops compile it; the
+    kernel's global symbol."""
     import tilelang
 
     from tilescale_examples.base import TARGET
 
-    builder, args, pass_configs = job
-    module, name = builder.split(":")
-    func = getattr(importlib.import_module(module), name)(*args)
     extra = {} if pass_configs is None else {"pass_configs": dict(pass_configs)}
-    tilelang.compile(func, target=TARGET, **extra)
+    tilelang.compile(func, target=target or TARGET, **extra)
     return str(func.attrs["global_symbol"])
 
 
@@ -105,10 +111,7 @@ def precompile_op(cls, *args, world_size: int, sm_count: int = SM_COUNT, cache_d
     Raises the constructor's ``TypeError`` / ``ValueError`` for bad arguments, before
     compiling anything.
     """
-    import tilelang
-
     from tilescale_examples._contract import RecordingAllocator
-    from tilescale_examples.base import TARGET
 
     algorithms = [kwargs.get("algorithm")]
     probes = getattr(cls, "_AUTO_PROBES", ())
@@ -120,11 +123,5 @@ def precompile_op(cls, *args, world_size: int, sm_count: int = SM_COUNT, cache_d
         cls(allocator, *args, world_size=world_size,
             **(kwargs if algorithm is None else dict(kwargs, algorithm=algorithm)))
         builds += allocator.builds
-    names = []
     with patch.dict(os.environ, {} if cache_dir is None else {"TILELANG_CACHE_DIR": str(cache_dir)}):
-        for build, target, pass_configs in builds:
-            func = build()
-            extra = {} if pass_configs is None else {"pass_configs": dict(pass_configs)}
-            tilelang.compile(func, target=target or TARGET, **extra)
-            names.append(str(func.attrs["global_symbol"]))
-    return names
+        return [_compile(build(), target, pass_configs) for build, target, pass_configs in builds]
