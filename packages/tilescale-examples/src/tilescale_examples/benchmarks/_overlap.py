@@ -214,9 +214,8 @@ def _measure_size(op, rank, world, group, device, m_local, args):
     title = OPS[op][0]
     alloc = tilelang.get_allocator(size=heap_for(op, world, m_local, args.k, args.n, dtype, device), device=device,
                                    is_distributed=True, local_rank=rank, num_local_ranks=world, group=group)
-    fixed = getattr(args, "tiles", None)
-    tiles, tiles_text = dict(fixed or {}), None
-    if fixed:
+    tiles, tiles_text = dict(args.tiles or {}), None
+    if args.tiles:  # fixed by --tiles (parsed by main)
         tiles_text = TILES_FORMAT.format(**tiles) + " (--tiles)"
     elif args.tune:  # the library GEMM's tiles for this shape, the same on every rank (cached on disk)
         import dataclasses
@@ -293,7 +292,7 @@ def parse_tiles(text: str) -> dict:
     blocks = parts[0].split("x")
     if len(blocks) != 3 or len(parts) > 4:
         raise ValueError(f"--tiles must be BMxBNxBK[:STAGES[:THREADS[:SWIZZLE]]], got {text!r}")
-    names = ["block_m", "block_n", "block_k", "num_stages", "threads", "swizzle"]
+    names = [field.name for field in dataclasses.fields(GemmTiles)]  # the string's order
     try:
         values = [int(v) for v in blocks + parts[1:]]
     except ValueError:
