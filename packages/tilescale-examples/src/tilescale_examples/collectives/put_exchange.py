@@ -23,6 +23,11 @@ from tilescale_examples.base import SymmetricCollective, plan_chunks
 __all__ = ["build_put_exchange_kernel", "PutExchange", "claim_slot", "await_chunk"]
 
 
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as one flat view (the exchange kernel's output parameter)."""
+    return tensor.view(-1)
+
+
 @macro
 def claim_slot(Flags, READY, C, c, p, me, tx, epoch):
     """The ready handshake of block ``(c, p)``'s call ``epoch``: tell ``p`` that my slot for its
@@ -120,10 +125,8 @@ class PutExchange(SymmetricCollective):
         """One call's data movement on the current stream (the SM kernel; overridden by
         engines that move data otherwise)."""
         self.bind_table()
-        flat = self.__dict__.get("_flat_output")
-        if flat is None or flat[0] is not self.output:  # made once: a view costs host time at every call
-            flat = self._flat_output = (self.output, self.output.view(-1))
-        self._launch_kernel((input.view(-1), flat[1], self.flags, self.state), changing=(0,))
+        flat = self._kept_view("_flat_output", self.output, _flat)
+        self._launch_kernel((input.view(-1), flat, self.flags, self.state), changing=(0,))
 
     def _exchange(self, input: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
         """Run the exchange kernel on ``input`` (checked by the caller) on the current stream;

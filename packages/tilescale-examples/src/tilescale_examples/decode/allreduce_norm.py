@@ -233,16 +233,11 @@ class AllReduceResidualRMSNorm(SymmetricCollective):
         return (y, h) if self.fp8 is None else (y, s, h)
 
     def _weight_rows(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` as the kernel's rows; kept for the next call, which usually passes the
-        same weight (a view costs host time at every call)."""
-        kept = self.__dict__.get("_kept_weight")
-        if kept is not None and kept[0] is weight and kept[1] == weight.data_ptr():
-            return kept[2]
-        rows = rows_view(weight, self.vec)
-        if rows is None:
-            return _aligned_rows(weight, self.vec)  # an aligned copy, made at every call (never kept)
-        self._kept_weight = (weight, weight.data_ptr(), rows)
-        return rows
+        """``weight`` as the kernel's rows: its view, kept for the next call, which usually
+        passes the same weight; or, when it is not whole aligned vectors, an aligned copy made
+        at every call (a copy is never kept)."""
+        rows = self._kept_view("_kept_weight", weight, lambda w: rows_view(w, self.vec))
+        return _aligned_rows(weight, self.vec) if rows is None else rows
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(shape={self.shape}, dtype={self.dtype}, world_size={self.world_size}, "
