@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["launch", "prepared_launch"]
+__all__ = ["launch", "prepared_launch", "kept_view"]
 
 #: Prepared launchers an instance keeps at most (one per kernel it launches).
 MAX_PREPARED = 8
@@ -66,3 +66,17 @@ def prepared_launch(prepared: dict, kernel: Any):
         raise KeyError(f"no lean launcher prepared for kernel {getattr(kernel, 'name', kernel)!r}: call the op once "
                        "with lean_launch = True first")
     return entry[0]
+
+
+def kept_view(op: Any, attr: str, tensor: torch.Tensor, make) -> Any:
+    """``make(tensor)`` (a view an op's kernel takes), kept in ``op``'s attribute ``attr`` for
+    the next call that passes the same tensor (the same object at the same address): building
+    a view costs host time at every call. The op lists ``attr`` in its ``_BUFFERS``
+    (``close()`` drops it)."""
+    kept = op.__dict__.get(attr)
+    if kept is not None and kept[0] is tensor and kept[1] == tensor.data_ptr():
+        return kept[2]
+    view = make(tensor)
+    setattr(op, attr, (tensor, tensor.data_ptr(), view))
+    return view
+

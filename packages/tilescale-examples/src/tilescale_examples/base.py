@@ -319,18 +319,6 @@ class SymmetricOp(KernelOwner, Closable):
         ``shape``, this op's dtype and the allocator's device."""
         check_tensor(out, shape, self.dtype, self.device, "out", shape_name, type(self).__name__)
 
-    def _kept_view(self, attr: str, tensor: torch.Tensor, make):
-        """``make(tensor)`` (a view the kernel takes), kept in the attribute ``attr`` for the
-        next call that passes the same tensor (the same object at the same address): building
-        a view costs host time at every call. List ``attr`` in ``_BUFFERS`` (``close()`` drops
-        it)."""
-        kept = self.__dict__.get(attr)
-        if kept is not None and kept[0] is tensor and kept[1] == tensor.data_ptr():
-            return kept[2]
-        view = make(tensor)
-        setattr(self, attr, (tensor, tensor.data_ptr(), view))
-        return view
-
     @staticmethod
     def torch_reference(inputs, rank: int) -> torch.Tensor:
         """What a call returns on ``rank``, computed with torch from every rank's inputs

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from tilescale_examples._launch import kept_view
 from tilescale_examples._macros import T, macro, variable
 from tilescale_examples.base import SymmetricCollective, plan_chunks
 
@@ -125,7 +126,7 @@ class PutExchange(SymmetricCollective):
         """One call's data movement on the current stream (the SM kernel; overridden by
         engines that move data otherwise)."""
         self.bind_table()
-        flat = self._kept_view("_flat_output", self.output, _flat)
+        flat = kept_view(self, "_flat_output", self.output, _flat)
         self._launch_kernel((input.view(-1), flat, self.flags, self.state), changing=(0,))
 
     def _exchange(self, input: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:

@@ -39,6 +39,7 @@ from typing import Literal, Optional, Sequence, Union
 
 import torch
 
+from tilescale_examples._launch import kept_view
 from tilescale_examples.base import SymmetricCollective, check_tensor, settle
 from tilescale_examples.collectives.reduce_engine import overlaps, rows_view
 from tilescale_examples.decode.norm_kernel import (FLAG_STRIDE, FP8_BLOCK, FP8_MODES, FP8_TORCH_DTYPE, NORM_DTYPES,
@@ -236,7 +237,7 @@ class AllReduceResidualRMSNorm(SymmetricCollective):
         """``weight`` as the kernel's rows: its view, kept for the next call, which usually
         passes the same weight; or, when it is not whole aligned vectors, an aligned copy made
         at every call (a copy is never kept)."""
-        rows = self._kept_view("_kept_weight", weight, lambda w: rows_view(w, self.vec))
+        rows = kept_view(self, "_kept_weight", weight, lambda w: rows_view(w, self.vec))
         return _aligned_rows(weight, self.vec) if rows is None else rows
 
     def __repr__(self) -> str:
