@@ -72,20 +72,25 @@ def test_generated_cuda():
     assert "int valid = min(max((Lens[((int)blockIdx.z)] - (((int)blockIdx.x) * 1024)), 0), 1024);" in partial
     assert "for (int kb = 0; kb < ((valid + 63) >> 6); ++kb)" in partial
     combine = lower_with(build_decode_combine_kernel(2, 4, 2, 32, 128), {})
-    # every (rank, split) part: its lse at 32768 + split * B * H + b * H + h of the rank's 33024-element row,
-    # all 8 loaded at once (one per thread) into shared memory before one barrier
+    # every (rank, split) part of the 2 x 4: its lse at 32768 + split * B * H + b * H + h of the rank's
+    # 33024-element row and this thread's channel of its output at split * B * H * D + b * H * D + h * D + d,
+    # all 8 of each loaded in one unrolled loop (one round: no loop over rounds) before the first use
     t = "((int)threadIdx.x)"
-    assert (f"lse[{t}] = G[(((((({t} >> 2) * 33024) + (({t} & 3) * 64)) + (((int)blockIdx.y) * 32)) "
-            "+ ((int)blockIdx.x)) + 32768)];") in combine
-    assert combine.count("__syncthreads()") == 1 and combine.index("__syncthreads()") < combine.index("lse[p]")
-    # the partial outputs at split * B * H * D + b * H * D + h * D + d, the 8 loads unrolled
-    assert "#pragma unroll\n  for (int pu = 0; pu < 8; ++pu)" in combine
-    assert ("G[((((((pu >> 2) * 33024) + ((pu & 3) * 8192)) + (((int)blockIdx.y) * 4096)) + (((int)blockIdx.x) * 128)) "
-            f"+ {t})]") in combine
-    assert "LSE[((((int)blockIdx.y) * 32) + ((int)blockIdx.x))]" in combine
-    # a part count the unroll does not divide: the largest of 8, 4, 2, 1 that does (2 * 3 parts: 2)
-    odd = lower_with(build_decode_combine_kernel(2, 3, 1, 8, 64), {})
-    assert "for (int pu = 0; pu < 2; ++pu)" in odd and "for (int p0 = 0; p0 < 3; ++p0)" in odd
+    loads = combine[combine.index("for (int u = 0; u < 8; ++u)"):combine.index("m_new[0] = m[0];")]
+    assert "#pragma unroll" in combine[:combine.index("for (int u = 0; u < 8; ++u)")]
+    assert ("lse[u] = G[((((((u >> 2) * 33024) + ((u & 3) * 64)) + (((int)blockIdx.y) * 32)) "
+            "+ ((int)blockIdx.x)) + 32768)];") in loads
+    assert ("val[u] = G[((((((u >> 2) * 33024) + ((u & 3) * 8192)) + (((int)blockIdx.y) * 4096)) "
+            f"+ (((int)blockIdx.x) * 128)) + {t})];") in loads
+    assert "for (int r = 0" not in combine and "__syncthreads()" not in combine
+    # empty partials (lse = -inf) add nothing; a round of only empty ones rescales nothing
+    assert combine.count("if ((m_new[0] == -CUDART_INF_F))") == 2
+    assert f"if ({t} == 0) {{\n    LSE[((((int)blockIdx.y) * 32) + ((int)blockIdx.x))]" in combine
+    # more parts than a round (8 ranks x 5 splits = 40): 2 rounds of 20; 37 parts: 2 of 19, the last slot guarded
+    two = lower_with(build_decode_combine_kernel(8, 5, 1, 8, 64), {})
+    assert "for (int r = 0; r < 2; ++r)" in two and "for (int u = 0; u < 20; ++u)" in two and "< 40" not in two
+    odd = lower_with(build_decode_combine_kernel(1, 37, 1, 8, 64), {})
+    assert "for (int u = 0; u < 19; ++u)" in odd and "< 37)" in odd
 
 
 @needs_nvcc
@@ -156,6 +161,20 @@ def test_splits_heap_and_the_calls_kernels(monkeypatch):
     op.close()
     with pytest.raises(ClosedError):
         op(q, k, v)
+
+
+def test_one_rank_combines_its_own_partials(monkeypatch):
+    op = _make(monkeypatch, world=1)
+    calls = []
+    op.kernel, op.combine_kernel, op.gather.kernel = LaunchRecorder(calls, "partial"), LaunchRecorder(calls, "combine"), LaunchRecorder(calls, "gather")
+    q = torch.randn(2, 8, 128).bfloat16()
+    k, v = _shard(0, 2, 256, 2, 128, torch.bfloat16)
+    out, lse = op(q, k, v)
+    assert [c[0] for c in calls] == ["partial", "combine"]  # no all-gather launch
+    gathered = calls[1][1][0]
+    assert gathered.shape == (1, op.partials.numel()) and gathered.data_ptr() == op.partials.data_ptr()
+    assert calls[1][1][1:] == (out, lse)
+    op.close()
 
 
 # ------------------------------------------------------------------------------ GPU

@@ -293,7 +293,14 @@ def test_benchmark_without_gpu_bad_arguments_and_goals(monkeypatch, capsys):
         "gemm_allreduce benchmark: no CUDA GPU visible, nothing to measure\n")
     exits_naming(gemm_allreduce.main, ["--ranks", "0"], "--ranks must be in [1, 64]", capsys)
     exits_naming(gemm_allreduce.main, ["--k", "100"], "--k, --n positive multiples of 64", capsys)
-    rows = {1: [[1, 1, 30.0, 33.0, 29.0, 0.909, 1.034, "ok"]], 4: [[4, 8, 40.0, 50.0, 30.0, 0.8, 1.333, "ok"]]}
+    exits_naming(gemm_allreduce.main, ["--tiles", "64x64"], "--tiles must be BMxBNxBK[:STAGES[:THREADS]]", capsys)
+    exits_naming(gemm_allreduce.main, ["--tiles", "64x64x64:a"], "--tiles must hold ints only", capsys)
+    assert gemm_allreduce.parse_tiles("64x128x64") == {"block_m": 64, "block_n": 128, "block_k": 64}
+    assert gemm_allreduce.parse_tiles("128x128x64:4:256") == {"block_m": 128, "block_n": 128, "block_k": 64,
+                                                              "num_stages": 4, "threads": 256}
+    assert gemm_allreduce.tiles_label(default_tiles(1, 8192, 132)) == "64x64x64:4:128"
+    rows = {1: [[1, 1, 30.0, 33.0, 29.0, 0.909, 1.034, "64x64x64:4:128", "ok"]],
+            4: [[4, 8, 40.0, 50.0, 30.0, 0.8, 1.333, "64x64x64:4:128", "ok"]]}
     assert gemm_allreduce.goal_lines(rows) == ["worst fused/(matmul + all-reduce): 0.909 (goal <= 0.85)",
                                                "worst fused/matmul at 1 rank: 1.034 (goal <= 1.05)"]
     assert gemm_allreduce.goal_lines({})[0].endswith("not measured")
@@ -315,3 +322,6 @@ def test_precompile_jobs_are_the_kernels_the_op_builds(compiles, monkeypatch, m,
     assert builder == "tilescale_examples.decode.gemm_ar_kernel:build_gemm_ar_kernel" and configs == PASS_CONFIGS
     assert built == [args]
     assert len(mod.gemm_allreduce_jobs([1, 2, 4], 256, 512, "float16", [1, 2], 132)) == 6
+    # tile keywords (the benchmark's --tiles) reach the jobs as they reach the op
+    [(_, tiled, _)] = mod.gemm_allreduce_jobs([m], 256, n, "bfloat16", [world], 132, block_n=64, num_stages=5)
+    assert (tiled[5].block_n, tiled[5].num_stages) == (64, 5)

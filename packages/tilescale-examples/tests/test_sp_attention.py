@@ -447,7 +447,7 @@ def test_benchmark_goals():
     from tilescale_examples.benchmarks.sp_attention import goal_lines
 
     sp = [[4096, 100.0, 97.0, 0.97, "fused", 120.0, 0.81, "ok"], [16384, 900.0, 850.0, 0.944, "fused", 990.0, 0.86, "ok"]]
-    decode = [[1, 8192, 10.0, 9.5, 2.5, 0.95, "ok"], [64, 131072, 500.0, "-", 3.5, "-", "ok"]]
+    decode = [[1, 8192, 10.0, 9.5, 2.5, 0.95, 16, "ok"], [64, 131072, 500.0, "-", 3.5, "-", 1, "ok"]]
     assert goal_lines(sp, decode) == ["worst flash/sp: 0.944 (goal >= 0.95)", "worst torch/decode: 0.950 (goal >= 0.9)",
                                       "slowest combine: 3.50 us (goal <= 3.0)"]
     assert goal_lines([], []) == ["worst flash/sp: not measured", "worst torch/decode: not measured",

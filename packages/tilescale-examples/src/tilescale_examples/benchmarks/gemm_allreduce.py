@@ -1,7 +1,8 @@
 """GemmAllReduce (GEMM + all-reduce in one kernel) against torch.matmul + TileScale's all-reduce, with emulated peers.
 
 ``python -m tilescale_examples.benchmarks.gemm_allreduce [--ranks 1 2 4 8] [--m 1 2 4 ... 512]
-[--k 8192] [--n 8192] [--dtype bfloat16|float16] [--iters 20] [--max-blocks B] [--out DIR]``
+[--k 8192] [--n 8192] [--tiles BMxBNxBK[:STAGES[:THREADS]] ...] [--dtype bfloat16|float16] [--iters 20]
+[--max-blocks B] [--out DIR]``
 
 The method of :mod:`tilescale_examples.benchmarks.emulated` (and of :mod:`.decode`): one
 process, no process group; ``N`` emulated ranks are ``N`` regions of one device buffer whose
@@ -19,7 +20,10 @@ over the ranks:
 * ``mm+AR us``: ``torch.matmul`` then TileScale's one-shot
   :class:`~tilescale_examples.collectives.allreduce.AllReduce` of its result, back to back;
 * ``mm us``: ``torch.matmul`` alone;
-* ``fused/(mm+AR)`` and ``fused/mm``.
+* ``fused/(mm+AR)`` and ``fused/mm``;
+* ``tiles``: the fused kernel's ``BMxBNxBK:STAGES:THREADS``, its default for the shape
+  (:func:`~tilescale_examples.decode.gemm_allreduce.default_tiles`) or each of ``--tiles``
+  (a row each, the fields left out default as in ``GemmAllReduce``).
 
 Before timing, one round of fused calls is checked (every rank's partial ``a_p @ b_p`` staged
 beforehand by torch, so the ranks that run first read their peers' tiles; each rank's own tile
@@ -35,10 +39,10 @@ from __future__ import annotations
 from tilescale_examples.benchmarks import _fused, _harness, _timing
 from tilescale_examples.benchmarks._report import print_checked, ratio
 
-__all__ = ["HEADERS", "GOAL_RATIO", "GOAL_WORLD1", "M_SIZES", "check_round", "run_case", "goal_lines",
-           "print_results", "run", "main"]
+__all__ = ["HEADERS", "GOAL_RATIO", "GOAL_WORLD1", "M_SIZES", "check_round", "parse_tiles", "tiles_label", "run_case",
+           "goal_lines", "print_results", "run", "main"]
 
-HEADERS = ["ranks", "m", "fused us", "mm+AR us", "mm us", "fused/(mm+AR)", "fused/mm", "check"]
+HEADERS = ["ranks", "m", "fused us", "mm+AR us", "mm us", "fused/(mm+AR)", "fused/mm", "tiles", "check"]
 #: The goals: fused / (matmul + all-reduce) at most GOAL_RATIO; at one rank fused / matmul at most GOAL_WORLD1.
 GOAL_RATIO, GOAL_WORLD1 = 0.85, 1.05
 M_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -62,8 +66,28 @@ def check_round(ops, inputs) -> list:
     return bad
 
 
-def run_case(args, n_ranks: int, m: int, device) -> tuple:
-    """``(fused ms, matmul + all-reduce ms, failures)`` of one case (built, checked, timed, closed)."""
+def parse_tiles(text: str) -> dict:
+    """``--tiles BMxBNxBK[:STAGES[:THREADS]]`` as GemmAllReduce's tile keywords (the fields
+    left out absent: the op's defaults); ``ValueError`` naming the argument when malformed."""
+    parts = text.split(":")
+    blocks = parts[0].split("x")
+    if len(blocks) != 3 or len(parts) > 3:
+        raise ValueError(f"--tiles must be BMxBNxBK[:STAGES[:THREADS]], got {text!r}")
+    try:
+        values = [int(v) for v in blocks + parts[1:]]
+    except ValueError:
+        raise ValueError(f"--tiles must hold ints only, got {text!r}") from None
+    return dict(zip(("block_m", "block_n", "block_k", "num_stages", "threads"), values))
+
+
+def tiles_label(tiles) -> str:
+    """A GemmTiles as ``BMxBNxBK:STAGES:THREADS``."""
+    return f"{tiles.block_m}x{tiles.block_n}x{tiles.block_k}:{tiles.num_stages}:{tiles.threads}"
+
+
+def run_case(args, n_ranks: int, m: int, device, tiles: dict) -> tuple:
+    """``(fused ms, matmul + all-reduce ms, failures, tiles label)`` of one case (built,
+    checked, timed, closed), the fused op built with the tile keywords ``tiles``."""
     import torch
 
     from tilescale_examples.collectives.allreduce import AllReduce
@@ -74,14 +98,20 @@ def run_case(args, n_ranks: int, m: int, device) -> tuple:
     inputs = [(torch.randn((m, args.k), generator=g, device=device).to(dtype),
                (torch.randn((args.k, args.n), generator=g, device=device) / args.k**0.5).to(dtype))
               for _ in range(n_ranks)]
+    label = []
+
+    def check(ops):
+        label.append(tiles_label(ops[0].tiles))
+        return check_round(ops, inputs)
+
     fused, bad = _fused.measure(GemmAllReduce, n_ranks, (m, args.k, args.n, dtype), device,
-                                lambda op: op(*inputs[op.rank]), args.iters, check=lambda ops: check_round(ops, inputs),
-                                max_blocks=args.max_blocks)
+                                lambda op: op(*inputs[op.rank]), args.iters, check=check,
+                                max_blocks=args.max_blocks, **tiles)
     unfused, _ = _fused.measure(AllReduce, n_ranks, ((m, args.n), dtype), device,
                                 lambda ar: ar(torch.matmul(*inputs[ar.rank])), args.iters, algorithm="one_shot",
                                 max_blocks=args.max_blocks)
     torch.cuda.empty_cache()
-    return fused, unfused, bad
+    return fused, unfused, bad, label[0]
 
 
 def run(args, device) -> tuple:
@@ -96,10 +126,11 @@ def run(args, device) -> tuple:
     for n_ranks in args.ranks:
         rows = tables.setdefault(n_ranks, [])
         for m in args.m:
-            fused, unfused, bad = run_case(args, n_ranks, m, device)
-            failures += bad
-            rows.append([n_ranks, m, fused * 1e3, unfused * 1e3, alone[m] * 1e3, ratio(fused, unfused),
-                         ratio(fused, alone[m]), "ok" if not bad else "FAIL"])
+            for tiles in args.tiles or [{}]:
+                fused, unfused, bad, label = run_case(args, n_ranks, m, device, tiles)
+                failures += bad
+                rows.append([n_ranks, m, fused * 1e3, unfused * 1e3, alone[m] * 1e3, ratio(fused, unfused),
+                             ratio(fused, alone[m]), label, "ok" if not bad else "FAIL"])
     return tables, failures
 
 
@@ -129,7 +160,13 @@ def main(argv=None) -> int:
     p.add_argument("--m", type=int, nargs="+", default=list(M_SIZES), help="rows of a (tokens)")
     p.add_argument("--k", type=int, default=8192, help="columns of a (a multiple of 64)")
     p.add_argument("--n", type=int, default=8192, help="columns of b and the output (a multiple of 64)")
+    p.add_argument("--tiles", nargs="+", default=None, metavar="BMxBNxBK[:STAGES[:THREADS]]",
+                   help="the fused kernel's tiles, each a row per case (default: the op's choice per shape)")
     args = _harness.parse_args(p, argv)
+    try:
+        args.tiles = [parse_tiles(t) for t in args.tiles] if args.tiles else None
+    except ValueError as error:
+        p.error(str(error))
     if any(m < 1 for m in args.m) or args.iters < 1 or args.k < 64 or args.k % 64 or args.n < 64 or args.n % 64:
         p.error("--m and --iters must be >= 1 and --k, --n positive multiples of 64")
     device = _harness.emulated_device(p, args, "gemm_allreduce")
@@ -141,7 +178,8 @@ def main(argv=None) -> int:
     from tilescale_examples.testing.precompile import precompile, reduction_jobs
 
     sms = args.max_blocks or torch.cuda.get_device_properties(device).multi_processor_count
-    precompile(gemm_allreduce_jobs(args.m, args.k, args.n, args.dtype, args.ranks, sms)
+    precompile([job for tiles in args.tiles or [{}]
+                for job in gemm_allreduce_jobs(args.m, args.k, args.n, args.dtype, args.ranks, sms, **tiles)]
                + reduction_jobs(["one_shot"], [args.dtype], args.ranks))  # in parallel: cache hits below
     tables, failures = run(args, device)
     print_results(tables, failures, args, torch.cuda.get_device_name(device))

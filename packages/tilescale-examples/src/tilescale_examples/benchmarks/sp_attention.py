@@ -1,7 +1,7 @@
 """Sequence-parallel attention at one rank: SPAllGatherAttention against the flash kernel alone, SPFlashDecode against torch's decode attention.
 
 ``python -m tilescale_examples.benchmarks.sp_attention [--seq 4096 16384] [--heads 32]
-[--kv-heads 8] [--head-dim 128] [--batch 1 16 64] [--kv 8192 32768 131072]
+[--kv-heads 8] [--head-dim 128] [--batch 1 16 64] [--kv 8192 32768 131072] [--splits N ...]
 [--dtype bfloat16|float16] [--iters 20] [--out DIR]``
 
 One rank on one GPU (an NCCL group of one), where the communication machinery has no peer and
@@ -19,7 +19,9 @@ step runs in a CUDA graph or on a busy stream:
 * table 2, per batch and KV length: ``SPFlashDecode`` (batch x 32 query heads, one token each)
   against ``torch.nn.functional.scaled_dot_product_attention`` of the one-token queries over
   the cache (the faster of its flash and cuDNN backends, ``enable_gqa``); ``torch/decode``
-  (goal at least 0.9), and the combine kernel alone (goal at most 3 us).
+  (goal at least 0.9), and the combine kernel alone (goal at most 3 us); ``splits`` the
+  partial blocks per (sequence, kv head): the op's default, or each of ``--splits`` (a row
+  each; a value must divide the cache's 64-position tiles).
 
 Every output is compared with torch's before timing; a failure is printed and makes the exit
 status 1.
@@ -33,7 +35,7 @@ from tilescale_examples.benchmarks._report import print_table, ratio
 __all__ = ["SP_HEADERS", "DECODE_HEADERS", "GOAL_SP", "GOAL_DECODE", "GOAL_COMBINE_US", "run", "goal_lines", "main"]
 
 SP_HEADERS = ["seq", "sp us", "flash us", "flash/sp", "algorithm", "sequential us", "flash/sequential", "check"]
-DECODE_HEADERS = ["batch", "kv", "decode us", "torch us", "combine us", "torch/decode", "check"]
+DECODE_HEADERS = ["batch", "kv", "decode us", "torch us", "combine us", "torch/decode", "splits", "check"]
 #: Goals: SP attention at least GOAL_SP of the flash kernel's speed; flash-decode at least
 #: GOAL_DECODE of torch's; the combine at most GOAL_COMBINE_US.
 GOAL_SP, GOAL_DECODE, GOAL_COMBINE_US = 0.95, 0.9, 3.0
@@ -84,7 +86,7 @@ def _torch_decode(q, k, v):
     return o[:, :, 0]
 
 
-def _decode_row(args, alloc, group, device, batch: int, kv: int) -> tuple:
+def _decode_row(args, alloc, group, device, batch: int, kv: int, splits) -> tuple:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -94,7 +96,8 @@ def _decode_row(args, alloc, group, device, batch: int, kv: int) -> tuple:
     g = torch.Generator(device=device).manual_seed(batch * 7 + kv)
     q = torch.randn((batch, args.heads, args.head_dim), generator=g, device=device).to(dtype)
     k, v = (torch.randn((batch, kv, args.kv_heads, args.head_dim), generator=g, device=device).to(dtype) for _ in "kv")
-    op = SPFlashDecode(alloc, batch, args.heads, args.kv_heads, kv, args.head_dim, dtype, world_size=1, group=group)
+    op = SPFlashDecode(alloc, batch, args.heads, args.kv_heads, kv, args.head_dim, dtype, world_size=1, group=group,
+                       splits=splits)
     try:
         o, _ = op(q, k, v)
         torch_ms, want = [], None
@@ -120,7 +123,7 @@ def _decode_row(args, alloc, group, device, batch: int, kv: int) -> tuple:
         op.close()
     best = min(torch_ms) if torch_ms else None
     return [batch, kv, ours * 1e3, best * 1e3 if best else "-", combine * 1e3, ratio(best, ours) if best else "-",
-            "ok" if ok else "FAIL"], ok
+            op.splits, "ok" if ok else "FAIL"], ok
 
 
 def run(rank: int, world: int, group, device, args) -> list:
@@ -136,9 +139,10 @@ def run(rank: int, world: int, group, device, args) -> list:
             failures += [] if ok else [f"sp attention seq {seq}"]
         for batch in args.batch:
             for kv in args.kv:
-                row, ok = _decode_row(args, alloc, group, device, batch, kv)
-                decode_rows.append(row)
-                failures += [] if ok else [f"flash-decode batch {batch} kv {kv}"]
+                for splits in args.splits or [None]:
+                    row, ok = _decode_row(args, alloc, group, device, batch, kv, splits)
+                    decode_rows.append(row)
+                    failures += [] if ok else [f"flash-decode batch {batch} kv {kv} splits {row[6]}"]
     finally:
         alloc.close()
     return [sp_rows, decode_rows, failures]
@@ -157,27 +161,32 @@ def goal_lines(sp_rows: list, decode_rows: list) -> list:
 def main(argv=None) -> int:
     """The command line (see the module docstring); 0, or 1 when a check failed."""
     p = _harness.parser("sp_attention", __doc__.splitlines()[0])
-    p.add_argument("--seq", type=int, nargs="+", default=[4096, 16384], help="sequence lengths (SP attention)")
+    p.add_argument("--seq", type=int, nargs="*", default=[4096, 16384],
+                   help="sequence lengths (SP attention; none: no SP attention table)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64], help="decode batch sizes")
     p.add_argument("--kv", type=int, nargs="+", default=[8192, 32768, 131072], help="decode KV lengths")
+    p.add_argument("--splits", type=int, nargs="+", default=None,
+                   help="SPFlashDecode's splits per (sequence, kv head), each a row (default: the op's own choice)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--iters", type=int, default=20, help="calls timed per case (median)")
     p.add_argument("--heap-mib", type=int, default=1024, help="symmetric heap MiB (the all-gathers' buffers)")
     args = _harness.parse_args(p, argv)
-    if args.iters < 1 or args.heads % args.kv_heads or any(x < 1 for x in args.seq + args.batch + args.kv):
-        p.error("--iters, --seq, --batch and --kv must be >= 1 and --heads a multiple of --kv-heads")
+    if args.iters < 1 or args.heads % args.kv_heads or any(x < 1 for x in args.seq + args.batch + args.kv
+                                                            + (args.splits or [])):
+        p.error("--iters, --seq, --batch, --kv and --splits must be >= 1 and --heads a multiple of --kv-heads")
     if _harness.visible_gpus("sequence-parallel attention benchmark") == 0:
         return 0
     import torch
 
     (sp_rows, decode_rows, failures), _, _ = _harness.run_on_ranks(run, 1, args)
     name = torch.cuda.get_device_name(0)
-    print_table(f"SPAllGatherAttention vs the flash kernel alone, 1 rank on {name}, {args.heads} heads "
-                f"({args.kv_heads} kv) of {args.head_dim}, causal, {args.dtype}; median GPU time of {args.iters} calls",
-                SP_HEADERS, sp_rows)
+    if sp_rows:
+        print_table(f"SPAllGatherAttention vs the flash kernel alone, 1 rank on {name}, {args.heads} heads "
+                    f"({args.kv_heads} kv) of {args.head_dim}, causal, {args.dtype}; median GPU time of "
+                    f"{args.iters} calls", SP_HEADERS, sp_rows)
     print_table(f"SPFlashDecode vs torch scaled_dot_product_attention (one-token queries), 1 rank on {name}, "
                 f"{args.heads} heads ({args.kv_heads} kv) of {args.head_dim}, {args.dtype}; median GPU time of "
                 f"{args.iters} calls", DECODE_HEADERS, decode_rows)

@@ -80,12 +80,14 @@ def default_tiles(m: int, n: int, max_blocks: int, block_m=None, block_n=None, b
 
 
 def gemm_allreduce_jobs(ms: Sequence[int], k: int, n: int, dtype: str, world_sizes: Sequence[int],
-                       max_blocks: int) -> list:
+                       max_blocks: int, **tiles) -> list:
     """:func:`~tilescale_examples.testing.precompile.precompile` jobs of the kernels
-    ``GemmAllReduce(allocator, m, k, n, dtype, max_blocks=max_blocks)`` builds (default tiles)
-    for every ``m`` in ``ms`` and world size; ``dtype`` a name (``"bfloat16"``); ``max_blocks``
-    the grid cap (the op's default: the device's SM count)."""
-    return [job for m in ms for job in gemm_ar_jobs([(m, k, n)], [dtype], world_sizes, default_tiles(m, n, max_blocks))]
+    ``GemmAllReduce(allocator, m, k, n, dtype, max_blocks=max_blocks, **tiles)`` builds for
+    every ``m`` in ``ms`` and world size; ``dtype`` a name (``"bfloat16"``); ``max_blocks``
+    the grid cap (the op's default: the device's SM count); ``tiles`` the op's tile keywords
+    (``block_m`` ... ``threads``; none: the default tiles)."""
+    return [job for m in ms
+            for job in gemm_ar_jobs([(m, k, n)], [dtype], world_sizes, default_tiles(m, n, max_blocks, **tiles))]
 
 
 def _check_inputs(inputs, rank: int) -> list:

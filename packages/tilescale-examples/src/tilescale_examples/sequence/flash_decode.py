@@ -9,7 +9,7 @@ returns the attention over the whole cache::
     o, lse = decode(q, k_cache, v_cache)       # o (B, H, D), lse (B, H) float32, the same on every rank
     decode.close()                             # before allocator.close()
 
-A call runs three kernels on the current stream:
+A call runs three kernels on the current stream (two on one rank):
 
 1. :func:`build_decode_partial_kernel`: one block per (split, kv head, sequence) attends the
    ``H / Hkv`` query heads of that kv head (grouped-query attention, padded to the tensor
@@ -17,15 +17,17 @@ A call runs three kernels on the current stream:
    :mod:`~tilescale_examples.sequence.flash_attention`, and writes the split's output and
    log-sum-exp (float32) into this rank's part of a flat buffer;
 2. an :class:`~tilescale_examples.collectives.allgather.AllGather` of that buffer (float32,
-   device-side call numbers: graph-safe, back-to-back calls need no host synchronisation);
+   device-side call numbers: graph-safe, back-to-back calls need no host synchronisation); on
+   one rank there is nothing to gather and the combine reads the partials themselves;
 3. :func:`build_decode_combine_kernel`: every rank rescales and sums the ``W * splits``
    partials of each (sequence, head) by their log-sum-exps (the same order on every rank, so
    every rank's result has the same bits).
 
 A partial's log-sum-exp is ``ln(sum_j exp(s_j))`` over its positions (``s_j = q k_j * scale``);
 the combine's is ``m + ln(sum_p exp(lse_p - m))`` with ``m`` the largest, and its output
-``sum_p exp(lse_p - lse) o_p``. :func:`partial_reference` and :func:`combine_reference` are the
-same arithmetic in torch.
+``sum_p exp(lse_p - lse) o_p`` (the kernel folds the partials in rounds with a running
+maximum, the same quantities). :func:`partial_reference` and :func:`combine_reference` compute
+them in torch.
 """
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
@@ -96,54 +98,68 @@ def build_decode_partial_kernel(batch: int, heads: int, kv_heads: int, seq_local
     return decode_partial
 
 
-#: Partials whose loads the combine keeps in flight at once (its output loop's unroll).
-COMBINE_UNROLL = 8
+#: Partials the combine loads per round (all of a round's loads in flight at once, held in
+#: registers: two floats per partial and thread).
+COMBINE_ROUND = 32
 
 
 def build_decode_combine_kernel(world_size: int, splits: int, batch: int, heads: int, head_dim: int,
                                 dtype: str = "bfloat16"):
     """``decode_combine(G, O, LSE)``: ``G (W, splits * B * H * (D + 1))`` every rank's partial
     buffer (:func:`build_decode_partial_kernel`'s layout) -> ``O (B, H, D)`` in ``dtype``,
-    ``LSE (B, H)`` float32. Grid ``H x B``, one thread per channel; the partials are summed in
-    rank-then-split order.
+    ``LSE (B, H)`` float32. Grid ``H x B``, one thread per channel.
 
-    The block loads the ``W * splits`` log-sum-exps of its (sequence, head) at once (one per
-    thread, into shared memory), so finding their maximum and sum costs one round of global
-    loads rather than one per partial; the output loop then keeps the loads of up to
-    :data:`COMBINE_UNROLL` partials in flight. The arithmetic and its order are the same as one
-    partial after the other."""
+    The ``W * splits`` partials of a (sequence, head) are taken in rank-then-split order, in
+    rounds of at most :data:`COMBINE_ROUND`: a round issues every load (each partial's
+    log-sum-exp and this thread's channel of its output) before the first use, so a decode
+    combine (tens of partials) waits on global memory once, then folds the round into a running
+    maximum ``m``, sum ``s`` and output ``o`` (the online softmax: earlier rounds rescaled by
+    ``exp(m_old - m_new)``; a round whose partials are all empty, ``lse = -inf``, adds
+    nothing). The result is ``o / s`` and ``LSE = m + ln(s)``."""
     acc = "float32"
     parts = world_size * splits
+    rounds = -(-parts // COMBINE_ROUND)
+    per_round = -(-parts // rounds)
     n_out = splits * batch * heads * head_dim
     total = n_out + splits * batch * heads
-    unroll = next(u for u in (COMBINE_UNROLL, 4, 2, 1) if parts % u == 0)
 
     @T.prim_func
     def decode_combine(G: T.Tensor((world_size, total), acc), O: T.Tensor((batch, heads, head_dim), dtype),
                        LSE: T.Tensor((batch, heads), acc)):
         with T.Kernel(heads, batch, threads=head_dim) as (h, b):
-            lse = T.alloc_shared((parts,), acc)
+            d = T.get_thread_binding()
+            lse = T.alloc_local((per_round,), acc)
+            val = T.alloc_local((per_round,), acc)
             m = T.alloc_local((1,), acc)
+            m_new = T.alloc_local((1,), acc)
+            alpha = T.alloc_local((1,), acc)
             s = T.alloc_local((1,), acc)
-            o = T.alloc_fragment((head_dim,), acc)
-            for p in T.Parallel(parts):
-                lse[p] = G[p // splits, n_out + ((p % splits) * batch + b) * heads + h]
+            o = T.alloc_local((1,), acc)
             m[0] = -T.infinity(acc)
-            for p in T.serial(parts):
-                m[0] = T.max(m[0], lse[p])
             s[0] = 0
-            for p in T.serial(parts):
-                s[0] += T.exp2((lse[p] - m[0]) * LOG2E)
-            T.clear(o)
-            for p0 in T.serial(parts // unroll):
-                for pu in T.unroll(unroll):
-                    for d in T.Parallel(head_dim):
-                        o[d] += T.exp2((lse[p0 * unroll + pu] - m[0]) * LOG2E) / s[0] * G[
-                            (p0 * unroll + pu) // splits,
-                            ((((p0 * unroll + pu) % splits) * batch + b) * heads + h) * head_dim + d]
-            for d in T.Parallel(head_dim):
-                O[b, h, d] = o[d]
-            LSE[b, h] = m[0] + T.log2(s[0]) * LN2
+            o[0] = 0
+            for r in T.serial(rounds):
+                for u in T.unroll(per_round):  # every load of the round before the first use
+                    p = r * per_round + u
+                    lse[u] = T.if_then_else(p < parts, G[p // splits, n_out + ((p % splits) * batch + b) * heads + h],
+                                            -T.infinity(acc))
+                    val[u] = T.if_then_else(p < parts,
+                                            G[p // splits, (((p % splits) * batch + b) * heads + h) * head_dim + d], 0)
+                m_new[0] = m[0]
+                for u in T.unroll(per_round):
+                    m_new[0] = T.max(m_new[0], lse[u])
+                # all empty so far (m_new = -inf): nothing to rescale or add
+                alpha[0] = T.if_then_else(m_new[0] == -T.infinity(acc), 0, T.exp2((m[0] - m_new[0]) * LOG2E))
+                s[0] = s[0] * alpha[0]
+                o[0] = o[0] * alpha[0]
+                for u in T.unroll(per_round):
+                    alpha[0] = T.if_then_else(m_new[0] == -T.infinity(acc), 0, T.exp2((lse[u] - m_new[0]) * LOG2E))
+                    s[0] += alpha[0]
+                    o[0] += alpha[0] * val[u]
+                m[0] = m_new[0]
+            O[b, h, d] = o[0] / s[0]
+            if d == 0:
+                LSE[b, h] = m[0] + T.log2(s[0]) * LN2
 
     return decode_combine
 
@@ -265,7 +281,8 @@ class SPFlashDecode(AttentionOp):
             check_tensor(cache_seqlens, (self.batch,), torch.int32, self.device, "cache_seqlens", "(B,) =",
                          type(self).__name__)
         self.kernel(q, k, v, cache_seqlens, self.partials)
-        gathered = self.gather(self.partials)
+        # one rank: its partials are the whole gathered buffer (no all-gather launch)
+        gathered = self.gather(self.partials) if self.world_size > 1 else self.partials.view(1, -1)
         self.combine_kernel(gathered, out, lse)
         return out, lse
 
