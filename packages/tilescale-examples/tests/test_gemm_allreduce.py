@@ -83,10 +83,14 @@ def test_compare_bounds_the_kernel_against_float64(dtype):
 
 
 def test_default_tiles_and_the_size_table():
-    assert default_tiles(1, 8192, 132) == GemmTiles(64, 64, 64, 4, 128)  # 128 tiles: BN 64 (no size fills 132)
-    assert default_tiles(64, 8192, 64) == GemmTiles(64, 128, 64, 4, 128)  # BN 128 gives 64 tiles: one wave
-    assert default_tiles(512, 8192, 132) == GemmTiles(128, 128, 64, 3, 256)
+    # one wave of the widest tiles: 64 x 128 to m = 128, then 128 x 128 while it fits the grid, then 128 x 256
+    assert default_tiles(1, 8192, 132) == GemmTiles(64, 128, 64, 4, 128)  # 64 tiles
+    assert default_tiles(128, 8192, 132) == GemmTiles(64, 128, 64, 4, 128)  # 2 x 64 tiles
+    assert default_tiles(256, 8192, 132) == GemmTiles(128, 128, 64, 4, 256)  # 2 x 64 tiles
+    assert default_tiles(512, 8192, 132) == GemmTiles(128, 256, 64, 4, 256)  # 4 x 32 tiles
+    assert default_tiles(2048, 8192, 132) == GemmTiles(128, 256, 64, 4, 256)  # no tile fills one wave: the fewest
     assert default_tiles(1, 8192, 16) == GemmTiles(64, 256, 64, 4, 128)
+    assert default_tiles(1, 192, 132).block_n == 64  # the one that divides n
     assert default_tiles(100, 1024, 132, block_n=128, threads=256).block_n == 128
     assert padded_rows(1, 64) == 64 and padded_rows(200, 128) == 256 and tile_count(200, 1024, GemmTiles(128, 256)) == 8
     assert reduction_for(2**30, 8) == "one_shot" and reduction_for(64, 1) == "one_shot"
@@ -184,6 +188,8 @@ test_constructor_rejects_before_allocating = rejects_before_allocating(
     (dict(threads=100), ValueError, "threads must be a multiple of 128"),
     (dict(threads=128, num_ranks=256), ValueError, r"threads \(128\) must be >= world_size \(256\)"),
     (dict(max_blocks=0), ValueError, "max_blocks must be None or a positive int"),
+    (dict(block_m=64, block_n=64, block_k=128, num_stages=8), ValueError,
+     r"need 262144 bytes of shared memory per block, more than 232448: lower num_stages or block_k"),
     (dict(target=3), TypeError, "target"),
     (dict(m=200, k=128, n=1024, block_n=256), None, None),
 ])
@@ -191,7 +197,7 @@ test_constructor_rejects_before_allocating = rejects_before_allocating(
 
 def test_close_and_closed_allocator(compiles):
     op = make()
-    assert "GemmAllReduce(m=3, k=256, n=512, dtype=torch.bfloat16, world_size=2, tiles=64x64x64" in repr(op)
+    assert "GemmAllReduce(m=3, k=256, n=512, dtype=torch.bfloat16, world_size=2, tiles=64x128x64" in repr(op)
     a, b = normal_inputs(1)[0]
     op.close()
     op.close()
@@ -213,7 +219,7 @@ def test_heap_bytes_is_what_the_constructor_allocates(world, compiles):
         alloc = CpuAllocator(num_ranks=world)
         GemmAllReduce(alloc, m, k, n, BF16, **kwargs)
         assert GemmAllReduce.heap_bytes(m, k, n, BF16, world_size=world, device="cpu", **kwargs) == alloc.heap_bytes
-    assert GemmAllReduce.heap_bytes(1, 8192, 8192, F16, world_size=2, device="cpu") == 2 * 64 * 8192 * 2 + 2 * 128 * 4 * 8  # 128 blocks (the CPU's cap)
+    assert GemmAllReduce.heap_bytes(1, 8192, 8192, F16, world_size=2, device="cpu") == 2 * 64 * 8192 * 2 + 2 * 64 * 4 * 8  # 64 blocks: one per 64 x 128 tile
     built = len(compiles)
     GemmAllReduce(RecordingAllocator(2), 3, 256, 512, BF16)
     assert len(compiles) == built  # a dry run compiles nothing
@@ -298,7 +304,7 @@ def test_benchmark_without_gpu_bad_arguments_and_goals(monkeypatch, capsys):
     assert gemm_allreduce.parse_tiles("64x128x64") == {"block_m": 64, "block_n": 128, "block_k": 64}
     assert gemm_allreduce.parse_tiles("128x128x64:4:256") == {"block_m": 128, "block_n": 128, "block_k": 64,
                                                               "num_stages": 4, "threads": 256}
-    assert gemm_allreduce.tiles_label(default_tiles(1, 8192, 132)) == "64x64x64:4:128"
+    assert gemm_allreduce.tiles_label(default_tiles(1, 8192, 132)) == "64x128x64:4:128"
     rows = {1: [[1, 1, 30.0, 33.0, 29.0, 0.909, 1.034, "64x64x64:4:128", "ok"]],
             4: [[4, 8, 40.0, 50.0, 30.0, 0.8, 1.333, "64x64x64:4:128", "ok"]]}
     assert gemm_allreduce.goal_lines(rows) == ["worst fused/(matmul + all-reduce): 0.909 (goal <= 0.85)",

@@ -44,7 +44,7 @@ from tilescale_examples.decode.gemm_ar_kernel import (FLAG_STRIDE, GEMM_AR_DTYPE
 from tilescale_examples.overlap.gemm import MAX_ELEMENTS, GemmTiles, check_positive, count_outside
 
 __all__ = ["GemmAllReduce", "torch_reference", "partial_magnitudes", "compare", "default_tiles", "reduction_for",
-           "gemm_allreduce_jobs", "TWO_SHOT_FROM_BYTES", "ClosedError"]
+           "gemm_allreduce_jobs", "shared_bytes", "BLOCK_N_CHOICES", "TWO_SHOT_FROM_BYTES", "ClosedError"]
 
 #: Size table of the reduction, keyed by world size (:func:`~tilescale_examples.base.size_table_entry`):
 #: outputs of at least this many bytes would take a two-shot reduction. None everywhere: this
@@ -61,22 +61,39 @@ def reduction_for(nbytes: int, world_size: int) -> str:
     return "two_shot" if limit is not None and nbytes >= limit else "one_shot"
 
 
+#: The ``block_n`` candidates of :func:`default_tiles`, in order of preference.
+BLOCK_N_CHOICES = (128, 256, 64)
+
+
 def default_tiles(m: int, n: int, max_blocks: int, block_m=None, block_n=None, block_k=None, num_stages=None,
                   threads=None) -> GemmTiles:
     """The tile program for an ``(m, n)`` output on a grid of at most ``max_blocks`` blocks,
     each field the given value or, when None: ``block_m`` 64 (one WGMMA row block) up to
-    ``m = 64``, else 128; ``block_n`` the largest of 256, 128, 64 that divides ``n`` and still
-    gives ``max_blocks`` tiles (one full wave: decode's GEMM is bound by reading ``b``, which
-    needs every SM), else the smallest dividing one; ``block_k`` 64; ``num_stages`` 4 for
-    ``block_m`` 64, else 3; ``threads`` (the compute warpgroups) 128 for ``block_m`` 64, else 256."""
-    bm = block_m if block_m is not None else (64 if m <= 64 else 128)
+    ``m = 128``, else 128; ``block_n`` the first of :data:`BLOCK_N_CHOICES` (128, 256, 64)
+    that divides ``n`` and gives at most ``max_blocks`` tiles (one wave, no block computing
+    two tiles), else the dividing one with the fewest tiles; ``block_k`` 64; ``num_stages`` 4;
+    ``threads`` (the compute warpgroups) 128 for ``block_m`` 64, else 256.
+
+    Measured at ``k = n = 8192`` on one H100 (world 1; the ``--tiles`` rows of
+    ``benchmarks.gemm_allreduce``): wide ``block_n`` tiles in one wave beat more, narrower
+    tiles even where they leave SMs idle (``m = 1``: 64x128 tiles, 64 blocks, 57 us against
+    76 us for 128 blocks of 64x64; ``m = 256``: 128x128, 79 us against 133 us for 128x64 in two
+    waves; ``m = 512``: 128x256, 116 us against 149 us for 128x128)."""
+    bm = block_m if block_m is not None else (64 if m <= 128 else 128)
     if block_n is None:
-        fits = [c for c in (256, 128, 64) if n % c == 0] or [64]
-        full = [c for c in fits if -(-m // bm) * (n // c) >= max_blocks]
-        block_n = full[0] if full else fits[-1]
-    return GemmTiles(bm, block_n, 64 if block_k is None else block_k,
-                     num_stages if num_stages is not None else (4 if bm == 64 else 3),
+        fits = [c for c in BLOCK_N_CHOICES if n % c == 0] or [64]
+        rows = -(-m // bm)
+        one_wave = [c for c in fits if rows * (n // c) <= max_blocks]
+        block_n = one_wave[0] if one_wave else max(fits)
+    return GemmTiles(bm, block_n, 64 if block_k is None else block_k, 4 if num_stages is None else num_stages,
                      threads if threads is not None else (128 if bm == 64 else 256))
+
+
+def shared_bytes(tiles: GemmTiles, dtype: torch.dtype) -> int:
+    """Shared memory one block of the kernel uses, in bytes: ``num_stages`` buffers of an
+    ``a`` tile ``(block_m, block_k)`` and a ``b`` tile ``(block_k, block_n)``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return tiles.num_stages * (tiles.block_m + tiles.block_n) * tiles.block_k * size
 
 
 def gemm_allreduce_jobs(ms: Sequence[int], k: int, n: int, dtype: str, world_sizes: Sequence[int],
@@ -180,7 +197,8 @@ class GemmAllReduce(SymmetricOp):
 
     def _check_dims(self, m: int, k: int, n: int) -> None:
         """``ValueError`` naming the argument for ``k`` / ``n`` not a multiple of their tile,
-        buffers beyond int32 indexing, or more ranks than threads (one flag per thread)."""
+        buffers beyond int32 indexing, more ranks than threads (one flag per thread), or tiles
+        whose pipeline needs more shared memory than a Hopper block has."""
         t, owner = self.tiles, type(self).__name__
         for name, value, tile in (("k", k, "block_k"), ("n", n, "block_n")):
             if value % getattr(t, tile):
@@ -193,6 +211,13 @@ class GemmAllReduce(SymmetricOp):
                              "(< 2**31 elements)")
         if self.world_size > t.threads:
             raise ValueError(f"{owner}: threads ({t.threads}) must be >= world_size ({self.world_size})")
+        from tilescale_lang.autotune.gemm import HOPPER_SMEM_BYTES
+
+        smem = shared_bytes(t, self.dtype)
+        if smem > HOPPER_SMEM_BYTES:
+            raise ValueError(f"{owner}: tiles {t.block_m}x{t.block_n}x{t.block_k} with num_stages={t.num_stages} need "
+                             f"{smem} bytes of shared memory per block, more than {HOPPER_SMEM_BYTES}: lower "
+                             "num_stages or block_k")
 
     def _agreed_min(self, value: int) -> int:
         """The smallest ``value`` over the ranks of the group (the grid must be the same on
