@@ -34,18 +34,20 @@ EXPECTED = {
     "ag_gemm": ("gemm", [4 * 5]),  # 4 shapes x 5 TFLOP/s columns
     "gemm_rs": ("gemm", [4 * 5]),
     "block_rasterization": ("gemm", [8 * 4]),  # (n, m_local, panel) x 4 TFLOP/s columns
+    "block_rasterization_2": ("gemm", [4 * 4]),  # the tuned tiles: (n, m_local) x 4 TFLOP/s columns
+    "gemm_allreduce": ("bars", [19 * 3]),  # fused, mm+AR, mm us per (m, tiles)
     "cuda_graphs": ("lines", [1]),  # graph vs symm against the all-reduce size
     "heap": ("bars", [6 * 2]),  # ready ms, cudaMalloc ms per path and ranks
     "heap_2": ("bars", [6 * 3]),
     "signals": ("bars", [2 * 2]),
     "gpu_barrier": ("bars", [1 * 2]),
-    "launch": ("bars", [19]),  # host us per call and launcher (the lean launch's two parts as rows)
+    "launch": ("bars", [20]),  # host us per call and launcher (the lean launch's two parts as rows)
     "ulysses": ("bars", [12 * 3]),  # ulysses, copy, torch us per (ranks, seq)
     "overlap_emulated": ("bars", [4 * 2]),  # x GEMM alone, x copies then GEMM per (op, ranks)
     "overlap_emulated_2": ("bars", [12 * 4]),  # fused, GEMM alone, matmul, copies ms per (op, ranks, m_local)
     "attention": ("gemm", [8 * 2]),  # tilescale and best torch TFLOP/s per (seq, causal)
     "sp_attention": ("bars", [2 * 3]),  # sp, flash, sequential us per seq
-    "sp_attention_2": ("bars", [9 * 3]),  # decode, torch, combine us per (batch, kv)
+    "sp_attention_2": ("bars", [8 * 3]),  # decode, torch, combine us per (batch, kv, splits)
     "low_latency_moe": ("lines", [6]),  # ratios per phase (dispatch, dispatch+combine) against tokens
 }
 
