@@ -86,7 +86,7 @@ def _torch_decode(q, k, v):
     return o[:, :, 0]
 
 
-def _decode_row(args, alloc, group, device, batch: int, kv: int, splits) -> tuple:
+def _decode_row(args, alloc, group, device, batch: int, kv: int, splits=None) -> tuple:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
