@@ -85,15 +85,35 @@ def put_kernel():
     return tilelang.compile(test_aot.build_put_signal(), target=TARGET)
 
 
-def _go_lean(launch, monkeypatch):
-    """Make ``launch`` take its lean path on this machine: functions "f0", "f1", ... and a
-    recording driver."""
-    launch._functions = [f"f{i}" for i in range(len(launch._launches))]
+def _go_lean(launch, monkeypatch, path="ctypes"):
+    """Make ``launch`` take its lean path on this machine with a recording driver: functions
+    0x1000, 0x1001, ...; ``path`` "ctypes" (each launch a ctypes call of the driver) or
+    "records" (the launch records' C helper, compiled here, calling the recording driver
+    through C function pointers)."""
+    launch._functions = [0x1000 + i for i in range(len(launch._launches))]
     launch.why_not = None
-    rec = RecordingDriver({f"f{i}": [ctypes.sizeof(v) for v in entry[4]] for i, entry in enumerate(launch._launches)})
+    rec = RecordingDriver({0x1000 + i: [ctypes.sizeof(v) for v in entry[4]] for i, entry in enumerate(launch._launches)})
     monkeypatch.setattr(lean, "_driver_calls", lambda: (rec.launch, rec.launch))
     monkeypatch.setattr(lean, "_raw_stream", lambda index: 1234)
+    if path == "records":
+        entry = (lean._LAUNCH(lambda fn, *rest: rec.launch(fn, *rest[:-1])), lean._COOPERATIVE_LAUNCH(rec.launch))
+        rec.keep = entry  # the C function pointers live as long as the recorder
+        monkeypatch.setattr(lean, "_driver_addresses", lambda: tuple(ctypes.cast(f, ctypes.c_void_p).value for f in entry))
+        launch._records = launch._make_records()
+        assert launch._records is not None, "the launch records' C helper could not be made"
     return rec
+
+
+@pytest.fixture(params=["ctypes", "records"])
+def driver_path(request, tmp_path, monkeypatch):
+    """Both ways the lean launcher reaches the driver (the records' helper compiled afresh
+    into a temporary cache)."""
+    if request.param == "records":
+        from tilescale_lang import launch_records
+
+        monkeypatch.setattr(launch_records, "_helper", None)
+        monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    return request.param
 
 
 def _full_packing(kernel, args):
@@ -149,11 +169,11 @@ def test_unknown_launch_attributes_take_tilelangs_path():
 
 
 @needs_nvcc
-def test_each_call_packs_what_the_full_packing_gives(scale_kernel, monkeypatch):
+def test_each_call_packs_what_the_full_packing_gives(scale_kernel, monkeypatch, driver_path):
     a, b = fake(10, 256), fake(10, 256)
     launch = lean.prepare(scale_kernel, (a, b, 1.5), changing=("a", "b", "scale"))
     assert not launch.lean and launch.changing == ("a", "b", "scale")
-    rec = _go_lean(launch, monkeypatch)
+    rec = _go_lean(launch, monkeypatch, driver_path)
     for scale in (1.5, -3.25, 0.0):
         a2, b2 = fake(10, 256), fake(10, 256)
         launch(a2, b2, scale)
@@ -167,11 +187,11 @@ def test_each_call_packs_what_the_full_packing_gives(scale_kernel, monkeypatch):
 
 
 @needs_nvcc
-def test_symbolic_sizes_of_changing_tensors_are_bound_at_each_call(scale_kernel, monkeypatch):
+def test_symbolic_sizes_of_changing_tensors_are_bound_at_each_call(scale_kernel, monkeypatch, driver_path):
     a, b = fake(10, 256), fake(10, 256)
     launch = lean.prepare(scale_kernel, (a, b, 1.5), changing=("a", "b"))
     assert launch.sized_positions == ()
-    rec = _go_lean(launch, monkeypatch)
+    rec = _go_lean(launch, monkeypatch, driver_path)
     for rows in (1, 7, 10, 33):
         a2, b2 = fake(rows, 256), fake(rows, 256)
         launch(a2, b2)
@@ -192,10 +212,10 @@ def test_symbolic_sizes_of_changing_tensors_are_bound_at_each_call(scale_kernel,
 
 
 @needs_nvcc
-def test_changing_scalars_are_recomputed_and_fixed_buffers_stay(put_kernel, monkeypatch):
+def test_changing_scalars_are_recomputed_and_fixed_buffers_stay(put_kernel, monkeypatch, driver_path):
     src, dst, sig = fake(1024), fake(1024), fake(1, dtype=torch.uint64)
     launch = lean.prepare(put_kernel, (src, dst, sig, 1), changing=("src", "epoch"))
-    rec = _go_lean(launch, monkeypatch)
+    rec = _go_lean(launch, monkeypatch, driver_path)
     for epoch in (2, 3, 2**64 - 1):
         src2 = fake(1024)
         launch(src2, epoch)

@@ -6,7 +6,9 @@ kernel with the same persistent buffers (flags, state, symmetric buffers) thousa
 only a few arguments change (the caller's input and output). :func:`prepare` does the full
 check once, packs the kernel parameters once, and returns a :class:`LeanLaunch` whose call
 takes only the changing arguments, checks them cheaply (dtype, shape, contiguity and device as
-prepared) and launches with ``cuLaunchKernel`` (cuda-bindings) on the current torch stream::
+prepared) and launches with ``cuLaunchKernel`` on the current torch stream (every launch of a
+call in one call of the :mod:`~tilescale_lang.launch_records` C helper where the machine has a
+C compiler, else one ctypes call of the driver per launch)::
 
     launch = tilescale_lang.lean.prepare(kernel, (x, out, flags, state, 4), changing=("x", "out"))
     launch(x2, out2)          # same checks as TileLang's for these two, one driver call
@@ -191,22 +193,24 @@ def _driver_calls() -> tuple:
     The driver's ``cuLaunchKernel`` and ``cuLaunchCooperativeKernel`` entry points, found
     through cuda-bindings' ``cuGetProcAddress`` and called through ctypes (a few hundred
     nanoseconds, where a cuda-bindings call converts eleven Python arguments); cuda-bindings'
-    own calls when the driver does not give them.
+    own calls when the driver does not give them. Their addresses are
+    :func:`_driver_addresses`'.
     """
-    global _calls
+    global _calls, _addresses
     if _calls is None:
         from tilescale_core import driver
 
         drv = driver.driver_module()
-        found = []
+        found, addresses = [], []
         for name, prototype in (("cuLaunchKernel", _LAUNCH), ("cuLaunchCooperativeKernel", _COOPERATIVE_LAUNCH)):
             try:
                 flags = drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
                 address = driver.call("cuGetProcAddress", name.encode(), driver.driver_version(), flags)
-                address = address[0] if isinstance(address, tuple) else address
-                found.append(prototype(int(address)) if int(address) else None)
+                address = int(address[0] if isinstance(address, tuple) else address)
             except (driver.CudaError, AttributeError, TypeError, ValueError):
-                found.append(None)
+                address = 0
+            found.append(prototype(address) if address else None)
+            addresses.append(address or None)
         if found[0] is not None:
             launch = functools.partial(_with_no_extra, found[0])
         else:
@@ -219,8 +223,18 @@ def _driver_calls() -> tuple:
             def cooperative(fn, gx, gy, gz, bx, by, bz, smem, stream, params):
                 return int(drv.cuLaunchCooperativeKernel(drv.CUfunction(fn), gx, gy, gz, bx, by, bz, smem,
                                                          drv.CUstream(stream), params)[0])
-        _calls = (launch, cooperative)
+        _calls, _addresses = (launch, cooperative), tuple(addresses)
     return _calls
+
+
+def _driver_addresses() -> tuple:
+    """``(cuLaunchKernel, cuLaunchCooperativeKernel)``: the driver entry points' addresses
+    (ints), each None where the driver does not give it."""
+    _driver_calls()
+    return _addresses
+
+
+_addresses: tuple = (None, None)
 
 
 def _raw_stream(device_index: int) -> int:
@@ -305,6 +319,9 @@ class LeanLaunch:
         self._slots = [self._slot(info["params"][index[c]], args[index[c]], fixed) for c in changing]
         self._launches = self._pack(launches, pointers, env)
         self._functions: list[Any] | None = None  # CUfunction handles (ints), in launch order
+        self._records: Any = None  # launch_records.LaunchRecord array, once the functions are known
+        self._failed = ctypes.c_int(-1)  # the C helper's index of a failed launch
+        self._failed_ref = ctypes.byref(self._failed)
         self.why_not: str | None = None if self._aot else info.get("unsupported")
         if self.why_not is None and any(launch["cluster"] for launch in launches):
             self.why_not = "a thread-block cluster launch (made by TileLang's launcher)"
@@ -388,6 +405,7 @@ class LeanLaunch:
                 return  # launch through the AOT kernel: it raises KernelNotInitializedError
             self.kernel.load()
             self._functions = [int(self.kernel._functions[launch[0]]) for launch in self._launches]
+            self._records = self._make_records()
             return
         from . import metadata
 
@@ -404,7 +422,27 @@ class LeanLaunch:
                 driver.call("cuFuncSetAttribute", fn, attr, launch[2])
             functions.append(int(fn))
         self._functions = functions
+        self._records = self._make_records()
         self.why_not = None
+
+    def _make_records(self) -> Any:
+        """The launches as :mod:`~tilescale_lang.launch_records` records (launched by its C
+        helper in one call), or None where the helper or the driver's entry points are not
+        there (each launch then calls the driver through ctypes)."""
+        from . import launch_records
+
+        run = launch_records.helper()
+        entry = _driver_addresses()
+        if run is None or any(entry[1 if launch[3] else 0] is None for launch in self._launches):
+            return None
+        records = launch_records.make_records(len(self._launches))
+        for record, fn, (_, dims, smem, cooperative, _v, _p, _r, _d, address) in zip(records, self._functions,
+                                                                                        self._launches):
+            record.launch, record.function = entry[1 if cooperative else 0], fn
+            record.dims[:] = dims
+            record.shared_bytes, record.cooperative, record.params = smem, int(cooperative), address
+        self._run, self._records_address = run, ctypes.addressof(records)
+        return records
 
     # ---------------------------------------------------------------- calls
     @property
@@ -518,12 +556,15 @@ class LeanLaunch:
             self._resolve()
 
     def _launch(self, stream: int | None) -> None:
-        launch, cooperative_launch = _driver_calls()
+        """The launches on ``stream`` (default the current torch stream): the scalars and
+        grid extents that depend on changing arguments recomputed, then one call of the C
+        helper for them all (:attr:`_records`), else one ctypes call of the driver each."""
         if stream is None:
             stream = _raw_stream(self._device if self._device is not None else 0)
-        env = self._env
-        for fn, (symbol, dims, smem, cooperative, _values, _params, recompute, dyn, address) in zip(
-                self._functions, self._launches):
+        env, records = self._env, self._records
+        calls = _driver_calls() if records is None else None
+        for i, (fn, (symbol, dims, smem, cooperative, _values, _params, recompute, dyn, address)) in enumerate(zip(
+                self._functions, self._launches)):
             for value, expr, dtype, where, low, high in recompute:
                 v = expr(env)
                 if low is not None and type(v) is int and low <= v <= high:
@@ -534,11 +575,23 @@ class LeanLaunch:
                 dims[axis] = expr(env)
                 if dims[axis] < 1:
                     raise ValueError(f"{self._name}: {symbol} would launch an empty grid {dims[:3]} (block {dims[3:]})")
-            err = (cooperative_launch if cooperative else launch)(fn, *dims, smem, stream, address)
+                if records is not None:
+                    records[i].dims[axis] = dims[axis]
+            if records is None:
+                err = calls[1 if cooperative else 0](fn, *dims, smem, stream, address)
+                if err:
+                    _launch_failed(err, symbol)
+        if records is not None:
+            err = self._run(self._records_address, len(records), stream, self._failed_ref)
             if err:
-                from tilescale_core import driver
+                _launch_failed(err, self._launches[self._failed.value][0])
 
-                driver.check((driver.driver_module().CUresult(err),), f"cuLaunchKernel({symbol})")
+
+def _launch_failed(err: int, symbol: str) -> None:
+    """Raise the driver's error ``err`` of the launch of ``symbol``."""
+    from tilescale_core import driver
+
+    driver.check((driver.driver_module().CUresult(err),), f"cuLaunchKernel({symbol})")
 
 
 def prepare(kernel: Any, args: Sequence[Any], changing: Sequence[str] = ()) -> LeanLaunch:

@@ -21,7 +21,8 @@ warm-up calls (:func:`~tilescale_examples.benchmarks._timing.host_us_rounds`):
   TileLang's launcher, and through a prepared :class:`~tilescale_lang.lean.LeanLaunch`), and
   the lean launch's two parts alone: its Python (checks and packing of the changing
   arguments, no launch) and the driver's ``cuLaunchKernel`` called through ctypes with the
-  packed parameters; and a kernel with no work (one block of 32 threads, which the GPU runs
+  packed parameters, or (where the machine has a C compiler, the lean launcher's path) the
+  launch records' C helper (:mod:`tilescale_lang.launch_records`) alone; and a kernel with no work (one block of 32 threads, which the GPU runs
   faster than the host launches it) through TileLang's launcher and through the driver call
   alone: the host's floor for one launch.
 
@@ -198,6 +199,9 @@ def run(rank: int, world: int, group, device, args) -> list | None:
         labels.append(("all-reduce kernel, raw", "lean checks and packing only"))
         fns.append(_driver_call_alone(raw, device))
         labels.append(("all-reduce kernel, raw", "cuLaunchKernel (ctypes) only"))
+        if raw._records is not None:  # the launch records' C helper: the lean path where a C compiler is
+            fns.append(_records_alone(raw, device))
+            labels.append(("all-reduce kernel, raw", "launch records (C helper) only"))
     # the host's floor: a kernel with no work (one block of 32 threads), which the GPU runs
     # faster than the host launches it
     from tilescale_examples.benchmarks.moe_phases import empty_grid_kernel
@@ -238,6 +242,17 @@ def _driver_call_alone(prepared, device):
     fn, (_, dims, smem, _, _, _, _, _, address) = prepared._functions[0], prepared._launches[0]
     stream = torch.cuda.current_stream(device).cuda_stream
     return lambda: driver_launch(fn, *dims, smem, stream, address)
+
+
+def _records_alone(prepared, device):
+    """One call of the launch records' C helper (:mod:`tilescale_lang.launch_records`) with
+    ``prepared``'s records, on ``device``'s current stream: the lean launch without its Python."""
+    import torch
+
+    stream = torch.cuda.current_stream(device).cuda_stream
+    records, address, failed = prepared._records, prepared._records_address, prepared._failed_ref
+    run = prepared._run
+    return lambda: run(address, len(records), stream, failed)
 
 
 def _profile(fns, labels, call: str, calls: int) -> str:
