@@ -20,7 +20,7 @@ from examples_helpers import (CpuAllocator, LaunchRecorder, check_gpu_ranks, clo
 from tilescale_examples import ClosedError
 from tilescale_examples.sequence.flash_decode import (BLOCK_N, SPFlashDecode, build_decode_combine_kernel,
                                                       build_decode_partial_kernel, combine_reference,
-                                                      partial_reference, torch_reference)
+                                                      partial_reference, rounds_combine_reference, torch_reference)
 
 
 def _shard(seed, B, S, Hkv, D, dtype=torch.float32):
@@ -63,6 +63,21 @@ def test_reference_with_cache_lengths_counts_only_the_filled_positions():
     empty = (torch.zeros_like(part[0]), torch.full_like(part[1], float("-inf")))
     combined = combine_reference([part, empty])
     assert torch.allclose(combined[0], part[0], atol=1e-6) and torch.allclose(combined[1], part[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("count, per_round, empty", [
+    (16, 32, []), (40, 32, [0, 5]), (37, 32, list(range(19))), (37, 8, list(range(20))), (6, 4, [5])])
+def test_the_kernels_rounds_give_the_combine(count, per_round, empty):
+    # the combine kernel's arithmetic (rounds, a running maximum, empty partials skipped, a
+    # first round of only empty partials included) equals the one-pass combine
+    g = torch.Generator().manual_seed(count * 100 + per_round)
+    parts = [(torch.randn(2, 8, 64, generator=g), torch.randn(2, 8, generator=g) * 4) for _ in range(count)]
+    for i in empty:
+        parts[i] = (torch.zeros(2, 8, 64), torch.full((2, 8), float("-inf")))
+    want_o, want_lse = combine_reference(parts)
+    got_o, got_lse = rounds_combine_reference(parts, per_round)
+    assert torch.allclose(got_o, want_o, atol=1e-5) and torch.allclose(got_lse, want_lse, atol=1e-5)
+    assert not got_o.isnan().any()
 
 
 def test_generated_cuda():

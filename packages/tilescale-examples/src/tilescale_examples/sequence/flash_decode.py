@@ -43,7 +43,7 @@ from tilescale_examples.sequence.flash_attention import (LN2, LOG2E, attention_b
                                                          check_scale, softmax_tile, start_rows, tile_scores)
 
 __all__ = ["SPFlashDecode", "build_decode_partial_kernel", "build_decode_combine_kernel", "partial_reference",
-           "combine_reference", "torch_reference", "BLOCK_H", "BLOCK_N"]
+           "combine_reference", "rounds_combine_reference", "torch_reference", "BLOCK_H", "BLOCK_N", "COMBINE_ROUND"]
 
 #: Query heads per partial block (the tensor cores' rows; a kv head's group is padded to it).
 BLOCK_H = 64
@@ -115,7 +115,8 @@ def build_decode_combine_kernel(world_size: int, splits: int, batch: int, heads:
     combine (tens of partials) waits on global memory once, then folds the round into a running
     maximum ``m``, sum ``s`` and output ``o`` (the online softmax: earlier rounds rescaled by
     ``exp(m_old - m_new)``; a round whose partials are all empty, ``lse = -inf``, adds
-    nothing). The result is ``o / s`` and ``LSE = m + ln(s)``."""
+    nothing). The result is ``o / s`` and ``LSE = m + ln(s)``: :func:`rounds_combine_reference`
+    is the same arithmetic in torch."""
     acc = "float32"
     parts = world_size * splits
     rounds = -(-parts // COMBINE_ROUND)
@@ -184,6 +185,32 @@ def combine_reference(parts: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> Tup
     lse = torch.logsumexp(lses, 0)
     weights = torch.exp(lses - lse)  # (P, B, H)
     return sum(w[..., None] * o for w, (o, _) in zip(weights, parts)), lse
+
+
+def rounds_combine_reference(parts: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+                             per_round: int = COMBINE_ROUND) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`combine_reference` computed the way the combine kernel does (float32): the
+    partials ``[(o_p, lse_p), ...]`` folded in rounds of ``per_round`` (the kernel's split of
+    ``len(parts)`` into equal rounds of at most that many) with a running maximum ``m``, sum
+    ``s`` and unnormalised output ``o``; a round whose partials are all empty (``lse = -inf``)
+    while ``m`` is still ``-inf`` adds nothing. Returns ``(o / s, m + ln(s))``."""
+    rounds = -(-len(parts) // per_round)
+    size = -(-len(parts) // rounds)
+    o_sum = torch.zeros_like(parts[0][0], dtype=torch.float32)
+    m = torch.full_like(parts[0][1], float("-inf"), dtype=torch.float32)
+    s = torch.zeros_like(m)
+    for r in range(rounds):
+        chunk = parts[r * size:(r + 1) * size]
+        m_new = torch.maximum(m, torch.stack([lse.float() for _, lse in chunk]).amax(0))
+        empty = m_new == float("-inf")
+        alpha = torch.where(empty, torch.zeros_like(m), torch.exp2((m - m_new) * LOG2E))
+        s, o_sum = s * alpha, o_sum * alpha[..., None]
+        for o_p, lse_p in chunk:
+            e = torch.where(empty, torch.zeros_like(m), torch.exp2((lse_p.float() - m_new) * LOG2E))
+            s = s + e
+            o_sum = o_sum + e[..., None] * o_p.float()
+        m = m_new
+    return o_sum / s[..., None], m + torch.log2(s) * LN2
 
 
 def torch_reference(inputs: Sequence[tuple], rank: int, scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
