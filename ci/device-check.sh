@@ -10,7 +10,8 @@
 # the autotuner, upstream's NVSHMEM-path programs) -- the ops and modules whose GPU tests are newest;
 # bench (every benchmark); bench-NAME (one); bench-overlap-1 (ag_gemm and gemm_rs on one rank:
 # the world-1 goal); bench-overlap-wide (the emulated fused plans at n 28672, 2/4/8 ranks); bench-tuned-1 (ag_gemm on one rank with the autotuner's tiles, n 3584 and
-# 7168); unverified (the checks written but not yet run on a GPU); all (default: doctor demo tests
+# 7168); bench-gemm_allreduce-tiles (GemmAllReduce's decode rows with longer runs of b per
+# block); unverified (the checks written but not yet run on a GPU); all (default: doctor demo tests
 # bench). Logs go to $OUT (or ./device-logs) and a summary
 # table is printed last.
 set -uo pipefail
@@ -86,6 +87,8 @@ for step in "${steps[@]}"; do
              run_step "bench-ag_gemm-1-tuned-n$n" timeout -k 10 560 python3 -m tilescale_examples.benchmarks.ag_gemm \
                --ranks 1 --tune --n "$n" --m-local 1024,4096
            done ;;
+    bench-gemm_allreduce-tiles) run_step "$step" timeout -k 10 300 python3 -m tilescale_examples.benchmarks.gemm_allreduce \
+                                  --ranks 1 --m 1 16 64 128 --tiles 64x128x64:4:128 64x128x128:3:128 64x256x64:4:128 ;;
     bench-*) run_step "$step" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.${step#bench-}" ;;
     tests-moe) run_step tests-moe env TILESCALE_SHARE_GPUS=1 timeout -k 10 480 python3 -m pytest \
                  packages/tilescale-examples/tests/test_moe.py -m gpu -q -rfEs --tb=short -p no:cacheprovider \
