@@ -14,10 +14,10 @@ grid and block, dynamic shared memory and the parameter array) and a small C hel
 
 The helper is compiled once per machine with the C compiler (``$CC``, default ``cc``; the one
 TileLang's toolchain needs anyway) into TileLang's cache directory
-(``$TILELANG_CACHE_DIR/tilescale-launch/launch_records-<hash>.so``, the hash of the source and
-the compiler, the OS and the architecture), loaded with ctypes and kept for the process. Without a compiler or a cache
-directory :func:`helper` returns None (logged once) and the lean launcher calls the driver
-through ctypes as before: the same launches.
+(``<cache>/tilescale-launch/launch_records-<hash>.so``, the hash of the source, the compiler,
+the OS and the architecture), loaded with ctypes and kept for the process. Without a compiler
+or a cache directory :func:`helper` returns None (logged once) and the lean launcher calls the
+driver through ctypes as before: the same launches.
 """
 
 from __future__ import annotations
@@ -99,14 +99,24 @@ def make_records(n: int) -> ctypes.Array:
 def library_path(cache_dir: Optional[str] = None, compiler: Optional[str] = None) -> Optional[Path]:
     """Where the compiled helper lives: ``<cache>/tilescale-launch/launch_records-<hash>.so``,
     the hash of the source, the compiler (``compiler`` default ``$CC``, else ``cc``), the OS and
-    the machine architecture (``cache_dir`` default ``$TILELANG_CACHE_DIR``; None when neither
-    names one)."""
-    cache = cache_dir if cache_dir is not None else os.environ.get("TILELANG_CACHE_DIR", "")
+    the machine architecture (``cache_dir`` default TileLang's cache directory,
+    ``$TILELANG_CACHE_DIR`` or its default; None when none is named)."""
+    cache = cache_dir if cache_dir is not None else _tilelang_cache_dir()
     if not str(cache).strip():
         return None
     compiler = compiler or os.environ.get("CC", "cc")
     key = hashlib.sha256(f"{SOURCE}\0{compiler}\0{sys.platform}\0{platform.machine()}".encode()).hexdigest()[:16]
     return Path(cache) / "tilescale-launch" / f"launch_records-{key}.so"
+
+
+def _tilelang_cache_dir() -> str:
+    """TileLang's cache directory (``$TILELANG_CACHE_DIR``, else TileLang's default), or ""
+    when TileLang names none."""
+    try:
+        from tilelang.env import env
+    except ImportError:
+        return os.environ.get("TILELANG_CACHE_DIR", "")
+    return str(env.TILELANG_CACHE_DIR or "")
 
 
 def _compile(path: Path, compiler: str) -> None:
