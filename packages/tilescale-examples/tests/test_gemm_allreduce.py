@@ -310,6 +310,11 @@ def test_benchmark_without_gpu_bad_arguments_and_goals(monkeypatch, capsys):
     assert gemm_allreduce.goal_lines(rows) == ["worst fused/(matmul + all-reduce): 0.909 (goal <= 0.85)",
                                                "worst fused/matmul at 1 rank: 1.034 (goal <= 1.05)"]
     assert gemm_allreduce.goal_lines({})[0].endswith("not measured")
+    tiled = {1: [[1, 1, 60.0, 53.0, 47.0, 1.132, 1.277, "64x64x64:4:128", "ok"],
+                 [1, 1, 56.0, 53.0, 47.0, 1.057, 1.191, "64x128x64:4:128", "ok"]]}
+    assert gemm_allreduce.goal_lines(tiled) == [
+        "worst fused/(matmul + all-reduce) (the fastest of 2 tile programs per shape): 1.057 (goal <= 0.85)",
+        "worst fused/matmul at 1 rank (the fastest of 2 tile programs per shape): 1.191 (goal <= 1.05)"]
 
 
 @pytest.mark.parametrize("m, n, world", [(1, 8192, 2), (7, 512, 4), (128, 8192, 8), (512, 4096, 1)])

@@ -31,7 +31,8 @@ is its kernel's) with :func:`~tilescale_examples.decode.gemm_allreduce.compare`;
 printed and makes the exit status 1.
 
 The goals (issue 43, one H200): ``fused/(mm+AR)`` at most 0.85 everywhere, and ``fused/mm``
-at most 1.05 at ``N = 1`` (printed at the end).
+at most 1.05 at ``N = 1`` (printed at the end; with several ``--tiles``, each shape's fastest
+program counts).
 """
 
 from __future__ import annotations
@@ -136,13 +137,21 @@ def run(args, device) -> tuple:
 
 def goal_lines(tables: dict) -> list:
     """The goals' lines: the worst ``fused/(mm+AR)`` (goal <= :data:`GOAL_RATIO`) and the
-    worst ``fused/mm`` at one rank (goal <= :data:`GOAL_WORLD1`)."""
-    rows = [r for rows in tables.values() for r in rows]
-    unfused = [r[5] for r in rows]
-    alone = [r[6] for r in rows if r[0] == 1]
-    return [f"worst fused/(matmul + all-reduce): {max(unfused):.3f} (goal <= {GOAL_RATIO})" if unfused
+    worst ``fused/mm`` at one rank (goal <= :data:`GOAL_WORLD1`), over the shapes; where a
+    shape has rows of several tile programs (``--tiles``), its fastest one counts (said in the
+    lines)."""
+    best: dict = {}
+    for row in (r for rows in tables.values() for r in rows):
+        key = (row[0], row[1])
+        if key not in best or row[2] < best[key][2]:
+            best[key] = row
+    programs = max((sum(1 for rows in tables.values() for r in rows if (r[0], r[1]) == key) for key in best), default=1)
+    of = f" (the fastest of {programs} tile programs per shape)" if programs > 1 else ""
+    unfused = [r[5] for r in best.values()]
+    alone = [r[6] for r in best.values() if r[0] == 1]
+    return [f"worst fused/(matmul + all-reduce){of}: {max(unfused):.3f} (goal <= {GOAL_RATIO})" if unfused
             else "worst fused/(matmul + all-reduce): not measured",
-            f"worst fused/matmul at 1 rank: {max(alone):.3f} (goal <= {GOAL_WORLD1})" if alone
+            f"worst fused/matmul at 1 rank{of}: {max(alone):.3f} (goal <= {GOAL_WORLD1})" if alone
             else "worst fused/matmul at 1 rank: not measured"]
 
 
