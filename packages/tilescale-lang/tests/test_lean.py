@@ -229,6 +229,25 @@ def test_changing_scalars_are_recomputed_and_fixed_buffers_stay(put_kernel, monk
 
 
 @needs_nvcc
+def test_a_call_with_nothing_to_recompute_is_one_helper_call(put_kernel, monkeypatch, driver_path):
+    src, dst, sig = fake(1024), fake(1024), fake(1, dtype=torch.uint64)
+    launch = lean.prepare(put_kernel, (src, dst, sig, 5), changing=("src",))
+    rec = _go_lean(launch, monkeypatch, driver_path)
+    assert driver_path == "ctypes" or launch._records_static
+    for _ in range(3):
+        src2 = fake(1024)
+        launch(src2)
+        (want,) = _full_packing(put_kernel, (src2, dst, sig, 5))
+        assert rec.launches[-1]["raw"] == want.raw() and rec.launches[-1]["stream"] == 1234
+    assert len(rec.launches) == 3
+    rec.launch = lambda *args: 700  # the driver refuses (CUDA_ERROR_ILLEGAL_ADDRESS): the error names the launch
+    from tilescale_core import driver
+
+    with pytest.raises(driver.CudaError, match=r"cuLaunchKernel\(put_signal"):
+        launch(fake(1024))
+
+
+@needs_nvcc
 @pytest.mark.parametrize("call, error, match", [
     (lambda x: x(fake(1024, dtype=torch.float16), 1), TypeError, "'src' must have dtype torch.float32"),
     (lambda x: x(fake(512), 1), ValueError, r"'src' must have shape \[1024\] \(as prepared\)"),

@@ -442,6 +442,8 @@ class LeanLaunch:
             record.dims[:] = dims
             record.shared_bytes, record.cooperative, record.params = smem, int(cooperative), address
         self._run, self._records_address = run, ctypes.addressof(records)
+        # nothing to recompute per call (no changing scalar or size reaches an argument or the grid)
+        self._records_static = not any(launch[6] or launch[7] for launch in self._launches)
         return records
 
     # ---------------------------------------------------------------- calls
@@ -562,6 +564,11 @@ class LeanLaunch:
         if stream is None:
             stream = _raw_stream(self._device if self._device is not None else 0)
         env, records = self._env, self._records
+        if records is not None and self._records_static:  # the common op call: one C call
+            err = self._run(self._records_address, len(records), stream, self._failed_ref)
+            if err:
+                _launch_failed(err, self._launches[self._failed.value][0])
+            return
         calls = _driver_calls() if records is None else None
         for i, (fn, (symbol, dims, smem, cooperative, _values, _params, recompute, dyn, address)) in enumerate(zip(
                 self._functions, self._launches)):
