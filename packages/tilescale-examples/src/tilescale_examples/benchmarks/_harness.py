@@ -23,7 +23,7 @@ import sys
 import warnings
 
 __all__ = ["parser", "parse_args", "run_on_ranks", "gpu_mode", "show_progress", "fused_parser", "visible_gpus",
-           "emulated_device"]
+           "emulated_device", "tile_fields"]
 
 
 def parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -169,3 +169,24 @@ def emulated_device(p: argparse.ArgumentParser, args: argparse.Namespace, what: 
     import torch
 
     return torch.device("cuda", torch.cuda.current_device())
+
+
+#: How a ``--tiles`` string names its fields after the three block sizes.
+_TILE_SUFFIXES = ("STAGES", "THREADS", "SWIZZLE")
+
+
+def tile_fields(text: str, names) -> dict:
+    """A ``--tiles BMxBNxBK[:STAGES[:THREADS[:SWIZZLE]]]`` string as ``{name: int}`` for the
+    fields it gives, ``names`` the field names in the string's order (three block sizes, then
+    at most ``len(names) - 3`` more); ``ValueError`` naming the argument when malformed."""
+    extra = len(names) - 3
+    form = "BMxBNxBK" + "".join(f"[:{s}" for s in _TILE_SUFFIXES[:extra]) + "]" * extra
+    parts = text.split(":")
+    blocks = parts[0].split("x")
+    if len(blocks) != 3 or len(parts) > 1 + extra:
+        raise ValueError(f"--tiles must be {form}, got {text!r}")
+    try:
+        values = [int(v) for v in blocks + parts[1:]]
+    except ValueError:
+        raise ValueError(f"--tiles must hold ints only, got {text!r}") from None
+    return dict(zip(names, values))

@@ -282,22 +282,15 @@ TILES_FORMAT = "{block_m}x{block_n}x{block_k} s{num_stages} t{threads} w{swizzle
 
 
 def parse_tiles(text: str) -> dict:
-    """``--tiles BMxBNxBK[:STAGES[:THREADS[:SWIZZLE]]]`` as GemmTiles keyword arguments
-    (``ValueError`` naming the argument on a malformed or invalid value)."""
+    """``--tiles BMxBNxBK[:STAGES[:THREADS[:SWIZZLE]]]`` as GemmTiles keyword arguments, every
+    field (those left out: GemmTiles' defaults); ``ValueError`` naming the argument on a
+    malformed or invalid value."""
     import dataclasses
 
     from tilescale_examples.overlap.gemm import GemmTiles
 
-    parts = text.split(":")
-    blocks = parts[0].split("x")
-    if len(blocks) != 3 or len(parts) > 4:
-        raise ValueError(f"--tiles must be BMxBNxBK[:STAGES[:THREADS[:SWIZZLE]]], got {text!r}")
     names = [field.name for field in dataclasses.fields(GemmTiles)]  # the string's order
-    try:
-        values = [int(v) for v in blocks + parts[1:]]
-    except ValueError:
-        raise ValueError(f"--tiles must hold ints only, got {text!r}") from None
-    return dataclasses.asdict(GemmTiles(**dict(zip(names, values))))
+    return dataclasses.asdict(GemmTiles(**_harness.tile_fields(text, names)))
 
 
 def _gather_names(names, group):

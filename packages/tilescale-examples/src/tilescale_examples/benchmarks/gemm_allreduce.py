@@ -70,15 +70,12 @@ def check_round(ops, inputs) -> list:
 def parse_tiles(text: str) -> dict:
     """``--tiles BMxBNxBK[:STAGES[:THREADS]]`` as GemmAllReduce's tile keywords (the fields
     left out absent: the op's defaults); ``ValueError`` naming the argument when malformed."""
-    parts = text.split(":")
-    blocks = parts[0].split("x")
-    if len(blocks) != 3 or len(parts) > 3:
-        raise ValueError(f"--tiles must be BMxBNxBK[:STAGES[:THREADS]], got {text!r}")
-    try:
-        values = [int(v) for v in blocks + parts[1:]]
-    except ValueError:
-        raise ValueError(f"--tiles must hold ints only, got {text!r}") from None
-    return dict(zip(("block_m", "block_n", "block_k", "num_stages", "threads"), values))
+    import dataclasses
+
+    from tilescale_examples.overlap.gemm import GemmTiles
+
+    names = [field.name for field in dataclasses.fields(GemmTiles)][:5]  # no swizzle: its own tile order
+    return _harness.tile_fields(text, names)
 
 
 def tiles_label(tiles) -> str:
