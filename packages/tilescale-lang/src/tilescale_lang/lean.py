@@ -563,12 +563,19 @@ class LeanLaunch:
         helper for them all (:attr:`_records`), else one ctypes call of the driver each."""
         if stream is None:
             stream = _raw_stream(self._device if self._device is not None else 0)
-        env, records = self._env, self._records
-        if records is not None and self._records_static:  # the common op call: one C call
+        records = self._records
+        if records is None or not self._records_static:  # records with nothing to recompute: no loop
+            self._recompute_and_launch(stream, records)
+        if records is not None:
             err = self._run(self._records_address, len(records), stream, self._failed_ref)
             if err:
                 _launch_failed(err, self._launches[self._failed.value][0])
-            return
+
+    def _recompute_and_launch(self, stream: int, records: Any) -> None:
+        """Per launch: the scalars and grid extents that depend on changing arguments
+        recomputed (into ``records`` too, when given); without ``records``, the launch itself,
+        one ctypes call of the driver."""
+        env = self._env
         calls = _driver_calls() if records is None else None
         for i, (fn, (symbol, dims, smem, cooperative, _values, _params, recompute, dyn, address)) in enumerate(zip(
                 self._functions, self._launches)):
@@ -588,10 +595,6 @@ class LeanLaunch:
                 err = calls[1 if cooperative else 0](fn, *dims, smem, stream, address)
                 if err:
                     _launch_failed(err, symbol)
-        if records is not None:
-            err = self._run(self._records_address, len(records), stream, self._failed_ref)
-            if err:
-                _launch_failed(err, self._launches[self._failed.value][0])
 
 
 def _launch_failed(err: int, symbol: str) -> None:
