@@ -37,6 +37,8 @@ program counts).
 
 from __future__ import annotations
 
+from collections import Counter
+
 from tilescale_examples.benchmarks import _fused, _harness, _timing
 from tilescale_examples.benchmarks._report import print_checked, ratio
 
@@ -137,12 +139,13 @@ def goal_lines(tables: dict) -> list:
     worst ``fused/mm`` at one rank (goal <= :data:`GOAL_WORLD1`), over the shapes; where a
     shape has rows of several tile programs (``--tiles``), its fastest one counts (said in the
     lines)."""
-    best: dict = {}
+    best, count = {}, Counter()
     for row in (r for rows in tables.values() for r in rows):
-        key = (row[0], row[1])
+        key = (row[0], row[1])  # ranks, m
+        count[key] += 1
         if key not in best or row[2] < best[key][2]:
             best[key] = row
-    programs = max((sum(1 for rows in tables.values() for r in rows if (r[0], r[1]) == key) for key in best), default=1)
+    programs = max(count.values(), default=1)
     of = f" (the fastest of {programs} tile programs per shape)" if programs > 1 else ""
     unfused = [r[5] for r in best.values()]
     alone = [r[6] for r in best.values() if r[0] == 1]

@@ -21,10 +21,10 @@ warm-up calls (:func:`~tilescale_examples.benchmarks._timing.host_us_rounds`):
   TileLang's launcher, and through a prepared :class:`~tilescale_lang.lean.LeanLaunch`), and
   the lean launch's two parts alone: its Python (checks and packing of the changing
   arguments, no launch) and the driver's ``cuLaunchKernel`` called through ctypes with the
-  packed parameters, or (where the machine has a C compiler, the lean launcher's path) the
-  launch records' C helper (:mod:`tilescale_lang.launch_records`) alone; and a kernel with no work (one block of 32 threads, which the GPU runs
-  faster than the host launches it) through TileLang's launcher and through the driver call
-  alone: the host's floor for one launch.
+  packed parameters, and (where the machine has a C compiler: the lean launcher's path) the
+  launch records' C helper (:mod:`tilescale_lang.launch_records`) alone; and a kernel with no
+  work (one block of 32 threads, which the GPU runs faster than the host launches it) through
+  TileLang's launcher and through the driver call alone: the host's floor for one launch.
 
 Before timing, every op instance's result is checked against its torch reference (fresh
 random input, poisoned output); a failure is printed and makes the exit status 1.
