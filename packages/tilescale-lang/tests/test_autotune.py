@@ -120,6 +120,10 @@ def test_gemm_space_and_rejections():
         assert config["num_stages"] * (config["block_m"] + config["block_n"]) * config["block_k"] * 2 <= 232448
     assert gemm_rejection({**library_default, "threads": 128}, 1024, 3584, 8192).startswith("a 128 x 256 float32")
     assert "shared memory" in gemm_rejection({**library_default, "block_k": 128, "num_stages": 4}, 1024, 3584, 8192)
+    from tilescale_lang.autotune.gemm import gemm_shared_bytes
+
+    assert gemm_shared_bytes(128, 256, 64, 3, torch.bfloat16) == 3 * (128 + 256) * 64 * 2
+    assert gemm_shared_bytes(64, 64, 128, 8, "float32") == 8 * (64 + 64) * 128 * 4
     assert "n=3584 is not a multiple of block_n=384" == gemm_rejection({**library_default, "block_n": 384},
                                                                      1024, 3584, 8192)
     assert "warpgroups cannot split" in gemm_rejection({**library_default, "block_m": 64, "block_n": 200,

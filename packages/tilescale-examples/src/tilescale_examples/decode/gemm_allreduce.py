@@ -44,7 +44,7 @@ from tilescale_examples.decode.gemm_ar_kernel import (FLAG_STRIDE, GEMM_AR_DTYPE
 from tilescale_examples.overlap.gemm import MAX_ELEMENTS, GemmTiles, check_positive, count_outside
 
 __all__ = ["GemmAllReduce", "torch_reference", "partial_magnitudes", "compare", "default_tiles", "reduction_for",
-           "gemm_allreduce_jobs", "shared_bytes", "BLOCK_N_CHOICES", "TWO_SHOT_FROM_BYTES", "ClosedError"]
+           "gemm_allreduce_jobs", "BLOCK_N_CHOICES", "TWO_SHOT_FROM_BYTES", "ClosedError"]
 
 #: Size table of the reduction, keyed by world size (:func:`~tilescale_examples.base.size_table_entry`):
 #: outputs of at least this many bytes would take a two-shot reduction. None everywhere: this
@@ -87,13 +87,6 @@ def default_tiles(m: int, n: int, max_blocks: int, block_m=None, block_n=None, b
         block_n = one_wave[0] if one_wave else max(fits)
     return GemmTiles(bm, block_n, 64 if block_k is None else block_k, 4 if num_stages is None else num_stages,
                      threads if threads is not None else (128 if bm == 64 else 256))
-
-
-def shared_bytes(tiles: GemmTiles, dtype: torch.dtype) -> int:
-    """Shared memory one block of the kernel uses, in bytes: ``num_stages`` buffers of an
-    ``a`` tile ``(block_m, block_k)`` and a ``b`` tile ``(block_k, block_n)``."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return tiles.num_stages * (tiles.block_m + tiles.block_n) * tiles.block_k * size
 
 
 def gemm_allreduce_jobs(ms: Sequence[int], k: int, n: int, dtype: str, world_sizes: Sequence[int],
@@ -211,9 +204,9 @@ class GemmAllReduce(SymmetricOp):
                              "(< 2**31 elements)")
         if self.world_size > t.threads:
             raise ValueError(f"{owner}: threads ({t.threads}) must be >= world_size ({self.world_size})")
-        from tilescale_lang.autotune.gemm import HOPPER_SMEM_BYTES
+        from tilescale_lang.autotune.gemm import HOPPER_SMEM_BYTES, gemm_shared_bytes
 
-        smem = shared_bytes(t, self.dtype)
+        smem = gemm_shared_bytes(t.block_m, t.block_n, t.block_k, t.num_stages, self.dtype)
         if smem > HOPPER_SMEM_BYTES:
             raise ValueError(f"{owner}: tiles {t.block_m}x{t.block_n}x{t.block_k} with num_stages={t.num_stages} need "
                              f"{smem} bytes of shared memory per block, more than {HOPPER_SMEM_BYTES}: lower "

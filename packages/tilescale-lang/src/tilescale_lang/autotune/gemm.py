@@ -28,7 +28,7 @@ from tilescale_core.interface import check_non_negative_int, check_positive_int
 from .space import SearchSpace
 
 __all__ = ["GEMM_TILE_AXES", "GEMM_DEFAULTS", "HOPPER_SMEM_BYTES", "MAX_ACC_REGS", "dtype_bytes",
-           "gemm_rejection", "gemm_space"]
+           "gemm_shared_bytes", "gemm_rejection", "gemm_space"]
 
 #: The axes :class:`~tilescale_examples.overlap.gemm.GemmTiles` takes, in its field order.
 GEMM_TILE_AXES = ("block_m", "block_n", "block_k", "num_stages", "threads")
@@ -65,6 +65,13 @@ def dtype_bytes(dtype: Any) -> int:
     return _DTYPE_BYTES[text]
 
 
+def gemm_shared_bytes(block_m: int, block_n: int, block_k: int, num_stages: int, dtype: Any = "bfloat16") -> int:
+    """Shared memory of one block of the pipelined GEMM, in bytes: ``num_stages`` buffers of an
+    ``a`` tile ``(block_m, block_k)`` and a ``b`` tile ``(block_k, block_n)`` of ``dtype``
+    (:func:`dtype_bytes`)."""
+    return num_stages * (block_m * block_k + block_k * block_n) * dtype_bytes(dtype)
+
+
 def _split_rejection(bm: int, bn: int, threads: int) -> str | None:
     groups = threads // 128
     if bm % _WGMMA_M:
@@ -95,7 +102,7 @@ def gemm_rejection(config: dict, m: int, n: int, k: int, dtype: Any = "bfloat16"
             return f"{dim}={size} is not a multiple of {tile}={value}"
     if threads % 128 or threads + _PRODUCER > _MAX_BLOCK_THREADS:
         return f"threads={threads} is not whole warpgroups within {_MAX_BLOCK_THREADS - _PRODUCER}"
-    smem = stages * (bm * bk + bk * bn) * dtype_bytes(dtype)
+    smem = gemm_shared_bytes(bm, bn, bk, stages, dtype)
     if smem > smem_bytes:
         return f"{stages} stages of {bm}x{bk} + {bk}x{bn} tiles need {smem} bytes of shared memory (> {smem_bytes})"
     return _split_rejection(bm, bn, threads)
