@@ -104,7 +104,7 @@ def library_path(cache_dir: Optional[str] = None, compiler: Optional[str] = None
     cache = cache_dir if cache_dir is not None else _tilelang_cache_dir()
     if not str(cache).strip():
         return None
-    compiler = compiler or os.environ.get("CC", "cc")
+    compiler = compiler or _compiler()
     key = hashlib.sha256(f"{SOURCE}\0{compiler}\0{sys.platform}\0{platform.machine()}".encode()).hexdigest()[:16]
     return Path(cache) / "tilescale-launch" / f"launch_records-{key}.so"
 
@@ -112,11 +112,14 @@ def library_path(cache_dir: Optional[str] = None, compiler: Optional[str] = None
 def _tilelang_cache_dir() -> str:
     """TileLang's cache directory (``$TILELANG_CACHE_DIR``, else TileLang's default), or ""
     when TileLang names none."""
-    try:
-        from tilelang.env import env
-    except ImportError:
-        return os.environ.get("TILELANG_CACHE_DIR", "")
+    from tilelang.env import env
+
     return str(env.TILELANG_CACHE_DIR or "")
+
+
+def _compiler() -> str:
+    """The C compiler: ``$CC``, else ``cc``."""
+    return os.environ.get("CC", "cc")
 
 
 def _compile(path: Path, compiler: str) -> None:
@@ -143,14 +146,15 @@ def _load(path: Path) -> Callable[..., int]:
 _helper: Any = None  # the loaded function, False once it could not be made
 
 
-def helper(cache_dir: Optional[str] = None) -> Optional[Callable[..., int]]:
+def helper() -> Optional[Callable[..., int]]:
     """The C helper ``ts_launch_records(records, n, stream, failed) -> CUresult`` (compiled
-    and loaded at the first call, see the module docstring), or None where it cannot be made
-    (no cache directory, no C compiler, a failed compile: logged once)."""
+    into :func:`library_path` and loaded at the first call, see the module docstring), or None
+    where it cannot be made (no cache directory, no C compiler, a failed compile: logged
+    once). Decided once per process."""
     global _helper
     if _helper is None:
-        compiler = os.environ.get("CC", "cc")
-        path = library_path(cache_dir, compiler)
+        compiler = _compiler()
+        path = library_path(compiler=compiler)
         try:
             if path is None:
                 raise OSError("no cache directory (TILELANG_CACHE_DIR)")
