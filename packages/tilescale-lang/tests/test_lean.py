@@ -107,11 +107,13 @@ def _go_lean(launch, monkeypatch, path="ctypes"):
 @pytest.fixture(params=["ctypes", "records"])
 def driver_path(request, tmp_path, monkeypatch):
     """Both ways the lean launcher reaches the driver (the records' helper compiled afresh
-    into a temporary cache)."""
-    if request.param == "records":
-        import shutil
+    into a temporary cache, or none: ctypes)."""
+    from tilescale_lang import launch_records
 
-        from tilescale_lang import launch_records
+    if request.param == "ctypes":
+        monkeypatch.setattr(launch_records, "_helper", False)  # decided: no helper
+    else:
+        import shutil
 
         if shutil.which("cc") is None:
             pytest.skip("the launch records' helper needs a C compiler (cc)")
@@ -336,15 +338,16 @@ def build_put_signal_i32(n: int = 1024):
 
 
 @pytest.mark.gpu
-def test_gpu_lean_calls_match_tilelangs_launcher(scale_kernel):
+def test_gpu_lean_calls_match_tilelangs_launcher(scale_kernel, driver_path):
     """1000 calls with fresh inputs: the lean path gives TileLang's bits; a side stream and a
-    CUDA graph capture of the lean call work."""
+    CUDA graph capture of the lean call work; through ctypes and through the launch records."""
     a = torch.randn(10, 256, device="cuda")
     b = torch.full_like(a, float("nan"))
     launch = lean.prepare(scale_kernel, (a, b, 1.0), changing=("a", "b", "scale"))
     launch(a, b, 1.0)  # through TileLang: loads the module, which the launcher then uses
     torch.cuda.synchronize()
     assert launch.lean, launch.why_not
+    assert (launch._records is not None) == (driver_path == "records"), driver_path
     ref = torch.empty_like(b)
     for i in range(1000):
         a.normal_()
@@ -385,6 +388,7 @@ def test_gpu_lean_calls_match_tilelangs_launcher(scale_kernel):
         torch.cuda.synchronize()
         assert torch.equal(dst, src2) and int(sig.cpu().view(torch.int64)[0]) == epoch
     assert ring.lean, ring.why_not
+    assert (ring._records is not None) == (driver_path == "records"), driver_path
 
 
 @pytest.mark.gpu
