@@ -222,6 +222,17 @@ for _name in ("put_nbi_block", "put_nbi_warp", "get_nbi_block", "get_nbi_warp"):
         (_name, "size", lambda k, f=_name: getattr(T, f)(k.A, k.B, -1, 1), ValueError),
         (_name, "pe", lambda k, f=_name: getattr(T, f)(k.A, k.B, 4, -2), ValueError),
     ]
+for _name, _pe in (("put_rows_block", "dst_pe"), ("get_rows_block", "src_pe")):
+    NEW += [  # (src, dst, rows, row_size, src_stride, dst_stride, pe)
+        (_name, "src", lambda k, f=_name: getattr(T, f)(5, k.B, 2, 4, 8, 8, 1), TypeError),
+        (_name, "dst", lambda k, f=_name: getattr(T, f)(k.A, 5, 2, 4, 8, 8, 1), TypeError),
+        (_name, "rows", lambda k, f=_name: getattr(T, f)(k.A, k.B, -1, 4, 8, 8, 1), ValueError),
+        (_name, "row_size", lambda k, f=_name: getattr(T, f)(k.A, k.B, 2, 1.5, 8, 8, 1), TypeError),
+        (_name, "src_stride", lambda k, f=_name: getattr(T, f)(k.A, k.B, 2, 4, 2**62, 8, 1), ValueError),
+        (_name, "dst_stride", lambda k, f=_name: getattr(T, f)(k.A, k.B, 2, 4, 8, 2, 1), ValueError),
+        (_name, _pe, lambda k, f=_name: getattr(T, f)(k.A, k.B, 2, 4, 8, 8, _OUT), ValueError),
+        (_name, "unroll_factor", lambda k, f=_name: getattr(T, f)(k.A, k.B, 2, 4, 8, 8, 1, unroll_factor=0), ValueError),
+    ]
 for _name in ("put_signal_block", "put_signal_warp", "put_signal_nbi_block", "put_signal_nbi_warp"):
     NEW += [
         (_name, "src", lambda k, f=_name: getattr(T, f)(5, k.B, 4, k.G[0], 1), TypeError),

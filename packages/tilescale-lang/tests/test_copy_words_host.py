@@ -1,5 +1,6 @@
 """The index logic of the device copies (``copy_words`` in ``include/tilescale/copy.cuh``,
-behind every put/get/copy at thread, warp and block scope), run on the host: the template is
+behind every put/get/copy at thread, warp and block scope, and ``copy_rows_words``, behind the
+strided ``put_rows_block`` / ``get_rows_block``), run on the host: the template is
 taken from the header as it ships, compiled with the host C++ compiler, and every thread of a
 simulated group runs it in turn. Each destination word must be written exactly once with its
 source word, and nothing past the end may be touched, for every size around the full-round
@@ -87,12 +88,156 @@ int main() {
 """
 
 
-def copy_words_source() -> str:
-    """The ``copy_words`` template as the header defines it, inside its namespace."""
+def copy_words_source(name: str = "copy_words") -> str:
+    """The template ``name`` (``copy_words``, ``copy_rows_words``) as the header defines it,
+    inside its namespace."""
     text = HEADER.read_text(encoding="utf-8")
-    start = text.index("template <typename W, int UNROLL>\nTILESCALE_DEVICE void copy_words(")
+    start = text.index(f"template <typename W, int UNROLL>\nTILESCALE_DEVICE void {name}(")
     end = text.index("\n}\n", start) + 3
     return "namespace tilescale {\n" + text[start:end] + "}  // namespace tilescale\n"
+
+
+ROWS_HARNESS = r"""
+#include <cstdio>
+#include <vector>
+#define TILESCALE_DEVICE inline
+
+// A word that records every store into the destination under test.
+struct Word;
+static Word* g_dst = nullptr;
+static std::vector<int>* g_writes = nullptr;
+static unsigned long long g_cap = 0;
+struct Word {
+  long long v;
+  Word& operator=(const Word& o) {
+    v = o.v;
+    if (g_dst && this >= g_dst && this < g_dst + g_cap) ++(*g_writes)[this - g_dst];
+    return *this;
+  }
+};
+
+%(copy_rows_words)s
+
+// rows x cols words, strides ss (source) and ds (destination): every word of every row lands
+// once at its place; the gaps between destination rows and the words past the last row stay.
+template <int U>
+int check(unsigned long long rows, unsigned long long cols, unsigned long long ss, unsigned long long ds,
+          unsigned int nthreads) {
+  const unsigned long long guard = 64, n_src = rows * ss + cols + guard, n_dst = rows * ds + cols + guard;
+  std::vector<Word> src(n_src), dst(n_dst);
+  std::vector<int> writes(n_dst, 0);
+  for (unsigned long long i = 0; i < n_src; ++i) src[i].v = 1000 + (long long)i;
+  for (unsigned long long i = 0; i < n_dst; ++i) dst[i].v = -1;
+  g_dst = dst.data(); g_writes = &writes; g_cap = n_dst;
+  for (unsigned int tid = 0; tid < nthreads; ++tid)
+    tilescale::copy_rows_words<Word, U>(dst.data(), src.data(), rows, cols, ds, ss, tid, nthreads);
+  g_dst = nullptr;
+  for (unsigned long long i = 0; i < n_dst; ++i) {
+    const unsigned long long r = i / ds, c = i %% ds;
+    const bool inside = ds > 0 && r < rows && c < cols;
+    const long long want = inside ? src[r * ss + c].v : -1;
+    if (writes[i] != (inside ? 1 : 0) || dst[i].v != want) {
+      std::printf("U=%%d rows=%%llu cols=%%llu ss=%%llu ds=%%llu threads=%%u: word %%llu written %%d times, "
+                  "value %%lld (want %%lld)\n", U, rows, cols, ss, ds, nthreads, i, writes[i], dst[i].v, want);
+      return 1;
+    }
+  }
+  return 0;
+}
+
+template <int U>
+int sweep() {
+  const unsigned int groups[] = {1, 3, 32, 512};
+  const unsigned long long widths[] = {1, 2, 5, 31, 32, 33, 64, 100, 600};
+  int bad = 0, cases = 0;
+  for (unsigned int t : groups)
+    for (unsigned long long cols : widths)
+      for (unsigned long long rows : {0ull, 1ull, 2ull, 7ull, 40ull})
+        for (unsigned long long extra : {0ull, 3ull, 64ull}) {
+          // a slice of wider rows gathered into dense ones, and the other way round
+          bad += check<U>(rows, cols, cols + extra, cols, t);
+          bad += check<U>(rows, cols, cols, cols + extra, t);
+          cases += 2;
+        }
+  std::printf("U=%%d: %%d cases, %%d bad\n", U, cases, bad);
+  return bad;
+}
+
+int main() {
+  int bad = sweep<1>() + sweep<2>() + sweep<3>() + sweep<4>() + sweep<8>();
+  return bad ? 1 : 0;
+}
+"""
+
+
+BYTES_HARNESS = r"""
+#include <cstdio>
+#include <cstring>
+#include <vector>
+#define TILESCALE_DEVICE inline
+struct alignas(16) vec16 { unsigned int x, y, z, w; };
+namespace tilescale { typedef ::vec16 vec16; }
+
+%(copy_rows_words)s
+%(coop_copy_rows)s
+
+// A strided byte copy at every alignment of both pointers, row size and stride: the word the
+// dispatcher picks must move each row's bytes exactly, and no byte outside the rows.
+int check(unsigned so, unsigned dof, unsigned long long rows, unsigned long long row, unsigned long long ss,
+          unsigned long long ds, unsigned nthreads) {
+  const unsigned long long n_src = so + rows * ss + row + 64, n_dst = dof + rows * ds + row + 64;
+  alignas(16) static unsigned char src[1 << 16], dst[1 << 16];
+  for (unsigned long long i = 0; i < n_src; ++i) src[i] = (unsigned char)(i * 7 + 3);
+  std::memset(dst, 0xEE, n_dst);
+  for (unsigned t = 0; t < nthreads; ++t)
+    tilescale::coop_copy_rows<4>(dst + dof, src + so, rows, row, ds, ss, t, nthreads);
+  for (unsigned long long i = 0; i < n_dst; ++i) {
+    const bool in = i >= dof && ds > 0 && (i - dof) / ds < rows && (i - dof) %% ds < row;
+    const unsigned char want = in ? src[so + (i - dof) / ds * ss + (i - dof) %% ds] : 0xEE;
+    if (dst[i] != want) {
+      std::printf("so=%%u do=%%u rows=%%llu row=%%llu ss=%%llu ds=%%llu: byte %%llu is %%u, want %%u\n", so, dof,
+                  rows, row, ss, ds, i, dst[i], want);
+      return 1;
+    }
+  }
+  return 0;
+}
+
+int main() {
+  int bad = 0, cases = 0;
+  for (unsigned so : {0u, 1u, 2u, 4u, 8u})
+    for (unsigned dof : {0u, 2u, 8u, 16u})
+      for (unsigned long long row : {1ull, 2ull, 6ull, 16ull, 48ull, 100ull})
+        for (unsigned long long gap : {0ull, 4ull, 16ull})
+          for (unsigned t : {1u, 32u, 96u}) {
+            bad += check(so, dof, 5, row, row + gap, row, t) + check(so, dof, 5, row, row, row + gap, t);
+            cases += 2;
+          }
+  std::printf("bytes: %%d cases, %%d bad\n", cases, bad);
+  return bad ? 1 : 0;
+}
+"""
+
+
+def coop_copy_rows_source() -> str:
+    """The ``coop_copy_rows`` dispatcher as the header defines it, inside its namespace."""
+    text = HEADER.read_text(encoding="utf-8")
+    start = text.index("template <int UNROLL>\nTILESCALE_DEVICE void coop_copy_rows(")
+    end = text.index("\n}\n", start) + 3
+    return "namespace tilescale {\n" + text[start:end] + "}  // namespace tilescale\n"
+
+
+def _build_and_run(tmp_path, name: str, source: str) -> str:
+    """Compile ``source`` with the host compiler and run it; its standard output."""
+    cpp = tmp_path / f"{name}.cpp"
+    cpp.write_text(source)
+    exe = tmp_path / name
+    build = subprocess.run([COMPILER, "-std=c++17", "-O1", "-Wno-unknown-pragmas", str(cpp), "-o", str(exe)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
 
 
 def test_copy_words_is_extracted_whole():
@@ -103,12 +248,24 @@ def test_copy_words_is_extracted_whole():
 
 @pytest.mark.skipif(COMPILER is None, reason="no host C++ compiler on PATH")
 def test_copy_words_moves_every_word_once_on_the_host(tmp_path):
-    cpp = tmp_path / "copy_words.cpp"
-    cpp.write_text(HARNESS % {"copy_words": copy_words_source()})
-    exe = tmp_path / "copy_words"
-    build = subprocess.run([COMPILER, "-std=c++17", "-O1", "-Wno-unknown-pragmas", str(cpp), "-o", str(exe)],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(", 0 bad") == 5, run.stdout
+    out = _build_and_run(tmp_path, "copy_words", HARNESS % {"copy_words": copy_words_source()})
+    assert out.count(", 0 bad") == 5, out
+
+
+@pytest.mark.skipif(COMPILER is None, reason="no host C++ compiler on PATH")
+def test_copy_rows_words_moves_every_row_word_once_on_the_host(tmp_path):
+    """Rows narrower and wider than a round of threads, strides wider than the rows on either
+    side, zero rows: each row word written once, the gaps and the words past the end never."""
+    out = _build_and_run(tmp_path, "copy_rows_words",
+                         ROWS_HARNESS % {"copy_rows_words": copy_words_source("copy_rows_words")})
+    assert out.count(", 0 bad") == 5, out
+
+
+@pytest.mark.skipif(COMPILER is None, reason="no host C++ compiler on PATH")
+def test_copy_rows_picks_a_legal_word_at_every_alignment_on_the_host(tmp_path):
+    """Misaligned pointers, odd row sizes and strides: the strided copy's word choice (16, 8,
+    4, 2 or 1 bytes) moves exactly the rows' bytes."""
+    source = BYTES_HARNESS % {"copy_rows_words": copy_words_source("copy_rows_words"),
+                              "coop_copy_rows": coop_copy_rows_source()}
+    out = _build_and_run(tmp_path, "coop_copy_rows", source)
+    assert ", 0 bad" in out, out

@@ -3,6 +3,8 @@ that nvcc makes of it."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import tilelang.language as T
 from lang_helpers import kernel_body, lower_source, needs_toolkit, nvcc_ptx, nvcc_registers
@@ -73,6 +75,39 @@ def test_put_warp_dynamic_size_and_int8_pe():
     body = kernel_body(lower_source(k))
     assert ('tilescale::put_warp<4, false>((&(A[0])), (&(B[0])), (((uint64_t)tilescale::checked_count(n, "put_warp size")) '
             '* (uint64_t)4), ((int)pe));') in body
+
+
+def test_rows_block_codegen():
+    """The strided block copies: counts in bytes (rows as they are), the PE last, the unroll
+    factor as the template argument (4 by default)."""
+    @T.prim_func
+    def k(A: T.Tensor((4096,), "bfloat16"), B: T.Tensor((4096,), "bfloat16"), n: T.int32, pe: T.int32):
+        with T.Kernel(4, threads=512) as bx:
+            T.put_rows_block(T.address_of(A[bx * 16]), B, 4, 64, 128, 64, dst_pe=pe, unroll_factor=8)
+            T.get_rows_block(A, T.address_of(B[16]), n, 8, 16, 32, src_pe=1)
+
+    body = kernel_body(lower_source(k))
+    assert ("tilescale::put_rows_block<8>((&(A[(((int)blockIdx.x) * 16)])), (&(B[0])), (uint64_t)4, (uint64_t)128, "
+            "(uint64_t)256, (uint64_t)128, pe);") in body
+    assert ('tilescale::get_rows_block<4>((&(A[0])), (&(B[16])), ((uint64_t)tilescale::checked_count(n, '
+            '"get_rows_block rows")), (uint64_t)16, (uint64_t)32, (uint64_t)64, 1);') in body
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda A, B: T.put_rows_block(A, B, 4, 64, 128, 32, dst_pe=1), ValueError, "dst_stride=32 is below row_size=64"),
+    (lambda A, B: T.put_rows_block(A, B, 9, 64, 128, 64, dst_pe=1), ValueError, "(rows - 1) * src_stride + row_size=1088"),
+    (lambda A, B: T.get_rows_block(A, B, 4, 64, 64, 330, src_pe=1), ValueError, "(rows - 1) * dst_stride + row_size=1054"),
+    (lambda A, B: T.put_rows_block(A, B, -1, 64, 64, 64), ValueError, "rows must be >= 0"),
+    (lambda A, B: T.put_rows_block(A, B, 2, 64, 64, 64, unroll_factor=0), ValueError, "unroll_factor"),
+    (lambda A, B: T.put_rows_block(A, B, 2, 1.5, 64, 64), TypeError, "row_size"),
+])
+def test_rows_block_rejects_bad_arguments(call, error, words):
+    """Constant arguments are checked while tracing; the error names the argument."""
+    with pytest.raises(error, match=re.escape(words)):
+        @T.prim_func
+        def k(A: T.Tensor((1024,), "float16"), B: T.Tensor((1024,), "float16")):
+            with T.Kernel(1, threads=128) as _:
+                call(A, B)
 
 
 def test_remote_copy_remaps_and_stock_copy_untouched():
@@ -270,6 +305,24 @@ def test_copy_fits_two_512_thread_blocks_per_sm(op, tmp_path):
             intrinsic(T.address_of(A[bx * 1024]), T.address_of(B[bx * 1024]), n, pe)
 
     assert nvcc_registers(lower_source(k), tmp_path) <= 64
+
+
+@needs_toolkit
+@pytest.mark.parametrize("op", ["put_rows_block", "get_rows_block"])
+@pytest.mark.parametrize("unroll, limit", [(4, 64), (8, 80)])
+def test_rows_copy_register_budget(op, unroll, limit, tmp_path):
+    """The strided copies at their default unroll factor (4) fit two 512-thread blocks per SM
+    (<= 64 registers per thread); at 8 (the Ulysses all-to-all's, one block per SM) they stay
+    near 72, far from the 128 that one 512-thread block may use."""
+    intrinsic = getattr(T, op)
+
+    @T.prim_func
+    def k(A: T.Tensor((1 << 20,), "bfloat16"), B: T.Tensor((1 << 20,), "bfloat16"), rows: T.int32, pe: T.int32):
+        with T.Kernel(264, threads=512) as bx:
+            intrinsic(T.address_of(A[bx * 1024]), T.address_of(B[bx * 1024]), rows, 512, 4096, 512, pe,
+                      unroll_factor=unroll)
+
+    assert nvcc_registers(lower_source(k), tmp_path) <= limit
 
 
 @needs_toolkit

@@ -43,6 +43,8 @@ def intrinsics() -> dict[str, Any]:
         "get_warp": peer_copy.get_warp,
         "put_block": peer_copy.put_block,
         "get_block": peer_copy.get_block,
+        "put_rows_block": peer_copy.put_rows_block,
+        "get_rows_block": peer_copy.get_rows_block,
         "ld": memory.ld,
         "st": memory.st,
         "atom_add": memory.atom_add,

@@ -1,5 +1,5 @@
-"""Peer copies: ``T.put_warp``, ``T.get_warp``, ``T.put_block``, ``T.get_block`` and the
-remote forms of ``T.copy`` / ``T.tma_copy`` (the latter in :mod:`.remote_tma`).
+"""Peer copies: ``T.put_warp``, ``T.get_warp``, ``T.put_block``, ``T.get_block``, the strided
+``T.put_rows_block`` / ``T.get_rows_block`` and the remote forms of ``T.copy`` / ``T.tma_copy`` (the latter in :mod:`.remote_tma`).
 
 ``size`` counts elements of the source's element type (the destination's when the source
 is an untyped pointer).  A PE of -1 (or omitted) keeps the address local; a PE >= 0 remaps
@@ -75,6 +75,66 @@ def get_block(src, dst, size, src_pe=-1):
     """Block-scope get: all threads of the block copy ``size`` elements from ``src`` on rank
     ``src_pe`` (-1: local) to local ``dst``."""
     return _peer_copy("get_block", src, dst, size, src_pe, "src_pe", "src", "4")
+
+
+# ------------------------------------------------------------------------------ strided rows
+def rows_operands(kind: str, src, dst, rows, row_size, src_stride, dst_stride, pe, pe_name: str, remote_side: str):
+    """Checked operands of a strided block copy: ``(src ptr, dst ptr, rows, row bytes, src
+    stride bytes, dst stride bytes, int32 PE)`` (counts uint64).
+
+    ``row_size`` and the strides count elements of the source's type (the destination's for
+    an untyped source); ``rows`` counts rows. Constant arguments are checked while tracing:
+    each is a non-negative integer, ``dst_stride >= row_size`` (rows written apart, so no two
+    threads store one element), and a side whose extent is known holds the last row's end.
+    """
+    s = V.operand(src, "src")
+    d = V.operand(dst, "dst")
+    itemsize = V.element_size(kind, s, d)
+    counts = (V.size_bytes(rows, 1, "rows", kind), V.size_bytes(row_size, itemsize, "row_size", kind),
+              V.size_bytes(src_stride, itemsize, "src_stride", kind), V.size_bytes(dst_stride, itemsize, "dst_stride", kind))
+    fixed = [V.static_int(x) for x in (rows, row_size, src_stride, dst_stride)]
+    n_rows, row, s_stride, d_stride = fixed
+    if row is not None and d_stride is not None and (n_rows is None or n_rows > 1) and d_stride < row:
+        raise ValueError(f"{kind}: dst_stride={d_stride} is below row_size={row}: the rows written would overlap")
+    if None not in fixed and n_rows > 0:
+        for x, name, stride in ((src, "src", s_stride), (dst, "dst", d_stride)):
+            V.check_extent((n_rows - 1) * stride + row, x, name, f"(rows - 1) * {name}_stride + row_size")
+    pe_val = V.remote_pe(pe, pe_name, s if remote_side == "src" else d, remote_side)
+    return (s.ptr, d.ptr, *counts, _LOCAL if pe_val is None else pe_val)
+
+
+def put_rows_block(src, dst, rows, row_size, src_stride, dst_stride, dst_pe=-1, unroll_factor: int = 4):
+    """Block-scope strided put: all threads of the block copy ``rows`` rows of ``row_size``
+    elements, row ``r`` from local ``src + r * src_stride`` to ``dst + r * dst_stride`` on rank
+    ``dst_pe`` (-1: local): a slice of a wider tensor (an all-to-all's heads of every position)
+    in one call, with every thread's loads in flight across rows.
+
+    Args:
+        src, dst: buffers, regions, elements or pointers, as for :func:`put_block`; the copy
+            starts at their first element.
+        rows: number of rows (any integer expression).
+        row_size: elements per row (any integer expression).
+        src_stride, dst_stride: elements from one row's start to the next's (integer
+            expressions; ``dst_stride >= row_size``).
+        dst_pe: destination rank, any integer expression; -1 keeps ``dst`` local.
+        unroll_factor: words each thread loads before storing them (compile-time int >= 1);
+            4 needs at most 64 registers per thread (two 512-thread blocks per SM), 8 about 72
+            (one 512-thread block per SM, the same bytes in flight).
+
+    The word is the widest of 16, 8, 4, 2 and 1 bytes dividing both addresses, the row size and
+    both strides (decided at run time), so every size is exact.
+    """
+    u = V.const_int(unroll_factor, "unroll_factor", minimum=1)
+    args = rows_operands("put_rows_block", src, dst, rows, row_size, src_stride, dst_stride, dst_pe, "dst_pe", "dst")
+    return V.extern("handle", f"tilescale::put_rows_block<{u}>", *args)
+
+
+def get_rows_block(src, dst, rows, row_size, src_stride, dst_stride, src_pe=-1, unroll_factor: int = 4):
+    """Block-scope strided get: rows from ``src`` on rank ``src_pe`` (-1: local) into local
+    ``dst``.  Arguments as in :func:`put_rows_block`."""
+    u = V.const_int(unroll_factor, "unroll_factor", minimum=1)
+    args = rows_operands("get_rows_block", src, dst, rows, row_size, src_stride, dst_stride, src_pe, "src_pe", "src")
+    return V.extern("handle", f"tilescale::get_rows_block<{u}>", *args)
 
 
 # ------------------------------------------------------------------------------ T.copy

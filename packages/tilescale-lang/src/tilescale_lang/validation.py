@@ -31,7 +31,7 @@ TABLE_HELPERS = frozenset({"get_rank", "get_num_ranks", "remap", "remap_ptr", "p
 #: constant -1 reads the table.  New intrinsics that take a PE register it here.
 PE_ARGUMENT: dict[str, int] = {
     "ld": 1, "st": 2, "wait_until": 2, "notify": 1,
-    "put_warp": 3, "get_warp": 3, "put_block": 3, "get_block": 3,
+    "put_warp": 3, "get_warp": 3, "put_block": 3, "get_block": 3, "put_rows_block": 6, "get_rows_block": 6,
     "put_signal": 5, "signal_op": 2, "atomic_cas": 3, "atomic_add_sys": 2, "atomic_addx2_sys": 2, "atom_add": 2,
 }
 
@@ -442,6 +442,30 @@ def size_bytes(size: Any, itemsize: int, name: str = "size", kind: str | None = 
     return tirx.Cast("uint64", size) * tirx.IntImm("uint64", itemsize)
 
 
+def element_size(kind: str, s: Operand, d: Operand) -> int:
+    """Bytes per element of a copy from operand ``s`` to ``d``: either side's element size
+    (an untyped pointer takes the other's).
+
+    Raises:
+        TypeError: the element sizes differ, or neither side's element type is known.
+    """
+    if s.itemsize is not None and d.itemsize is not None and s.itemsize != d.itemsize:
+        raise TypeError(f"{kind}: src ({s.dtype}) and dst ({d.dtype}) element sizes differ")
+    itemsize = s.itemsize or d.itemsize
+    if itemsize is None:
+        raise TypeError(f"{kind}: element type unknown for both src and dst; pass typed pointers (T.address_of(buf[i]))")
+    return itemsize
+
+
+def static_int(x: Any) -> int | None:
+    """``x`` as a Python int when it is a constant integer (an int or an ``IntImm``), else None."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x
+    return int(x.value) if isinstance(x, tirx.IntImm) else None
+
+
 def copy_bytes(kind: str, src: Any, s: Operand, dst: Any, d: Operand, size: Any,
                size_name: str = "size") -> tirx.PrimExpr:
     """The uint64 byte count of a flat copy of ``size`` elements from ``src`` to ``dst``
@@ -454,12 +478,7 @@ def copy_bytes(kind: str, src: Any, s: Operand, dst: Any, d: Operand, size: Any,
         TypeError: the element sizes differ, or neither side's element type is known.
         ValueError: see :func:`size_bytes`, :func:`require_contiguous` and :func:`check_extent`.
     """
-    if s.itemsize is not None and d.itemsize is not None and s.itemsize != d.itemsize:
-        raise TypeError(f"{kind}: src ({s.dtype}) and dst ({d.dtype}) element sizes differ")
-    itemsize = s.itemsize or d.itemsize
-    if itemsize is None:
-        raise TypeError(f"{kind}: element type unknown for both src and dst; pass typed pointers (T.address_of(buf[i]))")
-    nbytes = size_bytes(size, itemsize, size_name, kind)
+    nbytes = size_bytes(size, element_size(kind, s, d), size_name, kind)
     for x, name in ((src, "src"), (dst, "dst")):
         require_contiguous(x, name, kind)
         check_extent(size, x, name, size_name)

@@ -68,6 +68,84 @@ TILESCALE_DEVICE void coop_copy(void* dst, const void* src, unsigned long long b
   for (unsigned long long i = done + tid; i < bytes; i += nthreads) d[i] = s[i];
 }
 
+// Copy `rows` rows of `row_words` words of type W: row r from src + r * src_stride to
+// dst + r * dst_stride (strides in words).  The rows are taken end to end as one sequence of
+// words; thread `tid` of `nthreads` moves words tid, tid + nthreads, ..., UNROLL loads before
+// their stores, so rows shorter than a round (1 KiB rows of an all-to-all's head slices) keep
+// every thread's loads in flight instead of one load-store latency per row.  A thread's
+// pointers advance by fixed steps (a word nthreads further on, plus the gap to the next row
+// when its column wraps): one division per thread, none per word, and the store round steps
+// the destination again rather than keeping UNROLL addresses in registers.
+template <typename W, int UNROLL>
+TILESCALE_DEVICE void copy_rows_words(W* dst, const W* src, unsigned long long rows, unsigned long long row_words,
+                                      unsigned long long dst_stride, unsigned long long src_stride,
+                                      unsigned int tid, unsigned int nthreads) {
+  if (rows == 0 || row_words == 0) return;
+  const unsigned long long total = rows * row_words;
+  const unsigned long long dcol = nthreads % row_words, drow = nthreads / row_words;
+  const long long s_step = static_cast<long long>(drow * src_stride + dcol);
+  const long long d_step = static_cast<long long>(drow * dst_stride + dcol);
+  const long long s_wrap = static_cast<long long>(src_stride - row_words);
+  const long long d_wrap = static_cast<long long>(dst_stride - row_words);
+  unsigned long long col = tid % row_words;
+  const W* s = src + (tid / row_words) * src_stride + col;
+  W* d = dst + (tid / row_words) * dst_stride + col;
+#pragma unroll 1
+  for (unsigned long long i = tid; i < total; i += static_cast<unsigned long long>(UNROLL) * nthreads) {
+    W r[UNROLL];
+    const unsigned long long col0 = col;
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      if (i + static_cast<unsigned long long>(u) * nthreads < total) r[u] = *s;
+      s += s_step;
+      col += dcol;
+      if (col >= row_words) {
+        col -= row_words;
+        s += s_wrap;
+      }
+    }
+    col = col0;
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      if (i + static_cast<unsigned long long>(u) * nthreads < total) *d = r[u];
+      d += d_step;
+      col += dcol;
+      if (col >= row_words) {
+        col -= row_words;
+        d += d_wrap;
+      }
+    }
+  }
+}
+
+// Cooperative strided copy (all sizes in bytes): the widest word (16, 8, 4, 2 or 1 bytes) that
+// divides both addresses, the row size and both strides.
+template <int UNROLL>
+TILESCALE_DEVICE void coop_copy_rows(void* dst, const void* src, unsigned long long rows, unsigned long long row_bytes,
+                                     unsigned long long dst_stride, unsigned long long src_stride,
+                                     unsigned int tid, unsigned int nthreads) {
+  static_assert(UNROLL >= 1, "unroll_factor must be >= 1");
+  const unsigned long long mis = reinterpret_cast<unsigned long long>(dst) |
+                                 reinterpret_cast<unsigned long long>(src) | row_bytes | dst_stride | src_stride;
+  if ((mis & 15ull) == 0) {
+    copy_rows_words<vec16, UNROLL>(static_cast<vec16*>(dst), static_cast<const vec16*>(src), rows, row_bytes >> 4,
+                                   dst_stride >> 4, src_stride >> 4, tid, nthreads);
+  } else if ((mis & 7ull) == 0) {
+    copy_rows_words<unsigned long long, UNROLL>(static_cast<unsigned long long*>(dst),
+                                                static_cast<const unsigned long long*>(src), rows, row_bytes >> 3,
+                                                dst_stride >> 3, src_stride >> 3, tid, nthreads);
+  } else if ((mis & 3ull) == 0) {
+    copy_rows_words<unsigned int, UNROLL>(static_cast<unsigned int*>(dst), static_cast<const unsigned int*>(src),
+                                          rows, row_bytes >> 2, dst_stride >> 2, src_stride >> 2, tid, nthreads);
+  } else if ((mis & 1ull) == 0) {
+    copy_rows_words<unsigned short, UNROLL>(static_cast<unsigned short*>(dst), static_cast<const unsigned short*>(src),
+                                            rows, row_bytes >> 1, dst_stride >> 1, src_stride >> 1, tid, nthreads);
+  } else {
+    copy_rows_words<unsigned char, UNROLL>(static_cast<unsigned char*>(dst), static_cast<const unsigned char*>(src),
+                                           rows, row_bytes, dst_stride, src_stride, tid, nthreads);
+  }
+}
+
 /// Warp-scope copy: every lane of the warp calls it with the same arguments.
 template <int UNROLL, bool AGGRESSIVE>
 TILESCALE_DEVICE void copy_warp(void* dst, const void* src, unsigned long long bytes) {
@@ -102,6 +180,23 @@ TILESCALE_DEVICE void put_block(const void* src, void* dst, unsigned long long b
 template <int UNROLL>
 TILESCALE_DEVICE void get_block(const void* src, void* dst, unsigned long long bytes, int src_pe) {
   copy_block<UNROLL, false>(dst, remap(src, src_pe), bytes);
+}
+
+/// Block-scope strided put: `rows` rows of `row_bytes` bytes, row r from local
+/// src + r * src_stride to dst + r * dst_stride on rank `dst_pe` (-1: local); strides in bytes.
+template <int UNROLL>
+TILESCALE_DEVICE void put_rows_block(const void* src, void* dst, unsigned long long rows, unsigned long long row_bytes,
+                                     unsigned long long src_stride, unsigned long long dst_stride, int dst_pe) {
+  coop_copy_rows<UNROLL>(remap(dst, dst_pe), src, rows, row_bytes, dst_stride, src_stride, thread_rank(),
+                         block_size());
+}
+
+/// Block-scope strided get: rows from `src` on rank `src_pe` (-1: local) into local `dst`.
+template <int UNROLL>
+TILESCALE_DEVICE void get_rows_block(const void* src, void* dst, unsigned long long rows, unsigned long long row_bytes,
+                                     unsigned long long src_stride, unsigned long long dst_stride, int src_pe) {
+  coop_copy_rows<UNROLL>(dst, remap(src, src_pe), rows, row_bytes, dst_stride, src_stride, thread_rank(),
+                         block_size());
 }
 
 }  // namespace tilescale
