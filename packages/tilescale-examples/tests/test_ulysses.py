@@ -46,27 +46,57 @@ def test_torch_reference_is_the_layout_change(W):
 
 
 @pytest.mark.parametrize("direction", ["seq_to_head", "head_to_seq"])
-@pytest.mark.parametrize("W, B, S, H, D", [(1, 2, 6, 3, 4), (2, 3, 10, 4, 2), (4, 1, 8, 8, 3)])
-def test_the_kernels_row_offsets_make_the_reference(direction, W, B, S, H, D):
-    """The exchange emulated with the kernel's own offset arithmetic (rank ``me`` puts row
-    ``r`` of its input for ``p`` into ``p``'s output) gives the reference on every rank."""
-    from tilescale_examples.sequence.ulysses import head_sharded_offset, seq_sharded_offset
+@pytest.mark.parametrize("W, B, S, H, D, chunk", [(1, 2, 6, 3, 4, 4), (2, 3, 10, 4, 2, 2), (2, 3, 10, 4, 2, 7),
+                                                  (4, 1, 8, 8, 3, 1), (2, 4, 4, 2, 2, 3), (2, 4, 4, 2, 2, 8)])
+def test_the_kernels_strided_copies_make_the_reference(direction, W, B, S, H, D, chunk):
+    """The exchange emulated with the kernel's own arithmetic (block ``(c, p)`` of rank ``me``
+    splits its chunk's rows at batch entries, :func:`batch_segment`, and copies each piece as
+    rows of ``HP * D`` elements, ``H * D`` apart on the sequence-sharded side and ``HP * D`` on
+    the head-sharded one, from the offsets of its first row) gives the reference on every
+    rank, for chunks shorter and longer than a batch entry's rows."""
+    from tilescale_examples.sequence.ulysses import (batch_segment, batch_segments, head_sharded_offset,
+                                                     seq_sharded_offset)
 
-    SP, HP, ROW = S // W, H // W, H // W * D
+    SP, HP, ROW, R = S // W, H // W, H // W * D, B * S // W
+    chunks = -(-R // chunk)
     xs, _ = _local_inputs(W, B, S, H, D, direction)
     outs = [torch.full((xs[0].numel(),), -1, dtype=xs[0].dtype) for _ in range(W)]
     for me in range(W):
         flat = xs[me].reshape(-1)
         for p in range(W):
-            for r in range(B * SP):
-                if direction == "seq_to_head":
-                    src, dst = seq_sharded_offset(r, p, H, HP, D), head_sharded_offset(r, me, S, SP, HP, D)
-                else:
-                    src, dst = head_sharded_offset(r, p, S, SP, HP, D), seq_sharded_offset(r, me, H, HP, D)
-                outs[p][dst:dst + ROW] = flat[src:src + ROW]
+            for c in range(chunks):
+                first, end = c * chunk, min(c * chunk + chunk, R)
+                for k in range(batch_segments(B, chunk, SP)):
+                    lo, hi = batch_segment(first, end, k, SP)
+                    if direction == "seq_to_head":
+                        src, dst = seq_sharded_offset(lo, p, H, HP, D), head_sharded_offset(lo, me, S, SP, HP, D)
+                        src_stride, dst_stride = H * D, ROW
+                    else:
+                        src, dst = head_sharded_offset(lo, p, S, SP, HP, D), seq_sharded_offset(lo, me, H, HP, D)
+                        src_stride, dst_stride = ROW, H * D
+                    for i in range(hi - lo):
+                        at, to = src + i * src_stride, dst + i * dst_stride
+                        assert (outs[p][to:to + ROW] == -1).all(), "a row written twice"
+                        outs[p][to:to + ROW] = flat[at:at + ROW]
     for p in range(W):
         want = torch_reference(xs, p, direction)
         assert torch.equal(outs[p].view(want.shape), want), (p, direction)
+
+
+def test_batch_segments_cover_a_chunk_once():
+    from tilescale_examples.sequence.ulysses import batch_segment, batch_segments
+
+    for B, SP in ((1, 5), (3, 4), (5, 1), (4, 7)):
+        R = B * SP
+        for chunk in range(1, R + 1):
+            n = batch_segments(B, chunk, SP)
+            assert n <= B
+            for first in range(0, R, chunk):
+                end = min(first + chunk, R)
+                pieces = [batch_segment(first, end, k, SP) for k in range(n)]
+                rows = [r for lo, hi in pieces for r in range(lo, hi)]
+                assert rows == list(range(first, end)), (B, SP, chunk, first, pieces)
+                assert all(lo // SP == (hi - 1) // SP for lo, hi in pieces if lo < hi)  # one batch entry each
 
 
 def _source(direction, B=2, S=1000, H=16, D=64, W=4, threads=256):
@@ -77,26 +107,31 @@ def _source(direction, B=2, S=1000, H=16, D=64, W=4, threads=256):
 def test_generated_cuda_puts_each_row_in_its_place():
     body, C, CH = _source("seq_to_head")
     assert "ulysses_seq_to_head_kernel(" in body
-    put = body[body.index("tilescale::put_warp<4, false>("):]
+    # a chunk of 63 rows touches at most 2 of the 250-row batch entries: one strided copy each
+    assert (C, CH) == (8, 63) and "for (int k = 0; k < 2; ++k) {" in body
+    put = body[body.index("tilescale::put_rows_block<8>("):]
     put = put[:put.index(";")]
-    # one row of HP * D = 256 elements (512 bytes) per warp, to rank p = blockIdx.y; from heads
-    # [p HP, (p+1) HP) of row r (r * H * D + p * 256), to position me * SP + r % SP of batch r / SP
-    # on p (S * HP * D = 256000 elements per batch, SP * HP * D = 64000 per rank)
-    assert put.endswith(", (uint64_t)512, ((int)blockIdx.y))")
-    assert "(((int)blockIdx.y) * 256))])), (&(Out[" in put
-    assert "/ (int64_t)250) * (int64_t)256000)" in put and "(((int64_t)me) * (int64_t)64000)" in put
-    assert "% (int64_t)250) * (int64_t)256))" in put
+    # rows of HP * D = 256 elements (512 bytes), to rank p = blockIdx.y; from heads [p HP, (p+1)
+    # HP) of the segment's first row lo (lo * H * D + p * 256; rows H * D = 1024 elements = 2048
+    # bytes apart), to position me * SP + lo % SP of batch entry lo / SP on p (S * HP * D =
+    # 256000 elements per batch entry, SP * HP * D = 64000 per rank; rows 512 bytes apart)
+    assert put.endswith(", (uint64_t)512, (uint64_t)2048, (uint64_t)512, ((int)blockIdx.y))")
+    assert "(((int64_t)lo) * (int64_t)1024) + (((int64_t)((int)blockIdx.y)) * (int64_t)256))])), (&(Out[" in put
+    assert "/ (int64_t)250) * (int64_t)256000)" in put and "(((int64_t)me) * (int64_t)64000))" in put
+    assert "% (int64_t)250) * (int64_t)256))" in put and "checked_count((hi - lo)" in put
     # the all-gather's protocol: ready signal and wait, a barrier after the puts, the data
     # signal (a release) and its acquire wait, the call counter on the device
     assert body.count("tilescale::signal_op<true>(") == 2 and body.count("tilescale::wait_until<") == 2
     assert body.count("__syncthreads();") == 2 and "State[" in body
     other, _, _ = _source("head_to_seq")
     assert "ulysses_head_to_seq_kernel(" in other
-    put = other[other.index("tilescale::put_warp<4, false>("):]
+    put = other[other.index("tilescale::put_rows_block<8>("):]
     put = put[:put.index(";")]
-    # the inverse: from positions [p SP, (p+1) SP) of this rank's heads, to heads [me HP, ...) on p
-    assert "/ 250) * 256000) + (((int)blockIdx.y) * 64000))" in put and "(((int64_t)me) * (int64_t)256))])" in put
-    assert put.endswith(", (uint64_t)512, ((int)blockIdx.y))")
+    # the inverse: from positions [p SP, (p+1) SP) of this rank's heads (rows 512 bytes apart),
+    # to heads [me HP, ...) on p (rows 2048 bytes apart)
+    assert "(((int64_t)((int)blockIdx.y)) * (int64_t)64000))" in put
+    assert "(&(Out[((((int64_t)lo) * (int64_t)1024) + (((int64_t)me) * (int64_t)256))])" in put
+    assert put.endswith(", (uint64_t)512, (uint64_t)512, (uint64_t)2048, ((int)blockIdx.y))")
 
 
 def test_kernel_rejects_a_plan_that_does_not_tile_the_rows():

@@ -18,8 +18,10 @@ W``), both layouts are ``(batch, seq, heads, D)`` (flash-attention's ``bshd``)::
 Rank ``me`` sends rank ``p`` the rows ``(b, s)`` of heads ``[p HP, (p+1) HP)`` (``seq_to_head``;
 ``head_to_seq``: of positions ``[p SP, (p+1) SP)``): ``B * SP`` runs of ``HP * D`` contiguous
 elements each, on both sides. The kernel's grid is ``chunks x W`` blocks; block ``(c, p)``
-moves chunk ``c`` of those rows to rank ``p``, one row per warp at a time (``T.put_warp``),
-then releases a data flag on ``p`` and acquires ``p``'s flag for the same chunk. The protocol
+moves chunk ``c`` of those rows to rank ``p`` with all its threads at once
+(``T.put_rows_block``: the rows of one batch entry are evenly spaced on both sides, and each
+thread keeps :data:`UNROLL` words in flight across rows, so short rows cost no extra round
+trips), then releases a data flag on ``p`` and acquires ``p``'s flag for the same chunk. The protocol
 is the all-gather's (:mod:`tilescale_examples.collectives.allgather`: a ready handshake per
 block before its puts, so back-to-back calls need no host synchronisation; per-block call
 counters on the device, so CUDA graph replays are correct). The input is read in place (any
@@ -38,12 +40,16 @@ from tilescale_examples.base import DTYPES
 from tilescale_examples.collectives.put_exchange import PutExchange, await_chunk, claim_slot
 
 __all__ = ["UlyssesAllToAll", "build_ulysses_kernel", "torch_reference", "global_sizes", "output_shape",
-           "seq_sharded_offset", "head_sharded_offset", "DIRECTIONS", "MIN_CHUNK_BYTES"]
+           "seq_sharded_offset", "head_sharded_offset", "batch_segments", "batch_segment", "DIRECTIONS", "MIN_CHUNK_BYTES", "UNROLL"]
 
 #: Values of ``direction``.
 DIRECTIONS = ("seq_to_head", "head_to_seq")
-#: Smallest piece (bytes) a block is given before the grid grows.
-MIN_CHUNK_BYTES = 64 * 1024
+#: Smallest piece (bytes) a block is given before the grid grows: a quarter of one round of a
+#: 512-thread block's loads (UNROLL words of 16 bytes per thread), so that a 4 MiB exchange
+#: with 8 ranks fills every SM instead of half of them.
+MIN_CHUNK_BYTES = 16 * 1024
+#: Words (16 bytes each when aligned) each thread loads before storing them.
+UNROLL = 8
 
 
 def global_sizes(shape, world_size: int, direction: str):
@@ -77,6 +83,21 @@ def head_sharded_offset(r, q, S: int, SP: int, HP: int, D: int):
     return (r // SP * S + q * SP + r % SP) * (HP * D)
 
 
+def batch_segments(batch: int, chunk: int, seq_shard: int) -> int:
+    """How many batch entries a run of ``chunk`` consecutive rows can touch (at most ``batch``),
+    with ``seq_shard`` rows per batch entry: the kernel's strided copies per block."""
+    return min(batch, (chunk + seq_shard - 2) // seq_shard + 1)
+
+
+def batch_segment(first, end, k, seq_shard: int, maximum=max, minimum=min) -> tuple:
+    """Rows ``[lo, hi)`` of the ``k``-th batch entry that the chunk rows ``[first, end)`` touch
+    (empty when ``hi <= lo``); within it both layouts space the rows evenly. Ints, or TIR
+    expressions with ``maximum=T.max, minimum=T.min`` (the kernel's bounds and the tests'
+    emulation are the same arithmetic)."""
+    entry = first // seq_shard + k
+    return maximum(first, entry * seq_shard), minimum(end, (entry + 1) * seq_shard)
+
+
 def build_ulysses_kernel(batch: int, seq_len: int, num_heads: int, head_dim: int, world_size: int, dtype: str,
                          direction: str, chunks: int, chunk: int, threads: int = 512):
     """The Ulysses all-to-all ``T.prim_func``: ``(In: (B * SP * H * D,), Out: (B * SP * H *
@@ -93,8 +114,8 @@ def build_ulysses_kernel(batch: int, seq_len: int, num_heads: int, head_dim: int
     R, ROW, N = B * SP, HP * D, B * S * H * D // W
     if (C - 1) * CH >= R or C * CH < R:
         raise ValueError(f"chunks={C} x chunk={CH} does not tile the {R} rows (use plan_chunks)")
-    NW, READY = threads // 32, W * C
-    to_heads = direction == "seq_to_head"
+    READY, to_heads = W * C, direction == "seq_to_head"
+    SEGMENTS = batch_segments(B, CH, SP)  # one strided copy per batch entry a chunk touches
 
     def by_seq(r, q):
         return seq_sharded_offset(r, q, H, HP, D)
@@ -107,19 +128,26 @@ def build_ulysses_kernel(batch: int, seq_len: int, num_heads: int, head_dim: int
                 State: T.Tensor((W * C,), "int64")):
         with T.Kernel(C, W, threads=threads) as (c, p):
             tx = T.get_thread_binding()
-            warp = tx // 32
             me = T.get_rank()
             epoch = T.alloc_var("int64")
             epoch = State[p * C + c] + 1  # this call's number (the add below does not wait for it)
             claim_slot(Flags, READY, C, c, p, me, tx, variable(epoch))
-            for j in T.serial((CH + NW - 1) // NW):
-                r = c * CH + j * NW + warp
-                if j * NW + warp < CH and r < R:
+            first = c * CH
+            end = T.min(first + CH, R)
+            # Variables, not expressions: TileLang 0.1.15's pointer-type pass fails ("Can't fetch the
+            # lanes of a scalable vector") on offsets that fold into a product with a constant factor
+            # of 32768 or more modulo 65536 (docs/lang.md).
+            lo, hi = T.alloc_var("int32"), T.alloc_var("int32")
+            for k in T.serial(SEGMENTS):  # the chunk's rows of each batch entry: strided on one side
+                lo, hi = batch_segment(first, end, k, SP, T.max, T.min)
+                if lo < hi:
                     if to_heads:
-                        T.put_warp(T.address_of(In[by_seq(r, p)]), T.address_of(Out[by_heads(r, me)]), ROW, dst_pe=p)
+                        T.put_rows_block(T.address_of(In[by_seq(lo, p)]), T.address_of(Out[by_heads(lo, me)]), hi - lo,
+                                         ROW, H * D, ROW, dst_pe=p, unroll_factor=UNROLL)
                     else:
-                        T.put_warp(T.address_of(In[by_heads(r, p)]), T.address_of(Out[by_seq(r, me)]), ROW, dst_pe=p)
-            T.sync_threads()  # every warp's rows are stored before the release below
+                        T.put_rows_block(T.address_of(In[by_heads(lo, p)]), T.address_of(Out[by_seq(lo, me)]), hi - lo,
+                                         ROW, ROW, H * D, dst_pe=p, unroll_factor=UNROLL)
+            T.sync_threads()  # every thread's words are stored before the release below
             if tx == 0:
                 T.signal_op(Flags[me * C + c], 1, "add", p)  # release: chunk c of my rows is on p
             await_chunk(Flags, State, C, c, p, tx, variable(epoch))
@@ -158,11 +186,11 @@ class UlyssesAllToAll(PutExchange):
         dtype: torch dtype (or its name): float16, bfloat16, float32, float64, int8, uint8,
             int16, int32 or int64.
         world_size: number of ranks; defaults to ``allocator.num_ranks`` and must equal it.
-        algorithm: ``"auto"`` or ``"sm"`` (the put_warp kernel; the only one).
+        algorithm: ``"auto"`` or ``"sm"`` (the put_rows_block kernel; the only one).
         direction: ``"seq_to_head"`` (output ``(B, S, H/W, D)``) or ``"head_to_seq"`` (output
             ``(B, S/W, H, D)``).
         group: process group for the constructor's barrier and the compile's ``compile_group``.
-        threads: threads per block (multiple of 32, at most 1024): one row per warp at a time.
+        threads: threads per block (multiple of 32, at most 1024), all moving the chunk's rows.
         max_blocks: grid cap (all blocks must be co-resident); default the device's SM count.
         min_chunk_bytes: smallest piece a block is given before the grid grows.
         target: TileLang target (default ``sm_90a``).
