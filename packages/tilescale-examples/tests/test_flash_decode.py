@@ -19,7 +19,8 @@ from examples_helpers import (CpuAllocator, LaunchRecorder, check_gpu_ranks, clo
 
 from tilescale_examples import ClosedError
 from tilescale_examples.sequence.flash_decode import (BLOCK_N, SPFlashDecode, build_decode_combine_kernel,
-                                                      build_decode_partial_kernel, combine_reference,
+                                                      build_decode_partial_kernel, combine_heads_per_block,
+                                                      combine_reference,
                                                       partial_reference, rounds_combine_reference, torch_reference)
 
 
@@ -106,6 +107,23 @@ def test_generated_cuda():
     assert "for (int r = 0; r < 2; ++r)" in two and "for (int u = 0; u < 20; ++u)" in two and "< 40" not in two
     odd = lower_with(build_decode_combine_kernel(1, 37, 1, 8, 64), {})
     assert "for (int u = 0; u < 19; ++u)" in odd and "< 37)" in odd
+    # 4 heads per 512-thread block: head 4 * blockIdx.x + threadIdx.x / 128, its channel threadIdx.x % 128
+    packed = lower_with(build_decode_combine_kernel(1, 1, 64, 32, 128, heads_per_block=4), {})
+    assert "__launch_bounds__(512" in packed
+    assert "lse[0] = G[((((((int)blockIdx.y) * 32) + (((int)blockIdx.x) * 4)) + (((int)threadIdx.x) >> 7)) + 262144)];" in packed
+    assert "val[0] = G[(((((int)blockIdx.y) * 4096) + (((int)blockIdx.x) * 512)) + ((int)threadIdx.x))];" in packed
+    assert "if ((((int)threadIdx.x) % 128) == 0) {" in packed
+
+
+def test_combine_packs_heads_when_the_grid_is_large():
+    # batch 64 x 32 heads: 512 blocks of 4 heads, not 2048 of one; batch 16: 256 of 2; batch 1: one head each
+    assert [combine_heads_per_block(b, 32, 128) for b in (1, 8, 16, 64)] == [1, 1, 2, 4]
+    assert combine_heads_per_block(64, 6, 128) == 1 and combine_heads_per_block(128, 6, 128) == 2  # 6 % 4 != 0
+    assert combine_heads_per_block(64, 32, 256) == 2  # at most 512 threads per block
+    with pytest.raises(ValueError, match="heads_per_block=3 must divide heads=32"):
+        build_decode_combine_kernel(1, 1, 64, 32, 128, heads_per_block=3)
+    with pytest.raises(ValueError, match="heads_per_block=8 must divide heads=32 with head_dim"):
+        build_decode_combine_kernel(1, 1, 64, 32, 256, heads_per_block=8)
 
 
 @needs_nvcc
@@ -197,6 +215,7 @@ GPU_CASES = [  # batch, heads, kv_heads, seq_local, head_dim, dtype
     (2, 32, 8, 1024, 128, torch.bfloat16),
     (1, 16, 16, 512, 64, torch.float16),
     (3, 8, 1, 256, 256, torch.bfloat16),
+    (16, 32, 8, 256, 64, torch.bfloat16),  # the combine packs 2 heads per block
 ]
 
 

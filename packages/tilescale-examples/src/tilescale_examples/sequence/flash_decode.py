@@ -43,7 +43,8 @@ from tilescale_examples.sequence.flash_attention import (LN2, LOG2E, attention_b
                                                          check_scale, softmax_tile, start_rows, tile_scores)
 
 __all__ = ["SPFlashDecode", "build_decode_partial_kernel", "build_decode_combine_kernel", "partial_reference",
-           "combine_reference", "rounds_combine_reference", "torch_reference", "BLOCK_H", "BLOCK_N", "COMBINE_ROUND"]
+           "combine_reference", "rounds_combine_reference", "torch_reference", "combine_heads_per_block", "BLOCK_H",
+           "BLOCK_N", "COMBINE_ROUND", "COMBINE_MIN_BLOCKS"]
 
 #: Query heads per partial block (the tensor cores' rows; a kv head's group is padded to it).
 BLOCK_H = 64
@@ -101,13 +102,26 @@ def build_decode_partial_kernel(batch: int, heads: int, kv_heads: int, seq_local
 #: Partials the combine loads per round (all of a round's loads in flight at once, held in
 #: registers: two floats per partial and thread).
 COMBINE_ROUND = 32
+#: Blocks the combine's grid keeps before it packs several heads into one block: a grid of
+#: thousands of one-head blocks (batch 64 x 32 heads) pays for every block's start.
+COMBINE_MIN_BLOCKS = 256
+
+
+def combine_heads_per_block(batch: int, heads: int, head_dim: int) -> int:
+    """Heads per combine block: the largest of 4 and 2 that divides ``heads``, keeps a block at
+    most 512 threads and leaves at least :data:`COMBINE_MIN_BLOCKS` blocks; else 1."""
+    for hb in (4, 2):
+        if heads % hb == 0 and head_dim * hb <= 512 and heads // hb * batch >= COMBINE_MIN_BLOCKS:
+            return hb
+    return 1
 
 
 def build_decode_combine_kernel(world_size: int, splits: int, batch: int, heads: int, head_dim: int,
-                                dtype: str = "bfloat16"):
+                                dtype: str = "bfloat16", heads_per_block: int = 1):
     """``decode_combine(G, O, LSE)``: ``G (W, splits * B * H * (D + 1))`` every rank's partial
     buffer (:func:`build_decode_partial_kernel`'s layout) -> ``O (B, H, D)`` in ``dtype``,
-    ``LSE (B, H)`` float32. Grid ``H x B``, one thread per channel.
+    ``LSE (B, H)`` float32. Grid ``H / heads_per_block x B``, one thread per channel of each of
+    the block's heads (:func:`combine_heads_per_block` picks the op's).
 
     The ``W * splits`` partials of a (sequence, head) are taken in rank-then-split order, in
     rounds of at most :data:`COMBINE_ROUND`: a round issues every load (each partial's
@@ -118,6 +132,9 @@ def build_decode_combine_kernel(world_size: int, splits: int, batch: int, heads:
     nothing). The result is ``o / s`` and ``LSE = m + ln(s)``: :func:`rounds_combine_reference`
     is the same arithmetic in torch."""
     acc = "float32"
+    HB = heads_per_block
+    if HB < 1 or heads % HB or head_dim * HB > 1024:
+        raise ValueError(f"heads_per_block={HB} must divide heads={heads} with head_dim * heads_per_block <= 1024")
     parts = world_size * splits
     rounds = -(-parts // COMBINE_ROUND)
     per_round = -(-parts // rounds)
@@ -127,8 +144,10 @@ def build_decode_combine_kernel(world_size: int, splits: int, batch: int, heads:
     @T.prim_func
     def decode_combine(G: T.Tensor((world_size, total), acc), O: T.Tensor((batch, heads, head_dim), dtype),
                        LSE: T.Tensor((batch, heads), acc)):
-        with T.Kernel(heads, batch, threads=head_dim) as (h, b):
-            d = T.get_thread_binding()
+        with T.Kernel(heads // HB, batch, threads=head_dim * HB) as (hb, b):
+            tx = T.get_thread_binding()
+            h = hb * HB + tx // head_dim
+            d = tx % head_dim
             lse = T.alloc_local((per_round,), acc)
             val = T.alloc_local((per_round,), acc)
             m = T.alloc_local((1,), acc)
@@ -280,8 +299,9 @@ class SPFlashDecode(AttentionOp):
         name = DTYPES[self.dtype]
         self.kernel = self._compile_plain(lambda: build_decode_partial_kernel(
             batch, heads, kv_heads, seq_local, head_dim, self.splits, self.scale, name), target)
+        self.combine_heads_per_block = combine_heads_per_block(batch, heads, head_dim)
         self.combine_kernel = self._compile_plain(lambda: build_decode_combine_kernel(
-            self.world_size, self.splits, batch, heads, head_dim, name), target)
+            self.world_size, self.splits, batch, heads, head_dim, name, self.combine_heads_per_block), target)
 
     @staticmethod
     def torch_reference(inputs, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
