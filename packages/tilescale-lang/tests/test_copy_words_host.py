@@ -18,7 +18,8 @@ import tilescale_lang
 HEADER = Path(tilescale_lang.__file__).parent / "include" / "tilescale" / "copy.cuh"
 COMPILER = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
-HARNESS = r"""
+#: The harnesses' common start: a word type that counts the stores into the destination under test.
+RECORDING_WORD = r"""
 #include <cstdio>
 #include <vector>
 #define TILESCALE_DEVICE inline
@@ -36,6 +37,9 @@ struct Word {
     return *this;
   }
 };
+"""
+
+HARNESS = RECORDING_WORD + r"""
 
 %(copy_words)s
 
@@ -88,33 +92,16 @@ int main() {
 """
 
 
-def copy_words_source(name: str = "copy_words") -> str:
-    """The template ``name`` (``copy_words``, ``copy_rows_words``) as the header defines it,
-    inside its namespace."""
+def copy_words_source(name: str = "copy_words", params: str = "typename W, int UNROLL") -> str:
+    """The template ``name`` (``copy_words``, ``copy_rows_words``, ``coop_copy_rows`` with
+    ``params="int UNROLL"``) as the header defines it, inside its namespace."""
     text = HEADER.read_text(encoding="utf-8")
-    start = text.index(f"template <typename W, int UNROLL>\nTILESCALE_DEVICE void {name}(")
+    start = text.index(f"template <{params}>\nTILESCALE_DEVICE void {name}(")
     end = text.index("\n}\n", start) + 3
     return "namespace tilescale {\n" + text[start:end] + "}  // namespace tilescale\n"
 
 
-ROWS_HARNESS = r"""
-#include <cstdio>
-#include <vector>
-#define TILESCALE_DEVICE inline
-
-// A word that records every store into the destination under test.
-struct Word;
-static Word* g_dst = nullptr;
-static std::vector<int>* g_writes = nullptr;
-static unsigned long long g_cap = 0;
-struct Word {
-  long long v;
-  Word& operator=(const Word& o) {
-    v = o.v;
-    if (g_dst && this >= g_dst && this < g_dst + g_cap) ++(*g_writes)[this - g_dst];
-    return *this;
-  }
-};
+ROWS_HARNESS = RECORDING_WORD + r"""
 
 %(copy_rows_words)s
 
@@ -219,14 +206,6 @@ int main() {
 """
 
 
-def coop_copy_rows_source() -> str:
-    """The ``coop_copy_rows`` dispatcher as the header defines it, inside its namespace."""
-    text = HEADER.read_text(encoding="utf-8")
-    start = text.index("template <int UNROLL>\nTILESCALE_DEVICE void coop_copy_rows(")
-    end = text.index("\n}\n", start) + 3
-    return "namespace tilescale {\n" + text[start:end] + "}  // namespace tilescale\n"
-
-
 def _build_and_run(tmp_path, name: str, source: str) -> str:
     """Compile ``source`` with the host compiler and run it; its standard output."""
     cpp = tmp_path / f"{name}.cpp"
@@ -266,6 +245,6 @@ def test_copy_rows_picks_a_legal_word_at_every_alignment_on_the_host(tmp_path):
     """Misaligned pointers, odd row sizes and strides: the strided copy's word choice (16, 8,
     4, 2 or 1 bytes) moves exactly the rows' bytes."""
     source = BYTES_HARNESS % {"copy_rows_words": copy_words_source("copy_rows_words"),
-                              "coop_copy_rows": coop_copy_rows_source()}
+                              "coop_copy_rows": copy_words_source("coop_copy_rows", "int UNROLL")}
     out = _build_and_run(tmp_path, "coop_copy_rows", source)
     assert ", 0 bad" in out, out
