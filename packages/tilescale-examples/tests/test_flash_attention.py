@@ -91,8 +91,9 @@ def test_generated_cuda_uses_wgmma_and_base_2(causal):
     src = lower_with(build_flash_attention_kernel(1, 8, 2, 1024, 2048, 128, causal, 128 ** -0.5), {})
     assert "wgmma" in src.lower() and "exp2" in src and "log2" in src
     # 16 key tiles; a causal query block stops after its diagonal's tile: ceil((q_start + (bx + 1) * 128) / 128),
-    # q_start = Skv - Sq given at launch (the queries are the last positions)
-    bound = "kb < min(16, (((q_start + 255) >> 7) + ((int)blockIdx.x)))" if causal else "kb < 16"
+    # q_start = Skv - Sq given at launch (the queries are the last positions); causal grids run the query
+    # blocks last to first (bx = 7 - blockIdx.x: the heaviest first)
+    bound = "kb < min(16, (((q_start + 1151) >> 7) - ((int)blockIdx.x)))" if causal else "kb < 16"
     assert f"for (int kb = 0; {bound}; ++kb)" in src
 
 
@@ -105,7 +106,7 @@ def test_a_tail_tile_masks_its_keys_and_guards_its_rows():
         return lines[next(n for n, line in enumerate(lines) if "float condval;" in line) + 1]
 
     src = lower_with(build_flash_attention_kernel(1, 4, 2, 1000, 1000, 128, True, 128 ** -0.5), {})
-    assert "for (int kb = 0; kb < min(8, (((q_start + 255) >> 7) + ((int)blockIdx.x))); ++kb)" in src
+    assert "for (int kb = 0; kb < min(8, (((q_start + 1151) >> 7) - ((int)blockIdx.x))); ++kb)" in src
     assert "q_start" in mask(src) and "&&" in mask(src)  # causal and before the end
     lse = src.index("LSE[")
     assert "if (" in src[src.rindex("\n", 0, src.rindex("\n", 0, lse)):lse]  # a guarded store

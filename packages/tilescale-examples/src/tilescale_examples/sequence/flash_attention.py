@@ -190,6 +190,7 @@ def build_attention_kernel(world_size: int, batch: int, seq_q: int, seq_kv: int,
     key_end = None if seq_kv % block_n == 0 else seq_kv  # a tail: keys past the end masked
     chunk = seq_kv // 2
     tiles_per_chunk = chunk // block_n
+    m_blocks = -(-seq_q // block_m)
 
     @T.prim_func
     def attention(Q: T.Tensor((batch, seq_q, heads, head_dim), dtype),
@@ -197,7 +198,9 @@ def build_attention_kernel(world_size: int, batch: int, seq_q: int, seq_kv: int,
                   V: T.Tensor((world_size, batch, seq_kv, kv_heads, head_dim), dtype),
                   O: T.Tensor((batch, seq_q, heads, head_dim), dtype),
                   LSE: T.Tensor((batch, heads, seq_q), acc), q_start: T.int32):
-        with T.Kernel(T.ceildiv(seq_q, block_m), heads, batch, threads=threads) as (bx, by, bz):
+        with T.Kernel(m_blocks, heads, batch, threads=threads) as (block, by, bz):
+            # causal: the last queries' blocks (the most key tiles) first, so that the grid ends on light blocks
+            bx = m_blocks - 1 - block if causal else block
             buffers = attention_buffers(block_m, block_n, head_dim, dtype)
             q_tile, out, row_max, denom = buffers[0], buffers[5], buffers[6], buffers[10]
             kv_head = by // groups
