@@ -11,10 +11,11 @@ fresh random inputs and poisoned outputs, on a side stream and replayed from a C
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
-from examples_helpers import lower_with, needs_nvcc
+from examples_helpers import exits_naming, lower_with, needs_nvcc
 
 from tilescale_examples.sequence.flash_attention import (build_flash_attention_kernel, default_tiles,
                                                          flash_attention, torch_reference)
@@ -185,6 +186,21 @@ def test_benchmark_flops_and_goal():
 
     assert flops(1, 32, 4096, 128, False) == 4.0 * 32 * 4096 * 4096 * 128
     assert flops(1, 32, 4096, 128, True) == flops(1, 32, 4096, 128, False) / 2
-    rows = [[4096, False, 100.0, 90.0, 120.0, 500.0, 550.0, 0.9, "ok"], [4096, True, 60.0, "-", "-", 400.0, "-", "-", "ok"]]
+    rows = [[4096, False, 100.0, 90.0, 120.0, 500.0, 550.0, 0.9, "128x128:2:256", "ok"],
+            [4096, True, 60.0, "-", "-", 400.0, "-", "-", "128x128:2:256", "ok"]]
     assert goal_lines(rows) == ["worst tilescale vs best torch backend: 0.900 (goal >= 0.9)"]
     assert goal_lines(rows[1:]) == ["worst tilescale vs best torch backend: not measured"]
+
+
+def test_benchmark_tiles_option(capsys):
+    from tilescale_examples.benchmarks.attention import main, parse_tiles, tiles_label
+    from tilescale_examples.sequence.flash_attention import check_tiles
+
+    assert parse_tiles("128x64") == {"block_m": 128, "block_n": 64}
+    assert parse_tiles("64x128:3:128") == {"block_m": 64, "block_n": 128, "num_stages": 3, "threads": 128}
+    assert tiles_label(check_tiles(parse_tiles("128x64:1"), 128)) == "128x64:1:256"  # threads: the default
+    for bad, words in (("128x64x64", "BMxBN[:STAGES[:THREADS]]"), ("128x64:1:128:4", "BMxBN[:STAGES[:THREADS]]"),
+                       ("128xa", "ints only")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            parse_tiles(bad)
+    exits_naming(main, ["--tiles", "128x64", "64"], "--tiles must be BMxBN[:STAGES[:THREADS]], got '64'", capsys)

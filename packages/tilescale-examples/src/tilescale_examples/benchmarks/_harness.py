@@ -171,22 +171,25 @@ def emulated_device(p: argparse.ArgumentParser, args: argparse.Namespace, what: 
     return torch.device("cuda", torch.cuda.current_device())
 
 
-#: How a ``--tiles`` string names its fields after the three block sizes.
+#: How a ``--tiles`` string names its fields after the block sizes.
 _TILE_SUFFIXES = ("STAGES", "THREADS", "SWIZZLE")
+#: The block sizes' names in a ``--tiles`` string, by count.
+_TILE_BLOCKS = {2: "BMxBN", 3: "BMxBNxBK"}
 
 
-def tile_fields(text: str, names) -> dict:
-    """A ``--tiles BMxBNxBK[:STAGES[:THREADS[:SWIZZLE]]]`` string as ``{name: int}`` for the
-    fields it gives, ``names`` the field names in the string's order (three block sizes, then
-    at most ``len(names) - 3`` more); ``ValueError`` naming the argument when malformed."""
-    extra = len(names) - 3
-    form = "BMxBNxBK" + "".join(f"[:{s}" for s in _TILE_SUFFIXES[:extra]) + "]" * extra
+def tile_fields(text: str, names, blocks: int = 3) -> dict:
+    """A ``--tiles BMxBNxBK[:STAGES[:THREADS[:SWIZZLE]]]`` string (``blocks=2``:
+    ``BMxBN[:STAGES[:THREADS]]``) as ``{name: int}`` for the fields it gives, ``names`` the
+    field names in the string's order (the block sizes, then at most ``len(names) - blocks``
+    more); ``ValueError`` naming the argument when malformed."""
+    extra = len(names) - blocks
+    form = _TILE_BLOCKS[blocks] + "".join(f"[:{s}" for s in _TILE_SUFFIXES[:extra]) + "]" * extra
     parts = text.split(":")
-    blocks = parts[0].split("x")
-    if len(blocks) != 3 or len(parts) > 1 + extra:
+    sizes = parts[0].split("x")
+    if len(sizes) != blocks or len(parts) > 1 + extra:
         raise ValueError(f"--tiles must be {form}, got {text!r}")
     try:
-        values = [int(v) for v in blocks + parts[1:]]
+        values = [int(v) for v in sizes + parts[1:]]
     except ValueError:
         raise ValueError(f"--tiles must hold ints only, got {text!r}") from None
     return dict(zip(names, values))

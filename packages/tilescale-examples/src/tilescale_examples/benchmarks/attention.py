@@ -2,7 +2,7 @@
 
 ``python -m tilescale_examples.benchmarks.attention [--seq 4096 8192 16384 32768]
 [--batch 1] [--heads 32] [--kv-heads 32] [--head-dim 128] [--dtype bfloat16|float16]
-[--iters 20] [--out DIR]``
+[--tiles BMxBN[:STAGES[:THREADS]] ...] [--iters 20] [--out DIR]``
 
 For every sequence length, causal and not, on one GPU: GPU time per call of ``--iters``
 calls (each from an idle GPU, the median; ``_timing.local_ms``) of
@@ -14,7 +14,9 @@ calls (each from an idle GPU, the median; ``_timing.local_ms``) of
 
 and the TFLOP/s of each (``4 B H Sq Skv D`` floating-point operations, half of them for
 causal), and ``vs best``: best torch time / tilescale time (above 1: TileScale is faster).
-Before timing, TileScale's output is compared with the cuDNN (else flash, else math)
+``--tiles`` times TileScale's kernel with each tile program given (``block_m x block_n``, then
+optionally ``num_stages`` and ``threads``; the kernel's defaults for the fields left out), a
+row each, against the same torch times; ``tiles`` names the program of a row. Before timing, TileScale's output is compared with the cuDNN (else flash, else math)
 backend's at every size (bf16 tolerance); a failure is printed and makes the exit status 1.
 
 The goal (issue 44, one H200): at least 0.9 of the best torch backend's speed (printed last).
@@ -25,10 +27,10 @@ from __future__ import annotations
 from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import print_table, ratio
 
-__all__ = ["HEADERS", "GOAL", "flops", "run_case", "goal_lines", "main"]
+__all__ = ["HEADERS", "GOAL", "flops", "parse_tiles", "tiles_label", "run_case", "goal_lines", "main"]
 
 HEADERS = ["seq", "causal", "tilescale us", "cudnn us", "flash us", "tilescale TFLOP/s", "best torch TFLOP/s",
-           "vs best", "check"]
+           "vs best", "tiles", "check"]
 #: The goal: TileScale's kernel at least GOAL of the best torch backend's speed.
 GOAL = 0.9
 
@@ -52,19 +54,33 @@ def _sdpa(q, k, v, causal: bool, backend):
     return o.transpose(1, 2)
 
 
-def run_case(args, seq: int, causal: bool, device) -> tuple:
-    """``(row, failure or None)`` of one sequence length."""
+def parse_tiles(text: str) -> dict:
+    """``--tiles BMxBN[:STAGES[:THREADS]]`` as flash_attention's tile keywords (the fields left
+    out absent: the kernel's defaults); ``ValueError`` naming the argument when malformed."""
+    from tilescale_examples.sequence.flash_attention import TILE_OPTIONS
+
+    return _harness.tile_fields(text, TILE_OPTIONS, blocks=2)
+
+
+def tiles_label(tiles: dict) -> str:
+    """Tile keywords (all of them) as ``BMxBN:STAGES:THREADS``."""
+    return f"{tiles['block_m']}x{tiles['block_n']}:{tiles['num_stages']}:{tiles['threads']}"
+
+
+def run_case(args, seq: int, causal: bool, device, programs=({},)) -> tuple:
+    """``(rows, failures)`` of one sequence length: a row per tile program of ``programs``
+    (flash_attention's tile keywords; ``{}``: its defaults), each checked against torch and
+    timed against the same torch times."""
     import torch
     from torch.nn.attention import SDPBackend
 
-    from tilescale_examples.sequence.flash_attention import flash_attention
+    from tilescale_examples.sequence.flash_attention import check_tiles, flash_attention
 
     g = torch.Generator(device=device).manual_seed(seq + causal)
     dtype = getattr(torch, args.dtype)
     q = torch.randn((args.batch, seq, args.heads, args.head_dim), generator=g, device=device).to(dtype)
     k = torch.randn((args.batch, seq, args.kv_heads, args.head_dim), generator=g, device=device).to(dtype)
     v = torch.randn((args.batch, seq, args.kv_heads, args.head_dim), generator=g, device=device).to(dtype)
-    out, _ = flash_attention(q, k, v, causal=causal)
     times, reference = {}, None
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
                           ("math", SDPBackend.MATH)):
@@ -75,20 +91,26 @@ def run_case(args, seq: int, causal: bool, device) -> tuple:
         reference = o if reference is None else reference
         if name != "math":
             times[name] = _timing.local_ms(lambda b=backend: _sdpa(q, k, v, causal, b), args.iters)
-    out.fill_(float("nan"))
-    flash_attention(q, k, v, causal=causal, out=out)
-    torch.cuda.synchronize(device)
-    failure = None
-    if reference is None or not torch.allclose(out.float(), reference.float(), atol=2e-2, rtol=2e-2):
-        failure = f"seq {seq} causal {causal}: output differs from torch's" if reference is not None else \
-            f"seq {seq} causal {causal}: no torch backend ran"
-    ours = _timing.local_ms(lambda: flash_attention(q, k, v, causal=causal, out=out), args.iters)
     work = flops(args.batch, args.heads, seq, args.head_dim, causal)
     best = min(times.values()) if times else None
-    row = [seq, causal, ours * 1e3, times["cudnn"] * 1e3 if "cudnn" in times else "-",
-           times["flash"] * 1e3 if "flash" in times else "-", work / ours / 1e9,
-           work / best / 1e9 if best else "-", ratio(best, ours) if best else "-", "ok" if failure is None else "FAIL"]
-    return row, failure
+    rows, failures = [], []
+    for tiles in programs:
+        label = tiles_label(check_tiles(tiles, args.head_dim))
+        out = torch.full_like(q, float("nan"))
+        flash_attention(q, k, v, causal=causal, out=out, **tiles)
+        torch.cuda.synchronize(device)
+        bad = None
+        if reference is None:
+            bad = f"seq {seq} causal {causal}: no torch backend ran"
+        elif not torch.allclose(out.float(), reference.float(), atol=2e-2, rtol=2e-2):
+            bad = f"seq {seq} causal {causal} tiles {label}: output differs from torch's"
+        failures += [bad] if bad else []
+        ours = _timing.local_ms(lambda: flash_attention(q, k, v, causal=causal, out=out, **tiles), args.iters)
+        rows.append([seq, causal, ours * 1e3, times["cudnn"] * 1e3 if "cudnn" in times else "-",
+                     times["flash"] * 1e3 if "flash" in times else "-", work / ours / 1e9,
+                     work / best / 1e9 if best else "-", ratio(best, ours) if best else "-", label,
+                     "ok" if bad is None else "FAIL"])
+    return rows, failures
 
 
 def goal_lines(rows: list) -> list:
@@ -109,7 +131,13 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--iters", type=int, default=20, help="calls timed per case (median)")
+    p.add_argument("--tiles", nargs="+", default=None, metavar="BMxBN[:STAGES[:THREADS]]",
+                   help="tile programs of TileScale's kernel, a row each (default: its own)")
     args = _harness.parse_args(p, argv)
+    try:
+        programs = [parse_tiles(t) for t in args.tiles] if args.tiles else [{}]
+    except ValueError as exc:
+        p.error(str(exc))
     args.kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     if args.iters < 1 or args.batch < 1 or args.kv_heads < 1 or args.heads % args.kv_heads or any(s < 1 for s in args.seq):
         p.error("--iters, --batch, --seq and --kv-heads must be >= 1, and --heads a multiple of --kv-heads")
@@ -121,9 +149,9 @@ def main(argv=None) -> int:
     rows, failures = [], []
     for seq in args.seq:
         for causal in (False, True):
-            row, failure = run_case(args, seq, causal, device)
-            rows.append(row)
-            failures += [failure] if failure else []
+            case_rows, case_failures = run_case(args, seq, causal, device, programs)
+            rows += case_rows
+            failures += case_failures
     print_table(f"flash-attention forward vs torch scaled_dot_product_attention, {torch.cuda.get_device_name(device)}, "
                 f"batch {args.batch}, {args.heads} heads ({args.kv_heads} kv) of {args.head_dim}, {args.dtype}; "
                 f"median GPU time of {args.iters} calls", HEADERS, rows)
