@@ -158,9 +158,13 @@ def store_rows(O, LSE, buffers, batch_index, first_row, head, scale):
 
 
 def default_tiles(head_dim: int) -> dict:
-    """``block_m``, ``block_n``, ``num_stages`` and ``threads`` for a head dimension."""
+    """``block_m``, ``block_n``, ``num_stages`` and ``threads`` for a head dimension: 128 x 128
+    tiles and one stage up to head dim 128 (TileLang's producer warp group already overlaps the
+    K/V loads with the two consumer warp groups' work; a second stage was slower at every
+    sequence length but the longest in docs/benchmarks.md's tile rows), 128 x 64 and two
+    stages above."""
     if head_dim <= 128:
-        return {"block_m": 128, "block_n": 128, "num_stages": 2, "threads": 256}
+        return {"block_m": 128, "block_n": 128, "num_stages": 1, "threads": 256}
     return {"block_m": 128, "block_n": 64, "num_stages": 2, "threads": 256}
 
 
