@@ -24,12 +24,9 @@ while [[ $# -gt 0 ]]; do
 done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
-# first: the lean launcher's launch records (its GPU tests in tests-lang-new, then the launch
-# benchmark's host times), GemmAllReduce's GPU tests with its one-wave default tiles, then its
-# benchmark at 1-8 emulated ranks with them; the sequence-parallel GPU tests (SPFlashDecode's
-# one-round combine at worlds 1, 2, 4; its benchmark checked world 1 only)
-[[ " ${steps[*]} " == *" unverified "* ]] && steps=(tests-lang-new bench-launch tests-decode bench-gemm_allreduce
-                                                      tests-sequence)
+# first: the last two of tests-lang-new (upstream's NVSHMEM-path programs: a time limit cut the
+# run after 18 of its 20 tests)
+[[ " ${steps[*]} " == *" unverified "* ]] && steps=(tests-lang-new)
 logs=${OUT:-device-logs}
 mkdir -p "$logs"
 source .device/install.sh || exit 1
