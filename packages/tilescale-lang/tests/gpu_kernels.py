@@ -53,6 +53,27 @@ def copy_kernel(dtype: str):
     return _compile(("copy", dtype), build)
 
 
+def rows_copy_kernel(dtype: str):
+    """mode 0 put_rows_block (unroll 4), 1 get_rows_block (unroll 8): ``rows`` rows of ``row``
+    elements, ``ss`` / ``ds`` apart in A / B, from element ``off`` of both."""
+
+    def build():
+        @T.prim_func
+        def row_copies(A: T.Tensor((NMAX,), dtype), B: T.Tensor((NMAX,), dtype), rows: T.int32, row: T.int32,
+                       ss: T.int32, ds: T.int32, pe: T.int32, mode: T.int32, off: T.int32):
+            with T.Kernel(1, threads=256) as _:
+                _unused = T.alloc_local((1,), dtype)  # noqa: F841 (keeps dtype in the closure)
+                if mode == 0:
+                    T.put_rows_block(T.address_of(A[off]), T.address_of(B[off]), rows, row, ss, ds, dst_pe=pe)
+                else:
+                    T.get_rows_block(T.address_of(A[off]), T.address_of(B[off]), rows, row, ss, ds, src_pe=pe,
+                                     unroll_factor=8)
+
+        return row_copies
+
+    return _compile(("rows", dtype), build)
+
+
 def remote_copy_kernel():
     """T.copy with dst_pe (put through shared memory) and with src_pe (get), 2-D tiles."""
 
@@ -193,6 +214,7 @@ def rank_body(rank: int, world: int, cache_dir: str) -> dict:
     # run_ranks reports its traceback and stops the peers (a barrier here would pair with a
     # different collective on the peers and hang instead).
     _copies(rank, world, alloc, check, sync)
+    _row_copies(rank, world, alloc, check, sync)
     _remote_copy(rank, world, alloc, check, sync)
     _exchange(rank, world, alloc, check, sync)
     _barriers(rank, world, alloc, check, sync)
@@ -236,6 +258,41 @@ def _copies(rank, world, alloc, check, sync):
         k(A, B, 100, -1, 2, 0)
         sync()
         check(torch.equal(B[:100].cpu(), A[:100].cpu()), f"run-time pe=-1 local {dtype_name}")
+        sync()
+
+
+#: (rows, row, src stride, dst stride) of the strided copies: one word, rows narrower and wider
+#: than a round of 256 threads, gaps on either side, odd sizes (1-, 2-, 4-, 8-byte words) and
+#: a long run of 1 KiB rows (an all-to-all's head slices).
+ROW_CASES = [(1, 1, 1, 1), (3, 5, 7, 5), (7, 8, 8, 24), (40, 64, 512, 64), (40, 64, 64, 512), (129, 300, 301, 300),
+             (999, 520, 1040, 520)]
+
+
+def _row_copies(rank, world, alloc, check, sync):
+    import torch
+
+    prv, nxt = (rank - 1) % world, (rank + 1) % world
+    for dtype_name, tdtype in (("uint8", torch.uint8), ("float16", torch.float16), ("float32", torch.float32)):
+        k = rows_copy_kernel(dtype_name).initialize(allocator=alloc)
+        A = tilelang.tensor((NMAX,), tdtype, allocator=alloc)
+        B = tilelang.tensor((NMAX,), tdtype, allocator=alloc)
+        for step, (rows, row, ss, ds) in enumerate(ROW_CASES):
+            r = torch.arange(rows).repeat_interleave(row)
+            c = torch.arange(row).repeat(rows)
+            for off in (0, 1):
+                for mode in (0, 1):
+                    poison = torch.full((NMAX,), 7, dtype=tdtype)
+                    A.copy_(_random(NMAX, tdtype, _seed(20 + mode, rank, step)))
+                    B.copy_(poison)
+                    sync()
+                    k(A, B, rows, row, ss, ds, nxt if mode == 0 else prv, mode, off)
+                    sync()
+                    # put: my B holds prv's rows (prv put them); get: my B holds prv's rows (read from prv)
+                    expect = poison.clone()
+                    expect[off + r * ds + c] = _random(NMAX, tdtype, _seed(20 + mode, prv, step))[off + r * ss + c]
+                    got = B.cpu()
+                    check(torch.equal(got, expect), f"{('put', 'get')[mode]}_rows_block {dtype_name} rows={rows} "
+                          f"row={row} ss={ss} ds={ds} off={off} world={world}")
         sync()
 
 

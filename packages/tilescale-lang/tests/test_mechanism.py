@@ -187,11 +187,13 @@ def test_gpu_test_kernels_compile(tmp_path, monkeypatch):
         gpu_kernels.exchange_kernel(),
         gpu_kernels.barrier_blocks_kernel(),
         gpu_kernels.grid_barrier_kernel(),
+        gpu_kernels.rows_copy_kernel("uint8"),
         gpu_kernels.remote_copy_kernel(),
     ]
     for k in kernels:
         assert codegen.INCLUDE_LINE in k.get_kernel_source()
     assert "tilescale::get_warp<2, false>" in kernels[0].get_kernel_source()
+    assert "tilescale::get_rows_block<8>" in kernels[-2].get_kernel_source()
     assert kernels[-1].get_kernel_source().count("tilescale::remap_ptr") == 2
     gpu_kernels._cache.clear()
 
