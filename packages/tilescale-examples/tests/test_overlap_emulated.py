@@ -144,8 +144,12 @@ def test_precompiled_kernels_are_the_ones_the_ops_build(tmp_path):
     assert ag[1][1] == (384, 512, 256, 2, len(plan_row_chunks(3, 2)), "bfloat16")
     rs = precompile_jobs("gemm_rs", 2, 256, 512, 256, "bfloat16")
     assert rs[0][1] == (512, 256, 512, "bfloat16")  # the whole a: 2 x 256 rows
+    from tilescale_examples.sequence.flash_attention import default_tiles
+
     sp = precompile_jobs("sp_attention", 2, 1, 256, 4, 2, 128, "bfloat16", causal=False)
-    assert sp[1][1] == (2, 1, 256, 4, 2, 128, False, 128 ** -0.5, "bfloat16", 128, 128, 2, 256, "contiguous")
+    tiles = default_tiles(128)  # 128 x 128, one stage, 256 threads
+    assert sp[1][1] == (2, 1, 256, 4, 2, 128, False, 128 ** -0.5, "bfloat16", tiles["block_m"], tiles["block_n"],
+                        tiles["num_stages"], tiles["threads"], "contiguous")
     assert precompile(ag + rs + sp, cache_dir=tmp_path, workers=2) == [
         "gemm", "ag_gemm", "gemm", "gemm", "gemm_rs", "reduce_partials", "sp_attention_own", "sp_attention_peers"]
 
