@@ -415,6 +415,16 @@ def initialize_orders_body(rank: int, world: int, cache_dir: str) -> dict:
     return out
 
 
+def trap_tail(call: str, extra: str = "") -> str:
+    """The end of a script that expects ``call`` to fail on the device: the call, a
+    synchronisation, ``HOST-ERROR: <type> <message>`` and exit status 3 when it raised, else
+    ``NO-ERROR`` (then ``extra``, a Python expression, printed beside it)."""
+    shown = f", {extra}" if extra else ""
+    return (f"try:\n    {call}\n    torch.cuda.synchronize()\nexcept Exception as exc:\n"
+            f"    print(\"HOST-ERROR:\", type(exc).__name__, str(exc)[:300], flush=True)\n    sys.exit(3)\n"
+            f"print(\"NO-ERROR\"{shown}, flush=True)\n")
+
+
 TIMEOUT_SCRIPT = r"""
 import os, sys, torch, tilelang, tilelang.language as T
 @T.prim_func
@@ -423,14 +433,7 @@ def stuck(F: T.Tensor((4,), "uint32")):
         T.wait_eq(F[1], 12345)
 k = tilelang.compile(stuck, target={"kind": "cuda", "arch": "sm_90a"})
 F = torch.zeros(4, dtype=torch.uint32, device="cuda")
-try:
-    k(F)
-    torch.cuda.synchronize()
-except Exception as exc:
-    print("HOST-ERROR:", type(exc).__name__, str(exc)[:300], flush=True)
-    sys.exit(3)
-print("NO-ERROR", flush=True)
-"""
+""" + trap_tail('k(F)')
 
 
 # A kernel launched around the host guard (as a stale or foreign launcher could) must trap on
@@ -448,14 +451,7 @@ try:
 except Exception as exc:
     print("HOST-REFUSED:", type(exc).__name__, flush=True)
 launch = k._tilescale_state["unguarded"]  # bypass the host guard on purpose
-try:
-    launch(F, 0)
-    torch.cuda.synchronize()
-except Exception as exc:
-    print("HOST-ERROR:", type(exc).__name__, str(exc)[:300], flush=True)
-    sys.exit(3)
-print("NO-ERROR", F.tolist(), flush=True)
-"""
+""" + trap_tail('launch(F, 0)', 'F.tolist()')
 
 # A run-time PE beyond num_ranks, compiled with TILESCALE_CHECK_PE=1: a trap naming it.
 BAD_PE_SCRIPT = r"""
@@ -471,14 +467,7 @@ F.zero_()
 k(F, 0)  # in range: rank 0 of 1
 torch.cuda.synchronize()
 print("IN-RANGE", F.tolist(), flush=True)
-try:
-    k(F, 5)
-    torch.cuda.synchronize()
-except Exception as exc:
-    print("HOST-ERROR:", type(exc).__name__, str(exc)[:300], flush=True)
-    sys.exit(3)
-print("NO-ERROR", flush=True)
-"""
+""" + trap_tail('k(F, 5)')
 
 
 # A negative run-time copy size, compiled with TILESCALE_CHECK_PE=1: a trap naming it.
@@ -497,14 +486,7 @@ B.zero_()
 k(A, B, 164, 0)  # 64 elements to rank 0 of 1
 torch.cuda.synchronize()
 print("COPIED", int((B == 3.0).sum()), flush=True)
-try:
-    k(A, B, 50, 0)  # -50 elements
-    torch.cuda.synchronize()
-except Exception as exc:
-    print("HOST-ERROR:", type(exc).__name__, str(exc)[:300], flush=True)
-    sys.exit(3)
-print("NO-ERROR", flush=True)
-"""
+""" + trap_tail('k(A, B, 50, 0)  # -50 elements')
 
 # ------------------------------------------------------------------------------ profiler
 PROFILER_SCRIPT = r"""

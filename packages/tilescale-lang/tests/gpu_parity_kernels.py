@@ -33,6 +33,25 @@ def _compile(key, build):
     return _cache[key]
 
 
+@T.macro
+def _signalled_put(put, Src, Data, base, count, Sig, slot, sig, add, pe):
+    """``put`` (a ``T.put_signal_*`` intrinsic) of ``Src[base:]`` to ``Data[base:]`` on ``pe``,
+    adding 1 to ``Sig[slot]`` when ``add`` is 1, else setting it to ``sig``."""
+    if add == 1:
+        put(Src[base], Data[base], count, Sig[slot], 1, "add", pe)
+    else:
+        put(Src[base], Data[base], count, Sig[slot], sig, "set", pe)
+
+
+@T.macro
+def _signal(Sig, slot, sig, add, pe):
+    """``T.signal_op`` on ``Sig[slot]`` of ``pe``: add 1 when ``add`` is 1, else set ``sig``."""
+    if add == 1:
+        T.signal_op(Sig[slot], 1, "add", pe)
+    else:
+        T.signal_op(Sig[slot], sig, "set", pe)
+
+
 def stress_kernel():
     """Block 0 produces ``rounds`` rounds to the next rank, block 1 consumes the previous
     rank's.  Round r uses slot r % RING; a slot is refilled once the consumer acknowledged
@@ -65,46 +84,29 @@ def stress_kernel():
                         T.sync_threads()
                         sig = T.if_then_else(add == 1, T.uint64(1), T.Cast("uint64", r + 1))
                         if mode == 0:
-                            if add == 1:
-                                T.put_signal_block(Src[base], Data[base], cnt, Sig[r % RING], 1, "add", nxt)
-                            else:
-                                T.put_signal_block(Src[base], Data[base], cnt, Sig[r % RING], sig, "set", nxt)
+                            _signalled_put(T.put_signal_block, Src, Data, base, cnt, Sig, r % RING, sig, add, nxt)
                         elif mode == 1:
-                            if add == 1:
-                                T.put_signal_nbi_block(Src[base], Data[base], cnt, Sig[r % RING], 1, "add", nxt)
-                            else:
-                                T.put_signal_nbi_block(Src[base], Data[base], cnt, Sig[r % RING], sig, "set", nxt)
+                            _signalled_put(T.put_signal_nbi_block, Src, Data, base, cnt, Sig, r % RING, sig, add, nxt)
                         elif mode == 2:
                             if tx < 32:
-                                if add == 1:
-                                    T.put_signal_warp(Src[base], Data[base], cnt, Sig[r % RING], 1, "add", nxt)
-                                else:
-                                    T.put_signal_warp(Src[base], Data[base], cnt, Sig[r % RING], sig, "set", nxt)
+                                _signalled_put(T.put_signal_warp, Src, Data, base, cnt, Sig, r % RING, sig, add, nxt)
                         elif mode == 3:
                             if tx < 32:
-                                if add == 1:
-                                    T.put_signal_nbi_warp(Src[base], Data[base], cnt, Sig[r % RING], 1, "add", nxt)
-                                else:
-                                    T.put_signal_nbi_warp(Src[base], Data[base], cnt, Sig[r % RING], sig, "set", nxt)
+                                _signalled_put(T.put_signal_nbi_warp, Src, Data, base, cnt, Sig, r % RING, sig,
+                                               add, nxt)
                         elif mode == 4:
                             T.put_nbi_block(Src[base], Data[base], cnt, nxt)
                             T.quiet()
                             T.sync_threads()
                             if tx == 0:
-                                if add == 1:
-                                    T.signal_op(Sig[r % RING], 1, "add", nxt)
-                                else:
-                                    T.signal_op(Sig[r % RING], sig, "set", nxt)
+                                _signal(Sig, r % RING, sig, add, nxt)
                         else:
                             if tx < 32:
                                 T.put_nbi_warp(Src[base], Data[base], cnt, nxt)
                                 T.quiet()
                                 T.sync_warp()
                                 if tx == 0:
-                                    if add == 1:
-                                        T.signal_op(Sig[r % RING], 1, "add", nxt)
-                                    else:
-                                        T.signal_op(Sig[r % RING], sig, "set", nxt)
+                                    _signal(Sig, r % RING, sig, add, nxt)
                         T.sync_threads()  # Src of this slot may be refilled RING rounds later only
                 else:
                     for r in T.serial(rounds):
