@@ -1,5 +1,6 @@
 """Peer copies: ``T.put_warp``, ``T.get_warp``, ``T.put_block``, ``T.get_block``, the strided
-``T.put_rows_block`` / ``T.get_rows_block`` and the remote forms of ``T.copy`` / ``T.tma_copy`` (the latter in :mod:`.remote_tma`).
+``T.put_rows_block`` / ``T.get_rows_block`` and the remote forms of ``T.copy`` /
+``T.tma_copy`` (the latter in :mod:`.remote_tma`).
 
 ``size`` counts elements of the source's element type (the destination's when the source
 is an untyped pointer).  A PE of -1 (or omitted) keeps the address local; a PE >= 0 remaps
@@ -91,7 +92,8 @@ def rows_operands(kind: str, src, dst, rows, row_size, src_stride, dst_stride, p
     d = V.operand(dst, "dst")
     itemsize = V.element_size(kind, s, d)
     counts = (V.size_bytes(rows, 1, "rows", kind), V.size_bytes(row_size, itemsize, "row_size", kind),
-              V.size_bytes(src_stride, itemsize, "src_stride", kind), V.size_bytes(dst_stride, itemsize, "dst_stride", kind))
+              V.size_bytes(src_stride, itemsize, "src_stride", kind),
+              V.size_bytes(dst_stride, itemsize, "dst_stride", kind))
     fixed = [V.static_int(x) for x in (rows, row_size, src_stride, dst_stride)]
     n_rows, row, s_stride, d_stride = fixed
     if row is not None and d_stride is not None and (n_rows is None or n_rows > 1) and d_stride < row:

@@ -453,7 +453,8 @@ def element_size(kind: str, s: Operand, d: Operand) -> int:
         raise TypeError(f"{kind}: src ({s.dtype}) and dst ({d.dtype}) element sizes differ")
     itemsize = s.itemsize or d.itemsize
     if itemsize is None:
-        raise TypeError(f"{kind}: element type unknown for both src and dst; pass typed pointers (T.address_of(buf[i]))")
+        raise TypeError(f"{kind}: element type unknown for both src and dst; pass typed pointers "
+                        "(T.address_of(buf[i]))")
     return itemsize
 
 

@@ -16,8 +16,9 @@ and the TFLOP/s of each (``4 B H Sq Skv D`` floating-point operations, half of t
 causal), and ``vs best``: best torch time / tilescale time (above 1: TileScale is faster).
 ``--tiles`` times TileScale's kernel with each tile program given (``block_m x block_n``, then
 optionally ``num_stages`` and ``threads``; the kernel's defaults for the fields left out), a
-row each, against the same torch times; ``tiles`` names the program of a row. Before timing, TileScale's output is compared with the cuDNN (else flash, else math)
-backend's at every size (bf16 tolerance); a failure is printed and makes the exit status 1.
+row each, against the same torch times; ``tiles`` names the program of a row. Before timing,
+TileScale's output is compared with the cuDNN (else flash, else math) backend's at every size
+(bf16 tolerance); a failure is printed and makes the exit status 1.
 
 The goal (issue 44, one H200): at least 0.9 of the best torch backend's speed (printed last).
 """

@@ -40,7 +40,8 @@ from tilescale_examples.base import DTYPES
 from tilescale_examples.collectives.put_exchange import PutExchange, await_chunk, claim_slot
 
 __all__ = ["UlyssesAllToAll", "build_ulysses_kernel", "torch_reference", "global_sizes", "output_shape",
-           "seq_sharded_offset", "head_sharded_offset", "batch_segments", "batch_segment", "DIRECTIONS", "MIN_CHUNK_BYTES", "UNROLL"]
+           "seq_sharded_offset", "head_sharded_offset", "batch_segments", "batch_segment", "DIRECTIONS",
+           "MIN_CHUNK_BYTES", "UNROLL"]
 
 #: Values of ``direction``.
 DIRECTIONS = ("seq_to_head", "head_to_seq")
