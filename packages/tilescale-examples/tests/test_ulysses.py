@@ -214,8 +214,11 @@ def test_benchmark_without_gpu_bad_arguments_and_goal(monkeypatch, capsys):
         "ulysses benchmark: no CUDA GPU visible, nothing to measure\n")
     exits_naming(ulysses.main, ["--ranks", "0"], "--ranks must be in [1, 64]", capsys)
     exits_naming(ulysses.main, ["--ranks", "3"], "every --seq and --heads a multiple of every --ranks", capsys)
-    rows = {1: [[1, 4096, "seq_to_head", 10.0, 9.5, 30.0, 0.95, 3.0, "ok"]],
-            4: [[4, 4096, "head_to_seq", 10.0, 8.0, 30.0, 0.8, 3.0, "ok"]]}
+    for argv in (["--threads", "100"], ["--threads", "2048"], ["--min-chunk-kib", "0"]):
+        exits_naming(ulysses.main, argv, "--threads must be a multiple of 32 in [32, 1024] and --min-chunk-kib >= 1",
+                     capsys)
+    rows = {1: [[1, 4096, "seq_to_head", 10.0, 9.5, 30.0, 0.95, 3.0, 132, "ok"]],
+            4: [[4, 4096, "head_to_seq", 10.0, 8.0, 30.0, 0.8, 3.0, 128, "ok"]]}
     assert ulysses.goal_lines(rows) == ["worst copy/ulysses: 0.800 (goal >= 0.9)"]
     assert ulysses.goal_lines({})[0].endswith("not measured")
 

@@ -2,7 +2,7 @@
 
 ``python -m tilescale_examples.benchmarks.ulysses [--ranks 1 2 4 8] [--seq 4096 16384 65536]
 [--batch 1] [--heads 32] [--head-dim 128] [--dtype bfloat16|float16] [--iters 20]
-[--max-blocks B] [--out DIR]``
+[--max-blocks B] [--threads 512] [--min-chunk-kib 16] [--out DIR]``
 
 The method of :mod:`tilescale_examples.benchmarks.emulated` (one process; ``N`` emulated
 ranks are ``N`` regions of one device buffer, every rank's calls run alone on the GPU with
@@ -15,7 +15,9 @@ emulated rank, ``--iters`` back-to-back calls behind a stream hold, the mean ove
 * ``torch us``: the torch path on one rank's data: the layout change before the exchange
   (``permute(...).contiguous()``), the exchange's bytes (a ``copy_``) and the layout change
   after it, back to back;
-* ``copy/ulysses`` and ``torch/ulysses`` (above 1: the Ulysses kernel is faster).
+* ``copy/ulysses`` and ``torch/ulysses`` (above 1: the Ulysses kernel is faster);
+* ``blocks``: the Ulysses kernel's grid (``chunks x ranks``; ``--max-blocks``, ``--threads``
+  and ``--min-chunk-kib`` shape it: the grid cap, threads per block, the smallest chunk).
 
 Before timing, one round of calls (every emulated rank's, in rank order) is compared with
 :func:`~tilescale_examples.sequence.ulysses.torch_reference`; a failure is printed and makes
@@ -28,10 +30,12 @@ from __future__ import annotations
 
 from tilescale_examples.benchmarks import _fused, _harness, _timing
 from tilescale_examples.benchmarks._report import print_checked, ratio
+from tilescale_examples.sequence.ulysses import MIN_CHUNK_BYTES
 
 __all__ = ["HEADERS", "GOAL", "torch_path", "check_round", "run_case", "goal_lines", "run", "main"]
 
-HEADERS = ["ranks", "seq", "direction", "ulysses us", "copy us", "torch us", "copy/ulysses", "torch/ulysses", "check"]
+HEADERS = ["ranks", "seq", "direction", "ulysses us", "copy us", "torch us", "copy/ulysses", "torch/ulysses", "blocks",
+           "check"]
 #: The goal: a same-bytes copy takes at least GOAL of the Ulysses call's time.
 GOAL = 0.9
 
@@ -88,14 +92,20 @@ def run_case(args, n: int, seq: int, direction: str, device) -> tuple:
     shape = _shape(args, n, seq, direction)
     g = torch.Generator(device=device).manual_seed(seq * 31 + n)
     inputs = [torch.randn(shape, generator=g, device=device).to(dtype) for _ in range(n)]
+    grid = []
+
+    def check(ops):
+        grid.append(ops[0].chunks * ops[0].world_size)
+        return check_round(ops, inputs)
+
     ms, bad = _fused.measure(UlyssesAllToAll, n, (shape, dtype), device, lambda op: op(inputs[op.rank]), args.iters,
-                             check=lambda ops: check_round(ops, inputs), direction=direction,
-                             max_blocks=args.max_blocks)
+                             check=check, direction=direction, max_blocks=args.max_blocks, threads=args.threads,
+                             min_chunk_bytes=args.min_chunk_kib * 1024)
     src, dst = inputs[0], torch.empty_like(inputs[0])
     copy = _timing.held_ms_per_launch(lambda: dst.copy_(src), args.iters, device)
     path = _timing.held_ms_per_launch(lambda: torch_path(src, n, direction), args.iters, device)
     torch.cuda.empty_cache()
-    row = [n, seq, direction, ms * 1e3, copy * 1e3, path * 1e3, ratio(copy, ms), ratio(path, ms),
+    row = [n, seq, direction, ms * 1e3, copy * 1e3, path * 1e3, ratio(copy, ms), ratio(path, ms), grid[0],
            "ok" if not bad else "FAIL"]
     return row, bad
 
@@ -127,7 +137,12 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=32, help="attention heads (all ranks)")
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--threads", type=int, default=512, help="threads per block of the Ulysses kernel")
+    p.add_argument("--min-chunk-kib", type=int, default=MIN_CHUNK_BYTES // 1024,
+                   help="smallest chunk a block is given before the grid grows (KiB)")
     args = _harness.parse_args(p, argv)
+    if args.threads < 32 or args.threads > 1024 or args.threads % 32 or args.min_chunk_kib < 1:
+        p.error("--threads must be a multiple of 32 in [32, 1024] and --min-chunk-kib >= 1")
     if args.iters < 1 or args.batch < 1 or args.head_dim < 1 or any(
             s < 1 or n >= 1 and (s % n or args.heads % n) for s in args.seq for n in args.ranks):
         p.error("--iters, --batch and --head-dim must be >= 1, and every --seq and --heads a multiple of every --ranks")
