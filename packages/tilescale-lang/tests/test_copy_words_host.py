@@ -93,8 +93,9 @@ int main() {
 
 
 def copy_words_source(name: str = "copy_words", params: str = "typename W, int UNROLL") -> str:
-    """The template ``name`` (``copy_words``, ``copy_rows_words``, ``coop_copy_rows`` with
-    ``params="int UNROLL"``) as the header defines it, inside its namespace."""
+    """The template ``name`` (``copy_words``, ``copy_rows_words``, ``copy_rows_as``,
+    ``coop_copy_rows`` with ``params="int UNROLL"``) as the header defines it, inside its
+    namespace."""
     text = HEADER.read_text(encoding="utf-8")
     start = text.index(f"template <{params}>\nTILESCALE_DEVICE void {name}(")
     end = text.index("\n}\n", start) + 3
@@ -166,6 +167,7 @@ struct alignas(16) vec16 { unsigned int x, y, z, w; };
 namespace tilescale { typedef ::vec16 vec16; }
 
 %(copy_rows_words)s
+%(copy_rows_as)s
 %(coop_copy_rows)s
 
 // A strided byte copy at every alignment of both pointers, row size and stride: the word the
@@ -245,6 +247,7 @@ def test_copy_rows_picks_a_legal_word_at_every_alignment_on_the_host(tmp_path):
     """Misaligned pointers, odd row sizes and strides: the strided copy's word choice (16, 8,
     4, 2 or 1 bytes) moves exactly the rows' bytes."""
     source = BYTES_HARNESS % {"copy_rows_words": copy_words_source("copy_rows_words"),
+                              "copy_rows_as": copy_words_source("copy_rows_as"),
                               "coop_copy_rows": copy_words_source("coop_copy_rows", "int UNROLL")}
     out = _build_and_run(tmp_path, "coop_copy_rows", source)
     assert ", 0 bad" in out, out

@@ -118,6 +118,15 @@ TILESCALE_DEVICE void copy_rows_words(W* dst, const W* src, unsigned long long r
   }
 }
 
+// copy_rows_words on words of type W, the sizes and strides given in bytes (multiples of W).
+template <typename W, int UNROLL>
+TILESCALE_DEVICE void copy_rows_as(void* dst, const void* src, unsigned long long rows, unsigned long long row_bytes,
+                                   unsigned long long dst_stride, unsigned long long src_stride, unsigned int tid,
+                                   unsigned int nthreads) {
+  copy_rows_words<W, UNROLL>(static_cast<W*>(dst), static_cast<const W*>(src), rows, row_bytes / sizeof(W),
+                             dst_stride / sizeof(W), src_stride / sizeof(W), tid, nthreads);
+}
+
 // Cooperative strided copy (all sizes in bytes): the widest word (16, 8, 4, 2 or 1 bytes) that
 // divides both addresses, the row size and both strides.
 template <int UNROLL>
@@ -128,21 +137,15 @@ TILESCALE_DEVICE void coop_copy_rows(void* dst, const void* src, unsigned long l
   const unsigned long long mis = reinterpret_cast<unsigned long long>(dst) |
                                  reinterpret_cast<unsigned long long>(src) | row_bytes | dst_stride | src_stride;
   if ((mis & 15ull) == 0) {
-    copy_rows_words<vec16, UNROLL>(static_cast<vec16*>(dst), static_cast<const vec16*>(src), rows, row_bytes >> 4,
-                                   dst_stride >> 4, src_stride >> 4, tid, nthreads);
+    copy_rows_as<vec16, UNROLL>(dst, src, rows, row_bytes, dst_stride, src_stride, tid, nthreads);
   } else if ((mis & 7ull) == 0) {
-    copy_rows_words<unsigned long long, UNROLL>(static_cast<unsigned long long*>(dst),
-                                                static_cast<const unsigned long long*>(src), rows, row_bytes >> 3,
-                                                dst_stride >> 3, src_stride >> 3, tid, nthreads);
+    copy_rows_as<unsigned long long, UNROLL>(dst, src, rows, row_bytes, dst_stride, src_stride, tid, nthreads);
   } else if ((mis & 3ull) == 0) {
-    copy_rows_words<unsigned int, UNROLL>(static_cast<unsigned int*>(dst), static_cast<const unsigned int*>(src),
-                                          rows, row_bytes >> 2, dst_stride >> 2, src_stride >> 2, tid, nthreads);
+    copy_rows_as<unsigned int, UNROLL>(dst, src, rows, row_bytes, dst_stride, src_stride, tid, nthreads);
   } else if ((mis & 1ull) == 0) {
-    copy_rows_words<unsigned short, UNROLL>(static_cast<unsigned short*>(dst), static_cast<const unsigned short*>(src),
-                                            rows, row_bytes >> 1, dst_stride >> 1, src_stride >> 1, tid, nthreads);
+    copy_rows_as<unsigned short, UNROLL>(dst, src, rows, row_bytes, dst_stride, src_stride, tid, nthreads);
   } else {
-    copy_rows_words<unsigned char, UNROLL>(static_cast<unsigned char*>(dst), static_cast<const unsigned char*>(src),
-                                           rows, row_bytes, dst_stride, src_stride, tid, nthreads);
+    copy_rows_as<unsigned char, UNROLL>(dst, src, rows, row_bytes, dst_stride, src_stride, tid, nthreads);
   }
 }
 
