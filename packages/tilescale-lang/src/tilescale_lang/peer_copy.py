@@ -105,6 +105,13 @@ def rows_operands(kind: str, src, dst, rows, row_size, src_stride, dst_stride, p
     return (s.ptr, d.ptr, *counts, _LOCAL if pe_val is None else pe_val)
 
 
+def _rows_copy(kind: str, src, dst, rows, row_size, src_stride, dst_stride, pe, pe_name: str, remote_side: str,
+               unroll_factor):
+    u = V.const_int(unroll_factor, "unroll_factor", minimum=1)
+    args = rows_operands(kind, src, dst, rows, row_size, src_stride, dst_stride, pe, pe_name, remote_side)
+    return V.extern("handle", f"tilescale::{kind}<{u}>", *args)
+
+
 def put_rows_block(src, dst, rows, row_size, src_stride, dst_stride, dst_pe=-1, unroll_factor: int = 4):
     """Block-scope strided put: all threads of the block copy ``rows`` rows of ``row_size``
     elements, row ``r`` from local ``src + r * src_stride`` to ``dst + r * dst_stride`` on rank
@@ -126,17 +133,15 @@ def put_rows_block(src, dst, rows, row_size, src_stride, dst_stride, dst_pe=-1, 
     The word is the widest of 16, 8, 4, 2 and 1 bytes dividing both addresses, the row size and
     both strides (decided at run time), so every size is exact.
     """
-    u = V.const_int(unroll_factor, "unroll_factor", minimum=1)
-    args = rows_operands("put_rows_block", src, dst, rows, row_size, src_stride, dst_stride, dst_pe, "dst_pe", "dst")
-    return V.extern("handle", f"tilescale::put_rows_block<{u}>", *args)
+    return _rows_copy("put_rows_block", src, dst, rows, row_size, src_stride, dst_stride, dst_pe, "dst_pe", "dst",
+                      unroll_factor)
 
 
 def get_rows_block(src, dst, rows, row_size, src_stride, dst_stride, src_pe=-1, unroll_factor: int = 4):
     """Block-scope strided get: rows from ``src`` on rank ``src_pe`` (-1: local) into local
     ``dst``.  Arguments as in :func:`put_rows_block`."""
-    u = V.const_int(unroll_factor, "unroll_factor", minimum=1)
-    args = rows_operands("get_rows_block", src, dst, rows, row_size, src_stride, dst_stride, src_pe, "src_pe", "src")
-    return V.extern("handle", f"tilescale::get_rows_block<{u}>", *args)
+    return _rows_copy("get_rows_block", src, dst, rows, row_size, src_stride, dst_stride, src_pe, "src_pe", "src",
+                      unroll_factor)
 
 
 # ------------------------------------------------------------------------------ T.copy

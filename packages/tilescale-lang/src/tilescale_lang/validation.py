@@ -462,9 +462,7 @@ def static_int(x: Any) -> int | None:
     """``x`` as a Python int when it is a constant integer (an int or an ``IntImm``), else None."""
     if isinstance(x, bool):
         return None
-    if isinstance(x, int):
-        return x
-    return int(x.value) if isinstance(x, tirx.IntImm) else None
+    return x if isinstance(x, int) else _static(x)
 
 
 def copy_bytes(kind: str, src: Any, s: Operand, dst: Any, d: Operand, size: Any,
