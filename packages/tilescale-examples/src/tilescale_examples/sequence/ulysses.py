@@ -21,8 +21,8 @@ elements each, on both sides. The kernel's grid is ``chunks x W`` blocks; block 
 moves chunk ``c`` of those rows to rank ``p`` with all its threads at once
 (``T.put_rows_block``: the rows of one batch entry are evenly spaced on both sides, and each
 thread keeps :data:`UNROLL` words in flight across rows, so short rows cost no extra round
-trips), then releases a data flag on ``p`` and acquires ``p``'s flag for the same chunk. The protocol
-is the all-gather's (:mod:`tilescale_examples.collectives.allgather`: a ready handshake per
+trips), then releases a data flag on ``p`` and acquires ``p``'s flag for the same chunk. The
+protocol is the all-gather's (:mod:`tilescale_examples.collectives.allgather`: a ready handshake per
 block before its puts, so back-to-back calls need no host synchronisation; per-block call
 counters on the device, so CUDA graph replays are correct). The input is read in place (any
 contiguous tensor of the input shape on the allocator's device).
