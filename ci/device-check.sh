@@ -26,8 +26,10 @@ done
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
 # first: the lang GPU suite (its rank body now checks T.put_rows_block / T.get_rows_block
 # directly: every word width, both directions, at worlds 1, 2, 4), then the last two of
-# tests-lang-new (upstream's NVSHMEM-path programs: a time limit cut the run after 18 of 20)
-[[ " ${steps[*]} " == *" unverified "* ]] && steps=(tests-lang tests-lang-new)
+# tests-lang-new (upstream's NVSHMEM-path programs: a time limit cut the run after 18 of 20),
+# then the sequence tests (Ulysses' new side-stream / two-instance part; the strided copy's
+# header refactored after its GPU run)
+[[ " ${steps[*]} " == *" unverified "* ]] && steps=(tests-lang tests-lang-new tests-sequence)
 logs=${OUT:-device-logs}
 mkdir -p "$logs"
 source .device/install.sh || exit 1

@@ -1,8 +1,9 @@
 """The Ulysses all-to-all (tilescale_examples.sequence.ulysses): reference, generated CUDA, nvcc
 compile, the object on a CPU stand-in and argument checks on the CPU; the result on 1, 2 and 4
 ranks sharing one GPU (``-m gpu``): both directions, shapes whose rows are not a multiple of
-the chunk, poisoned outputs, a round trip, 200 back-to-back calls with stragglers and CUDA
-graph replays, every element compared with the torch reference."""
+the chunk, poisoned outputs, a round trip, 200 back-to-back calls with stragglers, CUDA graph
+replays, and two instances at once (one on a side stream), every element compared with the
+torch reference."""
 
 from __future__ import annotations
 
@@ -268,7 +269,8 @@ def _check(out, x, rank, world, direction, where):
 
 def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     """Per rank and case: both directions on fresh data with poisoned outputs (heap and plain
-    inputs), a round trip, 200 back-to-back calls with a straggler every 50, graph replays."""
+    inputs), a round trip, 200 back-to-back calls with a straggler every 50, graph replays, two
+    instances at once (one on a side stream)."""
     alloc = open_rank_heap(rank, world, cache_dir, 2**30)
     dev = torch.device(alloc.device)
     checks = 0
@@ -314,6 +316,22 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
             if not torch.equal(captured, x):
                 raise AssertionError(f"rank {rank}/{world} case {case} replay {replay}: round trip differs")
             checks += 1
+        # two instances at once: pre on a side stream, a second seq_to_head op on the current stream
+        other = UlyssesAllToAll(alloc, (B, S // world, H, D), dtype, min_chunk_bytes=4096)
+        xa = torch.randn(pre.input_shape, generator=g).to(dtype).to(dev)
+        xb = torch.randn(pre.input_shape, generator=g).to(dtype).to(dev)
+        pre.output.fill_(float("nan"))
+        other.output.fill_(float("nan"))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            pre(xa)
+        other(xb)
+        torch.cuda.synchronize()
+        _check(pre.output, xa, rank, world, "seq_to_head", f"case {case} side stream")
+        _check(other.output, xb, rank, world, "seq_to_head", f"case {case} second instance")
+        checks += 2
+        other.close()
         pre.close()
         post.close()
     return close_rank_heap(alloc, rank, checks)
@@ -321,4 +339,4 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
 
 @on_gpu_ranks(1, 2, 4, timeout=400)
 def test_ulysses_on_gpu(world, tmp_path_factory):
-    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "ulysses", len(GPU_CASES) * (2 * STEPS + 1 + 3))
+    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "ulysses", len(GPU_CASES) * (2 * STEPS + 1 + 3 + 2))
