@@ -18,11 +18,12 @@ _warm: set = set()
 
 
 def reduction_kernels() -> list:
-    """Jobs of every reduction kernel the GPU tests build (all-reduce one-shot and two-shot,
-    reduce-scatter; float16, bfloat16, float32, int32; 2 and 4 ranks)."""
+    """Jobs of every reduction kernel the GPU tests build (all-reduce one-shot, two-shot and
+    Lamport, reduce-scatter; float16, bfloat16, float32, int32; 2 and 4 ranks)."""
     from tilescale_examples.testing.precompile import reduction_jobs
 
-    return reduction_jobs(("one_shot", "two_shot", "reduce_scatter"), ("float16", "bfloat16", "float32", "int32"), (2, 4))
+    return reduction_jobs(("one_shot", "two_shot", "reduce_scatter", "lamport"), ("float16", "bfloat16", "float32", "int32"),
+                          (2, 4))
 
 
 def warm_cache(tmp_path_factory, jobs=None, name: str = CACHE_NAME) -> str:

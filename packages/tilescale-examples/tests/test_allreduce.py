@@ -1,4 +1,4 @@
-"""AllReduce (one-shot and fused two-shot): the size table, staging and output decisions and
+"""AllReduce (one-shot, fused two-shot and Lamport): the size tables, staging and output decisions and
 argument checks on the CPU; every size class and dtype on 2 and 4 ranks sharing one GPU,
 bit-identical across ranks, and 1000 back-to-back calls with a straggling rank (``-m gpu``;
 the kernels are compiled once, in parallel, before the ranks start)."""
@@ -16,7 +16,9 @@ from examples_helpers import (CpuAllocator, call_rejected, close_rank_heap, open
 from examples_cache import CACHE_NAME, warm_cache
 
 from tilescale_examples import ClosedError
-from tilescale_examples.collectives.allreduce import ONE_SHOT_MAX_BYTES, AllReduce, choose_algorithm, torch_reference
+from tilescale_examples.collectives.allreduce import (ALGORITHMS, LAMPORT_MAX_BYTES, ONE_SHOT_MAX_BYTES, AllReduce,
+                                                      choose_algorithm, torch_reference)
+from tilescale_examples.collectives.lamport_kernel import LAMPORT_BUFFERS
 from tilescale_examples.collectives.reduce_engine import FLAG_STRIDE
 
 
@@ -33,6 +35,22 @@ def test_size_table():
     assert ONE_SHOT_MAX_BYTES[2] >= ONE_SHOT_MAX_BYTES[4] >= ONE_SHOT_MAX_BYTES[8]
     with pytest.raises(ValueError, match="world_size must be a positive int"):
         choose_algorithm(10, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, "float64"])
+def test_size_table_picks_lamport_for_small_float_messages(dtype):
+    for world in (1, 2, 4, 8):
+        limit = LAMPORT_MAX_BYTES[world]
+        assert choose_algorithm(limit, world, dtype=dtype) == "lamport"
+        assert choose_algorithm(limit + 1, world, dtype=dtype) == choose_algorithm(limit + 1, world)
+    assert choose_algorithm(100, 2, dtype=dtype, lamport_table={2: 50}) == "one_shot"
+    assert choose_algorithm(4096, 16, dtype=dtype) == "lamport"  # between keys: the smaller key (8)
+    assert LAMPORT_MAX_BYTES[2] <= ONE_SHOT_MAX_BYTES[2] and LAMPORT_MAX_BYTES[8] <= ONE_SHOT_MAX_BYTES[8]
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, None])
+def test_size_table_never_picks_lamport_for_integers(dtype):
+    assert choose_algorithm(16, 2, dtype=dtype) == "one_shot"
 
 
 def test_torch_reference_is_the_rank_order_sum():
@@ -56,6 +74,10 @@ class FakeKernel:
 
     def __call__(self, *args):
         self.calls.append(args)
+        if self.ar.algorithm == "lamport":  # (X, Buf, Out, State, blocks, iters, span)
+            args[3].add_(1)
+            args[2].copy_(args[0][: args[2].shape[0]] * 2)
+            return
         x, stages, stage_in = args[0], args[1], args[-1]
         state = args[-6]
         epoch = int(state[0]) + 1  # the device's call number: block 0's counter
@@ -80,7 +102,7 @@ def make(shape=(64,), dtype="float16", algorithm="auto", num_ranks=2, tmp_path=N
 
 @needs_nvcc
 def test_one_shot_buffers_staging_and_double_buffering(tmp_path, monkeypatch):
-    alloc, ar = make((64,), tmp_path=tmp_path, monkeypatch=monkeypatch)
+    alloc, ar = make((64,), algorithm="one_shot", tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert ar.algorithm == "one_shot" and len(ar.stages) == 2
     # both staging buffers in one symmetric allocation: the kernel picks call e's (e % 2)
     assert alloc.allocations == [((16, 8), torch.float16)] + [((2 * 2 * ar.plan.blocks * FLAG_STRIDE,), torch.uint64)]
@@ -119,7 +141,8 @@ def test_instances_on_different_allocators_rebind_the_shared_kernel(tmp_path, mo
 
 @needs_nvcc
 def test_outputs_in_place_and_odd_sizes(tmp_path, monkeypatch):
-    alloc, ar = make((3, 7), "float32", tmp_path=tmp_path, monkeypatch=monkeypatch)  # 21: not whole vectors
+    alloc, ar = make((3, 7), "float32", algorithm="one_shot", tmp_path=tmp_path,
+                     monkeypatch=monkeypatch)  # 21: not whole vectors
     x = torch.randn(3, 7)
     out = torch.full((3, 7), float("nan"))
     assert ar(x, out=out) is out and torch.equal(out, x * 2)
@@ -129,7 +152,7 @@ def test_outputs_in_place_and_odd_sizes(tmp_path, monkeypatch):
     assert not ar.stages[1].view(-1)[21:].ne(0).any()  # padding stays zero
     y = x.clone()
     assert ar(y, out=y) is y and torch.equal(y, x * 2)  # in place
-    alloc, ar = make((64,), "float32", tmp_path=tmp_path, monkeypatch=monkeypatch)
+    alloc, ar = make((64,), "float32", algorithm="one_shot", tmp_path=tmp_path, monkeypatch=monkeypatch)
     x = torch.randn(64)
     ar(x, out=x)  # whole vectors: the kernel reads and writes x itself
     args = ar.kernel.calls[-1]
@@ -150,6 +173,40 @@ def test_two_shot_is_in_place_on_one_buffer(tmp_path, monkeypatch):
     assert torch.equal(ar.output, x * 2) and ar.epoch == 3
 
 
+@needs_nvcc
+def test_lamport_buffers_input_and_launch(tmp_path, monkeypatch):
+    """Lamport: 3 x world_size receive buffers in one symmetric allocation, every byte the
+    sentinel, no flags; a local zero-copy input; the kernel gets (X, Buf, Out, State, blocks,
+    iters, span) and the call number stays on the device."""
+    alloc, ar = make((1001,), "bfloat16", tmp_path=tmp_path, monkeypatch=monkeypatch)  # auto: small and float
+    assert ar.algorithm == "lamport" and ar.flags is None and ar.plan.span == 126
+    assert alloc.allocations == [((LAMPORT_BUFFERS * 2 * 126, 8), torch.bfloat16)]
+    assert ar.stage_buffer.view(torch.int16).eq(-1).all()  # the sentinel: all ones
+    x = torch.randn(1001).bfloat16()
+    out = torch.empty(1001, dtype=torch.bfloat16)
+    assert ar(x, out=out) is out and torch.equal(out, x * 2)
+    args = ar.kernel.calls[-1]
+    assert args[0] is ar._padded and args[1] is ar.stage_buffer and args[3] is ar.state  # 1001: padded copy
+    assert args[4:] == (ar.plan.blocks, ar.plan.iters, 126)
+    ar.input.copy_(x)
+    assert ar(ar.input) is ar.output and torch.equal(ar.output, x * 2)  # zero-copy: the local input buffer
+    assert ar.kernel.calls[-1][0].data_ptr() == ar.input.data_ptr()  # one local buffer: the same every call
+    assert len(alloc.allocations) == 1  # not on the heap
+    with pytest.raises(ValueError, match="out overlaps this AllReduce's symmetric staging buffers"):
+        ar(x, out=ar.stage_buffer.view(-1)[:1001])
+    assert ar.state.tolist() == [2] * ar.plan.blocks and ar.epoch == 2
+    assert AllReduce.heap_bytes((1001,), torch.bfloat16, world_size=2, algorithm="lamport", device="cpu") == \
+        -(-LAMPORT_BUFFERS * 2 * 126 * 16 // 256) * 256
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+def test_lamport_rejects_integer_dtypes_before_allocating(dtype):
+    alloc = CpuAllocator(num_ranks=2)
+    with pytest.raises(ValueError, match="algorithm='lamport' needs a float dtype"):
+        AllReduce(alloc, (64,), dtype, algorithm="lamport")
+    assert alloc.allocations == []
+
+
 @pytest.mark.parametrize("call,exc,match", [
     (lambda ar: ar(torch.zeros(63).half()), ValueError, r"input has shape \(63,\), expected the shape \(64,\)"),
     (lambda ar: ar(torch.zeros(64)), TypeError, "input has dtype torch.float32, this AllReduce was built for torch.float16"),
@@ -162,7 +219,7 @@ def test_two_shot_is_in_place_on_one_buffer(tmp_path, monkeypatch):
 ])
 @needs_nvcc
 def test_call_rejects_bad_arguments_before_any_launch(call, exc, match, tmp_path, monkeypatch):
-    call_rejected(make((64,), tmp_path=tmp_path, monkeypatch=monkeypatch)[1], call, exc, match)
+    call_rejected(make((64,), algorithm="one_shot", tmp_path=tmp_path, monkeypatch=monkeypatch)[1], call, exc, match)
 
 
 test_constructor_rejects_before_allocating = rejects_before_allocating(
@@ -180,7 +237,7 @@ test_constructor_rejects_before_allocating = rejects_before_allocating(
 @needs_nvcc
 def test_close_and_repr(tmp_path, monkeypatch):
     alloc, ar = make((64,), tmp_path=tmp_path, monkeypatch=monkeypatch)
-    assert "AllReduce(shape=(64,), dtype=torch.float16, world_size=2, mode='one_shot'" in repr(ar)
+    assert "AllReduce(shape=(64,), dtype=torch.float16, world_size=2, mode='lamport'" in repr(ar)
     assert ar.bus_bytes() == 2 * 0.5 * 64 * 2
     ar.close()
     assert ar.closed and "closed" in repr(ar)
@@ -191,7 +248,7 @@ def test_close_and_repr(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------ GPU
 #: Size classes (elements): tiny and not whole vectors, 4 KiB (float16), a size the ranks do
 #: not divide, 2 Mi + 5 (staged by a copy) and 4 Mi (staged in the kernel, two-shot by the
-#: table); each with the size table's choice and the other algorithm forced.
+#: table); each with the size table's choice and every other algorithm of the dtype forced.
 SIZES = [(7,), (2048,), (3, 1000), ((1 << 21) + 5,), (1 << 22,)]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int32]
 #: Ways to call; each instance makes two calls, rotating through all four ways, so every
@@ -200,7 +257,8 @@ WAYS = ("plain", "out", "inplace", "heap")
 CALLS_PER_INSTANCE = 2
 #: Back-to-back calls with a straggling rank (4 KiB float16), by world size and algorithm:
 #: the 1000-call run on 2 ranks; shorter on 4 (every call needs all 4 time-sliced contexts).
-BACK_TO_BACK = {2: {"one_shot": 1000, "two_shot": 200}, 4: {"one_shot": 100, "two_shot": 50}}
+BACK_TO_BACK = {2: {"one_shot": 1000, "two_shot": 200, "lamport": 1000},
+                4: {"one_shot": 100, "two_shot": 50, "lamport": 100}}
 VARIANTS = 8  # distinct inputs cycled through by the back-to-back calls
 
 
@@ -214,10 +272,18 @@ def check(out: torch.Tensor, want: torch.Tensor, rank: int, world: int, what: st
         raise AssertionError(f"rank {rank}/{world} {what}: first mismatches at {bad}")
 
 
+#: Largest message the size classes force the Lamport kernel on (its buffers hold 3 x
+#: world_size copies of the message, and the heap of the test is a bump allocator).
+LAMPORT_FORCED_MAX_BYTES = 1 << 20
+
+
 def algorithms_for(shape, dtype, world: int) -> tuple:
-    """``("auto", the other algorithm)``: both kernels, and the size table's choice."""
-    chosen = choose_algorithm(math.prod(shape) * torch.empty((), dtype=dtype).element_size(), world)
-    return ("auto", "two_shot" if chosen == "one_shot" else "one_shot")
+    """``"auto"`` and every other algorithm that takes ``dtype`` (the Lamport kernel up to
+    :data:`LAMPORT_FORCED_MAX_BYTES`): every kernel, and the size table's choice."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    chosen = choose_algorithm(nbytes, world, dtype=dtype)
+    lamport = dtype.is_floating_point and nbytes <= LAMPORT_FORCED_MAX_BYTES
+    return ("auto", *[a for a in ALGORITHMS[1:] if a != chosen and (a != "lamport" or lamport)])
 
 
 def rank_inputs(rank: int, shape, dtype, device, seed: int, count: int) -> list:
@@ -227,7 +293,7 @@ def rank_inputs(rank: int, shape, dtype, device, seed: int, count: int) -> list:
 
 
 def size_classes(alloc, rank: int, world: int) -> int:
-    """Every size class x dtype x (auto, the other algorithm), two calls each (rotating
+    """Every size class x dtype x (auto, every other algorithm), two calls each (rotating
     through plain input, ``out=``, in place and the zero-copy ``ar.input``), poisoned
     outputs and staging buffer, fresh inputs; returns the number of checked calls."""
     dev = torch.device(alloc.device)
@@ -310,9 +376,10 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
 
 @on_gpu_ranks(2, 4, timeout=240)
 def test_allreduce_on_gpu(world, tmp_path_factory):
-    """Every size class and dtype, both algorithms, bit-exact on every rank; then back-to-back
-    calls with a straggling rank (1000 one-shot calls on 2 ranks)."""
+    """Every size class and dtype, every algorithm, bit-exact on every rank; then back-to-back
+    calls with a straggling rank (1000 one-shot and 1000 Lamport calls on 2 ranks)."""
     warm_cache(tmp_path_factory)
-    want = len(SIZES) * len(DTYPES) * 2 * CALLS_PER_INSTANCE + sum(BACK_TO_BACK[world].values())
+    want = sum(len(algorithms_for(s, d, world)) for s in SIZES for d in DTYPES) * CALLS_PER_INSTANCE
+    want += sum(BACK_TO_BACK[world].values())
     check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, CACHE_NAME, want, timeout=200)
     print(f"allreduce world {world}: {want} checked calls per rank")

@@ -51,8 +51,10 @@ def _cases(world: int) -> list:
              (1000,), torch.float32, lambda op, x: op(x), allreduce.torch_reference),
         Case("AllReduce two_shot 3M bf16", lambda a: AllReduce(a, (3 << 20,), torch.bfloat16, algorithm="two_shot"),
              (3 << 20,), torch.bfloat16, lambda op, x: op(x), allreduce.torch_reference),
-        Case("AllReduce one_shot out= 2048 fp16", lambda a: AllReduce(a, (2048,), torch.float16),
+        Case("AllReduce auto (lamport) out= 2048 fp16", lambda a: AllReduce(a, (2048,), torch.float16),
              (2048,), torch.float16, None, allreduce.torch_reference),
+        Case("AllReduce lamport 3000 bf16", lambda a: AllReduce(a, (3000,), torch.bfloat16, algorithm="lamport"),
+             (3000,), torch.bfloat16, lambda op, x: op(x), allreduce.torch_reference),
         Case("AllGather sm 4096 fp16", lambda a: AllGather(a, (4096,), torch.float16),
              (4096,), torch.float16, lambda op, x: op(x), allgather.torch_reference),
         Case("AllGather copy 64K fp16", lambda a: AllGather(a, (1 << 16,), torch.float16, algorithm="copy"),
@@ -246,7 +248,8 @@ def graph_jobs(worlds=(1, 2, 4)) -> list:
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     m, k, n = GEMM
-    jobs = reduction_jobs(("one_shot",), ("float32", "float16"), worlds)
+    jobs = reduction_jobs(("one_shot",), ("float32",), worlds)
+    jobs += reduction_jobs(("lamport",), ("float16", "bfloat16"), worlds)
     jobs += reduction_jobs(("two_shot",), ("bfloat16",), worlds)
     jobs += reduction_jobs(("reduce_scatter",), ("float32", "float16", "bfloat16"), worlds)
     for w in worlds:

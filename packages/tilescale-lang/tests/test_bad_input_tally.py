@@ -233,6 +233,20 @@ for _name, _pe in (("put_rows_block", "dst_pe"), ("get_rows_block", "src_pe")):
         (_name, _pe, lambda k, f=_name: getattr(T, f)(k.A, k.B, 2, 4, 8, 8, _OUT), ValueError),
         (_name, "unroll_factor", lambda k, f=_name: getattr(T, f)(k.A, k.B, 2, 4, 8, 8, 1, unroll_factor=0), ValueError),
     ]
+NEW += [  # the Lamport exchange: 16-byte float vectors, the remote side global
+    ("lamport_put", "src", lambda k: T.lamport_put(k.F[0:4], k.A[0:4], dst_pe=1), TypeError),
+    ("lamport_put", "src", lambda k: T.lamport_put(k.A[62:64], k.B[0:4], dst_pe=1), ValueError),
+    ("lamport_put", "dst", lambda k: T.lamport_put(k.A[0:4], k.S[0:4], dst_pe=1), ValueError),
+    ("lamport_put", "dst", lambda k: T.lamport_put(k.A[0:4], k.H[0:8], dst_pe=1), TypeError),
+    ("lamport_put", "dst_pe", lambda k: T.lamport_put(k.A[0:4], k.B[0:4], dst_pe=_OUT), ValueError),
+    ("lamport_get", "src", lambda k: T.lamport_get(5, k.S[0:4], src_pe=1), TypeError),
+    ("lamport_get", "src", lambda k: T.lamport_get(k.S[0:4], k.A[0:4], src_pe=1), ValueError),
+    ("lamport_get", "dst", lambda k: T.lamport_get(k.A[0:4], k.F[0:4]), TypeError),
+    ("lamport_get", "src_pe", lambda k: T.lamport_get(k.A[0:4], k.S[0:4], src_pe=True), TypeError),
+    ("lamport_clear", "dst", lambda k: T.lamport_clear(k.S[0:4]), ValueError),
+    ("lamport_clear", "dst", lambda k: T.lamport_clear(k.F[0:4]), TypeError),
+    ("lamport_clear", "dst_pe", lambda k: T.lamport_clear(k.A[0:4], dst_pe=1.5), TypeError),
+]
 for _name in ("put_signal_block", "put_signal_warp", "put_signal_nbi_block", "put_signal_nbi_warp"):
     NEW += [
         (_name, "src", lambda k, f=_name: getattr(T, f)(5, k.B, 4, k.G[0], 1), TypeError),

@@ -397,6 +397,49 @@ def test_ptx_wait_timeout_compiled_in(tmp_path):
     assert "%globaltimer" in ptx and "trap" in ptx and "vprintf" in ptx
 
 
+# ------------------------------------------------------------------------------ Lamport exchange
+def _lamport_kernel(dtype: str, vec: int):
+    @T.prim_func
+    def k(X: T.Tensor((64, vec), dtype), Buf: T.Tensor((256, vec), dtype), Out: T.Tensor((64, vec), dtype)):
+        with T.Kernel(1, threads=64) as _:
+            tx = T.get_thread_binding()
+            v = T.alloc_local((2, vec), dtype)
+            T.copy(X[tx, 0:vec], v[0, 0:vec])
+            T.lamport_put(v[0, 0:vec], Buf[tx, 0:vec], dst_pe=1)
+            T.lamport_get(Buf[64 + tx, 0:vec], v[1, 0:vec], src_pe=T.get_rank())
+            T.lamport_clear(Buf[128 + tx, 0:vec])
+            T.lamport_clear(Buf[192 + tx, 0:vec], dst_pe=tx % 2)
+            for i in T.vectorized(vec):
+                Out[tx, i] = v[1, i]
+
+    return k
+
+
+@pytest.mark.parametrize("dtype,vec,template", [("bfloat16", 8, "2, 0x7fc0ull"), ("float16", 8, "2, 0x7e00ull"),
+                                                ("float32", 4, "4, 0x7fc00000ull"),
+                                                ("float64", 2, "8, 0x7ff8000000000000ull")])
+def test_lamport_codegen(dtype, vec, template):
+    """Element size and canonical NaN as template arguments; the remote side remapped by PE."""
+    body = body_of(lambda: _lamport_kernel(dtype, vec))
+    row = f"(((int)threadIdx.x) * {vec})"
+    assert f"tilescale::lamport_put<{template}>((&(v[0])), (&(Buf[{row}])), 1);" in body
+    assert (f"tilescale::lamport_get<{template.split(',')[0]}>((&(Buf[({row} + {64 * vec})])), (&(v[{vec}])), "
+            "tilescale::get_rank());") in body
+    assert f"tilescale::lamport_clear((&(Buf[({row} + {128 * vec})])), -1);" in body
+
+
+@needs_toolkit
+def test_ptx_lamport_is_flagless_vector_traffic(tmp_path):
+    """One volatile 16-byte store per put, a volatile 16-byte poll per get, a plain 16-byte
+    store of all ones per clear: no fence, no acquire, no release."""
+    ptx = nvcc_ptx(lower_source(_lamport_kernel("bfloat16", 8)), tmp_path)
+    assert re.search(r"st\.volatile\.global\.v4\.b32", ptx) and re.search(r"ld\.volatile\.global\.v4\.b32", ptx)
+    assert re.search(r"st\.global\.v4\.b32\s+\[%rd\d+\], \{(%r\d+), \1, \1, \1\}", ptx)
+    assert not re.search(r"fence|membar|\.acquire|\.release", ptx)
+    timed = nvcc_ptx(lower_source(_lamport_kernel("bfloat16", 8)), tmp_path, extra=["-DTILESCALE_WAIT_TIMEOUT_MS=50"])
+    assert "%globaltimer" in timed and "trap" in timed
+
+
 # ------------------------------------------------------------------------------ operand addresses
 def _head_put(stock: bool):
     """A put of one (512, 64) float16 head per block row: its source element is ``src[0, by, 0,

@@ -33,7 +33,7 @@ STOCK: dict[str, Any] = STATE.stock
 
 def intrinsics() -> dict[str, Any]:
     """Name -> callable of every intrinsic exported on ``tilelang.language``."""
-    from . import atomics, barrier, memory, multimem, nvshmem_names, peer_copy, profiler, rank, signals, team, wait
+    from . import atomics, barrier, lamport, memory, multimem, nvshmem_names, peer_copy, profiler, rank, signals, team, wait
 
     names = {
         "get_rank": rank.get_rank,
@@ -68,7 +68,7 @@ def intrinsics() -> dict[str, Any]:
         "MultimemReduceOp": multimem.MultimemReduceOp,
     }
     names.update(wait.WAITS)
-    for module in (signals, atomics, team, nvshmem_names):
+    for module in (signals, atomics, team, lamport, nvshmem_names):
         names.update(module.EXPORTS)
     return names
 

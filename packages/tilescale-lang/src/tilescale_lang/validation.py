@@ -33,6 +33,7 @@ PE_ARGUMENT: dict[str, int] = {
     "ld": 1, "st": 2, "wait_until": 2, "notify": 1,
     "put_warp": 3, "get_warp": 3, "put_block": 3, "get_block": 3, "put_rows_block": 6, "get_rows_block": 6,
     "put_signal": 5, "signal_op": 2, "atomic_cas": 3, "atomic_add_sys": 2, "atomic_addx2_sys": 2, "atom_add": 2,
+    "lamport_put": 2, "lamport_get": 2, "lamport_clear": 1,
 }
 
 SCOPES = {"cta": "tilescale::Scope::CTA", "gpu": "tilescale::Scope::GPU", "sys": "tilescale::Scope::SYS"}

@@ -20,8 +20,15 @@ has the kernel, the deadlock argument and the buffer-reuse argument):
   second flag round. Moves ``2 (world_size - 1) / world_size * size`` bytes over the links
   per rank, the bus-bandwidth optimum. Best for large messages.
 
-``algorithm="auto"`` picks by message size with :data:`ONE_SHOT_MAX_BYTES` (see
-:func:`choose_algorithm`); ``"one_shot"`` / ``"two_shot"`` force one.
+* ``lamport`` (float dtypes): every rank pushes its input into a slot of every rank's
+  receive buffer, and each 16-byte vector's data carries its own readiness (the Lamport
+  sentinel, :mod:`tilescale_examples.collectives.lamport_kernel`): no flag, no fence, no round
+  trip between ranks before the data moves. Writes ``world_size * size`` bytes per rank (as
+  the one-shot reads them); ``3 * world_size * size`` bytes of symmetric memory. Best for the
+  smallest messages, where a flag round is most of the call.
+
+``algorithm="auto"`` picks by dtype and message size with :data:`LAMPORT_MAX_BYTES` and
+:data:`ONE_SHOT_MAX_BYTES` (see :func:`choose_algorithm`); the other values force one.
 
 Determinism: every element of the result is ``x_0 + x_1 + ... + x_{n-1}`` added in rank order
 in float32 (float16/bfloat16) or the dtype itself (float32, int32, ...) and rounded once; every
@@ -38,13 +45,21 @@ import torch
 
 from tilescale_examples.base import (accepts_0_1_init, accepts_0_1_out, accepts_0_1_reference, rank_left_out,
                                      size_table_entry)
+from tilescale_examples.collectives.lamport_kernel import LAMPORT_DTYPES
 from tilescale_examples.collectives.reduce_engine import REDUCE_DTYPES, ReductionCollective
 from tilescale_examples.collectives.reduce_engine import torch_reference as _rank_order_sum
 
-__all__ = ["AllReduce", "ALGORITHMS", "ONE_SHOT_MAX_BYTES", "choose_algorithm", "torch_reference"]
+__all__ = ["AllReduce", "ALGORITHMS", "ONE_SHOT_MAX_BYTES", "LAMPORT_MAX_BYTES", "choose_algorithm", "torch_reference"]
 
 #: Values of the ``algorithm`` argument.
-ALGORITHMS = ("auto", "one_shot", "two_shot")
+ALGORITHMS = ("auto", "one_shot", "two_shot", "lamport")
+#: Size table of ``algorithm="auto"`` for float dtypes: the largest message (bytes) sent by the
+#: Lamport kernel, by world size (keys and lookup as :data:`ONE_SHOT_MAX_BYTES`). One rank
+#: (one H100, replayed from a CUDA graph): Lamport 2.58 / 3.33 us at 4 / 16 KiB against the
+#: one-shot's 3.58 / 4.11, but 6.38 against 6.03 us at 64 KiB. Across GPUs the one-shot's flag
+#: round costs more, so the entries above one rank are at least that; re-tune them from
+#: ``python -m tilescale_examples.benchmarks.allreduce --algorithm lamport|one_shot``.
+LAMPORT_MAX_BYTES = {1: 16 << 10, 2: 32 << 10, 4: 16 << 10, 8: 16 << 10}
 #: Size table of ``algorithm="auto"``: the largest message (bytes) sent one-shot, by world
 #: size (a world size between two keys uses the smaller key's entry; 1 rank: always one-shot).
 #: One-shot reads ``(n - 1) * size`` over the links against two-shot's ``2 (n - 1) / n *
@@ -53,16 +68,26 @@ ALGORITHMS = ("auto", "one_shot", "two_shot")
 ONE_SHOT_MAX_BYTES = {2: 1 << 20, 4: 256 << 10, 8: 64 << 10}
 
 
-def choose_algorithm(nbytes: int, world_size: int, table: Optional[dict] = None) -> str:
-    """``"one_shot"`` when ``nbytes`` is at most the table's limit for ``world_size``,
-    else ``"two_shot"``.
+def choose_algorithm(nbytes: int, world_size: int, table: Optional[dict] = None, *,
+                     dtype: Union[torch.dtype, str, None] = None, lamport_table: Optional[dict] = None) -> str:
+    """``"lamport"`` for a float ``dtype`` when ``nbytes`` is at most the Lamport table's limit
+    for ``world_size``; else ``"one_shot"`` when ``nbytes`` is at most the one-shot table's
+    limit (always at one rank); else ``"two_shot"``.
 
     Args:
         nbytes: message size in bytes (``numel * itemsize``).
         world_size: number of ranks (>= 1).
         table: world size -> largest one-shot message in bytes (default
             :data:`ONE_SHOT_MAX_BYTES`).
+        dtype: the element type; None (or an integer type) never picks ``"lamport"``.
+        lamport_table: world size -> largest Lamport message in bytes (default
+            :data:`LAMPORT_MAX_BYTES`).
     """
+    name = REDUCE_DTYPES.get(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    if name in LAMPORT_DTYPES:
+        lamport_limit = size_table_entry(LAMPORT_MAX_BYTES if lamport_table is None else lamport_table, world_size)
+        if nbytes <= lamport_limit:
+            return "lamport"
     limit = size_table_entry(ONE_SHOT_MAX_BYTES if table is None else table, world_size)
     return "one_shot" if world_size == 1 or nbytes <= limit else "two_shot"
 
@@ -91,8 +116,8 @@ class AllReduce(ReductionCollective):
             inside the symmetric buffer).
         dtype: torch dtype (or its name): float16, bfloat16, float32, float64, int32 or int64.
         world_size: number of ranks; defaults to ``allocator.num_ranks`` and must equal it.
-        algorithm: ``"auto"`` (by size, :func:`choose_algorithm`), ``"one_shot"`` or
-            ``"two_shot"``.
+        algorithm: ``"auto"`` (by dtype and size, :func:`choose_algorithm`), ``"one_shot"``,
+            ``"two_shot"`` or ``"lamport"`` (float dtypes).
         group, threads, max_blocks, unroll, target: as for
             :class:`~tilescale_examples.collectives.reducescatter.ReduceScatter`.
 
@@ -103,7 +128,8 @@ class AllReduce(ReductionCollective):
 
     Memory (symmetric, per rank): one (two-shot) or two (one-shot: double-buffered) staging
     buffers of the padded size, ``2 * world_size * blocks`` uint64 flags (one per 32-byte
-    sector); one-shot also a local result buffer.
+    sector); one-shot also a local result buffer. Lamport: ``3 * world_size`` buffers of the
+    padded size and no flags (a local input and result buffer beside them).
 
     Construction and calls are collective: every rank builds the same instances with the
     same arguments and makes the same sequence of calls.
@@ -114,14 +140,15 @@ class AllReduce(ReductionCollective):
 
     @accepts_0_1_init(positional=("world_size",))
     def __init__(self, allocator, shape: Union[int, Sequence[int]], dtype: Union[torch.dtype, str], *,
-                 world_size: Optional[int] = None, algorithm: Literal["auto", "one_shot", "two_shot"] = "auto",
+                 world_size: Optional[int] = None,
+                 algorithm: Literal["auto", "one_shot", "two_shot", "lamport"] = "auto",
                  group=None, threads: int = 512, max_blocks: Optional[int] = None, unroll: Optional[int] = None,
                  target=None):
         self._setup(allocator, shape, dtype, world_size, group, threads, max_blocks, REDUCE_DTYPES,
                     algorithm=algorithm, target=target)
         self.numel = self.shard_numel
         if algorithm == "auto":
-            algorithm = choose_algorithm(self.numel * self.itemsize, self.world_size)
+            algorithm = choose_algorithm(self.numel * self.itemsize, self.world_size, dtype=self.dtype)
         self.algorithm = algorithm
         self._build(algorithm, self.numel, unroll, target)
         self.output = (self.stages[0] if algorithm == "two_shot" else self.result).view(-1)[: self.numel].view(self.shape)
@@ -150,7 +177,7 @@ class AllReduce(ReductionCollective):
         """
         zero_copy = self._check_call(input, out, self.shape)
         out_rows = None
-        if self.algorithm == "one_shot":
+        if self.algorithm != "two_shot":
             out_rows = self._out_rows(out)
             out_rows = self.result if out_rows is None else out_rows
         stage = self._launch(input, out_rows, self._stage_copy, zero_copy)

@@ -105,6 +105,8 @@ from typing import Optional, Sequence
 import torch
 
 from tilescale_examples.base import SymmetricCollective, settle
+from tilescale_examples.collectives.lamport_kernel import (LAMPORT_DTYPES, SENTINEL_BYTE, build_lamport_kernel,
+                                                           lamport_rows)
 from tilescale_examples.collectives.reduce_kernel import (ACCUMULATE, FLAG_STRIDE, MAX_REGISTERS,
                                                           MAX_UNROLLED_VECTORS, MODES, PASS_CONFIGS, REDUCE_DTYPES,
                                                           VECTOR_BYTES, buffers, build_reduce_kernel, check_unroll,
@@ -113,8 +115,10 @@ from tilescale_examples.collectives.reduce_kernel import (ACCUMULATE, FLAG_STRID
 __all__ = ["MODES", "buffers", "ACCUMULATE", "REDUCE_DTYPES", "VECTOR_BYTES", "MAX_REGISTERS",
            "FLAG_STRIDE", "MAX_UNROLLED_VECTORS", "build_reduce_kernel", "default_unroll", "max_unroll",
            "check_unroll", "vector_elems", "grid", "plan_grid", "Plan",
-           "ReductionCollective", "rank_order_sum", "rows_view", "overlaps", "torch_reference", "PASS_CONFIGS"]
+           "ReductionCollective", "LAMPORT", "rank_order_sum", "rows_view", "overlaps", "torch_reference", "PASS_CONFIGS"]
 
+#: The mode of the Lamport one-shot all-reduce (:mod:`.lamport_kernel`): flagless, float dtypes.
+LAMPORT = "lamport"
 _TORCH_ACCUMULATE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
@@ -238,13 +242,31 @@ class ReductionCollective(SymmetricCollective):
     ``_build(mode, numel, unroll, target)``.
     """
 
-    _BUFFERS = ("stages", "stage_buffer", "flags", "state", "result", "output", "_inputs", "_padded")
+    _BUFFERS = ("stages", "stage_buffer", "flags", "state", "result", "output", "_inputs", "_padded", "_lamport_input")
 
     def _build(self, mode: str, numel: int, unroll: Optional[int], target) -> None:
         self.mode = mode
-        self.plan = plan_grid(mode, numel, self.itemsize, self.world_size, self.threads, unroll, self.max_blocks)
+        lamport = mode == LAMPORT
+        self.plan = plan_grid("one_shot" if lamport else mode, numel, self.itemsize, self.world_size, self.threads,
+                              unroll, self.max_blocks)
         p = self.plan
-        nb = buffers(mode)
+        name = REDUCE_DTYPES[self.dtype]
+        if lamport:
+            self._build_lamport_buffers(p)
+            build, configs = (lambda: build_lamport_kernel(name, self.world_size, self.threads, p.unroll)), PASS_CONFIGS
+        else:
+            self._build_stages(p, buffers(mode))
+            build, configs = (lambda: build_reduce_kernel(mode, name, self.world_size, self.threads, p.unroll)), PASS_CONFIGS
+        self.state = torch.zeros((p.blocks,), dtype=torch.int64, device=self.device)
+        self.result = None if mode == "two_shot" else torch.empty((p.span, p.vec), dtype=self.dtype, device=self.device)
+        self._padded = None
+        self.kernel = self._compile_kernel(build, target, configs,
+                                           key=("reduce", mode, name, self.world_size, self.threads, p.unroll))
+        self.bind_table(force=True)
+        settle(self.device, self.group)
+
+    def _build_stages(self, p: "Plan", nb: int) -> None:
+        """The flag modes' buffers: ``nb`` staging buffers and the flags."""
         # one_shot / reduce_scatter have one flag round: double-buffer (see the module docstring);
         # the kernel picks buffer e % 2 from its own call number, so one allocation holds both
         self.stage_buffer = self._tensor((nb * p.stage_rows, p.vec))
@@ -252,17 +274,20 @@ class ReductionCollective(SymmetricCollective):
         self.flags = self._tensor((p.flag_words,), torch.uint64)
         self.stage_buffer.zero_()  # the padding rows are summed as zeros and never written by a call
         self.flags.zero_()
-        self.state = torch.zeros((p.blocks,), dtype=torch.int64, device=self.device)
-        self.result = None if mode == "two_shot" else torch.empty((p.span, p.vec), dtype=self.dtype, device=self.device)
         self._inputs = [self._input_view(stage) for stage in self.stages]
-        self._padded = None
-        name = REDUCE_DTYPES[self.dtype]
-        self.kernel = self._compile_kernel(lambda: build_reduce_kernel(mode, name, self.world_size, self.threads,
-                                                                       p.unroll),
-                                           target, PASS_CONFIGS,
-                                           key=("reduce", mode, name, self.world_size, self.threads, p.unroll))
-        self.bind_table(force=True)
-        settle(self.device, self.group)
+
+    def _build_lamport_buffers(self, p: "Plan") -> None:
+        """The Lamport mode's buffers (:mod:`.lamport_kernel`): the symmetric receive buffers,
+        every byte the sentinel, and a local input buffer (the zero-copy ``input``: the kernel
+        reads its input from wherever it is, so this one needs no symmetric memory)."""
+        if REDUCE_DTYPES[self.dtype] not in LAMPORT_DTYPES:
+            raise ValueError(f"algorithm='lamport' needs a float dtype (its sentinel is a NaN), got {self.dtype}")
+        self.stage_buffer = self._tensor((lamport_rows(self.world_size, p.span), p.vec))
+        self.stage_buffer.view(torch.uint8).fill_(SENTINEL_BYTE)
+        self.stages = [self.stage_buffer]
+        self.flags = None
+        self._lamport_input = torch.zeros((p.span, p.vec), dtype=self.dtype, device=self.device)
+        self._inputs = [self._input_view(self._lamport_input)]
 
     def _input_view(self, stage: torch.Tensor) -> torch.Tensor:
         """``stage`` as the caller's input shape (subclasses)."""
@@ -332,6 +357,21 @@ class ReductionCollective(SymmetricCollective):
         return rows if rows is not None and rows.shape[0] == self.plan.span else None
 
     # ------------------------------------------------------------------ launch
+    def _rows_or_padded(self, input: torch.Tensor, stage_copy) -> torch.Tensor:
+        """``input`` as the kernel's ``(rows, vec)`` input when it is whole aligned vectors
+        (and, for the reduce-scatter, whole vectors per output row), else a zero-padded local
+        copy made by ``stage_copy(padded, input)``."""
+        p = self.plan
+        x = rows_view(input, p.vec)
+        if x is not None and p.mode == "reduce_scatter" and x.shape[0] != p.stage_rows:
+            x = None  # rows of the input are not whole vectors: padded by the copy below
+        if x is None:
+            if self._padded is None:
+                self._padded = torch.zeros((p.stage_rows, p.vec), dtype=self.dtype, device=self.device)
+            stage_copy(self._padded, input)
+            x = self._padded
+        return x
+
     def _launch(self, input: torch.Tensor, out_rows: Optional[torch.Tensor], stage_copy,
                 zero_copy: bool) -> torch.Tensor:
         """Stage ``input`` (in the kernel when it is whole aligned vectors, else copied by
@@ -347,18 +387,16 @@ class ReductionCollective(SymmetricCollective):
                                "each call is chosen on the device; pass a tensor of your own")
         self.epoch += 1
         self.bind_table()
+        if self.mode == LAMPORT:
+            x = self._lamport_input if zero_copy else self._rows_or_padded(input, stage_copy)
+            args = (x, self.stage_buffer, out_rows, self.state, p.blocks, p.iters, p.span)
+            self._launch_kernel(args, changing=(0, 2))
+            return self.stage_buffer
         stage_in = 1
         if zero_copy:
             x, stage_in = self.stages[self.epoch % nb], 0
         else:
-            x = rows_view(input, p.vec)
-            if x is not None and p.mode == "reduce_scatter" and x.shape[0] != p.stage_rows:
-                x = None  # rows of the input are not whole vectors: padded by the copy below
-            if x is None:
-                if self._padded is None:
-                    self._padded = torch.zeros((p.stage_rows, p.vec), dtype=self.dtype, device=self.device)
-                stage_copy(self._padded, input)
-                x = self._padded
+            x = self._rows_or_padded(input, stage_copy)
         args = (x, self.stage_buffer) + (() if out_rows is None else (out_rows,))
         self._launch_kernel(args + (self.flags, self.state, p.blocks, p.iters, p.span, p.rows_in, stage_in),
                             changing=(0, len(args) + 6) if out_rows is None else (0, 2, len(args) + 6))

@@ -14,7 +14,7 @@ from tilescale_examples.base import DTYPES, check_threads
 
 __all__ = ["MODES", "buffers", "ACCUMULATE", "REDUCE_DTYPES", "VECTOR_BYTES", "MAX_REGISTERS", "FLAG_STRIDE",
            "MAX_UNROLLED_VECTORS", "PASS_CONFIGS", "build_reduce_kernel", "default_unroll", "max_unroll",
-           "check_unroll", "vector_elems", "rank_order_sum", "step_macros"]
+           "check_unroll", "check_kernel_world_size", "vector_elems", "rank_order_sum", "step_macros"]
 
 #: Kernel modes of :func:`build_reduce_kernel`.
 MODES = ("one_shot", "two_shot", "reduce_scatter")
@@ -84,6 +84,14 @@ def check_unroll(unroll, world_size: int) -> int:
         raise ValueError(f"unroll must be at most {max_unroll(world_size)} at {world_size} rank(s) (a thread holds "
                          f"unroll x world_size 16-byte vectors, at most {MAX_UNROLLED_VECTORS}), got {unroll}")
     return unroll
+
+
+def check_kernel_world_size(world_size) -> int:
+    """``world_size`` if it is an int in ``[1, 1022]`` (the ranks a kernel's table holds);
+    else ``ValueError`` naming ``world_size``."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= 1022:
+        raise ValueError(f"world_size must be an int in [1, 1022], got {world_size!r}")
+    return world_size
 
 
 # ------------------------------------------------------------------------------ kernel
@@ -223,8 +231,7 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if dtype not in ACCUMULATE:
         raise ValueError(f"dtype must be one of {sorted(ACCUMULATE)}, got {dtype!r}")
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= 1022:
-        raise ValueError(f"world_size must be an int in [1, 1022], got {world_size!r}")
+    check_kernel_world_size(world_size)
     check_threads(threads)
     U = check_unroll(unroll, world_size)
     W, TH, acc = world_size, threads, ACCUMULATE[dtype]

@@ -79,15 +79,27 @@ def precompile(jobs: Iterable[Job], cache_dir: Optional[str] = None, workers: Op
 
 def reduction_jobs(modes: Sequence[str], dtypes: Sequence[str], world_sizes: Sequence[int],
                    threads: int = 512, unroll: Optional[int] = None) -> list:
-    """Jobs of the reduction kernels (:func:`~tilescale_examples.collectives.reduce_engine.build_reduce_kernel`)
-    that :class:`~tilescale_examples.collectives.allreduce.AllReduce` / ``ReduceScatter`` built with these
+    """Jobs of the reduction kernels (:func:`~tilescale_examples.collectives.reduce_engine.build_reduce_kernel`,
+    and :func:`~tilescale_examples.collectives.lamport_kernel.build_lamport_kernel` for mode
+    ``"lamport"``, whose integer dtypes are left out) that
+    :class:`~tilescale_examples.collectives.allreduce.AllReduce` / ``ReduceScatter`` built with these
     ``threads`` and ``unroll`` (None: the default) compile, for every ``mode x dtype name x
     world size``."""
-    from tilescale_examples.collectives.reduce_engine import PASS_CONFIGS, default_unroll
+    from tilescale_examples.collectives.lamport_kernel import LAMPORT_DTYPES
+    from tilescale_examples.collectives.reduce_engine import LAMPORT, PASS_CONFIGS, default_unroll
 
-    return [("tilescale_examples.collectives.reduce_engine:build_reduce_kernel",
-             (m, d, w, threads, default_unroll(w) if unroll is None else unroll), PASS_CONFIGS)
-            for w in world_sizes for m in modes for d in dtypes]
+    jobs = []
+    for w in world_sizes:
+        u = default_unroll(w) if unroll is None else unroll
+        for m in modes:
+            for d in dtypes:
+                if m != LAMPORT:
+                    jobs.append(("tilescale_examples.collectives.reduce_engine:build_reduce_kernel",
+                                 (m, d, w, threads, u), PASS_CONFIGS))
+                elif d in LAMPORT_DTYPES:
+                    jobs.append(("tilescale_examples.collectives.lamport_kernel:build_lamport_kernel",
+                                 (d, w, threads, u), PASS_CONFIGS))
+    return jobs
 
 
 #: SM count of the GPUs :func:`precompile_op` compiles for by default (H100 SXM and H200).

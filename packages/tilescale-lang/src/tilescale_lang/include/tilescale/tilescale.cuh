@@ -5,6 +5,7 @@
 #include "memory.cuh"
 #include "copy.cuh"
 #include "wait.cuh"
+#include "lamport.cuh"
 #include "signal.cuh"
 #include "atomic.cuh"
 #include "barrier.cuh"
