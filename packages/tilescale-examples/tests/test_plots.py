@@ -37,6 +37,7 @@ EXPECTED = {
     "block_rasterization_2": ("gemm", [4 * 4]),  # the tuned tiles: (n, m_local) x 4 TFLOP/s columns
     "gemm_allreduce": ("bars", [19 * 3]),  # fused, mm+AR, mm us per (m, tiles)
     "cuda_graphs": ("lines", [1]),  # graph vs symm against the all-reduce size
+    "cuda_graphs_2": ("lines", [2]),  # Lamport and one-shot vs symm against the size
     "heap": ("bars", [6 * 2]),  # ready ms, cudaMalloc ms per path and ranks
     "heap_2": ("bars", [6 * 3]),
     "signals": ("bars", [2 * 2]),
