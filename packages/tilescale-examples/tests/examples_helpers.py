@@ -381,6 +381,47 @@ def parts_rank_body(rank: int, world: int, cache_dir: str, parts, heap_bytes: in
     return close_rank_heap(alloc, rank, checks)
 
 
+def side_stream_beside(side_call, main_call, checks=()) -> int:
+    """The side-stream case of a GPU test: ``side_call()`` on a fresh side stream (ordered
+    after the current stream's work so far) while ``main_call()`` runs on the current stream
+    (a second instance, say), then a device synchronisation and each of ``checks`` (callables
+    that raise on a wrong result). Returns the number of checks run."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        side_call()
+    main_call()
+    torch.cuda.synchronize()
+    for check in checks:
+        check()
+    return len(checks)
+
+
+def case_part_checks(cases, b2b_cases, back_to_back: dict, graph_cases, replays: dict):
+    """``checks(world)`` for :func:`parts_gpu_test` of the usual three parts: two checked calls
+    per case (eager, then once more), ``back_to_back[world]`` per back-to-back case and
+    ``replays[world] + 1`` per graph case."""
+    return lambda world: (2 * len(cases) + back_to_back[world] * len(b2b_cases)
+                          + (replays[world] + 1) * len(graph_cases))
+
+
+def parts_gpu_test(parts, checks, kernels, cache_name: str, label: str, timeout: float, worlds=(1, 2, 4)):
+    """A multi-rank GPU test (for a module's ``test_...`` name) made of test ``parts`` (see
+    :func:`parts_rank_body`): once per world size in ``worlds``, ``kernels()`` (precompile
+    jobs) compiled into the session cache ``cache_name`` first, then every rank runs the parts
+    and must report ``checks(world)`` checked calls (:func:`check_warm_gpu_ranks`, printing
+    ``label``); ``timeout`` s for the test, 40 s less for its ranks."""
+    import functools
+
+    body = functools.partial(parts_rank_body, parts=tuple(parts))
+
+    @on_gpu_ranks(*worlds, timeout=timeout)
+    def test(world, tmp_path_factory):
+        check_warm_gpu_ranks(body, world, tmp_path_factory, kernels(), cache_name, checks(world), timeout - 40, label)
+
+    return test
+
+
 def check_warm_gpu_ranks(body, world: int, tmp_path_factory, jobs, name: str, checks: int, timeout: float,
                          label: str) -> list:
     """:func:`check_gpu_ranks` after compiling ``jobs`` into the session cache ``name`` in

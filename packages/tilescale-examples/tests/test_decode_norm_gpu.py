@@ -18,12 +18,10 @@ The kernels are compiled once, in parallel, before the ranks start."""
 
 from __future__ import annotations
 
-import functools
-import random
 import time
 
 import torch
-from examples_helpers import check_warm_gpu_ranks, on_gpu_ranks, parts_rank_body, poison, replay_with_graphs
+from examples_helpers import case_part_checks, parts_gpu_test, poison, replay_with_graphs
 
 from tilescale_examples.decode.reference import compare
 
@@ -208,11 +206,8 @@ def graphs(alloc, rank: int, world: int, rng) -> tuple:
     return checks, bad
 
 
-#: The rank body: the cases, the back-to-back calls, the graphs; raises on any failure.
-gpu_rank_body = functools.partial(parts_rank_body, parts=(cases, back_to_back, graphs))
-
-
-@on_gpu_ranks(1, 2, 4, timeout=600)
-def test_allreduce_residual_rmsnorm_on_gpu(world, tmp_path_factory):
-    want = 2 * len(CASES) + BACK_TO_BACK[world] * len(B2B_CASES) + (REPLAYS[world] + 1) * len(GRAPH_CASES)
-    check_warm_gpu_ranks(gpu_rank_body, world, tmp_path_factory, norm_kernels(), CACHE_NAME, want, 560, "AllReduceResidualRMSNorm")
+#: Checked calls per rank, by world size.
+CHECKS = case_part_checks(CASES, B2B_CASES, BACK_TO_BACK, GRAPH_CASES, REPLAYS)
+#: Worlds 1, 2, 4: the cases, the back-to-back calls, the graphs; fails on any failure.
+test_allreduce_residual_rmsnorm_on_gpu = parts_gpu_test((cases, back_to_back, graphs), CHECKS, norm_kernels,
+                                                        CACHE_NAME, "AllReduceResidualRMSNorm", timeout=600)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from examples_helpers import (CpuAllocator, LaunchRecorder, check_gpu_ranks, close_rank_heap, lower_with, needs_nvcc, on_gpu_ranks,
-                              open_rank_heap, record_compiles)
+                              open_rank_heap, record_compiles, side_stream_beside)
 
 from tilescale_examples import ClosedError
 from tilescale_examples.sequence.flash_decode import (BLOCK_N, SPFlashDecode, build_decode_combine_kernel,
@@ -284,15 +284,10 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> int:
         # two instances at once: this one on a side stream, another on the current stream
         other = SPFlashDecode(alloc, *case[:5], case[5])
         (qa, sa), (qb, sb) = _inputs(case, world, 100 * c + 70), _inputs(case, world, 100 * c + 71)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            op(qa.to(dev), *(t.to(dev) for t in sa[rank]))
-        other(qb.to(dev), *(t.to(dev) for t in sb[rank]))
-        torch.cuda.synchronize()
-        check(qa, sa, f"case {c} side stream")
-        check(qb, sb, f"case {c} second instance", inst=other)
-        checks += 2
+        checks += side_stream_beside(lambda: op(qa.to(dev), *(t.to(dev) for t in sa[rank])),
+                                     lambda: other(qb.to(dev), *(t.to(dev) for t in sb[rank])),
+                                     (lambda: check(qa, sa, f"case {c} side stream"),
+                                      lambda: check(qb, sb, f"case {c} second instance", inst=other)))
         other.close()
         op.close()
     return close_rank_heap(alloc, rank, checks)

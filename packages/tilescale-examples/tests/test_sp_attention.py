@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 from examples_helpers import (CpuAllocator, LaunchRecorder, check_gpu_ranks, close_rank_heap, lower_with, needs_nvcc, on_gpu_ranks,
-                              open_rank_heap, record_compiles)
+                              open_rank_heap, record_compiles, side_stream_beside)
 
 from tilescale_examples import ClosedError
 from tilescale_examples.sequence.flash_attention import torch_reference as attention_reference
@@ -425,15 +425,10 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
         other = SPAllGatherAttention(alloc, B, SP, H, Hkv, D, dtype, causal=causal, order=order, algorithm=algorithm)
         sa = _shards(world, B, SP, H, Hkv, D, dtype, seed=100 * c + 70)
         sb = _shards(world, B, SP, H, Hkv, D, dtype, seed=100 * c + 71)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            op(*(t.to(dev) for t in sa[rank]))
-        other(*(t.to(dev) for t in sb[rank]))
-        torch.cuda.synchronize()
-        check(sa, f"case {c} side stream")
-        check(sb, f"case {c} second instance", inst=other)
-        checks += 2
+        checks += side_stream_beside(lambda: op(*(t.to(dev) for t in sa[rank])),
+                                     lambda: other(*(t.to(dev) for t in sb[rank])),
+                                     (lambda: check(sa, f"case {c} side stream"),
+                                      lambda: check(sb, f"case {c} second instance", inst=other)))
         other.close()
         op.close()
     return close_rank_heap(alloc, rank, checks)

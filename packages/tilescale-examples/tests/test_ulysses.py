@@ -11,7 +11,8 @@ import pytest
 import tilelang
 import torch
 from examples_helpers import (CpuAllocator, LaunchRecorder, check_gpu_ranks, close_rank_heap, kernel_body,
-                              lower_source, needs_nvcc, on_gpu_ranks, open_rank_heap, rejects_before_allocating)
+                              lower_source, needs_nvcc, on_gpu_ranks, open_rank_heap, rejects_before_allocating,
+                              side_stream_beside)
 
 from tilescale_examples import ClosedError
 from tilescale_examples.base import TARGET, plan_chunks
@@ -322,15 +323,11 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
         xb = torch.randn(pre.input_shape, generator=g).to(dtype).to(dev)
         pre.output.fill_(float("nan"))
         other.output.fill_(float("nan"))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            pre(xa)
-        other(xb)
-        torch.cuda.synchronize()
-        _check(pre.output, xa, rank, world, "seq_to_head", f"case {case} side stream")
-        _check(other.output, xb, rank, world, "seq_to_head", f"case {case} second instance")
-        checks += 2
+        checks += side_stream_beside(lambda: pre(xa), lambda: other(xb),
+                                     (lambda: _check(pre.output, xa, rank, world, "seq_to_head",
+                                                     f"case {case} side stream"),
+                                      lambda: _check(other.output, xb, rank, world, "seq_to_head",
+                                                     f"case {case} second instance")))
         other.close()
         pre.close()
         post.close()
