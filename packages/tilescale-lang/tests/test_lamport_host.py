@@ -70,7 +70,7 @@ int main() {
 
 def templates() -> str:
     """``lamport_ready`` and ``lamport_encode`` as the header ships them."""
-    text = HEADER.read_text()
+    text = HEADER.read_text(encoding="utf-8")
     found = []
     for name in ("lamport_ready", "lamport_encode"):
         m = re.search(r"template <int ESIZE[^\n]*" + name + r"\(uint4 v\) \{.*?\n\}\n", text, re.S)
@@ -83,7 +83,7 @@ def templates() -> str:
 def test_lamport_ready_and_encode_on_the_host(tmp_path):
     src = tmp_path / "lamport_host.cpp"
     src.write_text(HARNESS % dict(templates=templates(), f16=NAN_BITS["float16"], bf16=NAN_BITS["bfloat16"],
-                                  f32=NAN_BITS["float32"], f64=NAN_BITS["float64"]))
+                                  f32=NAN_BITS["float32"], f64=NAN_BITS["float64"]), encoding="utf-8")
     exe = tmp_path / "lamport_host"
     subprocess.run([COMPILER, "-std=c++17", "-O1", str(src), "-o", str(exe)], check=True, capture_output=True)
     run = subprocess.run([str(exe)], capture_output=True, text=True)
