@@ -6,7 +6,8 @@
 # rank per GPU); tests-core, tests-host, tests-lang, tests-examples (one package, shared);
 # tests-moe (the MoE dispatch/combine GPU tests alone, shared); tests-reduce (the reduction and all-gather GPU tests, shared);
 # tests-decode (AllReduceResidualRMSNorm, GemmAllReduce), tests-sequence (UlyssesAllToAll, flash attention, SPAllGatherAttention, SPFlashDecode), tests-moe-ll (MoELowLatency), tests-overlap-emulated (the fused
-# plans of AllGatherGEMM and GemmReduceScatter on emulated peers), tests-lang-new (AOT bundles, the lean launcher,
+# plans of AllGatherGEMM and GemmReduceScatter on emulated peers), tests-graphs (CUDA graphs and torch.compile),
+# tests-other (all-to-all, overlapped GEMMs, TMA all-reduce), tests-lang-new (AOT bundles, the lean launcher,
 # the autotuner, upstream's NVSHMEM-path programs) -- the ops and modules whose GPU tests are newest;
 # bench (every benchmark); bench-NAME (one); bench-overlap-1 (ag_gemm and gemm_rs on one rank:
 # the world-1 goal); bench-overlap-wide (the emulated fused plans at n 28672, 2/4/8 ranks); bench-tuned-1 (ag_gemm on one rank with the autotuner's tiles, n 3584 and
@@ -24,12 +25,12 @@ while [[ $# -gt 0 ]]; do
 done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
-# first: the lang GPU suite (its rank body now checks T.put_rows_block / T.get_rows_block
-# directly: every word width, both directions, at worlds 1, 2, 4), then the last two of
-# tests-lang-new (upstream's NVSHMEM-path programs: a time limit cut the run after 18 of 20),
-# then the sequence tests (Ulysses' new side-stream / two-instance part; the strided copy's
-# header refactored after its GPU run)
-[[ " ${steps[*]} " == *" unverified "* ]] && steps=(tests-lang tests-lang-new tests-sequence)
+# first: the reductions (the Lamport all-reduce at 4 ranks; every examples GPU test now runs through
+# the plugin's ranks marker), the CUDA-graph and torch.compile tests (the Lamport cases), then the
+# other examples GPU suites (the same migration), then the rest of tests-lang-new (a time limit cut
+# an earlier run after 20 of its tests). Each step fits one device call of 600 s.
+[[ " ${steps[*]} " == *" unverified "* ]] && steps=(tests-reduce tests-graphs tests-sequence tests-decode tests-moe \
+  tests-moe-ll tests-other tests-lang-new)
 logs=${OUT:-device-logs}
 mkdir -p "$logs"
 source .device/install.sh || exit 1
@@ -100,6 +101,12 @@ for step in "${steps[@]}"; do
     tests-sequence) run_step tests-sequence env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
                       packages/tilescale-examples/tests/test_ulysses.py packages/tilescale-examples/tests/test_flash_attention.py packages/tilescale-examples/tests/test_flash_decode.py packages/tilescale-examples/tests/test_sp_attention.py \
                       -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
+    tests-graphs) run_step tests-graphs env TILESCALE_SHARE_GPUS=1 timeout -k 10 560 python3 -m pytest \
+                    packages/tilescale-examples/tests/test_graphs.py \
+                    -m gpu -q -s -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
+    tests-other) run_step tests-other env TILESCALE_SHARE_GPUS=1 timeout -k 10 560 python3 -m pytest \
+                   packages/tilescale-examples/tests/test_{alltoall,overlap_gpu,tma_allreduce}.py \
+                   -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-overlap-emulated) run_step tests-overlap-emulated timeout -k 10 540 python3 -m pytest \
                               packages/tilescale-examples/tests/test_overlap_emulated.py \
                               -m gpu -q -rfEs --tb=short -p no:cacheprovider "${pytest_args[@]}" ;;

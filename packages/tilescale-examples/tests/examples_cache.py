@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-#: Name of the session's TileLang cache of the reduction tests (``run_gpu_ranks`` name).
+#: Name of the session's TileLang cache of the reduction tests (a ``kernel_cache`` name).
 CACHE_NAME = "reductions"
 #: The wait timeout the ranks compile with (``open_rank_heap``'s default; part of the flags).
 WAIT_TIMEOUT_MS = "30000"
@@ -29,7 +29,7 @@ def reduction_kernels() -> list:
 def warm_cache(tmp_path_factory, jobs=None, name: str = CACHE_NAME) -> str:
     """Compile ``jobs`` (:func:`tilescale_examples.testing.precompile.precompile` jobs; default
     :func:`reduction_kernels`) into the session cache ``name`` (the directory
-    :func:`examples_helpers.run_gpu_ranks` uses for that name), once per session; returns
+    :func:`examples_helpers.session_cache` gives that name), once per session; returns
     the cache directory."""
     from tilescale_examples.testing.precompile import precompile
 

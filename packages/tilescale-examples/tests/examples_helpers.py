@@ -172,13 +172,19 @@ def gemm_heap_bytes_per_plan(cls, args: tuple, world: int) -> dict:
     return sizes
 
 
-def on_gpu_ranks(*worlds: int, timeout: float):
-    """The marks of a multi-rank GPU test (the decorators ``@pytest.mark.gpu``,
-    ``@pytest.mark.timeout(timeout)``, ``@pytest.mark.parametrize("world", worlds)``): it runs
-    once per world size in ``worlds`` and is skipped, with the reason, without a GPU."""
+def gpu_rank_test(*worlds: int, timeout: float, cache: str, jobs=None, rank_timeout: float = 240):
+    """The marks of a multi-rank GPU test, run on its ranks by the tilescale pytest plugin's
+    ``ranks`` marker: once per world size in ``worlds`` (the ``world`` parameter), the test
+    function runs on ``world`` spawned ranks (``rank`` and ``world_size`` filled in by each;
+    ranks share GPUs under ``TILESCALE_SHARE_GPUS=1``, else a world larger than the GPU count
+    is skipped with the reason), killed after ``rank_timeout`` s with every rank's stack; the
+    ``kernel_cache`` fixture gives it the session's TileLang cache ``cache``, ``jobs()``
+    (precompile jobs, or None) compiled into it first; ``timeout`` s for the whole test
+    (pytest-timeout). Skipped, with the reason, without a GPU (``gpu``)."""
 
     def mark(test):
-        for m in (pytest.mark.parametrize("world", list(worlds)), pytest.mark.timeout(timeout), pytest.mark.gpu):
+        for m in (pytest.mark.kernel_cache(cache, jobs), pytest.mark.ranks("world", timeout=rank_timeout),
+                  pytest.mark.parametrize("world", list(worlds)), pytest.mark.timeout(timeout), pytest.mark.gpu):
             test = m(test)
         return test
 
@@ -188,8 +194,9 @@ def on_gpu_ranks(*worlds: int, timeout: float):
 def run_gpu_ranks(body, world: int, tmp_path_factory, name: str, timeout: float = 240) -> list:
     """Run ``body(rank, world, cache_dir)`` on ``world`` ranks (NCCL with one GPU per rank,
     gloo when they share GPUs: ``run_ranks(backend="auto")``; ``timeout`` s deadline) with a
-    TileLang cache shared by the session.  Its callers are ``gpu`` tests: the marker skips
-    them, with the reason, without a GPU."""
+    TileLang cache shared by the session, and return the ranks' results. For the chaos tests,
+    which kill ranks on purpose and examine what the others saw; every other multi-rank GPU
+    test runs through the tilescale plugin's ``ranks`` marker (:func:`gpu_rank_test`)."""
     from tilescale_core.multiprocess import run_ranks
 
     return run_ranks(body, world, args=(session_cache(tmp_path_factory, name),), backend="auto", timeout=timeout)
@@ -204,14 +211,6 @@ def session_cache(tmp_path_factory, name: str) -> str:
     """The GPU tests' TileLang cache ``name``: ``$TILESCALE_TEST_KERNEL_CACHE`` when set, else
     ``tilelang-cache-NAME`` in this pytest session's temporary directory."""
     return os.environ.get(KEPT_CACHE_ENV) or str(tmp_path_factory.getbasetemp() / f"tilelang-cache-{name}")
-
-
-def check_gpu_ranks(body, world: int, tmp_path_factory, name: str, checks: int, timeout: float = 240) -> list:
-    """:func:`run_gpu_ranks` of ``body``; every rank must report ``checks`` checked calls (its
-    report's ``"checks"``).  The reports."""
-    reports = run_gpu_ranks(body, world, tmp_path_factory, name, timeout=timeout)
-    assert [r["checks"] for r in reports] == [checks] * world
-    return reports
 
 
 def open_rank_heap(rank: int, world: int, cache_dir: str, size: int, device: str | None = None):
@@ -366,8 +365,7 @@ def parts_rank_body(rank: int, world: int, cache_dir: str, parts, heap_bytes: in
     """A GPU rank body made of test parts: a heap (:func:`open_rank_heap`), then each
     ``part(alloc, rank, world, rng)`` of ``parts`` (module-level functions returning ``(checked
     calls, failures)``; ``rng`` seeded by the rank); raises on any failure, else the rank's
-    report (:func:`close_rank_heap`). Bind ``parts`` with ``functools.partial`` for
-    :func:`check_gpu_ranks`."""
+    report (:func:`close_rank_heap`)."""
     import random
 
     alloc = open_rank_heap(rank, world, cache_dir, heap_bytes)
@@ -406,30 +404,38 @@ def case_part_checks(cases, b2b_cases, back_to_back: dict, graph_cases, replays:
 
 
 def parts_gpu_test(parts, checks, kernels, cache_name: str, label: str, timeout: float, worlds=(1, 2, 4)):
-    """A multi-rank GPU test (for a module's ``test_...`` name) made of test ``parts`` (see
-    :func:`parts_rank_body`): once per world size in ``worlds``, ``kernels()`` (precompile
-    jobs) compiled into the session cache ``cache_name`` first, then every rank runs the parts
-    and must report ``checks(world)`` checked calls (:func:`check_warm_gpu_ranks`, printing
+    """A multi-rank GPU test (:func:`gpu_rank_test`; for a module's ``test_...`` name) made of
+    test ``parts`` (see :func:`parts_rank_body`): once per world size in ``worlds``,
+    ``kernels()`` (precompile jobs) compiled into the session cache ``cache_name`` first, then
+    every rank runs the parts and must report ``checks(world)`` checked calls (printing
     ``label``); ``timeout`` s for the test, 40 s less for its ranks."""
-    import functools
+    parts = tuple(parts)
 
-    body = functools.partial(parts_rank_body, parts=tuple(parts))
-
-    @on_gpu_ranks(*worlds, timeout=timeout)
-    def test(world, tmp_path_factory):
-        check_warm_gpu_ranks(body, world, tmp_path_factory, kernels(), cache_name, checks(world), timeout - 40, label)
+    @gpu_rank_test(*worlds, timeout=timeout, rank_timeout=timeout - 40, cache=cache_name, jobs=kernels)
+    def test(world, rank, world_size, kernel_cache):
+        expect_checks(parts_rank_body(rank, world_size, kernel_cache, parts), checks(world_size), label)
 
     return test
 
 
-def check_warm_gpu_ranks(body, world: int, tmp_path_factory, jobs, name: str, checks: int, timeout: float,
-                         label: str) -> list:
-    """:func:`check_gpu_ranks` after compiling ``jobs`` into the session cache ``name`` in
-    parallel (``examples_cache.warm_cache``: the ranks' compiles are then cache hits); prints
-    ``<label> world <world>: <checks> checked calls per rank``. The reports."""
-    from examples_cache import warm_cache
+def same_on_every_rank(value) -> bool:
+    """Whether every rank of the default process group passed an equal ``value`` (compared by
+    ``repr``; a collective call: every rank must make it)."""
+    import torch.distributed as dist
 
-    warm_cache(tmp_path_factory, jobs, name=name)
-    reports = check_gpu_ranks(body, world, tmp_path_factory, name, checks, timeout=timeout)
-    print(f"{label} world {world}: {checks} checked calls per rank")
-    return reports
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return len({repr(v) for v in values}) == 1
+
+
+def expect_checks(report: dict, checks: int, label: str = "") -> dict:
+    """A rank's ``report`` (:func:`close_rank_heap`) says it checked ``checks`` calls; prints
+    ``<label> world <n>: <checks> checked calls per rank`` from rank 0. The report."""
+    assert report["checks"] == checks, f"rank {report['rank']}: {report['checks']} checked calls, expected {checks}"
+    if label and report["rank"] == 0:
+        import torch.distributed as dist
+
+        print(f"{label} world {dist.get_world_size()}: {checks} checked calls per rank")
+    return report
+
+

@@ -8,9 +8,8 @@ import math
 import pytest
 import tilelang  # noqa: F401  (the import hook attaches tilescale-lang)
 import torch
-from examples_cache import warm_cache
 from examples_helpers import (LaunchRecorder, CpuAllocator, close_rank_heap, lower_source, needs_nvcc, open_rank_heap,
-                              rejects_before_allocating, check_gpu_ranks, on_gpu_ranks)
+                              rejects_before_allocating, expect_checks, gpu_rank_test)
 
 from tilescale_examples.collectives import allgather as ag_mod
 from tilescale_examples import ClosedError
@@ -292,8 +291,6 @@ def allgather_kernels(worlds=(1, 2, 4)) -> list:
     return jobs
 
 
-@on_gpu_ranks(1, 2, 4, timeout=300)
-def test_allgather_on_gpu(world, tmp_path_factory):
-    # every world's kernels at once, in parallel (cache hits in the ranks)
-    warm_cache(tmp_path_factory, allgather_kernels(), "allgather")
-    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "allgather", len(GPU_CASES) * len(ENGINES) * 5)
+@gpu_rank_test(1, 2, 4, timeout=300, cache="allgather", jobs=allgather_kernels)  # every world's kernels, in parallel
+def test_allgather_on_gpu(world, rank, world_size, kernel_cache):
+    expect_checks(gpu_rank_body(rank, world_size, kernel_cache), len(GPU_CASES) * len(ENGINES) * 5)

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 from examples_helpers import (CpuAllocator, call_rejected, close_rank_heap, open_rank_heap, poison, random_tensor,
-                              rejects_before_allocating, check_gpu_ranks, needs_nvcc, on_gpu_ranks)
-from examples_cache import CACHE_NAME, warm_cache
+                              rejects_before_allocating, needs_nvcc, expect_checks, gpu_rank_test)
+from examples_cache import CACHE_NAME, reduction_kernels
 
 from tilescale_examples import ClosedError
 from tilescale_examples.collectives.allreduce import (ALGORITHMS, LAMPORT_MAX_BYTES, ONE_SHOT_MAX_BYTES, AllReduce,
@@ -374,12 +374,10 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return close_rank_heap(alloc, rank, checks)
 
 
-@on_gpu_ranks(2, 4, timeout=240)
-def test_allreduce_on_gpu(world, tmp_path_factory):
+@gpu_rank_test(2, 4, timeout=240, rank_timeout=200, cache=CACHE_NAME, jobs=reduction_kernels)
+def test_allreduce_on_gpu(world, rank, world_size, kernel_cache):
     """Every size class and dtype, every algorithm, bit-exact on every rank; then back-to-back
     calls with a straggling rank (1000 one-shot and 1000 Lamport calls on 2 ranks)."""
-    warm_cache(tmp_path_factory)
-    want = sum(len(algorithms_for(s, d, world)) for s in SIZES for d in DTYPES) * CALLS_PER_INSTANCE
-    want += sum(BACK_TO_BACK[world].values())
-    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, CACHE_NAME, want, timeout=200)
-    print(f"allreduce world {world}: {want} checked calls per rank")
+    want = sum(len(algorithms_for(s, d, world_size)) for s in SIZES for d in DTYPES) * CALLS_PER_INSTANCE
+    want += sum(BACK_TO_BACK[world_size].values())
+    expect_checks(gpu_rank_body(rank, world_size, kernel_cache), want, "allreduce")

@@ -8,7 +8,7 @@ import pytest
 import tilelang
 import torch
 from examples_helpers import (LaunchRecorder, CpuAllocator, close_rank_heap, kernel_body, lower_source, needs_nvcc,
-                              open_rank_heap, rejects_before_allocating, check_gpu_ranks, on_gpu_ranks)
+                              open_rank_heap, rejects_before_allocating, expect_checks, gpu_rank_test)
 
 from tilescale_examples import ClosedError
 from tilescale_examples.collectives.alltoall import AllToAll, build_alltoall_kernel, torch_reference
@@ -126,6 +126,6 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return close_rank_heap(alloc, rank, checks)
 
 
-@on_gpu_ranks(1, 2, 4, timeout=300)
-def test_alltoall_on_gpu(world, tmp_path_factory):
-    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "alltoall", len(GPU_CASES) * 5)
+@gpu_rank_test(1, 2, 4, timeout=300, cache="alltoall")
+def test_alltoall_on_gpu(world, rank, world_size, kernel_cache):
+    expect_checks(gpu_rank_body(rank, world_size, kernel_cache), len(GPU_CASES) * 5)

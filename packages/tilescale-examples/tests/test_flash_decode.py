@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from examples_helpers import (CpuAllocator, LaunchRecorder, check_gpu_ranks, close_rank_heap, lower_with, needs_nvcc, on_gpu_ranks,
+from examples_helpers import (CpuAllocator, LaunchRecorder, close_rank_heap, lower_with, needs_nvcc, expect_checks, gpu_rank_test,
                               open_rank_heap, record_compiles, side_stream_beside)
 
 from tilescale_examples import ClosedError
@@ -293,6 +293,6 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> int:
     return close_rank_heap(alloc, rank, checks)
 
 
-@on_gpu_ranks(1, 2, 4, timeout=400)
-def test_flash_decode_on_gpu(world, tmp_path_factory):
-    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "flash-decode", len(GPU_CASES) * (3 + 2 + 1 + 2 + 2))
+@gpu_rank_test(1, 2, 4, timeout=400, cache="flash-decode")
+def test_flash_decode_on_gpu(world, rank, world_size, kernel_cache):
+    expect_checks(gpu_rank_body(rank, world_size, kernel_cache), len(GPU_CASES) * (3 + 2 + 1 + 2 + 2))

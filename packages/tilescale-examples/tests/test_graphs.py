@@ -16,7 +16,8 @@ from __future__ import annotations
 import random
 
 import torch
-from examples_helpers import close_rank_heap, on_gpu_ranks, open_rank_heap, poison, replay_with_graphs, run_gpu_ranks
+from examples_helpers import (close_rank_heap, gpu_rank_test, open_rank_heap, poison, replay_with_graphs,
+                              same_on_every_rank)
 
 #: Replays per op by world size: ranks that share one GPU time-slice, so every replay of 4
 #: ranks costs several scheduling rounds.
@@ -264,19 +265,17 @@ def graph_jobs(worlds=(1, 2, 4)) -> list:
     return jobs
 
 
-@on_gpu_ranks(1, 2, 4, timeout=600)
-def test_every_op_replays_correctly_in_cuda_graphs(world, tmp_path_factory):
+@gpu_rank_test(1, 2, 4, timeout=600, rank_timeout=560, cache=CACHE_NAME, jobs=graph_jobs)
+def test_every_op_replays_correctly_in_cuda_graphs(world, rank, world_size, kernel_cache):
     """Per op: warm-up, two captured graphs replayed alternately with fresh inputs, eager
     calls between them and a straggling rank, every call checked on every rank; then one
     graph holding several ops."""
-    from examples_cache import warm_cache
-
-    warm_cache(tmp_path_factory, graph_jobs(), name=CACHE_NAME)
-    reports = run_gpu_ranks(graph_rank_body, world, tmp_path_factory, CACHE_NAME, timeout=560)
-    for r in reports:
-        assert r["failures"] == [], f"rank {r['rank']}/{world}: {r['failures']}"
-    assert len({r["checks"] for r in reports}) == 1
-    print(f"graphs world {world}: {reports[0]['checks']} checked calls per rank: {reports[0]['per_case']}")
+    report = graph_rank_body(rank, world_size, kernel_cache)
+    same = same_on_every_rank(report["checks"])
+    assert report["failures"] == [], f"rank {rank}/{world_size}: {report['failures']}"
+    assert same, f"rank {rank}/{world_size}: the ranks checked different numbers of calls"
+    if rank == 0:
+        print(f"graphs world {world_size}: {report['checks']} checked calls per rank: {report['per_case']}")
 
 
 # ------------------------------------------------------------------------------ torch.compile
@@ -339,15 +338,12 @@ def compile_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return report
 
 
-@on_gpu_ranks(1, 2, timeout=600)
-def test_torch_compile_of_a_tensor_parallel_block(world, tmp_path_factory):
+@gpu_rank_test(1, 2, timeout=600, rank_timeout=560, cache=CACHE_NAME, jobs=graph_jobs)
+def test_torch_compile_of_a_tensor_parallel_block(world, rank, world_size, kernel_cache):
     """``torch.compile(fullgraph=True)`` and ``mode="reduce-overhead"`` of a block calling
     ``torch.ops.tilescale.*`` match the eager block bit for bit, step by step."""
-    from examples_cache import warm_cache
-
-    warm_cache(tmp_path_factory, graph_jobs(), name=CACHE_NAME)
-    reports = run_gpu_ranks(compile_rank_body, world, tmp_path_factory, CACHE_NAME, timeout=560)
-    for r in reports:
-        assert r["failures"] == [], f"rank {r['rank']}/{world}: {r['failures']}"
-        assert r["checks"] == COMPILE_STEPS
-    print(f"torch.compile world {world}: {COMPILE_STEPS} steps match eager on every rank")
+    report = compile_rank_body(rank, world_size, kernel_cache)
+    assert report["failures"] == [], f"rank {rank}/{world_size}: {report['failures']}"
+    assert report["checks"] == COMPILE_STEPS
+    if rank == 0:
+        print(f"torch.compile world {world_size}: {COMPILE_STEPS} steps match eager on every rank")

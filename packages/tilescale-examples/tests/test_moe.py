@@ -13,7 +13,7 @@ import tilelang
 import torch
 from examples_helpers import (LaunchRecorder, CpuAllocator, close_rank_heap, exits_naming, kernel_body, lower_with,
                               needs_nvcc, nvcc_resources, open_rank_heap, output_without_gpu, rejects_before_allocating,
-                              check_gpu_ranks, on_gpu_ranks)
+                              expect_checks, gpu_rank_test)
 
 from tilescale_examples.base import TARGET
 from tilescale_examples.moe.dispatcher import (COMBINE_ATOL, COMBINE_RTOL, DispatchHandle, MoEDispatcher,
@@ -763,9 +763,9 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return close_rank_heap(alloc, rank, checks)
 
 
-@on_gpu_ranks(1, 2, 4, timeout=300)
-def test_moe_on_gpu(world, tmp_path_factory):
-    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "moe", len(GPU_CASES) + 3 + 2 + 5)
+@gpu_rank_test(1, 2, 4, timeout=300, cache="moe")
+def test_moe_on_gpu(world, rank, world_size, kernel_cache):
+    expect_checks(gpu_rank_body(rank, world_size, kernel_cache), len(GPU_CASES) + 3 + 2 + 5)
 
 
 def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
@@ -789,9 +789,9 @@ def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return close_rank_heap(alloc, rank, checks)
 
 
-@on_gpu_ranks(1, 2, timeout=300)
-def test_moe_full_size_on_gpu(world, tmp_path_factory):
-    check_gpu_ranks(full_size_rank_body, world, tmp_path_factory, "moe-full", 7)
+@gpu_rank_test(1, 2, timeout=300, cache="moe-full")
+def test_moe_full_size_on_gpu(world, rank, world_size, kernel_cache):
+    expect_checks(full_size_rank_body(rank, world_size, kernel_cache), 7)
 
 
 def narrow_grid_rank_body(rank: int, world: int, cache_dir: str) -> dict:
@@ -811,9 +811,9 @@ def narrow_grid_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return close_rank_heap(alloc, rank, checks)
 
 
-@on_gpu_ranks(1, 2, timeout=300)
-def test_moe_small_batch_on_a_two_block_grid_on_gpu(world, tmp_path_factory):
-    check_gpu_ranks(narrow_grid_rank_body, world, tmp_path_factory, "moe-narrow", 3 + 5)
+@gpu_rank_test(1, 2, timeout=300, cache="moe-narrow")
+def test_moe_small_batch_on_a_two_block_grid_on_gpu(world, rank, world_size, kernel_cache):
+    expect_checks(narrow_grid_rank_body(rank, world_size, kernel_cache), 3 + 5)
 
 
 def wide_rank_body(rank: int, world: int, cache_dir: str) -> dict:
@@ -828,10 +828,9 @@ def wide_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return close_rank_heap(alloc, rank, checks)
 
 
-@pytest.mark.gpu
-@pytest.mark.timeout(300)
-def test_moe_two_ranking_blocks_back_to_back_on_gpu(tmp_path_factory):
-    check_gpu_ranks(wide_rank_body, 2, tmp_path_factory, "moe-wide", 5)
+@gpu_rank_test(2, timeout=300, cache="moe-wide")
+def test_moe_two_ranking_blocks_back_to_back_on_gpu(world, rank, world_size, kernel_cache):
+    expect_checks(wide_rank_body(rank, world_size, kernel_cache), 5)
 
 
 # ------------------------------------------------------------------------------ benchmark (CPU)

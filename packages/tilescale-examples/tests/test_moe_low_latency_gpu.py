@@ -9,7 +9,7 @@ mode's tolerance of a float32 sum in slot order."""
 from __future__ import annotations
 
 import torch
-from examples_helpers import check_gpu_ranks, close_rank_heap, on_gpu_ranks, open_rank_heap
+from examples_helpers import close_rank_heap, expect_checks, gpu_rank_test, open_rank_heap
 
 from tilescale_examples.moe.low_latency import MoELowLatency
 from tilescale_examples.moe.ll_reference import ll_dispatch_reference
@@ -221,7 +221,6 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return close_rank_heap(alloc, rank, checks)
 
 
-@on_gpu_ranks(1, 2, 4, timeout=600)
-def test_moe_low_latency_on_gpu(world, tmp_path_factory):
-    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "moe-ll",
-                    len(CONFIGS) * 2 * len(TOKENS) + 4 + 1 + 5, timeout=560)
+@gpu_rank_test(1, 2, 4, timeout=600, rank_timeout=560, cache="moe-ll")
+def test_moe_low_latency_on_gpu(world, rank, world_size, kernel_cache):
+    expect_checks(gpu_rank_body(rank, world_size, kernel_cache), len(CONFIGS) * 2 * len(TOKENS) + 4 + 1 + 5)

@@ -25,7 +25,7 @@ import random
 import time
 
 import torch
-from examples_helpers import close_rank_heap, open_rank_heap, check_gpu_ranks, on_gpu_ranks
+from examples_helpers import close_rank_heap, open_rank_heap, expect_checks, gpu_rank_test
 
 K, N, M_LOCAL = 8192, 3584, 4096  # the benchmark shapes (a 70B-class MLP's tensor-parallel GEMMs)
 STRESS = dict(m_local=256, k=1024, n=512, calls=1000)
@@ -248,6 +248,6 @@ def expected_checks(world: int) -> int:
     return 3 + 3 + (0 if shared_gpu(world) else 1) + 2 * (2 + 2 + STRESS["calls"])
 
 
-@on_gpu_ranks(1, 2, 4, timeout=420)
-def test_overlapped_gemms_on_gpu(world, tmp_path_factory):
-    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "overlap", expected_checks(world), timeout=360)
+@gpu_rank_test(1, 2, 4, timeout=420, rank_timeout=360, cache="overlap")
+def test_overlapped_gemms_on_gpu(world, rank, world_size, kernel_cache):
+    expect_checks(gpu_rank_body(rank, world_size, kernel_cache), expected_checks(world_size))

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 from examples_helpers import (CpuAllocator, call_rejected, close_rank_heap, open_rank_heap, poison, random_tensor,
-                              rejects_before_allocating, check_gpu_ranks, needs_nvcc, on_gpu_ranks)
-from examples_cache import CACHE_NAME, warm_cache
+                              rejects_before_allocating, needs_nvcc, expect_checks, gpu_rank_test)
+from examples_cache import CACHE_NAME, reduction_kernels
 
 from tilescale_examples.collectives.reducescatter import ReduceScatter, torch_reference
 from tilescale_examples.collectives.reduce_engine import FLAG_STRIDE
@@ -181,9 +181,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return close_rank_heap(alloc, rank, checks)
 
 
-@on_gpu_ranks(2, 4, timeout=200)
-def test_reducescatter_on_gpu(world, tmp_path_factory):
-    warm_cache(tmp_path_factory)  # kernels shared with the all-reduce tests, compiled in parallel
-    want = len(GPU_CASES) * 3 + BACK_TO_BACK[world]
-    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, CACHE_NAME, want, timeout=160)
-    print(f"reducescatter world {world}: {want} checked calls per rank")
+@gpu_rank_test(2, 4, timeout=200, rank_timeout=160, cache=CACHE_NAME, jobs=reduction_kernels)  # shared, in parallel
+def test_reducescatter_on_gpu(world, rank, world_size, kernel_cache):
+    expect_checks(gpu_rank_body(rank, world_size, kernel_cache), len(GPU_CASES) * 3 + BACK_TO_BACK[world_size],
+                  "reducescatter")

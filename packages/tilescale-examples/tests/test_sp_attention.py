@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from examples_helpers import (CpuAllocator, LaunchRecorder, check_gpu_ranks, close_rank_heap, lower_with, needs_nvcc, on_gpu_ranks,
+from examples_helpers import (CpuAllocator, LaunchRecorder, close_rank_heap, lower_with, needs_nvcc, expect_checks, gpu_rank_test,
                               open_rank_heap, record_compiles, side_stream_beside)
 
 from tilescale_examples import ClosedError
@@ -434,9 +434,9 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return close_rank_heap(alloc, rank, checks)
 
 
-@on_gpu_ranks(1, 2, 4, timeout=400)
-def test_sp_attention_on_gpu(world, tmp_path_factory):
-    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "sp-attention", len(GPU_CASES) * (3 + 1 + 2 + 2))
+@gpu_rank_test(1, 2, 4, timeout=400, cache="sp-attention")
+def test_sp_attention_on_gpu(world, rank, world_size, kernel_cache):
+    expect_checks(gpu_rank_body(rank, world_size, kernel_cache), len(GPU_CASES) * (3 + 1 + 2 + 2))
 
 
 def test_benchmark_goals():

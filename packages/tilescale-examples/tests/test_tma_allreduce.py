@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from examples_helpers import (TOOLKIT, CpuAllocator, LaunchRecorder, close_rank_heap, kernel_body, lower_source,
-                              open_rank_heap, record_compiles, rejects_before_allocating, check_gpu_ranks,
-                              needs_toolkit, on_gpu_ranks)
+                              open_rank_heap, record_compiles, rejects_before_allocating,
+                              needs_toolkit, expect_checks, gpu_rank_test)
 
 from tilescale_examples import ClosedError
 from tilescale_examples.tutorials import tma_allreduce
@@ -122,6 +122,6 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return close_rank_heap(alloc, rank, checks)
 
 
-@on_gpu_ranks(1, 2, timeout=300)
-def test_tma_allreduce_on_gpu(world, tmp_path_factory):
-    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "tma_allreduce", 3 * 12)
+@gpu_rank_test(1, 2, timeout=300, cache="tma_allreduce")
+def test_tma_allreduce_on_gpu(world, rank, world_size, kernel_cache):
+    expect_checks(gpu_rank_body(rank, world_size, kernel_cache), 3 * 12)

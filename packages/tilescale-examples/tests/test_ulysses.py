@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import tilelang
 import torch
-from examples_helpers import (CpuAllocator, LaunchRecorder, check_gpu_ranks, close_rank_heap, kernel_body,
-                              lower_source, needs_nvcc, on_gpu_ranks, open_rank_heap, rejects_before_allocating,
+from examples_helpers import (CpuAllocator, LaunchRecorder, close_rank_heap, kernel_body,
+                              lower_source, needs_nvcc, expect_checks, gpu_rank_test, open_rank_heap, rejects_before_allocating,
                               side_stream_beside)
 
 from tilescale_examples import ClosedError
@@ -334,6 +334,6 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     return close_rank_heap(alloc, rank, checks)
 
 
-@on_gpu_ranks(1, 2, 4, timeout=400)
-def test_ulysses_on_gpu(world, tmp_path_factory):
-    check_gpu_ranks(gpu_rank_body, world, tmp_path_factory, "ulysses", len(GPU_CASES) * (2 * STEPS + 1 + 3 + 2))
+@gpu_rank_test(1, 2, 4, timeout=400, cache="ulysses")
+def test_ulysses_on_gpu(world, rank, world_size, kernel_cache):
+    expect_checks(gpu_rank_body(rank, world_size, kernel_cache), len(GPU_CASES) * (2 * STEPS + 1 + 3 + 2))
