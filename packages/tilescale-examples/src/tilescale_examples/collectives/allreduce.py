@@ -123,8 +123,9 @@ class AllReduce(ReductionCollective):
 
     Attributes: ``algorithm`` (the one chosen), ``plan`` (grid and buffer plan), ``input``
     (the symmetric buffer the next call reads, ``shape``: write into it and call
-    ``ar(ar.input)`` to skip staging), ``output`` (what a call without ``out`` returns),
-    ``stages``, ``flags``, ``kernel``, ``epoch``.
+    ``ar(ar.input)`` to skip staging; Lamport: a local buffer, nothing to skip), ``output``
+    (what a call without ``out`` returns), ``stages``, ``flags`` (None for Lamport),
+    ``kernel``, ``epoch``.
 
     Memory (symmetric, per rank): one (two-shot) or two (one-shot: double-buffered) staging
     buffers of the padded size, ``2 * world_size * blocks`` uint64 flags (one per 32-byte

@@ -306,7 +306,9 @@ class ReductionCollective(SymmetricCollective):
     def input(self) -> torch.Tensor:
         """The symmetric buffer the next call stages into, viewed as the input shape: fill
         it and pass it to the call to skip staging (the view alternates between two buffers
-        for double-buffered modes, so read the attribute before every call).
+        for double-buffered modes, so read the attribute before every call). The Lamport
+        mode stages nothing (its kernel pushes from wherever the input is): there it is one
+        local buffer of the input shape, the same for every call.
 
         Raises ``RuntimeError`` for a double-buffered mode (``one_shot``,
         ``reduce_scatter``) once the instance has been captured in a CUDA graph: replays
