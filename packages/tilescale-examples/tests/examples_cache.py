@@ -22,8 +22,8 @@ def reduction_kernels() -> list:
     Lamport, reduce-scatter; float16, bfloat16, float32, int32; 2 and 4 ranks)."""
     from tilescale_examples.testing.precompile import reduction_jobs
 
-    return reduction_jobs(("one_shot", "two_shot", "reduce_scatter", "lamport"), ("float16", "bfloat16", "float32", "int32"),
-                          (2, 4))
+    return reduction_jobs(("one_shot", "two_shot", "reduce_scatter", "lamport"),
+                          ("float16", "bfloat16", "float32", "int32"), (2, 4))
 
 
 def warm_cache(tmp_path_factory, jobs=None, name: str = CACHE_NAME) -> str:

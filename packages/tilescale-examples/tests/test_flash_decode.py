@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from examples_helpers import (CpuAllocator, LaunchRecorder, close_rank_heap, lower_with, needs_nvcc, expect_checks, gpu_rank_test,
-                              open_rank_heap, record_compiles, side_stream_beside)
+from examples_helpers import (CpuAllocator, LaunchRecorder, close_rank_heap, lower_with, needs_nvcc, expect_checks,
+                              gpu_rank_test, open_rank_heap, record_compiles, side_stream_beside)
 
 from tilescale_examples import ClosedError
 from tilescale_examples.sequence.flash_decode import (BLOCK_N, SPFlashDecode, build_decode_combine_kernel,

@@ -15,8 +15,8 @@ import math
 
 import pytest
 import torch
-from examples_helpers import (CpuAllocator, LaunchRecorder, close_rank_heap, lower_with, needs_nvcc, expect_checks, gpu_rank_test,
-                              open_rank_heap, record_compiles, side_stream_beside)
+from examples_helpers import (CpuAllocator, LaunchRecorder, close_rank_heap, lower_with, needs_nvcc, expect_checks,
+                              gpu_rank_test, open_rank_heap, record_compiles, side_stream_beside)
 
 from tilescale_examples import ClosedError
 from tilescale_examples.sequence.flash_attention import torch_reference as attention_reference

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import tilelang
 import torch
-from examples_helpers import (CpuAllocator, LaunchRecorder, close_rank_heap, kernel_body,
-                              lower_source, needs_nvcc, expect_checks, gpu_rank_test, open_rank_heap, rejects_before_allocating,
+from examples_helpers import (CpuAllocator, LaunchRecorder, close_rank_heap, kernel_body, lower_source, needs_nvcc,
+                              expect_checks, gpu_rank_test, open_rank_heap, rejects_before_allocating,
                               side_stream_beside)
 
 from tilescale_examples import ClosedError

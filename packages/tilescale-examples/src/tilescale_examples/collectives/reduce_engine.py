@@ -115,7 +115,8 @@ from tilescale_examples.collectives.reduce_kernel import (ACCUMULATE, FLAG_STRID
 __all__ = ["MODES", "buffers", "ACCUMULATE", "REDUCE_DTYPES", "VECTOR_BYTES", "MAX_REGISTERS",
            "FLAG_STRIDE", "MAX_UNROLLED_VECTORS", "build_reduce_kernel", "default_unroll", "max_unroll",
            "check_unroll", "vector_elems", "grid", "plan_grid", "Plan",
-           "ReductionCollective", "LAMPORT", "rank_order_sum", "rows_view", "overlaps", "torch_reference", "PASS_CONFIGS"]
+           "ReductionCollective", "LAMPORT", "rank_order_sum", "rows_view", "overlaps", "torch_reference",
+           "PASS_CONFIGS"]
 
 #: The mode of the Lamport one-shot all-reduce (:mod:`.lamport_kernel`): flagless, float dtypes.
 LAMPORT = "lamport"
@@ -253,14 +254,18 @@ class ReductionCollective(SymmetricCollective):
         name = REDUCE_DTYPES[self.dtype]
         if lamport:
             self._build_lamport_buffers(p)
-            build, configs = (lambda: build_lamport_kernel(name, self.world_size, self.threads, p.unroll)), PASS_CONFIGS
         else:
             self._build_stages(p, buffers(mode))
-            build, configs = (lambda: build_reduce_kernel(mode, name, self.world_size, self.threads, p.unroll)), PASS_CONFIGS
         self.state = torch.zeros((p.blocks,), dtype=torch.int64, device=self.device)
         self.result = None if mode == "two_shot" else torch.empty((p.span, p.vec), dtype=self.dtype, device=self.device)
         self._padded = None
-        self.kernel = self._compile_kernel(build, target, configs,
+
+        def build():
+            if lamport:
+                return build_lamport_kernel(name, self.world_size, self.threads, p.unroll)
+            return build_reduce_kernel(mode, name, self.world_size, self.threads, p.unroll)
+
+        self.kernel = self._compile_kernel(build, target, PASS_CONFIGS,
                                            key=("reduce", mode, name, self.world_size, self.threads, p.unroll))
         self.bind_table(force=True)
         settle(self.device, self.group)
