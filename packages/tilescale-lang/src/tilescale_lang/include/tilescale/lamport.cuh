@@ -12,6 +12,7 @@
 // is a kernel after the previous one: call e clears the buffer of call e - 1).
 #pragma once
 #include "common.cuh"
+#include "memory.cuh"
 #include "wait.cuh"
 
 namespace tilescale {
@@ -48,21 +49,6 @@ template <int ESIZE, unsigned long long NAN_BITS> TILESCALE_DEVICE uint4 lamport
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-TILESCALE_DEVICE uint4 ld_volatile_vec16(const void* src) {
-  uint4 v;
-  asm volatile("ld.volatile.global.v4.b32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(src)
-               : "memory");
-  return v;
-}
-
-TILESCALE_DEVICE void st_volatile_vec16(void* dst, uint4 v) {
-  asm volatile("st.volatile.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z),
-               "r"(v.w)
-               : "memory");
-}
-
 /// Store the 16 bytes at src (any memory, 16-byte aligned) to dst on rank pe (-1: local),
 /// sentinel elements replaced by NAN_BITS.
 template <int ESIZE, unsigned long long NAN_BITS, typename S, typename D>
@@ -90,10 +76,7 @@ template <int ESIZE, typename S, typename D> TILESCALE_DEVICE void lamport_get(c
 
 /// Write the sentinel (16 bytes of all ones) to dst on rank pe (-1: local).
 template <typename D> TILESCALE_DEVICE void lamport_clear(D* dst, int pe) {
-  const uint4 ones = make_uint4(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu);
-  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(remap_ptr(dst, pe)), "r"(ones.x), "r"(ones.y),
-               "r"(ones.z), "r"(ones.w)
-               : "memory");
+  store_vec16(remap_ptr(dst, pe), make_uint4(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu));
 }
 
 }  // namespace tilescale

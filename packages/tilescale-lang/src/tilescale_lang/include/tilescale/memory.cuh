@@ -105,6 +105,25 @@ template <typename P, typename V> TILESCALE_DEVICE void store_vec16(P* dst, cons
                : "memory");
 }
 
+/// One 16-byte volatile load (ld.volatile.global.v4.b32) from `src`, a 16-byte aligned global
+/// address (local or a peer's): every call reads memory, as a spin on data needs.
+TILESCALE_DEVICE uint4 ld_volatile_vec16(const void* src) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(src)
+               : "memory");
+  return v;
+}
+
+/// One 16-byte volatile store (st.volatile.global.v4.b32) of `v` at `dst`, a 16-byte aligned
+/// global address (local or a peer's).
+TILESCALE_DEVICE void st_volatile_vec16(void* dst, uint4 v) {
+  asm volatile("st.volatile.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
 #define TILESCALE_ATOM_ASM(PFX)                                                            \
   asm volatile(PFX ".add.u32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(value) : "memory");
 
