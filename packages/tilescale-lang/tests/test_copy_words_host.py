@@ -8,15 +8,7 @@ and tail-round boundaries (the tail is the predicated round of fewer than UNROLL
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
-
-import pytest
-import tilescale_lang
-
-HEADER = Path(tilescale_lang.__file__).parent / "include" / "tilescale" / "copy.cuh"
-COMPILER = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+from host_cxx import build_and_run, header_definition, needs_host_compiler
 
 #: The harnesses' common start: a word type that counts the stores into the destination under test.
 RECORDING_WORD = r"""
@@ -96,10 +88,8 @@ def copy_words_source(name: str = "copy_words", params: str = "typename W, int U
     """The template ``name`` (``copy_words``, ``copy_rows_words``, ``copy_rows_as``,
     ``coop_copy_rows`` with ``params="int UNROLL"``) as the header defines it, inside its
     namespace."""
-    text = HEADER.read_text(encoding="utf-8")
-    start = text.index(f"template <{params}>\nTILESCALE_DEVICE void {name}(")
-    end = text.index("\n}\n", start) + 3
-    return "namespace tilescale {\n" + text[start:end] + "}  // namespace tilescale\n"
+    definition = header_definition("copy.cuh", f"template <{params}>\nTILESCALE_DEVICE void {name}(")
+    return "namespace tilescale {\n" + definition + "}  // namespace tilescale\n"
 
 
 ROWS_HARNESS = RECORDING_WORD + r"""
@@ -208,46 +198,33 @@ int main() {
 """
 
 
-def _build_and_run(tmp_path, name: str, source: str) -> str:
-    """Compile ``source`` with the host compiler and run it; its standard output."""
-    cpp = tmp_path / f"{name}.cpp"
-    cpp.write_text(source)
-    exe = tmp_path / name
-    build = subprocess.run([COMPILER, "-std=c++17", "-O1", "-Wno-unknown-pragmas", str(cpp), "-o", str(exe)],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
-    return run.stdout
-
-
 def test_copy_words_is_extracted_whole():
     src = copy_words_source()
     assert src.count("{") == src.count("}"), src
     assert "Tail round" in src and "#pragma unroll 1" in src
 
 
-@pytest.mark.skipif(COMPILER is None, reason="no host C++ compiler on PATH")
+@needs_host_compiler
 def test_copy_words_moves_every_word_once_on_the_host(tmp_path):
-    out = _build_and_run(tmp_path, "copy_words", HARNESS % {"copy_words": copy_words_source()})
+    out = build_and_run(tmp_path, "copy_words", HARNESS % {"copy_words": copy_words_source()})
     assert out.count(", 0 bad") == 5, out
 
 
-@pytest.mark.skipif(COMPILER is None, reason="no host C++ compiler on PATH")
+@needs_host_compiler
 def test_copy_rows_words_moves_every_row_word_once_on_the_host(tmp_path):
     """Rows narrower and wider than a round of threads, strides wider than the rows on either
     side, zero rows: each row word written once, the gaps and the words past the end never."""
-    out = _build_and_run(tmp_path, "copy_rows_words",
+    out = build_and_run(tmp_path, "copy_rows_words",
                          ROWS_HARNESS % {"copy_rows_words": copy_words_source("copy_rows_words")})
     assert out.count(", 0 bad") == 5, out
 
 
-@pytest.mark.skipif(COMPILER is None, reason="no host C++ compiler on PATH")
+@needs_host_compiler
 def test_copy_rows_picks_a_legal_word_at_every_alignment_on_the_host(tmp_path):
     """Misaligned pointers, odd row sizes and strides: the strided copy's word choice (16, 8,
     4, 2 or 1 bytes) moves exactly the rows' bytes."""
     source = BYTES_HARNESS % {"copy_rows_words": copy_words_source("copy_rows_words"),
                               "copy_rows_as": copy_words_source("copy_rows_as"),
                               "coop_copy_rows": copy_words_source("coop_copy_rows", "int UNROLL")}
-    out = _build_and_run(tmp_path, "coop_copy_rows", source)
+    out = build_and_run(tmp_path, "coop_copy_rows", source)
     assert ", 0 bad" in out, out

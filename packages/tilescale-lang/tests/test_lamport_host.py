@@ -8,17 +8,8 @@ an encoded vector is always ready."""
 
 from __future__ import annotations
 
-import re
-import shutil
-import subprocess
-from pathlib import Path
-
-import pytest
-import tilescale_lang
+from host_cxx import build_and_run, header_definition, needs_host_compiler
 from tilescale_lang.lamport import NAN_BITS
-
-HEADER = Path(tilescale_lang.__file__).parent / "include" / "tilescale" / "lamport.cuh"
-COMPILER = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 HARNESS = r"""
 #include <cstdio>
@@ -70,21 +61,13 @@ int main() {
 
 def templates() -> str:
     """``lamport_ready`` and ``lamport_encode`` as the header ships them."""
-    text = HEADER.read_text(encoding="utf-8")
-    found = []
-    for name in ("lamport_ready", "lamport_encode"):
-        m = re.search(r"template <int ESIZE[^\n]*" + name + r"\(uint4 v\) \{.*?\n\}\n", text, re.S)
-        assert m, f"{name} not found in {HEADER}"
-        found.append(m.group(0))
-    return "\n".join(found)
+    return "\n".join(header_definition("lamport.cuh", f"template <int ESIZE{rest}> TILESCALE_DEVICE {ret} {name}(")
+                     for rest, ret, name in (("", "bool", "lamport_ready"),
+                                             (", unsigned long long NAN_BITS", "uint4", "lamport_encode")))
 
 
-@pytest.mark.skipif(COMPILER is None, reason="no host C++ compiler")
+@needs_host_compiler
 def test_lamport_ready_and_encode_on_the_host(tmp_path):
-    src = tmp_path / "lamport_host.cpp"
-    src.write_text(HARNESS % dict(templates=templates(), f16=NAN_BITS["float16"], bf16=NAN_BITS["bfloat16"],
-                                  f32=NAN_BITS["float32"], f64=NAN_BITS["float64"]), encoding="utf-8")
-    exe = tmp_path / "lamport_host"
-    subprocess.run([COMPILER, "-std=c++17", "-O1", str(src), "-o", str(exe)], check=True, capture_output=True)
-    run = subprocess.run([str(exe)], capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+    source = HARNESS % dict(templates=templates(), f16=NAN_BITS["float16"], bf16=NAN_BITS["bfloat16"],
+                            f32=NAN_BITS["float32"], f64=NAN_BITS["float64"])
+    assert build_and_run(tmp_path, "lamport_host", source).strip() == "ok"
