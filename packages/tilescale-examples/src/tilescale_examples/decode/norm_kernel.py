@@ -50,8 +50,8 @@ from typing import Optional
 import torch
 
 from tilescale_examples.base import check_threads
-from tilescale_examples.collectives.reduce_kernel import (FLAG_STRIDE, PASS_CONFIGS, rank_order_sum, step_macros,
-                                                          vector_elems)
+from tilescale_examples.collectives.reduce_kernel import (FLAG_STRIDE, PASS_CONFIGS, check_kernel_world_size,
+                                                          rank_order_sum, step_macros, vector_elems)
 
 __all__ = ["NORM_DTYPES", "FP8_MODES", "FP8_MAX", "FP8_BLOCK", "FP8_TORCH_DTYPE", "MAX_LOADS", "MAX_ROW_VECTORS",
            "PASS_CONFIGS", "FLAG_STRIDE", "row_vectors", "load_chunk", "build_norm_kernel", "norm_jobs"]
@@ -97,8 +97,7 @@ def load_chunk(world_size: int, vpt: int) -> int:
 def _check_builder(dtype: str, world_size: int, threads: int, fp8) -> None:
     if dtype not in NORM_DTYPES.values():
         raise ValueError(f"dtype must be one of {sorted(NORM_DTYPES.values())}, got {dtype!r}")
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= 1022:
-        raise ValueError(f"world_size must be an int in [1, 1022], got {world_size!r}")
+    check_kernel_world_size(world_size)
     check_threads(threads)
     if world_size > threads:
         raise ValueError(f"threads ({threads}) must be >= world_size ({world_size}): thread p signals rank p")
