@@ -48,9 +48,14 @@ def test_size_table_picks_lamport_for_small_float_messages(dtype):
     assert LAMPORT_MAX_BYTES[2] <= ONE_SHOT_MAX_BYTES[2] and LAMPORT_MAX_BYTES[8] <= ONE_SHOT_MAX_BYTES[8]
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, None])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, "int32", None])
 def test_size_table_never_picks_lamport_for_integers(dtype):
     assert choose_algorithm(16, 2, dtype=dtype) == "one_shot"
+
+
+def test_size_table_rejects_a_dtype_the_reductions_do_not_take():
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        choose_algorithm(16, 2, dtype="uint8")
 
 
 def test_torch_reference_is_the_rank_order_sum():

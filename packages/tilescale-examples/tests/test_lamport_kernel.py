@@ -10,7 +10,8 @@ import re
 import pytest
 from examples_helpers import kernel_body, lower_with, needs_nvcc, nvcc_resources
 
-from tilescale_examples.collectives.lamport_kernel import LAMPORT_BUFFERS, build_lamport_kernel, lamport_rows
+from tilescale_examples.collectives.lamport_kernel import (LAMPORT_BUFFERS, LAMPORT_DTYPES, build_lamport_kernel,
+                                                           lamport_rows)
 from tilescale_examples.collectives.reduce_engine import MAX_REGISTERS, PASS_CONFIGS, default_unroll
 
 
@@ -20,6 +21,13 @@ def source(dtype="bfloat16", world=2, threads=128, unroll=None):
 
 def test_buffers():
     assert LAMPORT_BUFFERS == 3 and lamport_rows(4, 100) == 1200
+
+
+def test_dtypes_are_those_the_sentinel_covers():
+    """The kernel takes exactly the element types tilescale-lang's Lamport exchange encodes."""
+    from tilescale_lang.lamport import NAN_BITS
+
+    assert LAMPORT_DTYPES == tuple(NAN_BITS)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

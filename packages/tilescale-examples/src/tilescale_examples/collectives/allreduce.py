@@ -43,8 +43,8 @@ from typing import Literal, Optional, Sequence, Union
 
 import torch
 
-from tilescale_examples.base import (accepts_0_1_init, accepts_0_1_out, accepts_0_1_reference, rank_left_out,
-                                     size_table_entry)
+from tilescale_examples.base import (accepts_0_1_init, accepts_0_1_out, accepts_0_1_reference, check_dtype,
+                                     rank_left_out, size_table_entry)
 from tilescale_examples.collectives.lamport_kernel import LAMPORT_DTYPES
 from tilescale_examples.collectives.reduce_engine import REDUCE_DTYPES, ReductionCollective
 from tilescale_examples.collectives.reduce_engine import torch_reference as _rank_order_sum
@@ -83,7 +83,7 @@ def choose_algorithm(nbytes: int, world_size: int, table: Optional[dict] = None,
         lamport_table: world size -> largest Lamport message in bytes (default
             :data:`LAMPORT_MAX_BYTES`).
     """
-    name = REDUCE_DTYPES.get(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    name = None if dtype is None else REDUCE_DTYPES[check_dtype(dtype, REDUCE_DTYPES)]
     if name in LAMPORT_DTYPES:
         lamport_limit = size_table_entry(LAMPORT_MAX_BYTES if lamport_table is None else lamport_table, world_size)
         if nbytes <= lamport_limit:
