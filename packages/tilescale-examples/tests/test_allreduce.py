@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 from examples_helpers import (CpuAllocator, call_rejected, close_rank_heap, open_rank_heap, poison, random_tensor,
-                              rejects_before_allocating, needs_nvcc, expect_checks, gpu_rank_test)
+                              rejects_before_allocating, needs_nvcc, expect_checks, gpu_rank_test, side_stream_beside)
 from examples_cache import CACHE_NAME, reduction_kernels
 
 from tilescale_examples import ClosedError
@@ -371,18 +371,47 @@ def back_to_back(alloc, rank: int, world: int) -> int:
     return checks
 
 
+#: Algorithms of the side-stream case (4 KiB float16: each is a one-block kernel, so two run at once).
+SIDE_STREAM_ALGORITHMS = ("one_shot", "two_shot", "lamport")
+
+
+def side_stream_and_two_instances(alloc, rank: int, world: int) -> int:
+    """Per algorithm, two instances at once: one called on a side stream, the other on the
+    current stream, fresh inputs, poisoned outputs, both checked bit for bit; returns the
+    number of checked calls."""
+    dev = torch.device(alloc.device)
+    shape, dtype = (2048,), torch.float16
+    checks = 0
+    for j, algorithm in enumerate(SIDE_STREAM_ALGORITHMS):
+        a, b = (AllReduce(alloc, shape, dtype, algorithm=algorithm) for _ in range(2))
+        inputs = [[rank_inputs(p, shape, dtype, dev, 300 + 2 * j + k, 1)[0] for p in range(world)] for k in range(2)]
+        outs = [torch.empty(shape, dtype=dtype, device=dev) for _ in range(2)]
+        for out in outs:
+            poison(out)
+        checks += side_stream_beside(
+            lambda: a(inputs[0][rank].clone(), out=outs[0]), lambda: b(inputs[1][rank].clone(), out=outs[1]),
+            [lambda k=k: check(outs[k], torch_reference(inputs[k], rank), rank, world,
+                               f"{algorithm} {'side stream' if k == 0 else 'second instance'}") for k in range(2)])
+        a.close()
+        b.close()
+    return checks
+
+
 def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
-    """The size classes, then the back-to-back calls with a straggler."""
+    """The size classes, two instances at once (one on a side stream), then the back-to-back
+    calls with a straggler."""
     alloc = open_rank_heap(rank, world, cache_dir, 2**29)
     checks = size_classes(alloc, rank, world)
+    checks += side_stream_and_two_instances(alloc, rank, world)
     checks += back_to_back(alloc, rank, world)
     return close_rank_heap(alloc, rank, checks)
 
 
 @gpu_rank_test(2, 4, timeout=240, rank_timeout=200, cache=CACHE_NAME, jobs=reduction_kernels)
 def test_allreduce_on_gpu(world, rank, world_size, kernel_cache):
-    """Every size class and dtype, every algorithm, bit-exact on every rank; then back-to-back
-    calls with a straggling rank (1000 one-shot and 1000 Lamport calls on 2 ranks)."""
+    """Every size class and dtype, every algorithm, bit-exact on every rank; two instances of
+    each algorithm at once, one on a side stream; then back-to-back calls with a straggling
+    rank (1000 one-shot and 1000 Lamport calls on 2 ranks)."""
     want = sum(len(algorithms_for(s, d, world_size)) for s in SIZES for d in DTYPES) * CALLS_PER_INSTANCE
-    want += sum(BACK_TO_BACK[world_size].values())
+    want += 2 * len(SIDE_STREAM_ALGORITHMS) + sum(BACK_TO_BACK[world_size].values())
     expect_checks(gpu_rank_body(rank, world_size, kernel_cache), want, "allreduce")
