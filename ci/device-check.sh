@@ -12,7 +12,9 @@
 # bench (every benchmark); bench-NAME (one); bench-overlap-1 (ag_gemm and gemm_rs on one rank:
 # the world-1 goal); bench-overlap-wide (the emulated fused plans at n 28672, 2/4/8 ranks); bench-tuned-1 (ag_gemm on one rank with the autotuner's tiles, n 3584 and
 # 7168); bench-gemm_allreduce-tiles (GemmAllReduce's decode rows with longer runs of b per
-# block); unverified (the checks written but not yet run on a GPU); all (default: doctor demo tests
+# block); bench-gemm_allreduce-split (GemmAllReduce with k split against unsplit, 1 and 2 ranks);
+# bench-since-move (the benchmarks whose published tables predate the examples' restructuring);
+# unverified (the checks written but not yet run on a GPU); all (default: doctor demo tests
 # bench). Logs go to $OUT (or ./device-logs) and a summary
 # table is printed last.
 set -uo pipefail
@@ -25,12 +27,9 @@ while [[ $# -gt 0 ]]; do
 done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
-# first: the reductions (the Lamport all-reduce at 4 ranks; every examples GPU test now runs through
-# the plugin's ranks marker), the CUDA-graph and torch.compile tests (the Lamport cases), then the
-# other examples GPU suites (the same migration), then the rest of tests-lang-new (a time limit cut
-# an earlier run after 20 of its tests). Each step fits one device call of 600 s.
-[[ " ${steps[*]} " == *" unverified "* ]] && steps=(tests-reduce tests-graphs tests-sequence tests-decode tests-moe \
-  tests-moe-ll tests-other tests-lang-new)
+# first: GemmAllReduce's split-k kernel (the decode GPU tests, then its benchmark rows). Each step
+# fits one device call of 600 s.
+[[ " ${steps[*]} " == *" unverified "* ]] && steps=(tests-decode bench-gemm_allreduce-split)
 logs=${OUT:-device-logs}
 mkdir -p "$logs"
 source .device/install.sh || exit 1
@@ -90,6 +89,12 @@ for step in "${steps[@]}"; do
            done ;;
     bench-gemm_allreduce-tiles) run_step "$step" timeout -k 10 300 python3 -m tilescale_examples.benchmarks.gemm_allreduce \
                                   --ranks 1 --m 1 16 64 128 --tiles 64x128x64:4:128 64x128x128:3:128 64x256x64:4:128 ;;
+    bench-gemm_allreduce-split) run_step "$step" timeout -k 10 560 python3 -m \
+                                  tilescale_examples.benchmarks.gemm_allreduce --ranks 1 2 --m 1 4 16 64 128 --split-k 1 auto ;;
+    bench-since-move) for b in heap signals putget allgather reducescatter alltoall remote_tma gpu_barrier ag_gemm \
+                               gemm_rs; do
+                        run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
+                      done ;;
     bench-*) run_step "$step" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.${step#bench-}" ;;
     tests-moe) run_step tests-moe env TILESCALE_SHARE_GPUS=1 timeout -k 10 480 python3 -m pytest \
                  packages/tilescale-examples/tests/test_moe.py -m gpu -q -rfEs --tb=short -p no:cacheprovider \

@@ -2,8 +2,9 @@
 rounding (partials rounded to the dtype, rank-order float32 sum rounded once), the comparison's
 bound, the tile choice and the size table, argument errors before any kernel, the host side of
 a call on a CPU stand-in allocator (a fake kernel), the heap, the generated CUDA (epilogue
-store, release, the flag wait on same-index blocks, the rank-order sum, in that order) and
-nvcc's register budget at sm_90a. The GPU runs are in ``test_gemm_allreduce_gpu.py``."""
+store, release, the flag wait on same-index blocks, the rank-order sum, in that order; the
+split-``k`` kernel's group round and split-then-rank sum) and nvcc's register budget at
+sm_90a. The GPU runs are in ``test_gemm_allreduce_gpu.py``."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from examples_helpers import (CpuAllocator, LaunchRecorder, call_rejected, kerne
                               rejects_before_allocating)
 
 from tilescale_examples import ClosedError, GemmAllReduce
-from tilescale_examples.decode.gemm_allreduce import (compare, default_tiles, partial_magnitudes, reduction_for,
-                                                      torch_reference)
-from tilescale_examples.decode.gemm_ar_kernel import PASS_CONFIGS, build_gemm_ar_kernel, padded_rows, tile_count
+from tilescale_examples.decode.gemm_allreduce import (compare, default_split_k, default_tiles, partial_magnitudes,
+                                                      reduction_for, resolve_split_k, torch_reference)
+from tilescale_examples.decode.gemm_ar_kernel import (PASS_CONFIGS, build_gemm_ar_kernel, check_split_k, padded_rows,
+                                                      tile_count)
 from tilescale_examples.overlap.gemm import GemmTiles
 
 BF16, F16 = torch.bfloat16, torch.float16
@@ -98,6 +100,27 @@ def test_default_tiles_and_the_size_table():
         reduction_for(0, 2)
 
 
+def test_split_k_choice_and_checks():
+    tiles = default_tiles(1, 8192, 132)  # 64 x 128: 64 tiles of a decode row
+    assert default_split_k(1, 8192, 8192, 8, tiles, 132) == 2  # 128 units in one wave; 4 would be 256
+    assert default_split_k(1, 8192, 4096, 8, tiles, 132) == 4  # 32 tiles
+    assert default_split_k(1, 8192, 4096, 16, tiles, 132) == 2  # 16 ranks x 4 splits: too many partials a thread
+    assert default_split_k(1, 512, 1024, 2, tiles, 132) == 2  # k / 4 = 128: shorter than the 4-stage pipeline
+    assert default_split_k(1, 256, 1024, 2, tiles, 132) == 1
+    assert default_split_k(256, 8192, 8192, 8, default_tiles(256, 8192, 132), 132) == 1  # 128 tiles fill the grid
+    assert default_split_k(1, 8192, 8192, 8, tiles, 64) == 1  # the grid cap: the tiles alone fill it
+    assert resolve_split_k("auto", 1, 8192, 8192, 2, tiles, 132) == 2
+    assert resolve_split_k(4, 1, 8192, 8192, 2, tiles, 132) == 4
+    for split, match in ((0, "split_k must be an int >= 1"), (2.0, "split_k must be an int"), (True, "split_k must be"),
+                         (3, r"k \(8192\) must be a multiple of split_k \* block_k \(192\)"),
+                         (64, r"block_n \(128\) must be a multiple of 4 \* split_k"),
+                         (8, r"world_size \* split_k \(64\) must be at most 32")):
+        with pytest.raises(ValueError, match=match):
+            check_split_k(split, 8192, 8, tiles)
+    with pytest.raises(ValueError, match="split_k=4 exceeds max_blocks=2"):
+        resolve_split_k(4, 1, 8192, 8192, 2, tiles, 2)
+
+
 # ------------------------------------------------------------------------------ host side on the CPU
 class FakeKernel(LaunchRecorder):
     """Stands in for the GPU launch (recording each call's arguments in ``calls``): stages the
@@ -112,8 +135,8 @@ class FakeKernel(LaunchRecorder):
         super().__call__(*args)
         a, b, stage, out, _, state = args[:6]
         op, epoch = self.op, int(args[5][0]) + 1
-        state += 1
-        stage[(epoch % 2) * op.mp:][:op.m].copy_((a.float() @ b.float()).to(op.dtype))
+        state += 1  # split k: the exact float32 product as split 0's partial
+        stage[(epoch % 2) * op.split_k * op.mp:][:op.m].copy_((a.float() @ b.float()).to(stage.dtype))
         out.copy_(op.torch_reference([(a, b)] * op.world_size, op.rank))
 
 
@@ -146,6 +169,22 @@ def test_buffers_arguments_and_call_numbers(compiles):
     au = torch.empty(3 * 256 + 1, dtype=BF16)[1:].view(3, 256)
     au.copy_(a)
     assert torch.equal(op(au, b), out) and op.kernel.calls[-1][0].data_ptr() % 16 == 0  # TMA: an aligned copy
+
+
+def test_split_k_buffers_grid_and_calls(compiles):
+    op = make(m=3, k=1024, n=512, max_blocks=7, block_n=64, split_k=2)  # 8 tiles x 2 splits on 6 blocks
+    assert compiles == ["gemm_allreduce_split"] and (op.split_k, op.tile_count, op.blocks, op.iters) == (2, 8, 6, 3)
+    assert op.allocator.allocations == [((2 * 2 * 64, 512), torch.float32), ((2 * 6 * 4,), torch.uint64)]
+    assert [s.shape for s in op.stages] == [(128, 512)] * 2 and op.stages[0].dtype == torch.float32
+    a, b = normal_inputs(1, m=3, k=1024)[0]
+    out = op(a, b)
+    args = op.kernel.calls[-1]
+    assert args[2] is op.stage_buffer and args[6:] == (6, 3) and torch.equal(out, torch_reference([(a, b)] * 2, 0))
+    assert torch.equal(op.stages[1][:3], a.float() @ b.float())  # call 1: buffer 1, split 0
+    assert "split_k=2" in repr(op)
+    auto = make(m=1, k=8192, n=8192, split_k="auto", max_blocks=132)
+    assert (auto.split_k, auto.tile_count, auto.blocks, auto.iters) == (2, 64, 128, 1)
+    assert make(m=1, k=8192, n=8192, max_blocks=132).split_k == 1  # the default: no split
 
 
 A, B = (3, 256), (256, 512)
@@ -191,7 +230,13 @@ test_constructor_rejects_before_allocating = rejects_before_allocating(
     (dict(block_m=64, block_n=64, block_k=128, num_stages=8), ValueError,
      r"need 262144 bytes of shared memory per block, more than 232448: lower num_stages or block_k"),
     (dict(target=3), TypeError, "target"),
+    (dict(split_k=0), ValueError, "split_k must be an int >= 1"),
+    (dict(split_k="two"), ValueError, "split_k must be an int >= 1"),
+    (dict(split_k=8), ValueError, r"k \(256\) must be a multiple of split_k \* block_k \(512\)"),
+    (dict(split_k=2, max_blocks=1), ValueError, "split_k=2 exceeds max_blocks=1"),
+    (dict(m=2**16, k=4096, n=4096, block_m=128, split_k=8), ValueError, "split_k=8: the staging buffers"),
     (dict(m=200, k=128, n=1024, block_n=256), None, None),
+    (dict(k=1024, split_k=4), None, None),
 ])
 
 
@@ -215,7 +260,9 @@ def test_heap_bytes_is_what_the_constructor_allocates(world, compiles):
     from tilescale_examples.base import RecordingAllocator
 
     for (m, k, n), kwargs in (((1, 8192, 8192), {}), ((512, 8192, 8192), dict(max_blocks=132)),
-                              ((7, 128, 1024), dict(max_blocks=4, block_n=128))):
+                              ((7, 128, 1024), dict(max_blocks=4, block_n=128)),
+                              ((1, 8192, 8192), dict(split_k="auto")),
+                              ((5, 1024, 2048), dict(split_k=4, max_blocks=10))):
         alloc = CpuAllocator(num_ranks=world)
         GemmAllReduce(alloc, m, k, n, BF16, **kwargs)
         assert GemmAllReduce.heap_bytes(m, k, n, BF16, world_size=world, device="cpu", **kwargs) == alloc.heap_bytes
@@ -234,21 +281,28 @@ NOTIFY = "tilescale::notify<false>("
 WAIT = "tilescale::wait_until<tilescale::Cmp::GE, tilescale::Scope::SYS, tilescale::Sem::ACQUIRE>("
 
 
+def assert_protocol_order(body: str, stage_store: str, out_store: str) -> None:
+    """In ``body``: the GEMM, the epilogue's ``stage_store``, a barrier of the compute warps, the
+    release, the acquire wait, a barrier, the peers' loads, the ``out_store``, then the call
+    count; one flag round a tile, no fence."""
+    gemm = body.index("tl::wgmma_ss<")
+    stage = body.index(stage_store)
+    sync = [m.start() for m in re.finditer(r"tl::__sync_thread_partial\(\d+, 128\);", body)]
+    ready, wait = body.index(NOTIFY), body.index(WAIT)
+    loads = [m.start() for m in re.finditer(r"tilescale::remap_ptr\(Stage, (\d)\)", body)]
+    out = body.index(out_store)
+    write = body.index("State[((int)blockIdx.x)] = epoch")
+    assert "fence_sys" not in body and "fence_proxy" not in body and body.count(NOTIFY) == 1 and body.count(WAIT) == 1
+    assert gemm < stage < sync[0] < ready < wait < sync[1] < loads[0] < out < write and len(sync) == 2
+
+
 def test_protocol_order_on_one_decode_row():
     """m = 1, 4 ranks: per tile, the GEMM, the epilogue's store into this rank's staging buffer,
     a barrier of the compute warps, the release to every rank, the acquire wait on the same
     block index, a barrier, the peers' rows 0..3 in order, the rank-order sum, the store to Out;
     the call count after the loop."""
     body = source(1, 512, 1024, 4, "bfloat16", GemmTiles(64, 64, 64, 4, 128))
-    gemm = body.index("tl::wgmma_ss<")
-    stage = body.index("*(uint1*)(Stage + ")
-    sync = [m.start() for m in re.finditer(r"tl::__sync_thread_partial\(\d+, 128\);", body)]
-    ready, wait = body.index(NOTIFY), body.index(WAIT)
-    loads = [m.start() for m in re.finditer(r"tilescale::remap_ptr\(Stage, (\d)\)", body)]
-    out = body.index("*(uint4*)(Out + ")
-    write = body.index("State[((int)blockIdx.x)] = epoch")
-    assert "fence_sys" not in body and "fence_proxy" not in body and body.count(NOTIFY) == 1 and body.count(WAIT) == 1  # one flag round a tile
-    assert gemm < stage < sync[0] < ready < wait < sync[1] < loads[0] < out < write and len(sync) == 2
+    assert_protocol_order(body, "*(uint1*)(Stage + ", "*(uint4*)(Out + ")
     assert re.findall(r"remap_ptr\(Stage, (\d)\)", body) == ["0", "1", "2", "3"]
     assert "lo = (((int)(epoch & (int64_t)1)) * 64);" in body  # call e's buffer: e % 2, 64 padded rows
     assert "((epoch * ((int64_t)iters)) + ((int64_t)i))" in body  # the flag value: e * iters + tile
@@ -288,6 +342,43 @@ def test_nvcc_register_budget(tmp_path):
     assert registers * (tiles.threads + 128) <= 65536 and spills == 0, (registers, spills)
 
 
+def split_source(m, k, n, world, split, dtype="bfloat16", tiles=None):
+    return kernel_body(lower_with(build_gemm_ar_kernel(m, k, n, world, dtype, tiles, split_k=split), PASS_CONFIGS))
+
+
+def test_split_k_protocol_order_on_one_decode_row():
+    """m = 1, 2 ranks, k split in 2: per unit, the GEMM over this block's half of k (the TMA
+    coordinates: k0 = (block % 2) * 4096), the real row of the float32 partial stored into its
+    split, the group round (release to every rank; one wait per rank and group member, on the
+    group's block indices), then the peers' partials (rank 0 splits 0 and 1, rank 1 splits 0
+    and 1), each rank's splits added and rounded, the ranks added and rounded once, the store."""
+    body = split_source(1, 8192, 8192, 2, 2, tiles=default_tiles(1, 8192, 132))
+    assert "(((((int)blockIdx.x) & 1) * 4096) + (kk * 64))" in body  # k0 of this unit's split
+    assert_protocol_order(body, "*(float2*)(Stage + ", "*(uint2*)(Out + ")
+    assert "< 65)" in body  # the real rows only (consumer threads from 128: row + 64 < 65)
+    assert re.findall(r"remap_ptr\(Stage, (\d)\)", body) == ["0", "0", "1", "1"]  # rank-major, then split
+    assert "lo = ((((int)(epoch & (int64_t)1)) * 128) + ((((int)blockIdx.x) & 1) * 64));" in body
+    assert "if (((int)threadIdx.x) < 130)" in body and "if (((int)threadIdx.x) < 132)" in body  # 2 notify, 4 waits
+    # the wait of thread tx: rank tx / 2, member tx % 2 of this block's group (block - block % 2)
+    assert ("(((((((((int64_t)((int)threadIdx.x)) >> (int64_t)1) - (int64_t)64) * ((int64_t)blocks)) * (int64_t)4) + "
+            "(((int64_t)((int)blockIdx.x)) * (int64_t)4)) + "
+            "((((int64_t)((int)threadIdx.x)) & (int64_t)1) * (int64_t)4)) - "
+            "((((int64_t)((int)blockIdx.x)) & (int64_t)1) * (int64_t)4))") in body
+    # (v0 + v1) rounded, (v2 + v3) rounded, their float32 sum rounded once
+    assert re.search(r"__5\.x = \(v_\.x\+v__1\.x\);.*__bfloat1622float2.*__8\.x = \(v__2\.x\+v__3\.x\);"
+                     r".*__2\.x = \(__3\.x\+__6\.x\);", body, re.S)
+
+
+@needs_nvcc
+def test_nvcc_register_budget_of_the_split_kernel(tmp_path):
+    """The most partials a thread adds (8 ranks x 4 splits) at the decode tiles: no spills,
+    one block per SM."""
+    tiles = default_tiles(1, 4096, 132)
+    registers, spills = nvcc_resources(lower_with(build_gemm_ar_kernel(1, 8192, 4096, 8, "bfloat16", tiles, split_k=4),
+                                                  PASS_CONFIGS), tmp_path)
+    assert registers * (tiles.threads + 128) <= 65536 and spills == 0, (registers, spills)
+
+
 # ------------------------------------------------------------------------------ the benchmark
 def test_benchmark_without_gpu_bad_arguments_and_goals(monkeypatch, capsys):
     from examples_helpers import exits_naming, output_without_gpu
@@ -301,6 +392,11 @@ def test_benchmark_without_gpu_bad_arguments_and_goals(monkeypatch, capsys):
     exits_naming(gemm_allreduce.main, ["--k", "100"], "--k, --n positive multiples of 64", capsys)
     exits_naming(gemm_allreduce.main, ["--tiles", "64x64"], "--tiles must be BMxBNxBK[:STAGES[:THREADS]]", capsys)
     exits_naming(gemm_allreduce.main, ["--tiles", "64x64x64:a"], "--tiles must hold ints only", capsys)
+    exits_naming(gemm_allreduce.main, ["--split-k", "0"], "--split-k values must be ints >= 1 or auto", capsys)
+    assert [gemm_allreduce.parse_split_k(t) for t in ("1", "auto", "4")] == [1, "auto", 4]
+    assert gemm_allreduce.split_variants([1, "auto"], 1, 8192, 8192, 2, 132, {}) == [1, 2]
+    assert gemm_allreduce.split_variants([1, "auto"], 256, 8192, 8192, 2, 132, {}) == [1]  # auto is 1 there
+    assert gemm_allreduce.tiles_label(default_tiles(1, 8192, 132), 2) == "64x128x64:4:128 split 2"
     assert gemm_allreduce.parse_tiles("64x128x64") == {"block_m": 64, "block_n": 128, "block_k": 64}
     assert gemm_allreduce.parse_tiles("128x128x64:4:256") == {"block_m": 128, "block_n": 128, "block_k": 64,
                                                               "num_stages": 4, "threads": 256}
@@ -336,3 +432,6 @@ def test_precompile_jobs_are_the_kernels_the_op_builds(compiles, monkeypatch, m,
     # tile keywords (the benchmark's --tiles) reach the jobs as they reach the op
     [(_, tiled, _)] = mod.gemm_allreduce_jobs([m], 256, n, "bfloat16", [world], 132, block_n=64, num_stages=5)
     assert (tiled[5].block_n, tiled[5].num_stages) == (64, 5)
+    built.clear()
+    make(m=m, k=1024, n=n, num_ranks=world, max_blocks=132, split_k="auto")
+    assert [args for _, args, _ in mod.gemm_allreduce_jobs([m], 1024, n, "bfloat16", [world], 132, "auto")] == built

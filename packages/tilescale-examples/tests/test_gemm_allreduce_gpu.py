@@ -1,7 +1,8 @@
 """GemmAllReduce on 1, 2 and 4 ranks sharing one GPU (``-m gpu``; the CPU tests are in
 ``test_gemm_allreduce.py``):
 
-* every case (dtype x ``m`` from 1 row to more than a row block, several waves of tiles),
+* every case (dtype x ``m`` from 1 row to more than a row block, several waves of tiles; ``k``
+  unsplit, split in 2 and ``split_k="auto"``, also with more units than blocks),
   fresh random inputs, poisoned outputs and staging buffer, two calls each (the op's output,
   then ``out=``): within :func:`~tilescale_examples.decode.gemm_allreduce.compare`'s bound of
   the exact sum, and **bit-identical on every rank** (the ranks' outputs gathered);
@@ -25,29 +26,29 @@ from examples_helpers import case_part_checks, parts_gpu_test, poison, replay_wi
 from tilescale_examples.decode.gemm_allreduce import compare
 
 BF16, F16 = torch.bfloat16, torch.float16
-#: (m, k, n, dtype) of the checked cases: one row, a few, a full row block, more than one row
-#: block (padded), several waves of tiles per block.
-CASES = [(1, 1024, 2048, BF16), (7, 512, 1024, F16), (64, 2048, 4096, BF16), (200, 1024, 2048, BF16),
-         (512, 512, 8192, F16)]
+#: (m, k, n, dtype, split_k) of the checked cases: one row, a few, a full row block, more than
+#: one row block (padded), several waves of tiles (and of split units) per block.
+CASES = [(1, 1024, 2048, BF16, 1), (1, 1024, 2048, BF16, "auto"), (7, 512, 1024, F16, 2),
+         (64, 2048, 4096, BF16, "auto"), (200, 1024, 2048, BF16, 1), (130, 1024, 2048, BF16, 2),
+         (512, 512, 8192, F16, 1), (512, 512, 8192, F16, 2)]
 #: Back-to-back calls per world size and case (4 ranks time-slice one GPU: fewer).
 BACK_TO_BACK = {1: 1000, 2: 1000, 4: 200}
-B2B_CASES = [(4, 1024, 2048, BF16), (130, 256, 4096, BF16)]
+B2B_CASES = [(4, 1024, 2048, BF16, "auto"), (130, 256, 4096, BF16, 1)]
 #: Graph replays (and eager calls between them) per world size and case.
 REPLAYS = {1: 300, 2: 300, 4: 60}
-GRAPH_CASES = [(2, 512, 1024, BF16), (96, 256, 2048, F16)]
+GRAPH_CASES = [(2, 512, 1024, BF16, "auto"), (96, 256, 2048, F16, 1)]
 VARIANTS = 8
 CACHE_NAME = "gemm_allreduce"
 
 
 def gemm_ar_kernels(worlds=(1, 2, 4)) -> list:
     """Precompile jobs of every kernel the rank bodies build (the default tiles on this GPU)."""
-    from tilescale_examples.decode.gemm_allreduce import default_tiles
-    from tilescale_examples.decode.gemm_ar_kernel import gemm_ar_jobs
+    from tilescale_examples.decode.gemm_allreduce import gemm_allreduce_jobs
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     names = {BF16: "bfloat16", F16: "float16"}
-    return [job for m, k, n, d in sorted(set(CASES + B2B_CASES + GRAPH_CASES), key=str)
-            for job in gemm_ar_jobs([(m, k, n)], [names[d]], worlds, default_tiles(m, n, sms))]
+    return [job for m, k, n, d, split in sorted(set(CASES + B2B_CASES + GRAPH_CASES), key=str)
+            for job in gemm_allreduce_jobs([m], k, n, names[d], worlds, sms, split)]
 
 
 def rank_inputs(p: int, m: int, k: int, n: int, dtype, device, seed: int) -> tuple:
@@ -84,8 +85,8 @@ def cases(alloc, rank: int, world: int, rng=None) -> tuple:
 
     dev = torch.device(alloc.device)
     checks, bad = 0, []
-    for index, (m, k, n, dtype) in enumerate(CASES):
-        op = GemmAllReduce(alloc, m, k, n, dtype)
+    for index, (m, k, n, dtype, split) in enumerate(CASES):
+        op = GemmAllReduce(alloc, m, k, n, dtype, split_k=split)
         for call in range(2):
             every = [rank_inputs(p, m, k, n, dtype, dev, 2 * index + call) for p in range(world)]
             a, b = (t.clone() for t in every[rank])
@@ -93,7 +94,7 @@ def cases(alloc, rank: int, world: int, rng=None) -> tuple:
             out = torch.full((m, n), float("nan"), dtype=dtype, device=dev)
             got = op(a, b) if call == 0 else op(a, b, out=out)
             torch.cuda.synchronize()
-            what = f"rank {rank}/{world} {(m, k, n)} {dtype} call {call}"
+            what = f"rank {rank}/{world} {(m, k, n)} {dtype} split_k {op.split_k} call {call}"
             bad += compare(got, every, what)
             if not same_on_every_rank(got, world):
                 bad.append(f"{what}: the ranks' outputs differ")
@@ -109,8 +110,8 @@ def back_to_back(alloc, rank: int, world: int, rng) -> tuple:
 
     dev = torch.device(alloc.device)
     checks, bad, calls = 0, [], BACK_TO_BACK[world]
-    for index, (m, k, n, dtype) in enumerate(B2B_CASES):
-        op = GemmAllReduce(alloc, m, k, n, dtype)
+    for index, (m, k, n, dtype, split) in enumerate(B2B_CASES):
+        op = GemmAllReduce(alloc, m, k, n, dtype, split_k=split)
         every = [[rank_inputs(p, m, k, n, dtype, dev, 100 + 10 * index + v) for p in range(world)]
                  for v in range(VARIANTS)]
         slots = torch.full((calls, m, n), float("nan"), dtype=dtype, device=dev)
@@ -148,8 +149,8 @@ def graphs(alloc, rank: int, world: int, rng) -> tuple:
 
     dev = torch.device(alloc.device)
     checks, bad = 0, []
-    for index, (m, k, n, dtype) in enumerate(GRAPH_CASES):
-        op = GemmAllReduce(alloc, m, k, n, dtype)
+    for index, (m, k, n, dtype, split) in enumerate(GRAPH_CASES):
+        op = GemmAllReduce(alloc, m, k, n, dtype, split_k=split)
         a, b = (t.clone() for t in _graph_inputs(m, k, n, dtype, dev, world, 0)[rank])
         count = REPLAYS[world] + 1
         slots = torch.full((count, m, n), float("nan"), dtype=dtype, device=dev)

@@ -2,7 +2,7 @@
 
 ``python -m tilescale_examples.benchmarks.gemm_allreduce [--ranks 1 2 4 8] [--m 1 2 4 ... 512]
 [--k 8192] [--n 8192] [--tiles BMxBNxBK[:STAGES[:THREADS]] ...] [--dtype bfloat16|float16] [--iters 20]
-[--max-blocks B] [--out DIR]``
+[--split-k 1 auto ...] [--max-blocks B] [--out DIR]``
 
 The method of :mod:`tilescale_examples.benchmarks.emulated` (and of :mod:`.decode`): one
 process, no process group; ``N`` emulated ranks are ``N`` regions of one device buffer whose
@@ -23,7 +23,9 @@ over the ranks:
 * ``fused/(mm+AR)`` and ``fused/mm``;
 * ``tiles``: the fused kernel's ``BMxBNxBK:STAGES:THREADS``, its default for the shape
   (:func:`~tilescale_examples.decode.gemm_allreduce.default_tiles`) or each of ``--tiles``
-  (a row each, the fields left out default as in ``GemmAllReduce``).
+  (a row each, the fields left out default as in ``GemmAllReduce``), followed by ``split S``
+  where the kernel splits ``k`` (``--split-k``: a row for each value, ``1`` and ``auto`` by
+  default, the second left out where it resolves to the first).
 
 Before timing, one round of fused calls is checked (every rank's partial ``a_p @ b_p`` staged
 beforehand by torch, so the ranks that run first read their peers' tiles; each rank's own tile
@@ -42,8 +44,8 @@ from collections import Counter
 from tilescale_examples.benchmarks import _fused, _harness, _timing
 from tilescale_examples.benchmarks._report import print_checked, ratio
 
-__all__ = ["HEADERS", "GOAL_RATIO", "GOAL_WORLD1", "M_SIZES", "check_round", "parse_tiles", "tiles_label", "run_case",
-           "goal_lines", "print_results", "run", "main"]
+__all__ = ["HEADERS", "GOAL_RATIO", "GOAL_WORLD1", "M_SIZES", "check_round", "parse_tiles", "tiles_label",
+           "parse_split_k", "split_variants", "run_case", "goal_lines", "print_results", "run", "main"]
 
 HEADERS = ["ranks", "m", "fused us", "mm+AR us", "mm us", "fused/(mm+AR)", "fused/mm", "tiles", "check"]
 #: The goals: fused / (matmul + all-reduce) at most GOAL_RATIO; at one rank fused / matmul at most GOAL_WORLD1.
@@ -60,7 +62,12 @@ def check_round(ops, inputs) -> list:
     from tilescale_examples.testing.emulated import run_round
 
     for op, (a, b) in zip(ops, inputs):
-        op.stages[(op.epoch + 1) % 2][:op.m].copy_((a.float() @ b.float()).to(op.dtype))
+        stage, exact = op.stages[(op.epoch + 1) % 2], a.float() @ b.float()
+        if op.split_k == 1:
+            stage[:op.m].copy_(exact.to(op.dtype))
+        else:  # float32 partials: the whole product in split 0, zeros in the others
+            stage.zero_()
+            stage[:op.m].copy_(exact)
     results = run_round(ops, call=lambda op: op(*inputs[op.rank]))
     torch.cuda.synchronize()
     bad = []
@@ -80,14 +87,39 @@ def parse_tiles(text: str) -> dict:
     return _harness.tile_fields(text, names)
 
 
-def tiles_label(tiles) -> str:
-    """A GemmTiles as ``BMxBNxBK:STAGES:THREADS``."""
-    return f"{tiles.block_m}x{tiles.block_n}x{tiles.block_k}:{tiles.num_stages}:{tiles.threads}"
+def tiles_label(tiles, split_k: int = 1) -> str:
+    """A GemmTiles as ``BMxBNxBK:STAGES:THREADS``, then `` split S`` when ``split_k`` > 1."""
+    label = f"{tiles.block_m}x{tiles.block_n}x{tiles.block_k}:{tiles.num_stages}:{tiles.threads}"
+    return label + (f" split {split_k}" if split_k > 1 else "")
 
 
-def run_case(args, n_ranks: int, m: int, device, tiles: dict) -> tuple:
+def parse_split_k(text: str):
+    """``--split-k`` values: ``auto`` or an int >= 1; ``ValueError`` naming the argument."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"--split-k values must be ints >= 1 or auto, got {text!r}")
+    return int(text)
+
+
+def split_variants(splits, m: int, k: int, n: int, n_ranks: int, max_blocks: int, tiles: dict) -> list:
+    """The distinct ``split_k`` values among ``splits`` (``--split-k``) for one shape and tile
+    keywords, resolved as the op resolves them, in order."""
+    from tilescale_examples.decode.gemm_allreduce import default_tiles, resolve_split_k
+
+    t = default_tiles(m, n, max_blocks, **tiles)
+    resolved = []
+    for split in splits:
+        value = resolve_split_k(split, m, k, n, n_ranks, t, max_blocks)
+        if value not in resolved:
+            resolved.append(value)
+    return resolved
+
+
+def run_case(args, n_ranks: int, m: int, device, tiles: dict, split_k: int = 1) -> tuple:
     """``(fused ms, matmul + all-reduce ms, failures, tiles label)`` of one case (built,
-    checked, timed, closed), the fused op built with the tile keywords ``tiles``."""
+    checked, timed, closed), the fused op built with the tile keywords ``tiles`` and
+    ``split_k``."""
     import torch
 
     from tilescale_examples.collectives.allreduce import AllReduce
@@ -101,12 +133,12 @@ def run_case(args, n_ranks: int, m: int, device, tiles: dict) -> tuple:
     label = []
 
     def check(ops):
-        label.append(tiles_label(ops[0].tiles))
+        label.append(tiles_label(ops[0].tiles, ops[0].split_k))
         return check_round(ops, inputs)
 
     fused, bad = _fused.measure(GemmAllReduce, n_ranks, (m, args.k, args.n, dtype), device,
                                 lambda op: op(*inputs[op.rank]), args.iters, check=check,
-                                max_blocks=args.max_blocks, **tiles)
+                                max_blocks=args.max_blocks, split_k=split_k, **tiles)
     unfused, _ = _fused.measure(AllReduce, n_ranks, ((m, args.n), dtype), device,
                                 lambda ar: ar(torch.matmul(*inputs[ar.rank])), args.iters, algorithm="one_shot",
                                 max_blocks=args.max_blocks)
@@ -119,6 +151,7 @@ def run(args, device) -> tuple:
     import torch
 
     tables, failures, alone = {}, [], {}
+    sms = args.max_blocks or torch.cuda.get_device_properties(device).multi_processor_count
     for m in args.m:
         a = torch.randn((m, args.k), device=device).to(getattr(torch, args.dtype))
         b = torch.randn((args.k, args.n), device=device).to(a.dtype)
@@ -127,10 +160,11 @@ def run(args, device) -> tuple:
         rows = tables.setdefault(n_ranks, [])
         for m in args.m:
             for tiles in args.tiles or [{}]:
-                fused, unfused, bad, label = run_case(args, n_ranks, m, device, tiles)
-                failures += bad
-                rows.append([n_ranks, m, fused * 1e3, unfused * 1e3, alone[m] * 1e3, ratio(fused, unfused),
-                             ratio(fused, alone[m]), label, "ok" if not bad else "FAIL"])
+                for split in split_variants(args.split_k, m, args.k, args.n, n_ranks, sms, tiles):
+                    fused, unfused, bad, label = run_case(args, n_ranks, m, device, tiles, split)
+                    failures += bad
+                    rows.append([n_ranks, m, fused * 1e3, unfused * 1e3, alone[m] * 1e3, ratio(fused, unfused),
+                                 ratio(fused, alone[m]), label, "ok" if not bad else "FAIL"])
     return tables, failures
 
 
@@ -171,9 +205,12 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=8192, help="columns of b and the output (a multiple of 64)")
     p.add_argument("--tiles", nargs="+", default=None, metavar="BMxBNxBK[:STAGES[:THREADS]]",
                    help="the fused kernel's tiles, each a row per case (default: the op's choice per shape)")
+    p.add_argument("--split-k", nargs="+", default=["1", "auto"], metavar="S",
+                   help="the fused kernel's split_k values (ints or auto), a row each where they differ")
     args = _harness.parse_args(p, argv)
     try:
         args.tiles = [parse_tiles(t) for t in args.tiles] if args.tiles else None
+        args.split_k = [parse_split_k(s) for s in args.split_k]
     except ValueError as error:
         p.error(str(error))
     if any(m < 1 for m in args.m) or args.iters < 1 or args.k < 64 or args.k % 64 or args.n < 64 or args.n % 64:
@@ -187,8 +224,8 @@ def main(argv=None) -> int:
     from tilescale_examples.testing.precompile import precompile, reduction_jobs
 
     sms = args.max_blocks or torch.cuda.get_device_properties(device).multi_processor_count
-    precompile([job for tiles in args.tiles or [{}]
-                for job in gemm_allreduce_jobs(args.m, args.k, args.n, args.dtype, args.ranks, sms, **tiles)]
+    precompile([job for tiles in args.tiles or [{}] for split in args.split_k
+                for job in gemm_allreduce_jobs(args.m, args.k, args.n, args.dtype, args.ranks, sms, split, **tiles)]
                + reduction_jobs(["one_shot"], [args.dtype], args.ranks))  # in parallel: cache hits below
     tables, failures = run(args, device)
     print_results(tables, failures, args, torch.cuda.get_device_name(device))

@@ -24,6 +24,11 @@ block then sums that tile over the ranks while the other tiles' GEMMs still run 
 starts before the GEMM ends). Call numbers live on the device, so back-to-back calls need no
 host synchronisation and CUDA-graph replays are new calls.
 
+With ``split_k`` (an int, or ``"auto"``: :func:`default_split_k`) the GEMM is cut along ``k``
+as well, so that the few tiles of a decode output keep every SM busy; each rank's partials
+are then staged in float32 and added in split order before the rank's product is rounded
+(the same semantics; see the kernel module's "Split k").
+
 One-shot only (every rank reads ``world_size x`` the output): right for decode's few rows.
 :data:`TWO_SHOT_FROM_BYTES` is the size table's hook for a two-shot reduction of large
 outputs (a later version); :func:`reduction_for` reads it.
@@ -40,11 +45,13 @@ from tilescale_examples.base import (ClosedError, SymmetricOp, check_max_blocks,
 from tilescale_examples.collectives.reduce_engine import overlaps
 from tilescale_examples.collectives.reduce_engine import torch_reference as rank_order_reduce
 from tilescale_examples.decode.gemm_ar_kernel import (FLAG_STRIDE, GEMM_AR_DTYPES, PASS_CONFIGS,
-                                                      build_gemm_ar_kernel, gemm_ar_jobs, padded_rows, tile_count)
+                                                      build_gemm_ar_kernel, check_split_k, gemm_ar_jobs,
+                                                      padded_rows, tile_count)
 from tilescale_examples.overlap.gemm import MAX_ELEMENTS, GemmTiles, check_positive, count_outside
 
-__all__ = ["GemmAllReduce", "torch_reference", "partial_magnitudes", "compare", "default_tiles", "reduction_for",
-           "gemm_allreduce_jobs", "BLOCK_N_CHOICES", "TWO_SHOT_FROM_BYTES", "ClosedError"]
+__all__ = ["GemmAllReduce", "torch_reference", "partial_magnitudes", "compare", "default_tiles", "default_split_k",
+           "resolve_split_k", "reduction_for", "gemm_allreduce_jobs", "BLOCK_N_CHOICES", "SPLIT_K_CHOICES",
+           "TWO_SHOT_FROM_BYTES", "ClosedError"]
 
 #: Size table of the reduction, keyed by world size (:func:`~tilescale_examples.base.size_table_entry`):
 #: outputs of at least this many bytes would take a two-shot reduction. None everywhere: this
@@ -89,15 +96,52 @@ def default_tiles(m: int, n: int, max_blocks: int, block_m=None, block_n=None, b
                      threads if threads is not None else (128 if bm == 64 else 256))
 
 
+#: The ``split_k`` candidates of :func:`default_split_k`, in order of preference.
+SPLIT_K_CHOICES = (4, 2)
+
+
+def default_split_k(m: int, k: int, n: int, world_size: int, tiles: GemmTiles, max_blocks: int) -> int:
+    """``split_k="auto"``: the first of :data:`SPLIT_K_CHOICES` (4, 2) whose units (``tiles x
+    split_k``) still fit one wave of ``max_blocks`` blocks, that
+    :func:`~tilescale_examples.decode.gemm_ar_kernel.check_split_k` accepts and that leaves each
+    split at least ``num_stages`` steps of ``block_k`` (a full pipeline); else 1 (no split:
+    the tiles alone fill the grid)."""
+    count = tile_count(m, n, tiles)
+    for split in SPLIT_K_CHOICES:
+        if count * split > max_blocks or k // split < tiles.block_k * tiles.num_stages:
+            continue
+        try:
+            return check_split_k(split, k, world_size, tiles)
+        except ValueError:
+            continue
+    return 1
+
+
+def resolve_split_k(split_k, m: int, k: int, n: int, world_size: int, tiles: GemmTiles, max_blocks: int) -> int:
+    """The ``split_k`` that ``GemmAllReduce(..., split_k=split_k)`` runs with for this problem:
+    ``"auto"`` through :func:`default_split_k`, an int checked (``ValueError`` naming
+    ``split_k``, also when the grid cap ``max_blocks`` is below it)."""
+    if split_k == "auto":
+        return default_split_k(m, k, n, world_size, tiles, max_blocks)
+    split_k = check_split_k(split_k, k, world_size, tiles)
+    if split_k > max_blocks:
+        raise ValueError(f"split_k={split_k} exceeds max_blocks={max_blocks} (the units of a tile run at once)")
+    return split_k
+
+
 def gemm_allreduce_jobs(ms: Sequence[int], k: int, n: int, dtype: str, world_sizes: Sequence[int],
-                       max_blocks: int, **tiles) -> list:
+                       max_blocks: int, split_k=1, **tiles) -> list:
     """:func:`~tilescale_examples.testing.precompile.precompile` jobs of the kernels
-    ``GemmAllReduce(allocator, m, k, n, dtype, max_blocks=max_blocks, **tiles)`` builds for
-    every ``m`` in ``ms`` and world size; ``dtype`` a name (``"bfloat16"``); ``max_blocks``
-    the grid cap (the op's default: the device's SM count); ``tiles`` the op's tile keywords
-    (``block_m`` ... ``threads``; none: the default tiles)."""
-    return [job for m in ms
-            for job in gemm_ar_jobs([(m, k, n)], [dtype], world_sizes, default_tiles(m, n, max_blocks, **tiles))]
+    ``GemmAllReduce(allocator, m, k, n, dtype, max_blocks=max_blocks, split_k=split_k,
+    **tiles)`` builds for every ``m`` in ``ms`` and world size; ``dtype`` a name
+    (``"bfloat16"``); ``max_blocks`` the grid cap (the op's default: the device's SM count);
+    ``tiles`` the op's tile keywords (``block_m`` ... ``threads``; none: the default tiles)."""
+    jobs = []
+    for m in ms:
+        t = default_tiles(m, n, max_blocks, **tiles)
+        for w in world_sizes:
+            jobs += gemm_ar_jobs([(m, k, n)], [dtype], [w], t, resolve_split_k(split_k, m, k, n, w, t, max_blocks))
+    return jobs
 
 
 def _check_inputs(inputs, rank: int) -> list:
@@ -153,17 +197,22 @@ class GemmAllReduce(SymmetricOp):
         block_m, block_n, block_k, num_stages, threads: the GEMM's tiles
             (:class:`~tilescale_examples.overlap.gemm.GemmTiles`); None: :func:`default_tiles`.
         max_blocks: grid cap (default: the SM count; the smallest over the ranks is used, so
-            every rank runs the same grid); ``blocks = min(tiles, max_blocks)``.
+            every rank runs the same grid); ``blocks = min(units, max_blocks)`` rounded down
+            to a multiple of ``split_k`` (``units = tiles x split_k``).
+        split_k: splits of ``k`` per tile (1: none, the default), or ``"auto"``
+            (:func:`default_split_k`: 2 or 4 where the tiles alone leave SMs idle);
+            ``k / split_k`` a multiple of ``block_k``.
         target: TileLang target (default sm_90a).
 
-    Attributes: ``m``, ``k``, ``n``, ``tiles``, ``tile_count``, ``blocks``, ``iters`` (tiles per
-    block, at most), ``output`` (what a call without ``out`` returns; the next call overwrites
-    it), ``stages`` (the two symmetric staging buffers, ``(mp, n)`` each, ``mp`` = ``m``
-    rounded up to ``block_m``), ``flags``, ``state`` (the device's call counts, one per block),
+    Attributes: ``m``, ``k``, ``n``, ``tiles``, ``split_k``, ``tile_count``, ``blocks``,
+    ``iters`` (units per block, at most), ``output`` (what a call without ``out`` returns; the
+    next call overwrites it), ``stages`` (the two symmetric staging buffers, ``(mp, n)`` each
+    of the dtype, or ``(split_k * mp, n)`` float32 with ``split_k > 1``; ``mp`` = ``m`` rounded
+    up to ``block_m``), ``flags``, ``state`` (the device's call counts, one per block),
     ``kernel``, ``epoch`` (calls made from the host).
 
-    Memory (symmetric, per rank): ``2 * mp * n`` elements of the dtype and ``world_size *
-    blocks * 4`` uint64 flags.
+    Memory (symmetric, per rank): ``2 * mp * n`` elements of the dtype (``split_k > 1``:
+    ``2 * split_k * mp * n`` float32) and ``world_size * blocks * 4`` uint64 flags.
     """
 
     _BUFFERS = ("stage_buffer", "stages", "flags", "state", "output")
@@ -172,7 +221,8 @@ class GemmAllReduce(SymmetricOp):
     def __init__(self, allocator, m: int, k: int, n: int, dtype: Union[torch.dtype, str], *,
                  world_size: Optional[int] = None, group=None, block_m: Optional[int] = None,
                  block_n: Optional[int] = None, block_k: Optional[int] = None, num_stages: Optional[int] = None,
-                 threads: Optional[int] = None, max_blocks: Optional[int] = None, target=None):
+                 threads: Optional[int] = None, max_blocks: Optional[int] = None, split_k: Union[int, str] = 1,
+                 target=None):
         check_target(target)
         self._setup_op(allocator, dtype, world_size, group, GEMM_AR_DTYPES)
         for name, value in (("m", m), ("k", k), ("n", n)):
@@ -184,8 +234,14 @@ class GemmAllReduce(SymmetricOp):
         self.m, self.k, self.n = m, k, n
         self.mp = padded_rows(m, self.tiles.block_m)
         self.tile_count = tile_count(m, n, self.tiles)
-        self.blocks = min(self.tile_count, self.max_blocks)
-        self.iters = -(-self.tile_count // self.blocks)
+        self.split_k = resolve_split_k(split_k, m, k, n, self.world_size, self.tiles, self.max_blocks)
+        if 2 * self.split_k * self.mp * n >= MAX_ELEMENTS:
+            raise ValueError(f"{type(self).__name__}: split_k={self.split_k}: the staging buffers "
+                             f"({2 * self.split_k} x {self.mp} x {n}) exceed the kernel's int32 indexing; "
+                             "lower split_k")
+        units = self.tile_count * self.split_k
+        self.blocks = min(units, self.max_blocks // self.split_k * self.split_k)
+        self.iters = -(-units // self.blocks)
         self._build(target)
 
     def _check_dims(self, m: int, k: int, n: int) -> None:
@@ -231,13 +287,15 @@ class GemmAllReduce(SymmetricOp):
         return tilelang.tensor(tuple(shape), dtype, allocator=self.allocator)
 
     def _build(self, target) -> None:
-        self.stage_buffer = self._symmetric((2 * self.mp, self.n), self.dtype)
-        self.stages = list(self.stage_buffer.split(self.mp))
+        split = self.split_k
+        self.stage_buffer = self._symmetric((2 * split * self.mp, self.n), self.dtype if split == 1 else torch.float32)
+        self.stages = list(self.stage_buffer.split(split * self.mp))
         self.flags = self._symmetric((self.world_size * self.blocks * FLAG_STRIDE,), torch.uint64)
         self.flags.zero_()
         self.state = torch.zeros((self.blocks,), dtype=torch.int64, device=self.device)
         self.output = torch.empty((self.m, self.n), dtype=self.dtype, device=self.device)
-        args = (self.m, self.k, self.n, self.world_size, GEMM_AR_DTYPES[self.dtype], self.tiles)
+        args = (self.m, self.k, self.n, self.world_size, GEMM_AR_DTYPES[self.dtype], self.tiles) + (
+            (split,) if split != 1 else ())
         self.kernel = self._compile_kernel(lambda: build_gemm_ar_kernel(*args), target, PASS_CONFIGS,
                                            key=("gemm_allreduce",) + args)
         self.bind_table(force=True)
@@ -298,5 +356,6 @@ class GemmAllReduce(SymmetricOp):
     def __repr__(self) -> str:
         t = self.tiles
         return (f"{type(self).__name__}(m={self.m}, k={self.k}, n={self.n}, dtype={self.dtype}, "
-                f"world_size={self.world_size}, tiles={t.block_m}x{t.block_n}x{t.block_k}, blocks={self.blocks}, "
+                f"world_size={self.world_size}, tiles={t.block_m}x{t.block_n}x{t.block_k}, split_k={self.split_k}, "
+                f"blocks={self.blocks}, "
                 f"epoch={self.epoch}{', closed' if self.closed else ''})")

@@ -135,24 +135,35 @@ def check_gemm_dims(owner: str, tiles: GemmTiles, **dims) -> None:
                              f"pad {name} to {-(-value // size) * size} or pass a {tile} that divides it")
 
 
-def gemm_mainloop(k: int, dtype: str, tiles: GemmTiles):
+def gemm_mainloop(k: int, dtype: str, tiles: GemmTiles, k_offset: bool = False):
     """A ``T.macro`` ``mainloop(A, B, C_f, row, col)``: ``C_f = A[row:row+block_m, :] @
     B[:, col:col+block_n]`` in the float32 fragment ``C_f`` (``(block_m, block_n)``), with
     ``A`` and ``B`` global ``(*, k)`` / ``(k, *)`` tensors of ``dtype`` and ``row`` / ``col``
-    element offsets (run-time expressions are fine: the TMA coordinates take them)."""
+    element offsets (run-time expressions are fine: the TMA coordinates take them).
+
+    With ``k_offset``, the macro is ``mainloop(A, B, C_f, row, col, k0)`` and multiplies the
+    ``k`` columns ``k0 .. k0 + k`` of ``A`` by the same rows of ``B`` (one split of a split-``k``
+    GEMM: ``A`` and ``B`` may then be wider / taller than ``k``)."""
     import tilelang.language as T
 
     BM, BN, BK, stages = tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages
 
     @T.macro
-    def mainloop(A, B, C_f, row, col):
+    def mainloop_from(A, B, C_f, row, col, k0):
         A_s = T.alloc_shared((BM, BK), dtype)
         B_s = T.alloc_shared((BK, BN), dtype)
         T.clear(C_f)
         for kk in T.Pipelined(k // BK, num_stages=stages):
-            T.copy(A[row, kk * BK], A_s)
-            T.copy(B[kk * BK, col], B_s)
+            T.copy(A[row, k0 + kk * BK], A_s)
+            T.copy(B[k0 + kk * BK, col], B_s)
             T.gemm(A_s, B_s, C_f)
+
+    if k_offset:
+        return mainloop_from
+
+    @T.macro
+    def mainloop(A, B, C_f, row, col):
+        mainloop_from(A, B, C_f, row, col, 0)
 
     return mainloop
 
