@@ -14,6 +14,7 @@
 # 7168); bench-gemm_allreduce-tiles (GemmAllReduce's decode rows with longer runs of b per
 # block); bench-gemm_allreduce-split (GemmAllReduce with k split against unsplit, 1 and 2 ranks);
 # bench-since-move (the benchmarks whose published tables predate the examples' restructuring);
+# bench-concurrent (the all-reduce algorithms with emulated ranks at once: the Lamport size table);
 # unverified (the checks written but not yet run on a GPU); all (default: doctor demo tests
 # bench). Logs go to $OUT (or ./device-logs) and a summary
 # table is printed last.
@@ -27,9 +28,9 @@ while [[ $# -gt 0 ]]; do
 done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
-# first: GemmAllReduce's split-k kernel (the decode GPU tests, then its benchmark rows). Each step
-# fits one device call of 600 s.
-[[ " ${steps[*]} " == *" unverified "* ]] && steps=(tests-decode bench-gemm_allreduce-split)
+# first: GemmAllReduce's split-k kernel (the decode GPU tests, then its benchmark rows), then the
+# all-reduce algorithms with emulated ranks running at once. Each step fits one device call of 600 s.
+[[ " ${steps[*]} " == *" unverified "* ]] && steps=(tests-decode bench-gemm_allreduce-split bench-concurrent)
 logs=${OUT:-device-logs}
 mkdir -p "$logs"
 source .device/install.sh || exit 1
@@ -75,7 +76,7 @@ for step in "${steps[@]}"; do
     tests-4) gpu_tests tests-4 0 ;;
     chaos) run_step chaos env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
              packages/tilescale-examples/tests/test_chaos.py -m chaos -q -s -rfEs --tb=short -p no:cacheprovider ;;
-    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs overlap_emulated emulated reduce_ceiling moe moe_phases remote_tma gpu_barrier decode gemm_allreduce ulysses launch attention sp_attention; do
+    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs overlap_emulated emulated reduce_ceiling moe moe_phases remote_tma gpu_barrier decode gemm_allreduce ulysses launch attention sp_attention concurrent; do
              run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
            done ;;
     bench-overlap-1) for b in ag_gemm gemm_rs; do
@@ -91,6 +92,7 @@ for step in "${steps[@]}"; do
                                   --ranks 1 --m 1 16 64 128 --tiles 64x128x64:4:128 64x128x128:3:128 64x256x64:4:128 ;;
     bench-gemm_allreduce-split) run_step "$step" timeout -k 10 560 python3 -m \
                                   tilescale_examples.benchmarks.gemm_allreduce --ranks 1 2 --m 1 4 16 64 128 --split-k 1 auto ;;
+    bench-concurrent) run_step "$step" timeout -k 10 560 python3 -m tilescale_examples.benchmarks.concurrent ;;
     bench-since-move) for b in heap signals putget allgather reducescatter alltoall remote_tma gpu_barrier ag_gemm \
                                gemm_rs; do
                         run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"

@@ -58,7 +58,8 @@ ALGORITHMS = ("auto", "one_shot", "two_shot", "lamport")
 #: (one H100, replayed from a CUDA graph): Lamport 2.58 / 3.33 us at 4 / 16 KiB against the
 #: one-shot's 3.58 / 4.11, but 6.38 against 6.03 us at 64 KiB. Across GPUs the one-shot's flag
 #: round costs more, so the entries above one rank are at least that; re-tune them from
-#: ``python -m tilescale_examples.benchmarks.allreduce --algorithm lamport|one_shot``.
+#: ``python -m tilescale_examples.benchmarks.allreduce --algorithm lamport|one_shot`` across GPUs,
+#: or on one GPU from ``python -m tilescale_examples.benchmarks.concurrent`` (emulated ranks at once).
 LAMPORT_MAX_BYTES = {1: 16 << 10, 2: 32 << 10, 4: 16 << 10, 8: 16 << 10}
 #: Size table of ``algorithm="auto"``: the largest message (bytes) sent one-shot, by world
 #: size (a world size between two keys uses the smaller key's entry; 1 rank: always one-shot).

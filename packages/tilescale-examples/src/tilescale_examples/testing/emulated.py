@@ -16,6 +16,11 @@ first poll; flags a kernel sets during the round (to the epoch) still satisfy th
 ranks' waits. Inputs must be in the symmetric buffers before the round (``c(c.input)``
 calls), because rank 0 reads the buffers of ranks that have not run yet. This measures the
 kernels' bytes per second; it does not measure flag latency between GPUs.
+
+Emulated ranks can also run at the same time, one stream each, with real waits (no preset):
+:func:`build_concurrent` gives every rank's op a compiled kernel of its own (a module, and so a
+heap table, of its own), which the ranks' concurrent launches need; :func:`release_kernels`
+undoes that once the ops are closed.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from tilescale_core.table import build_table
 
-__all__ = ["EmulatedPeers", "EmulatedRank", "run_round", "PRESET", "ALIGNMENT"]
+__all__ = ["EmulatedPeers", "EmulatedRank", "run_round", "build_concurrent", "release_kernels", "PRESET",
+           "ALIGNMENT"]
 
 #: Alignment of every allocation in a region (bytes), as the real heap's.
 ALIGNMENT = 256
@@ -148,3 +154,32 @@ def run_round(collectives: Sequence, call: Optional[Callable] = None, events=Non
         if events is not None:
             events[r][1].record(stream)
     return results
+
+
+def build_concurrent(make: Callable[[int], object], num_ranks: int) -> tuple:
+    """``(ops, kernels)``: ``make(r)`` (an op built on emulated rank ``r``) for every rank in
+    rank order, each op's compiled kernel pinned to its own allocator before the next rank's op
+    is built, so that op compiles a copy of its own (the same code under another symbol: a
+    module and heap table of its own, compiled once per process and cached on disk). Ranks
+    launched at once on several streams then never rebind a table another rank's kernel is
+    reading. ``kernels``: what :func:`release_kernels` takes after the ops are closed."""
+    from tilescale_examples.base import _PINNED
+
+    ops, kernels = [], []
+    for r in range(num_ranks):
+        op = make(r)
+        op.kernel.__dict__[_PINNED] = op.allocator
+        ops.append(op)
+        kernels.append(op.kernel)
+    return ops, kernels
+
+
+def release_kernels(kernels: Sequence) -> None:
+    """Forget which allocators used ``kernels`` (from :func:`build_concurrent`, their ops
+    closed), so that later ops take and bind them like fresh ones instead of compiling more
+    copies."""
+    from tilescale_examples.base import _PINNED, _REBIND, _USERS, KernelOwner
+
+    for kernel in kernels:
+        for attr in (_PINNED, _REBIND, _USERS, KernelOwner._TABLE_OWNER):
+            kernel.__dict__.pop(attr, None)

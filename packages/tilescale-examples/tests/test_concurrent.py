@@ -1,0 +1,55 @@
+"""benchmarks.concurrent on the CPU: every emulated rank's op gets a kernel of its own
+(testing.emulated.build_concurrent) and gives it back (release_kernels); the command line's
+errors, the line without a GPU, the table's columns and the size-table summary. The timed part
+needs a GPU (``ci/device-check.sh bench-concurrent``)."""
+
+from __future__ import annotations
+
+import torch
+from examples_helpers import CpuAllocator, exits_naming, output_without_gpu
+
+from tilescale_examples.benchmarks import BENCHMARKS, concurrent
+from tilescale_examples.collectives.allreduce import LAMPORT_MAX_BYTES, AllReduce
+from tilescale_examples.testing.emulated import build_concurrent, release_kernels
+
+
+def test_every_rank_gets_a_kernel_of_its_own_until_released(compiles):
+    allocs = [CpuAllocator(num_ranks=3, rank=r) for r in range(3)]
+    ops, kernels = build_concurrent(lambda r: AllReduce(allocs[r], (64,), torch.bfloat16, algorithm="one_shot"), 3)
+    assert [op.allocator for op in ops] == allocs
+    assert compiles == ["allreduce_one_shot", "allreduce_one_shot_copy1", "allreduce_one_shot_copy2"]
+    assert len({id(k) for k in kernels}) == 3 and [op.kernel for op in ops] == kernels
+    shared = AllReduce(CpuAllocator(num_ranks=3), (64,), torch.bfloat16, algorithm="one_shot")
+    assert len(compiles) == 4  # every copy is pinned to its rank: a fourth allocator needs a fourth
+    for op in ops + [shared]:
+        op.close()
+    release_kernels(kernels)
+    again = AllReduce(CpuAllocator(num_ranks=3), (32,), torch.bfloat16, algorithm="one_shot")
+    assert len(compiles) == 4 and again.kernel is kernels[0]  # released: the first copy serves again
+    assert not any(key.startswith("_tilescale_pinned") for key in again.kernel.__dict__)
+
+
+def test_command_line_errors_and_no_gpu(monkeypatch, capsys):
+    assert "concurrent" in BENCHMARKS
+    assert output_without_gpu(concurrent.main, [], monkeypatch, capsys) == (
+        "concurrent benchmark: no CUDA GPU visible, nothing to measure\n")
+    for argv, message in ((["--ranks", "1"], "--ranks must be in [2, 8]"), (["--iters", "0"], "--iters >= 1"),
+                          (["--min-bytes", "8"], "--min-bytes must be at least 16"),
+                          (["--min-bytes", "8192", "--max-bytes", "4096"], "at most --max-bytes"),
+                          (["--algorithms", "lamport", "lamport"], "must not repeat")):
+        exits_naming(concurrent.main, argv, message, capsys)
+
+
+def test_columns_largest_win_and_summary():
+    assert concurrent.HEADERS == ["ranks", "size", "lamport us", "one_shot us", "lamport/one_shot", "check"]
+    assert concurrent.headers(["one_shot"]) == ["ranks", "size", "one_shot us", "check"]
+    rows = [[2, 4096, 2.0, 3.0, 0.667, "ok"], [2, 8192, 2.5, 3.1, 0.806, "ok"], [2, 16384, 3.5, 3.2, 1.094, "ok"],
+            [2, 32768, 3.0, 4.0, 0.75, "ok"]]
+    assert concurrent.largest_win(rows) == 8192  # up to the first size where it loses, not after
+    assert concurrent.largest_win([[4, 4096, 3.0, 2.0, 1.5, "ok"]]) is None
+    lines = concurrent.summary_lines({2: rows, 4: [[4, 4096, 3.0, 2.0, 1.5, "ok"]]}, ["lamport", "one_shot"],
+                                     LAMPORT_MAX_BYTES)
+    assert lines == ["2 ranks: lamport faster than one_shot up to 8 KiB (shipped entry: 32 KiB)",
+                     "4 ranks: lamport faster than one_shot at no size (shipped entry: 16 KiB)"]
+    assert concurrent.summary_lines({2: rows}, ["one_shot", "two_shot"]) == [
+        "2 ranks: one_shot faster than two_shot up to 8 KiB"]
