@@ -15,6 +15,7 @@
 # block); bench-gemm_allreduce-split (GemmAllReduce with k split against unsplit, 1 and 2 ranks);
 # bench-since-move (the benchmarks whose published tables predate the examples' restructuring);
 # bench-concurrent (the all-reduce algorithms with emulated ranks at once: the Lamport size table);
+# bench-decode-lamport (the fused norm's one-shot and Lamport exchanges at one rank);
 # unverified (the checks written but not yet run on a GPU); all (default: doctor demo tests
 # bench). Logs go to $OUT (or ./device-logs) and a summary
 # table is printed last.
@@ -28,9 +29,11 @@ while [[ $# -gt 0 ]]; do
 done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
-# first: GemmAllReduce's split-k kernel (the decode GPU tests, then its benchmark rows), then the
-# all-reduce algorithms with emulated ranks running at once. Each step fits one device call of 600 s.
-[[ " ${steps[*]} " == *" unverified "* ]] && steps=(tests-decode bench-gemm_allreduce-split bench-concurrent)
+# first: the decode GPU tests (GemmAllReduce's split-k kernel, AllReduceResidualRMSNorm's Lamport
+# exchange), then their benchmark rows (split k; the Lamport norm at one rank), then the all-reduce
+# algorithms with emulated ranks running at once. Each step fits one device call of 600 s.
+[[ " ${steps[*]} " == *" unverified "* ]] && steps=(tests-decode bench-gemm_allreduce-split bench-decode-lamport \
+  bench-concurrent)
 logs=${OUT:-device-logs}
 mkdir -p "$logs"
 source .device/install.sh || exit 1
@@ -92,6 +95,10 @@ for step in "${steps[@]}"; do
                                   --ranks 1 --m 1 16 64 128 --tiles 64x128x64:4:128 64x128x128:3:128 64x256x64:4:128 ;;
     bench-gemm_allreduce-split) run_step "$step" timeout -k 10 560 python3 -m \
                                   tilescale_examples.benchmarks.gemm_allreduce --ranks 1 2 --m 1 4 16 64 128 --split-k 1 auto ;;
+    bench-decode-lamport) for a in one_shot lamport; do  # the two exchanges of the fused norm, one rank, same machine
+                            run_step "bench-decode-1-$a" timeout -k 10 280 python3 -m tilescale_examples.benchmarks.decode \
+                              --ranks 1 --tokens 1 4 16 64 --algorithm "$a"
+                          done ;;
     bench-concurrent) run_step "$step" timeout -k 10 560 python3 -m tilescale_examples.benchmarks.concurrent ;;
     bench-since-move) for b in heap signals putget allgather reducescatter alltoall remote_tma gpu_barrier ag_gemm \
                                gemm_rs; do

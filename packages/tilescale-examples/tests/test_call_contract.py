@@ -413,8 +413,9 @@ def test_moe_old_spellings_work_and_warn(compiles):
 
 # ------------------------------------------------------------------------------ AllReduceResidualRMSNorm
 def test_decode_norm_follows_the_contract_where_it_applies(compiles):
-    """``(allocator, shape, dtype, *, world_size=None, ..., target=None)`` with no
-    ``algorithm`` (one kernel per call); its call ``(x, residual, weight, *, out=None,
+    """``(allocator, shape, dtype, *, world_size=None, algorithm="auto", ..., target=None)``
+    (``algorithm``: the exchange of its one kernel, a ``Literal`` with ``"auto"``, as the
+    collectives'); its call ``(x, residual, weight, *, out=None,
     residual_out=None, scales_out=None)``; ``torch_reference(inputs, rank)``, the class's and
     its module's; :class:`ClosedError` after ``close()``; ``heap_bytes`` what the constructor
     takes on tilescale-core's allocator. (The rest, the argument errors among it, is in
@@ -430,7 +431,10 @@ def test_decode_norm_follows_the_contract_where_it_applies(compiles):
     assert issubclass(cls, SymmetricOp) and [p.name for p in params[:3]] == ["allocator", "shape", "dtype"]
     assert all(p.kind is P.POSITIONAL_OR_KEYWORD and p.default is P.empty for p in params[:3])
     assert all(p.kind is P.KEYWORD_ONLY for p in params[3:]) and (params[3].name, params[3].default) == ("world_size", None)
-    assert {"group", "target", "eps", "fp8"} <= {p.name for p in params} and "algorithm" not in {p.name for p in params}
+    assert {"group", "target", "eps", "fp8"} <= {p.name for p in params}
+    algorithm = params[4]
+    assert algorithm.name == "algorithm" and typing.get_origin(algorithm.annotation) is typing.Literal
+    assert set(typing.get_args(algorithm.annotation)) == set(cls.ALGORITHMS) and algorithm.default == "auto"
     call = list(inspect.signature(cls.__call__).parameters.values())[1:]
     assert [(p.name, p.kind, p.default) for p in call] == [
         ("x", P.POSITIONAL_OR_KEYWORD, P.empty), ("residual", P.POSITIONAL_OR_KEYWORD, P.empty),
@@ -438,16 +442,18 @@ def test_decode_norm_follows_the_contract_where_it_applies(compiles):
         ("residual_out", P.KEYWORD_ONLY, None), ("scales_out", P.KEYWORD_ONLY, None)]
     for ref in (cls.torch_reference, allreduce_norm.torch_reference):
         assert [p.name for p in inspect.signature(ref).parameters.values()][:2] == ["inputs", "rank"]
-    alloc = BaseAllocator(1 << 22, device="cpu", is_distributed=False, backend=HostBackend())
-    try:
-        op = cls(alloc, (4, 1024), torch.bfloat16)
-        assert -(-alloc.used // 256) * 256 == cls.heap_bytes((4, 1024), torch.bfloat16, world_size=1, device="cpu")
-        x = torch.zeros((4, 1024), dtype=torch.bfloat16)
-        op.close()
-        with pytest.raises(ClosedError, match="this AllReduceResidualRMSNorm is closed"):
-            op(x, x, x[0])
-    finally:
-        alloc.close()
+    for algorithm in cls.ALGORITHMS:
+        alloc = BaseAllocator(1 << 22, device="cpu", is_distributed=False, backend=HostBackend())
+        try:
+            op = cls(alloc, (4, 1024), torch.bfloat16, algorithm=algorithm)
+            assert -(-alloc.used // 256) * 256 == cls.heap_bytes((4, 1024), torch.bfloat16, world_size=1, device="cpu",
+                                                                 algorithm=algorithm)
+            x = torch.zeros((4, 1024), dtype=torch.bfloat16)
+            op.close()
+            with pytest.raises(ClosedError, match="this AllReduceResidualRMSNorm is closed"):
+                op(x, x, x[0])
+        finally:
+            alloc.close()
 
 
 # ------------------------------------------------------------------------------ MoELowLatency

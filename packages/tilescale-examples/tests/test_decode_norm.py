@@ -7,6 +7,7 @@ sm_90a, and the decode benchmark's command line and tables. The GPU runs are in
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -114,8 +115,9 @@ class FakeKernel:
         state = args[-5]
         epoch = int(state[0]) + 1
         state += 1
-        rows = stage.shape[0] // 2
-        stage[(epoch % 2) * rows:][:rows].copy_(x)
+        if op.algorithm == "one_shot":
+            rows = stage.shape[0] // 2
+            stage[(epoch % 2) * rows:][:rows].copy_(x)
         got = op.reference([(x.view(op.shape), res.view(op.shape), w.view(-1))] * op.world_size, op.rank)
         res_out.view(op.shape).copy_(got[-1])
         y.view(op.shape).copy_(got[0])
@@ -149,6 +151,27 @@ def test_buffers_arguments_and_call_numbers(compiles):
     op(x, r, w)
     assert torch.equal(op.stages[0].view(3, 256), x) and op.state.tolist() == [2, 2] and op.epoch == 2
     assert op.kernel.tables == [0]  # bound once
+
+
+def test_lamport_buffers_arguments_and_the_algorithm_choice(compiles, monkeypatch):
+    from tilescale_examples.decode import allreduce_norm
+
+    op = make(max_blocks=2, algorithm="lamport")
+    assert compiles == ["allreduce_residual_rmsnorm_lamport"] and op.algorithm == "lamport"
+    # three receive buffers of 2 slots of 3 rows x 32 vectors, all the sentinel; no symmetric flags
+    assert op.allocator.allocations == [((3 * 2 * 3 * 32, 8), BF16)]
+    assert bool((op.stage_buffer.view(torch.uint8) == 0xFF).all()) and len(op.stages) == 3
+    assert op.flags.shape == (1,) and not op.flags.ne(0).any()
+    x, r, w = inputs_for(1)[0]
+    y, h = op(x, r, w)
+    (args,) = op.kernel.calls
+    assert args[3] is op.stage_buffer and args[6] is op.flags and args[7] is op.state and args[8:] == (2, 2, 3, 1e-6)
+    assert compare((y, h), expected(op, x, r, w)) == []
+    assert make().algorithm == "one_shot"  # auto: the table is 0 until the Lamport exchange has been timed
+    monkeypatch.setattr(allreduce_norm, "LAMPORT_MAX_BYTES", {1: 0, 2: 4096})
+    assert make(shape=(2, 1024)).algorithm == "lamport" and make(shape=(3, 1024)).algorithm == "one_shot"
+    assert allreduce_norm.choose_algorithm(4096, 4) == "lamport"
+    assert allreduce_norm.choose_algorithm(4097, 2) == "one_shot"
 
 
 def test_outputs_in_place_and_unaligned(compiles):
@@ -258,13 +281,16 @@ test_constructor_rejects_before_allocating = rejects_before_allocating(
     (dict(threads=48), ValueError, "threads must be a multiple of 32"),
     (dict(threads=32, num_ranks=64), ValueError, r"threads \(32\) must be >= world_size \(64\)"),
     (dict(max_blocks=0), ValueError, "max_blocks must be None or a positive int"),
+    (dict(algorithm="two_shot"), ValueError, r"algorithm must be one of \('auto', 'one_shot', 'lamport'\)"),
     (dict(shape=(4, 1024), fp8="per_block"), None, None),
+    (dict(shape=(4, 1024), algorithm="lamport", fp8="per_token"), None, None),
 ])
 
 
 def test_close_and_closed_allocator(compiles):
     op = make()
-    assert "AllReduceResidualRMSNorm(shape=(3, 256), dtype=torch.bfloat16, world_size=2, eps=1e-06, fp8=None" in repr(op)
+    assert ("AllReduceResidualRMSNorm(shape=(3, 256), dtype=torch.bfloat16, world_size=2, algorithm='one_shot', "
+            "eps=1e-06, fp8=None") in repr(op)
     x, r, w = inputs_for(1)[0]
     op.close()
     op.close()
@@ -282,11 +308,12 @@ def test_close_and_closed_allocator(compiles):
 def test_heap_bytes_is_what_the_constructor_allocates(world, fp8, compiles):
     from tilescale_examples.base import RecordingAllocator
 
-    for shape, max_blocks in (((1, 4096), None), ((256, 8192), 132), ((7, 1024), 4)):
+    for (shape, max_blocks), algorithm in itertools.product((((1, 4096), None), ((256, 8192), 132), ((7, 1024), 4)),
+                                                            ("auto", "lamport")):
         alloc = CpuAllocator(num_ranks=world)
-        AllReduceResidualRMSNorm(alloc, shape, BF16, fp8=fp8, max_blocks=max_blocks)
+        AllReduceResidualRMSNorm(alloc, shape, BF16, fp8=fp8, max_blocks=max_blocks, algorithm=algorithm)
         got = AllReduceResidualRMSNorm.heap_bytes(shape, BF16, world_size=world, fp8=fp8, max_blocks=max_blocks,
-                                                  device="cpu")
+                                                  device="cpu", algorithm=algorithm)
         assert got == alloc.heap_bytes
     built = len(compiles)
     AllReduceResidualRMSNorm(RecordingAllocator(2), (4, 1024), BF16)
@@ -294,8 +321,8 @@ def test_heap_bytes_is_what_the_constructor_allocates(world, fp8, compiles):
 
 
 # ------------------------------------------------------------------------------ codegen
-def source(dtype="bfloat16", world=4, hidden=4096, threads=512, fp8=None):
-    return kernel_body(lower_with(build_norm_kernel(dtype, world, hidden, threads, fp8), PASS_CONFIGS))
+def source(dtype="bfloat16", world=4, hidden=4096, threads=512, fp8=None, exchange="flags"):
+    return kernel_body(lower_with(build_norm_kernel(dtype, world, hidden, threads, fp8, exchange), PASS_CONFIGS))
 
 
 NOTIFY = "tilescale::notify<false>("
@@ -326,6 +353,26 @@ def test_protocol_order_and_rows():
     assert "*(uint4*)(ResOut + " in body and "*(uint4*)(Y + " in body
 
 
+def test_lamport_exchange_order():
+    """Every put of the block (to ranks 0..3, from registers) before the first poll; per row the
+    four slots polled in rank order, the sum, the residual out, then the previous call's four
+    slots cleared; no flag, fence or remote load; the call count after the last row's barrier."""
+    body = source("bfloat16", 4, 4096, 256, None, "lamport")
+    puts = [m.start() for m in re.finditer(r"tilescale::lamport_put<2, 0x7fc0ull>\(", body)]
+    gets = [m.start() for m in re.finditer(r"tilescale::lamport_get<2>\(", body)]
+    clears = [m.start() for m in re.finditer(r"tilescale::lamport_clear\(", body)]
+    assert len(puts) == 8 and len(gets) == 8 and len(clears) == 8  # 2 vectors a thread x 4 ranks
+    assert re.findall(r"0x7fc0ull>\(\(&\(xin\[0\]\)\), .*?, (\d)\);", body) == ["0", "1", "2", "3"] * 2
+    res_out = body.index("*(uint4*)(ResOut + ")
+    assert max(puts) < min(gets) and max(gets) < res_out < min(clears)
+    assert NOTIFY not in body and WAIT not in body and "remap_ptr" not in body and "fence" not in body
+    assert ("lo = ((((int)(((int64_t)3 & ((epoch % (int64_t)3) >> (int64_t)63)) + (epoch % (int64_t)3))) * tokens) "
+            "* 2048);") in body
+    write = body.index("State[((int)blockIdx.x)] = epoch")
+    assert write > max(clears) and body.rindex("__syncthreads();", 0, write) > max(clears)
+    assert source("float16", 2, 1024, 128, "per_block", "lamport").count("tilescale::lamport_put<2, 0x7e00ull>(") == 2
+
+
 def test_sum_is_rank_order_then_the_residual():
     body = source("float16", 4, 1024, 128)
     adds = re.findall(r"(__\d+)\.x = \((__\d+)\.x\+(__\d+)\.x\);", body)
@@ -352,7 +399,8 @@ def test_builder_rejects_bad_arguments():
     for kwargs, match in ((dict(dtype="float32"), "dtype must be one of"), (dict(world_size=0), "world_size must be"),
                           (dict(threads=48), "threads must be a multiple of 32"), (dict(fp8="x"), "fp8 must be None"),
                           (dict(hidden=1000, fp8="per_block"), "multiple of 128"), (dict(hidden=1004), "multiple of 8"),
-                          (dict(world_size=64, threads=32), "must be >= world_size")):
+                          (dict(world_size=64, threads=32), "must be >= world_size"),
+                          (dict(exchange="nvls"), "exchange must be one of")):
         args = dict(dtype="bfloat16", world_size=2, hidden=1024, threads=512)
         args.update(kwargs)
         with pytest.raises(ValueError, match=match):
@@ -361,12 +409,14 @@ def test_builder_rejects_bad_arguments():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("dtype,world,hidden,fp8", [("bfloat16", 8, 8192, "per_block"), ("float16", 8, 4096, None),
-                                                    ("bfloat16", 2, 8192, "per_token"), ("bfloat16", 1, 4096, None)])
-def test_nvcc_register_budget(dtype, world, hidden, fp8, tmp_path):
+@pytest.mark.parametrize("dtype,world,hidden,fp8,exchange", [
+    ("bfloat16", 8, 8192, "per_block", "flags"), ("float16", 8, 4096, None, "flags"),
+    ("bfloat16", 2, 8192, "per_token", "flags"), ("bfloat16", 1, 4096, None, "flags"),
+    ("bfloat16", 8, 8192, "per_block", "lamport")])
+def test_nvcc_register_budget(dtype, world, hidden, fp8, exchange, tmp_path):
     """sm_90a cubin at 512 threads: at most 128 registers (one block per SM) and no spills."""
-    registers, spills = nvcc_resources(lower_with(build_norm_kernel(dtype, world, hidden, 512, fp8), PASS_CONFIGS),
-                                       tmp_path)
+    registers, spills = nvcc_resources(lower_with(build_norm_kernel(dtype, world, hidden, 512, fp8, exchange),
+                                                  PASS_CONFIGS), tmp_path)
     assert registers <= 128 and spills == 0, (registers, spills)
 
 
@@ -382,6 +432,7 @@ def test_benchmark_without_gpu_and_bad_arguments(monkeypatch, capsys):
     exits_naming(decode.main, ["--ranks", "0"], "--ranks must be in [1, 64]", capsys)
     exits_naming(decode.main, ["--hidden", "1001"], "--hidden a positive multiple of 8", capsys)
     exits_naming(decode.main, ["--fp8", "per_tensor"], "invalid choice", capsys)
+    exits_naming(decode.main, ["--algorithm", "lamport"], "--algorithm lamport runs with --ranks 1 only", capsys)
 
 
 def test_benchmark_tables_goals_and_plot(capsys, tmp_path):

@@ -3,7 +3,8 @@ are in ``test_decode_norm.py``), against the float32 torch reference
 (:func:`~tilescale_examples.decode.reference.compare`: ``residual_out`` bit for bit, ``y`` and
 the FP8 scales within float32 rounding):
 
-* every case (dtype x FP8 mode x token counts from 1 to more than the grid), fresh random
+* every case (dtype x FP8 mode x token counts from 1 to more than the grid; the flag-based
+  one-shot and the Lamport exchange), fresh random
   inputs, poisoned outputs, two calls each: the op's outputs, then ``out=`` /
   ``residual_out=residual`` (in place) / ``scales_out=``;
 * back-to-back calls without host synchronisation (1000 on 1 and 2 ranks), a straggling rank
@@ -27,17 +28,22 @@ from tilescale_examples.decode.reference import compare
 
 BF16, F16 = torch.bfloat16, torch.float16
 EPS = 1e-5
-#: (shape, dtype, fp8) of the checked cases: one token, a few, more than the grid (200 tokens:
-#: blocks own two rows on a 132-SM GPU), every FP8 mode on both dtypes.
-CASES = [((1, 4096), BF16, None), ((7, 1024), F16, None), ((200, 8192), BF16, "per_block"),
-         ((3, 4096), BF16, "per_token"), ((16, 2048), F16, "per_block"), ((5, 8192), F16, "per_token"),
-         ((200, 4096), BF16, None)]
+#: (shape, dtype, fp8, algorithm) of the checked cases: one token, a few, more than the grid
+#: (200 tokens: blocks own two rows on a 132-SM GPU), every FP8 mode on both dtypes, both
+#: exchanges.
+CASES = [((1, 4096), BF16, None, "one_shot"), ((7, 1024), F16, None, "one_shot"),
+         ((200, 8192), BF16, "per_block", "one_shot"), ((3, 4096), BF16, "per_token", "one_shot"),
+         ((16, 2048), F16, "per_block", "one_shot"), ((5, 8192), F16, "per_token", "one_shot"),
+         ((200, 4096), BF16, None, "one_shot"), ((1, 4096), BF16, None, "lamport"),
+         ((200, 8192), BF16, "per_block", "lamport"), ((5, 8192), F16, "per_token", "lamport")]
 #: Back-to-back calls per world size and case (4 ranks time-slice one GPU: fewer).
 BACK_TO_BACK = {1: 1000, 2: 1000, 4: 200}
-B2B_CASES = [((4, 4096), BF16, None), ((2, 8192), BF16, "per_block")]
+B2B_CASES = [((4, 4096), BF16, None, "one_shot"), ((2, 8192), BF16, "per_block", "one_shot"),
+             ((4, 4096), BF16, None, "lamport")]
 #: Graph replays (and eager calls between them) per world size and case.
 REPLAYS = {1: 300, 2: 300, 4: 60}
-GRAPH_CASES = [((4, 4096), BF16, None), ((3, 2048), F16, "per_block")]
+GRAPH_CASES = [((4, 4096), BF16, None, "one_shot"), ((3, 2048), F16, "per_block", "one_shot"),
+               ((4, 4096), BF16, None, "lamport")]
 VARIANTS = 8
 CACHE_NAME = "decode_norm"
 
@@ -46,9 +52,10 @@ def norm_kernels(worlds=(1, 2, 4)) -> list:
     """Precompile jobs of every kernel the rank bodies build."""
     from tilescale_examples.decode.norm_kernel import norm_jobs
 
-    kinds = {(dtype, shape[1], fp8) for shape, dtype, fp8 in CASES + B2B_CASES + GRAPH_CASES}
-    names = {BF16: "bfloat16", F16: "float16"}
-    return [job for d, h, f in sorted(kinds, key=str) for job in norm_jobs([names[d]], worlds, [h], [f])]
+    kinds = {(dtype, shape[1], fp8, algorithm) for shape, dtype, fp8, algorithm in CASES + B2B_CASES + GRAPH_CASES}
+    names, exchanges = {BF16: "bfloat16", F16: "float16"}, {"one_shot": "flags", "lamport": "lamport"}
+    return [job for d, h, f, a in sorted(kinds, key=str)
+            for job in norm_jobs([names[d]], worlds, [h], [f], exchanges=[exchanges[a]])]
 
 
 def rank_inputs(p: int, shape, dtype, device, seed: int) -> tuple:
@@ -70,11 +77,12 @@ def _poison(t) -> None:
 
 def _poison_op(op) -> None:
     """Poison the op's outputs and, while the host knows it (not captured), the staging buffer
-    of its next call (no peer reads it: every peer has finished the call before the last)."""
+    of its next call (no peer reads it: every peer has finished the call before the last;
+    not the Lamport receive buffers, whose sentinels are the protocol's state)."""
     for t in (op.output, op.residual_output, op.scales):
         if t is not None:
             _poison(t)
-    if not op.captured:
+    if not op.captured and op.algorithm != "lamport":
         poison(op.stages[(op.epoch + 1) % 2])
 
 
@@ -93,8 +101,8 @@ def cases(alloc, rank: int, world: int, rng=None) -> tuple:
 
     dev = torch.device(alloc.device)
     checks, bad = 0, []
-    for index, (shape, dtype, fp8) in enumerate(CASES):
-        op = AllReduceResidualRMSNorm(alloc, shape, dtype, eps=EPS, fp8=fp8)
+    for index, (shape, dtype, fp8, algorithm) in enumerate(CASES):
+        op = AllReduceResidualRMSNorm(alloc, shape, dtype, eps=EPS, fp8=fp8, algorithm=algorithm)
         for call in range(2):
             every = [rank_inputs(p, shape, dtype, dev, 2 * index + call) for p in range(world)]
             want = op.reference(every, rank)
@@ -104,7 +112,7 @@ def cases(alloc, rank: int, world: int, rng=None) -> tuple:
             if call == 1:
                 assert got[-1] is residual
             torch.cuda.synchronize()
-            bad += compare(got, want, f"rank {rank}/{world} {shape} {dtype} fp8={fp8} call {call}")
+            bad += compare(got, want, f"rank {rank}/{world} {shape} {dtype} fp8={fp8} {algorithm} call {call}")
             checks += 1
         op.close()
     return checks, bad
@@ -141,8 +149,8 @@ def back_to_back(alloc, rank: int, world: int, rng) -> tuple:
 
     dev = torch.device(alloc.device)
     checks, bad, calls = 0, [], BACK_TO_BACK[world]
-    for index, (shape, dtype, fp8) in enumerate(B2B_CASES):
-        op = AllReduceResidualRMSNorm(alloc, shape, dtype, eps=EPS, fp8=fp8)
+    for index, (shape, dtype, fp8, algorithm) in enumerate(B2B_CASES):
+        op = AllReduceResidualRMSNorm(alloc, shape, dtype, eps=EPS, fp8=fp8, algorithm=algorithm)
         every = [[rank_inputs(p, shape, dtype, dev, 100 + 10 * index + v) for p in range(world)] for v in range(VARIANTS)]
         want = {v: op.reference(every[v], rank) for v in range(VARIANTS)}
         results = Results(op, calls)
@@ -159,7 +167,7 @@ def back_to_back(alloc, rank: int, world: int, rng) -> tuple:
             else:
                 got = op(x, residual, weight, **_fresh_outputs(op, residual.clone()))
             results.keep(i, got, v)
-        bad += results.failures(want, f"rank {rank}/{world} back-to-back {shape} fp8={fp8}")
+        bad += results.failures(want, f"rank {rank}/{world} back-to-back {shape} fp8={fp8} {algorithm}")
         checks += calls
         op.close()
     return checks, bad
@@ -185,8 +193,8 @@ def graphs(alloc, rank: int, world: int, rng) -> tuple:
 
     dev = torch.device(alloc.device)
     checks, bad = 0, []
-    for index, (shape, dtype, fp8) in enumerate(GRAPH_CASES):
-        op = AllReduceResidualRMSNorm(alloc, shape, dtype, eps=EPS, fp8=fp8)
+    for index, (shape, dtype, fp8, algorithm) in enumerate(GRAPH_CASES):
+        op = AllReduceResidualRMSNorm(alloc, shape, dtype, eps=EPS, fp8=fp8, algorithm=algorithm)
         x, residual, weight = (t.clone() for t in _graph_inputs(shape, dtype, dev, world, 0)[rank])
         n = REPLAYS[world] + 1
         results = Results(op, n)
@@ -200,7 +208,7 @@ def graphs(alloc, rank: int, world: int, rng) -> tuple:
 
         replay_with_graphs(call, fill, lambda: _poison_op(op), lambda i, got: results.keep(i, got, i), n, rng)
         want = {i: op.reference(_graph_inputs(shape, dtype, dev, world, 1000 * index + i), rank) for i in range(n)}
-        bad += results.failures(want, f"rank {rank}/{world} graph {shape} fp8={fp8}")
+        bad += results.failures(want, f"rank {rank}/{world} graph {shape} fp8={fp8} {algorithm}")
         checks += n
         op.close()
     return checks, bad

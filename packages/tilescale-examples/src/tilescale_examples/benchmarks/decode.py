@@ -2,7 +2,7 @@
 
 ``python -m tilescale_examples.benchmarks.decode [--ranks 1 2 4 8] [--hidden 4096 8192]
 [--tokens 1 2 4 ... 256] [--dtype bfloat16|float16] [--fp8 none|per_token|per_block]
-[--iters 50] [--threads 512] [--max-blocks B] [--eps 1e-6] [--out DIR]``
+[--algorithm one_shot|lamport] [--iters 50] [--threads 512] [--max-blocks B] [--eps 1e-6] [--out DIR]``
 
 The method of :mod:`tilescale_examples.benchmarks.emulated`: one process, no process group;
 ``N`` emulated ranks are ``N`` regions of one device buffer
@@ -17,7 +17,9 @@ back-to-back calls behind a stream hold (the host's launch cost is not counted;
 :func:`~tilescale_examples.benchmarks._timing.held_ms_per_launch`), the mean over the ranks:
 
 * ``fused us``: :class:`~tilescale_examples.decode.allreduce_norm.AllReduceResidualRMSNorm`
-  (one kernel; with ``--fp8`` its FP8 output);
+  (one kernel; with ``--fp8`` its FP8 output; ``--algorithm``: its exchange, ``lamport`` at
+  ``--ranks 1`` only, since emulated ranks that run in turn cannot exchange data that is its
+  own signal: :mod:`~tilescale_examples.benchmarks.concurrent` runs ranks at once);
 * ``unfused us``: TileScale's one-shot :class:`~tilescale_examples.collectives.allreduce.AllReduce`
   (staging ``x`` in its kernel, as the fused kernel does), then torch's ``add`` and
   ``torch.nn.functional.rms_norm`` (with ``--fp8``, then the torch quantisation of
@@ -72,7 +74,8 @@ def check_round(ops, inputs) -> list:
     from tilescale_examples.testing.emulated import run_round
 
     for op, (x, _, _) in zip(ops, inputs):
-        op.stages[(op.epoch + 1) % 2].view(-1).copy_(x.view(-1))  # the peers' rows rank 0 reads
+        if op.algorithm == "one_shot":  # (a Lamport exchange runs at one rank only here: no peers' rows)
+            op.stages[(op.epoch + 1) % 2].view(-1).copy_(x.view(-1))  # the peers' rows rank 0 reads
     results = run_round(ops, call=lambda op: op(*inputs[op.rank]))
     torch.cuda.synchronize()
     bad = []
@@ -105,7 +108,7 @@ def run_case(args, n: int, tokens: int, hidden: int, device) -> tuple:
     kw = dict(threads=args.threads, max_blocks=args.max_blocks)
     fused, bad = _fused.measure(AllReduceResidualRMSNorm, n, ((tokens, hidden), dtype), device,
                                 lambda op: op(*inputs[op.rank]), args.iters, check=lambda ops: check_round(ops, inputs),
-                                eps=args.eps, fp8=fp8, **kw)
+                                eps=args.eps, fp8=fp8, algorithm=args.algorithm, **kw)
     unfused, _ = _fused.measure(AllReduce, n, ((tokens, hidden), dtype), device,
                                 lambda ar: unfused_call(ar, *inputs[ar.rank], args.eps, fp8), args.iters,
                                 algorithm="one_shot", **kw)
@@ -143,7 +146,10 @@ def print_results(tables: dict, failures: list, args, device_name: str) -> None:
     fp8 = "" if args.fp8 is None else f" + FP8 {args.fp8}"
     quantise = "" if args.fp8 is None else ", torch quantisation"
     unfused = f"TileScale one-shot all-reduce, torch add, torch rms_norm{quantise}"
-    print_checked(tables, lambda hidden: f"all-reduce + residual + RMSNorm{fp8}, fused (one TileScale kernel) vs "
+    algorithm = getattr(args, "algorithm", "one_shot")
+    exchange = "" if algorithm == "one_shot" else f", {algorithm} exchange"
+    print_checked(tables, lambda hidden: f"all-reduce + residual + RMSNorm{fp8}, fused (one TileScale "
+                  f"kernel{exchange}) vs "
                   f"unfused ({unfused}), hidden {hidden}", HEADERS, failures, goal_lines(tables),
                   "the float32 torch reference", args, device_name)
 
@@ -156,9 +162,14 @@ def main(argv=None) -> int:
     p.add_argument("--fp8", default="none", choices=["none", "per_token", "per_block"], help="FP8 output")
     p.add_argument("--threads", type=int, default=512, help="threads per block of the kernels")
     p.add_argument("--eps", type=float, default=1e-6)
+    p.add_argument("--algorithm", default="one_shot", choices=["one_shot", "lamport"],
+                   help="the fused kernel's exchange (lamport: --ranks 1 only)")
     args = _harness.parse_args(p, argv)
     if any(t < 1 for t in args.tokens) or any(h < 8 or h % 8 for h in args.hidden) or args.iters < 1:
         p.error("--tokens and --iters must be >= 1 and --hidden a positive multiple of 8")
+    if args.algorithm == "lamport" and args.ranks != [1]:
+        p.error("--algorithm lamport runs with --ranks 1 only (emulated ranks run in turn here; "
+                "benchmarks.concurrent runs them at once)")
     args.fp8 = None if args.fp8 == "none" else args.fp8
     device = _harness.emulated_device(p, args, "decode")
     if device is None:
@@ -168,7 +179,8 @@ def main(argv=None) -> int:
     from tilescale_examples.decode.norm_kernel import norm_jobs
     from tilescale_examples.testing.precompile import precompile, reduction_jobs
 
-    precompile(norm_jobs([args.dtype], args.ranks, args.hidden, [args.fp8], args.threads)
+    exchange = "lamport" if args.algorithm == "lamport" else "flags"
+    precompile(norm_jobs([args.dtype], args.ranks, args.hidden, [args.fp8], args.threads, [exchange])
                + reduction_jobs(["one_shot"], [args.dtype], args.ranks, args.threads))  # in parallel: cache hits below
     tables, failures = run(args, device)
     print_results(tables, failures, args, torch.cuda.get_device_name(device))

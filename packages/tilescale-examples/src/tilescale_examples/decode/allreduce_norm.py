@@ -30,6 +30,12 @@ host synchronisation and CUDA-graph replays are new calls) with each block ownin
 rows. The reduction is one-shot only: it reads ``world_size x`` the input per rank, which is
 right for decode's few tokens; for large inputs use
 :class:`~tilescale_examples.collectives.allreduce.AllReduce` and a separate norm.
+
+``algorithm="lamport"`` exchanges the rows with the Lamport protocol instead (the kernel
+module's "Lamport exchange": every rank pushes its rows into its slot of every rank's receive
+buffer, the data is its own signal, no flag round): the same results, for the smallest
+messages, where the flag round is most of a call. ``"auto"`` (default) picks it up to
+:data:`LAMPORT_MAX_BYTES`, else the flag-based one-shot (``"one_shot"``).
 """
 
 # (no `from __future__ import annotations`: the kernel module defines TileLang kernels)
@@ -40,13 +46,30 @@ from typing import Literal, Optional, Sequence, Union
 import torch
 
 from tilescale_examples._launch import kept_view
-from tilescale_examples.base import SymmetricCollective, check_tensor, settle
+from tilescale_examples.base import SymmetricCollective, check_tensor, settle, size_table_entry
 from tilescale_examples.collectives.reduce_engine import overlaps, rows_view
-from tilescale_examples.decode.norm_kernel import (FLAG_STRIDE, FP8_BLOCK, FP8_MODES, FP8_TORCH_DTYPE, NORM_DTYPES,
-                                                   PASS_CONFIGS, build_norm_kernel, row_vectors)
+from tilescale_examples.decode.norm_kernel import (FLAG_STRIDE, FP8_BLOCK, FP8_MODES, FP8_TORCH_DTYPE,
+                                                   LAMPORT_BUFFERS, NORM_DTYPES, PASS_CONFIGS, build_norm_kernel,
+                                                   row_vectors)
 from tilescale_examples.decode.reference import compare, quantize_fp8, scales_shape, torch_reference
 
-__all__ = ["AllReduceResidualRMSNorm", "torch_reference", "quantize_fp8", "scales_shape", "compare", "FP8_MODES"]
+__all__ = ["AllReduceResidualRMSNorm", "torch_reference", "quantize_fp8", "scales_shape", "compare", "FP8_MODES",
+           "ALGORITHMS", "LAMPORT_MAX_BYTES", "choose_algorithm"]
+
+#: Values of the ``algorithm`` argument.
+ALGORITHMS = ("auto", "one_shot", "lamport")
+#: Size table of ``algorithm="auto"``: the largest input (bytes of ``x`` per rank) exchanged by
+#: the Lamport protocol, by world size (:func:`~tilescale_examples.base.size_table_entry`).
+#: 0 everywhere until the Lamport exchange of this kernel has been timed against the flag
+#: round in the same run (``benchmarks.decode --algorithm lamport`` at one rank,
+#: ``benchmarks.concurrent`` with emulated ranks at once): ``"auto"`` keeps the one-shot.
+LAMPORT_MAX_BYTES = {1: 0, 2: 0, 4: 0, 8: 0}
+
+
+def choose_algorithm(nbytes: int, world_size: int) -> str:
+    """What ``algorithm="auto"`` runs for ``nbytes`` of ``x`` per rank on ``world_size``
+    ranks: ``"lamport"`` up to :data:`LAMPORT_MAX_BYTES`, else ``"one_shot"``."""
+    return "lamport" if nbytes <= size_table_entry(LAMPORT_MAX_BYTES, world_size) else "one_shot"
 
 
 def _check_eps(eps) -> float:
@@ -76,6 +99,8 @@ class AllReduceResidualRMSNorm(SymmetricCollective):
         dtype: torch.float16 or torch.bfloat16 (or its name): ``x``, ``residual``, ``weight``,
             ``residual_out`` and (without ``fp8``) ``y``.
         world_size: number of ranks; defaults to ``allocator.num_ranks`` and must equal it.
+        algorithm: ``"one_shot"`` (staged rows, one flag round), ``"lamport"`` (the Lamport
+            exchange, no flag round) or ``"auto"`` (:func:`choose_algorithm`); the same results.
         eps: added to ``mean(h^2)`` under the square root (float, >= 0).
         fp8: None (``y`` in ``dtype``), ``"per_token"`` or ``"per_block"`` (``y`` in
             ``torch.float8_e4m3fn`` with float32 scales, see the module docstring).
@@ -86,24 +111,31 @@ class AllReduceResidualRMSNorm(SymmetricCollective):
         target: TileLang target (default sm_90a).
 
     Attributes: ``tokens``, ``hidden``, ``eps``, ``fp8``, ``blocks``, ``iters`` (token rows per
-    block), ``output`` / ``residual_output`` / ``scales`` (what a call without ``out`` /
-    ``residual_out`` / ``scales_out`` returns; the next call overwrites them), ``stages`` (the
-    two symmetric staging buffers, ``(tokens * hidden / 8, 8)`` each), ``flags``, ``state``
-    (the device's call counts, one per block), ``kernel``, ``epoch`` (calls made from the host).
+    block), ``algorithm`` (the one running), ``output`` / ``residual_output`` / ``scales``
+    (what a call without ``out`` / ``residual_out`` / ``scales_out`` returns; the next call
+    overwrites them), ``stages`` (the two symmetric staging buffers, ``(tokens * hidden / 8,
+    8)`` each; Lamport: the three receive buffers of ``world_size`` such slots, every element
+    the sentinel until a peer's data arrives), ``flags``, ``state`` (the device's call counts,
+    one per block), ``kernel``, ``epoch`` (calls made from the host).
 
     Memory (symmetric, per rank): two staging buffers of ``tokens x hidden`` elements and
-    ``world_size * blocks`` uint64 flags (one per 32-byte sector).
+    ``world_size * blocks`` uint64 flags (one per 32-byte sector); Lamport: ``3 * world_size``
+    buffers of ``tokens x hidden`` elements and no flags.
     """
 
+    ALGORITHMS = ALGORITHMS
     _BUFFERS = ("stage_buffer", "stages", "flags", "state", "output", "residual_output", "scales", "_own_rows",
                 "_kept_weight")
 
     def __init__(self, allocator, shape: Union[int, Sequence[int]], dtype: Union[torch.dtype, str], *,
-                 world_size: Optional[int] = None, eps: float = 1e-6,
-                 fp8: Optional[Literal["per_token", "per_block"]] = None, group=None, threads: int = 512,
-                 max_blocks: Optional[int] = None, target=None):
+                 world_size: Optional[int] = None, algorithm: Literal["auto", "one_shot", "lamport"] = "auto",
+                 eps: float = 1e-6, fp8: Optional[Literal["per_token", "per_block"]] = None, group=None,
+                 threads: int = 512, max_blocks: Optional[int] = None, target=None):
         self.eps, self.fp8 = _check_eps(eps), _check_fp8(fp8)
-        self._setup(allocator, shape, dtype, world_size, group, threads, max_blocks, NORM_DTYPES, target=target)
+        self._setup(allocator, shape, dtype, world_size, group, threads, max_blocks, NORM_DTYPES,
+                    algorithm=algorithm, target=target)
+        if self.algorithm == "auto":
+            self.algorithm = choose_algorithm(self.shard_numel * self.itemsize, self.world_size)
         self._build(target)
 
     def _set_shard(self) -> None:
@@ -116,8 +148,8 @@ class AllReduceResidualRMSNorm(SymmetricCollective):
             raise ValueError(f"threads ({self.threads}) must be >= world_size ({self.world_size})")
         self.row_vectors, _ = row_vectors(self.hidden, self.itemsize, self.threads)
 
-    def _largest_numel(self) -> int:
-        return 2 * math.prod(self.shape)  # the two staging buffers
+    def _largest_numel(self) -> int:  # the staging buffers (Lamport: 3 x world_size of them)
+        return (LAMPORT_BUFFERS * self.world_size if self.algorithm == "lamport" else 2) * math.prod(self.shape)
 
     def _build(self, target) -> None:
         nv, vec = self.row_vectors, self.hidden // self.row_vectors
@@ -125,10 +157,17 @@ class AllReduceResidualRMSNorm(SymmetricCollective):
         self.blocks = min(self.tokens, self.max_blocks)
         self.iters = -(-self.tokens // self.blocks)
         rows = self.tokens * nv
-        self.stage_buffer = self._tensor((2 * rows, vec))
-        self.stages = list(self.stage_buffer.split(rows))
-        self.flags = self._tensor((self.world_size * self.blocks * FLAG_STRIDE,), torch.uint64)
-        self.flags.zero_()
+        if self.algorithm == "lamport":  # the receive buffers, every element the sentinel (all ones)
+            per_call = self.world_size * rows
+            self.stage_buffer = self._tensor((LAMPORT_BUFFERS * per_call, vec))
+            self.stage_buffer.view(torch.uint8).fill_(0xFF)
+            self.stages = list(self.stage_buffer.split(per_call))
+            self.flags = torch.zeros((1,), dtype=torch.uint64, device=self.device)  # the kernel reads none
+        else:
+            self.stage_buffer = self._tensor((2 * rows, vec))
+            self.stages = list(self.stage_buffer.split(rows))
+            self.flags = self._tensor((self.world_size * self.blocks * FLAG_STRIDE,), torch.uint64)
+            self.flags.zero_()
         self.state = torch.zeros((self.blocks,), dtype=torch.int64, device=self.device)
         y_dtype = self.dtype if self.fp8 is None else FP8_TORCH_DTYPE
         self.output = torch.empty(self.shape, dtype=y_dtype, device=self.device)
@@ -139,7 +178,8 @@ class AllReduceResidualRMSNorm(SymmetricCollective):
         self._own_rows = (self.residual_output.view(-1, vec), self.output.view(-1, vec),
                           None if self.scales is None else self.scales.view(-1))
         name = NORM_DTYPES[self.dtype]
-        args = (name, self.world_size, self.hidden, self.threads, self.fp8)
+        args = (name, self.world_size, self.hidden, self.threads, self.fp8) + (
+            ("lamport",) if self.algorithm == "lamport" else ())
         self.kernel = self._compile_kernel(lambda: build_norm_kernel(*args), target, PASS_CONFIGS,
                                            key=("decode_norm",) + args)
         self.bind_table(force=True)
@@ -242,7 +282,8 @@ class AllReduceResidualRMSNorm(SymmetricCollective):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(shape={self.shape}, dtype={self.dtype}, world_size={self.world_size}, "
-                f"eps={self.eps}, fp8={self.fp8!r}, blocks={self.blocks}, epoch={self.epoch}"
+                f"algorithm={self.algorithm!r}, eps={self.eps}, fp8={self.fp8!r}, blocks={self.blocks}, "
+                f"epoch={self.epoch}"
                 f"{', closed' if self.closed else ''})")
 
 

@@ -35,6 +35,19 @@ device (CUDA-graph replays are new calls); one flag round, so ``Stage`` is doubl
 call ``e`` uses buffer ``e % 2``; every block waits only for the blocks of its own index, whose
 rows (the same token rows on every rank) it reads, and the grid is at most the SM count.
 
+The Lamport exchange (``exchange="lamport"``, :func:`build_norm_kernel`): no staging, no flag
+round. ``Stage`` is then three receive buffers of ``world_size`` slots of ``tokens * NV``
+rows (every element the Lamport sentinel at first, the op fills it); call ``e`` uses buffer
+``e % 3``. Steps 2 and 3 become: every thread pushes its vectors of its block's rows of ``x``
+into slot ``me`` of buffer ``e % 3`` on every rank (``T.lamport_put``: the data carries its
+own readiness); step 4 reads the ``world_size`` slots of its own buffer with
+``T.lamport_get`` (which waits per 16-byte vector) and, once a row is read, writes the
+sentinel back into the same rows of buffer ``(e + 2) % 3`` (the previous call's, read
+completely in that call): the reuse argument of
+:mod:`tilescale_examples.collectives.lamport_kernel`. Every put of a block is issued before
+its first wait, and ``State[b] = epoch`` is written after the block's last row. ``Flags`` is
+not used.
+
 FP8 (``fp8="per_token"`` or ``"per_block"``, the DeepSeek-V3 convention): ``scale = amax / 448``
 in float32, ``amax`` the largest ``|y|`` (float32, before rounding) of the token
 (``per_token``) or of each 128 channels of the token (``per_block``; 16 consecutive threads
@@ -54,7 +67,8 @@ from tilescale_examples.collectives.reduce_kernel import (FLAG_STRIDE, PASS_CONF
                                                           rank_order_sum, step_macros, vector_elems)
 
 __all__ = ["NORM_DTYPES", "FP8_MODES", "FP8_MAX", "FP8_BLOCK", "FP8_TORCH_DTYPE", "MAX_LOADS", "MAX_ROW_VECTORS",
-           "PASS_CONFIGS", "FLAG_STRIDE", "row_vectors", "load_chunk", "build_norm_kernel", "norm_jobs"]
+           "EXCHANGES", "LAMPORT_BUFFERS", "PASS_CONFIGS", "FLAG_STRIDE", "row_vectors", "load_chunk",
+           "build_norm_kernel", "norm_jobs"]
 
 #: torch dtypes of ``x``, ``residual`` and ``weight``, with their TileLang names.
 NORM_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -71,6 +85,11 @@ MAX_LOADS = 16
 #: Most vectors of a row per thread (``ceil(hidden / V / threads)``): a trace-time bound (the
 #: kernel is unrolled that many times).
 MAX_ROW_VECTORS = 8
+#: Values of :func:`build_norm_kernel`'s ``exchange``: the staged one-shot with a flag round,
+#: or the Lamport exchange.
+EXCHANGES = ("flags", "lamport")
+#: Receive buffers of the Lamport exchange, rotated by call number.
+LAMPORT_BUFFERS = 3
 
 
 def row_vectors(hidden: int, itemsize: int, threads: int) -> tuple:
@@ -94,7 +113,9 @@ def load_chunk(world_size: int, vpt: int) -> int:
     return max(1, min(vpt, MAX_LOADS // world_size))
 
 
-def _check_builder(dtype: str, world_size: int, threads: int, fp8) -> None:
+def _check_builder(dtype: str, world_size: int, threads: int, fp8, exchange: str = "flags") -> None:
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     if dtype not in NORM_DTYPES.values():
         raise ValueError(f"dtype must be one of {sorted(NORM_DTYPES.values())}, got {dtype!r}")
     check_kernel_world_size(world_size)
@@ -105,9 +126,10 @@ def _check_builder(dtype: str, world_size: int, threads: int, fp8) -> None:
         raise ValueError(f"fp8 must be None or one of {FP8_MODES}, got {fp8!r}")
 
 
-def _load_macros(T, W: int, TH: int, VPT: int, V: int, NV: int, dtype: str):
-    """The moves of rows: ``load_weight`` (step 1), ``stage_rows`` (step 2) and ``sum_row``
-    (the loads and rank-order sums of step 4)."""
+def _load_macros(T, W: int, TH: int, VPT: int, V: int, NV: int, dtype: str, lamport: bool = False):
+    """The moves of rows: ``load_weight`` (step 1), ``stage_rows`` (step 2; Lamport: the puts
+    to every rank) and ``sum_row`` (the loads and rank-order sums of step 4; Lamport: the polls
+    of the slots, then the clears of the previous call's)."""
     PEERS, VECS = list(range(W)), list(range(VPT))  # unrolled at trace time
     C = load_chunk(W, VPT)
     CHUNKS = [VECS[s:s + C] for s in range(0, VPT, C)]
@@ -120,24 +142,38 @@ def _load_macros(T, W: int, TH: int, VPT: int, V: int, NV: int, dtype: str):
                     w[u, k] = Wt[u * TH + tx, k]
 
     @T.macro
-    def stage_rows(X, Stage, bx, tx, blocks, iters, tokens, lo):
-        """This block's token rows, X -> the call's buffer of Stage (its first row ``lo``)."""
+    def stage_rows(X, Stage, bx, tx, blocks, iters, tokens, lo, xin, me):
+        """This block's token rows, X -> the call's buffer of Stage (its first row ``lo``);
+        Lamport: into slot ``me`` (from ``lo``) of the call's buffer on every rank, through the
+        registers ``xin``."""
         for i in T.serial(iters):
             if i * blocks + bx < tokens:
                 for u in VECS:
                     if u * TH + tx < NV:
-                        for k in T.vectorized(V):
-                            Stage[lo + (i * blocks + bx) * NV + u * TH + tx, k] = X[(i * blocks + bx) * NV + u * TH + tx, k]
+                        row = (i * blocks + bx) * NV + u * TH + tx  # this vector's row of X
+                        if lamport:
+                            T.copy(X[row, 0:V], xin[0:V])
+                            for p in PEERS:
+                                T.lamport_put(xin[0:V], Stage[lo + me * tokens * NV + row, 0:V], dst_pe=p)
+                        else:
+                            for k in T.vectorized(V):
+                                Stage[lo + row, k] = X[row, k]
 
     @T.macro
-    def sum_row(Stage, Res, ResOut, vals, rin, h, t, tx, lo):
+    def sum_row(Stage, Res, ResOut, vals, rin, h, t, tx, lo, old, tokens):
         """Row ``t``: per chunk, W peers' vectors and the residual's, then ``h`` (rank-order
-        float32 sum + residual, rounded once), stored to ResOut."""
+        float32 sum + residual, rounded once), stored to ResOut. Lamport: slot ``p`` of the
+        call's buffer (from ``lo``) polled for peer ``p``'s vectors, then the row's vectors of
+        every slot of the previous call's buffer (from ``old``) cleared."""
         for chunk in CHUNKS:
             for u in chunk:
                 if u * TH + tx < NV:
                     for p in PEERS:
-                        T.copy(Stage[lo + t * NV + u * TH + tx, 0:V], vals[u - chunk[0], p, 0:V], src_pe=p)
+                        if lamport:
+                            T.lamport_get(Stage[lo + p * tokens * NV + t * NV + u * TH + tx, 0:V],
+                                          vals[u - chunk[0], p, 0:V])
+                        else:
+                            T.copy(Stage[lo + t * NV + u * TH + tx, 0:V], vals[u - chunk[0], p, 0:V], src_pe=p)
                     for k in T.vectorized(V):
                         rin[u, k] = Res[t * NV + u * TH + tx, k]
             for u in chunk:
@@ -147,6 +183,9 @@ def _load_macros(T, W: int, TH: int, VPT: int, V: int, NV: int, dtype: str):
                                          + T.Cast("float32", rin[u, k]))
                     for k in T.vectorized(V):
                         ResOut[t * NV + u * TH + tx, k] = h[u, k]
+                    if lamport:
+                        for p in PEERS:
+                            T.lamport_clear(Stage[old + p * tokens * NV + t * NV + u * TH + tx, 0:V])
 
     return load_weight, stage_rows, sum_row
 
@@ -227,8 +266,11 @@ def _store_macro(T, TH: int, VPT: int, V: int, NV: int, dtype: str, fp8):
     return store_row
 
 
-def build_norm_kernel(dtype: str, world_size: int, hidden: int, threads: int = 512, fp8: Optional[str] = None):
-    """The fused all-reduce + residual + RMSNorm ``T.prim_func`` (see the module docstring).
+def build_norm_kernel(dtype: str, world_size: int, hidden: int, threads: int = 512, fp8: Optional[str] = None,
+                      exchange: str = "flags"):
+    """The fused all-reduce + residual + RMSNorm ``T.prim_func`` (see the module docstring;
+    ``exchange``: one of :data:`EXCHANGES`, ``"lamport"`` the module docstring's Lamport
+    exchange, with ``Stage`` the ``3 * world_size * tokens * NV`` rows of its receive buffers).
 
     ``hidden`` (elements per token row) and the rest are trace-time constants; the token count
     is a run-time argument, so one compiled kernel serves every ``tokens``. Signature (``V =
@@ -248,7 +290,7 @@ def build_norm_kernel(dtype: str, world_size: int, hidden: int, threads: int = 5
     """
     import tilelang.language as T
 
-    _check_builder(dtype, world_size, threads, fp8)
+    _check_builder(dtype, world_size, threads, fp8, exchange)
     if fp8 == "per_block" and hidden % FP8_BLOCK:
         raise ValueError(f"shape: hidden ({hidden}) must be a multiple of {FP8_BLOCK} for fp8='per_block'")
     W, TH = world_size, threads
@@ -256,7 +298,8 @@ def build_norm_kernel(dtype: str, world_size: int, hidden: int, threads: int = 5
     V = vector_elems(itemsize)
     NV, VPT = row_vectors(hidden, itemsize, TH)
     C = load_chunk(W, VPT)
-    load_weight, stage_rows, sum_row = _load_macros(T, W, TH, VPT, V, NV, dtype)
+    lamport = exchange == "lamport"
+    load_weight, stage_rows, sum_row = _load_macros(T, W, TH, VPT, V, NV, dtype, lamport)
     row_stats, block_reduce = _norm_macros(T, TH, VPT, V, NV, fp8)
     store_row = _store_macro(T, TH, VPT, V, NV, dtype, fp8)
     steps = step_macros(T, W, TH, 1, V, 1)
@@ -276,18 +319,27 @@ def build_norm_kernel(dtype: str, world_size: int, hidden: int, threads: int = 5
             red = T.alloc_shared((2, 2, TH // 32), "float32")
             epoch = T.alloc_var("int64")
             epoch = State[bx] + 1  # this call's number: block bx's count of earlier calls + 1
-            lo = T.alloc_var("int32")
-            lo = T.Cast("int32", epoch % 2) * (tokens * NV)  # first row of this call's buffer
+            xin = T.alloc_local((V,), dtype)
+            lo, old = T.alloc_var("int32"), T.alloc_var("int32")
+            if lamport:  # this call's and the previous call's receive buffers
+                lo = T.Cast("int32", epoch % LAMPORT_BUFFERS) * (W * tokens * NV)
+                old = T.Cast("int32", (epoch + LAMPORT_BUFFERS - 1) % LAMPORT_BUFFERS) * (W * tokens * NV)
+            else:
+                lo = T.Cast("int32", epoch % 2) * (tokens * NV)  # first row of this call's buffer
             load_weight(Wt, w, tx)
-            stage_rows(X, Stage, bx, tx, blocks, iters, tokens, lo)
-            steps.signal_and_wait(Flags, tx, me, bx, blocks, epoch, 0)
-            steps.count_call(State, bx, tx, epoch)
+            stage_rows(X, Stage, bx, tx, blocks, iters, tokens, lo, xin, me)
+            if not lamport:
+                steps.signal_and_wait(Flags, tx, me, bx, blocks, epoch, 0)
+                steps.count_call(State, bx, tx, epoch)
             for i in T.serial(iters):
                 if i * blocks + bx < tokens:
-                    sum_row(Stage, Res, ResOut, vals, rin, h, i * blocks + bx, tx, lo)
+                    sum_row(Stage, Res, ResOut, vals, rin, h, i * blocks + bx, tx, lo, old, tokens)
                     row_stats(h, w, acc, amax, tx)
                     block_reduce(acc, red, tx, i % 2)
                     store_row(Y, Scales, h, w, q, acc, amax, i * blocks + bx, tx, hidden, eps)
+            if lamport:
+                T.sync_threads()  # every thread has read State[bx]
+                steps.count_call(State, bx, tx, epoch)
 
     if fp8 is None:
 
@@ -298,7 +350,7 @@ def build_norm_kernel(dtype: str, world_size: int, hidden: int, threads: int = 5
                  iters: T.int32, tokens: T.int32, eps: T.float32):
             one_call(X, Res, Wt, Stage, ResOut, Y, None, Flags, State, blocks, iters, tokens, eps)
 
-        return norm.with_attr("global_symbol", "allreduce_residual_rmsnorm")
+        return norm.with_attr("global_symbol", "allreduce_residual_rmsnorm" + ("_lamport" if lamport else ""))
 
     @T.prim_func
     def norm_fp8(X: T.Tensor((rows, V), dtype), Res: T.Tensor((rows, V), dtype), Wt: T.Tensor((NV, V), dtype),
@@ -308,11 +360,14 @@ def build_norm_kernel(dtype: str, world_size: int, hidden: int, threads: int = 5
                  iters: T.int32, tokens: T.int32, eps: T.float32):
         one_call(X, Res, Wt, Stage, ResOut, Y, Scales, Flags, State, blocks, iters, tokens, eps)
 
-    return norm_fp8.with_attr("global_symbol", f"allreduce_residual_rmsnorm_fp8_{fp8}")
+    name = f"allreduce_residual_rmsnorm_fp8_{fp8}"
+    return norm_fp8.with_attr("global_symbol", name + ("_lamport" if lamport else ""))
 
 
-def norm_jobs(dtypes, world_sizes, hiddens, fp8_modes=(None,), threads: int = 512) -> list:
+def norm_jobs(dtypes, world_sizes, hiddens, fp8_modes=(None,), threads: int = 512, exchanges=("flags",)) -> list:
     """:func:`~tilescale_examples.testing.precompile.precompile` jobs of every kernel
-    :func:`build_norm_kernel` makes for ``dtype name x world size x hidden x fp8 mode``."""
-    return [("tilescale_examples.decode.norm_kernel:build_norm_kernel", (d, w, h, threads, f), PASS_CONFIGS)
-            for d in dtypes for w in world_sizes for h in hiddens for f in fp8_modes]
+    :func:`build_norm_kernel` makes for ``dtype name x world size x hidden x fp8 mode x
+    exchange``."""
+    return [("tilescale_examples.decode.norm_kernel:build_norm_kernel",
+             (d, w, h, threads, f) + ((x,) if x != "flags" else ()), PASS_CONFIGS)
+            for d in dtypes for w in world_sizes for h in hiddens for f in fp8_modes for x in exchanges]
