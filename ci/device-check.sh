@@ -15,6 +15,7 @@
 # block); bench-gemm_allreduce-split (GemmAllReduce with k split against unsplit, 1 and 2 ranks);
 # bench-since-move (the benchmarks whose published tables predate the examples' restructuring);
 # bench-concurrent (the all-reduce algorithms with emulated ranks at once: the Lamport size table);
+# bench-concurrent-norm (the same for the fused norm's exchanges);
 # bench-decode-lamport (the fused norm's one-shot and Lamport exchanges at one rank);
 # unverified (the checks written but not yet run on a GPU); all (default: doctor demo tests
 # bench). Logs go to $OUT (or ./device-logs) and a summary
@@ -33,7 +34,7 @@ done
 # exchange), then their benchmark rows (split k; the Lamport norm at one rank), then the all-reduce
 # algorithms with emulated ranks running at once. Each step fits one device call of 600 s.
 [[ " ${steps[*]} " == *" unverified "* ]] && steps=(tests-decode bench-gemm_allreduce-split bench-decode-lamport \
-  bench-concurrent)
+  bench-concurrent bench-concurrent-norm)
 logs=${OUT:-device-logs}
 mkdir -p "$logs"
 source .device/install.sh || exit 1
@@ -99,6 +100,8 @@ for step in "${steps[@]}"; do
                             run_step "bench-decode-1-$a" timeout -k 10 280 python3 -m tilescale_examples.benchmarks.decode \
                               --ranks 1 --tokens 1 4 16 64 --algorithm "$a"
                           done ;;
+    bench-concurrent-norm) run_step "$step" timeout -k 10 560 python3 -m tilescale_examples.benchmarks.concurrent \
+                             --op norm --min-bytes 8192 --max-bytes 131072 ;;
     bench-concurrent) run_step "$step" timeout -k 10 560 python3 -m tilescale_examples.benchmarks.concurrent ;;
     bench-since-move) for b in heap signals putget allgather reducescatter alltoall remote_tma gpu_barrier ag_gemm \
                                gemm_rs; do

@@ -36,7 +36,10 @@ def test_command_line_errors_and_no_gpu(monkeypatch, capsys):
     for argv, message in ((["--ranks", "1"], "--ranks must be in [2, 8]"), (["--iters", "0"], "--iters >= 1"),
                           (["--min-bytes", "8"], "--min-bytes must be at least 16"),
                           (["--min-bytes", "8192", "--max-bytes", "4096"], "at most --max-bytes"),
-                          (["--algorithms", "lamport", "lamport"], "must not repeat")):
+                          (["--algorithms", "lamport", "lamport"], "must not repeat"),
+                          (["--op", "norm", "--algorithms", "two_shot"], "--op norm takes --algorithms lamport"),
+                          (["--op", "norm", "--dtype", "float32"], "--dtype bfloat16 or float16"),
+                          (["--hidden", "12"], "--hidden must be a positive multiple of 8")):
         exits_naming(concurrent.main, argv, message, capsys)
 
 
@@ -53,3 +56,38 @@ def test_columns_largest_win_and_summary():
                      "4 ranks: lamport faster than one_shot at no size (shipped entry: 16 KiB)"]
     assert concurrent.summary_lines({2: rows}, ["one_shot", "two_shot"]) == [
         "2 ranks: one_shot faster than two_shot up to 8 KiB"]
+
+
+def test_shapes_and_sizes_of_the_sweep():
+    from argparse import Namespace
+
+    assert concurrent.shape_of("allreduce", 4096, 2, 4096) == (2048,)
+    assert concurrent.shape_of("norm", 4096, 2, 4096) == (1, 4096)  # at least one token row
+    assert concurrent.shape_of("norm", 65536, 2, 4096) == (8, 4096)
+    args = Namespace(op="norm", min_bytes=4096, max_bytes=65536, hidden=4096)
+    assert concurrent.sizes(args, 2) == [8192, 16384, 32768, 65536]  # 4 KiB is one row of 8 KiB, as 8 KiB is
+    assert concurrent.sizes(Namespace(op="allreduce", min_bytes=4096, max_bytes=16384, hidden=4096), 2) == [
+        4096, 8192, 16384]
+
+
+def test_inputs_and_failures_of_both_ops(compiles):
+    """The round's inputs and checks on CPU stand-ins (the round itself needs streams)."""
+    from tilescale_examples.collectives.reduce_engine import torch_reference
+    from tilescale_examples.decode.allreduce_norm import AllReduceResidualRMSNorm
+
+    ars = [AllReduce(CpuAllocator(num_ranks=2, rank=r), (64,), torch.bfloat16, algorithm="one_shot") for r in range(2)]
+    args = concurrent._inputs(ars, 0)
+    assert [len(a) for a in args] == [1, 1] and args[0][0].shape == (64,) and not torch.equal(args[0][0], args[1][0])
+    total = torch_reference([a[0] for a in args])
+    assert concurrent._failures(ars, [total, total.clone()], args, "ar") == []
+    wrong = total.clone()
+    wrong[3] += 1
+    assert concurrent._failures(ars, [total, wrong], args, "ar") == ["ar rank 1: 1 wrong elements"]
+    norms = [AllReduceResidualRMSNorm(CpuAllocator(num_ranks=2, rank=r), (2, 256), torch.bfloat16, threads=64,
+                                      algorithm="lamport") for r in range(2)]
+    args = concurrent._inputs(norms, 0)
+    assert [tuple(t.shape) for t in args[1]] == [(2, 256), (2, 256), (256,)]
+    outs = [t for r, op in enumerate(norms) for t in op.reference(args, r)]  # (y, residual_out) per rank
+    assert concurrent._failures(norms, outs, args, "norm") == []
+    outs[3] = outs[3] + 1  # rank 1's residual_out
+    assert concurrent._failures(norms, outs, args, "norm")[0].startswith("norm rank 1 residual_out:")

@@ -1,22 +1,25 @@
 """All-reduce algorithms with emulated ranks running at the same time: the evidence for the size tables.
 
-``python -m tilescale_examples.benchmarks.concurrent [--ranks 2 4 8] [--min-bytes 4096]
-[--max-bytes 262144] [--dtype bfloat16] [--algorithms lamport one_shot] [--iters 50]
-[--out DIR]``
+``python -m tilescale_examples.benchmarks.concurrent [--op allreduce|norm] [--ranks 2 4 8]
+[--min-bytes 4096] [--max-bytes 262144] [--hidden 4096] [--dtype bfloat16]
+[--algorithms lamport one_shot] [--iters 50] [--out DIR]``
 
 The emulated peers of :mod:`~tilescale_examples.benchmarks.emulated` run one after the other
 with their flags preset, so they measure a kernel's bytes per second and never its waits; a
 flagless kernel (``algorithm="lamport"``, whose data is its own signal) cannot run that way
 at all. Here ``N`` emulated ranks (:mod:`tilescale_examples.testing.emulated`: ``N`` regions of
 one device buffer, local memory standing in for NVLink) run at once, one stream each, with
-real waits: each rank's ``AllReduce`` has a compiled kernel of its own
+real waits: each rank's op (``--op allreduce``: ``AllReduce`` of ``size`` bytes; ``norm``:
+``AllReduceResidualRMSNorm`` of ``size / (hidden * itemsize)`` token rows of ``--hidden``,
+``size`` the bytes of its ``x``) has a compiled kernel of its own
 (:func:`~tilescale_examples.testing.emulated.build_concurrent`) and a grid of at most ``SMs /
 N`` blocks, so every rank's blocks are resident together. One round (every rank's call, forked
 from the current stream and joined back) is captured in a CUDA graph and replayed ``--iters``
 times behind a stream hold: ``us`` is GPU time per round, i.e. per call with the ranks
 concurrent. Then fresh inputs, poisoned outputs and one more replay, every rank's output
 checked bit for bit against the rank-order reference (a failure is printed and makes the exit
-status 1).
+status 1; the norm's outputs against its float32 torch reference, ``residual_out`` bit for
+bit).
 
 The ranks share one GPU's SMs and memory, so this is a proxy for latency-bound sizes (where
 the flag rounds and launch costs, not the bytes, set the time), not a bandwidth measurement.
@@ -27,14 +30,18 @@ entry that the measurement supports) beside the shipped entry.
 
 from __future__ import annotations
 
+import math
+
 from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import format_bytes, print_table, ratio, size_sweep
 
-__all__ = ["HEADERS", "ALGORITHMS", "build", "concurrent_round", "time_case", "largest_win", "summary_lines", "run",
-           "main"]
+__all__ = ["HEADERS", "ALGORITHMS", "OPS", "shape_of", "sizes", "build", "concurrent_round", "time_case", "largest_win",
+           "summary_lines", "run", "main"]
 
-#: The algorithms a run may compare (``AllReduce``'s forced ones).
+#: The algorithms a run may compare (``AllReduce``'s forced ones; the norm takes the first two).
 ALGORITHMS = ("lamport", "one_shot", "two_shot")
+#: The ops a run may time (``--op``).
+OPS = ("allreduce", "norm")
 
 
 def headers(algorithms) -> list:
@@ -47,79 +54,119 @@ def headers(algorithms) -> list:
 HEADERS = headers(("lamport", "one_shot"))
 
 
-def build(n: int, nbytes: int, dtype, algorithm: str, device) -> tuple:
-    """``(peers, ops, kernels)``: ``AllReduce`` of ``nbytes`` on ``n`` emulated ranks, each with
-    a kernel of its own and at most ``SMs // n`` blocks."""
+def shape_of(op: str, nbytes: int, itemsize: int, hidden: int) -> tuple:
+    """The op's shape for ``nbytes`` of input per rank: ``(elements,)`` for the all-reduce,
+    ``(tokens, hidden)`` for the norm (at least one of each)."""
+    if op == "allreduce":
+        return (max(1, nbytes // itemsize),)
+    return (max(1, nbytes // (hidden * itemsize)), hidden)
+
+
+def build(n: int, nbytes: int, dtype, algorithm: str, device, op: str = "allreduce", hidden: int = 4096) -> tuple:
+    """``(peers, ops, kernels)``: ``op`` (:data:`OPS`) of ``nbytes`` of input on ``n`` emulated
+    ranks, each with a kernel of its own and at most ``SMs // n`` blocks."""
     import torch
 
     from tilescale_examples.collectives.allreduce import AllReduce
+    from tilescale_examples.decode.allreduce_norm import AllReduceResidualRMSNorm
     from tilescale_examples.testing.emulated import ALIGNMENT, EmulatedPeers, build_concurrent
 
-    count = max(1, nbytes // torch.empty((), dtype=dtype).element_size())
+    cls = AllReduce if op == "allreduce" else AllReduceResidualRMSNorm
+    shape = shape_of(op, nbytes, torch.empty((), dtype=dtype).element_size(), hidden)
     cap = max(1, torch.cuda.get_device_properties(device).multi_processor_count // n)
     kw = dict(algorithm=algorithm, max_blocks=cap)
-    region = AllReduce.heap_bytes((count,), dtype, world_size=n, device=device, **kw) + ALIGNMENT
+    region = cls.heap_bytes(shape, dtype, world_size=n, device=device, **kw) + ALIGNMENT
     peers = EmulatedPeers(n, region, device)
     try:
-        ops, kernels = build_concurrent(lambda r: AllReduce(peers.rank(r), (count,), dtype, **kw), n)
+        ops, kernels = build_concurrent(lambda r: cls(peers.rank(r), shape, dtype, **kw), n)
     except BaseException:
         peers.close()
         raise
     return peers, ops, kernels
 
 
-def concurrent_round(ops, xs, streams) -> list:
-    """Every rank's call ``ops[r](xs[r])`` on its own stream ``streams[r]``, forked from the
-    current stream and joined back to it; the ranks' outputs (rank order)."""
+def concurrent_round(ops, args, streams) -> list:
+    """Every rank's call ``ops[r](*args[r])`` on its own stream ``streams[r]``, forked from the
+    current stream and joined back to it; the ranks' output tensors, flat, rank order (a call
+    returning a tuple gives each of its tensors)."""
     import torch
 
     main = torch.cuda.current_stream()
     outs = []
-    for op, x, stream in zip(ops, xs, streams):
+    for op, call_args, stream in zip(ops, args, streams):
         stream.wait_stream(main)
         with torch.cuda.stream(stream):
-            outs.append(op(x))
+            got = op(*call_args)
+        outs += list(got) if isinstance(got, tuple) else [got]
     for stream in streams:
         main.wait_stream(stream)
     return outs
 
 
 def _inputs(ops, seed: int) -> list:
+    """Every rank's call arguments: ``(x,)`` for the all-reduce, ``(x, residual, weight)`` for
+    the norm (the weight around 1), normal values from ``seed``."""
     import torch
 
     out = []
     for r, op in enumerate(ops):
         g = torch.Generator(device=op.device).manual_seed(seed * 1009 + r)
-        out.append(torch.randn(op.shape, generator=g, device=op.device).to(op.dtype))
+        x = torch.randn(op.shape, generator=g, device=op.device).to(op.dtype)
+        if hasattr(op, "residual_output"):  # the norm
+            residual = torch.randn(op.shape, generator=g, device=op.device).to(op.dtype)
+            weight = (1 + 0.1 * torch.randn((op.hidden,), generator=g, device=op.device)).to(op.dtype)
+            out.append((x, residual, weight))
+        else:
+            out.append((x,))
     return out
 
 
-def time_case(n: int, nbytes: int, dtype, algorithm: str, iters: int, device) -> tuple:
-    """``(us per round, failures)`` of one rank count, size and algorithm (see the module
-    docstring): built, warmed up, captured, timed, checked, closed."""
+def _failures(ops, outs, inputs, what: str) -> list:
+    """Failure messages of every rank's outputs (``outs`` flat, as :func:`concurrent_round`
+    returns them) against the reference of ``inputs``: the all-reduce bit for bit, the norm by
+    :func:`~tilescale_examples.decode.reference.compare`."""
     import torch
 
     from tilescale_examples.collectives.reduce_engine import torch_reference
+    from tilescale_examples.decode.reference import compare
+
+    per = len(outs) // len(ops)
+    bad = []
+    for r, op in enumerate(ops):
+        got = outs[r * per:(r + 1) * per]
+        if per == 1:
+            want = torch_reference([args[0] for args in inputs])
+            if not torch.equal(got[0], want):
+                bad.append(f"{what} rank {r}: {int((got[0] != want).sum())} wrong elements")
+        else:
+            bad += compare(got, op.reference(inputs, r), f"{what} rank {r}")
+    return bad
+
+
+def time_case(n: int, nbytes: int, dtype, algorithm: str, iters: int, device, op: str = "allreduce",
+              hidden: int = 4096) -> tuple:
+    """``(us per round, failures)`` of one op, rank count, size and algorithm (see the module
+    docstring): built, warmed up, captured, timed, checked, closed."""
+    import torch
+
     from tilescale_examples.testing.emulated import release_kernels
 
-    peers, ops, kernels = build(n, nbytes, dtype, algorithm, device)
+    peers, ops, kernels = build(n, nbytes, dtype, algorithm, device, op, hidden)
     try:
-        xs = _inputs(ops, 0)
+        args = _inputs(ops, 0)
         streams = [torch.cuda.Stream(device) for _ in ops]
         ms, graph, outs = _timing.graph_ms_per_call(
-            lambda: concurrent_round(ops, xs, streams), 1, iters,
+            lambda: concurrent_round(ops, args, streams), 1, iters,
             lambda replay, count: _timing.held_ms_per_launch(replay, count, device))
         fresh = _inputs(ops, 1)
-        for x, f in zip(xs, fresh):
-            x.copy_(f)
+        for captured, new in zip(args, fresh):
+            for t, f in zip(captured, new):
+                t.copy_(f)
         for out in outs:
             _timing.poison_(out)
         graph.replay()
         torch.cuda.synchronize(device)
-        want = torch_reference(fresh)
-        failures = [f"{algorithm} {n} ranks {format_bytes(nbytes)} rank {r}: {int((out != want).sum())} wrong elements"
-                    for r, out in enumerate(outs) if not torch.equal(out, want)]
-        return ms * 1e3, failures
+        return ms * 1e3, _failures(ops, outs, fresh, f"{op} {algorithm} {n} ranks {format_bytes(nbytes)}")
     finally:
         for op in ops:
             op.close()
@@ -153,6 +200,17 @@ def summary_lines(tables: dict, algorithms, shipped=None) -> list:
     return lines
 
 
+def sizes(args, itemsize: int) -> list:
+    """The input bytes per rank of the sweep: ``--min-bytes`` to ``--max-bytes`` doubling, each
+    as the op's shape holds it (the norm: whole token rows), repeats left out."""
+    out = []
+    for nbytes in size_sweep(args.min_bytes, args.max_bytes, 2):
+        size = math.prod(shape_of(args.op, nbytes, itemsize, args.hidden)) * itemsize
+        if size not in out:
+            out.append(size)
+    return out
+
+
 def run(args, device) -> tuple:
     """``({ranks: rows}, failures)``: rows are :func:`headers`' columns with ``size`` in bytes."""
     import torch
@@ -160,10 +218,10 @@ def run(args, device) -> tuple:
     dtype = getattr(torch, args.dtype)
     tables, failures = {}, []
     for n in args.ranks:
-        for nbytes in size_sweep(args.min_bytes, args.max_bytes, 2):
+        for nbytes in sizes(args, torch.empty((), dtype=dtype).element_size()):
             times, bad = [], []
             for algorithm in args.algorithms:
-                us, fails = time_case(n, nbytes, dtype, algorithm, args.iters, device)
+                us, fails = time_case(n, nbytes, dtype, algorithm, args.iters, device, args.op, args.hidden)
                 times.append(us)
                 bad += fails
             extra = [ratio(times[0], times[1])] if len(times) > 1 else []
@@ -175,10 +233,13 @@ def run(args, device) -> tuple:
 def main(argv=None) -> int:
     """The command line (see the module docstring); 0, or 1 when a check failed."""
     p = _harness.parser("concurrent", __doc__.splitlines()[0])
+    p.add_argument("--op", default="allreduce", choices=OPS, help="the op timed (norm: AllReduceResidualRMSNorm)")
+    p.add_argument("--hidden", type=int, default=4096, help="the norm's hidden size (elements per token)")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8], help="emulated rank counts (2 to 8)")
     p.add_argument("--min-bytes", type=int, default=4096, help="smallest all-reduce size (bytes)")
     p.add_argument("--max-bytes", type=int, default=256 << 10, help="largest all-reduce size (bytes)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="element type (the norm: bfloat16 or float16)")
     p.add_argument("--algorithms", nargs="+", default=["lamport", "one_shot"], choices=ALGORITHMS,
                    help="the algorithms timed (the first is compared with the second)")
     p.add_argument("--iters", type=int, default=50, help="graph replays timed per case")
@@ -189,21 +250,28 @@ def main(argv=None) -> int:
         p.error("--min-bytes must be at least 16 and at most --max-bytes")
     if len(set(args.algorithms)) != len(args.algorithms):
         p.error("--algorithms must not repeat an algorithm")
+    if args.op == "norm" and ("two_shot" in args.algorithms or args.dtype == "float32"):
+        p.error("--op norm takes --algorithms lamport and one_shot and --dtype bfloat16 or float16")
+    if args.hidden < 8 or args.hidden % 8:
+        p.error("--hidden must be a positive multiple of 8")
     device = _harness.emulated_device(p, args, "concurrent")
     if device is None:
         return 0
     import torch
 
     from tilescale_examples.collectives.allreduce import LAMPORT_MAX_BYTES
+    from tilescale_examples.decode import allreduce_norm
     tables, failures = run(args, device)
     cols = headers(args.algorithms)
     for n, rows in tables.items():
-        print_table(f"all-reduce, {n} emulated ranks running at once (one {torch.cuda.get_device_name(device)}), "
+        what = "all-reduce" if args.op == "allreduce" else f"all-reduce + residual + RMSNorm, hidden {args.hidden}"
+        print_table(f"{what}, {n} emulated ranks running at once (one {torch.cuda.get_device_name(device)}), "
                     f"{args.dtype}; GPU time per round replayed from a CUDA graph ({args.iters} replays)", cols,
                     [[r[0], format_bytes(r[1])] + r[2:] for r in rows])
     for failure in failures[:20]:
         print("FAILED:", failure)
-    shipped = LAMPORT_MAX_BYTES if args.algorithms[:2] == ["lamport", "one_shot"] else None
+    table = LAMPORT_MAX_BYTES if args.op == "allreduce" else allreduce_norm.LAMPORT_MAX_BYTES
+    shipped = table if args.algorithms[:2] == ["lamport", "one_shot"] else None
     for line in summary_lines(tables, args.algorithms, shipped) if len(args.algorithms) > 1 else []:
         print(line)
     print(f"correctness (every rank's output against the rank-order reference): "
