@@ -321,7 +321,7 @@ def test_heap_bytes_is_what_the_constructor_allocates(world, fp8, compiles):
 
 
 # ------------------------------------------------------------------------------ codegen
-def source(dtype="bfloat16", world=4, hidden=4096, threads=512, fp8=None, exchange="flags"):
+def source(dtype="bfloat16", world=4, hidden=4096, threads=512, fp8=None, exchange="one_shot"):
     return kernel_body(lower_with(build_norm_kernel(dtype, world, hidden, threads, fp8, exchange), PASS_CONFIGS))
 
 
@@ -410,8 +410,8 @@ def test_builder_rejects_bad_arguments():
 
 @needs_nvcc
 @pytest.mark.parametrize("dtype,world,hidden,fp8,exchange", [
-    ("bfloat16", 8, 8192, "per_block", "flags"), ("float16", 8, 4096, None, "flags"),
-    ("bfloat16", 2, 8192, "per_token", "flags"), ("bfloat16", 1, 4096, None, "flags"),
+    ("bfloat16", 8, 8192, "per_block", "one_shot"), ("float16", 8, 4096, None, "one_shot"),
+    ("bfloat16", 2, 8192, "per_token", "one_shot"), ("bfloat16", 1, 4096, None, "one_shot"),
     ("bfloat16", 8, 8192, "per_block", "lamport")])
 def test_nvcc_register_budget(dtype, world, hidden, fp8, exchange, tmp_path):
     """sm_90a cubin at 512 threads: at most 128 registers (one block per SM) and no spills."""
@@ -444,7 +444,8 @@ def test_benchmark_tables_goals_and_plot(capsys, tmp_path):
                                          "slowest fused call at 1-16 tokens: 4.40 us (goal <= 5.0 us)"]
     _report.save_tables(tmp_path, "decode")
     try:
-        decode.print_results(SAMPLE, ["x: bad"], Namespace(fp8="per_token", dtype="bfloat16", iters=50), "H200")
+        args = Namespace(fp8="per_token", dtype="bfloat16", iters=50, algorithm="one_shot")
+        decode.print_results(SAMPLE, ["x: bad"], args, "H200")
     finally:
         _report.save_tables(None)
     out = capsys.readouterr().out

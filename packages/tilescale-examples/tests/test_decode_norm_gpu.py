@@ -53,9 +53,9 @@ def norm_kernels(worlds=(1, 2, 4)) -> list:
     from tilescale_examples.decode.norm_kernel import norm_jobs
 
     kinds = {(dtype, shape[1], fp8, algorithm) for shape, dtype, fp8, algorithm in CASES + B2B_CASES + GRAPH_CASES}
-    names, exchanges = {BF16: "bfloat16", F16: "float16"}, {"one_shot": "flags", "lamport": "lamport"}
+    names = {BF16: "bfloat16", F16: "float16"}
     return [job for d, h, f, a in sorted(kinds, key=str)
-            for job in norm_jobs([names[d]], worlds, [h], [f], exchanges=[exchanges[a]])]
+            for job in norm_jobs([names[d]], worlds, [h], [f], exchanges=[a])]
 
 
 def rank_inputs(p: int, shape, dtype, device, seed: int) -> tuple:

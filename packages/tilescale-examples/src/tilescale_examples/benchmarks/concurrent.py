@@ -104,21 +104,18 @@ def concurrent_round(ops, args, streams) -> list:
 
 
 def _inputs(ops, seed: int) -> list:
-    """Every rank's call arguments: ``(x,)`` for the all-reduce, ``(x, residual, weight)`` for
-    the norm (the weight around 1), normal values from ``seed``."""
+    """Every rank's call arguments, normal values from ``seed``: ``(x,)`` for the all-reduce,
+    the norm's ``(x, residual, weight)`` from :func:`benchmarks.decode.rank_inputs
+    <tilescale_examples.benchmarks.decode.rank_inputs>`."""
     import torch
 
-    out = []
-    for r, op in enumerate(ops):
-        g = torch.Generator(device=op.device).manual_seed(seed * 1009 + r)
-        x = torch.randn(op.shape, generator=g, device=op.device).to(op.dtype)
-        if hasattr(op, "residual_output"):  # the norm
-            residual = torch.randn(op.shape, generator=g, device=op.device).to(op.dtype)
-            weight = (1 + 0.1 * torch.randn((op.hidden,), generator=g, device=op.device)).to(op.dtype)
-            out.append((x, residual, weight))
-        else:
-            out.append((x,))
-    return out
+    op = ops[0]
+    if hasattr(op, "residual_output"):  # the norm
+        from tilescale_examples.benchmarks.decode import rank_inputs
+
+        return rank_inputs(len(ops), op.tokens, op.hidden, op.dtype, op.device, seed)
+    return [(torch.randn(op.shape, generator=torch.Generator(device=op.device).manual_seed(seed * 1009 + r),
+                         device=op.device).to(op.dtype),) for r in range(len(ops))]
 
 
 def _failures(ops, outs, inputs, what: str) -> list:
@@ -261,6 +258,7 @@ def main(argv=None) -> int:
 
     from tilescale_examples.collectives.allreduce import LAMPORT_MAX_BYTES
     from tilescale_examples.decode import allreduce_norm
+
     tables, failures = run(args, device)
     cols = headers(args.algorithms)
     for n, rows in tables.items():

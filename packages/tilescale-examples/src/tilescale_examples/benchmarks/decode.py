@@ -146,8 +146,7 @@ def print_results(tables: dict, failures: list, args, device_name: str) -> None:
     fp8 = "" if args.fp8 is None else f" + FP8 {args.fp8}"
     quantise = "" if args.fp8 is None else ", torch quantisation"
     unfused = f"TileScale one-shot all-reduce, torch add, torch rms_norm{quantise}"
-    algorithm = getattr(args, "algorithm", "one_shot")
-    exchange = "" if algorithm == "one_shot" else f", {algorithm} exchange"
+    exchange = "" if args.algorithm == "one_shot" else f", {args.algorithm} exchange"
     print_checked(tables, lambda hidden: f"all-reduce + residual + RMSNorm{fp8}, fused (one TileScale "
                   f"kernel{exchange}) vs "
                   f"unfused ({unfused}), hidden {hidden}", HEADERS, failures, goal_lines(tables),
@@ -179,8 +178,7 @@ def main(argv=None) -> int:
     from tilescale_examples.decode.norm_kernel import norm_jobs
     from tilescale_examples.testing.precompile import precompile, reduction_jobs
 
-    exchange = "lamport" if args.algorithm == "lamport" else "flags"
-    precompile(norm_jobs([args.dtype], args.ranks, args.hidden, [args.fp8], args.threads, [exchange])
+    precompile(norm_jobs([args.dtype], args.ranks, args.hidden, [args.fp8], args.threads, [args.algorithm])
                + reduction_jobs(["one_shot"], [args.dtype], args.ranks, args.threads))  # in parallel: cache hits below
     tables, failures = run(args, device)
     print_results(tables, failures, args, torch.cuda.get_device_name(device))

@@ -47,10 +47,10 @@ import torch
 
 from tilescale_examples._launch import kept_view
 from tilescale_examples.base import SymmetricCollective, check_tensor, settle, size_table_entry
+from tilescale_examples.collectives.lamport_kernel import LAMPORT_BUFFERS, SENTINEL_BYTE
 from tilescale_examples.collectives.reduce_engine import overlaps, rows_view
-from tilescale_examples.decode.norm_kernel import (FLAG_STRIDE, FP8_BLOCK, FP8_MODES, FP8_TORCH_DTYPE,
-                                                   LAMPORT_BUFFERS, NORM_DTYPES, PASS_CONFIGS, build_norm_kernel,
-                                                   row_vectors)
+from tilescale_examples.decode.norm_kernel import (FLAG_STRIDE, FP8_BLOCK, FP8_MODES, FP8_TORCH_DTYPE, NORM_DTYPES,
+                                                   PASS_CONFIGS, build_norm_kernel, row_vectors)
 from tilescale_examples.decode.reference import compare, quantize_fp8, scales_shape, torch_reference
 
 __all__ = ["AllReduceResidualRMSNorm", "torch_reference", "quantize_fp8", "scales_shape", "compare", "FP8_MODES",
@@ -160,7 +160,7 @@ class AllReduceResidualRMSNorm(SymmetricCollective):
         if self.algorithm == "lamport":  # the receive buffers, every element the sentinel (all ones)
             per_call = self.world_size * rows
             self.stage_buffer = self._tensor((LAMPORT_BUFFERS * per_call, vec))
-            self.stage_buffer.view(torch.uint8).fill_(0xFF)
+            self.stage_buffer.view(torch.uint8).fill_(SENTINEL_BYTE)
             self.stages = list(self.stage_buffer.split(per_call))
             self.flags = torch.zeros((1,), dtype=torch.uint64, device=self.device)  # the kernel reads none
         else:
@@ -179,7 +179,7 @@ class AllReduceResidualRMSNorm(SymmetricCollective):
                           None if self.scales is None else self.scales.view(-1))
         name = NORM_DTYPES[self.dtype]
         args = (name, self.world_size, self.hidden, self.threads, self.fp8) + (
-            ("lamport",) if self.algorithm == "lamport" else ())
+            (self.algorithm,) if self.algorithm != "one_shot" else ())  # norm_jobs' arguments, exactly
         self.kernel = self._compile_kernel(lambda: build_norm_kernel(*args), target, PASS_CONFIGS,
                                            key=("decode_norm",) + args)
         self.bind_table(force=True)

@@ -63,11 +63,12 @@ from typing import Optional
 import torch
 
 from tilescale_examples.base import check_threads
+from tilescale_examples.collectives.lamport_kernel import LAMPORT_BUFFERS
 from tilescale_examples.collectives.reduce_kernel import (FLAG_STRIDE, PASS_CONFIGS, check_kernel_world_size,
                                                           rank_order_sum, step_macros, vector_elems)
 
 __all__ = ["NORM_DTYPES", "FP8_MODES", "FP8_MAX", "FP8_BLOCK", "FP8_TORCH_DTYPE", "MAX_LOADS", "MAX_ROW_VECTORS",
-           "EXCHANGES", "LAMPORT_BUFFERS", "PASS_CONFIGS", "FLAG_STRIDE", "row_vectors", "load_chunk",
+           "EXCHANGES", "PASS_CONFIGS", "FLAG_STRIDE", "row_vectors", "load_chunk",
            "build_norm_kernel", "norm_jobs"]
 
 #: torch dtypes of ``x``, ``residual`` and ``weight``, with their TileLang names.
@@ -85,11 +86,9 @@ MAX_LOADS = 16
 #: Most vectors of a row per thread (``ceil(hidden / V / threads)``): a trace-time bound (the
 #: kernel is unrolled that many times).
 MAX_ROW_VECTORS = 8
-#: Values of :func:`build_norm_kernel`'s ``exchange``: the staged one-shot with a flag round,
-#: or the Lamport exchange.
-EXCHANGES = ("flags", "lamport")
-#: Receive buffers of the Lamport exchange, rotated by call number.
-LAMPORT_BUFFERS = 3
+#: Values of :func:`build_norm_kernel`'s ``exchange`` (named as the op's ``algorithm``): the
+#: staged one-shot with a flag round, or the Lamport exchange.
+EXCHANGES = ("one_shot", "lamport")
 
 
 def row_vectors(hidden: int, itemsize: int, threads: int) -> tuple:
@@ -113,7 +112,7 @@ def load_chunk(world_size: int, vpt: int) -> int:
     return max(1, min(vpt, MAX_LOADS // world_size))
 
 
-def _check_builder(dtype: str, world_size: int, threads: int, fp8, exchange: str = "flags") -> None:
+def _check_builder(dtype: str, world_size: int, threads: int, fp8, exchange: str = "one_shot") -> None:
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     if dtype not in NORM_DTYPES.values():
@@ -267,7 +266,7 @@ def _store_macro(T, TH: int, VPT: int, V: int, NV: int, dtype: str, fp8):
 
 
 def build_norm_kernel(dtype: str, world_size: int, hidden: int, threads: int = 512, fp8: Optional[str] = None,
-                      exchange: str = "flags"):
+                      exchange: str = "one_shot"):
     """The fused all-reduce + residual + RMSNorm ``T.prim_func`` (see the module docstring;
     ``exchange``: one of :data:`EXCHANGES`, ``"lamport"`` the module docstring's Lamport
     exchange, with ``Stage`` the ``3 * world_size * tokens * NV`` rows of its receive buffers).
@@ -364,10 +363,10 @@ def build_norm_kernel(dtype: str, world_size: int, hidden: int, threads: int = 5
     return norm_fp8.with_attr("global_symbol", name + ("_lamport" if lamport else ""))
 
 
-def norm_jobs(dtypes, world_sizes, hiddens, fp8_modes=(None,), threads: int = 512, exchanges=("flags",)) -> list:
+def norm_jobs(dtypes, world_sizes, hiddens, fp8_modes=(None,), threads: int = 512, exchanges=("one_shot",)) -> list:
     """:func:`~tilescale_examples.testing.precompile.precompile` jobs of every kernel
     :func:`build_norm_kernel` makes for ``dtype name x world size x hidden x fp8 mode x
     exchange``."""
     return [("tilescale_examples.decode.norm_kernel:build_norm_kernel",
-             (d, w, h, threads, f) + ((x,) if x != "flags" else ()), PASS_CONFIGS)
+             (d, w, h, threads, f) + ((x,) if x != "one_shot" else ()), PASS_CONFIGS)
             for d in dtypes for w in world_sizes for h in hiddens for f in fp8_modes for x in exchanges]
