@@ -395,6 +395,34 @@ def side_stream_beside(side_call, main_call, checks=()) -> int:
     return len(checks)
 
 
+def side_stream_pairs(pairs, build, inputs, check, rank: int, world: int) -> tuple:
+    """The side-stream part of a GPU test (a :func:`parts_rank_body` part's result): for each
+    pair of constructor cases in ``pairs``, ``build(case)`` both instances (poisoned by
+    ``build``), ``inputs(op, seed)`` every rank's call arguments of fresh data, the first
+    instance called on a side stream beside the second on the current stream
+    (:func:`side_stream_beside`), then ``check(op, got, every, what)`` (failure messages) of
+    each result; ``(checked calls, failures)``."""
+    checks, bad = 0, []
+    for index, pair in enumerate(pairs):
+        ops = [build(case) for case in pair]
+        every = [inputs(op, 700 + 10 * index + v) for v, op in enumerate(ops)]
+        got = [None, None]
+
+        def call(v):
+            def run():
+                got[v] = ops[v](*every[v][rank])
+            return run
+
+        def checked(v):
+            what = f"rank {rank}/{world} side stream {index} instance {v}"
+            return lambda: bad.extend(check(ops[v], got[v], every[v], what))
+
+        checks += side_stream_beside(call(0), call(1), (checked(0), checked(1)))
+        for op in ops:
+            op.close()
+    return checks, bad
+
+
 def case_part_checks(cases, b2b_cases, back_to_back: dict, graph_cases, replays: dict):
     """``checks(world)`` for :func:`parts_gpu_test` of the usual three parts: two checked calls
     per case (eager, then once more), ``back_to_back[world]`` per back-to-back case and

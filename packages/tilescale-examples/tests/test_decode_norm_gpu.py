@@ -10,6 +10,8 @@ the FP8 scales within float32 rounding):
 * back-to-back calls without host synchronisation (1000 on 1 and 2 ranks), a straggling rank
   (stream stalls and host sleeps), each rank choosing per call between the op's outputs and
   its own: every result copied out on the stream, checked at the end;
+* two instances at once, the Lamport exchange called on a side stream beside the one-shot on
+  the current stream, fresh inputs, poisoned outputs, both checked;
 * CUDA graphs: warm-up, two graphs of one call each replayed alternately with eager calls in
   between, fresh inputs written into the captured ones before each replay (made on the device
   from a per-replay seed, so every rank rebuilds every rank's inputs), poisoned outputs, a
@@ -22,7 +24,7 @@ from __future__ import annotations
 import time
 
 import torch
-from examples_helpers import case_part_checks, parts_gpu_test, poison, replay_with_graphs
+from examples_helpers import case_part_checks, parts_gpu_test, poison, replay_with_graphs, side_stream_pairs
 
 from tilescale_examples.decode.reference import compare
 
@@ -44,6 +46,8 @@ B2B_CASES = [((4, 4096), BF16, None, "one_shot"), ((2, 8192), BF16, "per_block",
 REPLAYS = {1: 300, 2: 300, 4: 60}
 GRAPH_CASES = [((4, 4096), BF16, None, "one_shot"), ((3, 2048), F16, "per_block", "one_shot"),
                ((4, 4096), BF16, None, "lamport")]
+#: The side-stream part: (the instance on a side stream, the one on the current stream).
+SIDE_CASES = [(((4, 4096), BF16, None, "lamport"), ((4, 4096), BF16, None, "one_shot"))]
 VARIANTS = 8
 CACHE_NAME = "decode_norm"
 
@@ -52,7 +56,9 @@ def norm_kernels(worlds=(1, 2, 4)) -> list:
     """Precompile jobs of every kernel the rank bodies build."""
     from tilescale_examples.decode.norm_kernel import norm_jobs
 
-    kinds = {(dtype, shape[1], fp8, algorithm) for shape, dtype, fp8, algorithm in CASES + B2B_CASES + GRAPH_CASES}
+    sides = [case for pair in SIDE_CASES for case in pair]
+    kinds = {(dtype, shape[1], fp8, algorithm)
+             for shape, dtype, fp8, algorithm in CASES + B2B_CASES + GRAPH_CASES + sides}
     names = {BF16: "bfloat16", F16: "float16"}
     return [job for d, h, f, a in sorted(kinds, key=str)
             for job in norm_jobs([names[d]], worlds, [h], [f], exchanges=[a])]
@@ -116,6 +122,25 @@ def cases(alloc, rank: int, world: int, rng=None) -> tuple:
             checks += 1
         op.close()
     return checks, bad
+
+
+def side_stream(alloc, rank: int, world: int, rng=None) -> tuple:
+    """Per pair of :data:`SIDE_CASES`: the first instance called on a side stream while the
+    second runs on the current stream, fresh inputs, poisoned outputs; ``(checked calls,
+    failures)``."""
+    from tilescale_examples.decode.allreduce_norm import AllReduceResidualRMSNorm
+
+    dev = torch.device(alloc.device)
+
+    def build(case):
+        shape, dtype, fp8, algorithm = case
+        op = AllReduceResidualRMSNorm(alloc, shape, dtype, eps=EPS, fp8=fp8, algorithm=algorithm)
+        _poison_op(op)
+        return op
+
+    return side_stream_pairs(
+        SIDE_CASES, build, lambda op, seed: [rank_inputs(p, op.shape, op.dtype, dev, seed) for p in range(world)],
+        lambda op, got, every, what: compare(got, op.reference(every, rank), f"{what} {op.algorithm}"), rank, world)
 
 
 class Results:
@@ -214,8 +239,11 @@ def graphs(alloc, rank: int, world: int, rng) -> tuple:
     return checks, bad
 
 
-#: Checked calls per rank, by world size.
-CHECKS = case_part_checks(CASES, B2B_CASES, BACK_TO_BACK, GRAPH_CASES, REPLAYS)
-#: Worlds 1, 2, 4: the cases, the back-to-back calls, the graphs; fails on any failure.
-test_allreduce_residual_rmsnorm_on_gpu = parts_gpu_test((cases, back_to_back, graphs), CHECKS, norm_kernels,
-                                                        CACHE_NAME, "AllReduceResidualRMSNorm", timeout=600)
+#: Checked calls per rank, by world size (the side-stream part: two per pair).
+_PART_CHECKS = case_part_checks(CASES, B2B_CASES, BACK_TO_BACK, GRAPH_CASES, REPLAYS)
+CHECKS = lambda world: _PART_CHECKS(world) + 2 * len(SIDE_CASES)  # noqa: E731
+#: Worlds 1, 2, 4: the cases, two instances with a side stream, the back-to-back calls, the
+#: graphs; fails on any failure.
+test_allreduce_residual_rmsnorm_on_gpu = parts_gpu_test((cases, side_stream, back_to_back, graphs), CHECKS,
+                                                        norm_kernels, CACHE_NAME, "AllReduceResidualRMSNorm",
+                                                        timeout=600)

@@ -9,6 +9,8 @@
 * back-to-back calls without host synchronisation (1000 on 1 and 2 ranks), a straggling rank
   (stream stalls and host sleeps), each rank choosing per call between the op's output and its
   own: every result copied out on the stream, checked at the end;
+* two instances at once, one with ``k`` split called on a side stream beside an unsplit one on
+  the current stream, fresh inputs, poisoned outputs, both checked;
 * CUDA graphs: warm-up, two graphs of one call each replayed alternately with eager calls in
   between, fresh inputs written into the captured ones before each replay (made on the device
   from a per-replay seed, so every rank rebuilds every rank's inputs), poisoned outputs, a
@@ -21,7 +23,7 @@ from __future__ import annotations
 import time
 
 import torch
-from examples_helpers import case_part_checks, parts_gpu_test, poison, replay_with_graphs
+from examples_helpers import case_part_checks, parts_gpu_test, poison, replay_with_graphs, side_stream_pairs
 
 from tilescale_examples.decode.gemm_allreduce import compare
 
@@ -37,6 +39,8 @@ B2B_CASES = [(4, 1024, 2048, BF16, "auto"), (130, 256, 4096, BF16, 1)]
 #: Graph replays (and eager calls between them) per world size and case.
 REPLAYS = {1: 300, 2: 300, 4: 60}
 GRAPH_CASES = [(2, 512, 1024, BF16, "auto"), (96, 256, 2048, F16, 1)]
+#: The side-stream part: (the instance on a side stream, the one on the current stream).
+SIDE_CASES = [((4, 1024, 2048, BF16, 2), (4, 1024, 2048, BF16, 1))]
 VARIANTS = 8
 CACHE_NAME = "gemm_allreduce"
 
@@ -47,7 +51,8 @@ def gemm_ar_kernels(worlds=(1, 2, 4)) -> list:
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     names = {BF16: "bfloat16", F16: "float16"}
-    return [job for m, k, n, d, split in sorted(set(CASES + B2B_CASES + GRAPH_CASES), key=str)
+    sides = [case for pair in SIDE_CASES for case in pair]
+    return [job for m, k, n, d, split in sorted(set(CASES + B2B_CASES + GRAPH_CASES + sides), key=str)
             for job in gemm_allreduce_jobs([m], k, n, names[d], worlds, sms, split)]
 
 
@@ -132,6 +137,28 @@ def back_to_back(alloc, rank: int, world: int, rng) -> tuple:
     return checks, bad
 
 
+def side_stream(alloc, rank: int, world: int, rng=None) -> tuple:
+    """Per pair of :data:`SIDE_CASES`: the first instance called on a side stream while the
+    second runs on the current stream, fresh inputs, poisoned outputs; ``(checked calls,
+    failures)``."""
+    from tilescale_examples.decode.gemm_allreduce import GemmAllReduce
+
+    dev = torch.device(alloc.device)
+
+    def build(case):
+        m, k, n, dtype, split = case
+        op = GemmAllReduce(alloc, m, k, n, dtype, split_k=split)
+        _poison_op(op)
+        return op
+
+    def inputs(op, seed):
+        return [rank_inputs(p, op.m, op.k, op.n, op.dtype, dev, seed) for p in range(world)]
+
+    return side_stream_pairs(SIDE_CASES, build, inputs,
+                             lambda op, got, every, what: compare(got, every, f"{what} split_k {op.split_k}"), rank,
+                             world)
+
+
 def _graph_inputs(m, k, n, dtype, device, world: int, seed: int) -> list:
     """Every rank's ``(a, b)`` of ``seed``, made on the device (no host sync)."""
     out = []
@@ -169,8 +196,10 @@ def graphs(alloc, rank: int, world: int, rng) -> tuple:
     return checks, bad
 
 
-#: Checked calls per rank, by world size.
-CHECKS = case_part_checks(CASES, B2B_CASES, BACK_TO_BACK, GRAPH_CASES, REPLAYS)
-#: Worlds 1, 2, 4: the cases, the back-to-back calls, the graphs; fails on any failure.
-test_gemm_allreduce_on_gpu = parts_gpu_test((cases, back_to_back, graphs), CHECKS, gemm_ar_kernels, CACHE_NAME,
-                                            "GemmAllReduce", timeout=900)
+#: Checked calls per rank, by world size (the side-stream part: two per pair).
+_PART_CHECKS = case_part_checks(CASES, B2B_CASES, BACK_TO_BACK, GRAPH_CASES, REPLAYS)
+CHECKS = lambda world: _PART_CHECKS(world) + 2 * len(SIDE_CASES)  # noqa: E731
+#: Worlds 1, 2, 4: the cases, two instances with a side stream, the back-to-back calls, the
+#: graphs; fails on any failure.
+test_gemm_allreduce_on_gpu = parts_gpu_test((cases, side_stream, back_to_back, graphs), CHECKS, gemm_ar_kernels,
+                                            CACHE_NAME, "GemmAllReduce", timeout=900)

@@ -1,6 +1,7 @@
 """The plumbing of the multi-rank GPU tests (``examples_helpers.gpu_rank_test``), on the CPU:
-the marks it applies, and the ``kernel_cache`` fixture's directory reaching every rank of a
-``ranks`` test (a CPU gloo group here) as an argument, equal on every rank."""
+the marks it applies, the ``kernel_cache`` fixture's directory reaching every rank of a
+``ranks`` test (a CPU gloo group here) as an argument, equal on every rank, and the
+side-stream part's bookkeeping (``side_stream_pairs``, its streams stood in for)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,45 @@ def test_kernel_cache_reaches_every_rank(world, rank, world_size, kernel_cache):
     assert report["checks"] == 3
     with pytest.raises(AssertionError, match="expected 4"):
         expect_checks({"rank": rank, "checks": 3}, 4)
+
+
+def test_side_stream_pairs_calls_checks_and_closes(monkeypatch):
+    import examples_helpers
+
+    order = []
+
+    def beside(side_call, main_call, checks=()):  # the CUDA streams stood in for: the same calls, in order
+        side_call()
+        main_call()
+        for check in checks:
+            check()
+        return len(checks)
+
+    class Op:
+        def __init__(self, case):
+            self.case, self.closed = case, False
+
+        def __call__(self, x):
+            order.append((self.case, x))
+            return x * self.case
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(examples_helpers, "side_stream_beside", beside)
+    built = []
+
+    def build(case):
+        built.append(Op(case))
+        return built[-1]
+
+    def check(op, got, every, what):
+        return [] if got == every[1][0] * op.case else [f"{what}: {got}"]
+
+    checks, bad = examples_helpers.side_stream_pairs([(2, 3), (5, 7)], build, lambda op, seed: [(seed,), (seed + 1,)],
+                                                     check, rank=1, world=2)
+    assert checks == 4 and bad == [] and all(op.closed for op in built)
+    assert order == [(2, 701), (3, 702), (5, 711), (7, 712)]  # rank 1's inputs, side instance first
+    _, bad = examples_helpers.side_stream_pairs([(2, 3)], build, lambda op, seed: [(seed,), (seed + 1,)],
+                                                lambda op, got, every, what: [f"{what}: {got}"], rank=0, world=2)
+    assert bad == ["rank 0/2 side stream 0 instance 0: 1400", "rank 0/2 side stream 0 instance 1: 2103"]
