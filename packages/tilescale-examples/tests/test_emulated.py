@@ -60,6 +60,10 @@ def test_run_round_presets_flags_and_points_each_kernel_at_its_rank():
     assert log == [("init", 0), ("call", 0), ("init", 1), ("call", 1)]
     with pytest.raises(ValueError, match="pass them in rank order"):
         run_round(colls[::-1])
+    log.clear()  # a preset of the caller's replaces the fill (here: one the calls' assertion sees)
+    assert run_round(colls, call=lambda c: c(c.input + 1), preset=lambda cs: [
+        c.flags.view(torch.int64).fill_(PRESET) for c in cs] and log.append("preset")) == [10, 20]
+    assert log == ["preset", ("init", 0), ("call", 1), ("init", 1), ("call", 2)]
 
 
 CASES = [("allreduce", "auto", 4096), ("allreduce", "one_shot", 3 * 4096 + 16),

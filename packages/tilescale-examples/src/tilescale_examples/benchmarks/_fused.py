@@ -23,27 +23,30 @@ def build(cls, n: int, args: tuple, device, **kwargs) -> tuple:
     return peers, [cls(peers.rank(r), *args, **kwargs) for r in range(n)]
 
 
-def time_ranks(ops, launch, iters: int, device) -> float:
+def time_ranks(ops, launch, iters: int, device, preset=None) -> float:
     """Milliseconds of GPU time per call of ``launch(op)``, the mean over the emulated ranks:
-    for each rank, flags preset and its table bound, ``iters`` calls behind a stream hold."""
+    for each rank, flags preset (``preset(ops)``, default
+    :func:`~tilescale_examples.benchmarks.emulated.preset_flags`) and its table bound,
+    ``iters`` calls behind a stream hold."""
     from tilescale_examples.benchmarks.emulated import preset_flags
 
+    preset = preset or preset_flags
     per_rank = []
     for op in ops:
-        preset_flags(ops)
+        preset(ops)
         op.bind_table()
         per_rank.append(_timing.held_ms_per_launch(lambda: launch(op), iters, device))
     return statistics.fmean(per_rank)
 
 
-def measure(cls, n: int, args: tuple, device, launch, iters: int, check=None, **kwargs) -> tuple:
+def measure(cls, n: int, args: tuple, device, launch, iters: int, check=None, preset=None, **kwargs) -> tuple:
     """``(ms per call, failures)``: ``cls`` built on ``n`` emulated peers (:func:`build`),
     ``check(ops)`` (failure messages; none when ``check`` is None), :func:`time_ranks` of
-    ``launch``, then every op and the peers closed, also on error."""
+    ``launch`` (flags preset by ``preset``), then every op and the peers closed, also on error."""
     peers, ops = build(cls, n, args, device, **kwargs)
     try:
         failures = [] if check is None else check(ops)
-        return time_ranks(ops, launch, iters, device), failures
+        return time_ranks(ops, launch, iters, device, preset), failures
     finally:
         for op in ops:
             op.close()

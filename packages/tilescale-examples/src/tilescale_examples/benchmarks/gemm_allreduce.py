@@ -7,10 +7,11 @@
 The method of :mod:`tilescale_examples.benchmarks.emulated` (and of :mod:`.decode`): one
 process, no process group; ``N`` emulated ranks are ``N`` regions of one device buffer whose
 metadata tables map PE ``p`` to region ``p``, so the unchanged kernel runs with local memory
-standing in for NVLink. Every emulated rank's calls run alone on the GPU, in turn, with every
-peer's flags preset so that waits pass at once: a time is one rank's share (its GEMM and its
-reads of every rank's tiles), without the flag latency between GPUs. ``N = 1`` is a real
-single rank.
+standing in for NVLink. Every emulated rank's calls run alone on the GPU, in turn, with the
+peers' flags preset so that waits on other ranks pass at once (:func:`preset_peer_flags`: a
+rank's own flags are not preset, so the waits between its own blocks, which the blocks of a
+split-``k`` tile need, stay real): a time is one rank's share (its GEMM and its reads of every
+rank's tiles), without the flag latency between GPUs. ``N = 1`` is a real single rank.
 
 For every ``N`` and ``m`` it times, per emulated rank, ``--iters`` back-to-back calls behind
 a stream hold (:func:`~tilescale_examples.benchmarks._timing.held_ms_per_launch`), the mean
@@ -44,8 +45,8 @@ from collections import Counter
 from tilescale_examples.benchmarks import _fused, _harness, _timing
 from tilescale_examples.benchmarks._report import print_checked, ratio
 
-__all__ = ["HEADERS", "GOAL_RATIO", "GOAL_WORLD1", "M_SIZES", "check_round", "parse_tiles", "tiles_label",
-           "parse_split_k", "split_variants", "run_case", "goal_lines", "print_results", "run", "main"]
+__all__ = ["HEADERS", "GOAL_RATIO", "GOAL_WORLD1", "M_SIZES", "preset_peer_flags", "check_round", "parse_tiles",
+           "tiles_label", "parse_split_k", "split_variants", "run_case", "goal_lines", "print_results", "run", "main"]
 
 HEADERS = ["ranks", "m", "fused us", "mm+AR us", "mm us", "fused/(mm+AR)", "fused/mm", "tiles", "check"]
 #: The goals: fused / (matmul + all-reduce) at most GOAL_RATIO; at one rank fused / matmul at most GOAL_WORLD1.
@@ -53,9 +54,25 @@ GOAL_RATIO, GOAL_WORLD1 = 0.85, 1.05
 M_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
+def preset_peer_flags(ops) -> None:
+    """Every emulated rank's flags preset (waits on its peers pass at once), then each rank's
+    own row of them (``ready[me, b]``: the flags its own blocks set) cleared, so that a wait on
+    a block of the same rank (the members of a split-``k`` tile wait for each other's
+    partials) stays a real wait, as on a real rank. The kernels' flags only grow (the call
+    number times the rounds per call), so a cleared row is below any value a call waits for."""
+    import torch
+
+    from tilescale_examples.benchmarks.emulated import preset_flags
+
+    preset_flags(ops)
+    for op in ops:
+        op.flags.view(torch.int64).view(op.world_size, -1)[op.rank].zero_()
+
+
 def check_round(ops, inputs) -> list:
-    """One call of every emulated rank (rank order, flags preset), every rank's partial staged
-    by torch beforehand, compared with the exact sum; failure messages."""
+    """One call of every emulated rank (rank order, peers' flags preset:
+    :func:`preset_peer_flags`), every rank's partial staged by torch beforehand, compared with
+    the exact sum; failure messages."""
     import torch
 
     from tilescale_examples.decode.gemm_allreduce import compare
@@ -68,7 +85,7 @@ def check_round(ops, inputs) -> list:
         else:  # float32 partials: the whole product in split 0, zeros in the others
             stage.zero_()
             stage[:op.m].copy_(exact)
-    results = run_round(ops, call=lambda op: op(*inputs[op.rank]))
+    results = run_round(ops, call=lambda op: op(*inputs[op.rank]), preset=preset_peer_flags)
     torch.cuda.synchronize()
     bad = []
     for op, got in zip(ops, results):
@@ -137,7 +154,7 @@ def run_case(args, n_ranks: int, m: int, device, tiles: dict, split_k: int = 1) 
         return check_round(ops, inputs)
 
     fused, bad = _fused.measure(GemmAllReduce, n_ranks, (m, args.k, args.n, dtype), device,
-                                lambda op: op(*inputs[op.rank]), args.iters, check=check,
+                                lambda op: op(*inputs[op.rank]), args.iters, check=check, preset=preset_peer_flags,
                                 max_blocks=args.max_blocks, split_k=split_k, **tiles)
     unfused, _ = _fused.measure(AllReduce, n_ranks, ((m, args.n), dtype), device,
                                 lambda ar: ar(torch.matmul(*inputs[ar.rank])), args.iters, algorithm="one_shot",

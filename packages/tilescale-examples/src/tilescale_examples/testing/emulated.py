@@ -129,10 +129,14 @@ class EmulatedPeers:
         self.close()
 
 
-def run_round(collectives: Sequence, call: Optional[Callable] = None, events=None) -> list:
+def run_round(collectives: Sequence, call: Optional[Callable] = None, events=None,
+              preset: Optional[Callable] = None) -> list:
     """One call of every emulated rank's collective, rank 0 first, on the current stream.
 
-    Presets every rank's flags to :data:`PRESET`, then for each rank ``r``: points the
+    Presets every rank's flags to :data:`PRESET` (or calls ``preset(collectives)`` instead,
+    for an op with waits that must stay real: see
+    :func:`~tilescale_examples.benchmarks.gemm_allreduce.preset_peer_flags`), then for each
+    rank ``r``: points the
     kernel's metadata table at rank ``r`` (``c.bind_table()``, stream-ordered: the ranks'
     collectives share one compiled kernel) and calls ``call(collective)`` (default
     ``c(c.input)``). With ``events`` (a list of ``(start,
@@ -140,8 +144,11 @@ def run_round(collectives: Sequence, call: Optional[Callable] = None, events=Non
     ``r``. Returns the calls' results.
     """
     call = call or (lambda c: c(c.input))
-    for c in collectives:
-        c.flags.view(torch.int64).fill_(PRESET)
+    if preset is not None:
+        preset(collectives)
+    else:
+        for c in collectives:
+            c.flags.view(torch.int64).fill_(PRESET)
     stream = torch.cuda.current_stream() if collectives[0].device.type == "cuda" else None
     results = []
     for r, c in enumerate(collectives):
