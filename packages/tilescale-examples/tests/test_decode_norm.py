@@ -167,7 +167,10 @@ def test_lamport_buffers_arguments_and_the_algorithm_choice(compiles, monkeypatc
     (args,) = op.kernel.calls
     assert args[3] is op.stage_buffer and args[6] is op.flags and args[7] is op.state and args[8:] == (2, 2, 3, 1e-6)
     assert compare((y, h), expected(op, x, r, w)) == []
-    assert make().algorithm == "one_shot"  # auto: the table is 0 until the Lamport exchange has been timed
+    assert make().algorithm == "one_shot"  # auto at 2 ranks: 0 until the exchanges are timed at once there
+    assert allreduce_norm.choose_algorithm(1 << 20, 1) == "lamport"  # one rank: timed, Lamport up to 1 MiB
+    assert allreduce_norm.choose_algorithm((1 << 20) + 2, 1) == "one_shot"
+    assert [allreduce_norm.choose_algorithm(2, w) for w in (2, 3, 4, 8, 16)] == ["one_shot"] * 5
     monkeypatch.setattr(allreduce_norm, "LAMPORT_MAX_BYTES", {1: 0, 2: 4096})
     assert make(shape=(2, 1024)).algorithm == "lamport" and make(shape=(3, 1024)).algorithm == "one_shot"
     assert allreduce_norm.choose_algorithm(4096, 4) == "lamport"

@@ -9,6 +9,7 @@ sm_90a. The GPU runs are in ``test_gemm_allreduce_gpu.py``."""
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -182,9 +183,10 @@ def test_split_k_buffers_grid_and_calls(compiles):
     assert args[2] is op.stage_buffer and args[6:] == (6, 3) and torch.equal(out, torch_reference([(a, b)] * 2, 0))
     assert torch.equal(op.stages[1][:3], a.float() @ b.float())  # call 1: buffer 1, split 0
     assert "split_k=2" in repr(op)
-    auto = make(m=1, k=8192, n=8192, split_k="auto", max_blocks=132)
+    auto = make(m=1, k=8192, n=8192, max_blocks=132)  # the default: split_k="auto"
     assert (auto.split_k, auto.tile_count, auto.blocks, auto.iters) == (2, 64, 128, 1)
-    assert make(m=1, k=8192, n=8192, max_blocks=132).split_k == 1  # the default: no split
+    assert make(m=1, k=8192, n=8192, max_blocks=132, split_k=1).split_k == 1
+    assert make(m=256, k=8192, n=8192, max_blocks=132).split_k == 1  # 128 tiles: one wave already
 
 
 A, B = (3, 256), (256, 512)
@@ -266,7 +268,10 @@ def test_heap_bytes_is_what_the_constructor_allocates(world, compiles):
         alloc = CpuAllocator(num_ranks=world)
         GemmAllReduce(alloc, m, k, n, BF16, **kwargs)
         assert GemmAllReduce.heap_bytes(m, k, n, BF16, world_size=world, device="cpu", **kwargs) == alloc.heap_bytes
-    assert GemmAllReduce.heap_bytes(1, 8192, 8192, F16, world_size=2, device="cpu") == 2 * 64 * 8192 * 2 + 2 * 64 * 4 * 8  # 64 blocks: one per 64 x 128 tile
+    # unsplit: 64 blocks, one per 64 x 128 tile; by default (k split in 2): 128 blocks, float32 partials
+    assert GemmAllReduce.heap_bytes(1, 8192, 8192, F16, world_size=2, device="cpu",
+                                    split_k=1) == 2 * 64 * 8192 * 2 + 2 * 64 * 4 * 8
+    assert GemmAllReduce.heap_bytes(1, 8192, 8192, F16, world_size=2, device="cpu") == 2 * 2 * 64 * 8192 * 4 + 2 * 128 * 4 * 8
     built = len(compiles)
     GemmAllReduce(RecordingAllocator(2), 3, 256, 512, BF16)
     assert len(compiles) == built  # a dry run compiles nothing
@@ -411,6 +416,28 @@ def test_benchmark_without_gpu_bad_arguments_and_goals(monkeypatch, capsys):
     assert gemm_allreduce.goal_lines(tiled) == [
         "worst fused/(matmul + all-reduce) (the fastest of 2 tile programs per shape): 1.057 (goal <= 0.85)",
         "worst fused/matmul at 1 rank (the fastest of 2 tile programs per shape): 1.191 (goal <= 1.05)"]
+
+
+def test_benchmark_presets_the_peers_flags_and_keeps_each_ranks_own_waits_real():
+    """The emulated ranks' flags: every peer's row preset (its waits pass), the rank's own row
+    (set by its own blocks: the split-k group round waits on it) cleared."""
+    from tilescale_examples.benchmarks.gemm_allreduce import preset_peer_flags
+    from tilescale_examples.collectives.reduce_engine import FLAG_STRIDE
+    from tilescale_examples.testing.emulated import PRESET, EmulatedPeers
+
+    world, blocks = 3, 5
+    peers = EmulatedPeers(world, 4096, "cpu")
+    ops = [SimpleNamespace(rank=r, world_size=world,
+                           flags=peers.rank(r)._allocate_tensor((world * blocks * FLAG_STRIDE,), torch.uint64))
+           for r in range(world)]
+    for op in ops:
+        op.flags.view(torch.int64).fill_(7)
+    preset_peer_flags(ops)
+    for op in ops:
+        rows = op.flags.view(torch.int64).view(world, blocks * FLAG_STRIDE)
+        for p in range(world):
+            assert rows[p].tolist() == [0 if p == op.rank else PRESET] * (blocks * FLAG_STRIDE), (op.rank, p)
+    peers.close()
 
 
 @pytest.mark.parametrize("m, n, world", [(1, 8192, 2), (7, 512, 4), (128, 8192, 8), (512, 4096, 1)])

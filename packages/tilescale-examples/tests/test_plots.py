@@ -31,6 +31,7 @@ EXPECTED = {
     "moe_phases": ("lines", [2]),  # graph vs copy per routing, against tokens
     "decode": ("lines", [4]),  # fused/unfused per rank count (1, 2, 4, 8), against tokens; hidden 4096
     "decode_2": ("lines", [4]),  # the same, hidden 8192
+    "decode_3": ("lines", [2]),  # lamport/one-shot per hidden size (4096, 8192), against tokens
     "ag_gemm": ("gemm", [4 * 5]),  # 4 shapes x 5 TFLOP/s columns
     "gemm_rs": ("gemm", [4 * 5]),
     "block_rasterization": ("gemm", [8 * 4]),  # (n, m_local, panel) x 4 TFLOP/s columns

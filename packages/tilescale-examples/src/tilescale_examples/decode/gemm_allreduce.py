@@ -24,8 +24,8 @@ block then sums that tile over the ranks while the other tiles' GEMMs still run 
 starts before the GEMM ends). Call numbers live on the device, so back-to-back calls need no
 host synchronisation and CUDA-graph replays are new calls.
 
-With ``split_k`` (an int, or ``"auto"``: :func:`default_split_k`) the GEMM is cut along ``k``
-as well, so that the few tiles of a decode output keep every SM busy; each rank's partials
+With ``split_k`` (``"auto"``, the default: :func:`default_split_k`; or an int) the GEMM is
+cut along ``k`` as well, so that the few tiles of a decode output keep every SM busy; each rank's partials
 are then staged in float32 and added in split order before the rank's product is rounded
 (the same semantics; see the kernel module's "Split k").
 
@@ -130,7 +130,7 @@ def resolve_split_k(split_k, m: int, k: int, n: int, world_size: int, tiles: Gem
 
 
 def gemm_allreduce_jobs(ms: Sequence[int], k: int, n: int, dtype: str, world_sizes: Sequence[int],
-                       max_blocks: int, split_k=1, **tiles) -> list:
+                       max_blocks: int, split_k="auto", **tiles) -> list:
     """:func:`~tilescale_examples.testing.precompile.precompile` jobs of the kernels
     ``GemmAllReduce(allocator, m, k, n, dtype, max_blocks=max_blocks, split_k=split_k,
     **tiles)`` builds for every ``m`` in ``ms`` and world size; ``dtype`` a name
@@ -199,8 +199,8 @@ class GemmAllReduce(SymmetricOp):
         max_blocks: grid cap (default: the SM count; the smallest over the ranks is used, so
             every rank runs the same grid); ``blocks = min(units, max_blocks)`` rounded down
             to a multiple of ``split_k`` (``units = tiles x split_k``).
-        split_k: splits of ``k`` per tile (1: none, the default), or ``"auto"``
-            (:func:`default_split_k`: 2 or 4 where the tiles alone leave SMs idle);
+        split_k: splits of ``k`` per tile (1: none), or ``"auto"`` (the default:
+            :func:`default_split_k`, 2 or 4 where the tiles alone leave SMs idle, else 1);
             ``k / split_k`` a multiple of ``block_k``.
         target: TileLang target (default sm_90a).
 
@@ -221,7 +221,7 @@ class GemmAllReduce(SymmetricOp):
     def __init__(self, allocator, m: int, k: int, n: int, dtype: Union[torch.dtype, str], *,
                  world_size: Optional[int] = None, group=None, block_m: Optional[int] = None,
                  block_n: Optional[int] = None, block_k: Optional[int] = None, num_stages: Optional[int] = None,
-                 threads: Optional[int] = None, max_blocks: Optional[int] = None, split_k: Union[int, str] = 1,
+                 threads: Optional[int] = None, max_blocks: Optional[int] = None, split_k: Union[int, str] = "auto",
                  target=None):
         check_target(target)
         self._setup_op(allocator, dtype, world_size, group, GEMM_AR_DTYPES)
