@@ -8,7 +8,7 @@ import os
 
 from examples_helpers import needs_nvcc
 
-from tilescale_examples.testing.precompile import precompile, precompile_op, reduction_jobs
+from tilescale_examples.testing.precompile import precompile, precompile_op, reduction_jobs, with_copies
 
 
 def cache_files(cache) -> set:
@@ -36,18 +36,21 @@ def test_reduction_jobs_match_the_collectives_defaults():
 def test_precompiled_kernel_is_a_cache_hit(tmp_path, monkeypatch):
     import tilelang  # noqa: F401
 
-    from tilescale_examples.base import compile_once
+    from tilescale_examples.base import compile_once, copy_symbol
     from tilescale_examples.collectives.reduce_engine import PASS_CONFIGS, build_reduce_kernel
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(cache))
     monkeypatch.setenv("TILESCALE_WAIT_TIMEOUT_MS", "4321")  # part of the compile flags
     job = reduction_jobs(["one_shot"], ["float32"], [2])[0]
-    assert precompile([job, job], str(cache)) == ["allreduce_one_shot"]  # one compile for duplicates
+    # one compile for duplicates; with_copies adds the copy a second emulated rank compiles
+    assert precompile(with_copies([job, job], 2), str(cache)) == ["allreduce_one_shot", "allreduce_one_shot_copy1"]
     before = cache_files(cache)
     assert before
-    compile_once(build_reduce_kernel("one_shot", "float32", 2, 512, job[1][4]), None, None, PASS_CONFIGS)
-    assert cache_files(cache) == before  # nothing new compiled: the same cache key
+    func = build_reduce_kernel("one_shot", "float32", 2, 512, job[1][4])
+    compile_once(func, None, None, PASS_CONFIGS)
+    compile_once(func.with_attr("global_symbol", copy_symbol("allreduce_one_shot", 1)), None, None, PASS_CONFIGS)
+    assert cache_files(cache) == before  # nothing new compiled: the same cache keys
 
 
 @needs_nvcc

@@ -113,6 +113,12 @@ class Closable:
         self.close()
 
 
+def copy_symbol(symbol: str, variant: int) -> str:
+    """The global symbol of copy ``variant`` (>= 1) of the kernel ``symbol``: see
+    :meth:`KernelOwner._compile_kernel`."""
+    return f"{symbol}_copy{variant}"
+
+
 class KernelOwner:
     """What every object that launches TileScale kernels shares: compiling them (shared
     across instances, or a private copy where a CUDA graph pinned a shared one), binding the
@@ -139,7 +145,7 @@ class KernelOwner:
             if kernel is None:
                 func = build()
                 if variant:
-                    func = func.with_attr("global_symbol", f"{func.attrs['global_symbol']}_copy{variant}")
+                    func = func.with_attr("global_symbol", copy_symbol(str(func.attrs["global_symbol"]), variant))
                 kernel = compile_once(func, self.group, target, pass_configs)
                 if full_key is not None:
                     _KERNELS[full_key] = kernel

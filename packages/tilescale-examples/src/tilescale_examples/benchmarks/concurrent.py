@@ -36,7 +36,7 @@ from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import format_bytes, print_table, ratio, size_sweep
 
 __all__ = ["HEADERS", "ALGORITHMS", "OPS", "shape_of", "sizes", "build", "concurrent_round", "time_case", "largest_win",
-           "summary_lines", "run", "main"]
+           "summary_lines", "kernel_jobs", "run", "main"]
 
 #: The algorithms a run may compare (``AllReduce``'s forced ones; the norm takes the first two).
 ALGORITHMS = ("lamport", "one_shot", "two_shot")
@@ -208,11 +208,31 @@ def sizes(args, itemsize: int) -> list:
     return out
 
 
+def kernel_jobs(op: str, algorithms, dtype: str, ranks, hidden: int) -> list:
+    """:func:`~tilescale_examples.testing.precompile.precompile` jobs of every kernel a run
+    builds: the ``op``'s kernel of each algorithm (``dtype`` a name, ``hidden`` the norm's) for
+    each rank count ``n``, with its ``n - 1`` copies (every emulated rank compiles one of its
+    own); the sizes are run-time arguments."""
+    from tilescale_examples.decode.norm_kernel import norm_jobs
+    from tilescale_examples.testing.precompile import reduction_jobs, with_copies
+
+    jobs = []
+    for n in ranks:
+        per_rank = (reduction_jobs(algorithms, [dtype], [n]) if op == "allreduce"
+                    else norm_jobs([dtype], [n], [hidden], exchanges=tuple(algorithms)))
+        jobs += with_copies(per_rank, n)
+    return jobs
+
+
 def run(args, device) -> tuple:
-    """``({ranks: rows}, failures)``: rows are :func:`headers`' columns with ``size`` in bytes."""
+    """``({ranks: rows}, failures)``: rows are :func:`headers`' columns with ``size`` in bytes.
+    Every kernel is compiled first, in parallel (:func:`kernel_jobs`)."""
     import torch
 
+    from tilescale_examples.testing.precompile import precompile
+
     dtype = getattr(torch, args.dtype)
+    precompile(kernel_jobs(args.op, args.algorithms, args.dtype, args.ranks, args.hidden))
     tables, failures = {}, []
     for n in args.ranks:
         for nbytes in sizes(args, torch.empty((), dtype=dtype).element_size()):

@@ -28,7 +28,7 @@ from multiprocessing import get_context
 from typing import Iterable, Optional, Sequence, Tuple
 from unittest.mock import patch
 
-__all__ = ["precompile", "precompile_op", "reduction_jobs", "compile_job"]
+__all__ = ["precompile", "precompile_op", "reduction_jobs", "with_copies", "build_copy", "compile_job"]
 
 Job = Tuple[str, tuple, Optional[dict]]
 
@@ -100,6 +100,30 @@ def reduction_jobs(modes: Sequence[str], dtypes: Sequence[str], world_sizes: Seq
                     jobs.append(("tilescale_examples.collectives.lamport_kernel:build_lamport_kernel",
                                  (d, w, threads, u), PASS_CONFIGS))
     return jobs
+
+
+def build_copy(builder: str, args: tuple, variant: int):
+    """The ``T.prim_func`` of the builder ``builder`` (``"module:function"``) on ``args``, as
+    copy ``variant`` of it: the same code under the symbol
+    :func:`~tilescale_examples.base.copy_symbol` gives it (an op whose shared kernel another
+    allocator holds compiles that copy: :meth:`~tilescale_examples.base.KernelOwner._compile_kernel`)."""
+    from tilescale_examples.base import copy_symbol
+
+    module, name = builder.split(":")
+    func = getattr(importlib.import_module(module), name)(*args)
+    return func.with_attr("global_symbol", copy_symbol(str(func.attrs["global_symbol"]), variant))
+
+
+def with_copies(jobs: Iterable[Job], copies: int) -> list:
+    """``jobs`` and, after each, the jobs of its copies ``1 .. copies - 1`` (:func:`build_copy`):
+    the kernels ``copies`` emulated ranks running at once compile, one of their own each
+    (:func:`~tilescale_examples.testing.emulated.build_concurrent`)."""
+    out = []
+    for builder, args, pass_configs in jobs:
+        out.append((builder, tuple(args), pass_configs))
+        out += [("tilescale_examples.testing.precompile:build_copy", (builder, tuple(args), v), pass_configs)
+                for v in range(1, copies)]
+    return out
 
 
 #: SM count of the GPUs :func:`precompile_op` compiles for by default (H100 SXM and H200).
