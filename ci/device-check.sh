@@ -5,7 +5,7 @@
 # STEPs: doctor; demo (python -m tilescale_examples.demo: the README's main job); tests (GPU suite of every package, ranks sharing the GPUs); tests-4 (one
 # rank per GPU); tests-core, tests-host, tests-lang, tests-examples (one package, shared);
 # tests-moe (the MoE dispatch/combine GPU tests alone, shared); tests-reduce (the reduction and all-gather GPU tests, shared);
-# tests-decode (AllReduceResidualRMSNorm, GemmAllReduce), tests-sequence (UlyssesAllToAll, flash attention, SPAllGatherAttention, SPFlashDecode), tests-moe-ll (MoELowLatency), tests-overlap-emulated (the fused
+# tests-decode (AllReduceResidualRMSNorm, GemmAllReduce), tests-flash (the flash-attention kernel alone), tests-sequence (UlyssesAllToAll, flash attention, SPAllGatherAttention, SPFlashDecode), tests-moe-ll (MoELowLatency), tests-overlap-emulated (the fused
 # plans of AllGatherGEMM and GemmReduceScatter on emulated peers), tests-graphs (CUDA graphs and torch.compile),
 # tests-other (all-to-all, overlapped GEMMs, TMA all-reduce), tests-lang-new (AOT bundles, the lean launcher,
 # the autotuner, upstream's NVSHMEM-path programs) -- the ops and modules whose GPU tests are newest;
@@ -17,6 +17,7 @@
 # bench-concurrent (the all-reduce algorithms with emulated ranks at once: the Lamport size table);
 # bench-concurrent-norm (the same for the fused norm's exchanges);
 # bench-decode-lamport (the fused norm's one-shot and Lamport exchanges at one rank);
+# bench-attention-fast (the flash-attention kernel compiled without and with fast math);
 # unverified (the checks written but not yet run on a GPU); all (default: doctor demo tests
 # bench). Logs go to $OUT (or ./device-logs) and a summary
 # table is printed last.
@@ -31,12 +32,13 @@ done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
 # first: the host-signals benchmark (the last benchmark without a run since the examples'
-# restructuring), GemmAllReduce with k split against unsplit (its emulated ranks now keep the
-# waits between a rank's own blocks real), then the fused norm's and the all-reduce's
+# restructuring), the flash-attention GPU tests (now with a fast-math case) and the kernel with
+# and without fast math, GemmAllReduce with k split against unsplit (its emulated ranks now keep
+# the waits between a rank's own blocks real), then the fused norm's and the all-reduce's
 # algorithms with emulated ranks running at once (kernels now compiled in parallel first).
 # Each step fits one device call of 600 s.
-[[ " ${steps[*]} " == *" unverified "* ]] && steps=(bench-signals bench-gemm_allreduce-split bench-concurrent-norm \
-  bench-concurrent)
+[[ " ${steps[*]} " == *" unverified "* ]] && steps=(bench-signals tests-flash bench-attention-fast \
+  bench-gemm_allreduce-split bench-concurrent-norm bench-concurrent)
 logs=${OUT:-device-logs}
 mkdir -p "$logs"
 source .device/install.sh || exit 1
@@ -98,6 +100,8 @@ for step in "${steps[@]}"; do
                                   --ranks 1 --m 1 16 64 128 --tiles 64x128x64:4:128 64x128x128:3:128 64x256x64:4:128 ;;
     bench-gemm_allreduce-split) run_step "$step" timeout -k 10 560 python3 -m \
                                   tilescale_examples.benchmarks.gemm_allreduce --ranks 1 2 --m 1 4 16 64 128 --split-k 1 auto ;;
+    bench-attention-fast) run_step "$step" timeout -k 10 400 python3 -m tilescale_examples.benchmarks.attention \
+                            --seq 4096 8192 16384 --fast-math off on ;;
     bench-decode-lamport) for a in one_shot lamport; do  # the two exchanges of the fused norm, one rank, same machine
                             run_step "bench-decode-1-$a" timeout -k 10 280 python3 -m tilescale_examples.benchmarks.decode \
                               --ranks 1 --tokens 1 4 16 64 --algorithm "$a"
@@ -120,6 +124,9 @@ for step in "${steps[@]}"; do
     tests-sequence) run_step tests-sequence env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
                       packages/tilescale-examples/tests/test_ulysses.py packages/tilescale-examples/tests/test_flash_attention.py packages/tilescale-examples/tests/test_flash_decode.py packages/tilescale-examples/tests/test_sp_attention.py \
                       -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
+    tests-flash) run_step tests-flash env TILESCALE_SHARE_GPUS=1 timeout -k 10 300 python3 -m pytest \
+                   packages/tilescale-examples/tests/test_flash_attention.py \
+                   -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-graphs) run_step tests-graphs env TILESCALE_SHARE_GPUS=1 timeout -k 10 560 python3 -m pytest \
                     packages/tilescale-examples/tests/test_graphs.py \
                     -m gpu -q -s -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;

@@ -85,6 +85,35 @@ def test_more_argument_errors(monkeypatch):
         flash_attention(q, k, v, block_k=64)
     with pytest.raises(ValueError, match=r"out must be a contiguous torch.bfloat16 tensor of shape \(1, 256, 4, 64\)"):
         flash_attention(q, k, v, out=torch.empty(1, 256, 4, 32, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="fast_math must be a bool, got 1"):
+        flash_attention(q, k, v, fast_math=1)
+
+
+def test_fast_math_reaches_the_compile_and_the_kernel_cache(monkeypatch):
+    """fast_math=True compiles with TileLang's TL_ENABLE_FAST_MATH (nvcc --use_fast_math), as
+    a kernel of its own; the default compiles with TileLang's default configuration."""
+    import tilelang
+
+    from tilescale_examples.sequence import flash_attention as module
+    from tilescale_examples.sequence.flash_attention import compile_options
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def compile_(func, **kw):
+        seen.append(kw.get("pass_configs"))
+        raise Stop
+
+    monkeypatch.setattr(tilelang, "compile", compile_)
+    monkeypatch.setattr(module, "_KERNELS", {})
+    q, k, v = _inputs(1, 256, 256, 4, 2, 64, torch.bfloat16)
+    for fast in (False, True):
+        with pytest.raises(Stop):
+            flash_attention(q, k, v, fast_math=fast)
+    assert seen == [None, {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}]
+    assert compile_options(False) is None
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -117,13 +146,16 @@ def test_a_tail_tile_masks_its_keys_and_guards_its_rows():
 
 @needs_nvcc
 def test_kernel_compiles_with_nvcc(tmp_path, monkeypatch):
+    """Head dims 64 and 256 with the default configuration, 128 with fast math."""
     import tilelang
 
+    from tilescale_examples.sequence.flash_attention import compile_options
+
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
-    for D in (64, 256):
+    for D, fast in ((64, False), (256, False), (128, True)):
         kernel = tilelang.compile(build_flash_attention_kernel(1, 4, 2, 256, 256, D, True, D ** -0.5,
                                                                **default_tiles(D)),
-                                  target={"kind": "cuda", "arch": "sm_90a"})
+                                  target={"kind": "cuda", "arch": "sm_90a"}, pass_configs=compile_options(fast))
         assert kernel.prim_func.attrs["global_symbol"] == "flash_attention"
 
 
@@ -143,12 +175,13 @@ CASES = [  # B, Sq, Skv, H, Hkv, D, causal, dtype
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c))
 def test_gpu_flash_attention_matches_the_reference(case):
+    """Three seeds; the third with the kernel compiled with fast math (``fast_math=True``)."""
     B, Sq, Skv, H, Hkv, D, causal, dtype = case
     for seed in range(3):
         q, k, v = _inputs(B, Sq, Skv, H, Hkv, D, dtype, "cuda", seed)
         out = torch.full((B, Sq, H, D), float("nan"), dtype=dtype, device="cuda")
         lse = torch.full((B, H, Sq), float("nan"), device="cuda")
-        flash_attention(q, k, v, causal=causal, out=out, lse=lse)
+        flash_attention(q, k, v, causal=causal, out=out, lse=lse, fast_math=seed == 2)
         want_o, want_lse = torch_reference(q, k, v, causal=causal)
         torch.cuda.synchronize()
         assert torch.allclose(out.float(), want_o, atol=2e-2, rtol=2e-2), (out.float() - want_o).abs().max()
@@ -199,6 +232,8 @@ def test_benchmark_tiles_option(capsys):
     assert parse_tiles("128x64") == {"block_m": 128, "block_n": 64}
     assert parse_tiles("64x128:3:128") == {"block_m": 64, "block_n": 128, "num_stages": 3, "threads": 128}
     assert tiles_label(check_tiles(parse_tiles("128x64:1"), 128)) == "128x64:1:256"  # threads: the default
+    assert tiles_label(check_tiles({}, 128), fast_math=True) == "128x128:1:256 fast"
+    exits_naming(main, ["--fast-math", "yes"], "--fast-math", capsys)
     for bad, words in (("128x64x64", "BMxBN[:STAGES[:THREADS]]"), ("128x64:1:128:4", "BMxBN[:STAGES[:THREADS]]"),
                        ("128xa", "ints only")):
         with pytest.raises(ValueError, match=re.escape(words)):

@@ -2,7 +2,7 @@
 
 ``python -m tilescale_examples.benchmarks.attention [--seq 4096 8192 16384 32768]
 [--batch 1] [--heads 32] [--kv-heads 32] [--head-dim 128] [--dtype bfloat16|float16]
-[--tiles BMxBN[:STAGES[:THREADS]] ...] [--iters 20] [--out DIR]``
+[--tiles BMxBN[:STAGES[:THREADS]] ...] [--fast-math off on] [--iters 20] [--out DIR]``
 
 For every sequence length, causal and not, on one GPU: GPU time per call of ``--iters``
 calls (each from an idle GPU, the median; ``_timing.local_ms``) of
@@ -16,7 +16,9 @@ and the TFLOP/s of each (``4 B H Sq Skv D`` floating-point operations, half of t
 causal), and ``vs best``: best torch time / tilescale time (above 1: TileScale is faster).
 ``--tiles`` times TileScale's kernel with each tile program given (``block_m x block_n``, then
 optionally ``num_stages`` and ``threads``; the kernel's defaults for the fields left out), a
-row each, against the same torch times; ``tiles`` names the program of a row. Before timing,
+row each, against the same torch times; ``tiles`` names the program of a row (`` fast`` after
+it: compiled with ``fast_math=True``; ``--fast-math off on`` gives each program a row of each).
+Before timing,
 TileScale's output is compared with the cuDNN (else flash, else math) backend's at every size
 (bf16 tolerance); a failure is printed and makes the exit status 1.
 
@@ -63,15 +65,17 @@ def parse_tiles(text: str) -> dict:
     return _harness.tile_fields(text, TILE_OPTIONS, blocks=2)
 
 
-def tiles_label(tiles: dict) -> str:
-    """Tile keywords (all of them) as ``BMxBN:STAGES:THREADS``."""
-    return f"{tiles['block_m']}x{tiles['block_n']}:{tiles['num_stages']}:{tiles['threads']}"
+def tiles_label(tiles: dict, fast_math: bool = False) -> str:
+    """Tile keywords (all of them) as ``BMxBN:STAGES:THREADS``, then `` fast`` with
+    ``fast_math``."""
+    label = f"{tiles['block_m']}x{tiles['block_n']}:{tiles['num_stages']}:{tiles['threads']}"
+    return label + (" fast" if fast_math else "")
 
 
 def run_case(args, seq: int, causal: bool, device, programs=({},)) -> tuple:
-    """``(rows, failures)`` of one sequence length: a row per tile program of ``programs``
-    (flash_attention's tile keywords; ``{}``: its defaults), each checked against torch and
-    timed against the same torch times."""
+    """``(rows, failures)`` of one sequence length: a row per program of ``programs``
+    (flash_attention's tile keywords, and ``fast_math`` where given; ``{}``: its defaults),
+    each checked against torch and timed against the same torch times."""
     import torch
     from torch.nn.attention import SDPBackend
 
@@ -96,7 +100,8 @@ def run_case(args, seq: int, causal: bool, device, programs=({},)) -> tuple:
     best = min(times.values()) if times else None
     rows, failures = [], []
     for tiles in programs:
-        label = tiles_label(check_tiles(tiles, args.head_dim))
+        label = tiles_label(check_tiles({k: v for k, v in tiles.items() if k != "fast_math"}, args.head_dim),
+                            tiles.get("fast_math", False))
         out = torch.full_like(q, float("nan"))
         flash_attention(q, k, v, causal=causal, out=out, **tiles)
         torch.cuda.synchronize(device)
@@ -134,11 +139,15 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20, help="calls timed per case (median)")
     p.add_argument("--tiles", nargs="+", default=None, metavar="BMxBN[:STAGES[:THREADS]]",
                    help="tile programs of TileScale's kernel, a row each (default: its own)")
+    p.add_argument("--fast-math", nargs="+", default=["off"], choices=["off", "on"],
+                   help="compile TileScale's kernel without / with fast math, a row each")
     args = _harness.parse_args(p, argv)
     try:
-        programs = [parse_tiles(t) for t in args.tiles] if args.tiles else [{}]
+        tiles = [parse_tiles(t) for t in args.tiles] if args.tiles else [{}]
     except ValueError as exc:
         p.error(str(exc))
+    programs = [dict(t, fast_math=True) if mode == "on" else t
+                for t in tiles for mode in dict.fromkeys(args.fast_math)]
     args.kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     if args.iters < 1 or args.batch < 1 or args.kv_heads < 1 or args.heads % args.kv_heads or any(s < 1 for s in args.seq):
         p.error("--iters, --batch, --seq and --kv-heads must be >= 1, and --heads a multiple of --kv-heads")

@@ -35,8 +35,8 @@ from tilescale_examples._macros import T, macro
 
 __all__ = ["flash_attention", "build_attention_kernel", "build_flash_attention_kernel", "torch_reference",
            "default_tiles", "attention_buffers", "start_rows", "resume_rows", "tile_scores", "softmax_tile",
-           "attend_tile", "finish_rows", "store_rows", "check_tiles", "check_head_dim", "check_scale", "TILE_OPTIONS",
-           "HEAD_DIMS", "DTYPES"]
+           "attend_tile", "finish_rows", "store_rows", "check_tiles", "check_head_dim", "check_scale",
+           "compile_options", "TILE_OPTIONS", "HEAD_DIMS", "DTYPES"]
 
 #: Head dimensions the kernel is built for.
 HEAD_DIMS = (64, 128, 256)
@@ -303,7 +303,8 @@ _KERNELS: dict = {}
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
-                    lse: Optional[torch.Tensor] = None, **tiles) -> Tuple[torch.Tensor, torch.Tensor]:
+                    lse: Optional[torch.Tensor] = None, fast_math: bool = False,
+                    **tiles) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention forward ``(o, lse)`` of ``q (B, Sq, H, D)``, ``k``, ``v (B, Skv, Hkv, D)``
     (see the module docstring), on the current stream.
 
@@ -312,6 +313,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         scale: of the scores (default ``1 / sqrt(D)``).
         out, lse: where to write (``(B, Sq, H, D)`` in q's dtype, ``(B, H, Sq)`` float32,
             contiguous, on q's device); default new tensors.
+        fast_math: compile the kernel with nvcc's ``--use_fast_math`` (TileLang's
+            ``TL_ENABLE_FAST_MATH``, as flash-attention's own builds and TileLang's attention
+            examples are): the exponentials, logarithms and the final division in their
+            approximate hardware forms (a few float32 ulps), denormals flushed to zero.
         tiles: ``block_m``, ``block_n``, ``num_stages``, ``threads`` (default
             :func:`default_tiles`).
 
@@ -322,13 +327,15 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         TypeError / ValueError: naming the argument, before anything is compiled or launched.
     """
     tiles = check_tiles(tiles, q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 128)
+    if not isinstance(fast_math, bool):
+        raise TypeError(f"fast_math must be a bool, got {fast_math!r}")
     B, Sq, H, Skv, Hkv, D = _check(q, k, v, causal, scale, tiles)
     scale = check_scale(scale, D)
     for name, t, shape, dtype in (("out", out, (B, Sq, H, D), q.dtype), ("lse", lse, (B, H, Sq), torch.float32)):
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
                               or t.device != q.device or not t.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {q.device}")
-    key = (B, H, Hkv, Sq, Skv, D, causal, scale, DTYPES[q.dtype], *sorted(tiles.items()))
+    key = (B, H, Hkv, Sq, Skv, D, causal, scale, DTYPES[q.dtype], fast_math, *sorted(tiles.items()))
     kernel = _KERNELS.get(key)
     if kernel is None:
         import tilelang
@@ -336,11 +343,21 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         from tilescale_examples.base import TARGET
 
         func = build_flash_attention_kernel(B, H, Hkv, Sq, Skv, D, causal, scale, DTYPES[q.dtype], **tiles)
-        kernel = _KERNELS[key] = tilelang.compile(func, target=TARGET)
+        kernel = _KERNELS[key] = tilelang.compile(func, target=TARGET, pass_configs=compile_options(fast_math))
     out = torch.empty((B, Sq, H, D), dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device) if lse is None else lse
     kernel(q, k.unsqueeze(0), v.unsqueeze(0), out, lse, Skv - Sq)
     return out, lse
+
+
+def compile_options(fast_math: bool) -> Optional[dict]:
+    """TileLang pass configuration of the attention kernel: None (TileLang's defaults), or with
+    ``fast_math`` ``TL_ENABLE_FAST_MATH`` (nvcc ``--use_fast_math``)."""
+    if not fast_math:
+        return None
+    from tilelang import PassConfigKey
+
+    return {PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
 def torch_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
