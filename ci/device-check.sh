@@ -18,6 +18,7 @@
 # bench-concurrent-norm (the same for the fused norm's exchanges);
 # bench-decode-lamport (the fused norm's one-shot and Lamport exchanges at one rank);
 # bench-attention-fast (the flash-attention kernel compiled without and with fast math);
+# bench-decode-threads (the fused norm with 512 and 1024 threads per block, hidden 8192, 1-16 tokens);
 # unverified (the checks written but not yet run on a GPU); all (default: doctor demo tests
 # bench). Logs go to $OUT (or ./device-logs) and a summary
 # table is printed last.
@@ -102,6 +103,10 @@ for step in "${steps[@]}"; do
                                   tilescale_examples.benchmarks.gemm_allreduce --ranks 1 2 --m 1 4 16 64 128 --split-k 1 auto ;;
     bench-attention-fast) run_step "$step" timeout -k 10 400 python3 -m tilescale_examples.benchmarks.attention \
                             --seq 4096 8192 16384 --fast-math off on ;;
+    bench-decode-threads) for t in 512 1024; do  # the fused norm's block size at hidden 8192, small batches
+                            run_step "bench-decode-t$t" timeout -k 10 280 python3 -m tilescale_examples.benchmarks.decode \
+                              --hidden 8192 --tokens 1 4 16 --threads "$t"
+                          done ;;
     bench-decode-lamport) for a in one_shot lamport; do  # the two exchanges of the fused norm, one rank, same machine
                             run_step "bench-decode-1-$a" timeout -k 10 280 python3 -m tilescale_examples.benchmarks.decode \
                               --ranks 1 --tokens 1 4 16 64 --algorithm "$a"
