@@ -97,15 +97,12 @@ def test_precompile_jobs_are_the_kernels_the_ranks_compile(monkeypatch):
     """kernel_jobs: for each rank count, the op's kernel of each algorithm and the copies the
     other emulated ranks compile (build_concurrent), structurally equal to what the ops build,
     symbols included, so that the run's compiles are cache hits."""
-    import importlib
-
+    from examples_helpers import RecordedKernel
     from tilelang import tvm
 
     from tilescale_examples import base
     from tilescale_examples.decode.allreduce_norm import AllReduceResidualRMSNorm
-    from examples_helpers import RecordedKernel
-
-    from tilescale_examples.testing.precompile import build_copy
+    from tilescale_examples.testing.precompile import build_job
 
     built = []
 
@@ -116,16 +113,6 @@ def test_precompile_jobs_are_the_kernels_the_ranks_compile(monkeypatch):
     monkeypatch.setattr(base, "compile_once", recording)
     monkeypatch.setattr(base, "_KERNELS", {})
 
-    def job_funcs(jobs):
-        out = []
-        for builder, args, _ in jobs:
-            if builder.endswith(":build_copy"):
-                out.append(build_copy(*args))
-            else:
-                module, name = builder.split(":")
-                out.append(getattr(importlib.import_module(module), name)(*args))
-        return out
-
     classes = {"allreduce": (AllReduce, (64,)), "norm": (AllReduceResidualRMSNorm, (2, 512))}
     for op, n, algorithm in (("allreduce", 3, "one_shot"), ("allreduce", 2, "lamport"), ("norm", 2, "lamport"),
                              ("norm", 3, "one_shot")):
@@ -135,7 +122,7 @@ def test_precompile_jobs_are_the_kernels_the_ranks_compile(monkeypatch):
         ops, kernels = build_concurrent(lambda r: cls(allocs[r], shape, torch.bfloat16, algorithm=algorithm), n)
         jobs = concurrent.kernel_jobs(op, [algorithm], "bfloat16", [n], 512)
         assert len(jobs) == n == len(built)
-        for want, got in zip(job_funcs(jobs), built):
+        for want, got in zip([build_job(builder, args) for builder, args, _ in jobs], built):
             assert tvm.ir.structural_equal(want, got), (op, n, algorithm, str(got.attrs["global_symbol"]))
         for o in ops:
             o.close()

@@ -128,11 +128,11 @@ def _failures(ops, outs, inputs, what: str) -> list:
     from tilescale_examples.decode.reference import compare
 
     per = len(outs) // len(ops)
+    want = torch_reference([args[0] for args in inputs]) if per == 1 else None  # every rank's sum
     bad = []
     for r, op in enumerate(ops):
         got = outs[r * per:(r + 1) * per]
         if per == 1:
-            want = torch_reference([args[0] for args in inputs])
             if not torch.equal(got[0], want):
                 bad.append(f"{what} rank {r}: {int((got[0] != want).sum())} wrong elements")
         else:

@@ -28,9 +28,15 @@ from multiprocessing import get_context
 from typing import Iterable, Optional, Sequence, Tuple
 from unittest.mock import patch
 
-__all__ = ["precompile", "precompile_op", "reduction_jobs", "with_copies", "build_copy", "compile_job"]
+__all__ = ["precompile", "precompile_op", "reduction_jobs", "with_copies", "build_copy", "build_job", "compile_job"]
 
 Job = Tuple[str, tuple, Optional[dict]]
+
+
+def build_job(builder: str, args: tuple):
+    """The ``T.prim_func`` a job's ``builder`` (``"module:function"``) makes of ``args``."""
+    module, name = builder.split(":")
+    return getattr(importlib.import_module(module), name)(*args)
 
 
 def compile_job(job: Job, env: dict) -> str:
@@ -38,8 +44,7 @@ def compile_job(job: Job, env: dict) -> str:
     returns the kernel's global symbol."""
     os.environ.update(env)
     builder, args, pass_configs = job
-    module, name = builder.split(":")
-    return _compile(getattr(importlib.import_module(module), name)(*args), None, pass_configs)
+    return _compile(build_job(builder, args), None, pass_configs)
 
 
 def _compile(func, target, pass_configs: Optional[dict]) -> str:
@@ -109,8 +114,7 @@ def build_copy(builder: str, args: tuple, variant: int):
     allocator holds compiles that copy: :meth:`~tilescale_examples.base.KernelOwner._compile_kernel`)."""
     from tilescale_examples.base import copy_symbol
 
-    module, name = builder.split(":")
-    func = getattr(importlib.import_module(module), name)(*args)
+    func = build_job(builder, args)
     return func.with_attr("global_symbol", copy_symbol(str(func.attrs["global_symbol"]), variant))
 
 
