@@ -1,9 +1,13 @@
 """benchmarks.concurrent on the CPU: every emulated rank's op gets a kernel of its own
 (testing.emulated.build_concurrent) and gives it back (release_kernels); the command line's
-errors, the line without a GPU, the table's columns and the size-table summary. The timed part
-needs a GPU (``ci/device-check.sh bench-concurrent``)."""
+errors, the line without a GPU, the table's columns and the size-table summary; the presets of
+the loading round and the watchdog that ends a deadlocked case. The timed part needs a GPU
+(``ci/device-check.sh bench-concurrent``)."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import torch
 from examples_helpers import CpuAllocator, exits_naming, output_without_gpu
@@ -39,7 +43,8 @@ def test_command_line_errors_and_no_gpu(monkeypatch, capsys):
                           (["--algorithms", "lamport", "lamport"], "must not repeat"),
                           (["--op", "norm", "--algorithms", "two_shot"], "--op norm takes --algorithms lamport"),
                           (["--op", "norm", "--dtype", "float32"], "--dtype bfloat16 or float16"),
-                          (["--hidden", "12"], "--hidden must be a positive multiple of 8")):
+                          (["--hidden", "12"], "--hidden must be a positive multiple of 8"),
+                          (["--case-timeout", "0"], "--case-timeout must be positive")):
         exits_naming(concurrent.main, argv, message, capsys)
 
 
@@ -128,3 +133,47 @@ def test_precompile_jobs_are_the_kernels_the_ranks_compile(monkeypatch):
             o.close()
         release_kernels(kernels)
     assert len(concurrent.kernel_jobs("norm", ["lamport", "one_shot"], "bfloat16", [2, 4, 8], 4096)) == 2 * 14
+
+
+def test_pass_every_wait_presets_flags_and_makes_lamport_data_arrive(compiles):
+    """The loading round's presets: a flag op's flags above any epoch, a Lamport op's receive
+    buffers free of the sentinel (every element reads as arrived), for both ops."""
+    from tilescale_examples.collectives.lamport_kernel import SENTINEL_BYTE
+    from tilescale_examples.decode.allreduce_norm import AllReduceResidualRMSNorm
+    from tilescale_examples.testing.emulated import PRESET
+
+    ops = [AllReduce(CpuAllocator(num_ranks=2, rank=0), (64,), torch.bfloat16, algorithm="one_shot"),
+           AllReduce(CpuAllocator(num_ranks=2, rank=0), (64,), torch.bfloat16, algorithm="lamport"),
+           AllReduceResidualRMSNorm(CpuAllocator(num_ranks=2, rank=0), (2, 256), torch.bfloat16, threads=64,
+                                    algorithm="lamport"),
+           AllReduceResidualRMSNorm(CpuAllocator(num_ranks=2, rank=0), (2, 256), torch.bfloat16, threads=64,
+                                    algorithm="one_shot")]
+    assert (ops[1].stage_buffer.view(torch.uint8) == SENTINEL_BYTE).all()  # fresh: nothing arrived
+    concurrent.pass_every_wait(ops)
+    for op in (ops[0], ops[3]):
+        assert (op.flags.view(torch.int64) == PRESET).all()
+    for op in (ops[1], ops[2]):
+        assert not (op.stage_buffer.view(torch.uint8) == SENTINEL_BYTE).any()
+    for op in ops:
+        op.close()
+
+
+_HANGS = """
+import sys, time
+from tilescale_examples.benchmarks._harness import watchdog
+with watchdog(0.2, "quick case"):
+    pass
+with watchdog(float(sys.argv[1]), "stuck case"):
+    time.sleep(30)
+print("not reached")
+"""
+
+
+def test_watchdog_ends_a_stuck_case_naming_it():
+    """A body past its deadline ends the process (non-zero) with the case's line and the
+    stacks; a body within it leaves nothing armed."""
+    run = subprocess.run([sys.executable, "-c", _HANGS, "0.5"], capture_output=True, text=True, timeout=25)
+    assert run.returncode != 0 and "not reached" not in run.stdout
+    assert "[benchmark] quick case (at most 0.2 s)" in run.stderr
+    assert "[benchmark] stuck case (at most 0.5 s)" in run.stderr and "Timeout" in run.stderr
+    assert 'File "<string>", line 7 in <module>' in run.stderr  # where it was stuck

@@ -12,18 +12,22 @@ timing (:mod:`~tilescale_examples.benchmarks._timing`) and its table
 * :func:`visible_gpus`: the prologue before measuring (the kernel cache, the line without a GPU).
 * :func:`fused_parser`, :func:`emulated_device`: the options and the prologue of the benchmarks
   that emulate peers in one process.
+* :func:`watchdog`: a case that does not finish in time ends the process with the case named
+  and every thread's stack, instead of hanging.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import logging
 import os
 import sys
 import warnings
 
 __all__ = ["parser", "parse_args", "run_on_ranks", "gpu_mode", "show_progress", "fused_parser", "visible_gpus",
-           "emulated_device", "tile_fields"]
+           "emulated_device", "tile_fields", "watchdog"]
 
 
 def parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -193,3 +197,26 @@ def tile_fields(text: str, names, blocks: int = 3) -> dict:
     except ValueError:
         raise ValueError(f"--tiles must hold ints only, got {text!r}") from None
     return dict(zip(names, values))
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float, what: str, stream=None):
+    """Run the body with a deadline: ``[benchmark] <what>`` is written to ``stream`` (default
+    ``sys.stderr``) first, and if the body has not finished after ``seconds`` the process
+    prints every thread's stack and exits (``faulthandler.dump_traceback_later``: a thread of
+    its own, so it fires while the main thread is blocked in a CUDA call, e.g. a kernel that
+    waits for a peer that never runs). The last ``[benchmark]`` line names the case."""
+    if not seconds > 0:
+        raise ValueError(f"seconds must be positive, got {seconds!r}")
+    out = sys.stderr if stream is None else stream
+    print(f"[benchmark] {what} (at most {seconds:g} s)", file=out, flush=True)
+    try:
+        out.fileno()
+        dump_to = out
+    except (AttributeError, OSError, ValueError):  # a replaced stderr (pytest's) has no file descriptor
+        dump_to = sys.__stderr__
+    faulthandler.dump_traceback_later(seconds, exit=True, file=dump_to)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()

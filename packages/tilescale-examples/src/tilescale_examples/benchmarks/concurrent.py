@@ -2,7 +2,7 @@
 
 ``python -m tilescale_examples.benchmarks.concurrent [--op allreduce|norm] [--ranks 2 4 8]
 [--min-bytes 4096] [--max-bytes 262144] [--hidden 4096] [--dtype bfloat16]
-[--algorithms lamport one_shot] [--iters 50] [--out DIR]``
+[--algorithms lamport one_shot] [--iters 50] [--case-timeout 120] [--out DIR]``
 
 The emulated peers of :mod:`~tilescale_examples.benchmarks.emulated` run one after the other
 with their flags preset, so they measure a kernel's bytes per second and never its waits; a
@@ -21,6 +21,12 @@ checked bit for bit against the rank-order reference (a failure is printed and m
 status 1; the norm's outputs against its float32 torch reference, ``residual_out`` bit for
 bit).
 
+Every rank's kernel is loaded before the ranks run at once (:func:`preload`): a kernel's first
+launch loads its module, and a load may synchronise the whole CUDA context, so a rank whose
+kernel loads while another rank's kernel waits for it would never launch. A case that does not
+finish within ``--case-timeout`` seconds ends the run with the case named
+(:func:`~tilescale_examples.benchmarks._harness.watchdog`).
+
 The ranks share one GPU's SMs and memory, so this is a proxy for latency-bound sizes (where
 the flag rounds and launch costs, not the bytes, set the time), not a bandwidth measurement.
 For every rank count it prints the largest size up to which the first algorithm of
@@ -35,8 +41,8 @@ import math
 from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import format_bytes, print_table, ratio, size_sweep
 
-__all__ = ["HEADERS", "ALGORITHMS", "OPS", "shape_of", "sizes", "build", "concurrent_round", "time_case", "largest_win",
-           "summary_lines", "kernel_jobs", "run", "main"]
+__all__ = ["HEADERS", "ALGORITHMS", "OPS", "shape_of", "sizes", "build", "concurrent_round", "pass_every_wait",
+           "preload", "time_case", "largest_win", "summary_lines", "kernel_jobs", "run", "main"]
 
 #: The algorithms a run may compare (``AllReduce``'s forced ones; the norm takes the first two).
 ALGORITHMS = ("lamport", "one_shot", "two_shot")
@@ -101,6 +107,45 @@ def concurrent_round(ops, args, streams) -> list:
     for stream in streams:
         main.wait_stream(stream)
     return outs
+
+
+def pass_every_wait(ops) -> None:
+    """Make every wait of the ops' next calls pass at its first poll, for ranks run one after
+    the other: flags preset above any epoch (:data:`~tilescale_examples.testing.emulated.PRESET`),
+    Lamport receive buffers zeroed (any value but the sentinel reads as arrived). The ops'
+    buffers are then no longer fresh: :func:`preload` closes them after its round."""
+    import torch
+
+    from tilescale_examples.testing.emulated import PRESET
+
+    for op in ops:
+        if op.flags is not None:
+            op.flags.view(torch.int64).fill_(PRESET)
+        if op.algorithm == "lamport":
+            op.stage_buffer.zero_()
+
+
+def preload(n: int, nbytes: int, dtype, algorithm: str, device, op: str = "allreduce", hidden: int = 4096) -> None:
+    """Load the kernel of every one of ``n`` emulated ranks (:func:`build`'s ops) while no
+    kernel waits: one call per rank, one after the other on the current stream, every wait
+    preset to pass (:func:`pass_every_wait`), then the ops closed. At once, the ranks' first
+    launches would deadlock: a first launch loads the kernel's module, which may synchronise
+    the CUDA context, i.e. wait for another rank's kernel that waits for this one. The
+    kernels stay loaded (and cached) for every later case of ``n`` ranks and ``algorithm``."""
+    import torch
+
+    from tilescale_examples.testing.emulated import release_kernels, run_round
+
+    peers, ops, kernels = build(n, nbytes, dtype, algorithm, device, op, hidden)
+    try:
+        args = _inputs(ops, 0)
+        run_round(ops, lambda c: c(*args[c.allocator.local_rank]), preset=pass_every_wait)
+        torch.cuda.synchronize(device)
+    finally:
+        for o in ops:
+            o.close()
+        release_kernels(kernels)
+        peers.close()
 
 
 def _inputs(ops, seed: int) -> list:
@@ -233,12 +278,18 @@ def run(args, device) -> tuple:
 
     dtype = getattr(torch, args.dtype)
     precompile(kernel_jobs(args.op, args.algorithms, args.dtype, args.ranks, args.hidden))
+    sweep = sizes(args, torch.empty((), dtype=dtype).element_size())
     tables, failures = {}, []
     for n in args.ranks:
-        for nbytes in sizes(args, torch.empty((), dtype=dtype).element_size()):
+        for algorithm in args.algorithms:
+            with _harness.watchdog(args.case_timeout, f"loading {args.op} {algorithm} on {n} emulated ranks"):
+                preload(n, sweep[0], dtype, algorithm, device, args.op, args.hidden)
+        for nbytes in sweep:
             times, bad = [], []
             for algorithm in args.algorithms:
-                us, fails = time_case(n, nbytes, dtype, algorithm, args.iters, device, args.op, args.hidden)
+                with _harness.watchdog(args.case_timeout, f"{args.op} {algorithm}, {n} ranks at once, "
+                                                          f"{format_bytes(nbytes)}"):
+                    us, fails = time_case(n, nbytes, dtype, algorithm, args.iters, device, args.op, args.hidden)
                 times.append(us)
                 bad += fails
             extra = [ratio(times[0], times[1])] if len(times) > 1 else []
@@ -260,9 +311,13 @@ def main(argv=None) -> int:
     p.add_argument("--algorithms", nargs="+", default=["lamport", "one_shot"], choices=ALGORITHMS,
                    help="the algorithms timed (the first is compared with the second)")
     p.add_argument("--iters", type=int, default=50, help="graph replays timed per case")
+    p.add_argument("--case-timeout", type=float, default=120.0,
+                   help="seconds a case may take before the run ends naming it (a deadlock)")
     args = _harness.parse_args(p, argv)
     if any(not 2 <= n <= 8 for n in args.ranks) or args.iters < 1:
         p.error("--ranks must be in [2, 8] and --iters >= 1")
+    if not args.case_timeout > 0:
+        p.error("--case-timeout must be positive")
     if not 16 <= args.min_bytes <= args.max_bytes:
         p.error("--min-bytes must be at least 16 and at most --max-bytes")
     if len(set(args.algorithms)) != len(args.algorithms):
