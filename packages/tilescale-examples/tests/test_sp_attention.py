@@ -99,6 +99,7 @@ ARGS = dict(batch=2, seq_local=256, heads=8, kv_heads=2, head_dim=128, dtype=tor
     ({"block_k": 64}, TypeError, r"unknown tile options \['block_k'\]"),
     ({"dtype": torch.float32}, (TypeError, ValueError), "dtype"),
     ({"algorithm": "ring"}, ValueError, "algorithm must be one of"),
+    ({"fast_math": 1}, TypeError, "fast_math must be a bool, got 1"),
 ])
 def test_argument_errors_before_anything_is_allocated(monkeypatch, kwargs, error, match):
     record_compiles(monkeypatch)
@@ -106,6 +107,28 @@ def test_argument_errors_before_anything_is_allocated(monkeypatch, kwargs, error
     with pytest.raises(error, match=match):
         SPAllGatherAttention(alloc, **{**ARGS, **kwargs})
     assert alloc.allocations == []
+
+
+def test_fast_math_reaches_every_attention_compile(monkeypatch):
+    """The attention kernels compile with fast math by default (TL_ENABLE_FAST_MATH, as
+    flash_attention's), with TileLang's default configuration under fast_math=False; the
+    all-gathers' kernels never with it."""
+    from tilelang import PassConfigKey
+
+    from tilescale_examples import base
+
+    seen = []
+    record_compiles(monkeypatch)
+    recorder = base.compile_once
+    monkeypatch.setattr(base, "compile_once", lambda func, group=None, target=None, pass_configs=None: seen.append(
+        (str(func.attrs["global_symbol"]), pass_configs)) or recorder(func, group, target, pass_configs))
+    fast = {PassConfigKey.TL_ENABLE_FAST_MATH: True}
+    for fast_math, want in ((True, fast), (False, None)):
+        seen.clear()
+        SPAllGatherAttention(CpuAllocator(2, 1), **ARGS, fast_math=fast_math, algorithm="sequential")
+        attention = [configs for name, configs in seen if name.startswith("sp_attention")]
+        assert attention == [want], seen
+        assert all(configs is None for name, configs in seen if not name.startswith("sp_attention"))
 
 
 def test_heap_and_the_calls_sequence(monkeypatch):

@@ -313,12 +313,12 @@ class SymmetricOp(KernelOwner, Closable):
             return self.allocator.record_build(build, target, pass_configs)
         return super()._compile_kernel(build, target, pass_configs, key)
 
-    def _compile_plain(self, build, target=None):
-        """``compile_once(build())`` (no process-wide sharing: for kernels without TileScale
-        intrinsics); in a dry run the build is recorded instead."""
+    def _compile_plain(self, build, target=None, pass_configs=None):
+        """``compile_once(build())`` with TileLang ``pass_configs`` (no process-wide sharing:
+        for kernels without TileScale intrinsics); in a dry run the build is recorded instead."""
         if self._dry_run:
-            return self.allocator.record_build(build, target, None)
-        return compile_once(build(), self.group, target)
+            return self.allocator.record_build(build, target, pass_configs)
+        return compile_once(build(), self.group, target, pass_configs)
 
     def _check_out(self, out, shape, shape_name: str = "the output shape") -> None:
         """``TypeError`` / ``ValueError`` naming ``out`` unless it is a contiguous tensor of

@@ -16,8 +16,9 @@ and the TFLOP/s of each (``4 B H Sq Skv D`` floating-point operations, half of t
 causal), and ``vs best``: best torch time / tilescale time (above 1: TileScale is faster).
 ``--tiles`` times TileScale's kernel with each tile program given (``block_m x block_n``, then
 optionally ``num_stages`` and ``threads``; the kernel's defaults for the fields left out), a
-row each, against the same torch times; ``tiles`` names the program of a row (`` fast`` after
-it: compiled with ``fast_math=True``; ``--fast-math off on`` gives each program a row of each).
+row each, against the same torch times; ``tiles`` names the program of a row (`` ieee`` after
+it: compiled with ``fast_math=False``, the kernel's default being fast math; ``--fast-math off
+on`` gives each program a row of each).
 Before timing,
 TileScale's output is compared with the cuDNN (else flash, else math) backend's at every size
 (bf16 tolerance); a failure is printed and makes the exit status 1.
@@ -65,11 +66,11 @@ def parse_tiles(text: str) -> dict:
     return _harness.tile_fields(text, TILE_OPTIONS, blocks=2)
 
 
-def tiles_label(tiles: dict, fast_math: bool = False) -> str:
-    """Tile keywords (all of them) as ``BMxBN:STAGES:THREADS``, then `` fast`` with
-    ``fast_math``."""
+def tiles_label(tiles: dict, fast_math: bool = True) -> str:
+    """Tile keywords (all of them) as ``BMxBN:STAGES:THREADS``, then `` ieee`` without
+    ``fast_math`` (the kernel's default is fast math)."""
     label = f"{tiles['block_m']}x{tiles['block_n']}:{tiles['num_stages']}:{tiles['threads']}"
-    return label + (" fast" if fast_math else "")
+    return label + ("" if fast_math else " ieee")
 
 
 def run_case(args, seq: int, causal: bool, device, programs=({},)) -> tuple:
@@ -101,7 +102,7 @@ def run_case(args, seq: int, causal: bool, device, programs=({},)) -> tuple:
     rows, failures = [], []
     for tiles in programs:
         label = tiles_label(check_tiles({k: v for k, v in tiles.items() if k != "fast_math"}, args.head_dim),
-                            tiles.get("fast_math", False))
+                            tiles.get("fast_math", True))
         out = torch.full_like(q, float("nan"))
         flash_attention(q, k, v, causal=causal, out=out, **tiles)
         torch.cuda.synchronize(device)
@@ -139,15 +140,14 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20, help="calls timed per case (median)")
     p.add_argument("--tiles", nargs="+", default=None, metavar="BMxBN[:STAGES[:THREADS]]",
                    help="tile programs of TileScale's kernel, a row each (default: its own)")
-    p.add_argument("--fast-math", nargs="+", default=["off"], choices=["off", "on"],
-                   help="compile TileScale's kernel without / with fast math, a row each")
+    p.add_argument("--fast-math", nargs="+", default=["on"], choices=["off", "on"],
+                   help="compile TileScale's kernel without / with fast math (its default), a row each")
     args = _harness.parse_args(p, argv)
     try:
         tiles = [parse_tiles(t) for t in args.tiles] if args.tiles else [{}]
     except ValueError as exc:
         p.error(str(exc))
-    programs = [dict(t, fast_math=True) if mode == "on" else t
-                for t in tiles for mode in dict.fromkeys(args.fast_math)]
+    programs = [dict(t, fast_math=mode == "on") for t in tiles for mode in dict.fromkeys(args.fast_math)]
     args.kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     if args.iters < 1 or args.batch < 1 or args.kv_heads < 1 or args.heads % args.kv_heads or any(s < 1 for s in args.seq):
         p.error("--iters, --batch, --seq and --kv-heads must be >= 1, and --heads a multiple of --kv-heads")

@@ -59,7 +59,7 @@ from tilescale_examples.base import check_positive_int, settle
 from tilescale_examples.sequence._attention_op import AttentionOp
 from tilescale_examples.sequence.flash_attention import (DTYPES, LOG2E, attend_tile, attention_buffers,
                                                          build_attention_kernel, check_head_dim, check_scale,
-                                                         check_tiles, resume_rows, store_rows)
+                                                         check_tiles, compile_options, resume_rows, store_rows)
 from tilescale_examples.sequence.flash_attention import torch_reference as attention_reference
 
 __all__ = ["SPAllGatherAttention", "build_sp_attention_kernel", "build_sp_own_attention_kernel",
@@ -221,6 +221,9 @@ class SPAllGatherAttention(AttentionOp):
             see the module docstring. ``"auto"`` is fused where every rank has a GPU of its
             own with stream memory operations, else sequential (with a log line).
         scale: of the scores (default ``1 / sqrt(head_dim)``).
+        fast_math: compile the attention kernels with nvcc's ``--use_fast_math`` (the default,
+            as :func:`~tilescale_examples.sequence.flash_attention.flash_attention`'s);
+            ``False``: IEEE exponentials and division.
         tiles: ``block_m``, ``block_n``, ``num_stages``, ``threads`` (default
             :func:`~tilescale_examples.sequence.flash_attention.default_tiles`).
 
@@ -240,9 +243,12 @@ class SPAllGatherAttention(AttentionOp):
     def __init__(self, allocator, batch: int, seq_local: int, heads: int, kv_heads: int, head_dim: int,
                  dtype: Union[torch.dtype, str], *, world_size: Optional[int] = None, group=None, causal: bool = True,
                  order: str = "contiguous", algorithm: Literal["auto", "fused", "sequential"] = "auto",
-                 scale: Optional[float] = None, target=None, **tiles):
+                 scale: Optional[float] = None, fast_math: bool = True, target=None, **tiles):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        if not isinstance(fast_math, bool):
+            raise TypeError(f"fast_math must be a bool, got {fast_math!r}")
+        self.fast_math = fast_math
         self._setup_op(allocator, dtype, world_size, group, tuple(DTYPES))
         self.batch, self.seq_local = check_positive_int("batch", batch), check_positive_int("seq_local", seq_local)
         self.heads, self.kv_heads = check_positive_int("heads", heads), check_positive_int("kv_heads", kv_heads)
@@ -301,7 +307,7 @@ class SPAllGatherAttention(AttentionOp):
                                   target=target)
         args = (self.world_size, *self._kernel_args())
         self.kernel = self._compile_plain(lambda: build_sp_attention_kernel(*args, **self.tiles, order=self.order),
-                                          target)
+                                          target, compile_options(self.fast_math))
 
     def _build_fused(self, target) -> None:
         import tilelang
@@ -310,7 +316,7 @@ class SPAllGatherAttention(AttentionOp):
 
         W = self.world_size
         self.own_kernel = self._compile_plain(lambda: build_sp_own_attention_kernel(*self._kernel_args(), **self.tiles),
-                                              target)
+                                              target, compile_options(self.fast_math))
         if W == 1:  # nothing to gather: the own shard is the whole sequence
             self.kernel = self.own_kernel
             self.algorithm_reason = "one rank: the attention kernel alone, nothing to gather"
@@ -328,7 +334,8 @@ class SPAllGatherAttention(AttentionOp):
             free.view(torch.int64).fill_(1)  # every peer's slot may be written
         args = (W, *self._kernel_args())
         self.kernel = self._compile_plain(lambda: build_sp_peer_attention_kernel(*args, **self.tiles,
-                                                                                 order=self.order), target)
+                                                                                 order=self.order),
+                                          target, compile_options(self.fast_math))
         settle(self.device, self.group)
 
     @staticmethod
