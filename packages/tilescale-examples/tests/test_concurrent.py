@@ -177,3 +177,29 @@ def test_watchdog_ends_a_stuck_case_naming_it():
     assert "[benchmark] quick case (at most 0.2 s)" in run.stderr
     assert "[benchmark] stuck case (at most 0.5 s)" in run.stderr and "Timeout" in run.stderr
     assert 'File "<string>", line 7 in <module>' in run.stderr  # where it was stuck
+
+
+def test_each_rank_counts_table_is_reported_before_the_next_rank_count_runs(monkeypatch):
+    """run() hands every rank count's rows to ``done`` as soon as its sizes have run, so a
+    later rank count that never ends (the watchdog then ends the process) loses only its own."""
+    from argparse import Namespace
+
+    from tilescale_examples.testing import precompile
+
+    events = []
+    monkeypatch.setattr(precompile, "precompile", lambda jobs: events.append("precompile"))
+    monkeypatch.setattr(concurrent, "preload", lambda n, nbytes, *a: events.append(("preload", n, nbytes)))
+
+    def time_case(n, nbytes, dtype, algorithm, iters, device, op, hidden):
+        events.append(("case", n, nbytes, algorithm))
+        return (1.0 if algorithm == "lamport" else 2.0), []
+
+    monkeypatch.setattr(concurrent, "time_case", time_case)
+    args = Namespace(op="allreduce", algorithms=["lamport", "one_shot"], dtype="bfloat16", ranks=[2, 4], hidden=4096,
+                     min_bytes=4096, max_bytes=8192, iters=1, case_timeout=30.0)
+    tables, failures = concurrent.run(args, "cpu", lambda n, rows: events.append(("done", n, len(rows))))
+    assert failures == [] and tables[2] == [[2, 4096, 1.0, 2.0, 0.5, "ok"], [2, 8192, 1.0, 2.0, 0.5, "ok"]]
+    assert events == ["precompile", ("preload", 2, 4096), ("preload", 2, 4096),
+                      *[("case", 2, b, a) for b in (4096, 8192) for a in ("lamport", "one_shot")], ("done", 2, 2),
+                      ("preload", 4, 4096), ("preload", 4, 4096),
+                      *[("case", 4, b, a) for b in (4096, 8192) for a in ("lamport", "one_shot")], ("done", 4, 2)]

@@ -269,9 +269,11 @@ def kernel_jobs(op: str, algorithms, dtype: str, ranks, hidden: int) -> list:
     return jobs
 
 
-def run(args, device) -> tuple:
+def run(args, device, done=None) -> tuple:
     """``({ranks: rows}, failures)``: rows are :func:`headers`' columns with ``size`` in bytes.
-    Every kernel is compiled first, in parallel (:func:`kernel_jobs`)."""
+    Every kernel is compiled first, in parallel (:func:`kernel_jobs`). ``done(n, rows)`` is
+    called as soon as every size of ``n`` ranks has run (so a later rank count that never ends
+    loses only its own rows)."""
     import torch
 
     from tilescale_examples.testing.precompile import precompile
@@ -295,6 +297,8 @@ def run(args, device) -> tuple:
             extra = [ratio(times[0], times[1])] if len(times) > 1 else []
             tables.setdefault(n, []).append([n, nbytes] + times + extra + ["ok" if not bad else "FAIL"])
             failures += bad
+        if done is not None:
+            done(n, tables[n])
     return tables, failures
 
 
@@ -334,19 +338,20 @@ def main(argv=None) -> int:
     from tilescale_examples.collectives.allreduce import LAMPORT_MAX_BYTES
     from tilescale_examples.decode import allreduce_norm
 
-    tables, failures = run(args, device)
-    cols = headers(args.algorithms)
-    for n, rows in tables.items():
-        what = "all-reduce" if args.op == "allreduce" else f"all-reduce + residual + RMSNorm, hidden {args.hidden}"
-        print_table(f"{what}, {n} emulated ranks running at once (one {torch.cuda.get_device_name(device)}), "
-                    f"{args.dtype}; GPU time per round replayed from a CUDA graph ({args.iters} replays)", cols,
-                    [[r[0], format_bytes(r[1])] + r[2:] for r in rows])
-    for failure in failures[:20]:
-        print("FAILED:", failure)
     table = LAMPORT_MAX_BYTES if args.op == "allreduce" else allreduce_norm.LAMPORT_MAX_BYTES
     shipped = table if args.algorithms[:2] == ["lamport", "one_shot"] else None
-    for line in summary_lines(tables, args.algorithms, shipped) if len(args.algorithms) > 1 else []:
-        print(line)
+    what = "all-reduce" if args.op == "allreduce" else f"all-reduce + residual + RMSNorm, hidden {args.hidden}"
+
+    def show(n: int, rows: list) -> None:  # each rank count's table and summary line as soon as it is done
+        print_table(f"{what}, {n} emulated ranks running at once (one {torch.cuda.get_device_name(device)}), "
+                    f"{args.dtype}; GPU time per round replayed from a CUDA graph ({args.iters} replays)",
+                    headers(args.algorithms), [[r[0], format_bytes(r[1])] + r[2:] for r in rows])
+        for line in summary_lines({n: rows}, args.algorithms, shipped) if len(args.algorithms) > 1 else []:
+            print(line, flush=True)
+
+    tables, failures = run(args, device, show)
+    for failure in failures[:20]:
+        print("FAILED:", failure)
     print(f"correctness (every rank's output against the rank-order reference): "
           f"{'ok' if not failures else f'{len(failures)} FAILURE(S)'}")
     return 0 if not failures else 1
