@@ -190,13 +190,14 @@ def test_each_rank_counts_table_is_reported_before_the_next_rank_count_runs(monk
     monkeypatch.setattr(precompile, "precompile", lambda jobs: events.append("precompile"))
     monkeypatch.setattr(concurrent, "preload", lambda n, nbytes, *a: events.append(("preload", n, nbytes)))
 
-    def time_case(n, nbytes, dtype, algorithm, iters, device, op, hidden):
+    def time_case(n, nbytes, dtype, algorithm, iters, device, op, hidden, graph):
+        assert graph is False  # --launch eager
         events.append(("case", n, nbytes, algorithm))
         return (1.0 if algorithm == "lamport" else 2.0), []
 
     monkeypatch.setattr(concurrent, "time_case", time_case)
     args = Namespace(op="allreduce", algorithms=["lamport", "one_shot"], dtype="bfloat16", ranks=[2, 4], hidden=4096,
-                     min_bytes=4096, max_bytes=8192, iters=1, case_timeout=30.0)
+                     min_bytes=4096, max_bytes=8192, iters=1, case_timeout=30.0, launch="eager")
     tables, failures = concurrent.run(args, "cpu", lambda n, rows: events.append(("done", n, len(rows))))
     assert failures == [] and tables[2] == [[2, 4096, 1.0, 2.0, 0.5, "ok"], [2, 8192, 1.0, 2.0, 0.5, "ok"]]
     assert events == ["precompile", ("preload", 2, 4096), ("preload", 2, 4096),

@@ -2,7 +2,7 @@
 
 ``python -m tilescale_examples.benchmarks.concurrent [--op allreduce|norm] [--ranks 2 4 8]
 [--min-bytes 4096] [--max-bytes 262144] [--hidden 4096] [--dtype bfloat16]
-[--algorithms lamport one_shot] [--iters 50] [--case-timeout 120] [--out DIR]``
+[--algorithms lamport one_shot] [--iters 50] [--launch graph|eager] [--case-timeout 120] [--out DIR]``
 
 The emulated peers of :mod:`~tilescale_examples.benchmarks.emulated` run one after the other
 with their flags preset, so they measure a kernel's bytes per second and never its waits; a
@@ -15,8 +15,9 @@ real waits: each rank's op (``--op allreduce``: ``AllReduce`` of ``size`` bytes;
 (:func:`~tilescale_examples.testing.emulated.build_concurrent`) and a grid of at most ``SMs /
 N`` blocks, so every rank's blocks are resident together. One round (every rank's call, forked
 from the current stream and joined back) is captured in a CUDA graph and replayed ``--iters``
-times behind a stream hold: ``us`` is GPU time per round, i.e. per call with the ranks
-concurrent. Then fresh inputs, poisoned outputs and one more replay, every rank's output
+times behind a stream hold (``--launch eager``: ``--iters`` rounds launched eagerly behind the
+hold): ``us`` is GPU time per round, i.e. per call with the ranks concurrent. Then fresh
+inputs, poisoned outputs and one more round, every rank's output
 checked bit for bit against the rank-order reference (a failure is printed and makes the exit
 status 1; the norm's outputs against its float32 torch reference, ``residual_out`` bit for
 bit).
@@ -186,9 +187,10 @@ def _failures(ops, outs, inputs, what: str) -> list:
 
 
 def time_case(n: int, nbytes: int, dtype, algorithm: str, iters: int, device, op: str = "allreduce",
-              hidden: int = 4096) -> tuple:
+              hidden: int = 4096, graph: bool = True) -> tuple:
     """``(us per round, failures)`` of one op, rank count, size and algorithm (see the module
-    docstring): built, warmed up, captured, timed, checked, closed."""
+    docstring): built, warmed up, captured (``graph``; else every round launched eagerly, the
+    ranks' launches behind the same stream hold), timed, checked, closed."""
     import torch
 
     from tilescale_examples.testing.emulated import release_kernels
@@ -197,21 +199,31 @@ def time_case(n: int, nbytes: int, dtype, algorithm: str, iters: int, device, op
     try:
         args = _inputs(ops, 0)
         streams = [torch.cuda.Stream(device) for _ in ops]
-        ms, graph, outs = _timing.graph_ms_per_call(
-            lambda: concurrent_round(ops, args, streams), 1, iters,
-            lambda replay, count: _timing.held_ms_per_launch(replay, count, device))
+
+        def one_round():
+            return concurrent_round(ops, args, streams)
+
+        def held(launch, count):
+            return _timing.held_ms_per_launch(launch, count, device)
+
+        if graph:
+            ms, captured, outs = _timing.graph_ms_per_call(one_round, 1, iters, held)
+            again = captured.replay
+        else:
+            outs = one_round()  # warm-up; every round writes the ops' own outputs
+            ms, again = held(one_round, iters), one_round
         fresh = _inputs(ops, 1)
-        for captured, new in zip(args, fresh):
-            for t, f in zip(captured, new):
+        for used, new in zip(args, fresh):
+            for t, f in zip(used, new):
                 t.copy_(f)
         for out in outs:
             _timing.poison_(out)
-        graph.replay()
+        again()
         torch.cuda.synchronize(device)
         return ms * 1e3, _failures(ops, outs, fresh, f"{op} {algorithm} {n} ranks {format_bytes(nbytes)}")
     finally:
-        for op in ops:
-            op.close()
+        for each in ops:
+            each.close()
         release_kernels(kernels)
         peers.close()
 
@@ -291,7 +303,8 @@ def run(args, device, done=None) -> tuple:
             for algorithm in args.algorithms:
                 with _harness.watchdog(args.case_timeout, f"{args.op} {algorithm}, {n} ranks at once, "
                                                           f"{format_bytes(nbytes)}"):
-                    us, fails = time_case(n, nbytes, dtype, algorithm, args.iters, device, args.op, args.hidden)
+                    us, fails = time_case(n, nbytes, dtype, algorithm, args.iters, device, args.op, args.hidden,
+                                          graph=args.launch == "graph")
                 times.append(us)
                 bad += fails
             extra = [ratio(times[0], times[1])] if len(times) > 1 else []
@@ -315,6 +328,8 @@ def main(argv=None) -> int:
     p.add_argument("--algorithms", nargs="+", default=["lamport", "one_shot"], choices=ALGORITHMS,
                    help="the algorithms timed (the first is compared with the second)")
     p.add_argument("--iters", type=int, default=50, help="graph replays timed per case")
+    p.add_argument("--launch", default="graph", choices=["graph", "eager"],
+                   help="each round replayed from a CUDA graph, or launched eagerly (behind the same stream hold)")
     p.add_argument("--case-timeout", type=float, default=120.0,
                    help="seconds a case may take before the run ends naming it (a deadlock)")
     args = _harness.parse_args(p, argv)
@@ -344,7 +359,9 @@ def main(argv=None) -> int:
 
     def show(n: int, rows: list) -> None:  # each rank count's table and summary line as soon as it is done
         print_table(f"{what}, {n} emulated ranks running at once (one {torch.cuda.get_device_name(device)}), "
-                    f"{args.dtype}; GPU time per round replayed from a CUDA graph ({args.iters} replays)",
+                    f"{args.dtype}; GPU time per round "
+                    + (f"replayed from a CUDA graph ({args.iters} replays)" if args.launch == "graph"
+                       else f"launched eagerly ({args.iters} rounds behind a stream hold)"),
                     headers(args.algorithms), [[r[0], format_bytes(r[1])] + r[2:] for r in rows])
         for line in summary_lines({n: rows}, args.algorithms, shipped) if len(args.algorithms) > 1 else []:
             print(line, flush=True)
