@@ -436,6 +436,7 @@ def test_benchmark_without_gpu_and_bad_arguments(monkeypatch, capsys):
     exits_naming(decode.main, ["--hidden", "1001"], "--hidden a positive multiple of 8", capsys)
     exits_naming(decode.main, ["--fp8", "per_tensor"], "invalid choice", capsys)
     exits_naming(decode.main, ["--algorithm", "lamport"], "--algorithm lamport runs with --ranks 1 only", capsys)
+    exits_naming(decode.main, ["--case-timeout", "-1"], "--case-timeout must be positive", capsys)
 
 
 def test_benchmark_tables_goals_and_plot(capsys, tmp_path):

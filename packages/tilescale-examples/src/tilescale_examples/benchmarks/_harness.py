@@ -139,12 +139,15 @@ def fused_parser(name: str, description: str, iters: int) -> argparse.ArgumentPa
     """:func:`parser` with the options of the benchmarks of a fused op against its unfused
     sequence on emulated peers: ``--ranks`` (world sizes, default 1 2 4 8), ``--dtype``
     (bfloat16 or float16), ``--iters`` (back-to-back calls timed per rank and case, default
-    ``iters``) and ``--max-blocks`` (grid limit, default the SM count)."""
+    ``iters``), ``--max-blocks`` (grid limit, default the SM count) and ``--case-timeout``
+    (seconds a case may take before the run ends naming it: :func:`watchdog`)."""
     p = parser(name, description)
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8], help="emulated world sizes")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--iters", type=int, default=iters, help="back-to-back calls timed per rank and case")
     p.add_argument("--max-blocks", type=int, default=None, help="grid limit (default: the SM count)")
+    p.add_argument("--case-timeout", type=float, default=120.0,
+                   help="seconds a case may take before the run ends naming it (a deadlock)")
     return p
 
 
@@ -168,6 +171,8 @@ def emulated_device(p: argparse.ArgumentParser, args: argparse.Namespace, what: 
     the current CUDA device, or None when there is no GPU."""
     if any(n < 1 or n > 64 for n in args.ranks):
         p.error("--ranks must be in [1, 64]")
+    if not getattr(args, "case_timeout", 1.0) > 0:
+        p.error("--case-timeout must be positive")
     if visible_gpus(f"{what} benchmark") == 0:
         return None
     import torch

@@ -123,7 +123,8 @@ def run(args, device) -> tuple:
         rows = tables.setdefault(hidden, [])
         for n in args.ranks:
             for tokens in args.tokens:
-                fused, unfused, bad = run_case(args, n, tokens, hidden, device)
+                with _harness.watchdog(args.case_timeout, f"decode: {n} ranks, {tokens} tokens, hidden {hidden}"):
+                    fused, unfused, bad = run_case(args, n, tokens, hidden, device)
                 failures += bad
                 rows.append([n, tokens, fused * 1e3, unfused * 1e3, ratio(fused, unfused), "ok" if not bad else "FAIL"])
     return tables, failures

@@ -178,7 +178,9 @@ def run(args, device) -> tuple:
         for m in args.m:
             for tiles in args.tiles or [{}]:
                 for split in split_variants(args.split_k, m, args.k, args.n, n_ranks, sms, tiles):
-                    fused, unfused, bad, label = run_case(args, n_ranks, m, device, tiles, split)
+                    with _harness.watchdog(args.case_timeout, f"gemm_allreduce: {n_ranks} ranks, m {m}, tiles "
+                                                              f"{tiles or 'default'}, split_k {split}"):
+                        fused, unfused, bad, label = run_case(args, n_ranks, m, device, tiles, split)
                     failures += bad
                     rows.append([n_ranks, m, fused * 1e3, unfused * 1e3, alone[m] * 1e3, ratio(fused, unfused),
                                  ratio(fused, alone[m]), label, "ok" if not bad else "FAIL"])

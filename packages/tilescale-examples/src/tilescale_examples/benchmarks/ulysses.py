@@ -124,7 +124,8 @@ def run(args, device) -> tuple:
     for n in args.ranks:
         for seq in args.seq:
             for direction in ("seq_to_head", "head_to_seq"):
-                row, bad = run_case(args, n, seq, direction, device)
+                with _harness.watchdog(args.case_timeout, f"ulysses: {n} ranks, seq {seq}, {direction}"):
+                    row, bad = run_case(args, n, seq, direction, device)
                 tables.setdefault(n, []).append(row)
                 failures += bad
     return tables, failures
