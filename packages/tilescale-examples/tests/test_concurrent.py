@@ -204,3 +204,40 @@ def test_each_rank_counts_table_is_reported_before_the_next_rank_count_runs(monk
                       *[("case", 2, b, a) for b in (4096, 8192) for a in ("lamport", "one_shot")], ("done", 2, 2),
                       ("preload", 4, 4096), ("preload", 4, 4096),
                       *[("case", 4, b, a) for b in (4096, 8192) for a in ("lamport", "one_shot")], ("done", 4, 2)]
+
+
+def test_preload_calls_every_rank_once_in_turn_with_every_wait_passing_then_closes(monkeypatch, compiles):
+    """preload: one call per emulated rank, rank order, each launched with its waits preset to
+    pass (Lamport receive buffers without a sentinel byte); then every op closed, the kernels
+    released and the peers closed."""
+    from tilescale_examples.collectives.lamport_kernel import SENTINEL_BYTE
+
+    allocs = [CpuAllocator(num_ranks=2, rank=r) for r in range(2)]
+    launched, closed = [], []
+
+    class Launch:  # a rank's kernel: notes at launch time whether any receive byte is the sentinel
+        def __init__(self, op, rank):
+            self.op, self.rank = op, rank
+
+        def initialize(self, allocator=None, stream=None):
+            return self
+
+        def __call__(self, *args):
+            launched.append((self.rank, bool((self.op.stage_buffer.view(torch.uint8) == SENTINEL_BYTE).any())))
+
+    class Peers:
+        def close(self):
+            closed.append("peers")
+
+    def build(n, nbytes, dtype, algorithm, device, op, hidden):
+        ops, kernels = build_concurrent(lambda r: AllReduce(allocs[r], (nbytes // 2,), dtype, algorithm=algorithm), n)
+        for r, each in enumerate(ops):
+            each.kernel = Launch(each, r)
+        monkeypatch.setattr(type(ops[0]), "close", lambda self: closed.append(self.allocator.local_rank))
+        return Peers(), ops, kernels
+
+    monkeypatch.setattr(concurrent, "build", build)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    concurrent.preload(2, 128, torch.bfloat16, "lamport", torch.device("cpu"))
+    assert launched == [(0, False), (1, False)]  # in turn, nothing left to wait for
+    assert closed == [0, 1, "peers"]
