@@ -6,6 +6,7 @@ the loading round and the watchdog that ends a deadlocked case. The timed part n
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -241,3 +242,27 @@ def test_preload_calls_every_rank_once_in_turn_with_every_wait_passing_then_clos
     concurrent.preload(2, 128, torch.bfloat16, "lamport", torch.device("cpu"))
     assert launched == [(0, False), (1, False)]  # in turn, nothing left to wait for
     assert closed == [0, 1, "peers"]
+
+
+def test_the_run_gives_every_stream_a_hardware_queue_once_a_gpu_is_found(monkeypatch):
+    """emulated_device sets the variables it is given (unless set) only after finding a GPU,
+    before the CUDA context; main() asks for CUDA_DEVICE_MAX_CONNECTIONS=32."""
+    from argparse import ArgumentParser, Namespace
+
+    from tilescale_examples.benchmarks import _harness
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    args, env = Namespace(ranks=[2]), {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}
+    monkeypatch.setattr(_harness, "visible_gpus", lambda what: 0)
+    assert _harness.emulated_device(ArgumentParser(), args, "x", environ=env) is None
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ  # no GPU: nothing set
+    monkeypatch.setattr(_harness, "visible_gpus", lambda what: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert _harness.emulated_device(ArgumentParser(), args, "x", environ=env) == torch.device("cuda", 0)
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # the user's value stays
+    _harness.emulated_device(ArgumentParser(), args, "x", environ=env)
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+    seen = {}
+    monkeypatch.setattr(_harness, "emulated_device", lambda p, a, what, environ=None: seen.update(environ) or None)
+    assert concurrent.main([]) == 0 and seen == {"CUDA_DEVICE_MAX_CONNECTIONS": str(concurrent.MAX_CONNECTIONS)}

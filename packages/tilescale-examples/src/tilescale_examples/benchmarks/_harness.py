@@ -165,16 +165,20 @@ def visible_gpus(what: str) -> int:
     return gpus
 
 
-def emulated_device(p: argparse.ArgumentParser, args: argparse.Namespace, what: str):
+def emulated_device(p: argparse.ArgumentParser, args: argparse.Namespace, what: str, environ=None):
     """The prologue of a benchmark that emulates its peers in one process: ``--ranks`` world
     sizes each in [1, 64] (else ``p.error``), then :func:`visible_gpus` (``<what> benchmark``);
-    the current CUDA device, or None when there is no GPU."""
+    the current CUDA device, or None when there is no GPU. ``environ``: variables set (unless
+    already set) once a GPU is found and before the CUDA context is made, for those CUDA reads
+    then."""
     if any(n < 1 or n > 64 for n in args.ranks):
         p.error("--ranks must be in [1, 64]")
     if not getattr(args, "case_timeout", 1.0) > 0:
         p.error("--case-timeout must be positive")
     if visible_gpus(f"{what} benchmark") == 0:
         return None
+    for name, value in (environ or {}).items():
+        os.environ.setdefault(name, value)
     import torch
 
     return torch.device("cuda", torch.cuda.current_device())

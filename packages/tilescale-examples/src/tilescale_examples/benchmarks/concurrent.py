@@ -26,7 +26,9 @@ Every rank's kernel is loaded before the ranks run at once (:func:`preload`): a 
 launch loads its module, and a load may synchronise the whole CUDA context, so a rank whose
 kernel loads while another rank's kernel waits for it would never launch. A case that does not
 finish within ``--case-timeout`` seconds ends the run with the case named
-(:func:`~tilescale_examples.benchmarks._harness.watchdog`).
+(:func:`~tilescale_examples.benchmarks._harness.watchdog`). The run sets
+``CUDA_DEVICE_MAX_CONNECTIONS`` to :data:`MAX_CONNECTIONS` unless it is set: streams that share a
+hardware queue run one after the other.
 
 The ranks share one GPU's SMs and memory, so this is a proxy for latency-bound sizes (where
 the flag rounds and launch costs, not the bytes, set the time), not a bandwidth measurement.
@@ -49,6 +51,9 @@ __all__ = ["HEADERS", "ALGORITHMS", "OPS", "shape_of", "sizes", "build", "concur
 ALGORITHMS = ("lamport", "one_shot", "two_shot")
 #: The ops a run may time (``--op``).
 OPS = ("allreduce", "norm")
+#: ``CUDA_DEVICE_MAX_CONNECTIONS`` of a run (unless set): CUDA's largest number of hardware
+#: queues, so that the ranks' streams (up to 8, and the main stream) never share one.
+MAX_CONNECTIONS = 32
 
 
 def headers(algorithms) -> list:
@@ -345,7 +350,10 @@ def main(argv=None) -> int:
         p.error("--op norm takes --algorithms lamport and one_shot and --dtype bfloat16 or float16")
     if args.hidden < 8 or args.hidden % 8:
         p.error("--hidden must be a positive multiple of 8")
-    device = _harness.emulated_device(p, args, "concurrent")
+    # every rank's stream on a hardware queue of its own (read when the CUDA context is made): two
+    # streams sharing a queue run one after the other, and ranks that wait for each other then never end
+    device = _harness.emulated_device(p, args, "concurrent",
+                                      environ={"CUDA_DEVICE_MAX_CONNECTIONS": str(MAX_CONNECTIONS)})
     if device is None:
         return 0
     import torch
