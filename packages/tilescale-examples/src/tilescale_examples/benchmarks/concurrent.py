@@ -39,13 +39,14 @@ entry that the measurement supports) beside the shipped entry.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import format_bytes, print_table, ratio, size_sweep
 
-__all__ = ["HEADERS", "ALGORITHMS", "OPS", "shape_of", "sizes", "build", "concurrent_round", "pass_every_wait",
-           "preload", "time_case", "largest_win", "summary_lines", "kernel_jobs", "run", "main"]
+__all__ = ["HEADERS", "ALGORITHMS", "OPS", "shape_of", "sizes", "build", "built", "concurrent_round",
+           "pass_every_wait", "preload", "time_case", "largest_win", "summary_lines", "kernel_jobs", "run", "main"]
 
 #: The algorithms a run may compare (``AllReduce``'s forced ones; the norm takes the first two).
 ALGORITHMS = ("lamport", "one_shot", "two_shot")
@@ -131,6 +132,22 @@ def pass_every_wait(ops) -> None:
             op.stage_buffer.zero_()
 
 
+@contextlib.contextmanager
+def built(n: int, nbytes: int, dtype, algorithm: str, device, op: str = "allreduce", hidden: int = 4096):
+    """:func:`build`'s ops for the body, then every op closed, the kernels released and the
+    peers closed (whatever the body raised)."""
+    from tilescale_examples.testing.emulated import release_kernels
+
+    peers, ops, kernels = build(n, nbytes, dtype, algorithm, device, op, hidden)
+    try:
+        yield ops
+    finally:
+        for each in ops:
+            each.close()
+        release_kernels(kernels)
+        peers.close()
+
+
 def preload(n: int, nbytes: int, dtype, algorithm: str, device, op: str = "allreduce", hidden: int = 4096) -> None:
     """Load the kernel of every one of ``n`` emulated ranks (:func:`build`'s ops) while no
     kernel waits: one call per rank, one after the other on the current stream, every wait
@@ -140,18 +157,12 @@ def preload(n: int, nbytes: int, dtype, algorithm: str, device, op: str = "allre
     kernels stay loaded (and cached) for every later case of ``n`` ranks and ``algorithm``."""
     import torch
 
-    from tilescale_examples.testing.emulated import release_kernels, run_round
+    from tilescale_examples.testing.emulated import run_round
 
-    peers, ops, kernels = build(n, nbytes, dtype, algorithm, device, op, hidden)
-    try:
+    with built(n, nbytes, dtype, algorithm, device, op, hidden) as ops:
         args = _inputs(ops, 0)
         run_round(ops, lambda c: c(*args[c.allocator.local_rank]), preset=pass_every_wait)
         torch.cuda.synchronize(device)
-    finally:
-        for o in ops:
-            o.close()
-        release_kernels(kernels)
-        peers.close()
 
 
 def _inputs(ops, seed: int) -> list:
@@ -198,10 +209,7 @@ def time_case(n: int, nbytes: int, dtype, algorithm: str, iters: int, device, op
     ranks' launches behind the same stream hold), timed, checked, closed."""
     import torch
 
-    from tilescale_examples.testing.emulated import release_kernels
-
-    peers, ops, kernels = build(n, nbytes, dtype, algorithm, device, op, hidden)
-    try:
+    with built(n, nbytes, dtype, algorithm, device, op, hidden) as ops:
         args = _inputs(ops, 0)
         streams = [torch.cuda.Stream(device) for _ in ops]
 
@@ -226,11 +234,6 @@ def time_case(n: int, nbytes: int, dtype, algorithm: str, iters: int, device, op
         again()
         torch.cuda.synchronize(device)
         return ms * 1e3, _failures(ops, outs, fresh, f"{op} {algorithm} {n} ranks {format_bytes(nbytes)}")
-    finally:
-        for each in ops:
-            each.close()
-        release_kernels(kernels)
-        peers.close()
 
 
 def largest_win(rows, first: int = 2, second: int = 3):
