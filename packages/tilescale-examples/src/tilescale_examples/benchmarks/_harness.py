@@ -27,7 +27,7 @@ import sys
 import warnings
 
 __all__ = ["parser", "parse_args", "run_on_ranks", "gpu_mode", "show_progress", "fused_parser", "visible_gpus",
-           "emulated_device", "tile_fields", "watchdog"]
+           "emulated_device", "tile_fields", "watchdog", "add_case_timeout"]
 
 
 def parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -146,9 +146,15 @@ def fused_parser(name: str, description: str, iters: int) -> argparse.ArgumentPa
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--iters", type=int, default=iters, help="back-to-back calls timed per rank and case")
     p.add_argument("--max-blocks", type=int, default=None, help="grid limit (default: the SM count)")
+    add_case_timeout(p)
+    return p
+
+
+def add_case_timeout(p: argparse.ArgumentParser) -> None:
+    """``--case-timeout`` (seconds a case may take before :func:`watchdog` ends the run naming
+    it; default 120), checked positive by :func:`emulated_device`."""
     p.add_argument("--case-timeout", type=float, default=120.0,
                    help="seconds a case may take before the run ends naming it (a deadlock)")
-    return p
 
 
 def visible_gpus(what: str) -> int:

@@ -338,13 +338,10 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=50, help="graph replays timed per case")
     p.add_argument("--launch", default="graph", choices=["graph", "eager"],
                    help="each round replayed from a CUDA graph, or launched eagerly (behind the same stream hold)")
-    p.add_argument("--case-timeout", type=float, default=120.0,
-                   help="seconds a case may take before the run ends naming it (a deadlock)")
+    _harness.add_case_timeout(p)
     args = _harness.parse_args(p, argv)
     if any(not 2 <= n <= 8 for n in args.ranks) or args.iters < 1:
         p.error("--ranks must be in [2, 8] and --iters >= 1")
-    if not args.case_timeout > 0:
-        p.error("--case-timeout must be positive")
     if not 16 <= args.min_bytes <= args.max_bytes:
         p.error("--min-bytes must be at least 16 and at most --max-bytes")
     if len(set(args.algorithms)) != len(args.algorithms):
