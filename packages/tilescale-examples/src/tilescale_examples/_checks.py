@@ -15,7 +15,7 @@ from tilescale_core.interface import check_positive_int
 
 __all__ = ["TARGET", "DEFAULT_MAX_BLOCKS", "DTYPES", "plan_chunks", "size_table_entry", "default_group",
            "check_shape", "check_dtype", "check_threads", "check_tensor", "check_group", "check_max_blocks",
-           "check_target", "check_allocator", "check_positive_int", "check_disjoint"]
+           "check_target", "check_allocator", "check_positive_int", "check_bool", "check_disjoint"]
 
 #: Default TileLang target (H100/H200).
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -73,6 +73,14 @@ def default_group():
     import torch.distributed as dist
 
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def check_bool(name: str, value) -> bool:
+    """``value`` when it is a bool (``True``/``False``, not ``0``/``1``), else ``TypeError``
+    naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
 
 
 def check_shape(shape, name: str = "shape") -> Tuple[int, ...]:

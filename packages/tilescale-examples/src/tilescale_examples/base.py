@@ -25,7 +25,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from tilescale_examples._checks import (DEFAULT_MAX_BLOCKS, DTYPES, TARGET, check_allocator, check_disjoint,
+from tilescale_examples._checks import (DEFAULT_MAX_BLOCKS, DTYPES, TARGET, check_allocator, check_bool, check_disjoint,
                                         check_dtype, check_group, check_max_blocks, check_positive_int, check_shape,
                                         check_target, check_tensor, check_threads, default_group, plan_chunks,
                                         size_table_entry)
@@ -41,7 +41,8 @@ __all__ = ["ClosedError", "SymmetricOp", "SymmetricCollective", "RowsPerRank", "
            "warn_old_spelling",
            "check_tensor", "check_disjoint", "check_threads", "plan_chunks", "size_table_entry", "check_allocator",
            "check_shape",
-           "check_dtype", "check_group", "check_max_blocks", "check_target", "check_positive_int", "compile_once",
+           "check_dtype", "check_group", "check_max_blocks", "check_target", "check_positive_int", "check_bool",
+           "compile_once",
            "settle", "all_ranks_agree", "collective_device", "default_group", "TARGET", "DTYPES",
            "DEFAULT_MAX_BLOCKS"]
 

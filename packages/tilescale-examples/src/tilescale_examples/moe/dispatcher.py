@@ -76,8 +76,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from tilescale_examples.base import (SymmetricCollective, accepts_0_1_init, check_positive_int, check_tensor,
-                                     warn_old_spelling)
+from tilescale_examples.base import (SymmetricCollective, accepts_0_1_init, check_bool, check_positive_int,
+                                     check_tensor, warn_old_spelling)
 from tilescale_examples.moe.kernels import (DISPATCH_PHASES, MAX_EXPERTS, PLAN_THREADS, build_combine_kernel,
                                             build_dispatch_kernel)
 from tilescale_examples.moe.reference import (COMBINE_ATOL, COMBINE_RTOL, expected_routes, torch_combine_reference,
@@ -203,8 +203,7 @@ class MoEDispatcher(SymmetricCollective):
         self.max_tokens = check_positive_int("max_tokens", max_tokens, upper=MAX_TOKENS)
         if index_dtype not in _INDEX_DTYPES:
             raise TypeError(f"index_dtype must be torch.int64 or torch.int32, got {index_dtype!r}")
-        if not isinstance(validate, bool):
-            raise TypeError(f"validate must be a bool, got {validate!r}")
+        check_bool("validate", validate)
         self._setup(allocator, (self.hidden,), dtype, world_size, group, threads, max_blocks, _DTYPES, target=target)
         if self.max_blocks < 1:
             raise ValueError(f"max_blocks must be positive, got {self.max_blocks!r}")

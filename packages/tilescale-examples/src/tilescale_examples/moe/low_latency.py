@@ -49,7 +49,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from tilescale_examples.base import SymmetricCollective, check_positive_int, check_tensor
+from tilescale_examples.base import SymmetricCollective, check_bool, check_positive_int, check_tensor
 from tilescale_examples.moe.dispatcher import MAX_TOPK, MoEDispatcher
 from tilescale_examples.moe.ll_combine import build_ll_combine_kernel
 from tilescale_examples.moe.ll_dispatch import (LL_MAX_TOKENS, LL_THREADS, build_ll_dispatch_kernel,
@@ -137,8 +137,7 @@ class MoELowLatency(SymmetricCollective):
         K = self.topk = check_positive_int("topk", topk, upper=MAX_TOPK)
         TMAX = self.max_tokens = check_positive_int("max_tokens", max_tokens, upper=LL_MAX_TOKENS)
         for name, flag in (("fp8", fp8), ("validate", validate)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {flag!r}")
+            check_bool(name, flag)
         if index_dtype not in _INDEX_DTYPES:
             raise TypeError(f"index_dtype must be torch.int64 or torch.int32, got {index_dtype!r}")
         if fp8 and FP8_TORCH_DTYPE is None:
@@ -247,8 +246,7 @@ class MoELowLatency(SymmetricCollective):
         self._check_open()
         self._no_pending_hook("dispatch")
         tokens = self._check_dispatch(x, topk_idx, topk_weights)
-        if not isinstance(return_recv_hook, bool):
-            raise TypeError(f"return_recv_hook must be a bool, got {return_recv_hook!r}")
+        check_bool("return_recv_hook", return_recv_hook)
         if self.validate if validate is None else validate:
             self._validate_indices(topk_idx)
         kernel = self._send_kernels()[0] if return_recv_hook else self.dispatch_kernel

@@ -31,6 +31,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from tilescale_examples._checks import check_bool
 from tilescale_examples._macros import T, macro
 
 __all__ = ["flash_attention", "build_attention_kernel", "build_flash_attention_kernel", "torch_reference",
@@ -290,8 +291,7 @@ def _check(q, k, v, causal, scale, tiles) -> Tuple[int, ...]:
     if H % Hkv:
         raise ValueError(f"q's heads ({H}) must be a multiple of k's ({Hkv})")
     check_head_dim(D)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    check_bool("causal", causal)
     if causal and Skv < Sq:
         raise ValueError(f"causal attention needs at least as many keys as queries, got {Skv} < {Sq}")
     check_scale(scale, D)
@@ -328,8 +328,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         TypeError / ValueError: naming the argument, before anything is compiled or launched.
     """
     tiles = check_tiles(tiles, q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 128)
-    if not isinstance(fast_math, bool):
-        raise TypeError(f"fast_math must be a bool, got {fast_math!r}")
+    check_bool("fast_math", fast_math)
     B, Sq, H, Skv, Hkv, D = _check(q, k, v, causal, scale, tiles)
     scale = check_scale(scale, D)
     for name, t, shape, dtype in (("out", out, (B, Sq, H, D), q.dtype), ("lse", lse, (B, H, Sq), torch.float32)):

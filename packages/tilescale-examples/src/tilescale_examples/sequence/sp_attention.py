@@ -55,7 +55,7 @@ from typing import Literal, Optional, Sequence, Tuple, Union
 import torch
 
 from tilescale_examples._macros import T
-from tilescale_examples.base import check_positive_int, settle
+from tilescale_examples.base import check_bool, check_positive_int, settle
 from tilescale_examples.sequence._attention_op import AttentionOp
 from tilescale_examples.sequence.flash_attention import (DTYPES, LOG2E, attend_tile, attention_buffers,
                                                          build_attention_kernel, check_head_dim, check_scale,
@@ -246,9 +246,7 @@ class SPAllGatherAttention(AttentionOp):
                  scale: Optional[float] = None, fast_math: bool = True, target=None, **tiles):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-        if not isinstance(fast_math, bool):
-            raise TypeError(f"fast_math must be a bool, got {fast_math!r}")
-        self.fast_math = fast_math
+        self.fast_math = check_bool("fast_math", fast_math)
         self._setup_op(allocator, dtype, world_size, group, tuple(DTYPES))
         self.batch, self.seq_local = check_positive_int("batch", batch), check_positive_int("seq_local", seq_local)
         self.heads, self.kv_heads = check_positive_int("heads", heads), check_positive_int("kv_heads", kv_heads)
@@ -264,9 +262,7 @@ class SPAllGatherAttention(AttentionOp):
             raise ValueError(f"seq_local={seq_local} must be a multiple of {times}block_m={self.tiles['block_m']} and "
                              f"{times}block_n={self.tiles['block_n']} (order={order!r})")
         self.order = order
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {causal!r}")
-        self.causal = causal
+        self.causal = check_bool("causal", causal)
         self.scale = check_scale(scale, head_dim)
         self.q_shape, self.kv_shape = (batch, seq_local, heads, head_dim), (batch, seq_local, kv_heads, head_dim)
         self.algorithm, self.algorithm_reason = self._choose_algorithm(algorithm)
