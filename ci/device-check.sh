@@ -33,13 +33,12 @@ while [[ $# -gt 0 ]]; do
 done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
-# first: the fused norm's and the all-reduce's algorithms with emulated ranks running at once
-# (2 ranks ran; at 4 the first graph replay of a one-shot round never finished: each table is now
-# printed when its rank count is done, and the eager rounds tell whether the graph is the cause),
-# then the sequence-parallel GPU tests (the attention kernels now compile with fast math by
-# default). Each step fits one device call of 600 s.
-[[ " ${steps[*]} " == *" unverified "* ]] && steps=(bench-concurrent-eager bench-concurrent-norm bench-concurrent \
-  tests-sequence)
+# first; each step fits one device call of 600 s. None at present.
+unverified=()
+if [[ " ${steps[*]} " == *" unverified "* ]]; then
+  steps=("${unverified[@]}")
+  [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
+fi
 logs=${OUT:-device-logs}
 mkdir -p "$logs"
 source .device/install.sh || exit 1

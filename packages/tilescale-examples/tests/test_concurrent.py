@@ -14,7 +14,7 @@ import torch
 from examples_helpers import CpuAllocator, exits_naming, output_without_gpu
 
 from tilescale_examples.benchmarks import BENCHMARKS, concurrent
-from tilescale_examples.collectives.allreduce import LAMPORT_MAX_BYTES, AllReduce
+from tilescale_examples.collectives.allreduce import AllReduce
 from tilescale_examples.testing.emulated import build_concurrent, release_kernels
 
 
@@ -57,7 +57,7 @@ def test_columns_largest_win_and_summary():
     assert concurrent.largest_win(rows) == 8192  # up to the first size where it loses, not after
     assert concurrent.largest_win([[4, 4096, 3.0, 2.0, 1.5, "ok"]]) is None
     lines = concurrent.summary_lines({2: rows, 4: [[4, 4096, 3.0, 2.0, 1.5, "ok"]]}, ["lamport", "one_shot"],
-                                     LAMPORT_MAX_BYTES)
+                                     {1: 4096, 2: 32 << 10, 4: 16 << 10})
     assert lines == ["2 ranks: lamport faster than one_shot up to 8 KiB (shipped entry: 32 KiB)",
                      "4 ranks: lamport faster than one_shot at no size (shipped entry: 16 KiB)"]
     assert concurrent.summary_lines({2: rows}, ["one_shot", "two_shot"]) == [
@@ -266,3 +266,61 @@ def test_the_run_gives_every_stream_a_hardware_queue_once_a_gpu_is_found(monkeyp
     seen = {}
     monkeypatch.setattr(_harness, "emulated_device", lambda p, a, what, environ=None: seen.update(environ) or None)
     assert concurrent.main([]) == 0 and seen == {"CUDA_DEVICE_MAX_CONNECTIONS": str(concurrent.MAX_CONNECTIONS)}
+
+
+def test_captured_round_gives_every_rank_a_graph_of_its_own_on_its_own_stream(monkeypatch):
+    """captured_round: an eager warm-up round, then one graph per rank captured on that rank's
+    stream (one graph of every rank would let CUDA run a waiting rank's branch before the rank
+    it waits for); a replay forks every rank's stream from the current one, replays its graph
+    there and joins it back; the outputs are poisoned after the capture."""
+    import contextlib
+
+    events = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(("wait", self.name, other.name))
+
+    class Graph:
+        def replay(self):
+            events.append(("replay", graphs.index(self), current[-1].name))
+
+    graphs, current = [], [Stream("main")]
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    def graph(g, stream=None):  # captures on ``stream``, made current as torch.cuda.graph does
+        graphs.append(g)
+        events.append(("capture", len(graphs) - 1, stream.name))
+        return on(stream)
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current[-1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
+
+    def op_of(rank):
+        def op(x):
+            events.append(("call", rank, current[-1].name))
+            return torch.zeros(2), torch.zeros(3, dtype=torch.int32)
+        return op
+
+    streams = [Stream(f"s{r}") for r in range(3)]
+    replay, outs = concurrent.captured_round([op_of(r) for r in range(3)], [(None,)] * 3, streams)
+    assert len(outs) == 6 and all(o.isnan().all() for o in outs[0::2])  # poisoned
+    assert all((o == torch.iinfo(torch.int32).max).all() for o in outs[1::2])
+    eager = [e for r in range(3) for e in (("wait", f"s{r}", "main"), ("call", r, f"s{r}"))]
+    joins = [("wait", "main", f"s{r}") for r in range(3)]
+    captures = [e for r in range(3) for e in (("capture", r, f"s{r}"), ("call", r, f"s{r}"))]
+    assert events == eager + joins + ["sync"] + captures
+    events.clear()
+    replay()
+    assert events == [e for r in range(3) for e in (("wait", f"s{r}", "main"), ("replay", r, f"s{r}"))] + joins

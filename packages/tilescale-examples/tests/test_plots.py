@@ -37,6 +37,8 @@ EXPECTED = {
     "block_rasterization": ("gemm", [8 * 4]),  # (n, m_local, panel) x 4 TFLOP/s columns
     "block_rasterization_2": ("gemm", [4 * 4]),  # the tuned tiles: (n, m_local) x 4 TFLOP/s columns
     "gemm_allreduce": ("bars", [19 * 3]),  # fused, mm+AR, mm us per (m, tiles)
+    "concurrent": ("lines", [3]),  # lamport/one_shot per rank count (2, 4, 8) against the all-reduce size
+    "concurrent_2": ("lines", [3]),  # the same for the fused norm
     "cuda_graphs": ("lines", [1]),  # graph vs symm against the all-reduce size
     "cuda_graphs_2": ("lines", [2]),  # Lamport and one-shot vs symm against the size
     "heap": ("bars", [6 * 2]),  # ready ms, cudaMalloc ms per path and ranks

@@ -7,20 +7,20 @@
 The emulated peers of :mod:`~tilescale_examples.benchmarks.emulated` run one after the other
 with their flags preset, so they measure a kernel's bytes per second and never its waits; a
 flagless kernel (``algorithm="lamport"``, whose data is its own signal) cannot run that way
-at all. Here ``N`` emulated ranks (:mod:`tilescale_examples.testing.emulated`: ``N`` regions of
-one device buffer, local memory standing in for NVLink) run at once, one stream each, with
-real waits: each rank's op (``--op allreduce``: ``AllReduce`` of ``size`` bytes; ``norm``:
+at all. Here ``N`` emulated ranks (:mod:`tilescale_examples.testing.emulated`: ``N`` regions of one
+device buffer, local memory standing in for NVLink) run at once, one stream each, with real
+waits: each rank's op (``--op allreduce``: ``AllReduce`` of ``size`` bytes; ``norm``:
 ``AllReduceResidualRMSNorm`` of ``size / (hidden * itemsize)`` token rows of ``--hidden``,
 ``size`` the bytes of its ``x``) has a compiled kernel of its own
 (:func:`~tilescale_examples.testing.emulated.build_concurrent`) and a grid of at most ``SMs /
-N`` blocks, so every rank's blocks are resident together. One round (every rank's call, forked
-from the current stream and joined back) is captured in a CUDA graph and replayed ``--iters``
-times behind a stream hold (``--launch eager``: ``--iters`` rounds launched eagerly behind the
-hold): ``us`` is GPU time per round, i.e. per call with the ranks concurrent. Then fresh
-inputs, poisoned outputs and one more round, every rank's output
-checked bit for bit against the rank-order reference (a failure is printed and makes the exit
-status 1; the norm's outputs against its float32 torch reference, ``residual_out`` bit for
-bit).
+N`` blocks, so every rank's blocks are resident together. Every rank's call is captured in a
+CUDA graph of its own (:func:`captured_round`); one round (every rank's graph replayed on its
+own stream, forked from the current stream and joined back) is launched ``--iters`` times
+behind a stream hold (``--launch eager``: ``--iters`` rounds launched eagerly behind the hold):
+``us`` is GPU time per round, i.e. per call with the ranks concurrent. Then fresh inputs,
+poisoned outputs and one more round, every rank's output checked bit for bit against the
+rank-order reference (a failure is printed and makes the exit status 1; the norm's outputs
+against its float32 torch reference, ``residual_out`` bit for bit).
 
 Every rank's kernel is loaded before the ranks run at once (:func:`preload`): a kernel's first
 launch loads its module, and a load may synchronise the whole CUDA context, so a rank whose
@@ -45,7 +45,7 @@ import math
 from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import format_bytes, print_table, ratio, size_sweep
 
-__all__ = ["HEADERS", "ALGORITHMS", "OPS", "shape_of", "sizes", "build", "built", "concurrent_round",
+__all__ = ["HEADERS", "ALGORITHMS", "OPS", "shape_of", "sizes", "build", "built", "concurrent_round", "captured_round",
            "pass_every_wait", "preload", "time_case", "largest_win", "summary_lines", "kernel_jobs", "run", "main"]
 
 #: The algorithms a run may compare (``AllReduce``'s forced ones; the norm takes the first two).
@@ -114,6 +114,41 @@ def concurrent_round(ops, args, streams) -> list:
     for stream in streams:
         main.wait_stream(stream)
     return outs
+
+
+def captured_round(ops, args, streams) -> tuple:
+    """``(replay, outs)``: one eager :func:`concurrent_round` (warm-up), then every rank's call
+    captured into a CUDA graph of its own on its own stream, as each process of a real run
+    captures its own. ``replay()`` launches one round: every rank's graph on its stream, forked
+    from the current stream and joined back. ``outs`` (flat, rank order) are written only by
+    replays (poisoned after the capture).
+
+    One graph holding every rank's call would not do: CUDA does not promise to run a graph's
+    independent branches at the same time, and a branch that waits for a later one never ends."""
+    import torch
+
+    concurrent_round(ops, args, streams)
+    torch.cuda.synchronize()
+    graphs, outs = [], []
+    for op, call_args, stream in zip(ops, args, streams):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            got = op(*call_args)
+        graphs.append(graph)
+        outs += list(got) if isinstance(got, tuple) else [got]
+    for out in outs:
+        _timing.poison_(out)
+
+    def replay():
+        main = torch.cuda.current_stream()
+        for graph, stream in zip(graphs, streams):
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                graph.replay()
+        for stream in streams:
+            main.wait_stream(stream)
+
+    return replay, outs
 
 
 def pass_every_wait(ops) -> None:
@@ -205,8 +240,8 @@ def _failures(ops, outs, inputs, what: str) -> list:
 def time_case(n: int, nbytes: int, dtype, algorithm: str, iters: int, device, op: str = "allreduce",
               hidden: int = 4096, graph: bool = True) -> tuple:
     """``(us per round, failures)`` of one op, rank count, size and algorithm (see the module
-    docstring): built, warmed up, captured (``graph``; else every round launched eagerly, the
-    ranks' launches behind the same stream hold), timed, checked, closed."""
+    docstring): built, warmed up, captured (``graph``: :func:`captured_round`; else every round
+    launched eagerly, the ranks' launches behind the same stream hold), timed, checked, closed."""
     import torch
 
     with built(n, nbytes, dtype, algorithm, device, op, hidden) as ops:
@@ -220,8 +255,8 @@ def time_case(n: int, nbytes: int, dtype, algorithm: str, iters: int, device, op
             return _timing.held_ms_per_launch(launch, count, device)
 
         if graph:
-            ms, captured, outs = _timing.graph_ms_per_call(one_round, 1, iters, held)
-            again = captured.replay
+            again, outs = captured_round(ops, args, streams)
+            ms = held(again, iters)
         else:
             outs = one_round()  # warm-up; every round writes the ops' own outputs
             ms, again = held(one_round, iters), one_round
