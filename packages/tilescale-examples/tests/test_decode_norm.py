@@ -126,6 +126,9 @@ class FakeKernel:
 
 
 def make(shape=(3, 256), dtype=BF16, num_ranks=2, **kwargs):
+    """The op on a stand-in allocator with a fake kernel; the flag-based one-shot exchange
+    unless ``algorithm`` says otherwise (``"auto"`` takes Lamport at these sizes)."""
+    kwargs.setdefault("algorithm", "one_shot")
     op = AllReduceResidualRMSNorm(CpuAllocator(num_ranks=num_ranks), shape, dtype, threads=64, **kwargs)
     op.kernel = FakeKernel(op)
     return op
@@ -167,12 +170,15 @@ def test_lamport_buffers_arguments_and_the_algorithm_choice(compiles, monkeypatc
     (args,) = op.kernel.calls
     assert args[3] is op.stage_buffer and args[6] is op.flags and args[7] is op.state and args[8:] == (2, 2, 3, 1e-6)
     assert compare((y, h), expected(op, x, r, w)) == []
-    assert make().algorithm == "one_shot"  # auto at 2 ranks: 0 until the exchanges are timed at once there
+    assert make(algorithm="auto").algorithm == "lamport"  # auto at 2 ranks: Lamport up to 128 KiB (timed with ranks at once)
     assert allreduce_norm.choose_algorithm(1 << 20, 1) == "lamport"  # one rank: timed, Lamport up to 1 MiB
     assert allreduce_norm.choose_algorithm((1 << 20) + 2, 1) == "one_shot"
-    assert [allreduce_norm.choose_algorithm(2, w) for w in (2, 3, 4, 8, 16)] == ["one_shot"] * 5
+    assert [allreduce_norm.choose_algorithm(128 << 10, w) for w in (2, 3, 4)] == ["lamport"] * 3
+    assert [allreduce_norm.choose_algorithm((128 << 10) + 2, w) for w in (2, 3, 4, 8)] == ["one_shot"] * 4
+    assert [allreduce_norm.choose_algorithm(64 << 10, w) for w in (8, 16)] == ["lamport"] * 2
     monkeypatch.setattr(allreduce_norm, "LAMPORT_MAX_BYTES", {1: 0, 2: 4096})
-    assert make(shape=(2, 1024)).algorithm == "lamport" and make(shape=(3, 1024)).algorithm == "one_shot"
+    assert make(shape=(2, 1024), algorithm="auto").algorithm == "lamport"
+    assert make(shape=(3, 1024), algorithm="auto").algorithm == "one_shot"
     assert allreduce_norm.choose_algorithm(4096, 4) == "lamport"
     assert allreduce_norm.choose_algorithm(4097, 2) == "one_shot"
 

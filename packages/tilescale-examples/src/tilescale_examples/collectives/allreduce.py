@@ -56,11 +56,13 @@ ALGORITHMS = ("auto", "one_shot", "two_shot", "lamport")
 #: Size table of ``algorithm="auto"`` for float dtypes: the largest message (bytes) sent by the
 #: Lamport kernel, by world size (keys and lookup as :data:`ONE_SHOT_MAX_BYTES`). One rank
 #: (one H100, replayed from a CUDA graph): Lamport 2.58 / 3.33 us at 4 / 16 KiB against the
-#: one-shot's 3.58 / 4.11, but 6.38 against 6.03 us at 64 KiB. Across GPUs the one-shot's flag
-#: round costs more, so the entries above one rank are at least that; re-tune them from
-#: ``python -m tilescale_examples.benchmarks.allreduce --algorithm lamport|one_shot`` across GPUs,
-#: or on one GPU from ``python -m tilescale_examples.benchmarks.concurrent`` (emulated ranks at once).
-LAMPORT_MAX_BYTES = {1: 16 << 10, 2: 32 << 10, 4: 16 << 10, 8: 16 << 10}
+#: one-shot's 3.58 / 4.11, but 6.38 against 6.03 us at 64 KiB. Several ranks (emulated ranks
+#: running at once on one H100, ``python -m tilescale_examples.benchmarks.concurrent``,
+#: bfloat16, 4 to 256 KiB): Lamport 0.74-0.94 of the one-shot at every size at 2 ranks,
+#: 0.81-0.95 at 4, 0.96-0.99 at 8 up to 64 KiB (1.10 at 128 KiB); the entries stop at the
+#: largest size where it won (at 2 and 4 ranks the largest timed). Re-tune across GPUs with
+#: ``python -m tilescale_examples.benchmarks.allreduce --algorithm lamport|one_shot``.
+LAMPORT_MAX_BYTES = {1: 16 << 10, 2: 256 << 10, 4: 256 << 10, 8: 64 << 10}
 #: Size table of ``algorithm="auto"``: the largest message (bytes) sent one-shot, by world
 #: size (a world size between two keys uses the smaller key's entry; 1 rank: always one-shot).
 #: One-shot reads ``(n - 1) * size`` over the links against two-shot's ``2 (n - 1) / n *

@@ -62,10 +62,11 @@ ALGORITHMS = ("auto", "one_shot", "lamport")
 #: the Lamport protocol, by world size (:func:`~tilescale_examples.base.size_table_entry`).
 #: One rank (one H100, ``benchmarks.decode --algorithm lamport|one_shot``, bfloat16, hidden
 #: 4096 and 8192, 1 to 64 tokens): Lamport 3.89-4.96 us against the one-shot's 4.29-5.44 at
-#: every size, up to the largest measured (1 MiB). Several ranks: 0 (``"auto"`` keeps the
-#: one-shot) until ``benchmarks.concurrent --op norm`` (emulated ranks at once) has timed the
-#: two exchanges against each other.
-LAMPORT_MAX_BYTES = {1: 1 << 20, 2: 0, 4: 0, 8: 0}
+#: every size, up to the largest measured (1 MiB). Several ranks (emulated ranks running at
+#: once on one H100, ``benchmarks.concurrent --op norm``, bfloat16, hidden 4096, 8 to 128 KiB):
+#: Lamport 0.78-0.87 of the one-shot at 2 ranks and 0.86-0.89 at 4 at every size, 0.98-1.00
+#: at 8 up to 64 KiB (1.41 at 128 KiB); the entries stop at the largest size where it won.
+LAMPORT_MAX_BYTES = {1: 1 << 20, 2: 128 << 10, 4: 128 << 10, 8: 64 << 10}
 
 
 def choose_algorithm(nbytes: int, world_size: int) -> str:
