@@ -165,6 +165,43 @@ def test_allgather_object_on_cpu_allocator(tmp_path, monkeypatch):
         ag(torch.ones(3, 5))
 
 
+@needs_nvcc
+@pytest.mark.parametrize("op", ["allgather", "alltoall"])
+def test_a_call_laid_out_as_the_last_relaunches_it(op, tmp_path, monkeypatch):
+    """The put exchanges (AllGather, AllToAll): an input laid out as the last call's (the same
+    buffer refilled, or a fresh view of it) and no ``out``: the kept launch again, with a new
+    view of the input and the op's own buffers, without the input checks; another address
+    or ``out=`` takes the full call; close() and a closed allocator still refuse."""
+    from tilescale_examples.collectives.alltoall import AllToAll
+
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
+    alloc = CpuAllocator(num_ranks=2)
+    shape = (3, 8) if op == "allgather" else (2, 3, 8)
+    ex = (AllGather if op == "allgather" else AllToAll)(alloc, shape, "float32", threads=128)
+    launched, checked = [], []
+    ex.kernel = LaunchRecorder(launched)
+    monkeypatch.setattr(ex, "check_input", lambda t: checked.append(t) or type(ex).check_input(ex, t))
+    x = torch.randn(shape)
+    ex(x), ex(x)  # two full calls on one buffer: the launch kept
+    for view in (x, x.view(shape)):
+        assert ex(view) is ex.output and len(checked) == 2
+        assert launched[-1][0].data_ptr() == x.data_ptr()
+        assert all(a is b for a, b in zip(launched[-1][1:], launched[0][1:]))  # the op's own buffers
+    assert ex.epoch == 4
+    ex(x.clone())  # another address
+    assert len(checked) == 3
+    out = torch.empty_like(ex.output)
+    assert ex(x, out=out) is out and len(checked) == 4 and ex._kept_launch is None
+    ex(x), ex(x)
+    alloc.closed = True
+    with pytest.raises(ClosedError, match="allocator of this .* is closed"):
+        ex(x)
+    alloc.closed = False
+    ex.close()
+    with pytest.raises(ClosedError, match="is closed"):
+        ex(x)
+
+
 def test_engine_size_table():
     limit = ag_mod.COPY_ENGINE_MIN_BYTES
     assert ag_mod.choose_engine(limit[2] - 1, 2) == "sm" and ag_mod.choose_engine(limit[2], 2) == "copy"

@@ -204,6 +204,62 @@ def test_lamport_buffers_input_and_launch(tmp_path, monkeypatch):
         -(-LAMPORT_BUFFERS * 2 * 126 * 16 // 256) * 256
 
 
+@needs_nvcc
+@pytest.mark.parametrize("algorithm", ["one_shot", "lamport", "two_shot"])
+def test_a_repeated_call_relaunches_the_kept_arguments_and_anything_else_takes_the_full_call(
+        algorithm, tmp_path, monkeypatch):
+    """The steady state of a serving loop: a call on a tensor exactly like the last call's
+    (the same address, shape, strides, dtype: the same buffer refilled, or a fresh view of
+    it) and no ``out`` skips the full call and launches the kept arguments again with a new
+    view of the input, the device call number advancing; anything else (another address,
+    a reshaped or restrided tensor, ``out=``, a padded input, a staging buffer, a capture)
+    takes the full call with its checks, and close() still refuses."""
+    alloc, ar = make((64,), "float16", algorithm=algorithm, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    calls, full = ar.kernel.calls, []
+    monkeypatch.setattr(ar, "_check_call", lambda *a: full.append(a[0]) or AllReduce._check_call(ar, *a))
+    x = torch.randn(64).half()
+    assert ar(x) is ar.output and torch.equal(ar.output, x * 2) and ar._kept_launch is None
+    ar(x)  # a second full call on the same address: a loop over one buffer, its launch kept
+    assert len(full) == 2 and ar._kept_launch is not None
+    for i in range(3):
+        x.copy_(torch.randn(64).half())  # new values, same buffer
+        ar.output.fill_(float("nan"))
+        assert ar(x if i else x.view(64)) is ar.output and torch.equal(ar.output, x * 2)
+        assert len(full) == 2 and ar.epoch == i + 3 and calls[-1][0].data_ptr() == x.data_ptr()
+        assert all(a is b for a, b in zip(calls[-1][1:], calls[0][1:]))  # the kept arguments
+    if algorithm != "lamport":
+        assert ar.state.tolist() == [5] * ar.plan.blocks  # the device counted every call
+    y = torch.randn(64).half()
+    ar(y)  # another address: the full call, and nothing kept (calls on new tensors keep nothing)
+    assert len(full) == 3 and torch.equal(ar.output, y * 2) and ar._kept_launch is None
+    with pytest.raises(ValueError, match="input"):
+        ar(y.as_strided_((32,), (2,)))  # the same address, reshaped in place: the full call rejects it
+    with pytest.raises(TypeError, match="input has dtype torch.int16"):
+        ar(x.view(torch.int16))  # the same address and layout, another dtype
+    ar(x), ar(x)
+    assert ar._kept_launch is not None
+    out = torch.empty(64, dtype=torch.float16)
+    assert ar(x, out=out) is out and torch.equal(out, x * 2) and ar._kept_launch is None  # out=: nothing kept
+    ar(x), ar(x)
+    ar._captured = True  # as after a CUDA graph capture: eager calls rebind, so they take the full call
+    count = len(full)
+    ar(x)
+    assert len(full) == count + 1 and ar._kept_launch is None
+    ar._captured = False
+    odd = make((61,), "float16", algorithm=algorithm, tmp_path=tmp_path, monkeypatch=monkeypatch)[1]
+    z = torch.randn(61).half()
+    odd(z), odd(z)
+    assert odd._kept_launch is None  # not whole vectors: staged from a padded copy every call
+    if algorithm == "one_shot":
+        ar(ar.input)  # zero-copy
+        staged = ar.stages[0].view(-1)
+        ar(staged), ar(staged)  # one of its staging buffers, not this call's: staged by the kernel
+        assert ar._kept_launch is None
+    ar(x)
+    ar.close()
+    with pytest.raises(ClosedError, match="AllReduce is closed"):
+        ar(x)
+
 @pytest.mark.parametrize("dtype", ["int32", "int64"])
 def test_lamport_rejects_integer_dtypes_before_allocating(dtype):
     alloc = CpuAllocator(num_ranks=2)

@@ -57,6 +57,31 @@ def make(row, dtype="float32", tmp_path=None, monkeypatch=None):
 
 
 @needs_nvcc
+def test_a_repeated_call_relaunches_the_kept_input_view(tmp_path, monkeypatch):
+    """The same input buffer again (refilled in place, no ``out``): the kept arguments are
+    launched again without the full call, the device call number advancing and the output
+    right; another address or ``out=`` takes the full call; a padded input is never kept."""
+    alloc, rs = make((4, 8), tmp_path=tmp_path, monkeypatch=monkeypatch)  # rows of whole vectors
+    full = []
+    monkeypatch.setattr(rs, "_check_call", lambda *a: full.append(a[0]) or ReduceScatter._check_call(rs, *a))
+    x = torch.randn(2, 4, 8)
+    rs(x), rs(x)  # two full calls on one buffer: the launch kept
+    for epoch in (3, 4):
+        x.copy_(torch.randn(2, 4, 8))
+        rs.output.fill_(float("nan"))
+        assert rs(x) is rs.output and torch.equal(rs.output, x[0] * 2)
+        assert rs.kernel.calls[-1][3] == epoch and len(full) == 2
+    rs(x.clone())
+    assert len(full) == 3
+    out = torch.empty(4, 8)
+    assert rs(x, out=out) is out and torch.equal(out, x[0] * 2) and rs._kept_launch is None
+    _, odd = make((3, 5), tmp_path=tmp_path, monkeypatch=monkeypatch)
+    z = torch.randn(2, 3, 5)
+    odd(z), odd(z)
+    assert odd._kept_launch is None
+
+
+@needs_nvcc
 def test_padded_rows_double_buffering_and_outputs(tmp_path, monkeypatch):
     alloc, rs = make((3, 5), tmp_path=tmp_path, monkeypatch=monkeypatch)  # 15 float32: 4 rows of 4, 1 pad
     assert alloc.allocations == [((16, 4), torch.float32)] + [((2 * 2 * rs.plan.blocks * FLAG_STRIDE,), torch.uint64)]

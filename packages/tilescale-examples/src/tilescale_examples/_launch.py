@@ -1,5 +1,8 @@
 """How the ops launch their kernels: through a lean launcher (:mod:`tilescale_lang.lean`) per
-kernel, prepared at the first call."""
+kernel, prepared at the first call; and how they launch their last call again for a call
+whose tensors are laid out exactly as its (:class:`Relaunching`: a call on the same buffers
+passes every check that call made, so only the views of its tensors are made anew; see
+docs/launch.md, "Repeated calls")."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["launch", "prepared_launch", "kept_view"]
+__all__ = ["launch", "prepared_launch", "kept_view", "KeptLaunch", "Relaunching"]
 
 #: Prepared launchers an instance keeps at most (one per kernel it launches).
 MAX_PREPARED = 8
@@ -80,3 +83,95 @@ def kept_view(op: Any, attr: str, tensor: torch.Tensor, make) -> Any:
     setattr(op, attr, (tensor, tensor.data_ptr(), view))
     return view
 
+
+class KeptLaunch:
+    """The kernel launch of an op's last full call, for calls whose tensors are laid out
+    exactly as that call's (address, shape, strides, dtype, device): such a call passes every
+    check the full call made, so it can launch ``args`` again with only the views of its
+    tensors made anew.
+
+    Args:
+        tensors: the call's tensor arguments (their layouts are kept, never the tensors).
+        args: every kernel parameter of the launch, in order.
+        changing: the positions of ``args`` packed per call (the lean launcher's).
+        views: ``(position in args, index in tensors)`` of each parameter that is a view of
+            a call tensor (a view of the same shape is made of the new call's tensor);
+            parameters not listed are launched as they are (the op's own buffers, or views
+            the op holds, whose memory therefore cannot be another tensor's). The listed
+            views are not kept, so the call's tensors' memory is free for the next ones.
+    """
+
+    __slots__ = ("layouts", "args", "changing", "views")
+
+    def __init__(self, tensors, args: tuple, changing: Sequence[int], views: Sequence[tuple] = ()):
+        self.layouts = [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in tensors]
+        self.views = [(pos, index, args[pos].shape) for pos, index in views]
+        kept = list(args)
+        for pos, _, _ in self.views:
+            kept[pos] = None  # the call's views are not kept: their memory may serve the next tensors
+        self.args, self.changing = kept, changing
+
+    def args_for(self, tensors) -> tuple | None:
+        """The launch's parameters for a call on ``tensors``, or None when one of them is not
+        laid out as the kept call's tensor at its place."""
+        if len(tensors) != len(self.layouts):
+            return None
+        for t, (ptr, shape, stride, dtype, device) in zip(tensors, self.layouts):
+            if (not isinstance(t, torch.Tensor) or t.data_ptr() != ptr or t.shape != shape or t.stride() != stride
+                    or t.dtype != dtype or t.device != device):
+                return None
+        args = self.args.copy()
+        for pos, index, shape in self.views:
+            args[pos] = tensors[index].view(*shape)  # view(*ints): cheaper than view(torch.Size)
+        return tuple(args)
+
+
+class Relaunching:
+    """The repeated-call path of :class:`~tilescale_examples.base.SymmetricOp`: an op keeps
+    the launch of a full call (:meth:`_keep_launch`, after its own conditions) and starts each
+    call with :meth:`_relaunch`. Needs the op's ``kernel``, ``epoch``, ``_captured``,
+    ``_capturing()``, ``_check_open()``, ``bind_table()`` and ``_launch_kernel()``; ``close()``
+    sets ``_kept_launch`` and ``_last_address`` to None."""
+
+    #: The last full call's launch (:class:`KeptLaunch`) that :meth:`_relaunch` repeats, or None.
+    _kept_launch = None
+
+    def _relaunch(self, *tensors) -> bool:
+        """Launch ``self.kernel`` as the kept full call did (:meth:`_keep_launch`) when
+        ``tensors`` are laid out exactly as that call's (the same addresses, shapes, strides,
+        dtypes and devices: every check it made holds) and nothing since needs the full call:
+        no CUDA graph capture now or before, the op and its allocator open (else
+        :class:`~tilescale_examples.base.ClosedError`). Counts the call (``epoch``). Returns whether it launched; False
+        leaves everything to the full call.
+
+        The steady state of a loop calling an op on the same buffers, or on fresh tensors
+        that the caching allocator placed where the last ones were: its host time is the
+        launch and a few comparisons per tensor."""
+        kept = self._kept_launch
+        if kept is None or self._captured or self._capturing():
+            return False
+        args = kept.args_for(tensors)
+        if args is None:
+            return False
+        self._check_open()
+        self.epoch += 1
+        self.bind_table()
+        self._launch_kernel(args, kept.changing)
+        return True
+
+    #: The address of the first tensor of the last full call that :meth:`_keep_launch` could
+    #: keep, or None.
+    _last_address = None
+
+    def _keep_launch(self, keep: bool, tensors, args: tuple, changing: Sequence[int], views=()) -> None:
+        """Keep this full call's launch for :meth:`_relaunch` when ``keep`` (the op's
+        condition: the launch depends on the call's ``tensors`` only through ``views``, see
+        :class:`KeptLaunch`), no call was captured, and the last
+        full call's first tensor was at the same address (a loop over one buffer: the next
+        call is likely laid out as this one; a call on new tensors each time pays nothing
+        more than this comparison); else forget the kept launch."""
+        address = tensors[0].data_ptr() if keep and not self._captured else None
+        if address is None or address != self._last_address:
+            self._last_address, self._kept_launch = address, None
+        else:
+            self._kept_launch = KeptLaunch(tensors, args, changing, views)

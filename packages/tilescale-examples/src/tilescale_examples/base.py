@@ -30,7 +30,7 @@ from tilescale_examples._checks import (DEFAULT_MAX_BLOCKS, DTYPES, TARGET, chec
                                         check_target, check_tensor, check_threads, default_group, plan_chunks,
                                         size_table_entry)
 from tilescale_examples._group import all_ranks_agree, collective_device, settle
-from tilescale_examples._launch import launch as lean_launch
+from tilescale_examples._launch import Relaunching, launch as lean_launch
 from tilescale_examples._contract import (OldSpellingWarning, RecordingAllocator, accepts_0_1_init,
                                           accepts_0_1_out, accepts_0_1_reference, dry_run_heap_bytes,
                                           rank_left_out, row_shape_0_1, sm_count_of, warn_old_spelling)
@@ -259,7 +259,7 @@ class KernelOwner:
         return table
 
 
-class SymmetricOp(KernelOwner, Closable):
+class SymmetricOp(KernelOwner, Relaunching, Closable):
     """Base of every symmetric op: one setup path (:meth:`_setup_op`), one lifetime
     (``close()``, ``closed``, :class:`ClosedError` from every call after ``close()``), and
     :meth:`heap_bytes` from a dry run of the constructor.
@@ -357,6 +357,7 @@ class SymmetricOp(KernelOwner, Closable):
         raises :class:`ClosedError`."""
         self._closed = True
         self.kernel = None
+        self._kept_launch = self._last_address = None
         self.__dict__.pop("_lean_launches", None)  # their prepared buffers
         for name in self._BUFFERS:
             part = getattr(self, name, None)

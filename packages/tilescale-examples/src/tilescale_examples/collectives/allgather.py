@@ -219,18 +219,16 @@ class AllGather(PutExchange):
         call's work finishes on the current stream. Every rank must make the same sequence
         of calls (eagerly or in CUDA graph replays). Raises
         :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
-        self._check_open()
-        self.check_input(input)
-        return self._exchange(input, out)
+        return self._call(input, out)
 
     _BUFFERS = ("input", "output", "flags", "state", "peer_outputs", "copy_flags", "peer_copy_flags",
                 "_flat_output")
 
-    def _launch(self, input: torch.Tensor) -> None:
+    def _launch(self, input: torch.Tensor, keep: bool = False) -> None:
         if self.algorithm == "copy":
-            self._copy_engines(input)
+            self._copy_engines(input)  # stream operations and copies: never relaunched as a kernel
         else:
-            super()._launch(input)
+            super()._launch(input, keep)
 
     def _copy_engines(self, input: torch.Tensor) -> None:
         """One call on the copy engines (see "Engines" in the module docstring)."""

@@ -179,12 +179,14 @@ class AllReduce(ReductionCollective):
         kernel when ``input`` is 16-byte aligned whole vectors, else a copy before it). Raises
         :class:`~tilescale_examples.base.ClosedError` after ``close()``.
         """
+        if out is None and self._relaunch(input):
+            return self.output
         zero_copy = self._check_call(input, out, self.shape)
         out_rows = None
         if self.algorithm != "two_shot":
             out_rows = self._out_rows(out)
             out_rows = self.result if out_rows is None else out_rows
-        stage = self._launch(input, out_rows, self._stage_copy, zero_copy)
+        stage = self._launch(input, out_rows, self._stage_copy, zero_copy, keep=out is None)
         if out is None:
             return self.output
         result = stage.view(-1)[: self.numel] if self.algorithm == "two_shot" else self.result.view(-1)[: self.numel]

@@ -105,6 +105,4 @@ class AllToAll(RowsPerRank, PutExchange):
         kernel finishes on the current stream. Every rank must make the same sequence of calls
         (eagerly or in CUDA graph replays). Raises :class:`~tilescale_examples.base.ClosedError`
         after ``close()``."""
-        self._check_open()
-        self.check_input(input)
-        return self._exchange(input, out)
+        return self._call(input, out)

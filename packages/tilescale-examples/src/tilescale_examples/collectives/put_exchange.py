@@ -122,12 +122,25 @@ class PutExchange(SymmetricCollective):
         self.flags.zero_()
         self.state = torch.zeros((self.world_size * self.chunks,), dtype=torch.int64, device=self.device)
 
-    def _launch(self, input: torch.Tensor) -> None:
+    def _launch(self, input: torch.Tensor, keep: bool = False) -> None:
         """One call's data movement on the current stream (the SM kernel; overridden by
-        engines that move data otherwise)."""
+        engines that move data otherwise). ``keep``: the call had no ``out``, so a call on a
+        tensor laid out as ``input`` may launch the same again (:meth:`_relaunch`)."""
         self.bind_table()
         flat = kept_view(self, "_flat_output", self.output, _flat)
-        self._launch_kernel((input.view(-1), flat, self.flags, self.state), changing=(0,))
+        args = (input.view(-1), flat, self.flags, self.state)
+        self._launch_kernel(args, changing=(0,))
+        self._keep_launch(keep, (input,), args, (0,), views=((0, 0),))
+
+    def _call(self, input: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+        """A call of the op: the last call's launch again when ``input`` is laid out as its
+        input was and no ``out`` is given (:meth:`_relaunch`), else the full call (the open
+        and input checks, then :meth:`_exchange`)."""
+        if out is None and self._relaunch(input):
+            return self.output
+        self._check_open()
+        self.check_input(input)
+        return self._exchange(input, out)
 
     def _exchange(self, input: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
         """Run the exchange kernel on ``input`` (checked by the caller) on the current stream;
@@ -136,7 +149,7 @@ class PutExchange(SymmetricCollective):
             self.check_tensor(out, self.output.shape, "out", "the output shape")
         self._note_capture()
         self.epoch += 1
-        self._launch(input)
+        self._launch(input, keep=out is None)
         if out is None:
             return self.output
         out.copy_(self.output)

@@ -259,6 +259,8 @@ class ReductionCollective(SymmetricCollective):
         self.state = torch.zeros((p.blocks,), dtype=torch.int64, device=self.device)
         self.result = None if mode == "two_shot" else torch.empty((p.span, p.vec), dtype=self.dtype, device=self.device)
         self._padded = None
+        first = self.stage_buffer.data_ptr()
+        self._stage_span = (first, first + self.stage_buffer.numel() * self.itemsize)  # bytes [first, last)
 
         def build():
             if lamport:
@@ -379,13 +381,28 @@ class ReductionCollective(SymmetricCollective):
             x = self._padded
         return x
 
+    def _keep_for_repeat(self, keep: bool, input: torch.Tensor, args: tuple, changing) -> None:
+        """Keep this call's launch for the next call on a tensor laid out as ``input``
+        (:meth:`_relaunch`) when ``keep`` (the call had no ``out``) and only the view of the
+        input changes: the kernel reads ``input`` in place (``args[0]`` a view of it: not the
+        zero-copy buffer, not the padded copy, not inside this instance's staging buffers)."""
+        x = args[0]
+        keep = keep and x is not self._padded
+        if keep:
+            start = x.data_ptr()  # the input's own memory, contiguous (checked): its bytes end here
+            end = start + input.numel() * self.itemsize
+            first, last = self._stage_span
+            keep = start == input.data_ptr() and (end <= first or start >= last)  # outside the staging buffers
+        self._keep_launch(keep, (input,), args, changing, views=((0, 0),))
+
     def _launch(self, input: torch.Tensor, out_rows: Optional[torch.Tensor], stage_copy,
-                zero_copy: bool) -> torch.Tensor:
+                zero_copy: bool, keep: bool = False) -> torch.Tensor:
         """Stage ``input`` (in the kernel when it is whole aligned vectors, else copied by
         ``stage_copy(padded, input)`` into a zero-padded local buffer that the kernel stages)
         and run this call's kernel; returns the staging buffer the call uses. ``input`` needs
         no staging when it is the zero-copy view of this call's buffer (``zero_copy``, from
-        :meth:`_check_call`)."""
+        :meth:`_check_call`). ``keep``: the call had no ``out``, so a later call may repeat it
+        (:meth:`_keep_for_repeat`)."""
         p = self.plan
         nb = len(self.stages)
         if self._note_capture() and nb > 1 and any(overlaps(input, s) for s in self.stages):
@@ -396,8 +413,9 @@ class ReductionCollective(SymmetricCollective):
         self.bind_table()
         if self.mode == LAMPORT:
             x = self._lamport_input if zero_copy else self._rows_or_padded(input, stage_copy)
-            args = (x, self.stage_buffer, out_rows, self.state, p.blocks, p.iters, p.span)
-            self._launch_kernel(args, changing=(0, 2))
+            args, changing = (x, self.stage_buffer, out_rows, self.state, p.blocks, p.iters, p.span), (0, 2)
+            self._launch_kernel(args, changing)
+            self._keep_for_repeat(keep and not zero_copy, input, args, changing)
             return self.stage_buffer
         stage_in = 1
         if zero_copy:
@@ -405,6 +423,8 @@ class ReductionCollective(SymmetricCollective):
         else:
             x = self._rows_or_padded(input, stage_copy)
         args = (x, self.stage_buffer) + (() if out_rows is None else (out_rows,))
-        self._launch_kernel(args + (self.flags, self.state, p.blocks, p.iters, p.span, p.rows_in, stage_in),
-                            changing=(0, len(args) + 6) if out_rows is None else (0, 2, len(args) + 6))
+        changing = (0, len(args) + 6) if out_rows is None else (0, 2, len(args) + 6)
+        args += (self.flags, self.state, p.blocks, p.iters, p.span, p.rows_in, stage_in)
+        self._launch_kernel(args, changing)
+        self._keep_for_repeat(keep and not zero_copy, input, args, changing)
         return self.stages[self.epoch % nb]

@@ -109,9 +109,12 @@ class ReduceScatter(RowsPerRank, ReductionCollective):
         stream. Staging into the symmetric buffer is part of the call. Raises
         :class:`~tilescale_examples.base.ClosedError` after ``close()``.
         """
+        if out is None and self._relaunch(input):
+            return self.output
         zero_copy = self._check_call(input, out, self.shard_shape)
         out_rows = self._out_rows(out)
-        self._launch(input, self.result if out_rows is None else out_rows, self._stage_copy, zero_copy)
+        self._launch(input, self.result if out_rows is None else out_rows, self._stage_copy, zero_copy,
+                     keep=out is None)
         if out is None:
             return self.output
         if out_rows is None and out.data_ptr() != self.output.data_ptr():

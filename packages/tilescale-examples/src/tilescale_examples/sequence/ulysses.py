@@ -248,9 +248,7 @@ class UlyssesAllToAll(PutExchange):
         holding a copy of it; complete when the kernel finishes on the current stream. Every
         rank must make the same sequence of calls (eagerly or in CUDA graph replays). Raises
         :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
-        self._check_open()
-        self.check_input(input)
-        return self._exchange(input, out)
+        return self._call(input, out)
 
     def bus_bytes(self) -> float:
         """Bytes per call as nccl-tests count an all-to-all: ``(n - 1) / n`` of the input."""
