@@ -17,6 +17,9 @@ warm-up calls (:func:`~tilescale_examples.benchmarks._timing.host_us_rounds`):
   ``validate=False`` as a serving loop calls it), each through TileLang's launcher (the
   default) and through the lean launcher (:mod:`tilescale_lang.lean`,
   ``op.lean_launch = True``), one instance each;
+* for each op that relaunches a call laid out as its last (the same input buffer: see
+  docs/launch.md, "Repeated calls"), the same op called on two inputs in turn through
+  TileLang's launcher (``TileLang, new input every call``): every call its full call;
 * the raw kernel launch of the all-reduce (its kernel called with all its arguments through
   TileLang's launcher, and through a prepared :class:`~tilescale_lang.lean.LeanLaunch`), and
   the lean launch's two parts alone: its Python (checks and packing of the changing
@@ -47,6 +50,9 @@ DEFAULT = "TileLang"
 #: The goals: TileScale's host time per call at most GOAL_ADD x torch.add's, GOAL_SYMM x symm mem's.
 GOAL_ADD, GOAL_SYMM = 1.2, 0.8
 DTYPES = ("bfloat16", "float16", "float32")
+#: The launcher column of the rows that call an op on two inputs in turn (every call its full
+#: call) where the same input every call relaunches the last call's launch.
+FULL_CALL = "TileLang, new input every call"
 #: Rows that time a launch alone (no op): left out of the goals.
 DIAGNOSTIC_ROWS = ("all-reduce kernel, raw", "empty kernel")
 
@@ -115,10 +121,15 @@ def heap_bytes(numel: int, dtype) -> int:
 
 
 def _check(op, make_input, call, reference, device) -> str:
-    """"ok", or what differed: one call on a fresh random input, outputs poisoned first."""
+    """"ok", or what differed: two calls on a fresh random input, then the same input tensors
+    refilled in place with fresh values (the timed rows' pattern: an op that relaunches a call
+    laid out as its last does so here), outputs poisoned, a third call, checked."""
     import torch
 
     x = make_input()
+    call(op, x), call(op, x)  # two full calls on one input: an op that relaunches keeps the launch here
+    for dst, src in zip(*((t if isinstance(t, tuple) else (t,)) for t in (x, make_input()))):
+        dst.copy_(src)
     want = reference(x)
     for name in ("output", "residual_output"):
         t = getattr(op, name, None)
@@ -183,6 +194,9 @@ def run(rank: int, world: int, group, device, args) -> list | None:
         for op, launcher in ((plain_op, "TileLang"), (lean_op, "lean")):
             fns.append(lambda op=op, call=call, x=x: call(op, x))
             labels.append((name, launcher))
+        if getattr(plain_op, "_kept_launch", None) is not None:  # it relaunches: time its full call too
+            fns.append(_alternating(plain_op, call, (x, make_input())))
+            labels.append((name, FULL_CALL))
     ar = ops[0]  # the lean AllReduce: its kernel, raw
     xr = torch.randn(numel, device=device).to(dtype)
     ar(xr)
@@ -228,6 +242,18 @@ def run(rank: int, world: int, group, device, args) -> list | None:
     torch.cuda.synchronize(device)
     alloc.close()
     return [rows, symm_reason, profile]
+
+
+def _alternating(op, call, inputs):
+    """A function calling ``call(op, x)`` with ``x`` each of ``inputs`` in turn: no call is
+    laid out as the last one, so every call is the op's full call (its checks, its views)."""
+    turn = [0]
+
+    def fn():
+        turn[0] ^= 1
+        return call(op, inputs[turn[0]])
+
+    return fn
 
 
 def _driver_call_alone(prepared, device):
