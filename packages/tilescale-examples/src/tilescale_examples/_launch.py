@@ -141,8 +141,8 @@ class Relaunching:
         ``tensors`` are laid out exactly as that call's (the same addresses, shapes, strides,
         dtypes and devices: every check it made holds) and nothing since needs the full call:
         no CUDA graph capture now or before, the op and its allocator open (else
-        :class:`~tilescale_examples.base.ClosedError`). Counts the call (``epoch``). Returns whether it launched; False
-        leaves everything to the full call.
+        :class:`~tilescale_examples.base.ClosedError`). Counts the call (``epoch``). Returns
+        whether it launched; False leaves everything to the full call.
 
         The steady state of a loop calling an op on the same buffers, or on fresh tensors
         that the caching allocator placed where the last ones were: its host time is the
@@ -166,10 +166,10 @@ class Relaunching:
     def _keep_launch(self, keep: bool, tensors, args: tuple, changing: Sequence[int], views=()) -> None:
         """Keep this full call's launch for :meth:`_relaunch` when ``keep`` (the op's
         condition: the launch depends on the call's ``tensors`` only through ``views``, see
-        :class:`KeptLaunch`), no call was captured, and the last
-        full call's first tensor was at the same address (a loop over one buffer: the next
-        call is likely laid out as this one; a call on new tensors each time pays nothing
-        more than this comparison); else forget the kept launch."""
+        :class:`KeptLaunch`), no call was captured, and the last full call's first tensor was
+        at the same address (a loop over one buffer: the next call is likely laid out as this
+        one; a loop over new tensors at new addresses pays nothing more than this comparison);
+        else forget the kept launch."""
         address = tensors[0].data_ptr() if keep and not self._captured else None
         if address is None or address != self._last_address:
             self._last_address, self._kept_launch = address, None
