@@ -163,15 +163,23 @@ class Relaunching:
     #: keep, or None.
     _last_address = None
 
-    def _keep_launch(self, keep: bool, tensors, args: tuple, changing: Sequence[int], views=()) -> None:
+    def _keep_launch(self, keep: bool, tensors, args: tuple, changing: Sequence[int], views=(),
+                     outside: tuple | None = None) -> None:
         """Keep this full call's launch for :meth:`_relaunch` when ``keep`` (the op's
         condition: the launch depends on the call's ``tensors`` only through ``views``, see
-        :class:`KeptLaunch`), no call was captured, and the last full call's first tensor was
-        at the same address (a loop over one buffer: the next call is likely laid out as this
-        one; a loop over new tensors at new addresses pays nothing more than this comparison);
-        else forget the kept launch."""
+        :class:`KeptLaunch`), no call was captured, the last full call's first tensor was at
+        the same address (a loop over one buffer: the next call is likely laid out as this
+        one; a loop over new tensors at new addresses pays nothing more than this comparison)
+        and the first tensor's bytes lie ``outside`` the op's ``(first, last)`` byte range
+        (its own buffers, which a full call treats otherwise) when given; else forget the
+        kept launch."""
         address = tensors[0].data_ptr() if keep and not self._captured else None
         if address is None or address != self._last_address:
             self._last_address, self._kept_launch = address, None
-        else:
-            self._kept_launch = KeptLaunch(tensors, args, changing, views)
+            return
+        if outside is not None:
+            end = address + tensors[0].numel() * tensors[0].element_size()
+            if end > outside[0] and address < outside[1]:
+                self._kept_launch = None
+                return
+        self._kept_launch = KeptLaunch(tensors, args, changing, views)

@@ -383,17 +383,12 @@ class ReductionCollective(SymmetricCollective):
 
     def _keep_for_repeat(self, keep: bool, input: torch.Tensor, args: tuple, changing) -> None:
         """Keep this call's launch for the next call on a tensor laid out as ``input``
-        (:meth:`_relaunch`) when ``keep`` (the call had no ``out``) and only the view of the
-        input changes: the kernel reads ``input`` in place (``args[0]`` a view of it: not the
-        zero-copy buffer, not the padded copy, not inside this instance's staging buffers)."""
-        x = args[0]
-        keep = keep and x is not self._padded
-        if keep:
-            start = x.data_ptr()  # the input's own memory, contiguous (checked): its bytes end here
-            end = start + input.numel() * self.itemsize
-            first, last = self._stage_span
-            keep = start == input.data_ptr() and (end <= first or start >= last)  # outside the staging buffers
-        self._keep_launch(keep, (input,), args, changing, views=((0, 0),))
+        (:meth:`_relaunch`) when ``keep`` (the call had no ``out`` and did not find its input
+        staged) and only the view of the input changes: the kernel reads ``input`` in place
+        (``args[0]`` its view, not the padded copy) and ``input`` lies outside this instance's
+        staging buffers."""
+        self._keep_launch(keep and args[0] is not self._padded, (input,), args, changing, views=((0, 0),),
+                          outside=self._stage_span)
 
     def _launch(self, input: torch.Tensor, out_rows: Optional[torch.Tensor], stage_copy,
                 zero_copy: bool, keep: bool = False) -> torch.Tensor:
