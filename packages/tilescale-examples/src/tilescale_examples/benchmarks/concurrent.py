@@ -40,13 +40,15 @@ entry that the measurement supports) beside the shipped entry.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import format_bytes, print_table, ratio, size_sweep
 
-__all__ = ["HEADERS", "ALGORITHMS", "OPS", "shape_of", "sizes", "build", "built", "concurrent_round", "captured_round",
-           "pass_every_wait", "preload", "time_case", "largest_win", "summary_lines", "kernel_jobs", "run", "main"]
+__all__ = ["HEADERS", "ALGORITHMS", "OPS", "shape_of", "sizes", "build", "built", "on_streams", "concurrent_round",
+           "captured_round", "pass_every_wait", "preload", "time_case", "largest_win", "summary_lines", "kernel_jobs",
+           "run", "main"]
 
 #: The algorithms a run may compare (``AllReduce``'s forced ones; the norm takes the first two).
 ALGORITHMS = ("lamport", "one_shot", "two_shot")
@@ -98,30 +100,41 @@ def build(n: int, nbytes: int, dtype, algorithm: str, device, op: str = "allredu
     return peers, ops, kernels
 
 
-def concurrent_round(ops, args, streams) -> list:
-    """Every rank's call ``ops[r](*args[r])`` on its own stream ``streams[r]``, forked from the
-    current stream and joined back to it; the ranks' output tensors, flat, rank order (a call
-    returning a tuple gives each of its tensors)."""
+def on_streams(calls, streams) -> list:
+    """``call()`` of every one of ``calls`` on its stream of ``streams``, forked from the
+    current stream and joined back to it; their results, in order."""
     import torch
 
     main = torch.cuda.current_stream()
-    outs = []
-    for op, call_args, stream in zip(ops, args, streams):
+    results = []
+    for call, stream in zip(calls, streams):
         stream.wait_stream(main)
         with torch.cuda.stream(stream):
-            got = op(*call_args)
-        outs += list(got) if isinstance(got, tuple) else [got]
+            results.append(call())
     for stream in streams:
         main.wait_stream(stream)
-    return outs
+    return results
+
+
+def _flat(results) -> list:
+    """The ranks' output tensors, flat, rank order (a call returning a tuple gives each of its
+    tensors)."""
+    return [t for got in results for t in (got if isinstance(got, tuple) else (got,))]
+
+
+def concurrent_round(ops, args, streams) -> list:
+    """Every rank's call ``ops[r](*args[r])`` on its own stream ``streams[r]``
+    (:func:`on_streams`); the ranks' output tensors, flat, rank order (a call returning a
+    tuple gives each of its tensors)."""
+    return _flat(on_streams([functools.partial(op, *call_args) for op, call_args in zip(ops, args)], streams))
 
 
 def captured_round(ops, args, streams) -> tuple:
     """``(replay, outs)``: one eager :func:`concurrent_round` (warm-up), then every rank's call
     captured into a CUDA graph of its own on its own stream, as each process of a real run
-    captures its own. ``replay()`` launches one round: every rank's graph on its stream, forked
-    from the current stream and joined back. ``outs`` (flat, rank order) are written only by
-    replays (poisoned after the capture).
+    captures its own. ``replay()`` launches one round: every rank's graph on its stream
+    (:func:`on_streams`). ``outs`` (flat, rank order) are written only by replays (poisoned
+    after the capture).
 
     One graph holding every rank's call would not do: CUDA does not promise to run a graph's
     independent branches at the same time, and a branch that waits for a later one never ends."""
@@ -129,24 +142,18 @@ def captured_round(ops, args, streams) -> tuple:
 
     concurrent_round(ops, args, streams)
     torch.cuda.synchronize()
-    graphs, outs = [], []
+    graphs, results = [], []
     for op, call_args, stream in zip(ops, args, streams):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            got = op(*call_args)
+            results.append(op(*call_args))
         graphs.append(graph)
-        outs += list(got) if isinstance(got, tuple) else [got]
+    outs = _flat(results)
     for out in outs:
         _timing.poison_(out)
 
     def replay():
-        main = torch.cuda.current_stream()
-        for graph, stream in zip(graphs, streams):
-            stream.wait_stream(main)
-            with torch.cuda.stream(stream):
-                graph.replay()
-        for stream in streams:
-            main.wait_stream(stream)
+        on_streams([graph.replay for graph in graphs], streams)
 
     return replay, outs
 
