@@ -260,6 +260,58 @@ def test_a_repeated_call_relaunches_the_kept_arguments_and_anything_else_takes_t
     with pytest.raises(ClosedError, match="AllReduce is closed"):
         ar(x)
 
+@needs_nvcc
+@pytest.mark.parametrize("algorithm", ["one_shot", "lamport"])
+def test_repeated_calls_launch_a_frozen_launch_from_the_second_on(algorithm, tmp_path, monkeypatch, caplog):
+    """The first repeated call launches through the op's launcher and freezes that launch
+    (``tilescale_lang.lean.freeze`` with the call's parameters); the later ones launch the
+    frozen launch alone (no launcher, no views), counted on the device like any call; a new
+    full call forgets it; where none can be made (None, or freezing fails: logged once), the
+    repeated calls stay on the launcher."""
+    from tilescale_lang import lean
+
+    alloc, ar = make((64,), "float16", algorithm=algorithm, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    frozen, made = [], []
+
+    class Frozen:  # stands for a FrozenLaunch: the frozen parameters launched on the stand-in kernel
+        def __init__(self, kernel, args):
+            self.kernel, self.args = kernel, args
+
+        def __call__(self):
+            frozen.append(self.args)
+            self.kernel(*self.args)
+
+    monkeypatch.setattr(lean, "freeze", lambda kernel, args: made.append(args) or Frozen(kernel, args))
+    x = torch.randn(64).half()
+    ar(x), ar(x)  # two full calls: kept
+    assert ar(x) is ar.output and len(made) == 1 and not frozen  # the launcher, then frozen
+    assert made[0][0].data_ptr() == x.data_ptr() and all(a is b for a, b in zip(made[0][1:], ar.kernel.calls[0][1:]))
+    launched = len(ar.kernel.calls)
+    for i in range(3):
+        x.copy_(torch.randn(64).half())
+        ar.output.fill_(float("nan"))
+        assert ar(x) is ar.output and torch.equal(ar.output, x * 2) and ar.epoch == 4 + i
+        assert len(frozen) == i + 1 and len(made) == 1 and len(ar.kernel.calls) == launched + i + 1
+    y = torch.randn(64).half()
+    ar(y), ar(y)  # a new buffer: full calls, a new kept launch, not frozen yet
+    assert ar._kept_launch is not None and ar._kept_launch.frozen is None
+    monkeypatch.setattr(lean, "freeze", lambda kernel, args: made.append(args) and None)
+    ar(y), ar(y), ar(y)
+    assert len(made) == 2 and ar._kept_launch.frozen is False and len(frozen) == 3  # asked once, then the launcher
+    assert torch.equal(ar.output, y * 2)
+
+    def fails(kernel, args):
+        raise ValueError("no launch metadata")
+
+    monkeypatch.setattr(lean, "freeze", fails)
+    z = torch.randn(64).half()
+    with caplog.at_level("INFO", logger="tilescale_examples.launch"):
+        for _ in range(4):
+            ar(z)
+    assert torch.equal(ar.output, z * 2) and ar._kept_launch.frozen is False
+    assert sum("no frozen launch: no launch metadata" in r.getMessage() for r in caplog.records) <= 1
+
+
 @pytest.mark.parametrize("dtype", ["int32", "int64"])
 def test_lamport_rejects_integer_dtypes_before_allocating(dtype):
     alloc = CpuAllocator(num_ranks=2)

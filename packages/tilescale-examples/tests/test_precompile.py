@@ -104,6 +104,7 @@ def test_precompile_op_fills_the_cache_the_op_loads_from(tmp_path, monkeypatch):
     assert "TILELANG_CACHE_DIR" not in os.environ or os.environ["TILELANG_CACHE_DIR"] != str(cache)
     before = cache_files(cache)
     assert before
+    assert len(list((cache / "tilescale-launch").glob("*.json"))) == 1  # and its launch metadata (frozen launches)
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(cache))
     compile_once(build_reduce_kernel("one_shot", "float32", 3, 512, default_unroll(3)), None, None, PASS_CONFIGS)
     assert cache_files(cache) == before  # the op's own compile is a cache hit

@@ -250,6 +250,51 @@ def test_a_call_with_nothing_to_recompute_is_one_helper_call(put_kernel, monkeyp
 
 
 @needs_nvcc
+def test_a_frozen_launch_is_the_last_calls_launch_alone(put_kernel, monkeypatch, driver_path):
+    """frozen(): the launch with the last call's values, one helper call, holding no tensor;
+    None where the launcher has no records or is not lean yet."""
+    import gc
+    import weakref
+
+    src, dst, sig = fake(1024), fake(1024), fake(1, dtype=torch.uint64)
+    launch = lean.prepare(put_kernel, (src, dst, sig, 5), changing=("src", "epoch"))
+    assert launch.frozen() is None  # not lean yet
+    rec = _go_lean(launch, monkeypatch, driver_path)
+    if driver_path == "ctypes":
+        assert launch.frozen() is None
+        return
+    src2 = fake(1024)
+    launch(src2, 9)
+    frozen = launch.frozen()
+    launch(fake(1024), 10)  # later calls of the launcher leave the frozen launch as it was
+    watch = weakref.ref(src2.t)
+    (want,) = _full_packing(put_kernel, (src2, dst, sig, 9))
+    del launch, src2
+    gc.collect()
+    assert watch() is None  # the frozen launch keeps addresses, not tensors
+    before = len(rec.launches)
+    frozen()
+    frozen(stream=77)
+    assert len(rec.launches) == before + 2
+    assert rec.launches[-2]["raw"] == want.raw() and rec.launches[-2]["stream"] == 1234
+    assert rec.launches[-1]["stream"] == 77
+    rec.launch = lambda *args: 700
+    from tilescale_core import driver
+
+    with pytest.raises(driver.CudaError, match=r"cuLaunchKernel\(put_signal"):
+        frozen()
+
+
+@needs_nvcc
+def test_freeze_needs_a_tvm_ffi_kernel_with_a_loaded_module(put_kernel, monkeypatch):
+    assert lean.freeze(SimpleNamespace(execution_backend="cython"), ()) is None
+    src, dst, sig = fake(1024), fake(1024), fake(1, dtype=torch.uint64)
+    assert lean.freeze(put_kernel, (src, dst, sig, 5)) is None  # never launched: no module here
+    with pytest.raises(TypeError, match="src"):
+        lean.freeze(put_kernel, (fake(1024, dtype=torch.float16), dst, sig, 5))
+
+
+@needs_nvcc
 @pytest.mark.parametrize("call, error, match", [
     (lambda x: x(fake(1024, dtype=torch.float16), 1), TypeError, "'src' must have dtype torch.float32"),
     (lambda x: x(fake(512), 1), ValueError, r"'src' must have shape \[1024\] \(as prepared\)"),
@@ -389,6 +434,35 @@ def test_gpu_lean_calls_match_tilelangs_launcher(scale_kernel, driver_path):
         assert torch.equal(dst, src2) and int(sig.cpu().view(torch.int64)[0]) == epoch
     assert ring.lean, ring.why_not
     assert (ring._records is not None) == (driver_path == "records"), driver_path
+
+
+@needs_nvcc
+@pytest.mark.gpu
+def test_gpu_a_frozen_launch_gives_tilelangs_bits(scale_kernel):
+    """freeze() after a launch: 1000 launches of the frozen launch, the input refilled each
+    time, give what TileLang's launcher gives, on a side stream too."""
+    a = torch.randn(10, 256, device="cuda")
+    b = torch.full_like(a, float("nan"))
+    scale_kernel(a, b, 1.5)  # loads the module
+    frozen = lean.freeze(scale_kernel, (a, b, 1.5))
+    assert frozen is not None, "no frozen launch (is there a C compiler for the launch records' helper?)"
+    ref = torch.empty_like(b)
+    for i in range(1000):
+        a.normal_()
+        b.fill_(float("nan"))
+        frozen()
+        scale_kernel(a, ref, 1.5)
+        if i % 100 == 0:
+            torch.cuda.synchronize()
+            assert torch.equal(b, ref) and torch.equal(b, a * 1.5)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        b.fill_(float("nan"))
+        frozen()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert torch.equal(b, a * 1.5)
 
 
 @pytest.mark.gpu

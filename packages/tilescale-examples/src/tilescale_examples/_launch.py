@@ -6,12 +6,15 @@ docs/launch.md, "Repeated calls")."""
 
 from __future__ import annotations
 
+import logging
 from operator import is_
 from typing import Any, Sequence
 
 import torch
 
 __all__ = ["launch", "prepared_launch", "kept_view", "KeptLaunch", "Relaunching"]
+
+log = logging.getLogger("tilescale_examples.launch")
 
 #: Prepared launchers an instance keeps at most (one per kernel it launches).
 MAX_PREPARED = 8
@@ -84,6 +87,28 @@ def kept_view(op: Any, attr: str, tensor: torch.Tensor, make) -> Any:
     return view
 
 
+def _freeze(op: Any, args: tuple) -> Any:
+    """``op.kernel``'s launch with ``args`` as a :class:`~tilescale_lang.lean.FrozenLaunch`
+    (made after a launch of them: the kernel's module is loaded), or False where none can be
+    made (not a ``tvm_ffi`` kernel, ...: :func:`~tilescale_lang.lean.freeze`; logged once per
+    kernel when freezing fails: the repeated calls then take the launcher)."""
+    from tilescale_lang import lean  # here: the steady-state call pays no import statement
+
+    try:
+        return lean.freeze(op.kernel, args) or False
+    except Exception as exc:  # an optimisation only: the launcher path stays correct
+        name = getattr(op.kernel, "name", type(op.kernel).__name__)
+        if name not in _NOT_FROZEN:
+            _NOT_FROZEN.add(name)
+            log.info("%s: repeated calls of kernel %s take the launcher (no frozen launch: %s)", type(op).__name__,
+                     name, exc)
+        return False
+
+
+#: Kernels whose frozen launch failed (logged once each).
+_NOT_FROZEN: set = set()
+
+
 class KeptLaunch:
     """The kernel launch of an op's last full call, for calls whose tensors are laid out
     exactly as that call's (address, shape, strides, dtype, device): such a call passes every
@@ -101,7 +126,7 @@ class KeptLaunch:
             views are not kept, so the call's tensors' memory is free for the next ones.
     """
 
-    __slots__ = ("layouts", "args", "changing", "views")
+    __slots__ = ("layouts", "args", "changing", "views", "frozen")
 
     def __init__(self, tensors, args: tuple, changing: Sequence[int], views: Sequence[tuple] = ()):
         self.layouts = [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in tensors]
@@ -110,16 +135,26 @@ class KeptLaunch:
         for pos, _, _ in self.views:
             kept[pos] = None  # the call's views are not kept: their memory may serve the next tensors
         self.args, self.changing = kept, changing
+        #: The launch with every parameter fixed (:class:`~tilescale_lang.lean.FrozenLaunch`),
+        #: made at the first repeated call; None before, False where none can be made.
+        self.frozen = None
+
+    def matches(self, tensors) -> bool:
+        """Whether every one of ``tensors`` is laid out as the kept call's tensor at its place
+        (address, shape, strides, dtype, device)."""
+        if len(tensors) != len(self.layouts):
+            return False
+        for t, (ptr, shape, stride, dtype, device) in zip(tensors, self.layouts):
+            if (not isinstance(t, torch.Tensor) or t.data_ptr() != ptr or t.shape != shape or t.stride() != stride
+                    or t.dtype != dtype or t.device != device):
+                return False
+        return True
 
     def args_for(self, tensors) -> tuple | None:
         """The launch's parameters for a call on ``tensors``, or None when one of them is not
         laid out as the kept call's tensor at its place."""
-        if len(tensors) != len(self.layouts):
+        if not self.matches(tensors):
             return None
-        for t, (ptr, shape, stride, dtype, device) in zip(tensors, self.layouts):
-            if (not isinstance(t, torch.Tensor) or t.data_ptr() != ptr or t.shape != shape or t.stride() != stride
-                    or t.dtype != dtype or t.device != device):
-                return None
         args = self.args.copy()
         for pos, index, shape in self.views:
             args[pos] = tensors[index].view(*shape)  # view(*ints): cheaper than view(torch.Size)
@@ -145,18 +180,26 @@ class Relaunching:
         whether it launched; False leaves everything to the full call.
 
         The steady state of a loop calling an op on the same buffers, or on fresh tensors
-        that the caching allocator placed where the last ones were: its host time is the
-        launch and a few comparisons per tensor."""
+        that the caching allocator placed where the last ones were: its host time is a few
+        comparisons per tensor and one launch. Every parameter of such a call is the kept
+        call's, so from the second repeated call on it launches a
+        :class:`~tilescale_lang.lean.FrozenLaunch` made at the first (one call of the launch
+        records' C helper, no argument packed or checked again; where none can be made, the
+        op's launcher with new views of the tensors)."""
         kept = self._kept_launch
-        if kept is None or self._captured or self._capturing():
-            return False
-        args = kept.args_for(tensors)
-        if args is None:
+        if kept is None or self._captured or self._capturing() or not kept.matches(tensors):
             return False
         self._check_open()
         self.epoch += 1
         self.bind_table()
+        frozen = kept.frozen
+        if frozen:
+            frozen()
+            return True
+        args = kept.args_for(tensors)
         self._launch_kernel(args, kept.changing)
+        if frozen is None:
+            kept.frozen = _freeze(self, args)
         return True
 
     #: The address of the first tensor of the last full call that :meth:`_keep_launch` could

@@ -39,7 +39,7 @@ from typing import Any, Sequence
 from .aot import launch_info
 from .aot.packing import ArgPacker, _compiled, evaluate, is_float_dtype, scalar_range, scalar_value
 
-__all__ = ["LeanLaunch", "describe_kernel", "prepare"]
+__all__ = ["LeanLaunch", "FrozenLaunch", "describe_kernel", "prepare", "freeze"]
 
 log = logging.getLogger("tilescale_lang.lean")
 #: Version of the launch metadata kept in TileLang's cache directory.
@@ -446,6 +446,15 @@ class LeanLaunch:
         self._records_static = not any(launch[6] or launch[7] for launch in self._launches)
         return records
 
+    def frozen(self) -> FrozenLaunch | None:
+        """This launcher's launches with the argument values of its last call (or of
+        :func:`prepare`), copied into a :class:`FrozenLaunch` (later calls of this launcher
+        do not change it); None where calls do not launch through the launch records' C
+        helper (not :attr:`lean` yet, or no helper)."""
+        if self._functions is None or self._records is None:
+            return None
+        return FrozenLaunch(self)
+
     # ---------------------------------------------------------------- calls
     @property
     def lean(self) -> bool:
@@ -595,6 +604,70 @@ class LeanLaunch:
                 err = calls[1 if cooperative else 0](fn, *dims, smem, stream, address)
                 if err:
                     _launch_failed(err, symbol)
+
+
+class FrozenLaunch:
+    """A kernel's launches with every argument fixed: one call of the launch records' C
+    helper (:mod:`~tilescale_lang.launch_records`) on the current stream, and nothing else.
+
+    Made by :meth:`LeanLaunch.frozen` (or :func:`freeze`), it holds its own copies of the
+    packed parameters (the tensors' addresses as integers, never the tensors) and of the
+    records, and the kernel (whose module owns the functions). A caller that launches it again must
+    know that the memory at those addresses is still laid out as it was when it was frozen
+    (the repeated-call path of the library's ops checks each tensor's address, shape,
+    strides, dtype and device first). Stream-ordered like any launch; not for a CUDA graph
+    capture in progress (the caller decides: the launch itself would be captured).
+    """
+
+    __slots__ = ("kernel", "_run", "_address", "_count", "_device", "_keep", "_failed", "_failed_ref", "_symbols")
+
+    def __init__(self, launch: LeanLaunch):
+        from . import launch_records
+
+        self.kernel = launch.kernel
+        records = launch_records.make_records(len(launch._records))
+        keep = [records]  # the records point at the parameter arrays, which point at the values: all kept here
+        for record, source, entry in zip(records, launch._records, launch._launches):
+            values = [type(v)(v.value) for v in entry[4]]
+            params = (ctypes.c_void_p * max(1, len(values)))(*(ctypes.addressof(v) for v in values))
+            keep.append((values, params))
+            record.launch, record.function, record.dims[:] = source.launch, source.function, source.dims[:]
+            record.shared_bytes, record.cooperative, record.params = (source.shared_bytes, source.cooperative,
+                                                                      ctypes.addressof(params))
+        self._run, self._address, self._count, self._keep = launch._run, ctypes.addressof(records), len(records), keep
+        self._device = launch._device if launch._device is not None else 0
+        self._symbols = [entry[0] for entry in launch._launches]
+        self._failed = ctypes.c_int(-1)
+        self._failed_ref = ctypes.byref(self._failed)
+
+    def __call__(self, stream: int | None = None) -> None:
+        """Launch on ``stream`` (a raw CUDA stream handle; default the current torch stream
+        of the frozen launch's device).
+
+        Raises:
+            tilescale_core.CudaError: the launch failed.
+        """
+        if stream is None:
+            stream = _raw_stream(self._device)
+        err = self._run(self._address, self._count, stream, self._failed_ref)
+        if err:
+            _launch_failed(err, self._symbols[self._failed.value])
+
+
+def freeze(kernel: Any, args: Sequence[Any]) -> FrozenLaunch | None:
+    """The launches of ``kernel`` with ``args`` (every parameter, in order, checked once as
+    TileLang's launcher checks them) as a :class:`FrozenLaunch`, or None where that cannot
+    be made: not a ``tvm_ffi`` JITKernel, its module not loaded yet (it loads at its first
+    launch), a launch the lean launcher does not make, or no C helper
+    (:meth:`LeanLaunch.frozen`). The first call for a kernel lowers it for its launch metadata
+    (:func:`describe_kernel`: kept in TileLang's cache directory, so once per machine).
+
+    Raises:
+        TypeError / ValueError: an argument that does not fit the kernel, naming it.
+    """
+    if getattr(kernel, "execution_backend", None) != "tvm_ffi":
+        return None
+    return LeanLaunch(kernel, args, ()).frozen()
 
 
 def _launch_failed(err: int, symbol: str) -> None:

@@ -16,10 +16,12 @@ warm-up calls (:func:`~tilescale_examples.benchmarks._timing.host_us_rounds`):
   ``MoEDispatcher``'s dispatch + combine of 128 tokens (hidden 7168, top-8 of 64 experts,
   ``validate=False`` as a serving loop calls it), each through TileLang's launcher (the
   default) and through the lean launcher (:mod:`tilescale_lang.lean`,
-  ``op.lean_launch = True``), one instance each;
-* for each op that relaunches a call laid out as its last (the same input buffer: see
-  docs/launch.md, "Repeated calls"), the same op called on two inputs in turn through
-  TileLang's launcher (``TileLang, new input every call``): every call its full call;
+  ``op.lean_launch = True``), one instance each. An op that relaunches a call laid out as its
+  last (the same input buffer, as timed here: see docs/launch.md, "Repeated calls") launches,
+  from its fourth call on, the launch it froze at its third, whichever its launcher: its two
+  rows time that path;
+* for each such op, the same op called on two inputs in turn through TileLang's launcher
+  (``TileLang, new input every call``): every call its full call;
 * the raw kernel launch of the all-reduce (its kernel called with all its arguments through
   TileLang's launcher, and through a prepared :class:`~tilescale_lang.lean.LeanLaunch`), and
   the lean launch's two parts alone: its Python (checks and packing of the changing
@@ -121,30 +123,32 @@ def heap_bytes(numel: int, dtype) -> int:
 
 
 def _check(op, make_input, call, reference, device) -> str:
-    """"ok", or what differed: two calls on a fresh random input, then the same input tensors
-    refilled in place with fresh values (the timed rows' pattern: an op that relaunches a call
-    laid out as its last does so here), outputs poisoned, a third call, checked."""
+    """"ok", or what differed: two calls on a fresh random input, then twice the same input
+    tensors refilled in place with fresh values (the timed rows' pattern), outputs poisoned,
+    a call, checked: an op that relaunches a call laid out as its last does so in both, the
+    first through its launcher, the second with the launch it froze then."""
     import torch
 
     x = make_input()
     call(op, x), call(op, x)  # two full calls on one input: an op that relaunches keeps the launch here
-    for dst, src in zip(*((t if isinstance(t, tuple) else (t,)) for t in (x, make_input()))):
-        dst.copy_(src)
-    want = reference(x)
-    for name in ("output", "residual_output"):
-        t = getattr(op, name, None)
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
-            t.fill_(float("nan"))
-    got = call(op, x)
-    torch.cuda.synchronize(device)
-    got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
-    if len(got) != len(want):
-        return f"FAIL ({len(got)} outputs vs {len(want)})"
-    for g, w in zip(got, want):
-        if g.shape != w.shape:
-            return f"FAIL (shape {tuple(g.shape)} vs {tuple(w.shape)})"
-        if not torch.allclose(g.float(), w.float(), rtol=2**-7, atol=1e-3):
-            return "FAIL (values)"
+    for _ in range(2):
+        for dst, src in zip(*((t if isinstance(t, tuple) else (t,)) for t in (x, make_input()))):
+            dst.copy_(src)
+        want = reference(x)
+        for name in ("output", "residual_output"):
+            t = getattr(op, name, None)
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                t.fill_(float("nan"))
+        got = call(op, x)
+        torch.cuda.synchronize(device)
+        got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+        if len(got) != len(want):
+            return f"FAIL ({len(got)} outputs vs {len(want)})"
+        for g, w in zip(got, want):
+            if g.shape != w.shape:
+                return f"FAIL (shape {tuple(g.shape)} vs {tuple(w.shape)})"
+            if not torch.allclose(g.float(), w.float(), rtol=2**-7, atol=1e-3):
+                return "FAIL (values)"
     return "ok"
 
 

@@ -47,16 +47,26 @@ def compile_job(job: Job, env: dict) -> str:
     return _compile(build_job(builder, args), None, pass_configs)
 
 
-def _compile(func, target, pass_configs: Optional[dict]) -> str:
+def _compile(func, target, pass_configs: Optional[dict], describe: bool = False) -> str:
     """``tilelang.compile`` of the ``T.prim_func`` ``func`` for ``target`` (None: the ops'
     ``TARGET``) with ``pass_configs`` (None: TileLang's defaults), as the ops compile it; the
-    kernel's global symbol."""
+    kernel's global symbol. ``describe``: also keep its launch metadata in the cache
+    directory (:func:`tilescale_lang.lean.describe_kernel`, what an op's repeated calls
+    freeze their launch with), so the first repeated call need not lower the kernel."""
     import tilelang
 
     from tilescale_examples.base import TARGET
 
     extra = {} if pass_configs is None else {"pass_configs": dict(pass_configs)}
-    tilelang.compile(func, target=target or TARGET, **extra)
+    kernel = tilelang.compile(func, target=target or TARGET, **extra)
+    if describe and getattr(kernel, "execution_backend", None) == "tvm_ffi":  # the kernels freeze() takes
+        from tilescale_lang.aot.launch_info import UnsupportedKernelError
+        from tilescale_lang.lean import describe_kernel
+
+        try:
+            describe_kernel(kernel)
+        except UnsupportedKernelError:  # kept as such in the cache: its calls take TileLang's launcher
+            pass
     return str(func.attrs["global_symbol"])
 
 
@@ -139,7 +149,8 @@ def precompile_op(cls, *args, world_size: int, sm_count: int = SM_COUNT, cache_d
     """Compile (nvcc; no GPU needed) every kernel ``cls(allocator, *args, world_size=world_size,
     **kwargs)`` compiles, into TileLang's disk cache ``cache_dir`` (default:
     ``$TILELANG_CACHE_DIR``), so that the op built later on a GPU of ``sm_count`` SMs loads
-    them without compiling. The kernels are found by a dry run of the constructor on a
+    them without compiling (and with their launch metadata, which the op's repeated calls
+    use: :func:`tilescale_lang.lean.describe_kernel`). The kernels are found by a dry run of the constructor on a
     :class:`~tilescale_examples._contract.RecordingAllocator` (the grid cap some kernels are
     built for is the SM count); an op whose ``algorithm="auto"`` chooses by probing devices
     gets the kernels of every algorithm it may choose. Compiles one after the other in this
@@ -164,4 +175,4 @@ def precompile_op(cls, *args, world_size: int, sm_count: int = SM_COUNT, cache_d
             **(kwargs if algorithm is None else dict(kwargs, algorithm=algorithm)))
         builds += allocator.builds
     with patch.dict(os.environ, {} if cache_dir is None else {"TILELANG_CACHE_DIR": str(cache_dir)}):
-        return [_compile(build(), target, pass_configs) for build, target, pass_configs in builds]
+        return [_compile(build(), target, pass_configs, describe=True) for build, target, pass_configs in builds]
