@@ -438,12 +438,17 @@ def test_gpu_lean_calls_match_tilelangs_launcher(scale_kernel, driver_path):
 
 @needs_nvcc
 @pytest.mark.gpu
-def test_gpu_a_frozen_launch_gives_tilelangs_bits(scale_kernel):
-    """freeze() after a launch: 1000 launches of the frozen launch, the input refilled each
-    time, give what TileLang's launcher gives, on a side stream too."""
-    a = torch.randn(10, 256, device="cuda")
+def test_gpu_a_frozen_launch_gives_tilelangs_bits():
+    """freeze(): None before the kernel's first launch (which it arranges to see), a frozen
+    launch after it; 1000 launches of it, the input refilled each time, give what TileLang's
+    launcher gives, on a side stream too."""
+    import tilelang
+
+    scale_kernel = tilelang.compile(test_aot.build_scale.get_tir(n=128), target=TARGET)  # a kernel of its own
+    a = torch.randn(10, 128, device="cuda")
     b = torch.full_like(a, float("nan"))
-    scale_kernel(a, b, 1.5)  # loads the module
+    assert lean.freeze(scale_kernel, (a, b, 1.5)) is None  # its module is not loaded yet
+    scale_kernel(a, b, 1.5)  # loads the module, which freeze() now sees
     frozen = lean.freeze(scale_kernel, (a, b, 1.5))
     assert frozen is not None, "no frozen launch (is there a C compiler for the launch records' helper?)"
     ref = torch.empty_like(b)
