@@ -16,6 +16,12 @@ __all__ = ["launch", "prepared_launch", "kept_view", "KeptLaunch", "Relaunching"
 
 log = logging.getLogger("tilescale_examples.launch")
 
+#: Attributes of a compiled kernel that the table binding of
+#: :meth:`~tilescale_examples.base.SymmetricOp.bind_table` keeps: the ids of the allocators that
+#: bound it, whether every launch must rebind (a CUDA graph captured table copies), the allocator
+#: a graph captured it for unbound.
+_USERS, _REBIND, _PINNED = "_tilescale_table_users", "_tilescale_always_rebind", "_tilescale_pinned_to"
+
 #: Prepared launchers an instance keeps at most (one per kernel it launches).
 MAX_PREPARED = 8
 
@@ -87,17 +93,17 @@ def kept_view(op: Any, attr: str, tensor: torch.Tensor, make) -> Any:
     return view
 
 
-def _freeze(op: Any, args: tuple) -> Any:
-    """``op.kernel``'s launch with ``args`` as a :class:`~tilescale_lang.lean.FrozenLaunch`
+def _freeze(op: Any, kernel: Any, args: tuple) -> Any:
+    """``kernel``'s launch with ``args`` as a :class:`~tilescale_lang.lean.FrozenLaunch`
     (made after a launch of them: the kernel's module is loaded), or False where none can be
     made (not a ``tvm_ffi`` kernel, ...: :func:`~tilescale_lang.lean.freeze`; logged once per
     kernel when freezing fails: the repeated calls then take the launcher)."""
     from tilescale_lang import lean  # here: the steady-state call pays no import statement
 
     try:
-        return lean.freeze(op.kernel, args) or False
+        return lean.freeze(kernel, args) or False
     except Exception as exc:  # an optimisation only: the launcher path stays correct
-        name = getattr(op.kernel, "name", type(op.kernel).__name__)
+        name = getattr(kernel, "name", type(kernel).__name__)
         if name not in _NOT_FROZEN:
             _NOT_FROZEN.add(name)
             log.info("%s: repeated calls of kernel %s take the launcher (no frozen launch: %s)", type(op).__name__,
@@ -124,17 +130,19 @@ class KeptLaunch:
             parameters not listed are launched as they are (the op's own buffers, or views
             the op holds, whose memory therefore cannot be another tensor's). The listed
             views are not kept, so the call's tensors' memory is free for the next ones.
+        kernel: the kernel launched (None: the op's ``kernel``).
     """
 
-    __slots__ = ("layouts", "args", "changing", "views", "frozen")
+    __slots__ = ("layouts", "args", "changing", "views", "frozen", "cuda", "kernel")
 
-    def __init__(self, tensors, args: tuple, changing: Sequence[int], views: Sequence[tuple] = ()):
+    def __init__(self, tensors, args: tuple, changing: Sequence[int], views: Sequence[tuple] = (), kernel=None):
         self.layouts = [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in tensors]
+        self.cuda = tensors[0].device.type == "cuda"  # where a call may be captured in a CUDA graph
         self.views = [(pos, index, args[pos].shape) for pos, index in views]
         kept = list(args)
         for pos, _, _ in self.views:
             kept[pos] = None  # the call's views are not kept: their memory may serve the next tensors
-        self.args, self.changing = kept, changing
+        self.args, self.changing, self.kernel = kept, changing, kernel
         #: The launch with every parameter fixed (:class:`~tilescale_lang.lean.FrozenLaunch`),
         #: made at the first repeated call; None before, False where none can be made.
         self.frozen = None
@@ -164,20 +172,25 @@ class KeptLaunch:
 class Relaunching:
     """The repeated-call path of :class:`~tilescale_examples.base.SymmetricOp`: an op keeps
     the launch of a full call (:meth:`_keep_launch`, after its own conditions) and starts each
-    call with :meth:`_relaunch`. Needs the op's ``kernel``, ``epoch``, ``_captured``,
-    ``_capturing()``, ``_check_open()``, ``bind_table()`` and ``_launch_kernel()``; ``close()``
-    sets ``_kept_launch`` and ``_last_address`` to None."""
+    call with :meth:`_relaunch`. An op with several calls keeps one launch per call site: an
+    attribute named in :attr:`_RELAUNCH_SITES` (the default ``_kept_launch``), the address of
+    its last full call's first tensor in that name + ``_address``. Needs the op's ``kernel``,
+    ``allocator``, ``epoch``, ``_captured``, ``_TABLE_OWNER``, ``_check_open()``,
+    ``bind_table()`` and ``_launch_kernel()``; ``close()`` sets the sites' attributes to None."""
 
+    #: The attributes holding each call site's kept launch (:class:`KeptLaunch`, or None).
+    _RELAUNCH_SITES = ("_kept_launch",)
     #: The last full call's launch (:class:`KeptLaunch`) that :meth:`_relaunch` repeats, or None.
     _kept_launch = None
 
-    def _relaunch(self, *tensors) -> bool:
-        """Launch ``self.kernel`` as the kept full call did (:meth:`_keep_launch`) when
+    def _relaunch(self, *tensors, site: str = "_kept_launch") -> bool:
+        """Launch the kernel of the launch kept at ``site`` (:meth:`_keep_launch`) when
         ``tensors`` are laid out exactly as that call's (the same addresses, shapes, strides,
         dtypes and devices: every check it made holds) and nothing since needs the full call:
         no CUDA graph capture now or before, the op and its allocator open (else
-        :class:`~tilescale_examples.base.ClosedError`). Counts the call (``epoch``). Returns
-        whether it launched; False leaves everything to the full call.
+        :class:`~tilescale_examples.base.ClosedError`). Counts the call (``epoch``) at the
+        default site; an op counts its other sites' calls itself. Returns whether it
+        launched; False leaves everything to the full call.
 
         The steady state of a loop calling an op on the same buffers, or on fresh tensors
         that the caching allocator placed where the last ones were: its host time is a few
@@ -186,43 +199,55 @@ class Relaunching:
         :class:`~tilescale_lang.lean.FrozenLaunch` made at the first (one call of the launch
         records' C helper, no argument packed or checked again; where none can be made, the
         op's launcher with new views of the tensors)."""
-        kept = self._kept_launch
-        if kept is None or self._captured or self._capturing() or not kept.matches(tensors):
+        kept = getattr(self, site)
+        if (kept is None or self._captured or not kept.matches(tensors)
+                or kept.cuda and torch.cuda.is_current_stream_capturing()):
             return False
         self._check_open()
-        self.epoch += 1
-        self.bind_table()
+        if site == "_kept_launch":
+            self.epoch += 1
+        kernel = self.kernel if kept.kernel is None else kept.kernel
+        state = kernel.__dict__
+        if state.get(self._TABLE_OWNER) is not self.allocator or state.get(_REBIND):
+            self.bind_table(kernel=kernel)  # another allocator's table is bound (bind_table's own first test)
         frozen = kept.frozen
         if frozen:
             frozen()
             return True
         args = kept.args_for(tensors)
-        self._launch_kernel(args, kept.changing)
+        self._launch_kernel(args, kept.changing, kernel=kernel)
         if frozen is None:
-            kept.frozen = _freeze(self, args)
+            kept.frozen = _freeze(self, kernel, args)
         return True
 
     #: The address of the first tensor of the last full call that :meth:`_keep_launch` could
-    #: keep, or None.
-    _last_address = None
+    #: keep at the default site, or None.
+    _kept_launch_address = None
 
     def _keep_launch(self, keep: bool, tensors, args: tuple, changing: Sequence[int], views=(),
-                     outside: tuple | None = None) -> None:
-        """Keep this full call's launch for :meth:`_relaunch` when ``keep`` (the op's
-        condition: the launch depends on the call's ``tensors`` only through ``views``, see
-        :class:`KeptLaunch`), no call was captured, the last full call's first tensor was at
-        the same address (a loop over one buffer: the next call is likely laid out as this
-        one; a loop over new tensors at new addresses pays nothing more than this comparison)
-        and the first tensor's bytes lie ``outside`` the op's ``(first, last)`` byte range
-        (its own buffers, which a full call treats otherwise) when given; else forget the
-        kept launch."""
+                     outside: tuple | None = None, site: str = "_kept_launch", kernel=None) -> None:
+        """Keep this full call's launch of ``kernel`` (None: the op's ``kernel``) at ``site``
+        for :meth:`_relaunch` when ``keep`` (the op's condition: the launch depends on the
+        call's ``tensors`` only through ``views``, see :class:`KeptLaunch`), no call was
+        captured, the last full call's first tensor was at the same address (a loop over one
+        buffer: the next call is likely laid out as this one; a loop over new tensors at new
+        addresses pays nothing more than this comparison) and the first tensor's bytes lie
+        ``outside`` the op's ``(first, last)`` byte range (its own buffers, which a full call
+        treats otherwise) when given; else forget the kept launch."""
         address = tensors[0].data_ptr() if keep and not self._captured else None
-        if address is None or address != self._last_address:
-            self._last_address, self._kept_launch = address, None
+        if address is None or address != getattr(self, site + "_address", None):
+            setattr(self, site + "_address", address)
+            setattr(self, site, None)
             return
         if outside is not None:
             end = address + tensors[0].numel() * tensors[0].element_size()
             if end > outside[0] and address < outside[1]:
-                self._kept_launch = None
+                setattr(self, site, None)
                 return
-        self._kept_launch = KeptLaunch(tensors, args, changing, views)
+        setattr(self, site, KeptLaunch(tensors, args, changing, views, kernel))
+
+    def _forget_launches(self) -> None:
+        """Forget every site's kept launch (``close()``)."""
+        for site in self._RELAUNCH_SITES:
+            setattr(self, site, None)
+            setattr(self, site + "_address", None)

@@ -30,7 +30,7 @@ from tilescale_examples._checks import (DEFAULT_MAX_BLOCKS, DTYPES, TARGET, chec
                                         check_target, check_tensor, check_threads, default_group, plan_chunks,
                                         size_table_entry)
 from tilescale_examples._group import all_ranks_agree, collective_device, settle
-from tilescale_examples._launch import Relaunching, launch as lean_launch
+from tilescale_examples._launch import _PINNED, _REBIND, _USERS, Relaunching, launch as lean_launch
 from tilescale_examples._contract import (OldSpellingWarning, RecordingAllocator, accepts_0_1_init,
                                           accepts_0_1_out, accepts_0_1_reference, dry_run_heap_bytes,
                                           rank_left_out, row_shape_0_1, sm_count_of, warn_old_spelling)
@@ -53,9 +53,8 @@ class ClosedError(RuntimeError):
 
 #: Compiled kernels of this process shared by instances (:meth:`KernelOwner._compile_kernel`).
 _KERNELS: dict = {}
-#: Attributes of a compiled kernel: ids of the allocators that bound it, whether every launch
-#: must rebind (a graph captured table copies), the allocator a graph captured it for unbound.
-_USERS, _REBIND, _PINNED = "_tilescale_table_users", "_tilescale_always_rebind", "_tilescale_pinned_to"
+#: Attributes of a compiled kernel (:mod:`tilescale_examples._launch`): the allocators that bound
+#: it, whether every launch must rebind, the allocator a graph captured it for unbound.
 #: Execution backends whose loaded table :func:`tilescale_lang.metadata.bind_from_device` sets.
 _DEVICE_BINDABLE = ("tvm_ffi", "nvrtc")
 
@@ -357,7 +356,7 @@ class SymmetricOp(KernelOwner, Relaunching, Closable):
         raises :class:`ClosedError`."""
         self._closed = True
         self.kernel = None
-        self._kept_launch = self._last_address = None
+        self._forget_launches()
         self.__dict__.pop("_lean_launches", None)  # their prepared buffers
         for name in self._BUFFERS:
             part = getattr(self, name, None)
