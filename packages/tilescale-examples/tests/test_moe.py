@@ -509,6 +509,46 @@ def test_dispatcher_on_cpu_allocator(cache_dir):
         moe.dispatch_profiled(x, idx, w, prof)
 
 
+@needs_nvcc
+def test_repeated_dispatches_and_combines_launch_the_kept_launch(cache_dir, monkeypatch):
+    """A dispatch without the host check (``validate=False``) on tensors laid out as the last
+    two such calls' launches the kept launch again (no argument check; the call counted, a
+    new handle), and so does a combine of the same ``y`` for the same token count; any other
+    call (validated, profiled, another token count or tensor) is the full call."""
+    from tilescale_examples.moe import dispatcher as module
+
+    check_tensor = module.check_tensor
+    moe = _make(CpuAllocator(num_ranks=2), index_dtype=torch.int32, dtype=torch.float16)
+    launched, checked = [], []
+    moe.dispatch_kernel = LaunchRecorder(launched, "dispatch")
+    moe.combine_kernel = LaunchRecorder(launched, "combine")
+    monkeypatch.setattr(module, "check_tensor", lambda t, *a: checked.append(a[3]) or check_tensor(t, *a))
+    x = torch.randn(5, H).half()
+    idx = torch.tensor([[0, 7], [1, -1], [2, 3], [4, 4], [6, 5]], dtype=torch.int32)
+    w = torch.rand(5, K)
+    y = torch.randn(moe.capacity, H).half()
+    for i in range(4):
+        recv, counts, handle = moe.dispatch(x, idx, w, validate=False)
+        assert recv is moe.recv_x and handle.epoch == moe.epoch == i + 1 and handle.num_tokens == 5
+        assert launched[-1][0] == "dispatch" and launched[-1][1][0].data_ptr() == idx.data_ptr()
+        assert launched[-1][1][2].data_ptr() == x.data_ptr() and launched[-1][1][3] is moe.packed
+        out = moe.combine(y, handle)
+        assert out.shape == (5, H) and launched[-1][0] == "combine" and launched[-1][1][0].data_ptr() == y.data_ptr()
+    assert checked.count("x") == 2 and checked.count("y") == 2  # the third and fourth calls: relaunched
+    assert len(launched) == 8 and moe.combines == 4
+    moe.dispatch(x, idx, w)  # validated: the full call, and nothing kept
+    assert checked.count("x") == 3 and moe._kept_launch is None
+    moe.dispatch(x, idx, w, validate=False), moe.dispatch(x, idx, w, validate=False)
+    handle = moe.dispatch(x[:3], idx[:3], w[:3], validate=False)[2]  # another token count: the full call
+    assert checked.count("x") == 6 and handle.num_tokens == 3
+    assert moe.combine(y, handle).shape == (3, H) and checked.count("y") == 3  # its output differs: the full call
+    with pytest.raises(RuntimeError, match="handle is from dispatch call"):
+        moe.combine(y, DispatchHandle(moe, 1, 5, *[handle.counts] * 4))  # a stale handle: still refused
+    moe.close()
+    with pytest.raises(RuntimeError, match="MoEDispatcher is closed"):
+        moe.dispatch(x, idx, w, validate=False)
+
+
 test_constructor_rejects_before_allocating = rejects_before_allocating(
     MoEDispatcher, dict(num_experts=E, hidden=H, topk=K, max_tokens=TMAX, dtype=torch.bfloat16), [
     (dict(hidden=60), ValueError, "hidden must be a multiple of 8"),

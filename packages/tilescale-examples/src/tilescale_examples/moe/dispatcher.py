@@ -186,6 +186,9 @@ class MoEDispatcher(SymmetricCollective):
     is a dry run of the constructor.
     """
 
+    #: Kept launches (:meth:`_relaunch`): the dispatch's (the default site) and the combine's.
+    _RELAUNCH_SITES = ("_kept_launch", "_kept_combine")
+    _kept_combine = None
     _BUFFERS = ("recv_x", "recv_src", "comb_buf", "count_matrix", "flags", "counters", "state",
                 "packed", "base", "weights", "dest_rank", "dest_row", "recv_counts",
                 "recv_offsets", "status", "output")
@@ -333,8 +336,12 @@ class MoEDispatcher(SymmetricCollective):
         Returns ``(recv_x, counts, handle)``: the symmetric ``(capacity, hidden)`` receive
         buffer in the documented layout, the ``(EL,)`` int32 device tensor of rows per local
         expert, and the :class:`DispatchHandle` for ``combine``. All are overwritten by the
-        next dispatch and complete when the kernels finish on the current stream.
+        next dispatch and complete when the kernels finish on the current stream. A call
+        without the host check, on tensors laid out as the last two such calls' (a loop over
+        the same buffers), launches the kept launch again (docs/launch.md, "Repeated calls").
         """
+        if not (self.validate if validate is None else validate) and self._relaunch(x, topk_idx, topk_weights):
+            return self._dispatched(x.shape[0])  # laid out as the last such call's: launched as it was
         return self._dispatch(lambda: (self.dispatch_kernel, ()), x, topk_idx, topk_weights, validate)
 
     def dispatch_profiled(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -368,16 +375,25 @@ class MoEDispatcher(SymmetricCollective):
         """Check the call's arguments, then run ``launch()``'s ``(kernel, extra arguments)``."""
         self._check_open()
         T = self._check_tokens(x, topk_idx, topk_weights)
-        if self.validate if validate is None else validate:
+        validated = self.validate if validate is None else validate
+        if validated:
             self._validate_indices(topk_idx)
         kernel, extra = launch()
         self.epoch += 1
         self.bind_table(kernel=kernel)
-        self._launch_kernel((topk_idx, topk_weights, x, self.packed, self.base, self.weights, self.count_matrix,
-                             self.flags, self.recv_x, self.recv_src, self.dest_rank, self.dest_row, self.recv_counts,
-                             self.recv_offsets, self.status, self.counters, self.state, *extra),
-                            changing=(0, 1, 2) + tuple(range(17, 17 + len(extra))), kernel=kernel)
-        handle = DispatchHandle(self, self.epoch, T, *self._views_of(T)[:4])
+        args = (topk_idx, topk_weights, x, self.packed, self.base, self.weights, self.count_matrix, self.flags,
+                self.recv_x, self.recv_src, self.dest_rank, self.dest_row, self.recv_counts, self.recv_offsets,
+                self.status, self.counters, self.state, *extra)
+        changing = (0, 1, 2) + tuple(range(17, 17 + len(extra)))
+        self._launch_kernel(args, changing, kernel=kernel)
+        # a plain dispatch without the host's check may be launched again (dispatch(): _relaunch)
+        self._keep_launch(not validated and not extra, (x, topk_idx, topk_weights), args, changing,
+                          views=((0, 1), (1, 2), (2, 0)), kernel=kernel)
+        return self._dispatched(T)
+
+    def _dispatched(self, tokens: int):
+        """``dispatch()``'s result for the call just launched with ``tokens`` tokens."""
+        handle = DispatchHandle(self, self.epoch, tokens, *self._views_of(tokens)[:4])
         return self.recv_x, handle.counts, handle
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -399,16 +415,21 @@ class MoEDispatcher(SymmetricCollective):
         if handle.epoch != self.epoch:
             raise RuntimeError(f"handle is from dispatch call {handle.epoch}, but dispatch call {self.epoch} "
                                "has overwritten its routing: combine before the next dispatch")
+        out = self._views_of(handle.num_tokens)[4]
+        if self._relaunch(y, out, site="_kept_combine"):  # y and the token count as the last such call's
+            self.combines += 1
+            return out
         check_tensor(y, (self.capacity, self.hidden), self.dtype, self.device, "y",
                      "(capacity, hidden) =", "MoEDispatcher")
         if y.data_ptr() % 16:
             raise ValueError("y must be 16-byte aligned (the combine reads 16-byte vectors); pass a fresh tensor")
-        out = self._views_of(handle.num_tokens)[4]
         self.combines += 1
         self.bind_table(kernel=self.combine_kernel)
-        self._launch_kernel((y, out, self.comb_buf, self.recv_src, self.recv_offsets, self.dest_rank, self.dest_row,
-                             self.weights, self.flags, self.counters, self.state), changing=(0, 1),
-                            kernel=self.combine_kernel)
+        args = (y, out, self.comb_buf, self.recv_src, self.recv_offsets, self.dest_rank, self.dest_row, self.weights,
+                self.flags, self.counters, self.state)
+        self._launch_kernel(args, (0, 1), kernel=self.combine_kernel)
+        self._keep_launch(True, (y, out), args, (0, 1), views=((0, 0),), site="_kept_combine",
+                          kernel=self.combine_kernel)
         return out
 
     def _views_of(self, tokens: int) -> tuple:
