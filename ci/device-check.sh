@@ -33,11 +33,11 @@ while [[ $# -gt 0 ]]; do
 done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
-# first; each step fits one device call of 600 s: the ops that relaunch a call laid out as their
-# last (docs/launch.md, "Repeated calls") -- the launch benchmark (its checks call each op three
-# times on one input), then the GPU suites whose back-to-back calls now take that path (the
-# reductions and all-gather, the fused norm, CUDA graphs mixed with eager calls, the all-to-all).
-unverified=(bench-launch tests-reduce tests-decode tests-graphs tests-other)
+# first; each step fits one device call of 600 s: the repeated calls' single capture check and
+# the MoE dispatcher's kept launches (docs/launch.md, "Repeated calls") -- the launch benchmark
+# (its checks call each op four times on one input: a frozen launch checked), the MoE suite
+# (back-to-back dispatches and combines), then the suites whose repeated calls take that path.
+unverified=(bench-launch tests-moe tests-reduce tests-graphs tests-decode tests-other)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
