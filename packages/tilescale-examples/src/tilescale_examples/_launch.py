@@ -158,11 +158,9 @@ class KeptLaunch:
                 return False
         return True
 
-    def args_for(self, tensors) -> tuple | None:
-        """The launch's parameters for a call on ``tensors``, or None when one of them is not
-        laid out as the kept call's tensor at its place."""
-        if not self.matches(tensors):
-            return None
+    def args_for(self, tensors) -> tuple:
+        """The launch's parameters for a call on ``tensors`` (which :meth:`matches`): new
+        views of them where the kept call had views of its tensors."""
         args = self.args.copy()
         for pos, index, shape in self.views:
             args[pos] = tensors[index].view(*shape)  # view(*ints): cheaper than view(torch.Size)
