@@ -701,6 +701,47 @@ def _back_to_back(moe, rank, world, calls, gen):
     return checks + 1
 
 
+def _on_one_buffer(moe, rank, world, gen, calls: int = 60) -> int:
+    """A serving loop's steady state: dispatch and combine on the same buffers, refilled in
+    place with one of 3 checked input sets (one token count) before every call,
+    ``validate=False``, a straggling rank every 20 calls, poisoned outputs: from the third
+    call on the dispatcher launches its kept launches (frozen from the fourth). Every result
+    must equal its set's bit for bit."""
+    dev = moe.device
+    tokens = moe.max_tokens - 3 - rank
+    bufs = (torch.empty(tokens, moe.hidden, dtype=moe.dtype, device=dev),
+            torch.empty(tokens, moe.topk, dtype=moe.index_dtype, device=dev), torch.empty(tokens, moe.topk, device=dev))
+    y = torch.empty(moe.capacity, moe.hidden, dtype=moe.dtype, device=dev)
+    sets, checks = [], 0
+    for s, kind in enumerate(("uniform", "skewed", "dupes")):
+        x = torch.randn(tokens, moe.hidden, generator=gen).to(moe.dtype).to(dev)
+        idx = _routing(kind, tokens, moe.num_experts, moe.topk, gen).to(dev, moe.index_dtype)
+        w = (torch.rand(tokens, moe.topk, generator=gen) / moe.topk).to(dev)
+        checks += _check_call(moe, rank, world, x, idx, w, f"one-buffer set {s}")
+        recv, counts, handle = moe.dispatch(x, idx, w, validate=False)
+        sets.append(((x, idx, w), recv.clone(), counts.clone(),
+                     moe.combine(_experts(recv, handle.recv_offsets), handle).clone()))
+    rows = torch.arange(moe.capacity, device=dev)[:, None]
+    mismatches = torch.zeros((), dtype=torch.int64, device=dev)
+    for call in range(calls):
+        inputs, want_recv, want_counts, want_out = sets[call % 3]
+        for buf, src in zip(bufs, inputs):
+            buf.copy_(src)
+        if call % 20 == 0 and rank == (call // 20) % world:
+            torch.cuda._sleep(2_000_000)  # this rank arrives late (about 1 ms)
+        moe.recv_x.fill_(-777)
+        moe.output.fill_(-777)
+        recv, counts, handle = moe.dispatch(*bufs, validate=False)
+        mismatches += ((recv != want_recv) & (rows < handle.recv_offsets[-1])).sum() + (counts != want_counts).sum()
+        y.copy_(_experts(recv, handle.recv_offsets))
+        mismatches += (moe.combine(y, handle) != want_out).sum()
+    torch.cuda.synchronize()
+    assert moe._kept_launch is not None and moe._kept_combine is not None, f"rank {rank}: no launch was kept"
+    assert moe._kept_launch.frozen is not None and moe._kept_combine.frozen is not None, f"rank {rank}: not repeated"
+    assert int(mismatches) == 0, f"rank {rank}/{world}: {int(mismatches)} wrong elements over {calls} calls on one buffer"
+    return checks + 1
+
+
 def _graph_capture(moe, rank, world, gen):
     """Capture dispatch + experts + combine in a CUDA graph (validate=False) and replay it on
     fresh inputs copied into the captured tensors; each replay is checked."""
@@ -776,8 +817,8 @@ GPU_CASES = [("uniform", torch.bfloat16, torch.int64), ("skewed", torch.bfloat16
 
 def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     """Per rank: the routing cases (bf16/int64 and fp16/int32; a rank with no tokens in the
-    sparse case), graph capture, index errors and back-to-back calls (1000 on 1 or 2 ranks,
-    200 on 4), all at SMALL size."""
+    sparse case), graph capture, index errors, back-to-back calls (1000 on 1 or 2 ranks,
+    200 on 4) and 60 calls on one set of buffers (the kept launches), all at SMALL size."""
     experts, topk, hidden, max_tokens = SMALL
     alloc = open_rank_heap(rank, world, cache_dir, _heap_bytes(SMALL, world, dispatchers=2))
     dev = torch.device(alloc.device)
@@ -798,6 +839,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     checks += _graph_capture(moe, rank, world, gen)
     checks += _index_errors(moe, rank, world, gen)
     checks += _back_to_back(moe, rank, world, 1000 if world <= 2 else 200, gen)
+    checks += _on_one_buffer(moe, rank, world, gen)
     for moe in dispatchers.values():
         moe.close()
     return close_rank_heap(alloc, rank, checks)
@@ -805,7 +847,7 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
 
 @gpu_rank_test(1, 2, 4, timeout=300, cache="moe")
 def test_moe_on_gpu(world, rank, world_size, kernel_cache):
-    expect_checks(gpu_rank_body(rank, world_size, kernel_cache), len(GPU_CASES) + 3 + 2 + 5)
+    expect_checks(gpu_rank_body(rank, world_size, kernel_cache), len(GPU_CASES) + 3 + 2 + 5 + 4)
 
 
 def full_size_rank_body(rank: int, world: int, cache_dir: str) -> dict:
