@@ -257,16 +257,16 @@ def test_a_frozen_launch_is_the_last_calls_launch_alone(put_kernel, monkeypatch,
     import weakref
 
     src, dst, sig = fake(1024), fake(1024), fake(1, dtype=torch.uint64)
-    launch = lean.prepare(put_kernel, (src, dst, sig, 5), changing=("src", "epoch"))
+    launch = lean.prepare(put_kernel, (src, dst, sig, 9), changing=("src",))
     assert launch.frozen() is None  # not lean yet
     rec = _go_lean(launch, monkeypatch, driver_path)
     if driver_path == "ctypes":
         assert launch.frozen() is None
         return
     src2 = fake(1024)
-    launch(src2, 9)
+    launch(src2)
     frozen = launch.frozen()
-    launch(fake(1024), 10)  # later calls of the launcher leave the frozen launch as it was
+    launch(fake(1024))  # later calls of the launcher leave the frozen launch as it was
     watch = weakref.ref(src2.t)
     (want,) = _full_packing(put_kernel, (src2, dst, sig, 9))
     del launch, src2
@@ -283,6 +283,29 @@ def test_a_frozen_launch_is_the_last_calls_launch_alone(put_kernel, monkeypatch,
 
     with pytest.raises(driver.CudaError, match=r"cuLaunchKernel\(put_signal"):
         frozen()
+
+
+@needs_nvcc
+def test_a_frozen_launch_moves_its_changing_buffers_only(put_kernel, monkeypatch, driver_path):
+    """frozen(*addresses): the changing buffers' new addresses written, everything else as
+    frozen; no address: the last launch's; a changing scalar cannot be frozen."""
+    if driver_path == "ctypes":
+        pytest.skip("frozen launches need the launch records' helper")
+    src, dst, sig = fake(1024), fake(1024), fake(1, dtype=torch.uint64)
+    launch = lean.prepare(put_kernel, (src, dst, sig, 5), changing=("src", "dst"))
+    rec = _go_lean(launch, monkeypatch, driver_path)
+    frozen = launch.frozen()
+    for _ in range(2):
+        src2, dst2 = fake(1024), fake(1024)
+        frozen(src2.data_ptr(), dst2.data_ptr())
+        (want,) = _full_packing(put_kernel, (src2, dst2, sig, 5))
+        assert rec.launches[-1]["raw"] == want.raw()
+    frozen()
+    assert rec.launches[-1]["raw"] == want.raw()  # as last launched
+    scalar = lean.prepare(put_kernel, (src, dst, sig, 5), changing=("src", "epoch"))
+    _go_lean(scalar, monkeypatch, driver_path)
+    with pytest.raises(ValueError, match=r"addresses only, not the scalars \['epoch'\]"):
+        scalar.frozen()
 
 
 @needs_nvcc
@@ -440,8 +463,9 @@ def test_gpu_lean_calls_match_tilelangs_launcher(scale_kernel, driver_path):
 @pytest.mark.gpu
 def test_gpu_a_frozen_launch_gives_tilelangs_bits():
     """freeze(): None before the kernel's first launch (which it arranges to see), a frozen
-    launch after it; 1000 launches of it, the input refilled each time, give what TileLang's
-    launcher gives, on a side stream too."""
+    launch after it; 1000 launches of it, the input refilled each time and every other
+    launch moved to a second input, give what TileLang's launcher gives, on a side stream
+    too."""
     import tilelang
 
     scale_kernel = tilelang.compile(test_aot.build_scale.get_tir(n=128), target=TARGET)  # a kernel of its own
@@ -449,22 +473,23 @@ def test_gpu_a_frozen_launch_gives_tilelangs_bits():
     b = torch.full_like(a, float("nan"))
     assert lean.freeze(scale_kernel, (a, b, 1.5)) is None  # its module is not loaded yet
     scale_kernel(a, b, 1.5)  # loads the module, which freeze() now sees
-    frozen = lean.freeze(scale_kernel, (a, b, 1.5))
+    frozen = lean.freeze(scale_kernel, (a, b, 1.5), changing=("a",))
     assert frozen is not None, "no frozen launch (is there a C compiler for the launch records' helper?)"
-    ref = torch.empty_like(b)
+    ref, inputs = torch.empty_like(b), (a, torch.empty_like(a))
     for i in range(1000):
-        a.normal_()
+        x = inputs[i % 2]
+        x.normal_()
         b.fill_(float("nan"))
-        frozen()
-        scale_kernel(a, ref, 1.5)
-        if i % 100 == 0:
+        frozen(x.data_ptr())
+        scale_kernel(x, ref, 1.5)
+        if i % 100 in (0, 1):
             torch.cuda.synchronize()
-            assert torch.equal(b, ref) and torch.equal(b, a * 1.5)
+            assert torch.equal(b, ref) and torch.equal(b, x * 1.5), i
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         b.fill_(float("nan"))
-        frozen()
+        frozen(a.data_ptr())
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     assert torch.equal(b, a * 1.5)

@@ -607,46 +607,61 @@ class LeanLaunch:
 
 
 class FrozenLaunch:
-    """A kernel's launches with every argument fixed: one call of the launch records' C
-    helper (:mod:`~tilescale_lang.launch_records`) on the current stream, and nothing else.
+    """A kernel's launches with every argument fixed, or all but the addresses of some
+    buffers: one call of the launch records' C helper
+    (:mod:`~tilescale_lang.launch_records`) on the current stream, and nothing else.
 
     Made by :meth:`LeanLaunch.frozen` (or :func:`freeze`), it holds its own copies of the
     packed parameters (the tensors' addresses as integers, never the tensors) and of the
-    records, and the kernel (whose module owns the functions). A caller that launches it again must
-    know that the memory at those addresses is still laid out as it was when it was frozen
-    (the repeated-call path of the library's ops checks each tensor's address, shape,
-    strides, dtype and device first). Stream-ordered like any launch; not for a CUDA graph
-    capture in progress (the caller decides: the launch itself would be captured).
+    records, and the kernel (whose module owns the functions). The changing buffers of the
+    launcher it was frozen from (:attr:`LeanLaunch.changing`, buffers only) may be given new
+    addresses at each launch; nothing else changes. A caller that launches it again must
+    know that the memory at those addresses is laid out as the frozen arguments were (the
+    repeated-call path of the library's ops checks each tensor's shape, strides, dtype,
+    device and address first). Stream-ordered like any launch; not for a CUDA graph capture
+    in progress (the caller decides: the launch itself would be captured).
     """
 
-    __slots__ = ("kernel", "_run", "_address", "_count", "_device", "_keep", "_failed", "_failed_ref", "_symbols")
+    __slots__ = ("kernel", "_run", "_address", "_count", "_device", "_keep", "_failed", "_failed_ref", "_symbols",
+                 "_targets")
 
     def __init__(self, launch: LeanLaunch):
         from . import launch_records
 
+        scalars = [slot.name for slot in launch._slots if slot.kind != "buffer"]
+        if scalars:
+            raise ValueError(f"{launch._name}: a frozen launch changes buffer addresses only, not the scalars "
+                             f"{scalars}")
         self.kernel = launch.kernel
         records = launch_records.make_records(len(launch._records))
-        keep = [records]  # the records point at the parameter arrays, which point at the values: all kept here
+        keep, copies = [records], {}  # the records point at the parameter arrays, which point at the values
         for record, source, entry in zip(records, launch._records, launch._launches):
             values = [type(v)(v.value) for v in entry[4]]
+            copies.update((id(v), c) for v, c in zip(entry[4], values))
             params = (ctypes.c_void_p * max(1, len(values)))(*(ctypes.addressof(v) for v in values))
             keep.append((values, params))
             record.launch, record.function, record.dims[:] = source.launch, source.function, source.dims[:]
             record.shared_bytes, record.cooperative, record.params = (source.shared_bytes, source.cooperative,
                                                                       ctypes.addressof(params))
+        self._targets = [[copies[id(v)] for v in slot.targets] for slot in launch._slots]
         self._run, self._address, self._count, self._keep = launch._run, ctypes.addressof(records), len(records), keep
         self._device = launch._device if launch._device is not None else 0
         self._symbols = [entry[0] for entry in launch._launches]
         self._failed = ctypes.c_int(-1)
         self._failed_ref = ctypes.byref(self._failed)
 
-    def __call__(self, stream: int | None = None) -> None:
+    def __call__(self, *addresses: int, stream: int | None = None) -> None:
         """Launch on ``stream`` (a raw CUDA stream handle; default the current torch stream
-        of the frozen launch's device).
+        of the frozen launch's device), with ``addresses`` (ints, in the order of the
+        launcher's changing buffers; none: the addresses of the last launch) for the changing
+        buffers.
 
         Raises:
             tilescale_core.CudaError: the launch failed.
         """
+        for targets, address in zip(self._targets, addresses):
+            for value in targets:
+                value.value = address
         if stream is None:
             stream = _raw_stream(self._device)
         err = self._run(self._address, self._count, stream, self._failed_ref)
@@ -654,20 +669,22 @@ class FrozenLaunch:
             _launch_failed(err, self._symbols[self._failed.value])
 
 
-def freeze(kernel: Any, args: Sequence[Any]) -> FrozenLaunch | None:
+def freeze(kernel: Any, args: Sequence[Any], changing: Sequence[Any] = ()) -> FrozenLaunch | None:
     """The launches of ``kernel`` with ``args`` (every parameter, in order, checked once as
-    TileLang's launcher checks them) as a :class:`FrozenLaunch`, or None where that cannot
-    be made: not a ``tvm_ffi`` JITKernel, its module not loaded yet (it loads at its first
-    launch), a launch the lean launcher does not make, or no C helper
+    TileLang's launcher checks them) as a :class:`FrozenLaunch` whose ``changing`` buffers
+    (names or positions, as :func:`prepare` takes them) may move at each launch, or None
+    where that cannot be made: not a ``tvm_ffi`` JITKernel, its module not loaded yet (it
+    loads at its first launch), a launch the lean launcher does not make, or no C helper
     (:meth:`LeanLaunch.frozen`). The first call for a kernel lowers it for its launch metadata
     (:func:`describe_kernel`: kept in TileLang's cache directory, so once per machine).
 
     Raises:
-        TypeError / ValueError: an argument that does not fit the kernel, naming it.
+        TypeError / ValueError: an argument that does not fit the kernel, or ``changing``
+            naming a scalar or no parameter, naming it.
     """
     if getattr(kernel, "execution_backend", None) != "tvm_ffi":
         return None
-    return LeanLaunch(kernel, args, ()).frozen()
+    return LeanLaunch(kernel, args, changing).frozen()
 
 
 def _launch_failed(err: int, symbol: str) -> None:
