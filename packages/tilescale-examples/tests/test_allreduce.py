@@ -230,8 +230,17 @@ def test_a_repeated_call_relaunches_the_kept_arguments_and_anything_else_takes_t
     if algorithm != "lamport":
         assert ar.state.tolist() == [5] * ar.plan.blocks  # the device counted every call
     y = torch.randn(64).half()
-    ar(y)  # another address: the full call, and nothing kept (calls on new tensors keep nothing)
-    assert len(full) == 3 and torch.equal(ar.output, y * 2) and ar._kept_launch is None
+    ar(y)  # another address, the same layout (aligned, not the op's buffer): launched again, moved to y
+    assert len(full) == 2 and torch.equal(ar.output, y * 2) and calls[-1][0].data_ptr() == y.data_ptr()
+    misaligned = torch.randn(65).half()[1:]
+    ar(misaligned)  # not 16-byte aligned: the full call (a padded copy)
+    assert len(full) == 3 and torch.equal(ar.output, misaligned * 2) and ar._kept_launch is None
+    if algorithm != "lamport":
+        ar(x), ar(x)  # kept again
+        x.copy_(torch.randn(64).half())
+        ar.input.copy_(x)
+        assert ar(ar.input) is ar.output and torch.equal(ar.output, x * 2)  # inside the op's buffers: the full call
+        assert len(full) == 6
     with pytest.raises(ValueError, match="input"):
         ar(y.as_strided_((32,), (2,)))  # the same address, reshaped in place: the full call rejects it
     with pytest.raises(TypeError, match="input has dtype torch.int16"):
@@ -274,14 +283,16 @@ def test_repeated_calls_launch_a_frozen_launch_from_the_second_on(algorithm, tmp
     frozen, made = [], []
 
     class Frozen:  # stands for a FrozenLaunch: the frozen parameters launched on the stand-in kernel
-        def __init__(self, kernel, args):
+        def __init__(self, kernel, args, moving):
+            assert list(moving) == [0]  # the input's view may move
             self.kernel, self.args = kernel, args
 
-        def __call__(self):
-            frozen.append(self.args)
-            self.kernel(*self.args)
+        def __call__(self, *addresses):
+            frozen.append(addresses)
+            if addresses[0] == self.args[0].data_ptr():  # (the stand-in kernel cannot follow a moved input)
+                self.kernel(*self.args)
 
-    monkeypatch.setattr(lean, "freeze", lambda kernel, args: made.append(args) or Frozen(kernel, args))
+    monkeypatch.setattr(lean, "freeze", lambda kernel, args, moving: made.append(args) or Frozen(kernel, args, moving))
     x = torch.randn(64).half()
     ar(x), ar(x)  # two full calls: kept
     assert ar(x) is ar.output and len(made) == 1 and not frozen  # the launcher, then frozen
@@ -292,18 +303,27 @@ def test_repeated_calls_launch_a_frozen_launch_from_the_second_on(algorithm, tmp
         ar.output.fill_(float("nan"))
         assert ar(x) is ar.output and torch.equal(ar.output, x * 2) and ar.epoch == 4 + i
         assert len(frozen) == i + 1 and len(made) == 1 and len(ar.kernel.calls) == launched + i + 1
+        assert frozen[-1] == (x.data_ptr(),)
+    moved = torch.randn(64).half()
+    ar(moved)  # another address of the same layout: the frozen launch, moved there
+    assert frozen[-1] == (moved.data_ptr(),) and len(made) == 1 and ar.epoch == 7
+    y = torch.randn(65).half()[1:]
+    ar(y), ar(y)  # not aligned: full calls (a padded copy), nothing kept
+    assert ar._kept_launch is None
+    alloc, ar = make((64,), "float16", algorithm=algorithm, tmp_path=tmp_path, monkeypatch=monkeypatch)
     y = torch.randn(64).half()
-    ar(y), ar(y)  # a new buffer: full calls, a new kept launch, not frozen yet
+    ar(y), ar(y)  # another instance: full calls, a new kept launch, not frozen yet
     assert ar._kept_launch is not None and ar._kept_launch.frozen is None
-    monkeypatch.setattr(lean, "freeze", lambda kernel, args: made.append(args) and None)
+    monkeypatch.setattr(lean, "freeze", lambda kernel, args, moving: made.append(args) and None)
     ar(y), ar(y), ar(y)
-    assert len(made) == 2 and ar._kept_launch.frozen is False and len(frozen) == 3  # asked once, then the launcher
+    assert len(made) == 2 and ar._kept_launch.frozen is False and len(frozen) == 4  # asked once, then the launcher
     assert torch.equal(ar.output, y * 2)
 
-    def fails(kernel, args):
+    def fails(kernel, args, moving):
         raise ValueError("no launch metadata")
 
     monkeypatch.setattr(lean, "freeze", fails)
+    alloc, ar = make((64,), "float16", algorithm=algorithm, tmp_path=tmp_path, monkeypatch=monkeypatch)
     z = torch.randn(64).half()
     with caplog.at_level("INFO", logger="tilescale_examples.launch"):
         for _ in range(4):

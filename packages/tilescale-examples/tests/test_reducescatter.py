@@ -60,7 +60,8 @@ def make(row, dtype="float32", tmp_path=None, monkeypatch=None):
 def test_a_repeated_call_relaunches_the_kept_input_view(tmp_path, monkeypatch):
     """The same input buffer again (refilled in place, no ``out``): the kept arguments are
     launched again without the full call, the device call number advancing and the output
-    right; another address or ``out=`` takes the full call; a padded input is never kept."""
+    right; another aligned address is launched the same, moved there; ``out=`` takes the
+    full call; a padded input is never kept."""
     alloc, rs = make((4, 8), tmp_path=tmp_path, monkeypatch=monkeypatch)  # rows of whole vectors
     full = []
     monkeypatch.setattr(rs, "_check_call", lambda *a: full.append(a[0]) or ReduceScatter._check_call(rs, *a))
@@ -71,8 +72,9 @@ def test_a_repeated_call_relaunches_the_kept_input_view(tmp_path, monkeypatch):
         rs.output.fill_(float("nan"))
         assert rs(x) is rs.output and torch.equal(rs.output, x[0] * 2)
         assert rs.kernel.calls[-1][3] == epoch and len(full) == 2
-    rs(x.clone())
-    assert len(full) == 3
+    moved = x.clone()
+    assert rs(moved) is rs.output and torch.equal(rs.output, moved[0] * 2)
+    assert len(full) == 2 and rs.kernel.calls[-1][0].data_ptr() == moved.data_ptr()
     out = torch.empty(4, 8)
     assert rs(x, out=out) is out and torch.equal(out, x[0] * 2) and rs._kept_launch is None
     _, odd = make((3, 5), tmp_path=tmp_path, monkeypatch=monkeypatch)

@@ -93,15 +93,16 @@ def kept_view(op: Any, attr: str, tensor: torch.Tensor, make) -> Any:
     return view
 
 
-def _freeze(op: Any, kernel: Any, args: tuple) -> Any:
+def _freeze(op: Any, kernel: Any, args: tuple, moving: Sequence[int]) -> Any:
     """``kernel``'s launch with ``args`` as a :class:`~tilescale_lang.lean.FrozenLaunch`
+    whose parameters at the positions ``moving`` may move
     (made after a launch of them: the kernel's module is loaded), or False where none can be
     made (not a ``tvm_ffi`` kernel, ...: :func:`~tilescale_lang.lean.freeze`; logged once per
     kernel when freezing fails: the repeated calls then take the launcher)."""
     from tilescale_lang import lean  # here: the steady-state call pays no import statement
 
     try:
-        return lean.freeze(kernel, args) or False
+        return lean.freeze(kernel, args, moving) or False
     except Exception as exc:  # an optimisation only: the launcher path stays correct
         name = getattr(kernel, "name", type(kernel).__name__)
         if name not in _NOT_FROZEN:
@@ -131,32 +132,45 @@ class KeptLaunch:
             the op holds, whose memory therefore cannot be another tensor's). The listed
             views are not kept, so the call's tensors' memory is free for the next ones.
         kernel: the kernel launched (None: the op's ``kernel``).
+        movable: ``(first, last)``, the byte range of the op's own buffers, where the viewed
+            tensors may be at other addresses than the kept call's (16-byte aligned, outside
+            that range: every other check the full call made still holds); None: they must
+            be at the kept addresses.
     """
 
-    __slots__ = ("layouts", "args", "changing", "views", "frozen", "cuda", "kernel")
+    __slots__ = ("layouts", "args", "changing", "views", "frozen", "cuda", "kernel", "movable")
 
-    def __init__(self, tensors, args: tuple, changing: Sequence[int], views: Sequence[tuple] = (), kernel=None):
+    def __init__(self, tensors, args: tuple, changing: Sequence[int], views: Sequence[tuple] = (), kernel=None,
+                 movable: tuple | None = None):
         self.layouts = [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in tensors]
         self.cuda = tensors[0].device.type == "cuda"  # where a call may be captured in a CUDA graph
         self.views = [(pos, index, args[pos].shape) for pos, index in views]
         kept = list(args)
         for pos, _, _ in self.views:
             kept[pos] = None  # the call's views are not kept: their memory may serve the next tensors
-        self.args, self.changing, self.kernel = kept, changing, kernel
-        #: The launch with every parameter fixed (:class:`~tilescale_lang.lean.FrozenLaunch`),
-        #: made at the first repeated call; None before, False where none can be made.
+        self.args, self.changing, self.kernel, self.movable = kept, changing, kernel, movable
+        #: The launch with every parameter fixed but the viewed tensors' addresses
+        #: (:class:`~tilescale_lang.lean.FrozenLaunch`), made at the first repeated call; None
+        #: before, False where none can be made.
         self.frozen = None
 
-    def matches(self, tensors) -> bool:
-        """Whether every one of ``tensors`` is laid out as the kept call's tensor at its place
-        (address, shape, strides, dtype, device)."""
+    def addresses_for(self, tensors) -> tuple | None:
+        """For a call on ``tensors`` laid out as the kept call's (shape, strides, dtype,
+        device; the address too, or, where :attr:`movable`, for a viewed tensor any aligned
+        address outside the op's buffers): the viewed tensors' addresses, in the order of
+        ``views`` (empty where not :attr:`movable`: the kept ones); else None."""
         if len(tensors) != len(self.layouts):
-            return False
-        for t, (ptr, shape, stride, dtype, device) in zip(tensors, self.layouts):
-            if (not isinstance(t, torch.Tensor) or t.data_ptr() != ptr or t.shape != shape or t.stride() != stride
-                    or t.dtype != dtype or t.device != device):
-                return False
-        return True
+            return None
+        moving = self.movable
+        for i, (t, (ptr, shape, stride, dtype, device)) in enumerate(zip(tensors, self.layouts)):
+            if (not isinstance(t, torch.Tensor) or t.shape != shape or t.stride() != stride or t.dtype != dtype
+                    or t.device != device):
+                return None
+            address = t.data_ptr()
+            if address != ptr and (moving is None or address % 16 or not any(i == v[1] for v in self.views)
+                                   or moving[0] < address + t.numel() * t.element_size() and address < moving[1]):
+                return None
+        return tuple(tensors[index].data_ptr() for _, index, _ in self.views) if moving is not None else ()
 
     def args_for(self, tensors) -> tuple:
         """The launch's parameters for a call on ``tensors`` (which :meth:`matches`): new
@@ -198,8 +212,10 @@ class Relaunching:
         records' C helper, no argument packed or checked again; where none can be made, the
         op's launcher with new views of the tensors)."""
         kept = getattr(self, site)
-        if (kept is None or self._captured or not kept.matches(tensors)
-                or kept.cuda and torch.cuda.is_current_stream_capturing()):
+        if kept is None or self._captured:
+            return False
+        addresses = kept.addresses_for(tensors)
+        if addresses is None or kept.cuda and torch.cuda.is_current_stream_capturing():
             return False
         self._check_open()
         if site == "_kept_launch":
@@ -210,12 +226,12 @@ class Relaunching:
             self.bind_table(kernel=kernel)  # another allocator's table is bound (bind_table's own first test)
         frozen = kept.frozen
         if frozen:
-            frozen()
+            frozen(*addresses)
             return True
         args = kept.args_for(tensors)
         self._launch_kernel(args, kept.changing, kernel=kernel)
         if frozen is None:
-            kept.frozen = _freeze(self, kernel, args)
+            kept.frozen = _freeze(self, kernel, args, [pos for pos, _, _ in kept.views])
         return True
 
     #: The address of the first tensor of the last full call that :meth:`_keep_launch` could
@@ -223,7 +239,8 @@ class Relaunching:
     _kept_launch_address = None
 
     def _keep_launch(self, keep: bool, tensors, args: tuple, changing: Sequence[int], views=(),
-                     outside: tuple | None = None, site: str = "_kept_launch", kernel=None) -> None:
+                     outside: tuple | None = None, site: str = "_kept_launch", kernel=None,
+                     movable: bool = False) -> None:
         """Keep this full call's launch of ``kernel`` (None: the op's ``kernel``) at ``site``
         for :meth:`_relaunch` when ``keep`` (the op's condition: the launch depends on the
         call's ``tensors`` only through ``views``, see :class:`KeptLaunch`), no call was
@@ -231,18 +248,24 @@ class Relaunching:
         buffer: the next call is likely laid out as this one; a loop over new tensors at new
         addresses pays nothing more than this comparison) and the first tensor's bytes lie
         ``outside`` the op's ``(first, last)`` byte range (its own buffers, which a full call
-        treats otherwise) when given; else forget the kept launch."""
-        address = tensors[0].data_ptr() if keep and not self._captured else None
-        if address is None or address != getattr(self, site + "_address", None):
-            setattr(self, site + "_address", address)
+        treats otherwise) when given; else forget the kept launch. ``movable`` (with
+        ``outside``): later calls may pass the viewed tensors at other addresses (aligned,
+        outside the op's buffers: see :class:`KeptLaunch`), so the launch is kept after two
+        calls in a row whose first tensors had one shape and dtype (a loop over new tensors
+        of one layout), wherever they were."""
+        first = tensors[0]
+        address = first.data_ptr() if keep and not self._captured else None
+        key = address if address is None or not movable else (first.shape, first.dtype)
+        if address is None or key != getattr(self, site + "_address", None):
+            setattr(self, site + "_address", key)
             setattr(self, site, None)
             return
         if outside is not None:
-            end = address + tensors[0].numel() * tensors[0].element_size()
+            end = address + first.numel() * first.element_size()
             if end > outside[0] and address < outside[1]:
                 setattr(self, site, None)
                 return
-        setattr(self, site, KeptLaunch(tensors, args, changing, views, kernel))
+        setattr(self, site, KeptLaunch(tensors, args, changing, views, kernel, outside if movable else None))
 
     def _forget_launches(self) -> None:
         """Forget every site's kept launch (``close()``)."""

@@ -386,9 +386,10 @@ class ReductionCollective(SymmetricCollective):
         (:meth:`_relaunch`) when ``keep`` (the call had no ``out`` and did not find its input
         staged) and only the view of the input changes: the kernel reads ``input`` in place
         (``args[0]`` its view, not the padded copy) and ``input`` lies outside this instance's
-        staging buffers."""
+        staging buffers. A later input of this layout may be elsewhere (16-byte aligned and
+        outside the staging buffers, as the full call would read it in place too)."""
         self._keep_launch(keep and args[0] is not self._padded, (input,), args, changing, views=((0, 0),),
-                          outside=self._stage_span)
+                          outside=self._stage_span, movable=True)
 
     def _launch(self, input: torch.Tensor, out_rows: Optional[torch.Tensor], stage_copy,
                 zero_copy: bool, keep: bool = False) -> torch.Tensor:
