@@ -170,8 +170,9 @@ def test_allgather_object_on_cpu_allocator(tmp_path, monkeypatch):
 def test_a_call_laid_out_as_the_last_relaunches_it(op, tmp_path, monkeypatch):
     """The put exchanges (AllGather, AllToAll): an input laid out as the last call's (the same
     buffer refilled, or a fresh view of it) and no ``out``: the kept launch again, with a new
-    view of the input and the op's own buffers, without the input checks; another address
-    or ``out=`` takes the full call; close() and a closed allocator still refuse."""
+    view of the input and the op's own buffers, without the input checks, and so does an
+    input of that layout at another (aligned) address; a misaligned one or ``out=`` takes the
+    full call; close() and a closed allocator still refuse."""
     from tilescale_examples.collectives.alltoall import AllToAll
 
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
@@ -188,8 +189,12 @@ def test_a_call_laid_out_as_the_last_relaunches_it(op, tmp_path, monkeypatch):
         assert launched[-1][0].data_ptr() == x.data_ptr()
         assert all(a is b for a, b in zip(launched[-1][1:], launched[0][1:]))  # the op's own buffers
     assert ex.epoch == 4
-    ex(x.clone())  # another address
-    assert len(checked) == 3
+    moved = x.clone()
+    ex(moved)  # another address: launched there
+    assert len(checked) == 2 and launched[-1][0].data_ptr() == moved.data_ptr()
+    misaligned = torch.randn(x.numel() + 1)[1:].view(shape)
+    ex(misaligned)  # not 16-byte aligned: the full call
+    assert len(checked) == 3 and launched[-1][0].data_ptr() == misaligned.data_ptr()
     out = torch.empty_like(ex.output)
     assert ex(x, out=out) is out and len(checked) == 4 and ex._kept_launch is None
     ex(x), ex(x)

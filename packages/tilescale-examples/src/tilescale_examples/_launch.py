@@ -248,9 +248,9 @@ class Relaunching:
         buffer: the next call is likely laid out as this one; a loop over new tensors at new
         addresses pays nothing more than this comparison) and the first tensor's bytes lie
         ``outside`` the op's ``(first, last)`` byte range (its own buffers, which a full call
-        treats otherwise) when given; else forget the kept launch. ``movable`` (with
-        ``outside``): later calls may pass the viewed tensors at other addresses (aligned,
-        outside the op's buffers: see :class:`KeptLaunch`), so the launch is kept after two
+        treats otherwise) when given; else forget the kept launch. ``movable``: later calls
+        may pass the viewed tensors at other addresses (aligned, outside ``outside`` when
+        given: see :class:`KeptLaunch`), so the launch is kept after two
         calls in a row whose first tensors had one shape and dtype (a loop over new tensors
         of one layout), wherever they were."""
         first = tensors[0]
@@ -265,7 +265,8 @@ class Relaunching:
             if end > outside[0] and address < outside[1]:
                 setattr(self, site, None)
                 return
-        setattr(self, site, KeptLaunch(tensors, args, changing, views, kernel, outside if movable else None))
+        moves = (outside if outside is not None else (0, 0)) if movable else None  # (0, 0): no own bytes to avoid
+        setattr(self, site, KeptLaunch(tensors, args, changing, views, kernel, moves))
 
     def _forget_launches(self) -> None:
         """Forget every site's kept launch (``close()``)."""

@@ -21,9 +21,9 @@ warm-up calls (:func:`~tilescale_examples.benchmarks._timing.host_us_rounds`):
   from its fourth call on, the launch it froze at its third, whichever its launcher: its two
   rows time that path;
 * for each such op, the same op called on two inputs in turn through TileLang's launcher
-  (``TileLang, new input every call``): every call its full call, except for ``AllReduce``
-  and ``ReduceScatter``, which move their kept launch to an input of the kept layout at
-  another address;
+  (``TileLang, new input every call``): every call its full call, except for the
+  collectives, which move their kept launch to an input of the kept layout at another
+  address;
 * the raw kernel launch of the all-reduce (its kernel called with all its arguments through
   TileLang's launcher, and through a prepared :class:`~tilescale_lang.lean.LeanLaunch`), and
   the lean launch's two parts alone: its Python (checks and packing of the changing
@@ -254,7 +254,7 @@ def run(rank: int, world: int, group, device, args) -> list | None:
 def _alternating(op, call, inputs):
     """A function calling ``call(op, x)`` with ``x`` each of ``inputs`` in turn: no call is
     at the last one's address, so every call is the op's full call (its checks, its views),
-    or its kept launch moved to ``x`` where the op moves it (the reductions)."""
+    or its kept launch moved to ``x`` where the op moves it (the collectives)."""
     turn = [0]
 
     def fn():

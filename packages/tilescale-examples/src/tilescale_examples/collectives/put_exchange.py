@@ -125,12 +125,13 @@ class PutExchange(SymmetricCollective):
     def _launch(self, input: torch.Tensor, keep: bool = False) -> None:
         """One call's data movement on the current stream (the SM kernel; overridden by
         engines that move data otherwise). ``keep``: the call had no ``out``, so a call on a
-        tensor laid out as ``input`` may launch the same again (:meth:`_relaunch`)."""
+        tensor laid out as ``input`` may launch the same again (:meth:`_relaunch`), at its
+        address or, 16-byte aligned, at another (the full call reads any input in place)."""
         self.bind_table()
         flat = kept_view(self, "_flat_output", self.output, _flat)
         args = (input.view(-1), flat, self.flags, self.state)
         self._launch_kernel(args, changing=(0,))
-        self._keep_launch(keep, (input,), args, (0,), views=((0, 0),))
+        self._keep_launch(keep, (input,), args, (0,), views=((0, 0),), movable=True)
 
     def _call(self, input: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
         """A call of the op: the last call's launch again when ``input`` is laid out as its
