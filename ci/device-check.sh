@@ -33,11 +33,13 @@ while [[ $# -gt 0 ]]; do
 done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
-# first; each step fits one device call of 600 s: the repeated calls' single capture check and
-# the MoE dispatcher's kept launches (docs/launch.md, "Repeated calls") -- the launch benchmark
-# (its checks call each op four times on one input: a frozen launch checked), the MoE suite
-# (back-to-back dispatches and combines), then the suites whose repeated calls take that path.
-unverified=(bench-launch tests-moe tests-reduce tests-graphs tests-decode tests-other)
+# first; each step fits one device call of 600 s: the repeated calls' single capture check, the
+# MoE dispatcher's kept launches and the collectives' kept launches moved to new inputs
+# (docs/launch.md, "Repeated calls") -- the launch benchmark (its checks call each op four times
+# on one input: a frozen launch checked; its "new input every call" rows move), the MoE suite,
+# then the suites whose calls on fresh tensors of one layout now take that path; test_lean's
+# GPU test of a frozen launch moved between two inputs runs in tests-lang.
+unverified=(bench-launch tests-moe tests-reduce tests-graphs tests-decode tests-other tests-lang)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
