@@ -1,7 +1,7 @@
 """How the ops launch their kernels: through a lean launcher (:mod:`tilescale_lang.lean`) per
 kernel, prepared at the first call; and how they launch their last call again for a call
-whose tensors are laid out exactly as its (:class:`Relaunching`: a call on the same buffers
-passes every check that call made, so only the views of its tensors are made anew; see
+whose tensors are laid out as its (:class:`Relaunching`: such a call passes every check that
+call made, so it launches the same parameters, its tensors' addresses aside; see
 docs/launch.md, "Repeated calls")."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["launch", "prepared_launch", "kept_view", "KeptLaunch", "Relaunching"]
+__all__ = ["launch", "prepared_launch", "kept_view", "table_bound", "KeptLaunch", "Relaunching"]
 
 log = logging.getLogger("tilescale_examples.launch")
 
@@ -21,6 +21,16 @@ log = logging.getLogger("tilescale_examples.launch")
 #: bound it, whether every launch must rebind (a CUDA graph captured table copies), the allocator
 #: a graph captured it for unbound.
 _USERS, _REBIND, _PINNED = "_tilescale_table_users", "_tilescale_always_rebind", "_tilescale_pinned_to"
+
+
+
+def table_bound(op: Any, state: dict) -> bool:
+    """Whether the compiled kernel whose ``__dict__`` is ``state`` has ``op``'s allocator's
+    metadata table bound, with no CUDA graph having made every launch rebind: the eager
+    launch needs no table copy (the first test of
+    :meth:`~tilescale_examples.base.SymmetricOp.bind_table`, outside a capture)."""
+    return state.get(op._TABLE_OWNER) is op.allocator and not state.get(_REBIND)
+
 
 #: Prepared launchers an instance keeps at most (one per kernel it launches).
 MAX_PREPARED = 8
@@ -94,11 +104,11 @@ def kept_view(op: Any, attr: str, tensor: torch.Tensor, make) -> Any:
 
 
 def _freeze(op: Any, kernel: Any, args: tuple, moving: Sequence[int]) -> Any:
-    """``kernel``'s launch with ``args`` as a :class:`~tilescale_lang.lean.FrozenLaunch`
-    whose parameters at the positions ``moving`` may move
-    (made after a launch of them: the kernel's module is loaded), or False where none can be
-    made (not a ``tvm_ffi`` kernel, ...: :func:`~tilescale_lang.lean.freeze`; logged once per
-    kernel when freezing fails: the repeated calls then take the launcher)."""
+    """``kernel``'s launch with ``args`` as a :class:`~tilescale_lang.lean.FrozenLaunch` whose
+    parameters at the positions ``moving`` may get new addresses (made after a launch of
+    them: the kernel's module is loaded), or False where none can be made (not a ``tvm_ffi``
+    kernel, ...: :func:`~tilescale_lang.lean.freeze`; logged once per kernel when freezing
+    fails: the repeated calls then take the launcher)."""
     from tilescale_lang import lean  # here: the steady-state call pays no import statement
 
     try:
@@ -117,10 +127,10 @@ _NOT_FROZEN: set = set()
 
 
 class KeptLaunch:
-    """The kernel launch of an op's last full call, for calls whose tensors are laid out
-    exactly as that call's (address, shape, strides, dtype, device): such a call passes every
-    check the full call made, so it can launch ``args`` again with only the views of its
-    tensors made anew.
+    """The kernel launch of an op's last full call, for calls whose tensors are laid out as
+    that call's (shape, strides, dtype, device, and address, or where :attr:`movable` another
+    address the full call would treat alike): such a call passes every check the full call
+    made, so it can launch ``args`` again with only the views of its tensors made anew.
 
     Args:
         tensors: the call's tensor arguments (their layouts are kept, never the tensors).
@@ -138,13 +148,14 @@ class KeptLaunch:
             be at the kept addresses.
     """
 
-    __slots__ = ("layouts", "args", "changing", "views", "frozen", "cuda", "kernel", "movable")
+    __slots__ = ("layouts", "args", "changing", "views", "viewed", "frozen", "cuda", "kernel", "movable")
 
     def __init__(self, tensors, args: tuple, changing: Sequence[int], views: Sequence[tuple] = (), kernel=None,
                  movable: tuple | None = None):
         self.layouts = [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in tensors]
         self.cuda = tensors[0].device.type == "cuda"  # where a call may be captured in a CUDA graph
         self.views = [(pos, index, args[pos].shape) for pos, index in views]
+        self.viewed = frozenset(index for _, index in views)  # the tensors that may move
         kept = list(args)
         for pos, _, _ in self.views:
             kept[pos] = None  # the call's views are not kept: their memory may serve the next tensors
@@ -167,14 +178,14 @@ class KeptLaunch:
                     or t.device != device):
                 return None
             address = t.data_ptr()
-            if address != ptr and (moving is None or address % 16 or not any(i == v[1] for v in self.views)
+            if address != ptr and (moving is None or address % 16 or i not in self.viewed
                                    or moving[0] < address + t.numel() * t.element_size() and address < moving[1]):
                 return None
         return tuple(tensors[index].data_ptr() for _, index, _ in self.views) if moving is not None else ()
 
     def args_for(self, tensors) -> tuple:
-        """The launch's parameters for a call on ``tensors`` (which :meth:`matches`): new
-        views of them where the kept call had views of its tensors."""
+        """The launch's parameters for a call on ``tensors`` (for which :meth:`addresses_for`
+        gave addresses): new views of them where the kept call had views of its tensors."""
         args = self.args.copy()
         for pos, index, shape in self.views:
             args[pos] = tensors[index].view(*shape)  # view(*ints): cheaper than view(torch.Size)
@@ -185,8 +196,8 @@ class Relaunching:
     """The repeated-call path of :class:`~tilescale_examples.base.SymmetricOp`: an op keeps
     the launch of a full call (:meth:`_keep_launch`, after its own conditions) and starts each
     call with :meth:`_relaunch`. An op with several calls keeps one launch per call site: an
-    attribute named in :attr:`_RELAUNCH_SITES` (the default ``_kept_launch``), the address of
-    its last full call's first tensor in that name + ``_address``. Needs the op's ``kernel``,
+    attribute named in :attr:`_RELAUNCH_SITES` (the default ``_kept_launch``), the key of its
+    last full call (:meth:`_keep_launch`) in that name + ``_key``. Needs the op's ``kernel``,
     ``allocator``, ``epoch``, ``_captured``, ``_TABLE_OWNER``, ``_check_open()``,
     ``bind_table()`` and ``_launch_kernel()``; ``close()`` sets the sites' attributes to None."""
 
@@ -197,20 +208,21 @@ class Relaunching:
 
     def _relaunch(self, *tensors, site: str = "_kept_launch") -> bool:
         """Launch the kernel of the launch kept at ``site`` (:meth:`_keep_launch`) when
-        ``tensors`` are laid out exactly as that call's (the same addresses, shapes, strides,
-        dtypes and devices: every check it made holds) and nothing since needs the full call:
+        ``tensors`` are laid out as that call's (:meth:`KeptLaunch.addresses_for`: the same
+        shapes, strides, dtypes, devices and addresses, or moved where the kept launch allows
+        it: every check it made holds) and nothing since needs the full call:
         no CUDA graph capture now or before, the op and its allocator open (else
         :class:`~tilescale_examples.base.ClosedError`). Counts the call (``epoch``) at the
         default site; an op counts its other sites' calls itself. Returns whether it
         launched; False leaves everything to the full call.
 
-        The steady state of a loop calling an op on the same buffers, or on fresh tensors
-        that the caching allocator placed where the last ones were: its host time is a few
-        comparisons per tensor and one launch. Every parameter of such a call is the kept
-        call's, so from the second repeated call on it launches a
-        :class:`~tilescale_lang.lean.FrozenLaunch` made at the first (one call of the launch
-        records' C helper, no argument packed or checked again; where none can be made, the
-        op's launcher with new views of the tensors)."""
+        The steady state of a loop calling an op on the same buffers, or on fresh tensors of
+        one layout: its host time is a few comparisons per tensor and one launch. Every
+        parameter of such a call is the kept call's but the moved tensors' addresses, so from
+        the second repeated call on it launches a :class:`~tilescale_lang.lean.FrozenLaunch`
+        made at the first, those addresses written anew (one call of the launch records' C
+        helper, no argument packed or checked again; where none can be made, the op's
+        launcher with new views of the tensors)."""
         kept = getattr(self, site)
         if kept is None or self._captured:
             return False
@@ -221,9 +233,8 @@ class Relaunching:
         if site == "_kept_launch":
             self.epoch += 1
         kernel = self.kernel if kept.kernel is None else kept.kernel
-        state = kernel.__dict__
-        if state.get(self._TABLE_OWNER) is not self.allocator or state.get(_REBIND):
-            self.bind_table(kernel=kernel)  # another allocator's table is bound (bind_table's own first test)
+        if not table_bound(self, kernel.__dict__):  # not capturing (tested above): bind_table's fast test
+            self.bind_table(kernel=kernel)
         frozen = kept.frozen
         if frozen:
             frozen(*addresses)
@@ -234,9 +245,9 @@ class Relaunching:
             kept.frozen = _freeze(self, kernel, args, [pos for pos, _, _ in kept.views])
         return True
 
-    #: The address of the first tensor of the last full call that :meth:`_keep_launch` could
-    #: keep at the default site, or None.
-    _kept_launch_address = None
+    #: The key of the last full call that :meth:`_keep_launch` could keep at the default site
+    #: (its first tensor's address, or shape and dtype where the launch may move), or None.
+    _kept_launch_key = None
 
     def _keep_launch(self, keep: bool, tensors, args: tuple, changing: Sequence[int], views=(),
                      outside: tuple | None = None, site: str = "_kept_launch", kernel=None,
@@ -244,20 +255,21 @@ class Relaunching:
         """Keep this full call's launch of ``kernel`` (None: the op's ``kernel``) at ``site``
         for :meth:`_relaunch` when ``keep`` (the op's condition: the launch depends on the
         call's ``tensors`` only through ``views``, see :class:`KeptLaunch`), no call was
-        captured, the last full call's first tensor was at the same address (a loop over one
-        buffer: the next call is likely laid out as this one; a loop over new tensors at new
-        addresses pays nothing more than this comparison) and the first tensor's bytes lie
+        captured, the last full call had the same key (its first tensor at the same address:
+        a loop over one buffer, whose next call is likely laid out as this one; a loop over
+        new tensors at new addresses pays nothing more than this comparison) and the first
+        tensor's bytes lie
         ``outside`` the op's ``(first, last)`` byte range (its own buffers, which a full call
         treats otherwise) when given; else forget the kept launch. ``movable``: later calls
         may pass the viewed tensors at other addresses (aligned, outside ``outside`` when
-        given: see :class:`KeptLaunch`), so the launch is kept after two
-        calls in a row whose first tensors had one shape and dtype (a loop over new tensors
-        of one layout), wherever they were."""
+        given: see :class:`KeptLaunch`), so the key is the first tensor's shape and dtype: the
+        launch is kept after two calls in a row on tensors of one layout, wherever they
+        were."""
         first = tensors[0]
         address = first.data_ptr() if keep and not self._captured else None
         key = address if address is None or not movable else (first.shape, first.dtype)
-        if address is None or key != getattr(self, site + "_address", None):
-            setattr(self, site + "_address", key)
+        if address is None or key != getattr(self, site + "_key", None):
+            setattr(self, site + "_key", key)
             setattr(self, site, None)
             return
         if outside is not None:
@@ -272,4 +284,4 @@ class Relaunching:
         """Forget every site's kept launch (``close()``)."""
         for site in self._RELAUNCH_SITES:
             setattr(self, site, None)
-            setattr(self, site + "_address", None)
+            setattr(self, site + "_key", None)

@@ -30,7 +30,7 @@ from tilescale_examples._checks import (DEFAULT_MAX_BLOCKS, DTYPES, TARGET, chec
                                         check_target, check_tensor, check_threads, default_group, plan_chunks,
                                         size_table_entry)
 from tilescale_examples._group import all_ranks_agree, collective_device, settle
-from tilescale_examples._launch import _PINNED, _REBIND, _USERS, Relaunching, launch as lean_launch
+from tilescale_examples._launch import _PINNED, _REBIND, _USERS, Relaunching, launch as lean_launch, table_bound
 from tilescale_examples._contract import (OldSpellingWarning, RecordingAllocator, accepts_0_1_init,
                                           accepts_0_1_out, accepts_0_1_reference, dry_run_heap_bytes,
                                           rank_left_out, row_shape_0_1, sm_count_of, warn_old_spelling)
@@ -53,8 +53,6 @@ class ClosedError(RuntimeError):
 
 #: Compiled kernels of this process shared by instances (:meth:`KernelOwner._compile_kernel`).
 _KERNELS: dict = {}
-#: Attributes of a compiled kernel (:mod:`tilescale_examples._launch`): the allocators that bound
-#: it, whether every launch must rebind, the allocator a graph captured it for unbound.
 #: Execution backends whose loaded table :func:`tilescale_lang.metadata.bind_from_device` sets.
 _DEVICE_BINDABLE = ("tvm_ffi", "nvrtc")
 
@@ -190,8 +188,7 @@ class KernelOwner:
         a copy of their own)."""
         kernel = self.kernel if kernel is None else kernel
         state = kernel.__dict__
-        if (not force and state.get(self._TABLE_OWNER) is self.allocator and not state.get(_REBIND)
-                and not self._capturing()):
+        if not force and table_bound(self, state) and not self._capturing():
             return  # the common eager call: this allocator's table is bound (it is among the users)
         users = state.setdefault(_USERS, set())
         users.add(id(self.allocator))
