@@ -287,10 +287,15 @@ def test_repeated_calls_launch_a_frozen_launch_from_the_second_on(algorithm, tmp
             assert list(moving) == [0]  # the input's view may move
             self.kernel, self.args = kernel, args
 
+        capturing = False  # what the real one learns from the driver in the same C call
+
         def __call__(self, *addresses):
             frozen.append(addresses)
+            if self.capturing:
+                return False
             if addresses[0] == self.args[0].data_ptr():  # (the stand-in kernel cannot follow a moved input)
                 self.kernel(*self.args)
+            return True
 
     monkeypatch.setattr(lean, "freeze", lambda kernel, args, moving: made.append(args) or Frozen(kernel, args, moving))
     x = torch.randn(64).half()
@@ -307,6 +312,13 @@ def test_repeated_calls_launch_a_frozen_launch_from_the_second_on(algorithm, tmp
     moved = torch.randn(64).half()
     ar(moved)  # another address of the same layout: the frozen launch, moved there
     assert frozen[-1] == (moved.data_ptr(),) and len(made) == 1 and ar.epoch == 7
+    Frozen.capturing = True  # the stream captures a graph: the frozen launch launches nothing, the full call runs
+    x.copy_(torch.randn(64).half())
+    ar.output.fill_(float("nan"))
+    launched = len(ar.kernel.calls)
+    assert ar(x) is ar.output and torch.equal(ar.output, x * 2) and len(frozen) == 5
+    assert len(ar.kernel.calls) == launched + 1 and ar.epoch == 8  # counted once, by the full call
+    Frozen.capturing = False
     y = torch.randn(65).half()[1:]
     ar(y), ar(y)  # not aligned: full calls (a padded copy), nothing kept
     assert ar._kept_launch is None
@@ -316,7 +328,7 @@ def test_repeated_calls_launch_a_frozen_launch_from_the_second_on(algorithm, tmp
     assert ar._kept_launch is not None and ar._kept_launch.frozen is None
     monkeypatch.setattr(lean, "freeze", lambda kernel, args, moving: made.append(args) and None)
     ar(y), ar(y), ar(y)
-    assert len(made) == 2 and ar._kept_launch.frozen is False and len(frozen) == 4  # asked once, then the launcher
+    assert len(made) == 2 and ar._kept_launch.frozen is False and len(frozen) == 5  # asked once, then the launcher
     assert torch.equal(ar.output, y * 2)
 
     def fails(kernel, args, moving):

@@ -76,10 +76,46 @@ def test_the_first_failing_launch_stops_the_rest_and_is_named(fresh):
     assert failed.value == 1 and [c[1] for c in driver.calls] == [0x10, 0x20]
 
 
+@needs_cc
+def test_the_call_helper_launches_a_launch_call_unless_its_stream_is_capturing(fresh):
+    """ts_launch_call_run: the records of a LaunchCall on its stream; with a capture query
+    (cuStreamIsCapturing), nothing launched and CAPTURING returned while the query says the
+    stream captures or fails (the caller then takes a path that knows about captures)."""
+    call_run = launch_records.call_helper()
+    assert call_run is not None and launch_records.helper() is not None
+    driver = Driver(fail={0x30: 719})
+    records = _records(driver, [(0x10, (2, 1, 1, 64, 1, 1), 0, False, 0x5000), (0x20, (1,) * 6, 128, True, 0x6000)])
+    call = launch_records.LaunchCall(records=ctypes.addressof(records), n=2, failed=-1, stream=0x77)
+    ref = ctypes.byref(call)
+    assert call_run(ref) == 0 and call.failed == -1
+    assert driver.calls == [("launch", 0x10, (2, 1, 1, 64, 1, 1), 0, 0x77, 0x5000, None),
+                            ("cooperative", 0x20, (1,) * 6, 128, 0x77, 0x6000)]
+    answers, asked = {0x77: (0, 0), 0x88: (0, 1), 0x99: (0, 2), 0xAA: (900, 0)}, []
+
+    def is_capturing(stream, status):  # CUresult cuStreamIsCapturing(CUstream, CUstreamCaptureStatus *)
+        asked.append(stream)
+        err, state = answers[stream]
+        status[0] = state
+        return err
+
+    query = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))(is_capturing)
+    call.is_capturing = ctypes.cast(query, ctypes.c_void_p).value
+    del driver.calls[:]
+    assert call_run(ref) == 0 and len(driver.calls) == 2  # not capturing: launched
+    for stream in (0x88, 0x99, 0xAA):  # active, invalidated, the query failed: nothing launched
+        call.stream = stream
+        assert call_run(ref) == launch_records.CAPTURING
+    assert len(driver.calls) == 2 and asked == [0x77, 0x88, 0x99, 0xAA]
+    records[1].function = 0x30  # a failing launch: its CUresult and index
+    call.stream = 0x77
+    assert call_run(ref) == 719 and call.failed == 1
+
+
 def test_without_a_compiler_there_is_no_helper_and_it_is_not_tried_again(fresh, monkeypatch, caplog):
     monkeypatch.setenv("CC", str(fresh / "no-such-compiler"))
     with caplog.at_level("INFO", logger="tilescale_lang.launch_records"):
         assert launch_records.helper() is None
+    assert launch_records.call_helper() is None
     assert "no C helper" in caplog.text and "launching through ctypes" in caplog.text
     monkeypatch.setenv("CC", "cc")
     assert launch_records.helper() is None  # decided once per process

@@ -95,6 +95,11 @@ def _go_lean(launch, monkeypatch, path="ctypes"):
     rec = RecordingDriver({0x1000 + i: [ctypes.sizeof(v) for v in entry[4]] for i, entry in enumerate(launch._launches)})
     monkeypatch.setattr(lean, "_driver_calls", lambda: (rec.launch, rec.launch))
     monkeypatch.setattr(lean, "_raw_stream", lambda index: 1234)
+    monkeypatch.setattr(lean, "_current_stream_getter", lambda: lambda index: 1234)
+    rec.capturing = False  # what the capture query answers
+    rec.query = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))(
+        lambda stream, status: status.__setitem__(0, int(rec.capturing)) or 0)
+    monkeypatch.setattr(lean, "_capture_query_address", lambda: ctypes.cast(rec.query, ctypes.c_void_p).value)
     if path == "records":
         entry = (lean._LAUNCH(lambda fn, *rest: rec.launch(fn, *rest[:-1])), lean._COOPERATIVE_LAUNCH(rec.launch))
         rec.keep = entry  # the C function pointers live as long as the recorder
@@ -273,11 +278,13 @@ def test_a_frozen_launch_is_the_last_calls_launch_alone(put_kernel, monkeypatch,
     gc.collect()
     assert watch() is None  # the frozen launch keeps addresses, not tensors
     before = len(rec.launches)
-    frozen()
-    frozen(stream=77)
+    assert frozen() is True and frozen(stream=77) is True
     assert len(rec.launches) == before + 2
     assert rec.launches[-2]["raw"] == want.raw() and rec.launches[-2]["stream"] == 1234
     assert rec.launches[-1]["stream"] == 77
+    rec.capturing = True  # the stream captures a CUDA graph: nothing launched, and it says so
+    assert frozen() is False and len(rec.launches) == before + 2
+    rec.capturing = False
     rec.launch = lambda *args: 700
     from tilescale_core import driver
 
@@ -465,7 +472,8 @@ def test_gpu_a_frozen_launch_gives_tilelangs_bits():
     """freeze(): None before the kernel's first launch (which it arranges to see), a frozen
     launch after it; 1000 launches of it, the input refilled each time and every other
     launch moved to a second input, give what TileLang's launcher gives, on a side stream
-    too."""
+    too; on a stream capturing a CUDA graph it launches nothing (False), and the graph holds
+    no launch of it."""
     import tilelang
 
     scale_kernel = tilelang.compile(test_aot.build_scale.get_tir(n=128), target=TARGET)  # a kernel of its own
@@ -480,7 +488,7 @@ def test_gpu_a_frozen_launch_gives_tilelangs_bits():
         x = inputs[i % 2]
         x.normal_()
         b.fill_(float("nan"))
-        frozen(x.data_ptr())
+        assert frozen(x.data_ptr()) is True
         scale_kernel(x, ref, 1.5)
         if i % 100 in (0, 1):
             torch.cuda.synchronize()
@@ -491,6 +499,19 @@ def test_gpu_a_frozen_launch_gives_tilelangs_bits():
         b.fill_(float("nan"))
         frozen(a.data_ptr())
     torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert torch.equal(b, a * 1.5)
+    graph = torch.cuda.CUDAGraph()
+    b.fill_(float("nan"))
+    with torch.cuda.graph(graph):
+        captured = frozen(a.data_ptr())
+        ref.fill_(2.0)  # the graph's one node
+    assert captured is False
+    ref.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert b.isnan().all() and ref.eq(2.0).all()  # nothing of the frozen launch was captured
+    assert frozen(a.data_ptr()) is True  # eagerly again
     torch.cuda.synchronize()
     assert torch.equal(b, a * 1.5)
 

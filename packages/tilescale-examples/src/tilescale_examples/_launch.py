@@ -126,6 +126,12 @@ def _freeze(op: Any, kernel: Any, args: tuple, moving: Sequence[int]) -> Any:
 _NOT_FROZEN: set = set()
 
 
+def _layout(t: torch.Tensor) -> tuple:
+    """What a kept launch compares of a call's tensor: address, shape, strides, dtype, type
+    (an object without them raises AttributeError or TypeError)."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, type(t)
+
+
 class KeptLaunch:
     """The kernel launch of an op's last full call, for calls whose tensors are laid out as
     that call's (shape, strides, dtype, device, and address, or where :attr:`movable` another
@@ -148,11 +154,13 @@ class KeptLaunch:
             be at the kept addresses.
     """
 
-    __slots__ = ("layouts", "args", "changing", "views", "viewed", "frozen", "cuda", "kernel", "movable")
+    __slots__ = ("layouts", "devices", "kept_addresses", "args", "changing", "views", "viewed", "frozen", "cuda",
+                 "kernel", "movable")
 
     def __init__(self, tensors, args: tuple, changing: Sequence[int], views: Sequence[tuple] = (), kernel=None,
                  movable: tuple | None = None):
-        self.layouts = [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in tensors]
+        self.layouts = [_layout(t) for t in tensors]
+        self.devices = [t.device for t in tensors]
         self.cuda = tensors[0].device.type == "cuda"  # where a call may be captured in a CUDA graph
         self.views = [(pos, index, args[pos].shape) for pos, index in views]
         self.viewed = frozenset(index for _, index in views)  # the tensors that may move
@@ -160,28 +168,36 @@ class KeptLaunch:
         for pos, _, _ in self.views:
             kept[pos] = None  # the call's views are not kept: their memory may serve the next tensors
         self.args, self.changing, self.kernel, self.movable = kept, changing, kernel, movable
+        #: What :meth:`addresses_for` gives for tensors at the kept addresses.
+        self.kept_addresses = tuple(self.layouts[index][0] for _, index, _ in self.views) if movable else ()
         #: The launch with every parameter fixed but the viewed tensors' addresses
         #: (:class:`~tilescale_lang.lean.FrozenLaunch`), made at the first repeated call; None
         #: before, False where none can be made.
         self.frozen = None
 
     def addresses_for(self, tensors) -> tuple | None:
-        """For a call on ``tensors`` laid out as the kept call's (shape, strides, dtype,
-        device; the address too, or, where :attr:`movable`, for a viewed tensor any aligned
-        address outside the op's buffers): the viewed tensors' addresses, in the order of
-        ``views`` (empty where not :attr:`movable`: the kept ones); else None."""
-        if len(tensors) != len(self.layouts):
+        """For a call on ``tensors`` laid out as the kept call's (type, shape, strides,
+        dtype; the address too, or, where :attr:`movable`, for a viewed tensor any aligned
+        address outside the op's buffers on the kept device): the viewed tensors'
+        addresses, in the order of ``views`` (empty where not :attr:`movable`: the kept
+        ones); else None. At the kept addresses the devices are the kept ones too (one
+        memory, one device: CUDA's unified addressing)."""
+        try:  # _layout's tuple, written out: the steady-state call's one loop
+            layouts = [(t.data_ptr(), t.shape, t.stride(), t.dtype, type(t)) for t in tensors]
+        except (AttributeError, TypeError):  # not a tensor
             return None
+        if layouts == self.layouts:
+            return self.kept_addresses
         moving = self.movable
-        for i, (t, (ptr, shape, stride, dtype, device)) in enumerate(zip(tensors, self.layouts)):
-            if (not isinstance(t, torch.Tensor) or t.shape != shape or t.stride() != stride or t.dtype != dtype
-                    or t.device != device):
+        if moving is None or len(layouts) != len(self.layouts):
+            return None
+        for i, (t, new, old, device) in enumerate(zip(tensors, layouts, self.layouts, self.devices)):
+            address = new[0]
+            if new[1:] != old[1:] or address != old[0] and (
+                    address % 16 or i not in self.viewed or t.device != device
+                    or moving[0] < address + t.numel() * t.element_size() and address < moving[1]):
                 return None
-            address = t.data_ptr()
-            if address != ptr and (moving is None or address % 16 or i not in self.viewed
-                                   or moving[0] < address + t.numel() * t.element_size() and address < moving[1]):
-                return None
-        return tuple(tensors[index].data_ptr() for _, index, _ in self.views) if moving is not None else ()
+        return tuple(layouts[index][0] for _, index, _ in self.views)
 
     def args_for(self, tensors) -> tuple:
         """The launch's parameters for a call on ``tensors`` (for which :meth:`addresses_for`
@@ -221,24 +237,39 @@ class Relaunching:
         parameter of such a call is the kept call's but the moved tensors' addresses, so from
         the second repeated call on it launches a :class:`~tilescale_lang.lean.FrozenLaunch`
         made at the first, those addresses written anew (one call of the launch records' C
-        helper, no argument packed or checked again; where none can be made, the op's
-        launcher with new views of the tensors)."""
+        helper, no argument packed or checked again, which also asks the driver whether the
+        stream is capturing a CUDA graph and then launches nothing; where none can be made,
+        the op's launcher with new views of the tensors)."""
         kept = getattr(self, site)
         if kept is None or self._captured:
             return False
         addresses = kept.addresses_for(tensors)
-        if addresses is None or kept.cuda and torch.cuda.is_current_stream_capturing():
+        if addresses is None:
             return False
         self._check_open()
+        kernel = self.kernel if kept.kernel is None else kept.kernel
+        frozen = kept.frozen
+        if frozen and table_bound(self, kernel.__dict__):
+            if not frozen(*addresses):  # the stream is capturing a CUDA graph: nothing launched
+                return False
+        elif not self._relaunch_through_launcher(kept, kernel, tensors, addresses):
+            return False
         if site == "_kept_launch":
             self.epoch += 1
-        kernel = self.kernel if kept.kernel is None else kept.kernel
+        return True
+
+    def _relaunch_through_launcher(self, kept: KeptLaunch, kernel: Any, tensors, addresses: tuple) -> bool:
+        """:meth:`_relaunch`'s launch where it is not its frozen launch alone: none frozen
+        yet (the first repeated call, which freezes this launch) or none can be, or the
+        table to bind first. Returns False, with nothing launched, while a CUDA graph is
+        being captured."""
+        if kept.cuda and torch.cuda.is_current_stream_capturing():
+            return False
         if not table_bound(self, kernel.__dict__):  # not capturing (tested above): bind_table's fast test
             self.bind_table(kernel=kernel)
         frozen = kept.frozen
         if frozen:
-            frozen(*addresses)
-            return True
+            return frozen(*addresses)
         args = kept.args_for(tensors)
         self._launch_kernel(args, kept.changing, kernel=kernel)
         if frozen is None:

@@ -18,6 +18,16 @@ TileLang's toolchain needs anyway) into TileLang's cache directory
 the OS and the architecture), loaded with ctypes and kept for the process. Without a compiler
 or a cache directory :func:`helper` returns None (logged once) and the lean launcher calls the
 driver through ctypes as before: the same launches.
+
+A launch made again and again with nothing but the stream changing (a
+:class:`~tilescale_lang.lean.FrozenLaunch`) keeps its arguments in a :class:`LaunchCall` and
+launches through :func:`call_helper`'s ``ts_launch_call_run(&call)``: one argument, already a
+C object, so the ctypes call converts nothing; given the driver's ``cuStreamIsCapturing``, it
+launches nothing on a stream that is capturing a CUDA graph and returns :data:`CAPTURING`::
+
+    call = LaunchCall(records=ctypes.addressof(records), n=3, is_capturing=query_address)
+    call.stream = stream
+    err = call_helper()(ctypes.byref(call))     # 0, CAPTURING, or the CUresult of launch call.failed
 """
 
 from __future__ import annotations
@@ -33,13 +43,16 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-__all__ = ["LaunchRecord", "SOURCE", "helper", "make_records", "library_path"]
+__all__ = ["LaunchRecord", "LaunchCall", "SOURCE", "CAPTURING", "helper", "call_helper", "make_records",
+           "library_path"]
 
 log = logging.getLogger("tilescale_lang.launch_records")
 
-#: The C helper: launches ``n`` records on ``stream``; returns 0, or the first failing launch's
-#: CUresult with its index in ``*failed``. ``launch`` is ``cuLaunchKernel`` (11 arguments) or,
-#: for a cooperative record, ``cuLaunchCooperativeKernel`` (10).
+#: The C helper: ``ts_launch_records`` launches ``n`` records on ``stream``; returns 0, or the
+#: first failing launch's CUresult with its index in ``*failed``. ``launch`` is ``cuLaunchKernel``
+#: (11 arguments) or, for a cooperative record, ``cuLaunchCooperativeKernel`` (10).
+#: ``ts_launch_call_run`` does the same from a :class:`LaunchCall`, first asking
+#: ``is_capturing`` (``cuStreamIsCapturing``) where given.
 SOURCE = r"""
 typedef int (*ts_launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
                             void **, void **);
@@ -69,7 +82,29 @@ int ts_launch_records(const ts_launch_record *records, int n, void *stream, int 
   }
   return 0;
 }
+
+typedef int (*ts_is_capturing_fn)(void *, int *);
+typedef struct {
+  const ts_launch_record *records;
+  int n;
+  int failed;
+  void *stream;
+  void *is_capturing;
+} ts_launch_call;
+
+int ts_launch_call_run(ts_launch_call *call) {
+  if (call->is_capturing) {
+    int status = 0;
+    if (((ts_is_capturing_fn)call->is_capturing)(call->stream, &status) || status)
+      return -1;
+  }
+  return ts_launch_records(call->records, call->n, call->stream, &call->failed);
+}
 """
+
+#: What ``ts_launch_call_run`` returns, with nothing launched, when its call's stream is
+#: capturing a CUDA graph (or the driver cannot say that it is not).
+CAPTURING = -1
 
 
 class LaunchRecord(ctypes.Structure):
@@ -87,6 +122,22 @@ class LaunchRecord(ctypes.Structure):
 
     _fields_ = [("launch", ctypes.c_void_p), ("function", ctypes.c_void_p), ("dims", ctypes.c_uint * 6),
                 ("shared_bytes", ctypes.c_uint), ("cooperative", ctypes.c_int), ("params", ctypes.c_void_p)]
+
+
+class LaunchCall(ctypes.Structure):
+    """The arguments of one ``ts_launch_call_run`` (a C struct, in this field order).
+
+    Attributes:
+        records: address of the :class:`LaunchRecord` array.
+        n: how many records to launch.
+        failed: set by the helper to the index of the launch that failed.
+        stream: the ``CUstream`` handle to launch on (0: the legacy default stream).
+        is_capturing: address of the driver's ``cuStreamIsCapturing``, or None: launch into
+            a capture like any launch.
+    """
+
+    _fields_ = [("records", ctypes.c_void_p), ("n", ctypes.c_int), ("failed", ctypes.c_int),
+                ("stream", ctypes.c_void_p), ("is_capturing", ctypes.c_void_p)]
 
 
 def make_records(n: int) -> ctypes.Array:
@@ -135,15 +186,20 @@ def _compile(path: Path, compiler: str) -> None:
         os.replace(out, path)
 
 
-def _load(path: Path) -> Callable[..., int]:
-    """``ts_launch_records`` of the library at ``path``, with its C argument types."""
-    run = ctypes.CDLL(str(path)).ts_launch_records
+def _load(path: Path) -> tuple:
+    """``ts_launch_records`` and ``ts_launch_call_run`` of the library at ``path``, with their C
+    argument types (the second's argument left unconverted: a ``byref`` of a
+    :class:`LaunchCall` is passed as it is)."""
+    library = ctypes.CDLL(str(path))
+    run = library.ts_launch_records
     run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
     run.restype = ctypes.c_int
-    return run
+    call = library.ts_launch_call_run
+    call.restype = ctypes.c_int
+    return run, call
 
 
-_helper: Any = None  # the loaded function, False once it could not be made
+_helper: Any = None  # the loaded functions (ts_launch_records, ts_launch_call_run), False once they could not be made
 
 
 def helper() -> Optional[Callable[..., int]]:
@@ -166,4 +222,12 @@ def helper() -> Optional[Callable[..., int]]:
             log.info("launch records: no C helper (%s%s); launching through ctypes", exc,
                      f": {detail.decode(errors='replace')[:300]}" if detail else "")
             _helper = False
-    return _helper or None
+    return _helper[0] if _helper else None
+
+
+def call_helper() -> Optional[Callable[..., int]]:
+    """The C helper ``ts_launch_call_run(&call) -> CUresult or CAPTURING`` (see the module
+    docstring; pass ``ctypes.byref`` of a :class:`LaunchCall`), made and loaded as
+    :func:`helper`'s, or None where that cannot be made."""
+    helper()
+    return _helper[1] if _helper else None

@@ -34,10 +34,11 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .aot import launch_info
 from .aot.packing import ArgPacker, _compiled, evaluate, is_float_dtype, scalar_range, scalar_value
+from .launch_records import CAPTURING
 
 __all__ = ["LeanLaunch", "FrozenLaunch", "describe_kernel", "prepare", "freeze"]
 
@@ -239,16 +240,41 @@ _addresses: tuple = (None, None)
 
 def _raw_stream(device_index: int) -> int:
     """The current torch stream's handle on ``device_index``."""
+    return _current_stream_getter()(device_index)
+
+
+def _current_stream_getter() -> Callable[[int], int]:
+    """``(device_index) -> handle`` of the current torch stream: torch's own (what its
+    launchers use), found once."""
     global _stream_getter
     if _stream_getter is None:
         import torch
 
-        getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch's own launchers use
+        getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         _stream_getter = getter or (lambda index: torch.cuda.current_stream(index).cuda_stream)
-    return _stream_getter(device_index)
+    return _stream_getter
 
 
 _stream_getter: Any = None
+
+
+def _capture_query_address() -> int | None:
+    """The address of the driver's ``cuStreamIsCapturing`` (through cuda-bindings'
+    ``cuGetProcAddress``), or None where the driver does not give it; found once."""
+    global _capture_query
+    if _capture_query is None:
+        from tilescale_core import driver
+
+        try:
+            flags = driver.driver_module().CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+            address = driver.call("cuGetProcAddress", b"cuStreamIsCapturing", driver.driver_version(), flags)
+            _capture_query = int(address[0] if isinstance(address, tuple) else address)
+        except (driver.CudaError, AttributeError, TypeError, ValueError):
+            _capture_query = 0
+    return _capture_query or None
+
+
+_capture_query: Any = None
 
 
 class _Slot:
@@ -450,10 +476,12 @@ class LeanLaunch:
         """This launcher's launches with the argument values of its last call (or of
         :func:`prepare`), copied into a :class:`FrozenLaunch` (later calls of this launcher
         do not change it); None where calls do not launch through the launch records' C
-        helper (not :attr:`lean` yet, or no helper)."""
+        helper (not :attr:`lean` yet, or no helper), or where the driver gives no
+        ``cuStreamIsCapturing`` (a frozen launch never launches into a capture)."""
         if self._functions is None or self._records is None:
             return None
-        return FrozenLaunch(self)
+        query = _capture_query_address()
+        return None if query is None else FrozenLaunch(self, query)
 
     # ---------------------------------------------------------------- calls
     @property
@@ -617,15 +645,16 @@ class FrozenLaunch:
     launcher it was frozen from (:attr:`LeanLaunch.changing`, buffers only) may be given new
     addresses at each launch; nothing else changes. A caller that launches it again must
     know that the memory at those addresses is laid out as the frozen arguments were (the
-    repeated-call path of the library's ops checks each tensor's shape, strides, dtype,
-    device and address first). Stream-ordered like any launch; not for a CUDA graph capture
-    in progress (the caller decides: the launch itself would be captured).
+    repeated-call path of the library's ops checks each tensor's shape, strides, dtype and
+    address first). Stream-ordered like any launch, but never captured: on a stream that is
+    capturing a CUDA graph it launches nothing and says so (its fixed arguments, the heap
+    table bound at its launch among them, are an eager call's; the helper asks the driver's
+    ``cuStreamIsCapturing`` in the same C call).
     """
 
-    __slots__ = ("kernel", "_run", "_address", "_count", "_device", "_keep", "_failed", "_failed_ref", "_symbols",
-                 "_targets")
+    __slots__ = ("kernel", "_run", "_call", "_call_ref", "_device", "_keep", "_stream_of", "_symbols", "_targets")
 
-    def __init__(self, launch: LeanLaunch):
+    def __init__(self, launch: LeanLaunch, capture_query: int):
         from . import launch_records
 
         scalars = [slot.name for slot in launch._slots if slot.kind != "buffer"]
@@ -644,17 +673,19 @@ class FrozenLaunch:
             record.shared_bytes, record.cooperative, record.params = (source.shared_bytes, source.cooperative,
                                                                       ctypes.addressof(params))
         self._targets = [[copies[id(v)] for v in slot.targets] for slot in launch._slots]
-        self._run, self._address, self._count, self._keep = launch._run, ctypes.addressof(records), len(records), keep
+        self._call = launch_records.LaunchCall(records=ctypes.addressof(records), n=len(records), failed=-1,
+                                               is_capturing=capture_query)
+        self._call_ref, self._run, self._keep = ctypes.byref(self._call), launch_records.call_helper(), keep
         self._device = launch._device if launch._device is not None else 0
+        self._stream_of = _current_stream_getter()
         self._symbols = [entry[0] for entry in launch._launches]
-        self._failed = ctypes.c_int(-1)
-        self._failed_ref = ctypes.byref(self._failed)
 
-    def __call__(self, *addresses: int, stream: int | None = None) -> None:
+    def __call__(self, *addresses: int, stream: int | None = None) -> bool:
         """Launch on ``stream`` (a raw CUDA stream handle; default the current torch stream
         of the frozen launch's device), with ``addresses`` (ints, in the order of the
         launcher's changing buffers; none: the addresses of the last launch) for the changing
-        buffers.
+        buffers. Returns True; False, with nothing launched, where the stream is capturing a
+        CUDA graph (the caller takes a path that knows about captures).
 
         Raises:
             tilescale_core.CudaError: the launch failed.
@@ -662,11 +693,14 @@ class FrozenLaunch:
         for targets, address in zip(self._targets, addresses):
             for value in targets:
                 value.value = address
-        if stream is None:
-            stream = _raw_stream(self._device)
-        err = self._run(self._address, self._count, stream, self._failed_ref)
+        call = self._call
+        call.stream = self._stream_of(self._device) if stream is None else stream
+        err = self._run(self._call_ref)
         if err:
-            _launch_failed(err, self._symbols[self._failed.value])
+            if err == CAPTURING:
+                return False
+            _launch_failed(err, self._symbols[call.failed])
+        return True
 
 
 def freeze(kernel: Any, args: Sequence[Any], changing: Sequence[Any] = ()) -> FrozenLaunch | None:

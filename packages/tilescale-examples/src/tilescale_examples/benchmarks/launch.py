@@ -29,7 +29,9 @@ warm-up calls (:func:`~tilescale_examples.benchmarks._timing.host_us_rounds`):
   the lean launch's two parts alone: its Python (checks and packing of the changing
   arguments, no launch) and the driver's ``cuLaunchKernel`` called through ctypes with the
   packed parameters, and (where the machine has a C compiler: the lean launcher's path) the
-  launch records' C helper (:mod:`tilescale_lang.launch_records`) alone; and a kernel with no
+  launch records' C helper (:mod:`tilescale_lang.launch_records`) alone, and the launch frozen
+  (:class:`~tilescale_lang.lean.FrozenLaunch`: that helper's call which also asks the driver
+  whether the stream is capturing, what the ops' repeated calls launch); and a kernel with no
   work (one block of 32 threads, which the GPU runs faster than the host launches it) through
   TileLang's launcher and through the driver call alone: the host's floor for one launch.
 
@@ -223,6 +225,10 @@ def run(rank: int, world: int, group, device, args) -> list | None:
         if raw._records is not None:  # the launch records' C helper: the lean path where a C compiler is
             fns.append(_records_alone(raw, device))
             labels.append(("all-reduce kernel, raw", "launch records (C helper) only"))
+            frozen = raw.frozen()
+            if frozen is not None:  # what the ops' repeated calls launch: the helper asking about captures too
+                fns.append(frozen)
+                labels.append(("all-reduce kernel, raw", "frozen launch"))
     # the host's floor: a kernel with no work (one block of 32 threads), which the GPU runs
     # faster than the host launches it
     from tilescale_examples.benchmarks.moe_phases import empty_grid_kernel
