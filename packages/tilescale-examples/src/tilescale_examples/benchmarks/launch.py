@@ -48,7 +48,8 @@ from __future__ import annotations
 from tilescale_examples.benchmarks import _harness
 from tilescale_examples.benchmarks._report import print_table, ratio
 
-__all__ = ["HEADERS", "GOAL_ADD", "GOAL_SYMM", "run", "goal_lines", "main"]
+__all__ = ["HEADERS", "GOAL_ADD", "GOAL_SYMM", "MOE", "MOE_ROW", "op_specs", "heap_bytes", "run", "goal_lines",
+           "main"]
 
 HEADERS = ["call", "launcher", "host us", "vs torch.add", "vs symm one-shot", "check"]
 #: The ops' default launcher (``op.lean_launch`` False): the goals are measured on it.
@@ -68,16 +69,36 @@ DIAGNOSTIC_ROWS = ("all-reduce kernel, raw", "empty kernel")
 MOE = dict(num_experts=64, hidden=7168, topk=8, max_tokens=128)
 
 
+#: The MoE row's name.
+MOE_ROW = "MoE dispatch + combine, 128 tokens"
+
+
+def op_specs(numel: int, dtype) -> dict:
+    """``{name: (cls, args, kwargs)}`` of the TileScale ops measured: each is built as
+    ``cls(allocator, *args, world_size=1, group=group, **kwargs)`` (what
+    :func:`~tilescale_examples.testing.precompile.precompile_op` takes too), ``numel``
+    elements of ``dtype`` per call."""
+    from tilescale_examples import AllGather, AllReduce, AllToAll, MoEDispatcher, ReduceScatter
+    from tilescale_examples.decode.allreduce_norm import AllReduceResidualRMSNorm
+
+    return {
+        "AllReduce one-shot": (AllReduce, ((numel,), dtype), dict(algorithm="one_shot")),
+        "AllGather": (AllGather, ((numel,), dtype), {}),
+        "AllToAll": (AllToAll, ((1, numel), dtype), {}),
+        "ReduceScatter": (ReduceScatter, ((1, numel), dtype), {}),
+        "AllReduceResidualRMSNorm": (AllReduceResidualRMSNorm, ((1, numel), dtype), {}),
+        MOE_ROW: (MoEDispatcher, (), dict(dtype=dtype, validate=False, **MOE)),
+    }
+
+
 def _ops(alloc, numel: int, dtype, group, device) -> dict:
-    """``{name: (make, make_input, call, reference)}`` of the TileScale ops measured:
+    """``{name: (make, make_input, call, reference)}`` of the ops of :func:`op_specs`:
     ``make()`` builds one instance, ``make_input()`` a fresh random input (shaped as the op
     takes it), ``call(op, x)`` runs the op on it and returns what the op returns (nothing
     else: it is what is timed), ``reference(x)`` is the torch result at world 1 (a tensor, or
     a tuple of tensors for an op that returns several)."""
     import torch
 
-    from tilescale_examples import AllGather, AllReduce, AllToAll, MoEDispatcher, ReduceScatter
-    from tilescale_examples.decode.allreduce_norm import AllReduceResidualRMSNorm
     from tilescale_examples.decode.reference import torch_reference
 
     def shaped(*shape):
@@ -100,23 +121,20 @@ def _ops(alloc, numel: int, dtype, group, device) -> dict:
         x, _, w = inputs
         return (x.float() * w.sum(1, keepdim=True)).to(dtype)
 
-    def one_input(cls, shape, reference, **kwargs):
-        return (lambda: cls(alloc, shape, dtype, world_size=1, group=group, **kwargs), shaped(*shape),
-                lambda op, x: op(x), reference)
-
-    return {
-        "AllReduce one-shot": one_input(AllReduce, (numel,), lambda x: x, algorithm="one_shot"),
-        "AllGather": one_input(AllGather, (numel,), lambda x: x.view(1, numel)),
-        "AllToAll": one_input(AllToAll, (1, numel), lambda x: x),
-        "ReduceScatter": one_input(ReduceScatter, (1, numel), lambda x: x.view(numel)),
-        "AllReduceResidualRMSNorm": (lambda: AllReduceResidualRMSNorm(alloc, (1, numel), dtype, world_size=1,
-                                                                      group=group), shaped(1, numel),
-                                     lambda op, x: op(x, residual, weight),
+    runs = {  # name: (make_input, call, reference)
+        "AllReduce one-shot": (shaped(numel), lambda op, x: op(x), lambda x: x),
+        "AllGather": (shaped(numel), lambda op, x: op(x), lambda x: x.view(1, numel)),
+        "AllToAll": (shaped(1, numel), lambda op, x: op(x), lambda x: x),
+        "ReduceScatter": (shaped(1, numel), lambda op, x: op(x), lambda x: x.view(numel)),
+        "AllReduceResidualRMSNorm": (shaped(1, numel), lambda op, x: op(x, residual, weight),
                                      lambda x: torch_reference([(x, residual, weight)], 0)),
-        "MoE dispatch + combine, 128 tokens": (lambda: MoEDispatcher(alloc, dtype=dtype, world_size=1, group=group,
-                                                                     validate=False, **MOE),
-                                               moe_input, moe_call, moe_reference),
+        MOE_ROW: (moe_input, moe_call, moe_reference),
     }
+    ops = {}
+    for name, (cls, args, kwargs) in op_specs(numel, dtype).items():
+        make = (lambda cls=cls, args=args, kwargs=kwargs: cls(alloc, *args, world_size=1, group=group, **kwargs))
+        ops[name] = (make,) + runs[name]
+    return ops
 
 
 def heap_bytes(numel: int, dtype) -> int:
