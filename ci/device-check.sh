@@ -20,6 +20,8 @@
 # bench-decode-lamport (the fused norm's one-shot and Lamport exchanges at one rank);
 # bench-attention-fast (the flash-attention kernel compiled without and with fast math);
 # bench-decode-threads (the fused norm with 512 and 1024 threads per block, hidden 8192, 1-16 tokens);
+# bench-cold-start (the serving ops built from a precompiled cache against their compile: the carried
+# .tlcache when it holds the compile record of `cold_start --compile-only --cache DIR`, else compiled here);
 # unverified (the checks written but not yet run on a GPU); all (default: doctor demo tests
 # bench). Logs go to $OUT (or ./device-logs) and a summary
 # table is printed last.
@@ -39,7 +41,7 @@ done
 # on one input: a frozen launch checked; its "new input every call" rows move), the MoE suite,
 # then the suites whose calls on fresh tensors of one layout now take that path; test_lean's
 # GPU test of a frozen launch moved between two inputs runs in tests-lang.
-unverified=(bench-launch tests-moe tests-reduce tests-graphs tests-decode tests-other tests-lang)
+unverified=(bench-launch bench-cold-start tests-moe tests-reduce tests-graphs tests-decode tests-other tests-lang)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
@@ -89,7 +91,7 @@ for step in "${steps[@]}"; do
     tests-4) gpu_tests tests-4 0 ;;
     chaos) run_step chaos env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
              packages/tilescale-examples/tests/test_chaos.py -m chaos -q -s -rfEs --tb=short -p no:cacheprovider ;;
-    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs overlap_emulated emulated reduce_ceiling moe moe_phases remote_tma gpu_barrier decode gemm_allreduce ulysses launch attention sp_attention concurrent; do
+    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs overlap_emulated emulated reduce_ceiling moe moe_phases remote_tma gpu_barrier decode gemm_allreduce ulysses launch cold_start attention sp_attention concurrent; do
              run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
            done ;;
     bench-overlap-1) for b in ag_gemm gemm_rs; do
@@ -127,6 +129,9 @@ for step in "${steps[@]}"; do
                                gemm_rs; do
                         run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
                       done ;;
+    bench-cold-start) cold=()  # the carried cache's compile record (cold_start --compile-only --cache DIR), if any
+                      [[ -f "$TILELANG_CACHE_DIR/cold_start.json" ]] && cold=(--cache "$TILELANG_CACHE_DIR" --sm-count 132)
+                      run_step "$step" timeout -k 10 400 python3 -m tilescale_examples.benchmarks.cold_start "${cold[@]}" ;;
     bench-*) run_step "$step" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.${step#bench-}" ;;
     tests-moe) run_step tests-moe env TILESCALE_SHARE_GPUS=1 timeout -k 10 480 python3 -m pytest \
                  packages/tilescale-examples/tests/test_moe.py -m gpu -q -rfEs --tb=short -p no:cacheprovider \
