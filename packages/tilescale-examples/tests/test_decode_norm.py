@@ -186,11 +186,11 @@ def test_lamport_buffers_arguments_and_the_algorithm_choice(compiles, monkeypatc
 @pytest.mark.parametrize("algorithm,fp8", [("one_shot", None), ("lamport", "per_token")])
 def test_a_call_laid_out_as_the_last_relaunches_it_and_anything_else_takes_the_full_call(
         compiles, monkeypatch, algorithm, fp8):
-    """x, residual and weight laid out exactly as the last call's (refilled in place, or a
-    fresh view at the same address) and no outputs given: the kept launch again (new views
-    of x and residual, the weight's kept view, every other argument the same object), the
-    right results; another address, an output, an unaligned tensor or a capture takes the
-    full call with its checks."""
+    """x, residual and weight laid out as the last call's (refilled in place, a fresh view
+    at the same address, or x and residual at other aligned addresses) and no outputs
+    given: the kept launch again (new views of x and residual, the weight's kept view, every
+    other argument the same object), the right results; another weight, an output, an
+    unaligned tensor or a capture takes the full call with its checks."""
     op = make(algorithm=algorithm, fp8=fp8)
     full = []
     monkeypatch.setattr(op, "_check_args", lambda *a: full.append(1) or AllReduceResidualRMSNorm._check_args(op, *a))
@@ -211,24 +211,33 @@ def test_a_call_laid_out_as_the_last_relaunches_it_and_anything_else_takes_the_f
         assert args[0].data_ptr() == x.data_ptr() and args[1].data_ptr() == r.data_ptr()
         assert all(a is b for a, b in zip(args[2:], kept[2:]))  # the weight's kept view, the op's own buffers
     assert op.epoch == 5
-    op(x.clone(), r, w)  # x at another address: the full call, nothing kept
-    assert len(full) == 3 and op._kept_launch is None
-    op(x, r, w.clone())  # another weight
-    assert len(full) == 4
+    x2, r2 = x.clone(), r.clone()  # x and residual at other addresses (a decode loop's fresh activations)
+    for t in first:
+        t.fill_(float("nan") if t.dtype.is_floating_point else 0)
+    got = op(x2, r2, w)  # the kept launch, moved to them: what the full call would launch
+    assert len(full) == 2 and compare(got, expected(op, x2, r2, w)) == [] and op.epoch == 6
+    assert op.kernel.calls[-1][0].data_ptr() == x2.data_ptr() and op.kernel.calls[-1][1].data_ptr() == r2.data_ptr()
+    op(x, r, w.clone())  # another weight (its view is kept, not moved): the full call
+    assert len(full) == 3
     with pytest.raises(ValueError, match="residual"):
         op(x, r.view(-1)[:256].view(1, 256), w)  # the same address, another shape: the full call's checks
-    op(x, r, w), op(x, r, w)  # x where the last full call's was: kept, then relaunched
-    assert len(full) == 6 and op._kept_launch is not None
+    op(x, r, w), op(x, r, w)  # the weight back: the full call keeps it, then relaunched
+    assert len(full) == 5 and op._kept_launch is not None
     op(x, r, w, residual_out=r)  # an output given: the full call, nothing kept
-    assert len(full) == 7 and op._kept_launch is None
+    assert len(full) == 6 and op._kept_launch is None
     xu = torch.empty(3 * 256 + 1, dtype=BF16)[1:].view(3, 256)
     xu.copy_(x)
     op(xu, r, w), op(xu, r, w)  # not 16-byte aligned: staged from a copy, never kept
     assert op._kept_launch is None
     op(x, r, w), op(x, r, w)
+    op(x, r, w)
+    assert len(full) == 10 and op._kept_launch is not None
+    op(xu, r, w)  # not 16-byte aligned: not moved there, the full call (a copy)
+    assert len(full) == 11 and op._kept_launch is None
+    op(x, r, w), op(x, r, w)
     op._captured = True  # after a capture eager calls rebind: the full call
     op(x, r, w)
-    assert len(full) == 12 and op._kept_launch is None
+    assert len(full) == 14 and op._kept_launch is None
 
 
 def test_outputs_in_place_and_unaligned(compiles):

@@ -278,10 +278,11 @@ class AllReduceResidualRMSNorm(SymmetricCollective):
         changing = (0, 1, 2, 4, 5, 6) if scales else (0, 1, 2, 4, 5)
         self._launch_kernel(args, changing)
         # kept when the kernel reads x and residual in place and the weight through its kept view
-        # (not copies made for this call): a later call then needs new views of x and residual only
+        # (not copies made for this call): a later call then needs new views of x and residual only,
+        # wherever they are (16-byte aligned: this call reads any such x and residual in place)
         keep = (own and ins[0].data_ptr() == x.data_ptr() and ins[1].data_ptr() == residual.data_ptr()
                 and ins[2].data_ptr() == weight.data_ptr())
-        self._keep_launch(keep, (x, residual, weight), args, changing, views=((0, 0), (1, 1)))
+        self._keep_launch(keep, (x, residual, weight), args, changing, views=((0, 0), (1, 1)), movable=True)
         for dst, got, own in ((h, outs[0], self.residual_output), (y, outs[1], self.output)):
             if got is None:
                 dst.copy_(own)  # an output that is not whole aligned vectors: through the op's own
