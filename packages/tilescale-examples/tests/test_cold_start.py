@@ -93,3 +93,12 @@ def test_the_compile_phase_compiles_into_an_empty_cache_and_a_later_run_reuses_i
     assert cold_start.main(["--compile-only", "--ops", "AllReduce one-shot", "--cache", str(cache)]) == 0
     with pytest.raises(SystemExit):  # another op list: not this record, and the cache is not empty
         cold_start.main(["--compile-only", "--ops", "AllGather", "--cache", str(cache)])
+
+
+def test_without_a_gpu_only_the_compile_phase_runs_and_only_when_asked(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(cold_start, "compile_all", lambda *a: pytest.fail("compiled without --compile-only"))
+    assert cold_start.main(["--cache", str(tmp_path)]) == 0
+    assert "no CUDA GPU visible, nothing to measure" in capsys.readouterr().out

@@ -201,6 +201,10 @@ def main(argv=None) -> int:
     import torch
 
     gpus = torch.cuda.device_count()
+    if gpus == 0 and not args.compile_only:
+        print("cold start benchmark: no CUDA GPU visible, nothing to measure (--compile-only times the compile "
+              "phase alone)")
+        return 0
     sm_count = args.sm_count or (torch.cuda.get_device_properties(0).multi_processor_count if gpus else 132)
     cache = args.cache or Path(tempfile.mkdtemp(prefix="tilescale-cold-start-"))
     cache.mkdir(parents=True, exist_ok=True)
@@ -218,9 +222,7 @@ def main(argv=None) -> int:
     if record is None:
         print(f"[benchmark] compiling the ops' kernels into {cache} (a fresh process)", file=sys.stderr)
         record = compile_all(cache, names, numel, args.dtype, sm_count)
-    if args.compile_only or gpus == 0:
-        if not args.compile_only:
-            print("cold start benchmark: no CUDA GPU visible, the compile phase only")
+    if args.compile_only:
         print_table(f"cold start: compile phase into {cache} ({sm_count} SMs)", HEADERS[:3],
                     [[name, e["kernels"], round(e["compile_s"], 2)] for name, e in record["ops"].items()])
         return 0
