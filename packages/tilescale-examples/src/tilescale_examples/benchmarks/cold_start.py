@@ -200,6 +200,12 @@ def main(argv=None) -> int:
 
     import torch
 
+    numel = args.bytes // getattr(torch, args.dtype).itemsize
+    every = list(specs(numel, getattr(torch, args.dtype)))
+    names = args.ops or every
+    unknown = [n for n in names if n not in every]
+    if unknown:
+        p.error(f"--ops: no op named {unknown} (ops: {every})")
     gpus = torch.cuda.device_count()
     if gpus == 0 and not args.compile_only:
         print("cold start benchmark: no CUDA GPU visible, nothing to measure (--compile-only times the compile "
@@ -208,12 +214,6 @@ def main(argv=None) -> int:
     sm_count = args.sm_count or (torch.cuda.get_device_properties(0).multi_processor_count if gpus else 132)
     cache = args.cache or Path(tempfile.mkdtemp(prefix="tilescale-cold-start-"))
     cache.mkdir(parents=True, exist_ok=True)
-    numel = args.bytes // getattr(torch, args.dtype).itemsize
-    every = list(specs(numel, getattr(torch, args.dtype)))
-    names = args.ops or every
-    unknown = [n for n in names if n not in every]
-    if unknown:
-        p.error(f"--ops: no op named {unknown} (ops: {every})")
     record = read_record(cache, signature(names, numel, args.dtype, sm_count))
     reused = record is not None
     if record is None and _files(cache):
