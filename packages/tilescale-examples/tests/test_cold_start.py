@@ -33,10 +33,10 @@ def test_a_record_is_reused_only_with_its_signature(tmp_path):
     assert wanted["ops"] == ["AllGather"] and set(wanted["versions"]) == {"tilelang", "tilescale-lang",
                                                                            "tilescale-examples"}
     assert cold_start.read_record(tmp_path, wanted) is None  # none
-    (tmp_path / cold_start.RECORD).write_text("{not json")
+    (tmp_path / cold_start.RECORD).write_text("{not json", encoding="utf-8")
     assert cold_start.read_record(tmp_path, wanted) is None
     record = dict(_record([("AllGather", 1, 2.0)]), signature=wanted)
-    (tmp_path / cold_start.RECORD).write_text(json.dumps(record))
+    (tmp_path / cold_start.RECORD).write_text(json.dumps(record), encoding="utf-8")
     assert cold_start.read_record(tmp_path, wanted) == record
     assert cold_start.read_record(tmp_path, cold_start.signature(["AllGather"], 2048, "bfloat16", 114)) is None
 
@@ -79,7 +79,7 @@ def test_the_compile_phase_compiles_into_an_empty_cache_and_a_later_run_reuses_i
                                                                                           monkeypatch):
     cache = tmp_path / "cache"
     assert cold_start.main(["--compile-only", "--ops", "AllReduce one-shot", "--cache", str(cache)]) == 0
-    record = json.loads((cache / cold_start.RECORD).read_text())
+    record = json.loads((cache / cold_start.RECORD).read_text(encoding="utf-8"))
     entry = record["ops"]["AllReduce one-shot"]
     assert list(record["ops"]) == ["AllReduce one-shot"] and entry["kernels"] == 1 and entry["compile_s"] > 0
     assert any(p.suffix == ".so" for p in cache.rglob("*")), "nothing compiled into the cache"

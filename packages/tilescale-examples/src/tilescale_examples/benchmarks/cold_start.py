@@ -76,7 +76,7 @@ def signature(names, numel: int, dtype_name: str, sm_count: int) -> dict:
 def read_record(cache: Path, wanted: dict) -> dict | None:
     """The compile phase's record in ``cache`` when its signature is ``wanted``, else None."""
     try:
-        record = json.loads((cache / RECORD).read_text())
+        record = json.loads((cache / RECORD).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return record if record.get("signature") == wanted else None
@@ -110,7 +110,7 @@ def compile_all(cache: Path, names, numel: int, dtype_name: str, sm_count: int) 
 
     record = {"signature": signature(names, numel, dtype_name, sm_count), "ops": ops, "host": platform.node(),
               "date": time.strftime("%Y-%m-%d")}
-    (cache / RECORD).write_text(json.dumps(record, indent=1))
+    (cache / RECORD).write_text(json.dumps(record, indent=1), encoding="utf-8")
     return record
 
 
