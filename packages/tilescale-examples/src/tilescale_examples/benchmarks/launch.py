@@ -22,8 +22,8 @@ warm-up calls (:func:`~tilescale_examples.benchmarks._timing.host_us_rounds`):
   rows time that path;
 * for each such op, the same op called on two inputs in turn through TileLang's launcher
   (``TileLang, new input every call``): every call its full call, except for the
-  collectives, which move their kept launch to an input of the kept layout at another
-  address;
+  collectives and the fused norm, which move their kept launch to an input of the kept
+  layout at another address;
 * the raw kernel launch of the all-reduce (its kernel called with all its arguments through
   TileLang's launcher, and through a prepared :class:`~tilescale_lang.lean.LeanLaunch`), and
   the lean launch's two parts alone: its Python (checks and packing of the changing
