@@ -35,12 +35,14 @@ while [[ $# -gt 0 ]]; do
 done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
-# first; each step fits one device call of 600 s: the repeated calls' single capture check, the
-# MoE dispatcher's kept launches and the collectives' kept launches moved to new inputs
-# (docs/launch.md, "Repeated calls") -- the launch benchmark (its checks call each op four times
-# on one input: a frozen launch checked; its "new input every call" rows move), the MoE suite,
-# then the suites whose calls on fresh tensors of one layout now take that path; test_lean's
-# GPU test of a frozen launch moved between two inputs runs in tests-lang.
+# first; each step fits one device call of 600 s: the repeated calls' frozen launches, which now ask
+# the driver whether the stream captures in the same C call (ts_launch_call_run), their one-tuple
+# layout comparison, the MoE dispatcher's kept launches and the collectives' and the fused norm's
+# kept launches moved to new inputs (docs/launch.md, "Repeated calls") -- the launch benchmark (its
+# checks call each op four times on one input: a frozen launch checked; its "new input every call"
+# rows move), the cold-start benchmark's load phase, the MoE suite, then the suites whose calls on
+# fresh tensors of one layout now take that path; test_lean's GPU tests of a frozen launch (moved
+# between two inputs; launching nothing under torch.cuda.graph) run in tests-lang.
 unverified=(bench-launch bench-cold-start tests-moe tests-reduce tests-graphs tests-decode tests-other tests-lang)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
