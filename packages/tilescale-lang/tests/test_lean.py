@@ -94,7 +94,6 @@ def _go_lean(launch, monkeypatch, path="ctypes"):
     launch.why_not = None
     rec = RecordingDriver({0x1000 + i: [ctypes.sizeof(v) for v in entry[4]] for i, entry in enumerate(launch._launches)})
     monkeypatch.setattr(lean, "_driver_calls", lambda: (rec.launch, rec.launch))
-    monkeypatch.setattr(lean, "_raw_stream", lambda index: 1234)
     monkeypatch.setattr(lean, "_current_stream_getter", lambda: lambda index: 1234)
     rec.capturing = False  # what the capture query answers
     rec.query = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))(

@@ -23,7 +23,6 @@ log = logging.getLogger("tilescale_examples.launch")
 _USERS, _REBIND, _PINNED = "_tilescale_table_users", "_tilescale_always_rebind", "_tilescale_pinned_to"
 
 
-
 def table_bound(op: Any, state: dict) -> bool:
     """Whether the compiled kernel whose ``__dict__`` is ``state`` has ``op``'s allocator's
     metadata table bound, with no CUDA graph having made every launch rebind: the eager

@@ -204,14 +204,9 @@ def _driver_calls() -> tuple:
         drv = driver.driver_module()
         found, addresses = [], []
         for name, prototype in (("cuLaunchKernel", _LAUNCH), ("cuLaunchCooperativeKernel", _COOPERATIVE_LAUNCH)):
-            try:
-                flags = drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
-                address = driver.call("cuGetProcAddress", name.encode(), driver.driver_version(), flags)
-                address = int(address[0] if isinstance(address, tuple) else address)
-            except (driver.CudaError, AttributeError, TypeError, ValueError):
-                address = 0
+            address = _proc_address(name)
             found.append(prototype(address) if address else None)
-            addresses.append(address or None)
+            addresses.append(address)
         if found[0] is not None:
             launch = functools.partial(_with_no_extra, found[0])
         else:
@@ -258,19 +253,25 @@ def _current_stream_getter() -> Callable[[int], int]:
 _stream_getter: Any = None
 
 
+def _proc_address(name: str) -> int | None:
+    """The address of the driver entry point ``name`` (through cuda-bindings'
+    ``cuGetProcAddress``), or None where the driver does not give it."""
+    from tilescale_core import driver
+
+    try:
+        flags = driver.driver_module().CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+        address = driver.call("cuGetProcAddress", name.encode(), driver.driver_version(), flags)
+        return int(address[0] if isinstance(address, tuple) else address) or None
+    except (driver.CudaError, AttributeError, TypeError, ValueError):
+        return None
+
+
 def _capture_query_address() -> int | None:
-    """The address of the driver's ``cuStreamIsCapturing`` (through cuda-bindings'
-    ``cuGetProcAddress``), or None where the driver does not give it; found once."""
+    """The address of the driver's ``cuStreamIsCapturing``, or None where the driver does not
+    give it (:func:`_proc_address`); found once."""
     global _capture_query
     if _capture_query is None:
-        from tilescale_core import driver
-
-        try:
-            flags = driver.driver_module().CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
-            address = driver.call("cuGetProcAddress", b"cuStreamIsCapturing", driver.driver_version(), flags)
-            _capture_query = int(address[0] if isinstance(address, tuple) else address)
-        except (driver.CudaError, AttributeError, TypeError, ValueError):
-            _capture_query = 0
+        _capture_query = _proc_address("cuStreamIsCapturing") or 0
     return _capture_query or None
 
 
