@@ -102,3 +102,24 @@ def test_without_a_gpu_only_the_compile_phase_runs_and_only_when_asked(tmp_path,
     monkeypatch.setattr(cold_start, "compile_all", lambda *a: pytest.fail("compiled without --compile-only"))
     assert cold_start.main(["--cache", str(tmp_path)]) == 0
     assert "no CUDA GPU visible, nothing to measure" in capsys.readouterr().out
+
+
+def test_the_load_phase_checks_the_ops_as_the_launch_benchmark_and_the_gemm_by_its_relative_error():
+    import torch
+
+    from tilescale_examples.benchmarks.launch import compare, poison_outputs
+
+    want = torch.randn(4, 8)
+    assert compare(want.clone(), want) == "ok" and compare((want,), (want, want)) == "FAIL (1 outputs vs 2)"
+    assert compare(want[:2], want) == "FAIL (shape (2, 8) vs (4, 8))"
+    off = want.clone()
+    off[0, 0] += 1.0  # one element wrong: a relative-norm test could miss it, the element-wise one does not
+    assert compare(off, want) == "FAIL (values)"
+    op = type("Op", (), {"output": torch.zeros(3), "residual_output": torch.zeros(3, dtype=torch.int32)})()
+    poison_outputs(op)
+    assert op.output.isnan().all() and not op.residual_output.any()  # floating-point outputs only
+    a, b = torch.randn(64, 256), torch.randn(256, 32)
+    ref = a @ b
+    assert cold_start._gemm_check(ref.bfloat16(), ref) == "ok"
+    assert cold_start._gemm_check(torch.zeros_like(ref), ref) == "FAIL (values)"
+    assert cold_start._gemm_check(ref[:8], ref) == "FAIL (shape (8, 32) vs (64, 32))"

@@ -48,8 +48,8 @@ from __future__ import annotations
 from tilescale_examples.benchmarks import _harness
 from tilescale_examples.benchmarks._report import print_table, ratio
 
-__all__ = ["HEADERS", "GOAL_ADD", "GOAL_SYMM", "MOE", "MOE_ROW", "op_specs", "heap_bytes", "run", "goal_lines",
-           "main"]
+__all__ = ["HEADERS", "GOAL_ADD", "GOAL_SYMM", "MOE", "MOE_ROW", "op_specs", "heap_bytes", "poison_outputs", "compare",
+           "run", "goal_lines", "main"]
 
 HEADERS = ["call", "launcher", "host us", "vs torch.add", "vs symm one-shot", "check"]
 #: The ops' default launcher (``op.lean_launch`` False): the goals are measured on it.
@@ -145,11 +145,39 @@ def heap_bytes(numel: int, dtype) -> int:
     return 2 * moe + (64 << 20)
 
 
+def poison_outputs(op) -> None:
+    """Fill ``op``'s own floating-point outputs (``output``, ``residual_output``) with NaN, so
+    that a call that writes nothing fails its check."""
+    import torch
+
+    for name in ("output", "residual_output"):
+        t = getattr(op, name, None)
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            t.fill_(float("nan"))
+
+
+def compare(got, want) -> str:
+    """"ok", or how ``got`` differs from the torch reference ``want`` (each a tensor or a tuple
+    of tensors): the count of outputs, a shape, or values beyond ``rtol=2**-7, atol=1e-3``."""
+    import torch
+
+    got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+    if len(got) != len(want):
+        return f"FAIL ({len(got)} outputs vs {len(want)})"
+    for g, w in zip(got, want):
+        if g.shape != w.shape:
+            return f"FAIL (shape {tuple(g.shape)} vs {tuple(w.shape)})"
+        if not torch.allclose(g.float(), w.float(), rtol=2**-7, atol=1e-3):
+            return "FAIL (values)"
+    return "ok"
+
+
 def _check(op, make_input, call, reference, device) -> str:
-    """"ok", or what differed: two calls on a fresh random input, then twice the same input
-    tensors refilled in place with fresh values (the timed rows' pattern), outputs poisoned,
-    a call, checked: an op that relaunches a call laid out as its last does so in both, the
-    first through its launcher, the second with the launch it froze then."""
+    """"ok", or what differed (:func:`compare`): two calls on a fresh random input, then
+    twice the same input tensors refilled in place with fresh values (the timed rows'
+    pattern), outputs poisoned, a call, checked: an op that relaunches a call laid out as its
+    last does so in both, the first through its launcher, the second with the launch it froze
+    then."""
     import torch
 
     x = make_input()
@@ -158,20 +186,12 @@ def _check(op, make_input, call, reference, device) -> str:
         for dst, src in zip(*((t if isinstance(t, tuple) else (t,)) for t in (x, make_input()))):
             dst.copy_(src)
         want = reference(x)
-        for name in ("output", "residual_output"):
-            t = getattr(op, name, None)
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                t.fill_(float("nan"))
+        poison_outputs(op)
         got = call(op, x)
         torch.cuda.synchronize(device)
-        got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
-        if len(got) != len(want):
-            return f"FAIL ({len(got)} outputs vs {len(want)})"
-        for g, w in zip(got, want):
-            if g.shape != w.shape:
-                return f"FAIL (shape {tuple(g.shape)} vs {tuple(w.shape)})"
-            if not torch.allclose(g.float(), w.float(), rtol=2**-7, atol=1e-3):
-                return "FAIL (values)"
+        result = compare(got, want)
+        if result != "ok":
+            return result
     return "ok"
 
 
