@@ -35,15 +35,10 @@ while [[ $# -gt 0 ]]; do
 done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
-# first; each step fits one device call of 600 s: the repeated calls' frozen launches, which now ask
-# the driver whether the stream captures in the same C call (ts_launch_call_run), their one-tuple
-# layout comparison, the MoE dispatcher's kept launches and the collectives' and the fused norm's
-# kept launches moved to new inputs (docs/launch.md, "Repeated calls") -- the launch benchmark (its
-# checks call each op four times on one input: a frozen launch checked; its "new input every call"
-# rows move), the cold-start benchmark's load phase, the MoE suite, then the suites whose calls on
-# fresh tensors of one layout now take that path; test_lean's GPU tests of a frozen launch (moved
-# between two inputs; launching nothing under torch.cuda.graph) run in tests-lang.
-unverified=(bench-launch bench-cold-start tests-moe tests-reduce tests-graphs tests-decode tests-other tests-lang)
+# first; each step fits one device call of 600 s: the MoE suite's tests beyond test_moe_on_gpu
+# (full size, stragglers) with the dispatcher's kept launches, and the tilescale-lang GPU suite
+# beyond test_lean and test_launch_records (which ran with the frozen launches' capture query).
+unverified=(tests-moe tests-lang)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"

@@ -818,7 +818,8 @@ GPU_CASES = [("uniform", torch.bfloat16, torch.int64), ("skewed", torch.bfloat16
 def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     """Per rank: the routing cases (bf16/int64 and fp16/int32; a rank with no tokens in the
     sparse case), graph capture, index errors, back-to-back calls (1000 on 1 or 2 ranks,
-    200 on 4) and 60 calls on one set of buffers (the kept launches), all at SMALL size."""
+    200 on 4) and 60 calls on one set of buffers (the kept launches, on the fp16 dispatcher:
+    never captured), all at SMALL size."""
     experts, topk, hidden, max_tokens = SMALL
     alloc = open_rank_heap(rank, world, cache_dir, _heap_bytes(SMALL, world, dispatchers=2))
     dev = torch.device(alloc.device)
@@ -839,7 +840,8 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     checks += _graph_capture(moe, rank, world, gen)
     checks += _index_errors(moe, rank, world, gen)
     checks += _back_to_back(moe, rank, world, 1000 if world <= 2 else 200, gen)
-    checks += _on_one_buffer(moe, rank, world, gen)
+    # an instance once captured in a CUDA graph keeps no launch (docs/launch.md): the other one
+    checks += _on_one_buffer(dispatchers[torch.float16, torch.int32], rank, world, gen)
     for moe in dispatchers.values():
         moe.close()
     return close_rank_heap(alloc, rank, checks)

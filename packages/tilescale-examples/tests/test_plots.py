@@ -45,7 +45,8 @@ EXPECTED = {
     "heap_2": ("bars", [6 * 3]),
     "signals": ("bars", [2 * 2]),
     "gpu_barrier": ("bars", [1 * 2]),
-    "launch": ("bars", [26]),  # host us per call and launcher (the lean launch's parts as rows)
+    "launch": ("bars", [28]),  # host us per call and launcher (the lean launch's parts as rows)
+    "cold_start": ("bars", [8]),  # compile / load per op (and the total)
     "ulysses": ("bars", [12 * 3]),  # ulysses, copy, torch us per (ranks, seq)
     "overlap_emulated": ("bars", [4 * 2]),  # x GEMM alone, x copies then GEMM per (op, ranks)
     "overlap_emulated_2": ("bars", [12 * 4]),  # fused, GEMM alone, matmul, copies ms per (op, ranks, m_local)

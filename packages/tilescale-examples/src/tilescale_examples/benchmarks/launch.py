@@ -201,7 +201,7 @@ def run(rank: int, world: int, group, device, args) -> list | None:
     import torch.distributed as dist
 
     import tilelang
-    from tilescale_lang.lean import prepare
+    from tilescale_lang.lean import freeze, prepare
 
     from tilescale_examples._launch import prepared_launch
     from tilescale_examples.benchmarks import _timing
@@ -263,9 +263,13 @@ def run(rank: int, world: int, group, device, args) -> list | None:
         if raw._records is not None:  # the launch records' C helper: the lean path where a C compiler is
             fns.append(_records_alone(raw, device))
             labels.append(("all-reduce kernel, raw", "launch records (C helper) only"))
-            frozen = raw.frozen()
-            if frozen is not None:  # what the ops' repeated calls launch: the helper asking about captures too
-                fns.append(frozen)
+            # what the ops' repeated calls launch: the helper asking about captures too, its
+            # changing buffers' addresses written anew (a frozen launch fixes every scalar)
+            moving = [i for i in raw.positions if isinstance(raw_args[i], torch.Tensor)]
+            frozen = freeze(ar.kernel, raw_args, moving)
+            if frozen is not None:
+                addresses = [raw_args[i].data_ptr() for i in moving]
+                fns.append(lambda: frozen(*addresses))
                 labels.append(("all-reduce kernel, raw", "frozen launch"))
     # the host's floor: a kernel with no work (one block of 32 threads), which the GPU runs
     # faster than the host launches it
