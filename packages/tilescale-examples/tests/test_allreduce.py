@@ -280,20 +280,23 @@ def test_repeated_calls_launch_a_frozen_launch_from_the_second_on(algorithm, tmp
     from tilescale_lang import lean
 
     alloc, ar = make((64,), "float16", algorithm=algorithm, tmp_path=tmp_path, monkeypatch=monkeypatch)
-    frozen, made = [], []
+    frozen, made, passed = [], [], []
 
     class Frozen:  # stands for a FrozenLaunch: the frozen parameters launched on the stand-in kernel
         def __init__(self, kernel, args, moving):
             assert list(moving) == [0]  # the input's view may move
-            self.kernel, self.args = kernel, args
+            self.kernel, self.args, self.address = kernel, args, args[0].data_ptr()
 
         capturing = False  # what the real one learns from the driver in the same C call
 
-        def __call__(self, *addresses):
-            frozen.append(addresses)
+        def __call__(self, *addresses):  # as the real one: new addresses are written, none keeps the last
+            passed.append(addresses)
+            if addresses:
+                (self.address,) = addresses
+            frozen.append(self.address)  # the input address launched
             if self.capturing:
                 return False
-            if addresses[0] == self.args[0].data_ptr():  # (the stand-in kernel cannot follow a moved input)
+            if self.address == self.args[0].data_ptr():  # (the stand-in kernel cannot follow a moved input)
                 self.kernel(*self.args)
             return True
 
@@ -308,16 +311,24 @@ def test_repeated_calls_launch_a_frozen_launch_from_the_second_on(algorithm, tmp
         ar.output.fill_(float("nan"))
         assert ar(x) is ar.output and torch.equal(ar.output, x * 2) and ar.epoch == 4 + i
         assert len(frozen) == i + 1 and len(made) == 1 and len(ar.kernel.calls) == launched + i + 1
-        assert frozen[-1] == (x.data_ptr(),)
+        assert frozen[-1] == x.data_ptr() and passed[-1] == ()  # at the frozen address: nothing to write
     moved = torch.randn(64).half()
     ar(moved)  # another address of the same layout: the frozen launch, moved there
-    assert frozen[-1] == (moved.data_ptr(),) and len(made) == 1 and ar.epoch == 7
+    assert frozen[-1] == moved.data_ptr() and passed[-1] == (moved.data_ptr(),) and len(made) == 1 and ar.epoch == 7
+    ar(moved)  # the moved address is now the frozen one
+    assert frozen[-1] == moved.data_ptr() and passed[-1] == () and ar.epoch == 8
+    ar(x)  # and back
+    assert frozen[-1] == x.data_ptr() and passed[-1] == (x.data_ptr(),) and ar.epoch == 9
+    out = torch.empty(64).half()
+    assert ar(moved, out=out) is out and ar._kept_launch is None and len(frozen) == 6  # out=: the full call
+    ar(x), ar(x), ar(x), ar(x)  # kept, frozen anew (made[1]), then launched at x
+    assert len(made) == 2 and frozen[-1] == x.data_ptr() and passed[-1] == () and len(frozen) == 7
     Frozen.capturing = True  # the stream captures a graph: the frozen launch launches nothing, the full call runs
     x.copy_(torch.randn(64).half())
     ar.output.fill_(float("nan"))
     launched = len(ar.kernel.calls)
-    assert ar(x) is ar.output and torch.equal(ar.output, x * 2) and len(frozen) == 5
-    assert len(ar.kernel.calls) == launched + 1 and ar.epoch == 8  # counted once, by the full call
+    assert ar(x) is ar.output and torch.equal(ar.output, x * 2) and len(frozen) == 8
+    assert len(ar.kernel.calls) == launched + 1 and ar.epoch == 15  # counted once, by the full call
     Frozen.capturing = False
     y = torch.randn(65).half()[1:]
     ar(y), ar(y)  # not aligned: full calls (a padded copy), nothing kept
@@ -328,7 +339,7 @@ def test_repeated_calls_launch_a_frozen_launch_from_the_second_on(algorithm, tmp
     assert ar._kept_launch is not None and ar._kept_launch.frozen is None
     monkeypatch.setattr(lean, "freeze", lambda kernel, args, moving: made.append(args) and None)
     ar(y), ar(y), ar(y)
-    assert len(made) == 2 and ar._kept_launch.frozen is False and len(frozen) == 5  # asked once, then the launcher
+    assert len(made) == 3 and ar._kept_launch.frozen is False and len(frozen) == 8  # asked once, then the launcher
     assert torch.equal(ar.output, y * 2)
 
     def fails(kernel, args, moving):

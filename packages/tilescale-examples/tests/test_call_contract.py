@@ -254,11 +254,13 @@ def test_an_old_spelling_warns_at_the_callers_line(compiles):
 
 
 def test_positional_out_works_and_warns(compiles):
-    from tilescale_examples.base import accepts_0_1_out
+    from tilescale_examples.base import accepts_0_1_out, positional_out
 
     class Op:
         @accepts_0_1_out(1)
-        def __call__(self, input, *, out=None):
+        def __call__(self, input, *out_0_1, out=None):
+            if out_0_1:
+                out = positional_out(self, 1, out_0_1, out)
             return input, out
 
     with _old(r"Op\(..., out\) passed positionally .*use out=\.\.\. \(keyword-only\)"):
@@ -266,6 +268,17 @@ def test_positional_out_works_and_warns(compiles):
     assert Op()(1, out=3) == (1, 3)
     with pytest.raises(TypeError, match="takes 1 input"):
         Op()(1, 2, out=3)
+    with pytest.raises(TypeError, match="takes 1 input"):
+        Op()(1, 2, 3)
+    assert Op()(input=1) == (1, None)
+    # the signature shown is the contract's; the decorator adds no call of its own
+    assert str(inspect.signature(Op.__call__)) == "(self, input, *, out=None)"
+    assert Op.__call__.__code__.co_name == "__call__" and not hasattr(Op.__call__, "__wrapped__")
+    for op in (tilescale_examples.AllReduce, tilescale_examples.AllGather, tilescale_examples.AllToAll,
+               tilescale_examples.ReduceScatter, tilescale_examples.AllGatherGEMM, tilescale_examples.GemmReduceScatter):
+        assert "out_0_1" not in str(inspect.signature(op.__call__)), op
+    with pytest.raises(TypeError, match=r"must take 1 input\(s\), then \*out_0_1"):
+        accepts_0_1_out(1)(lambda self, input, *, out=None: None)
     ar = tilescale_examples.AllReduce(CpuAllocator(num_ranks=2), (16,), F32)
     ar.close()
     with _old("out"), pytest.raises(ClosedError):

@@ -10,7 +10,7 @@ import json
 import pytest
 from examples_helpers import needs_nvcc
 
-from tilescale_examples.benchmarks import cold_start
+from tilescale_examples.benchmarks import cold_start, launch
 
 
 def _record(ops):
@@ -41,7 +41,7 @@ def test_a_record_is_reused_only_with_its_signature(tmp_path):
     assert cold_start.read_record(tmp_path, cold_start.signature(["AllGather"], 2048, "bfloat16", 114)) is None
 
 
-def test_the_ops_are_the_launch_benchmarks_and_the_demos_gemm():
+def test_the_ops_are_the_launch_benchmarks_serving_ops_and_the_demos_gemm():
     import torch
 
     from tilescale_examples import AllGather, AllReduce, MoEDispatcher
@@ -52,6 +52,7 @@ def test_the_ops_are_the_launch_benchmarks_and_the_demos_gemm():
     assert specs["AllReduce one-shot"] == (AllReduce, ((2048,), torch.bfloat16), {"algorithm": "one_shot"})
     assert specs["AllGather"][0] is AllGather and specs[cold_start.AG_GEMM][0] is AllGatherGEMM
     assert any(cls is MoEDispatcher and kwargs["validate"] is False for cls, _, kwargs in specs.values())
+    assert not set(specs) & {launch.MOE_DISPATCH_ROW, *launch.GEMM_ROWS}  # the launch benchmark's rows alone
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -107,19 +108,24 @@ def test_without_a_gpu_only_the_compile_phase_runs_and_only_when_asked(tmp_path,
 def test_the_load_phase_checks_the_ops_as_the_launch_benchmark_and_the_gemm_by_its_relative_error():
     import torch
 
-    from tilescale_examples.benchmarks.launch import compare, poison_outputs
+    from tilescale_examples.benchmarks.launch import compare, compare_gemm, poison_outputs
 
     want = torch.randn(4, 8)
     assert compare(want.clone(), want) == "ok" and compare((want,), (want, want)) == "FAIL (1 outputs vs 2)"
     assert compare(want[:2], want) == "FAIL (shape (2, 8) vs (4, 8))"
+    longer = torch.cat([want, torch.full((3, 8), float("nan"))])  # a receive buffer: its first rows are the result
+    assert compare(longer, want) == "ok" and compare(longer[1:], want) == "FAIL (values)"
+    assert compare(want[:, :4], want) == "FAIL (shape (4, 4) vs (4, 8))"
     off = want.clone()
     off[0, 0] += 1.0  # one element wrong: a relative-norm test could miss it, the element-wise one does not
     assert compare(off, want) == "FAIL (values)"
-    op = type("Op", (), {"output": torch.zeros(3), "residual_output": torch.zeros(3, dtype=torch.int32)})()
+    op = type("Op", (), {"output": torch.zeros(3), "residual_output": torch.zeros(3, dtype=torch.int32),
+                         "recv_x": torch.zeros(2, 2)})()
     poison_outputs(op)
     assert op.output.isnan().all() and not op.residual_output.any()  # floating-point outputs only
+    assert op.recv_x.isnan().all()
     a, b = torch.randn(64, 256), torch.randn(256, 32)
     ref = a @ b
-    assert cold_start._gemm_check(ref.bfloat16(), ref) == "ok"
-    assert cold_start._gemm_check(torch.zeros_like(ref), ref) == "FAIL (values)"
-    assert cold_start._gemm_check(ref[:8], ref) == "FAIL (shape (8, 32) vs (64, 32))"
+    assert compare_gemm(ref.bfloat16(), ref) == "ok"
+    assert compare_gemm(torch.zeros_like(ref), ref) == "FAIL (values)"
+    assert compare_gemm(ref[:8], ref) == "FAIL (shape (8, 32) vs (64, 32))"

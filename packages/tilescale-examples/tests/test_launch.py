@@ -115,6 +115,34 @@ def test_the_launch_benchmarks_goals_are_read_from_the_default_launcher():
     assert goal_lines(rows) == ["worst op vs torch.add: 6.22 (AllReduceResidualRMSNorm; goal <= 1.2)",
                                 "worst op vs symm_mem one-shot all-reduce: 4.88 (AllReduceResidualRMSNorm; goal <= 0.8)"]
     assert goal_lines(rows[:1]) == ["TileScale ops: not measured"]
+    pair = ["MoE dispatch + combine, 128 tokens", "TileLang", 80.0, 12.3, 9.6, "ok"]  # two calls: half per call
+    assert goal_lines(rows + [pair]) == [
+        "worst op vs torch.add: 6.22 (AllReduceResidualRMSNorm; goal <= 1.2)",
+        "worst op vs symm_mem one-shot all-reduce: 4.88 (AllReduceResidualRMSNorm; goal <= 0.8)"]
+    assert goal_lines(rows[:2] + [pair]) == [
+        "worst op vs torch.add: 6.15 (MoE dispatch + combine, 128 tokens, per call; goal <= 1.2)",
+        "worst op vs symm_mem one-shot all-reduce: 4.80 (MoE dispatch + combine, 128 tokens, per call; goal <= 0.8)"]
+
+
+def test_the_launch_benchmark_times_the_serving_ops_the_moe_dispatch_and_the_overlapped_gemms():
+    """Every op the issue names has its rows (built as the benchmark builds them, on a CPU
+    stand-in allocator's heap size), the MoE dispatch alone among them, and the overlapped
+    GEMMs' shape fits their default tiles."""
+    import torch
+
+    from tilescale_examples import AllGatherGEMM, GemmReduceScatter, MoEDispatcher
+    from tilescale_examples.benchmarks import launch
+    from tilescale_examples.overlap.gemm import GemmTiles, check_gemm_dims
+
+    specs = launch.op_specs(2048, torch.bfloat16)
+    assert set(specs) >= {"AllReduce one-shot", "AllGather", "AllToAll", "ReduceScatter", "AllReduceResidualRMSNorm",
+                          launch.MOE_DISPATCH_ROW, launch.MOE_ROW, *launch.GEMM_ROWS}
+    assert specs[launch.MOE_DISPATCH_ROW][0] is MoEDispatcher and specs[launch.MOE_DISPATCH_ROW][2]["validate"] is False
+    assert [specs[name][0] for name in launch.GEMM_ROWS] == [AllGatherGEMM, GemmReduceScatter]
+    m, k, n = launch.GEMM_SHAPE
+    check_gemm_dims("launch", GemmTiles(), m_local=m, k=k, n=n)
+    assert launch.heap_bytes(2048, torch.bfloat16) > 4 * MoEDispatcher.heap_bytes(
+        dtype=torch.bfloat16, world_size=1, **launch.MOE)
 
 
 def test_the_launch_benchmarks_profile_reports_one_rows_calls(monkeypatch):

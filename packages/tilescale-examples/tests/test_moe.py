@@ -5,6 +5,7 @@ back-to-back calls with stragglers (``-m gpu``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -489,6 +490,12 @@ def test_dispatcher_on_cpu_allocator(cache_dir):
     assert moe.epoch == 4
 
     handle = moe.dispatch(x, idx, w)[2]
+    made = DispatchHandle(moe, handle.epoch, handle.num_tokens, handle.counts, handle.recv_offsets,
+                          handle.dest_rank, handle.dest_row)  # the dataclass's own __init__: the same handle
+    assert list(vars(made)) == list(vars(handle)) == [f.name for f in dataclasses.fields(DispatchHandle)]
+    assert all(getattr(made, f.name) is getattr(handle, f.name) for f in dataclasses.fields(DispatchHandle))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        handle.epoch = 7
     rejects(TypeError, "handle must be a DispatchHandle", moe.combine, y, "handle")
     rejects(RuntimeError, "handle is from dispatch call 3, but dispatch call 5", moe.combine, y,
             DispatchHandle(moe, 3, 5, *[handle.counts] * 4))

@@ -22,6 +22,7 @@ import torch
 from tilescale_examples._checks import DEFAULT_MAX_BLOCKS, check_positive_int
 
 __all__ = ["OldSpellingWarning", "warn_old_spelling", "DryRunKernel", "accepts_0_1_init", "accepts_0_1_out",
+           "positional_out",
            "row_shape_0_1", "accepts_0_1_reference", "rank_left_out", "RecordingAllocator",
            "HEAP_ALIGNMENT", "sm_count_of", "dry_run_heap_bytes"]
 
@@ -138,22 +139,44 @@ def row_shape_0_1(owner: str, args: tuple, kwargs: dict) -> tuple:
 
 
 def accepts_0_1_out(inputs: int):
-    """Decorator of an op's ``__call__(self, *inputs, *, out=None)``: ``out`` passed
-    positionally (0.1.0) still works, with an :class:`OldSpellingWarning`."""
+    """Decorator of an op's ``__call__(self, <inputs inputs>, *out_0_1, out=None)`` whose
+    body starts with ``if out_0_1: out = positional_out(self, inputs, out_0_1, out)``:
+    ``out`` passed positionally (0.1.0) still works, with an
+    :class:`OldSpellingWarning`. The decorator only hides ``out_0_1`` from the signature
+    (``inspect.signature``, ``help``, the docs) and adds no call of its own, so a call in the
+    contract's spelling pays nothing for the old one (the ops' repeated calls take a few
+    microseconds of host time: docs/launch.md).
+
+    Raises:
+        TypeError: at decoration, a ``__call__`` without ``*out_0_1`` right after its
+            ``inputs`` inputs.
+    """
 
     def decorate(call):
-        @functools.wraps(call)
-        def __call__(self, *args, out=None):
-            if len(args) > inputs:
-                if len(args) > inputs + 1 or out is not None:
-                    raise TypeError(f"{type(self).__name__}() takes {inputs} input(s) and out= by keyword")
-                warn_old_spelling(f"{type(self).__name__}(..., out) passed positionally", "out=... (keyword-only)")
-                args, out = args[:inputs], args[inputs]
-            return call(self, *args, out=out)
-
-        return __call__
+        signature = inspect.signature(call)
+        params = list(signature.parameters.values())
+        legacy = params[inputs + 1] if len(params) > inputs + 1 else None
+        if legacy is None or legacy.name != "out_0_1" or legacy.kind is not inspect.Parameter.VAR_POSITIONAL:
+            raise TypeError(f"accepts_0_1_out({inputs}): {call.__qualname__} must take {inputs} input(s), then "
+                            "*out_0_1")
+        call.__signature__ = signature.replace(parameters=[p for p in params if p is not legacy])
+        return call
 
     return decorate
+
+
+def positional_out(op, inputs: int, positional: tuple, out):
+    """The ``out`` of a call of ``op`` (decorated with :func:`accepts_0_1_out`) that passed
+    the arguments ``positional`` after its ``inputs`` inputs (one: ``out`` in the 0.1.0
+    spelling, which warns) and ``out`` by keyword (None if not).
+
+    Raises:
+        TypeError: both given, or more than one extra positional argument.
+    """
+    if out is not None or len(positional) != 1:
+        raise TypeError(f"{type(op).__name__}() takes {inputs} input(s) and out= by keyword")
+    warn_old_spelling(f"{type(op).__name__}(..., out) passed positionally", "out=... (keyword-only)")
+    return positional[0]
 
 
 def accepts_0_1_reference(old: str, translate: Callable):

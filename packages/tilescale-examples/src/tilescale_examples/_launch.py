@@ -153,7 +153,7 @@ class KeptLaunch:
             be at the kept addresses.
     """
 
-    __slots__ = ("layouts", "devices", "kept_addresses", "args", "changing", "views", "viewed", "frozen", "cuda",
+    __slots__ = ("layouts", "single", "devices", "args", "changing", "views", "viewed", "frozen", "cuda",
                  "kernel", "movable")
 
     def __init__(self, tensors, args: tuple, changing: Sequence[int], views: Sequence[tuple] = (), kernel=None,
@@ -167,26 +167,35 @@ class KeptLaunch:
         for pos, _, _ in self.views:
             kept[pos] = None  # the call's views are not kept: their memory may serve the next tensors
         self.args, self.changing, self.kernel, self.movable = kept, changing, kernel, movable
-        #: What :meth:`addresses_for` gives for tensors at the kept addresses.
-        self.kept_addresses = tuple(self.layouts[index][0] for _, index, _ in self.views) if movable else ()
+        #: The one tensor's layout where the call has one (:meth:`addresses_for`'s fast test).
+        self.single = self.layouts[0] if len(self.layouts) == 1 else None
         #: The launch with every parameter fixed but the viewed tensors' addresses
         #: (:class:`~tilescale_lang.lean.FrozenLaunch`), made at the first repeated call; None
         #: before, False where none can be made.
         self.frozen = None
 
     def addresses_for(self, tensors) -> tuple | None:
-        """For a call on ``tensors`` laid out as the kept call's (type, shape, strides,
-        dtype; the address too, or, where :attr:`movable`, for a viewed tensor any aligned
-        address outside the op's buffers on the kept device): the viewed tensors'
-        addresses, in the order of ``views`` (empty where not :attr:`movable`: the kept
-        ones); else None. At the kept addresses the devices are the kept ones too (one
-        memory, one device: CUDA's unified addressing)."""
-        try:  # _layout's tuple, written out: the steady-state call's one loop
-            layouts = [(t.data_ptr(), t.shape, t.stride(), t.dtype, type(t)) for t in tensors]
+        """For a call on ``tensors`` laid out as the last launched call's (type, shape,
+        strides, dtype, address): ``()``, nothing to change; where :attr:`movable` and only
+        viewed tensors moved (each to an aligned address outside the op's buffers, on the
+        kept device: every check of the full call still holds), their new addresses, in the
+        order of ``views``, which become the last launched call's (the caller launches them:
+        its frozen launch then holds them); else None. At an unchanged address the device is
+        the kept one too (one memory, one device: CUDA's unified addressing)."""
+        single = self.single
+        try:  # _layout's tuple, written out: the steady-state call's one comparison
+            if single is not None and len(tensors) == 1:
+                t = tensors[0]
+                layout = (t.data_ptr(), t.shape, t.stride(), t.dtype, type(t))
+                if layout == single:
+                    return ()
+                layouts = [layout]
+            else:
+                layouts = [(t.data_ptr(), t.shape, t.stride(), t.dtype, type(t)) for t in tensors]
+                if layouts == self.layouts:
+                    return ()
         except (AttributeError, TypeError):  # not a tensor
             return None
-        if layouts == self.layouts:
-            return self.kept_addresses
         moving = self.movable
         if moving is None or len(layouts) != len(self.layouts):
             return None
@@ -196,6 +205,8 @@ class KeptLaunch:
                     address % 16 or i not in self.viewed or t.device != device
                     or moving[0] < address + t.numel() * t.element_size() and address < moving[1]):
                 return None
+        self.layouts = layouts
+        self.single = layouts[0] if single is not None else None
         return tuple(layouts[index][0] for _, index, _ in self.views)
 
     def args_for(self, tensors) -> tuple:
@@ -235,20 +246,22 @@ class Relaunching:
         one layout: its host time is a few comparisons per tensor and one launch. Every
         parameter of such a call is the kept call's but the moved tensors' addresses, so from
         the second repeated call on it launches a :class:`~tilescale_lang.lean.FrozenLaunch`
-        made at the first, those addresses written anew (one call of the launch records' C
+        made at the first, the addresses that moved written into it (one call of the launch records' C
         helper, no argument packed or checked again, which also asks the driver whether the
         stream is capturing a CUDA graph and then launches nothing; where none can be made,
         the op's launcher with new views of the tensors)."""
         kept = getattr(self, site)
-        if kept is None or self._captured:
+        if kept is None or self._captured:  # close() forgets the kept launches
             return False
         addresses = kept.addresses_for(tensors)
         if addresses is None:
             return False
-        self._check_open()
+        allocator = self.allocator
+        if allocator.closed:
+            self._check_open()  # raises
         kernel = self.kernel if kept.kernel is None else kept.kernel
-        frozen = kept.frozen
-        if frozen and table_bound(self, kernel.__dict__):
+        frozen, state = kept.frozen, kernel.__dict__
+        if frozen and state.get(self._TABLE_OWNER) is allocator and not state.get(_REBIND):  # table_bound()
             if not frozen(*addresses):  # the stream is capturing a CUDA graph: nothing launched
                 return False
         elif not self._relaunch_through_launcher(kept, kernel, tensors, addresses):
@@ -263,6 +276,8 @@ class Relaunching:
         table to bind first. Returns False, with nothing launched, while a CUDA graph is
         being captured."""
         if kept.cuda and torch.cuda.is_current_stream_capturing():
+            if addresses:  # moved (addresses_for kept the new layout), not written into the frozen launch
+                kept.frozen = None
             return False
         if not table_bound(self, kernel.__dict__):  # not capturing (tested above): bind_table's fast test
             self.bind_table(kernel=kernel)

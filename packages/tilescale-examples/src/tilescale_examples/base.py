@@ -33,12 +33,12 @@ from tilescale_examples._group import all_ranks_agree, collective_device, settle
 from tilescale_examples._launch import _PINNED, _REBIND, _USERS, Relaunching, launch as lean_launch, table_bound
 from tilescale_examples._contract import (OldSpellingWarning, RecordingAllocator, accepts_0_1_init,
                                           accepts_0_1_out, accepts_0_1_reference, dry_run_heap_bytes,
-                                          rank_left_out, row_shape_0_1, sm_count_of, warn_old_spelling)
+                                          positional_out, rank_left_out, row_shape_0_1, sm_count_of, warn_old_spelling)
 
 __all__ = ["ClosedError", "SymmetricOp", "SymmetricCollective", "RowsPerRank", "KernelOwner", "Closable",
            "RecordingAllocator",
            "OldSpellingWarning", "accepts_0_1_init", "accepts_0_1_out", "accepts_0_1_reference", "rank_left_out", "row_shape_0_1",
-           "warn_old_spelling",
+           "positional_out", "warn_old_spelling",
            "check_tensor", "check_disjoint", "check_threads", "plan_chunks", "size_table_entry", "check_allocator",
            "check_shape",
            "check_dtype", "check_group", "check_max_blocks", "check_target", "check_positive_int", "check_bool",

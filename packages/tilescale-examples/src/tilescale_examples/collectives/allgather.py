@@ -87,7 +87,7 @@ import torch
 
 from tilescale_examples.base import DTYPES as _DTYPES
 from tilescale_examples.base import (TARGET, accepts_0_1_init, accepts_0_1_out, accepts_0_1_reference, plan_chunks,
-                                     rank_left_out, size_table_entry)
+                                     positional_out, rank_left_out, size_table_entry)
 from tilescale_examples.collectives.put_exchange import PutExchange, build_put_exchange_kernel
 
 __all__ = ["AllGather", "plan_chunks", "build_allgather_kernel", "torch_reference", "TARGET",
@@ -212,13 +212,15 @@ class AllGather(PutExchange):
     INPUT_SHAPE_NAME = "the shard shape"
 
     @accepts_0_1_out(1)
-    def __call__(self, input: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(self, input: torch.Tensor, *out_0_1, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Gather ``input`` (this rank's shard, ``shape``) from every rank; returns
         ``self.output``, ``(world_size, *shape)`` (overwritten by the next call), or ``out`` (a
         contiguous tensor of that shape and dtype) holding a copy of it; complete when the
         call's work finishes on the current stream. Every rank must make the same sequence
         of calls (eagerly or in CUDA graph replays). Raises
         :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
+        if out_0_1:  # the 0.1.0 spelling
+            out = positional_out(self, 1, out_0_1, out)
         return self._call(input, out)
 
     _BUFFERS = ("input", "output", "flags", "state", "peer_outputs", "copy_flags", "peer_copy_flags",

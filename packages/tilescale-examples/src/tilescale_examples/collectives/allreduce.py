@@ -44,7 +44,7 @@ from typing import Literal, Optional, Sequence, Union
 import torch
 
 from tilescale_examples.base import (accepts_0_1_init, accepts_0_1_out, accepts_0_1_reference, check_dtype,
-                                     rank_left_out, size_table_entry)
+                                     positional_out, rank_left_out, size_table_entry)
 from tilescale_examples.collectives.lamport_kernel import LAMPORT_DTYPES
 from tilescale_examples.collectives.reduce_engine import REDUCE_DTYPES, ReductionCollective
 from tilescale_examples.collectives.reduce_engine import torch_reference as _rank_order_sum
@@ -165,7 +165,7 @@ class AllReduce(ReductionCollective):
         return stage.view(-1)[: self.numel].view(self.shape)
 
     @accepts_0_1_out(1)
-    def __call__(self, input: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(self, input: torch.Tensor, *out_0_1, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Sum ``input`` over all ranks.
 
         Args:
@@ -179,6 +179,8 @@ class AllReduce(ReductionCollective):
         kernel when ``input`` is 16-byte aligned whole vectors, else a copy before it). Raises
         :class:`~tilescale_examples.base.ClosedError` after ``close()``.
         """
+        if out_0_1:  # the 0.1.0 spelling
+            out = positional_out(self, 1, out_0_1, out)
         if out is None and self._relaunch(input):
             return self.output
         zero_copy = self._check_call(input, out, self.shape)

@@ -24,7 +24,8 @@ from typing import Literal, Optional, Sequence, Union
 
 import torch
 
-from tilescale_examples.base import DTYPES, RowsPerRank, accepts_0_1_init, accepts_0_1_out, row_shape_0_1
+from tilescale_examples.base import (DTYPES, RowsPerRank, accepts_0_1_init, accepts_0_1_out, positional_out,
+                                     row_shape_0_1)
 from tilescale_examples.collectives.put_exchange import PutExchange, build_put_exchange_kernel
 
 __all__ = ["AllToAll", "build_alltoall_kernel", "torch_reference", "ALGORITHMS"]
@@ -98,11 +99,13 @@ class AllToAll(RowsPerRank, PutExchange):
                                                          self.chunks, self.chunk, threads), target)
 
     @accepts_0_1_out(1)
-    def __call__(self, input: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(self, input: torch.Tensor, *out_0_1, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Send row ``p`` of ``input`` (``shape``) to rank ``p``; returns ``self.output`` (row
         ``src``: what rank ``src`` sent here, overwritten by the next call), or ``out`` (a
         contiguous tensor of that shape and dtype) holding a copy of it; complete when the
         kernel finishes on the current stream. Every rank must make the same sequence of calls
         (eagerly or in CUDA graph replays). Raises :class:`~tilescale_examples.base.ClosedError`
         after ``close()``."""
+        if out_0_1:  # the 0.1.0 spelling
+            out = positional_out(self, 1, out_0_1, out)
         return self._call(input, out)

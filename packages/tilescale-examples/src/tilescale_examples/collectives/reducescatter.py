@@ -25,7 +25,8 @@ from typing import Literal, Optional, Sequence, Union
 
 import torch
 
-from tilescale_examples.base import RowsPerRank, accepts_0_1_init, accepts_0_1_out, row_shape_0_1
+from tilescale_examples.base import (RowsPerRank, accepts_0_1_init, accepts_0_1_out, positional_out,
+                                     row_shape_0_1)
 from tilescale_examples.collectives.reduce_engine import ACCUMULATE, REDUCE_DTYPES, ReductionCollective
 from tilescale_examples.collectives.reduce_engine import torch_reference as _rank_order_sum
 
@@ -96,7 +97,7 @@ class ReduceScatter(RowsPerRank, ReductionCollective):
         return rows.view(self.shape)
 
     @accepts_0_1_out(1)
-    def __call__(self, input: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(self, input: torch.Tensor, *out_0_1, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Sum row ``rank`` of ``input`` over all ranks.
 
         Args:
@@ -109,6 +110,8 @@ class ReduceScatter(RowsPerRank, ReductionCollective):
         stream. Staging into the symmetric buffer is part of the call. Raises
         :class:`~tilescale_examples.base.ClosedError` after ``close()``.
         """
+        if out_0_1:  # the 0.1.0 spelling
+            out = positional_out(self, 1, out_0_1, out)
         if out is None and self._relaunch(input):
             return self.output
         zero_copy = self._check_call(input, out, self.shard_shape)

@@ -57,7 +57,7 @@ from typing import Literal, Optional, Sequence, Union
 import torch
 
 from tilescale_examples.base import (accepts_0_1_init, accepts_0_1_out, accepts_0_1_reference, check_disjoint,
-                                     check_tensor, settle)
+                                     check_tensor, positional_out, settle)
 from tilescale_examples.overlap.gemm import (DTYPES, GemmTiles, OverlappedGemm, build_gemm_kernel, check_gemm_dims,
                                              check_positive, default_tiles, gemm_mainloop, resolve_tiles)
 from tilescale_examples.overlap.stream_ops import CopyEnginePush, peer_views, plan_row_chunks
@@ -245,7 +245,8 @@ class AllGatherGEMM(OverlappedGemm):
         check_tensor(b, (self.k, self.n), self.dtype, self.device, "b", "(k, n) =", "AllGatherGEMM")
 
     @accepts_0_1_out(2)
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, *out_0_1,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``all_gather(a) @ b`` on the current stream; returns ``self.output`` (overwritten
         by the next call) or ``out`` (a contiguous ``(world_size * m_local, n)`` tensor of the
         dtype on the device, written directly, overlapping neither ``a`` nor ``b``: else a
@@ -253,6 +254,8 @@ class AllGatherGEMM(OverlappedGemm):
         enqueued after this call. Every rank makes the same sequence of calls, eagerly or in
         CUDA graph replays (in any mix: the fused plan's handshake uses constant flag
         values). Raises :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
+        if out_0_1:  # the 0.1.0 spelling
+            out = positional_out(self, 2, out_0_1, out)
         result = self._check_call(a, b, out)
         main = self._begin_call()
         if self.algorithm == "sequential":
