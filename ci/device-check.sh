@@ -20,6 +20,8 @@
 # bench-decode-lamport (the fused norm's one-shot and Lamport exchanges at one rank);
 # bench-attention-fast (the flash-attention kernel compiled without and with fast math);
 # bench-decode-threads (the fused norm with 512 and 1024 threads per block, hidden 8192, 1-16 tokens);
+# bench-call-numbers (the reduction kernels' call numbers on the device against passed by the host:
+# benchmarks.emulated's A/B table, 2/4/8 ranks up to 64 MiB);
 # bench-cold-start (the serving ops built from a precompiled cache against their compile: the carried
 # .tlcache when it holds the compile record of `cold_start --compile-only --cache DIR`, else compiled here);
 # unverified (the checks written but not yet run on a GPU); all (default: doctor demo tests
@@ -41,8 +43,9 @@ done
 # benchmark (with its new rows: the MoE dispatch alone, AllGatherGEMM and GemmReduceScatter at
 # 128x1024x1024), then the suites whose repeated calls take that path; the MoE suite's tests beyond
 # test_moe_on_gpu (full size, stragglers) and the tilescale-lang GPU suite beyond test_lean and
-# test_launch_records.
-unverified=(bench-launch tests-reduce tests-moe tests-decode tests-graphs tests-lang)
+# test_launch_records; the call numbers' A/B (bench-call-numbers; tests-reduce runs test_emulated's
+# check of the host-numbered kernel's output).
+unverified=(bench-launch tests-reduce bench-call-numbers tests-moe tests-decode tests-graphs tests-lang)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
@@ -130,6 +133,8 @@ for step in "${steps[@]}"; do
                                gemm_rs; do
                         run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
                       done ;;
+    bench-call-numbers) run_step "$step" timeout -k 10 560 python3 -m tilescale_examples.benchmarks.emulated \
+                          --ranks 2 4 8 --max-bytes 67108864 --no-graph ;;  # the A/B table up to 64 MiB
     bench-cold-start) cold=()  # the carried cache's compile record (cold_start --compile-only --cache DIR), if any
                       [[ -f "$TILELANG_CACHE_DIR/cold_start.json" ]] && cold=(--cache "$TILELANG_CACHE_DIR" --sm-count 132)
                       run_step "$step" timeout -k 10 400 python3 -m tilescale_examples.benchmarks.cold_start "${cold[@]}" ;;

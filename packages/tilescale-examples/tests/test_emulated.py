@@ -88,11 +88,39 @@ def test_emulated_kernels_match_the_reference_on_gpu(ranks, tmp_path_factory, mo
                 bad = check_round(op, colls, seed)
                 assert not bad, bad
             assert time_kernels(colls, 2) > 0 and bytes_moved(colls[0]) >= 2 * nbytes // ranks
+            _host_numbered_kernel_matches(colls)
             ms, bad = time_graph(op, colls, 3, seed=7)  # after the eager calls: captured kernels rebind
             assert ms > 0 and not bad, bad
             for c in colls:
                 c.close()
             peers.close()
+
+
+def _host_numbered_kernel_matches(colls) -> None:
+    """The call numbers' A/B (benchmarks.emulated): both kernels time, and the host-numbered
+    build writes the same output as the op's kernel on the same staged input (every rank,
+    outputs poisoned in between)."""
+    from tilescale_examples.benchmarks import _call_number_ab
+    from tilescale_examples.benchmarks.emulated import preset_flags
+
+    host = _call_number_ab.host_number_kernel(colls[0])
+    device_ms, host_ms = _call_number_ab.time_call_numbers(colls, 2, host, preset_flags)
+    assert device_ms > 0 and host_ms > 0
+    for c in colls:
+        out = c.stages[0] if c.result is None else c.result  # two-shot: the result replaces its input
+        args = c._kernel_args(c.stages[0], c.result, 0)
+        preset_flags(colls)
+        c.bind_table()
+        c.kernel(*args)
+        if c.result is None:
+            continue  # two-shot overwrote its staged input: one comparison would need a restage
+        want = out.clone()
+        out.fill_(float("nan"))
+        preset_flags(colls)
+        c.bind_table(kernel=host)
+        host(*args, int(c.state[0]))  # the device kernel's number: the same staging buffer
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"rank {colls.index(c)}: the host-numbered kernel's output differs"
 
 
 def test_benchmark_arguments_and_byte_counts(capsys, monkeypatch):
@@ -116,8 +144,12 @@ def test_benchmark_arguments_and_byte_counts(capsys, monkeypatch):
         B.copy_ms(16, 1, "cpu", sources=0)
     assert B.HEADERS.index("copy B GB/s") == B.HEADERS.index("ratio") + 1  # the footprint baseline next to the plain one
     assert B.HEADERS.index("graph us") == B.HEADERS.index("kernel us") + 1  # the replayed call next to the eager one
+    from tilescale_examples.benchmarks import _call_number_ab
+
+    assert _call_number_ab.row(4, "4 KiB", "one_shot", 0.0031, 0.003) == [4, "4 KiB", "one_shot", 3.1, 3.0, 1.033]
+    assert len(_call_number_ab.row(2, "1 MiB", "two_shot", 1e-3, 1e-3)) == len(_call_number_ab.HEADERS)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for argv in (["--ranks", "2"], ["--ranks", "2", "--no-graph"]):
+    for argv in (["--ranks", "2"], ["--ranks", "2", "--no-graph"], ["--ranks", "2", "--no-ab"]):
         assert B.main(argv) == 0
         assert "no CUDA GPU visible" in capsys.readouterr().out
 

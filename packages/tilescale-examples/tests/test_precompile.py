@@ -29,6 +29,10 @@ def test_reduction_jobs_match_the_collectives_defaults():
                                     ("one_shot", "float16", 8, 512, 1), ("reduce_scatter", "float16", 8, 512, 1)]
     assert all(j[0] == "tilescale_examples.collectives.reduce_engine:build_reduce_kernel" and j[2] == PASS_CONFIGS for j in jobs)
     assert reduction_jobs(["two_shot"], ["int32"], [4], threads=256, unroll=3)[0][1] == ("two_shot", "int32", 4, 256, 3)
+    both = reduction_jobs(["one_shot", "lamport"], ["float16"], [2], call_numbers=("device", "argument"))
+    assert [j[1] for j in both] == [("one_shot", "float16", 2, 512, default_unroll(2)),
+                                    ("one_shot", "float16", 2, 512, default_unroll(2), "argument"),
+                                    ("float16", 2, 512, default_unroll(2))]  # the Lamport kernel: no call number
     assert precompile([]) == []
 
 

@@ -4,6 +4,7 @@ register budget, and the reference."""
 
 from __future__ import annotations
 
+import difflib
 import re
 
 import pytest
@@ -197,6 +198,32 @@ def test_nvcc_compiles_each_mode_within_the_register_budget(mode, dtype, world, 
     src = lower_with(build_reduce_kernel(mode, dtype, world, 512), PASS_CONFIGS)
     registers, spills = nvcc_resources(src, tmp_path)
     assert registers <= MAX_REGISTERS and spills == 0, (registers, spills)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("mode", ["one_shot", "two_shot", "reduce_scatter"])
+def test_the_host_numbered_build_differs_only_in_where_the_call_number_comes_from(mode, tmp_path):
+    """The A/B baseline of benchmarks.emulated (``call_number="argument"``): the call number
+    is the last parameter (int64), ``State`` is neither read nor written, the symbol says so;
+    the rest of the source is the library's kernel line for line; it compiles within the
+    register budget. A bad ``call_number`` is refused by name."""
+    from tilescale_examples.collectives.reduce_kernel import CALL_NUMBERS
+
+    device = build_reduce_kernel(mode, "bfloat16", 4, 512)
+    host = build_reduce_kernel(mode, "bfloat16", 4, 512, call_number="argument")
+    assert CALL_NUMBERS == ("device", "argument") and str(host.params[-1]) == "epoch_in"
+    assert host.attrs["global_symbol"] == device.attrs["global_symbol"] + "_host_epoch"
+    dev_src, host_src = (kernel_body(lower_with(f, PASS_CONFIGS)) for f in (device, host))
+    assert "State[" in dev_src and "State" not in host_src and "epoch = epoch_in;" in host_src
+    assert "epoch = (State[((int)blockIdx.x)] + (int64_t)1);" in dev_src
+    numbered = [re.sub(r"epoch_\d+", "epoch_N", src).splitlines()[1:] for src in (dev_src, host_src)]
+    changed = [line[2:] for line in difflib.ndiff(*numbered) if line[:2] in ("- ", "+ ")]
+    allowed = re.compile(r"\s*(epoch = |int64_t epoch_N = epoch;|State\[|if \(\(\(int\)threadIdx\.x\) == 0\) \{$|\}$)")
+    assert changed and all(allowed.match(line) for line in changed), changed  # the count's load and store only
+    registers, spills = nvcc_resources(lower_with(host, PASS_CONFIGS), tmp_path)
+    assert registers <= MAX_REGISTERS and spills == 0, (registers, spills)
+    with pytest.raises(ValueError, match=r"call_number must be one of \('device', 'argument'\), got 'host'"):
+        build_reduce_kernel(mode, "bfloat16", 4, call_number="host")
 
 
 def test_unroll_is_bounded_before_anything_is_traced():

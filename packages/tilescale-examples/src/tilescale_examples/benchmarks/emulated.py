@@ -45,8 +45,15 @@ column is measured after every eager column of the sweep, on freshly built colle
 captured, a kernel shared by emulated ranks rebinds its table on every eager call, which would
 slow the eager columns' calls.
 
+A second table (unless ``--no-ab``) is the A/B of the call numbers
+(:mod:`~tilescale_examples.benchmarks._call_number_ab`): per rank count, op and size, the
+kernel as the op built it (its call number read from and written to a device counter:
+graph-safe) against the same kernel built with the host passing the number as an argument
+(the kernels before they were graph-safe), same arguments, same timing, same run.
+
 The goals (printed at the end): from 16 MiB up, ratio >= 0.9; a 4 KiB all-reduce kernel takes
-<= 8 us of GPU time (the replayed call's time printed beside it).
+<= 8 us of GPU time (the replayed call's time printed beside it); the device-numbered kernel
+at most 1.03x the host-numbered one at every size.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 
-from tilescale_examples.benchmarks import _harness, _timing
+from tilescale_examples.benchmarks import _call_number_ab, _harness, _timing
 from tilescale_examples.benchmarks._report import format_bytes, gb_per_s, print_table, ratio, size_sweep
 
 __all__ = ["build", "fill_inputs", "expected", "check_round", "bytes_moved", "time_kernels", "copy_fn", "copy_ms",
@@ -299,14 +306,16 @@ GRAPH_COLUMN, CHECK_COLUMN = HEADERS.index("graph us"), HEADERS.index("check")
 
 
 def run(args, device) -> tuple:
-    """``(rows, failures, small_us, worst_large)`` of the whole sweep (``small_us``: ranks ->
-    ``[kernel us, graph us or None]`` of the 4 KiB all-reduce)."""
+    """``(rows, failures, small_us, worst_large, ab_rows)`` of the whole sweep (``small_us``:
+    ranks -> ``[kernel us, graph us or None]`` of the 4 KiB all-reduce; ``ab_rows``: the call
+    numbers' A/B, :data:`~tilescale_examples.benchmarks._call_number_ab.HEADERS`, empty
+    without ``args.ab``)."""
     import torch
 
     dtype = getattr(torch, args.dtype)
     cases = [(n, op, nbytes) for n in args.ranks for op in args.ops
              for nbytes in size_sweep(args.min_bytes, args.max_bytes, 4)]
-    rows, failures, small, worst = [], [], {}, float("inf")
+    rows, failures, small, worst, ab_rows, host_kernels = [], [], {}, float("inf"), [], {}
     for n, op, nbytes in cases:
         with built(args, n, op, nbytes, dtype, device) as colls:
             bad = check_round(op, colls, seed=nbytes % 100003 + n)
@@ -325,6 +334,12 @@ def run(args, device) -> tuple:
                 small[n] = [ms * 1e3, None]
             if nbytes >= LARGE_BYTES:
                 worst = min(worst, ratio(bw, ref))
+            if args.ab:
+                key = (colls[0].mode, n)
+                if key not in host_kernels:
+                    host_kernels[key] = _call_number_ab.host_number_kernel(colls[0])
+                ab = _call_number_ab.time_call_numbers(colls, it, host_kernels[key], preset_flags)
+                ab_rows.append(_call_number_ab.row(n, format_bytes(nbytes), name, *ab))
     # after every eager column: a captured kernel shared by emulated ranks rebinds on every eager call
     for row, (n, op, nbytes) in zip(rows if args.graph else [], cases):
         with built(args, n, op, nbytes, dtype, device) as colls:
@@ -335,7 +350,7 @@ def run(args, device) -> tuple:
             row[CHECK_COLUMN] = "FAIL graph" if row[CHECK_COLUMN] == "ok" else "FAIL, FAIL graph"
         if op == "allreduce" and nbytes == SMALL_BYTES:
             small[n][1] = ms * 1e3
-    return rows, failures, small, worst
+    return rows, failures, small, worst, ab_rows
 
 
 def main(argv=None) -> int:
@@ -353,6 +368,8 @@ def main(argv=None) -> int:
                    help="grid limit (default: the SM count; larger grids are safe here only: emulated waits pass at once)")
     p.add_argument("--no-graph", dest="graph", action="store_false",
                    help="skip the graph column (one round captured in a CUDA graph, replayed)")
+    p.add_argument("--no-ab", dest="ab", action="store_false",
+                   help="skip the call numbers' A/B table (the kernels numbered on the device against by the host)")
     args = _harness.parse_args(p, argv)
     if not 0 < args.min_bytes <= args.max_bytes:
         p.error("need 0 < --min-bytes <= --max-bytes")
@@ -365,8 +382,9 @@ def main(argv=None) -> int:
 
     modes = (["one_shot", "two_shot"] if args.algorithm == "auto" else [args.algorithm]) * ("allreduce" in args.ops)
     modes += ["reduce_scatter"] * ("reducescatter" in args.ops)
-    precompile(reduction_jobs(modes, [args.dtype], args.ranks, args.threads, args.unroll))  # in parallel: cache hits below
-    rows, failures, small, worst = run(args, device)
+    numbers = ("device", "argument") if args.ab else ("device",)
+    precompile(reduction_jobs(modes, [args.dtype], args.ranks, args.threads, args.unroll, numbers))  # cache hits below
+    rows, failures, small, worst, ab_rows = run(args, device)
     name = torch.cuda.get_device_name(device)
     graph_text = (f"graph us: one round (every rank's call) captured in a CUDA graph, {args.iters} replays, GPU time "
                   "per call (one-shot and reduce-scatter: an ordinary tensor in, staged by the kernel)")
@@ -376,6 +394,11 @@ def main(argv=None) -> int:
                 f"{graph_text if args.graph else 'graph us: not measured (--no-graph)'}; baseline "
                 "torch device-to-device copy_ of the same bytes, same run; copy B: the same copy reading as many "
                 "source buffers in turn as the kernel has staging buffers (its memory footprint)", HEADERS, rows)
+    if args.ab:
+        print_table(f"call numbers, A/B (one {name}, {args.dtype}): GPU us per launch of each rank's kernel, "
+                    "its call number on the device (the library's, graph-safe) against passed by the host (the "
+                    "same kernel built with call_number='argument'), same arguments, same run",
+                    _call_number_ab.HEADERS, ab_rows)
     for f in failures[:20]:
         print("FAILED:", f)
     small_txt = ", ".join(f"{n} ranks {us:.2f} us" + ("" if g is None else f" (graph {g:.2f} us)")
@@ -383,6 +406,10 @@ def main(argv=None) -> int:
     print(f"\n4 KiB all-reduce kernel: {small_txt} (goal <= 8 us)")
     print(f"worst ratio from {format_bytes(LARGE_BYTES)} up: "
           f"{worst if worst != float('inf') else float('nan'):.3f} (goal >= 0.9)")
+    if ab_rows:
+        worst_ab = max(ab_rows, key=lambda r: r[-1])
+        print(f"device-numbered / host-numbered kernel: worst {worst_ab[-1]:.3f} ({worst_ab[0]} ranks, {worst_ab[1]} "
+              f"{worst_ab[2]}; goal <= {_call_number_ab.GOAL})")
     print(f"correctness (every rank's output, bit-exact rank-order reference, every size"
           f"{', eager and graph' if args.graph else ''}): "
           f"{'ok' if not failures else f'{len(failures)} FAILURE(S)'}")

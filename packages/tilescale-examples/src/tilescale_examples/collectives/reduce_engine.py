@@ -391,6 +391,14 @@ class ReductionCollective(SymmetricCollective):
         self._keep_launch(keep and args[0] is not self._padded, (input,), args, changing, views=((0, 0),),
                           outside=self._stage_span, movable=True)
 
+    def _kernel_args(self, x: torch.Tensor, out_rows: Optional[torch.Tensor], stage_in: int) -> tuple:
+        """The flag kernel's parameters (:func:`build_reduce_kernel`'s signature) for a call
+        reading ``x`` (rows to stage when ``stage_in`` is 1, else this call's staging buffer)
+        and writing ``out_rows`` (None for ``two_shot``, which has no output parameter)."""
+        p = self.plan
+        head = (x, self.stage_buffer) if out_rows is None else (x, self.stage_buffer, out_rows)
+        return head + (self.flags, self.state, p.blocks, p.iters, p.span, p.rows_in, stage_in)
+
     def _launch(self, input: torch.Tensor, out_rows: Optional[torch.Tensor], stage_copy,
                 zero_copy: bool, keep: bool = False) -> torch.Tensor:
         """Stage ``input`` (in the kernel when it is whole aligned vectors, else copied by
@@ -418,9 +426,8 @@ class ReductionCollective(SymmetricCollective):
             x, stage_in = self.stages[self.epoch % nb], 0
         else:
             x = self._rows_or_padded(input, stage_copy)
-        args = (x, self.stage_buffer) + (() if out_rows is None else (out_rows,))
-        changing = (0, len(args) + 6) if out_rows is None else (0, 2, len(args) + 6)
-        args += (self.flags, self.state, p.blocks, p.iters, p.span, p.rows_in, stage_in)
+        args = self._kernel_args(x, out_rows, stage_in)
+        changing = (0, 8) if out_rows is None else (0, 2, 9)
         self._launch_kernel(args, changing)
         self._keep_for_repeat(keep and not zero_copy, input, args, changing)
         return self.stages[self.epoch % nb]

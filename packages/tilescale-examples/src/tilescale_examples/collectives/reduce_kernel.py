@@ -200,8 +200,15 @@ def _row_macros(T, W: int, TH: int, U: int, V: int, dtype: str, acc: str):
     return SimpleNamespace(load_reduce=load_reduce, store_local=store_local, store_peers=store_peers)
 
 
+#: Where a reduction kernel's call number comes from: its device counter (``State``: the
+#: library's kernels, graph-safe), or a scalar argument the host passes (``epoch_in``: the
+#: kernels before call numbers moved to the device, which a CUDA graph freezes; built only as
+#: the baseline of ``benchmarks.emulated``'s A/B column).
+CALL_NUMBERS = ("device", "argument")
+
+
 def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 512,
-                        unroll: Optional[int] = None):
+                        unroll: Optional[int] = None, call_number: str = "device"):
     """The reduction ``T.prim_func`` of ``mode`` (see
     :mod:`~tilescale_examples.collectives.reduce_engine`'s docstring).
 
@@ -224,11 +231,21 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
 
     ``one_shot`` reduces all ``span`` rows (one shard); ``reduce_scatter`` and ``two_shot``
     reduce shard ``rank`` (rows ``rank * span + r``) of ``world_size`` shards.
+
+    ``call_number="argument"`` (:data:`CALL_NUMBERS`) builds the same kernel with the call
+    number passed by the host, a last parameter ``epoch_in: int64`` (> 0, increasing from call
+    to call), instead of read from and written to ``State`` (which it leaves untouched): not
+    graph-safe (a graph freezes the argument), the baseline of the A/B that measures what the
+    device counter costs. Its symbol ends in ``_host_epoch``.
     """
     import tilelang.language as T
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if call_number not in CALL_NUMBERS:
+        raise ValueError(f"call_number must be one of {CALL_NUMBERS}, got {call_number!r}")
+    from_host = call_number == "argument"
+    counted = not from_host  # the device counts the calls (trace-time branches below)
     if dtype not in ACCUMULATE:
         raise ValueError(f"dtype must be one of {sorted(ACCUMULATE)}, got {dtype!r}")
     check_kernel_world_size(world_size)
@@ -250,20 +267,24 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
         return 0 if shards == 1 else me * span
 
     @T.macro
-    def one_call(X, Stage, Out, Flags, State, blocks, iters, span, rows_in, stage_in):
+    def one_call(X, Stage, Out, Flags, State, blocks, iters, span, rows_in, stage_in, epoch_in):
         """A call of either signature: each block's registers and this call's number, then
         the steps of the mode (``push``, a trace-time constant, picks them; ``Out`` is not
-        used by ``two_shot``)."""
+        used by ``two_shot``; ``epoch_in`` only where the host numbers the calls)."""
         with T.Kernel(blocks, threads=TH) as bx:
             tx = T.get_thread_binding()
             me = T.get_rank()
             vals = T.alloc_local((U, W, V), dtype)
             res = T.alloc_local((U, V), dtype)
             epoch = T.alloc_var("int64")
-            epoch = State[bx] + 1  # this call's number: block bx's count of earlier calls + 1
+            if from_host:
+                epoch = epoch_in
+            else:
+                epoch = State[bx] + 1  # this call's number: block bx's count of earlier calls + 1
             if push:
                 stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in, 0)
-                count_call(State, bx, tx, epoch)
+                if counted:
+                    count_call(State, bx, tx, epoch)
                 for t in T.serial(iters):
                     load_reduce(Stage, vals, res, t, bx, tx, blocks, span, me * span)
                     store_peers(Stage, res, t, bx, tx, blocks, span, me * span)
@@ -272,30 +293,50 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
                 lo = T.alloc_var("int32")
                 lo = T.Cast("int32", epoch % NB) * (shards * span)  # first row of this call's buffer
                 stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in, lo)
-                count_call(State, bx, tx, epoch)
+                if counted:
+                    count_call(State, bx, tx, epoch)
                 for t in T.serial(iters):
                     load_reduce(Stage, vals, res, t, bx, tx, blocks, span, lo + shard_start(me, span))
                     store_local(Out, res, t, bx, tx, blocks, span)
 
+    suffix = "_host_epoch" if from_host else ""
     if push:
+        if from_host:
+
+            @T.prim_func
+            def two_shot(X: T.Tensor((rows_x, V), dtype), Stage: T.Tensor((rows_s, V), dtype),
+                         Flags: T.Tensor((nflags,), "uint64"), State: T.Tensor((nstate,), "int64"), blocks: T.int32,
+                         iters: T.int32, span: T.int32, rows_in: T.int32, stage_in: T.int32, epoch_in: T.int64):
+                one_call(X, Stage, None, Flags, State, blocks, iters, span, rows_in, stage_in, epoch_in)
+        else:
+
+            @T.prim_func
+            def two_shot(X: T.Tensor((rows_x, V), dtype), Stage: T.Tensor((rows_s, V), dtype),
+                         Flags: T.Tensor((nflags,), "uint64"), State: T.Tensor((nstate,), "int64"), blocks: T.int32,
+                         iters: T.int32, span: T.int32, rows_in: T.int32, stage_in: T.int32):
+                one_call(X, Stage, None, Flags, State, blocks, iters, span, rows_in, stage_in, None)
+
+        return two_shot.with_attr("global_symbol", "allreduce_two_shot" + suffix)
+
+    if from_host:
 
         @T.prim_func
-        def two_shot(X: T.Tensor((rows_x, V), dtype), Stage: T.Tensor((rows_s, V), dtype),
-                     Flags: T.Tensor((nflags,), "uint64"), State: T.Tensor((nstate,), "int64"), blocks: T.int32,
-                     iters: T.int32, span: T.int32, rows_in: T.int32, stage_in: T.int32):
-            one_call(X, Stage, None, Flags, State, blocks, iters, span, rows_in, stage_in)
+        def reduce_local(X: T.Tensor((rows_x, V), dtype), Stage: T.Tensor((rows_s, V), dtype),
+                         Out: T.Tensor((rows_o, V), dtype), Flags: T.Tensor((nflags,), "uint64"),
+                         State: T.Tensor((nstate,), "int64"), blocks: T.int32, iters: T.int32, span: T.int32,
+                         rows_in: T.int32, stage_in: T.int32, epoch_in: T.int64):
+            one_call(X, Stage, Out, Flags, State, blocks, iters, span, rows_in, stage_in, epoch_in)
+    else:
 
-        return two_shot.with_attr("global_symbol", "allreduce_two_shot")
-
-    @T.prim_func
-    def reduce_local(X: T.Tensor((rows_x, V), dtype), Stage: T.Tensor((rows_s, V), dtype),
-                     Out: T.Tensor((rows_o, V), dtype), Flags: T.Tensor((nflags,), "uint64"),
-                     State: T.Tensor((nstate,), "int64"), blocks: T.int32, iters: T.int32, span: T.int32,
-                     rows_in: T.int32, stage_in: T.int32):
-        one_call(X, Stage, Out, Flags, State, blocks, iters, span, rows_in, stage_in)
+        @T.prim_func
+        def reduce_local(X: T.Tensor((rows_x, V), dtype), Stage: T.Tensor((rows_s, V), dtype),
+                         Out: T.Tensor((rows_o, V), dtype), Flags: T.Tensor((nflags,), "uint64"),
+                         State: T.Tensor((nstate,), "int64"), blocks: T.int32, iters: T.int32, span: T.int32,
+                         rows_in: T.int32, stage_in: T.int32):
+            one_call(X, Stage, Out, Flags, State, blocks, iters, span, rows_in, stage_in, None)
 
     name = "allreduce_one_shot" if mode == "one_shot" else "reducescatter"
-    return reduce_local.with_attr("global_symbol", name)
+    return reduce_local.with_attr("global_symbol", name + suffix)
 
 
 #: TileLang pass configuration of the reduction kernels: the host code sizes every buffer

@@ -93,13 +93,15 @@ def precompile(jobs: Iterable[Job], cache_dir: Optional[str] = None, workers: Op
 
 
 def reduction_jobs(modes: Sequence[str], dtypes: Sequence[str], world_sizes: Sequence[int],
-                   threads: int = 512, unroll: Optional[int] = None) -> list:
+                   threads: int = 512, unroll: Optional[int] = None, call_numbers: Sequence[str] = ("device",)) -> list:
     """Jobs of the reduction kernels (:func:`~tilescale_examples.collectives.reduce_engine.build_reduce_kernel`,
     and :func:`~tilescale_examples.collectives.lamport_kernel.build_lamport_kernel` for mode
     ``"lamport"``, whose integer dtypes are left out) that
     :class:`~tilescale_examples.collectives.allreduce.AllReduce` / ``ReduceScatter`` built with these
     ``threads`` and ``unroll`` (None: the default) compile, for every ``mode x dtype name x
-    world size``."""
+    world size``; the flag kernels once per entry of ``call_numbers`` (``"argument"`` adds the
+    host-numbered build of :func:`build_reduce_kernel`, the baseline of
+    ``benchmarks.emulated``'s A/B)."""
     from tilescale_examples.collectives.lamport_kernel import LAMPORT_DTYPES
     from tilescale_examples.collectives.reduce_engine import LAMPORT, PASS_CONFIGS, default_unroll
 
@@ -109,8 +111,9 @@ def reduction_jobs(modes: Sequence[str], dtypes: Sequence[str], world_sizes: Seq
         for m in modes:
             for d in dtypes:
                 if m != LAMPORT:
-                    jobs.append(("tilescale_examples.collectives.reduce_engine:build_reduce_kernel",
-                                 (m, d, w, threads, u), PASS_CONFIGS))
+                    jobs += [("tilescale_examples.collectives.reduce_engine:build_reduce_kernel",
+                              (m, d, w, threads, u) + (() if number == "device" else (number,)), PASS_CONFIGS)
+                             for number in call_numbers]
                 elif d in LAMPORT_DTYPES:
                     jobs.append(("tilescale_examples.collectives.lamport_kernel:build_lamport_kernel",
                                  (d, w, threads, u), PASS_CONFIGS))
