@@ -256,8 +256,6 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
     shards = 1 if mode == "one_shot" else W
     push = mode == "two_shot"
     NB = buffers(mode)
-    rows_x, rows_s, rows_o, nflags = T.dynamic("rows_x"), T.dynamic("rows_s"), T.dynamic("rows_o"), T.dynamic("nflags")
-    nstate = T.dynamic("nstate")
     steps, rows = step_macros(T, W, TH, U, V, shards), _row_macros(T, W, TH, U, V, dtype, acc)
     stage_and_ready, count_call, signal_and_wait = steps.stage_and_ready, steps.count_call, steps.signal_and_wait
     load_reduce, store_local, store_peers = rows.load_reduce, rows.store_local, rows.store_peers
@@ -299,8 +297,17 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
                     load_reduce(Stage, vals, res, t, bx, tx, blocks, span, lo + shard_start(me, span))
                     store_local(Out, res, t, bx, tx, blocks, span)
 
+    return _entry_point(T, one_call, mode, V, dtype, from_host)
+
+
+def _entry_point(T, one_call, mode: str, V: int, dtype: str, from_host: bool):
+    """The ``T.prim_func`` of :func:`build_reduce_kernel` around its ``one_call`` macro: the
+    signature of ``mode`` (``two_shot`` has no ``Out``), ``epoch_in`` last where the host numbers
+    the calls (``from_host``), and its global symbol."""
+    rows_x, rows_s, rows_o, nflags = T.dynamic("rows_x"), T.dynamic("rows_s"), T.dynamic("rows_o"), T.dynamic("nflags")
+    nstate = T.dynamic("nstate")
     suffix = "_host_epoch" if from_host else ""
-    if push:
+    if mode == "two_shot":
         if from_host:
 
             @T.prim_func
@@ -337,6 +344,8 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
 
     name = "allreduce_one_shot" if mode == "one_shot" else "reducescatter"
     return reduce_local.with_attr("global_symbol", name + suffix)
+
+
 
 
 #: TileLang pass configuration of the reduction kernels: the host code sizes every buffer
