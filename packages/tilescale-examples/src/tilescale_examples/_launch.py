@@ -153,7 +153,7 @@ class KeptLaunch:
             be at the kept addresses.
     """
 
-    __slots__ = ("layouts", "single", "devices", "args", "changing", "views", "viewed", "frozen", "cuda",
+    __slots__ = ("layouts", "devices", "args", "changing", "views", "viewed", "frozen", "cuda",
                  "kernel", "movable")
 
     def __init__(self, tensors, args: tuple, changing: Sequence[int], views: Sequence[tuple] = (), kernel=None,
@@ -167,8 +167,6 @@ class KeptLaunch:
         for pos, _, _ in self.views:
             kept[pos] = None  # the call's views are not kept: their memory may serve the next tensors
         self.args, self.changing, self.kernel, self.movable = kept, changing, kernel, movable
-        #: The one tensor's layout where the call has one (:meth:`addresses_for`'s fast test).
-        self.single = self.layouts[0] if len(self.layouts) == 1 else None
         #: The launch with every parameter fixed but the viewed tensors' addresses
         #: (:class:`~tilescale_lang.lean.FrozenLaunch`), made at the first repeated call; None
         #: before, False where none can be made.
@@ -182,17 +180,17 @@ class KeptLaunch:
         order of ``views``, which become the last launched call's (the caller launches them:
         its frozen launch then holds them); else None. At an unchanged address the device is
         the kept one too (one memory, one device: CUDA's unified addressing)."""
-        single = self.single
+        kept = self.layouts
         try:  # _layout's tuple, written out: the steady-state call's one comparison
-            if single is not None and len(tensors) == 1:
+            if len(tensors) == 1 == len(kept):  # one tensor: no list built
                 t = tensors[0]
                 layout = (t.data_ptr(), t.shape, t.stride(), t.dtype, type(t))
-                if layout == single:
+                if layout == kept[0]:
                     return ()
                 layouts = [layout]
             else:
                 layouts = [(t.data_ptr(), t.shape, t.stride(), t.dtype, type(t)) for t in tensors]
-                if layouts == self.layouts:
+                if layouts == kept:
                     return ()
         except (AttributeError, TypeError):  # not a tensor
             return None
@@ -206,7 +204,6 @@ class KeptLaunch:
                     or moving[0] < address + t.numel() * t.element_size() and address < moving[1]):
                 return None
         self.layouts = layouts
-        self.single = layouts[0] if single is not None else None
         return tuple(layouts[index][0] for _, index, _ in self.views)
 
     def args_for(self, tensors) -> tuple:
@@ -256,12 +253,11 @@ class Relaunching:
         addresses = kept.addresses_for(tensors)
         if addresses is None:
             return False
-        allocator = self.allocator
-        if allocator.closed:
+        if self.allocator.closed:
             self._check_open()  # raises
         kernel = self.kernel if kept.kernel is None else kept.kernel
-        frozen, state = kept.frozen, kernel.__dict__
-        if frozen and state.get(self._TABLE_OWNER) is allocator and not state.get(_REBIND):  # table_bound()
+        frozen = kept.frozen
+        if frozen and table_bound(self, kernel.__dict__):
             if not frozen(*addresses):  # the stream is capturing a CUDA graph: nothing launched
                 return False
         elif not self._relaunch_through_launcher(kept, kernel, tensors, addresses):

@@ -29,10 +29,10 @@ def host_number_kernel(coll):
     two-shot, reduce-scatter) built with ``call_number="argument"``: its parameters are the
     op's kernel's, then the call number (int64)."""
     from tilescale_examples.base import compile_once
+    from tilescale_examples.collectives.reduce_engine import REDUCE_DTYPES
     from tilescale_examples.collectives.reduce_kernel import PASS_CONFIGS, build_reduce_kernel
 
-    dtype = str(coll.dtype).removeprefix("torch.")
-    func = build_reduce_kernel(coll.mode, dtype, coll.world_size, coll.threads, coll.plan.unroll,
+    func = build_reduce_kernel(coll.mode, REDUCE_DTYPES[coll.dtype], coll.world_size, coll.threads, coll.plan.unroll,
                                call_number="argument")
     return compile_once(func, None, None, PASS_CONFIGS)
 

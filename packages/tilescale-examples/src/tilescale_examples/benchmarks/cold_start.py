@@ -128,18 +128,16 @@ def _load_rank(rank: int, world: int, group, device, cache: str, names, numel: i
     import torch
 
     import tilelang
-    from tilescale_examples.benchmarks.launch import _ops, compare, compare_gemm, heap_bytes, poison_outputs
+    from tilescale_examples.benchmarks.launch import _ops, compare, compare_gemm, gemm_run, heap_bytes, poison_outputs
     from tilescale_examples.overlap import ag_gemm
 
     dtype = getattr(torch, dtype_name)
-    m, k, n = AG_SHAPE
+    m, k, _ = AG_SHAPE
     size = heap_bytes(numel, dtype) + ag_gemm.heap_bytes(1, m, k, dtype)
     alloc = tilelang.get_allocator(size=size, local_rank=rank, num_local_ranks=world, group=group)
     ops = _ops(alloc, numel, dtype, group, device)
     cls, args, kwargs = specs(numel, dtype)[AG_GEMM]
-    ops[AG_GEMM] = (lambda: cls(alloc, *args, world_size=1, group=group, **kwargs),
-                    lambda: (torch.randn(m, k, device=device).to(dtype), torch.randn(k, n, device=device).to(dtype)),
-                    lambda op, x: op(*x), lambda x: (x[0].float() @ x[1].float()).to(dtype))
+    ops[AG_GEMM] = (lambda: cls(alloc, *args, world_size=1, group=group, **kwargs),) + gemm_run(AG_SHAPE, dtype, device)
     root, out = Path(cache), {}
     for name in names:
         make, make_input, call, reference = ops[name]

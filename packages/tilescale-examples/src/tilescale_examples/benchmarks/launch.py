@@ -51,7 +51,8 @@ from tilescale_examples.benchmarks import _harness
 from tilescale_examples.benchmarks._report import print_table, ratio
 
 __all__ = ["HEADERS", "GOAL_ADD", "GOAL_SYMM", "MOE", "MOE_ROW", "MOE_DISPATCH_ROW", "GEMM_SHAPE", "GEMM_ROWS",
-           "op_specs", "heap_bytes", "poison_outputs", "compare", "compare_gemm", "run", "goal_lines", "main"]
+           "op_specs", "gemm_run", "heap_bytes", "poison_outputs", "compare", "compare_gemm", "run", "goal_lines",
+           "main"]
 
 HEADERS = ["call", "launcher", "host us", "vs torch.add", "vs symm one-shot", "check"]
 #: The ops' default launcher (``op.lean_launch`` False): the goals are measured on it.
@@ -140,15 +141,6 @@ def _ops(alloc, numel: int, dtype, group, device) -> dict:
         x, idx, _ = inputs
         return torch_dispatch_reference([x], [idx], MOE["num_experts"], 0)[0]
 
-    m, k, n = GEMM_SHAPE
-
-    def gemm_inputs():
-        return (torch.randn(m, k, device=device).to(dtype), (torch.randn(k, n, device=device) / k ** 0.5).to(dtype))
-
-    def gemm_reference(inputs):
-        a, b = inputs
-        return (a.float() @ b.float()).to(dtype)
-
     runs = {  # name: (make_input, call, reference)
         "AllReduce one-shot": (shaped(numel), lambda op, x: op(x), lambda x: x),
         "AllGather": (shaped(numel), lambda op, x: op(x), lambda x: x.view(1, numel)),
@@ -158,14 +150,33 @@ def _ops(alloc, numel: int, dtype, group, device) -> dict:
                                      lambda x: torch_reference([(x, residual, weight)], 0)),
         MOE_DISPATCH_ROW: (moe_input, dispatch_call, dispatch_reference),
         MOE_ROW: (moe_input, moe_call, moe_reference),
-        GEMM_ROWS[0]: (gemm_inputs, lambda op, ab: op(*ab), gemm_reference),
-        GEMM_ROWS[1]: (gemm_inputs, lambda op, ab: op(*ab), gemm_reference),
+        GEMM_ROWS[0]: gemm_run(GEMM_SHAPE, dtype, device),
+        GEMM_ROWS[1]: gemm_run(GEMM_SHAPE, dtype, device),
     }
     ops = {}
     for name, (cls, args, kwargs) in op_specs(numel, dtype).items():
         make = (lambda cls=cls, args=args, kwargs=kwargs: cls(alloc, *args, world_size=1, group=group, **kwargs))
         ops[name] = (make,) + runs[name]
     return ops
+
+
+def gemm_run(shape: tuple, dtype, device) -> tuple:
+    """``(make_input, call, reference)`` of an overlapped GEMM at world 1 (as :func:`_ops`
+    gives them) for ``shape = (m_local, k, n)``: ``(a, b)`` random inputs of ``dtype`` (``b``
+    scaled by ``k ** -0.5``), ``op(a, b)``, and ``a @ b`` in float32 rounded to ``dtype``
+    (checked by :func:`compare_gemm`)."""
+    import torch
+
+    m, k, n = shape
+
+    def make_input():
+        return (torch.randn(m, k, device=device).to(dtype), (torch.randn(k, n, device=device) / k ** 0.5).to(dtype))
+
+    def reference(inputs):
+        a, b = inputs
+        return (a.float() @ b.float()).to(dtype)
+
+    return make_input, lambda op, ab: op(*ab), reference
 
 
 def heap_bytes(numel: int, dtype) -> int:

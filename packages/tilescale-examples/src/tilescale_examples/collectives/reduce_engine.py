@@ -427,7 +427,7 @@ class ReductionCollective(SymmetricCollective):
         else:
             x = self._rows_or_padded(input, stage_copy)
         args = self._kernel_args(x, out_rows, stage_in)
-        changing = (0, 8) if out_rows is None else (0, 2, 9)
+        changing = (0, len(args) - 1) if out_rows is None else (0, 2, len(args) - 1)  # x, out_rows, stage_in
         self._launch_kernel(args, changing)
         self._keep_for_repeat(keep and not zero_copy, input, args, changing)
         return self.stages[self.epoch % nb]
