@@ -297,7 +297,7 @@ def test_command_line_builds_and_shows_a_bundle(tmp_path):
     assert "aot build: build_copy_" in res.stdout and (tmp_path / "b" / "manifest.json").is_file()
     assert aot.read_manifest(tmp_path / "b")["name"] == "small"
     res = subprocess.run([*cmd, "show", str(tmp_path / "b")], capture_output=True, text=True, env=env)
-    assert res.returncode == 0 and "aot_cli_kernels:build_copy" in res.stdout and "format_version=1" in res.stdout
+    assert res.returncode == 0 and "aot_cli_kernels:build_copy" in res.stdout and f"format_version={aot.FORMAT_VERSION}" in res.stdout
 
 
 def test_aot_modules_stay_small_and_documented():

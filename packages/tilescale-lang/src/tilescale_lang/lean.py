@@ -16,10 +16,16 @@ C compiler, else one ctypes call of the driver per launch)::
 It launches the function of the module TileLang itself loaded (the one whose ``meta_data``
 table ``kernel.initialize`` binds), so it shares that module's table and needs no second copy
 of the code. Until that module is known (a ``tvm_ffi`` kernel loads it at its first launch),
-and for launches it cannot make (a thread-block cluster, a launch attribute it does not know),
-it calls ``kernel(*args)`` instead: the same result at TileLang's cost (:attr:`LeanLaunch.lean`
+and for launches it cannot make (a thread-block cluster, a launch attribute it does not know, a
+TMA descriptor over a changing argument), it calls ``kernel(*args)`` instead: the same result at TileLang's cost (:attr:`LeanLaunch.lean`
 tells which path runs, :attr:`LeanLaunch.why_not` why). An :class:`~tilescale_lang.aot.AotKernel`
 is prepared the same way.
+
+A kernel whose host code encodes tiled TMA descriptors (TileLang's GEMMs) has them encoded
+here once, at preparation, with ``cuTensorMapEncodeTiled`` and the arguments TileLang's host
+code passes (:mod:`~tilescale_lang.aot.launch_info`): the buffers they describe must stay
+where they were prepared, so such a launch is lean only while no changing argument reaches a
+descriptor (a frozen launch with nothing changing, the repeated call of the library's GEMMs).
 
 Launches are stream-ordered and capturable in CUDA graphs like any ``cuLaunchKernel``.
 """
@@ -37,14 +43,16 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .aot import launch_info
+from .aot import packing
 from .aot.packing import ArgPacker, _compiled, evaluate, is_float_dtype, scalar_range, scalar_value
 from .launch_records import CAPTURING
 
 __all__ = ["LeanLaunch", "FrozenLaunch", "describe_kernel", "prepare", "freeze"]
 
 log = logging.getLogger("tilescale_lang.lean")
-#: Version of the launch metadata kept in TileLang's cache directory.
-FORMAT = 1
+#: Version of the launch metadata kept in TileLang's cache directory (2: TMA descriptors
+#: described, where version 1 refused them).
+FORMAT = 2
 
 #: Device-function attributes whose meaning the lean launcher reproduces (or that do not
 #: affect a launch); a kernel with any other attribute launches through TileLang.
@@ -149,7 +157,8 @@ def describe_kernel(kernel: Any) -> dict[str, Any]:
             info = {"format": FORMAT, "id": launch_info.symbol_of(func)}
             artifact = launch_info.lower(func, arch, pass_configs)
             try:
-                info.update(launch_info.describe(func, artifact), unsupported=_unsupported(artifact.device_mod))
+                info.update(launch_info.describe(func, artifact, tensormaps=True),
+                            unsupported=_unsupported(artifact.device_mod))
             except launch_info.UnsupportedKernelError as exc:
                 info["error"] = str(exc)
             _write(path, info)
@@ -344,12 +353,15 @@ class LeanLaunch:
             i for i, p in enumerate(info["params"]) if p["kind"] == "buffer" and p["name"] not in changing
             and any(isinstance(d, str) for d in p["shape"]))
         self._slots = [self._slot(info["params"][index[c]], args[index[c]], fixed) for c in changing]
+        self._moving_descriptor: str | None = None  # a TMA descriptor over a changing argument (_pack)
         self._launches = self._pack(launches, pointers, env)
         self._functions: list[Any] | None = None  # CUfunction handles (ints), in launch order
         self._records: Any = None  # launch_records.LaunchRecord array, once the functions are known
         self._failed = ctypes.c_int(-1)  # the C helper's index of a failed launch
         self._failed_ref = ctypes.byref(self._failed)
         self.why_not: str | None = None if self._aot else info.get("unsupported")
+        if self.why_not is None:
+            self.why_not = self._moving_descriptor
         if self.why_not is None and any(launch["cluster"] for launch in launches):
             self.why_not = "a thread-block cluster launch (made by TileLang's launcher)"
         if self.why_not is None:
@@ -405,6 +417,8 @@ class LeanLaunch:
                     value = ctypes.c_uint64(pointers[arg["param"]])
                     if arg["param"] in by_name:
                         by_name[arg["param"]].targets.append(value)
+                elif arg["kind"] == "tensormap":
+                    value = self._descriptor(arg, pointers, env, by_name, changing_scalars)
                 else:
                     where = f"{self._name}: {launch['symbol']} argument {i}"
                     value = scalar_value(arg["dtype"], evaluate(arg["value"], env), where)
@@ -422,6 +436,18 @@ class LeanLaunch:
             packed.append([launch["symbol"], grid + block, int(launch["dynamic_smem"]), bool(launch.get("cooperative")),
                            values, params, recompute, dims, ctypes.addressof(params)])
         return packed
+
+    def _descriptor(self, arg: dict, pointers: dict[str, int], env: dict[str, Any], by_name: dict,
+                    changing_scalars: set[str]) -> Any:
+        """A ``tensormap`` argument's descriptor, encoded now (:func:`~tilescale_lang.aot.packing.tensormap_value`);
+        over a changing buffer, or with a size a changing argument binds, a zeroed placeholder and
+        :attr:`why_not` says why calls take TileLang's launcher (which encodes it at each call)."""
+        names = set().union(*(_names(e) for key in ("dims", "strides", "box", "element_strides") for e in arg[key]))
+        if arg["param"] in by_name or names & changing_scalars:
+            self._moving_descriptor = (f"a TMA descriptor over changing argument {arg['param']!r} (encoded by "
+                                       "TileLang's launcher at each call)")
+            return packing.tensormap_buffer()
+        return packing.tensormap_value(arg, pointers[arg["param"]], env)
 
     def _resolve(self) -> None:
         """Find the kernel functions in the loaded module (once it is known)."""
@@ -666,7 +692,7 @@ class FrozenLaunch:
         records = launch_records.make_records(len(launch._records))
         keep, copies = [records], {}  # the records point at the parameter arrays, which point at the values
         for record, source, entry in zip(records, launch._records, launch._launches):
-            values = [type(v)(v.value) for v in entry[4]]
+            values = [packing.value_copy(v) for v in entry[4]]
             copies.update((id(v), c) for v, c in zip(entry[4], values))
             params = (ctypes.c_void_p * max(1, len(values)))(*(ctypes.addressof(v) for v in values))
             keep.append((values, params))

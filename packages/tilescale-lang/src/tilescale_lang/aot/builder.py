@@ -92,7 +92,7 @@ def compile_variant(kernel: spec_mod.KernelSpec, obj: Any, args: dict[str, Any],
     for arch in kernel.archs:
         start = time.perf_counter()
         artifact = launch_info.lower(func, arch, pass_configs)
-        info = launch_info.describe(func, artifact)
+        info = launch_info.describe(func, artifact, tensormaps=True)  # TMA descriptors: encoded per call
         with tempfile.TemporaryDirectory(prefix="tilescale-aot-") as work:
             cubin, _, _ = toolkit.compile(artifact.kernel_source, work, "cubin", arch, flags)
             data = cubin.read_bytes()

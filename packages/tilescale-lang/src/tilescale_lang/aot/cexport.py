@@ -109,12 +109,34 @@ def _bytes_array(name: str, data: bytes) -> str:
     return f"static const unsigned char {name}[{len(data)}] = {{\n  " + ",\n  ".join(rows) + "\n};\n"
 
 
+def _tensormap_lines(name: str, arg: dict[str, Any]) -> list[str]:
+    """The C statements that encode a ``tensormap`` launch argument into ``CUtensorMap name``
+    (``cuTensorMapEncodeTiled`` with the arguments TileLang's host code passes; the strides
+    without the first, the element size)."""
+    rank = int(arg["rank"])
+
+    def values(key: str, ctype: str, skip: int = 0) -> str:
+        items = ", ".join(f"({ctype})({c_expr(e)})" for e in arg[key][skip:]) or "0"
+        return f"{ctype} {name}_{key}[{max(rank - skip, 1)}] = {{{items}}};"
+
+    return [f"    CUtensorMap {name};",
+            "    { " + values("dims", "cuuint64_t"), "      " + values("strides", "cuuint64_t", skip=1),
+            "      " + values("box", "cuuint32_t"), "      " + values("element_strides", "cuuint32_t"),
+            f"      TSAOT_CHECK(cuTensorMapEncodeTiled(&{name}, (CUtensorMapDataType){int(arg['data_type'])}, {rank}u, "
+            f"(void *){_ident(arg['param'])}, {name}_dims, {name}_strides, {name}_box, {name}_element_strides, "
+            f"(CUtensorMapInterleave){int(arg['interleave'])}, (CUtensorMapSwizzle){int(arg['swizzle'])}, "
+            f"(CUtensorMapL2promotion){int(arg['l2_promotion'])}, "
+            f"(CUtensorMapFloatOOBfill){int(arg['oob_fill'])})); }}"]
+
+
 def _launch_block(k: int, li: int, launch: dict[str, Any]) -> str:
     """The C statements of one launch of kernel slot ``k``."""
     lines = [f"  {{ /* {launch['symbol']} */"]
     for i, arg in enumerate(launch["args"]):
         if arg["kind"] == "pointer":
             lines.append(f"    void *tsaot_a{i} = (void *){_ident(arg['param'])};")
+        elif arg["kind"] == "tensormap":
+            lines += _tensormap_lines(f"tsaot_a{i}", arg)
         else:
             ctype = _ctype(arg["dtype"], launch["symbol"])
             lines.append(f"    {ctype} tsaot_a{i} = ({ctype})({c_expr(arg['value'])});")

@@ -17,7 +17,13 @@ bundle entry:
   "args"}``; a grid or block extent is an int or a Python expression (``(m + 3) // 4``) over
   the scalar parameters and symbolic variables; ``args`` are the kernel's parameters in the
   device order: ``{"kind": "pointer", "param", "dtype"}`` (the data pointer of a buffer
-  parameter) or ``{"kind": "scalar", "dtype", "value"}`` (an int or an expression).
+  parameter) or ``{"kind": "scalar", "dtype", "value"}`` (an int or an expression); with
+  ``tensormaps=True`` also ``{"kind": "tensormap", "param", "data_type", "rank", "dims",
+  "strides", "box", "element_strides", "interleave", "swizzle", "l2_promotion",
+  "oob_fill"}``: a TMA descriptor that TileLang's host code encodes at each call with
+  ``cuTensorMapEncodeTiled`` over buffer ``param`` (the driver's enum values as ints; ``dims``,
+  ``strides`` (bytes, the first the element size, which the driver does not take), ``box``
+  and ``element_strides`` one entry per dimension, innermost first, ints or expressions).
 """
 
 from __future__ import annotations
@@ -134,11 +140,56 @@ def _packed_calls(host_mod: Any) -> dict[str, list]:
     return calls
 
 
-def _launch_arg(expr: Any, data_names: dict[str, str], dtypes: dict[str, str], symbol: str, index: int) -> dict:
+#: The host function's call that encodes a tiled TMA descriptor (TileLang's runtime), and
+#: the fields of its arguments after the descriptor: its ``TensorMapArgs`` layout.
+TENSORMAP_CALL = "__tvm_tensormap_create_tiled"
+_TENSORMAP_ENUMS = ("interleave", "swizzle", "l2_promotion", "oob_fill")
+
+
+def _tensormaps(host_mod: Any, data_names: dict[str, str], symbol: str) -> dict[str, dict]:
+    """Descriptor variable name -> its ``tensormap`` launch argument, for every tiled TMA
+    descriptor the host function encodes (:data:`TENSORMAP_CALL`).
+
+    Raises:
+        UnsupportedKernelError: a descriptor over an address that is not a buffer parameter's
+            data pointer, or with an argument list of another layout.
+    """
+    from tvm import ir, tirx
+    from tvm.tirx.stmt_functor import post_order_visit
+
+    op, found = ir.Op.get("tirx.tvm_call_packed"), {}
+
+    def visit(node):
+        if not (isinstance(node, tirx.Call) and node.op.same_as(op) and node.args
+                and isinstance(node.args[0], tirx.StringImm) and node.args[0].value == TENSORMAP_CALL):
+            return
+        desc, args = node.args[1], list(node.args[2:])
+        rank = int(args[1].value) if len(args) > 1 and isinstance(args[1], tirx.IntImm) else -1
+        address = args[2] if len(args) > 2 else None
+        if not 1 <= rank <= 5 or len(args) != 7 + 4 * rank or not (
+                isinstance(address, tirx.Var) and address.name in data_names):
+            raise UnsupportedKernelError(f"kernel {symbol!r}: TMA descriptor {desc} is encoded over {address} with "
+                                         f"{len(args)} arguments; only a buffer parameter's data pointer with the "
+                                         f"tiled layout (7 + 4 x rank arguments) can be recorded")
+        lists = [[expr_text(e) for e in args[3 + i * rank: 3 + (i + 1) * rank]] for i in range(4)]
+        spec = {"kind": "tensormap", "param": data_names[address.name], "data_type": int(args[0].value),
+                "rank": rank, "dims": lists[0], "strides": lists[1], "box": lists[2], "element_strides": lists[3]}
+        spec.update((name, int(e.value)) for name, e in zip(_TENSORMAP_ENUMS, args[3 + 4 * rank:]))
+        found[desc.name] = spec
+
+    for fn in host_mod.functions.values():
+        post_order_visit(fn.body, visit)
+    return found
+
+
+def _launch_arg(expr: Any, data_names: dict[str, str], dtypes: dict[str, str], symbol: str, index: int,
+                tensormaps: dict[str, dict]) -> dict:
     from tvm import tirx
 
     if isinstance(expr, tirx.Var) and expr.name in data_names:
         return {"kind": "pointer", "param": data_names[expr.name], "dtype": dtypes[data_names[expr.name]]}
+    if isinstance(expr, tirx.Var) and expr.name in tensormaps:
+        return dict(tensormaps[expr.name])
     if str(expr.dtype) == "handle":
         raise UnsupportedKernelError(
             f"kernel {symbol!r} argument {index} ({expr}) is a handle built on the host (a TMA descriptor or a "
@@ -146,7 +197,8 @@ def _launch_arg(expr: Any, data_names: dict[str, str], dtypes: dict[str, str], s
     return {"kind": "scalar", "dtype": str(expr.dtype), "value": expr_text(expr)}
 
 
-def _launch(gvar: Any, dev: Any, args: list, data_names: dict[str, str], dtypes: dict[str, str]) -> dict:
+def _launch(gvar: Any, dev: Any, args: list, data_names: dict[str, str], dtypes: dict[str, str],
+            tensormaps: dict[str, dict]) -> dict:
     symbol = gvar.name_hint
     attrs = dev.attrs
     grid: list[int | str] = [1, 1, 1]
@@ -157,25 +209,30 @@ def _launch(gvar: Any, dev: Any, args: list, data_names: dict[str, str], dtypes:
             target["xyz".index(str(tag)[-1])] = expr_text(extent)
     cluster = [int(c) for c in attrs["cluster_dims"]] if "cluster_dims" in attrs else None
     smem = int(attrs["dyn_shared_memory_buf"]) if "dyn_shared_memory_buf" in attrs else 0
-    kernel_args = [_launch_arg(a, data_names, dtypes, symbol, i) for i, a in enumerate(args[: len(dev.params)])]
+    kernel_args = [_launch_arg(a, data_names, dtypes, symbol, i, tensormaps)
+                   for i, a in enumerate(args[: len(dev.params)])]
     return {"symbol": symbol, "grid": grid, "block": block, "dynamic_smem": smem, "cluster": cluster,
             "cooperative": bool(attrs["use_cooperative_groups"]) if "use_cooperative_groups" in attrs else False,
             "args": kernel_args}
 
 
-def describe(func: Any, artifact: Any) -> dict[str, Any]:
+def describe(func: Any, artifact: Any, tensormaps: bool = False) -> dict[str, Any]:
     """The launch metadata (``params``, ``dynamic_vars``, ``launches``; see the module doc) of
-    PrimFunc ``func`` lowered into ``artifact``.
+    PrimFunc ``func`` lowered into ``artifact``. ``tensormaps``: describe the tiled TMA
+    descriptors the host code encodes (``tensormap`` arguments, which the lean launcher
+    encodes itself), instead of refusing them (an AOT bundle does not record them).
 
     Raises:
-        UnsupportedKernelError: a device kernel takes an argument the bundle cannot describe.
+        UnsupportedKernelError: a device kernel takes an argument the metadata cannot describe.
     """
     params, dynamic, data_names = _params(func)
     dtypes = {p["name"]: p["dtype"] for p in params}
     calls = _packed_calls(artifact.host_mod)
+    described = _tensormaps(artifact.host_mod, data_names, symbol_of(func)) if tensormaps else {}
     devices = {gv.name_hint: (gv, fn) for gv, fn in artifact.device_mod.functions.items()}
     missing = sorted(set(devices) - set(calls))
     if missing:
         raise UnsupportedKernelError(f"device kernel(s) {missing} have no launch in the host function")
-    launches = [_launch(*devices[name], calls[name], data_names, dtypes) for name in calls if name in devices]
+    launches = [_launch(*devices[name], calls[name], data_names, dtypes, described) for name in calls
+                if name in devices]
     return {"params": params, "dynamic_vars": dynamic, "launches": launches}

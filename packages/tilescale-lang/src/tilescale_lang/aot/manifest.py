@@ -31,8 +31,9 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "BundleFormatError", "BundleM
 
 #: The ``format`` field of every manifest.
 FORMAT = "tilescale-aot-bundle"
-#: Version of the bundle layout and of the manifest's fields; a loader reads only its own.
-FORMAT_VERSION = 1
+#: Version of the bundle layout and of the manifest's fields; a loader reads only its own
+#: (2: launches may take ``tensormap`` arguments, TMA descriptors the loader encodes).
+FORMAT_VERSION = 2
 #: File name of the manifest inside a bundle directory.
 MANIFEST = "manifest.json"
 

@@ -1,9 +1,10 @@
 """Turn a call's arguments into what ``cuLaunchKernel`` takes, from a bundle entry alone.
 
-Everything here runs without a GPU: it checks each argument against the entry's ``params``
-(kind, dtype, shape), binds the symbolic variables from tensor shapes, evaluates the grid,
-block and scalar expressions, and packs each launch's parameter buffer (one ctypes value per
-kernel parameter, in the device order, and the ``void*`` array pointing at them).
+Everything here but the encoding of TMA descriptors (the driver's ``cuTensorMapEncodeTiled``)
+runs without a GPU: it checks each argument against the entry's ``params`` (kind, dtype,
+shape), binds the symbolic variables from tensor shapes, evaluates the grid, block and scalar
+expressions, and packs each launch's parameter buffer (one ctypes value per kernel parameter,
+in the device order, and the ``void*`` array pointing at them).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["ArgPacker", "PackedLaunch", "SCALAR_CTYPES", "evaluate", "scalar_range", "scalar_value"]
+__all__ = ["ArgPacker", "PackedLaunch", "SCALAR_CTYPES", "TENSORMAP_BYTES", "encode_tensormap", "evaluate",
+           "scalar_range", "scalar_value", "tensormap_buffer", "tensormap_fields", "tensormap_value", "value_copy"]
 
 #: ctypes type of a scalar kernel parameter, by TileLang dtype (16-bit floats as their bits).
 SCALAR_CTYPES = {
@@ -113,6 +115,70 @@ def scalar_value(dtype: str, value: Any, name: str) -> Any:
     if not low <= int(value) <= high:
         raise ValueError(f"{name}={value} is out of the range of {dtype} [{low}, {high}]")
     return ctype(int(value))
+
+
+#: Bytes of a ``CUtensorMap`` (a TMA descriptor), passed to a kernel by value; 64-byte aligned.
+TENSORMAP_BYTES = 128
+_TENSORMAP_ALIGN = 64
+
+
+def tensormap_buffer() -> Any:
+    """A zeroed ``c_uint64 * 16`` (:data:`TENSORMAP_BYTES`) at a 64-byte aligned address (a
+    ``CUtensorMap``'s alignment)."""
+    raw = (ctypes.c_uint8 * (TENSORMAP_BYTES + _TENSORMAP_ALIGN))()
+    offset = -ctypes.addressof(raw) % _TENSORMAP_ALIGN
+    return (ctypes.c_uint64 * (TENSORMAP_BYTES // 8)).from_buffer(raw, offset)  # keeps ``raw`` alive
+
+
+def value_copy(value: Any) -> Any:
+    """A new ctypes object holding ``value``'s bytes (a scalar, or a descriptor from
+    :func:`tensormap_value`, copied to an aligned buffer of its own)."""
+    if isinstance(value, ctypes.Array):
+        copy = tensormap_buffer()
+        ctypes.memmove(copy, value, ctypes.sizeof(value))
+        return copy
+    return type(value)(value.value)
+
+
+def tensormap_fields(arg: dict[str, Any], address: int, env: dict[str, Any]) -> tuple:
+    """The arguments of ``cuTensorMapEncodeTiled`` for a ``tensormap`` launch argument
+    (:mod:`~tilescale_lang.aot.launch_info`) over a buffer at ``address``, its expressions
+    evaluated with ``env``: ``(data_type, rank, address, dims, strides, box,
+    element_strides, interleave, swizzle, l2_promotion, oob_fill)``; ``strides`` without the
+    first (the element size), as the driver takes them and TileLang's runtime passes them."""
+    dims, strides, box, elements = ([evaluate(e, env) for e in arg[key]]
+                                    for key in ("dims", "strides", "box", "element_strides"))
+    return (arg["data_type"], arg["rank"], address, dims, strides[1:], box, elements, arg["interleave"],
+            arg["swizzle"], arg["l2_promotion"], arg["oob_fill"])
+
+
+def encode_tensormap(data_type: int, rank: int, address: int, dims: list, strides: list, box: list,
+                     elements: list, interleave: int, swizzle: int, l2_promotion: int, oob_fill: int) -> bytes:
+    """The 128 bytes of the ``CUtensorMap`` that ``cuTensorMapEncodeTiled`` encodes from these
+    arguments (:func:`tensormap_fields`; the driver's enum values as ints). Needs the CUDA
+    driver; raises :class:`tilescale_core.CudaError` where it refuses them."""
+    from tilescale_core import driver
+
+    drv = driver.driver_module()
+    u64, u32 = drv.cuuint64_t, drv.cuuint32_t  # cuda-bindings takes these, not ints, in the lists
+    tensor_map = driver.call("cuTensorMapEncodeTiled", drv.CUtensorMapDataType(data_type), rank, address,
+                             [u64(d) for d in dims], [u64(s) for s in strides], [u32(b) for b in box],
+                             [u32(e) for e in elements], drv.CUtensorMapInterleave(interleave),
+                             drv.CUtensorMapSwizzle(swizzle), drv.CUtensorMapL2promotion(l2_promotion),
+                             drv.CUtensorMapFloatOOBfill(oob_fill))
+    return ctypes.string_at(tensor_map.getPtr(), TENSORMAP_BYTES)
+
+
+def tensormap_value(arg: dict[str, Any], address: int, env: dict[str, Any], encode: Callable[..., bytes] | None = None):
+    """The kernel parameter of a ``tensormap`` launch argument over a buffer at ``address``:
+    its descriptor (``encode``, default :func:`encode_tensormap`, of :func:`tensormap_fields`)
+    in a 64-byte aligned ``c_uint64 * 16``."""
+    data = (encode or encode_tensormap)(*tensormap_fields(arg, address, env))
+    if len(data) != TENSORMAP_BYTES:
+        raise ValueError(f"a TMA descriptor has {TENSORMAP_BYTES} bytes, the encoder gave {len(data)}")
+    value = tensormap_buffer()
+    ctypes.memmove(value, data, TENSORMAP_BYTES)
+    return value
 
 
 def _dtype_of(obj: Any) -> str | None:
@@ -241,6 +307,8 @@ class ArgPacker:
             for i, arg in enumerate(launch["args"]):
                 if arg["kind"] == "pointer":
                     values.append(ctypes.c_uint64(pointers[arg["param"]]))
+                elif arg["kind"] == "tensormap":  # encoded for this call's buffer (needs the driver)
+                    values.append(tensormap_value(arg, pointers[arg["param"]], env))
                 else:
                     where = f"{self.name}: {launch['symbol']} argument {i}"
                     values.append(scalar_value(arg["dtype"], evaluate(arg["value"], env), where))
