@@ -7,7 +7,8 @@
 # tests-moe (the MoE dispatch/combine GPU tests alone, shared); tests-reduce (the reduction and all-gather GPU tests, shared);
 # tests-decode (AllReduceResidualRMSNorm, GemmAllReduce), tests-flash (the flash-attention kernel alone), tests-sequence (UlyssesAllToAll, flash attention, SPAllGatherAttention, SPFlashDecode), tests-moe-ll (MoELowLatency), tests-overlap-emulated (the fused
 # plans of AllGatherGEMM and GemmReduceScatter on emulated peers), tests-graphs (CUDA graphs and torch.compile),
-# tests-other (all-to-all, overlapped GEMMs, TMA all-reduce), tests-lang-new (AOT bundles, the lean launcher,
+# tests-other (all-to-all, overlapped GEMMs, TMA all-reduce), tests-tma (the lean launcher's TMA
+# descriptors and frozen launches), tests-lang-new (AOT bundles, the lean launcher,
 # the autotuner, upstream's NVSHMEM-path programs) -- the ops and modules whose GPU tests are newest;
 # bench (every benchmark); bench-NAME (one); bench-overlap-1 (ag_gemm and gemm_rs on one rank:
 # the world-1 goal); bench-overlap-wide (the emulated fused plans at n 28672, 2/4/8 ranks); bench-tuned-1 (ag_gemm on one rank with the autotuner's tiles, n 3584 and
@@ -37,15 +38,12 @@ while [[ $# -gt 0 ]]; do
 done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
-# first; each step fits one device call of 600 s: the ops' repeated call made leaner (no wrapper
-# around the collectives' and GEMMs' __call__, a one-tensor layout test without a list, a kept
-# launch that follows its moved input so an unchanged call writes no address) -- the launch
-# benchmark (with its new rows: the MoE dispatch alone, AllGatherGEMM and GemmReduceScatter at
-# 128x1024x1024), then the suites whose repeated calls take that path; the MoE suite's tests beyond
-# test_moe_on_gpu (full size, stragglers) and the tilescale-lang GPU suite beyond test_lean and
-# test_launch_records; the call numbers' A/B (bench-call-numbers; tests-reduce runs test_emulated's
-# check of the host-numbered kernel's output).
-unverified=(bench-launch tests-reduce bench-call-numbers tests-moe tests-decode tests-graphs tests-lang)
+# first; each step fits one device call of 600 s: the overlapped GEMMs' repeated call at one rank
+# (a kept launch frozen with the GEMM's TMA descriptors encoded once by the lean launcher) -- the
+# launch benchmark's GEMM rows, the TMA descriptors' GPU test and the lean launcher's, the
+# overlapped GEMMs' GPU test (world 1: 300 repeated calls bit for bit against TileLang's
+# launcher); then the rest of the tilescale-lang GPU suite (cut at 400 s the last time).
+unverified=(bench-launch tests-tma tests-other tests-lang)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
@@ -164,6 +162,9 @@ for step in "${steps[@]}"; do
     tests-moe-ll) run_step tests-moe-ll env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
                     packages/tilescale-examples/tests/test_moe_low_latency_gpu.py \
                     -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
+    tests-tma) run_step tests-tma env TILESCALE_SHARE_GPUS=1 timeout -k 10 300 python3 -m pytest \
+                 packages/tilescale-lang/tests/test_tma_descriptors.py packages/tilescale-lang/tests/test_lean.py \
+                 -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-lang-new) run_step tests-lang-new env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
                       packages/tilescale-lang/tests/test_aot.py packages/tilescale-lang/tests/test_lean.py packages/tilescale-lang/tests/test_autotune_gpu.py \
                       packages/tilescale-lang/tests/test_gpu_upstream.py \

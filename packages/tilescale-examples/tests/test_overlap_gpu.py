@@ -7,6 +7,8 @@ running every case of that size:
   back-to-back calls with fresh inputs and poisoned outputs, no host synchronisation between
   them, every output checked element-wise against the float32 torch reference with
   :func:`~tilescale_examples.overlap.gemm.error_bound`;
+* world 1: 300 calls of each op on the same inputs refilled in place (the repeated call's
+  frozen launch, its TMA descriptors encoded once), bit for bit those of TileLang's launcher;
 * world 2: the producer started only after the peer GEMM's spinning tiles hold every SM
   (the deadlock the fused plan must be free of, made to happen on purpose); float16; the
   sequential plans; and 1000 back-to-back calls of each op at a moderate shape with a random
@@ -29,6 +31,7 @@ from examples_helpers import close_rank_heap, open_rank_heap, expect_checks, gpu
 
 K, N, M_LOCAL = 8192, 3584, 4096  # the benchmark shapes (a 70B-class MLP's tensor-parallel GEMMs)
 STRESS = dict(m_local=256, k=1024, n=512, calls=1000)
+REPEATED = dict(m_local=128, k=1024, n=1024, calls=300)  # world 1: the launch benchmark's GEMM shape
 SYNC_S = 180.0
 
 
@@ -124,6 +127,43 @@ def check_calls(op: str, alloc, rank: int, world: int, m_local: int, k: int, n: 
                           f"call {call}: {bad} element(s) outside the bound (worst {worst:.3g}x)")
     assert obj.epoch == calls
     obj.close()
+    return calls
+
+
+def repeated_calls_at_one_rank(op: str, alloc, rank: int, m_local: int, k: int, n: int, calls: int) -> int:
+    """One rank: ``calls`` calls on the same ``a`` and ``b`` refilled in place (the serving
+    loop), whose repeated calls launch the kept launch and, from the second on, its frozen
+    launch (the GEMM's TMA descriptors encoded once); each output equals, bit for bit, that of
+    a second instance called with ``out=`` (TileLang's launcher, a full call every time),
+    checked on the GPU without host synchronisation, and the first ones against the float32
+    reference. Returns the calls checked."""
+    from tilescale_examples.overlap.gemm import count_outside
+
+    device = torch.device(alloc.device)
+    obj, ref_op = (_build(op, alloc, m_local, k, n, torch.bfloat16) for _ in range(2))
+    a0, b0 = _inputs(op, rank, 0, 1, m_local, k, n, torch.bfloat16, device)
+    a, b = a0.clone(), b0.clone()
+    ref = torch.empty_like(obj.output)
+    mismatches = torch.zeros((), dtype=torch.int64, device=device)
+    for call in range(calls):
+        fresh = _inputs(op, rank, call, 1, m_local, k, n, torch.bfloat16, device)
+        a.copy_(fresh[0])
+        b.copy_(fresh[1])
+        obj.output.fill_(float("nan"))
+        out = obj(a, b)
+        ref_op(a, b, out=ref)
+        mismatches += (out.view(torch.int16) != ref.view(torch.int16)).sum()
+        if call < 3:
+            want, rounded = OPS[op][1](rank, 1, call, m_local, k, n, torch.bfloat16, device)
+            bad, worst = count_outside(out, want, torch.bfloat16, rounded)
+            assert bad == 0, f"{op} call {call}: {bad} element(s) outside the bound (worst {worst:.3g}x)"
+    _sync(device)
+    assert int(mismatches) == 0, f"{op}: {int(mismatches)} element(s) differ from TileLang's launcher's"
+    kept = obj._kept_launch
+    assert kept is not None and kept.frozen, f"{op}: the repeated calls did not launch a frozen launch ({kept})"
+    assert obj.epoch == calls
+    obj.close()
+    ref_op.close()
     return calls
 
 
@@ -229,6 +269,9 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     checks = 0
     for op in ("ag", "rs"):
         checks += check_calls(op, alloc, rank, world, M_LOCAL, K, N, torch.bfloat16)
+    if world == 1:
+        for op in ("ag", "rs"):
+            checks += repeated_calls_at_one_rank(op, alloc, rank, **REPEATED)
     if world == 2:
         if not shared_gpu(world):  # the fused all-gather + GEMM needs one GPU per rank
             checks += producer_after_the_gemm_holds_every_sm(alloc, rank, world, M_LOCAL, K, N)
@@ -243,6 +286,8 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
 
 def expected_checks(world: int) -> int:
     """Checks every rank must report (the starved-producer case needs one GPU per rank)."""
+    if world == 1:
+        return 3 + 3 + 2 * REPEATED["calls"]
     if world != 2:
         return 3 + 3
     return 3 + 3 + (0 if shared_gpu(world) else 1) + 2 * (2 + 2 + STRESS["calls"])

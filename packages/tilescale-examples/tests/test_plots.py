@@ -41,11 +41,12 @@ EXPECTED = {
     "concurrent_2": ("lines", [3]),  # the same for the fused norm
     "cuda_graphs": ("lines", [1]),  # graph vs symm against the all-reduce size
     "cuda_graphs_2": ("lines", [2]),  # Lamport and one-shot vs symm against the size
+    "cuda_graphs_3": ("lines", [3, 3, 3]),  # call numbers' A/B: a panel per rank count, a line per op
     "heap": ("bars", [6 * 2]),  # ready ms, cudaMalloc ms per path and ranks
     "heap_2": ("bars", [6 * 3]),
     "signals": ("bars", [2 * 2]),
     "gpu_barrier": ("bars", [1 * 2]),
-    "launch": ("bars", [28]),  # host us per call and launcher (the lean launch's parts as rows)
+    "launch": ("bars", [35]),  # host us per call and launcher (the lean launch's parts as rows)
     "cold_start": ("bars", [8]),  # compile / load per op (and the total)
     "ulysses": ("bars", [12 * 3]),  # ulysses, copy, torch us per (ranks, seq)
     "overlap_emulated": ("bars", [4 * 2]),  # x GEMM alone, x copies then GEMM per (op, ranks)

@@ -151,13 +151,15 @@ class KeptLaunch:
             tensors may be at other addresses than the kept call's (16-byte aligned, outside
             that range: every other check the full call made still holds); None: they must
             be at the kept addresses.
+        plain: the kernel has no heap table to bind (a stock TileLang kernel: the GEMM of
+            the overlapped GEMMs at one rank).
     """
 
     __slots__ = ("layouts", "devices", "args", "changing", "views", "viewed", "frozen", "cuda",
-                 "kernel", "movable")
+                 "kernel", "movable", "plain")
 
     def __init__(self, tensors, args: tuple, changing: Sequence[int], views: Sequence[tuple] = (), kernel=None,
-                 movable: tuple | None = None):
+                 movable: tuple | None = None, plain: bool = False):
         self.layouts = [_layout(t) for t in tensors]
         self.devices = [t.device for t in tensors]
         self.cuda = tensors[0].device.type == "cuda"  # where a call may be captured in a CUDA graph
@@ -166,7 +168,7 @@ class KeptLaunch:
         kept = list(args)
         for pos, _, _ in self.views:
             kept[pos] = None  # the call's views are not kept: their memory may serve the next tensors
-        self.args, self.changing, self.kernel, self.movable = kept, changing, kernel, movable
+        self.args, self.changing, self.kernel, self.movable, self.plain = kept, changing, kernel, movable, plain
         #: The launch with every parameter fixed but the viewed tensors' addresses
         #: (:class:`~tilescale_lang.lean.FrozenLaunch`), made at the first repeated call; None
         #: before, False where none can be made.
@@ -205,6 +207,12 @@ class KeptLaunch:
                 return None
         self.layouts = layouts
         return tuple(layouts[index][0] for _, index, _ in self.views)
+
+    def moving(self) -> list:
+        """The positions of ``args`` whose addresses a repeated call may change (the views of
+        the call's tensors where :attr:`movable`; none where they must stay where they were:
+        its frozen launch then has every parameter fixed)."""
+        return [pos for pos, _, _ in self.views] if self.movable is not None else []
 
     def args_for(self, tensors) -> tuple:
         """The launch's parameters for a call on ``tensors`` (for which :meth:`addresses_for`
@@ -257,7 +265,7 @@ class Relaunching:
             self._check_open()  # raises
         kernel = self.kernel if kept.kernel is None else kept.kernel
         frozen = kept.frozen
-        if frozen and table_bound(self, kernel.__dict__):
+        if frozen and (kept.plain or table_bound(self, kernel.__dict__)):
             if not frozen(*addresses):  # the stream is capturing a CUDA graph: nothing launched
                 return False
         elif not self._relaunch_through_launcher(kept, kernel, tensors, addresses):
@@ -275,7 +283,7 @@ class Relaunching:
             if addresses:  # moved (addresses_for kept the new layout), not written into the frozen launch
                 kept.frozen = None
             return False
-        if not table_bound(self, kernel.__dict__):  # not capturing (tested above): bind_table's fast test
+        if not kept.plain and not table_bound(self, kernel.__dict__):  # not capturing (tested above)
             self.bind_table(kernel=kernel)
         frozen = kept.frozen
         if frozen:
@@ -283,7 +291,7 @@ class Relaunching:
         args = kept.args_for(tensors)
         self._launch_kernel(args, kept.changing, kernel=kernel)
         if frozen is None:
-            kept.frozen = _freeze(self, kernel, args, [pos for pos, _, _ in kept.views])
+            kept.frozen = _freeze(self, kernel, args, kept.moving())
         return True
 
     #: The key of the last full call that :meth:`_keep_launch` could keep at the default site
@@ -292,7 +300,7 @@ class Relaunching:
 
     def _keep_launch(self, keep: bool, tensors, args: tuple, changing: Sequence[int], views=(),
                      outside: tuple | None = None, site: str = "_kept_launch", kernel=None,
-                     movable: bool = False) -> None:
+                     movable: bool = False, plain: bool = False) -> None:
         """Keep this full call's launch of ``kernel`` (None: the op's ``kernel``) at ``site``
         for :meth:`_relaunch` when ``keep`` (the op's condition: the launch depends on the
         call's ``tensors`` only through ``views``, see :class:`KeptLaunch`), no call was
@@ -305,7 +313,7 @@ class Relaunching:
         may pass the viewed tensors at other addresses (aligned, outside ``outside`` when
         given: see :class:`KeptLaunch`), so the key is the first tensor's shape and dtype: the
         launch is kept after two calls in a row on tensors of one layout, wherever they
-        were."""
+        were. ``plain``: the kernel has no heap table (:class:`KeptLaunch`)."""
         first = tensors[0]
         address = first.data_ptr() if keep and not self._captured else None
         key = address if address is None or not movable else (first.shape, first.dtype)
@@ -319,7 +327,7 @@ class Relaunching:
                 setattr(self, site, None)
                 return
         moves = (outside if outside is not None else (0, 0)) if movable else None  # (0, 0): no own bytes to avoid
-        setattr(self, site, KeptLaunch(tensors, args, changing, views, kernel, moves))
+        setattr(self, site, KeptLaunch(tensors, args, changing, views, kernel, moves, plain))
 
     def _forget_launches(self) -> None:
         """Forget every site's kept launch (``close()``)."""

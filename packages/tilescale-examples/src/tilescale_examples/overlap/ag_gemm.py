@@ -219,6 +219,7 @@ class AllGatherGEMM(OverlappedGemm):
         if W == 1:  # nothing to gather: the GEMM of this rank's rows is the whole call
             self.kernel = self.own_kernel
             self.algorithm_reason = "one rank: the GEMM alone, nothing to communicate"
+            self._lone_gemm = True
             return
         import tilelang
 
@@ -256,6 +257,8 @@ class AllGatherGEMM(OverlappedGemm):
         values). Raises :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
         if out_0_1:  # the 0.1.0 spelling
             out = positional_out(self, 2, out_0_1, out)
+        if self._lone_gemm:
+            return self._gemm_alone(a, b, out)
         result = self._check_call(a, b, out)
         main = self._begin_call()
         if self.algorithm == "sequential":
@@ -280,14 +283,10 @@ class AllGatherGEMM(OverlappedGemm):
         return self.output if out is None else out
 
     def _fused(self, a, b, main, output) -> None:
-        """Own rows on ``main`` straight from ``a``; the peers' rows on the compute stream as
-        their chunks land; the copies last (a copy waiting in a hardware queue shared with a
+        """(Two or more ranks: one rank's call is :meth:`_gemm_alone`.) Own rows on ``main``
+        straight from ``a``; the peers' rows on the compute stream as their chunks land; the copies last (a copy waiting in a hardware queue shared with a
         GEMM's stream then cannot hold that GEMM back); then ``main`` releases the gathered
         rows to the peers and waits for this rank's copies."""
-        if self.world_size == 1:
-            m = self.m_local
-            self.own_kernel(a, b, output[self.rank * m:(self.rank + 1) * m])
-            return
         start, push, peers, join = self._fused_steps(a, b, main, output)
         start()
         peers()

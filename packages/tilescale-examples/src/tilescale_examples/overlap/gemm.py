@@ -304,6 +304,30 @@ class OverlappedGemm(SymmetricOp):
         if not self._capturing_now:
             self._order_calls.after(main)
 
+    #: Whether a call is this rank's GEMM alone, ``a @ b`` into the output (one rank, the fused
+    #: plan: nothing to communicate): :meth:`_gemm_alone` makes such calls.
+    _lone_gemm = False
+
+    def _gemm_alone(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+        """A call of one rank (:attr:`_lone_gemm`): the GEMM ``a @ b`` into ``out`` (or
+        ``self.output``) on the current stream; returns where it wrote. A call without ``out``
+        on ``a`` and ``b`` laid out as the last such call's (same addresses, shapes, strides,
+        dtypes: every check that call made holds) launches that call's launch again
+        (:meth:`~tilescale_examples._launch.Relaunching._relaunch`: from the second repeated call
+        on, its frozen launch, whose TMA descriptors were encoded once); the full call keeps its
+        launch when two calls in a row read the same ``a``. With nothing shared between calls
+        but the output, a repeated call orders itself on the current stream only, as the
+        collectives' calls do."""
+        if out is None and self._relaunch(a, b):
+            return self.output
+        result = self._check_call(a, b, out)
+        main = self._begin_call()
+        args = (a, b, result)
+        self._launch_kernel(args, (0, 1, 2))
+        self._end_call(main)
+        self._keep_launch(out is None, (a, b), args, (0, 1, 2), views=((0, 0), (1, 1)), plain=True)
+        return result
+
     def flops(self) -> float:
         """Floating-point operations of one call's GEMM: ``2 * world_size * m_local * n * k``."""
         return 2.0 * self.world_size * self.m_local * self.n * self.k

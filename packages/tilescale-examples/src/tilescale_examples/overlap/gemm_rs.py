@@ -272,6 +272,7 @@ class GemmReduceScatter(OverlappedGemm):
             self.output = torch.empty((m_local, n), dtype=self.dtype, device=self.device)
             self.kernel = self._compile_plain(lambda: build_gemm_kernel(m_local, n, k, name, tiles), target)
             self.algorithm_reason = "one rank: the GEMM alone, nothing to communicate"
+            self._lone_gemm = True
         elif self.algorithm == "fused":
             self.partials = tilelang.tensor((2, W, m_local, n), self.dtype, allocator=allocator)
             self.counters = tilelang.tensor((W,), torch.uint32, allocator=allocator)
@@ -309,11 +310,11 @@ class GemmReduceScatter(OverlappedGemm):
         :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
         if out_0_1:  # the 0.1.0 spelling
             out = positional_out(self, 2, out_0_1, out)
+        if self._lone_gemm:
+            return self._gemm_alone(a, b, out)
         result = self._check_call(a, b, out)
         main = self._begin_call()
-        if self.algorithm == "fused" and self.world_size == 1:
-            self.kernel(a, b, result)
-        elif self.algorithm == "fused":
+        if self.algorithm == "fused":
             self._send_partials(a, b)
             self._reduce_landed(main, result)
         else:
