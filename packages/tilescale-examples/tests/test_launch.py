@@ -122,6 +122,12 @@ def test_the_launch_benchmarks_goals_are_read_from_the_default_launcher():
     assert goal_lines(rows[:2] + [pair]) == [
         "worst op vs torch.add: 6.15 (MoE dispatch + combine, 128 tokens, per call; goal <= 1.2)",
         "worst op vs symm_mem one-shot all-reduce: 4.80 (MoE dispatch + combine, 128 tokens, per call; goal <= 0.8)"]
+    # with the enqueue columns (each call's cost alone): their worst ratio too, the pair's per call
+    timed = [r + [r[2] / 2, r[3] / 2] for r in rows[:2] + [pair]]
+    assert goal_lines(timed) == [
+        "worst op vs torch.add: 6.15 (MoE dispatch + combine, 128 tokens, per call; goal <= 1.2)",
+        "worst op's enqueue cost vs torch.add's: 3.08 (MoE dispatch + combine, 128 tokens, per call; goal <= 1.2)",
+        "worst op vs symm_mem one-shot all-reduce: 4.80 (MoE dispatch + combine, 128 tokens, per call; goal <= 0.8)"]
 
 
 def test_the_launch_benchmark_times_the_serving_ops_the_moe_dispatch_and_the_overlapped_gemms():

@@ -67,7 +67,7 @@ def test_argument_checks_come_first():
     (lambda: perf_fn(lambda: None, rep=True), "rep must be a positive int, got True"),
     (lambda: perf_fn(lambda: None, rep=2.0), "rep must be a positive int, got 2.0"),
     (lambda: perf_fn(lambda: None, aggregate="sum"), "aggregate must be one of"),
-    (lambda: perf_fn(lambda: None, clock="wall"), r"clock must be one of \('gpu', 'host'\), got 'wall'"),
+    (lambda: perf_fn(lambda: None, clock="wall"), r"clock must be one of \('gpu', 'host', 'enqueue'\), got 'wall'"),
     (lambda: perf_fn(lambda: None, hold=0), "hold must be True, False or a positive, finite number of milliseconds"),
     (lambda: perf_fn(lambda: None, hold=math.inf), "hold must be True, False or a positive"),
     (lambda: perf_fn(lambda: None, hold="1"), "hold must be True, False or a positive"),
@@ -151,6 +151,33 @@ def test_host_clock_times_back_to_back_calls_on_the_cpu():
     assert out == "last" and 1.9 <= ms < 50
     times = do_bench(lambda: time.sleep(0.001), warmup=0, rep=4, clock="host", return_mode="all")
     assert len(times) == 4 and all(0.9 <= t < 50 for t in times)
+
+
+def test_enqueue_clock_times_each_call_alone_from_an_idle_gpu(monkeypatch):
+    """clock="enqueue": each call timed alone, the wait for the GPU before it and after the
+    last one outside the interval (a recorded wait that sleeps: not in the times)."""
+    from tilescale_host import _bench_clock
+
+    log = []
+
+    def slow_wait(stream=None, timeout=None):
+        def wait():
+            log.append("wait")
+            time.sleep(0.005)
+        return wait
+
+    monkeypatch.setattr(_bench_clock, "make_wait", slow_wait)
+    out, ms = perf_fn(lambda: log.append("fn") or time.sleep(0.001) or "last", warmup=0, rep=4, clock="enqueue",
+                      group=LOCAL)
+    assert out == "last" and 0.9 <= ms < 4.5, "the 5 ms waits are not in the time"
+    assert log[-9:] == ["wait", "fn"] * 4 + ["wait"]
+    times = do_bench(lambda: time.sleep(0.001), warmup=0, rep=3, clock="enqueue", return_mode="all")
+    assert len(times) == 3 and all(0.9 <= t < 4.5 for t in times)
+    got = perf_rounds({"slow": lambda: time.sleep(0.002), "fast": lambda: None}, 2, warmup=0, rep=2,
+                      clock="enqueue", group=LOCAL, return_mode="min")
+    assert got["fast"] < 1.0 <= got["slow"]
+    with pytest.raises(ValueError, match="hold needs clock='gpu'"):
+        perf_fn(lambda: None, clock="enqueue", hold=True)
 
 
 def test_do_bench_calls_before_outside_the_timed_interval():

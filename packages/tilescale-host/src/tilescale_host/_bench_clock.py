@@ -86,6 +86,20 @@ def host_calls(fn: Callable[[], Any], rep: int, wait: Callable[[], None]) -> tup
     return output, (time.perf_counter() - start) * 1e3 / rep
 
 
+def enqueue_calls(fn: Callable[[], Any], rep: int, wait: Callable[[], None]) -> tuple[Any, float]:
+    """``(fn's last output, ms per call)``: the mean host wall time of ``rep`` calls, each made
+    from an idle GPU (``wait()`` before it, outside the interval) and timed until it returns,
+    its GPU work not waited for: the host's cost of making the call, whatever the GPU's."""
+    output, total = None, 0.0
+    for _ in range(rep):
+        wait()
+        start = time.perf_counter()
+        output = fn()
+        total += time.perf_counter() - start
+    wait()
+    return output, total * 1e3 / rep
+
+
 def host_ms_of_one_call(fn: Callable[[], Any], wait: Callable[[], None]) -> float:
     """Host milliseconds to make one call of ``fn`` from an idle GPU (its enqueue cost)."""
     wait()

@@ -30,6 +30,10 @@ Clocks (``clock=``):
 * ``"host"``: ``time.perf_counter`` from an idle GPU to the end of the calls' GPU work (the
   GPU is synchronised before and inside the interval; nothing is waited for while CUDA is not
   initialised, so a CPU-only function is timed as it is).
+* ``"enqueue"``: ``time.perf_counter`` around each call alone, made from an idle GPU (the GPU
+  synchronised before it, outside the interval), its GPU work not waited for: the host's cost
+  of making the call. ``"host"`` times back-to-back calls, which the GPU paces once its work
+  per call takes longer than the host's; ``"enqueue"`` stays the host's cost.
 
 ``timeout`` (seconds): every wait for the GPU polls ``stream`` (default the current stream)
 and raises ``TimeoutError`` after that long (a lost signal fails the run instead of hanging
@@ -63,7 +67,9 @@ __all__ = [
 
 _AGGREGATES = ("max", "mean", "none")
 _RETURN_MODES = ("median", "mean", "min", "max", "all")
-_CLOCKS = ("gpu", "host")
+_CLOCKS = ("gpu", "host", "enqueue")
+#: The clocks that time on the host (``perf_counter``), with their timer of ``rep`` calls.
+_HOST_CLOCKS = {"host": _clock.host_calls, "enqueue": _clock.enqueue_calls}
 #: Default L2 flush size when the device's L2 size is unknown (bytes).
 DEFAULT_FLUSH_BYTES = 256 * 1024 * 1024
 
@@ -232,7 +238,7 @@ def do_bench(
         before: called before every call of ``fn`` (warm-up included), outside the timed
             interval: a reset of state ``fn`` consumes, or ``torch.cuda.synchronize`` to start
             every repetition on an idle GPU.
-        clock: ``"gpu"`` (CUDA events) or ``"host"`` (see the module docstring).
+        clock: ``"gpu"`` (CUDA events), ``"host"`` or ``"enqueue"`` (see the module docstring).
         stream: the stream the events are recorded on and waited for (default: current).
         timeout: seconds a wait for the GPU may take (None: no limit; module docstring).
 
@@ -257,11 +263,11 @@ def do_bench(
             prepare()
             fn()
         _clock.barrier(group, wait)
-        if clock == "host":
+        if clock in _HOST_CLOCKS:
             local = []
             for _ in range(rep):
                 prepare()
-                local.append(_clock.host_calls(fn, 1, wait)[1])
+                local.append(_HOST_CLOCKS[clock](fn, 1, wait)[1])
         else:
             local = _gpu_each(fn, rep, prepare, flush, _clock.current_stream(stream), wait)
     return summarize(_combine(local, group, aggregate, _device(clock, stream)), return_mode)
@@ -305,7 +311,7 @@ def perf_fn(
             ``perf_counter`` interval (host clock).
         group: as :func:`do_bench` (``"local"``: this rank alone).
         aggregate: ``"max"`` (slowest rank), ``"mean"`` or ``"none"`` (this rank's time).
-        clock: ``"gpu"`` or ``"host"`` (module docstring).
+        clock: ``"gpu"``, ``"host"`` or ``"enqueue"`` (module docstring).
         hold: GPU clock only: hold the stream behind a spin kernel while the run is enqueued,
             so the host's launch cost is hidden (True: sized from the last warm-up call; a
             number: the hold in milliseconds).  See the module docstring.  ``fn`` must then
@@ -328,8 +334,8 @@ def perf_fn(
         _clock.barrier(group, wait)
         hold_ms = _warm_up(fn, warmup, rep, hold, wait)
         _clock.barrier(group, wait)
-        if clock == "host":
-            output, ms = _clock.host_calls(fn, rep, wait)
+        if clock in _HOST_CLOCKS:
+            output, ms = _HOST_CLOCKS[clock](fn, rep, wait)
         else:
             output, ms = _clock.timed_gpu(fn, rep, _clock.current_stream(stream), hold_ms, wait, group, device)
     return output, _combine([ms], group, aggregate, device)[0]
@@ -399,8 +405,8 @@ def perf_rounds(
     group = _clock.resolve_group(group)
     wait = _clock.make_wait(stream, timeout)
     device = _device(clock, stream)
-    if timer is None and clock == "host":
-        timer = lambda fn: _clock.host_calls(fn, rep, wait)[1]  # noqa: E731
+    if timer is None and clock in _HOST_CLOCKS:
+        timer = lambda fn: _HOST_CLOCKS[clock](fn, rep, wait)[1]  # noqa: E731
     times: dict = {name: [] for name in names}
     with _clock.on(stream):
         _clock.barrier(group, wait)

@@ -17,7 +17,7 @@ by what it measures. Every time is in milliseconds per call.
   hold (a spin kernel holds the stream while the host enqueues the start event, the launches
   and the end event), so the host's launch cost is not counted.
 * :func:`host_us_rounds`: host microseconds per call of several functions, their best of
-  alternating rounds.
+  alternating rounds (back-to-back calls, or each call's enqueue cost alone).
 * :func:`capture_calls` / :func:`graph_ms_per_call` / :func:`poison_`: a call captured
   into a CUDA graph and its replays timed.
 
@@ -94,12 +94,15 @@ def held_ms_per_launch(launch: Callable[[], object], launches: int, device) -> f
     return perf_fn(launch, 0, launches, group="local", stream=_stream(device), hold=True)[1]
 
 
-def host_us_rounds(fns: Sequence[Callable[[], object]], calls: int, rounds: int = 5, warmup: int = 100) -> list:
+def host_us_rounds(fns: Sequence[Callable[[], object]], calls: int, rounds: int = 5, warmup: int = 100,
+                   clock: str = "host") -> list:
     """Host microseconds per call of each of ``fns``: ``warmup`` calls of each, then ``rounds``
-    rounds that time ``calls`` calls of each in turn (from an idle GPU to the end of their GPU
-    work), the first one alternating; each function's best round (``perf_rounds``,
-    ``clock="host"``)."""
-    times = perf_rounds(dict(enumerate(fns)), rounds, warmup=warmup, rep=calls, clock="host", alternate=True,
+    rounds that time ``calls`` calls of each in turn, the first one alternating; each
+    function's best round (``perf_rounds``). ``clock="host"``: back-to-back calls, from an idle
+    GPU to the end of their GPU work (paced by the GPU where its work per call takes longer);
+    ``"enqueue"``: each call alone from an idle GPU, its GPU work not waited for (the host's
+    cost of making it)."""
+    times = perf_rounds(dict(enumerate(fns)), rounds, warmup=warmup, rep=calls, clock=clock, alternate=True,
                         return_mode="min", group="local")
     return [ms * 1e3 for ms in times.values()]
 
