@@ -41,11 +41,13 @@ done
 # first; each step fits one device call of 600 s: the overlapped GEMMs' repeated call at one rank
 # (a kept launch frozen with the GEMM's TMA descriptors encoded once by the lean launcher) -- the
 # launch benchmark's GEMM rows and its enqueue column (each call's host cost alone, from an idle
-# GPU: the MoE dispatch's and the GEMMs' back-to-back calls are paced by their GPU work), the
-# TMA descriptors' GPU test and the lean launcher's, the
+# GPU: the MoE dispatch's and the GEMMs' back-to-back calls are paced by their GPU work); the
+# reduction kernels' first-round ready flags read right behind the call counter -- their GPU
+# tests and the call numbers' A/B; the TMA descriptors' GPU test and the lean launcher's, the
 # overlapped GEMMs' GPU test (world 1: 300 repeated calls bit for bit against TileLang's
-# launcher); then the rest of the tilescale-lang GPU suite (cut at 400 s the last time).
-unverified=(bench-launch tests-tma tests-other tests-lang)
+# launcher), the graphs' tests (the reductions captured); then the rest of the tilescale-lang
+# GPU suite (cut at 400 s the last time).
+unverified=(bench-launch tests-reduce bench-call-numbers tests-tma tests-other tests-graphs tests-lang)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
