@@ -47,6 +47,20 @@ def test_one_preparation_until_a_prepared_argument_differs(monkeypatch):
         _launch.prepared_launch(cache, SimpleNamespace(execution_backend="tvm_ffi"))
 
 
+def test_a_kept_launch_moves_only_the_views_of_a_movable_launch():
+    """KeptLaunch.moving(): the positions of the views where the launch may move (its frozen
+    launch takes their addresses), none where every tensor must stay (the frozen launch has
+    every parameter fixed: the MoE dispatcher's, the GEMMs' whose TMA descriptors describe
+    their operands); the views themselves are never kept."""
+    x, y, own = torch.zeros(8), torch.zeros(4, 2), torch.zeros(2)
+    args = (x.view(2, 4), own, y.view(-1), 7)
+    fixed = _launch.KeptLaunch((x, y), args, (0, 2), views=((0, 0), (2, 1)), plain=True)
+    movable = _launch.KeptLaunch((x, y), args, (0, 2), views=((0, 0), (2, 1)), movable=(0, 0))
+    assert fixed.moving() == [] and fixed.plain and not movable.plain
+    assert movable.moving() == [0, 2]
+    assert fixed.args == [None, own, None, 7] and movable.args == fixed.args
+
+
 def test_other_backends_and_stand_ins_are_called_directly(monkeypatch):
     FakeLean.prepared = []
     monkeypatch.setattr(tilescale_lang.lean, "prepare", FakeLean)
