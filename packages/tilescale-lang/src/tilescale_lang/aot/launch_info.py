@@ -120,24 +120,33 @@ def parameters(func: Any) -> tuple[list[dict], list[dict]]:
     return params, dynamic
 
 
-def _packed_calls(host_mod: Any) -> dict[str, list]:
-    """Device kernel name -> the argument expressions of its ``tvm_call_packed`` in the host
-    function, in call order (dict order is launch order)."""
+def _host_calls(host_mod: Any) -> list[tuple[str, list]]:
+    """``(name, argument expressions)`` of every ``tvm_call_packed`` of the host function
+    whose name is a string, in call order."""
     from tvm import ir, tirx
     from tvm.tirx.stmt_functor import post_order_visit
 
-    calls: dict[str, list] = {}
+    calls: list[tuple[str, list]] = []
     op = ir.Op.get("tirx.tvm_call_packed")
 
     def visit(node):
-        if isinstance(node, tirx.Call) and node.op.same_as(op) and node.args:
-            name = node.args[0].value if isinstance(node.args[0], tirx.StringImm) else None
-            if name and not name.startswith("__tvm"):
-                calls.setdefault(name, list(node.args[1:]))
+        if (isinstance(node, tirx.Call) and node.op.same_as(op) and node.args
+                and isinstance(node.args[0], tirx.StringImm)):
+            calls.append((node.args[0].value, list(node.args[1:])))
 
     for fn in host_mod.functions.values():
         post_order_visit(fn.body, visit)
     return calls
+
+
+def _packed_calls(calls: list[tuple[str, list]]) -> dict[str, list]:
+    """Device kernel name -> the argument expressions of its call among the host function's
+    ``calls`` (:func:`_host_calls`; dict order is launch order)."""
+    launches: dict[str, list] = {}
+    for name, args in calls:
+        if name and not name.startswith("__tvm"):
+            launches.setdefault(name, args)
+    return launches
 
 
 #: The host function's call that encodes a tiled TMA descriptor (TileLang's runtime), and
@@ -146,24 +155,22 @@ TENSORMAP_CALL = "__tvm_tensormap_create_tiled"
 _TENSORMAP_ENUMS = ("interleave", "swizzle", "l2_promotion", "oob_fill")
 
 
-def _tensormaps(host_mod: Any, data_names: dict[str, str], symbol: str) -> dict[str, dict]:
+def _tensormaps(calls: list[tuple[str, list]], data_names: dict[str, str], symbol: str) -> dict[str, dict]:
     """Descriptor variable name -> its ``tensormap`` launch argument, for every tiled TMA
-    descriptor the host function encodes (:data:`TENSORMAP_CALL`).
+    descriptor the host function encodes among its ``calls`` (:func:`_host_calls`,
+    :data:`TENSORMAP_CALL`).
 
     Raises:
         UnsupportedKernelError: a descriptor over an address that is not a buffer parameter's
             data pointer, or with an argument list of another layout.
     """
-    from tvm import ir, tirx
-    from tvm.tirx.stmt_functor import post_order_visit
+    from tvm import tirx
 
-    op, found = ir.Op.get("tirx.tvm_call_packed"), {}
-
-    def visit(node):
-        if not (isinstance(node, tirx.Call) and node.op.same_as(op) and node.args
-                and isinstance(node.args[0], tirx.StringImm) and node.args[0].value == TENSORMAP_CALL):
-            return
-        desc, args = node.args[1], list(node.args[2:])
+    found = {}
+    for name, call_args in calls:
+        if name != TENSORMAP_CALL:
+            continue
+        desc, args = call_args[0], call_args[1:]
         rank = int(args[1].value) if len(args) > 1 and isinstance(args[1], tirx.IntImm) else -1
         address = args[2] if len(args) > 2 else None
         if not 1 <= rank <= 5 or len(args) != 7 + 4 * rank or not (
@@ -174,11 +181,8 @@ def _tensormaps(host_mod: Any, data_names: dict[str, str], symbol: str) -> dict[
         lists = [[expr_text(e) for e in args[3 + i * rank: 3 + (i + 1) * rank]] for i in range(4)]
         spec = {"kind": "tensormap", "param": data_names[address.name], "data_type": int(args[0].value),
                 "rank": rank, "dims": lists[0], "strides": lists[1], "box": lists[2], "element_strides": lists[3]}
-        spec.update((name, int(e.value)) for name, e in zip(_TENSORMAP_ENUMS, args[3 + 4 * rank:]))
+        spec.update((key, int(e.value)) for key, e in zip(_TENSORMAP_ENUMS, args[3 + 4 * rank:]))
         found[desc.name] = spec
-
-    for fn in host_mod.functions.values():
-        post_order_visit(fn.body, visit)
     return found
 
 
@@ -227,8 +231,9 @@ def describe(func: Any, artifact: Any, tensormaps: bool = False) -> dict[str, An
     """
     params, dynamic, data_names = _params(func)
     dtypes = {p["name"]: p["dtype"] for p in params}
-    calls = _packed_calls(artifact.host_mod)
-    described = _tensormaps(artifact.host_mod, data_names, symbol_of(func)) if tensormaps else {}
+    host = _host_calls(artifact.host_mod)
+    calls = _packed_calls(host)
+    described = _tensormaps(host, data_names, symbol_of(func)) if tensormaps else {}
     devices = {gv.name_hint: (gv, fn) for gv, fn in artifact.device_mod.functions.items()}
     missing = sorted(set(devices) - set(calls))
     if missing:
