@@ -428,8 +428,7 @@ def goal_lines(rows: list) -> list:
     """The goals' lines: the worst TileScale op (its default launcher) against torch.add (goal
     <= :data:`GOAL_ADD`) and against symm mem's one-shot all-reduce (goal <= :data:`GOAL_SYMM`),
     per call: the MoE dispatch + combine row (two calls) counts half its time."""
-    ops = [r if r[0] != MOE_ROW else [f"{r[0]}, per call", r[1], r[2] / 2, r[3] / 2,
-                                      r[4] / 2 if isinstance(r[4], float) else r[4], *r[5:7], *[v / 2 for v in r[7:]]]
+    ops = [r if r[0] != MOE_ROW else [f"{r[0]}, per call", r[1], *(v / 2 if isinstance(v, float) else v for v in r[2:])]
            for r in rows if r[1] == DEFAULT and r[0] not in DIAGNOSTIC_ROWS]
     if not ops:
         return ["TileScale ops: not measured"]

@@ -287,7 +287,7 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
                 epoch = epoch_in
             else:
                 epoch = State[bx] + 1  # this call's number: block bx's count of earlier calls + 1
-                early = T.uint64(0)
+                early = T.uint64(0)  # here, not at the allocation: the host-numbered kernel has none
                 if tx < W:  # rank tx's ready flag here, its load issued right behind the counter's
                     early = T.ld(Flags[(tx * blocks + bx) * FLAG_STRIDE], scope="sys", sem="acquire")
             polled = early if counted else None  # its value now; the host-numbered kernel: no early read
@@ -356,8 +356,6 @@ def _entry_point(T, one_call, mode: str, V: int, dtype: str, from_host: bool):
 
     name = "allreduce_one_shot" if mode == "one_shot" else "reducescatter"
     return reduce_local.with_attr("global_symbol", name + suffix)
-
-
 
 
 #: TileLang pass configuration of the reduction kernels: the host code sizes every buffer

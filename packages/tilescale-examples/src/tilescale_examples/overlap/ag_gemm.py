@@ -219,7 +219,6 @@ class AllGatherGEMM(OverlappedGemm):
         if W == 1:  # nothing to gather: the GEMM of this rank's rows is the whole call
             self.kernel = self.own_kernel
             self.algorithm_reason = "one rank: the GEMM alone, nothing to communicate"
-            self._lone_gemm = True
             return
         import tilelang
 
@@ -284,9 +283,10 @@ class AllGatherGEMM(OverlappedGemm):
 
     def _fused(self, a, b, main, output) -> None:
         """(Two or more ranks: one rank's call is :meth:`_gemm_alone`.) Own rows on ``main``
-        straight from ``a``; the peers' rows on the compute stream as their chunks land; the copies last (a copy waiting in a hardware queue shared with a
-        GEMM's stream then cannot hold that GEMM back); then ``main`` releases the gathered
-        rows to the peers and waits for this rank's copies."""
+        straight from ``a``; the peers' rows on the compute stream as their chunks land; the
+        copies last (a copy waiting in a hardware queue shared with a GEMM's stream then
+        cannot hold that GEMM back); then ``main`` releases the gathered rows to the peers
+        and waits for this rank's copies."""
         start, push, peers, join = self._fused_steps(a, b, main, output)
         start()
         peers()

@@ -275,6 +275,7 @@ class OverlappedGemm(SymmetricOp):
                                                                  type(self).FUSED_NEEDS_OWN_GPUS)
         self._order_calls = CallOrder()
         self._capturing_now = False
+        self._lone_gemm = self.algorithm == "fused" and W == 1
 
     @property
     def plan(self) -> str:
@@ -305,7 +306,8 @@ class OverlappedGemm(SymmetricOp):
             self._order_calls.after(main)
 
     #: Whether a call is this rank's GEMM alone, ``a @ b`` into the output (one rank, the fused
-    #: plan: nothing to communicate): :meth:`_gemm_alone` makes such calls.
+    #: plan: nothing to communicate; set by :meth:`_setup_gemm`): :meth:`_gemm_alone` makes
+    #: such calls.
     _lone_gemm = False
 
     def _gemm_alone(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:

@@ -272,7 +272,6 @@ class GemmReduceScatter(OverlappedGemm):
             self.output = torch.empty((m_local, n), dtype=self.dtype, device=self.device)
             self.kernel = self._compile_plain(lambda: build_gemm_kernel(m_local, n, k, name, tiles), target)
             self.algorithm_reason = "one rank: the GEMM alone, nothing to communicate"
-            self._lone_gemm = True
         elif self.algorithm == "fused":
             self.partials = tilelang.tensor((2, W, m_local, n), self.dtype, allocator=allocator)
             self.counters = tilelang.tensor((W,), torch.uint32, allocator=allocator)
