@@ -146,8 +146,10 @@ def test_real_compile_produces_cubin_with_flags(tmp_path, monkeypatch):
     # a stock kernel goes through untouched
     stock = tilelang.compile(_stock_kernel(), target=TARGET, execution_backend="tvm_ffi")
     assert not any("TILESCALE" in f for f in (stock.compile_flags or []))
-    # the tracking wrapper is installed until the first launch reports the module
+    # the tracking wrapper is installed until the first launch reports the module: on every
+    # kernel, a stock one too (the lean launcher finds a kernel's functions in its module)
     assert kernel.__dict__.get("_tilescale_state", {}).get("capturing")
+    assert stock.__dict__.get("_tilescale_state", {}).get("capturing")
 
 
 @needs_nvcc

@@ -102,24 +102,29 @@ def merge_flags(compile_flags: list[str] | str | None) -> list[str]:
 
 
 def wrap_cached(cached):
-    """Wrap ``tilelang.cache.cached``: add the flags for TileScale kernels, capture modules."""
+    """Wrap ``tilelang.cache.cached``: add the flags for TileScale kernels; capture every
+    kernel's module at its first launch (:func:`~tilescale_lang.metadata.track_kernel`: a
+    TileScale kernel's table is copied into it, and the lean launcher can launch any kernel
+    whose module it knows, a stock one too, e.g. a TMA GEMM it freezes)."""
     if getattr(cached, "__tilescale_wrapped__", False):
         return cached
 
     @functools.wraps(cached)
     def tilescale_cached(func=None, out_idx=None, *args, **kwargs):
-        helpers_used = tilescale_helpers(func) if func is not None else set()
-        if helpers_used:
-            toolkit.check_features(helpers_used)  # a feature the toolkit lacks: a clear error, before nvcc
-            install_postproc()
-            kwargs["compile_flags"] = merge_flags(kwargs.get("compile_flags"))
-            kernel = cached(func, out_idx, *args, **kwargs)
-            from .metadata import guard_launch, table_readers, track_kernel
+        from .metadata import guard_launch, table_readers, track_kernel
 
-            track_kernel(kernel)
-            guard_launch(kernel, table_readers(func))
+        helpers_used = tilescale_helpers(func) if func is not None else set()
+        if not helpers_used:
+            kernel = cached(func, out_idx, *args, **kwargs)
+            track_kernel(kernel)  # one wrapped first launch, then TileLang's own launch path
             return kernel
-        return cached(func, out_idx, *args, **kwargs)
+        toolkit.check_features(helpers_used)  # a feature the toolkit lacks: a clear error, before nvcc
+        install_postproc()
+        kwargs["compile_flags"] = merge_flags(kwargs.get("compile_flags"))
+        kernel = cached(func, out_idx, *args, **kwargs)
+        track_kernel(kernel)
+        guard_launch(kernel, table_readers(func))
+        return kernel
 
     tilescale_cached.__tilescale_wrapped__ = True
     return tilescale_cached
