@@ -96,15 +96,6 @@ replays as a new call, and eager calls and replays of several graphs mix in any 
 long as every rank makes the same sequence. The host keeps its own count (``epoch`` of the
 collective) only to find the zero-copy input of the next eager call; once an instance has been
 captured, a double-buffered one no longer offers it (``input`` raises).
-
-Right after the counter's load, threads ``tx < world_size`` load rank ``tx``'s ready flag of
-the first round (acquire, system scope), so the two loads' latencies overlap; the first round
-then waits only where that value had not reached ``epoch``. A flag holds the number of the
-call its rank last signalled, and no rank signals call ``epoch + 1`` before every rank
-signalled ``epoch``, so the value read is at most ``epoch`` and, where it is ``epoch``, the
-rank's staged rows of this call are published (its release store). The rank that arrives last,
-which sets a call's pace, so finds its peers without a load after its own flag store, as a
-kernel given its call number by the host does.
 """
 
 # (no `from __future__ import annotations`: the kernel module defines TileLang kernels)

@@ -126,15 +126,16 @@ def step_macros(T, W: int, TH: int, U: int, V: int, shards: int):
                             Stage[lo + q * span + r, i] = X[q * span + r, i]
 
     @T.macro
-    def signal_and_wait(Flags, tx, me, bx, blocks, epoch, base, release=True, early=None):
+    def signal_and_wait(Flags, tx, me, bx, blocks, epoch, base, release=True):
         """Steps 2/4: set this block's flag on every rank to ``epoch``, then wait until every
         rank's flag here has reached it. ``release`` (trace time): publish the block's writes
         of this kernel (a barrier, then a release store at system scope, which after the
         barrier covers the block's writes); otherwise a relaxed store with no barrier before
-        it (nothing written in this kernel to publish). ``early`` (trace time: None or a
-        variable): the flag here as the kernel read it at its start (``build_reduce_kernel``'s
-        early read); where it had reached ``epoch`` already, no wait. (Adding 1 instead, which needs no call
-        number, measured slower: 0.1-0.4 us a call at 4 KiB with emulated peers.)"""
+        it (nothing written in this kernel to publish). (Adding 1 instead, which needs no
+        call number, measured slower: 0.1-0.4 us a call at 4 KiB with emulated peers. So did
+        reading the peers' flags of the first round at the kernel's start, right behind the
+        call counter, with an acquire load at system scope: 1.048 of the host-numbered
+        kernel on average over the A/B's rows on one H100, against 1.031 without it.)"""
         if release:
             T.sync_threads()
         if tx < W:
@@ -142,24 +143,19 @@ def step_macros(T, W: int, TH: int, U: int, V: int, shards: int):
                 T.notify(Flags[(base + me * blocks + bx) * FLAG_STRIDE], tx, epoch)
             else:
                 T.st(Flags[(base + me * blocks + bx) * FLAG_STRIDE], epoch, scope="sys", sem="relaxed", dst_pe=tx)
-            if early is None:
-                T.wait_ge(Flags[(base + tx * blocks + bx) * FLAG_STRIDE], epoch)
-            elif early < T.Cast("uint64", epoch):
-                T.wait_ge(Flags[(base + tx * blocks + bx) * FLAG_STRIDE], epoch)
+            T.wait_ge(Flags[(base + tx * blocks + bx) * FLAG_STRIDE], epoch)
         T.sync_threads()
 
-
     @T.macro
-    def stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in, lo, early=None):
+    def stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in, lo):
         """Steps 1 and 2: staged here, the release round of :func:`signal_and_wait`; staged
-        before the kernel, its relaxed round (see the module docstring); ``early``: the
-        ready flag's value read at the kernel's start (None: not read)."""
+        before the kernel, its relaxed round (see the module docstring)."""
         if stage_in != 0:
             for t in T.serial(iters):
                 stage(X, Stage, t, bx, tx, blocks, span, rows_in, lo)
-            signal_and_wait(Flags, tx, me, bx, blocks, epoch, 0, early=early)
+            signal_and_wait(Flags, tx, me, bx, blocks, epoch, 0)
         else:
-            signal_and_wait(Flags, tx, me, bx, blocks, epoch, 0, release=False, early=early)
+            signal_and_wait(Flags, tx, me, bx, blocks, epoch, 0, release=False)
 
     @T.macro
     def count_call(State, bx, tx, epoch):
@@ -282,17 +278,12 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
             vals = T.alloc_local((U, W, V), dtype)
             res = T.alloc_local((U, V), dtype)
             epoch = T.alloc_var("int64")
-            early = T.alloc_var("uint64")  # the ready flag read with the counter (device-numbered only)
             if from_host:
                 epoch = epoch_in
             else:
                 epoch = State[bx] + 1  # this call's number: block bx's count of earlier calls + 1
-                early = T.uint64(0)  # here, not at the allocation: the host-numbered kernel has none
-                if tx < W:  # rank tx's ready flag here, its load issued right behind the counter's
-                    early = T.ld(Flags[(tx * blocks + bx) * FLAG_STRIDE], scope="sys", sem="acquire")
-            polled = early if counted else None  # its value now; the host-numbered kernel: no early read
             if push:
-                stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in, 0, polled)
+                stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in, 0)
                 if counted:
                     count_call(State, bx, tx, epoch)
                 for t in T.serial(iters):
@@ -302,7 +293,7 @@ def build_reduce_kernel(mode: str, dtype: str, world_size: int, threads: int = 5
             else:
                 lo = T.alloc_var("int32")
                 lo = T.Cast("int32", epoch % NB) * (shards * span)  # first row of this call's buffer
-                stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in, lo, polled)
+                stage_and_ready(X, Stage, Flags, tx, me, bx, blocks, epoch, iters, span, rows_in, stage_in, lo)
                 if counted:
                     count_call(State, bx, tx, epoch)
                 for t in T.serial(iters):
