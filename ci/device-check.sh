@@ -8,7 +8,8 @@
 # tests-decode (AllReduceResidualRMSNorm, GemmAllReduce), tests-flash (the flash-attention kernel alone), tests-sequence (UlyssesAllToAll, flash attention, SPAllGatherAttention, SPFlashDecode), tests-moe-ll (MoELowLatency), tests-overlap-emulated (the fused
 # plans of AllGatherGEMM and GemmReduceScatter on emulated peers), tests-graphs (CUDA graphs and torch.compile),
 # tests-other (all-to-all, overlapped GEMMs, TMA all-reduce), tests-tma (the lean launcher's TMA
-# descriptors and frozen launches), tests-lang-new (AOT bundles, the lean launcher,
+# descriptors and frozen launches), tests-lang-rest (tilescale-lang's GPU suite but upstream's
+# programs), tests-upstream (upstream's programs alone), tests-lang-new (AOT bundles, the lean launcher,
 # the autotuner, upstream's NVSHMEM-path programs) -- the ops and modules whose GPU tests are newest;
 # bench (every benchmark); bench-NAME (one); bench-overlap-1 (ag_gemm and gemm_rs on one rank:
 # the world-1 goal); bench-overlap-wide (the emulated fused plans at n 28672, 2/4/8 ranks); bench-tuned-1 (ag_gemm on one rank with the autotuner's tiles, n 3584 and
@@ -44,8 +45,9 @@ done
 # the overlapped GEMMs' GPU test (world 1: 300 repeated calls bit for bit against TileLang's
 # launcher, their launch frozen), the launch benchmark's GEMM rows (frozen) and its enqueue
 # column; the MoE suite (its last test was cut by the step's timeout); then the rest of the
-# tilescale-lang GPU suite (cut at 400 s the last time).
-unverified=(tests-tma tests-other bench-launch tests-moe tests-lang)
+# tilescale-lang GPU suite in two steps (the whole package was cut at 400-450 s twice):
+# upstream's programs (test_gpu_upstream.py) alone, and the others.
+unverified=(tests-tma tests-other bench-launch tests-moe tests-lang-rest tests-upstream)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
@@ -171,6 +173,12 @@ for step in "${steps[@]}"; do
                       packages/tilescale-lang/tests/test_aot.py packages/tilescale-lang/tests/test_lean.py packages/tilescale-lang/tests/test_autotune_gpu.py \
                       packages/tilescale-lang/tests/test_gpu_upstream.py \
                       -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
+    tests-lang-rest) run_step tests-lang-rest env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
+                       packages/tilescale-lang/tests --ignore packages/tilescale-lang/tests/test_gpu_upstream.py \
+                       -m "gpu and not chaos" -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
+    tests-upstream) run_step tests-upstream env TILESCALE_SHARE_GPUS=1 timeout -k 10 560 python3 -m pytest \
+                      packages/tilescale-lang/tests/test_gpu_upstream.py \
+                      -m gpu -q -rfEs --durations=0 --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-reduce) run_step tests-reduce env TILESCALE_SHARE_GPUS=1 timeout -k 10 240 python3 -m pytest \
                     packages/tilescale-examples/tests/test_{allreduce,reducescatter,emulated,reduce_ceiling,allgather}.py \
                     -m "gpu and not chaos" -q -s -rfEs --durations=0 --tb=short -p no:cacheprovider "${pytest_args[@]}" ;;
