@@ -378,6 +378,11 @@ def test_until_the_module_is_known_calls_go_through_the_kernel(put_kernel, monke
     src2 = fake(1024)
     launch(src2, 9)
     assert len(seen) == 1 and seen[0][0] is src2 and seen[0][1:] == (dst, sig, 9)
+    # a launch that reported no module (here: none made; for real, a module loaded before the
+    # kernel was tracked): said once, and calls keep going through the kernel
+    assert not launch.lean and "could not see it" in launch.why_not
+    launch(src, 10)
+    assert len(seen) == 2 and seen[1][0] is src and seen[1][1:] == (dst, sig, 10)
 
 
 @needs_nvcc

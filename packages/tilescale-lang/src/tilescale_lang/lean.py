@@ -65,6 +65,8 @@ KNOWN_ATTRS = frozenset({
 KNOWN_LAUNCH_TAGS = frozenset({"blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x", "threadIdx.y",
                                "threadIdx.z", "tirx.use_dyn_shared_memory"})
 _NOT_LOADED = "the kernel's module is not loaded yet (it loads at the first launch)"
+_LOADED_UNSEEN = ("the kernel's module loaded where TileScale could not see it (a kernel launched before TileScale "
+                  "tracked it: compiled before the extension loaded)")
 #: Dynamic shared memory above this needs ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``.
 DEFAULT_SMEM_LIMIT = 48 * 1024
 
@@ -620,6 +622,12 @@ class LeanLaunch:
                 self.kernel(*self._args)
         if self.why_not == _NOT_LOADED:
             self._resolve()
+            if self._functions is None and not self._aot:  # launched, tracked, and still no module known
+                from . import metadata
+
+                count = len(metadata.modules(self.kernel))
+                self.why_not = _LOADED_UNSEEN if not count else (
+                    f"the kernel's module is loaded in {count} CUDA contexts (the lean launcher launches in one)")
 
     def _launch(self, stream: int | None) -> None:
         """The launches on ``stream`` (default the current torch stream): the scalars and
