@@ -11,8 +11,9 @@ and its validation are :mod:`tilescale_core.table`'s):
   (looked up once per process, so :func:`install_module_hook` registers it when the
   extension loads, before any launch).  Every kernel's first launch (a stock kernel's too,
   for the lean launcher) runs under a one-shot wrapper that tells the hook which kernel the
-  module belongs to; the hook records the module and applies a pending table.  ``initialize`` on an already loaded module copies
-  directly (``cuModuleGetGlobal`` + ``cuMemcpyHtoDAsync`` on ``stream``).
+  module belongs to; the hook records the module and applies a pending table.
+  ``initialize`` on an already loaded module copies directly (``cuModuleGetGlobal`` +
+  ``cuMemcpyHtoDAsync`` on ``stream``).
 * ``nvrtc``: the adapter's ``CUlibrary`` (``cuLibraryGetGlobal``).
 * ``cython``: the generated library exports ``tilescale_set_meta_data`` (see
   ``include/tilescale/host.cuh``), called with the table and the stream.
