@@ -114,16 +114,14 @@ def wrap_cached(cached):
         from .metadata import guard_launch, table_readers, track_kernel
 
         helpers_used = tilescale_helpers(func) if func is not None else set()
-        if not helpers_used:
-            kernel = cached(func, out_idx, *args, **kwargs)
-            track_kernel(kernel)  # one wrapped first launch, then TileLang's own launch path
-            return kernel
-        toolkit.check_features(helpers_used)  # a feature the toolkit lacks: a clear error, before nvcc
-        install_postproc()
-        kwargs["compile_flags"] = merge_flags(kwargs.get("compile_flags"))
+        if helpers_used:
+            toolkit.check_features(helpers_used)  # a feature the toolkit lacks: a clear error, before nvcc
+            install_postproc()
+            kwargs["compile_flags"] = merge_flags(kwargs.get("compile_flags"))
         kernel = cached(func, out_idx, *args, **kwargs)
-        track_kernel(kernel)
-        guard_launch(kernel, table_readers(func))
+        track_kernel(kernel)  # one wrapped first launch, then TileLang's own launch path
+        if helpers_used:
+            guard_launch(kernel, table_readers(func))
         return kernel
 
     tilescale_cached.__tilescale_wrapped__ = True
