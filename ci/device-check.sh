@@ -24,6 +24,7 @@
 # bench-decode-threads (the fused norm with 512 and 1024 threads per block, hidden 8192, 1-16 tokens);
 # bench-call-numbers (the reduction kernels' call numbers on the device against passed by the host:
 # benchmarks.emulated's A/B table, 2/4/8 ranks up to 64 MiB);
+# bench-moe-ll (the low-latency MoE mode against the normal mode, the copy and torch);
 # bench-cold-start (the serving ops built from a precompiled cache against their compile: the carried
 # .tlcache when it holds the compile record of `cold_start --compile-only --cache DIR`, else compiled here);
 # unverified (the checks written but not yet run on a GPU); all (default: doctor demo tests
@@ -46,8 +47,10 @@ done
 # launcher, their launch frozen), the launch benchmark's GEMM rows (frozen) and its enqueue
 # column; the MoE suite (its last test was cut by the step's timeout); then the rest of the
 # tilescale-lang GPU suite in two steps (the whole package was cut at 400-450 s twice):
-# upstream's programs (test_gpu_upstream.py) alone, and the others.
-unverified=(tests-tma tests-other bench-launch tests-moe tests-lang-rest tests-upstream)
+# upstream's programs (test_gpu_upstream.py) alone, and the others; the low-latency MoE
+# dispatch's data phase with its first token parts loaded during the ranking and each unit's row
+# found once per 32 units (its tests and its benchmark).
+unverified=(tests-tma tests-other bench-launch tests-moe-ll bench-moe-ll tests-moe tests-lang-rest tests-upstream)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
@@ -135,6 +138,7 @@ for step in "${steps[@]}"; do
                                gemm_rs; do
                         run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
                       done ;;
+    bench-moe-ll) run_step "$step" timeout -k 10 300 python3 -m tilescale_examples.benchmarks.moe --mode low_latency ;;
     bench-call-numbers) run_step "$step" timeout -k 10 560 python3 -m tilescale_examples.benchmarks.emulated \
                           --ranks 2 4 8 --max-bytes 67108864 --no-graph ;;  # the A/B table up to 64 MiB
     bench-cold-start) cold=()  # the carried cache's compile record (cold_start --compile-only --cache DIR), if any

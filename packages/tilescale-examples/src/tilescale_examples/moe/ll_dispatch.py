@@ -62,7 +62,8 @@ def check_ll_sizes(num_experts: int, topk: int, hidden: int, max_tokens: int, th
 def ll_rank(k):
     """Step 1: warp ``w`` ranks entries ``[w * RW, (w + 1) * RW)`` (``RW = 32 * nbw``) batch by
     batch: ``packed[i] = key << 16 | rank among the warp's entries of key``; its counts in its
-    row of ``wcnt``, its bad entries in ``wbad`` / ``wfirst``."""
+    row of ``wcnt``, its bad entries in ``wbad`` / ``wfirst``. After the first batch's indices
+    are loaded, :func:`ll_prefetch` issues the warp's first token parts."""
     E, K, index_dtype, Idx = k.E, k.K, k.index_dtype, k.Idx
     lane, warp, n, nbw, wcnt, wbad, wfirst, packed = k.lane, k.warp, k.n, k.nbw, k.wcnt, k.wbad, k.wfirst, k.packed
     for j in T.serial((E + 33) // 32):
@@ -77,6 +78,8 @@ def ll_rank(k):
         lidx = -1  # past the last entry: an unused slot (skipped)
         if i < n:
             lidx = Idx[i // K, i % K]
+        if b == 0:
+            ll_prefetch(k)
         lkey = expert_key(lidx, E)
         lsame = T.match_any_sync(lkey)
         lbelow = lanes_below(lsame, lane)
@@ -181,41 +184,87 @@ def quantise(k, xv, xq, qscale, q):
 
 
 @macro
+def ll_units(k):
+    """The data phase's units (token part ``q``, slot), ``u = q * K + slot``, split evenly over
+    the grid's warps: warp ``g`` has units ``[u0, u1)`` (the first ``units % G`` warps one
+    more), whose first part is ``qa = u0 // K``. Returns ``k`` with them."""
+    K, G, PARTS, g = k.K, k.G, k.PARTS, k.g
+    units = T.alloc_var("int32")
+    units = k.NT * (PARTS * K)
+    u0 = T.alloc_var("int32")
+    u0 = g * (units // G) + T.min(g, units % G)
+    u1 = T.alloc_var("int32")
+    u1 = u0 + units // G + T.if_then_else(g < units % G, 1, 0)
+    qa = T.alloc_var("int32")
+    qa = u0 // K
+    return k.extend(units=units, u0=u0, u1=u1, qa=qa)
+
+
+@macro
+def ll_prefetch(k):
+    """Right after a warp's first indices are loaded (so that they arrive first): the (at most
+    two) token parts its first units need, ``qa`` into ``xv`` and ``qa + 1`` into ``xv2``; they
+    stay in flight while the block ranks (nothing reads them before the data phase)."""
+    X, K, PARTS, VECS, lane, u0, u1, qa, xv, xv2 = k.X, k.K, k.PARTS, k.VECS, k.lane, k.u0, k.u1, k.qa, k.xv, k.xv2
+    if u0 < u1:
+        load_part(xv, X, qa, lane, PARTS, VECS)
+        if (u1 - 1) // K > qa:
+            load_part(xv2, X, qa + 1, lane, PARTS, VECS)
+
+
+@macro
 def ll_data(k):
-    """Step 4: the units (token part ``q``, slot), ``u = q * K + slot``, split evenly over the
-    grid's warps; each lane stores its 16-byte vector of the part (FP8: 8 bytes, and lane
-    ``16 m`` the group's scale) into the entry's row on its owner, lane 0 of part 0 the origin."""
+    """Step 4: warp ``g`` stores its units ``u0 .. u1 - 1``, 32 at a time: lane ``j`` first finds
+    the row, owner and first column of unit ``j`` (and stores the entry's origin into
+    ``RecvSrc`` for its part 0), then every unit takes them with three shuffles and each lane
+    stores its 16-byte vector of the part (FP8: 8 bytes, and lane ``16 m`` the group's scale)
+    from registers into the entry's row on its owner. ``xv`` holds the current part (the
+    prefetched ``qa``, then ``xv2``'s ``qa + 1``, then each later part loaded when reached)."""
     E, K, G, PARTS, VECS, fp8, X, RecvX, RecvScales, RecvSrc = (k.E, k.K, k.G, k.PARTS, k.VECS, k.fp8, k.X,
                                                                 k.RecvX, k.RecvScales, k.RecvSrc)
-    lane, g, W, packed, xv, xq, qscale = k.lane, k.g, k.W, k.packed, k.xv, k.xq, k.qscale
-    units = k.NT * (PARTS * K)
-    du0 = T.alloc_var("int32")
-    du0 = g * (units // G) + T.min(g, units % G)
-    loaded = T.alloc_var("int32", init=-1)
-    for j in T.serial(units // G + T.if_then_else(g < units % G, 1, 0)):
-        q = (du0 + j) // K
-        if q != loaded:  # warp-uniform
-            load_part(xv, X, q, lane, PARTS, VECS)
-            if fp8:
-                quantise(k, xv, xq, qscale, q)
-            loaded = q
-        di = q // PARTS * K + (du0 + j) % K
-        dkey = packed[di] // 65536
-        if dkey < E:
-            downer = dkey * W // E
-            drow = T.alloc_var("int32")
-            drow = segment_row(k, di, dkey, downer)
-            vec = q % PARTS * 32 + lane
-            if vec < VECS:
+    lane, W, packed, xv, xv2, xq, qscale = k.lane, k.W, k.packed, k.xv, k.xv2, k.xq, k.qscale
+    units, u0, u1, qa = k.units, k.u0, k.u1, k.qa
+    cur = T.alloc_var("int32", init=-1)  # the part in xv (and, FP8, quantised in xq)
+    for c in T.serial((units // G + 32) // 32):  # 32-unit rounds: one unless the grid is small
+        urow = T.alloc_var("int32")  # lane j: the row of unit u0 + 32c + j (-1: skipped),
+        urow = -1
+        udst = T.alloc_var("int32")  # its owner and its part's first vector
+        udst = 0
+        ucol = T.alloc_var("int32")
+        ucol = 0
+        if u0 + c * 32 + lane < u1:
+            ue = (u0 + c * 32 + lane) // (PARTS * K) * K + (u0 + c * 32 + lane) % K
+            ukey = packed[ue] // 65536
+            ucol = (u0 + c * 32 + lane) // K % PARTS * 32
+            if ukey < E:
+                udst = ukey * W // E  # = key // EL, no run-time division
+                urow = segment_row(k, ue, ukey, udst)
+                if ucol == 0:
+                    T.st(RecvSrc[urow], ue, dst_pe=udst)
+        for j in T.serial(T.min(32, u1 - u0 - c * 32)):  # warp-uniform (none past u1)
+            q = (u0 + c * 32 + j) // K
+            if q != cur:  # warp-uniform
+                if q == qa + 1:
+                    for v in T.unroll(8):
+                        xv[v] = xv2[v]
+                elif q > qa + 1:
+                    load_part(xv, X, q, lane, PARTS, VECS)
+                if fp8:
+                    quantise(k, xv, xq, qscale, q)
+                cur = q
+            row = T.shfl_sync(urow, j)
+            dst = T.shfl_sync(udst, j)
+            vec = T.shfl_sync(ucol, j) + lane  # this lane's 16-byte vector of the row
+            if row >= 0 and vec < VECS:
+                # (clamped where it is already in range: lets TileLang prove the store in
+                # bounds and emit one 16-byte store)
                 col = T.max(0, T.min(vec, VECS - 1)) * 8
                 if fp8:
-                    T.copy(xq[0:8], RecvX[drow, col:col + 8], dst_pe=downer)
+                    T.copy(xq[0:8], RecvX[row, col:col + 8], dst_pe=dst)
                     if lane % 16 == 0:
-                        T.st(RecvScales[drow, col // FP8_BLOCK], qscale[0], dst_pe=downer)
+                        T.st(RecvScales[row, col // FP8_BLOCK], qscale[0], dst_pe=dst)
                 else:
-                    T.copy(xv[0:8], RecvX[drow, col:col + 8], dst_pe=downer)
-            if q % PARTS == 0 and lane == 0:
-                T.st(RecvSrc[drow], di, dst_pe=downer)
+                    T.copy(xv[0:8], RecvX[row, col:col + 8], dst_pe=dst)
 
 
 @macro
@@ -257,6 +306,7 @@ def ll_dispatch_body(k, Idx, X, RecvX, RecvScales, RecvSrc, Sig, Flags, RouteRan
         lastb = T.alloc_shared((1,), "int32")
         sc = T.alloc_local((1,), "int32")
         xv = T.alloc_local((8,), dtype)
+        xv2 = T.alloc_local((8,), dtype)
         xq = T.alloc_local((8,), "float8_e4m3")
         qscale = T.alloc_local((1,), "float32")
         run = T.alloc_var("int32")
@@ -271,7 +321,8 @@ def ll_dispatch_body(k, Idx, X, RecvX, RecvScales, RecvSrc, Sig, Flags, RouteRan
         k = k.extend(Idx=Idx, X=X, RecvX=RecvX, RecvScales=RecvScales, RecvSrc=RecvSrc, Sig=Sig, RouteRank=RouteRank,
                      RouteRow=RouteRow, Status=Status, Arrive=Arrive, Prof=None, bx=bx, tx=tx, lane=lane, g=g, me=me,
                      W=W, EL=EL, warp=warp, n=n, nbw=nbw, wcnt=wcnt, packed=packed, wbad=wbad, wfirst=wfirst,
-                     stot=stot, lastb=lastb, sc=sc, xv=xv, xq=xq, qscale=qscale, run=run, first=first, epoch=epoch)
+                     stot=stot, lastb=lastb, sc=sc, xv=xv, xv2=xv2, xq=xq, qscale=qscale, run=run, first=first, epoch=epoch)
+        k = ll_units(k)
         ll_rank(k)
         small_scan(k)  # the column scans over the warps (stot: this rank's counts) and the bad entries
         ll_routes(k)
