@@ -110,27 +110,11 @@ def segment_row(k, i, key, owner):
 
 
 @macro
-def ll_routes(k):
-    """Block 0: ``Status`` (its last thread) and every entry's route for the combine: its
-    expert's owner and its flat row there (``-1``, ``-1``: skipped)."""
-    E, K, threads, Idx, Status, RouteRank, RouteRow = k.E, k.K, k.threads, k.Idx, k.Status, k.RouteRank, k.RouteRow
-    bx, tx, W, n, packed, run, first = k.bx, k.tx, k.W, k.n, k.packed, k.run, k.first
-    if bx == 0:
-        if tx == threads - 1:
-            write_status(Status, Idx, T.Cast("int64", run), first, K)
-        for c in T.serial((n + threads - 1) // threads):
-            ri = c * threads + tx
-            if ri < n:
-                rkey = packed[ri] // 65536
-                if rkey < E:
-                    rowner = rkey * W // E  # = key // EL, no run-time division
-                    rrow = T.alloc_var("int32")
-                    rrow = segment_row(k, ri, rkey, rowner)
-                    RouteRank[ri] = rowner
-                    RouteRow[ri] = rrow
-                else:
-                    RouteRank[ri] = -1
-                    RouteRow[ri] = -1
+def ll_status(k):
+    """Block 0's last thread writes ``Status`` (the bad entries, as the normal mode)."""
+    bx, tx, run, first = k.bx, k.tx, k.run, k.first
+    if bx == 0 and tx == k.threads - 1:
+        write_status(k.Status, k.Idx, T.Cast("int64", run), first, k.K)
 
 
 @macro
@@ -215,13 +199,15 @@ def ll_prefetch(k):
 @macro
 def ll_data(k):
     """Step 4: warp ``g`` stores its units ``u0 .. u1 - 1``, 32 at a time: lane ``j`` first finds
-    the row, owner and first column of unit ``j`` (and stores the entry's origin into
-    ``RecvSrc`` for its part 0), then every unit takes them with three shuffles and each lane
+    the row, owner and first column of unit ``j`` (for its part 0, it stores the entry's origin
+    into ``RecvSrc`` on the owner and its route for the combine: owner and flat row, ``-1``,
+    ``-1`` when skipped), then every unit takes them with three shuffles and each lane
     stores its 16-byte vector of the part (FP8: 8 bytes, and lane ``16 m`` the group's scale)
     from registers into the entry's row on its owner. ``xv`` holds the current part (the
     prefetched ``qa``, then ``xv2``'s ``qa + 1``, then each later part loaded when reached)."""
     E, K, G, PARTS, VECS, fp8, X, RecvX, RecvScales, RecvSrc = (k.E, k.K, k.G, k.PARTS, k.VECS, k.fp8, k.X,
                                                                 k.RecvX, k.RecvScales, k.RecvSrc)
+    RouteRank, RouteRow = k.RouteRank, k.RouteRow
     lane, W, packed, xv, xv2, xq, qscale = k.lane, k.W, k.packed, k.xv, k.xv2, k.xq, k.qscale
     units, u0, u1, qa = k.units, k.u0, k.u1, k.qa
     cur = T.alloc_var("int32", init=-1)  # the part in xv (and, FP8, quantised in xq)
@@ -241,6 +227,9 @@ def ll_data(k):
                 urow = segment_row(k, ue, ukey, udst)
                 if ucol == 0:
                     T.st(RecvSrc[urow], ue, dst_pe=udst)
+            if ucol == 0:  # each entry's part 0 is one unit of the grid: its route, once
+                RouteRank[ue] = T.if_then_else(ukey < E, udst, -1)
+                RouteRow[ue] = urow
         for j in T.serial(T.min(32, u1 - u0 - c * 32)):  # warp-uniform (none past u1)
             q = (u0 + c * 32 + j) // K
             if q != cur:  # warp-uniform
@@ -325,7 +314,7 @@ def ll_dispatch_body(k, Idx, X, RecvX, RecvScales, RecvSrc, Sig, Flags, RouteRan
         k = ll_units(k)
         ll_rank(k)
         small_scan(k)  # the column scans over the warps (stot: this rank's counts) and the bad entries
-        ll_routes(k)
+        ll_status(k)
         if again == 1 and W > 1:  # grid-uniform: a dispatch without a combine since the previous one
             ready_handshake(Flags, 0, bx, tx, me, W, epoch)
         ll_data(k)
