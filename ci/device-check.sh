@@ -138,7 +138,8 @@ for step in "${steps[@]}"; do
                                gemm_rs; do
                         run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
                       done ;;
-    bench-moe-ll) run_step "$step" timeout -k 10 300 python3 -m tilescale_examples.benchmarks.moe --mode low_latency ;;
+    bench-moe-ll) run_step "$step" timeout -k 10 300 python3 -m tilescale_examples.benchmarks.moe --mode low_latency \
+                    --tokens 1,32,128,1024 --routing uniform ;;
     bench-call-numbers) run_step "$step" timeout -k 10 560 python3 -m tilescale_examples.benchmarks.emulated \
                           --ranks 2 4 8 --max-bytes 67108864 --no-graph ;;  # the A/B table up to 64 MiB
     bench-cold-start) cold=()  # the carried cache's compile record (cold_start --compile-only --cache DIR), if any
