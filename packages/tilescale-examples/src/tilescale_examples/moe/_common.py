@@ -10,7 +10,8 @@ from tilescale_examples._macros import Scope, T, macro
 
 __all__ = ["PLAN_THREADS", "PLAN_WARPS", "MAX_PARTS", "CHUNK", "PUT_UNROLL", "MAX_EXPERTS", "PASS_CONFIGS",
            "DISPATCH_PHASES", "RANK_BITS", "T", "macro", "Scope", "check_sizes", "grid_ids", "expert_key",
-           "lanes_below", "lowest_bit", "inclusive_warp_scan", "write_status", "phase_done"]
+           "lanes_below", "lowest_bit", "unit_entry", "unit_vector", "inclusive_warp_scan", "write_status",
+           "phase_done"]
 
 #: Threads (and warps) per block of the dispatch kernel, whose block 0 plans: each of its
 #: warps ranks one contiguous range of entries.
@@ -74,6 +75,17 @@ def expert_key(v, E):
     """An index's key: the expert ``v`` when ``0 <= v < E``, ``E`` for ``-1`` (an unused
     slot), ``E + 1`` for any other value (out of range); both of the last are skipped."""
     return T.if_then_else(T.And(v >= 0, v < E), T.Cast("int32", v), T.if_then_else(v == -1, E, E + 1))
+
+
+def unit_entry(u, K: int, PARTS: int):
+    """The entry (flat ``t * K + slot``) of data unit ``u = q * K + slot``, ``q`` the token part
+    (token ``q // PARTS``), of a dispatch whose rows are ``PARTS`` parts of 32 16-byte vectors."""
+    return u // (PARTS * K) * K + u % K
+
+
+def unit_vector(u, K: int, PARTS: int):
+    """The first 16-byte vector of unit ``u``'s part within its row (see :func:`unit_entry`)."""
+    return u // K % PARTS * 32
 
 
 def lanes_below(mask, lane):

@@ -12,7 +12,7 @@ straight from registers into the token's rows. :func:`small_batch` runs steps 0-
 # (no `from __future__ import annotations`: TileLang reads the macros' annotations)
 
 from tilescale_examples.moe._common import (T, expert_key, inclusive_warp_scan, lanes_below, lowest_bit, macro,
-                                            phase_done, write_status)
+                                            phase_done, unit_entry, unit_vector, write_status)
 
 __all__ = ["small_batch"]
 
@@ -244,9 +244,9 @@ def small_data(k):
         ucol = T.alloc_var("int32")
         ucol = 0
         if u0 + c * 32 + lane < u1:
-            ue = (u0 + c * 32 + lane) // (PARTS * K) * K + (u0 + c * 32 + lane) % K
+            ue = unit_entry(u0 + c * 32 + lane, K, PARTS)
             ukey = skey_s[ue]
-            ucol = (u0 + c * 32 + lane) // K % PARTS * 32
+            ucol = unit_vector(u0 + c * 32 + lane, K, PARTS)
             if ukey < E:
                 urow = eoff[ukey] + wcnt[ue // 32, ukey] + srank_s[ue]
                 udst = edst[ukey]

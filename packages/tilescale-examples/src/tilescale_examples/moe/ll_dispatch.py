@@ -15,7 +15,7 @@ waits for the words of its ``E = EL * W`` segments and keeps the counts.
 
 from tilescale_examples.decode.norm_kernel import FP8_BLOCK, FP8_MAX
 from tilescale_examples.moe._common import (MAX_EXPERTS, PASS_CONFIGS, Scope, T, expert_key, grid_ids, lanes_below,
-                                            lowest_bit, macro, write_status)
+                                            lowest_bit, macro, unit_entry, unit_vector, write_status)
 from tilescale_examples.moe.dispatch_small import load_part, small_scan
 
 __all__ = ["LL_THREADS", "LL_MAX_TOKENS", "LL_SHARED_LIMIT", "LL_PHASES", "ll_shared_bytes", "check_ll_sizes",
@@ -212,16 +212,13 @@ def ll_data(k):
     units, u0, u1, qa = k.units, k.u0, k.u1, k.qa
     cur = T.alloc_var("int32", init=-1)  # the part in xv (and, FP8, quantised in xq)
     for c in T.serial((units // G + 32) // 32):  # 32-unit rounds: one unless the grid is small
-        urow = T.alloc_var("int32")  # lane j: the row of unit u0 + 32c + j (-1: skipped),
-        urow = -1
-        udst = T.alloc_var("int32")  # its owner and its part's first vector
-        udst = 0
-        ucol = T.alloc_var("int32")
-        ucol = 0
-        if u0 + c * 32 + lane < u1:
-            ue = (u0 + c * 32 + lane) // (PARTS * K) * K + (u0 + c * 32 + lane) % K
+        # lane j: the row of unit u = u0 + 32c + j (-1: skipped), its owner, its part's first vector
+        urow, udst, ucol = T.alloc_var("int32", init=-1), T.alloc_var("int32", init=0), T.alloc_var("int32", init=0)
+        u = u0 + c * 32 + lane
+        if u < u1:
+            ue = unit_entry(u, K, PARTS)
             ukey = packed[ue] // 65536
-            ucol = (u0 + c * 32 + lane) // K % PARTS * 32
+            ucol = unit_vector(u, K, PARTS)
             if ukey < E:
                 udst = ukey * W // E  # = key // EL, no run-time division
                 urow = segment_row(k, ue, ukey, udst)
