@@ -14,7 +14,7 @@ straight from registers into the token's rows. :func:`small_batch` runs steps 0-
 from tilescale_examples.moe._common import (T, expert_key, inclusive_warp_scan, lanes_below, lowest_bit, macro,
                                             phase_done, unit_entry, unit_vector, write_status)
 
-__all__ = ["small_batch"]
+__all__ = ["small_batch", "load_part", "warp_units", "first_parts", "small_scan"]
 
 
 @macro
@@ -39,18 +39,13 @@ def load_part(vec, X, q, lane, PARTS, VECS):
 
 
 @macro
-def small_rank(k):
-    """Steps 0-1: the warp's units; thread ``i`` holds entry ``i`` and ranks it within its
-    warp's entries of its expert. Returns ``k`` with the variables later steps read."""
-    E, K, G, PARTS, VECS, index_dtype = k.E, k.K, k.G, k.PARTS, k.VECS, k.index_dtype
-    Idx, Wt, X, Prof = k.Idx, k.Wt, k.X, k.Prof
-    bx, tx, lane, g, warp, n = k.bx, k.tx, k.lane, k.g, k.warp, k.n
-    wcnt, wbad, wfirst, skey_s, srank_s, xv, xv2 = k.wcnt, k.wbad, k.wfirst, k.skey_s, k.srank_s, k.xv, k.xv2
-    # ---- small 0. the data phase's units (token part q, slot k), u = q * K + k, split
-    # evenly over the grid's warps: warp g has units [u0, u1) (the first units % G
-    # warps one more). The (at most two) parts its first units need are loaded now
-    # (step 1) and stay in flight during the plan (nothing reads xv / xv2 before step 5)
-    units = T.alloc_var("int32")  # at most threads * PARTS
+def warp_units(k):
+    """The data phase's units (token part ``q``, slot), ``u = q * K + slot``, split evenly over
+    the grid's ``G`` warps: warp ``g`` has units ``[u0, u1)`` (the first ``units % G`` warps one
+    more), whose first part is ``qa = u0 // K``. Returns ``k`` with ``units``, ``u0``, ``u1``
+    and ``qa``."""
+    K, G, PARTS, g = k.K, k.G, k.PARTS, k.g
+    units = T.alloc_var("int32")  # at most NT * PARTS * K
     units = k.NT * (PARTS * K)
     u0 = T.alloc_var("int32")
     u0 = g * (units // G) + T.min(g, units % G)
@@ -58,6 +53,34 @@ def small_rank(k):
     u1 = u0 + units // G + T.if_then_else(g < units % G, 1, 0)
     qa = T.alloc_var("int32")  # the part of the warp's first unit
     qa = u0 // K
+    return k.extend(units=units, u0=u0, u1=u1, qa=qa)
+
+
+@macro
+def first_parts(k):
+    """The (at most two) token parts the warp's first units need (:func:`warp_units`): ``qa``
+    into ``xv``, ``qa + 1`` into ``xv2`` where the warp reaches it. Issued right after the
+    warp's indices are loaded (so that those arrive first); nothing reads them before the data
+    phase, so they stay in flight while the block ranks."""
+    X, K, PARTS, VECS, lane, u0, u1, qa, xv, xv2 = k.X, k.K, k.PARTS, k.VECS, k.lane, k.u0, k.u1, k.qa, k.xv, k.xv2
+    if u0 < u1:
+        load_part(xv, X, qa, lane, PARTS, VECS)
+        if (u1 - 1) // K > qa:
+            load_part(xv2, X, qa + 1, lane, PARTS, VECS)
+
+
+@macro
+def small_rank(k):
+    """Steps 0-1: the warp's units; thread ``i`` holds entry ``i`` and ranks it within its
+    warp's entries of its expert. Returns ``k`` with the variables later steps read."""
+    E, K, index_dtype = k.E, k.K, k.index_dtype
+    Idx, Wt, Prof = k.Idx, k.Wt, k.Prof
+    bx, tx, lane, warp, n = k.bx, k.tx, k.lane, k.warp, k.n
+    wcnt, wbad, wfirst, skey_s, srank_s = k.wcnt, k.wbad, k.wfirst, k.skey_s, k.srank_s
+    # ---- small 0. the data phase's units, split evenly over the grid's warps; the (at most
+    # two) parts a warp's first units need are loaded in step 1 and stay in flight during the
+    # plan (nothing reads xv / xv2 before step 5)
+    k = warp_units(k)
     # ---- small 1. thread i < n holds entry i: its index and weight (loaded before the
     # parts, so that they arrive first), its key; its rank among the warp's entries of
     # its expert (match_any); the warp's counts in its row of wcnt; key and rank into
@@ -69,10 +92,7 @@ def small_rank(k):
         if bx == 0:  # (only block 0 writes Weights: the other blocks read just the indices)
             sweight = Wt[tx // K, tx % K]
         sidx = Idx[tx // K, tx % K]
-    if u0 < u1:
-        load_part(xv, X, qa, lane, PARTS, VECS)
-        if (u1 - 1) // K > qa:
-            load_part(xv2, X, qa + 1, lane, PARTS, VECS)
+    first_parts(k)
     skey = T.alloc_var("int32")
     skey = expert_key(sidx, E)
     if sidx != T.max_value(index_dtype):  # (data-dependent: the event waits for the index)
@@ -94,7 +114,7 @@ def small_rank(k):
         wfirst[warp] = T.if_then_else(sbad != T.uint64(0), warp * 32 + lowest_bit(sbad), -1)
     T.sync_threads()
     phase_done(Prof, tx, 2)
-    return k.extend(units=units, u0=u0, u1=u1, qa=qa, sweight=sweight, skey=skey, srank=srank)
+    return k.extend(sweight=sweight, skey=skey, srank=srank)
 
 
 @macro

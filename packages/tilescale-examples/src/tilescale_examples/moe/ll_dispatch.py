@@ -16,7 +16,7 @@ waits for the words of its ``E = EL * W`` segments and keeps the counts.
 from tilescale_examples.decode.norm_kernel import FP8_BLOCK, FP8_MAX
 from tilescale_examples.moe._common import (MAX_EXPERTS, PASS_CONFIGS, Scope, T, expert_key, grid_ids, lanes_below,
                                             lowest_bit, macro, unit_entry, unit_vector, write_status)
-from tilescale_examples.moe.dispatch_small import load_part, small_scan
+from tilescale_examples.moe.dispatch_small import first_parts, load_part, small_scan, warp_units
 
 __all__ = ["LL_THREADS", "LL_MAX_TOKENS", "LL_SHARED_LIMIT", "LL_PHASES", "ll_shared_bytes", "check_ll_sizes",
            "build_ll_dispatch_kernel", "build_ll_recv_kernel", "last_block", "ready_handshake"]
@@ -63,7 +63,8 @@ def ll_rank(k):
     """Step 1: warp ``w`` ranks entries ``[w * RW, (w + 1) * RW)`` (``RW = 32 * nbw``) batch by
     batch: ``packed[i] = key << 16 | rank among the warp's entries of key``; its counts in its
     row of ``wcnt``, its bad entries in ``wbad`` / ``wfirst``. After the first batch's indices
-    are loaded, :func:`ll_prefetch` issues the warp's first token parts."""
+    are loaded, :func:`~tilescale_examples.moe.dispatch_small.first_parts` issues the warp's
+    first token parts."""
     E, K, index_dtype, Idx = k.E, k.K, k.index_dtype, k.Idx
     lane, warp, n, nbw, wcnt, wbad, wfirst, packed = k.lane, k.warp, k.n, k.nbw, k.wcnt, k.wbad, k.wfirst, k.packed
     for j in T.serial((E + 33) // 32):
@@ -79,7 +80,7 @@ def ll_rank(k):
         if i < n:
             lidx = Idx[i // K, i % K]
         if b == 0:
-            ll_prefetch(k)
+            first_parts(k)
         lkey = expert_key(lidx, E)
         lsame = T.match_any_sync(lkey)
         lbelow = lanes_below(lsame, lane)
@@ -165,35 +166,6 @@ def quantise(k, xv, xq, qscale, q):
     for v in T.unroll(8):
         scaled = T.if_then_else(qscale[0] > T.float32(0), T.Cast("float32", xv[v]) / qscale[0], T.float32(0))
         xq[v] = T.Cast("float8_e4m3", T.clamp(scaled, T.float32(-FP8_MAX), T.float32(FP8_MAX)))
-
-
-@macro
-def ll_units(k):
-    """The data phase's units (token part ``q``, slot), ``u = q * K + slot``, split evenly over
-    the grid's warps: warp ``g`` has units ``[u0, u1)`` (the first ``units % G`` warps one
-    more), whose first part is ``qa = u0 // K``. Returns ``k`` with them."""
-    K, G, PARTS, g = k.K, k.G, k.PARTS, k.g
-    units = T.alloc_var("int32")
-    units = k.NT * (PARTS * K)
-    u0 = T.alloc_var("int32")
-    u0 = g * (units // G) + T.min(g, units % G)
-    u1 = T.alloc_var("int32")
-    u1 = u0 + units // G + T.if_then_else(g < units % G, 1, 0)
-    qa = T.alloc_var("int32")
-    qa = u0 // K
-    return k.extend(units=units, u0=u0, u1=u1, qa=qa)
-
-
-@macro
-def ll_prefetch(k):
-    """Right after a warp's first indices are loaded (so that they arrive first): the (at most
-    two) token parts its first units need, ``qa`` into ``xv`` and ``qa + 1`` into ``xv2``; they
-    stay in flight while the block ranks (nothing reads them before the data phase)."""
-    X, K, PARTS, VECS, lane, u0, u1, qa, xv, xv2 = k.X, k.K, k.PARTS, k.VECS, k.lane, k.u0, k.u1, k.qa, k.xv, k.xv2
-    if u0 < u1:
-        load_part(xv, X, qa, lane, PARTS, VECS)
-        if (u1 - 1) // K > qa:
-            load_part(xv2, X, qa + 1, lane, PARTS, VECS)
 
 
 @macro
@@ -308,7 +280,7 @@ def ll_dispatch_body(k, Idx, X, RecvX, RecvScales, RecvSrc, Sig, Flags, RouteRan
                      RouteRow=RouteRow, Status=Status, Arrive=Arrive, Prof=None, bx=bx, tx=tx, lane=lane, g=g, me=me,
                      W=W, EL=EL, warp=warp, n=n, nbw=nbw, wcnt=wcnt, packed=packed, wbad=wbad, wfirst=wfirst,
                      stot=stot, lastb=lastb, sc=sc, xv=xv, xv2=xv2, xq=xq, qscale=qscale, run=run, first=first, epoch=epoch)
-        k = ll_units(k)
+        k = warp_units(k)
         ll_rank(k)
         small_scan(k)  # the column scans over the warps (stot: this rank's counts) and the bad entries
         ll_status(k)
