@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["format_bytes", "gb_per_s", "ratio", "format_table", "print_table", "print_checked", "size_sweep",
-           "save_tables", "table_name"]
+__all__ = ["format_bytes", "gb_per_s", "ratio", "format_table", "print_table", "print_checked", "print_outcome",
+           "size_sweep", "save_tables", "table_name"]
 
 
 def format_bytes(nbytes: int) -> str:
@@ -138,3 +138,15 @@ def print_checked(tables: dict, title, headers: Sequence[str], failures: Sequenc
         print(line)
     verdict = "ok" if not failures else f"{len(failures)} FAILURE(S)"
     print(f"correctness (every rank's fused output against {reference}): {verdict}")
+
+
+def print_outcome(failures: Sequence[str], goals: Sequence[str], checked: str) -> int:
+    """A benchmark's last lines: every failure (``FAILED: ...``), the ``goals`` lines, then the
+    verdict ``correctness (<checked>): ok`` (or the failure count); returns the exit status
+    (0, or 1 when anything failed)."""
+    for failure in failures:
+        print("FAILED:", failure)
+    for line in goals:
+        print(line)
+    print(f"correctness ({checked}): {'ok' if not failures else f'{len(failures)} FAILURE(S)'}")
+    return 1 if failures else 0

@@ -29,7 +29,7 @@ The goal (issue 44, one H200): at least 0.9 of the best torch backend's speed (p
 from __future__ import annotations
 
 from tilescale_examples.benchmarks import _harness, _timing
-from tilescale_examples.benchmarks._report import print_table, ratio
+from tilescale_examples.benchmarks._report import print_outcome, print_table, ratio
 
 __all__ = ["HEADERS", "GOAL", "flops", "parse_tiles", "tiles_label", "run_case", "goal_lines", "main"]
 
@@ -165,12 +165,7 @@ def main(argv=None) -> int:
     print_table(f"flash-attention forward vs torch scaled_dot_product_attention, {torch.cuda.get_device_name(device)}, "
                 f"batch {args.batch}, {args.heads} heads ({args.kv_heads} kv) of {args.head_dim}, {args.dtype}; "
                 f"median GPU time of {args.iters} calls", HEADERS, rows)
-    for failure in failures:
-        print("FAILED:", failure)
-    for line in goal_lines(rows):
-        print(line)
-    print(f"correctness (TileScale's output against torch's): {'ok' if not failures else f'{len(failures)} FAILURE(S)'}")
-    return 1 if failures else 0
+    return print_outcome(failures, goal_lines(rows), "TileScale's output against torch's")
 
 
 if __name__ == "__main__":

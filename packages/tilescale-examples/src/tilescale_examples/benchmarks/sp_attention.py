@@ -30,7 +30,7 @@ status 1.
 from __future__ import annotations
 
 from tilescale_examples.benchmarks import _harness, _timing
-from tilescale_examples.benchmarks._report import print_table, ratio
+from tilescale_examples.benchmarks._report import print_outcome, print_table, ratio
 
 __all__ = ["SP_HEADERS", "DECODE_HEADERS", "GOAL_SP", "GOAL_DECODE", "GOAL_COMBINE_US", "run", "goal_lines", "main"]
 
@@ -190,12 +190,7 @@ def main(argv=None) -> int:
     print_table(f"SPFlashDecode vs torch scaled_dot_product_attention (one-token queries), 1 rank on {name}, "
                 f"{args.heads} heads ({args.kv_heads} kv) of {args.head_dim}, {args.dtype}; median GPU time of "
                 f"{args.iters} calls", DECODE_HEADERS, decode_rows)
-    for failure in failures:
-        print("FAILED:", failure)
-    for line in goal_lines(sp_rows, decode_rows):
-        print(line)
-    print(f"correctness (against torch): {'ok' if not failures else f'{len(failures)} FAILURE(S)'}")
-    return 1 if failures else 0
+    return print_outcome(failures, goal_lines(sp_rows, decode_rows), "against torch")
 
 
 if __name__ == "__main__":

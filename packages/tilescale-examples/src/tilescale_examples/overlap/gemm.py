@@ -10,7 +10,9 @@ shape checks, and the error bound their tests and benchmarks use.
   re-reads ``B`` from memory for every row block).
 * :func:`gemm_mainloop`: a ``T.macro`` computing one ``block_m x block_n`` output tile into a
   float32 fragment (``T.Pipelined`` over ``k``: TMA loads into shared memory, WGMMA); every
-  kernel here is this loop plus a prologue (which rows, what to wait for) and an epilogue.
+  kernel here is this loop plus a prologue (which rows, what to wait for) and an epilogue;
+  :func:`gemm_mainloop_span` is the same loop over a run-time number of ``k`` steps (the
+  stream-K GEMM's, :mod:`~tilescale_examples.overlap.stream_k`).
 * :func:`build_gemm_kernel`: stock TileLang's GEMM with these tiles and no TileScale
   intrinsic, ``C = A @ B``; the benchmarks' "stock TileLang GEMM" and the sequential plans'
   GEMM.
@@ -34,7 +36,7 @@ from tilescale_core.interface import check_positive_int
 
 from tilescale_examples.base import SymmetricOp
 
-__all__ = ["GemmTiles", "OverlappedGemm", "DTYPES", "gemm_mainloop", "build_gemm_kernel", "check_gemm_dims",
+__all__ = ["GemmTiles", "OverlappedGemm", "DTYPES", "gemm_mainloop", "gemm_mainloop_span", "build_gemm_kernel", "check_gemm_dims",
            "check_positive", "unit_roundoff", "error_bound", "count_outside", "MAX_ELEMENTS", "default_swizzle",
            "default_tiles", "resolve_tiles", "RASTER_PANEL", "RASTER_MIN_COLUMN_BLOCKS"]
 
@@ -135,6 +137,30 @@ def check_gemm_dims(owner: str, tiles: GemmTiles, **dims) -> None:
                              f"pad {name} to {-(-value // size) * size} or pass a {tile} that divides it")
 
 
+def gemm_mainloop_span(dtype: str, tiles: GemmTiles):
+    """A ``T.macro`` ``mainloop(A, B, C_f, row, col, k0, steps)``: ``C_f = A[row:row+block_m,
+    k0:k0+steps*block_k] @ B[k0:k0+steps*block_k, col:col+block_n]`` in the float32 fragment
+    ``C_f`` (``(block_m, block_n)``): ``T.Pipelined`` over the ``steps`` ``k`` steps (TMA loads
+    into shared memory, WGMMA), every argument a run-time expression or a constant. TileLang's
+    warp-specialised lowering keeps its stage and phase counters across the loop's trips, so a
+    kernel may run it several times with different ``steps`` (one such loop per kernel)."""
+    import tilelang.language as T
+
+    BM, BN, BK, stages = tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages
+
+    @T.macro
+    def mainloop(A, B, C_f, row, col, k0, steps):
+        A_s = T.alloc_shared((BM, BK), dtype)
+        B_s = T.alloc_shared((BK, BN), dtype)
+        T.clear(C_f)
+        for kk in T.Pipelined(steps, num_stages=stages):
+            T.copy(A[row, k0 + kk * BK], A_s)
+            T.copy(B[k0 + kk * BK, col], B_s)
+            T.gemm(A_s, B_s, C_f)
+
+    return mainloop
+
+
 def gemm_mainloop(k: int, dtype: str, tiles: GemmTiles, k_offset: bool = False):
     """A ``T.macro`` ``mainloop(A, B, C_f, row, col)``: ``C_f = A[row:row+block_m, :] @
     B[:, col:col+block_n]`` in the float32 fragment ``C_f`` (``(block_m, block_n)``), with
@@ -143,27 +169,23 @@ def gemm_mainloop(k: int, dtype: str, tiles: GemmTiles, k_offset: bool = False):
 
     With ``k_offset``, the macro is ``mainloop(A, B, C_f, row, col, k0)`` and multiplies the
     ``k`` columns ``k0 .. k0 + k`` of ``A`` by the same rows of ``B`` (one split of a split-``k``
-    GEMM: ``A`` and ``B`` may then be wider / taller than ``k``)."""
+    GEMM: ``A`` and ``B`` may then be wider / taller than ``k``). Both are
+    :func:`gemm_mainloop_span` with ``k / block_k`` steps."""
     import tilelang.language as T
 
-    BM, BN, BK, stages = tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages
+    span = gemm_mainloop_span(dtype, tiles)
+    steps = k // tiles.block_k
 
     @T.macro
     def mainloop_from(A, B, C_f, row, col, k0):
-        A_s = T.alloc_shared((BM, BK), dtype)
-        B_s = T.alloc_shared((BK, BN), dtype)
-        T.clear(C_f)
-        for kk in T.Pipelined(k // BK, num_stages=stages):
-            T.copy(A[row, k0 + kk * BK], A_s)
-            T.copy(B[k0 + kk * BK, col], B_s)
-            T.gemm(A_s, B_s, C_f)
+        span(A, B, C_f, row, col, k0, steps)
 
     if k_offset:
         return mainloop_from
 
     @T.macro
     def mainloop(A, B, C_f, row, col):
-        mainloop_from(A, B, C_f, row, col, 0)
+        span(A, B, C_f, row, col, 0, steps)
 
     return mainloop
 

@@ -1,0 +1,388 @@
+"""The stream-K GEMM (:mod:`tilescale_examples.overlap.stream_k`).
+
+CPU: the schedule walked whole for many shapes (every ``k`` step of every tile computed once,
+balanced shares, at most two partial segments per block in their own slots, every tile's
+contributors and their slots as the kernel computes them); the same formulas evaluated as the
+TIR expressions the kernel uses; the fix-up simulated in numpy with random arrival orders
+(bit-identical whatever block arrives last); the generated CUDA (one pipelined loop, the
+device-scope acquire-release counter, the named barrier of the compute threads, the counter
+reset); an nvcc compile (no spills); argument errors before any kernel.
+
+GPU (``gpu``): against the float32 reference with fresh random data and poisoned outputs, at
+shapes with stream-K tiles only, data-parallel and stream-K tiles, whole waves only, tiny
+grids where a tile has three contributors and more blocks than steps; bit-identical repeated
+calls; 200 back-to-back calls on fresh inputs with the counters back at zero; a side stream;
+CUDA-graph replays with fresh inputs; a straggler kernel holding SMs while the GEMM runs.
+"""
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+from examples_helpers import kernel_body, lower_source, needs_nvcc, nvcc_resources
+
+from tilescale_examples.overlap.gemm import GemmTiles, count_outside
+from tilescale_examples.overlap.stream_k import (STREAM_K_TILES, StreamKGemm, StreamKPlan, build_stream_k_gemm,
+                                                 default_blocks, workspace_shapes)
+
+#: (row_blocks, col_blocks, iters, blocks) walked by the schedule tests: fewer tiles than
+#: blocks, whole waves, waves plus a remainder, more blocks than steps, one step per tile.
+PLANS = [(8, 14, 128, 132), (32, 14, 128, 132), (8, 28, 128, 132), (32, 112, 128, 132), (12, 11, 16, 132),
+         (2, 2, 4, 7), (1, 1, 1, 5), (3, 5, 7, 4), (1, 1, 3, 2), (5, 1, 9, 3), (4, 4, 2, 64), (7, 3, 1, 4),
+         (1, 2, 128, 132), (33, 4, 5, 132)]
+
+
+def _walk(plan: StreamKPlan) -> dict:
+    """``{(tile, step): block}`` of every step every block computes (data-parallel tiles as
+    output tiles ``0 .. dp_tiles - 1``, stream-K tiles after them); fails on a step computed
+    twice."""
+    done = {}
+    for b in range(plan.blocks):
+        for i in range(plan.dp_waves):
+            for step in range(plan.iters):
+                key = (i * plan.blocks + b, step)
+                assert key not in done
+                done[key] = b
+        for seg in plan.segments(b):
+            for step in range(seg.lo, seg.hi):
+                key = (plan.dp_tiles + seg.tile, step)
+                assert key not in done
+                done[key] = b
+    return done
+
+
+@pytest.mark.parametrize("shape", PLANS, ids=str)
+def test_every_step_of_every_tile_is_computed_once(shape):
+    plan = StreamKPlan(*shape)
+    assert set(_walk(plan)) == set(itertools.product(range(plan.tiles), range(plan.iters)))
+    assert plan.dp_tiles % plan.blocks == 0 and 0 <= plan.sk_tiles < 2 * plan.blocks
+    if plan.tiles % plan.blocks == 0:
+        assert plan.sk_tiles == 0
+
+
+@pytest.mark.parametrize("shape", PLANS, ids=str)
+def test_blocks_get_equal_shares_and_at_most_two_partials_in_their_slots(shape):
+    plan = StreamKPlan(*shape)
+    q, r = plan.share
+    for b in range(plan.blocks):
+        start, end = plan.sk_range(b)
+        assert end - start == q + (b < r) and start == sum(q + (c < r) for c in range(b))
+        segs = plan.segments(b)
+        assert len(segs) == plan.segment_count(b)
+        partial = [s for s in segs if s.slot is not None]
+        assert all(s.slot is None for s in segs[1:-1])  # the middle segments are whole tiles
+        assert len(partial) <= 2 and len({s.slot for s in partial}) == len(partial)
+        assert {s.slot for s in partial} <= {2 * b, 2 * b + 1}
+        for s in segs:
+            assert 0 <= s.lo < s.hi <= plan.iters and s.tile < plan.sk_tiles
+
+
+@pytest.mark.parametrize("shape", PLANS, ids=str)
+def test_contributors_and_their_slots_are_the_blocks_that_computed_the_tile(shape):
+    plan = StreamKPlan(*shape)
+    touched = {}  # stream-K tile -> [(block, lo, slot)]
+    for b in range(plan.blocks):
+        for seg in plan.segments(b):
+            touched.setdefault(seg.tile, []).append((b, seg.lo, seg.slot))
+    for tile in range(plan.sk_tiles):
+        first, count = plan.contributors(tile)
+        blocks = [b for b, _, _ in touched[tile]]
+        assert blocks == list(range(first, first + count))
+        assert [lo for _, lo, _ in touched[tile]] == sorted(lo for _, lo, _ in touched[tile])  # k order
+        if count > 1:
+            assert [plan.contributor_slot(tile, b) for b in blocks] == [slot for _, _, slot in touched[tile]]
+        else:
+            assert touched[tile][0][2] is None  # one contributor: a whole tile, stored directly
+    for x in range(plan.sk_tiles * plan.iters):
+        start, end = plan.sk_range(plan.owner(x))
+        assert start <= x < end
+
+
+@pytest.mark.parametrize("shape", [(8, 14, 128, 132), (32, 14, 128, 132), (2, 2, 4, 7), (3, 5, 7, 4)], ids=str)
+def test_the_kernel_s_tir_formulas_equal_the_python_ones(shape):
+    """The kernel evaluates the plan's methods on TIR variables; substituted with ints and
+    simplified, they give what the Python walk used."""
+    from tilelang import tvm
+
+    tir = tvm.tirx
+    plan = StreamKPlan(*shape)
+    b, s, t, c = (tir.Var(n, "int32") for n in "bstc")
+    exprs = {"range": plan.sk_range(b), "count": (plan.segment_count(b),), "segment": plan.segment(b, s),
+             "slot": (plan.slot(b, s),), "contributors": plan.contributors(t),
+             "contributor_slot": (plan.contributor_slot(t, c),), "owner": (plan.owner(t),)}
+    analyzer = tvm.arith.Analyzer()
+
+    def value(e, **binds):
+        sub = tir.stmt_functor.substitute(e, {v: tir.IntImm("int32", binds[v.name]) for v in (b, s, t, c)
+                                              if v.name in binds})
+        return int(analyzer.simplify(sub))
+
+    for blk in random.Random(0).sample(range(plan.blocks), min(plan.blocks, 12)):
+        assert tuple(value(e, b=blk) for e in exprs["range"]) == plan.sk_range(blk)
+        assert value(exprs["count"][0], b=blk) == plan.segment_count(blk)
+        for seg in range(plan.segment_count(blk)):
+            assert tuple(value(e, b=blk, s=seg) for e in exprs["segment"]) == plan.segment(blk, seg)
+            assert value(exprs["slot"][0], b=blk, s=seg) == plan.slot(blk, seg)
+    for tile in range(plan.sk_tiles):
+        assert tuple(value(e, t=tile) for e in exprs["contributors"]) == plan.contributors(tile)
+        first, count = plan.contributors(tile)
+        for blk in range(first, first + count):
+            assert value(exprs["contributor_slot"][0], t=tile, c=blk) == plan.contributor_slot(tile, blk)
+    for x in range(0, plan.sk_tiles * plan.iters, max(1, plan.iters // 3)):
+        assert value(exprs["owner"][0], t=x) == plan.owner(x)
+
+
+def _simulate(plan: StreamKPlan, a: np.ndarray, b: np.ndarray, bm: int, bn: int, bk: int, order) -> np.ndarray:
+    """The kernel's arithmetic in numpy (float32 partials, the last arrival adds them in ``k``
+    order), blocks' segments finishing in ``order`` (a permutation of ``(block, segment)``)."""
+    c = np.full((a.shape[0], b.shape[1]), np.nan, dtype=np.float32)
+    work = np.full((2 * plan.blocks, bm, bn), np.nan, dtype=np.float32)
+    counts = [0] * plan.sk_tiles
+
+    def product(t, lo, hi):
+        row, col = plan.tile_position(t)
+        return (a[row * bm:(row + 1) * bm, lo * bk:hi * bk] @ b[lo * bk:hi * bk, col * bn:(col + 1) * bn]).astype(
+            np.float32), row, col
+
+    for blk in range(plan.blocks):
+        for i in range(plan.dp_waves):
+            p, row, col = product(i * plan.blocks + blk, 0, plan.iters)
+            c[row * bm:(row + 1) * bm, col * bn:(col + 1) * bn] = p
+    for blk, si in order:
+        seg = plan.segments(blk)[si]
+        p, row, col = product(plan.dp_tiles + seg.tile, seg.lo, seg.hi)
+        if seg.slot is None:
+            c[row * bm:(row + 1) * bm, col * bn:(col + 1) * bn] = p
+            continue
+        work[seg.slot] = p
+        counts[seg.tile] += 1
+        first, count = plan.contributors(seg.tile)
+        if counts[seg.tile] == count:
+            counts[seg.tile] = 0
+            acc = np.zeros((bm, bn), dtype=np.float32)
+            for j in range(count):
+                acc += work[plan.contributor_slot(seg.tile, first + j)]
+            c[row * bm:(row + 1) * bm, col * bn:(col + 1) * bn] = acc
+    assert counts == [0] * plan.sk_tiles  # back to zero for the next call
+    return c
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 4, 7), (3, 5, 7, 4), (5, 1, 9, 3), (4, 3, 6, 5)], ids=str)
+def test_the_fix_up_is_exact_and_independent_of_the_arrival_order(shape):
+    bm, bn, bk = 4, 8, 2
+    plan = StreamKPlan(*shape)
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((plan.row_blocks * bm, plan.iters * bk)).astype(np.float32)
+    b = rng.standard_normal((plan.iters * bk, plan.col_blocks * bn)).astype(np.float32)
+    units = [(blk, si) for blk in range(plan.blocks) for si in range(plan.segment_count(blk))]
+    results = []
+    for seed in range(4):
+        order = list(units)
+        random.Random(seed).shuffle(order)
+        results.append(_simulate(plan, a, b, bm, bn, bk, order))
+    assert not np.isnan(results[0]).any()
+    np.testing.assert_allclose(results[0], a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+    assert all(np.array_equal(results[0], r) for r in results[1:])  # the same bits
+
+
+def test_bad_plans_and_shapes_are_named():
+    with pytest.raises(ValueError, match="blocks must be a positive int"):
+        StreamKPlan(1, 1, 1, 0)
+    with pytest.raises(ValueError, match="iters must be a positive int"):
+        StreamKPlan(1, 1, True, 2)
+    with pytest.raises(ValueError, match="n=300 is not a multiple of block_n=256"):
+        build_stream_k_gemm(128, 300, 64)
+    with pytest.raises(ValueError, match="blocks must be a positive int"):
+        build_stream_k_gemm(128, 256, 64, blocks=0)
+
+
+def test_default_blocks_are_the_sms_with_at_least_four_steps_each():
+    assert default_blocks(1024, 3584, 8192, STREAM_K_TILES, 132) == 132
+    assert default_blocks(256, 512, 256, STREAM_K_TILES, 132) == 4  # 16 steps
+    assert default_blocks(128, 256, 64, STREAM_K_TILES, 132) == 1
+
+
+def test_workspace_is_two_slots_per_block_and_a_counter_per_stream_k_tile():
+    plan = StreamKPlan(8, 14, 128, 132)
+    assert workspace_shapes(GemmTiles(), plan) == {"work": (2 * 132 * 128, 256), "counts": (112,)}
+    whole = StreamKPlan(12, 11, 16, 132)
+    assert whole.sk_tiles == 0 and workspace_shapes(GemmTiles(), whole)["counts"] == (1,)
+
+
+# ------------------------------------------------------------------------------ generated code
+def test_generated_cuda_has_one_pipeline_an_acq_rel_counter_and_a_compute_barrier():
+    src = kernel_body(lower_source(build_stream_k_gemm(4096, 3584, 8192, "bfloat16", STREAM_K_TILES)))
+    assert src.count("tl::tma_load(A_desc") == 1 and "wgmma" in src  # one pipelined loop, TMA + WGMMA
+    atomic = src[src.index("AtomicAddRet("):]
+    assert atomic[:atomic.index(";")].endswith(", 1, 4)")  # fetch_add(1), memory_order_acq_rel (4)
+    assert "cuda::thread_scope_device" not in src  # (the scope is in TileLang's header: device)
+    assert "tl::__sync_thread_partial(" in src  # the fix-up's barrier: the compute threads only
+    assert src.count("__syncthreads()") <= 2  # setup and the start of each unit, as every TileLang GEMM
+    assert "Counts[" in src and "] = 0;" in src[src.index("AtomicAddRet("):]  # the last arrival resets
+
+
+def test_the_reduction_adds_the_contributors_in_a_loop_over_their_slots():
+    src = kernel_body(lower_source(build_stream_k_gemm(1024, 3584, 8192, "bfloat16", STREAM_K_TILES)))
+    loop = src[src.index("AtomicAddRet("):]
+    assert "for (int j = 0; j <" in loop and "Work + " in loop[loop.index("for (int j = 0; j <"):]
+
+
+@needs_nvcc
+def test_kernel_compiles_without_spills(tmp_path):
+    for m, n, k, blocks in ((4096, 3584, 8192, 132), (256, 512, 256, 7)):
+        src = lower_source(build_stream_k_gemm(m, n, k, "bfloat16", STREAM_K_TILES, blocks))
+        regs, spills = nvcc_resources(src, tmp_path)
+        assert spills == 0 and regs <= 168, (m, n, k, regs, spills)  # 384 threads: 65536 / 384 registers
+
+
+# ------------------------------------------------------------------------------ the op's checks
+@pytest.fixture
+def cpu_op(monkeypatch):
+    """A StreamKGemm on the CPU with its compile recorded (the kernel records its calls)."""
+    calls = []
+
+    class Kernel:
+        def __call__(self, *args):
+            calls.append(args)
+
+    monkeypatch.setattr("tilescale_examples.base.compile_once", lambda func, *a, **k: Kernel())
+    op = StreamKGemm(256, 512, 128, torch.bfloat16, blocks=3, device="cpu")
+    return op, calls
+
+
+def test_constructor_names_bad_arguments():
+    with pytest.raises(ValueError, match="k=100 is not a multiple of block_k=64"):
+        StreamKGemm(128, 256, 100, device="cpu")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        StreamKGemm(128, 256, 64, torch.float32, device="cpu")
+    with pytest.raises(TypeError, match="tiles must be a GemmTiles"):
+        StreamKGemm(128, 256, 64, tiles=(128, 256, 64), device="cpu")
+    with pytest.raises(ValueError, match="blocks must be a positive int"):
+        StreamKGemm(128, 256, 64, blocks=-1, device="cpu")
+
+
+def test_a_call_checks_its_tensors_before_the_kernel(cpu_op):
+    op, calls = cpu_op
+    a = torch.zeros(256, 128, dtype=torch.bfloat16)
+    b = torch.zeros(128, 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="a"):
+        op(a[:128], b)
+    with pytest.raises(TypeError, match="b has dtype torch.float16"):
+        op(a, b.half())
+    with pytest.raises(ValueError, match="out"):
+        op(a, b, out=torch.zeros(256, 256, dtype=torch.bfloat16))
+    both = torch.zeros(256 * 128 + 256 * 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out overlaps a"):
+        op(both[:256 * 128].view(256, 128), b, out=both[:256 * 512].view(256, 512))
+    assert calls == []
+    assert op(a, b) is op.output
+    assert [t.shape for t in calls[0]] == [a.shape, b.shape, (256, 512), (2 * 3 * 128, 256), (4,)]
+    assert calls[0][4].dtype == torch.int32 and not calls[0][4].any()  # the counters start at zero
+    assert "sk_tiles=4" in repr(op) and op.flops() == 2.0 * 256 * 512 * 128
+
+
+# ------------------------------------------------------------------------------ benchmark
+def test_benchmark_without_a_gpu_and_its_argument_errors(monkeypatch, capsys):
+    from examples_helpers import exits_naming, output_without_gpu
+
+    from tilescale_examples.benchmarks import stream_k as bench
+
+    assert "nothing to measure" in output_without_gpu(bench.main, [], monkeypatch, capsys)
+    exits_naming(bench.main, ["--tiles", "128x256"], "--tiles must be", capsys)
+    exits_naming(bench.main, ["--n", "300"], "n=300 is not a multiple of block_n=256", capsys)
+    exits_naming(bench.main, ["--iters", "0"], "--iters and --rounds must be >= 1", capsys)
+
+
+def test_benchmark_goal_line_reads_the_worst_x_matmul():
+    from tilescale_examples.benchmarks import stream_k as bench
+
+    rows = [[1024, 3584, 8192, 0.85, 700.0, 640.0, 690.0, 0.986, 1.08, "ok"],
+            [4096, 3584, 8192, 3.39, 750.0, 650.0, 720.0, 0.96, 1.1, "ok"]]
+    assert bench.goal_lines(rows) == ["worst stream-K vs torch.matmul: 0.960 (goal >= 0.97)"]
+    assert bench.goal_lines([]) == ["worst stream-K vs torch.matmul: not measured"]
+
+
+# ------------------------------------------------------------------------------ GPU
+#: (m, n, k, dtype, tiles, blocks) of the GPU cases; blocks None: the SM count.
+GPU_CASES = [(1024, 3584, 8192, torch.bfloat16, None, None),  # stream-K tiles only (112 < 132)
+             (4096, 3584, 1024, torch.bfloat16, None, None),  # data-parallel + stream-K tiles
+             (1536, 2816, 512, torch.float16, None, 132),  # whole waves only (132 tiles)
+             (256, 512, 256, torch.bfloat16, None, 7),  # three contributors to a tile
+             (128, 256, 64, torch.bfloat16, None, 5),  # more blocks than steps
+             (384, 1024, 640, torch.float16, GemmTiles(128, 128, 64, 3, 256), 10)]
+
+
+def _inputs(m, n, k, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn((m, k), generator=g, device="cuda").to(dtype),
+            torch.randn((k, n), generator=g, device="cuda").to(dtype))
+
+
+def _check(out, a, b, what):
+    ref = a.float() @ b.float()
+    bad, worst = count_outside(out, ref, out.dtype)
+    assert bad == 0, f"{what}: {bad} elements outside the bound (worst {worst:.2f}x)"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c[:4]))
+def test_gpu_stream_k_matches_the_reference_and_repeats_bit_for_bit(case):
+    m, n, k, dtype, tiles, blocks = case
+    op = StreamKGemm(m, n, k, dtype, tiles=tiles, blocks=blocks)
+    for seed in range(3):
+        a, b = _inputs(m, n, k, dtype, seed)
+        out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+        op(a, b, out=out)
+        _check(out, a, b, f"seed {seed}")
+        op.output.fill_(float("nan"))
+        assert torch.equal(op(a, b), out)  # the same bits, whichever block arrived last
+    torch.cuda.synchronize()
+    assert not op.counts.any()
+
+
+@pytest.mark.gpu
+def test_gpu_back_to_back_calls_side_stream_graphs_and_a_straggler():
+    m, n, k, dtype = 512, 1024, 1024, torch.bfloat16
+    op = StreamKGemm(m, n, k, dtype, blocks=11)  # 8 tiles over 11 blocks: every tile fixed up
+    inputs = [_inputs(m, n, k, dtype, 100 + i) for i in range(4)]
+    outs = [torch.full((m, n), float("nan"), dtype=dtype, device="cuda") for _ in range(200)]
+    for i, out in enumerate(outs):  # 200 calls without host synchronisation
+        op(*inputs[i % 4], out=out)
+    torch.cuda.synchronize()
+    for i in (0, 1, 2, 3, 101, 199):
+        _check(outs[i], *inputs[i % 4], f"back-to-back call {i}")
+    assert all(torch.equal(outs[i], outs[i % 4]) for i in range(4, 200))
+    assert not op.counts.any()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000)  # a straggler on the side stream first
+        got = op(*inputs[0])
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(got, outs[0])
+
+    a, b = (t.clone() for t in inputs[0])
+    out = torch.empty((m, n), dtype=dtype, device="cuda")
+    op(a, b, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op(a, b, out=out)
+    for i in range(1, 4):
+        a.copy_(inputs[i][0])
+        b.copy_(inputs[i][1])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, outs[i]), f"graph replay {i}"
+
+    hold = torch.cuda.Stream()  # a kernel holding SMs while the GEMM runs: nothing waits on a block
+    with torch.cuda.stream(hold):
+        for _ in range(8):
+            torch.cuda._sleep(1_000_000)
+    out.fill_(float("nan"))
+    op(*inputs[2], out=out)
+    torch.cuda.synchronize()
+    assert torch.equal(out, outs[2]) and not op.counts.any()
