@@ -10,7 +10,8 @@ reset); an nvcc compile (no spills); argument errors before any kernel.
 
 GPU (``gpu``): against the float32 reference with fresh random data and poisoned outputs, at
 shapes with stream-K tiles only, data-parallel and stream-K tiles, whole waves only, tiny
-grids where a tile has three contributors and more blocks than steps; bit-identical repeated
+grids where a tile has three contributors, more blocks than steps, more blocks than SMs (not all
+resident at once: nothing waits for a block); bit-identical repeated
 calls; 200 back-to-back calls on fresh inputs with the counters back at zero; a side stream;
 CUDA-graph replays with fresh inputs; a straggler kernel holding SMs while the GEMM runs.
 """
@@ -311,7 +312,8 @@ GPU_CASES = [(1024, 3584, 8192, torch.bfloat16, None, None),  # stream-K tiles o
              (1536, 2816, 512, torch.float16, None, 132),  # whole waves only (132 tiles)
              (256, 512, 256, torch.bfloat16, None, 7),  # three contributors to a tile
              (128, 256, 64, torch.bfloat16, None, 5),  # more blocks than steps
-             (384, 1024, 640, torch.float16, GemmTiles(128, 128, 64, 3, 256), 10)]
+             (384, 1024, 640, torch.float16, GemmTiles(128, 128, 64, 3, 256), 10),
+             (512, 1024, 2048, torch.bfloat16, None, 300)]  # more blocks than SMs: 1-2 steps each, ~20 per tile
 
 
 def _inputs(m, n, k, dtype, seed):
