@@ -2,9 +2,9 @@
 
 CPU: the schedule walked whole for many shapes (every ``k`` step of every tile computed once,
 balanced shares, at most two partial segments per block in their own slots, every tile's
-contributors and their slots as the kernel computes them); the same formulas evaluated as the
-TIR expressions the kernel uses; the fix-up simulated in numpy with random arrival orders
-(bit-identical whatever block arrives last); the generated CUDA (one pipelined loop, the
+contributors and their slots; the blocks running together close along ``k``); the kernel's
+tables holding that plan; the fix-up simulated in numpy from the tables with random arrival
+orders (bit-identical whatever block arrives last); the generated CUDA (one pipelined loop, the
 device-scope acquire-release counter, the named barrier of the compute threads, the counter
 reset); an nvcc compile (no spills); argument errors before any kernel.
 
@@ -26,7 +26,7 @@ from examples_helpers import kernel_body, lower_source, needs_nvcc, nvcc_resourc
 
 from tilescale_examples.overlap.gemm import GemmTiles, count_outside
 from tilescale_examples.overlap.stream_k import (STREAM_K_TILES, StreamKGemm, StreamKPlan, build_stream_k_gemm,
-                                                 default_blocks, workspace_shapes)
+                                                 default_blocks, schedule_tables, workspace_shapes)
 
 #: (row_blocks, col_blocks, iters, blocks) walked by the schedule tests: fewer tiles than
 #: blocks, whole waves, waves plus a remainder, more blocks than steps, one step per tile.
@@ -101,83 +101,82 @@ def test_contributors_and_their_slots_are_the_blocks_that_computed_the_tile(shap
         assert start <= x < end
 
 
-@pytest.mark.parametrize("shape", [(8, 14, 128, 132), (32, 14, 128, 132), (2, 2, 4, 7), (3, 5, 7, 4)], ids=str)
-def test_the_kernel_s_tir_formulas_equal_the_python_ones(shape):
-    """The kernel evaluates the plan's methods on TIR variables; substituted with ints and
-    simplified, they give what the Python walk used."""
-    from tilelang import tvm
-
-    tir = tvm.tirx
+@pytest.mark.parametrize("shape", [(8, 14, 128, 132), (10, 12, 128, 132), (6, 20, 64, 132)], ids=str)
+def test_blocks_running_together_stay_close_along_k(shape):
+    """In the kernel's order (last segment first) every block's ``k`` step at time ``tau`` (in
+    steps since the stream-K phase began) is within ``iters - q`` of ``tau``: the blocks share
+    the ``k`` slabs of ``A`` and ``B`` in L2. In range order they would be scattered."""
     plan = StreamKPlan(*shape)
-    b, s, t, c = (tir.Var(n, "int32") for n in "bstc")
-    exprs = {"range": plan.sk_range(b), "count": (plan.segment_count(b),), "segment": plan.segment(b, s),
-             "slot": (plan.slot(b, s),), "contributors": plan.contributors(t),
-             "contributor_slot": (plan.contributor_slot(t, c),), "owner": (plan.owner(t),)}
-    analyzer = tvm.arith.Analyzer()
+    q, _ = plan.share
+    assert q < plan.iters
 
-    def value(e, **binds):
-        sub = tir.stmt_functor.substitute(e, {v: tir.IntImm("int32", binds[v.name]) for v in (b, s, t, c)
-                                              if v.name in binds})
-        return int(analyzer.simplify(sub))
+    def positions(segments):
+        return [k for seg in segments for k in range(seg.lo, seg.hi)]
 
-    for blk in random.Random(0).sample(range(plan.blocks), min(plan.blocks, 12)):
-        assert tuple(value(e, b=blk) for e in exprs["range"]) == plan.sk_range(blk)
-        assert value(exprs["count"][0], b=blk) == plan.segment_count(blk)
-        for seg in range(plan.segment_count(blk)):
-            assert tuple(value(e, b=blk, s=seg) for e in exprs["segment"]) == plan.segment(blk, seg)
-            assert value(exprs["slot"][0], b=blk, s=seg) == plan.slot(blk, seg)
+    ordered = [positions(plan.order(b)) for b in range(plan.blocks)]
+    spread = max(abs(k - tau) for pos in ordered for tau, k in enumerate(pos))
+    assert spread <= plan.iters - q
+    ranged = [positions(plan.segments(b)) for b in range(plan.blocks)]
+    assert max(abs(k - tau) for pos in ranged for tau, k in enumerate(pos)) > plan.iters // 2
+    for b in range(plan.blocks):
+        los = [seg.lo for seg in plan.order(b)]
+        assert los == sorted(los) and (len(los) < 2 or los[0] == 0)
+
+
+@pytest.mark.parametrize("shape", PLANS, ids=str)
+def test_the_kernel_s_tables_hold_the_plan(shape):
+    plan = StreamKPlan(*shape)
+    units, fix = schedule_tables(plan)
+    assert tuple(units.shape) == workspace_shapes(GemmTiles(), plan)["units"]
+    assert tuple(fix.shape) == workspace_shapes(GemmTiles(), plan)["fix"]
+    for b in range(plan.blocks):
+        n = int(units[b, 0, 0])
+        rows = [tuple(r) for r in units[b, 1:1 + n].tolist()]
+        dp = [(i * plan.blocks + b, 0, plan.iters, -1) for i in range(plan.dp_waves)]
+        sk = [(plan.dp_tiles + g.tile, g.lo, g.hi, -1 if g.slot is None else g.slot) for g in plan.order(b)]
+        assert rows == dp + sk
     for tile in range(plan.sk_tiles):
-        assert tuple(value(e, t=tile) for e in exprs["contributors"]) == plan.contributors(tile)
         first, count = plan.contributors(tile)
-        for blk in range(first, first + count):
-            assert value(exprs["contributor_slot"][0], t=tile, c=blk) == plan.contributor_slot(tile, blk)
-    for x in range(0, plan.sk_tiles * plan.iters, max(1, plan.iters // 3)):
-        assert value(exprs["owner"][0], t=x) == plan.owner(x)
+        assert fix[tile, 0] == count
+        assert fix[tile, 1:1 + count].tolist() == [plan.contributor_slot(tile, c) for c in range(first, first + count)]
 
 
 def _simulate(plan: StreamKPlan, a: np.ndarray, b: np.ndarray, bm: int, bn: int, bk: int, order) -> np.ndarray:
-    """The kernel's arithmetic in numpy (float32 partials, the last arrival adds them in ``k``
-    order), blocks' segments finishing in ``order`` (a permutation of ``(block, segment)``)."""
+    """The kernel's arithmetic in numpy, read from its tables (:func:`schedule_tables`): float32
+    partials, the last arrival adds them in ``k`` order; blocks' units finishing in ``order``
+    (a permutation of ``(block, unit)``)."""
+    units, fix = (t.numpy() for t in schedule_tables(plan))
     c = np.full((a.shape[0], b.shape[1]), np.nan, dtype=np.float32)
     work = np.full((2 * plan.blocks, bm, bn), np.nan, dtype=np.float32)
-    counts = [0] * plan.sk_tiles
-
-    def product(t, lo, hi):
+    counts = [0] * max(plan.sk_tiles, 1)
+    for blk, u in order:
+        t, lo, hi, slot = units[blk, 1 + u]
         row, col = plan.tile_position(t)
-        return (a[row * bm:(row + 1) * bm, lo * bk:hi * bk] @ b[lo * bk:hi * bk, col * bn:(col + 1) * bn]).astype(
-            np.float32), row, col
-
-    for blk in range(plan.blocks):
-        for i in range(plan.dp_waves):
-            p, row, col = product(i * plan.blocks + blk, 0, plan.iters)
-            c[row * bm:(row + 1) * bm, col * bn:(col + 1) * bn] = p
-    for blk, si in order:
-        seg = plan.segments(blk)[si]
-        p, row, col = product(plan.dp_tiles + seg.tile, seg.lo, seg.hi)
-        if seg.slot is None:
+        p = (a[row * bm:(row + 1) * bm, lo * bk:hi * bk] @ b[lo * bk:hi * bk, col * bn:(col + 1) * bn]).astype(np.float32)
+        if slot < 0:
             c[row * bm:(row + 1) * bm, col * bn:(col + 1) * bn] = p
             continue
-        work[seg.slot] = p
-        counts[seg.tile] += 1
-        first, count = plan.contributors(seg.tile)
-        if counts[seg.tile] == count:
-            counts[seg.tile] = 0
+        work[slot] = p
+        s = t - plan.dp_tiles
+        counts[s] += 1
+        if counts[s] == fix[s, 0]:
+            counts[s] = 0
             acc = np.zeros((bm, bn), dtype=np.float32)
-            for j in range(count):
-                acc += work[plan.contributor_slot(seg.tile, first + j)]
+            for j in range(fix[s, 0]):
+                acc += work[fix[s, 1 + j]]
             c[row * bm:(row + 1) * bm, col * bn:(col + 1) * bn] = acc
-    assert counts == [0] * plan.sk_tiles  # back to zero for the next call
+    assert not any(counts)  # back to zero for the next call
     return c
 
 
-@pytest.mark.parametrize("shape", [(2, 2, 4, 7), (3, 5, 7, 4), (5, 1, 9, 3), (4, 3, 6, 5)], ids=str)
+@pytest.mark.parametrize("shape", [(2, 2, 4, 7), (3, 5, 7, 4), (5, 1, 9, 3), (4, 3, 6, 5), (7, 3, 2, 4)], ids=str)
 def test_the_fix_up_is_exact_and_independent_of_the_arrival_order(shape):
     bm, bn, bk = 4, 8, 2
     plan = StreamKPlan(*shape)
     rng = np.random.default_rng(1)
     a = rng.standard_normal((plan.row_blocks * bm, plan.iters * bk)).astype(np.float32)
     b = rng.standard_normal((plan.iters * bk, plan.col_blocks * bn)).astype(np.float32)
-    units = [(blk, si) for blk in range(plan.blocks) for si in range(plan.segment_count(blk))]
+    units = [(blk, u) for blk in range(plan.blocks) for u in range(int(schedule_tables(plan)[0][blk, 0, 0]))]
     results = []
     for seed in range(4):
         order = list(units)
@@ -207,7 +206,8 @@ def test_default_blocks_are_the_sms_with_at_least_four_steps_each():
 
 def test_workspace_is_two_slots_per_block_and_a_counter_per_stream_k_tile():
     plan = StreamKPlan(8, 14, 128, 132)
-    assert workspace_shapes(GemmTiles(), plan) == {"work": (2 * 132 * 128, 256), "counts": (112,)}
+    assert workspace_shapes(GemmTiles(), plan) == {"work": (2 * 132 * 128, 256), "counts": (112,),
+                                                   "units": (132, 1 + 2, 4), "fix": (112, 1 + 3)}
     whole = StreamKPlan(12, 11, 16, 132)
     assert whole.sk_tiles == 0 and workspace_shapes(GemmTiles(), whole)["counts"] == (1,)
 
@@ -279,7 +279,8 @@ def test_a_call_checks_its_tensors_before_the_kernel(cpu_op):
         op(both[:256 * 128].view(256, 128), b, out=both[:256 * 512].view(256, 512))
     assert calls == []
     assert op(a, b) is op.output
-    assert [t.shape for t in calls[0]] == [a.shape, b.shape, (256, 512), (2 * 3 * 128, 256), (4,)]
+    assert [tuple(t.shape) for t in calls[0]] == [tuple(a.shape), tuple(b.shape), (256, 512), (2 * 3 * 128, 256), (4,),
+                                                  (3, 1 + 2, 4), (4, 1 + 2)]
     assert calls[0][4].dtype == torch.int32 and not calls[0][4].any()  # the counters start at zero
     assert "sk_tiles=4" in repr(op) and op.flops() == 2.0 * 256 * 512 * 128
 
