@@ -235,9 +235,7 @@ def schedule_tables(plan: StreamKPlan) -> tuple:
     contributor count; ``fix[s, 1 + j]``: the slot of its ``j``-th contributor's partial, in
     ``k`` order. (Tables, not formulas in the kernel: TileLang inlines scalar bindings, and the
     plan's nested expressions at every use made lowering take minutes.)"""
-    import torch
-
-    units = torch.zeros(1, dtype=torch.int32).new_zeros((plan.blocks, 1 + plan.max_units, 4))
+    units = torch.zeros((plan.blocks, 1 + plan.max_units, 4), dtype=torch.int32)
     for b in range(plan.blocks):
         rows = [(i * plan.blocks + b, 0, plan.iters, -1) for i in range(plan.dp_waves)]
         rows += [(plan.dp_tiles + g.tile, g.lo, g.hi, -1 if g.slot is None else g.slot) for g in plan.order(b)]
@@ -258,8 +256,8 @@ def build_stream_k_gemm(m: int, n: int, k: int, dtype: str = "bfloat16", tiles: 
     """The stream-K GEMM ``T.prim_func`` (module docstring): ``C = A @ B`` with ``A: (m, k)``,
     ``B: (k, n)``, ``C: (m, n)`` of ``dtype`` (float32 accumulation), ``tiles`` (default
     :class:`GemmTiles`' defaults; ``swizzle`` is not used: the tile order is the plan's) and a
-    grid of ``blocks`` blocks (at most one per SM, so that a block's partials are fixed up
-    while the others still compute). Signature::
+    grid of ``blocks`` blocks (one per SM; more only queue behind each other, and are correct:
+    no block waits for another). Signature::
 
         A, B, C        as above
         Work: (2 * blocks * block_m, block_n) float32   partials (any contents)
