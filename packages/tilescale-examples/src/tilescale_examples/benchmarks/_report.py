@@ -14,12 +14,12 @@ and, with matplotlib, the chart ``<name>.png``), named after the benchmark: ``pu
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 __all__ = ["format_bytes", "gb_per_s", "ratio", "format_table", "print_table", "print_checked", "print_outcome",
-           "size_sweep", "save_tables", "table_name"]
+           "collect", "worst_line", "size_sweep", "save_tables", "table_name"]
 
 
 def format_bytes(nbytes: int) -> str:
@@ -138,6 +138,27 @@ def print_checked(tables: dict, title, headers: Sequence[str], failures: Sequenc
         print(line)
     verdict = "ok" if not failures else f"{len(failures)} FAILURE(S)"
     print(f"correctness (every rank's fused output against {reference}): {verdict}")
+
+
+def collect(results: Iterable[tuple]) -> tuple[list, list]:
+    """``(rows, failures)`` of a sweep's ``results``: pairs ``(rows, failures)`` of its cases,
+    each case's ``rows`` a list of table rows."""
+    rows, failures = [], []
+    for case_rows, case_failures in results:
+        rows += case_rows
+        failures += case_failures
+    return rows, failures
+
+
+def worst_line(label: str, values: Sequence[float], goal: float, higher_is_better: bool = True) -> str:
+    """A goal's line: ``<label>: <worst of values> (goal >= <goal>)`` (the smallest value, or
+    the largest with ``goal <=`` when ``higher_is_better`` is False), or ``<label>: not
+    measured`` when ``values`` is empty."""
+    values = [v for v in values if isinstance(v, float)]
+    if not values:
+        return f"{label}: not measured"
+    worst, sign = (min(values), ">=") if higher_is_better else (max(values), "<=")
+    return f"{label}: {worst:.3f} (goal {sign} {goal})"
 
 
 def print_outcome(failures: Sequence[str], goals: Sequence[str], checked: str) -> int:

@@ -29,7 +29,7 @@ The goal (issue 44, one H200): at least 0.9 of the best torch backend's speed (p
 from __future__ import annotations
 
 from tilescale_examples.benchmarks import _harness, _timing
-from tilescale_examples.benchmarks._report import print_outcome, print_table, ratio
+from tilescale_examples.benchmarks._report import collect, print_outcome, print_table, ratio, worst_line
 
 __all__ = ["HEADERS", "GOAL", "flops", "parse_tiles", "tiles_label", "run_case", "goal_lines", "main"]
 
@@ -122,10 +122,7 @@ def run_case(args, seq: int, causal: bool, device, programs=({},)) -> tuple:
 
 def goal_lines(rows: list) -> list:
     """The goal's line: the smallest ``vs best`` (goal >= :data:`GOAL`)."""
-    values = [r[7] for r in rows if isinstance(r[7], float)]
-    if not values:
-        return ["worst tilescale vs best torch backend: not measured"]
-    return [f"worst tilescale vs best torch backend: {min(values):.3f} (goal >= {GOAL})"]
+    return [worst_line("worst tilescale vs best torch backend", [r[7] for r in rows], GOAL)]
 
 
 def main(argv=None) -> int:
@@ -156,12 +153,8 @@ def main(argv=None) -> int:
     import torch
 
     device = torch.device("cuda", torch.cuda.current_device())
-    rows, failures = [], []
-    for seq in args.seq:
-        for causal in (False, True):
-            case_rows, case_failures = run_case(args, seq, causal, device, programs)
-            rows += case_rows
-            failures += case_failures
+    rows, failures = collect(run_case(args, seq, causal, device, programs)
+                             for seq in args.seq for causal in (False, True))
     print_table(f"flash-attention forward vs torch scaled_dot_product_attention, {torch.cuda.get_device_name(device)}, "
                 f"batch {args.batch}, {args.heads} heads ({args.kv_heads} kv) of {args.head_dim}, {args.dtype}; "
                 f"median GPU time of {args.iters} calls", HEADERS, rows)

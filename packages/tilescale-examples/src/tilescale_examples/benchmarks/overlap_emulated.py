@@ -38,7 +38,7 @@ least 0.95 of GEMM alone at every ``N``, which needs copies no longer than the G
 from __future__ import annotations
 
 from tilescale_examples.benchmarks import _harness, _timing
-from tilescale_examples.benchmarks._report import print_table, ratio
+from tilescale_examples.benchmarks._report import print_outcome, print_table, ratio
 
 __all__ = ["HEADERS", "GOAL", "OPS", "parse", "check_round", "Columns", "run_case", "goal_lines", "run", "main"]
 
@@ -207,11 +207,7 @@ def run(args) -> int:
         print_table(f"{TITLES[op]}, N emulated ranks on one {name} (each rank on its own stream; the table-reading "
                     f"kernels on one shared stream), {args.dtype}; GPU ms per round of every rank's call, "
                     f"{args.iters} back-to-back rounds", HEADERS, rows)
-    for line in goal_lines(rows_by_op):
-        print(line)
-    print(f"correctness (every rank's fused output against the float32 reference): "
-          f"{'ok' if not failures else f'{len(failures)} FAILURE(S)'}")
-    return 1 if failures else 0
+    return print_outcome(failures, goal_lines(rows_by_op), "every rank's fused output against the float32 reference")
 
 
 def main(argv=None) -> int:

@@ -28,7 +28,7 @@ shape (printed last, for the stream-K column).
 from __future__ import annotations
 
 from tilescale_examples.benchmarks import _harness, _timing
-from tilescale_examples.benchmarks._report import print_outcome, print_table, ratio
+from tilescale_examples.benchmarks._report import collect, print_outcome, print_table, ratio, worst_line
 
 __all__ = ["HEADERS", "GOAL", "DEFAULT_TILES", "run_case", "goal_lines", "main"]
 
@@ -80,10 +80,7 @@ def run_case(args, m: int, n: int, tiles, device) -> tuple:
 
 def goal_lines(rows: list) -> list:
     """The goal's line: stream-K's smallest ``x matmul`` (goal >= :data:`GOAL`)."""
-    values = [r[7] for r in rows if isinstance(r[7], float)]
-    if not values:
-        return ["worst stream-K vs torch.matmul: not measured"]
-    return [f"worst stream-K vs torch.matmul: {min(values):.3f} (goal >= {GOAL})"]
+    return [worst_line("worst stream-K vs torch.matmul", [r[7] for r in rows], GOAL)]
 
 
 def main(argv=None) -> int:
@@ -115,12 +112,8 @@ def main(argv=None) -> int:
     import torch
 
     device = torch.device("cuda", torch.cuda.current_device())
-    rows, failures = [], []
-    for m in args.m:
-        for n in args.n:
-            row, bad = run_case(args, m, n, tiles, device)
-            rows.append(row)
-            failures += bad
+    rows, failures = collect(([row], bad) for row, bad in (run_case(args, m, n, tiles, device)
+                                                           for m in args.m for n in args.n))
     print_table(f"stream-K GEMM vs torch.matmul and stock TileLang ({args.tiles}), "
                 f"{torch.cuda.get_device_name(device)}, {args.dtype}; median GPU time of {args.iters} calls, "
                 f"median of {args.rounds} rounds", HEADERS, rows)

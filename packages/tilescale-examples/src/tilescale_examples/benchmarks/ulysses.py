@@ -29,7 +29,7 @@ The goal (issue 44, one H200): ``copy/ulysses`` at least 0.9 everywhere (printed
 from __future__ import annotations
 
 from tilescale_examples.benchmarks import _fused, _harness, _timing
-from tilescale_examples.benchmarks._report import print_checked, ratio
+from tilescale_examples.benchmarks._report import print_checked, ratio, worst_line
 from tilescale_examples.sequence.ulysses import MIN_CHUNK_BYTES
 
 __all__ = ["HEADERS", "GOAL", "torch_path", "check_round", "run_case", "goal_lines", "run", "main"]
@@ -112,10 +112,7 @@ def run_case(args, n: int, seq: int, direction: str, device) -> tuple:
 
 def goal_lines(tables: dict) -> list:
     """The goal's line: the smallest ``copy/ulysses`` (goal >= :data:`GOAL`)."""
-    values = [r[6] for rows in tables.values() for r in rows]
-    if not values:
-        return ["worst copy/ulysses: not measured"]
-    return [f"worst copy/ulysses: {min(values):.3f} (goal >= {GOAL})"]
+    return [worst_line("worst copy/ulysses", [r[6] for rows in tables.values() for r in rows], GOAL)]
 
 
 def run(args, device) -> tuple:
