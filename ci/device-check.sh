@@ -7,7 +7,7 @@
 # tests-moe (the MoE dispatch/combine GPU tests alone, shared); tests-reduce (the reduction and all-gather GPU tests, shared);
 # tests-decode (AllReduceResidualRMSNorm, GemmAllReduce), tests-flash (the flash-attention kernel alone), tests-sequence (UlyssesAllToAll, flash attention, SPAllGatherAttention, SPFlashDecode), tests-moe-ll (MoELowLatency), tests-overlap-emulated (the fused
 # plans of AllGatherGEMM and GemmReduceScatter on emulated peers), tests-graphs (CUDA graphs and torch.compile),
-# tests-other (all-to-all, overlapped GEMMs, TMA all-reduce), tests-stream-k (the stream-K GEMM), tests-tma (the lean launcher's TMA
+# tests-other (all-to-all, overlapped GEMMs, TMA all-reduce), tests-gemm (the async-WGMMA and stream-K GEMMs), tests-tma (the lean launcher's TMA
 # descriptors and frozen launches), tests-lang-rest (tilescale-lang's GPU suite but upstream's
 # programs), tests-upstream (upstream's programs alone), tests-lang-new (AOT bundles, the lean launcher,
 # the autotuner, upstream's NVSHMEM-path programs) -- the ops and modules whose GPU tests are newest;
@@ -24,7 +24,7 @@
 # bench-decode-threads (the fused norm with 512 and 1024 threads per block, hidden 8192, 1-16 tokens);
 # bench-call-numbers (the reduction kernels' call numbers on the device against passed by the host:
 # benchmarks.emulated's A/B table, 2/4/8 ranks up to 64 MiB);
-# bench-stream_k (the stream-K GEMM against torch.matmul and stock TileLang, one GPU);
+# bench-gemm (the library GEMM kernels -- stock TileLang, async WGMMA, stream-K -- against torch.matmul, one GPU);
 # bench-moe-ll (the low-latency MoE mode against the normal mode, the copy and torch);
 # bench-cold-start (the serving ops built from a precompiled cache against their compile: the carried
 # .tlcache when it holds the compile record of `cold_start --compile-only --cache DIR`, else compiled here);
@@ -41,14 +41,13 @@ while [[ $# -gt 0 ]]; do
 done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
-# first; each step fits one device call of 600 s: the stream-K GEMM as it now is (segments last
-# first, its plan in two tables: its tests, then its benchmark against torch.matmul and stock
-# TileLang), the overlapped GEMMs' GPU test (world 1: 300 repeated calls bit for bit against
-# TileLang's launcher, their launch frozen), the launch benchmark's GEMM rows (frozen) and its
-# enqueue column; the MoE suite (its last test was cut by the step's timeout); then the rest of
-# the tilescale-lang GPU suite in two steps: upstream's programs (test_gpu_upstream.py) alone,
-# and the others.
-unverified=(tests-stream-k bench-stream_k tests-other bench-launch tests-moe tests-lang-rest tests-upstream)
+# first; each step fits one device call of 600 s: the async-WGMMA GEMM (its tests, then the GEMM
+# benchmark: stock TileLang, async WGMMA and stream-K against torch.matmul), the overlapped
+# GEMMs' GPU test (world 1: 300 repeated calls bit for bit against TileLang's launcher, their
+# launch frozen), the launch benchmark's GEMM rows (frozen) and its enqueue column; the MoE
+# suite (its last test was cut by the step's timeout); then the rest of the tilescale-lang GPU
+# suite in two steps: upstream's programs (test_gpu_upstream.py) alone, and the others.
+unverified=(tests-gemm bench-gemm tests-other bench-launch tests-moe tests-lang-rest tests-upstream)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
@@ -101,7 +100,7 @@ for step in "${steps[@]}"; do
     tests-4) gpu_tests tests-4 0 ;;
     chaos) run_step chaos env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
              packages/tilescale-examples/tests/test_chaos.py -m chaos -q -s -rfEs --tb=short -p no:cacheprovider ;;
-    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs stream_k overlap_emulated emulated reduce_ceiling moe moe_phases remote_tma gpu_barrier decode gemm_allreduce ulysses launch cold_start attention sp_attention concurrent; do
+    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs gemm overlap_emulated emulated reduce_ceiling moe moe_phases remote_tma gpu_barrier decode gemm_allreduce ulysses launch cold_start attention sp_attention concurrent; do
              run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
            done ;;
     bench-overlap-1) for b in ag_gemm gemm_rs; do
@@ -172,8 +171,8 @@ for step in "${steps[@]}"; do
     tests-moe-ll) run_step tests-moe-ll env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
                     packages/tilescale-examples/tests/test_moe_low_latency_gpu.py \
                     -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
-    tests-stream-k) run_step tests-stream-k timeout -k 10 400 python3 -m pytest \
-                      packages/tilescale-examples/tests/test_stream_k.py \
+    tests-gemm) run_step tests-gemm timeout -k 10 400 python3 -m pytest \
+                  packages/tilescale-examples/tests/test_gemm_async.py packages/tilescale-examples/tests/test_stream_k.py \
                       -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-tma) run_step tests-tma env TILESCALE_SHARE_GPUS=1 timeout -k 10 300 python3 -m pytest \
                  packages/tilescale-lang/tests/test_tma_descriptors.py packages/tilescale-lang/tests/test_lean.py \

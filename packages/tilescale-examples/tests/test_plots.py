@@ -36,6 +36,7 @@ EXPECTED = {
     "gemm_rs": ("gemm", [4 * 5]),
     "block_rasterization": ("gemm", [8 * 4]),  # (n, m_local, panel) x 4 TFLOP/s columns
     "block_rasterization_2": ("gemm", [4 * 4]),  # the tuned tiles: (n, m_local) x 4 TFLOP/s columns
+    "gemm": ("gemm", [6 * 3]),  # matmul, stock and stream-K TFLOP/s per (m, n)
     "gemm_allreduce": ("bars", [19 * 3]),  # fused, mm+AR, mm us per (m, tiles)
     "concurrent": ("lines", [3]),  # lamport/one_shot per rank count (2, 4, 8) against the all-reduce size
     "concurrent_2": ("lines", [3]),  # the same for the fused norm

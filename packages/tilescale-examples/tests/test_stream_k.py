@@ -285,27 +285,6 @@ def test_a_call_checks_its_tensors_before_the_kernel(cpu_op):
     assert "sk_tiles=4" in repr(op) and op.flops() == 2.0 * 256 * 512 * 128
 
 
-# ------------------------------------------------------------------------------ benchmark
-def test_benchmark_without_a_gpu_and_its_argument_errors(monkeypatch, capsys):
-    from examples_helpers import exits_naming, output_without_gpu
-
-    from tilescale_examples.benchmarks import stream_k as bench
-
-    assert "nothing to measure" in output_without_gpu(bench.main, [], monkeypatch, capsys)
-    exits_naming(bench.main, ["--tiles", "128x256"], "--tiles must be", capsys)
-    exits_naming(bench.main, ["--n", "300"], "n=300 is not a multiple of block_n=256", capsys)
-    exits_naming(bench.main, ["--iters", "0"], "--iters and --rounds must be >= 1", capsys)
-
-
-def test_benchmark_goal_line_reads_the_worst_x_matmul():
-    from tilescale_examples.benchmarks import stream_k as bench
-
-    rows = [[1024, 3584, 8192, 0.85, 700.0, 640.0, 690.0, 0.986, 1.08, "ok"],
-            [4096, 3584, 8192, 3.39, 750.0, 650.0, 720.0, 0.96, 1.1, "ok"]]
-    assert bench.goal_lines(rows) == ["worst stream-K vs torch.matmul: 0.960 (goal >= 0.97)"]
-    assert bench.goal_lines([]) == ["worst stream-K vs torch.matmul: not measured"]
-
-
 # ------------------------------------------------------------------------------ GPU
 #: (m, n, k, dtype, tiles, blocks) of the GPU cases; blocks None: the SM count.
 GPU_CASES = [(1024, 3584, 8192, torch.bfloat16, None, None),  # stream-K tiles only (112 < 132)

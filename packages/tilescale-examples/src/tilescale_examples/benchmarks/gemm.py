@@ -1,28 +1,31 @@
-"""The stream-K GEMM against torch.matmul (cuBLAS) and stock TileLang's GEMM of the same tiles, one GPU, same run.
+"""The library's GEMM kernels against torch.matmul (cuBLAS), one GPU, same run.
 
-``python -m tilescale_examples.benchmarks.stream_k [--m 1024 4096] [--n 3584 7168 28672]
-[--k 8192] [--dtype bfloat16|float16] [--tiles BMxBNxBK:STAGES:THREADS] [--iters 20]
-[--rounds 3] [--out DIR]``
+``python -m tilescale_examples.benchmarks.gemm [--m 1024 4096] [--n 3584 7168 28672]
+[--k 8192] [--dtype bfloat16|float16] [--tiles BMxBNxBK:STAGES:THREADS]
+[--kernels stock async stream-K] [--iters 20] [--rounds 3] [--out DIR]``
 
 For every ``(m, n)``: GPU time per call (``--rounds`` rounds timing each column in turn, the
-median round of each; a round's time is the median of ``--iters`` calls, each from an idle GPU)
-of
+median round of each; a round's time is the median of ``--iters`` calls, each from an idle
+GPU) of
 
 * ``matmul``: ``torch.matmul`` into a preallocated output (cuBLAS);
 * ``stock``: :func:`~tilescale_examples.overlap.gemm.build_gemm_kernel`, stock TileLang's
-  GEMM (one block per tile) with the same tiles, rasterized as the library's ops rasterize
-  that width (:func:`~tilescale_examples.overlap.gemm.default_swizzle`);
+  pipelined GEMM (one block per tile; each ``k`` step's WGMMAs waited for before the next);
+* ``async``: :func:`~tilescale_examples.overlap.gemm_async.build_async_gemm_kernel`, the same
+  tiles with the warp specialisation written out and one WGMMA group in flight;
 * ``stream-K``: :class:`~tilescale_examples.overlap.stream_k.StreamKGemm` (one block per SM,
   the last wave's tiles cut along ``k``);
 
-the TFLOP/s of each, ``waves`` (tiles / SMs: where the stock grid's last wave is short), and
-``x matmul`` / ``x stock``: stream-K's speed over each (above 1: stream-K is faster). Before
+all with ``--tiles``, the two one-block-per-tile kernels rasterized as the library's ops
+rasterize that width (:func:`~tilescale_examples.overlap.gemm.default_swizzle`). Printed: the
+TFLOP/s of each, ``waves`` (tiles / SMs: where a one-block-per-tile grid's last wave is
+short) and each kernel's speed over ``torch.matmul`` (``x matmul``; above 1: faster). Before
 timing every output is checked against the float32 product (the library's GEMM bound,
 :func:`~tilescale_examples.overlap.gemm.count_outside`); a failure is printed and makes the
 exit status 1.
 
 The goal (issue 41, one H200): the library's GEMM at least 0.97 of ``torch.matmul`` at every
-shape (printed last, for the stream-K column).
+shape (printed last, per kernel).
 """
 
 from __future__ import annotations
@@ -30,37 +33,58 @@ from __future__ import annotations
 from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import collect, print_outcome, print_table, ratio, worst_line
 
-__all__ = ["HEADERS", "GOAL", "DEFAULT_TILES", "run_case", "goal_lines", "main"]
+__all__ = ["KERNELS", "GOAL", "DEFAULT_TILES", "headers", "run_case", "goal_lines", "main"]
 
-HEADERS = ["m", "n", "k", "waves", "matmul TFLOP/s", "stock TFLOP/s", "stream-K TFLOP/s", "x matmul", "x stock",
-           "check"]
+#: The library's GEMM kernels this benchmark can time (``--kernels``), in column order.
+KERNELS = ("stock", "async", "stream-K")
 #: The goal: the library's GEMM at least GOAL of torch.matmul's speed.
 GOAL = 0.97
 #: ``--tiles`` when not given (the stream-K op's default tiles).
 DEFAULT_TILES = "128x256x64:4:256"
 
 
+def headers(kernels) -> list:
+    """The table's columns for ``kernels`` (a subset of :data:`KERNELS`, in that order)."""
+    return (["m", "n", "k", "waves", "matmul TFLOP/s"] + [f"{name} TFLOP/s" for name in kernels]
+            + [f"{name} x matmul" for name in kernels] + ["check"])
+
+
+def _kernel_calls(m: int, n: int, k: int, dtype, tiles, kernels, device) -> dict:
+    """``{name: fn(a, b, out)}`` of the library kernels in ``kernels``, built (compiled) here."""
+    from tilescale_examples.base import compile_once
+    from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, build_gemm_kernel, default_swizzle
+    from tilescale_examples.overlap.gemm_async import build_async_gemm_kernel
+    from tilescale_examples.overlap.stream_k import StreamKGemm
+
+    rastered = GemmTiles(tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages, tiles.threads,
+                         default_swizzle(n, tiles.block_n))
+    calls = {}
+    for name in kernels:
+        if name == "stock":
+            calls[name] = compile_once(build_gemm_kernel(m, n, k, DTYPES[dtype], rastered))
+        elif name == "async":
+            calls[name] = compile_once(build_async_gemm_kernel(m, n, k, DTYPES[dtype], rastered))
+        else:
+            op = StreamKGemm(m, n, k, dtype, tiles=tiles, device=device)
+            calls[name] = lambda a, b, out, op=op: op(a, b, out=out)
+    return calls
+
+
 def run_case(args, m: int, n: int, tiles, device) -> tuple:
     """``(row, failures)`` of one ``(m, n)`` at ``args.k``: every column checked, then timed."""
     import torch
 
-    from tilescale_examples.base import compile_once
-    from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, build_gemm_kernel, count_outside, default_swizzle
-    from tilescale_examples.overlap.stream_k import StreamKGemm
+    from tilescale_examples.overlap.gemm import count_outside
 
     dtype, k = getattr(torch, args.dtype), args.k
     g = torch.Generator(device=device).manual_seed(m * 7 + n)
     a = torch.randn((m, k), generator=g, device=device).to(dtype)
     b = torch.randn((k, n), generator=g, device=device).to(dtype)
     ref = a.float() @ b.float()
-    stock_tiles = GemmTiles(tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages, tiles.threads,
-                            default_swizzle(n, tiles.block_n))
-    stock = compile_once(build_gemm_kernel(m, n, k, DTYPES[dtype], stock_tiles))
-    op = StreamKGemm(m, n, k, dtype, tiles=tiles, device=device)
-    outs = {name: torch.full((m, n), float("nan"), dtype=dtype, device=device) for name in ("matmul", "stock", "stream-K")}
-    columns = [("matmul", lambda: torch.matmul(a, b, out=outs["matmul"])),
-               ("stock", lambda: stock(a, b, outs["stock"])),
-               ("stream-K", lambda: op(a, b, out=outs["stream-K"]))]
+    fns = {"matmul": lambda a, b, out: torch.matmul(a, b, out=out)}
+    fns.update(_kernel_calls(m, n, k, dtype, tiles, args.kernels, device))
+    outs = {name: torch.full((m, n), float("nan"), dtype=dtype, device=device) for name in fns}
+    columns = [(name, lambda fn=fn, out=outs[name]: fn(a, b, out)) for name, fn in fns.items()]
     failures = []
     for name, fn in columns:
         fn()
@@ -70,30 +94,35 @@ def run_case(args, m: int, n: int, tiles, device) -> tuple:
             failures.append(f"m {m} n {n} k {k} {name}: {bad} elements outside the bound (worst {worst:.2f}x)")
     ms = _timing.local_rounds(columns, args.rounds, args.iters)
     work = 2.0 * m * n * k
-    tflops = {name: work / ms[name] / 1e9 for name, _ in columns}
     tile_count = (m // tiles.block_m) * (n // tiles.block_n)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    row = [m, n, k, round(tile_count / sms, 2), tflops["matmul"], tflops["stock"], tflops["stream-K"],
-           ratio(ms["matmul"], ms["stream-K"]), ratio(ms["stock"], ms["stream-K"]), "ok" if not failures else "FAIL"]
+    row = ([m, n, k, round(tile_count / sms, 2), work / ms["matmul"] / 1e9]
+           + [work / ms[name] / 1e9 for name in args.kernels]
+           + [ratio(ms["matmul"], ms[name]) for name in args.kernels] + ["ok" if not failures else "FAIL"])
     return row, failures
 
 
-def goal_lines(rows: list) -> list:
-    """The goal's line: stream-K's smallest ``x matmul`` (goal >= :data:`GOAL`)."""
-    return [worst_line("worst stream-K vs torch.matmul", [r[7] for r in rows], GOAL)]
+def goal_lines(rows: list, kernels) -> list:
+    """One line per kernel of ``kernels`` (the table's columns): its smallest ``x matmul``
+    (goal >= :data:`GOAL`)."""
+    first = 5 + len(kernels)  # the first "x matmul" column
+    return [worst_line(f"worst {name} vs torch.matmul", [r[first + i] for r in rows], GOAL)
+            for i, name in enumerate(kernels)]
 
 
 def main(argv=None) -> int:
     """The command line (see the module docstring); 0, or 1 when a check failed."""
     from tilescale_examples.overlap.gemm import GemmTiles, check_gemm_dims
 
-    p = _harness.parser("stream_k", __doc__.splitlines()[0])
+    p = _harness.parser("gemm", __doc__.splitlines()[0])
     p.add_argument("--m", type=int, nargs="+", default=[1024, 4096], help="rows of a and of the output")
     p.add_argument("--n", type=int, nargs="+", default=[3584, 7168, 28672], help="columns of b and of the output")
     p.add_argument("--k", type=int, default=8192, help="the reduction dimension")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--tiles", default=DEFAULT_TILES, metavar="BMxBNxBK:STAGES:THREADS",
-                   help=f"tile program of both TileLang columns (default {DEFAULT_TILES})")
+                   help=f"tile program of every TileLang column (default {DEFAULT_TILES})")
+    p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
+                   help="the library kernels to time beside torch.matmul (default all)")
     p.add_argument("--iters", type=int, default=20, help="calls timed per round (median)")
     p.add_argument("--rounds", type=int, default=3, help="rounds timing each column in turn (median)")
     args = _harness.parse_args(p, argv)
@@ -107,17 +136,18 @@ def main(argv=None) -> int:
         p.error(str(exc))
     if args.iters < 1 or args.rounds < 1:
         p.error("--iters and --rounds must be >= 1")
-    if _harness.visible_gpus("stream-K GEMM benchmark") == 0:
+    args.kernels = [name for name in KERNELS if name in args.kernels]  # column order, no repeats
+    if _harness.visible_gpus("GEMM benchmark") == 0:
         return 0
     import torch
 
     device = torch.device("cuda", torch.cuda.current_device())
     rows, failures = collect(([row], bad) for row, bad in (run_case(args, m, n, tiles, device)
                                                            for m in args.m for n in args.n))
-    print_table(f"stream-K GEMM vs torch.matmul and stock TileLang ({args.tiles}), "
-                f"{torch.cuda.get_device_name(device)}, {args.dtype}; median GPU time of {args.iters} calls, "
-                f"median of {args.rounds} rounds", HEADERS, rows)
-    return print_outcome(failures, goal_lines(rows), "every column against the float32 product")
+    print_table(f"the library's GEMM kernels vs torch.matmul ({args.tiles}), {torch.cuda.get_device_name(device)}, "
+                f"{args.dtype}; median GPU time of {args.iters} calls, median of {args.rounds} rounds",
+                headers(args.kernels), rows)
+    return print_outcome(failures, goal_lines(rows, args.kernels), "every column against the float32 product")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,173 @@
+"""The async-WGMMA GEMM (:mod:`tilescale_examples.overlap.gemm_async`) and the GEMM benchmark
+(:mod:`tilescale_examples.benchmarks.gemm`).
+
+CPU: the register budgets; the generated CUDA (a producer warpgroup giving its registers back
+and issuing the TMA loads after waiting for an empty stage, compute warpgroups keeping one
+WGMMA group in flight and releasing the previous step's stage, barrier counts, no implicit
+wait of every step); nvcc compiles without spills; argument errors; the benchmark's argument
+errors, its columns and goal lines.
+
+GPU (``gpu``): against the float32 reference with fresh random data and poisoned outputs, at
+the benchmark's shapes and at small ones (one ``k`` step, fewer steps than stages, one compute
+warpgroup, float16, a rasterized grid); bit-identical repeated calls; 200 back-to-back calls;
+CUDA-graph replays with fresh inputs; the same bits as stock TileLang's GEMM of the same tiles
+(both add each ``k`` step's products into one float32 accumulator in ``k`` order).
+"""
+
+import re
+
+import pytest
+import torch
+from examples_helpers import exits_naming, kernel_body, lower_source, needs_nvcc, nvcc_resources, output_without_gpu
+
+from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, build_gemm_kernel, count_outside, default_swizzle
+from tilescale_examples.overlap.gemm_async import build_async_gemm_kernel, consumer_registers
+
+#: The benchmark's default tiles.
+TILES = GemmTiles(num_stages=4)
+
+
+def test_register_budgets_fit_the_sm():
+    assert consumer_registers(256) == 232 and consumer_registers(128) == 232
+    assert consumer_registers(384) == 152 and consumer_registers(512) == 112
+    for threads in (128, 256, 384, 512, 768, 896):
+        assert 128 * 40 + threads * consumer_registers(threads) <= 65536
+
+
+def test_the_pipeline_keeps_one_wgmma_group_in_flight():
+    src = kernel_body(lower_source(build_async_gemm_kernel(1024, 3584, 8192, "bfloat16", TILES)))
+    assert "__launch_bounds__(384, 1)" in src
+    assert "warpgroup_reg_dealloc<40>" in src and "warpgroup_reg_alloc<232>" in src
+    assert src.count(".init(32)") == 4 and src.count(".init(256)") == 4  # four stages: full, empty
+    producer, consumer = src.split("warpgroup_reg_alloc<232>")
+    # Producer: wait for an empty stage (the first lap passes at once), expect its bytes, load.
+    assert re.search(r"empty\[\(kk & 3\)\]\.wait\(\(\(\(kk >> 2\) & 1\) \^ 1\)\)", producer)
+    assert producer.count("tma_load(A_desc") == 1 and producer.count("tma_load(B_desc") == 1
+    assert "expect_transaction" in producer and "full[(kk & 3)].arrive()" in producer
+    # Consumers: wait for a full stage, issue, wait for the previous group, release its stage.
+    loop = consumer[consumer.index("for (int kk"):]
+    order = [loop.index(s) for s in ("full[(kk_1 & 3)].wait", "wgmma_ss", "warpgroup_commit_batch", "wait_wgmma<1>",
+                                     "empty[((kk_1 + 3) & 3)].arrive()", "wait_wgmma<0>", "empty[3].arrive()")]
+    assert order == sorted(order)
+    assert "warpgroup_wait<0>" not in consumer  # T.gemm's wait after every step is gone
+
+
+def test_small_tiles_and_fewer_steps_than_stages_lower():
+    src = kernel_body(lower_source(build_async_gemm_kernel(256, 512, 128, "float16", GemmTiles(64, 128, 64, 3, 128))))
+    assert "__launch_bounds__(256, 1)" in src and "wait_wgmma<1>" in src and src.count(".init(128)") == 3
+    wide = kernel_body(lower_source(build_async_gemm_kernel(256, 28672, 64, "bfloat16", GemmTiles(swizzle=8))))
+    assert "blockIdx = tl::rasterization2DRow<8>()" in wide  # the grid order of build_gemm_kernel's
+
+
+@needs_nvcc
+def test_kernel_compiles_without_spills(tmp_path):
+    for m, n, k, dtype, tiles in ((4096, 28672, 8192, "bfloat16", GemmTiles(num_stages=4, swizzle=8)),
+                                  (256, 512, 128, "float16", GemmTiles(64, 128, 64, 3, 128))):
+        regs, spills = nvcc_resources(lower_source(build_async_gemm_kernel(m, n, k, dtype, tiles)), tmp_path)
+        assert spills == 0, (m, n, k, regs, spills)
+
+
+@pytest.mark.parametrize("dims,match", [(dict(m=100), "m=100 is not a multiple of block_m=128"),
+                                        (dict(n=300), "n=300 is not a multiple of block_n=256"),
+                                        (dict(k=0), "k must be a positive int")])
+def test_bad_dimensions_are_named(dims, match):
+    args = dict(m=256, n=512, k=128) | dims
+    with pytest.raises(ValueError, match=match):
+        build_async_gemm_kernel(args["m"], args["n"], args["k"])
+
+
+# ------------------------------------------------------------------------------ benchmark
+def test_benchmark_without_a_gpu_and_its_argument_errors(monkeypatch, capsys):
+    from tilescale_examples.benchmarks import gemm as bench
+
+    assert "nothing to measure" in output_without_gpu(bench.main, [], monkeypatch, capsys)
+    exits_naming(bench.main, ["--tiles", "128x256"], "--tiles must be", capsys)
+    exits_naming(bench.main, ["--n", "300"], "n=300 is not a multiple of block_n=256", capsys)
+    exits_naming(bench.main, ["--iters", "0"], "--iters and --rounds must be >= 1", capsys)
+    exits_naming(bench.main, ["--kernels", "cublas"], "invalid choice: 'cublas'", capsys)
+
+
+def test_benchmark_columns_and_goal_lines_follow_the_kernels():
+    from tilescale_examples.benchmarks import gemm as bench
+
+    assert bench.headers(["async"]) == ["m", "n", "k", "waves", "matmul TFLOP/s", "async TFLOP/s", "async x matmul",
+                                        "check"]
+    rows = [[1024, 3584, 8192, 0.85, 700.0, 640.0, 690.0, 0.914, 0.986, "ok"],
+            [4096, 3584, 8192, 3.39, 750.0, 650.0, 720.0, 0.867, 0.96, "ok"]]
+    assert bench.goal_lines(rows, ["stock", "async"]) == ["worst stock vs torch.matmul: 0.867 (goal >= 0.97)",
+                                                          "worst async vs torch.matmul: 0.960 (goal >= 0.97)"]
+    assert bench.goal_lines([], ["stream-K"]) == ["worst stream-K vs torch.matmul: not measured"]
+
+
+# ------------------------------------------------------------------------------ GPU
+#: (m, n, k, dtype, tiles) of the GPU cases (tiles None: the benchmark's, rasterized as the ops do).
+GPU_CASES = [(1024, 3584, 8192, torch.bfloat16, None),
+             (4096, 28672, 1024, torch.bfloat16, None),  # rasterized (112 column blocks)
+             (1536, 2816, 512, torch.float16, None),
+             (256, 512, 128, torch.float16, GemmTiles(64, 128, 64, 3, 128)),  # one compute warpgroup
+             (384, 768, 64, torch.bfloat16, None),  # one k step
+             (512, 1024, 192, torch.bfloat16, GemmTiles(128, 128, 64, 4, 256))]  # fewer steps than stages
+
+
+def _tiles(n, tiles):
+    return tiles or GemmTiles(num_stages=4, swizzle=default_swizzle(n, 256))
+
+
+def _inputs(m, n, k, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn((m, k), generator=g, device="cuda").to(dtype),
+            torch.randn((k, n), generator=g, device="cuda").to(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c[:4]))
+def test_gpu_async_gemm_matches_the_reference_and_stock_tilelang(case):
+    from tilescale_examples.base import compile_once
+
+    m, n, k, dtype, tiles = case
+    tiles = _tiles(n, tiles)
+    kernel = compile_once(build_async_gemm_kernel(m, n, k, DTYPES[dtype], tiles))
+    stock = compile_once(build_gemm_kernel(m, n, k, DTYPES[dtype], tiles))
+    for seed in range(3):
+        a, b = _inputs(m, n, k, dtype, seed)
+        out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+        kernel(a, b, out)
+        bad, worst = count_outside(out, a.float() @ b.float(), dtype)
+        assert bad == 0, f"seed {seed}: {bad} elements outside the bound (worst {worst:.2f}x)"
+        again = torch.full_like(out, float("nan"))
+        kernel(a, b, again)
+        assert torch.equal(again, out)
+        ref = torch.full_like(out, float("nan"))
+        stock(a, b, ref)
+        assert torch.equal(ref, out), "the same products in the same k order as stock TileLang's GEMM"
+
+
+@pytest.mark.gpu
+def test_gpu_back_to_back_calls_and_graph_replays():
+    from tilescale_examples.base import compile_once
+
+    m, n, k, dtype = 1024, 3584, 2048, torch.bfloat16
+    kernel = compile_once(build_async_gemm_kernel(m, n, k, DTYPES[dtype], _tiles(n, None)))
+    inputs = [_inputs(m, n, k, dtype, 100 + i) for i in range(4)]
+    outs = [torch.full((m, n), float("nan"), dtype=dtype, device="cuda") for _ in range(200)]
+    for i, out in enumerate(outs):  # 200 calls without host synchronisation
+        kernel(*inputs[i % 4], out)
+    torch.cuda.synchronize()
+    for i in range(4):
+        bad, _ = count_outside(outs[i], inputs[i][0].float() @ inputs[i][1].float(), dtype)
+        assert bad == 0, f"call {i}"
+    assert all(torch.equal(outs[i], outs[i % 4]) for i in range(4, 200))
+
+    a, b = (t.clone() for t in inputs[0])
+    out = torch.empty((m, n), dtype=dtype, device="cuda")
+    kernel(a, b, out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel(a, b, out)
+    for i in range(1, 4):
+        a.copy_(inputs[i][0])
+        b.copy_(inputs[i][1])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, outs[i]), f"graph replay {i}"
