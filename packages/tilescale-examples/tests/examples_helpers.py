@@ -467,3 +467,22 @@ def expect_checks(report: dict, checks: int, label: str = "") -> dict:
     return report
 
 
+
+
+def assert_gemm_graph_replays(call, inputs, expected) -> None:
+    """A GEMM ``call(a, b, out)`` captured once in a CUDA graph on copies of ``inputs[0]``,
+    then replayed with every later ``inputs[i] = (a, b)`` copied into the captured operands
+    and a poisoned output: each replay must give ``expected[i]`` bit for bit."""
+    a, b = (t.clone() for t in inputs[0])
+    out = torch.empty_like(expected[0])
+    call(a, b, out)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(a, b, out)
+    for i in range(1, len(inputs)):
+        a.copy_(inputs[i][0])
+        b.copy_(inputs[i][1])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected[i]), f"graph replay {i}"

@@ -18,7 +18,7 @@ import re
 
 import pytest
 import torch
-from examples_helpers import exits_naming, kernel_body, lower_source, needs_nvcc, nvcc_resources, output_without_gpu
+from examples_helpers import assert_gemm_graph_replays, exits_naming, kernel_body, lower_source, needs_nvcc, nvcc_resources, output_without_gpu
 
 from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, build_gemm_kernel, count_outside, default_swizzle
 from tilescale_examples.overlap.gemm_async import build_async_gemm_kernel, consumer_registers
@@ -158,16 +158,4 @@ def test_gpu_back_to_back_calls_and_graph_replays():
         assert bad == 0, f"call {i}"
     assert all(torch.equal(outs[i], outs[i % 4]) for i in range(4, 200))
 
-    a, b = (t.clone() for t in inputs[0])
-    out = torch.empty((m, n), dtype=dtype, device="cuda")
-    kernel(a, b, out)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kernel(a, b, out)
-    for i in range(1, 4):
-        a.copy_(inputs[i][0])
-        b.copy_(inputs[i][1])
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, outs[i]), f"graph replay {i}"
+    assert_gemm_graph_replays(kernel, inputs, outs[:4])

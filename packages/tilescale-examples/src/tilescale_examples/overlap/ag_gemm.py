@@ -57,7 +57,7 @@ from typing import Literal, Optional, Sequence, Union
 import torch
 
 from tilescale_examples.base import (accepts_0_1_init, accepts_0_1_out, accepts_0_1_reference, check_disjoint,
-                                     check_tensor, positional_out, settle)
+                                     check_tensor, settle)
 from tilescale_examples.overlap.gemm import (DTYPES, GemmTiles, OverlappedGemm, build_gemm_kernel, check_gemm_dims,
                                              check_positive, default_tiles, gemm_mainloop, resolve_tiles)
 from tilescale_examples.overlap.stream_ops import CopyEnginePush, peer_views, plan_row_chunks
@@ -254,19 +254,14 @@ class AllGatherGEMM(OverlappedGemm):
         enqueued after this call. Every rank makes the same sequence of calls, eagerly or in
         CUDA graph replays (in any mix: the fused plan's handshake uses constant flag
         values). Raises :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
-        if out_0_1:  # the 0.1.0 spelling
-            out = positional_out(self, 2, out_0_1, out)
-        if self._lone_gemm:
-            return self._gemm_alone(a, b, out)
-        result = self._check_call(a, b, out)
-        main = self._begin_call()
+        return self._call(a, b, out_0_1, out)
+
+    def _run_plan(self, a, b, main, result, out) -> None:
         if self.algorithm == "sequential":
             gathered = self.all_gather(a)
             self.kernel(gathered.view(-1, self.k), b, result)
         else:
             self._fused(a, b, main, result)
-        self._end_call(main)
-        return result
 
     def _check_call(self, a, b, out):
         """Everything a call checks before anything runs (``TypeError`` / ``ValueError``

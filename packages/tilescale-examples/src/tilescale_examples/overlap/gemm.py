@@ -34,7 +34,7 @@ import torch
 
 from tilescale_core.interface import check_positive_int
 
-from tilescale_examples.base import SymmetricOp
+from tilescale_examples.base import SymmetricOp, positional_out
 
 __all__ = ["GemmTiles", "OverlappedGemm", "DTYPES", "gemm_mainloop", "gemm_mainloop_span", "build_gemm_kernel", "check_gemm_dims",
            "check_positive", "unit_roundoff", "error_bound", "count_outside", "MAX_ELEMENTS", "default_swizzle",
@@ -308,6 +308,27 @@ class OverlappedGemm(SymmetricOp):
     def plan_reason(self) -> str:
         """The 0.1.0 name of :attr:`algorithm_reason`."""
         return self.algorithm_reason
+
+    def _call(self, a: torch.Tensor, b: torch.Tensor, out_0_1: tuple, out: Optional[torch.Tensor]) -> torch.Tensor:
+        """A call as :meth:`__call__` documents it: the 0.1.0 positional ``out``, one rank's
+        GEMM alone (:meth:`_gemm_alone`), else the checks (:meth:`_check_call`), then the
+        plan (:meth:`_run_plan`) between :meth:`_begin_call` and :meth:`_end_call`; returns
+        where the call wrote."""
+        if out_0_1:  # the 0.1.0 spelling
+            out = positional_out(self, 2, out_0_1, out)
+        if self._lone_gemm:
+            return self._gemm_alone(a, b, out)
+        result = self._check_call(a, b, out)
+        main = self._begin_call()
+        self._run_plan(a, b, main, result, out)
+        self._end_call(main)
+        return result
+
+    def _run_plan(self, a: torch.Tensor, b: torch.Tensor, main, result: torch.Tensor,
+                  out: Optional[torch.Tensor]) -> None:
+        """Enqueue the call's plan on stream ``main`` (the caller's ``out``, None or
+        ``result``; ``result``: where it writes)."""
+        raise NotImplementedError
 
     def _begin_call(self):
         """Start a call on the current stream: order it after this instance's previous call

@@ -66,7 +66,7 @@ from typing import Literal, Optional, Sequence, Union
 import torch
 
 from tilescale_examples.base import (accepts_0_1_init, accepts_0_1_out, accepts_0_1_reference, check_tensor,
-                                     positional_out, settle)
+                                     settle)
 from tilescale_examples.overlap.gemm import (DTYPES, GemmTiles, OverlappedGemm, build_gemm_kernel, check_gemm_dims,
                                              check_positive, default_tiles, gemm_mainloop, resolve_tiles)
 from tilescale_examples.overlap.stream_ops import wait_counter_geq
@@ -307,12 +307,9 @@ class GemmReduceScatter(OverlappedGemm):
         reaches the end of the call. Every rank makes the same sequence of calls, eagerly or
         in CUDA graph replays (the call state lives on the device). Raises
         :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
-        if out_0_1:  # the 0.1.0 spelling
-            out = positional_out(self, 2, out_0_1, out)
-        if self._lone_gemm:
-            return self._gemm_alone(a, b, out)
-        result = self._check_call(a, b, out)
-        main = self._begin_call()
+        return self._call(a, b, out_0_1, out)
+
+    def _run_plan(self, a, b, main, result, out) -> None:
         if self.algorithm == "fused":
             self._send_partials(a, b)
             self._reduce_landed(main, result)
@@ -326,8 +323,6 @@ class GemmReduceScatter(OverlappedGemm):
                 products = self._products
             self.kernel(a, b, products.view(-1, self.n))
             rs(products, out=out)
-        self._end_call(main)
-        return result
 
     def _check_call(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
         """What a call checks before anything runs: :class:`~tilescale_examples.base.ClosedError`
