@@ -76,6 +76,11 @@ def test_bad_dimensions_are_named(dims, match):
         build_async_gemm_kernel(args["m"], args["n"], args["k"])
 
 
+def test_one_stage_is_refused():  # the release of a step's stage waits for the next step's load
+    with pytest.raises(ValueError, match="num_stages must be >= 2 for the async pipeline"):
+        build_async_gemm_kernel(256, 512, 128, tiles=GemmTiles(num_stages=1))
+
+
 # ------------------------------------------------------------------------------ benchmark
 def test_benchmark_without_a_gpu_and_its_argument_errors(monkeypatch, capsys):
     from tilescale_examples.benchmarks import gemm as bench
@@ -85,6 +90,9 @@ def test_benchmark_without_a_gpu_and_its_argument_errors(monkeypatch, capsys):
     exits_naming(bench.main, ["--n", "300"], "n=300 is not a multiple of block_n=256", capsys)
     exits_naming(bench.main, ["--iters", "0"], "--iters and --rounds must be >= 1", capsys)
     exits_naming(bench.main, ["--kernels", "cublas"], "invalid choice: 'cublas'", capsys)
+    exits_naming(bench.main, ["--tiles", "128x256x64:1:256"], "the async kernel needs at least 2 stages", capsys)
+    assert "nothing to measure" in output_without_gpu(bench.main, ["--tiles", "128x256x64:1:256", "--kernels", "stock"],
+                                                      monkeypatch, capsys)
 
 
 def test_benchmark_columns_and_goal_lines_follow_the_kernels():

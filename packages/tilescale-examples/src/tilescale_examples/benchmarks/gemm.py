@@ -136,6 +136,8 @@ def main(argv=None) -> int:
         p.error(str(exc))
     if args.iters < 1 or args.rounds < 1:
         p.error("--iters and --rounds must be >= 1")
+    if "async" in args.kernels and tiles.num_stages < 2:
+        p.error("--tiles: the async kernel needs at least 2 stages")
     args.kernels = [name for name in KERNELS if name in args.kernels]  # column order, no repeats
     if _harness.visible_gpus("GEMM benchmark") == 0:
         return 0

@@ -65,12 +65,16 @@ def build_async_gemm_kernel(m: int, n: int, k: int, dtype: str = "bfloat16", til
     ``tiles.threads + 128`` threads per ``block_m x block_n`` output tile (module docstring).
     ``tiles`` defaults to :func:`~tilescale_examples.overlap.gemm.default_tiles` of ``n``
     (as :func:`~tilescale_examples.overlap.gemm.build_gemm_kernel`'s); every dimension must be
-    a multiple of its tile (``ValueError`` naming it). Needs an sm_90a target (WGMMA, TMA,
-    ``setmaxnreg``)."""
+    a multiple of its tile (``ValueError`` naming it), and ``tiles.num_stages`` at least 2 (a
+    stage is released one step late: with one stage the producer would wait for a release that
+    waits for its load). Needs an sm_90a target (WGMMA, TMA, ``setmaxnreg``)."""
     import tilelang.language as T
 
     tiles = tiles or default_tiles(n)
     check_gemm_dims("build_async_gemm_kernel", tiles, m=m, k=k, n=n)
+    if tiles.num_stages < 2:
+        raise ValueError(f"num_stages must be >= 2 for the async pipeline (a stage is released one step late), "
+                         f"got {tiles.num_stages}")
     BM, BN, BK, S, TH = tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages, tiles.threads
     steps = k // BK
     consumer_nreg = consumer_registers(TH)
