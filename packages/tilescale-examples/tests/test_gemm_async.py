@@ -107,6 +107,20 @@ def test_benchmark_columns_and_goal_lines_follow_the_kernels():
     assert bench.goal_lines([], ["stream-K"]) == ["worst stream-K vs torch.matmul: not measured"]
 
 
+def test_benchmark_compiles_what_it_times_in_parallel_first():
+    from tilescale_examples.benchmarks import gemm as bench
+    from tilescale_examples.testing.precompile import build_job
+
+    jobs = bench.kernel_jobs(["stock", "async", "stream-K"], [(1024, 3584, 8192), (4096, 28672, 8192)], "bfloat16",
+                             TILES, 132)
+    assert [(b.split(":")[1], a[:3], getattr(a[4], "swizzle")) for b, a, _ in jobs] == [
+        ("build_gemm_kernel", (1024, 3584, 8192), 0), ("build_async_gemm_kernel", (1024, 3584, 8192), 0),
+        ("build_stream_k_gemm", (1024, 3584, 8192), 0), ("build_gemm_kernel", (4096, 28672, 8192), 8),
+        ("build_async_gemm_kernel", (4096, 28672, 8192), 8), ("build_stream_k_gemm", (4096, 28672, 8192), 0)]
+    assert jobs[2][1][5] == 132 and all(p is None for _, _, p in jobs)
+    assert str(build_job(*jobs[1][:2]).attrs["global_symbol"]) == "gemm_async"
+
+
 # ------------------------------------------------------------------------------ GPU
 #: (m, n, k, dtype, tiles) of the GPU cases (tiles None: the benchmark's, rasterized as the ops do).
 GPU_CASES = [(1024, 3584, 8192, torch.bfloat16, None),
@@ -121,6 +135,24 @@ def _tiles(n, tiles):
     return tiles or GemmTiles(num_stages=4, swizzle=default_swizzle(n, 256))
 
 
+#: (m, n, k) of the back-to-back test.
+BACK_TO_BACK = (1024, 3584, 2048)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Every kernel of the GPU tests compiled first, in parallel worker processes (the tests'
+    compiles are then cache hits)."""
+    from tilescale_examples.testing.precompile import precompile
+
+    cases = [(m, n, k, DTYPES[dtype], _tiles(n, tiles)) for m, n, k, dtype, tiles in GPU_CASES]
+    jobs = [(f"tilescale_examples.overlap.{module}", case, None) for case in cases
+            for module in ("gemm_async:build_async_gemm_kernel", "gemm:build_gemm_kernel")]
+    jobs.append(("tilescale_examples.overlap.gemm_async:build_async_gemm_kernel",
+                 BACK_TO_BACK + ("bfloat16", _tiles(BACK_TO_BACK[1], None)), None))
+    precompile(jobs)
+
+
 def _inputs(m, n, k, dtype, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     return (torch.randn((m, k), generator=g, device="cuda").to(dtype),
@@ -128,6 +160,7 @@ def _inputs(m, n, k, dtype, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("compiled")
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c[:4]))
 def test_gpu_async_gemm_matches_the_reference_and_stock_tilelang(case):
     from tilescale_examples.base import compile_once
@@ -151,10 +184,11 @@ def test_gpu_async_gemm_matches_the_reference_and_stock_tilelang(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("compiled")
 def test_gpu_back_to_back_calls_and_graph_replays():
     from tilescale_examples.base import compile_once
 
-    m, n, k, dtype = 1024, 3584, 2048, torch.bfloat16
+    (m, n, k), dtype = BACK_TO_BACK, torch.bfloat16
     kernel = compile_once(build_async_gemm_kernel(m, n, k, DTYPES[dtype], _tiles(n, None)))
     inputs = [_inputs(m, n, k, dtype, 100 + i) for i in range(4)]
     outs = [torch.full((m, n), float("nan"), dtype=dtype, device="cuda") for _ in range(200)]

@@ -296,6 +296,27 @@ GPU_CASES = [(1024, 3584, 8192, torch.bfloat16, None, None),  # stream-K tiles o
              (512, 1024, 2048, torch.bfloat16, None, 300)]  # more blocks than SMs: 1-2 steps each, ~20 per tile
 
 
+#: (m, n, k, blocks) of the back-to-back test (8 tiles over 11 blocks: every tile fixed up).
+BACK_TO_BACK = (512, 1024, 1024, 11)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Every kernel of the GPU tests compiled first, in parallel worker processes (the ops'
+    compiles are then cache hits)."""
+    from tilescale_examples._contract import sm_count_of
+    from tilescale_examples.overlap.gemm import DTYPES
+    from tilescale_examples.testing.precompile import precompile
+
+    jobs = []
+    for m, n, k, dtype, tiles, blocks in GPU_CASES + [BACK_TO_BACK[:3] + (torch.bfloat16, None, BACK_TO_BACK[3])]:
+        tiles = tiles or STREAM_K_TILES
+        blocks = default_blocks(m, n, k, tiles, sm_count_of(None)) if blocks is None else blocks
+        jobs.append(("tilescale_examples.overlap.stream_k:build_stream_k_gemm", (m, n, k, DTYPES[dtype], tiles, blocks),
+                     None))
+    precompile(jobs)
+
+
 def _inputs(m, n, k, dtype, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     return (torch.randn((m, k), generator=g, device="cuda").to(dtype),
@@ -309,6 +330,7 @@ def _check(out, a, b, what):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("compiled")
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c[:4]))
 def test_gpu_stream_k_matches_the_reference_and_repeats_bit_for_bit(case):
     m, n, k, dtype, tiles, blocks = case
@@ -325,9 +347,10 @@ def test_gpu_stream_k_matches_the_reference_and_repeats_bit_for_bit(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("compiled")
 def test_gpu_back_to_back_calls_side_stream_graphs_and_a_straggler():
-    m, n, k, dtype = 512, 1024, 1024, torch.bfloat16
-    op = StreamKGemm(m, n, k, dtype, blocks=11)  # 8 tiles over 11 blocks: every tile fixed up
+    (m, n, k, blocks), dtype = BACK_TO_BACK, torch.bfloat16
+    op = StreamKGemm(m, n, k, dtype, blocks=blocks)
     inputs = [_inputs(m, n, k, dtype, 100 + i) for i in range(4)]
     outs = [torch.full((m, n), float("nan"), dtype=dtype, device="cuda") for _ in range(200)]
     for i, out in enumerate(outs):  # 200 calls without host synchronisation

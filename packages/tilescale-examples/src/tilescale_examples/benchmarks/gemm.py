@@ -33,7 +33,7 @@ from __future__ import annotations
 from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import collect, print_outcome, print_table, ratio, worst_line
 
-__all__ = ["KERNELS", "GOAL", "DEFAULT_TILES", "headers", "run_case", "goal_lines", "main"]
+__all__ = ["KERNELS", "GOAL", "DEFAULT_TILES", "BUILDERS", "headers", "kernel_jobs", "run_case", "goal_lines", "main"]
 
 #: The library's GEMM kernels this benchmark can time (``--kernels``), in column order.
 KERNELS = ("stock", "async", "stream-K")
@@ -41,6 +41,39 @@ KERNELS = ("stock", "async", "stream-K")
 GOAL = 0.97
 #: ``--tiles`` when not given (the stream-K op's default tiles).
 DEFAULT_TILES = "128x256x64:4:256"
+
+
+#: Each library kernel's builder (``"module:function"``, a :mod:`~tilescale_examples.testing.precompile` job's).
+BUILDERS = {"stock": "tilescale_examples.overlap.gemm:build_gemm_kernel",
+            "async": "tilescale_examples.overlap.gemm_async:build_async_gemm_kernel",
+            "stream-K": "tilescale_examples.overlap.stream_k:build_stream_k_gemm"}
+
+
+def kernel_jobs(kernels, shapes, dtype: str, tiles, sm_count: int) -> list:
+    """:func:`~tilescale_examples.testing.precompile.precompile` jobs of the ``kernels`` (names
+    of :data:`KERNELS`) this benchmark (and the GEMM GPU tests) compile for every ``(m, n, k)``
+    of ``shapes``: ``dtype`` (TileLang's name), ``tiles`` (the one-block-per-tile kernels with
+    :func:`~tilescale_examples.overlap.gemm.default_swizzle` of ``n``), stream-K on
+    :func:`~tilescale_examples.overlap.stream_k.default_blocks` of ``sm_count`` SMs."""
+    from tilescale_examples.overlap.stream_k import default_blocks
+
+    jobs = []
+    for m, n, k in shapes:
+        for name in kernels:
+            if name == "stream-K":
+                jobs.append((BUILDERS[name], (m, n, k, dtype, tiles, default_blocks(m, n, k, tiles, sm_count)), None))
+            else:
+                jobs.append((BUILDERS[name], (m, n, k, dtype, _rastered(tiles, n)), None))
+    return jobs
+
+
+def _rastered(tiles, n: int):
+    """``tiles`` with the rasterization the library's ops pick for an ``n``-column output."""
+    from dataclasses import replace
+
+    from tilescale_examples.overlap.gemm import default_swizzle
+
+    return replace(tiles, swizzle=default_swizzle(n, tiles.block_n))
 
 
 def headers(kernels) -> list:
@@ -52,12 +85,11 @@ def headers(kernels) -> list:
 def _kernel_calls(m: int, n: int, k: int, dtype, tiles, kernels, device) -> dict:
     """``{name: fn(a, b, out)}`` of the library kernels in ``kernels``, built (compiled) here."""
     from tilescale_examples.base import compile_once
-    from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, build_gemm_kernel, default_swizzle
+    from tilescale_examples.overlap.gemm import DTYPES, build_gemm_kernel
     from tilescale_examples.overlap.gemm_async import build_async_gemm_kernel
     from tilescale_examples.overlap.stream_k import StreamKGemm
 
-    rastered = GemmTiles(tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages, tiles.threads,
-                         default_swizzle(n, tiles.block_n))
+    rastered = _rastered(tiles, n)
     calls = {}
     for name in kernels:
         if name == "stock":
@@ -143,7 +175,11 @@ def main(argv=None) -> int:
         return 0
     import torch
 
+    from tilescale_examples.testing.precompile import precompile
+
     device = torch.device("cuda", torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    precompile(kernel_jobs(args.kernels, [(m, n, args.k) for m in args.m for n in args.n], args.dtype, tiles, sms))
     rows, failures = collect(([row], bad) for row, bad in (run_case(args, m, n, tiles, device)
                                                            for m in args.m for n in args.n))
     print_table(f"the library's GEMM kernels vs torch.matmul ({args.tiles}), {torch.cuda.get_device_name(device)}, "
