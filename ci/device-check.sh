@@ -6,13 +6,14 @@
 # rank per GPU); tests-core, tests-host, tests-lang, tests-examples (one package, shared);
 # tests-moe (the MoE dispatch/combine GPU tests alone, shared); tests-reduce (the reduction and all-gather GPU tests, shared);
 # tests-decode (AllReduceResidualRMSNorm, GemmAllReduce), tests-flash (the flash-attention kernel alone), tests-sequence (UlyssesAllToAll, flash attention, SPAllGatherAttention, SPFlashDecode), tests-moe-ll (MoELowLatency), tests-overlap-emulated (the fused
-# plans of AllGatherGEMM and GemmReduceScatter on emulated peers), tests-graphs (CUDA graphs and torch.compile),
-# tests-other (all-to-all, overlapped GEMMs, TMA all-reduce), tests-gemm (the async-WGMMA and stream-K GEMMs), tests-tma (the lean launcher's TMA
+# plans of AllGatherGEMM and GemmReduceScatter on emulated peers), tests-overlap-async (those plans with the
+# async GEMM pipeline), tests-graphs (CUDA graphs and torch.compile),
+# tests-other (all-to-all, overlapped GEMMs, TMA all-reduce), tests-gemm (the async-pipeline and stream-K GEMMs), tests-tma (the lean launcher's TMA
 # descriptors and frozen launches), tests-lang-rest (tilescale-lang's GPU suite but upstream's
 # programs), tests-upstream (upstream's programs alone), tests-lang-new (AOT bundles, the lean launcher,
 # the autotuner, upstream's NVSHMEM-path programs) -- the ops and modules whose GPU tests are newest;
 # bench (every benchmark); bench-NAME (one); bench-overlap-1 (ag_gemm and gemm_rs on one rank:
-# the world-1 goal); bench-overlap-wide (the emulated fused plans at n 28672, 2/4/8 ranks); bench-tuned-1 (ag_gemm on one rank with the autotuner's tiles, n 3584 and
+# the world-1 goal); bench-overlap-1-async (the same with the async GEMM pipeline); bench-overlap-wide (the emulated fused plans at n 28672, 2/4/8 ranks); bench-tuned-1 (ag_gemm on one rank with the autotuner's tiles, n 3584 and
 # 7168); bench-gemm_allreduce-tiles (GemmAllReduce's decode rows with longer runs of b per
 # block); bench-gemm_allreduce-split (GemmAllReduce with k split against unsplit, 1 and 2 ranks);
 # bench-since-move (the benchmarks whose published tables predate the examples' restructuring);
@@ -41,13 +42,14 @@ while [[ $# -gt 0 ]]; do
 done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
-# first; each step fits one device call of 600 s: the async-WGMMA GEMM (its tests, then the GEMM
-# benchmark: stock TileLang, async WGMMA and stream-K against torch.matmul), the overlapped
+# first; each step fits one device call of 600 s: the async GEMM pipeline (its tests, the GEMM
+# benchmark: stock TileLang, async pipeline and stream-K against torch.matmul; the fused plans
+# with it on emulated peers; the world-1 overlapped GEMMs with it), the overlapped
 # GEMMs' GPU test (world 1: 300 repeated calls bit for bit against TileLang's launcher, their
 # launch frozen), the launch benchmark's GEMM rows (frozen) and its enqueue column; the MoE
 # suite (its last test was cut by the step's timeout); then the rest of the tilescale-lang GPU
 # suite in two steps: upstream's programs (test_gpu_upstream.py) alone, and the others.
-unverified=(tests-gemm bench-gemm tests-other bench-launch tests-moe tests-lang-rest tests-upstream)
+unverified=(tests-gemm bench-gemm tests-overlap-async bench-overlap-1-async tests-other bench-launch tests-moe tests-lang-rest tests-upstream)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
@@ -105,6 +107,10 @@ for step in "${steps[@]}"; do
            done ;;
     bench-overlap-1) for b in ag_gemm gemm_rs; do
                run_step "bench-$b-1" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b" --ranks 1
+             done ;;
+    bench-overlap-1-async) for b in ag_gemm gemm_rs; do  # the same with the async GEMM pipeline (4 stages)
+               run_step "bench-$b-1-async" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b" --ranks 1 \
+                 --pipeline async --tiles 128x256x64:4:256
              done ;;
     bench-overlap-wide) run_step bench-overlap-wide timeout -k 10 560 python3 -m \
                           tilescale_examples.benchmarks.overlap_emulated --n 28672 --iters 10 ;;  # GEMM outlasts the copies
@@ -168,6 +174,9 @@ for step in "${steps[@]}"; do
     tests-overlap-emulated) run_step tests-overlap-emulated timeout -k 10 540 python3 -m pytest \
                               packages/tilescale-examples/tests/test_overlap_emulated.py \
                               -m gpu -q -rfEs --tb=short -p no:cacheprovider "${pytest_args[@]}" ;;
+    tests-overlap-async) run_step tests-overlap-async timeout -k 10 400 python3 -m pytest \
+                           packages/tilescale-examples/tests/test_overlap_emulated.py -k async \
+                           -m gpu -q -rfEs --tb=short -p no:cacheprovider "${pytest_args[@]}" ;;
     tests-moe-ll) run_step tests-moe-ll env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
                     packages/tilescale-examples/tests/test_moe_low_latency_gpu.py \
                     -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;

@@ -473,7 +473,14 @@ def test_overlap_benchmark_numbers_and_arguments(name, monkeypatch, capsys):
                                                     swizzle=0)
     assert overlap.parse_tiles("128x256x64:4:384:8") == dict(block_m=128, block_n=256, block_k=64, num_stages=4,
                                                              threads=384, swizzle=8)
-    assert overlap.TILES_FORMAT.format(**overlap.parse_tiles("128x256x64:3:256:8")) == "128x256x64 s3 t256 w8"
+    assert (overlap.TILES_FORMAT.format(**overlap.parse_tiles("128x256x64:3:256:8"), pipeline="async")
+            == "128x256x64 s3 t256 w8 async")
+    exits_naming(entry.main, ["--pipeline", "async", "--tiles", "128x256x64:1"],
+                 "num_stages must be >= 2 for the async pipeline", capsys)
+    exits_naming(entry.main, ["--pipeline", "fast"], "invalid choice: 'fast'", capsys)
+    assert "nothing to measure" in output_without_gpu(entry.main, ["--pipeline", "async"], monkeypatch, capsys)
+    args = overlap.parser(name).parse_args(["--pipeline", "async"])
+    assert "TileScale's GEMM with the async pipeline" in overlap.title(name, 1, "gloo", 1, args)
     assert "no CUDA GPU visible, nothing to measure" in output_without_gpu(entry.main, [], monkeypatch, capsys)
     run = pickle.loads(pickle.dumps(entry.run))
     assert run.func is overlap.run and run.args == (name,)

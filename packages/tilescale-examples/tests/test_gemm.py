@@ -16,7 +16,8 @@ from tilescale_examples.overlap.gemm import (RASTER_MIN_COLUMN_BLOCKS, RASTER_PA
 
 def test_default_tiles_are_the_hopper_example_shape():
     t = GemmTiles()
-    assert (t.block_m, t.block_n, t.block_k, t.num_stages, t.threads, t.swizzle) == (128, 256, 64, 3, 256, 0)
+    assert (t.block_m, t.block_n, t.block_k, t.num_stages, t.threads, t.swizzle, t.pipeline) == (128, 256, 64, 3, 256, 0,
+                                                                                                  "sync")
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -25,6 +26,8 @@ def test_default_tiles_are_the_hopper_example_shape():
     (dict(threads=192), "threads must be a multiple of 128"),
     (dict(swizzle=-1), "swizzle must be an int >= 0"),
     (dict(swizzle=True), "swizzle must be an int >= 0"),
+    (dict(pipeline="fast"), "pipeline must be one of"),
+    (dict(pipeline="async", num_stages=1), "num_stages must be >= 2 for the async pipeline"),
 ])
 def test_tiles_reject_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -15,16 +15,22 @@ CUDA-graph replays with fresh inputs; the same bits as stock TileLang's GEMM of 
 """
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 from examples_helpers import assert_gemm_graph_replays, exits_naming, kernel_body, lower_source, needs_nvcc, nvcc_resources, output_without_gpu
 
 from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, build_gemm_kernel, count_outside, default_swizzle
-from tilescale_examples.overlap.gemm_async import build_async_gemm_kernel, consumer_registers
+from tilescale_examples.overlap.gemm_async import consumer_registers
 
-#: The benchmark's default tiles.
-TILES = GemmTiles(num_stages=4)
+#: The benchmark's default tiles, with the async pipeline.
+TILES = GemmTiles(num_stages=4, pipeline="async")
+
+
+def build_async_gemm_kernel(m, n, k, dtype="bfloat16", tiles=None):
+    """The library GEMM with ``tiles`` (default :data:`TILES`) on the async pipeline."""
+    return build_gemm_kernel(m, n, k, dtype, replace(tiles or TILES, pipeline="async"))
 
 
 def test_register_budgets_fit_the_sm():
@@ -59,12 +65,61 @@ def test_small_tiles_and_fewer_steps_than_stages_lower():
     assert "blockIdx = tl::rasterization2DRow<8>()" in wide  # the grid order of build_gemm_kernel's
 
 
+def _in_order(src: str, *parts) -> bool:
+    """Whether ``parts`` occur in ``src`` in this order (each after the previous one)."""
+    at = 0
+    for part in parts:
+        at = src.find(part, at)
+        if at < 0:
+            return False
+        at += len(part)
+    return True
+
+
+def test_the_overlapped_gemms_fused_kernels_take_the_async_pipeline():
+    from tilescale_examples.overlap.ag_gemm import build_ag_gemm_kernel
+    from tilescale_examples.overlap.gemm_rs import build_gemm_rs_kernel
+
+    ag = kernel_body(lower_source(build_ag_gemm_kernel(1024, 8192, 3584, 2, 4, "bfloat16", TILES)))
+    # The chunk's flag is waited for by every thread of the block (a barrier) before the roles split.
+    assert _in_order(ag, "wait_until<", "__syncthreads()", "fence_proxy_async", "threadIdx.x) < 128", "wait_wgmma<1>",
+                     "wait_wgmma<0>", "Out + ")
+    assert "__launch_bounds__(384, 1)" in ag
+    rs = kernel_body(lower_source(build_gemm_rs_kernel(1024, 8192, 3584, 2, "bfloat16", replace(TILES, num_stages=3))))
+    _, consumer = rs.split("warpgroup_reg_alloc<232>")
+    # The epilogue on the compute threads: its barrier is theirs (named, 256 threads), thread 128 signals.
+    assert _in_order(consumer, "wait_wgmma<0>", "store_vec16", "__sync_thread_partial(1, 256)", "threadIdx.x) == 128",
+                     "fence_sys", "notify<true>")
+    assert "__syncthreads" not in consumer
+
+
+def test_the_persistent_kernels_refuse_the_async_pipeline():
+    from tilescale_examples.decode.gemm_ar_kernel import build_gemm_ar_kernel
+    from tilescale_examples.overlap.stream_k import StreamKGemm, build_stream_k_gemm
+
+    for call in (lambda: build_stream_k_gemm(256, 512, 128, "bfloat16", TILES, 4),
+                 lambda: StreamKGemm(256, 512, 128, tiles=TILES),
+                 lambda: build_gemm_ar_kernel(16, 1024, 2048, 2, "bfloat16", TILES)):
+        with pytest.raises(ValueError, match="pipeline='async' is not available for this persistent kernel"):
+            call()
+
+
+def test_the_sync_pipeline_is_stock_tilelangs():
+    src = kernel_body(lower_source(build_gemm_kernel(1024, 3584, 8192, "bfloat16", replace(TILES, pipeline="sync"))))
+    assert "__launch_bounds__(384, 1)" in src and "warpgroup_wait<0>" in src and "wait_wgmma<1>" not in src
+
+
 @needs_nvcc
 def test_kernel_compiles_without_spills(tmp_path):
-    for m, n, k, dtype, tiles in ((4096, 28672, 8192, "bfloat16", GemmTiles(num_stages=4, swizzle=8)),
-                                  (256, 512, 128, "float16", GemmTiles(64, 128, 64, 3, 128))):
-        regs, spills = nvcc_resources(lower_source(build_async_gemm_kernel(m, n, k, dtype, tiles)), tmp_path)
-        assert spills == 0, (m, n, k, regs, spills)
+    from tilescale_examples.overlap.ag_gemm import build_ag_gemm_kernel
+    from tilescale_examples.overlap.gemm_rs import build_gemm_rs_kernel
+
+    for func in (build_async_gemm_kernel(4096, 28672, 8192, "bfloat16", GemmTiles(num_stages=4, swizzle=8)),
+                 build_async_gemm_kernel(256, 512, 128, "float16", GemmTiles(64, 128, 64, 3, 128)),
+                 build_ag_gemm_kernel(1024, 8192, 3584, 2, 4, "bfloat16", TILES),
+                 build_gemm_rs_kernel(1024, 8192, 3584, 2, "bfloat16", replace(TILES, num_stages=3))):
+        regs, spills = nvcc_resources(lower_source(func), tmp_path)
+        assert spills == 0, (str(func.attrs["global_symbol"]), regs, spills)
 
 
 @pytest.mark.parametrize("dims,match", [(dict(m=100), "m=100 is not a multiple of block_m=128"),
@@ -112,11 +167,11 @@ def test_benchmark_compiles_what_it_times_in_parallel_first():
     from tilescale_examples.testing.precompile import build_job
 
     jobs = bench.kernel_jobs(["stock", "async", "stream-K"], [(1024, 3584, 8192), (4096, 28672, 8192)], "bfloat16",
-                             TILES, 132)
-    assert [(b.split(":")[1], a[:3], getattr(a[4], "swizzle")) for b, a, _ in jobs] == [
-        ("build_gemm_kernel", (1024, 3584, 8192), 0), ("build_async_gemm_kernel", (1024, 3584, 8192), 0),
-        ("build_stream_k_gemm", (1024, 3584, 8192), 0), ("build_gemm_kernel", (4096, 28672, 8192), 8),
-        ("build_async_gemm_kernel", (4096, 28672, 8192), 8), ("build_stream_k_gemm", (4096, 28672, 8192), 0)]
+                             GemmTiles(num_stages=4), 132)
+    assert [(b.split(":")[1], a[:3], a[4].swizzle, a[4].pipeline) for b, a, _ in jobs] == [
+        ("build_gemm_kernel", (1024, 3584, 8192), 0, "sync"), ("build_gemm_kernel", (1024, 3584, 8192), 0, "async"),
+        ("build_stream_k_gemm", (1024, 3584, 8192), 0, "sync"), ("build_gemm_kernel", (4096, 28672, 8192), 8, "sync"),
+        ("build_gemm_kernel", (4096, 28672, 8192), 8, "async"), ("build_stream_k_gemm", (4096, 28672, 8192), 0, "sync")]
     assert jobs[2][1][5] == 132 and all(p is None for _, _, p in jobs)
     assert str(build_job(*jobs[1][:2]).attrs["global_symbol"]) == "gemm_async"
 
@@ -146,11 +201,9 @@ def compiled():
     from tilescale_examples.testing.precompile import precompile
 
     cases = [(m, n, k, DTYPES[dtype], _tiles(n, tiles)) for m, n, k, dtype, tiles in GPU_CASES]
-    jobs = [(f"tilescale_examples.overlap.{module}", case, None) for case in cases
-            for module in ("gemm_async:build_async_gemm_kernel", "gemm:build_gemm_kernel")]
-    jobs.append(("tilescale_examples.overlap.gemm_async:build_async_gemm_kernel",
-                 BACK_TO_BACK + ("bfloat16", _tiles(BACK_TO_BACK[1], None)), None))
-    precompile(jobs)
+    cases.append(BACK_TO_BACK + ("bfloat16", _tiles(BACK_TO_BACK[1], None)))
+    precompile([("tilescale_examples.overlap.gemm:build_gemm_kernel", case[:4] + (replace(case[4], pipeline=p),), None)
+                for case in cases for p in ("async", "sync")])
 
 
 def _inputs(m, n, k, dtype, seed):

@@ -222,6 +222,22 @@ def test_emulated_fused_plans_at_the_benchmark_shape_on_gpu(op, monkeypatch):
             _straggler_rounds(emu, 50, 5, 50_000, rng, (0, 200_000, 2_000_000))
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("op", sorted(SHAPE_CASES))
+def test_emulated_fused_plans_with_the_async_pipeline_on_gpu(op, monkeypatch):
+    """The same at 2 emulated ranks with ``pipeline="async"`` (every GEMM kernel of the plan,
+    the flag-waiting peer GEMM and the remote-epilogue GEMM included, keeps one WGMMA group in
+    flight): 20 rounds with a random straggler, batches of 5, every output checked; then a
+    round captured in a CUDA graph and replayed with fresh inputs."""
+    monkeypatch.setenv("TILESCALE_WAIT_TIMEOUT_MS", WAIT_TIMEOUT_MS)
+    device, rng = torch.device("cuda", torch.cuda.current_device()), random.Random(13)
+    with EmulatedOverlap(op, 2, *SHAPE, device=device, pipeline="async", num_stages=3) as emu:
+        assert all(rank_op.tiles.pipeline == "async" for rank_op in emu.ops)
+        _straggler_rounds(emu, 20, 5, 70_000, rng, (0, 200_000, 2_000_000))
+        _graph_replays(emu, device)
+
+
 def _straggler_rounds(emu, rounds: int, batch: int, seed: int, rng, delays) -> None:
     """``rounds`` back-to-back rounds of ``emu``, each on fresh random inputs (seeds from
     ``seed``) with poisoned outputs and one random emulated rank delayed by one of ``delays``

@@ -131,6 +131,13 @@ def test_gemm_space_and_rejections():
     more = gemm_space(1024, 3584, 8192, swizzle=(0, 8), persistent=(False, True), block_m=(128,))
     assert more.axis_names[-2:] == ("swizzle", "persistent") and len(more) == 4 * len(
         gemm_space(1024, 3584, 8192, block_m=(128,)))
+    # The pipeline axis: the async pipeline needs two stages (a stage is released one step late).
+    piped = gemm_space(1024, 3584, 8192, pipeline=("sync", "async"), block_m=(128,), num_stages=(1, 3))
+    configs = list(piped)
+    assert piped.axis_names[-1] == "pipeline"
+    assert {(c["num_stages"], c["pipeline"]) for c in configs} == {(1, "sync"), (3, "sync"), (3, "async")}
+    assert gemm_rejection({**library_default, "num_stages": 1, "pipeline": "async"}, 1024, 3584, 8192) == (
+        "the async pipeline needs at least 2 stages")
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -141,6 +148,8 @@ def test_gemm_space_and_rejections():
     ({"threads": (128, -1)}, "threads values must be a positive int"),
     ({"swizzle": (-1,)}, "swizzle values must be a non-negative int"),
     ({"persistent": (1,)}, "persistent values must be True or False"),
+    ({"pipeline": ("fast",)}, "pipeline values must be among"),
+    ({"pipeline": "sync"}, "pipeline must be a non-empty sequence"),
     ({"smem_bytes": 0}, "smem_bytes must be a positive int"),
     ({"valid": "yes"}, "valid must be a callable"),
     ({"m": 64, "n": 64, "k": 64}, "no GEMM tile of the space fits m=64, n=64, k=64"),

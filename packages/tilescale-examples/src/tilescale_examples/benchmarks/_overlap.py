@@ -3,7 +3,7 @@ what ``benchmarks.ag_gemm`` and ``benchmarks.gemm_rs`` share.
 
 ``python -m tilescale_examples.benchmarks.ag_gemm|gemm_rs [--ranks 2] [--m-local
 1024,2048,4096,8192] [--k 8192] [--n 3584] [--dtype bfloat16] [--iters 20] [--rounds 5]
-[--out DIR]`` spawns ``--ranks``
+[--tiles ... | --tune] [--pipeline sync|async] [--out DIR]`` spawns ``--ranks``
 ranks (one per GPU with an NCCL group when there are enough GPUs, else sharing the GPUs over
 gloo; the title says which), or runs under ``tilescale-run -n N -m ...``.
 
@@ -111,6 +111,8 @@ class _Columns:
     check of each output."""
 
     def __init__(self, op, rank, world, group, device, m_local, k, n, dtype, obj):
+        import dataclasses
+
         import torch
         import torch.distributed as dist
 
@@ -137,7 +139,8 @@ class _Columns:
         self.out = torch.empty((M, n) if op == "ag_gemm" else (m_local, n), dtype=dtype, device=device)
         self.mm_out = torch.empty((M, n), dtype=dtype, device=device)
         self.stock_out = torch.empty((M, n), dtype=dtype, device=device)
-        self.stock = compile_once(build_gemm_kernel(M, n, k, DTYPES[dtype], obj.tiles), group)
+        stock_tiles = dataclasses.replace(obj.tiles, pipeline="sync")  # stock TileLang's mainloop, the op's tiles
+        self.stock = compile_once(build_gemm_kernel(M, n, k, DTYPES[dtype], stock_tiles), group)
         self.gname = group.group_name if hasattr(group, "group_name") else dist.group.WORLD.group_name
         self.backend = dist.get_backend(group)
 
@@ -216,6 +219,7 @@ def _measure_size(op, rank, world, group, device, m_local, args):
                                    is_distributed=True, local_rank=rank, num_local_ranks=world, group=group)
     tiles, tiles_text = dict(args.tiles or {}), None
     if args.tiles:  # fixed by --tiles (parsed by main)
+        tiles["pipeline"] = args.pipeline
         tiles_text = TILES_FORMAT.format(**tiles) + " (--tiles)"
     elif args.tune:  # the library GEMM's tiles for this shape, the same on every rank (cached on disk)
         import dataclasses
@@ -224,11 +228,13 @@ def _measure_size(op, rank, world, group, device, m_local, args):
 
         from tilescale_examples.overlap.tuning import SWIZZLES, tune_tiles
 
-        space = gemm_space(world * m_local, args.n, args.k, args.dtype, swizzle=SWIZZLES,
+        space = gemm_space(world * m_local, args.n, args.k, args.dtype, swizzle=SWIZZLES, pipeline=(args.pipeline,),
                            valid=lambda config: m_local % config["block_m"] == 0)  # the op's rows per rank too
         tuned, result = tune_tiles(world * m_local, args.n, args.k, dtype, device=device, group=group, space=space)
         tiles = dataclasses.asdict(tuned)
         tiles_text = TILES_FORMAT.format(**tiles) + f" ({result.source})"
+    else:
+        tiles["pipeline"] = args.pipeline
     obj = _op_class(op)(alloc, m_local, args.k, args.n, dtype, group=group, **tiles)
     cols = _Columns(op, rank, world, group, device, m_local, args.k, args.n, dtype, obj)
     calls = {"TileScale": cols.tilescale, "collective + cuBLAS": cols.collective_cublas,
@@ -278,19 +284,20 @@ def _measure_size(op, rank, world, group, device, m_local, args):
 
 
 #: How the tiles column prints a GemmTiles' fields.
-TILES_FORMAT = "{block_m}x{block_n}x{block_k} s{num_stages} t{threads} w{swizzle}"
+TILES_FORMAT = "{block_m}x{block_n}x{block_k} s{num_stages} t{threads} w{swizzle} {pipeline}"
 
 
 def parse_tiles(text: str) -> dict:
     """``--tiles BMxBNxBK[:STAGES[:THREADS[:SWIZZLE]]]`` as GemmTiles keyword arguments, every
-    field (those left out: GemmTiles' defaults); ``ValueError`` naming the argument on a
-    malformed or invalid value."""
+    integer field (those left out: GemmTiles' defaults; the pipeline is ``--pipeline``'s);
+    ``ValueError`` naming the argument on a malformed or invalid value."""
     import dataclasses
 
     from tilescale_examples.overlap.gemm import GemmTiles
 
-    names = [field.name for field in dataclasses.fields(GemmTiles)]  # the string's order
-    return dataclasses.asdict(GemmTiles(**_harness.tile_fields(text, names)))
+    names = [field.name for field in dataclasses.fields(GemmTiles) if field.name != "pipeline"]  # the string's order
+    return {name: value for name, value in dataclasses.asdict(GemmTiles(**_harness.tile_fields(text, names))).items()
+            if name != "pipeline"}
 
 
 def _gather_names(names, group):
@@ -338,6 +345,10 @@ def parser(op: str):
     p.add_argument("--tiles", default=None, metavar="BMxBNxBK[:STAGES[:THREADS[:SWIZZLE]]]",
                    help="the library GEMM's tiles for every size (the stock TileLang column uses them too), "
                         "e.g. 128x256x64:3:256:8 for a rasterized block order of panel 8; shown in a tiles column")
+    p.add_argument("--pipeline", default="sync", choices=["sync", "async"],
+                   help="the library GEMM's mainloop (GemmTiles.pipeline; with --tune, the one the tuner tries): "
+                        "sync (stock TileLang's) or async (one WGMMA group in flight); the stock TileLang column "
+                        "stays sync")
     return p
 
 
@@ -345,7 +356,8 @@ def title(op: str, world: int, backend: str, gpus: int, args) -> str:
     """The table title: op, ranks, dtype, shapes and the GPU mode (shared GPUs say so)."""
     name = OPS[op][0]
     mode = _harness.gpu_mode(world, backend, gpus, "collective")
-    return (f"{name}, {world} rank(s), {args.dtype}, k={args.k}, n={args.n} per rank; {mode}; "
+    pipeline = ", TileScale's GEMM with the async pipeline" if getattr(args, "pipeline", "sync") == "async" else ""
+    return (f"{name}, {world} rank(s), {args.dtype}, k={args.k}, n={args.n} per rank{pipeline}; {mode}; "
             f"TFLOP/s = 2*M*N*K/t; x col = TileScale TFLOP/s / col TFLOP/s")
 
 
@@ -368,7 +380,8 @@ def main(op: str, argv=None) -> int:
     try:  # before any rank starts: a clear message naming the argument
         args.tiles = parse_tiles(args.tiles) if args.tiles is not None else None
         for m in args.sizes:
-            check_gemm_dims(OPS[op][2], GemmTiles(**(args.tiles or {})), m_local=m, k=args.k, n=args.n)
+            check_gemm_dims(OPS[op][2], GemmTiles(**(args.tiles or {}), pipeline=args.pipeline), m_local=m, k=args.k,
+                            n=args.n)
     except ValueError as exc:
         p.error(str(exc))
     gpus = _harness.visible_gpus(f"{OPS[op][0]} benchmark")

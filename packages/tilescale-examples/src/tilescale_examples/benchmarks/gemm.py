@@ -11,8 +11,9 @@ GPU) of
 * ``matmul``: ``torch.matmul`` into a preallocated output (cuBLAS);
 * ``stock``: :func:`~tilescale_examples.overlap.gemm.build_gemm_kernel`, stock TileLang's
   pipelined GEMM (one block per tile; each ``k`` step's WGMMAs waited for before the next);
-* ``async``: :func:`~tilescale_examples.overlap.gemm_async.build_async_gemm_kernel`, the same
-  tiles with the warp specialisation written out and one WGMMA group in flight;
+* ``async``: the same kernel with ``pipeline="async"``
+  (:mod:`~tilescale_examples.overlap.gemm_async`: the warp specialisation written out, one
+  WGMMA group in flight);
 * ``stream-K``: :class:`~tilescale_examples.overlap.stream_k.StreamKGemm` (one block per SM,
   the last wave's tiles cut along ``k``);
 
@@ -33,7 +34,7 @@ from __future__ import annotations
 from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import collect, print_outcome, print_table, ratio, worst_line
 
-__all__ = ["KERNELS", "GOAL", "DEFAULT_TILES", "BUILDERS", "headers", "kernel_jobs", "run_case", "goal_lines", "main"]
+__all__ = ["KERNELS", "GOAL", "DEFAULT_TILES", "BUILDERS", "PIPELINE_OF", "headers", "kernel_jobs", "run_case", "goal_lines", "main"]
 
 #: The library's GEMM kernels this benchmark can time (``--kernels``), in column order.
 KERNELS = ("stock", "async", "stream-K")
@@ -45,8 +46,10 @@ DEFAULT_TILES = "128x256x64:4:256"
 
 #: Each library kernel's builder (``"module:function"``, a :mod:`~tilescale_examples.testing.precompile` job's).
 BUILDERS = {"stock": "tilescale_examples.overlap.gemm:build_gemm_kernel",
-            "async": "tilescale_examples.overlap.gemm_async:build_async_gemm_kernel",
+            "async": "tilescale_examples.overlap.gemm:build_gemm_kernel",
             "stream-K": "tilescale_examples.overlap.stream_k:build_stream_k_gemm"}
+#: The ``GemmTiles.pipeline`` of each one-block-per-tile kernel.
+PIPELINE_OF = {"stock": "sync", "async": "async"}
 
 
 def kernel_jobs(kernels, shapes, dtype: str, tiles, sm_count: int) -> list:
@@ -63,17 +66,18 @@ def kernel_jobs(kernels, shapes, dtype: str, tiles, sm_count: int) -> list:
             if name == "stream-K":
                 jobs.append((BUILDERS[name], (m, n, k, dtype, tiles, default_blocks(m, n, k, tiles, sm_count)), None))
             else:
-                jobs.append((BUILDERS[name], (m, n, k, dtype, _rastered(tiles, n)), None))
+                jobs.append((BUILDERS[name], (m, n, k, dtype, _rastered(tiles, n, PIPELINE_OF[name])), None))
     return jobs
 
 
-def _rastered(tiles, n: int):
-    """``tiles`` with the rasterization the library's ops pick for an ``n``-column output."""
+def _rastered(tiles, n: int, pipeline: str):
+    """``tiles`` with ``pipeline`` and the rasterization the library's ops pick for an
+    ``n``-column output."""
     from dataclasses import replace
 
     from tilescale_examples.overlap.gemm import default_swizzle
 
-    return replace(tiles, swizzle=default_swizzle(n, tiles.block_n))
+    return replace(tiles, swizzle=default_swizzle(n, tiles.block_n), pipeline=pipeline)
 
 
 def headers(kernels) -> list:
@@ -86,16 +90,12 @@ def _kernel_calls(m: int, n: int, k: int, dtype, tiles, kernels, device) -> dict
     """``{name: fn(a, b, out)}`` of the library kernels in ``kernels``, built (compiled) here."""
     from tilescale_examples.base import compile_once
     from tilescale_examples.overlap.gemm import DTYPES, build_gemm_kernel
-    from tilescale_examples.overlap.gemm_async import build_async_gemm_kernel
     from tilescale_examples.overlap.stream_k import StreamKGemm
 
-    rastered = _rastered(tiles, n)
     calls = {}
     for name in kernels:
-        if name == "stock":
-            calls[name] = compile_once(build_gemm_kernel(m, n, k, DTYPES[dtype], rastered))
-        elif name == "async":
-            calls[name] = compile_once(build_async_gemm_kernel(m, n, k, DTYPES[dtype], rastered))
+        if name in PIPELINE_OF:
+            calls[name] = compile_once(build_gemm_kernel(m, n, k, DTYPES[dtype], _rastered(tiles, n, PIPELINE_OF[name])))
         else:
             op = StreamKGemm(m, n, k, dtype, tiles=tiles, device=device)
             calls[name] = lambda a, b, out, op=op: op(a, b, out=out)

@@ -73,7 +73,7 @@ import torch
 
 from tilescale_examples.collectives.reduce_kernel import (FLAG_STRIDE, default_unroll, rank_order_sum, step_macros,
                                                           vector_elems)
-from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, check_positive, gemm_mainloop
+from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, check_positive, check_sync_pipeline, gemm_mainloop
 
 __all__ = ["GEMM_AR_DTYPES", "PASS_CONFIGS", "FLAG_STRIDE", "MAX_SPLIT_READS", "padded_rows", "tile_count",
            "check_split_k", "build_gemm_ar_kernel", "gemm_ar_jobs"]
@@ -269,6 +269,7 @@ def build_gemm_ar_kernel(m: int, k: int, n: int, world_size: int, dtype: str = "
     import tilelang.language as T
 
     tiles = tiles or GemmTiles()
+    check_sync_pipeline("build_gemm_ar_kernel", tiles)
     if dtype not in GEMM_AR_DTYPES.values():
         raise ValueError(f"dtype must be one of {sorted(GEMM_AR_DTYPES.values())}, got {dtype!r}")
     for name, value in (("m", m), ("k", k), ("n", n)):

@@ -58,8 +58,9 @@ import torch
 
 from tilescale_examples.base import (accepts_0_1_init, accepts_0_1_out, accepts_0_1_reference, check_disjoint,
                                      check_tensor, settle)
-from tilescale_examples.overlap.gemm import (DTYPES, GemmTiles, OverlappedGemm, build_gemm_kernel, check_gemm_dims,
-                                             check_positive, default_tiles, gemm_mainloop, resolve_tiles)
+from tilescale_examples.overlap.gemm import (DTYPES, GemmTiles, OverlappedGemm, block_threads, build_gemm_kernel,
+                                             check_gemm_dims, check_positive, default_tiles, gemm_tile, resolve_tiles,
+                                             store_tile)
 from tilescale_examples.overlap.stream_ops import CopyEnginePush, peer_views, plan_row_chunks
 
 __all__ = ["AllGatherGEMM", "build_ag_gemm_kernel", "tile_order", "torch_reference", "heap_bytes"]
@@ -98,12 +99,12 @@ def build_ag_gemm_kernel(m_local: int, k: int, n: int, world_size: int, num_chun
         raise ValueError(f"world_size must be an int >= 2 (one rank has no peer rows), got {world_size!r}")
     W, C, BM, BN = world_size, num_chunks, tiles.block_m, tiles.block_n
     U, M = m_local // BM, world_size * m_local
-    mainloop = gemm_mainloop(k, dtype, tiles)
+    tile = gemm_tile(k, dtype, tiles, store_tile())
 
     @T.prim_func
     def ag_gemm(A: T.Tensor((M, k), dtype), B: T.Tensor((k, n), dtype), Out: T.Tensor((M, n), dtype),
                 Flags: T.Tensor((W * C,), "uint64"), Order: T.Tensor(((W - 1) * U, 2), "int32")):
-        with T.Kernel(n // BN, (W - 1) * U, threads=tiles.threads) as (bx, by):
+        with T.Kernel(n // BN, (W - 1) * U, threads=block_threads(tiles)) as (bx, by):
             if tiles.swizzle:  # by: the row of the order table, in panels of tiles.swizzle rows
                 T.use_swizzle(panel_size=tiles.swizzle)
             C_f = T.alloc_fragment((BM, BN), "float32")
@@ -114,8 +115,7 @@ def build_ag_gemm_kernel(m_local: int, k: int, n: int, world_size: int, num_chun
                 T.wait_ge(Flags[src * C + Order[by, 1]], 1)  # its chunk of this call landed
             T.sync_threads()
             T.fence_proxy_async()  # the landed rows before the async-proxy (TMA) reads
-            mainloop(A, B, C_f, row, bx * BN)
-            T.copy(C_f, Out[row, bx * BN])
+            tile(A, B, C_f, row, bx * BN, Out, row, bx * BN)
 
     return ag_gemm
 
@@ -172,9 +172,11 @@ class AllGatherGEMM(OverlappedGemm):
             ``"sequential"``.
         group: process group (the constructor's barrier and plan agreement); default the
             initialised world group.
-        block_m, block_n, block_k, num_stages, threads, swizzle: the GEMM's tiling
+        block_m, block_n, block_k, num_stages, threads, swizzle, pipeline: the GEMM's tiling
             (:class:`~tilescale_examples.overlap.gemm.GemmTiles`); ``swizzle=None`` (default)
-            rasterizes wide outputs (:func:`~tilescale_examples.overlap.gemm.default_swizzle`).
+            rasterizes wide outputs (:func:`~tilescale_examples.overlap.gemm.default_swizzle`);
+            ``pipeline="async"`` keeps one WGMMA group in flight
+            (:mod:`~tilescale_examples.overlap.gemm_async`).
         max_chunks: most row chunks per rank (:func:`~tilescale_examples.overlap.stream_ops.plan_row_chunks`).
         target: TileLang target (default ``sm_90a``).
 
@@ -198,11 +200,12 @@ class AllGatherGEMM(OverlappedGemm):
     def __init__(self, allocator, m_local: int, k: int, n: int, dtype: Union[torch.dtype, str], *,
                  world_size: Optional[int] = None, algorithm: Literal["auto", "fused", "sequential"] = "auto",
                  group=None, block_m: int = 128, block_n: int = 256, block_k: int = 64, num_stages: int = 3,
-                 threads: int = 256, swizzle: Optional[int] = None, max_chunks: int = 8, target=None):
+                 threads: int = 256, swizzle: Optional[int] = None, pipeline: str = "sync", max_chunks: int = 8,
+                 target=None):
         from tilescale_examples.base import check_target
 
         check_target(target)
-        tiles = resolve_tiles(n, block_m, block_n, block_k, num_stages, threads, swizzle)
+        tiles = resolve_tiles(n, block_m, block_n, block_k, num_stages, threads, swizzle, pipeline)
         check_positive("max_chunks", max_chunks)
         self._setup_gemm(allocator, m_local, k, n, dtype, world_size, group, tiles, algorithm, rows_per_call=1)
         W, name = self.world_size, DTYPES[self.dtype]

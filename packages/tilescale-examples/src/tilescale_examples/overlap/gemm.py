@@ -8,11 +8,13 @@ shape checks, and the error bound their tests and benchmarks use.
   the caller names none: a panel of :data:`RASTER_PANEL` row blocks once the output has more
   than :data:`RASTER_MIN_COLUMN_BLOCKS` column blocks (wide outputs, where the grid's own order
   re-reads ``B`` from memory for every row block).
-* :func:`gemm_mainloop`: a ``T.macro`` computing one ``block_m x block_n`` output tile into a
-  float32 fragment (``T.Pipelined`` over ``k``: TMA loads into shared memory, WGMMA); every
-  kernel here is this loop plus a prologue (which rows, what to wait for) and an epilogue;
-  :func:`gemm_mainloop_span` is the same loop over a run-time number of ``k`` steps (the
-  stream-K GEMM's, :mod:`~tilescale_examples.overlap.stream_k`).
+* :func:`gemm_tile`: a ``T.macro`` computing one ``block_m x block_n`` output tile into a
+  float32 fragment with the tiles' pipeline (``"sync"``: ``T.Pipelined`` over ``k``, TMA loads
+  into shared memory, WGMMA; ``"async"``: :mod:`~tilescale_examples.overlap.gemm_async`), then
+  running the kernel's epilogue on the threads that hold it; every one-tile-per-block kernel
+  here is a prologue (which rows, what to wait for) and this tile with its epilogue.
+  :func:`gemm_mainloop` / :func:`gemm_mainloop_span` are the sync loop alone, over a fixed or a
+  run-time number of ``k`` steps (the persistent kernels': stream-K, GemmAllReduce).
 * :func:`build_gemm_kernel`: stock TileLang's GEMM with these tiles and no TileScale
   intrinsic, ``C = A @ B``; the benchmarks' "stock TileLang GEMM" and the sequential plans'
   GEMM.
@@ -36,10 +38,13 @@ from tilescale_core.interface import check_positive_int
 
 from tilescale_examples.base import SymmetricOp, positional_out
 
-__all__ = ["GemmTiles", "OverlappedGemm", "DTYPES", "gemm_mainloop", "gemm_mainloop_span", "build_gemm_kernel", "check_gemm_dims",
+__all__ = ["GemmTiles", "OverlappedGemm", "DTYPES", "PIPELINES", "gemm_mainloop", "gemm_mainloop_span", "block_threads",
+           "gemm_tile", "store_tile", "lead_thread", "sync_compute", "build_gemm_kernel", "check_gemm_dims", "check_sync_pipeline",
            "check_positive", "unit_roundoff", "error_bound", "count_outside", "MAX_ELEMENTS", "default_swizzle",
            "default_tiles", "resolve_tiles", "RASTER_PANEL", "RASTER_MIN_COLUMN_BLOCKS"]
 
+#: The mainloop pipelines :class:`GemmTiles` names (its ``pipeline``).
+PIPELINES = ("sync", "async")
 #: torch dtype -> TileLang name of the operand dtypes the GEMMs accept (float32 accumulation).
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 #: Elements a kernel buffer may hold (the kernels index in ``int32``).
@@ -68,6 +73,14 @@ class GemmTiles:
             peer GEMM of AllGatherGEMM and the remote-epilogue GEMM rasterize their row
             order tables (rows in panels, in table order) the same way; the persistent GEMM of
             GemmAllReduce has a tile order of its own and ignores it.
+        pipeline: how the mainloop overlaps loads and WGMMAs (:data:`PIPELINES`): ``"sync"``
+            (this class's default) is stock TileLang's (``T.Pipelined`` with ``T.gemm``,
+            TileLang's warp specialisation: each ``k`` step's WGMMAs are waited for before the
+            next step is issued); ``"async"`` is
+            :mod:`~tilescale_examples.overlap.gemm_async`'s (the warp specialisation written
+            out, one WGMMA group in flight). The kernels with one output tile per block take
+            both (the library GEMM, AllGatherGEMM's peer GEMM, GemmReduceScatter's GEMM); the
+            persistent ones (stream-K, GemmAllReduce) only ``"sync"``.
     """
 
     block_m: int = 128
@@ -76,6 +89,7 @@ class GemmTiles:
     num_stages: int = 3
     threads: int = 256
     swizzle: int = 0
+    pipeline: str = "sync"
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "num_stages", "threads"):
@@ -84,6 +98,11 @@ class GemmTiles:
             raise ValueError(f"swizzle must be an int >= 0 (0: no rasterization), got {self.swizzle!r}")
         if self.threads % 128:
             raise ValueError(f"threads must be a multiple of 128 (whole warpgroups), got {self.threads}")
+        if self.pipeline not in PIPELINES:
+            raise ValueError(f"pipeline must be one of {PIPELINES}, got {self.pipeline!r}")
+        if self.pipeline == "async" and self.num_stages < 2:
+            raise ValueError(f"num_stages must be >= 2 for the async pipeline (a stage is released one step "
+                             f"late), got {self.num_stages}")
         if self.threads + 128 > 1024:  # TileLang adds a 128-thread producer warpgroup; a block has <= 1024
             raise ValueError(f"threads must be at most 896 (with TileLang's producer warpgroup a block has at most "
                              f"1024 threads), got {self.threads}")
@@ -114,13 +133,22 @@ def default_tiles(n: int) -> GemmTiles:
 
 
 def resolve_tiles(n: int, block_m: int, block_n: int, block_k: int, num_stages: int, threads: int,
-                  swizzle: Optional[int]) -> GemmTiles:
+                  swizzle: Optional[int], pipeline: str = "sync") -> GemmTiles:
     """The ops' :class:`GemmTiles` from their keyword arguments: ``swizzle=None`` means
     :func:`default_swizzle` of the ``n``-column output (``ValueError`` naming a bad field)."""
     if swizzle is None:
         check_positive("block_n", block_n)
         swizzle = default_swizzle(n, block_n)
-    return GemmTiles(block_m, block_n, block_k, num_stages, threads, swizzle)
+    return GemmTiles(block_m, block_n, block_k, num_stages, threads, swizzle, pipeline)
+
+
+def check_sync_pipeline(owner: str, tiles: GemmTiles) -> None:
+    """``ValueError`` naming ``owner`` unless ``tiles.pipeline`` is ``"sync"``: the persistent
+    kernels (several output tiles per block) run the mainloop more than once, which the async
+    pipeline's barrier parities do not allow yet."""
+    if tiles.pipeline != "sync":
+        raise ValueError(f"{owner}: pipeline={tiles.pipeline!r} is not available for this persistent kernel (several "
+                         f"tiles per block); use pipeline='sync'")
 
 
 def check_gemm_dims(owner: str, tiles: GemmTiles, **dims) -> None:
@@ -137,15 +165,68 @@ def check_gemm_dims(owner: str, tiles: GemmTiles, **dims) -> None:
                              f"pad {name} to {-(-value // size) * size} or pass a {tile} that divides it")
 
 
+def block_threads(tiles: GemmTiles) -> int:
+    """Threads per block of a kernel running ``tiles``' mainloop: ``tiles.threads`` for the
+    sync pipeline (TileLang adds its producer warpgroup), ``tiles.threads + 128`` for the async
+    one (its producer warpgroup is the kernel's own)."""
+    return tiles.threads + (128 if tiles.pipeline == "async" else 0)
+
+
+def lead_thread(tiles: GemmTiles) -> int:
+    """The thread that signals for the compute threads in an epilogue (``if
+    T.get_thread_binding() == lead_thread(tiles):``): 0 for the sync pipeline (TileLang's
+    lowering renumbers the compute threads' thread 0), 128 (the first compute thread) for the
+    async one."""
+    return 0 if tiles.pipeline == "sync" else 128
+
+
+def sync_compute(tiles: GemmTiles):
+    """In a kernel's epilogue, a barrier of the threads that hold the accumulator:
+    ``T.sync_threads()`` for the sync pipeline (TileLang's lowering makes it the compute
+    threads' barrier), named barrier 1 over the ``tiles.threads`` compute threads for the async
+    one (the producer warpgroup has left)."""
+    import tilelang.language as T
+
+    return T.sync_threads() if tiles.pipeline == "sync" else T.sync_threads(barrier_id=1, arrive_count=tiles.threads)
+
+
+def gemm_tile(k: int, dtype: str, tiles: GemmTiles, epilogue):
+    """A ``T.macro`` ``tile(A, B, C_f, row, col, *args)``: ``C_f = A[row:row+block_m, :k] @
+    B[:k, col:col+block_n]`` in the float32 fragment ``C_f`` (``(block_m, block_n)``) with
+    ``tiles.pipeline``'s mainloop, then the ``T.macro`` ``epilogue(C_f, *args)`` on the threads
+    that hold ``C_f``: every thread for the sync pipeline (TileLang's lowering places it), the
+    compute warpgroups for the async one
+    (:func:`~tilescale_examples.overlap.gemm_async.async_gemm_tile`: there the epilogue must
+    not be left to every thread, whose producer holds 40 registers). Called once per kernel
+    (one output tile per block), in a block of :func:`block_threads` threads; an epilogue
+    barrier is :func:`sync_compute`, its signalling thread :func:`lead_thread`."""
+    import tilelang.language as T
+
+    if tiles.pipeline == "async":
+        from tilescale_examples.overlap.gemm_async import async_gemm_tile
+
+        return async_gemm_tile(k // tiles.block_k, dtype, tiles, epilogue)
+    mainloop = gemm_mainloop(k, dtype, tiles)
+
+    @T.macro
+    def tile(A, B, C_f, row, col, *args):
+        mainloop(A, B, C_f, row, col)
+        epilogue(C_f, *args)
+
+    return tile
+
+
 def gemm_mainloop_span(dtype: str, tiles: GemmTiles):
     """A ``T.macro`` ``mainloop(A, B, C_f, row, col, k0, steps)``: ``C_f = A[row:row+block_m,
     k0:k0+steps*block_k] @ B[k0:k0+steps*block_k, col:col+block_n]`` in the float32 fragment
     ``C_f`` (``(block_m, block_n)``): ``T.Pipelined`` over the ``steps`` ``k`` steps (TMA loads
     into shared memory, WGMMA), every argument a run-time expression or a constant. TileLang's
     warp-specialised lowering keeps its stage and phase counters across the loop's trips, so a
-    kernel may run it several times with different ``steps`` (one such loop per kernel)."""
+    kernel may run it several times with different ``steps`` (one such loop per kernel). The
+    sync pipeline only (``ValueError`` otherwise: the async one is :func:`gemm_tile`'s)."""
     import tilelang.language as T
 
+    check_sync_pipeline("gemm_mainloop_span", tiles)
     BM, BN, BK, stages = tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages
 
     @T.macro
@@ -190,28 +271,41 @@ def gemm_mainloop(k: int, dtype: str, tiles: GemmTiles, k_offset: bool = False):
     return mainloop
 
 
+def store_tile():
+    """The plain epilogue of :func:`gemm_tile`, a ``T.macro`` ``store(C_f, C, row, col)``:
+    ``C_f`` rounded into ``C[row:row+block_m, col:col+block_n]``."""
+    import tilelang.language as T
+
+    @T.macro
+    def store(C_f, C, row, col):
+        T.copy(C_f, C[row, col])
+
+    return store
+
+
 def build_gemm_kernel(m: int, n: int, k: int, dtype: str = "bfloat16", tiles: Optional[GemmTiles] = None):
-    """Stock TileLang's pipelined GEMM ``C = A @ B`` (``A: (m, k)``, ``B: (k, n)``, ``C: (m,
-    n)``, all ``dtype``, float32 accumulation) with ``tiles`` (default :func:`default_tiles`;
-    their ``swizzle`` rasterizes the block order); no TileScale intrinsic, so it compiles and
-    runs without a heap."""
+    """The library's GEMM ``C = A @ B`` (``A: (m, k)``, ``B: (k, n)``, ``C: (m, n)``, all
+    ``dtype``, float32 accumulation), one block per output tile, with ``tiles`` (default
+    :func:`default_tiles`; their ``swizzle`` rasterizes the block order, their ``pipeline``
+    picks the mainloop: ``"sync"``, stock TileLang's GEMM; ``"async"``, one WGMMA group in
+    flight, under the symbol ``gemm_async``); no TileScale intrinsic, so it compiles and runs
+    without a heap."""
     import tilelang.language as T
 
     tiles = tiles or default_tiles(n)
     check_gemm_dims("build_gemm_kernel", tiles, m=m, k=k, n=n)
     BM, BN = tiles.block_m, tiles.block_n
-    mainloop = gemm_mainloop(k, dtype, tiles)
+    tile = gemm_tile(k, dtype, tiles, store_tile())
 
     @T.prim_func
     def gemm(A: T.Tensor((m, k), dtype), B: T.Tensor((k, n), dtype), C: T.Tensor((m, n), dtype)):
-        with T.Kernel(n // BN, m // BM, threads=tiles.threads) as (bx, by):
+        with T.Kernel(n // BN, m // BM, threads=block_threads(tiles)) as (bx, by):
             if tiles.swizzle:
                 T.use_swizzle(panel_size=tiles.swizzle)
             C_f = T.alloc_fragment((BM, BN), "float32")
-            mainloop(A, B, C_f, by * BM, bx * BN)
-            T.copy(C_f, C[by * BM, bx * BN])
+            tile(A, B, C_f, by * BM, bx * BN, C, by * BM, bx * BN)
 
-    return gemm
+    return gemm if tiles.pipeline == "sync" else gemm.with_attr("global_symbol", "gemm_async")
 
 
 # ------------------------------------------------------------------------------ checking

@@ -67,8 +67,9 @@ import torch
 
 from tilescale_examples.base import (accepts_0_1_init, accepts_0_1_out, accepts_0_1_reference, check_tensor,
                                      settle)
-from tilescale_examples.overlap.gemm import (DTYPES, GemmTiles, OverlappedGemm, build_gemm_kernel, check_gemm_dims,
-                                             check_positive, default_tiles, gemm_mainloop, resolve_tiles)
+from tilescale_examples.overlap.gemm import (DTYPES, GemmTiles, OverlappedGemm, block_threads, build_gemm_kernel,
+                                             check_gemm_dims, check_positive, default_tiles, gemm_tile, lead_thread,
+                                             resolve_tiles, sync_compute)
 from tilescale_examples.overlap.stream_ops import wait_counter_geq
 
 __all__ = ["GemmReduceScatter", "build_gemm_rs_kernel", "build_reduce_kernel", "torch_reference",
@@ -92,13 +93,25 @@ def build_gemm_rs_kernel(m_local: int, k: int, n: int, world_size: int, dtype: s
     check_positive("world_size", world_size)
     W, BM, BN = world_size, tiles.block_m, tiles.block_n
     U, M = m_local // BM, world_size * m_local
-    mainloop = gemm_mainloop(k, dtype, tiles)
+
+    @T.macro
+    def send_tile(C_f, C_s, dst, Counters, me, owner):
+        """The tile to ``dst`` (its place in ``owner``'s partials of this call), then its
+        counter."""
+        T.copy(C_f, C_s)
+        T.copy(C_s, dst, dst_pe=owner)
+        sync_compute(tiles)
+        if T.get_thread_binding() == lead_thread(tiles):
+            T.fence_sys()  # every thread's stores (via the barrier) before the signal
+            T.notify(Counters[me], owner, 1, sig_op="add")
+
+    tile = gemm_tile(k, dtype, tiles, send_tile)
 
     @T.prim_func
     def gemm_rs(A: T.Tensor((M, k), dtype), B: T.Tensor((k, n), dtype),
                 Partials: T.Tensor((2, W, m_local, n), dtype), Counters: T.Tensor((W,), "uint32"),
                 Calls: T.Tensor((2,), "uint32")):
-        with T.Kernel(n // BN, W * U, threads=tiles.threads) as (bx, by):
+        with T.Kernel(n // BN, W * U, threads=block_threads(tiles)) as (bx, by):
             if tiles.swizzle:  # by: the row block in send order, in panels of tiles.swizzle rows
                 T.use_swizzle(panel_size=tiles.swizzle)
             C_f = T.alloc_fragment((BM, BN), "float32")
@@ -108,13 +121,8 @@ def build_gemm_rs_kernel(m_local: int, k: int, n: int, world_size: int, dtype: s
             parity = T.Cast("int32", (Calls[0] + 1) % 2)  # this call's buffer (nothing writes Calls now)
             owner = (me + 1 + by // U) % W  # the next ranks' rows first, this rank's last
             unit = by % U
-            mainloop(A, B, C_f, owner * m_local + unit * BM, bx * BN)
-            T.copy(C_f, C_s)
-            T.copy(C_s, Partials[parity, me, unit * BM:(unit + 1) * BM, bx * BN:(bx + 1) * BN], dst_pe=owner)
-            T.sync_threads()
-            if T.get_thread_binding() == 0:
-                T.fence_sys()  # every thread's stores (via the barrier) before the signal
-                T.notify(Counters[me], owner, 1, sig_op="add")
+            tile(A, B, C_f, owner * m_local + unit * BM, bx * BN, C_s,
+                 Partials[parity, me, unit * BM:(unit + 1) * BM, bx * BN:(bx + 1) * BN], Counters, me, owner)
 
     return gemm_rs
 
@@ -236,9 +244,11 @@ class GemmReduceScatter(OverlappedGemm):
             :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM`).
         group: process group (the constructor's barrier and plan agreement); default the
             initialised world group.
-        block_m, block_n, block_k, num_stages, threads, swizzle: the GEMM's tiling
+        block_m, block_n, block_k, num_stages, threads, swizzle, pipeline: the GEMM's tiling
             (:class:`~tilescale_examples.overlap.gemm.GemmTiles`); ``swizzle=None`` (default)
-            rasterizes wide outputs (:func:`~tilescale_examples.overlap.gemm.default_swizzle`).
+            rasterizes wide outputs (:func:`~tilescale_examples.overlap.gemm.default_swizzle`);
+            ``pipeline="async"`` keeps one WGMMA group in flight
+            (:mod:`~tilescale_examples.overlap.gemm_async`).
         target: TileLang target (default ``sm_90a``).
 
     Attributes: ``output`` (``(m_local, n)``, overwritten by the next call), ``epoch``,
@@ -256,11 +266,11 @@ class GemmReduceScatter(OverlappedGemm):
     def __init__(self, allocator, m_local: int, k: int, n: int, dtype: Union[torch.dtype, str], *,
                  world_size: Optional[int] = None, algorithm: Literal["auto", "fused", "sequential"] = "auto",
                  group=None, block_m: int = 128, block_n: int = 256, block_k: int = 64, num_stages: int = 3,
-                 threads: int = 256, swizzle: Optional[int] = None, target=None):
+                 threads: int = 256, swizzle: Optional[int] = None, pipeline: str = "sync", target=None):
         from tilescale_examples.base import check_target
 
         check_target(target)
-        tiles = resolve_tiles(n, block_m, block_n, block_k, num_stages, threads, swizzle)
+        tiles = resolve_tiles(n, block_m, block_n, block_k, num_stages, threads, swizzle, pipeline)
         self._setup_gemm(allocator, m_local, k, n, dtype, world_size, group, tiles, algorithm, rows_per_call=2)
         W, name = self.world_size, DTYPES[self.dtype]
         self.tiles_per_rank = (m_local // block_m) * (n // block_n)

@@ -56,7 +56,7 @@ from typing import Optional
 
 import torch
 
-from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, check_gemm_dims, gemm_mainloop_span
+from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, check_gemm_dims, check_sync_pipeline, gemm_mainloop_span
 
 __all__ = ["StreamKPlan", "Segment", "StreamKGemm", "build_stream_k_gemm", "workspace_shapes", "schedule_tables",
            "default_blocks",
@@ -270,6 +270,7 @@ def build_stream_k_gemm(m: int, n: int, k: int, dtype: str = "bfloat16", tiles: 
 
     tiles = tiles or GemmTiles()
     check_gemm_dims("build_stream_k_gemm", tiles, m=m, k=k, n=n)
+    check_sync_pipeline("build_stream_k_gemm", tiles)
     if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
         raise ValueError(f"blocks must be a positive int, got {blocks!r}")
     BM, BN, BK, TH = tiles.block_m, tiles.block_n, tiles.block_k, tiles.threads
@@ -348,6 +349,7 @@ class StreamKGemm:
         self.tiles = STREAM_K_TILES if tiles is None else tiles
         if not isinstance(self.tiles, GemmTiles):
             raise TypeError(f"tiles must be a GemmTiles, got {type(self.tiles).__name__}")
+        check_sync_pipeline("StreamKGemm", self.tiles)
         check_gemm_dims("StreamKGemm", self.tiles, m=m, n=n, k=k)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         self.blocks = default_blocks(m, n, k, self.tiles, sm_count_of(self.device)) if blocks is None else blocks

@@ -29,14 +29,14 @@ from __future__ import annotations
 
 from .cache import FORMAT, FORMAT_VERSION, TuneCache, current_environment, key_hash, make_key
 from .decorator import Autotuned, autotune
-from .gemm import GEMM_DEFAULTS, GEMM_TILE_AXES, gemm_rejection, gemm_space
+from .gemm import GEMM_DEFAULTS, GEMM_PIPELINES, GEMM_TILE_AXES, gemm_rejection, gemm_space
 from .space import SearchSpace
 from .trials import Skipped, cuda_event_timer, default_timer
 from .tuner import (ENV_VAR, MODES, POLICIES, AutotuneCacheMiss, AutotuneError, NoValidCandidate, TuneResult,
                     resolve_mode, tune)
 
 __all__ = [
-    "ENV_VAR", "FORMAT", "FORMAT_VERSION", "GEMM_DEFAULTS", "GEMM_TILE_AXES", "MODES", "POLICIES",
+    "ENV_VAR", "FORMAT", "FORMAT_VERSION", "GEMM_DEFAULTS", "GEMM_PIPELINES", "GEMM_TILE_AXES", "MODES", "POLICIES",
     "AutotuneCacheMiss", "AutotuneError", "Autotuned", "NoValidCandidate", "SearchSpace", "Skipped", "TuneCache",
     "TuneResult", "autotune", "cuda_event_timer", "current_environment", "default_timer", "gemm_rejection",
     "gemm_space", "key_hash", "make_key", "resolve_mode", "tune",

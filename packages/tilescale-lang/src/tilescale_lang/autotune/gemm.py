@@ -5,10 +5,11 @@ That GEMM's tile program is ``GemmTiles(block_m, block_n, block_k, num_stages, t
 shared memory, ``num_stages`` deep, WGMMA into a ``block_m x block_n`` float32 fragment;
 ``threads`` compute threads, a multiple of 128, plus TileLang's producer warpgroup). Every
 dimension must be a multiple of its tile. :func:`gemm_space` spans those five axes, so
-``GemmTiles(**config)`` builds a candidate's tiles. Two more axes are added only when asked
-for, for kernels that read them (the library's GEMM does not yet): ``swizzle`` (the panel
-size of TileLang's ``T.use_swizzle`` block rasterisation, 0 for none) and ``persistent``
-(a persistent tile loop instead of one block per tile).
+``GemmTiles(**config)`` builds a candidate's tiles. More axes are added only when asked
+for, for kernels that read them: ``swizzle`` (the panel size of TileLang's
+``T.use_swizzle`` block rasterisation, 0 for none), ``pipeline`` (``"sync"``: TileLang's
+pipelined mainloop; ``"async"``: one WGMMA group kept in flight, at least 2 stages) and
+``persistent`` (a persistent tile loop instead of one block per tile).
 
 :func:`gemm_rejection` says why a config cannot run at a shape (the space's validity filter):
 a dimension not a multiple of its tile, threads not whole warpgroups or over the block limit,
@@ -27,7 +28,7 @@ from tilescale_core.interface import check_non_negative_int, check_positive_int
 
 from .space import SearchSpace
 
-__all__ = ["GEMM_TILE_AXES", "GEMM_DEFAULTS", "HOPPER_SMEM_BYTES", "MAX_ACC_REGS", "dtype_bytes",
+__all__ = ["GEMM_TILE_AXES", "GEMM_DEFAULTS", "GEMM_PIPELINES", "HOPPER_SMEM_BYTES", "MAX_ACC_REGS", "dtype_bytes",
            "gemm_shared_bytes", "gemm_rejection", "gemm_space"]
 
 #: The axes :class:`~tilescale_examples.overlap.gemm.GemmTiles` takes, in its field order.
@@ -40,6 +41,8 @@ GEMM_DEFAULTS = {
     "num_stages": (2, 3, 4),
     "threads": (128, 256),
 }
+#: The values a ``pipeline`` axis may hold.
+GEMM_PIPELINES = ("sync", "async")
 #: Dynamic shared memory one block may use on Hopper (H100/H200), in bytes (227 KiB).
 HOPPER_SMEM_BYTES = 232448
 #: float32 accumulator registers per compute thread above which a tile is refused (the
@@ -102,6 +105,8 @@ def gemm_rejection(config: dict, m: int, n: int, k: int, dtype: Any = "bfloat16"
             return f"{dim}={size} is not a multiple of {tile}={value}"
     if threads % 128 or threads + _PRODUCER > _MAX_BLOCK_THREADS:
         return f"threads={threads} is not whole warpgroups within {_MAX_BLOCK_THREADS - _PRODUCER}"
+    if config.get("pipeline", "sync") == "async" and stages < 2:
+        return "the async pipeline needs at least 2 stages"
     smem = gemm_shared_bytes(bm, bn, bk, stages, dtype)
     if smem > smem_bytes:
         return f"{stages} stages of {bm}x{bk} + {bk}x{bn} tiles need {smem} bytes of shared memory (> {smem_bytes})"
@@ -111,6 +116,12 @@ def gemm_rejection(config: dict, m: int, n: int, k: int, dtype: Any = "bfloat16"
 def _axis(name: str, values: Sequence[int] | None) -> tuple[int, ...]:
     values = _axis_values(name, GEMM_DEFAULTS[name] if values is None else values)
     return tuple(check_positive_int(f"{name} values", v) for v in values)
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> Any:
+    if value not in choices:
+        raise ValueError(f"{name} must be among {choices}, got {value!r}")
+    return value
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -123,7 +134,7 @@ def gemm_space(m: int, n: int, k: int, dtype: Any = "bfloat16", *,
                block_m: Sequence[int] | None = None, block_n: Sequence[int] | None = None,
                block_k: Sequence[int] | None = None, num_stages: Sequence[int] | None = None,
                threads: Sequence[int] | None = None, swizzle: Sequence[int] | None = None,
-               persistent: Sequence[bool] | None = None, smem_bytes: int = HOPPER_SMEM_BYTES,
+               pipeline: Sequence[str] | None = None, persistent: Sequence[bool] | None = None, smem_bytes: int = HOPPER_SMEM_BYTES,
                valid: Callable[[dict], bool] | None = None) -> SearchSpace:
     """The search space of the library's GEMM ``C (m, n) = A (m, k) @ B (k, n)``.
 
@@ -135,6 +146,7 @@ def gemm_space(m: int, n: int, k: int, dtype: Any = "bfloat16", *,
             :data:`GEMM_DEFAULTS`).
         swizzle: panel sizes for ``T.use_swizzle`` (0: none); the axis is added only when
             given, for kernels that read ``config["swizzle"]``.
+        pipeline: mainloop pipelines to try (:data:`GEMM_PIPELINES`); added only when given.
         persistent: ``(False, True)`` adds a ``persistent`` axis likewise.
         smem_bytes: the device's shared memory per block, in bytes (default Hopper's).
         valid: a further filter, ``valid(config) -> bool``, after :func:`gemm_rejection`.
@@ -153,6 +165,9 @@ def gemm_space(m: int, n: int, k: int, dtype: Any = "bfloat16", *,
     axes: dict[str, tuple] = {name: _axis(name, given[name]) for name in GEMM_TILE_AXES}
     if swizzle is not None:
         axes["swizzle"] = tuple(check_non_negative_int("swizzle values", v) for v in _axis_values("swizzle", swizzle))
+    if pipeline is not None:
+        axes["pipeline"] = tuple(_check_choice("pipeline values", v, GEMM_PIPELINES)
+                                 for v in _axis_values("pipeline", pipeline))
     if persistent is not None:
         axes["persistent"] = tuple(_check_bool("persistent values", v) for v in _axis_values("persistent", persistent))
 
