@@ -56,6 +56,8 @@ def test_the_pipeline_keeps_one_wgmma_group_in_flight():
                                      "empty[((kk_1 + 3) & 3)].arrive()", "wait_wgmma<0>", "empty[3].arrive()")]
     assert order == sorted(order)
     assert "warpgroup_wait<0>" not in consumer  # T.gemm's wait after every step is gone
+    # After the last wait, the accumulator's registers are fenced: no read of them moves above it.
+    assert "wait_wgmma<0>();\n    tl::warpgroup_fence_operand(reinterpret_cast<float*>(C_f + 0), 128);" in consumer
 
 
 def test_small_tiles_and_fewer_steps_than_stages_lower():

@@ -102,6 +102,7 @@ def async_gemm_tile(steps: int, dtype: str, tiles: GemmTiles, epilogue):
                 if kk > 0:
                     T.mbarrier_arrive(empty[(kk + S - 1) % S])
             T.wait_wgmma(0)
+            T.warpgroup_fence_operand(C_f, num_regs=BM * BN // TH)  # no read of C_f moves above the wait
             T.mbarrier_arrive(empty[(steps - 1) % S])
             epilogue(C_f, *args)
 
