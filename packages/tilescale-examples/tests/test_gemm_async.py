@@ -327,12 +327,12 @@ BACK_TO_BACK = (1024, 3584, 2048)
 def compiled():
     """Every kernel of the GPU tests compiled first, in parallel worker processes (the tests'
     compiles are then cache hits)."""
+    from tilescale_examples.overlap.tuning import GEMM_BUILDER
     from tilescale_examples.testing.precompile import precompile
 
     cases = [(m, n, k, DTYPES[dtype], _tiles(n, tiles)) for m, n, k, dtype, tiles in GPU_CASES]
     cases.append(BACK_TO_BACK + ("bfloat16", _tiles(BACK_TO_BACK[1], None)))
-    precompile([("tilescale_examples.overlap.gemm:build_gemm_kernel", case[:4] + (replace(case[4], pipeline=p),), None)
-                for case in cases for p in ("async", "sync")])
+    precompile([(GEMM_BUILDER, case[:4] + (replace(case[4], pipeline=p),), None) for case in cases for p in ("async", "sync")])
 
 
 def _inputs(m, n, k, dtype, seed):

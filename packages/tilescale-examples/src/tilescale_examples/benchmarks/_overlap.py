@@ -217,9 +217,8 @@ def _measure_size(op, rank, world, group, device, m_local, args):
     title = OPS[op][0]
     alloc = tilelang.get_allocator(size=heap_for(op, world, m_local, args.k, args.n, dtype, device), device=device,
                                    is_distributed=True, local_rank=rank, num_local_ranks=world, group=group)
-    tiles, tiles_text = dict(args.tiles or {}), None
+    tiles, tiles_text = dict(args.tiles or {}, pipeline=args.pipeline), None
     if args.tiles:  # fixed by --tiles (parsed by main)
-        tiles["pipeline"] = args.pipeline
         tiles_text = TILES_FORMAT.format(**tiles) + " (--tiles)"
     elif args.tune:  # the library GEMM's tiles for this shape, the same on every rank (cached on disk)
         import dataclasses
@@ -233,8 +232,6 @@ def _measure_size(op, rank, world, group, device, m_local, args):
         tuned, result = tune_tiles(world * m_local, args.n, args.k, dtype, device=device, group=group, space=space)
         tiles = dataclasses.asdict(tuned)
         tiles_text = TILES_FORMAT.format(**tiles) + f" ({result.source})"
-    else:
-        tiles["pipeline"] = args.pipeline
     obj = _op_class(op)(alloc, m_local, args.k, args.n, dtype, group=group, **tiles)
     cols = _Columns(op, rank, world, group, device, m_local, args.k, args.n, dtype, obj)
     calls = {"TileScale": cols.tilescale, "collective + cuBLAS": cols.collective_cublas,

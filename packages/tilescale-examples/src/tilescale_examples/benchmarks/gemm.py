@@ -34,7 +34,7 @@ from __future__ import annotations
 from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import collect, print_outcome, print_table, ratio, worst_line
 
-__all__ = ["KERNELS", "GOAL", "DEFAULT_TILES", "BUILDERS", "PIPELINE_OF", "headers", "kernel_jobs", "run_case", "goal_lines", "main"]
+__all__ = ["KERNELS", "GOAL", "DEFAULT_TILES", "STREAM_K_BUILDER", "PIPELINE_OF", "headers", "kernel_jobs", "run_case", "goal_lines", "main"]
 
 #: The library's GEMM kernels this benchmark can time (``--kernels``), in column order.
 KERNELS = ("stock", "async", "stream-K")
@@ -44,10 +44,10 @@ GOAL = 0.97
 DEFAULT_TILES = "128x256x64:4:256"
 
 
-#: Each library kernel's builder (``"module:function"``, a :mod:`~tilescale_examples.testing.precompile` job's).
-BUILDERS = {"stock": "tilescale_examples.overlap.gemm:build_gemm_kernel",
-            "async": "tilescale_examples.overlap.gemm:build_gemm_kernel",
-            "stream-K": "tilescale_examples.overlap.stream_k:build_stream_k_gemm"}
+#: The stream-K kernel's builder (``"module:function"``, a :mod:`~tilescale_examples.testing.precompile`
+#: job's); the one-block-per-tile kernels are the library GEMM's
+#: (:data:`~tilescale_examples.overlap.tuning.GEMM_BUILDER`) with their pipeline.
+STREAM_K_BUILDER = "tilescale_examples.overlap.stream_k:build_stream_k_gemm"
 #: The ``GemmTiles.pipeline`` of each one-block-per-tile kernel.
 PIPELINE_OF = {"stock": "sync", "async": "async"}
 
@@ -59,14 +59,15 @@ def kernel_jobs(kernels, shapes, dtype: str, tiles, sm_count: int) -> list:
     :func:`~tilescale_examples.overlap.gemm.default_swizzle` of ``n``), stream-K on
     :func:`~tilescale_examples.overlap.stream_k.default_blocks` of ``sm_count`` SMs."""
     from tilescale_examples.overlap.stream_k import default_blocks
+    from tilescale_examples.overlap.tuning import GEMM_BUILDER
 
     jobs = []
     for m, n, k in shapes:
         for name in kernels:
-            if name == "stream-K":
-                jobs.append((BUILDERS[name], (m, n, k, dtype, tiles, default_blocks(m, n, k, tiles, sm_count)), None))
+            if name in PIPELINE_OF:
+                jobs.append((GEMM_BUILDER, (m, n, k, dtype, _rastered(tiles, n, PIPELINE_OF[name])), None))
             else:
-                jobs.append((BUILDERS[name], (m, n, k, dtype, _rastered(tiles, n, PIPELINE_OF[name])), None))
+                jobs.append((STREAM_K_BUILDER, (m, n, k, dtype, tiles, default_blocks(m, n, k, tiles, sm_count)), None))
     return jobs
 
 
