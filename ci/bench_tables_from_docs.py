@@ -34,7 +34,7 @@ UNITS = {
     "putget": {op: f"{op} GB/s" for op in ("put_warp", "get_warp", "put_block", "get_block")},
     "ag_gemm": {c: f"{c} TFLOP/s" for c in ("TileScale", "NCCL + cuBLAS", "async-TP", "matmul alone", "stock TileLang")},
 }
-UNITS["gemm_rs"] = UNITS["block_rasterization"] = UNITS["ag_gemm"]
+UNITS["gemm_rs"] = UNITS["block_rasterization"] = UNITS["overlapped_gemms_on_the_async_pipeline"] = UNITS["ag_gemm"]
 #: Samples drawn into docs/img (the figures docs/benchmarks.md shows).
 FIGURES = ("putget", "heap", "heap_2", "emulated", "moe", "remote_tma", "ag_gemm", "gemm_rs")
 

@@ -25,7 +25,10 @@
 # bench-decode-threads (the fused norm with 512 and 1024 threads per block, hidden 8192, 1-16 tokens);
 # bench-call-numbers (the reduction kernels' call numbers on the device against passed by the host:
 # benchmarks.emulated's A/B table, 2/4/8 ranks up to 64 MiB);
-# bench-gemm (the library GEMM kernels -- stock TileLang, async WGMMA, stream-K -- against torch.matmul, one GPU);
+# bench-gemm (the library GEMM kernels -- stock TileLang, async WGMMA, persistent, stream-K -- against torch.matmul,
+# one GPU); bench-gemm-224 (the one-tile and persistent kernels with 128 x 224 tiles, which divide n 3584/7168/28672
+# into 16/32/128 column blocks); bench-gemm-row (the same kernels with the compute warpgroups splitting
+# each tile by rows, one m64n256 WGMMA per k16, as CUTLASS);
 # bench-moe-ll (the low-latency MoE mode against the normal mode, the copy and torch);
 # bench-cold-start (the serving ops built from a precompiled cache against their compile: the carried
 # .tlcache when it holds the compile record of `cold_start --compile-only --cache DIR`, else compiled here);
@@ -42,14 +45,12 @@ while [[ $# -gt 0 ]]; do
 done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
-# first; each step fits one device call of 600 s: the async GEMM pipeline (its tests, the GEMM
-# benchmark: stock TileLang, async pipeline and stream-K against torch.matmul; the fused plans
-# with it on emulated peers; the world-1 overlapped GEMMs with it), the overlapped
-# GEMMs' GPU test (world 1: 300 repeated calls bit for bit against TileLang's launcher, their
-# launch frozen), the launch benchmark's GEMM rows (frozen) and its enqueue column; the MoE
-# suite (its last test was cut by the step's timeout); then the rest of the tilescale-lang GPU
-# suite in two steps: upstream's programs (test_gpu_upstream.py) alone, and the others.
-unverified=(tests-gemm bench-gemm tests-overlap-async bench-overlap-1-async tests-other bench-launch tests-moe tests-lang-rest tests-upstream)
+# first; each step fits one device call of 600 s: the persistent GEMM (its tests beside the
+# async pipeline's and stream-K's, the GEMM benchmark with the default tiles and with 128 x 224);
+# the MoE suite (its last test was cut by the step's timeout); then the rest of the
+# tilescale-lang GPU suite in two steps: upstream's programs (test_gpu_upstream.py) alone, and
+# the others.
+unverified=(tests-gemm bench-gemm bench-gemm-224 tests-moe tests-lang-rest tests-upstream)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
@@ -134,6 +135,9 @@ for step in "${steps[@]}"; do
                           done ;;
     bench-concurrent-norm) run_step "$step" timeout -k 10 560 python3 -m tilescale_examples.benchmarks.concurrent \
                              --op norm --min-bytes 8192 --max-bytes 131072 ;;
+    bench-gemm-row) run_step "$step" timeout -k 10 300 python3 -m tilescale_examples.benchmarks.gemm --warp-policy row ;;
+    bench-gemm-224) run_step "$step" timeout -k 10 300 python3 -m tilescale_examples.benchmarks.gemm \
+                      --tiles 128x224x64:4:256 --kernels stock async persistent ;;
     bench-concurrent) run_step "$step" timeout -k 10 560 python3 -m tilescale_examples.benchmarks.concurrent ;;
     bench-concurrent-eager) for o in norm allreduce; do  # rounds launched eagerly: isolates the CUDA graph replays
                               run_step "bench-concurrent-eager-$o" timeout -k 10 280 python3 -m \
@@ -181,7 +185,8 @@ for step in "${steps[@]}"; do
                     packages/tilescale-examples/tests/test_moe_low_latency_gpu.py \
                     -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-gemm) run_step tests-gemm timeout -k 10 400 python3 -m pytest \
-                  packages/tilescale-examples/tests/test_gemm_async.py packages/tilescale-examples/tests/test_stream_k.py \
+                  packages/tilescale-examples/tests/test_gemm_async.py packages/tilescale-examples/tests/test_gemm_persistent.py \
+                  packages/tilescale-examples/tests/test_stream_k.py \
                       -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-tma) run_step tests-tma env TILESCALE_SHARE_GPUS=1 timeout -k 10 300 python3 -m pytest \
                  packages/tilescale-lang/tests/test_tma_descriptors.py packages/tilescale-lang/tests/test_lean.py \

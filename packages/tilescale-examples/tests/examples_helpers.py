@@ -469,6 +469,54 @@ def expect_checks(report: dict, checks: int, label: str = "") -> dict:
 
 
 
+def gemm_inputs(m: int, n: int, k: int, dtype, seed: int) -> tuple:
+    """Fresh GEMM operands ``(a (m, k), b (k, n))`` of ``dtype`` on the GPU, normal floats from
+    ``seed``."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn((m, k), generator=g, device="cuda").to(dtype),
+            torch.randn((k, n), generator=g, device="cuda").to(dtype))
+
+
+def assert_gemm_matches(kernel, twin, m: int, n: int, k: int, dtype, why: str, seeds=range(3)) -> None:
+    """A GEMM ``kernel(a, b, out)`` on fresh operands of every seed: its poisoned output within
+    the library's bound of the float32 product (``count_outside``), a repeated call bit for
+    bit the same, and ``twin(a, b, out)`` (another kernel of the same products in the same
+    order) bit for bit the same too (``why`` says why it must be)."""
+    from tilescale_examples.overlap.gemm import count_outside
+
+    for seed in seeds:
+        a, b = gemm_inputs(m, n, k, dtype, seed)
+        out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+        kernel(a, b, out)
+        bad, worst = count_outside(out, a.float() @ b.float(), dtype)
+        assert bad == 0, f"seed {seed}: {bad} elements outside the bound (worst {worst:.2f}x)"
+        again = torch.full_like(out, float("nan"))
+        kernel(a, b, again)
+        assert torch.equal(again, out)
+        ref = torch.full_like(out, float("nan"))
+        twin(a, b, ref)
+        assert torch.equal(ref, out), why
+
+
+def assert_gemm_back_to_back(kernel, m: int, n: int, k: int, dtype, calls: int = 200) -> tuple:
+    """``calls`` calls of a GEMM ``kernel(a, b, out)`` without host synchronisation over four
+    fresh operand pairs in turn, each into its own poisoned output: the first four within the
+    bound of the float32 product, every later one bit for bit its pair's first. Returns
+    ``(inputs, outputs)`` (the four pairs, all ``calls`` outputs)."""
+    from tilescale_examples.overlap.gemm import count_outside
+
+    inputs = [gemm_inputs(m, n, k, dtype, 100 + i) for i in range(4)]
+    outs = [torch.full((m, n), float("nan"), dtype=dtype, device="cuda") for _ in range(calls)]
+    for i, out in enumerate(outs):
+        kernel(*inputs[i % 4], out)
+    torch.cuda.synchronize()
+    for i in range(4):
+        bad, _ = count_outside(outs[i], inputs[i][0].float() @ inputs[i][1].float(), dtype)
+        assert bad == 0, f"call {i}"
+    assert all(torch.equal(outs[i], outs[i % 4]) for i in range(4, calls))
+    return inputs, outs
+
+
 def assert_gemm_graph_replays(call, inputs, expected) -> None:
     """A GEMM ``call(a, b, out)`` captured once in a CUDA graph on copies of ``inputs[0]``,
     then replayed with every later ``inputs[i] = (a, b)`` copied into the captured operands

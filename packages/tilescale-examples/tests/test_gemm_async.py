@@ -19,9 +19,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from examples_helpers import assert_gemm_graph_replays, exits_naming, kernel_body, lower_source, needs_nvcc, nvcc_resources, output_without_gpu
+from examples_helpers import (assert_gemm_back_to_back, assert_gemm_graph_replays, assert_gemm_matches, exits_naming,
+                             kernel_body, lower_source, needs_nvcc, nvcc_resources, output_without_gpu)
 
-from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, build_gemm_kernel, count_outside, default_swizzle
+from pipeline_model import simulate
+
+from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, build_gemm_kernel, default_swizzle
 from tilescale_examples.overlap.gemm_async import consumer_registers
 
 #: The benchmark's default tiles, with the async pipeline.
@@ -60,116 +63,6 @@ def test_the_pipeline_keeps_one_wgmma_group_in_flight():
     assert "wait_wgmma<0>();\n    tl::warpgroup_fence_operand(reinterpret_cast<float*>(C_f + 0), 128);" in consumer
 
 
-class _Barrier:
-    """An mbarrier: ``count`` arrivals and the expected transaction bytes complete a phase;
-    ``wait(parity)`` passes once the phase of that parity is the last completed one (a fresh
-    barrier passes ``wait(1)``)."""
-
-    def __init__(self, count: int):
-        self.count, self.pending, self.tx, self.phase = count, count, 0, 0
-
-    def _complete(self):
-        if self.pending == 0 and self.tx == 0:
-            self.phase, self.pending = self.phase + 1, self.count
-
-    def arrive(self):
-        self.pending -= 1
-        self._complete()
-
-    def expect(self, nbytes: int):
-        self.tx += nbytes
-
-    def land(self, nbytes: int):
-        self.tx -= nbytes
-        self._complete()
-
-    def passes(self, parity: int) -> bool:
-        return self.phase % 2 != parity
-
-
-def _simulate(stages: int, steps: int, rng) -> list:
-    """The async pipeline's protocol (async_gemm_tile: the producer warp, its TMA loads, the
-    compute warpgroups, their WGMMA groups) run under a random interleaving; returns the step
-    each WGMMA group read from its stage, checked for every instant it was in flight. Fails on
-    a deadlock or a stage overwritten while read."""
-    S = stages
-    full, empty = [_Barrier(1) for _ in range(S)], [_Barrier(1) for _ in range(S)]
-    stage_data = [None] * S  # the k step whose slabs a stage holds (None: a load in flight)
-    loads, groups, read = [], [], []  # TMA loads in flight (stage, step); WGMMA groups in flight (stage, step)
-    prod = {"kk": 0, "at": "wait"}
-    cons = {"kk": 0, "at": "wait"}
-
-    def producer():
-        kk = prod["kk"]
-        if kk == steps:
-            return False
-        s = kk % S
-        if prod["at"] == "wait":
-            if not empty[s].passes(((kk // S) & 1) ^ 1):
-                return False
-            assert all(g[0] != s for g in groups), f"stage {s} reloaded while a WGMMA group reads it"
-            full[s].expect(2)
-            stage_data[s] = None
-            loads.extend([(s, kk), (s, kk)])  # A and B
-            prod["at"] = "arrive"
-        else:
-            full[s].arrive()
-            prod.update(kk=kk + 1, at="wait")
-        return True
-
-    def consumer():
-        kk = cons["kk"]
-        at = cons["at"]
-        if at == "done":
-            return False
-        if at == "wait":
-            if kk == steps:
-                cons["at"] = "drain"
-                return True
-            if not full[kk % S].passes((kk // S) & 1):
-                return False
-            assert stage_data[kk % S] == kk, f"step {kk} reads stage {kk % S} holding {stage_data[kk % S]}"
-            groups.append((kk % S, kk))
-            read.append(kk)
-            cons["at"] = "wait1"
-            return True
-        if at == "wait1":
-            if len(groups) > 1:
-                return False
-            if kk > 0:
-                empty[(kk + S - 1) % S].arrive()
-            cons.update(kk=kk + 1, at="wait")
-            return True
-        if groups:  # drain: wait_wgmma(0), then the last stage's release
-            return False
-        empty[(steps - 1) % S].arrive()
-        cons["at"] = "done"
-        return True
-
-    def land():
-        if not loads:
-            return False
-        s, kk = loads.pop(rng.randrange(len(loads)))
-        if not any(l[0] == s for l in loads):
-            stage_data[s] = kk
-        full[s].land(1)
-        return True
-
-    def finish_group():
-        if not groups:
-            return False
-        s, kk = groups.pop(0)  # WGMMA groups complete in order
-        assert stage_data[s] == kk, f"stage {s} changed under the WGMMA group of step {kk}"
-        return True
-
-    actors = [producer, consumer, land, finish_group]
-    while cons["at"] != "done":
-        order = actors[:]
-        rng.shuffle(order)
-        assert any(actor() for actor in order), f"deadlock: producer {prod}, consumer {cons}"
-    return read
-
-
 @pytest.mark.parametrize("stages", [2, 3, 4, 5])
 @pytest.mark.parametrize("steps", [1, 2, 3, 4, 7, 33])
 def test_the_protocol_reads_every_step_once_in_order_and_never_deadlocks(stages, steps):
@@ -177,14 +70,14 @@ def test_the_protocol_reads_every_step_once_in_order_and_never_deadlocks(stages,
 
     rng = random.Random(stages * 100 + steps)
     for _ in range(50):
-        assert _simulate(stages, steps, rng) == list(range(steps))
+        assert simulate(stages, [steps], rng) == list(range(steps))
 
 
 def test_one_stage_would_deadlock():  # why GemmTiles refuses it
     import random
 
     with pytest.raises(AssertionError, match="deadlock"):
-        _simulate(1, 3, random.Random(0))
+        simulate(1, [3], random.Random(0))
 
 
 def test_small_tiles_and_fewer_steps_than_stages_lower():
@@ -274,7 +167,7 @@ def test_benchmark_without_a_gpu_and_its_argument_errors(monkeypatch, capsys):
     exits_naming(bench.main, ["--n", "300"], "n=300 is not a multiple of block_n=256", capsys)
     exits_naming(bench.main, ["--iters", "0"], "--iters and --rounds must be >= 1", capsys)
     exits_naming(bench.main, ["--kernels", "cublas"], "invalid choice: 'cublas'", capsys)
-    exits_naming(bench.main, ["--tiles", "128x256x64:1:256"], "the async kernel needs at least 2 stages", capsys)
+    exits_naming(bench.main, ["--tiles", "128x256x64:1:256"], "the async and persistent kernels need at least 2 stages", capsys)
     assert "nothing to measure" in output_without_gpu(bench.main, ["--tiles", "128x256x64:1:256", "--kernels", "stock"],
                                                       monkeypatch, capsys)
 
@@ -295,14 +188,18 @@ def test_benchmark_compiles_what_it_times_in_parallel_first():
     from tilescale_examples.benchmarks import gemm as bench
     from tilescale_examples.testing.precompile import build_job
 
-    jobs = bench.kernel_jobs(["stock", "async", "stream-K"], [(1024, 3584, 8192), (4096, 28672, 8192)], "bfloat16",
-                             GemmTiles(num_stages=4), 132)
+    jobs = bench.kernel_jobs(["stock", "async", "persistent", "stream-K"], [(1024, 3584, 8192), (4096, 28672, 8192)],
+                             "bfloat16", GemmTiles(num_stages=4), 132)
     assert [(b.split(":")[1], a[:3], a[4].swizzle, a[4].pipeline) for b, a, _ in jobs] == [
         ("build_gemm_kernel", (1024, 3584, 8192), 0, "sync"), ("build_gemm_kernel", (1024, 3584, 8192), 0, "async"),
-        ("build_stream_k_gemm", (1024, 3584, 8192), 0, "sync"), ("build_gemm_kernel", (4096, 28672, 8192), 8, "sync"),
-        ("build_gemm_kernel", (4096, 28672, 8192), 8, "async"), ("build_stream_k_gemm", (4096, 28672, 8192), 0, "sync")]
-    assert jobs[2][1][5] == 132 and all(p is None for _, _, p in jobs)
+        ("build_persistent_gemm", (1024, 3584, 8192), 0, "async"), ("build_stream_k_gemm", (1024, 3584, 8192), 0, "sync"),
+        ("build_gemm_kernel", (4096, 28672, 8192), 8, "sync"), ("build_gemm_kernel", (4096, 28672, 8192), 8, "async"),
+        ("build_persistent_gemm", (4096, 28672, 8192), 8, "async"),
+        ("build_stream_k_gemm", (4096, 28672, 8192), 0, "sync")]
+    assert jobs[2][1][5] == 112 and jobs[6][1][5] == 132  # the persistent grid: no more blocks than tiles
+    assert jobs[3][1][5] == 132 and all(p is None for _, _, p in jobs)
     assert str(build_job(*jobs[1][:2]).attrs["global_symbol"]) == "gemm_async"
+    assert str(build_job(*jobs[2][:2]).attrs["global_symbol"]) == "gemm_persistent"
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -335,12 +232,6 @@ def compiled():
     precompile([(GEMM_BUILDER, case[:4] + (replace(case[4], pipeline=p),), None) for case in cases for p in ("async", "sync")])
 
 
-def _inputs(m, n, k, dtype, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return (torch.randn((m, k), generator=g, device="cuda").to(dtype),
-            torch.randn((k, n), generator=g, device="cuda").to(dtype))
-
-
 @pytest.mark.gpu
 @pytest.mark.usefixtures("compiled")
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c[:4]))
@@ -351,18 +242,7 @@ def test_gpu_async_gemm_matches_the_reference_and_stock_tilelang(case):
     tiles = _tiles(n, tiles)
     kernel = compile_once(build_async_gemm_kernel(m, n, k, DTYPES[dtype], tiles))
     stock = compile_once(build_gemm_kernel(m, n, k, DTYPES[dtype], tiles))
-    for seed in range(3):
-        a, b = _inputs(m, n, k, dtype, seed)
-        out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-        kernel(a, b, out)
-        bad, worst = count_outside(out, a.float() @ b.float(), dtype)
-        assert bad == 0, f"seed {seed}: {bad} elements outside the bound (worst {worst:.2f}x)"
-        again = torch.full_like(out, float("nan"))
-        kernel(a, b, again)
-        assert torch.equal(again, out)
-        ref = torch.full_like(out, float("nan"))
-        stock(a, b, ref)
-        assert torch.equal(ref, out), "the same products in the same k order as stock TileLang's GEMM"
+    assert_gemm_matches(kernel, stock, m, n, k, dtype, "the same products in the same k order as stock TileLang's GEMM")
 
 
 @pytest.mark.gpu
@@ -372,14 +252,5 @@ def test_gpu_back_to_back_calls_and_graph_replays():
 
     (m, n, k), dtype = BACK_TO_BACK, torch.bfloat16
     kernel = compile_once(build_async_gemm_kernel(m, n, k, DTYPES[dtype], _tiles(n, None)))
-    inputs = [_inputs(m, n, k, dtype, 100 + i) for i in range(4)]
-    outs = [torch.full((m, n), float("nan"), dtype=dtype, device="cuda") for _ in range(200)]
-    for i, out in enumerate(outs):  # 200 calls without host synchronisation
-        kernel(*inputs[i % 4], out)
-    torch.cuda.synchronize()
-    for i in range(4):
-        bad, _ = count_outside(outs[i], inputs[i][0].float() @ inputs[i][1].float(), dtype)
-        assert bad == 0, f"call {i}"
-    assert all(torch.equal(outs[i], outs[i % 4]) for i in range(4, 200))
-
+    inputs, outs = assert_gemm_back_to_back(kernel, m, n, k, dtype)
     assert_gemm_graph_replays(kernel, inputs, outs[:4])

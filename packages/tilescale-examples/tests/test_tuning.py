@@ -99,11 +99,13 @@ def test_bad_arguments_fail_before_anything_is_compiled(fake_compiler, tmp_path)
     assert fake_compiler == []
 
 
-def test_tiles_of_reads_the_five_axes_the_swizzle_and_the_pipeline():
+def test_tiles_of_reads_the_five_axes_the_swizzle_the_pipeline_and_the_warp_policy():
     assert tiles_of({"block_m": 64, "block_n": 128, "block_k": 64, "num_stages": 4, "threads": 128,
                      "swizzle": 8}) == GemmTiles(64, 128, 64, 4, 128, 8)
     five = tiles_of({"block_m": 64, "block_n": 128, "block_k": 64, "num_stages": 4, "threads": 128})
-    assert five.swizzle == 0 and five.pipeline == "sync"
+    assert five.swizzle == 0 and five.pipeline == "sync" and five.warp_policy == "square"
+    assert tiles_of({"block_m": 128, "block_n": 256, "block_k": 64, "num_stages": 4, "threads": 256,
+                     "warp_policy": "row"}).warp_policy == "row"
     assert tiles_of({"block_m": 64, "block_n": 128, "block_k": 64, "num_stages": 4, "threads": 128,
                      "pipeline": "async"}) == GemmTiles(64, 128, 64, 4, 128, 0, "async")
     with pytest.raises(ValueError, match=r"lacks the tile axes \['threads'\]"):

@@ -138,6 +138,10 @@ def test_gemm_space_and_rejections():
     assert {(c["num_stages"], c["pipeline"]) for c in configs} == {(1, "sync"), (3, "sync"), (3, "async")}
     assert gemm_rejection({**library_default, "num_stages": 1, "pipeline": "async"}, 1024, 3584, 8192) == (
         "the async pipeline needs at least 2 stages")
+    # The warp policy axis: opt-in, every tile under each policy.
+    split = gemm_space(1024, 3584, 8192, warp_policy=("square", "row"), block_m=(128,))
+    assert split.axis_names[-1] == "warp_policy" and len(split) == 2 * len(gemm_space(1024, 3584, 8192, block_m=(128,)))
+    assert {c["warp_policy"] for c in split} == {"square", "row"}
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -150,6 +154,7 @@ def test_gemm_space_and_rejections():
     ({"persistent": (1,)}, "persistent values must be True or False"),
     ({"pipeline": ("fast",)}, "pipeline values must be among"),
     ({"pipeline": "sync"}, "pipeline must be a non-empty sequence"),
+    ({"warp_policy": ("diagonal",)}, "warp_policy values must be among"),
     ({"smem_bytes": 0}, "smem_bytes must be a positive int"),
     ({"valid": "yes"}, "valid must be a callable"),
     ({"m": 64, "n": 64, "k": 64}, "no GEMM tile of the space fits m=64, n=64, k=64"),

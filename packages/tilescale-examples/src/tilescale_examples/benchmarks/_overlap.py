@@ -286,15 +286,17 @@ TILES_FORMAT = "{block_m}x{block_n}x{block_k} s{num_stages} t{threads} w{swizzle
 
 def parse_tiles(text: str) -> dict:
     """``--tiles BMxBNxBK[:STAGES[:THREADS[:SWIZZLE]]]`` as GemmTiles keyword arguments, every
-    integer field (those left out: GemmTiles' defaults; the pipeline is ``--pipeline``'s);
-    ``ValueError`` naming the argument on a malformed or invalid value."""
+    integer field (those left out: GemmTiles' defaults; the pipeline is ``--pipeline``'s, the
+    warp policy GemmTiles' default); ``ValueError`` naming the argument on a malformed or invalid
+    value."""
     import dataclasses
 
     from tilescale_examples.overlap.gemm import GemmTiles
 
-    names = [field.name for field in dataclasses.fields(GemmTiles) if field.name != "pipeline"]  # the string's order
+    words = ("pipeline", "warp_policy")  # the fields that are not integers
+    names = [field.name for field in dataclasses.fields(GemmTiles) if field.name not in words]  # the string's order
     return {name: value for name, value in dataclasses.asdict(GemmTiles(**_harness.tile_fields(text, names))).items()
-            if name != "pipeline"}
+            if name not in words}
 
 
 def _gather_names(names, group):

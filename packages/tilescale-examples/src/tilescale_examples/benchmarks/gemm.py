@@ -1,8 +1,8 @@
 """The library's GEMM kernels against torch.matmul (cuBLAS), one GPU, same run.
 
 ``python -m tilescale_examples.benchmarks.gemm [--m 1024 4096] [--n 3584 7168 28672]
-[--k 8192] [--dtype bfloat16|float16] [--tiles BMxBNxBK:STAGES:THREADS]
-[--kernels stock async stream-K] [--iters 20] [--rounds 3] [--out DIR]``
+[--k 8192] [--dtype bfloat16|float16] [--tiles BMxBNxBK:STAGES:THREADS] [--warp-policy square|row|column]
+[--kernels stock async persistent stream-K] [--iters 20] [--rounds 3] [--out DIR]``
 
 For every ``(m, n)``: GPU time per call (``--rounds`` rounds timing each column in turn, the
 median round of each; a round's time is the median of ``--iters`` calls, each from an idle
@@ -14,10 +14,14 @@ GPU) of
 * ``async``: the same kernel with ``pipeline="async"``
   (:mod:`~tilescale_examples.overlap.gemm_async`: the warp specialisation written out, one
   WGMMA group in flight);
+* ``persistent``: :func:`~tilescale_examples.overlap.gemm_persistent.build_persistent_gemm`
+  (one block per SM computing tiles in turn with the async pipeline, the next tile's loads
+  issued while the current one is stored; its tile order rasterized likewise);
 * ``stream-K``: :class:`~tilescale_examples.overlap.stream_k.StreamKGemm` (one block per SM,
   the last wave's tiles cut along ``k``);
 
-all with ``--tiles``, the two one-block-per-tile kernels rasterized as the library's ops
+all with ``--tiles`` and ``--warp-policy`` (how the compute warpgroups split a tile,
+:data:`~tilescale_examples.overlap.gemm.WARP_POLICIES`), the two one-block-per-tile kernels rasterized as the library's ops
 rasterize that width (:func:`~tilescale_examples.overlap.gemm.default_swizzle`). Printed: the
 TFLOP/s of each, ``waves`` (tiles / SMs: where a one-block-per-tile grid's last wave is
 short) and each kernel's speed over ``torch.matmul`` (``x matmul``; above 1: faster). Before
@@ -34,10 +38,10 @@ from __future__ import annotations
 from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import collect, print_outcome, print_table, ratio, worst_line
 
-__all__ = ["KERNELS", "GOAL", "DEFAULT_TILES", "STREAM_K_BUILDER", "PIPELINE_OF", "headers", "kernel_jobs", "run_case", "goal_lines", "main"]
+__all__ = ["KERNELS", "GOAL", "DEFAULT_TILES", "STREAM_K_BUILDER", "PERSISTENT_BUILDER", "PIPELINE_OF", "headers", "kernel_jobs", "run_case", "goal_lines", "main"]
 
 #: The library's GEMM kernels this benchmark can time (``--kernels``), in column order.
-KERNELS = ("stock", "async", "stream-K")
+KERNELS = ("stock", "async", "persistent", "stream-K")
 #: The goal: the library's GEMM at least GOAL of torch.matmul's speed.
 GOAL = 0.97
 #: ``--tiles`` when not given (the stream-K op's default tiles).
@@ -48,6 +52,8 @@ DEFAULT_TILES = "128x256x64:4:256"
 #: job's); the one-block-per-tile kernels are the library GEMM's
 #: (:data:`~tilescale_examples.overlap.tuning.GEMM_BUILDER`) with their pipeline.
 STREAM_K_BUILDER = "tilescale_examples.overlap.stream_k:build_stream_k_gemm"
+#: The persistent GEMM's builder, likewise.
+PERSISTENT_BUILDER = "tilescale_examples.overlap.gemm_persistent:build_persistent_gemm"
 #: The ``GemmTiles.pipeline`` of each one-block-per-tile kernel.
 PIPELINE_OF = {"stock": "sync", "async": "async"}
 
@@ -56,8 +62,11 @@ def kernel_jobs(kernels, shapes, dtype: str, tiles, sm_count: int) -> list:
     """:func:`~tilescale_examples.testing.precompile.precompile` jobs of the ``kernels`` (names
     of :data:`KERNELS`) this benchmark (and the GEMM GPU tests) compile for every ``(m, n, k)``
     of ``shapes``: ``dtype`` (TileLang's name), ``tiles`` (the one-block-per-tile kernels with
-    :func:`~tilescale_examples.overlap.gemm.default_swizzle` of ``n``), stream-K on
-    :func:`~tilescale_examples.overlap.stream_k.default_blocks` of ``sm_count`` SMs."""
+    :func:`~tilescale_examples.overlap.gemm.default_swizzle` of ``n``; the persistent one's tile
+    order likewise, on :func:`~tilescale_examples.overlap.gemm_persistent.persistent_blocks` of
+    ``sm_count`` SMs), stream-K on :func:`~tilescale_examples.overlap.stream_k.default_blocks`
+    of ``sm_count`` SMs."""
+    from tilescale_examples.overlap.gemm_persistent import persistent_blocks
     from tilescale_examples.overlap.stream_k import default_blocks
     from tilescale_examples.overlap.tuning import GEMM_BUILDER
 
@@ -66,6 +75,10 @@ def kernel_jobs(kernels, shapes, dtype: str, tiles, sm_count: int) -> list:
         for name in kernels:
             if name in PIPELINE_OF:
                 jobs.append((GEMM_BUILDER, (m, n, k, dtype, _rastered(tiles, n, PIPELINE_OF[name])), None))
+            elif name == "persistent":
+                rastered = _rastered(tiles, n, "async")
+                jobs.append((PERSISTENT_BUILDER, (m, n, k, dtype, rastered, persistent_blocks(m, n, rastered, sm_count)),
+                             None))
             else:
                 jobs.append((STREAM_K_BUILDER, (m, n, k, dtype, tiles, default_blocks(m, n, k, tiles, sm_count)), None))
     return jobs
@@ -90,13 +103,19 @@ def headers(kernels) -> list:
 def _kernel_calls(m: int, n: int, k: int, dtype, tiles, kernels, device) -> dict:
     """``{name: fn(a, b, out)}`` of the library kernels in ``kernels``, built (compiled) here."""
     from tilescale_examples.base import compile_once
+    from tilescale_examples._contract import sm_count_of
     from tilescale_examples.overlap.gemm import DTYPES, build_gemm_kernel
+    from tilescale_examples.overlap.gemm_persistent import build_persistent_gemm, persistent_blocks
     from tilescale_examples.overlap.stream_k import StreamKGemm
 
     calls = {}
     for name in kernels:
         if name in PIPELINE_OF:
             calls[name] = compile_once(build_gemm_kernel(m, n, k, DTYPES[dtype], _rastered(tiles, n, PIPELINE_OF[name])))
+        elif name == "persistent":
+            rastered = _rastered(tiles, n, "async")
+            blocks = persistent_blocks(m, n, rastered, sm_count_of(device))
+            calls[name] = compile_once(build_persistent_gemm(m, n, k, DTYPES[dtype], rastered, blocks))
         else:
             op = StreamKGemm(m, n, k, dtype, tiles=tiles, device=device)
             calls[name] = lambda a, b, out, op=op: op(a, b, out=out)
@@ -145,7 +164,7 @@ def goal_lines(rows: list, kernels) -> list:
 
 def main(argv=None) -> int:
     """The command line (see the module docstring); 0, or 1 when a check failed."""
-    from tilescale_examples.overlap.gemm import GemmTiles, check_gemm_dims
+    from tilescale_examples.overlap.gemm import WARP_POLICIES, GemmTiles, check_gemm_dims
 
     p = _harness.parser("gemm", __doc__.splitlines()[0])
     p.add_argument("--m", type=int, nargs="+", default=[1024, 4096], help="rows of a and of the output")
@@ -154,6 +173,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--tiles", default=DEFAULT_TILES, metavar="BMxBNxBK:STAGES:THREADS",
                    help=f"tile program of every TileLang column (default {DEFAULT_TILES})")
+    p.add_argument("--warp-policy", default="square", choices=list(WARP_POLICIES),
+                   help="how the compute warpgroups split a tile (default square, TileLang's)")
     p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
                    help="the library kernels to time beside torch.matmul (default all)")
     p.add_argument("--iters", type=int, default=20, help="calls timed per round (median)")
@@ -161,7 +182,7 @@ def main(argv=None) -> int:
     args = _harness.parse_args(p, argv)
     try:
         fields = _harness.tile_fields(args.tiles, ("block_m", "block_n", "block_k", "num_stages", "threads"))
-        tiles = GemmTiles(**fields)
+        tiles = GemmTiles(**fields, warp_policy=args.warp_policy)
         for m in args.m:
             for n in args.n:
                 check_gemm_dims("--m/--n/--k", tiles, m=m, n=n, k=args.k)
@@ -169,8 +190,8 @@ def main(argv=None) -> int:
         p.error(str(exc))
     if args.iters < 1 or args.rounds < 1:
         p.error("--iters and --rounds must be >= 1")
-    if "async" in args.kernels and tiles.num_stages < 2:
-        p.error("--tiles: the async kernel needs at least 2 stages")
+    if {"async", "persistent"} & set(args.kernels) and tiles.num_stages < 2:
+        p.error("--tiles: the async and persistent kernels need at least 2 stages")
     args.kernels = [name for name in KERNELS if name in args.kernels]  # column order, no repeats
     if _harness.visible_gpus("GEMM benchmark") == 0:
         return 0
@@ -183,7 +204,7 @@ def main(argv=None) -> int:
     precompile(kernel_jobs(args.kernels, [(m, n, args.k) for m in args.m for n in args.n], args.dtype, tiles, sms))
     rows, failures = collect(([row], bad) for row, bad in (run_case(args, m, n, tiles, device)
                                                            for m in args.m for n in args.n))
-    print_table(f"the library's GEMM kernels vs torch.matmul ({args.tiles}), {torch.cuda.get_device_name(device)}, "
+    print_table(f"the library's GEMM kernels vs torch.matmul ({args.tiles}, warp policy {args.warp_policy}), {torch.cuda.get_device_name(device)}, "
                 f"{args.dtype}; median GPU time of {args.iters} calls, median of {args.rounds} rounds",
                 headers(args.kernels), rows)
     return print_outcome(failures, goal_lines(rows, args.kernels), "every column against the float32 product")

@@ -38,13 +38,19 @@ from tilescale_core.interface import check_positive_int
 
 from tilescale_examples.base import SymmetricOp, positional_out
 
-__all__ = ["GemmTiles", "OverlappedGemm", "DTYPES", "PIPELINES", "gemm_mainloop", "gemm_mainloop_span", "block_threads",
+__all__ = ["GemmTiles", "OverlappedGemm", "DTYPES", "PIPELINES", "WARP_POLICIES", "warp_policy", "gemm_mainloop", "gemm_mainloop_span", "block_threads",
            "gemm_tile", "store_tile", "lead_thread", "sync_compute", "build_gemm_kernel", "check_gemm_dims", "check_sync_pipeline",
            "check_positive", "unit_roundoff", "error_bound", "count_outside", "MAX_ELEMENTS", "default_swizzle",
            "default_tiles", "resolve_tiles", "RASTER_PANEL", "RASTER_MIN_COLUMN_BLOCKS"]
 
 #: The mainloop pipelines :class:`GemmTiles` names (its ``pipeline``).
 PIPELINES = ("sync", "async")
+#: How the compute warpgroups split a tile (:class:`GemmTiles`' ``warp_policy``) -> TileLang's
+#: ``T.GemmWarpPolicy`` member: ``"square"`` (TileLang's default: as square a share as the tile
+#: allows; 2 warpgroups on ``128 x 256`` take ``128 x 128`` each, two ``m64n128`` WGMMAs per
+#: ``k16``), ``"row"`` (each warpgroup whole rows: ``64 x 256`` each, one ``m64n256`` WGMMA per
+#: ``k16``, as CUTLASS's Hopper GEMM) or ``"column"`` (each warpgroup whole columns).
+WARP_POLICIES = {"square": "Square", "row": "FullRow", "column": "FullCol"}
 #: torch dtype -> TileLang name of the operand dtypes the GEMMs accept (float32 accumulation).
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 #: Elements a kernel buffer may hold (the kernels index in ``int32``).
@@ -81,6 +87,8 @@ class GemmTiles:
             out, one WGMMA group in flight). The kernels with one output tile per block take
             both (the library GEMM, AllGatherGEMM's peer GEMM, GemmReduceScatter's GEMM); the
             persistent ones (stream-K, GemmAllReduce) only ``"sync"``.
+        warp_policy: how the compute warpgroups split the tile (:data:`WARP_POLICIES`):
+            ``"square"`` (this class's default, TileLang's), ``"row"`` or ``"column"``.
     """
 
     block_m: int = 128
@@ -90,6 +98,7 @@ class GemmTiles:
     threads: int = 256
     swizzle: int = 0
     pipeline: str = "sync"
+    warp_policy: str = "square"
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "num_stages", "threads"):
@@ -100,6 +109,8 @@ class GemmTiles:
             raise ValueError(f"threads must be a multiple of 128 (whole warpgroups), got {self.threads}")
         if self.pipeline not in PIPELINES:
             raise ValueError(f"pipeline must be one of {PIPELINES}, got {self.pipeline!r}")
+        if self.warp_policy not in WARP_POLICIES:
+            raise ValueError(f"warp_policy must be one of {tuple(WARP_POLICIES)}, got {self.warp_policy!r}")
         if self.pipeline == "async" and self.num_stages < 2:
             raise ValueError(f"num_stages must be >= 2 for the async pipeline (a stage is released one step "
                              f"late), got {self.num_stages}")
@@ -133,13 +144,21 @@ def default_tiles(n: int) -> GemmTiles:
 
 
 def resolve_tiles(n: int, block_m: int, block_n: int, block_k: int, num_stages: int, threads: int,
-                  swizzle: Optional[int], pipeline: str = "sync") -> GemmTiles:
+                  swizzle: Optional[int], pipeline: str = "sync", warp_policy: str = "square") -> GemmTiles:
     """The ops' :class:`GemmTiles` from their keyword arguments: ``swizzle=None`` means
     :func:`default_swizzle` of the ``n``-column output (``ValueError`` naming a bad field)."""
     if swizzle is None:
         check_positive("block_n", block_n)
         swizzle = default_swizzle(n, block_n)
-    return GemmTiles(block_m, block_n, block_k, num_stages, threads, swizzle, pipeline)
+    return GemmTiles(block_m, block_n, block_k, num_stages, threads, swizzle, pipeline, warp_policy)
+
+
+def warp_policy(tiles: GemmTiles):
+    """TileLang's ``T.GemmWarpPolicy`` of ``tiles.warp_policy`` (the ``policy`` of the
+    mainloops' ``T.gemm`` / ``T.wgmma_gemm``)."""
+    import tilelang.language as T
+
+    return getattr(T.GemmWarpPolicy, WARP_POLICIES[tiles.warp_policy])
 
 
 def check_sync_pipeline(owner: str, tiles: GemmTiles) -> None:
@@ -228,6 +247,7 @@ def gemm_mainloop_span(dtype: str, tiles: GemmTiles):
 
     check_sync_pipeline("gemm_mainloop_span", tiles)
     BM, BN, BK, stages = tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages
+    policy = warp_policy(tiles)
 
     @T.macro
     def mainloop(A, B, C_f, row, col, k0, steps):
@@ -237,7 +257,7 @@ def gemm_mainloop_span(dtype: str, tiles: GemmTiles):
         for kk in T.Pipelined(steps, num_stages=stages):
             T.copy(A[row, k0 + kk * BK], A_s)
             T.copy(B[k0 + kk * BK, col], B_s)
-            T.gemm(A_s, B_s, C_f)
+            T.gemm(A_s, B_s, C_f, policy=policy)
 
     return mainloop
 

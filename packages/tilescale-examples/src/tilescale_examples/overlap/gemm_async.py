@@ -44,7 +44,8 @@ GemmTiles(pipeline="async"))`` is the async GEMM.
 
 from tilescale_examples.overlap.gemm import GemmTiles
 
-__all__ = ["async_gemm_tile", "consumer_registers", "PRODUCER_THREADS", "PRODUCER_REGISTERS"]
+__all__ = ["async_gemm_tile", "pipeline_stages", "load_steps", "compute_steps", "consumer_registers", "PRODUCER_THREADS",
+           "PRODUCER_REGISTERS"]
 
 #: Threads of the producer warpgroup (one warp of it issues the loads; the others only give
 #: their registers back).
@@ -63,6 +64,81 @@ def consumer_registers(threads: int) -> int:
     return max(24, min(232, share // 8 * 8))
 
 
+def pipeline_stages(dtype: str, tiles: GemmTiles):
+    """A ``T.macro`` ``stages()`` allocating the pipeline's shared memory and barriers in the
+    calling kernel; returns ``(A_s, B_s, full, empty)``: ``tiles.num_stages`` slabs of ``A``
+    (``block_m x block_k``) and of ``B`` (``block_k x block_n``) of ``dtype``, each stage's
+    *full* barrier (the producer warp's 32 arrivals and the TMA bytes) and *empty* barrier
+    (every compute thread's release)."""
+    import tilelang.language as T
+
+    BM, BN, BK, S, TH = tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages, tiles.threads
+
+    @T.macro
+    def stages():
+        A_s = T.alloc_shared((S, BM, BK), dtype)
+        B_s = T.alloc_shared((S, BK, BN), dtype)
+        full = T.alloc_barrier([32] * S)
+        empty = T.alloc_barrier([TH] * S)
+        return A_s, B_s, full, empty
+
+    return stages
+
+
+def load_steps(steps: int, tiles: GemmTiles):
+    """A ``T.macro`` ``load(A, B, A_s, B_s, full, empty, row, col, first)`` for the producer
+    warp (32 threads): the TMA loads of ``steps`` ``k`` steps of one output tile (``A[row:row +
+    block_m, kk * block_k ...]``, ``B[kk * block_k ..., col:col + block_n]``), each into its
+    stage after waiting for the stage to be empty. ``first`` is the pipeline's running step
+    number of this tile's step 0 (0 for a kernel's first tile; ``i * steps`` for a persistent
+    block's ``i``-th): stage and barrier parities follow from it (module docstring)."""
+    import tilelang.language as T
+
+    BM, BN, BK, S = tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages
+
+    @T.macro
+    def load(A, B, A_s, B_s, full, empty, row, col, first):
+        for kk in T.serial(steps):
+            T.mbarrier_wait_parity(empty[(first + kk) % S], (((first + kk) // S) & 1) ^ 1)
+            T.tma_copy(A[row:row + BM, kk * BK:(kk + 1) * BK], A_s[(first + kk) % S, :, :],
+                       barrier=full[(first + kk) % S])
+            T.tma_copy(B[kk * BK:(kk + 1) * BK, col:col + BN], B_s[(first + kk) % S, :, :],
+                       barrier=full[(first + kk) % S])
+            T.mbarrier_arrive(full[(first + kk) % S])
+
+    return load
+
+
+def compute_steps(steps: int, tiles: GemmTiles):
+    """A ``T.macro`` ``compute(A_s, B_s, full, empty, C_f, first)`` for the compute threads:
+    ``C_f = `` the sum over ``steps`` ``k`` steps of their stages' products, one WGMMA group in
+    flight (each step's stage released once the next step's group is issued and the step's
+    own has finished; the last after ``wait_wgmma(0)``); ``first`` as in :func:`load_steps`.
+    On return every WGMMA has finished, every stage of the tile is released and ``C_f``'s
+    registers are fenced (no read of them moves above the last wait)."""
+    import tilelang.language as T
+
+    from tilescale_examples.overlap.gemm import warp_policy
+
+    BM, BN, S, TH = tiles.block_m, tiles.block_n, tiles.num_stages, tiles.threads
+    policy = warp_policy(tiles)
+
+    @T.macro
+    def compute(A_s, B_s, full, empty, C_f, first):
+        T.clear(C_f)
+        for kk in T.serial(steps):
+            T.mbarrier_wait_parity(full[(first + kk) % S], ((first + kk) // S) & 1)
+            T.wgmma_gemm(A_s[(first + kk) % S, :, :], B_s[(first + kk) % S, :, :], C_f, policy=policy)
+            T.wait_wgmma(1)  # the previous step's group is done: its stage is free
+            if kk > 0:
+                T.mbarrier_arrive(empty[(first + kk + S - 1) % S])
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(C_f, num_regs=BM * BN // TH)  # no read of C_f moves above the wait
+        T.mbarrier_arrive(empty[(first + steps - 1) % S])
+
+    return compute
+
+
 def async_gemm_tile(steps: int, dtype: str, tiles: GemmTiles, epilogue):
     """A ``T.macro`` ``tile(A, B, C_f, row, col, *args)``: ``C_f = A[row:row+block_m, :steps *
     block_k] @ B[:steps * block_k, col:col+block_n]`` in the float32 fragment ``C_f``
@@ -74,36 +150,20 @@ def async_gemm_tile(steps: int, dtype: str, tiles: GemmTiles, epilogue):
     returns for ``pipeline="async"``."""
     import tilelang.language as T
 
-    BM, BN, BK, S, TH = tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages, tiles.threads
-    consumer_nreg = consumer_registers(TH)
+    stages, load, compute = pipeline_stages(dtype, tiles), load_steps(steps, tiles), compute_steps(steps, tiles)
+    consumer_nreg = consumer_registers(tiles.threads)
 
     @T.macro
     def tile(A, B, C_f, row, col, *args):
-        A_s = T.alloc_shared((S, BM, BK), dtype)
-        B_s = T.alloc_shared((S, BK, BN), dtype)
-        full = T.alloc_barrier([32] * S)  # the producer warp's arrivals (+ the TMA bytes)
-        empty = T.alloc_barrier([TH] * S)  # every compute thread's release
+        A_s, B_s, full, empty = stages()
         tx = T.get_thread_binding()
         if tx < PRODUCER_THREADS:
             T.set_max_nreg(PRODUCER_REGISTERS, 0)
             if tx < 32:
-                for kk in T.serial(steps):
-                    T.mbarrier_wait_parity(empty[kk % S], ((kk // S) & 1) ^ 1)
-                    T.tma_copy(A[row:row + BM, kk * BK:(kk + 1) * BK], A_s[kk % S, :, :], barrier=full[kk % S])
-                    T.tma_copy(B[kk * BK:(kk + 1) * BK, col:col + BN], B_s[kk % S, :, :], barrier=full[kk % S])
-                    T.mbarrier_arrive(full[kk % S])
+                load(A, B, A_s, B_s, full, empty, row, col, 0)
         else:
             T.set_max_nreg(consumer_nreg, 1)
-            T.clear(C_f)
-            for kk in T.serial(steps):
-                T.mbarrier_wait_parity(full[kk % S], (kk // S) & 1)
-                T.wgmma_gemm(A_s[kk % S, :, :], B_s[kk % S, :, :], C_f)
-                T.wait_wgmma(1)  # the previous step's group is done: its stage is free
-                if kk > 0:
-                    T.mbarrier_arrive(empty[(kk + S - 1) % S])
-            T.wait_wgmma(0)
-            T.warpgroup_fence_operand(C_f, num_regs=BM * BN // TH)  # no read of C_f moves above the wait
-            T.mbarrier_arrive(empty[(steps - 1) % S])
+            compute(A_s, B_s, full, empty, C_f, 0)
             epilogue(C_f, *args)
 
     return tile

@@ -38,14 +38,14 @@ SWIZZLES = (0, 8)
 
 def tiles_of(config: dict) -> GemmTiles:
     """The :class:`GemmTiles` of an autotuner config: its five tile axes (``ValueError`` for a
-    config without them), its ``swizzle`` (0 when the space has no such axis) and its
-    ``pipeline`` (``"sync"`` likewise)."""
-    fields = [f.name for f in dataclasses.fields(GemmTiles) if f.name not in ("swizzle", "pipeline")]
+    config without them), its ``swizzle`` (0 when the space has no such axis), its ``pipeline``
+    (``"sync"`` likewise) and its ``warp_policy`` (``"square"`` likewise)."""
+    fields = [f.name for f in dataclasses.fields(GemmTiles) if f.name not in ("swizzle", "pipeline", "warp_policy")]
     missing = [name for name in fields if name not in config]
     if missing:
         raise ValueError(f"config {config!r} lacks the tile axes {missing}")
     return GemmTiles(**{name: int(config[name]) for name in fields}, swizzle=int(config.get("swizzle", 0)),
-                     pipeline=str(config.get("pipeline", "sync")))
+                     pipeline=str(config.get("pipeline", "sync")), warp_policy=str(config.get("warp_policy", "square")))
 
 
 def tune_tiles(m: int, n: int, k: int, dtype: Union[torch.dtype, str], *, device=None, group=None,

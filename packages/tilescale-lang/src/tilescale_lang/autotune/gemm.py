@@ -8,8 +8,10 @@ dimension must be a multiple of its tile. :func:`gemm_space` spans those five ax
 ``GemmTiles(**config)`` builds a candidate's tiles. More axes are added only when asked
 for, for kernels that read them: ``swizzle`` (the panel size of TileLang's
 ``T.use_swizzle`` block rasterisation, 0 for none), ``pipeline`` (``"sync"``: TileLang's
-pipelined mainloop; ``"async"``: one WGMMA group kept in flight, at least 2 stages) and
-``persistent`` (a persistent tile loop instead of one block per tile).
+pipelined mainloop; ``"async"``: one WGMMA group kept in flight, at least 2 stages),
+``warp_policy`` (how the compute warpgroups split a tile: ``"square"``, TileLang's default;
+``"row"``: whole rows each, one ``m64n256`` WGMMA per ``k16`` on a ``128 x 256`` tile;
+``"column"``) and ``persistent`` (a persistent tile loop instead of one block per tile).
 
 :func:`gemm_rejection` says why a config cannot run at a shape (the space's validity filter):
 a dimension not a multiple of its tile, threads not whole warpgroups or over the block limit,
@@ -28,7 +30,7 @@ from tilescale_core.interface import check_non_negative_int, check_positive_int
 
 from .space import SearchSpace
 
-__all__ = ["GEMM_TILE_AXES", "GEMM_DEFAULTS", "GEMM_PIPELINES", "HOPPER_SMEM_BYTES", "MAX_ACC_REGS", "dtype_bytes",
+__all__ = ["GEMM_TILE_AXES", "GEMM_DEFAULTS", "GEMM_PIPELINES", "GEMM_WARP_POLICIES", "HOPPER_SMEM_BYTES", "MAX_ACC_REGS", "dtype_bytes",
            "gemm_shared_bytes", "gemm_rejection", "gemm_space"]
 
 #: The axes :class:`~tilescale_examples.overlap.gemm.GemmTiles` takes, in its field order.
@@ -43,6 +45,8 @@ GEMM_DEFAULTS = {
 }
 #: The values a ``pipeline`` axis may hold.
 GEMM_PIPELINES = ("sync", "async")
+#: The values a ``warp_policy`` axis may hold.
+GEMM_WARP_POLICIES = ("square", "row", "column")
 #: Dynamic shared memory one block may use on Hopper (H100/H200), in bytes (227 KiB).
 HOPPER_SMEM_BYTES = 232448
 #: float32 accumulator registers per compute thread above which a tile is refused (the
@@ -134,7 +138,8 @@ def gemm_space(m: int, n: int, k: int, dtype: Any = "bfloat16", *,
                block_m: Sequence[int] | None = None, block_n: Sequence[int] | None = None,
                block_k: Sequence[int] | None = None, num_stages: Sequence[int] | None = None,
                threads: Sequence[int] | None = None, swizzle: Sequence[int] | None = None,
-               pipeline: Sequence[str] | None = None, persistent: Sequence[bool] | None = None, smem_bytes: int = HOPPER_SMEM_BYTES,
+               pipeline: Sequence[str] | None = None, warp_policy: Sequence[str] | None = None,
+               persistent: Sequence[bool] | None = None, smem_bytes: int = HOPPER_SMEM_BYTES,
                valid: Callable[[dict], bool] | None = None) -> SearchSpace:
     """The search space of the library's GEMM ``C (m, n) = A (m, k) @ B (k, n)``.
 
@@ -147,6 +152,7 @@ def gemm_space(m: int, n: int, k: int, dtype: Any = "bfloat16", *,
         swizzle: panel sizes for ``T.use_swizzle`` (0: none); the axis is added only when
             given, for kernels that read ``config["swizzle"]``.
         pipeline: mainloop pipelines to try (:data:`GEMM_PIPELINES`); added only when given.
+        warp_policy: warpgroup splits to try (:data:`GEMM_WARP_POLICIES`); likewise.
         persistent: ``(False, True)`` adds a ``persistent`` axis likewise.
         smem_bytes: the device's shared memory per block, in bytes (default Hopper's).
         valid: a further filter, ``valid(config) -> bool``, after :func:`gemm_rejection`.
@@ -168,6 +174,9 @@ def gemm_space(m: int, n: int, k: int, dtype: Any = "bfloat16", *,
     if pipeline is not None:
         axes["pipeline"] = tuple(_check_choice("pipeline values", v, GEMM_PIPELINES)
                                  for v in _axis_values("pipeline", pipeline))
+    if warp_policy is not None:
+        axes["warp_policy"] = tuple(_check_choice("warp_policy values", v, GEMM_WARP_POLICIES)
+                                    for v in _axis_values("warp_policy", warp_policy))
     if persistent is not None:
         axes["persistent"] = tuple(_check_bool("persistent values", v) for v in _axis_values("persistent", persistent))
 
