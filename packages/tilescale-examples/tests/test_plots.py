@@ -36,7 +36,11 @@ EXPECTED = {
     "gemm_rs": ("gemm", [4 * 5]),
     "block_rasterization": ("gemm", [8 * 4]),  # (n, m_local, panel) x 4 TFLOP/s columns
     "block_rasterization_2": ("gemm", [4 * 4]),  # the tuned tiles: (n, m_local) x 4 TFLOP/s columns
-    "gemm": ("gemm", [6 * 3]),  # matmul, stock and stream-K TFLOP/s per (m, n)
+    "gemm": ("gemm", [6 * 5]),  # matmul, stock, async, persistent and stream-K TFLOP/s per (m, n)
+    "gemm_2": ("gemm", [6 * 5]),  # the same with the row warp policy
+    "gemm_3": ("gemm", [6 * 4]),  # 128x224 tiles: matmul, stock, async, persistent
+    "overlapped_gemms_on_the_async_pipeline": ("gemm", [4 * 5]),  # as ag_gemm
+    "overlapped_gemms_on_the_async_pipeline_2": ("gemm", [4 * 5]),  # as gemm_rs
     "gemm_allreduce": ("bars", [19 * 3]),  # fused, mm+AR, mm us per (m, tiles)
     "concurrent": ("lines", [3]),  # lamport/one_shot per rank count (2, 4, 8) against the all-reduce size
     "concurrent_2": ("lines", [3]),  # the same for the fused norm
@@ -48,6 +52,7 @@ EXPECTED = {
     "signals": ("bars", [2 * 2]),
     "gpu_barrier": ("bars", [1 * 2]),
     "launch": ("bars", [35]),  # host us per call and launcher (the lean launch's parts as rows)
+    "launch_2": ("bars", [18 * 2]),  # host us and enqueue us per call (lean launcher)
     "cold_start": ("bars", [8]),  # compile / load per op (and the total)
     "ulysses": ("bars", [12 * 3]),  # ulysses, copy, torch us per (ranks, seq)
     "overlap_emulated": ("bars", [4 * 2]),  # x GEMM alone, x copies then GEMM per (op, ranks)
