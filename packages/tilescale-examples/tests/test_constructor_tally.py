@@ -57,6 +57,7 @@ BAD = {
     "m_local": _COUNT, "k": _COUNT, "n": _COUNT,
     "block_m": [0, -1, 3, True], "block_n": [0, -1, 3, True], "block_k": [0, -1, 3, True],
     "num_stages": _COUNT, "max_chunks": [0, True, 1.5], "swizzle": [-1, True, 1.5], "pipeline": ["fast", 3, None],
+    "warp_policy": ["diagonal", 2, None],
     "num_experts": _COUNT + [7, 257], "hidden": [0, True, 1.5, 60], "topk": _COUNT + [9],
     "max_tokens": [0, True, 1.5, 4097],
     "index_dtype": [torch.float32, torch.int16, "int64"],
@@ -96,3 +97,15 @@ def test_every_constructor_argument_has_a_case():
     missing = sorted(f"{cls.__name__}.{arg}" for cls, arg in ARGUMENTS - probed - NO_BAD_VALUE)
     assert missing == [], "constructor arguments without a bad-value case"
     assert TALLY["arguments"] == len(ARGUMENTS) - len(NO_BAD_VALUE)
+
+
+@pytest.mark.parametrize("cls", [AllGatherGEMM, GemmReduceScatter], ids=lambda c: c.__name__)
+def test_the_overlapped_gemms_take_every_field_of_a_tuned_tiles(cls, compiles):
+    """``**dataclasses.asdict(tiles)`` (docs/autotune.md) passes every GemmTiles field."""
+    import dataclasses
+
+    from tilescale_examples.overlap.gemm import GemmTiles
+
+    tiles = GemmTiles(128, 256, 64, 4, 256, 8, "async", "row")
+    op = cls(allocator=CpuAllocator(num_ranks=2), **GOOD[cls], **dataclasses.asdict(tiles))
+    assert op.tiles == tiles

@@ -172,11 +172,13 @@ class AllGatherGEMM(OverlappedGemm):
             ``"sequential"``.
         group: process group (the constructor's barrier and plan agreement); default the
             initialised world group.
-        block_m, block_n, block_k, num_stages, threads, swizzle, pipeline: the GEMM's tiling
-            (:class:`~tilescale_examples.overlap.gemm.GemmTiles`); ``swizzle=None`` (default)
-            rasterizes wide outputs (:func:`~tilescale_examples.overlap.gemm.default_swizzle`);
+        block_m, block_n, block_k, num_stages, threads, swizzle, pipeline, warp_policy: the
+            GEMM's tiling (:class:`~tilescale_examples.overlap.gemm.GemmTiles`, whose fields
+            these are: ``**dataclasses.asdict(tiles)`` passes a tuned one); ``swizzle=None``
+            (default) rasterizes wide outputs (:func:`~tilescale_examples.overlap.gemm.default_swizzle`);
             ``pipeline="async"`` keeps one WGMMA group in flight
-            (:mod:`~tilescale_examples.overlap.gemm_async`).
+            (:mod:`~tilescale_examples.overlap.gemm_async`); ``warp_policy`` is how the compute
+            warpgroups split a tile.
         max_chunks: most row chunks per rank (:func:`~tilescale_examples.overlap.stream_ops.plan_row_chunks`).
         target: TileLang target (default ``sm_90a``).
 
@@ -200,12 +202,12 @@ class AllGatherGEMM(OverlappedGemm):
     def __init__(self, allocator, m_local: int, k: int, n: int, dtype: Union[torch.dtype, str], *,
                  world_size: Optional[int] = None, algorithm: Literal["auto", "fused", "sequential"] = "auto",
                  group=None, block_m: int = 128, block_n: int = 256, block_k: int = 64, num_stages: int = 3,
-                 threads: int = 256, swizzle: Optional[int] = None, pipeline: str = "sync", max_chunks: int = 8,
-                 target=None):
+                 threads: int = 256, swizzle: Optional[int] = None, pipeline: str = "sync", warp_policy: str = "square",
+                 max_chunks: int = 8, target=None):
         from tilescale_examples.base import check_target
 
         check_target(target)
-        tiles = resolve_tiles(n, block_m, block_n, block_k, num_stages, threads, swizzle, pipeline)
+        tiles = resolve_tiles(n, block_m, block_n, block_k, num_stages, threads, swizzle, pipeline, warp_policy)
         check_positive("max_chunks", max_chunks)
         self._setup_gemm(allocator, m_local, k, n, dtype, world_size, group, tiles, algorithm, rows_per_call=1)
         W, name = self.world_size, DTYPES[self.dtype]

@@ -244,11 +244,13 @@ class GemmReduceScatter(OverlappedGemm):
             :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM`).
         group: process group (the constructor's barrier and plan agreement); default the
             initialised world group.
-        block_m, block_n, block_k, num_stages, threads, swizzle, pipeline: the GEMM's tiling
-            (:class:`~tilescale_examples.overlap.gemm.GemmTiles`); ``swizzle=None`` (default)
-            rasterizes wide outputs (:func:`~tilescale_examples.overlap.gemm.default_swizzle`);
+        block_m, block_n, block_k, num_stages, threads, swizzle, pipeline, warp_policy: the
+            GEMM's tiling (:class:`~tilescale_examples.overlap.gemm.GemmTiles`, whose fields
+            these are: ``**dataclasses.asdict(tiles)`` passes a tuned one); ``swizzle=None``
+            (default) rasterizes wide outputs (:func:`~tilescale_examples.overlap.gemm.default_swizzle`);
             ``pipeline="async"`` keeps one WGMMA group in flight
-            (:mod:`~tilescale_examples.overlap.gemm_async`).
+            (:mod:`~tilescale_examples.overlap.gemm_async`); ``warp_policy`` is how the compute
+            warpgroups split a tile.
         target: TileLang target (default ``sm_90a``).
 
     Attributes: ``output`` (``(m_local, n)``, overwritten by the next call), ``epoch``,
@@ -266,11 +268,12 @@ class GemmReduceScatter(OverlappedGemm):
     def __init__(self, allocator, m_local: int, k: int, n: int, dtype: Union[torch.dtype, str], *,
                  world_size: Optional[int] = None, algorithm: Literal["auto", "fused", "sequential"] = "auto",
                  group=None, block_m: int = 128, block_n: int = 256, block_k: int = 64, num_stages: int = 3,
-                 threads: int = 256, swizzle: Optional[int] = None, pipeline: str = "sync", target=None):
+                 threads: int = 256, swizzle: Optional[int] = None, pipeline: str = "sync",
+                 warp_policy: str = "square", target=None):
         from tilescale_examples.base import check_target
 
         check_target(target)
-        tiles = resolve_tiles(n, block_m, block_n, block_k, num_stages, threads, swizzle, pipeline)
+        tiles = resolve_tiles(n, block_m, block_n, block_k, num_stages, threads, swizzle, pipeline, warp_policy)
         self._setup_gemm(allocator, m_local, k, n, dtype, world_size, group, tiles, algorithm, rows_per_call=2)
         W, name = self.world_size, DTYPES[self.dtype]
         self.tiles_per_rank = (m_local // block_m) * (n // block_n)
