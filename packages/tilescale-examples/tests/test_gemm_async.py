@@ -1,17 +1,20 @@
-"""The async-WGMMA GEMM (:mod:`tilescale_examples.overlap.gemm_async`) and the GEMM benchmark
+"""The async-WGMMA GEMM (:mod:`tilescale_examples.overlap.gemm_async`), the library GEMM's
+TMA-store epilogue (``build_gemm_kernel(..., store="tma")``) and the GEMM benchmark
 (:mod:`tilescale_examples.benchmarks.gemm`).
 
 CPU: the register budgets; the generated CUDA (a producer warpgroup giving its registers back
 and issuing the TMA loads after waiting for an empty stage, compute warpgroups keeping one
 WGMMA group in flight and releasing the previous step's stage, barrier counts, no implicit
-wait of every step); nvcc compiles without spills; argument errors; the benchmark's argument
-errors, its columns and goal lines.
+wait of every step; the TMA-store epilogue's tile over the free stages, stmatrix, the TMA
+store); nvcc compiles without spills; argument errors; the benchmark's argument errors, its
+columns and goal lines.
 
 GPU (``gpu``): against the float32 reference with fresh random data and poisoned outputs, at
 the benchmark's shapes and at small ones (one ``k`` step, fewer steps than stages, one compute
 warpgroup, float16, a rasterized grid); bit-identical repeated calls; 200 back-to-back calls;
 CUDA-graph replays with fresh inputs; the same bits as stock TileLang's GEMM of the same tiles
-(both add each ``k`` step's products into one float32 accumulator in ``k`` order).
+(both add each ``k`` step's products into one float32 accumulator in ``k`` order); the
+TMA-store epilogue at the same cases, the same bits as the direct store.
 """
 
 import re
@@ -139,7 +142,8 @@ def test_kernel_compiles_without_spills(tmp_path):
     for func in (build_async_gemm_kernel(4096, 28672, 8192, "bfloat16", GemmTiles(num_stages=4, swizzle=8)),
                  build_async_gemm_kernel(256, 512, 128, "float16", GemmTiles(64, 128, 64, 3, 128)),
                  build_ag_gemm_kernel(1024, 8192, 3584, 2, 4, "bfloat16", TILES),
-                 build_gemm_rs_kernel(1024, 8192, 3584, 2, "bfloat16", replace(TILES, num_stages=3))):
+                 build_gemm_rs_kernel(1024, 8192, 3584, 2, "bfloat16", replace(TILES, num_stages=3)),
+                 build_gemm_kernel(4096, 3584, 8192, "bfloat16", GemmTiles(num_stages=4), store="tma")):
         regs, spills = nvcc_resources(lower_source(func), tmp_path)
         assert spills == 0, (str(func.attrs["global_symbol"]), regs, spills)
 
@@ -156,6 +160,28 @@ def test_bad_dimensions_are_named(dims, match):
 def test_one_stage_is_refused():  # the release of a step's stage waits for the next step's load
     with pytest.raises(ValueError, match="num_stages must be >= 2 for the async pipeline"):
         build_async_gemm_kernel(256, 512, 128, tiles=GemmTiles(num_stages=1))
+
+
+# ------------------------------------------------------------------------------ TMA-store epilogue
+def test_the_tma_store_epilogue_stages_the_tile_over_the_free_stages():
+    src = kernel_body(lower_source(build_gemm_kernel(4096, 28672, 8192, "bfloat16", GemmTiles(num_stages=4, swizzle=8),
+                                                     store="tma")))
+    assert "gemm_tma_store_kernel" in src
+    # The output tile lies over the pipeline's stages (free once the last WGMMA is waited for).
+    assert re.search(r"C_s = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ 0\)\)", src)
+    assert _in_order(src, "warpgroup_wait<0>", "__sync_thread_partial(3, 256)", "ptx_stmatrix_m8n8_x4",
+                     "__sync_thread_partial(3, 256)", "fence_proxy_async", "tma_store(C_desc", "tma_store_wait<0")
+    direct = kernel_body(lower_source(build_gemm_kernel(4096, 28672, 8192, "bfloat16", GemmTiles(num_stages=4, swizzle=8))))
+    assert "tma_store" not in direct and "stmatrix" not in direct
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: build_gemm_kernel(256, 512, 128, "bfloat16", GemmTiles(), store="fast"), "store must be one of"),
+    (lambda: build_gemm_kernel(256, 512, 128, "bfloat16", TILES, store="tma"),
+     "store='tma' needs the tiles of a sync-pipeline kernel")])
+def test_bad_stores_are_named(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
 
 
 # ------------------------------------------------------------------------------ benchmark
@@ -200,6 +226,9 @@ def test_benchmark_compiles_what_it_times_in_parallel_first():
     assert jobs[3][1][5] == 132 and all(p is None for _, _, p in jobs)
     assert str(build_job(*jobs[1][:2]).attrs["global_symbol"]) == "gemm_async"
     assert str(build_job(*jobs[2][:2]).attrs["global_symbol"]) == "gemm_persistent"
+    tma = bench.kernel_jobs(["stock-tma"], [(1024, 3584, 8192)], "bfloat16", GemmTiles(num_stages=4), 132)
+    assert tma[0][1][4].pipeline == "sync" and tma[0][1][5] == "tma"
+    assert str(build_job(*tma[0][:2]).attrs["global_symbol"]) == "gemm_tma_store"
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -229,20 +258,28 @@ def compiled():
 
     cases = [(m, n, k, DTYPES[dtype], _tiles(n, tiles)) for m, n, k, dtype, tiles in GPU_CASES]
     cases.append(BACK_TO_BACK + ("bfloat16", _tiles(BACK_TO_BACK[1], None)))
-    precompile([(GEMM_BUILDER, case[:4] + (replace(case[4], pipeline=p),), None) for case in cases for p in ("async", "sync")])
+    precompile([(GEMM_BUILDER, case[:4] + (replace(case[4], pipeline=p),), None) for case in cases for p in ("async", "sync")]
+               + [(GEMM_BUILDER, case[:4] + (case[4], "tma"), None) for case in cases])
+
+
+#: The kernels checked against stock TileLang's GEMM of the same tiles: the async pipeline (same
+#: products in the same k order) and the TMA-store epilogue (the same accumulator, stored another way).
+VARIANTS = {"async": lambda m, n, k, dtype, tiles: build_async_gemm_kernel(m, n, k, dtype, tiles),
+            "tma-store": lambda m, n, k, dtype, tiles: build_gemm_kernel(m, n, k, dtype, tiles, store="tma")}
 
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c[:4]))
-def test_gpu_async_gemm_matches_the_reference_and_stock_tilelang(case):
+def test_gpu_kernel_matches_the_reference_and_stock_tilelang(case, variant):
     from tilescale_examples.base import compile_once
 
     m, n, k, dtype, tiles = case
     tiles = _tiles(n, tiles)
-    kernel = compile_once(build_async_gemm_kernel(m, n, k, DTYPES[dtype], tiles))
+    kernel = compile_once(VARIANTS[variant](m, n, k, DTYPES[dtype], tiles))
     stock = compile_once(build_gemm_kernel(m, n, k, DTYPES[dtype], tiles))
-    assert_gemm_matches(kernel, stock, m, n, k, dtype, "the same products in the same k order as stock TileLang's GEMM")
+    assert_gemm_matches(kernel, stock, m, n, k, dtype, f"{variant}: the same bits as stock TileLang's GEMM")
 
 
 @pytest.mark.gpu

@@ -2,7 +2,7 @@
 
 ``python -m tilescale_examples.benchmarks.gemm [--m 1024 4096] [--n 3584 7168 28672]
 [--k 8192] [--dtype bfloat16|float16] [--tiles BMxBNxBK:STAGES:THREADS] [--warp-policy square|row|column]
-[--kernels stock async persistent stream-K] [--iters 20] [--rounds 3] [--out DIR]``
+[--kernels stock stock-tma async persistent stream-K] [--iters 20] [--rounds 3] [--out DIR]``
 
 For every ``(m, n)``: GPU time per call (``--rounds`` rounds timing each column in turn, the
 median round of each; a round's time is the median of ``--iters`` calls, each from an idle
@@ -11,7 +11,10 @@ GPU) of
 * ``matmul``: ``torch.matmul`` into a preallocated output (cuBLAS);
 * ``stock``: :func:`~tilescale_examples.overlap.gemm.build_gemm_kernel`, stock TileLang's
   pipelined GEMM (one block per tile; each ``k`` step's WGMMAs waited for before the next);
-* ``async``: the same kernel with ``pipeline="async"``
+* ``stock-tma``: the same kernel storing its output tile through shared memory with a TMA
+  store (``build_gemm_kernel(..., store="tma")``, CUTLASS's epilogue) instead of each thread's
+  registers straight to global memory;
+* ``async``: the same kernel as ``stock`` with ``pipeline="async"``
   (:mod:`~tilescale_examples.overlap.gemm_async`: the warp specialisation written out, one
   WGMMA group in flight);
 * ``persistent``: :func:`~tilescale_examples.overlap.gemm_persistent.build_persistent_gemm`
@@ -38,10 +41,10 @@ from __future__ import annotations
 from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import collect, print_outcome, print_table, ratio, worst_line
 
-__all__ = ["KERNELS", "GOAL", "DEFAULT_TILES", "STREAM_K_BUILDER", "PERSISTENT_BUILDER", "PIPELINE_OF", "headers", "kernel_jobs", "run_case", "goal_lines", "main"]
+__all__ = ["KERNELS", "GOAL", "DEFAULT_TILES", "STREAM_K_BUILDER", "PERSISTENT_BUILDER", "ONE_TILE_KERNELS", "headers", "kernel_jobs", "run_case", "goal_lines", "main"]
 
 #: The library's GEMM kernels this benchmark can time (``--kernels``), in column order.
-KERNELS = ("stock", "async", "persistent", "stream-K")
+KERNELS = ("stock", "stock-tma", "async", "persistent", "stream-K")
 #: The goal: the library's GEMM at least GOAL of torch.matmul's speed.
 GOAL = 0.97
 #: ``--tiles`` when not given (the stream-K op's default tiles).
@@ -54,8 +57,9 @@ DEFAULT_TILES = "128x256x64:4:256"
 STREAM_K_BUILDER = "tilescale_examples.overlap.stream_k:build_stream_k_gemm"
 #: The persistent GEMM's builder, likewise.
 PERSISTENT_BUILDER = "tilescale_examples.overlap.gemm_persistent:build_persistent_gemm"
-#: The ``GemmTiles.pipeline`` of each one-block-per-tile kernel.
-PIPELINE_OF = {"stock": "sync", "async": "async"}
+#: The one-block-per-tile kernels (the library GEMM's builder): name -> (``GemmTiles.pipeline``,
+#: the builder's ``store``).
+ONE_TILE_KERNELS = {"stock": ("sync", "direct"), "stock-tma": ("sync", "tma"), "async": ("async", "direct")}
 
 
 def kernel_jobs(kernels, shapes, dtype: str, tiles, sm_count: int) -> list:
@@ -73,8 +77,9 @@ def kernel_jobs(kernels, shapes, dtype: str, tiles, sm_count: int) -> list:
     jobs = []
     for m, n, k in shapes:
         for name in kernels:
-            if name in PIPELINE_OF:
-                jobs.append((GEMM_BUILDER, (m, n, k, dtype, _rastered(tiles, n, PIPELINE_OF[name])), None))
+            if name in ONE_TILE_KERNELS:
+                pipeline, store = ONE_TILE_KERNELS[name]
+                jobs.append((GEMM_BUILDER, (m, n, k, dtype, _rastered(tiles, n, pipeline), store), None))
             elif name == "persistent":
                 rastered = _rastered(tiles, n, "async")
                 jobs.append((PERSISTENT_BUILDER, (m, n, k, dtype, rastered, persistent_blocks(m, n, rastered, sm_count)),
@@ -110,8 +115,9 @@ def _kernel_calls(m: int, n: int, k: int, dtype, tiles, kernels, device) -> dict
 
     calls = {}
     for name in kernels:
-        if name in PIPELINE_OF:
-            calls[name] = compile_once(build_gemm_kernel(m, n, k, DTYPES[dtype], _rastered(tiles, n, PIPELINE_OF[name])))
+        if name in ONE_TILE_KERNELS:
+            pipeline, store = ONE_TILE_KERNELS[name]
+            calls[name] = compile_once(build_gemm_kernel(m, n, k, DTYPES[dtype], _rastered(tiles, n, pipeline), store))
         elif name == "persistent":
             rastered = _rastered(tiles, n, "async")
             blocks = persistent_blocks(m, n, rastered, sm_count_of(device))

@@ -21,7 +21,8 @@ shape checks, and the error bound their tests and benchmarks use.
 * :func:`check_gemm_dims`: ``ValueError`` naming the argument for a dimension that is not a
   positive multiple of its tile.
 * :func:`error_bound` / :func:`count_outside`: the element-wise bound a 16-bit GEMM output
-  must meet against a float32 reference (see :func:`error_bound`).
+  must meet against a float32 reference (:mod:`~tilescale_examples.overlap.gemm_bounds`,
+  re-exported here).
 * :class:`OverlappedGemm`: the checks, algorithm (plan), call order across streams and
   :func:`torch_reference` of the overlapped objects; their setup and lifetime are
   :class:`~tilescale_examples.base.SymmetricOp`'s.
@@ -37,11 +38,12 @@ import torch
 from tilescale_core.interface import check_positive_int
 
 from tilescale_examples.base import SymmetricOp, positional_out
+from tilescale_examples.overlap.gemm_bounds import ORDER_SLACK, count_outside, error_bound, unit_roundoff  # noqa: F401
 
 __all__ = ["GemmTiles", "OverlappedGemm", "DTYPES", "PIPELINES", "WARP_POLICIES", "warp_policy", "gemm_mainloop", "gemm_mainloop_span", "block_threads",
            "gemm_tile", "store_tile", "lead_thread", "sync_compute", "build_gemm_kernel", "check_gemm_dims", "check_sync_pipeline",
            "check_positive", "unit_roundoff", "error_bound", "count_outside", "MAX_ELEMENTS", "default_swizzle",
-           "default_tiles", "resolve_tiles", "RASTER_PANEL", "RASTER_MIN_COLUMN_BLOCKS"]
+           "default_tiles", "resolve_tiles", "STORES", "RASTER_PANEL", "RASTER_MIN_COLUMN_BLOCKS"]
 
 #: The mainloop pipelines :class:`GemmTiles` names (its ``pipeline``).
 PIPELINES = ("sync", "async")
@@ -291,31 +293,58 @@ def gemm_mainloop(k: int, dtype: str, tiles: GemmTiles, k_offset: bool = False):
     return mainloop
 
 
-def store_tile():
+#: How :func:`store_tile` writes the output tile (``build_gemm_kernel``'s ``store``):
+#: ``"direct"``, each thread's accumulator registers straight to global memory (4-byte stores
+#: of two adjacent elements); ``"tma"``, through shared memory (``stmatrix``) and a TMA store
+#: of the whole tile, as CUTLASS's Hopper epilogue.
+STORES = ("direct", "tma")
+
+
+def store_tile(tiles: Optional[GemmTiles] = None, dtype: str = "bfloat16", store: str = "direct"):
     """The plain epilogue of :func:`gemm_tile`, a ``T.macro`` ``store(C_f, C, row, col)``:
-    ``C_f`` rounded into ``C[row:row+block_m, col:col+block_n]``."""
+    ``C_f`` rounded into ``C[row:row+block_m, col:col+block_n]``, written as ``store`` says
+    (:data:`STORES`; ``"tma"`` needs ``tiles`` and ``dtype`` for its ``(block_m, block_n)``
+    shared tile: with the sync pipeline TileLang places it over the pipeline's stages, which
+    are free by then; the async pipeline's kernels refuse it, their stages and the tile
+    would not fit together)."""
     import tilelang.language as T
 
+    if store not in STORES:
+        raise ValueError(f"store must be one of {STORES}, got {store!r}")
+    if store == "direct":
+        @T.macro
+        def store_direct(C_f, C, row, col):
+            T.copy(C_f, C[row, col])
+
+        return store_direct
+    if tiles is None or tiles.pipeline != "sync":
+        raise ValueError("store='tma' needs the tiles of a sync-pipeline kernel (pipeline='sync')")
+    BM, BN = tiles.block_m, tiles.block_n
+
     @T.macro
-    def store(C_f, C, row, col):
-        T.copy(C_f, C[row, col])
+    def store_staged(C_f, C, row, col):
+        C_s = T.alloc_shared((BM, BN), dtype)
+        T.copy(C_f, C_s)
+        T.copy(C_s, C[row, col])
 
-    return store
+    return store_staged
 
 
-def build_gemm_kernel(m: int, n: int, k: int, dtype: str = "bfloat16", tiles: Optional[GemmTiles] = None):
+def build_gemm_kernel(m: int, n: int, k: int, dtype: str = "bfloat16", tiles: Optional[GemmTiles] = None,
+                      store: str = "direct"):
     """The library's GEMM ``C = A @ B`` (``A: (m, k)``, ``B: (k, n)``, ``C: (m, n)``, all
     ``dtype``, float32 accumulation), one block per output tile, with ``tiles`` (default
     :func:`default_tiles`; their ``swizzle`` rasterizes the block order, their ``pipeline``
     picks the mainloop: ``"sync"``, stock TileLang's GEMM; ``"async"``, one WGMMA group in
-    flight, under the symbol ``gemm_async``); no TileScale intrinsic, so it compiles and runs
-    without a heap."""
+    flight, under the symbol ``gemm_async``) and ``store`` the epilogue's writes
+    (:data:`STORES`: ``"tma"``, sync pipeline only, under the symbol ``gemm_tma_store``); no
+    TileScale intrinsic, so it compiles and runs without a heap."""
     import tilelang.language as T
 
     tiles = tiles or default_tiles(n)
     check_gemm_dims("build_gemm_kernel", tiles, m=m, k=k, n=n)
     BM, BN = tiles.block_m, tiles.block_n
-    tile = gemm_tile(k, dtype, tiles, store_tile())
+    tile = gemm_tile(k, dtype, tiles, store_tile(tiles, dtype, store))
 
     @T.prim_func
     def gemm(A: T.Tensor((m, k), dtype), B: T.Tensor((k, n), dtype), C: T.Tensor((m, n), dtype)):
@@ -325,48 +354,9 @@ def build_gemm_kernel(m: int, n: int, k: int, dtype: str = "bfloat16", tiles: Op
             C_f = T.alloc_fragment((BM, BN), "float32")
             tile(A, B, C_f, by * BM, bx * BN, C, by * BM, bx * BN)
 
+    if store == "tma":
+        return gemm.with_attr("global_symbol", "gemm_tma_store")
     return gemm if tiles.pipeline == "sync" else gemm.with_attr("global_symbol", "gemm_async")
-
-
-# ------------------------------------------------------------------------------ checking
-def unit_roundoff(dtype: torch.dtype) -> float:
-    """Unit roundoff ``u`` of a 16-bit float (half an ulp at 1): ``2**-11`` for float16,
-    ``2**-8`` for bfloat16."""
-    u = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}.get(dtype)
-    if u is None:
-        raise ValueError(f"dtype must be float16 or bfloat16, got {dtype}")
-    return u
-
-
-#: Slack for the float32 accumulation order, relative to the reference's RMS (a wrong element
-#: is off by about the RMS; a float32 sum of 8192 products errs by about 1e-6 of it).
-ORDER_SLACK = 1e-3
-
-
-def error_bound(ref: torch.Tensor, dtype: torch.dtype, rounded: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Element-wise bound on ``|out - ref|`` for an output of ``dtype`` computed with float32
-    accumulation, ``ref`` being the float32 result of the same products:
-
-    ``u * (|ref| + rounded) + ORDER_SLACK * rms(ref)``
-
-    ``u * |ref|``: the output's one rounding to ``dtype``; ``rounded`` (default 0): the sum of
-    the magnitudes of intermediate values that were rounded to ``dtype`` before being added
-    (the partial products of a reduce-scatter, each rounded once); ``ORDER_SLACK * rms``:
-    float32 summation-order differences between the kernel and the reference."""
-    ref = ref.float()
-    rms = ref.pow(2).mean().sqrt()
-    bound = ref.abs() if rounded is None else ref.abs() + rounded
-    return unit_roundoff(dtype) * bound + ORDER_SLACK * rms
-
-
-def count_outside(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
-                  rounded: Optional[torch.Tensor] = None) -> tuple:
-    """``(elements outside error_bound, worst |out - ref| / bound)``; NaN/inf count as outside."""
-    err = (out.float() - ref.float()).abs()
-    bound = error_bound(ref, dtype, rounded)
-    bad = ~(err <= bound)  # NaN compares False
-    worst = (err / bound).nan_to_num(float("inf")).max().item() if err.numel() else 0.0
-    return int(bad.sum().item()), worst
 
 
 # ------------------------------------------------------------------------------ the objects
