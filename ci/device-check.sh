@@ -25,8 +25,8 @@
 # bench-decode-threads (the fused norm with 512 and 1024 threads per block, hidden 8192, 1-16 tokens);
 # bench-call-numbers (the reduction kernels' call numbers on the device against passed by the host:
 # benchmarks.emulated's A/B table, 2/4/8 ranks up to 64 MiB);
-# bench-gemm (the library GEMM kernels -- stock TileLang, with a TMA-store epilogue, async WGMMA, persistent,
-# stream-K -- against torch.matmul,
+# bench-gemm (the library GEMM kernels -- stock TileLang, async WGMMA, persistent, each also with a TMA-store
+# epilogue, and stream-K -- against torch.matmul,
 # one GPU); bench-gemm-224 (the one-tile and persistent kernels with 128 x 224 tiles, which divide n 3584/7168/28672
 # into 16/32/128 column blocks); bench-gemm-row (the same kernels with the compute warpgroups splitting
 # each tile by rows, one m64n256 WGMMA per k16, as CUTLASS);

@@ -58,6 +58,17 @@ def lower_source(func) -> str:
     return lower_with(func, {})
 
 
+def in_order(src: str, *parts) -> bool:
+    """Whether ``parts`` occur in ``src`` in this order (each after the previous one)."""
+    at = 0
+    for part in parts:
+        at = src.find(part, at)
+        if at < 0:
+            return False
+        at += len(part)
+    return True
+
+
 def kernel_body(src: str) -> str:
     """The ``__global__`` function of a generated source."""
     return src[src.index('extern "C" __global__ void __launch_bounds__'):]

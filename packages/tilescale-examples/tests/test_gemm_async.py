@@ -23,7 +23,7 @@ from dataclasses import replace
 import pytest
 import torch
 from examples_helpers import (assert_gemm_back_to_back, assert_gemm_graph_replays, assert_gemm_matches, exits_naming,
-                             kernel_body, lower_source, needs_nvcc, nvcc_resources, output_without_gpu)
+                             in_order, kernel_body, lower_source, needs_nvcc, nvcc_resources, output_without_gpu)
 
 from pipeline_model import simulate
 
@@ -90,30 +90,19 @@ def test_small_tiles_and_fewer_steps_than_stages_lower():
     assert "blockIdx = tl::rasterization2DRow<8>()" in wide  # the grid order of build_gemm_kernel's
 
 
-def _in_order(src: str, *parts) -> bool:
-    """Whether ``parts`` occur in ``src`` in this order (each after the previous one)."""
-    at = 0
-    for part in parts:
-        at = src.find(part, at)
-        if at < 0:
-            return False
-        at += len(part)
-    return True
-
-
 def test_the_overlapped_gemms_fused_kernels_take_the_async_pipeline():
     from tilescale_examples.overlap.ag_gemm import build_ag_gemm_kernel
     from tilescale_examples.overlap.gemm_rs import build_gemm_rs_kernel
 
     ag = kernel_body(lower_source(build_ag_gemm_kernel(1024, 8192, 3584, 2, 4, "bfloat16", TILES)))
     # The chunk's flag is waited for by every thread of the block (a barrier) before the roles split.
-    assert _in_order(ag, "wait_until<", "__syncthreads()", "fence_proxy_async", "threadIdx.x) < 128", "wait_wgmma<1>",
+    assert in_order(ag, "wait_until<", "__syncthreads()", "fence_proxy_async", "threadIdx.x) < 128", "wait_wgmma<1>",
                      "wait_wgmma<0>", "Out + ")
     assert "__launch_bounds__(384, 1)" in ag
     rs = kernel_body(lower_source(build_gemm_rs_kernel(1024, 8192, 3584, 2, "bfloat16", replace(TILES, num_stages=3))))
     _, consumer = rs.split("warpgroup_reg_alloc<232>")
     # The epilogue on the compute threads: its barrier is theirs (named, 256 threads), thread 128 signals.
-    assert _in_order(consumer, "wait_wgmma<0>", "store_vec16", "__sync_thread_partial(1, 256)", "threadIdx.x) == 128",
+    assert in_order(consumer, "wait_wgmma<0>", "store_vec16", "__sync_thread_partial(1, 256)", "threadIdx.x) == 128",
                      "fence_sys", "notify<true>")
     assert "__syncthreads" not in consumer
 
@@ -143,7 +132,8 @@ def test_kernel_compiles_without_spills(tmp_path):
                  build_async_gemm_kernel(256, 512, 128, "float16", GemmTiles(64, 128, 64, 3, 128)),
                  build_ag_gemm_kernel(1024, 8192, 3584, 2, 4, "bfloat16", TILES),
                  build_gemm_rs_kernel(1024, 8192, 3584, 2, "bfloat16", replace(TILES, num_stages=3)),
-                 build_gemm_kernel(4096, 3584, 8192, "bfloat16", GemmTiles(num_stages=4), store="tma")):
+                 build_gemm_kernel(4096, 3584, 8192, "bfloat16", GemmTiles(num_stages=4), store="tma"),
+                 build_gemm_kernel(4096, 3584, 8192, "bfloat16", replace(TILES, num_stages=3), store="tma")):
         regs, spills = nvcc_resources(lower_source(func), tmp_path)
         assert spills == 0, (str(func.attrs["global_symbol"]), regs, spills)
 
@@ -169,16 +159,32 @@ def test_the_tma_store_epilogue_stages_the_tile_over_the_free_stages():
     assert "gemm_tma_store_kernel" in src
     # The output tile lies over the pipeline's stages (free once the last WGMMA is waited for).
     assert re.search(r"C_s = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ 0\)\)", src)
-    assert _in_order(src, "warpgroup_wait<0>", "__sync_thread_partial(3, 256)", "ptx_stmatrix_m8n8_x4",
+    assert in_order(src, "warpgroup_wait<0>", "__sync_thread_partial(3, 256)", "ptx_stmatrix_m8n8_x4",
                      "__sync_thread_partial(3, 256)", "fence_proxy_async", "tma_store(C_desc", "tma_store_wait<0")
     direct = kernel_body(lower_source(build_gemm_kernel(4096, 28672, 8192, "bfloat16", GemmTiles(num_stages=4, swizzle=8))))
     assert "tma_store" not in direct and "stmatrix" not in direct
 
 
+def test_the_async_tma_store_keeps_its_tile_beside_the_stages():
+    from tilescale_examples.overlap.gemm import tma_store_stages
+
+    assert tma_store_stages(GemmTiles()) == 3 and tma_store_stages(GemmTiles(64, 128, 64, 3, 128)) == 8
+    src = kernel_body(lower_source(build_gemm_kernel(4096, 3584, 8192, "bfloat16", replace(TILES, num_stages=3),
+                                                     store="tma")))
+    assert "gemm_async_tma_store_kernel" in src
+    offsets = dict(re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", src))
+    assert sorted(offsets.values(), key=int) == ["0", "98304", "163840"]  # B's 3 stages, C's tile, A's 3 stages
+    _, consumer = src.split("warpgroup_reg_alloc<232>")
+    # On the compute threads: their own barrier (3, 256 threads), stmatrix, one elected thread's TMA store.
+    assert in_order(consumer, "wait_wgmma<0>", "__sync_thread_partial(3, 256)", "ptx_stmatrix_m8n8_x4",
+                     "__sync_thread_partial(3, 256)", "tl_shuffle_elect<256>", "tma_store(C_desc", "tma_store_wait<0")
+    assert "__syncthreads" not in consumer
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda: build_gemm_kernel(256, 512, 128, "bfloat16", GemmTiles(), store="fast"), "store must be one of"),
     (lambda: build_gemm_kernel(256, 512, 128, "bfloat16", TILES, store="tma"),
-     "store='tma' needs the tiles of a sync-pipeline kernel")])
+     "num_stages=4 does not fit beside the TMA-store epilogue's 128x256 output tile .* use num_stages <= 3")])
 def test_bad_stores_are_named(call, match):
     with pytest.raises(ValueError, match=match):
         call()
@@ -226,9 +232,14 @@ def test_benchmark_compiles_what_it_times_in_parallel_first():
     assert jobs[3][1][5] == 132 and all(p is None for _, _, p in jobs)
     assert str(build_job(*jobs[1][:2]).attrs["global_symbol"]) == "gemm_async"
     assert str(build_job(*jobs[2][:2]).attrs["global_symbol"]) == "gemm_persistent"
-    tma = bench.kernel_jobs(["stock-tma"], [(1024, 3584, 8192)], "bfloat16", GemmTiles(num_stages=4), 132)
-    assert tma[0][1][4].pipeline == "sync" and tma[0][1][5] == "tma"
-    assert str(build_job(*tma[0][:2]).attrs["global_symbol"]) == "gemm_tma_store"
+    tma = bench.kernel_jobs(["stock-tma", "async-tma", "persistent-tma"], [(1024, 3584, 8192)], "bfloat16",
+                            GemmTiles(num_stages=4), 132)
+    assert [(a[4].pipeline, a[4].num_stages, a[-1]) for _, a, _ in tma] == [("sync", 4, "tma"), ("async", 3, "tma"),
+                                                                            ("async", 3, "tma")]
+    assert [str(build_job(*job[:2]).attrs["global_symbol"]) for job in tma] == [
+        "gemm_tma_store", "gemm_async_tma_store", "gemm_persistent_tma_store"]
+    assert bench.stage_lines(["stock-tma", "async-tma", "persistent"], GemmTiles(num_stages=4)) == [
+        "async-tma: 3 stages (the TMA-store epilogue's output tile beside them)"]
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -259,13 +270,17 @@ def compiled():
     cases = [(m, n, k, DTYPES[dtype], _tiles(n, tiles)) for m, n, k, dtype, tiles in GPU_CASES]
     cases.append(BACK_TO_BACK + ("bfloat16", _tiles(BACK_TO_BACK[1], None)))
     precompile([(GEMM_BUILDER, case[:4] + (replace(case[4], pipeline=p),), None) for case in cases for p in ("async", "sync")]
-               + [(GEMM_BUILDER, case[:4] + (case[4], "tma"), None) for case in cases])
+               + [(GEMM_BUILDER, case[:4] + (case[4], "tma"), None) for case in cases]
+               + [(GEMM_BUILDER, case[:4] + (replace(case[4], pipeline="async", num_stages=min(case[4].num_stages, 3)),
+                                             "tma"), None) for case in cases])
 
 
 #: The kernels checked against stock TileLang's GEMM of the same tiles: the async pipeline (same
 #: products in the same k order) and the TMA-store epilogue (the same accumulator, stored another way).
 VARIANTS = {"async": lambda m, n, k, dtype, tiles: build_async_gemm_kernel(m, n, k, dtype, tiles),
-            "tma-store": lambda m, n, k, dtype, tiles: build_gemm_kernel(m, n, k, dtype, tiles, store="tma")}
+            "tma-store": lambda m, n, k, dtype, tiles: build_gemm_kernel(m, n, k, dtype, tiles, store="tma"),
+            "async-tma-store": lambda m, n, k, dtype, tiles: build_gemm_kernel(
+                m, n, k, dtype, replace(tiles, pipeline="async", num_stages=min(tiles.num_stages, 3)), store="tma")}
 
 
 @pytest.mark.gpu

@@ -4,27 +4,29 @@ CPU: the tile order visits every tile once, panel by panel, and the tiles runnin
 consecutive; the async pipeline's protocol with the ring running on across a block's tiles
 (the running step number's stages and parities) under random interleavings; the generated CUDA
 (each block's tile loop around the producer's and the compute warpgroups' step loops, parities
-from the running step, the store inside the compute branch); nvcc without spills; argument
-errors.
+from the running step, the store inside the compute branch; the TMA-store epilogue's tile of its
+own beside the stages); nvcc without spills; argument errors.
 
 GPU (``gpu``): against the float32 reference with fresh random data and poisoned outputs, at
 the benchmark's shapes and at small ones (blocks with several tiles and a step count that is
 not a multiple of the stages, so the ring's stages shift from tile to tile; one ``k`` step;
 one compute warpgroup; float16; a rasterized order), bit-identical to the one-block-per-tile
-async GEMM; 200 back-to-back calls; CUDA-graph replays; two instances at once on two streams.
+async GEMM, with the direct and the TMA-store epilogue; 200 back-to-back calls; CUDA-graph
+replays; two instances at once on two streams.
 """
 
 import random
+import re
 from dataclasses import replace
 
 import pytest
 import torch
-from examples_helpers import (assert_gemm_back_to_back, assert_gemm_graph_replays, assert_gemm_matches, kernel_body,
-                             lower_source, needs_nvcc, nvcc_resources)
+from examples_helpers import (assert_gemm_back_to_back, assert_gemm_graph_replays, assert_gemm_matches, in_order,
+                             kernel_body, lower_source, needs_nvcc, nvcc_resources)
 
 from pipeline_model import simulate
 
-from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, build_gemm_kernel, default_swizzle
+from tilescale_examples.overlap.gemm import DTYPES, STORES, GemmTiles, build_gemm_kernel, default_swizzle
 from tilescale_examples.overlap.gemm_persistent import build_persistent_gemm, persistent_blocks, tile_order
 
 #: The benchmark's default tiles.
@@ -89,11 +91,26 @@ def test_a_step_count_off_the_ring_shifts_the_stages_from_tile_to_tile():
     assert "empty[(((i_2 * 3) + 2) & 3)].arrive()" in consumer  # the tile's last
 
 
+def test_the_tma_store_epilogue_has_a_tile_of_its_own():
+    src = kernel_body(lower_source(build_persistent_gemm(4096, 3584, 8192, "bfloat16", GemmTiles(num_stages=3),
+                                                         store="tma")))
+    assert "gemm_persistent_tma_store_kernel" in src
+    offsets = dict(re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", src))
+    assert offsets == {"B_s": "0", "C_s": "98304", "A_s": "163840"}  # never over a stage the producer may be loading
+    _, consumer = src.split("warpgroup_reg_alloc<232>")
+    loop = consumer[consumer.index("for (int i_2"):]
+    assert in_order(loop, "wait_wgmma<0>", "__sync_thread_partial(3, 256)", "ptx_stmatrix_m8n8_x4",
+                     "__sync_thread_partial(3, 256)", "tma_store(C_desc", "tma_store_wait<0")
+    with pytest.raises(ValueError, match="num_stages=4 does not fit beside the TMA-store epilogue"):
+        build_persistent_gemm(4096, 3584, 8192, "bfloat16", GemmTiles(num_stages=4), store="tma")
+
+
 @needs_nvcc
 def test_kernel_compiles_without_spills(tmp_path):
     for func in (build_persistent_gemm(4096, 28672, 8192, "bfloat16", GemmTiles(num_stages=4, swizzle=8)),
                  build_persistent_gemm(4096, 3584, 8192, "bfloat16", GemmTiles(128, 224, 64, 4, 256)),
-                 build_persistent_gemm(512, 1024, 192, "float16", GemmTiles(64, 128, 64, 3, 128), 3)):
+                 build_persistent_gemm(512, 1024, 192, "float16", GemmTiles(64, 128, 64, 3, 128), 3),
+                 build_persistent_gemm(4096, 3584, 8192, "bfloat16", GemmTiles(num_stages=3), store="tma")):
         regs, spills = nvcc_resources(lower_source(func), tmp_path)
         assert spills == 0, (regs, spills)
 
@@ -122,8 +139,11 @@ GPU_CASES = [(4096, 3584, 8192, torch.bfloat16, None, None),  # 448 tiles on 132
              (768, 2048, 320, torch.bfloat16, GemmTiles(128, 256, 64, 2, 256, swizzle=4), 7)]  # 5 steps, 2 stages
 
 
-def _tiles(n, tiles):
-    return tiles or GemmTiles(num_stages=4, swizzle=default_swizzle(n, 256))
+def _tiles(n, tiles, store="direct"):
+    """A case's tiles (None: the benchmark's, rasterized as the ops do); with the TMA-store
+    epilogue, at most 3 stages (its output tile lies beside them)."""
+    tiles = tiles or GemmTiles(num_stages=4, swizzle=default_swizzle(n, 256))
+    return tiles if store == "direct" else replace(tiles, num_stages=min(tiles.num_stages, 3))
 
 
 def _blocks(m, n, tiles, blocks):
@@ -143,28 +163,30 @@ def compiled():
 
     cases = GPU_CASES + [BACK_TO_BACK + (torch.bfloat16, None, None)]
     jobs = []
-    for m, n, k, dtype, tiles, blocks in cases:
-        tiles = _tiles(n, tiles)
-        jobs.append((PERSISTENT_BUILDER, (m, n, k, DTYPES[dtype], tiles, _blocks(m, n, tiles, blocks)), None))
-        jobs.append((GEMM_BUILDER, (m, n, k, DTYPES[dtype], replace(tiles, pipeline="async")), None))
+    for m, n, k, dtype, given, blocks in cases:
+        for store in STORES:
+            tiles = _tiles(n, given, store)
+            jobs.append((PERSISTENT_BUILDER, (m, n, k, DTYPES[dtype], tiles, _blocks(m, n, tiles, blocks), store), None))
+        jobs.append((GEMM_BUILDER, (m, n, k, DTYPES[dtype], replace(_tiles(n, given), pipeline="async")), None))
     precompile(jobs)
 
 
-def _kernel(m, n, k, dtype, tiles, blocks):
+def _kernel(m, n, k, dtype, tiles, blocks, store="direct"):
     from tilescale_examples.base import compile_once
 
-    tiles = _tiles(n, tiles)
-    return compile_once(build_persistent_gemm(m, n, k, DTYPES[dtype], tiles, _blocks(m, n, tiles, blocks)))
+    tiles = _tiles(n, tiles, store)
+    return compile_once(build_persistent_gemm(m, n, k, DTYPES[dtype], tiles, _blocks(m, n, tiles, blocks), store))
 
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize("store", STORES)
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(str(x).replace("torch.", "") for x in c[:4]))
-def test_gpu_persistent_gemm_matches_the_reference_and_the_async_gemm(case):
+def test_gpu_persistent_gemm_matches_the_reference_and_the_async_gemm(case, store):
     from tilescale_examples.base import compile_once
 
     m, n, k, dtype, tiles, blocks = case
-    kernel = _kernel(m, n, k, dtype, tiles, blocks)
+    kernel = _kernel(m, n, k, dtype, tiles, blocks, store)
     one_per_tile = compile_once(build_gemm_kernel(m, n, k, DTYPES[dtype], replace(_tiles(n, tiles), pipeline="async")))
     assert_gemm_matches(kernel, one_per_tile, m, n, k, dtype,
                         "the same products in the same k order as the one-block-per-tile kernel")

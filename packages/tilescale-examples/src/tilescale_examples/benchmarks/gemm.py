@@ -2,7 +2,7 @@
 
 ``python -m tilescale_examples.benchmarks.gemm [--m 1024 4096] [--n 3584 7168 28672]
 [--k 8192] [--dtype bfloat16|float16] [--tiles BMxBNxBK:STAGES:THREADS] [--warp-policy square|row|column]
-[--kernels stock stock-tma async persistent stream-K] [--iters 20] [--rounds 3] [--out DIR]``
+[--kernels stock stock-tma async async-tma persistent persistent-tma stream-K] [--iters 20] [--rounds 3] [--out DIR]``
 
 For every ``(m, n)``: GPU time per call (``--rounds`` rounds timing each column in turn, the
 median round of each; a round's time is the median of ``--iters`` calls, each from an idle
@@ -20,6 +20,9 @@ GPU) of
 * ``persistent``: :func:`~tilescale_examples.overlap.gemm_persistent.build_persistent_gemm`
   (one block per SM computing tiles in turn with the async pipeline, the next tile's loads
   issued while the current one is stored; its tile order rasterized likewise);
+* ``async-tma``, ``persistent-tma``: those two with the TMA-store epilogue, at no more stages
+  than fit beside the output tile (3 for ``128 x 256 x 64`` in 16 bits: printed in a line
+  under the table);
 * ``stream-K``: :class:`~tilescale_examples.overlap.stream_k.StreamKGemm` (one block per SM,
   the last wave's tiles cut along ``k``);
 
@@ -41,10 +44,11 @@ from __future__ import annotations
 from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import collect, print_outcome, print_table, ratio, worst_line
 
-__all__ = ["KERNELS", "GOAL", "DEFAULT_TILES", "STREAM_K_BUILDER", "PERSISTENT_BUILDER", "ONE_TILE_KERNELS", "headers", "kernel_jobs", "run_case", "goal_lines", "main"]
+__all__ = ["KERNELS", "GOAL", "DEFAULT_TILES", "STREAM_K_BUILDER", "PERSISTENT_BUILDER", "SPECS", "kernel_tiles", "stage_lines", "headers",
+           "kernel_jobs", "run_case", "goal_lines", "main"]
 
 #: The library's GEMM kernels this benchmark can time (``--kernels``), in column order.
-KERNELS = ("stock", "stock-tma", "async", "persistent", "stream-K")
+KERNELS = ("stock", "stock-tma", "async", "async-tma", "persistent", "persistent-tma", "stream-K")
 #: The goal: the library's GEMM at least GOAL of torch.matmul's speed.
 GOAL = 0.97
 #: ``--tiles`` when not given (the stream-K op's default tiles).
@@ -57,18 +61,36 @@ DEFAULT_TILES = "128x256x64:4:256"
 STREAM_K_BUILDER = "tilescale_examples.overlap.stream_k:build_stream_k_gemm"
 #: The persistent GEMM's builder, likewise.
 PERSISTENT_BUILDER = "tilescale_examples.overlap.gemm_persistent:build_persistent_gemm"
-#: The one-block-per-tile kernels (the library GEMM's builder): name -> (``GemmTiles.pipeline``,
-#: the builder's ``store``).
-ONE_TILE_KERNELS = {"stock": ("sync", "direct"), "stock-tma": ("sync", "tma"), "async": ("async", "direct")}
+#: Each kernel but stream-K: name -> (grid: ``"tile"``, one block per output tile, the library
+#: GEMM; ``"persistent"``, one block per SM), ``GemmTiles.pipeline``, the builder's ``store``.
+SPECS = {"stock": ("tile", "sync", "direct"), "stock-tma": ("tile", "sync", "tma"),
+         "async": ("tile", "async", "direct"), "async-tma": ("tile", "async", "tma"),
+         "persistent": ("persistent", "async", "direct"), "persistent-tma": ("persistent", "async", "tma")}
+
+
+def kernel_tiles(name: str, tiles, n: int):
+    """The tiles kernel ``name`` (of :data:`SPECS`) runs for an ``n``-column output: ``tiles``
+    with its pipeline, the rasterization the library's ops pick for that width
+    (:func:`~tilescale_examples.overlap.gemm.default_swizzle`) and, for an async kernel with the
+    TMA-store epilogue, no more stages than fit beside its output tile
+    (:func:`~tilescale_examples.overlap.gemm.tma_store_stages`)."""
+    from dataclasses import replace
+
+    from tilescale_examples.overlap.gemm import default_swizzle, tma_store_stages
+
+    _, pipeline, store = SPECS[name]
+    tiles = replace(tiles, swizzle=default_swizzle(n, tiles.block_n), pipeline=pipeline)
+    if pipeline == "async" and store == "tma":
+        tiles = replace(tiles, num_stages=min(tiles.num_stages, tma_store_stages(tiles)))
+    return tiles
 
 
 def kernel_jobs(kernels, shapes, dtype: str, tiles, sm_count: int) -> list:
     """:func:`~tilescale_examples.testing.precompile.precompile` jobs of the ``kernels`` (names
     of :data:`KERNELS`) this benchmark (and the GEMM GPU tests) compile for every ``(m, n, k)``
-    of ``shapes``: ``dtype`` (TileLang's name), ``tiles`` (the one-block-per-tile kernels with
-    :func:`~tilescale_examples.overlap.gemm.default_swizzle` of ``n``; the persistent one's tile
-    order likewise, on :func:`~tilescale_examples.overlap.gemm_persistent.persistent_blocks` of
-    ``sm_count`` SMs), stream-K on :func:`~tilescale_examples.overlap.stream_k.default_blocks`
+    of ``shapes``: ``dtype`` (TileLang's name), ``tiles`` (:func:`kernel_tiles` of each; the
+    persistent ones on :func:`~tilescale_examples.overlap.gemm_persistent.persistent_blocks`
+    of ``sm_count`` SMs), stream-K on :func:`~tilescale_examples.overlap.stream_k.default_blocks`
     of ``sm_count`` SMs."""
     from tilescale_examples.overlap.gemm_persistent import persistent_blocks
     from tilescale_examples.overlap.stream_k import default_blocks
@@ -77,26 +99,25 @@ def kernel_jobs(kernels, shapes, dtype: str, tiles, sm_count: int) -> list:
     jobs = []
     for m, n, k in shapes:
         for name in kernels:
-            if name in ONE_TILE_KERNELS:
-                pipeline, store = ONE_TILE_KERNELS[name]
-                jobs.append((GEMM_BUILDER, (m, n, k, dtype, _rastered(tiles, n, pipeline), store), None))
-            elif name == "persistent":
-                rastered = _rastered(tiles, n, "async")
-                jobs.append((PERSISTENT_BUILDER, (m, n, k, dtype, rastered, persistent_blocks(m, n, rastered, sm_count)),
-                             None))
-            else:
+            if name not in SPECS:  # stream-K
                 jobs.append((STREAM_K_BUILDER, (m, n, k, dtype, tiles, default_blocks(m, n, k, tiles, sm_count)), None))
+                continue
+            grid, _, store = SPECS[name]
+            own = kernel_tiles(name, tiles, n)
+            if grid == "tile":
+                jobs.append((GEMM_BUILDER, (m, n, k, dtype, own, store), None))
+            else:
+                jobs.append((PERSISTENT_BUILDER, (m, n, k, dtype, own, persistent_blocks(m, n, own, sm_count), store),
+                             None))
     return jobs
 
 
-def _rastered(tiles, n: int, pipeline: str):
-    """``tiles`` with ``pipeline`` and the rasterization the library's ops pick for an
-    ``n``-column output."""
-    from dataclasses import replace
-
-    from tilescale_examples.overlap.gemm import default_swizzle
-
-    return replace(tiles, swizzle=default_swizzle(n, tiles.block_n), pipeline=pipeline)
+def stage_lines(kernels, tiles) -> list:
+    """One line per kernel of ``kernels`` that runs fewer stages than ``tiles`` say
+    (:func:`kernel_tiles`: an async kernel's TMA-store epilogue), naming the stages it ran."""
+    return [f"{name}: {kernel_tiles(name, tiles, tiles.block_n).num_stages} stages (the TMA-store epilogue's output "
+            f"tile beside them)" for name in kernels
+            if name in SPECS and kernel_tiles(name, tiles, tiles.block_n).num_stages != tiles.num_stages]
 
 
 def headers(kernels) -> list:
@@ -106,22 +127,19 @@ def headers(kernels) -> list:
 
 
 def _kernel_calls(m: int, n: int, k: int, dtype, tiles, kernels, device) -> dict:
-    """``{name: fn(a, b, out)}`` of the library kernels in ``kernels``, built (compiled) here."""
-    from tilescale_examples.base import compile_once
+    """``{name: fn(a, b, out)}`` of the library kernels in ``kernels``, built (compiled) here
+    from :func:`kernel_jobs`' jobs (the same builders and arguments)."""
     from tilescale_examples._contract import sm_count_of
-    from tilescale_examples.overlap.gemm import DTYPES, build_gemm_kernel
-    from tilescale_examples.overlap.gemm_persistent import build_persistent_gemm, persistent_blocks
+    from tilescale_examples.base import compile_once
+    from tilescale_examples.overlap.gemm import DTYPES
     from tilescale_examples.overlap.stream_k import StreamKGemm
+    from tilescale_examples.testing.precompile import build_job
 
     calls = {}
-    for name in kernels:
-        if name in ONE_TILE_KERNELS:
-            pipeline, store = ONE_TILE_KERNELS[name]
-            calls[name] = compile_once(build_gemm_kernel(m, n, k, DTYPES[dtype], _rastered(tiles, n, pipeline), store))
-        elif name == "persistent":
-            rastered = _rastered(tiles, n, "async")
-            blocks = persistent_blocks(m, n, rastered, sm_count_of(device))
-            calls[name] = compile_once(build_persistent_gemm(m, n, k, DTYPES[dtype], rastered, blocks))
+    jobs = kernel_jobs(kernels, [(m, n, k)], DTYPES[dtype], tiles, sm_count_of(device))
+    for name, (builder, args, _) in zip(kernels, jobs):
+        if name in SPECS:
+            calls[name] = compile_once(build_job(builder, args))
         else:
             op = StreamKGemm(m, n, k, dtype, tiles=tiles, device=device)
             calls[name] = lambda a, b, out, op=op: op(a, b, out=out)
@@ -196,9 +214,9 @@ def main(argv=None) -> int:
         p.error(str(exc))
     if args.iters < 1 or args.rounds < 1:
         p.error("--iters and --rounds must be >= 1")
-    if {"async", "persistent"} & set(args.kernels) and tiles.num_stages < 2:
-        p.error("--tiles: the async and persistent kernels need at least 2 stages")
     args.kernels = [name for name in KERNELS if name in args.kernels]  # column order, no repeats
+    if any(name in SPECS and SPECS[name][1] == "async" for name in args.kernels) and tiles.num_stages < 2:
+        p.error("--tiles: the async and persistent kernels need at least 2 stages")
     if _harness.visible_gpus("GEMM benchmark") == 0:
         return 0
     import torch
@@ -213,6 +231,8 @@ def main(argv=None) -> int:
     print_table(f"the library's GEMM kernels vs torch.matmul ({args.tiles}, warp policy {args.warp_policy}), {torch.cuda.get_device_name(device)}, "
                 f"{args.dtype}; median GPU time of {args.iters} calls, median of {args.rounds} rounds",
                 headers(args.kernels), rows)
+    for line in stage_lines(args.kernels, tiles):
+        print(line)
     return print_outcome(failures, goal_lines(rows, args.kernels), "every column against the float32 product")
 
 

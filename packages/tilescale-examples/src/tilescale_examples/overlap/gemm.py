@@ -39,11 +39,12 @@ from tilescale_core.interface import check_positive_int
 
 from tilescale_examples.base import SymmetricOp, positional_out
 from tilescale_examples.overlap.gemm_bounds import ORDER_SLACK, count_outside, error_bound, unit_roundoff  # noqa: F401
+from tilescale_examples.overlap.gemm_store import STORES, store_tile, tma_store_stages  # noqa: F401
 
 __all__ = ["GemmTiles", "OverlappedGemm", "DTYPES", "PIPELINES", "WARP_POLICIES", "warp_policy", "gemm_mainloop", "gemm_mainloop_span", "block_threads",
            "gemm_tile", "store_tile", "lead_thread", "sync_compute", "build_gemm_kernel", "check_gemm_dims", "check_sync_pipeline",
            "check_positive", "unit_roundoff", "error_bound", "count_outside", "MAX_ELEMENTS", "default_swizzle",
-           "default_tiles", "resolve_tiles", "STORES", "RASTER_PANEL", "RASTER_MIN_COLUMN_BLOCKS"]
+           "default_tiles", "resolve_tiles", "STORES", "tma_store_stages", "RASTER_PANEL", "RASTER_MIN_COLUMN_BLOCKS"]
 
 #: The mainloop pipelines :class:`GemmTiles` names (its ``pipeline``).
 PIPELINES = ("sync", "async")
@@ -293,43 +294,6 @@ def gemm_mainloop(k: int, dtype: str, tiles: GemmTiles, k_offset: bool = False):
     return mainloop
 
 
-#: How :func:`store_tile` writes the output tile (``build_gemm_kernel``'s ``store``):
-#: ``"direct"``, each thread's accumulator registers straight to global memory (4-byte stores
-#: of two adjacent elements); ``"tma"``, through shared memory (``stmatrix``) and a TMA store
-#: of the whole tile, as CUTLASS's Hopper epilogue.
-STORES = ("direct", "tma")
-
-
-def store_tile(tiles: Optional[GemmTiles] = None, dtype: str = "bfloat16", store: str = "direct"):
-    """The plain epilogue of :func:`gemm_tile`, a ``T.macro`` ``store(C_f, C, row, col)``:
-    ``C_f`` rounded into ``C[row:row+block_m, col:col+block_n]``, written as ``store`` says
-    (:data:`STORES`; ``"tma"`` needs ``tiles`` and ``dtype`` for its ``(block_m, block_n)``
-    shared tile: with the sync pipeline TileLang places it over the pipeline's stages, which
-    are free by then; the async pipeline's kernels refuse it, their stages and the tile
-    would not fit together)."""
-    import tilelang.language as T
-
-    if store not in STORES:
-        raise ValueError(f"store must be one of {STORES}, got {store!r}")
-    if store == "direct":
-        @T.macro
-        def store_direct(C_f, C, row, col):
-            T.copy(C_f, C[row, col])
-
-        return store_direct
-    if tiles is None or tiles.pipeline != "sync":
-        raise ValueError("store='tma' needs the tiles of a sync-pipeline kernel (pipeline='sync')")
-    BM, BN = tiles.block_m, tiles.block_n
-
-    @T.macro
-    def store_staged(C_f, C, row, col):
-        C_s = T.alloc_shared((BM, BN), dtype)
-        T.copy(C_f, C_s)
-        T.copy(C_s, C[row, col])
-
-    return store_staged
-
-
 def build_gemm_kernel(m: int, n: int, k: int, dtype: str = "bfloat16", tiles: Optional[GemmTiles] = None,
                       store: str = "direct"):
     """The library's GEMM ``C = A @ B`` (``A: (m, k)``, ``B: (k, n)``, ``C: (m, n)``, all
@@ -337,8 +301,9 @@ def build_gemm_kernel(m: int, n: int, k: int, dtype: str = "bfloat16", tiles: Op
     :func:`default_tiles`; their ``swizzle`` rasterizes the block order, their ``pipeline``
     picks the mainloop: ``"sync"``, stock TileLang's GEMM; ``"async"``, one WGMMA group in
     flight, under the symbol ``gemm_async``) and ``store`` the epilogue's writes
-    (:data:`STORES`: ``"tma"``, sync pipeline only, under the symbol ``gemm_tma_store``); no
-    TileScale intrinsic, so it compiles and runs without a heap."""
+    (:data:`STORES`: ``"tma"`` under the symbol ``gemm_tma_store``, or ``gemm_async_tma_store``
+    with the async pipeline, which :func:`tma_store_stages` bounds); no TileScale intrinsic, so
+    it compiles and runs without a heap."""
     import tilelang.language as T
 
     tiles = tiles or default_tiles(n)
@@ -355,7 +320,7 @@ def build_gemm_kernel(m: int, n: int, k: int, dtype: str = "bfloat16", tiles: Op
             tile(A, B, C_f, by * BM, bx * BN, C, by * BM, bx * BN)
 
     if store == "tma":
-        return gemm.with_attr("global_symbol", "gemm_tma_store")
+        return gemm.with_attr("global_symbol", "gemm_tma_store" if tiles.pipeline == "sync" else "gemm_async_tma_store")
     return gemm if tiles.pipeline == "sync" else gemm.with_attr("global_symbol", "gemm_async")
 
 

@@ -64,14 +64,18 @@ def persistent_blocks(m: int, n: int, tiles: GemmTiles, sm_count: int) -> int:
 
 
 def build_persistent_gemm(m: int, n: int, k: int, dtype: str = "bfloat16", tiles: Optional[GemmTiles] = None,
-                          blocks: int = DEFAULT_BLOCKS):
+                          blocks: int = DEFAULT_BLOCKS, store: str = "direct"):
     """The persistent GEMM ``T.prim_func`` (module docstring) ``gemm_persistent(A, B, C)``:
     ``C = A @ B`` with ``A: (m, k)``, ``B: (k, n)``, ``C: (m, n)`` of ``dtype`` (float32
     accumulation), over ``tiles`` (default :func:`~tilescale_examples.overlap.gemm.default_tiles`
     of ``n``; always the async pipeline, whatever ``tiles.pipeline`` says, so at least 2 stages;
     ``tiles.swizzle`` is the tile order's panel) on a grid of ``min(blocks, tiles)`` blocks of
     ``tiles.threads + 128`` threads (``blocks``: the SM count; more than that only queues
-    blocks behind each other, and is correct). Every dimension must be a multiple of its tile
+    blocks behind each other, and is correct). ``store`` is how each tile is written
+    (:data:`~tilescale_examples.overlap.gemm.STORES`: ``"tma"`` through a shared tile of its
+    own, beside the stages, so at most :func:`~tilescale_examples.overlap.gemm.tma_store_stages`
+    stages; the TMA store of one tile runs while the next tile's first steps compute, under the
+    symbol ``gemm_persistent_tma_store``). Every dimension must be a multiple of its tile
     (``ValueError`` naming it)."""
     import tilelang.language as T
 
@@ -86,7 +90,7 @@ def build_persistent_gemm(m: int, n: int, k: int, dtype: str = "bfloat16", tiles
     RB, CB, steps = m // BM, n // BN, k // tiles.block_k
     G = min(blocks, RB * CB)
     stages, load, compute = pipeline_stages(dtype, tiles), load_steps(steps, tiles), compute_steps(steps, tiles)
-    store, consumer_nreg, panel = store_tile(), consumer_registers(TH), tiles.swizzle
+    store_out, consumer_nreg, panel = store_tile(tiles, dtype, store), consumer_registers(TH), tiles.swizzle
 
     @T.prim_func
     def gemm_persistent(A: T.Tensor((m, k), dtype), B: T.Tensor((k, n), dtype), C: T.Tensor((m, n), dtype)):
@@ -105,6 +109,6 @@ def build_persistent_gemm(m: int, n: int, k: int, dtype: str = "bfloat16", tiles
                 for i in T.serial((RB * CB - bx + G - 1) // G):
                     row, col = tile_order(bx + i * G, RB, CB, panel, T.min)
                     compute(A_s, B_s, full, empty, C_f, i * steps)
-                    store(C_f, C, row * BM, col * BN)
+                    store_out(C_f, C, row * BM, col * BN)
 
-    return gemm_persistent.with_attr("global_symbol", "gemm_persistent")
+    return gemm_persistent.with_attr("global_symbol", "gemm_persistent" if store == "direct" else "gemm_persistent_tma_store")

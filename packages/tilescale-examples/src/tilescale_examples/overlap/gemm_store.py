@@ -1,0 +1,60 @@
+"""The epilogue that writes a GEMM kernel's output tile (:func:`store_tile`): straight from the
+accumulator registers, or through shared memory and a TMA store; re-exported by
+:mod:`tilescale_examples.overlap.gemm`."""
+
+# (no `from __future__ import annotations`: TileLang reads the macros' annotations)
+
+__all__ = ["STORES", "tma_store_stages", "store_tile"]
+
+
+#: How :func:`store_tile` writes the output tile (``build_gemm_kernel``'s ``store``):
+#: ``"direct"``, each thread's accumulator registers straight to global memory (4-byte stores
+#: of two adjacent elements); ``"tma"``, through shared memory (``stmatrix``) and a TMA store
+#: of the whole tile, as CUTLASS's Hopper epilogue.
+STORES = ("direct", "tma")
+
+
+def tma_store_stages(tiles, dtype_bytes: int = 2) -> int:
+    """The most pipeline stages of ``tiles`` (a :class:`~tilescale_examples.overlap.gemm.GemmTiles`)
+    that fit in a Hopper block's shared memory (227 KiB) beside the TMA-store epilogue's
+    ``block_m x block_n`` output tile of ``dtype_bytes``-byte elements (0 if none): the async pipeline's kernels keep both (their
+    producer may still be loading when the tile is stored), the sync pipeline's lay the tile
+    over its free stages."""
+    from tilescale_lang.autotune.gemm import HOPPER_SMEM_BYTES
+
+    stage = (tiles.block_m + tiles.block_n) * tiles.block_k * dtype_bytes
+    return max(0, (HOPPER_SMEM_BYTES - tiles.block_m * tiles.block_n * dtype_bytes) // stage)
+
+
+def store_tile(tiles=None, dtype: str = "bfloat16", store: str = "direct"):
+    """The plain epilogue of :func:`~tilescale_examples.overlap.gemm.gemm_tile`, a ``T.macro`` ``store(C_f, C, row, col)``:
+    ``C_f`` rounded into ``C[row:row+block_m, col:col+block_n]``, written as ``store`` says
+    (:data:`STORES`; ``"tma"`` needs ``tiles`` and ``dtype`` for its ``(block_m, block_n)``
+    shared tile: with the sync pipeline TileLang lays it over the pipeline's stages, which are
+    free by then; with the async pipeline it lies beside them, so ``tiles.num_stages`` must be
+    at most :func:`tma_store_stages`, else ``ValueError`` naming ``num_stages``)."""
+    import tilelang.language as T
+
+    if store not in STORES:
+        raise ValueError(f"store must be one of {STORES}, got {store!r}")
+    if store == "direct":
+        @T.macro
+        def store_direct(C_f, C, row, col):
+            T.copy(C_f, C[row, col])
+
+        return store_direct
+    if tiles is None:
+        raise ValueError("store='tma' needs the kernel's tiles (the shared output tile's shape)")
+    if tiles.pipeline == "async" and tiles.num_stages > tma_store_stages(tiles):
+        raise ValueError(f"num_stages={tiles.num_stages} does not fit beside the TMA-store epilogue's "
+                         f"{tiles.block_m}x{tiles.block_n} output tile in shared memory with the async pipeline; "
+                         f"use num_stages <= {tma_store_stages(tiles)}")
+    BM, BN = tiles.block_m, tiles.block_n
+
+    @T.macro
+    def store_staged(C_f, C, row, col):
+        C_s = T.alloc_shared((BM, BN), dtype)
+        T.copy(C_f, C_s)
+        T.copy(C_s, C[row, col])
+
+    return store_staged
