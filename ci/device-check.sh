@@ -26,8 +26,9 @@
 # bench-call-numbers (the reduction kernels' call numbers on the device against passed by the host:
 # benchmarks.emulated's A/B table, 2/4/8 ranks up to 64 MiB);
 # bench-gemm (the library GEMM kernels -- stock TileLang, async WGMMA, persistent, each also with a TMA-store
-# epilogue, and stream-K -- against torch.matmul,
-# one GPU); bench-gemm-224 (the one-tile and persistent kernels with 128 x 224 tiles, which divide n 3584/7168/28672
+# epilogue, and stream-K -- against torch.matmul, one GPU); bench-gemm-sustain (the GEMM kernels run back to back for 1 s each with the SM clock and board
+# power sampled: a kernel slower per cycle, or one clocked lower); bench-gemm-224 (the one-tile and persistent
+# kernels with 128 x 224 tiles, which divide n 3584/7168/28672
 # into 16/32/128 column blocks); bench-gemm-row (the same kernels with the compute warpgroups splitting
 # each tile by rows, one m64n256 WGMMA per k16, as CUTLASS);
 # bench-moe-ll (the low-latency MoE mode against the normal mode, the copy and torch);
@@ -47,11 +48,11 @@ done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
 # first; each step fits one device call of 600 s: the TMA-store epilogue of the library GEMM
-# (its GPU tests in tests-gemm, its column in bench-gemm: does the epilogue hold the GEMM below
-# cuBLAS?); the rest of the tilescale-lang GPU suite in two steps (the others, whose first 25
-# tests passed before a shortened time limit cut the run, and upstream's programs,
-# test_gpu_upstream.py, alone).
-unverified=(tests-gemm bench-gemm tests-lang-rest tests-upstream)
+# (its GPU tests in tests-gemm, its columns in bench-gemm: does the epilogue hold the GEMM
+# below cuBLAS?) and the kernels' SM clock and power under a sustained run; the rest of the
+# tilescale-lang GPU suite in two steps (the others, whose first 25 tests passed before a
+# shortened time limit cut the run, and upstream's programs, test_gpu_upstream.py, alone).
+unverified=(tests-gemm bench-gemm bench-gemm-sustain tests-lang-rest tests-upstream)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
@@ -136,6 +137,8 @@ for step in "${steps[@]}"; do
                           done ;;
     bench-concurrent-norm) run_step "$step" timeout -k 10 560 python3 -m tilescale_examples.benchmarks.concurrent \
                              --op norm --min-bytes 8192 --max-bytes 131072 ;;
+    bench-gemm-sustain) run_step "$step" timeout -k 10 400 python3 -m tilescale_examples.benchmarks.gemm --m 4096 \
+                          --n 7168 28672 --kernels stock stock-tma async persistent persistent-tma --sustain 1 ;;
     bench-gemm-row) run_step "$step" timeout -k 10 300 python3 -m tilescale_examples.benchmarks.gemm --warp-policy row ;;
     bench-gemm-224) run_step "$step" timeout -k 10 300 python3 -m tilescale_examples.benchmarks.gemm \
                       --tiles 128x224x64:4:256 --kernels stock async persistent ;;

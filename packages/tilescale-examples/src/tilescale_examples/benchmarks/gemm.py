@@ -2,7 +2,8 @@
 
 ``python -m tilescale_examples.benchmarks.gemm [--m 1024 4096] [--n 3584 7168 28672]
 [--k 8192] [--dtype bfloat16|float16] [--tiles BMxBNxBK:STAGES:THREADS] [--warp-policy square|row|column]
-[--kernels stock stock-tma async async-tma persistent persistent-tma stream-K] [--iters 20] [--rounds 3] [--out DIR]``
+[--kernels stock stock-tma async async-tma persistent persistent-tma stream-K] [--iters 20] [--rounds 3]
+[--sustain SECONDS] [--out DIR]``
 
 For every ``(m, n)``: GPU time per call (``--rounds`` rounds timing each column in turn, the
 median round of each; a round's time is the median of ``--iters`` calls, each from an idle
@@ -35,16 +36,22 @@ timing every output is checked against the float32 product (the library's GEMM b
 :func:`~tilescale_examples.overlap.gemm.count_outside`); a failure is printed and makes the
 exit status 1.
 
+``--sustain S`` adds a second table: each column run back to back for ``S`` seconds with the
+SM clock and the board power sampled (NVML): TFLOP/s, SM MHz, W and TFLOP/s per GHz, which
+tells a kernel slower per cycle from one the power budget clocks lower.
+
 The goal (issue 41, one H200): the library's GEMM at least 0.97 of ``torch.matmul`` at every
 shape (printed last, per kernel).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import collect, print_outcome, print_table, ratio, worst_line
 
-__all__ = ["KERNELS", "GOAL", "DEFAULT_TILES", "STREAM_K_BUILDER", "PERSISTENT_BUILDER", "SPECS", "kernel_tiles", "stage_lines", "headers",
+__all__ = ["KERNELS", "GOAL", "DEFAULT_TILES", "STREAM_K_BUILDER", "PERSISTENT_BUILDER", "SPECS", "kernel_tiles", "stage_lines", "SUSTAINED_HEADERS", "headers",
            "kernel_jobs", "run_case", "goal_lines", "main"]
 
 #: The library's GEMM kernels this benchmark can time (``--kernels``), in column order.
@@ -146,8 +153,11 @@ def _kernel_calls(m: int, n: int, k: int, dtype, tiles, kernels, device) -> dict
     return calls
 
 
-def run_case(args, m: int, n: int, tiles, device) -> tuple:
-    """``(row, failures)`` of one ``(m, n)`` at ``args.k``: every column checked, then timed."""
+def run_case(args, m: int, n: int, tiles, device, sustained_rows: Optional[list] = None) -> tuple:
+    """``(row, failures)`` of one ``(m, n)`` at ``args.k``: every column checked, then timed;
+    with ``args.sustain`` seconds, each column then also runs that long back to back with the
+    SM clock and board power sampled (:func:`~tilescale_examples.benchmarks._clocks.sustained`),
+    a row per column appended to ``sustained_rows`` (:data:`SUSTAINED_HEADERS`)."""
     import torch
 
     from tilescale_examples.overlap.gemm import count_outside
@@ -175,7 +185,18 @@ def run_case(args, m: int, n: int, tiles, device) -> tuple:
     row = ([m, n, k, round(tile_count / sms, 2), work / ms["matmul"] / 1e9]
            + [work / ms[name] / 1e9 for name in args.kernels]
            + [ratio(ms["matmul"], ms[name]) for name in args.kernels] + ["ok" if not failures else "FAIL"])
+    if args.sustain and sustained_rows is not None:
+        from tilescale_examples.benchmarks._clocks import sustained
+
+        for name, fn in columns:
+            run = sustained(fn, args.sustain)
+            tflops = work / run.ms / 1e9
+            sustained_rows.append([m, n, name, tflops, run.sm_mhz, run.watts, tflops / run.sm_mhz * 1e3])
     return row, failures
+
+
+#: Columns of the sustained table (``--sustain``).
+SUSTAINED_HEADERS = ["m", "n", "kernel", "TFLOP/s", "SM MHz", "W", "TFLOP/s per GHz"]
 
 
 def goal_lines(rows: list, kernels) -> list:
@@ -203,6 +224,9 @@ def main(argv=None) -> int:
                    help="the library kernels to time beside torch.matmul (default all)")
     p.add_argument("--iters", type=int, default=20, help="calls timed per round (median)")
     p.add_argument("--rounds", type=int, default=3, help="rounds timing each column in turn (median)")
+    p.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
+                   help="also run each column back to back this long with the SM clock and board power "
+                        "sampled (NVML), a second table (default 0: not)")
     args = _harness.parse_args(p, argv)
     try:
         fields = _harness.tile_fields(args.tiles, ("block_m", "block_n", "block_k", "num_stages", "threads"))
@@ -214,6 +238,8 @@ def main(argv=None) -> int:
         p.error(str(exc))
     if args.iters < 1 or args.rounds < 1:
         p.error("--iters and --rounds must be >= 1")
+    if not args.sustain >= 0:
+        p.error(f"--sustain must be >= 0 seconds, got {args.sustain}")
     args.kernels = [name for name in KERNELS if name in args.kernels]  # column order, no repeats
     if any(name in SPECS and SPECS[name][1] == "async" for name in args.kernels) and tiles.num_stages < 2:
         p.error("--tiles: the async and persistent kernels need at least 2 stages")
@@ -226,13 +252,18 @@ def main(argv=None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     precompile(kernel_jobs(args.kernels, [(m, n, args.k) for m in args.m for n in args.n], args.dtype, tiles, sms))
-    rows, failures = collect(([row], bad) for row, bad in (run_case(args, m, n, tiles, device)
+    clock_rows: list = []
+    rows, failures = collect(([row], bad) for row, bad in (run_case(args, m, n, tiles, device, clock_rows)
                                                            for m in args.m for n in args.n))
     print_table(f"the library's GEMM kernels vs torch.matmul ({args.tiles}, warp policy {args.warp_policy}), {torch.cuda.get_device_name(device)}, "
                 f"{args.dtype}; median GPU time of {args.iters} calls, median of {args.rounds} rounds",
                 headers(args.kernels), rows)
     for line in stage_lines(args.kernels, tiles):
         print(line)
+    if clock_rows:
+        print_table(f"the same kernels run back to back for {args.sustain:g} s each, SM clock and board power sampled "
+                    f"every 20 ms (median, first quarter dropped), {torch.cuda.get_device_name(device)}",
+                    SUSTAINED_HEADERS, clock_rows)
     return print_outcome(failures, goal_lines(rows, args.kernels), "every column against the float32 product")
 
 
