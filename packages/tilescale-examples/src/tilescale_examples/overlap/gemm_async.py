@@ -32,12 +32,16 @@ the warp specialisation out:
 Barrier parities are derived from the step number (stage ``s`` is filled for the ``j``-th
 time at step ``j * num_stages + s``: *full* completes phase ``j``, the producer waits for
 *empty*'s phase ``j - 1``); the first lap's waits on *empty* pass at once (parity 1 of a fresh
-barrier). The parities assume the loop runs once per kernel (one output tile per block).
+barrier). The step number runs on across a block's tiles: a block computing several tiles
+(:mod:`~tilescale_examples.overlap.gemm_persistent`) numbers tile ``i``'s step ``kk`` as ``i *
+steps + kk`` (the ``first`` of :func:`load_steps` and :func:`compute_steps`), so its ring of
+stages never drains between tiles.
 
-:func:`async_gemm_tile` is the loop and its epilogue as a ``T.macro``; the library's kernels with
-one output tile per block take it through :func:`~tilescale_examples.overlap.gemm.gemm_tile`
-when their tiles say ``pipeline="async"``: ``build_gemm_kernel(m, n, k, dtype,
-GemmTiles(pipeline="async"))`` is the async GEMM.
+:func:`pipeline_stages`, :func:`load_steps` and :func:`compute_steps` are the pieces as
+``T.macro`` s; :func:`async_gemm_tile` is one tile of them and its epilogue. The library's
+kernels with one output tile per block take it through
+:func:`~tilescale_examples.overlap.gemm.gemm_tile` when their tiles say ``pipeline="async"``:
+``build_gemm_kernel(m, n, k, dtype, GemmTiles(pipeline="async"))`` is the async GEMM.
 """
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
