@@ -28,11 +28,12 @@ GPU) of
   the last wave's tiles cut along ``k``);
 
 all with ``--tiles`` and ``--warp-policy`` (how the compute warpgroups split a tile,
-:data:`~tilescale_examples.overlap.gemm.WARP_POLICIES`), the two one-block-per-tile kernels rasterized as the library's ops
-rasterize that width (:func:`~tilescale_examples.overlap.gemm.default_swizzle`). Printed: the
-TFLOP/s of each, ``waves`` (tiles / SMs: where a one-block-per-tile grid's last wave is
-short) and each kernel's speed over ``torch.matmul`` (``x matmul``; above 1: faster). Before
-timing every output is checked against the float32 product (the library's GEMM bound,
+:data:`~tilescale_examples.overlap.gemm.WARP_POLICIES`), the one-block-per-tile kernels
+rasterized as the library's ops rasterize that width
+(:func:`~tilescale_examples.overlap.gemm.default_swizzle`). Printed: the TFLOP/s of each,
+``waves`` (tiles / SMs: where a one-block-per-tile grid's last wave is short) and each
+kernel's speed over ``torch.matmul`` (``x matmul``; above 1: faster). Before timing every
+output is checked against the float32 product (the library's GEMM bound,
 :func:`~tilescale_examples.overlap.gemm.count_outside`); a failure is printed and makes the
 exit status 1.
 
@@ -51,8 +52,8 @@ from typing import Optional
 from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import collect, print_outcome, print_table, ratio, worst_line
 
-__all__ = ["KERNELS", "GOAL", "DEFAULT_TILES", "STREAM_K_BUILDER", "PERSISTENT_BUILDER", "SPECS", "kernel_tiles", "stage_lines", "SUSTAINED_HEADERS", "headers",
-           "kernel_jobs", "run_case", "goal_lines", "main"]
+__all__ = ["KERNELS", "GOAL", "DEFAULT_TILES", "STREAM_K_BUILDER", "PERSISTENT_BUILDER", "SPECS", "kernel_tiles",
+           "stage_lines", "SUSTAINED_HEADERS", "headers", "kernel_jobs", "run_case", "goal_lines", "main"]
 
 #: The library's GEMM kernels this benchmark can time (``--kernels``), in column order.
 KERNELS = ("stock", "stock-tma", "async", "async-tma", "persistent", "persistent-tma", "stream-K")
@@ -255,8 +256,8 @@ def main(argv=None) -> int:
     clock_rows: list = []
     rows, failures = collect(([row], bad) for row, bad in (run_case(args, m, n, tiles, device, clock_rows)
                                                            for m in args.m for n in args.n))
-    print_table(f"the library's GEMM kernels vs torch.matmul ({args.tiles}, warp policy {args.warp_policy}), {torch.cuda.get_device_name(device)}, "
-                f"{args.dtype}; median GPU time of {args.iters} calls, median of {args.rounds} rounds",
+    print_table(f"the library's GEMM kernels vs torch.matmul ({args.tiles}, warp policy {args.warp_policy}), "
+                f"{torch.cuda.get_device_name(device)}, {args.dtype}; median GPU time of {args.iters} calls, median of {args.rounds} rounds",
                 headers(args.kernels), rows)
     for line in stage_lines(args.kernels, tiles):
         print(line)

@@ -41,10 +41,10 @@ from tilescale_examples.base import SymmetricOp, positional_out
 from tilescale_examples.overlap.gemm_bounds import ORDER_SLACK, count_outside, error_bound, unit_roundoff  # noqa: F401
 from tilescale_examples.overlap.gemm_store import STORES, store_tile, tma_store_stages  # noqa: F401
 
-__all__ = ["GemmTiles", "OverlappedGemm", "DTYPES", "PIPELINES", "WARP_POLICIES", "warp_policy", "gemm_mainloop", "gemm_mainloop_span", "block_threads",
-           "gemm_tile", "store_tile", "lead_thread", "sync_compute", "build_gemm_kernel", "check_gemm_dims", "check_sync_pipeline",
-           "check_positive", "unit_roundoff", "error_bound", "count_outside", "MAX_ELEMENTS", "default_swizzle",
-           "default_tiles", "resolve_tiles", "STORES", "tma_store_stages", "RASTER_PANEL", "RASTER_MIN_COLUMN_BLOCKS"]
+__all__ = ["GemmTiles", "OverlappedGemm", "DTYPES", "PIPELINES", "WARP_POLICIES", "warp_policy", "gemm_mainloop",
+           "gemm_mainloop_span", "block_threads", "gemm_tile", "store_tile", "lead_thread", "sync_compute",
+           "build_gemm_kernel", "check_gemm_dims", "check_sync_pipeline", "check_positive", "unit_roundoff",
+           "error_bound", "count_outside", "MAX_ELEMENTS", "default_swizzle", "default_tiles", "resolve_tiles", "STORES", "tma_store_stages", "RASTER_PANEL", "RASTER_MIN_COLUMN_BLOCKS"]
 
 #: The mainloop pipelines :class:`GemmTiles` names (its ``pipeline``).
 PIPELINES = ("sync", "async")

@@ -111,4 +111,5 @@ def build_persistent_gemm(m: int, n: int, k: int, dtype: str = "bfloat16", tiles
                     compute(A_s, B_s, full, empty, C_f, i * steps)
                     store_out(C_f, C, row * BM, col * BN)
 
-    return gemm_persistent.with_attr("global_symbol", "gemm_persistent" if store == "direct" else "gemm_persistent_tma_store")
+    symbol = "gemm_persistent" if store == "direct" else "gemm_persistent_tma_store"
+    return gemm_persistent.with_attr("global_symbol", symbol)

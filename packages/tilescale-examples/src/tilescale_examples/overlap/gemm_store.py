@@ -17,9 +17,9 @@ STORES = ("direct", "tma")
 def tma_store_stages(tiles, dtype_bytes: int = 2) -> int:
     """The most pipeline stages of ``tiles`` (a :class:`~tilescale_examples.overlap.gemm.GemmTiles`)
     that fit in a Hopper block's shared memory (227 KiB) beside the TMA-store epilogue's
-    ``block_m x block_n`` output tile of ``dtype_bytes``-byte elements (0 if none): the async pipeline's kernels keep both (their
-    producer may still be loading when the tile is stored), the sync pipeline's lay the tile
-    over its free stages."""
+    ``block_m x block_n`` output tile of ``dtype_bytes``-byte elements (0 if none): the async
+    pipeline's kernels keep both (their producer may still be loading when the tile is stored),
+    the sync pipeline's lay the tile over its free stages."""
     from tilescale_lang.autotune.gemm import HOPPER_SMEM_BYTES
 
     stage = (tiles.block_m + tiles.block_n) * tiles.block_k * dtype_bytes
@@ -27,8 +27,9 @@ def tma_store_stages(tiles, dtype_bytes: int = 2) -> int:
 
 
 def store_tile(tiles=None, dtype: str = "bfloat16", store: str = "direct"):
-    """The plain epilogue of :func:`~tilescale_examples.overlap.gemm.gemm_tile`, a ``T.macro`` ``store(C_f, C, row, col)``:
-    ``C_f`` rounded into ``C[row:row+block_m, col:col+block_n]``, written as ``store`` says
+    """The plain epilogue of :func:`~tilescale_examples.overlap.gemm.gemm_tile`, a ``T.macro``
+    ``store(C_f, C, row, col)``: ``C_f`` rounded into ``C[row:row+block_m, col:col+block_n]``,
+    written as ``store`` says
     (:data:`STORES`; ``"tma"`` needs ``tiles`` and ``dtype`` for its ``(block_m, block_n)``
     shared tile: with the sync pipeline TileLang lays it over the pipeline's stages, which are
     free by then; with the async pipeline it lies beside them, so ``tiles.num_stages`` must be
