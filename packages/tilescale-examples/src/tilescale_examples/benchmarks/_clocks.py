@@ -41,14 +41,17 @@ def steady_median(samples: list) -> tuple:
 
 def nvml_sampler(device_index: int) -> Callable[[], tuple]:
     """A function returning ``(SM clock MHz, board power W)`` of CUDA device
-    ``device_index`` now (NVML, through :mod:`tilescale_host.topology`)."""
+    ``device_index`` now (NVML: the clock through
+    :func:`tilescale_host.utils.get_current_gpu_clock_rate_in_khz`, the power through
+    :func:`tilescale_host.topology.nvml_handle`'s handle)."""
     import pynvml
     from tilescale_host.topology import nvml_handle
+    from tilescale_host.utils import get_current_gpu_clock_rate_in_khz
 
     handle = nvml_handle(device_index)  # initialises NVML
 
     def sample() -> tuple:
-        return (float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+        return (get_current_gpu_clock_rate_in_khz(device_index) / 1000.0,
                 pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0)
 
     return sample

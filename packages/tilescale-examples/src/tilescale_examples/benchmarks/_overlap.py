@@ -291,12 +291,13 @@ def parse_tiles(text: str) -> dict:
     value."""
     import dataclasses
 
+    from tilescale_lang.autotune import GEMM_TILE_AXES
+
     from tilescale_examples.overlap.gemm import GemmTiles
 
-    words = ("pipeline", "warp_policy")  # the fields that are not integers
-    names = [field.name for field in dataclasses.fields(GemmTiles) if field.name not in words]  # the string's order
+    names = GEMM_TILE_AXES + ("swizzle",)  # the string's order: GemmTiles' integer fields
     return {name: value for name, value in dataclasses.asdict(GemmTiles(**_harness.tile_fields(text, names))).items()
-            if name not in words}
+            if name in names}
 
 
 def _gather_names(names, group):

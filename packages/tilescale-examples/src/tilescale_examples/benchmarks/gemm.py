@@ -210,6 +210,8 @@ def goal_lines(rows: list, kernels) -> list:
 
 def main(argv=None) -> int:
     """The command line (see the module docstring); 0, or 1 when a check failed."""
+    from tilescale_lang.autotune import GEMM_TILE_AXES
+
     from tilescale_examples.overlap.gemm import WARP_POLICIES, GemmTiles, check_gemm_dims
 
     p = _harness.parser("gemm", __doc__.splitlines()[0])
@@ -230,7 +232,7 @@ def main(argv=None) -> int:
                         "sampled (NVML), a second table (default 0: not)")
     args = _harness.parse_args(p, argv)
     try:
-        fields = _harness.tile_fields(args.tiles, ("block_m", "block_n", "block_k", "num_stages", "threads"))
+        fields = _harness.tile_fields(args.tiles, GEMM_TILE_AXES)
         tiles = GemmTiles(**fields, warp_policy=args.warp_policy)
         for m in args.m:
             for n in args.n:

@@ -96,12 +96,9 @@ def check_round(ops, inputs) -> list:
 def parse_tiles(text: str) -> dict:
     """``--tiles BMxBNxBK[:STAGES[:THREADS]]`` as GemmAllReduce's tile keywords (the fields
     left out absent: the op's defaults); ``ValueError`` naming the argument when malformed."""
-    import dataclasses
+    from tilescale_lang.autotune import GEMM_TILE_AXES
 
-    from tilescale_examples.overlap.gemm import GemmTiles
-
-    names = [field.name for field in dataclasses.fields(GemmTiles)][:5]  # no swizzle: its own tile order
-    return _harness.tile_fields(text, names)
+    return _harness.tile_fields(text, GEMM_TILE_AXES)  # no swizzle: its own tile order
 
 
 def tiles_label(tiles, split_k: int = 1) -> str:

@@ -36,7 +36,7 @@ same bits.
 from dataclasses import replace
 from typing import Optional
 
-from tilescale_examples.overlap.gemm import GemmTiles, check_gemm_dims, default_tiles, store_tile
+from tilescale_examples.overlap.gemm import GemmTiles, check_gemm_dims, check_positive, default_tiles, store_tile
 
 __all__ = ["build_persistent_gemm", "tile_order", "persistent_blocks", "DEFAULT_BLOCKS"]
 
@@ -84,8 +84,7 @@ def build_persistent_gemm(m: int, n: int, k: int, dtype: str = "bfloat16", tiles
 
     tiles = replace(tiles or default_tiles(n), pipeline="async")
     check_gemm_dims("build_persistent_gemm", tiles, m=m, k=k, n=n)
-    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
-        raise ValueError(f"blocks must be a positive int, got {blocks!r}")
+    check_positive("blocks", blocks)
     BM, BN, TH = tiles.block_m, tiles.block_n, tiles.threads
     RB, CB, steps = m // BM, n // BN, k // tiles.block_k
     G = min(blocks, RB * CB)
@@ -98,15 +97,16 @@ def build_persistent_gemm(m: int, n: int, k: int, dtype: str = "bfloat16", tiles
             C_f = T.alloc_fragment((BM, BN), "float32")
             A_s, B_s, full, empty = stages()
             tx = T.get_thread_binding()
+            count = (RB * CB - bx + G - 1) // G  # this block's tiles: bx, bx + G, ...
             if tx < PRODUCER_THREADS:
                 T.set_max_nreg(PRODUCER_REGISTERS, 0)
                 if tx < 32:
-                    for i in T.serial((RB * CB - bx + G - 1) // G):
+                    for i in T.serial(count):
                         row, col = tile_order(bx + i * G, RB, CB, panel, T.min)
                         load(A, B, A_s, B_s, full, empty, row * BM, col * BN, i * steps)
             else:
                 T.set_max_nreg(consumer_nreg, 1)
-                for i in T.serial((RB * CB - bx + G - 1) // G):
+                for i in T.serial(count):
                     row, col = tile_order(bx + i * G, RB, CB, panel, T.min)
                     compute(A_s, B_s, full, empty, C_f, i * steps)
                     store_out(C_f, C, row * BM, col * BN)

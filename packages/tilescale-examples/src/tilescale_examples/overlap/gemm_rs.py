@@ -245,12 +245,7 @@ class GemmReduceScatter(OverlappedGemm):
         group: process group (the constructor's barrier and plan agreement); default the
             initialised world group.
         block_m, block_n, block_k, num_stages, threads, swizzle, pipeline, warp_policy: the
-            GEMM's tiling (:class:`~tilescale_examples.overlap.gemm.GemmTiles`, whose fields
-            these are: ``**dataclasses.asdict(tiles)`` passes a tuned one); ``swizzle=None``
-            (default) rasterizes wide outputs (:func:`~tilescale_examples.overlap.gemm.default_swizzle`);
-            ``pipeline="async"`` keeps one WGMMA group in flight
-            (:mod:`~tilescale_examples.overlap.gemm_async`); ``warp_policy`` is how the compute
-            warpgroups split a tile.
+            GEMM's tiling, as for :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM`.
         target: TileLang target (default ``sm_90a``).
 
     Attributes: ``output`` (``(m_local, n)``, overwritten by the next call), ``epoch``,

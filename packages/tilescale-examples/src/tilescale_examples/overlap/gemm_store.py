@@ -14,16 +14,17 @@ __all__ = ["STORES", "tma_store_stages", "store_tile"]
 STORES = ("direct", "tma")
 
 
-def tma_store_stages(tiles, dtype_bytes: int = 2) -> int:
+def tma_store_stages(tiles, dtype: str = "bfloat16") -> int:
     """The most pipeline stages of ``tiles`` (a :class:`~tilescale_examples.overlap.gemm.GemmTiles`)
     that fit in a Hopper block's shared memory (227 KiB) beside the TMA-store epilogue's
-    ``block_m x block_n`` output tile of ``dtype_bytes``-byte elements (0 if none): the async
-    pipeline's kernels keep both (their producer may still be loading when the tile is stored),
-    the sync pipeline's lay the tile over its free stages."""
-    from tilescale_lang.autotune.gemm import HOPPER_SMEM_BYTES
+    ``block_m x block_n`` output tile of ``dtype`` (0 if none): the async pipeline's kernels
+    keep both (their producer may still be loading when the tile is stored), the sync
+    pipeline's lay the tile over its free stages. A stage's bytes are
+    :func:`tilescale_lang.autotune.gemm_shared_bytes`' (the tuner's shared-memory check)."""
+    from tilescale_lang.autotune.gemm import HOPPER_SMEM_BYTES, dtype_bytes, gemm_shared_bytes
 
-    stage = (tiles.block_m + tiles.block_n) * tiles.block_k * dtype_bytes
-    return max(0, (HOPPER_SMEM_BYTES - tiles.block_m * tiles.block_n * dtype_bytes) // stage)
+    stage = gemm_shared_bytes(tiles.block_m, tiles.block_n, tiles.block_k, 1, dtype)
+    return max(0, (HOPPER_SMEM_BYTES - tiles.block_m * tiles.block_n * dtype_bytes(dtype)) // stage)
 
 
 def store_tile(tiles=None, dtype: str = "bfloat16", store: str = "direct"):
@@ -46,10 +47,11 @@ def store_tile(tiles=None, dtype: str = "bfloat16", store: str = "direct"):
         return store_direct
     if tiles is None:
         raise ValueError("store='tma' needs the kernel's tiles (the shared output tile's shape)")
-    if tiles.pipeline == "async" and tiles.num_stages > tma_store_stages(tiles):
+    fit = tma_store_stages(tiles, dtype)
+    if tiles.pipeline == "async" and tiles.num_stages > fit:
         raise ValueError(f"num_stages={tiles.num_stages} does not fit beside the TMA-store epilogue's "
                          f"{tiles.block_m}x{tiles.block_n} output tile in shared memory with the async pipeline; "
-                         f"use num_stages <= {tma_store_stages(tiles)}")
+                         f"use num_stages <= {fit}")
     BM, BN = tiles.block_m, tiles.block_n
 
     @T.macro

@@ -19,7 +19,6 @@ first candidate).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional, Tuple, Union
 
 import torch
@@ -40,7 +39,9 @@ def tiles_of(config: dict) -> GemmTiles:
     """The :class:`GemmTiles` of an autotuner config: its five tile axes (``ValueError`` for a
     config without them), its ``swizzle`` (0 when the space has no such axis), its ``pipeline``
     (``"sync"`` likewise) and its ``warp_policy`` (``"square"`` likewise)."""
-    fields = [f.name for f in dataclasses.fields(GemmTiles) if f.name not in ("swizzle", "pipeline", "warp_policy")]
+    from tilescale_lang.autotune import GEMM_TILE_AXES
+
+    fields = GEMM_TILE_AXES
     missing = [name for name in fields if name not in config]
     if missing:
         raise ValueError(f"config {config!r} lacks the tile axes {missing}")
