@@ -528,6 +528,22 @@ def assert_gemm_back_to_back(kernel, m: int, n: int, k: int, dtype, calls: int =
     return inputs, outs
 
 
+def assert_gemm_two_streams(kernel, inputs, expected, calls: int = 20) -> None:
+    """``calls`` calls of a GEMM ``kernel(a, b, out)`` on each of two side streams at once,
+    stream ``j`` on ``inputs[j]`` into its own poisoned output: each output must be
+    ``expected[j]`` bit for bit (a kernel that keeps no state between calls)."""
+    side = [torch.cuda.Stream() for _ in range(2)]
+    pair = [torch.full_like(expected[j], float("nan")) for j in range(2)]
+    torch.cuda.synchronize()
+    for j, stream in enumerate(side):
+        with torch.cuda.stream(stream):
+            for _ in range(calls):
+                kernel(*inputs[j], pair[j])
+    torch.cuda.synchronize()
+    for j in range(2):
+        assert torch.equal(pair[j], expected[j]), f"stream {j}"
+
+
 def assert_gemm_graph_replays(call, inputs, expected) -> None:
     """A GEMM ``call(a, b, out)`` captured once in a CUDA graph on copies of ``inputs[0]``,
     then replayed with every later ``inputs[i] = (a, b)`` copied into the captured operands

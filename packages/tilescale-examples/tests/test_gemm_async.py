@@ -22,8 +22,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from examples_helpers import (assert_gemm_back_to_back, assert_gemm_graph_replays, assert_gemm_matches, exits_naming,
-                             in_order, kernel_body, lower_source, needs_nvcc, nvcc_resources, output_without_gpu)
+from examples_helpers import (assert_gemm_back_to_back, assert_gemm_graph_replays, assert_gemm_matches, assert_gemm_two_streams,
+                             exits_naming, in_order, kernel_body, lower_source, needs_nvcc, nvcc_resources, output_without_gpu)
 
 from pipeline_model import simulate
 
@@ -299,10 +299,11 @@ def test_gpu_kernel_matches_the_reference_and_stock_tilelang(case, variant):
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("compiled")
-def test_gpu_back_to_back_calls_and_graph_replays():
+def test_gpu_back_to_back_calls_graph_replays_and_two_streams():
     from tilescale_examples.base import compile_once
 
     (m, n, k), dtype = BACK_TO_BACK, torch.bfloat16
     kernel = compile_once(build_async_gemm_kernel(m, n, k, DTYPES[dtype], _tiles(n, None)))
     inputs, outs = assert_gemm_back_to_back(kernel, m, n, k, dtype)
+    assert_gemm_two_streams(kernel, inputs, outs)
     assert_gemm_graph_replays(kernel, inputs, outs[:4])

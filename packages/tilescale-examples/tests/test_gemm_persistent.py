@@ -21,8 +21,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from examples_helpers import (assert_gemm_back_to_back, assert_gemm_graph_replays, assert_gemm_matches, in_order,
-                             kernel_body, lower_source, needs_nvcc, nvcc_resources)
+from examples_helpers import (assert_gemm_back_to_back, assert_gemm_graph_replays, assert_gemm_matches, assert_gemm_two_streams,
+                             in_order, kernel_body, lower_source, needs_nvcc, nvcc_resources)
 
 from pipeline_model import simulate
 
@@ -198,16 +198,5 @@ def test_gpu_back_to_back_calls_graph_replays_and_two_streams():
     (m, n, k), dtype = BACK_TO_BACK, torch.bfloat16
     kernel = _kernel(m, n, k, dtype, None, None)
     inputs, outs = assert_gemm_back_to_back(kernel, m, n, k, dtype)
-
-    # Two calls at once on two streams (the kernel keeps no state between calls).
-    side = [torch.cuda.Stream() for _ in range(2)]
-    pair = [torch.full((m, n), float("nan"), dtype=dtype, device="cuda") for _ in range(2)]
-    torch.cuda.synchronize()
-    for j, stream in enumerate(side):
-        with torch.cuda.stream(stream):
-            for _ in range(20):
-                kernel(*inputs[j], pair[j])
-    torch.cuda.synchronize()
-    assert torch.equal(pair[0], outs[0]) and torch.equal(pair[1], outs[1])
-
+    assert_gemm_two_streams(kernel, inputs, outs)  # the kernel keeps no state between calls
     assert_gemm_graph_replays(kernel, inputs, outs[:4])
