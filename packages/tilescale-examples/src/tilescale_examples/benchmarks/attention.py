@@ -2,7 +2,8 @@
 
 ``python -m tilescale_examples.benchmarks.attention [--seq 4096 8192 16384 32768]
 [--batch 1] [--heads 32] [--kv-heads 32] [--head-dim 128] [--dtype bfloat16|float16]
-[--tiles BMxBN[:STAGES[:THREADS]] ...] [--fast-math off on] [--iters 20] [--out DIR]``
+[--tiles BMxBN[:STAGES[:THREADS]] ...] [--fast-math off on] [--pipeline sync async] [--iters 20]
+[--out DIR]``
 
 For every sequence length, causal and not, on one GPU: GPU time per call of ``--iters``
 calls (each from an idle GPU, the median; ``_timing.local_ms``) of
@@ -18,7 +19,9 @@ causal), and ``vs best``: best torch time / tilescale time (above 1: TileScale i
 optionally ``num_stages`` and ``threads``; the kernel's defaults for the fields left out), a
 row each, against the same torch times; ``tiles`` names the program of a row (`` ieee`` after
 it: compiled with ``fast_math=False``, the kernel's default being fast math; ``--fast-math off
-on`` gives each program a row of each).
+on`` gives each program a row of each; `` async`` after it: on the async pipeline,
+``--pipeline sync async`` a row of each, a program's fields left out defaulting for its
+pipeline).
 Before timing,
 TileScale's output is compared with the cuDNN (else flash, else math) backend's at every size
 (bf16 tolerance); a failure is printed and makes the exit status 1.
@@ -66,11 +69,12 @@ def parse_tiles(text: str) -> dict:
     return _harness.tile_fields(text, TILE_OPTIONS, blocks=2)
 
 
-def tiles_label(tiles: dict, fast_math: bool = True) -> str:
-    """Tile keywords (all of them) as ``BMxBN:STAGES:THREADS``, then `` ieee`` without
-    ``fast_math`` (the kernel's default is fast math)."""
+def tiles_label(tiles: dict, fast_math: bool = True, pipeline: str = "sync") -> str:
+    """Tile keywords (all of them) as ``BMxBN:STAGES:THREADS``, then `` async`` on the async
+    pipeline and `` ieee`` without ``fast_math`` (the kernel's defaults: the sync pipeline,
+    fast math)."""
     label = f"{tiles['block_m']}x{tiles['block_n']}:{tiles['num_stages']}:{tiles['threads']}"
-    return label + ("" if fast_math else " ieee")
+    return label + ("" if pipeline == "sync" else f" {pipeline}") + ("" if fast_math else " ieee")
 
 
 def run_case(args, seq: int, causal: bool, device, programs=({},)) -> tuple:
@@ -101,8 +105,9 @@ def run_case(args, seq: int, causal: bool, device, programs=({},)) -> tuple:
     best = min(times.values()) if times else None
     rows, failures = [], []
     for tiles in programs:
-        label = tiles_label(check_tiles({k: v for k, v in tiles.items() if k != "fast_math"}, args.head_dim),
-                            tiles.get("fast_math", True))
+        pipeline = tiles.get("pipeline", "sync")
+        label = tiles_label(check_tiles({k: v for k, v in tiles.items() if k not in ("fast_math", "pipeline")},
+                                        args.head_dim, pipeline), tiles.get("fast_math", True), pipeline)
         out = torch.full_like(q, float("nan"))
         flash_attention(q, k, v, causal=causal, out=out, **tiles)
         torch.cuda.synchronize(device)
@@ -139,12 +144,15 @@ def main(argv=None) -> int:
                    help="tile programs of TileScale's kernel, a row each (default: its own)")
     p.add_argument("--fast-math", nargs="+", default=["on"], choices=["off", "on"],
                    help="compile TileScale's kernel without / with fast math (its default), a row each")
+    p.add_argument("--pipeline", nargs="+", default=["sync"], choices=["sync", "async"],
+                   help="TileScale's kernel on the sync (its default) / async pipeline, a row each")
     args = _harness.parse_args(p, argv)
     try:
         tiles = [parse_tiles(t) for t in args.tiles] if args.tiles else [{}]
     except ValueError as exc:
         p.error(str(exc))
-    programs = [dict(t, fast_math=mode == "on") for t in tiles for mode in dict.fromkeys(args.fast_math)]
+    programs = [dict(t, fast_math=mode == "on", pipeline=pipeline) for t in tiles
+                for pipeline in dict.fromkeys(args.pipeline) for mode in dict.fromkeys(args.fast_math)]
     args.kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     if args.iters < 1 or args.batch < 1 or args.kv_heads < 1 or args.heads % args.kv_heads or any(s < 1 for s in args.seq):
         p.error("--iters, --batch, --seq and --kv-heads must be >= 1, and --heads a multiple of --kv-heads")

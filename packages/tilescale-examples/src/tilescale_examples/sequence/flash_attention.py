@@ -35,9 +35,10 @@ from tilescale_examples._checks import check_bool
 from tilescale_examples._macros import T, macro
 
 __all__ = ["flash_attention", "build_attention_kernel", "build_flash_attention_kernel", "torch_reference",
-           "default_tiles", "attention_buffers", "start_rows", "resume_rows", "tile_scores", "softmax_tile",
-           "attend_tile", "finish_rows", "store_rows", "check_tiles", "check_head_dim", "check_scale",
-           "compile_options", "TILE_OPTIONS", "HEAD_DIMS", "DTYPES"]
+           "default_tiles", "attention_buffers", "attention_fragments", "start_rows", "resume_rows", "mask_scores",
+           "tile_scores", "softmax_scores", "rescale_output", "softmax_tile", "attend_tile", "finish_rows",
+           "store_rows", "check_tiles", "check_head_dim", "check_scale", "compile_options", "check_pipeline",
+           "TILE_OPTIONS", "PIPELINES", "HEAD_DIMS", "DTYPES"]
 
 #: Head dimensions the kernel is built for.
 HEAD_DIMS = (64, 128, 256)
@@ -47,25 +48,30 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
+def attention_fragments(rows: int, cols: int, head_dim: int, dtype: str) -> tuple:
+    """The register fragments of an attention block of ``rows`` queries and K/V tiles of
+    ``cols`` positions (inside a kernel being built): ``scores`` (float32), ``probs``
+    (``dtype``), ``out`` (float32 ``rows x head_dim``) and the online softmax's float32
+    ``row_max``, ``prev_max``, ``rescale``, ``row_sum``, ``denom`` (see :func:`softmax_tile`),
+    in that order."""
+    return (T.alloc_fragment((rows, cols), "float32"), T.alloc_fragment((rows, cols), dtype),
+            T.alloc_fragment((rows, head_dim), "float32"), *(T.alloc_fragment((rows,), "float32") for _ in range(5)))
+
+
 def attention_buffers(rows: int, cols: int, head_dim: int, dtype: str) -> tuple:
     """The buffers of an attention block of ``rows`` queries and K/V tiles of ``cols``
-    positions (inside a kernel being built): shared ``q_tile``, ``k_tile``, ``v_tile``;
-    fragments ``scores`` (float32), ``probs`` (``dtype``), ``out`` (float32 ``rows x
-    head_dim``) and the online softmax's float32 ``row_max``, ``prev_max``, ``rescale``,
-    ``row_sum``, ``denom`` (see :func:`softmax_tile`), in that order."""
+    positions (inside a kernel being built): shared ``q_tile``, ``k_tile``, ``v_tile``, then
+    :func:`attention_fragments`, in that order."""
     return (T.alloc_shared((rows, head_dim), dtype), T.alloc_shared((cols, head_dim), dtype),
-            T.alloc_shared((cols, head_dim), dtype), T.alloc_fragment((rows, cols), "float32"),
-            T.alloc_fragment((rows, cols), dtype), T.alloc_fragment((rows, head_dim), "float32"),
-            *(T.alloc_fragment((rows,), "float32") for _ in range(5)))
+            T.alloc_shared((cols, head_dim), dtype), *attention_fragments(rows, cols, head_dim, dtype))
 
 
 @macro
-def softmax_tile(scores, probs, out, row_max, prev_max, rescale, row_sum, denom, scale_log2, rows, cols, head_dim):
-    """One K/V tile of the online softmax, in base 2: ``row_max`` becomes the running maximum
-    of the raw scores (this tile's included), the earlier sum ``denom`` and output ``out`` are
-    rescaled to it, the tile's ``exp2((s - max) * scale_log2)`` is added to ``denom`` and left
-    in ``probs`` (the inputs' dtype) for the probabilities-times-V GEMM. ``prev_max``,
-    ``rescale``, ``row_sum``: scratch fragments of ``rows``."""
+def softmax_scores(scores, row_max, prev_max, rescale, row_sum, denom, scale_log2, rows, cols):
+    """The first part of :func:`softmax_tile`, on the scores alone: ``row_max`` becomes the
+    running maximum of the raw scores (this tile's included), ``rescale`` the factor that takes
+    the earlier sum and output to it, ``scores`` the tile's ``exp2((s - max) * scale_log2)``,
+    whose row sums are added to the rescaled ``denom``. ``prev_max``, ``row_sum``: scratch."""
     T.copy(row_max, prev_max)
     T.reduce_max(scores, row_max, dim=1, clear=False)  # the max so far, this tile included
     for i in T.Parallel(rows):
@@ -75,9 +81,27 @@ def softmax_tile(scores, probs, out, row_max, prev_max, rescale, row_sum, denom,
     T.reduce_sum(scores, row_sum, dim=1)
     for i in T.Parallel(rows):
         denom[i] = denom[i] * rescale[i] + row_sum[i]
+
+
+@macro
+def rescale_output(scores, probs, out, rescale, rows, head_dim):
+    """The second part of :func:`softmax_tile`: the tile's probabilities into ``probs`` (the
+    inputs' dtype) for the probabilities-times-V GEMM, and the output so far rescaled."""
     T.copy(scores, probs)
     for i, j in T.Parallel(rows, head_dim):
         out[i, j] *= rescale[i]
+
+
+@macro
+def softmax_tile(scores, probs, out, row_max, prev_max, rescale, row_sum, denom, scale_log2, rows, cols, head_dim):
+    """One K/V tile of the online softmax, in base 2: ``row_max`` becomes the running maximum
+    of the raw scores (this tile's included), the earlier sum ``denom`` and output ``out`` are
+    rescaled to it, the tile's ``exp2((s - max) * scale_log2)`` is added to ``denom`` and left
+    in ``probs`` (the inputs' dtype) for the probabilities-times-V GEMM. ``prev_max``,
+    ``rescale``, ``row_sum``: scratch fragments of ``rows``. :func:`softmax_scores`, then
+    :func:`rescale_output`."""
+    softmax_scores(scores, row_max, prev_max, rescale, row_sum, denom, scale_log2, rows, cols)
+    rescale_output(scores, probs, out, rescale, rows, head_dim)
 
 
 @macro
@@ -102,10 +126,10 @@ def resume_rows(out, denom, row_max, O, LSE, batch_index, first_row, head, scale
 
 
 @macro
-def tile_scores(scores, q_tile, k_tile, first_query, first_key, rows, cols, causal, key_end):
-    """``scores`` of a K/V tile: ``q_tile @ k_tile^T`` (raw, unscaled), minus infinity where key
-    ``first_key + j`` is at or past ``key_end`` (None: every key exists) or, with ``causal``,
-    after query ``first_query + i`` (global positions)."""
+def mask_scores(scores, first_query, first_key, rows, cols, causal, key_end):
+    """``scores`` before a K/V tile's scores GEMM accumulates into them: minus infinity where
+    key ``first_key + j`` is at or past ``key_end`` (None: every key exists) or, with
+    ``causal``, after query ``first_query + i`` (global positions); zero elsewhere."""
     if causal and key_end is not None:
         for i, j in T.Parallel(rows, cols):
             scores[i, j] = T.if_then_else(first_query + i >= first_key + j and first_key + j < key_end, 0,
@@ -118,6 +142,13 @@ def tile_scores(scores, q_tile, k_tile, first_query, first_key, rows, cols, caus
             scores[i, j] = T.if_then_else(first_key + j < key_end, 0, -T.infinity("float32"))
     else:
         T.clear(scores)
+
+
+@macro
+def tile_scores(scores, q_tile, k_tile, first_query, first_key, rows, cols, causal, key_end):
+    """``scores`` of a K/V tile: ``q_tile @ k_tile^T`` (raw, unscaled) over
+    :func:`mask_scores`' minus infinities."""
+    mask_scores(scores, first_query, first_key, rows, cols, causal, key_end)
     T.gemm(q_tile, k_tile, scores, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
 
 
@@ -158,15 +189,31 @@ def store_rows(O, LSE, buffers, batch_index, first_row, head, scale):
     T.copy(denom, LSE[batch_index, head, first_row:first_row + rows])
 
 
-def default_tiles(head_dim: int) -> dict:
-    """``block_m``, ``block_n``, ``num_stages`` and ``threads`` for a head dimension: 128 x 128
-    tiles and one stage up to head dim 128 (TileLang's producer warp group already overlaps the
+def default_tiles(head_dim: int, pipeline: str = "sync") -> dict:
+    """``block_m``, ``block_n``, ``num_stages`` and ``threads`` for a head dimension and a
+    :data:`PIPELINES` entry: 128 x 128 tiles up to head dim 128, 128 x 64 above; on the sync
+    pipeline one stage up to head dim 128 (TileLang's producer warp group already overlaps the
     K/V loads with the two consumer warp groups' work; a second stage was slower at every
-    sequence length but the longest in docs/benchmarks.md's tile rows), 128 x 64 and two
-    stages above."""
+    sequence length but the longest in docs/benchmarks.md's tile rows), two above; on the
+    async pipeline two stages of K and of V."""
+    check_pipeline(pipeline)
     if head_dim <= 128:
-        return {"block_m": 128, "block_n": 128, "num_stages": 1, "threads": 256}
+        return {"block_m": 128, "block_n": 128, "num_stages": 1 if pipeline == "sync" else 2, "threads": 256}
     return {"block_m": 128, "block_n": 64, "num_stages": 2, "threads": 256}
+
+
+#: The attention kernel's pipelines: ``"sync"`` (TileLang's warp specialisation of
+#: ``T.Pipelined``: each consumer step waits for its GEMM) and ``"async"``
+#: (:mod:`~tilescale_examples.sequence.flash_attention_async`: a tile's softmax overlapped with
+#: the previous tile's output GEMM).
+PIPELINES = ("sync", "async")
+
+
+def check_pipeline(pipeline: str) -> str:
+    """``pipeline``, or ``ValueError`` naming it unless one of :data:`PIPELINES`."""
+    if pipeline not in PIPELINES:
+        raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
+    return pipeline
 
 
 def build_attention_kernel(world_size: int, batch: int, seq_q: int, seq_kv: int, heads: int, kv_heads: int,
@@ -231,10 +278,17 @@ def build_attention_kernel(world_size: int, batch: int, seq_q: int, seq_kv: int,
 
 def build_flash_attention_kernel(batch: int, heads: int, kv_heads: int, seq_q: int, seq_kv: int, head_dim: int,
                                  causal: bool, scale: float, dtype: str = "bfloat16", block_m: int = 128,
-                                 block_n: int = 128, num_stages: int = 2, threads: int = 256):
-    """:func:`build_attention_kernel` of one shard: ``flash_attention(Q, K, V, O, LSE,
-    q_start)`` with ``K``, ``V`` as ``(1, B, Skv, Hkv, D)`` (a view of the ``bshd`` tensors) and
-    ``q_start = Skv - Sq`` (the queries are the last positions)."""
+                                 block_n: int = 128, num_stages: int = 2, threads: int = 256, pipeline: str = "sync"):
+    """:func:`build_attention_kernel` of one shard (``pipeline="async"``:
+    :func:`~tilescale_examples.sequence.flash_attention_async.build_async_attention_kernel`'s):
+    ``flash_attention(Q, K, V, O, LSE, q_start)`` with ``K``, ``V`` as ``(1, B, Skv, Hkv, D)``
+    (a view of the ``bshd`` tensors) and ``q_start = Skv - Sq`` (the queries are the last
+    positions)."""
+    if check_pipeline(pipeline) == "async":
+        from tilescale_examples.sequence.flash_attention_async import build_async_attention_kernel
+
+        return build_async_attention_kernel(1, batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, scale, dtype,
+                                            block_m, block_n, num_stages, threads, name="flash_attention")
     return build_attention_kernel(1, batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, scale, dtype, block_m,
                                   block_n, num_stages, threads, name="flash_attention")
 
@@ -243,13 +297,13 @@ def build_flash_attention_kernel(batch: int, heads: int, kv_heads: int, seq_q: i
 TILE_OPTIONS = ("block_m", "block_n", "num_stages", "threads")
 
 
-def check_tiles(tiles: dict, head_dim: int) -> dict:
-    """``tiles`` (some of :data:`TILE_OPTIONS`) over :func:`default_tiles` of ``head_dim``;
-    ``TypeError`` naming an unknown option."""
+def check_tiles(tiles: dict, head_dim: int, pipeline: str = "sync") -> dict:
+    """``tiles`` (some of :data:`TILE_OPTIONS`) over :func:`default_tiles` of ``head_dim`` and
+    ``pipeline``; ``TypeError`` naming an unknown option."""
     unknown = set(tiles) - set(TILE_OPTIONS)
     if unknown:
         raise TypeError(f"unknown tile options {sorted(unknown)}")
-    return {**default_tiles(head_dim), **tiles}
+    return {**default_tiles(head_dim, pipeline), **tiles}
 
 
 def check_head_dim(head_dim: int) -> int:
@@ -303,7 +357,7 @@ _KERNELS: dict = {}
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
-                    lse: Optional[torch.Tensor] = None, fast_math: bool = True,
+                    lse: Optional[torch.Tensor] = None, fast_math: bool = True, pipeline: str = "sync",
                     **tiles) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention forward ``(o, lse)`` of ``q (B, Sq, H, D)``, ``k``, ``v (B, Skv, Hkv, D)``
     (see the module docstring), on the current stream.
@@ -318,8 +372,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
             examples are; the default): the exponentials, logarithms and the final division
             in their approximate hardware forms (a few float32 ulps), denormals flushed to
             zero. ``False``: IEEE forms (2-19% slower on an H100).
+        pipeline: one of :data:`PIPELINES`: ``"sync"`` (the default) or ``"async"`` (each
+            tile's softmax overlapped with the previous tile's output GEMM,
+            :mod:`~tilescale_examples.sequence.flash_attention_async`; the same arithmetic).
         tiles: ``block_m``, ``block_n``, ``num_stages``, ``threads`` (default
-            :func:`default_tiles`).
+            :func:`default_tiles` of the head dimension and ``pipeline``).
 
     The kernel is compiled once per shape, dtype, scale and tiles in this process (TileLang's
     disk cache keeps it across processes).
@@ -327,7 +384,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     Raises:
         TypeError / ValueError: naming the argument, before anything is compiled or launched.
     """
-    tiles = check_tiles(tiles, q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 128)
+    check_pipeline(pipeline)
+    tiles = check_tiles(tiles, q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 128, pipeline)
     check_bool("fast_math", fast_math)
     B, Sq, H, Skv, Hkv, D = _check(q, k, v, causal, scale, tiles)
     scale = check_scale(scale, D)
@@ -335,14 +393,15 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
                               or t.device != q.device or not t.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {q.device}")
-    key = (B, H, Hkv, Sq, Skv, D, causal, scale, DTYPES[q.dtype], fast_math, *sorted(tiles.items()))
+    key = (B, H, Hkv, Sq, Skv, D, causal, scale, DTYPES[q.dtype], fast_math, pipeline, *sorted(tiles.items()))
     kernel = _KERNELS.get(key)
     if kernel is None:
         import tilelang
 
         from tilescale_examples.base import TARGET
 
-        func = build_flash_attention_kernel(B, H, Hkv, Sq, Skv, D, causal, scale, DTYPES[q.dtype], **tiles)
+        func = build_flash_attention_kernel(B, H, Hkv, Sq, Skv, D, causal, scale, DTYPES[q.dtype], **tiles,
+                                            pipeline=pipeline)
         kernel = _KERNELS[key] = tilelang.compile(func, target=TARGET, pass_configs=compile_options(fast_math))
     out = torch.empty((B, Sq, H, D), dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device) if lse is None else lse
