@@ -19,6 +19,7 @@ import pytest
 import torch
 from examples_helpers import exits_naming, in_order, lower_with, needs_nvcc, nvcc_resources
 from pipeline_model import Barrier
+from test_flash_attention import CASES
 
 from tilescale_examples.sequence.flash_attention import (build_flash_attention_kernel, compile_options,
                                                          default_tiles, flash_attention, torch_reference)
@@ -222,16 +223,7 @@ def test_pipeline_argument_and_defaults(capsys):
 
 
 # ------------------------------------------------------------------------------ GPU
-GPU_CASES = [  # B, Sq, Skv, H, Hkv, D, causal, dtype (the sync kernel's GPU cases)
-    (2, 1024, 1024, 8, 8, 128, False, torch.bfloat16),
-    (2, 1024, 1024, 8, 2, 128, True, torch.bfloat16),
-    (1, 512, 2048, 4, 1, 128, True, torch.float16),
-    (1, 2048, 2048, 16, 4, 64, True, torch.bfloat16),
-    (1, 512, 512, 4, 4, 256, False, torch.bfloat16),
-    (2, 1000, 1000, 8, 2, 128, True, torch.bfloat16),  # tail tiles
-    (1, 300, 700, 4, 4, 64, True, torch.float16),
-    (1, 77, 77, 4, 1, 128, False, torch.bfloat16),
-]
+GPU_CASES = CASES  # the sync kernel's GPU cases: B, Sq, Skv, H, Hkv, D, causal, dtype
 
 
 def _gpu_inputs(B, Sq, Skv, H, Hkv, D, dtype, seed):
