@@ -38,6 +38,7 @@ __all__ = ["flash_attention", "build_attention_kernel", "build_flash_attention_k
            "default_tiles", "attention_buffers", "attention_fragments", "start_rows", "resume_rows", "mask_scores",
            "tile_scores", "softmax_scores", "rescale_output", "softmax_tile", "attend_tile", "finish_rows",
            "store_rows", "check_tiles", "check_head_dim", "check_scale", "compile_options", "check_pipeline",
+           "key_tile_source", "block_first_query", "key_tiles",
            "TILE_OPTIONS", "PIPELINES", "HEAD_DIMS", "DTYPES"]
 
 #: Head dimensions the kernel is built for.
@@ -216,6 +217,37 @@ def check_pipeline(pipeline: str) -> str:
     return pipeline
 
 
+def key_tile_source(kb, world_size: int, seq_kv: int, block_n: int, zigzag: bool) -> tuple:
+    """``(shard, first)`` of global key tile ``kb`` (PrimExprs): the shard of ``K`` and ``V``
+    that holds it and its first position there (see
+    :func:`~tilescale_examples.sequence.flash_attention.build_attention_kernel`: shard ``t //
+    tiles_per_shard``, or with ``zigzag`` chunk ``c`` of ``2 W`` held by shard ``c`` (first
+    half) or ``2 W - 1 - c`` (second half))."""
+    if zigzag:
+        tiles_per_chunk, chunk = seq_kv // 2 // block_n, seq_kv // 2
+        c = kb // tiles_per_chunk
+        shard = T.if_then_else(c < world_size, c, 2 * world_size - 1 - c)
+        return shard, T.if_then_else(c < world_size, 0, chunk) + (kb % tiles_per_chunk) * block_n
+    tiles_per_shard = -(-seq_kv // block_n)
+    return kb // tiles_per_shard, (kb % tiles_per_shard) * block_n
+
+
+def block_first_query(bx, q_start, world_size: int, seq_kv: int, block_m: int, zigzag: bool):
+    """The global position of query block ``bx``'s first query (PrimExpr): ``q_start + bx *
+    block_m``, or with ``zigzag`` its place in the shard's first or second chunk."""
+    if not zigzag:
+        return q_start + bx * block_m
+    chunk = seq_kv // 2
+    return T.if_then_else(bx * block_m < chunk, q_start + bx * block_m,
+                          (2 * world_size - 1) * chunk - q_start + bx * block_m - chunk)
+
+
+def key_tiles(first_query, n_tiles: int, block_m: int, block_n: int, causal: bool):
+    """Key tiles a query block starting at global position ``first_query`` visits: all
+    ``n_tiles``, or with ``causal`` those up to its diagonal's."""
+    return T.min(n_tiles, T.ceildiv(first_query + block_m, block_n)) if causal else n_tiles
+
+
 def build_attention_kernel(world_size: int, batch: int, seq_q: int, seq_kv: int, heads: int, kv_heads: int,
                            head_dim: int, causal: bool, scale: float, dtype: str = "bfloat16", block_m: int = 128,
                            block_n: int = 128, num_stages: int = 2, threads: int = 256, name: str = "attention",
@@ -240,8 +272,6 @@ def build_attention_kernel(world_size: int, batch: int, seq_q: int, seq_kv: int,
     tiles_per_shard = -(-seq_kv // block_n)
     n_tiles = world_size * tiles_per_shard
     key_end = None if seq_kv % block_n == 0 else seq_kv  # a tail: keys past the end masked
-    chunk = seq_kv // 2
-    tiles_per_chunk = chunk // block_n
     m_blocks = -(-seq_q // block_m)
 
     @T.prim_func
@@ -258,18 +288,10 @@ def build_attention_kernel(world_size: int, batch: int, seq_q: int, seq_kv: int,
             kv_head = by // groups
             T.copy(Q[bz, bx * block_m:(bx + 1) * block_m, by, :], q_tile)
             start_rows(out, denom, row_max)
-            # the global position of this block's first query (zigzag: in the shard's first or second chunk)
-            first = T.if_then_else(bx * block_m < chunk, q_start + bx * block_m,
-                                   (2 * world_size - 1) * chunk - q_start + bx * block_m - chunk) if zigzag \
-                else q_start + bx * block_m
-            blocks = T.min(n_tiles, T.ceildiv(first + block_m, block_n)) if causal else n_tiles
+            first = block_first_query(bx, q_start, world_size, seq_kv, block_m, zigzag)
+            blocks = key_tiles(first, n_tiles, block_m, block_n, causal)
             for kb in T.Pipelined(blocks, num_stages=num_stages):
-                if zigzag:  # global key tile kb: chunk c, held by shard c (first half) or 2 W - 1 - c (second)
-                    c = kb // tiles_per_chunk
-                    shard = T.if_then_else(c < world_size, c, 2 * world_size - 1 - c)
-                    s0 = T.if_then_else(c < world_size, 0, chunk) + (kb % tiles_per_chunk) * block_n
-                else:
-                    shard, s0 = kb // tiles_per_shard, (kb % tiles_per_shard) * block_n
+                shard, s0 = key_tile_source(kb, world_size, seq_kv, block_n, zigzag)
                 attend_tile(K, V, shard, s0, bz, kv_head, buffers, first, kb * block_n, causal, key_end, scale_log2)
             store_rows(O, LSE, buffers, bz, bx * block_m, by, scale)
 

@@ -45,41 +45,11 @@ the synchronous kernel, whose ``rescale_output`` precedes tile ``k``'s own ``P V
 
 from tilescale_examples._macros import T
 from tilescale_examples.overlap.gemm_async import PRODUCER_REGISTERS, PRODUCER_THREADS, consumer_registers
-from tilescale_examples.sequence.flash_attention import (LOG2E, attention_fragments, mask_scores, rescale_output,
+from tilescale_examples.sequence.flash_attention import (LOG2E, attention_fragments, block_first_query,
+                                                         key_tile_source, key_tiles, mask_scores, rescale_output,
                                                          softmax_scores, start_rows, store_rows)
 
-__all__ = ["build_async_attention_kernel", "key_tile_source", "block_first_query", "key_tiles"]
-
-
-def key_tile_source(kb, world_size: int, seq_kv: int, block_n: int, zigzag: bool) -> tuple:
-    """``(shard, first)`` of global key tile ``kb`` (PrimExprs): the shard of ``K`` and ``V``
-    that holds it and its first position there (see
-    :func:`~tilescale_examples.sequence.flash_attention.build_attention_kernel`: shard ``t //
-    tiles_per_shard``, or with ``zigzag`` chunk ``c`` of ``2 W`` held by shard ``c`` (first
-    half) or ``2 W - 1 - c`` (second half))."""
-    if zigzag:
-        tiles_per_chunk, chunk = seq_kv // 2 // block_n, seq_kv // 2
-        c = kb // tiles_per_chunk
-        shard = T.if_then_else(c < world_size, c, 2 * world_size - 1 - c)
-        return shard, T.if_then_else(c < world_size, 0, chunk) + (kb % tiles_per_chunk) * block_n
-    tiles_per_shard = -(-seq_kv // block_n)
-    return kb // tiles_per_shard, (kb % tiles_per_shard) * block_n
-
-
-def block_first_query(bx, q_start, world_size: int, seq_kv: int, block_m: int, zigzag: bool):
-    """The global position of query block ``bx``'s first query (PrimExpr): ``q_start + bx *
-    block_m``, or with ``zigzag`` its place in the shard's first or second chunk."""
-    if not zigzag:
-        return q_start + bx * block_m
-    chunk = seq_kv // 2
-    return T.if_then_else(bx * block_m < chunk, q_start + bx * block_m,
-                          (2 * world_size - 1) * chunk - q_start + bx * block_m - chunk)
-
-
-def key_tiles(first_query, n_tiles: int, block_m: int, block_n: int, causal: bool):
-    """Key tiles a query block starting at global position ``first_query`` visits: all
-    ``n_tiles``, or with ``causal`` those up to its diagonal's."""
-    return T.min(n_tiles, T.ceildiv(first_query + block_m, block_n)) if causal else n_tiles
+__all__ = ["build_async_attention_kernel"]
 
 
 def build_async_attention_kernel(world_size: int, batch: int, seq_q: int, seq_kv: int, heads: int, kv_heads: int,
