@@ -15,8 +15,9 @@ import math
 
 import pytest
 import torch
-from examples_helpers import (CpuAllocator, LaunchRecorder, close_rank_heap, lower_with, needs_nvcc, expect_checks,
-                              gpu_rank_test, open_rank_heap, record_compiles, side_stream_beside)
+from examples_helpers import (CpuAllocator, LaunchRecorder, close_rank_heap, expect_checks, gpu_rank_test, in_order,
+                              lower_with, needs_nvcc, nvcc_resources, open_rank_heap, record_compiles,
+                              side_stream_beside)
 
 from tilescale_examples import ClosedError
 from tilescale_examples.sequence.flash_attention import torch_reference as attention_reference
@@ -266,7 +267,7 @@ def test_generated_cuda_of_the_fused_kernels():
     assert peers.index(wait) < peers.index("__syncthreads();\n  tl::fence_proxy_async();") < peers.index("tma_load")
     assert peers.index("tl::fence_proxy_async();") < peers.index("warpgroup_reg_dealloc")
     # rank x 8 key tiles (producer and consumer), resumed from the own shard's output and lse / scale
-    assert peers.count("for (int kb = 0; kb < (rank * 8); ++kb)") == 1 and "kb_1 < (rank * 8)" in peers
+    assert peers.count("for (int t = 0; t < (rank * 8); ++t)") == 1 and "t_1 < (rank * 8)" in peers
     assert "__bfloat1622float2" in peers and "row_max[i_4] = (LSE[" in peers and "denom[i_4] = 0x1p+0f" in peers
     full = lower_with(build_sp_peer_attention_kernel(4, 2, 1024, 8, 2, 128, False, 128 ** -0.5), {})
     assert "if (src != rank) {" in full and "for (int t = 0; t < 24; ++t)" in full  # 3 other shards x 8 tiles
@@ -299,6 +300,27 @@ def test_fused_kernels_compile_with_nvcc(tmp_path, monkeypatch):
                        (build_sp_own_attention_kernel(1, 256, 4, 1, 128, True, 128 ** -0.5), "sp_attention_own")):
         kernel = tilelang.compile(func, target={"kind": "cuda", "arch": "sm_90a"})
         assert kernel.prim_func.attrs["global_symbol"] == name
+
+
+@needs_nvcc
+@pytest.mark.parametrize("build, args", [
+    (build_sp_peer_attention_kernel, (4, 1, 1024, 8, 2, 128, True, 128 ** -0.5)),
+    (build_sp_peer_attention_kernel, (4, 1, 1024, 8, 2, 128, False, 128 ** -0.5)),
+    (build_sp_peer_attention_kernel, (4, 1, 1024, 8, 2, 128, True, 128 ** -0.5, "bfloat16", 128, 128, 2, 256,
+                                      "zigzag")),
+    (build_sp_own_attention_kernel, (1, 1024, 8, 2, 128, True, 128 ** -0.5)),
+    (build_sp_attention_kernel, (4, 1, 1024, 8, 2, 128, True, 128 ** -0.5, "bfloat16", 128, 128, 2, 256, "zigzag"))])
+def test_async_kernels_keep_the_sync_structure_and_compile_without_spills(build, args, tmp_path):
+    """pipeline="async": the producer and consumer warpgroups of the async attention pipeline,
+    the peer kernel's flag waits before them and its rows resumed in the consumers; nvcc
+    without spills."""
+    src = lower_with(build(*args, pipeline="async"), {})
+    peers = build is build_sp_peer_attention_kernel
+    start = "__syncthreads();\n  tl::fence_proxy_async();" if peers else "__syncthreads();"
+    assert in_order(src, start, "if (((int)threadIdx.x) < 128)", "warpgroup_reg_alloc<232>()", "wgmma_ss<",
+                    "wgmma_rs<", "wait_wgmma<1>()")
+    assert ("wait_until<" in src) == peers and ("denom[i_4] = 0x1p+0f" in src) == peers  # flags; resumed rows
+    assert nvcc_resources(src, tmp_path)[1] == 0
 
 
 class _Push:
@@ -392,12 +414,14 @@ def test_auto_algorithm_choices(monkeypatch, fused_available, caplog):
 
 
 # ------------------------------------------------------------------------------ GPU
-GPU_CASES = [  # batch, seq_local, heads, kv_heads, head_dim, causal, dtype, order, algorithm
-    (1, 1024, 8, 2, 128, True, torch.bfloat16, "contiguous", "auto"),
-    (2, 512, 4, 4, 64, False, torch.float16, "contiguous", "auto"),
-    (1, 256, 4, 1, 256, True, torch.bfloat16, "contiguous", "auto"),
-    (1, 1024, 8, 2, 128, True, torch.bfloat16, "zigzag", "auto"),
-    (1, 512, 8, 2, 128, True, torch.bfloat16, "contiguous", "sequential"),  # auto is fused at one rank
+GPU_CASES = [  # batch, seq_local, heads, kv_heads, head_dim, causal, dtype, order, algorithm, pipeline
+    (1, 1024, 8, 2, 128, True, torch.bfloat16, "contiguous", "auto", "sync"),
+    (2, 512, 4, 4, 64, False, torch.float16, "contiguous", "auto", "sync"),
+    (1, 256, 4, 1, 256, True, torch.bfloat16, "contiguous", "auto", "sync"),
+    (1, 1024, 8, 2, 128, True, torch.bfloat16, "zigzag", "auto", "sync"),
+    (1, 512, 8, 2, 128, True, torch.bfloat16, "contiguous", "sequential", "sync"),  # auto is fused at one rank
+    (1, 1024, 8, 2, 128, True, torch.bfloat16, "zigzag", "auto", "async"),
+    (2, 512, 4, 4, 64, False, torch.float16, "contiguous", "sequential", "async"),
 ]
 
 
@@ -405,8 +429,9 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     alloc = open_rank_heap(rank, world, cache_dir, 2**29)
     dev = torch.device(alloc.device)
     checks = 0
-    for c, (B, SP, H, Hkv, D, causal, dtype, order, algorithm) in enumerate(GPU_CASES):
-        op = SPAllGatherAttention(alloc, B, SP, H, Hkv, D, dtype, causal=causal, order=order, algorithm=algorithm)
+    for c, (B, SP, H, Hkv, D, causal, dtype, order, algorithm, pipeline) in enumerate(GPU_CASES):
+        op = SPAllGatherAttention(alloc, B, SP, H, Hkv, D, dtype, causal=causal, order=order, algorithm=algorithm,
+                                  pipeline=pipeline)
 
         def check(shards, where, inst=op):
             want_o, want_lse = torch_reference(shards, rank, causal, order)
@@ -445,7 +470,8 @@ def gpu_rank_body(rank: int, world: int, cache_dir: str) -> dict:
             check(shards, f"case {c} replay {replay}")
             checks += 1
         # two instances at once: this one on a side stream, another on the current stream
-        other = SPAllGatherAttention(alloc, B, SP, H, Hkv, D, dtype, causal=causal, order=order, algorithm=algorithm)
+        other = SPAllGatherAttention(alloc, B, SP, H, Hkv, D, dtype, causal=causal, order=order, algorithm=algorithm,
+                                     pipeline=pipeline)
         sa = _shards(world, B, SP, H, Hkv, D, dtype, seed=100 * c + 70)
         sb = _shards(world, B, SP, H, Hkv, D, dtype, seed=100 * c + 71)
         checks += side_stream_beside(lambda: op(*(t.to(dev) for t in sa[rank])),

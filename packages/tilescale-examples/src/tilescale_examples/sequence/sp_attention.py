@@ -54,112 +54,16 @@ from typing import Literal, Optional, Sequence, Tuple, Union
 
 import torch
 
-from tilescale_examples._macros import T
 from tilescale_examples.base import check_bool, check_positive_int, settle
 from tilescale_examples.sequence._attention_op import AttentionOp
-from tilescale_examples.sequence.flash_attention import (DTYPES, LOG2E, attend_tile, attention_buffers,
-                                                         build_attention_kernel, check_head_dim, check_scale,
-                                                         check_tiles, compile_options, resume_rows, store_rows)
+from tilescale_examples.sequence.flash_attention import (DTYPES, check_head_dim, check_pipeline, check_scale,
+                                                         check_tiles, compile_options)
+from tilescale_examples.sequence.sp_kernels import (build_sp_attention_kernel, build_sp_own_attention_kernel,
+                                                    build_sp_peer_attention_kernel)
 from tilescale_examples.sequence.flash_attention import torch_reference as attention_reference
 
 __all__ = ["SPAllGatherAttention", "build_sp_attention_kernel", "build_sp_own_attention_kernel",
            "build_sp_peer_attention_kernel", "torch_reference", "positions", "ORDERS", "ALGORITHMS"]
-
-
-def build_sp_attention_kernel(world_size: int, batch: int, seq_local: int, heads: int, kv_heads: int, head_dim: int,
-                              causal: bool, scale: float, dtype: str = "bfloat16", block_m: int = 128,
-                              block_n: int = 128, num_stages: int = 2, threads: int = 256, order: str = "contiguous"):
-    """:func:`~tilescale_examples.sequence.flash_attention.build_attention_kernel` over the
-    gathered shards: ``sp_attention(Q, K, V, O, LSE, q_start)``, ``Q (B, SP, H, D)``, ``K``, ``V
-    (W, B, SP, Hkv, D)``, ``q_start`` the global position of this rank's first query (see
-    :func:`positions`)."""
-    return build_attention_kernel(world_size, batch, seq_local, seq_local, heads, kv_heads, head_dim, causal, scale,
-                                  dtype, block_m, block_n, num_stages, threads, name=f"sp_attention_{order}",
-                                  zigzag=order == "zigzag")
-
-
-def build_sp_own_attention_kernel(batch: int, seq_local: int, heads: int, kv_heads: int, head_dim: int, causal: bool,
-                                  scale: float, dtype: str = "bfloat16", block_m: int = 128, block_n: int = 128,
-                                  num_stages: int = 2, threads: int = 256):
-    """The fused algorithm's first kernel: the flash kernel over this rank's own shard,
-    ``sp_attention_own(Q, K, V, O, LSE, q_start)`` with ``K``, ``V`` as ``(1, B, SP, Hkv, D)``
-    and ``q_start = 0`` (queries and keys are the same positions: causal is the diagonal)."""
-    return build_attention_kernel(1, batch, seq_local, seq_local, heads, kv_heads, head_dim, causal, scale, dtype,
-                                  block_m, block_n, num_stages, threads, name="sp_attention_own")
-
-
-def build_sp_peer_attention_kernel(world_size: int, batch: int, seq_local: int, heads: int, kv_heads: int,
-                                   head_dim: int, causal: bool, scale: float, dtype: str = "bfloat16",
-                                   block_m: int = 128, block_n: int = 128, num_stages: int = 2, threads: int = 256,
-                                   order: str = "contiguous"):
-    """The fused algorithm's second kernel ``sp_attention_peers(Q, K, V, O, LSE, FlagsK, FlagsV,
-    rank)``: ``Q (B, SP, H, D)``; ``K``, ``V (W, B, SP, Hkv, D)`` the gathered shards; ``O (B,
-    SP, H, D)`` and ``LSE (B, H, SP)`` float32 the own shard's result, continued and
-    overwritten; ``FlagsK``, ``FlagsV (W,)`` uint64 ready flags; ``rank``.
-
-    Thread 0 of each block waits until ``FlagsK[src]`` and ``FlagsV[src]`` are 1 for every
-    shard ``src`` it reads, then the block resumes its rows' online softmax
-    (:func:`~tilescale_examples.sequence.flash_attention.resume_rows`) over those shards' key
-    tiles, each either wholly visible or not read (nothing is masked):
-
-    * not causal: every shard but ``rank``;
-    * causal, ``"contiguous"``: shards ``0 .. rank - 1`` (``rank * SP / block_n`` tiles);
-    * causal, ``"zigzag"`` (shard ``p`` is chunks ``p`` and ``2 W - 1 - p`` of ``C = SP / 2``
-      positions, :func:`positions`): a block of the first chunk reads the first chunks of
-      shards ``0 .. rank - 1``; a block of the second chunk reads the first chunk of every
-      other shard, then the second chunks of shards ``rank + 1 .. W - 1``.
-
-    Grid ``SP / block_m x H x B``; ``SP`` a multiple of the tiles (zigzag: of twice the tiles;
-    checked by the caller)."""
-    W, groups, tps = world_size, heads // kv_heads, seq_local // block_n
-    zigzag = causal and order == "zigzag"  # without a mask the order changes nothing
-    C, tpc = seq_local // 2, seq_local // 2 // block_n
-    scale_log2 = scale * LOG2E
-
-    @T.prim_func
-    def sp_attention_peers(Q: T.Tensor((batch, seq_local, heads, head_dim), dtype),
-                           K: T.Tensor((W, batch, seq_local, kv_heads, head_dim), dtype),
-                           V: T.Tensor((W, batch, seq_local, kv_heads, head_dim), dtype),
-                           O: T.Tensor((batch, seq_local, heads, head_dim), dtype),
-                           LSE: T.Tensor((batch, heads, seq_local), "float32"), FlagsK: T.Tensor((W,), "uint64"),
-                           FlagsV: T.Tensor((W,), "uint64"), rank: T.int32):
-        with T.Kernel(seq_local // block_m, heads, batch, threads=threads) as (bx, by, bz):
-            buffers = attention_buffers(block_m, block_n, head_dim, dtype)
-            q_tile, out, row_max, denom = buffers[0], buffers[5], buffers[6], buffers[10]
-            kv_head = by // groups
-            if zigzag:
-                second = bx * block_m >= C  # this block's rows are the shard's second chunk
-            if T.get_thread_binding() == 0:  # the shards this block reads have landed
-                for src in T.serial(W):
-                    if zigzag:
-                        if src != rank and (src < rank or second):
-                            T.wait_ge(FlagsK[src], 1)
-                            T.wait_ge(FlagsV[src], 1)
-                    elif src != rank and (src < rank or not causal):
-                        T.wait_ge(FlagsK[src], 1)
-                        T.wait_ge(FlagsV[src], 1)
-            T.sync_threads()
-            T.fence_proxy_async()  # the landed shards before the async-proxy (TMA) reads
-            T.copy(Q[bz, bx * block_m:(bx + 1) * block_m, by, :], q_tile)
-            resume_rows(out, denom, row_max, O, LSE, bz, bx * block_m, by, scale, block_m)
-            if zigzag:
-                visits = T.if_then_else(second, (2 * W - 2 - rank) * tpc, rank * tpc)
-            else:
-                visits = rank * tps if causal else (W - 1) * tps
-            for t in T.Pipelined(visits, num_stages=num_stages):
-                if zigzag:  # first chunks (skipping the own shard), then the later shards' second chunks
-                    late, early = t >= (W - 1) * tpc, t // tpc
-                    shard = T.if_then_else(late, rank + 1 + (t - (W - 1) * tpc) // tpc,
-                                           T.if_then_else(second and early >= rank, early + 1, early))
-                    first = T.if_then_else(late, C, 0) + (t % tpc) * block_n
-                else:
-                    kb = t if causal else t + T.if_then_else(t >= rank * tps, tps, 0)  # every tile but the own shard's
-                    shard, first = kb // tps, (kb % tps) * block_n
-                attend_tile(K, V, shard, first, bz, kv_head, buffers, 0, 0, False, None, scale_log2)
-            store_rows(O, LSE, buffers, bz, bx * block_m, by, scale)
-
-    return sp_attention_peers.with_attr("global_symbol", f"sp_attention_peers_{order}" if zigzag
-                                        else "sp_attention_peers")
 
 
 #: Values of ``algorithm`` (see the module docstring).
@@ -224,8 +128,11 @@ class SPAllGatherAttention(AttentionOp):
         fast_math: compile the attention kernels with nvcc's ``--use_fast_math`` (the default,
             as :func:`~tilescale_examples.sequence.flash_attention.flash_attention`'s);
             ``False``: IEEE exponentials and division.
+        pipeline: the attention kernels' pipeline, ``"sync"`` (the default) or ``"async"``
+            (as :func:`~tilescale_examples.sequence.flash_attention.flash_attention` takes it).
         tiles: ``block_m``, ``block_n``, ``num_stages``, ``threads`` (default
-            :func:`~tilescale_examples.sequence.flash_attention.default_tiles`).
+            :func:`~tilescale_examples.sequence.flash_attention.default_tiles` of the head
+            dimension and ``pipeline``).
 
     Attributes: ``output``, ``lse`` (the default outputs), ``algorithm`` and
     ``algorithm_reason``, ``kernel``; fused: ``own_kernel``, ``gathered_k``, ``gathered_v``
@@ -243,17 +150,19 @@ class SPAllGatherAttention(AttentionOp):
     def __init__(self, allocator, batch: int, seq_local: int, heads: int, kv_heads: int, head_dim: int,
                  dtype: Union[torch.dtype, str], *, world_size: Optional[int] = None, group=None, causal: bool = True,
                  order: str = "contiguous", algorithm: Literal["auto", "fused", "sequential"] = "auto",
-                 scale: Optional[float] = None, fast_math: bool = True, target=None, **tiles):
+                 scale: Optional[float] = None, fast_math: bool = True, pipeline: str = "sync", target=None,
+                 **tiles):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         self.fast_math = check_bool("fast_math", fast_math)
+        self.pipeline = check_pipeline(pipeline)
         self._setup_op(allocator, dtype, world_size, group, tuple(DTYPES))
         self.batch, self.seq_local = check_positive_int("batch", batch), check_positive_int("seq_local", seq_local)
         self.heads, self.kv_heads = check_positive_int("heads", heads), check_positive_int("kv_heads", kv_heads)
         self.head_dim = check_head_dim(check_positive_int("head_dim", head_dim))
         if heads % kv_heads:
             raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
-        self.tiles = check_tiles(tiles, head_dim)
+        self.tiles = check_tiles(tiles, head_dim, pipeline)
         if order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
         unit = 2 if order == "zigzag" else 1  # a zigzag shard is two chunks of whole tiles
@@ -302,7 +211,8 @@ class SPAllGatherAttention(AttentionOp):
         self.gather_v = AllGather(self.allocator, self.kv_shape, self.dtype, world_size=self.world_size, group=group,
                                   target=target)
         args = (self.world_size, *self._kernel_args())
-        self.kernel = self._compile_plain(lambda: build_sp_attention_kernel(*args, **self.tiles, order=self.order),
+        self.kernel = self._compile_plain(lambda: build_sp_attention_kernel(*args, **self.tiles, order=self.order,
+                                                                            pipeline=self.pipeline),
                                           target, compile_options(self.fast_math))
 
     def _build_fused(self, target) -> None:
@@ -311,7 +221,8 @@ class SPAllGatherAttention(AttentionOp):
         from tilescale_examples.overlap.stream_ops import peer_views
 
         W = self.world_size
-        self.own_kernel = self._compile_plain(lambda: build_sp_own_attention_kernel(*self._kernel_args(), **self.tiles),
+        self.own_kernel = self._compile_plain(lambda: build_sp_own_attention_kernel(*self._kernel_args(), **self.tiles,
+                                                                                pipeline=self.pipeline),
                                               target, compile_options(self.fast_math))
         if W == 1:  # nothing to gather: the own shard is the whole sequence
             self.kernel = self.own_kernel
@@ -330,7 +241,8 @@ class SPAllGatherAttention(AttentionOp):
             free.view(torch.int64).fill_(1)  # every peer's slot may be written
         args = (W, *self._kernel_args())
         self.kernel = self._compile_plain(lambda: build_sp_peer_attention_kernel(*args, **self.tiles,
-                                                                                 order=self.order),
+                                                                                 order=self.order,
+                                                                                 pipeline=self.pipeline),
                                           target, compile_options(self.fast_math))
         settle(self.device, self.group)
 
