@@ -80,9 +80,15 @@ def build_sp_peer_attention_kernel(world_size: int, batch: int, seq_local: int, 
     scale_log2 = scale * LOG2E
     layout = (W, seq_local, block_n, causal, zigzag)
     name = f"sp_attention_peers_{order}" if zigzag else "sp_attention_peers"
-    if check_pipeline(pipeline) == "async":
-        return _async_peer_kernel(batch, seq_local, heads, kv_heads, head_dim, scale, dtype, block_m, block_n,
-                                  num_stages, threads, layout, name)
+    asynchronous = check_pipeline(pipeline) == "async"
+    block_threads, block = threads, None
+    if asynchronous:
+        from tilescale_examples.overlap.gemm_async import PRODUCER_THREADS
+        from tilescale_examples.sequence.flash_attention_async import async_attention_block
+
+        block_threads = threads + PRODUCER_THREADS
+        block = async_attention_block(block_m, block_n, head_dim, dtype, num_stages, threads,
+                                      lambda t, rank, second: peer_tile_source(t, rank, second, *layout))
 
     @T.prim_func
     def sp_attention_peers(Q: T.Tensor((batch, seq_local, heads, head_dim), dtype),
@@ -91,50 +97,25 @@ def build_sp_peer_attention_kernel(world_size: int, batch: int, seq_local: int, 
                            O: T.Tensor((batch, seq_local, heads, head_dim), dtype),
                            LSE: T.Tensor((batch, heads, seq_local), "float32"), FlagsK: T.Tensor((W,), "uint64"),
                            FlagsV: T.Tensor((W,), "uint64"), rank: T.int32):
-        with T.Kernel(seq_local // block_m, heads, batch, threads=threads) as (bx, by, bz):
-            buffers = attention_buffers(block_m, block_n, head_dim, dtype)
-            q_tile, out, row_max, denom = buffers[0], buffers[5], buffers[6], buffers[10]
+        with T.Kernel(seq_local // block_m, heads, batch, threads=block_threads) as (bx, by, bz):
             kv_head = by // groups
             if zigzag:
                 second = bx * block_m >= seq_local // 2  # this block's rows are the shard's second chunk
             wait_peer_shards(FlagsK, FlagsV, rank, second if zigzag else False, W, causal, zigzag)
-            T.copy(Q[bz, bx * block_m:(bx + 1) * block_m, by, :], q_tile)
-            resume_rows(out, denom, row_max, O, LSE, bz, bx * block_m, by, scale, block_m)
             visits = peer_tiles(rank, second if zigzag else False, *layout)
-            for t in T.Pipelined(visits, num_stages=num_stages):
-                shard, first = peer_tile_source(t, rank, second if zigzag else False, *layout)
-                attend_tile(K, V, shard, first, bz, kv_head, buffers, 0, 0, False, None, scale_log2)
-            store_rows(O, LSE, buffers, bz, bx * block_m, by, scale)
-
-    return sp_attention_peers.with_attr("global_symbol", name)
-
-
-def _async_peer_kernel(batch, seq_local, heads, kv_heads, head_dim, scale, dtype, block_m, block_n, num_stages,
-                       threads, layout, name):
-    """:func:`build_sp_peer_attention_kernel` with ``pipeline="async"``: the same parameters
-    and flag waits, the rows continued on the async pipeline."""
-    from tilescale_examples.overlap.gemm_async import PRODUCER_THREADS
-    from tilescale_examples.sequence.flash_attention_async import async_attention_block
-
-    W, causal, zigzag = layout[0], layout[3], layout[4]
-    groups = heads // kv_heads
-    block = async_attention_block(block_m, block_n, head_dim, dtype, num_stages, threads,
-                                  lambda t, rank, second: peer_tile_source(t, rank, second, *layout))
-
-    @T.prim_func
-    def sp_attention_peers(Q: T.Tensor((batch, seq_local, heads, head_dim), dtype),
-                           K: T.Tensor((W, batch, seq_local, kv_heads, head_dim), dtype),
-                           V: T.Tensor((W, batch, seq_local, kv_heads, head_dim), dtype),
-                           O: T.Tensor((batch, seq_local, heads, head_dim), dtype),
-                           LSE: T.Tensor((batch, heads, seq_local), "float32"), FlagsK: T.Tensor((W,), "uint64"),
-                           FlagsV: T.Tensor((W,), "uint64"), rank: T.int32):
-        with T.Kernel(seq_local // block_m, heads, batch, threads=threads + PRODUCER_THREADS) as (bx, by, bz):
-            if zigzag:
-                second = bx * block_m >= seq_local // 2  # this block's rows are the shard's second chunk
-            wait_peer_shards(FlagsK, FlagsV, rank, second if zigzag else False, W, causal, zigzag)
-            block(Scope(Q=Q, K=K, V=V, O=O, LSE=LSE, bx=bx, by=by, bz=bz, kv_head=by // groups,
-                        tiles=peer_tiles(rank, second if zigzag else False, *layout), first_query=0, causal=False,
-                        key_end=None, scale=scale, resume=True, source=(rank, second if zigzag else False)))
+            if asynchronous:
+                block(Scope(Q=Q, K=K, V=V, O=O, LSE=LSE, bx=bx, by=by, bz=bz, kv_head=kv_head, tiles=visits,
+                            first_query=0, causal=False, key_end=None, scale=scale, resume=True,
+                            source=(rank, second if zigzag else False)))
+            else:
+                buffers = attention_buffers(block_m, block_n, head_dim, dtype)
+                q_tile, out, row_max, denom = buffers[0], buffers[5], buffers[6], buffers[10]
+                T.copy(Q[bz, bx * block_m:(bx + 1) * block_m, by, :], q_tile)
+                resume_rows(out, denom, row_max, O, LSE, bz, bx * block_m, by, scale, block_m)
+                for t in T.Pipelined(visits, num_stages=num_stages):
+                    shard, first = peer_tile_source(t, rank, second if zigzag else False, *layout)
+                    attend_tile(K, V, shard, first, bz, kv_head, buffers, 0, 0, False, None, scale_log2)
+                store_rows(O, LSE, buffers, bz, bx * block_m, by, scale)
 
     return sp_attention_peers.with_attr("global_symbol", name)
 
