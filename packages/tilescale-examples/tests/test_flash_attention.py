@@ -182,7 +182,7 @@ def test_gpu_flash_attention_matches_the_reference(case):
         q, k, v = _inputs(B, Sq, Skv, H, Hkv, D, dtype, "cuda", seed)
         out = torch.full((B, Sq, H, D), float("nan"), dtype=dtype, device="cuda")
         lse = torch.full((B, H, Sq), float("nan"), device="cuda")
-        flash_attention(q, k, v, causal=causal, out=out, lse=lse, fast_math=seed != 2)
+        flash_attention(q, k, v, causal=causal, out=out, lse=lse, fast_math=seed != 2, pipeline="sync")
         want_o, want_lse = torch_reference(q, k, v, causal=causal)
         torch.cuda.synchronize()
         assert torch.allclose(out.float(), want_o, atol=2e-2, rtol=2e-2), (out.float() - want_o).abs().max()
@@ -192,19 +192,19 @@ def test_gpu_flash_attention_matches_the_reference(case):
 @pytest.mark.gpu
 def test_gpu_flash_attention_on_a_side_stream_and_in_a_cuda_graph():
     q, k, v = _inputs(1, 1024, 1024, 8, 2, 128, torch.bfloat16, "cuda")
-    out, lse = flash_attention(q, k, v, causal=True)  # compiled and warm
+    out, lse = flash_attention(q, k, v, causal=True, pipeline="sync")  # compiled and warm
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         out.fill_(float("nan"))
-        flash_attention(q, k, v, causal=True, out=out, lse=lse)
+        flash_attention(q, k, v, causal=True, out=out, lse=lse, pipeline="sync")
     torch.cuda.current_stream().wait_stream(side)
     want_o, _ = torch_reference(q, k, v, causal=True)
     torch.cuda.synchronize()
     assert torch.allclose(out.float(), want_o, atol=2e-2, rtol=2e-2)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        flash_attention(q, k, v, causal=True, out=out, lse=lse)
+        flash_attention(q, k, v, causal=True, out=out, lse=lse, pipeline="sync")
     for seed in (5, 6):
         fresh = _inputs(1, 1024, 1024, 8, 2, 128, torch.bfloat16, "cuda", seed)
         for dst, src in zip((q, k, v), fresh):

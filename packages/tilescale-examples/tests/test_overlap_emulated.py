@@ -147,9 +147,9 @@ def test_precompiled_kernels_are_the_ones_the_ops_build(tmp_path):
     from tilescale_examples.sequence.flash_attention import default_tiles
 
     sp = precompile_jobs("sp_attention", 2, 1, 256, 4, 2, 128, "bfloat16", causal=False)
-    tiles = default_tiles(128)  # 128 x 128, one stage, 256 threads
+    tiles = default_tiles(128, "async")  # 128 x 128, two stages, 256 threads: the op's default pipeline
     assert sp[1][1] == (2, 1, 256, 4, 2, 128, False, 128 ** -0.5, "bfloat16", tiles["block_m"], tiles["block_n"],
-                        tiles["num_stages"], tiles["threads"], "contiguous")
+                        tiles["num_stages"], tiles["threads"], "contiguous", "async")
     assert precompile(ag + rs + sp, cache_dir=tmp_path, workers=2) == [
         "gemm", "ag_gemm", "gemm", "gemm", "gemm_rs", "reduce_partials", "sp_attention_own", "sp_attention_peers"]
 

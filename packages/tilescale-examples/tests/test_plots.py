@@ -39,6 +39,7 @@ EXPECTED = {
     "gemm": ("gemm", [6 * 5]),  # matmul, stock, async, persistent and stream-K TFLOP/s per (m, n)
     "gemm_2": ("gemm", [6 * 5]),  # the same with the row warp policy
     "gemm_3": ("gemm", [6 * 4]),  # 128x224 tiles: matmul, stock, async, persistent
+    "gemm_4": ("gemm", [6 * 7]),  # the TMA-store epilogue: matmul, stock(-tma), async(-tma), persistent(-tma)
     "overlapped_gemms_on_the_async_pipeline": ("gemm", [4 * 5]),  # as ag_gemm
     "overlapped_gemms_on_the_async_pipeline_2": ("gemm", [4 * 5]),  # as gemm_rs
     "gemm_allreduce": ("bars", [19 * 3]),  # fused, mm+AR, mm us per (m, tiles)
@@ -58,6 +59,7 @@ EXPECTED = {
     "overlap_emulated": ("bars", [4 * 2]),  # x GEMM alone, x copies then GEMM per (op, ranks)
     "overlap_emulated_2": ("bars", [12 * 4]),  # fused, GEMM alone, matmul, copies ms per (op, ranks, m_local)
     "attention": ("gemm", [6 * 2]),  # tilescale and best torch TFLOP/s per (seq, causal)
+    "attention_2": ("gemm", [12 * 2]),  # the same per (seq, causal, pipeline)
     "sp_attention": ("bars", [2 * 3]),  # sp, flash, sequential us per seq
     "sp_attention_2": ("bars", [9 * 3]),  # decode, torch, combine us per (batch, kv, splits)
     "low_latency_moe": ("lines", [6]),  # ratios per phase (dispatch, dispatch+combine) against tokens

@@ -19,9 +19,9 @@ causal), and ``vs best``: best torch time / tilescale time (above 1: TileScale i
 optionally ``num_stages`` and ``threads``; the kernel's defaults for the fields left out), a
 row each, against the same torch times; ``tiles`` names the program of a row (`` ieee`` after
 it: compiled with ``fast_math=False``, the kernel's default being fast math; ``--fast-math off
-on`` gives each program a row of each; `` async`` after it: on the async pipeline,
-``--pipeline sync async`` a row of each, a program's fields left out defaulting for its
-pipeline).
+on`` gives each program a row of each; `` sync`` after it: on the sync pipeline (the
+kernel's default being the async one), ``--pipeline sync async`` a row of each, a program's
+fields left out defaulting for its pipeline).
 Before timing,
 TileScale's output is compared with the cuDNN (else flash, else math) backend's at every size
 (bf16 tolerance); a failure is printed and makes the exit status 1.
@@ -69,12 +69,12 @@ def parse_tiles(text: str) -> dict:
     return _harness.tile_fields(text, TILE_OPTIONS, blocks=2)
 
 
-def tiles_label(tiles: dict, fast_math: bool = True, pipeline: str = "sync") -> str:
-    """Tile keywords (all of them) as ``BMxBN:STAGES:THREADS``, then `` async`` on the async
-    pipeline and `` ieee`` without ``fast_math`` (the kernel's defaults: the sync pipeline,
+def tiles_label(tiles: dict, fast_math: bool = True, pipeline: str = "async") -> str:
+    """Tile keywords (all of them) as ``BMxBN:STAGES:THREADS``, then `` sync`` on the sync
+    pipeline and `` ieee`` without ``fast_math`` (the kernel's defaults: the async pipeline,
     fast math)."""
     label = f"{tiles['block_m']}x{tiles['block_n']}:{tiles['num_stages']}:{tiles['threads']}"
-    return label + ("" if pipeline == "sync" else f" {pipeline}") + ("" if fast_math else " ieee")
+    return label + ("" if pipeline == "async" else f" {pipeline}") + ("" if fast_math else " ieee")
 
 
 def run_case(args, seq: int, causal: bool, device, programs=({},)) -> tuple:
@@ -105,7 +105,7 @@ def run_case(args, seq: int, causal: bool, device, programs=({},)) -> tuple:
     best = min(times.values()) if times else None
     rows, failures = [], []
     for tiles in programs:
-        pipeline = tiles.get("pipeline", "sync")
+        pipeline = tiles.get("pipeline", "async")
         label = tiles_label(check_tiles({k: v for k, v in tiles.items() if k not in ("fast_math", "pipeline")},
                                         args.head_dim, pipeline), tiles.get("fast_math", True), pipeline)
         out = torch.full_like(q, float("nan"))
@@ -144,8 +144,8 @@ def main(argv=None) -> int:
                    help="tile programs of TileScale's kernel, a row each (default: its own)")
     p.add_argument("--fast-math", nargs="+", default=["on"], choices=["off", "on"],
                    help="compile TileScale's kernel without / with fast math (its default), a row each")
-    p.add_argument("--pipeline", nargs="+", default=["sync"], choices=["sync", "async"],
-                   help="TileScale's kernel on the sync (its default) / async pipeline, a row each")
+    p.add_argument("--pipeline", nargs="+", default=["async"], choices=["sync", "async"],
+                   help="TileScale's kernel on the sync / async (its default) pipeline, a row each")
     args = _harness.parse_args(p, argv)
     try:
         tiles = [parse_tiles(t) for t in args.tiles] if args.tiles else [{}]

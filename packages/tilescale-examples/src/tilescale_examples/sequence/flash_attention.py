@@ -206,7 +206,9 @@ def default_tiles(head_dim: int, pipeline: str = "sync") -> dict:
 #: The attention kernel's pipelines: ``"sync"`` (TileLang's warp specialisation of
 #: ``T.Pipelined``: each consumer step waits for its GEMM) and ``"async"``
 #: (:mod:`~tilescale_examples.sequence.flash_attention_async`: a tile's softmax overlapped with
-#: the previous tile's output GEMM).
+#: the previous tile's output GEMM; the default of :func:`flash_attention` and of
+#: :class:`~tilescale_examples.sequence.sp_attention.SPAllGatherAttention`, 1.03-1.15x faster
+#: than ``"sync"`` in docs/benchmarks.md's attention table).
 PIPELINES = ("sync", "async")
 
 
@@ -379,7 +381,7 @@ _KERNELS: dict = {}
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
-                    lse: Optional[torch.Tensor] = None, fast_math: bool = True, pipeline: str = "sync",
+                    lse: Optional[torch.Tensor] = None, fast_math: bool = True, pipeline: str = "async",
                     **tiles) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention forward ``(o, lse)`` of ``q (B, Sq, H, D)``, ``k``, ``v (B, Skv, Hkv, D)``
     (see the module docstring), on the current stream.
@@ -394,9 +396,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
             examples are; the default): the exponentials, logarithms and the final division
             in their approximate hardware forms (a few float32 ulps), denormals flushed to
             zero. ``False``: IEEE forms (2-19% slower on an H100).
-        pipeline: one of :data:`PIPELINES`: ``"sync"`` (the default) or ``"async"`` (each
-            tile's softmax overlapped with the previous tile's output GEMM,
-            :mod:`~tilescale_examples.sequence.flash_attention_async`; the same arithmetic).
+        pipeline: one of :data:`PIPELINES`: ``"async"`` (the default: each tile's softmax
+            overlapped with the previous tile's output GEMM,
+            :mod:`~tilescale_examples.sequence.flash_attention_async`) or ``"sync"`` (each
+            GEMM waited for before the softmax); the same arithmetic.
         tiles: ``block_m``, ``block_n``, ``num_stages``, ``threads`` (default
             :func:`default_tiles` of the head dimension and ``pipeline``).
 

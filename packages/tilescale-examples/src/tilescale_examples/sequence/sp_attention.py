@@ -128,7 +128,7 @@ class SPAllGatherAttention(AttentionOp):
         fast_math: compile the attention kernels with nvcc's ``--use_fast_math`` (the default,
             as :func:`~tilescale_examples.sequence.flash_attention.flash_attention`'s);
             ``False``: IEEE exponentials and division.
-        pipeline: the attention kernels' pipeline, ``"sync"`` (the default) or ``"async"``
+        pipeline: the attention kernels' pipeline, ``"async"`` (the default) or ``"sync"``
             (as :func:`~tilescale_examples.sequence.flash_attention.flash_attention` takes it).
         tiles: ``block_m``, ``block_n``, ``num_stages``, ``threads`` (default
             :func:`~tilescale_examples.sequence.flash_attention.default_tiles` of the head
@@ -150,7 +150,7 @@ class SPAllGatherAttention(AttentionOp):
     def __init__(self, allocator, batch: int, seq_local: int, heads: int, kv_heads: int, head_dim: int,
                  dtype: Union[torch.dtype, str], *, world_size: Optional[int] = None, group=None, causal: bool = True,
                  order: str = "contiguous", algorithm: Literal["auto", "fused", "sequential"] = "auto",
-                 scale: Optional[float] = None, fast_math: bool = True, pipeline: str = "sync", target=None,
+                 scale: Optional[float] = None, fast_math: bool = True, pipeline: str = "async", target=None,
                  **tiles):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")

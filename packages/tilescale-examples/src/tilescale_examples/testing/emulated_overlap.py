@@ -362,12 +362,13 @@ def precompile_jobs(op: str, ranks: int, *args, max_chunks: int = 8, causal: boo
         from tilescale_examples.sequence.flash_attention import TILE_OPTIONS, default_tiles
 
         batch, seq_local, heads, kv_heads, head_dim, dtype = args
-        tiles = default_tiles(head_dim)
+        pipeline = "async"  # SPAllGatherAttention's default
+        tiles = default_tiles(head_dim, pipeline)
         sizes = (batch, seq_local, heads, kv_heads, head_dim, causal, head_dim ** -0.5, dtype,
                  *(tiles[name] for name in TILE_OPTIONS))
         module = "tilescale_examples.sequence.sp_attention"
-        return [(f"{module}:build_sp_own_attention_kernel", sizes, None),
-                (f"{module}:build_sp_peer_attention_kernel", (ranks, *sizes, order), None)]
+        return [(f"{module}:build_sp_own_attention_kernel", (*sizes, pipeline), None),
+                (f"{module}:build_sp_peer_attention_kernel", (ranks, *sizes, order, pipeline), None)]
     m_local, k, n, dtype = args
     gemm = "tilescale_examples.overlap.gemm:build_gemm_kernel"
     jobs = [(gemm, (ranks * m_local, n, k, dtype), None)]
