@@ -5,7 +5,7 @@
 # STEPs: doctor; demo (python -m tilescale_examples.demo: the README's main job); tests (GPU suite of every package, ranks sharing the GPUs); tests-4 (one
 # rank per GPU); tests-core, tests-host, tests-lang, tests-examples (one package, shared);
 # tests-moe (the MoE dispatch/combine GPU tests alone, shared); tests-reduce (the reduction and all-gather GPU tests, shared);
-# tests-decode (AllReduceResidualRMSNorm, GemmAllReduce), tests-flash (the flash-attention kernel alone), tests-sequence (UlyssesAllToAll, flash attention, SPAllGatherAttention, SPFlashDecode), tests-moe-ll (MoELowLatency), tests-overlap-emulated (the fused
+# tests-decode (AllReduceResidualRMSNorm, GemmAllReduce), tests-flash (the flash-attention kernel alone, both pipelines), tests-sp-async (SPAllGatherAttention's GPU test at 1, 2 and 4 ranks sharing a GPU, its async-pipeline cases among them), tests-sequence (UlyssesAllToAll, flash attention, SPAllGatherAttention, SPFlashDecode), tests-moe-ll (MoELowLatency), tests-overlap-emulated (the fused
 # plans of AllGatherGEMM and GemmReduceScatter on emulated peers), tests-overlap-async (those plans with the
 # async GEMM pipeline), tests-graphs (CUDA graphs and torch.compile),
 # tests-other (all-to-all, overlapped GEMMs, TMA all-reduce), tests-gemm (the async-pipeline and stream-K GEMMs), tests-tma (the lean launcher's TMA
@@ -22,6 +22,7 @@
 # ranks with the rounds launched eagerly instead of replayed from a CUDA graph);
 # bench-decode-lamport (the fused norm's one-shot and Lamport exchanges at one rank);
 # bench-attention-fast (the flash-attention kernel compiled without and with fast math);
+# bench-attention-pipelines (the flash-attention kernel on the sync and the async pipeline);
 # bench-decode-threads (the fused norm with 512 and 1024 threads per block, hidden 8192, 1-16 tokens);
 # bench-call-numbers (the reduction kernels' call numbers on the device against passed by the host:
 # benchmarks.emulated's A/B table, 2/4/8 ranks up to 64 MiB);
@@ -47,12 +48,13 @@ while [[ $# -gt 0 ]]; do
 done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
-# first; each step fits one device call of 600 s: the TMA-store epilogue of the library GEMM
-# (its GPU tests in tests-gemm, its columns in bench-gemm: does the epilogue hold the GEMM
-# below cuBLAS?) and the kernels' SM clock and power under a sustained run; the rest of the
-# tilescale-lang GPU suite in two steps (the others, whose first 25 tests passed before a
-# shortened time limit cut the run, and upstream's programs, test_gpu_upstream.py, alone).
-unverified=(tests-gemm bench-gemm bench-gemm-sustain tests-lang-rest tests-upstream)
+# first; each step fits one device call of 600 s: SPAllGatherAttention on the async attention
+# pipeline at 4 ranks sharing a GPU (its worlds 1 and 2 passed; the cases of tests-sp-async) and
+# the attention table at every length (bench-attention-pipelines); the GEMM kernels' SM clock
+# and power under a sustained run; the rest of the tilescale-lang GPU suite in two steps (the
+# others, whose first 25 tests passed before a shortened time limit cut the run, and upstream's
+# programs, test_gpu_upstream.py, alone).
+unverified=(tests-sp-async bench-attention-pipelines bench-gemm-sustain tests-lang-rest tests-upstream)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
@@ -127,6 +129,8 @@ for step in "${steps[@]}"; do
                                   tilescale_examples.benchmarks.gemm_allreduce --ranks 1 2 --m 1 4 16 64 128 --split-k 1 auto ;;
     bench-attention-fast) run_step "$step" timeout -k 10 400 python3 -m tilescale_examples.benchmarks.attention \
                             --seq 4096 8192 16384 --fast-math off on ;;
+    bench-attention-pipelines) run_step "$step" timeout -k 10 500 python3 -m tilescale_examples.benchmarks.attention \
+                                 --pipeline sync async ;;
     bench-decode-threads) for t in 512 1024; do  # the fused norm's block size at hidden 8192, small batches
                             run_step "bench-decode-t$t" timeout -k 10 280 python3 -m tilescale_examples.benchmarks.decode \
                               --hidden 8192 --tokens 1 4 16 --threads "$t"
@@ -170,8 +174,12 @@ for step in "${steps[@]}"; do
     tests-sequence) run_step tests-sequence env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
                       packages/tilescale-examples/tests/test_ulysses.py packages/tilescale-examples/tests/test_flash_attention.py packages/tilescale-examples/tests/test_flash_decode.py packages/tilescale-examples/tests/test_sp_attention.py \
                       -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
+    tests-sp-async) run_step tests-sp-async env TILESCALE_SHARE_GPUS=1 timeout -k 10 560 python3 -m pytest \
+                      packages/tilescale-examples/tests/test_sp_attention.py \
+                      -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-flash) run_step tests-flash env TILESCALE_SHARE_GPUS=1 timeout -k 10 300 python3 -m pytest \
                    packages/tilescale-examples/tests/test_flash_attention.py \
+                   packages/tilescale-examples/tests/test_flash_attention_async.py \
                    -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-graphs) run_step tests-graphs env TILESCALE_SHARE_GPUS=1 timeout -k 10 560 python3 -m pytest \
                     packages/tilescale-examples/tests/test_graphs.py \
