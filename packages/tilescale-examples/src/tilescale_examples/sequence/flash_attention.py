@@ -21,7 +21,10 @@ float32 (tensor-core GEMMs, WGMMA on Hopper) with the online softmax in base 2; 
 stops at its diagonal. Any sequence lengths (a tail tile's loads read zeros, its keys are
 masked and its rows not stored; the tiles, ``block_m`` x ``block_n``, are 128 x 128 by default
 for head dim 64 and 128, 128 x 64 above), head dim one of :data:`HEAD_DIMS`, dtype bfloat16 or
-float16.
+float16. :func:`flash_attention` runs it on one of two pipelines (:data:`PIPELINES`): by default
+the async one (:mod:`~tilescale_examples.sequence.flash_attention_async`: each tile's softmax
+overlapped with the previous tile's output GEMM), or ``pipeline="sync"`` (TileLang's
+``T.Pipelined``, each GEMM waited for); the same arithmetic.
 """
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
