@@ -19,7 +19,7 @@ import pytest
 import torch
 from examples_helpers import exits_naming, in_order, lower_with, needs_nvcc, nvcc_resources
 from pipeline_model import Barrier
-from test_flash_attention import CASES
+from test_flash_attention import CASES, _inputs
 
 from tilescale_examples.sequence.flash_attention import (build_flash_attention_kernel, compile_options,
                                                          default_tiles, flash_attention, torch_reference)
@@ -226,12 +226,6 @@ def test_pipeline_argument_and_defaults(capsys):
 GPU_CASES = CASES  # the sync kernel's GPU cases: B, Sq, Skv, H, Hkv, D, causal, dtype
 
 
-def _gpu_inputs(B, Sq, Skv, H, Hkv, D, dtype, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return tuple(torch.randn(shape, generator=g, device="cuda").to(dtype)
-                 for shape in ((B, Sq, H, D), (B, Skv, Hkv, D), (B, Skv, Hkv, D)))
-
-
 def _poisoned(q, H):
     B, Sq, _, D = q.shape
     return (torch.full((B, Sq, H, D), float("nan"), dtype=q.dtype, device="cuda"),
@@ -245,7 +239,7 @@ def test_gpu_async_attention_matches_the_reference_and_the_sync_kernel(case):
     within the same bound (the same arithmetic in another order of issue)."""
     B, Sq, Skv, H, Hkv, D, causal, dtype = case
     for seed in range(3):
-        q, k, v = _gpu_inputs(B, Sq, Skv, H, Hkv, D, dtype, seed)
+        q, k, v = _inputs(B, Sq, Skv, H, Hkv, D, dtype, "cuda", seed)
         out, lse = _poisoned(q, H)
         flash_attention(q, k, v, causal=causal, out=out, lse=lse, fast_math=seed != 2, pipeline="async")
         sync_o, sync_lse = flash_attention(q, k, v, causal=causal, fast_math=seed != 2, pipeline="sync")
@@ -259,7 +253,7 @@ def test_gpu_async_attention_matches_the_reference_and_the_sync_kernel(case):
 @pytest.mark.gpu
 def test_gpu_async_attention_back_to_back_side_stream_and_graph_replays():
     shape, H = (1, 2048, 2048, 16, 4, 128), 16
-    inputs = [_gpu_inputs(*shape, torch.bfloat16, seed) for seed in range(4)]
+    inputs = [_inputs(*shape, torch.bfloat16, "cuda", seed) for seed in range(4)]
     wants = [torch_reference(q, k, v, causal=True)[0] for q, k, v in inputs]
     outs = [_poisoned(inputs[0][0], H)[0] for _ in range(200)]
     for i, out in enumerate(outs):  # no host synchronisation between calls

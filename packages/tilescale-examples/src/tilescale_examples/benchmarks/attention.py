@@ -31,6 +31,8 @@ The goal (issue 44, one H200): at least 0.9 of the best torch backend's speed (p
 
 from __future__ import annotations
 
+from typing import Optional
+
 from tilescale_examples.benchmarks import _harness, _timing
 from tilescale_examples.benchmarks._report import collect, print_outcome, print_table, ratio, worst_line
 
@@ -69,12 +71,16 @@ def parse_tiles(text: str) -> dict:
     return _harness.tile_fields(text, TILE_OPTIONS, blocks=2)
 
 
-def tiles_label(tiles: dict, fast_math: bool = True, pipeline: str = "async") -> str:
-    """Tile keywords (all of them) as ``BMxBN:STAGES:THREADS``, then `` sync`` on the sync
-    pipeline and `` ieee`` without ``fast_math`` (the kernel's defaults: the async pipeline,
-    fast math)."""
+def tiles_label(tiles: dict, fast_math: bool = True, pipeline: Optional[str] = None) -> str:
+    """Tile keywords (all of them) as ``BMxBN:STAGES:THREADS``, then the pipeline's name where
+    it is not the default (``pipeline`` None: the default,
+    :data:`~tilescale_examples.sequence.flash_attention.DEFAULT_PIPELINE`) and `` ieee``
+    without ``fast_math`` (the kernel's default is fast math)."""
+    from tilescale_examples.sequence.flash_attention import DEFAULT_PIPELINE
+
     label = f"{tiles['block_m']}x{tiles['block_n']}:{tiles['num_stages']}:{tiles['threads']}"
-    return label + ("" if pipeline == "async" else f" {pipeline}") + ("" if fast_math else " ieee")
+    shown = "" if pipeline in (None, DEFAULT_PIPELINE) else f" {pipeline}"
+    return label + shown + ("" if fast_math else " ieee")
 
 
 def run_case(args, seq: int, causal: bool, device, programs=({},)) -> tuple:
@@ -84,7 +90,7 @@ def run_case(args, seq: int, causal: bool, device, programs=({},)) -> tuple:
     import torch
     from torch.nn.attention import SDPBackend
 
-    from tilescale_examples.sequence.flash_attention import check_tiles, flash_attention
+    from tilescale_examples.sequence.flash_attention import DEFAULT_PIPELINE, check_tiles, flash_attention
 
     g = torch.Generator(device=device).manual_seed(seq + causal)
     dtype = getattr(torch, args.dtype)
@@ -105,7 +111,7 @@ def run_case(args, seq: int, causal: bool, device, programs=({},)) -> tuple:
     best = min(times.values()) if times else None
     rows, failures = [], []
     for tiles in programs:
-        pipeline = tiles.get("pipeline", "async")
+        pipeline = tiles.get("pipeline", DEFAULT_PIPELINE)
         label = tiles_label(check_tiles({k: v for k, v in tiles.items() if k not in ("fast_math", "pipeline")},
                                         args.head_dim, pipeline), tiles.get("fast_math", True), pipeline)
         out = torch.full_like(q, float("nan"))
@@ -144,15 +150,16 @@ def main(argv=None) -> int:
                    help="tile programs of TileScale's kernel, a row each (default: its own)")
     p.add_argument("--fast-math", nargs="+", default=["on"], choices=["off", "on"],
                    help="compile TileScale's kernel without / with fast math (its default), a row each")
-    p.add_argument("--pipeline", nargs="+", default=["async"], choices=["sync", "async"],
-                   help="TileScale's kernel on the sync / async (its default) pipeline, a row each")
+    p.add_argument("--pipeline", nargs="+", default=None, choices=["sync", "async"],
+                   help="TileScale's kernel on the sync / async pipeline, a row each (default: its own, async)")
     args = _harness.parse_args(p, argv)
     try:
         tiles = [parse_tiles(t) for t in args.tiles] if args.tiles else [{}]
     except ValueError as exc:
         p.error(str(exc))
-    programs = [dict(t, fast_math=mode == "on", pipeline=pipeline) for t in tiles
-                for pipeline in dict.fromkeys(args.pipeline) for mode in dict.fromkeys(args.fast_math)]
+    pipelines = args.pipeline or [None]  # None: flash_attention's default
+    programs = [dict(t, fast_math=mode == "on", **({"pipeline": pipeline} if pipeline else {})) for t in tiles
+                for pipeline in dict.fromkeys(pipelines) for mode in dict.fromkeys(args.fast_math)]
     args.kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     if args.iters < 1 or args.batch < 1 or args.kv_heads < 1 or args.heads % args.kv_heads or any(s < 1 for s in args.seq):
         p.error("--iters, --batch, --seq and --kv-heads must be >= 1, and --heads a multiple of --kv-heads")

@@ -41,8 +41,8 @@ __all__ = ["flash_attention", "build_attention_kernel", "build_flash_attention_k
            "default_tiles", "attention_buffers", "attention_fragments", "start_rows", "resume_rows", "mask_scores",
            "tile_scores", "softmax_scores", "rescale_output", "softmax_tile", "attend_tile", "finish_rows",
            "store_rows", "check_tiles", "check_head_dim", "check_scale", "compile_options", "check_pipeline",
-           "key_tile_source", "block_first_query", "key_tiles",
-           "TILE_OPTIONS", "PIPELINES", "HEAD_DIMS", "DTYPES"]
+           "attention_builder", "key_tile_source", "block_first_query", "key_tiles",
+           "TILE_OPTIONS", "PIPELINES", "DEFAULT_PIPELINE", "HEAD_DIMS", "DTYPES"]
 
 #: Head dimensions the kernel is built for.
 HEAD_DIMS = (64, 128, 256)
@@ -213,6 +213,9 @@ def default_tiles(head_dim: int, pipeline: str = "sync") -> dict:
 #: :class:`~tilescale_examples.sequence.sp_attention.SPAllGatherAttention`, 1.03-1.15x faster
 #: than ``"sync"`` in docs/benchmarks.md's attention table).
 PIPELINES = ("sync", "async")
+#: The pipeline of the attention ops (:func:`flash_attention`,
+#: :class:`~tilescale_examples.sequence.sp_attention.SPAllGatherAttention`) when none is given.
+DEFAULT_PIPELINE = "async"
 
 
 def check_pipeline(pipeline: str) -> str:
@@ -220,6 +223,18 @@ def check_pipeline(pipeline: str) -> str:
     if pipeline not in PIPELINES:
         raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
     return pipeline
+
+
+def attention_builder(pipeline: str):
+    """The attention kernel builder of ``pipeline``: :func:`build_attention_kernel`, or for
+    ``"async"`` its twin
+    :func:`~tilescale_examples.sequence.flash_attention_async.build_async_attention_kernel`
+    (same arguments, parameters and results); ``ValueError`` naming an unknown ``pipeline``."""
+    if check_pipeline(pipeline) == "async":
+        from tilescale_examples.sequence.flash_attention_async import build_async_attention_kernel
+
+        return build_async_attention_kernel
+    return build_attention_kernel
 
 
 def key_tile_source(kb, world_size: int, seq_kv: int, block_n: int, zigzag: bool) -> tuple:
@@ -311,13 +326,8 @@ def build_flash_attention_kernel(batch: int, heads: int, kv_heads: int, seq_q: i
     ``flash_attention(Q, K, V, O, LSE, q_start)`` with ``K``, ``V`` as ``(1, B, Skv, Hkv, D)``
     (a view of the ``bshd`` tensors) and ``q_start = Skv - Sq`` (the queries are the last
     positions)."""
-    if check_pipeline(pipeline) == "async":
-        from tilescale_examples.sequence.flash_attention_async import build_async_attention_kernel
-
-        return build_async_attention_kernel(1, batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, scale, dtype,
-                                            block_m, block_n, num_stages, threads, name="flash_attention")
-    return build_attention_kernel(1, batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, scale, dtype, block_m,
-                                  block_n, num_stages, threads, name="flash_attention")
+    return attention_builder(pipeline)(1, batch, seq_q, seq_kv, heads, kv_heads, head_dim, causal, scale, dtype,
+                                       block_m, block_n, num_stages, threads, name="flash_attention")
 
 
 #: The tile options of the attention kernels (:func:`default_tiles`).
@@ -384,7 +394,7 @@ _KERNELS: dict = {}
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
-                    lse: Optional[torch.Tensor] = None, fast_math: bool = True, pipeline: str = "async",
+                    lse: Optional[torch.Tensor] = None, fast_math: bool = True, pipeline: str = DEFAULT_PIPELINE,
                     **tiles) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention forward ``(o, lse)`` of ``q (B, Sq, H, D)``, ``k``, ``v (B, Skv, Hkv, D)``
     (see the module docstring), on the current stream.

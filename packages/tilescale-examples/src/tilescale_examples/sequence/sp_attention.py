@@ -56,8 +56,8 @@ import torch
 
 from tilescale_examples.base import check_bool, check_positive_int, settle
 from tilescale_examples.sequence._attention_op import AttentionOp
-from tilescale_examples.sequence.flash_attention import (DTYPES, check_head_dim, check_pipeline, check_scale,
-                                                         check_tiles, compile_options)
+from tilescale_examples.sequence.flash_attention import (DEFAULT_PIPELINE, DTYPES, check_head_dim, check_pipeline,
+                                                         check_scale, check_tiles, compile_options)
 from tilescale_examples.sequence.sp_kernels import (build_sp_attention_kernel, build_sp_own_attention_kernel,
                                                     build_sp_peer_attention_kernel)
 from tilescale_examples.sequence.flash_attention import torch_reference as attention_reference
@@ -150,7 +150,7 @@ class SPAllGatherAttention(AttentionOp):
     def __init__(self, allocator, batch: int, seq_local: int, heads: int, kv_heads: int, head_dim: int,
                  dtype: Union[torch.dtype, str], *, world_size: Optional[int] = None, group=None, causal: bool = True,
                  order: str = "contiguous", algorithm: Literal["auto", "fused", "sequential"] = "auto",
-                 scale: Optional[float] = None, fast_math: bool = True, pipeline: str = "async", target=None,
+                 scale: Optional[float] = None, fast_math: bool = True, pipeline: str = DEFAULT_PIPELINE, target=None,
                  **tiles):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")

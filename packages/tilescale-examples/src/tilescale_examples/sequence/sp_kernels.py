@@ -8,22 +8,11 @@ or the async attention pipeline (``pipeline``, as
 # (no `from __future__ import annotations`: TileLang reads the kernels' annotations)
 
 from tilescale_examples._macros import Scope, T, macro
-from tilescale_examples.sequence.flash_attention import (LOG2E, attend_tile, attention_buffers,
-                                                         build_attention_kernel, check_pipeline, resume_rows,
-                                                         store_rows)
+from tilescale_examples.sequence.flash_attention import (LOG2E, attend_tile, attention_buffers, attention_builder,
+                                                         check_pipeline, resume_rows, store_rows)
 
 __all__ = ["build_sp_attention_kernel", "build_sp_own_attention_kernel", "build_sp_peer_attention_kernel",
            "wait_peer_shards", "peer_tiles", "peer_tile_source"]
-
-
-def _builder(pipeline: str):
-    """The attention kernel builder of ``pipeline``: ``build_attention_kernel`` or its async
-    twin (same arguments)."""
-    if check_pipeline(pipeline) == "async":
-        from tilescale_examples.sequence.flash_attention_async import build_async_attention_kernel
-
-        return build_async_attention_kernel
-    return build_attention_kernel
 
 
 def build_sp_attention_kernel(world_size: int, batch: int, seq_local: int, heads: int, kv_heads: int, head_dim: int,
@@ -35,7 +24,7 @@ def build_sp_attention_kernel(world_size: int, batch: int, seq_local: int, heads
     q_start)``, ``Q (B, SP, H, D)``, ``K``, ``V (W, B, SP, Hkv, D)``, ``q_start`` the global
     position of this rank's first query (see
     :func:`~tilescale_examples.sequence.sp_attention.positions`)."""
-    return _builder(pipeline)(world_size, batch, seq_local, seq_local, heads, kv_heads, head_dim, causal, scale,
+    return attention_builder(pipeline)(world_size, batch, seq_local, seq_local, heads, kv_heads, head_dim, causal, scale,
                               dtype, block_m, block_n, num_stages, threads, name=f"sp_attention_{order}",
                               zigzag=order == "zigzag")
 
@@ -46,7 +35,7 @@ def build_sp_own_attention_kernel(batch: int, seq_local: int, heads: int, kv_hea
     """The fused algorithm's first kernel: the flash kernel over this rank's own shard,
     ``sp_attention_own(Q, K, V, O, LSE, q_start)`` with ``K``, ``V`` as ``(1, B, SP, Hkv, D)``
     and ``q_start = 0`` (queries and keys are the same positions: causal is the diagonal)."""
-    return _builder(pipeline)(1, batch, seq_local, seq_local, heads, kv_heads, head_dim, causal, scale, dtype,
+    return attention_builder(pipeline)(1, batch, seq_local, seq_local, heads, kv_heads, head_dim, causal, scale, dtype,
                               block_m, block_n, num_stages, threads, name="sp_attention_own")
 
 

@@ -359,10 +359,10 @@ def precompile_jobs(op: str, ranks: int, *args, max_chunks: int = 8, causal: boo
     if op not in OPS:
         raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
     if op == "sp_attention":
-        from tilescale_examples.sequence.flash_attention import TILE_OPTIONS, default_tiles
+        from tilescale_examples.sequence.flash_attention import DEFAULT_PIPELINE, TILE_OPTIONS, default_tiles
 
         batch, seq_local, heads, kv_heads, head_dim, dtype = args
-        pipeline = "async"  # SPAllGatherAttention's default
+        pipeline = DEFAULT_PIPELINE  # SPAllGatherAttention's
         tiles = default_tiles(head_dim, pipeline)
         sizes = (batch, seq_local, heads, kv_heads, head_dim, causal, head_dim ** -0.5, dtype,
                  *(tiles[name] for name in TILE_OPTIONS))
