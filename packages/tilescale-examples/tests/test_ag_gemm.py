@@ -71,7 +71,7 @@ def test_fused_kernel_compiles_for_sm90a(world, tmp_path, monkeypatch):
 
 def test_auto_plan_on_cpu_falls_back_to_sequential_with_a_log_line(compiles, caplog):
     alloc, agg = gemm_sequential_on_cpu(AllGatherGEMM, "bfloat16", caplog)
-    assert compiles == ["allgather", "gemm"]  # the all-gather kernel, then the stock GEMM
+    assert compiles == ["allgather", "gemm_tma_store"]  # the all-gather kernel, then the stock GEMM
     assert alloc.allocations == [((256, 128), torch.bfloat16), ((2, 256, 128), torch.bfloat16),
                                  ((2 * 2 * agg.all_gather.chunks,), torch.uint64), ((2, 2), torch.int32)]
     assert agg.output.shape == (512, 256) and agg.flops() == 2.0 * 512 * 256 * 128
@@ -96,7 +96,7 @@ def test_fused_plan_allocates_the_gathered_buffer_and_the_handshake_flags(compil
     assert alloc.allocations == [((3, 1024, 128), torch.float16), ((3 * 3,), torch.uint64), ((3,), torch.uint64)]
     assert agg.gathered.shape == (3, 1024, 128) and int(agg.flags.sum()) == 0  # ready flags zeroed
     assert agg.free.view(torch.int64).tolist() == [1, 1, 1]  # every peer's slot free
-    assert compiles == ["gemm", "ag_gemm"]  # this rank's rows (stock), then the peers' rows
+    assert compiles == ["gemm_tma_store", "ag_gemm"]  # this rank's rows (stock), then the peers' rows
     assert agg._order.tolist()[:3] == [[8, 0], [16, 0], [9, 1]]
     agg.close()
     assert agg.closed and agg.own_kernel is None and agg.gathered is None

@@ -141,9 +141,9 @@ def test_precompiled_kernels_are_the_ones_the_ops_build(tmp_path):
     from tilescale_examples.testing.precompile import precompile
 
     ag = precompile_jobs("ag_gemm", 2, 384, 512, 256, "bfloat16", max_chunks=2)
-    assert ag[1][1] == (384, 512, 256, 2, len(plan_row_chunks(3, 2)), "bfloat16")
+    assert ag[1][1] == (384, 512, 256, 2, len(plan_row_chunks(3, 2)), "bfloat16", None, "tma")
     rs = precompile_jobs("gemm_rs", 2, 256, 512, 256, "bfloat16")
-    assert rs[0][1] == (512, 256, 512, "bfloat16")  # the whole a: 2 x 256 rows
+    assert rs[0][1] == (512, 256, 512, "bfloat16", None, "tma")  # the whole a: 2 x 256 rows
     from tilescale_examples.sequence.flash_attention import default_tiles
 
     sp = precompile_jobs("sp_attention", 2, 1, 256, 4, 2, 128, "bfloat16", causal=False)
@@ -151,7 +151,7 @@ def test_precompiled_kernels_are_the_ones_the_ops_build(tmp_path):
     assert sp[1][1] == (2, 1, 256, 4, 2, 128, False, 128 ** -0.5, "bfloat16", tiles["block_m"], tiles["block_n"],
                         tiles["num_stages"], tiles["threads"], "contiguous", "async")
     assert precompile(ag + rs + sp, cache_dir=tmp_path, workers=2) == [
-        "gemm", "ag_gemm", "gemm", "gemm", "gemm_rs", "reduce_partials", "sp_attention_own", "sp_attention_peers"]
+        "gemm_tma_store", "ag_gemm", "gemm_tma_store", "gemm_tma_store", "gemm_rs", "reduce_partials", "sp_attention_own", "sp_attention_peers"]
 
 
 def test_benchmark_options_goal_and_no_gpu(capsys, monkeypatch):

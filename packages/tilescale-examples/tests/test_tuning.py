@@ -23,7 +23,11 @@ def fake_compiler(monkeypatch):
     from tilescale_examples.overlap import tuning
 
     built = []
-    monkeypatch.setattr(tuning, "build_gemm_kernel", lambda m, n, k, name, tiles: tiles)
+    def build(m, n, k, name, tiles, store):
+        assert store == tuning.default_store(tiles)  # the epilogue the ops give these tiles
+        return tiles
+
+    monkeypatch.setattr(tuning, "build_gemm_kernel", build)
 
     def compile(tiles, target=None):
         built.append(tiles)
@@ -61,6 +65,7 @@ def test_fastest_correct_candidate_wins_and_is_cached(fake_compiler, tmp_path):
     (_, jobs, options), *_ = fake_compiler  # every candidate compiled in parallel first, then built one by one
     assert fake_compiler[0][0] == "precompile" and options == {"workers": 3}
     assert [job[1][4] for job in jobs] == [tiles_of(c) for c in candidates]
+    assert [job[1][5] for job in jobs] == ["tma"] * len(candidates)  # the sync pipeline's default epilogue
     assert jobs[0][0] == "tilescale_examples.overlap.gemm:build_gemm_kernel" and jobs[0][1][:4] == (M, N, K, "bfloat16")
     del fake_compiler[0]
     # num_stages 2 is the fastest for every tile but wrong: skipped; the fastest right one wins

@@ -15,7 +15,7 @@ from tilescale_core.interface import check_positive_int
 
 __all__ = ["TARGET", "DEFAULT_MAX_BLOCKS", "DTYPES", "plan_chunks", "size_table_entry", "default_group",
            "check_shape", "check_dtype", "check_threads", "check_tensor", "check_group", "check_max_blocks",
-           "check_target", "check_allocator", "check_positive_int", "check_bool", "check_disjoint"]
+           "check_target", "check_allocator", "check_positive_int", "check_bool", "check_disjoint", "check_aligned"]
 
 #: Default TileLang target (H100/H200).
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -131,6 +131,15 @@ def check_tensor(tensor, shape: Tuple[int, ...], dtype: torch.dtype, device: tor
         raise ValueError(f"{name} is on {tensor.device}, the allocator's heap is on {device}")
     if not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+
+
+def check_aligned(tensor: torch.Tensor, name: str, reason: str, alignment: int = 16) -> None:
+    """``ValueError`` naming ``name`` unless ``tensor``'s first byte is ``alignment``-byte
+    aligned (``reason``: what needs it, e.g. "the GEMM reads it with TMA")."""
+    if tensor.data_ptr() % alignment:
+        raise ValueError(f"{name} must be {alignment}-byte aligned ({reason}), but its data starts at byte "
+                         f"{tensor.data_ptr() % alignment} of an {alignment}-byte line; pass a fresh tensor "
+                         "(or .clone() the view)")
 
 
 def check_disjoint(outputs: dict, inputs: dict, reason: str) -> None:

@@ -25,10 +25,10 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from tilescale_examples._checks import (DEFAULT_MAX_BLOCKS, DTYPES, TARGET, check_allocator, check_bool, check_disjoint,
-                                        check_dtype, check_group, check_max_blocks, check_positive_int, check_shape,
-                                        check_target, check_tensor, check_threads, default_group, plan_chunks,
-                                        size_table_entry)
+from tilescale_examples._checks import (DEFAULT_MAX_BLOCKS, DTYPES, TARGET, check_aligned, check_allocator,
+                                        check_bool, check_disjoint, check_dtype, check_group, check_max_blocks,
+                                        check_positive_int, check_shape, check_target, check_tensor, check_threads,
+                                        default_group, plan_chunks, size_table_entry)
 from tilescale_examples._group import all_ranks_agree, collective_device, settle
 from tilescale_examples._launch import _PINNED, _REBIND, _USERS, Relaunching, launch as lean_launch, table_bound
 from tilescale_examples._contract import (OldSpellingWarning, RecordingAllocator, accepts_0_1_init,
@@ -39,7 +39,7 @@ __all__ = ["ClosedError", "SymmetricOp", "SymmetricCollective", "RowsPerRank", "
            "RecordingAllocator",
            "OldSpellingWarning", "accepts_0_1_init", "accepts_0_1_out", "accepts_0_1_reference", "rank_left_out", "row_shape_0_1",
            "positional_out", "warn_old_spelling",
-           "check_tensor", "check_disjoint", "check_threads", "plan_chunks", "size_table_entry", "check_allocator",
+           "check_tensor", "check_disjoint", "check_aligned", "check_threads", "plan_chunks", "size_table_entry", "check_allocator",
            "check_shape",
            "check_dtype", "check_group", "check_max_blocks", "check_target", "check_positive_int", "check_bool",
            "compile_once",

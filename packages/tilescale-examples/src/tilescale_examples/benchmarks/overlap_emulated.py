@@ -103,7 +103,7 @@ class Columns:
         else:
             self.operands = [a for a, _ in inputs]
         self.products = [torch.empty((M, op.n), dtype=op.dtype, device=emu.device) for _ in range(N)]
-        self.stock = compile_once(build_gemm_kernel(M, op.n, op.k, DTYPES[op.dtype], op.tiles))
+        self.stock = compile_once(build_gemm_kernel(M, op.n, op.k, DTYPES[op.dtype], op.tiles, op.store))
 
     def fused(self) -> None:
         self.emu.round(self.inputs, self.outs)

@@ -59,8 +59,8 @@ import torch
 from tilescale_examples.base import (accepts_0_1_init, accepts_0_1_out, accepts_0_1_reference, check_disjoint,
                                      check_tensor, settle)
 from tilescale_examples.overlap.gemm import (DTYPES, GemmTiles, OverlappedGemm, block_threads, build_gemm_kernel,
-                                             check_gemm_dims, check_positive, default_tiles, gemm_tile, resolve_tiles,
-                                             store_tile)
+                                             check_gemm_dims, check_positive, default_tiles, gemm_tile, resolve_store,
+                                             resolve_tiles, store_tile)
 from tilescale_examples.overlap.stream_ops import CopyEnginePush, peer_views, plan_row_chunks
 
 __all__ = ["AllGatherGEMM", "build_ag_gemm_kernel", "tile_order", "torch_reference", "heap_bytes"]
@@ -80,7 +80,7 @@ def tile_order(world_size: int, chunks: Sequence, units: int) -> torch.Tensor:
 
 
 def build_ag_gemm_kernel(m_local: int, k: int, n: int, world_size: int, num_chunks: int,
-                         dtype: str = "bfloat16", tiles: Optional[GemmTiles] = None):
+                         dtype: str = "bfloat16", tiles: Optional[GemmTiles] = None, store: str = "direct"):
     """The fused plan's peer GEMM ``T.prim_func`` (the rows of the other ranks):
     ``(A: (world_size * m_local, k), B: (k, n), Out: (world_size * m_local, n), Flags:
     (world_size * num_chunks,) uint64, Order: ((world_size - 1) * m_local / block_m, 2)
@@ -88,8 +88,8 @@ def build_ag_gemm_kernel(m_local: int, k: int, n: int, world_size: int, num_chun
 
     ``A`` is the gathered buffer, ``Flags[src * num_chunks + c]`` the ready flag of chunk
     ``c`` from rank ``src`` (a tile waits until it is 1), ``Order`` the :func:`tile_order`
-    table. Needs ``kernel.initialize`` (it reads its rank from the table) and ``world_size >=
-    2``."""
+    table; ``store`` the epilogue's writes (:data:`~tilescale_examples.overlap.gemm.STORES`).
+    Needs ``kernel.initialize`` (it reads its rank from the table) and ``world_size >= 2``."""
     import tilelang.language as T
 
     tiles = tiles or default_tiles(n)
@@ -99,7 +99,7 @@ def build_ag_gemm_kernel(m_local: int, k: int, n: int, world_size: int, num_chun
         raise ValueError(f"world_size must be an int >= 2 (one rank has no peer rows), got {world_size!r}")
     W, C, BM, BN = world_size, num_chunks, tiles.block_m, tiles.block_n
     U, M = m_local // BM, world_size * m_local
-    tile = gemm_tile(k, dtype, tiles, store_tile())
+    tile = gemm_tile(k, dtype, tiles, store_tile(tiles, dtype, store))
 
     @T.prim_func
     def ag_gemm(A: T.Tensor((M, k), dtype), B: T.Tensor((k, n), dtype), Out: T.Tensor((M, n), dtype),
@@ -179,12 +179,16 @@ class AllGatherGEMM(OverlappedGemm):
             ``pipeline="async"`` keeps one WGMMA group in flight
             (:mod:`~tilescale_examples.overlap.gemm_async`); ``warp_policy`` is how the compute
             warpgroups split a tile.
+        store: how the GEMMs write their output tiles
+            (:data:`~tilescale_examples.overlap.gemm.STORES`): None (default) picks
+            :func:`~tilescale_examples.overlap.gemm.default_store` (``"tma"``, through shared
+            memory and TMA stores, with the sync pipeline; ``"direct"`` with the async one).
         max_chunks: most row chunks per rank (:func:`~tilescale_examples.overlap.stream_ops.plan_row_chunks`).
         target: TileLang target (default ``sm_90a``).
 
     Attributes: ``output`` (``(world_size * m_local, n)``, overwritten by the next call),
     ``epoch`` (calls made), ``algorithm`` and ``algorithm_reason`` (``plan`` and
-    ``plan_reason`` in 0.1.0), ``tiles``; fused: ``own_kernel`` (this rank's rows), ``kernel``
+    ``plan_reason`` in 0.1.0), ``tiles``, ``store``; fused: ``own_kernel`` (this rank's rows), ``kernel``
     (the peers' rows; the same as ``own_kernel`` with one rank), ``chunks``
     (``[(first_unit, n_units)]``), ``gathered`` (the local ``(world_size, m_local, k)``
     buffer), ``flags`` (ready) and ``free``; sequential: ``all_gather`` and ``kernel`` (the stock GEMM).
@@ -203,7 +207,7 @@ class AllGatherGEMM(OverlappedGemm):
                  world_size: Optional[int] = None, algorithm: Literal["auto", "fused", "sequential"] = "auto",
                  group=None, block_m: int = 128, block_n: int = 256, block_k: int = 64, num_stages: int = 3,
                  threads: int = 256, swizzle: Optional[int] = None, pipeline: str = "sync", warp_policy: str = "square",
-                 max_chunks: int = 8, target=None):
+                 store: Optional[str] = None, max_chunks: int = 8, target=None):
         from tilescale_examples.base import check_target
 
         check_target(target)
@@ -211,6 +215,7 @@ class AllGatherGEMM(OverlappedGemm):
         check_positive("max_chunks", max_chunks)
         self._setup_gemm(allocator, m_local, k, n, dtype, world_size, group, tiles, algorithm, rows_per_call=1)
         W, name = self.world_size, DTYPES[self.dtype]
+        self.store = store = resolve_store(store, tiles, name)
         self.all_gather = self.gathered = self.flags = self.free = self.chunks = self.own_kernel = None
         self._push = self._peers = self._order = self._compute = None
         self.output = torch.empty((W * m_local, n), dtype=self.dtype, device=self.device)
@@ -218,9 +223,9 @@ class AllGatherGEMM(OverlappedGemm):
             from tilescale_examples.collectives.allgather import AllGather
 
             self.all_gather = AllGather(allocator, (m_local, k), self.dtype, group=self.group, target=target)
-            self.kernel = self._compile_plain(lambda: build_gemm_kernel(W * m_local, n, k, name, tiles), target)
+            self.kernel = self._compile_plain(lambda: build_gemm_kernel(W * m_local, n, k, name, tiles, store), target)
             return
-        self.own_kernel = self._compile_plain(lambda: build_gemm_kernel(m_local, n, k, name, tiles), target)
+        self.own_kernel = self._compile_plain(lambda: build_gemm_kernel(m_local, n, k, name, tiles, store), target)
         if W == 1:  # nothing to gather: the GEMM of this rank's rows is the whole call
             self.kernel = self.own_kernel
             self.algorithm_reason = "one rank: the GEMM alone, nothing to communicate"
@@ -239,23 +244,25 @@ class AllGatherGEMM(OverlappedGemm):
         self._peers = (gathered, flags, free)
         self._order = tile_order(W, self.chunks, units).to(self.device)
         self.kernel = self._compile_kernel(
-            lambda: build_ag_gemm_kernel(m_local, k, n, W, len(self.chunks), name, tiles), target)
+            lambda: build_ag_gemm_kernel(m_local, k, n, W, len(self.chunks), name, tiles, store), target)
         self.bind_table(force=True)
         settle(self.device, self.group)
 
     def check_inputs(self, a, b) -> None:
         """Raise ``TypeError`` / ``ValueError`` naming ``a`` or ``b`` unless they are contiguous
-        ``(m_local, k)`` and ``(k, n)`` tensors of this dtype on the allocator's device."""
+        ``(m_local, k)`` and ``(k, n)`` tensors of this dtype on the allocator's device, 16-byte
+        aligned."""
         check_tensor(a, (self.m_local, self.k), self.dtype, self.device, "a", "(m_local, k) =", "AllGatherGEMM")
         check_tensor(b, (self.k, self.n), self.dtype, self.device, "b", "(k, n) =", "AllGatherGEMM")
+        self._check_operands(a, b)
 
     @accepts_0_1_out(2)
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *out_0_1,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``all_gather(a) @ b`` on the current stream; returns ``self.output`` (overwritten
         by the next call) or ``out`` (a contiguous ``(world_size * m_local, n)`` tensor of the
-        dtype on the device, written directly, overlapping neither ``a`` nor ``b``: else a
-        ``ValueError``). ``a`` is read by the copy engines; it may be overwritten by work
+        dtype on the device, written directly, overlapping neither ``a`` nor ``b``, 16-byte
+        aligned with ``store="tma"``: else a ``ValueError``). ``a`` is read by the copy engines; it may be overwritten by work
         enqueued after this call. Every rank makes the same sequence of calls, eagerly or in
         CUDA graph replays (in any mix: the fused plan's handshake uses constant flag
         values). Raises :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
@@ -276,6 +283,7 @@ class AllGatherGEMM(OverlappedGemm):
         self.check_inputs(a, b)
         if out is not None:
             self._check_out(out, (self.world_size * self.m_local, self.n), "(world_size * m_local, n) =")
+            self._check_gemm_out(out)
             check_disjoint({"out": out}, {"a": a, "b": b},
                            "the GEMMs (and the copies of a) read it while the output is written; pass a separate "
                            "tensor")

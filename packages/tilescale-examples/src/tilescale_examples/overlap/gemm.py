@@ -37,14 +37,15 @@ import torch
 
 from tilescale_core.interface import check_positive_int
 
-from tilescale_examples.base import SymmetricOp, positional_out
+from tilescale_examples.base import SymmetricOp, check_aligned, positional_out
 from tilescale_examples.overlap.gemm_bounds import ORDER_SLACK, count_outside, error_bound, unit_roundoff  # noqa: F401
-from tilescale_examples.overlap.gemm_store import STORES, store_tile, tma_store_stages  # noqa: F401
+from tilescale_examples.overlap.gemm_store import (STORES, default_store, resolve_store, store_tile,  # noqa: F401
+                                                   tma_store_stages)
 
 __all__ = ["GemmTiles", "OverlappedGemm", "DTYPES", "PIPELINES", "WARP_POLICIES", "warp_policy", "gemm_mainloop",
            "gemm_mainloop_span", "block_threads", "gemm_tile", "store_tile", "lead_thread", "sync_compute",
            "build_gemm_kernel", "check_gemm_dims", "check_sync_pipeline", "check_positive", "unit_roundoff",
-           "error_bound", "count_outside", "MAX_ELEMENTS", "default_swizzle", "default_tiles", "resolve_tiles", "STORES", "tma_store_stages", "RASTER_PANEL", "RASTER_MIN_COLUMN_BLOCKS"]
+           "error_bound", "count_outside", "MAX_ELEMENTS", "default_swizzle", "default_tiles", "resolve_tiles", "STORES", "tma_store_stages", "default_store", "resolve_store", "RASTER_PANEL", "RASTER_MIN_COLUMN_BLOCKS"]
 
 #: The mainloop pipelines :class:`GemmTiles` names (its ``pipeline``).
 PIPELINES = ("sync", "async")
@@ -416,6 +417,21 @@ class OverlappedGemm(SymmetricOp):
         """End a call: remember its stream position for the next eager call's ordering."""
         if not self._capturing_now:
             self._order_calls.after(main)
+
+    #: How the GEMMs write their output tiles (:data:`STORES`; the subclasses resolve theirs).
+    store = "direct"
+
+    def _check_operands(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """``ValueError`` naming ``a`` or ``b`` unless 16-byte aligned (the GEMMs load them
+        with TMA); after their layout checks (``check_inputs``)."""
+        check_aligned(a, "a", "the GEMM loads it with TMA")
+        check_aligned(b, "b", "the GEMM loads it with TMA")
+
+    def _check_gemm_out(self, out: torch.Tensor) -> None:
+        """``ValueError`` naming ``out`` unless 16-byte aligned where the GEMM writes it with
+        TMA stores (``store="tma"``); after its layout check."""
+        if self.store == "tma":
+            check_aligned(out, "out", "the GEMM writes it with TMA stores")
 
     #: Whether a call is this rank's GEMM alone, ``a @ b`` into the output (one rank, the fused
     #: plan: nothing to communicate; set by :meth:`_setup_gemm`): :meth:`_gemm_alone` makes

@@ -69,7 +69,7 @@ from tilescale_examples.base import (accepts_0_1_init, accepts_0_1_out, accepts_
                                      settle)
 from tilescale_examples.overlap.gemm import (DTYPES, GemmTiles, OverlappedGemm, block_threads, build_gemm_kernel,
                                              check_gemm_dims, check_positive, default_tiles, gemm_tile, lead_thread,
-                                             resolve_tiles, sync_compute)
+                                             resolve_store, resolve_tiles, sync_compute)
 from tilescale_examples.overlap.stream_ops import wait_counter_geq
 
 __all__ = ["GemmReduceScatter", "build_gemm_rs_kernel", "build_reduce_kernel", "torch_reference",
@@ -246,11 +246,14 @@ class GemmReduceScatter(OverlappedGemm):
             initialised world group.
         block_m, block_n, block_k, num_stages, threads, swizzle, pipeline, warp_policy: the
             GEMM's tiling, as for :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM`.
+        store: how the plain GEMM (one rank, or the sequential plan) writes its output tiles,
+            as for :class:`~tilescale_examples.overlap.ag_gemm.AllGatherGEMM` (None: the
+            pipeline's default); the fused plan's GEMM sends its tiles to their owners.
         target: TileLang target (default ``sm_90a``).
 
     Attributes: ``output`` (``(m_local, n)``, overwritten by the next call), ``epoch``,
     ``algorithm`` and ``algorithm_reason`` (``plan`` and ``plan_reason`` in 0.1.0),
-    ``kernel`` (the GEMM), ``reduce_kernel`` (fused, two or more ranks), ``tiles``,
+    ``kernel`` (the GEMM), ``reduce_kernel`` (fused, two or more ranks), ``tiles``, ``store``,
     ``partials`` and ``counters`` (fused), ``reduce_scatter`` (sequential). Construction and
     calls are collective: same instances, same call sequence on every rank. 0.1.0 spellings
     (no ``dtype``, ``plan=``, ``out`` positional) work with a warning.
@@ -264,13 +267,14 @@ class GemmReduceScatter(OverlappedGemm):
                  world_size: Optional[int] = None, algorithm: Literal["auto", "fused", "sequential"] = "auto",
                  group=None, block_m: int = 128, block_n: int = 256, block_k: int = 64, num_stages: int = 3,
                  threads: int = 256, swizzle: Optional[int] = None, pipeline: str = "sync",
-                 warp_policy: str = "square", target=None):
+                 warp_policy: str = "square", store: Optional[str] = None, target=None):
         from tilescale_examples.base import check_target
 
         check_target(target)
         tiles = resolve_tiles(n, block_m, block_n, block_k, num_stages, threads, swizzle, pipeline, warp_policy)
         self._setup_gemm(allocator, m_local, k, n, dtype, world_size, group, tiles, algorithm, rows_per_call=2)
         W, name = self.world_size, DTYPES[self.dtype]
+        self.store = store = resolve_store(store, tiles, name)
         self.tiles_per_rank = (m_local // block_m) * (n // block_n)
         self.partials = self.counters = self.calls = self.reduce_kernel = self.reduce_scatter = None
         self._products = None  # sequential plan, under CUDA graphs: the GEMM's output
@@ -278,7 +282,7 @@ class GemmReduceScatter(OverlappedGemm):
 
         if self.algorithm == "fused" and W == 1:  # nothing to reduce: the GEMM writes the output
             self.output = torch.empty((m_local, n), dtype=self.dtype, device=self.device)
-            self.kernel = self._compile_plain(lambda: build_gemm_kernel(m_local, n, k, name, tiles), target)
+            self.kernel = self._compile_plain(lambda: build_gemm_kernel(m_local, n, k, name, tiles, store), target)
             self.algorithm_reason = "one rank: the GEMM alone, nothing to communicate"
         elif self.algorithm == "fused":
             self.partials = tilelang.tensor((2, W, m_local, n), self.dtype, allocator=allocator)
@@ -296,22 +300,24 @@ class GemmReduceScatter(OverlappedGemm):
             self.reduce_scatter = ReduceScatter(allocator, (W, m_local, n), self.dtype, group=self.group,
                                                 target=target)
             self.output = self.reduce_scatter.output
-            self.kernel = self._compile_plain(lambda: build_gemm_kernel(W * m_local, n, k, name, tiles), target)
+            self.kernel = self._compile_plain(lambda: build_gemm_kernel(W * m_local, n, k, name, tiles, store), target)
 
     def check_inputs(self, a, b) -> None:
         """Raise ``TypeError`` / ``ValueError`` naming ``a`` or ``b`` unless they are contiguous
         ``(world_size * m_local, k)`` and ``(k, n)`` tensors of this dtype on the allocator's
-        device."""
+        device, 16-byte aligned."""
         check_tensor(a, (self.world_size * self.m_local, self.k), self.dtype, self.device, "a",
                      "(world_size * m_local, k) =", "GemmReduceScatter")
         check_tensor(b, (self.k, self.n), self.dtype, self.device, "b", "(k, n) =", "GemmReduceScatter")
+        self._check_operands(a, b)
 
     @accepts_0_1_out(2)
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *out_0_1,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``reduce_scatter(a @ b)`` on the current stream; returns ``self.output``
         (``(m_local, n)``, overwritten by the next call) or ``out`` (a contiguous ``(m_local,
-        n)`` tensor of the dtype on the device, written directly), complete when the stream
+        n)`` tensor of the dtype on the device, written directly; 16-byte aligned at one rank
+        with ``store="tma"``), complete when the stream
         reaches the end of the call. Every rank makes the same sequence of calls, eagerly or
         in CUDA graph replays (the call state lives on the device). Raises
         :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
@@ -340,6 +346,8 @@ class GemmReduceScatter(OverlappedGemm):
         self.check_inputs(a, b)
         if out is not None:
             self._check_out(out, (self.m_local, self.n), "(m_local, n) =")
+            if self._lone_gemm:  # the GEMM writes it
+                self._check_gemm_out(out)
         return self.output if out is None else out
 
     def _send_partials(self, a: torch.Tensor, b: torch.Tensor) -> None:

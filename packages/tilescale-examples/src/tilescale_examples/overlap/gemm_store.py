@@ -4,7 +4,7 @@ accumulator registers, or through shared memory and a TMA store; re-exported by
 
 # (no `from __future__ import annotations`: TileLang reads the macros' annotations)
 
-__all__ = ["STORES", "tma_store_stages", "store_tile"]
+__all__ = ["STORES", "tma_store_stages", "store_tile", "default_store", "resolve_store"]
 
 
 #: How :func:`store_tile` writes the output tile (``build_gemm_kernel``'s ``store``):
@@ -25,6 +25,29 @@ def tma_store_stages(tiles, dtype: str = "bfloat16") -> int:
 
     stage = gemm_shared_bytes(tiles.block_m, tiles.block_n, tiles.block_k, 1, dtype)
     return max(0, (HOPPER_SMEM_BYTES - tiles.block_m * tiles.block_n * dtype_bytes(dtype)) // stage)
+
+
+def default_store(tiles) -> str:
+    """The epilogue the overlapped GEMMs and the tuner use for ``tiles`` (a
+    :class:`~tilescale_examples.overlap.gemm.GemmTiles`) when given none: ``"tma"`` with the
+    sync pipeline (its output tile lies over the pipeline's free stages: 1.05-1.07x faster
+    than the direct store at every measured shape, docs/benchmarks.md), ``"direct"`` with the
+    async pipeline (the tile would take a stage's shared memory: slower)."""
+    return "tma" if tiles.pipeline == "sync" else "direct"
+
+
+def resolve_store(store, tiles, dtype: str = "bfloat16") -> str:
+    """The ops' ``store`` argument checked against ``tiles``: None means
+    :func:`default_store`; else one of :data:`STORES` (``ValueError`` naming ``store``), and
+    ``"tma"`` with the async pipeline only where its stages fit beside the output tile
+    (``ValueError`` naming ``num_stages``, :func:`store_tile`)."""
+    if store is None:
+        return default_store(tiles)
+    if store not in STORES:
+        raise ValueError(f"store must be one of {STORES} or None (the pipeline's default), got {store!r}")
+    if store == "tma":
+        store_tile(tiles, dtype, store)  # the stage check
+    return store
 
 
 def store_tile(tiles=None, dtype: str = "bfloat16", store: str = "direct"):

@@ -8,7 +8,8 @@ The tiles are the overlapped GEMMs' keyword arguments::
     tiles, result = tune_tiles(world_size * m_local, n, k, torch.bfloat16, device=device, group=group)
     op = AllGatherGEMM(allocator, m_local, k, n, torch.bfloat16, group=group, **dataclasses.asdict(tiles))
 
-Each candidate is compiled (stock TileLang, no heap; all of them first, in parallel worker
+Each candidate is compiled (the library GEMM with the candidate's tiles and the epilogue the ops
+give them, :func:`~tilescale_examples.overlap.gemm.default_store`; no heap; all of them first, in parallel worker
 processes, when tuning), run on random operands, checked with
 the overlapped GEMMs' own element-wise bound (:func:`~tilescale_examples.overlap.gemm.count_outside`)
 and timed; the winner is cached on disk by GPU, toolkit, versions, dtype, shape and search
@@ -23,7 +24,7 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, build_gemm_kernel, count_outside
+from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, build_gemm_kernel, count_outside, default_store
 
 __all__ = ["tune_tiles", "tiles_of", "GEMM_BUILDER", "SWIZZLES"]
 
@@ -95,7 +96,8 @@ def tune_tiles(m: int, n: int, k: int, dtype: Union[torch.dtype, str], *, device
     def build(config):
         import tilelang
 
-        kernel = tilelang.compile(build_gemm_kernel(m, n, k, name, tiles_of(config)), target=target or TARGET)
+        tiles = tiles_of(config)
+        kernel = tilelang.compile(build_gemm_kernel(m, n, k, name, tiles, default_store(tiles)), target=target or TARGET)
         out = torch.empty((m, n), dtype=dtype, device=device)
 
         def launch():
@@ -112,10 +114,12 @@ def tune_tiles(m: int, n: int, k: int, dtype: Union[torch.dtype, str], *, device
     def compile_all(configs) -> None:  # in parallel worker processes: build() then hits TileLang's disk cache
         from tilescale_examples.testing.precompile import precompile
 
-        precompile([(GEMM_BUILDER, (m, n, k, name, tiles_of(c)), None) for c in configs], workers=workers)
+        precompile([(GEMM_BUILDER, (m, n, k, name, tiles_of(c), default_store(tiles_of(c))), None) for c in configs],
+                   workers=workers)
 
     parallel = workers != 1 and (target is None or target == TARGET)  # the workers compile for TARGET
     result = tune(space, build, name="library_gemm", dtype=dtype, shapes={"m": m, "n": n, "k": k}, check=check,
+                  extra={"store": "default_store"},
                   group=group, policy="root", mode=mode, timer=timer, cache_dir=cache_dir,
                   prepare=compile_all if parallel else None)
     return tiles_of(result.config), result

@@ -351,9 +351,9 @@ def precompile_jobs(op: str, ranks: int, *args, max_chunks: int = 8, causal: boo
     :class:`EmulatedOverlap` builds with the default tiles: ``args`` are the op's sizes with the
     dtype as a name (``m_local, k, n, "bfloat16"``; attention: ``batch, seq_local, heads,
     kv_heads, head_dim, "bfloat16"``, with ``causal`` and ``order``). The GEMMs' jobs include
-    the stock GEMM of the whole operand (``ranks * m_local`` rows) that the benchmark compares
+    the op's GEMM of the whole operand (``ranks * m_local`` rows) that the benchmark compares
     with."""
-    from tilescale_examples.overlap.gemm import GemmTiles
+    from tilescale_examples.overlap.gemm import GemmTiles, default_store
     from tilescale_examples.overlap.stream_ops import plan_row_chunks
 
     if op not in OPS:
@@ -370,12 +370,13 @@ def precompile_jobs(op: str, ranks: int, *args, max_chunks: int = 8, causal: boo
         return [(f"{module}:build_sp_own_attention_kernel", (*sizes, pipeline), None),
                 (f"{module}:build_sp_peer_attention_kernel", (ranks, *sizes, order, pipeline), None)]
     m_local, k, n, dtype = args
-    gemm = "tilescale_examples.overlap.gemm:build_gemm_kernel"
-    jobs = [(gemm, (ranks * m_local, n, k, dtype), None)]
+    gemm, store = "tilescale_examples.overlap.gemm:build_gemm_kernel", default_store(GemmTiles())  # the ops' epilogue
+    jobs = [(gemm, (ranks * m_local, n, k, dtype, None, store), None)]
     if op == "ag_gemm":
         chunks = len(plan_row_chunks(m_local // GemmTiles().block_m, max_chunks))
         peer = "tilescale_examples.overlap.ag_gemm:build_ag_gemm_kernel"
-        return jobs + [(peer, (m_local, k, n, ranks, chunks, dtype), None), (gemm, (m_local, n, k, dtype), None)]
+        return jobs + [(peer, (m_local, k, n, ranks, chunks, dtype, None, store), None),
+                       (gemm, (m_local, n, k, dtype, None, store), None)]
     return jobs + [("tilescale_examples.overlap.gemm_rs:build_gemm_rs_kernel", (m_local, k, n, ranks, dtype), None),
                    ("tilescale_examples.overlap.gemm_rs:build_reduce_kernel", (m_local, n, ranks, dtype), None)]
 
