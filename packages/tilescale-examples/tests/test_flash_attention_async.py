@@ -9,7 +9,7 @@ the fences, the causal loop bound and tail mask of the sync kernel); nvcc withou
 head dims 64, 128 and 256; the ``pipeline`` argument. GPU (``gpu``): outputs and log-sum-exps
 against the float32 reference and the sync kernel for every case of the sync kernel's GPU
 test, fresh inputs and poisoned outputs; 200 back-to-back calls; a side stream and CUDA graph
-replays."""
+replays; two calls at once on two streams."""
 
 from __future__ import annotations
 
@@ -282,3 +282,28 @@ def test_gpu_async_attention_back_to_back_side_stream_and_graph_replays():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, outs[i]), f"graph replay {i}"
+
+
+@pytest.mark.gpu
+def test_gpu_async_attention_two_calls_at_once_on_two_streams():
+    """Two calls in flight together on two side streams (each 50 calls, no host
+    synchronisation between them, other inputs and outputs): each stream's outputs are the
+    bits of the same call made alone (the kernel keeps no state between calls)."""
+    shape, H = (1, 2048, 2048, 16, 4, 128), 16
+    inputs = [_inputs(*shape, torch.bfloat16, "cuda", seed) for seed in (10, 11)]
+    alone = [flash_attention(q, k, v, causal=True, pipeline="async")[0] for q, k, v in inputs]
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = [[_poisoned(inputs[0][0], H)[0] for _ in range(50)] for _ in streams]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    for i in range(50):  # interleaved: the two streams' kernels overlap on the GPU
+        for s, (q, k, v), out in zip(streams, inputs, outs):
+            with torch.cuda.stream(s):
+                flash_attention(q, k, v, causal=True, out=out[i], pipeline="async")
+    for s in streams:
+        torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    for j, want in enumerate(alone):
+        bad = [i for i, out in enumerate(outs[j]) if not torch.equal(out, want)]
+        assert not bad, f"stream {j}: calls {bad[:5]} differ from the call made alone"

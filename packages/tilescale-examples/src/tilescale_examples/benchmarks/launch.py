@@ -35,7 +35,8 @@ alternating rounds (:func:`~tilescale_examples.benchmarks._timing.host_us_rounds
   packed parameters, and (where the machine has a C compiler: the lean launcher's path) the
   launch records' C helper (:mod:`tilescale_lang.launch_records`) alone, and the launch frozen
   (:class:`~tilescale_lang.lean.FrozenLaunch`: that helper's call which also asks the driver
-  whether the stream is capturing, what the ops' repeated calls launch); and a kernel with no
+  whether the stream is capturing, what the ops' repeated calls launch); the MoE dispatch's
+  frozen launch alone (its repeated call's launch, without the call's Python); and a kernel with no
   work (one block of 32 threads, which the GPU runs faster than the host launches it) through
   TileLang's launcher and through the driver call alone: the host's floor for one launch.
 
@@ -53,7 +54,7 @@ from __future__ import annotations
 from tilescale_examples.benchmarks import _harness
 from tilescale_examples.benchmarks._report import print_table, ratio
 
-__all__ = ["HEADERS", "GOAL_ADD", "GOAL_SYMM", "MOE", "MOE_ROW", "MOE_DISPATCH_ROW", "GEMM_SHAPE", "GEMM_ROWS",
+__all__ = ["HEADERS", "GOAL_ADD", "GOAL_SYMM", "MOE", "MOE_ROW", "MOE_DISPATCH_ROW", "MOE_FROZEN_ROW", "GEMM_SHAPE", "GEMM_ROWS",
            "op_specs", "gemm_run", "heap_bytes", "poison_outputs", "compare", "compare_gemm", "run", "goal_lines",
            "main"]
 
@@ -67,8 +68,10 @@ DTYPES = ("bfloat16", "float16", "float32")
 #: call, or its kept launch moved to the input where the op moves it) where the same input
 #: every call relaunches the last call's launch.
 FULL_CALL = "TileLang, new input every call"
+#: The row of the MoE dispatch's frozen launch alone (what its repeated call launches).
+MOE_FROZEN_ROW = "MoE dispatch kernel, frozen launch alone"
 #: Rows that time a launch alone (no op): left out of the goals.
-DIAGNOSTIC_ROWS = ("all-reduce kernel, raw", "empty kernel")
+DIAGNOSTIC_ROWS = ("all-reduce kernel, raw", "empty kernel", MOE_FROZEN_ROW)
 
 
 #: The MoE row's shape: DeepSeek-V3's hidden size and routing, one decode batch.
@@ -306,6 +309,12 @@ def run(rank: int, world: int, group, device, args) -> list | None:
         if getattr(plain_op, "_kept_launch", None) is not None:  # it relaunches: time its full call too
             fns.append(_alternating(plain_op, call, (x, make_input())))
             labels.append((name, FULL_CALL))
+        if name == MOE_DISPATCH_ROW:  # its frozen launch alone: the rest of its repeated call is Python
+            call(plain_op, x)
+            frozen = plain_op._kept_launch.frozen if plain_op._kept_launch is not None else None
+            if frozen:
+                fns.append(frozen)
+                labels.append((MOE_FROZEN_ROW, "frozen launch"))
     ar = ops[0]  # the lean AllReduce: its kernel, raw
     xr = torch.randn(numel, device=device).to(dtype)
     ar(xr)
