@@ -57,7 +57,7 @@ BAD = {
     "m_local": _COUNT, "k": _COUNT, "n": _COUNT,
     "block_m": [0, -1, 3, True], "block_n": [0, -1, 3, True], "block_k": [0, -1, 3, True],
     "num_stages": _COUNT, "max_chunks": [0, True, 1.5], "swizzle": [-1, True, 1.5], "pipeline": ["fast", 3, None],
-    "warp_policy": ["diagonal", 2, None],
+    "warp_policy": ["diagonal", 2, None], "store": ["fast", 3, "TMA"],
     "num_experts": _COUNT + [7, 257], "hidden": [0, True, 1.5, 60], "topk": _COUNT + [9],
     "max_tokens": [0, True, 1.5, 4097],
     "index_dtype": [torch.float32, torch.int16, "int64"],
