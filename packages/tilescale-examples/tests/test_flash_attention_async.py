@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import random
 
+import re
+
 import pytest
 import torch
 from examples_helpers import exits_naming, in_order, lower_with, needs_nvcc, nvcc_resources
@@ -26,18 +28,20 @@ from tilescale_examples.sequence.flash_attention import (build_flash_attention_k
 
 
 # ------------------------------------------------------------------------------ the protocol
-def simulate(stages: int, tiles: int, rng, release_v_early: bool = False) -> list:
+def simulate(stages: int, tiles: int, rng, release_v_early: bool = False, unguarded_tail: bool = False) -> list:
     """The async attention pipeline's protocol over one block's ``tiles`` key tiles with
     ``stages`` stages per ring, under a random interleaving drawn from ``rng``: the producer
     warp (per tile: wait until K's stage is empty, load it, arrive; the same for V), the TMA
     loads landing in any order, the consumer threads (per tile ``k``: wait for K[k], issue the
     scores group; for ``k > 0`` wait for V[k - 1] and issue its output group; wait until one
     group is left in flight (none for ``k = 0``), release K[k]; wait for all, release V[k - 1];
-    after the last tile the last output group, waited for, its V released) and the WGMMA groups
-    retiring in order. Returns the ``(ring, tile)`` reads in issue order; an AssertionError on a
-    deadlock, a stage reloaded while a group reads it or before it was read, or a group reading
-    a stage that does not hold its tile. ``release_v_early``: a mutant that releases V[k - 1]
-    at the one-group wait, while its output group may still read it."""
+    after the last tile the last output group, waited for, its V released; none with no tile)
+    and the WGMMA groups retiring in order. Returns the ``(ring, tile)`` reads in issue order;
+    an AssertionError on a deadlock, a stage reloaded while a group reads it or before it was
+    read, or a group reading a stage that does not hold its tile. ``release_v_early``: a mutant
+    that releases V[k - 1] at the one-group wait, while its output group may still read it;
+    ``unguarded_tail``: a mutant that issues the last output group with no tile too (tile -1:
+    a stage no load filled)."""
     S = stages
     rings = {name: {"full": [Barrier(1) for _ in range(S)], "empty": [Barrier(1) for _ in range(S)],
                     "data": [None] * S, "read": set()} for name in "KV"}
@@ -61,9 +65,10 @@ def simulate(stages: int, tiles: int, rng, release_v_early: bool = False) -> lis
             yield ("wait_groups", 0)
             if k > 0 and not release_v_early:
                 yield ("release", "V", k - 1)
-        yield ("issue", "V", tiles - 1)
-        yield ("wait_groups", 0)
-        yield ("release", "V", tiles - 1)
+        if tiles > 0 or unguarded_tail:
+            yield ("issue", "V", tiles - 1)
+            yield ("wait_groups", 0)
+            yield ("release", "V", tiles - 1)
 
     def run(op) -> bool:
         kind, *rest = op
@@ -113,7 +118,7 @@ def simulate(stages: int, tiles: int, rng, release_v_early: bool = False) -> lis
         return True
 
     programs = {"producer": producer_ops(), "consumer": consumer_ops()}
-    current = {who: next(ops) for who, ops in programs.items()}
+    current = {who: next(ops, None) for who, ops in programs.items()}
 
     def step(who):
         def go() -> bool:
@@ -133,12 +138,21 @@ def simulate(stages: int, tiles: int, rng, release_v_early: bool = False) -> lis
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
-@pytest.mark.parametrize("tiles", [1, 2, 3, 9])
+@pytest.mark.parametrize("tiles", [0, 1, 2, 3, 9])
 def test_the_protocol_reads_every_tile_once_in_order_and_never_deadlocks(stages, tiles):
     rng = random.Random(stages * 100 + tiles)
     want = [("K", 0)] + [x for k in range(1, tiles) for x in (("K", k), ("V", k - 1))] + [("V", tiles - 1)]
     for _ in range(300):
-        assert simulate(stages, tiles, rng) == want
+        assert simulate(stages, tiles, rng) == (want if tiles else [])
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_an_output_group_with_no_tile_is_caught(stages):
+    """A block with no key tile (the SP peer kernel's first-chunk blocks of zigzag rank 0)
+    issues no output group: the model catches the mutant that issues the last one anyway,
+    reading a V stage that no load filled."""
+    with pytest.raises(AssertionError, match="tile -1 reads V stage"):
+        simulate(stages, 0, random.Random(stages), unguarded_tail=True)
 
 
 def test_releasing_v_before_its_group_finished_is_caught():
@@ -170,9 +184,25 @@ def test_the_two_gemms_are_in_flight_together_and_the_softmax_runs_between_the_w
                     "exp2", "wait_wgmma<0>()", "warpgroup_fence_operand(reinterpret_cast<float*>(out + 0), 64)",
                     "warpgroup_fence_operand(reinterpret_cast<uint32_t*>(probs + 0), 32)", "v_empty[", ".arrive()",
                     "__float22bfloat162_rn")
-    # after the loop: the last tile's output GEMM, waited for, its stage released, then the rows stored
+    # after the loop: the last tile's output GEMM (none without a key tile), waited for, its stage
+    # released, then the rows stored
     tail = src[src.rindex("wgmma_rs<"):]
     assert in_order(tail, "wait_wgmma<0>()", "v_empty[", ".arrive()", "LSE[")
+
+
+
+def test_a_block_with_no_key_tile_issues_no_output_gemm():
+    """The SP peer kernel's key tile count is a run-time value, 0 for the first-chunk blocks of
+    zigzag rank 0: the last output GEMM, its wait and its stage's release are inside
+    ``if (0 < tiles)`` after the loop (unguarded, such a block multiplied P = 0 by a V stage no
+    load filled: NaN where that shared memory held NaN bits)."""
+    from tilescale_examples.sequence.sp_kernels import build_sp_peer_attention_kernel
+
+    src = lower_with(build_sp_peer_attention_kernel(4, 1, 256, 4, 2, 128, True, 128 ** -0.5, "bfloat16", 128, 128,
+                                                    2, 256, "zigzag", "async"), {})
+    tail = src[src.rindex("if (0 < condval"):]
+    assert "for (int kb" not in tail and "k_full[" not in tail  # after the key-tile loop
+    assert in_order(tail, "v_full[", ".wait(", "wgmma_rs<", "wait_wgmma<0>()", "v_empty[", ".arrive()", "LSE[")
 
 
 def test_producer_and_consumer_warpgroups_and_their_registers():

@@ -28,8 +28,9 @@ waits), so this kernel spells the warp specialisation out, as the async GEMM pip
   and release ``K[k]``; the softmax of ``S`` (running maximum, ``rescale``, exponentials, row
   sums) while ``O += P V[k - 1]`` runs; wait for it (``T.wait_wgmma(0)``) and release ``V[k -
   1]``; then ``P = S`` (rounded to the inputs' dtype) and ``O *= rescale``. After the last tile
-  the last ``O += P V`` is issued and waited for, and the rows are finished and stored as the
-  synchronous kernel stores them.
+  the last ``O += P V`` is issued and waited for (a block with no key tile, which the SP peer
+  kernel has, issues none), and the rows are finished and stored as the synchronous kernel
+  stores them.
 
 The register fences (``T.warpgroup_fence_operand``) after each wait keep the compiler from
 moving a read of ``S`` or ``O`` above the wait that completes it, or from reusing ``P``'s
@@ -128,11 +129,13 @@ def async_attention_block(block_m: int, block_n: int, head_dim: int, dtype: str,
                 if kb > 0:
                     T.mbarrier_arrive(v_empty[(kb - 1) % S])
                 rescale_output(scores, probs, out, rescale, block_m, head_dim)
-            T.mbarrier_wait_parity(v_full[(tiles - 1) % S], ((tiles - 1) // S) & 1)
-            T.wgmma_gemm(probs, v_ring[(tiles - 1) % S, :, :], out, policy=policy)
-            T.wait_wgmma(0)
-            T.warpgroup_fence_operand(out, num_regs=out_regs)
-            T.mbarrier_arrive(v_empty[(tiles - 1) % S])
+            if tiles > 0:  # the last tile's output GEMM (a block with no key tile, which the SP peer
+                # kernel has, stores its resumed rows as they are: no V stage was loaded)
+                T.mbarrier_wait_parity(v_full[(tiles - 1) % S], ((tiles - 1) // S) & 1)
+                T.wgmma_gemm(probs, v_ring[(tiles - 1) % S, :, :], out, policy=policy)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(out, num_regs=out_regs)
+                T.mbarrier_arrive(v_empty[(tiles - 1) % S])
             store_rows(O, LSE, (q_tile, None, None, *fragments), bz, bx * block_m, by, scale)
 
     return block
