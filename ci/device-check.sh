@@ -54,7 +54,7 @@ done
 # and power under a sustained run; the rest of the tilescale-lang GPU suite in two steps (the
 # others, whose first 25 tests passed before a shortened time limit cut the run, and upstream's
 # programs, test_gpu_upstream.py, alone).
-unverified=(tests-sp-async bench-attention-pipelines bench-gemm-sustain tests-lang-rest tests-upstream)
+unverified=(tests-flash tests-sp-async bench-attention-pipelines bench-gemm-sustain tests-lang-rest tests-upstream)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
