@@ -151,7 +151,8 @@ def test_precompiled_kernels_are_the_ones_the_ops_build(tmp_path):
     assert sp[1][1] == (2, 1, 256, 4, 2, 128, False, 128 ** -0.5, "bfloat16", tiles["block_m"], tiles["block_n"],
                         tiles["num_stages"], tiles["threads"], "contiguous", "async")
     assert precompile(ag + rs + sp, cache_dir=tmp_path, workers=2) == [
-        "gemm_tma_store", "ag_gemm", "gemm_tma_store", "gemm_tma_store", "gemm_rs", "reduce_partials", "sp_attention_own", "sp_attention_peers"]
+        "gemm_tma_store", "ag_gemm", "gemm_tma_store", "gemm_tma_store",
+        "gemm_rs", "reduce_partials", "sp_attention_own", "sp_attention_peers"]
 
 
 def test_benchmark_options_goal_and_no_gpu(capsys, monkeypatch):

@@ -188,8 +188,8 @@ class AllGatherGEMM(OverlappedGemm):
 
     Attributes: ``output`` (``(world_size * m_local, n)``, overwritten by the next call),
     ``epoch`` (calls made), ``algorithm`` and ``algorithm_reason`` (``plan`` and
-    ``plan_reason`` in 0.1.0), ``tiles``, ``store``; fused: ``own_kernel`` (this rank's rows), ``kernel``
-    (the peers' rows; the same as ``own_kernel`` with one rank), ``chunks``
+    ``plan_reason`` in 0.1.0), ``tiles``, ``store``; fused: ``own_kernel`` (this rank's
+    rows), ``kernel`` (the peers' rows; the same as ``own_kernel`` with one rank), ``chunks``
     (``[(first_unit, n_units)]``), ``gathered`` (the local ``(world_size, m_local, k)``
     buffer), ``flags`` (ready) and ``free``; sequential: ``all_gather`` and ``kernel`` (the stock GEMM).
     Construction and calls are collective: same instances, same call sequence on every rank.
@@ -262,8 +262,8 @@ class AllGatherGEMM(OverlappedGemm):
         """``all_gather(a) @ b`` on the current stream; returns ``self.output`` (overwritten
         by the next call) or ``out`` (a contiguous ``(world_size * m_local, n)`` tensor of the
         dtype on the device, written directly, overlapping neither ``a`` nor ``b``, 16-byte
-        aligned with ``store="tma"``: else a ``ValueError``). ``a`` is read by the copy engines; it may be overwritten by work
-        enqueued after this call. Every rank makes the same sequence of calls, eagerly or in
+        aligned with ``store="tma"``: else a ``ValueError``). ``a`` is read by the copy
+        engines; it may be overwritten by work enqueued after this call. Every rank makes the same sequence of calls, eagerly or in
         CUDA graph replays (in any mix: the fused plan's handshake uses constant flag
         values). Raises :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
         return self._call(a, b, out_0_1, out)

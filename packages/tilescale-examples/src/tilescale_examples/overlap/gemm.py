@@ -45,7 +45,8 @@ from tilescale_examples.overlap.gemm_store import (STORES, default_store, resolv
 __all__ = ["GemmTiles", "OverlappedGemm", "DTYPES", "PIPELINES", "WARP_POLICIES", "warp_policy", "gemm_mainloop",
            "gemm_mainloop_span", "block_threads", "gemm_tile", "store_tile", "lead_thread", "sync_compute",
            "build_gemm_kernel", "check_gemm_dims", "check_sync_pipeline", "check_positive", "unit_roundoff",
-           "error_bound", "count_outside", "MAX_ELEMENTS", "default_swizzle", "default_tiles", "resolve_tiles", "STORES", "tma_store_stages", "default_store", "resolve_store", "RASTER_PANEL", "RASTER_MIN_COLUMN_BLOCKS"]
+           "error_bound", "count_outside", "MAX_ELEMENTS", "default_swizzle", "default_tiles", "resolve_tiles",
+           "STORES", "tma_store_stages", "default_store", "resolve_store", "RASTER_PANEL", "RASTER_MIN_COLUMN_BLOCKS"]
 
 #: The mainloop pipelines :class:`GemmTiles` names (its ``pipeline``).
 PIPELINES = ("sync", "async")

@@ -97,7 +97,8 @@ def tune_tiles(m: int, n: int, k: int, dtype: Union[torch.dtype, str], *, device
         import tilelang
 
         tiles = tiles_of(config)
-        kernel = tilelang.compile(build_gemm_kernel(m, n, k, name, tiles, default_store(tiles)), target=target or TARGET)
+        kernel = tilelang.compile(build_gemm_kernel(m, n, k, name, tiles, default_store(tiles)),
+                                  target=target or TARGET)
         out = torch.empty((m, n), dtype=dtype, device=device)
 
         def launch():
