@@ -80,10 +80,11 @@ def test_the_peer_gemm_with_the_tma_store_compiles_for_sm90a(tmp_path, monkeypat
     assert kernel.adapter.rt_mod.imports[0].kind == "cuda"
 
 
-def _misaligned(shape, dtype=torch.bfloat16) -> torch.Tensor:
-    """A contiguous ``shape`` view starting 2 bytes into a fresh buffer."""
+def _misaligned(shape, dtype=torch.bfloat16, elements: int = 1) -> torch.Tensor:
+    """A contiguous ``shape`` view starting ``elements`` elements (2 bytes each) into a fresh
+    buffer."""
     numel = torch.Size(shape).numel()
-    return torch.zeros(numel + 8, dtype=dtype)[1:numel + 1].view(shape)
+    return torch.zeros(numel + 8, dtype=dtype)[elements:numel + elements].view(shape)
 
 
 @pytest.mark.parametrize("cls", OPS)
@@ -103,9 +104,13 @@ def test_unaligned_operands_and_outputs_are_named_before_any_kernel(cls, compile
 
 
 @pytest.mark.parametrize("cls", OPS)
-def test_a_direct_store_takes_an_output_that_is_not_16_byte_aligned(cls, compiles, fused_available):
+def test_a_direct_store_needs_an_output_aligned_for_its_pairs_only(cls, compiles, fused_available):
+    """The direct store writes pairs of elements (4 bytes): an ``out`` 4 bytes past a 16-byte
+    line is taken, one 2 bytes past it is named."""
     op = cls(CpuAllocator(num_ranks=1), 256, 128, 256, torch.bfloat16, store="direct")
-    a, b, out = torch.zeros((256, 128), dtype=torch.bfloat16), torch.zeros((128, 256), dtype=torch.bfloat16), \
-        _misaligned((256, 256))
+    a, b = torch.zeros((256, 128), dtype=torch.bfloat16), torch.zeros((128, 256), dtype=torch.bfloat16)
+    out = _misaligned((256, 256), elements=2)
     assert op._check_call(a, b, out) is out  # every check a call makes before it launches
+    with pytest.raises(ValueError, match="out must be 4-byte aligned .the GEMM writes it in 4-byte pairs"):
+        op._check_call(a, b, _misaligned((256, 256)))
     op.close()

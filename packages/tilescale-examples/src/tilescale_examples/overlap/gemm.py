@@ -429,10 +429,13 @@ class OverlappedGemm(SymmetricOp):
         check_aligned(b, "b", "the GEMM loads it with TMA")
 
     def _check_gemm_out(self, out: torch.Tensor) -> None:
-        """``ValueError`` naming ``out`` unless 16-byte aligned where the GEMM writes it with
-        TMA stores (``store="tma"``); after its layout check."""
+        """``ValueError`` naming ``out`` unless aligned as the GEMM's epilogue writes it: 16
+        bytes for TMA stores (``store="tma"``), 4 for the direct store's pairs of elements;
+        after its layout check."""
         if self.store == "tma":
             check_aligned(out, "out", "the GEMM writes it with TMA stores")
+        else:
+            check_aligned(out, "out", "the GEMM writes it in 4-byte pairs of elements", 4)
 
     #: Whether a call is this rank's GEMM alone, ``a @ b`` into the output (one rank, the fused
     #: plan: nothing to communicate; set by :meth:`_setup_gemm`): :meth:`_gemm_alone` makes

@@ -316,8 +316,8 @@ class GemmReduceScatter(OverlappedGemm):
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``reduce_scatter(a @ b)`` on the current stream; returns ``self.output``
         (``(m_local, n)``, overwritten by the next call) or ``out`` (a contiguous ``(m_local,
-        n)`` tensor of the dtype on the device, written directly; 16-byte aligned at one rank
-        with ``store="tma"``), complete when the stream
+        n)`` tensor of the dtype on the device, written directly; at one rank 16-byte aligned
+        with ``store="tma"``, 4-byte aligned otherwise), complete when the stream
         reaches the end of the call. Every rank makes the same sequence of calls, eagerly or
         in CUDA graph replays (the call state lives on the device). Raises
         :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
