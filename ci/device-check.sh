@@ -13,7 +13,7 @@
 # programs), tests-upstream (upstream's programs alone), tests-lang-new (AOT bundles, the lean launcher,
 # the autotuner, upstream's NVSHMEM-path programs) -- the ops and modules whose GPU tests are newest;
 # bench (every benchmark); bench-NAME (one); bench-overlap-1 (ag_gemm and gemm_rs on one rank:
-# the world-1 goal); bench-overlap-1-async (the same with the async GEMM pipeline); bench-overlap-wide (the emulated fused plans at n 28672, 2/4/8 ranks); bench-tuned-1 (ag_gemm on one rank with the autotuner's tiles, n 3584 and
+# the world-1 goal); bench-overlap-1-stages4 (the same with 4 pipeline stages); bench-overlap-1-async (the same with the async GEMM pipeline); bench-overlap-wide (the emulated fused plans at n 28672, 2/4/8 ranks); bench-tuned-1 (ag_gemm on one rank with the autotuner's tiles, n 3584 and
 # 7168); bench-gemm_allreduce-tiles (GemmAllReduce's decode rows with longer runs of b per
 # block); bench-gemm_allreduce-split (GemmAllReduce with k split against unsplit, 1 and 2 ranks);
 # bench-since-move (the benchmarks whose published tables predate the examples' restructuring);
@@ -54,7 +54,7 @@ done
 # and power under a sustained run; the rest of the tilescale-lang GPU suite in two steps (the
 # others, whose first 25 tests passed before a shortened time limit cut the run, and upstream's
 # programs, test_gpu_upstream.py, alone).
-unverified=(tests-flash tests-sp-async bench-attention-pipelines bench-gemm-sustain tests-lang-rest tests-upstream)
+unverified=(bench-overlap-1-stages4 tests-flash tests-sp-async bench-attention-pipelines bench-gemm-sustain tests-lang-rest tests-upstream)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
@@ -112,6 +112,10 @@ for step in "${steps[@]}"; do
            done ;;
     bench-overlap-1) for b in ag_gemm gemm_rs; do
                run_step "bench-$b-1" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b" --ranks 1
+             done ;;
+    bench-overlap-1-stages4) for b in ag_gemm gemm_rs; do  # the same with 4 pipeline stages (the default has 3)
+               run_step "bench-$b-1-stages4" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b" --ranks 1 \
+                 --tiles 128x256x64:4:256
              done ;;
     bench-overlap-1-async) for b in ag_gemm gemm_rs; do  # the same with the async GEMM pipeline (4 stages)
                run_step "bench-$b-1-async" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b" --ranks 1 \
