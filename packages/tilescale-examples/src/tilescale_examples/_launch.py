@@ -183,11 +183,13 @@ class KeptLaunch:
         its frozen launch then holds them); else None. At an unchanged address the device is
         the kept one too (one memory, one device: CUDA's unified addressing)."""
         kept = self.layouts
-        try:  # _layout's tuple, written out and compared tensor by tensor: the steady-state call's
-            # test, with no list built (a list of three layouts costs about 1 us more per call)
+        try:  # _layout's fields compared one by one, cheapest first, stopping at the first that
+            # differs: the steady-state call's test, with no tuple or list built (a list of three
+            # layouts costs about 1 us more per call)
             if len(tensors) == len(kept):
                 for t, k in zip(tensors, kept):
-                    if (t.data_ptr(), t.shape, t.stride(), t.dtype, type(t)) != k:
+                    if (type(t) is not k[4] or t.data_ptr() != k[0] or t.dtype is not k[3] or t.shape != k[1]
+                            or t.stride() != k[2]):
                         break
                 else:
                     return ()
