@@ -138,7 +138,7 @@ def check_aligned(tensor: torch.Tensor, name: str, reason: str, alignment: int =
     aligned (``reason``: what needs it, e.g. "the GEMM reads it with TMA")."""
     if tensor.data_ptr() % alignment:
         raise ValueError(f"{name} must be {alignment}-byte aligned ({reason}), but its data starts at byte "
-                         f"{tensor.data_ptr() % alignment} of an {alignment}-byte line; pass a fresh tensor "
+                         f"{tensor.data_ptr() % alignment} of a {alignment}-byte line; pass a fresh tensor "
                          "(or .clone() the view)")
 
 

@@ -76,8 +76,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from tilescale_examples.base import (SymmetricCollective, accepts_0_1_init, check_bool, check_positive_int,
-                                     check_tensor, warn_old_spelling)
+from tilescale_examples.base import (SymmetricCollective, accepts_0_1_init, check_aligned, check_bool,
+                                     check_positive_int, check_tensor, warn_old_spelling)
 from tilescale_examples.moe.kernels import (DISPATCH_PHASES, MAX_EXPERTS, PLAN_THREADS, build_combine_kernel,
                                             build_dispatch_kernel)
 from tilescale_examples.moe.reference import (COMBINE_ATOL, COMBINE_RTOL, expected_routes, torch_combine_reference,
@@ -433,8 +433,7 @@ class MoEDispatcher(SymmetricCollective):
             return out
         check_tensor(y, (self.capacity, self.hidden), self.dtype, self.device, "y",
                      "(capacity, hidden) =", "MoEDispatcher")
-        if y.data_ptr() % 16:
-            raise ValueError("y must be 16-byte aligned (the combine reads 16-byte vectors); pass a fresh tensor")
+        check_aligned(y, "y", "the combine reads 16-byte vectors")
         self.combines += 1
         self.bind_table(kernel=self.combine_kernel)
         args = (y, out, self.comb_buf, self.recv_src, self.recv_offsets, self.dest_rank, self.dest_row, self.weights,

@@ -49,7 +49,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from tilescale_examples.base import SymmetricCollective, check_bool, check_positive_int, check_tensor
+from tilescale_examples.base import SymmetricCollective, check_aligned, check_bool, check_positive_int, check_tensor
 from tilescale_examples.moe.dispatcher import MAX_TOPK, MoEDispatcher
 from tilescale_examples.moe.ll_combine import build_ll_combine_kernel
 from tilescale_examples.moe.ll_dispatch import (LL_MAX_TOKENS, LL_THREADS, build_ll_dispatch_kernel,
@@ -314,8 +314,7 @@ class MoELowLatency(SymmetricCollective):
         check_tensor(y, shape, self.dtype, self.device, "y", "(EL, W * max_tokens, hidden) =", "MoELowLatency")
         check_tensor(weights, (handle.num_tokens, self.topk), torch.float32, self.device, "topk_weights",
                      "(tokens, topk) =", "MoELowLatency")
-        if y.data_ptr() % 16:
-            raise ValueError("y must be 16-byte aligned (the combine reads 16-byte vectors); pass a fresh tensor")
+        check_aligned(y, "y", "the combine reads 16-byte vectors")
         out = self.output[:handle.num_tokens]
         self.combines += 1
         handle.combined = True

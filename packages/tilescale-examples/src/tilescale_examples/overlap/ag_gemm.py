@@ -262,10 +262,10 @@ class AllGatherGEMM(OverlappedGemm):
         """``all_gather(a) @ b`` on the current stream; returns ``self.output`` (overwritten
         by the next call) or ``out`` (a contiguous ``(world_size * m_local, n)`` tensor of the
         dtype on the device, written directly, overlapping neither ``a`` nor ``b``, 16-byte
-        aligned with ``store="tma"``, 4-byte aligned otherwise: else a ``ValueError``). ``a`` is read by the copy
-        engines; it may be overwritten by work enqueued after this call. Every rank makes the same sequence of calls, eagerly or in
-        CUDA graph replays (in any mix: the fused plan's handshake uses constant flag
-        values). Raises :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
+        aligned with ``store="tma"``, 4-byte aligned otherwise: else a ``ValueError``). ``a`` is
+        read by the copy engines; it may be overwritten by work enqueued after this call. Every
+        rank makes the same sequence of calls, eagerly or in CUDA graph replays (in any mix: the
+        fused plan's handshake uses constant flag values). Raises :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
         return self._call(a, b, out_0_1, out)
 
     def _run_plan(self, a, b, main, result, out) -> None:

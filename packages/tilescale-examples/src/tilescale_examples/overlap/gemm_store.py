@@ -4,7 +4,7 @@ accumulator registers, or through shared memory and a TMA store; re-exported by
 
 # (no `from __future__ import annotations`: TileLang reads the macros' annotations)
 
-__all__ = ["STORES", "tma_store_stages", "store_tile", "default_store", "resolve_store"]
+__all__ = ["STORES", "tma_store_stages", "check_tma_store_stages", "store_tile", "default_store", "resolve_store"]
 
 
 #: How :func:`store_tile` writes the output tile (``build_gemm_kernel``'s ``store``):
@@ -27,6 +27,17 @@ def tma_store_stages(tiles, dtype: str = "bfloat16") -> int:
     return max(0, (HOPPER_SMEM_BYTES - tiles.block_m * tiles.block_n * dtype_bytes(dtype)) // stage)
 
 
+def check_tma_store_stages(tiles, dtype: str = "bfloat16") -> None:
+    """``ValueError`` naming ``num_stages`` where the async pipeline's stages of ``tiles`` do
+    not fit beside the TMA-store epilogue's output tile (more than :func:`tma_store_stages`;
+    the sync pipeline lays the tile over its stages: any count fits)."""
+    fit = tma_store_stages(tiles, dtype)
+    if tiles.pipeline == "async" and tiles.num_stages > fit:
+        raise ValueError(f"num_stages={tiles.num_stages} does not fit beside the TMA-store epilogue's "
+                         f"{tiles.block_m}x{tiles.block_n} output tile in shared memory with the async pipeline; "
+                         f"use num_stages <= {fit}")
+
+
 def default_store(tiles) -> str:
     """The epilogue the overlapped GEMMs and the tuner use for ``tiles`` (a
     :class:`~tilescale_examples.overlap.gemm.GemmTiles`) when given none: ``"tma"`` with the
@@ -40,13 +51,13 @@ def resolve_store(store, tiles, dtype: str = "bfloat16") -> str:
     """The ops' ``store`` argument checked against ``tiles``: None means
     :func:`default_store`; else one of :data:`STORES` (``ValueError`` naming ``store``), and
     ``"tma"`` with the async pipeline only where its stages fit beside the output tile
-    (``ValueError`` naming ``num_stages``, :func:`store_tile`)."""
+    (:func:`check_tma_store_stages`)."""
     if store is None:
         return default_store(tiles)
     if store not in STORES:
         raise ValueError(f"store must be one of {STORES} or None (the pipeline's default), got {store!r}")
     if store == "tma":
-        store_tile(tiles, dtype, store)  # the stage check
+        check_tma_store_stages(tiles, dtype)
     return store
 
 
@@ -57,7 +68,7 @@ def store_tile(tiles=None, dtype: str = "bfloat16", store: str = "direct"):
     (:data:`STORES`; ``"tma"`` needs ``tiles`` and ``dtype`` for its ``(block_m, block_n)``
     shared tile: with the sync pipeline TileLang lays it over the pipeline's stages, which are
     free by then; with the async pipeline it lies beside them, so ``tiles.num_stages`` must be
-    at most :func:`tma_store_stages`, else ``ValueError`` naming ``num_stages``)."""
+    at most :func:`tma_store_stages`: :func:`check_tma_store_stages`)."""
     import tilelang.language as T
 
     if store not in STORES:
@@ -70,11 +81,7 @@ def store_tile(tiles=None, dtype: str = "bfloat16", store: str = "direct"):
         return store_direct
     if tiles is None:
         raise ValueError("store='tma' needs the kernel's tiles (the shared output tile's shape)")
-    fit = tma_store_stages(tiles, dtype)
-    if tiles.pipeline == "async" and tiles.num_stages > fit:
-        raise ValueError(f"num_stages={tiles.num_stages} does not fit beside the TMA-store epilogue's "
-                         f"{tiles.block_m}x{tiles.block_n} output tile in shared memory with the async pipeline; "
-                         f"use num_stages <= {fit}")
+    check_tma_store_stages(tiles, dtype)
     BM, BN = tiles.block_m, tiles.block_n
 
     @T.macro

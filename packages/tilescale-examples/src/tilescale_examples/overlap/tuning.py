@@ -93,12 +93,14 @@ def tune_tiles(m: int, n: int, k: int, dtype: Union[torch.dtype, str], *, device
     b = (torch.randn((k, n), generator=g, device=device) / k ** 0.5).to(dtype)
     reference = {}
 
+    def builder_args(config) -> tuple:  # the same in build() and the workers': their compile is a cache hit
+        tiles = tiles_of(config)
+        return m, n, k, name, tiles, default_store(tiles)
+
     def build(config):
         import tilelang
 
-        tiles = tiles_of(config)
-        kernel = tilelang.compile(build_gemm_kernel(m, n, k, name, tiles, default_store(tiles)),
-                                  target=target or TARGET)
+        kernel = tilelang.compile(build_gemm_kernel(*builder_args(config)), target=target or TARGET)
         out = torch.empty((m, n), dtype=dtype, device=device)
 
         def launch():
@@ -115,8 +117,7 @@ def tune_tiles(m: int, n: int, k: int, dtype: Union[torch.dtype, str], *, device
     def compile_all(configs) -> None:  # in parallel worker processes: build() then hits TileLang's disk cache
         from tilescale_examples.testing.precompile import precompile
 
-        precompile([(GEMM_BUILDER, (m, n, k, name, tiles_of(c), default_store(tiles_of(c))), None) for c in configs],
-                   workers=workers)
+        precompile([(GEMM_BUILDER, builder_args(c), None) for c in configs], workers=workers)
 
     parallel = workers != 1 and (target is None or target == TARGET)  # the workers compile for TARGET
     result = tune(space, build, name="library_gemm", dtype=dtype, shapes={"m": m, "n": n, "k": k}, check=check,
