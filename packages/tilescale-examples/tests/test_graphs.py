@@ -245,10 +245,14 @@ def graph_jobs(worlds=(1, 2, 4)) -> list:
     """Precompile jobs of every kernel :func:`graph_rank_body` builds at these world sizes
     (the grid caps are the visible GPU's SM count, as the collectives' defaults)."""
     from tilescale_examples.base import plan_chunks
+    from tilescale_examples.overlap.gemm import default_tiles
+    from tilescale_examples.overlap.gemm_store import default_store
     from tilescale_examples.testing.precompile import reduction_jobs
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     m, k, n = GEMM
+    tiles = default_tiles(n)
+    gemm = (tiles, default_store(tiles))  # the ops' GEMM: their default tiles and epilogue
     jobs = reduction_jobs(("one_shot",), ("float32",), worlds)
     jobs += reduction_jobs(("lamport",), ("float16", "bfloat16"), worlds)
     jobs += reduction_jobs(("two_shot",), ("bfloat16",), worlds)
@@ -260,8 +264,8 @@ def graph_jobs(worlds=(1, 2, 4)) -> list:
             jobs.append(("tilescale_examples.collectives.allgather:build_allgather_kernel", (numel, dtype, w, c, ch), None))
         c, ch = plan_chunks(1024, 2, w, sms)
         jobs.append(("tilescale_examples.collectives.alltoall:build_alltoall_kernel", (1024, "bfloat16", w, c, ch), None))
-        jobs.append(("tilescale_examples.overlap.gemm:build_gemm_kernel", (w * m, n, k, "bfloat16"), None))
-    jobs.append(("tilescale_examples.overlap.gemm:build_gemm_kernel", (m, n, k, "bfloat16"), None))
+        jobs.append(("tilescale_examples.overlap.gemm:build_gemm_kernel", (w * m, n, k, "bfloat16", *gemm), None))
+    jobs.append(("tilescale_examples.overlap.gemm:build_gemm_kernel", (m, n, k, "bfloat16", *gemm), None))
     return jobs
 
 
