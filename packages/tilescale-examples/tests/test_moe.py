@@ -977,6 +977,7 @@ def test_benchmark_routing_and_arguments(monkeypatch, capsys):
                           (["--topk", "9"], "need 1 <= --topk <= min(8, --experts)"),
                           (["--hidden", "100"], "--hidden a positive multiple of 8"),
                           (["--ranks", "0"], "--ranks must be >= 1"),
+                          (["--mode", "low_latency", "--ll-blocks", "0"], "--ll-blocks must be >= 1"),
                           (["--threads", "100"], "--threads must be a multiple of 32 in [32, 1024]"),
                           (["--threads", "2048"], "--threads must be a multiple of 32 in [32, 1024]")):
         exits_naming(bench.main, argv, message, capsys)

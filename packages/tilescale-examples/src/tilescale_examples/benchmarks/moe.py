@@ -267,7 +267,7 @@ def run_low_latency(rank: int, world: int, group, device, args) -> list | None:
     alloc = tilelang.get_allocator(size=heap, device=device, is_distributed=True, local_rank=rank,
                                    num_local_ranks=world, group=group)
     normal = MoEDispatcher(alloc, E, H, K, tmax, dtype, group=group, threads=args.threads)
-    ll = MoELowLatency(alloc, E, H, K, ll_tmax, dtype, group=group, fp8=args.fp8)
+    ll = MoELowLatency(alloc, E, H, K, ll_tmax, dtype, group=group, fp8=args.fp8, max_blocks=args.ll_blocks)
     ref, rows, failures = TorchAllToAllMoE(E, group, world), [], 0
     flag_device = device if dist.get_backend(group) == "nccl" else "cpu"
     for tokens in token_counts:
@@ -361,6 +361,9 @@ def _parser():
     p.add_argument("--mode", default="normal", choices=["normal", "low_latency"],
                    help="low_latency: MoELowLatency against MoEDispatcher, a copy and the torch path")
     p.add_argument("--fp8", action="store_true", help="--mode low_latency: FP8 dispatch")
+    p.add_argument("--ll-blocks", type=int, default=None,
+                   help="--mode low_latency: blocks of the low-latency kernels' grids (MoELowLatency's "
+                        "max_blocks; default the SM count)")
     return p
 
 
@@ -371,6 +374,8 @@ def main(argv=None) -> int:
     check_shape_arguments(p, args)
     if args.ranks is not None and args.ranks < 1:
         p.error("--ranks must be >= 1")
+    if args.ll_blocks is not None and args.ll_blocks < 1:
+        p.error(f"--ll-blocks must be >= 1, got {args.ll_blocks}")
     from tilescale_examples.base import check_threads
 
     try:
@@ -390,7 +395,8 @@ def main(argv=None) -> int:
     mode = _harness.gpu_mode(world, backend, min(gpus, world), "torch path")
     if args.mode == "low_latency":
         print_table(f"MoE low-latency dispatch/combine{' (FP8 dispatch)' if args.fp8 else ''}, {world} rank(s), hidden "
-                    f"{args.hidden}, top-{args.topk} of {args.experts} experts, {args.dtype}, {mode}; one-call CUDA "
+                    f"{args.hidden}, top-{args.topk} of {args.experts} experts, {args.dtype}, {mode}"
+                    f"{'' if args.ll_blocks is None else f', low-latency grid {args.ll_blocks} blocks'}; one-call CUDA "
                     "graphs (torch path: eager); vs X = X us / low-latency us", LL_HEADERS, rows)
         print(f"\ncorrectness (low-latency dispatch bit-exact vs the reference): "
               f"{'ok' if failures == 0 else f'{failures} FAILURE(S)'}")
