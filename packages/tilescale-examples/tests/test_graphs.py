@@ -241,15 +241,16 @@ def graph_rank_body(rank: int, world: int, cache_dir: str) -> dict:
 GEMM = (128, 256, 256)  # m_local, k, n of the GEMM cases
 
 
-def graph_jobs(worlds=(1, 2, 4)) -> list:
+def graph_jobs(worlds=(1, 2, 4), sms: int | None = None) -> list:
     """Precompile jobs of every kernel :func:`graph_rank_body` builds at these world sizes
-    (the grid caps are the visible GPU's SM count, as the collectives' defaults)."""
+    (the grid caps are ``sms``, default the visible GPU's SM count, as the collectives'
+    defaults)."""
     from tilescale_examples.base import plan_chunks
     from tilescale_examples.overlap.gemm import default_tiles
     from tilescale_examples.overlap.gemm_store import default_store
     from tilescale_examples.testing.precompile import reduction_jobs
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if sms is None else sms
     m, k, n = GEMM
     tiles = default_tiles(n)
     gemm = (tiles, default_store(tiles))  # the ops' GEMM: their default tiles and epilogue
@@ -267,6 +268,28 @@ def graph_jobs(worlds=(1, 2, 4)) -> list:
         jobs.append(("tilescale_examples.overlap.gemm:build_gemm_kernel", (w * m, n, k, "bfloat16", *gemm), None))
     jobs.append(("tilescale_examples.overlap.gemm:build_gemm_kernel", (m, n, k, "bfloat16", *gemm), None))
     return jobs
+
+
+def test_graph_jobs_hold_every_kernel_the_cases_build():
+    """The precompile list covers the ops under test (CPU): every kernel a case's op builds
+    (a dry run of its constructor, :class:`~tilescale_examples._contract.RecordingAllocator`)
+    is one of :func:`graph_jobs`' kernels, so the GPU test's ranks compile nothing (a kernel
+    compiled by several time-sliced ranks at once can outlast the test's deadline)."""
+    from tilescale_examples._contract import RecordingAllocator
+    from tilescale_examples.testing.precompile import build_job
+
+    sms, missing, built = 132, [], 0
+    for world in (1, 2, 4):
+        jobs = {build_job(builder, args).script() for builder, args, _ in graph_jobs((world,), sms)}
+        for case in _cases(world):
+            allocator = RecordingAllocator(world, sm_count=sms)
+            case.build(allocator)
+            for build, _, _ in allocator.builds:
+                func, built = build(), built + 1
+                if func.script() not in jobs:
+                    missing.append(f"world {world}, {case.name}: {func.attrs['global_symbol']}")
+    assert built >= 3 * len(_cases(1)), f"the dry runs built {built} kernels"
+    assert not missing, f"kernels the cases build that graph_jobs does not compile: {missing}"
 
 
 @gpu_rank_test(1, 2, 4, timeout=600, rank_timeout=560, cache=CACHE_NAME, jobs=graph_jobs)
