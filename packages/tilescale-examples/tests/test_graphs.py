@@ -255,7 +255,7 @@ def graph_jobs(worlds=(1, 2, 4), sms: int | None = None) -> list:
     tiles = default_tiles(n)
     gemm = (tiles, default_store(tiles))  # the ops' GEMM: their default tiles and epilogue
     jobs = reduction_jobs(("one_shot",), ("float32",), worlds)
-    jobs += reduction_jobs(("lamport",), ("float16", "bfloat16"), worlds)
+    jobs += reduction_jobs(("lamport",), ("float32", "float16", "bfloat16"), worlds)
     jobs += reduction_jobs(("two_shot",), ("bfloat16",), worlds)
     jobs += reduction_jobs(("reduce_scatter",), ("float32", "float16", "bfloat16"), worlds)
     for w in worlds:
@@ -281,13 +281,14 @@ def test_graph_jobs_hold_every_kernel_the_cases_build():
     sms, missing, built = 132, [], 0
     for world in (1, 2, 4):
         jobs = {build_job(builder, args).script() for builder, args, _ in graph_jobs((world,), sms)}
-        for case in _cases(world):
+        builders = [(case.name, case.build) for case in _cases(world)] + [("torch.compile block", compile_ops)]
+        for name, make in builders:
             allocator = RecordingAllocator(world, sm_count=sms)
-            case.build(allocator)
+            make(allocator)
             for build, _, _ in allocator.builds:
                 func, built = build(), built + 1
                 if func.script() not in jobs:
-                    missing.append(f"world {world}, {case.name}: {func.attrs['global_symbol']}")
+                    missing.append(f"world {world}, {name}: {func.attrs['global_symbol']}")
     assert built >= 3 * len(_cases(1)), f"the dry runs built {built} kernels"
     assert not missing, f"kernels the cases build that graph_jobs does not compile: {missing}"
 
@@ -307,6 +308,20 @@ def test_every_op_replays_correctly_in_cuda_graphs(world, rank, world_size, kern
 
 # ------------------------------------------------------------------------------ torch.compile
 COMPILE_STEPS = 100
+#: Width of the MLP block's hidden layer.
+COMPILE_HIDDEN = 256
+
+
+def compile_ops(alloc) -> tuple:
+    """The ops of the MLP block of :func:`compile_rank_body` on ``alloc``: ``(AllGatherGEMM,
+    GemmReduceScatter, AllReduce)``."""
+    from tilescale_examples.collectives.allreduce import AllReduce
+    from tilescale_examples.overlap.ag_gemm import AllGatherGEMM
+    from tilescale_examples.overlap.gemm_rs import GemmReduceScatter
+
+    m, k, hidden = GEMM[0], GEMM[1], COMPILE_HIDDEN
+    return (AllGatherGEMM(alloc, m, k, hidden, torch.bfloat16), GemmReduceScatter(alloc, m, hidden, k, torch.bfloat16),
+            AllReduce(alloc, (hidden,), torch.float32))
 
 
 def compile_rank_body(rank: int, world: int, cache_dir: str) -> dict:
@@ -319,17 +334,12 @@ def compile_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, f"inductor-{rank}"))
     import torch._dynamo
 
-    from tilescale_examples.overlap.ag_gemm import AllGatherGEMM
-    from tilescale_examples.collectives.allreduce import AllReduce
-    from tilescale_examples.overlap.gemm_rs import GemmReduceScatter
     from tilescale_examples.torch_ops import handle_of
 
     alloc = open_rank_heap(rank, world, cache_dir, 2**29)
     dev = torch.device(alloc.device)
-    m, k, hidden = GEMM[0], GEMM[1], 256
-    ag = AllGatherGEMM(alloc, m, k, hidden, torch.bfloat16)
-    rs = GemmReduceScatter(alloc, m, hidden, k, torch.bfloat16)
-    ar = AllReduce(alloc, (hidden,), torch.float32)
+    m, k, hidden = GEMM[0], GEMM[1], COMPILE_HIDDEN
+    ag, rs, ar = compile_ops(alloc)
     h_ag, h_rs, h_ar = handle_of(ag), handle_of(rs), handle_of(ar)
     w1 = _weights(k, hidden, rank, dev)
     w2 = _weights(hidden, k, 100 + rank, dev)
