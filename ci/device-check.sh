@@ -33,6 +33,7 @@
 # into 16/32/128 column blocks); bench-gemm-row (the same kernels with the compute warpgroups splitting
 # each tile by rows, one m64n256 WGMMA per k16, as CUTLASS);
 # bench-moe-ll (the low-latency MoE mode against the normal mode, the copy and torch);
+# bench-moe-ll-blocks (the same at 1 and 32 tokens with grids of 132, 32 and 8 blocks);
 # bench-cold-start (the serving ops built from a precompiled cache against their compile: the carried
 # .tlcache when it holds the compile record of `cold_start --compile-only --cache DIR`, else compiled here);
 # unverified (the checks written but not yet run on a GPU); all (default: doctor demo tests
@@ -164,6 +165,10 @@ for step in "${steps[@]}"; do
                       done ;;
     bench-moe-ll) run_step "$step" timeout -k 10 300 python3 -m tilescale_examples.benchmarks.moe --mode low_latency \
                     --tokens 1,32,128,1024 --routing uniform ;;
+    bench-moe-ll-blocks) for g in 132 32 8; do  # the low-latency kernels' grid at decode sizes (default: the SM count)
+                           run_step "$step-$g" timeout -k 10 200 python3 -m tilescale_examples.benchmarks.moe \
+                             --mode low_latency --tokens 1,32 --routing uniform --ll-blocks "$g"
+                         done ;;
     bench-call-numbers) run_step "$step" timeout -k 10 560 python3 -m tilescale_examples.benchmarks.emulated \
                           --ranks 2 4 8 --max-bytes 67108864 --no-graph ;;  # the A/B table up to 64 MiB
     bench-cold-start) cold=()  # the carried cache's compile record (cold_start --compile-only --cache DIR), if any
