@@ -49,15 +49,13 @@ while [[ $# -gt 0 ]]; do
 done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
-# first; each step fits one device call of 600 s: the overlapped GEMMs with 4 stages (run it in the
-# call of bench-overlap-1: the A/B of their default 3) and captured in CUDA graphs with their
-# TMA-store default (tests-graphs); the flash kernels' causal tail (tests-flash); SPAllGatherAttention on the async attention
+# first; each step fits one device call of 600 s: SPAllGatherAttention on the async attention
 # pipeline at 4 ranks sharing a GPU (its worlds 1 and 2 passed; the cases of tests-sp-async) and
-# the attention table at every length (bench-attention-pipelines); the GEMM kernels' SM clock
-# and power under a sustained run; the rest of the tilescale-lang GPU suite in two steps (the
-# others, whose first 25 tests passed before a shortened time limit cut the run, and upstream's
-# programs, test_gpu_upstream.py, alone).
-unverified=(bench-overlap-1-stages4 tests-graphs tests-flash tests-sp-async bench-attention-pipelines bench-gemm-sustain tests-lang-rest tests-upstream)
+# the attention table at every length (bench-attention-pipelines); the low-latency MoE's grid at
+# decode sizes (bench-moe-ll-blocks); the GEMM kernels' SM clock and power under a sustained run;
+# the rest of the tilescale-lang GPU suite in two steps (the others, whose first 25 tests passed
+# before a shortened time limit cut the run, and upstream's programs, test_gpu_upstream.py, alone).
+unverified=(tests-sp-async bench-attention-pipelines bench-moe-ll-blocks bench-gemm-sustain tests-lang-rest tests-upstream)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"

@@ -34,6 +34,7 @@ EXPECTED = {
     "decode_3": ("lines", [2]),  # lamport/one-shot per hidden size (4096, 8192), against tokens
     "ag_gemm": ("gemm", [4 * 5]),  # 4 shapes x 5 TFLOP/s columns
     "gemm_rs": ("gemm", [4 * 5]),
+    "pipeline_depth_of_the_overlapped_gemms": ("gemm", [8 * 2]),  # (op, m_local) x 3 and 4 stages
     "block_rasterization": ("gemm", [8 * 4]),  # (n, m_local, panel) x 4 TFLOP/s columns
     "block_rasterization_2": ("gemm", [4 * 4]),  # the tuned tiles: (n, m_local) x 4 TFLOP/s columns
     "gemm": ("gemm", [6 * 5]),  # matmul, stock, async, persistent and stream-K TFLOP/s per (m, n)
