@@ -265,7 +265,8 @@ class AllGatherGEMM(OverlappedGemm):
         aligned with ``store="tma"``, 4-byte aligned otherwise: else a ``ValueError``). ``a`` is
         read by the copy engines; it may be overwritten by work enqueued after this call. Every
         rank makes the same sequence of calls, eagerly or in CUDA graph replays (in any mix: the
-        fused plan's handshake uses constant flag values). Raises :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
+        fused plan's handshake uses constant flag values). Raises
+        :class:`~tilescale_examples.base.ClosedError` after ``close()``."""
         return self._call(a, b, out_0_1, out)
 
     def _run_plan(self, a, b, main, result, out) -> None:
