@@ -5,7 +5,7 @@
 # STEPs: doctor; demo (python -m tilescale_examples.demo: the README's main job); tests (GPU suite of every package, ranks sharing the GPUs); tests-4 (one
 # rank per GPU); tests-core, tests-host, tests-lang, tests-examples (one package, shared);
 # tests-moe (the MoE dispatch/combine GPU tests alone, shared); tests-reduce (the reduction and all-gather GPU tests, shared);
-# tests-decode (AllReduceResidualRMSNorm, GemmAllReduce), tests-flash (the flash-attention kernel alone, both pipelines), tests-sp-async (SPAllGatherAttention's GPU test at 1, 2 and 4 ranks sharing a GPU, its async-pipeline cases among them), tests-sequence (UlyssesAllToAll, flash attention, SPAllGatherAttention, SPFlashDecode), tests-moe-ll (MoELowLatency), tests-overlap-emulated (the fused
+# tests-decode (AllReduceResidualRMSNorm, GemmAllReduce), tests-gemm-ar (GemmAllReduce alone), tests-flash (the flash-attention kernel alone, both pipelines), tests-sp-async (SPAllGatherAttention's GPU test at 1, 2 and 4 ranks sharing a GPU, its async-pipeline cases among them), tests-sequence (UlyssesAllToAll, flash attention, SPAllGatherAttention, SPFlashDecode), tests-moe-ll (MoELowLatency), tests-overlap-emulated (the fused
 # plans of AllGatherGEMM and GemmReduceScatter on emulated peers), tests-overlap-async (those plans with the
 # async GEMM pipeline), tests-graphs (CUDA graphs and torch.compile),
 # tests-other (all-to-all, overlapped GEMMs, TMA all-reduce), tests-gemm (the async-pipeline and stream-K GEMMs), tests-tma (the lean launcher's TMA
@@ -16,6 +16,7 @@
 # the world-1 goal); bench-overlap-1-stages4 (the same with 4 pipeline stages); bench-overlap-1-async (the same with the async GEMM pipeline); bench-overlap-wide (the emulated fused plans at n 28672, 2/4/8 ranks); bench-tuned-1 (ag_gemm on one rank with the autotuner's tiles, n 3584 and
 # 7168); bench-gemm_allreduce-tiles (GemmAllReduce's decode rows with longer runs of b per
 # block); bench-gemm_allreduce-split (GemmAllReduce with k split against unsplit, 1 and 2 ranks);
+# bench-gemm_allreduce-1 (GemmAllReduce at one rank, every decode m, k split and not: the one-rank kernels);
 # bench-since-move (the benchmarks whose published tables predate the examples' restructuring);
 # bench-concurrent (the all-reduce algorithms with emulated ranks at once: the Lamport size table);
 # bench-concurrent-norm (the same for the fused norm's exchanges); bench-concurrent-eager (both at 4
@@ -55,7 +56,7 @@ done
 # decode sizes (bench-moe-ll-blocks); the GEMM kernels' SM clock and power under a sustained run;
 # the rest of the tilescale-lang GPU suite in two steps (the others, whose first 25 tests passed
 # before a shortened time limit cut the run, and upstream's programs, test_gpu_upstream.py, alone).
-unverified=(tests-sp-async bench-attention-pipelines bench-moe-ll-blocks bench-gemm-sustain tests-lang-rest tests-upstream)
+unverified=(tests-gemm-ar bench-gemm_allreduce-1 tests-sp-async bench-attention-pipelines bench-moe-ll-blocks bench-gemm-sustain tests-lang-rest tests-upstream)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
@@ -132,6 +133,8 @@ for step in "${steps[@]}"; do
                                   --ranks 1 --m 1 16 64 128 --tiles 64x128x64:4:128 64x128x128:3:128 64x256x64:4:128 ;;
     bench-gemm_allreduce-split) run_step "$step" timeout -k 10 560 python3 -m \
                                   tilescale_examples.benchmarks.gemm_allreduce --ranks 1 2 --m 1 4 16 64 128 --split-k 1 auto ;;
+    bench-gemm_allreduce-1) run_step "$step" timeout -k 10 560 python3 -m tilescale_examples.benchmarks.gemm_allreduce \
+                              --ranks 1 --split-k 1 auto ;;
     bench-attention-fast) run_step "$step" timeout -k 10 400 python3 -m tilescale_examples.benchmarks.attention \
                             --seq 4096 8192 16384 --fast-math off on ;;
     bench-attention-pipelines) run_step "$step" timeout -k 10 500 python3 -m tilescale_examples.benchmarks.attention \
@@ -178,6 +181,9 @@ for step in "${steps[@]}"; do
                  --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-decode) run_step tests-decode env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
                     packages/tilescale-examples/tests/test_decode_norm_gpu.py \
+                    packages/tilescale-examples/tests/test_gemm_allreduce_gpu.py \
+                    -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
+    tests-gemm-ar) run_step tests-gemm-ar env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
                     packages/tilescale-examples/tests/test_gemm_allreduce_gpu.py \
                     -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-sequence) run_step tests-sequence env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \

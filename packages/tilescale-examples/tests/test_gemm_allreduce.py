@@ -21,6 +21,7 @@ from tilescale_examples.decode.gemm_allreduce import (compare, default_split_k, 
                                                       reduction_for, resolve_split_k, torch_reference)
 from tilescale_examples.decode.gemm_ar_kernel import (PASS_CONFIGS, build_gemm_ar_kernel, check_split_k, padded_rows,
                                                       tile_count)
+from tilescale_examples.decode.gemm_ar_solo import solo_flag_words
 from tilescale_examples.overlap.gemm import GemmTiles
 
 BF16, F16 = torch.bfloat16, torch.float16
@@ -188,6 +189,20 @@ def test_split_k_buffers_grid_and_calls(compiles):
     assert make(m=1, k=8192, n=8192, max_blocks=132, split_k=1).split_k == 1
     assert make(m=256, k=8192, n=8192, max_blocks=132).split_k == 1  # 128 tiles: one wave already
 
+
+
+def test_one_rank_builds_the_kernels_that_exchange_nothing(compiles):
+    """World 1: the one-rank kernels (gemm_ar_solo), the op's buffers and call unchanged except
+    the split kernel's tile counters (8 tiles on 6 blocks: 8 counters, more than the 6 flags)."""
+    op = make(num_ranks=1, max_blocks=4, block_n=64)
+    assert compiles == ["gemm_allreduce_solo"] and op.allocator.allocations[-1] == ((4 * 4,), torch.uint64)
+    a, b = normal_inputs(1)[0]
+    assert torch.equal(op(a, b), torch_reference([(a, b)], 0)) and op.kernel.calls[-1][6:] == (4, 2)
+    split = make(m=3, k=1024, n=512, num_ranks=1, max_blocks=7, block_n=64, split_k=2)
+    assert compiles[-1] == "gemm_allreduce_solo_split" and (split.tile_count, split.blocks, split.iters) == (8, 6, 3)
+    assert split.allocator.allocations == [((2 * 2 * 64, 512), torch.float32), ((8 * 4,), torch.uint64)]
+    assert solo_flag_words(8, 2) == 32 and solo_flag_words(8, 1) == 0
+    assert make(m=1, k=8192, n=8192, num_ranks=1, max_blocks=132).split_k == 2  # "auto" as on several ranks
 
 A, B = (3, 256), (256, 512)
 
@@ -383,6 +398,50 @@ def test_nvcc_register_budget_of_the_split_kernel(tmp_path):
                                                   PASS_CONFIGS), tmp_path)
     assert registers * (tiles.threads + 128) <= 65536 and spills == 0, (registers, spills)
 
+
+
+def test_one_rank_kernel_stores_the_rounded_tile_and_waits_for_nothing():
+    """World 1, unsplit: per tile the GEMM, then its real row rounded to bfloat16 straight into
+    Out; no staging, no flag, no wait, no peer address; the call count after the loop."""
+    body = source(1, 512, 1024, 1, "bfloat16", GemmTiles(64, 64, 64, 4, 128))
+    gemm, out = body.index("tl::wgmma_ss<"), body.index("*(uint1*)(Out + ")
+    assert gemm < out < body.index("State[((int)blockIdx.x)] = epoch")
+    assert "< 65)" in body and "__float22bfloat162_rn" in body  # the real row, rounded once
+    for absent in ("Stage +", "Flags[", "notify", "wait_until", "remap_ptr", "Atomic", "fence_sys", "fence_gpu"):
+        assert absent not in body, absent
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_one_rank_split_kernel_lets_the_last_unit_of_a_tile_add_the_partials(split):
+    """World 1, k split in S: the unit's float32 partial (real row) into its split of Stage, a
+    barrier, one thread's acq_rel atomic add on the tile's counter (gpu scope: no system
+    release, no wait), a barrier; the unit that saw count % S == S - 1 adds the S partials in
+    split order (float32) and rounds once into Out."""
+    body = split_source(1, 8192, 4096, 1, split, tiles=default_tiles(1, 4096, 132))
+    store = body.index("*(float2*)(Stage + ")
+    sync = [m.start() for m in re.finditer(r"tl::__sync_thread_partial\(\d+, 128\);", body)]
+    atomic = body.index("AtomicAddRet((&(Flags[")
+    last = body.index(f"& (uint64_t){split - 1}) == (uint64_t){split - 1})")
+    out = body.index("*(uint2*)(Out + ")
+    assert store < sync[0] < atomic < sync[1] < last < out < body.index("State[((int)blockIdx.x)] = epoch")
+    assert ", 1, 4);" in body[atomic:atomic + 300]  # add 1, memory order 4: acq_rel
+    assert "if (((int)threadIdx.x) == 128)" in body[sync[0]:atomic]  # one thread (the first compute thread)
+    for absent in ("notify", "wait_until", "remap_ptr", "fence_sys"):
+        assert absent not in body, absent
+    adds = re.findall(r"(__\d+)\.x = \((v_\w*|__\d+)\.x\+(v_\w*|__\d+)\.x\);", body[last:out])
+    assert len(adds) == split - 1  # S partials, S - 1 float32 adds, left to right
+    assert all(adds[i + 1][1] == adds[i][0] for i in range(split - 2))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("m,split", [(512, 1), (1, 4)])
+def test_nvcc_one_rank_kernels(tmp_path, m, split):
+    """The one-rank kernels compile for sm_90a at the largest default tiles (m = 512) and the
+    most splits, one block per SM, no spills."""
+    tiles = default_tiles(m, 8192, 132)
+    registers, spills = nvcc_resources(lower_with(build_gemm_ar_kernel(m, 8192, 8192, 1, "bfloat16", tiles,
+                                                                       split_k=split), PASS_CONFIGS), tmp_path)
+    assert registers * (tiles.threads + 128) <= 65536 and spills == 0, (registers, spills)
 
 # ------------------------------------------------------------------------------ the benchmark
 def test_benchmark_without_gpu_bad_arguments_and_goals(monkeypatch, capsys):

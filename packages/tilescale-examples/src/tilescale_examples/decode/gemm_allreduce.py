@@ -29,6 +29,10 @@ cut along ``k`` as well, so that the few tiles of a decode output keep every SM 
 are then staged in float32 and added in split order before the rank's product is rounded
 (the same semantics; see the kernel module's "Split k").
 
+One rank (``world_size = 1``) runs the kernels of :mod:`tilescale_examples.decode.gemm_ar_solo`:
+the same results with nothing exchanged (the GEMM's tile stored straight into ``out``; with a
+split, the tile's last unit adds the partials, no block waiting for another).
+
 One-shot only (every rank reads ``world_size x`` the output): right for decode's few rows.
 :data:`TWO_SHOT_FROM_BYTES` is the size table's hook for a two-shot reduction of large
 outputs (a later version); :func:`reduction_for` reads it.
@@ -47,6 +51,7 @@ from tilescale_examples.collectives.reduce_engine import torch_reference as rank
 from tilescale_examples.decode.gemm_ar_kernel import (FLAG_STRIDE, GEMM_AR_DTYPES, PASS_CONFIGS,
                                                       build_gemm_ar_kernel, check_split_k, gemm_ar_jobs,
                                                       padded_rows, tile_count)
+from tilescale_examples.decode.gemm_ar_solo import solo_flag_words
 from tilescale_examples.overlap.gemm import MAX_ELEMENTS, GemmTiles, check_positive, count_outside
 
 __all__ = ["GemmAllReduce", "torch_reference", "partial_magnitudes", "compare", "default_tiles", "default_split_k",
@@ -212,7 +217,8 @@ class GemmAllReduce(SymmetricOp):
     ``kernel``, ``epoch`` (calls made from the host).
 
     Memory (symmetric, per rank): ``2 * mp * n`` elements of the dtype (``split_k > 1``:
-    ``2 * split_k * mp * n`` float32) and ``world_size * blocks * 4`` uint64 flags.
+    ``2 * split_k * mp * n`` float32) and ``world_size * blocks * 4`` uint64 flags (one rank
+    with ``split_k > 1``: at least ``tile_count * 4``, the tiles' counters).
     """
 
     _BUFFERS = ("stage_buffer", "stages", "flags", "state", "output")
@@ -290,7 +296,9 @@ class GemmAllReduce(SymmetricOp):
         split = self.split_k
         self.stage_buffer = self._symmetric((2 * split * self.mp, self.n), self.dtype if split == 1 else torch.float32)
         self.stages = list(self.stage_buffer.split(split * self.mp))
-        self.flags = self._symmetric((self.world_size * self.blocks * FLAG_STRIDE,), torch.uint64)
+        words = max(self.world_size * self.blocks * FLAG_STRIDE,
+                    solo_flag_words(self.tile_count, split) if self.world_size == 1 else 0)
+        self.flags = self._symmetric((words,), torch.uint64)
         self.flags.zero_()
         self.state = torch.zeros((self.blocks,), dtype=torch.int64, device=self.device)
         self.output = torch.empty((self.m, self.n), dtype=self.dtype, device=self.device)

@@ -73,6 +73,7 @@ import torch
 
 from tilescale_examples.collectives.reduce_kernel import (FLAG_STRIDE, default_unroll, rank_order_sum, step_macros,
                                                           vector_elems)
+from tilescale_examples.decode.gemm_ar_solo import build_solo_kernel
 from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, check_positive, check_sync_pipeline, gemm_mainloop
 
 __all__ = ["GEMM_AR_DTYPES", "PASS_CONFIGS", "FLAG_STRIDE", "MAX_SPLIT_READS", "padded_rows", "tile_count",
@@ -265,6 +266,10 @@ def build_gemm_ar_kernel(m: int, k: int, n: int, world_size: int, dtype: str = "
         iters: int32          ceil(tiles / blocks)
 
     Needs ``kernel.initialize`` (it reads its rank and the peers' heap bases from the table).
+    With ``world_size = 1`` it is the one-rank kernel of
+    :mod:`~tilescale_examples.decode.gemm_ar_solo` (same signature and results; no flag round,
+    no wait; with ``split_k > 1`` ``Flags`` holds :func:`~tilescale_examples.decode.
+    gemm_ar_solo.solo_flag_words` words).
     """
     import tilelang.language as T
 
@@ -283,6 +288,8 @@ def build_gemm_ar_kernel(m: int, k: int, n: int, world_size: int, dtype: str = "
     V = vector_elems(torch.empty((), dtype=getattr(torch, dtype)).element_size())
     if BN % V:
         raise ValueError(f"block_n ({BN}) must be a multiple of {V} (16-byte vectors)")
+    if W == 1:  # nothing to exchange: the one-rank kernels
+        return build_solo_kernel(m, k, n, dtype, tiles, check_split_k(split_k, k, W, tiles))
     if check_split_k(split_k, k, W, tiles) > 1:
         return _build_split_kernel(m, k, n, W, dtype, tiles, split_k)
     mp = padded_rows(m, BM)
