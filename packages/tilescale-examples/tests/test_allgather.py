@@ -52,6 +52,19 @@ def test_torch_reference():
 
 
 # ------------------------------------------------------------------------------ codegen
+def test_one_rank_copies_its_chunk_without_flags():
+    """World 1: each block copies its chunk (local put_block) and counts the call; no handshake,
+    no signal, no wait, no barrier, and the flags are not a kernel parameter at all."""
+    S = 1000
+    C, CH = plan_chunks(S, 2, 1, max_blocks=16, min_chunk_bytes=256)
+    body = lower_source(build_allgather_kernel(S, "float16", 1, C, CH, threads=256))
+    body = body[body.index('extern "C" __global__ void __launch_bounds__'):]
+    put = body.index("tilescale::put_block<4>((&(In[start])), (&(Out[start])), ")
+    assert body.rstrip().endswith("}") and put < body.index("State[((int)blockIdx.x)] = epoch;")
+    assert body[put:body.index(";", put)].endswith(", -1)")  # local: no peer address
+    for absent in ("Flags", "signal", "wait_until", "__syncthreads", "fence"):
+        assert absent not in body, absent
+
 def test_generated_cuda_puts_with_signal_and_waits():
     S, W = 1000, 4
     C, CH = plan_chunks(S, 2, W, max_blocks=16, min_chunk_bytes=256)

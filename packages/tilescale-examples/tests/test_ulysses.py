@@ -136,6 +136,19 @@ def test_generated_cuda_puts_each_row_in_its_place():
     assert put.endswith(", (uint64_t)512, (uint64_t)512, (uint64_t)2048, ((int)blockIdx.y))")
 
 
+
+@pytest.mark.parametrize("direction", ["seq_to_head", "head_to_seq"])
+def test_one_rank_moves_the_rows_without_flags(direction):
+    """World 1: the same strided row copies (into this rank's own output), then the call count;
+    no handshake, no signal, no wait, no barrier, and no flags parameter."""
+    body, C, CH = _source(direction, W=1)
+    put = body.index("tilescale::put_rows_block<8>(")
+    assert put < body.index("State[((int)blockIdx.x)] = epoch;")
+    rows = ", (uint64_t)2048, (uint64_t)2048, (uint64_t)2048, 0)"  # whole rows of H * D, to rank 0
+    assert body[put:body.index(";", put)].endswith(rows)
+    for absent in ("Flags", "signal", "wait_until", "__syncthreads"):
+        assert absent not in body, absent
+
 def test_kernel_rejects_a_plan_that_does_not_tile_the_rows():
     with pytest.raises(ValueError, match="does not tile the 500 rows"):
         build_ulysses_kernel(2, 1000, 16, 64, 4, "bfloat16", "seq_to_head", 3, 100)
@@ -146,9 +159,9 @@ def test_kernel_rejects_a_plan_that_does_not_tile_the_rows():
 @needs_nvcc
 def test_real_compile_to_cubin(tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
-    B, S, H, D, W = 1, 4096, 32, 128, 4
-    C, CH = plan_chunks(B * S // W, H // W * D * 2, W, 132, 64 * 1024)
-    for direction in ("seq_to_head", "head_to_seq"):
+    B, S, H, D = 1, 4096, 32, 128
+    for W, direction in ((4, "seq_to_head"), (4, "head_to_seq"), (1, "seq_to_head")):  # one rank: no flags
+        C, CH = plan_chunks(B * S // W, H // W * D * 2, W, 132, 64 * 1024)
         kernel = tilelang.compile(build_ulysses_kernel(B, S, H, D, W, "bfloat16", direction, C, CH), target=TARGET,
                                   execution_backend="tvm_ffi")
         assert kernel.adapter.rt_mod.imports[0].kind == "cuda"

@@ -8,6 +8,8 @@ of ``p``'s output, chunk by chunk, with ``T.put_block`` and epoch flags:
 
 The protocol (ready handshake, ``T.put_signal_block`` of the chunk with its flag, acquire
 wait for the peer's chunk) is described in :mod:`tilescale_examples.collectives.allgather`.
+With one rank (``world_size = 1``) there is no peer: each block copies its chunk with
+``T.put_block`` and records the call, with no handshake and no flag.
 """
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
@@ -21,7 +23,7 @@ from tilescale_examples._launch import kept_view
 from tilescale_examples._macros import T, macro, variable
 from tilescale_examples.base import SymmetricCollective, plan_chunks
 
-__all__ = ["build_put_exchange_kernel", "PutExchange", "claim_slot", "await_chunk"]
+__all__ = ["build_put_exchange_kernel", "PutExchange", "claim_slot", "await_chunk", "count_alone"]
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -46,6 +48,14 @@ def await_chunk(Flags, State, C, c, p, tx, epoch):
     >= epoch``) and record the call in ``State`` (every thread read it before the barriers)."""
     if tx == 0:
         T.wait_ge(Flags[p * C + c], epoch)  # acquire: p's chunk c is here
+        State[p * C + c] = epoch
+
+
+@macro
+def count_alone(State, C, c, p, tx, epoch):
+    """The end of block ``(c, p)``'s call ``epoch`` with one rank: nothing to acquire (its chunk
+    was its own copy); record the call in ``State`` as :func:`await_chunk` does."""
+    if tx == 0:
         State[p * C + c] = epoch
 
 
@@ -83,11 +93,15 @@ def build_put_exchange_kernel(shard_numel: int, dtype: str, world_size: int, chu
             start = c * CH
             epoch = T.alloc_var("int64")
             epoch = State[p * C + c] + 1  # this call's number (the add below does not wait for it)
-            claim_slot(Flags, READY, C, c, p, me, tx, variable(epoch))
-            # put chunk c on p, then (release) add 1 to data[me, c] there: data before signal
-            T.put_signal_block(T.address_of(In[p * ROW + start]), T.address_of(Out[me * S + start]),
-                               T.min(CH, S - start), Flags[me * C + c], 1, "add", p)
-            await_chunk(Flags, State, C, c, p, tx, variable(epoch))
+            if W > 1:
+                claim_slot(Flags, READY, C, c, p, me, tx, variable(epoch))
+                # put chunk c on p, then (release) add 1 to data[me, c] there: data before signal
+                T.put_signal_block(T.address_of(In[p * ROW + start]), T.address_of(Out[me * S + start]),
+                                   T.min(CH, S - start), Flags[me * C + c], 1, "add", p)
+                await_chunk(Flags, State, C, c, p, tx, variable(epoch))
+            else:  # one rank: the chunk is a copy of its own; no slot to claim, no flag to wait for
+                T.put_block(T.address_of(In[start]), T.address_of(Out[start]), T.min(CH, S - start))
+                count_alone(State, C, c, p, tx, variable(epoch))
 
     return exchange.with_attr("global_symbol", name)
 

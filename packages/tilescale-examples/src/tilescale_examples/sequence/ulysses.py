@@ -25,7 +25,8 @@ trips), then releases a data flag on ``p`` and acquires ``p``'s flag for the sam
 protocol is the all-gather's (:mod:`tilescale_examples.collectives.allgather`: a ready handshake per
 block before its puts, so back-to-back calls need no host synchronisation; per-block call
 counters on the device, so CUDA graph replays are correct). The input is read in place (any
-contiguous tensor of the input shape on the allocator's device).
+contiguous tensor of the input shape on the allocator's device). With one rank the kernel
+only moves the rows (no handshake, no flags): the exchange costs what the copy does.
 """
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
@@ -37,7 +38,7 @@ import torch
 
 from tilescale_examples._macros import variable
 from tilescale_examples.base import DTYPES
-from tilescale_examples.collectives.put_exchange import PutExchange, await_chunk, claim_slot
+from tilescale_examples.collectives.put_exchange import PutExchange, await_chunk, claim_slot, count_alone
 
 __all__ = ["UlyssesAllToAll", "build_ulysses_kernel", "torch_reference", "global_sizes", "output_shape",
            "seq_sharded_offset", "head_sharded_offset", "batch_segments", "batch_segment", "DIRECTIONS",
@@ -132,7 +133,8 @@ def build_ulysses_kernel(batch: int, seq_len: int, num_heads: int, head_dim: int
             me = T.get_rank()
             epoch = T.alloc_var("int64")
             epoch = State[p * C + c] + 1  # this call's number (the add below does not wait for it)
-            claim_slot(Flags, READY, C, c, p, me, tx, variable(epoch))
+            if W > 1:
+                claim_slot(Flags, READY, C, c, p, me, tx, variable(epoch))
             first = c * CH
             end = T.min(first + CH, R)
             # Variables, not expressions: TileLang 0.1.15's pointer-type pass fails ("Can't fetch the
@@ -148,10 +150,13 @@ def build_ulysses_kernel(batch: int, seq_len: int, num_heads: int, head_dim: int
                     else:
                         T.put_rows_block(T.address_of(In[by_heads(lo, p)]), T.address_of(Out[by_seq(lo, me)]), hi - lo,
                                          ROW, ROW, H * D, dst_pe=p, unroll_factor=UNROLL)
-            T.sync_threads()  # every thread's words are stored before the release below
-            if tx == 0:
-                T.signal_op(Flags[me * C + c], 1, "add", p)  # release: chunk c of my rows is on p
-            await_chunk(Flags, State, C, c, p, tx, variable(epoch))
+            if W > 1:
+                T.sync_threads()  # every thread's words are stored before the release below
+                if tx == 0:
+                    T.signal_op(Flags[me * C + c], 1, "add", p)  # release: chunk c of my rows is on p
+                await_chunk(Flags, State, C, c, p, tx, variable(epoch))
+            else:  # one rank: the rows were its own copy; no handshake, no flag
+                count_alone(State, C, c, p, tx, variable(epoch))
 
     return ulysses.with_attr("global_symbol", f"ulysses_{direction}")
 
