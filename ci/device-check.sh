@@ -17,6 +17,7 @@
 # 7168); bench-gemm_allreduce-tiles (GemmAllReduce's decode rows with longer runs of b per
 # block); bench-gemm_allreduce-split (GemmAllReduce with k split against unsplit, 1 and 2 ranks);
 # bench-gemm_allreduce-1 (GemmAllReduce at one rank, every decode m, k split and not: the one-rank kernels);
+# bench-gemm_allreduce-2shot (GemmAllReduce's one-shot against its two-shot reduction, 2 and 4 emulated ranks);
 # bench-since-move (the benchmarks whose published tables predate the examples' restructuring);
 # bench-concurrent (the all-reduce algorithms with emulated ranks at once: the Lamport size table);
 # bench-concurrent-norm (the same for the fused norm's exchanges); bench-concurrent-eager (both at 4
@@ -56,7 +57,7 @@ done
 # decode sizes (bench-moe-ll-blocks); the GEMM kernels' SM clock and power under a sustained run;
 # the rest of the tilescale-lang GPU suite in two steps (the others, whose first 25 tests passed
 # before a shortened time limit cut the run, and upstream's programs, test_gpu_upstream.py, alone).
-unverified=(tests-gemm-ar bench-gemm_allreduce-1 tests-exchange bench-ulysses tests-sp-async bench-attention-pipelines bench-moe-ll-blocks bench-gemm-sustain tests-lang-rest tests-upstream)
+unverified=(tests-gemm-ar bench-gemm_allreduce-1 bench-gemm_allreduce-2shot tests-exchange bench-ulysses tests-sp-async bench-attention-pipelines bench-moe-ll-blocks bench-gemm-sustain tests-lang-rest tests-upstream)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
@@ -135,6 +136,9 @@ for step in "${steps[@]}"; do
                                   tilescale_examples.benchmarks.gemm_allreduce --ranks 1 2 --m 1 4 16 64 128 --split-k 1 auto ;;
     bench-gemm_allreduce-1) run_step "$step" timeout -k 10 560 python3 -m tilescale_examples.benchmarks.gemm_allreduce \
                               --ranks 1 --split-k 1 auto ;;
+    bench-gemm_allreduce-2shot) run_step "$step" timeout -k 10 560 python3 -m \
+                                  tilescale_examples.benchmarks.gemm_allreduce --ranks 2 4 --m 1 16 64 128 256 512 \
+                                  --split-k 1 --reduction one_shot two_shot ;;
     bench-attention-fast) run_step "$step" timeout -k 10 400 python3 -m tilescale_examples.benchmarks.attention \
                             --seq 4096 8192 16384 --fast-math off on ;;
     bench-attention-pipelines) run_step "$step" timeout -k 10 500 python3 -m tilescale_examples.benchmarks.attention \

@@ -22,6 +22,7 @@ from tilescale_examples.decode.gemm_allreduce import (compare, default_split_k, 
 from tilescale_examples.decode.gemm_ar_kernel import (PASS_CONFIGS, build_gemm_ar_kernel, check_split_k, padded_rows,
                                                       tile_count)
 from tilescale_examples.decode.gemm_ar_solo import solo_flag_words
+from tilescale_examples.decode.gemm_ar_two_shot import shard_vectors
 from tilescale_examples.overlap.gemm import GemmTiles
 
 BF16, F16 = torch.bfloat16, torch.float16
@@ -203,6 +204,44 @@ def test_one_rank_builds_the_kernels_that_exchange_nothing(compiles):
     assert split.allocator.allocations == [((2 * 2 * 64, 512), torch.float32), ((8 * 4,), torch.uint64)]
     assert solo_flag_words(8, 2) == 32 and solo_flag_words(8, 1) == 0
     assert make(m=1, k=8192, n=8192, num_ranks=1, max_blocks=132).split_k == 2  # "auto" as on several ranks
+
+
+def test_reduction_choice_and_checks(compiles, monkeypatch):
+    """``reduction``: "auto" through the size table (one-shot while it is empty; two-shot from a
+    set entry, never on one rank), "two_shot" keeps k whole (an explicit split is refused), one
+    rank runs its own kernels whatever is asked, a bad value is refused before any build."""
+    from tilescale_examples.decode import gemm_allreduce as mod
+
+    op = make(num_ranks=2, reduction="two_shot", m=1, k=8192, n=8192, max_blocks=132)
+    assert compiles == ["gemm_allreduce_two_shot"] and (op.reduction, op.split_k, op.blocks) == ("two_shot", 1, 64)
+    assert "reduction='two_shot'" in repr(op) and op.allocator.allocations[0] == ((2 * 64, 8192), BF16)
+    assert make(num_ranks=2).reduction == "one_shot" and compiles[-1] == "gemm_allreduce"
+    solo = make(num_ranks=1, reduction="two_shot")
+    assert solo.reduction == "one_shot" and compiles[-1] == "gemm_allreduce_solo"
+    monkeypatch.setitem(mod.TWO_SHOT_FROM_BYTES, 2, 4096)
+    assert make(m=4, num_ranks=2).reduction == "two_shot" and make(m=3, num_ranks=2).reduction == "one_shot"
+    assert mod.reduction_for(4096, 2) == "two_shot" and mod.reduction_for(1 << 30, 1) == "one_shot"
+    assert mod.resolve_reduction("auto", 4096, 2) == "two_shot" and mod.resolve_reduction("one_shot", 4096, 2) == "one_shot"
+    built = len(compiles)
+    for kwargs, match in ((dict(reduction="three_shot"), "reduction must be 'auto' or one of"),
+                          (dict(reduction=None), "reduction must be"),
+                          (dict(reduction="two_shot", split_k=2, k=1024), "split_k=2: reduction='two_shot' keeps")):
+        with pytest.raises(ValueError, match=match):
+            make(num_ranks=2, **kwargs)
+    assert len(compiles) == built
+    with pytest.raises(ValueError, match="keeps every tile's k whole"):
+        build_gemm_ar_kernel(4, 512, 512, 2, "bfloat16", GemmTiles(64, 64, 64, 4, 128), 2, "two_shot")
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        build_gemm_ar_kernel(4, 512, 512, 2, "bfloat16", GemmTiles(64, 64, 64, 4, 128), 1, "auto")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_two_shot_shards_cover_every_tile_once(world):
+    """Every real vector of a tile is reduced by exactly one rank, for every row count."""
+    for rows in range(1, 129):
+        for block_n, vector in ((64, 8), (128, 8), (256, 8), (128, 4)):
+            shards = [shard_vectors(rows, block_n, vector, world, r) for r in range(world)]
+            assert sorted(v for sh in shards for v in sh) == list(range(rows * (block_n // vector)))
 
 A, B = (3, 256), (256, 512)
 
@@ -443,6 +482,40 @@ def test_nvcc_one_rank_kernels(tmp_path, m, split):
                                                                        split_k=split), PASS_CONFIGS), tmp_path)
     assert registers * (tiles.threads + 128) <= 65536 and spills == 0, (registers, spills)
 
+
+def test_two_shot_protocol_order():
+    """m = 3, 4 ranks, two-shot: per tile the GEMM, the rounded partial into this rank's rows
+    0 .. mp of Stage, the release round (value 2v), this rank's shard read from ranks 0..3 in
+    order, the rank-order sum rounded once, the result stored into ranks 0..3's rows mp .. 2mp,
+    the second round (2v + 1), then the reduced tile's real rows copied locally into Out."""
+    body = kernel_body(lower_with(build_gemm_ar_kernel(3, 512, 1024, 4, "bfloat16", GemmTiles(64, 64, 64, 4, 128),
+                                                       reduction="two_shot"), PASS_CONFIGS))
+    assert "gemm_allreduce_two_shot_kernel(" in body
+    gemm, partial = body.index("tl::wgmma_ss<"), body.index("*(uint1*)(Stage + ")
+    notify = [m.start() for m in re.finditer(re.escape(NOTIFY), body)]
+    wait = [m.start() for m in re.finditer(re.escape(WAIT), body)]
+    loads = [m.start() for m in re.finditer(r"remap_ptr\(Stage, \d\);\n\s+bfloat16_t broadcast", body)]
+    rounding = body.index("__float22bfloat162_rn", loads[-1])
+    stores = [m.start() for m in re.finditer(r"tilescale::store_vec16\(", body)]
+    out = body.index("*(uint4*)(Out + ")
+    assert gemm < partial < notify[0] < wait[0] < loads[0] < rounding < stores[0] < notify[1] < wait[1] < out
+    assert len(notify) == len(wait) == 2 and len(loads) == 4 and len(stores) == 4
+    assert re.findall(r"remap_ptr\(Stage, (\d)\)", body) == ["0", "1", "2", "3"] * 2  # loads, then pushes
+    assert "epoch_1 = (((epoch * ((int64_t)iters)) * (int64_t)2) + (((int64_t)i) * (int64_t)2));" in body
+    assert "* (int64_t)2)) + (int64_t)1);" in body[notify[0]:notify[1]]  # the second round: 2v + 1
+    assert "(int64_t)49152)" in body[stores[0]:out]  # rows mp .. 2mp (64 x 1024, less the thread offset)
+    assert "Stage + " in body[out:body.index(";", out)] and "remap_ptr" not in body[out:body.index(";", out)]
+    assert "fence_sys" not in body  # the notify is the release
+
+
+@needs_nvcc
+def test_nvcc_register_budget_of_the_two_shot_kernel(tmp_path):
+    """The largest default tiles (m = 512) at 8 ranks: one block per SM, no spills."""
+    tiles = default_tiles(512, 8192, 132)
+    registers, spills = nvcc_resources(lower_with(build_gemm_ar_kernel(512, 8192, 8192, 8, "bfloat16", tiles,
+                                                                       reduction="two_shot"), PASS_CONFIGS), tmp_path)
+    assert registers * (tiles.threads + 128) <= 65536 and spills == 0, (registers, spills)
+
 # ------------------------------------------------------------------------------ the benchmark
 def test_benchmark_without_gpu_bad_arguments_and_goals(monkeypatch, capsys):
     from examples_helpers import exits_naming, output_without_gpu
@@ -460,6 +533,11 @@ def test_benchmark_without_gpu_bad_arguments_and_goals(monkeypatch, capsys):
     assert [gemm_allreduce.parse_split_k(t) for t in ("1", "auto", "4")] == [1, "auto", 4]
     assert gemm_allreduce.split_variants([1, "auto"], 1, 8192, 8192, 2, 132, {}) == [1, 2]
     assert gemm_allreduce.split_variants([1, "auto"], 256, 8192, 8192, 2, 132, {}) == [1]  # auto is 1 there
+    exits_naming(gemm_allreduce.main, ["--reduction", "three_shot"], "--reduction", capsys)
+    assert gemm_allreduce.split_variants([1, "auto", 4], 1, 8192, 8192, 2, 132, {}, "two_shot") == [1]  # k whole
+    assert gemm_allreduce.reduction_variants(["auto", "one_shot", "two_shot"], 1, 8192, 2, "bfloat16") == [
+        "one_shot", "two_shot"]  # auto is one-shot while the size table is empty
+    assert gemm_allreduce.reduction_variants(["one_shot", "two_shot"], 1, 8192, 1, "bfloat16") == ["one_shot"]
     assert gemm_allreduce.tiles_label(default_tiles(1, 8192, 132), 2) == "64x128x64:4:128 split 2"
     assert gemm_allreduce.parse_tiles("64x128x64") == {"block_m": 64, "block_n": 128, "block_k": 64}
     assert gemm_allreduce.parse_tiles("128x128x64:4:256") == {"block_m": 128, "block_n": 128, "block_k": 64,
@@ -521,3 +599,10 @@ def test_precompile_jobs_are_the_kernels_the_op_builds(compiles, monkeypatch, m,
     built.clear()
     make(m=m, k=1024, n=n, num_ranks=world, max_blocks=132, split_k="auto")
     assert [args for _, args, _ in mod.gemm_allreduce_jobs([m], 1024, n, "bfloat16", [world], 132, "auto")] == built
+    built.clear()
+    make(m=m, k=256, n=n, num_ranks=world, max_blocks=132, reduction="two_shot")
+    jobs = mod.gemm_allreduce_jobs([m], 256, n, "bfloat16", [world], 132, reduction="two_shot")
+    if world == 1:  # one rank: its own kernel, the one built above (cached by its arguments)
+        assert built == [] and [job for _, job, _ in jobs] == [args]
+    else:
+        assert [job for _, job, _ in jobs] == built and built[0][6:] == (1, "two_shot")

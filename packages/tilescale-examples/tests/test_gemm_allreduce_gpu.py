@@ -2,7 +2,8 @@
 ``test_gemm_allreduce.py``):
 
 * every case (dtype x ``m`` from 1 row to more than a row block, several waves of tiles; ``k``
-  unsplit, split in 2 and ``split_k="auto"``, also with more units than blocks),
+  unsplit, split in 2 and ``split_k="auto"``, also with more units than blocks; the one-shot
+  and the two-shot reduction),
   fresh random inputs, poisoned outputs and staging buffer, two calls each (the op's output,
   then ``out=``): within :func:`~tilescale_examples.decode.gemm_allreduce.compare`'s bound of
   the exact sum, and **bit-identical on every rank** (the ranks' outputs gathered);
@@ -28,17 +29,20 @@ from examples_helpers import case_part_checks, parts_gpu_test, poison, replay_wi
 from tilescale_examples.decode.gemm_allreduce import compare
 
 BF16, F16 = torch.bfloat16, torch.float16
-#: (m, k, n, dtype, split_k) of the checked cases: one row, a few, a full row block, more than
-#: one row block (padded), several waves of tiles (and of split units) per block.
+#: (m, k, n, dtype, split_k[, reduction]) of the checked cases: one row, a few, a full row
+#: block, more than one row block (padded), several waves of tiles (and of split units) per
+#: block; the two-shot kernel on one row, a few and more than a row block (reduction
+#: "auto" when left out).
 CASES = [(1, 1024, 2048, BF16, 1), (1, 1024, 2048, BF16, "auto"), (7, 512, 1024, F16, 2),
          (64, 2048, 4096, BF16, "auto"), (200, 1024, 2048, BF16, 1), (130, 1024, 2048, BF16, 2),
-         (512, 512, 8192, F16, 1), (512, 512, 8192, F16, 2)]
+         (512, 512, 8192, F16, 1), (512, 512, 8192, F16, 2), (1, 1024, 2048, BF16, 1, "two_shot"),
+         (7, 512, 1024, F16, 1, "two_shot"), (200, 1024, 2048, BF16, 1, "two_shot")]
 #: Back-to-back calls per world size and case (4 ranks time-slice one GPU: fewer).
 BACK_TO_BACK = {1: 1000, 2: 1000, 4: 200}
-B2B_CASES = [(4, 1024, 2048, BF16, "auto"), (130, 256, 4096, BF16, 1)]
+B2B_CASES = [(4, 1024, 2048, BF16, "auto"), (130, 256, 4096, BF16, 1), (130, 256, 4096, BF16, 1, "two_shot")]
 #: Graph replays (and eager calls between them) per world size and case.
 REPLAYS = {1: 300, 2: 300, 4: 60}
-GRAPH_CASES = [(2, 512, 1024, BF16, "auto"), (96, 256, 2048, F16, 1)]
+GRAPH_CASES = [(2, 512, 1024, BF16, "auto"), (96, 256, 2048, F16, 1), (96, 256, 2048, F16, 1, "two_shot")]
 #: The side-stream part: (the instance on a side stream, the one on the current stream).
 SIDE_CASES = [((4, 1024, 2048, BF16, 2), (4, 1024, 2048, BF16, 1))]
 VARIANTS = 8
@@ -52,8 +56,14 @@ def gemm_ar_kernels(worlds=(1, 2, 4)) -> list:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     names = {BF16: "bfloat16", F16: "float16"}
     sides = [case for pair in SIDE_CASES for case in pair]
-    return [job for m, k, n, d, split in sorted(set(CASES + B2B_CASES + GRAPH_CASES + sides), key=str)
-            for job in gemm_allreduce_jobs([m], k, n, names[d], worlds, sms, split)]
+    return [job for m, k, n, d, *options in sorted(set(CASES + B2B_CASES + GRAPH_CASES + sides), key=str)
+            for job in gemm_allreduce_jobs([m], k, n, names[d], worlds, sms, **op_options(options))]
+
+
+def op_options(options) -> dict:
+    """A case's fields after the dtype as GemmAllReduce's keywords: ``split_k`` and, when the
+    case names one, ``reduction``."""
+    return dict(zip(("split_k", "reduction"), options))
 
 
 def rank_inputs(p: int, m: int, k: int, n: int, dtype, device, seed: int) -> tuple:
@@ -66,7 +76,9 @@ def rank_inputs(p: int, m: int, k: int, n: int, dtype, device, seed: int) -> tup
 
 def _poison_op(op) -> None:
     """Poison the op's output and, while the host knows it (not captured), the staging buffer
-    of its next call (no peer reads it: every peer has finished the call before the last)."""
+    of its next call (no peer reads it: every peer has finished the call before the last;
+    two-shot: buffer 0 holds the partials and buffer 1 the reduced rows every call, and
+    neither is touched by a peer between this rank's calls)."""
     poison(op.output)
     if not op.captured:
         poison(op.stages[(op.epoch + 1) % 2])
@@ -90,8 +102,8 @@ def cases(alloc, rank: int, world: int, rng=None) -> tuple:
 
     dev = torch.device(alloc.device)
     checks, bad = 0, []
-    for index, (m, k, n, dtype, split) in enumerate(CASES):
-        op = GemmAllReduce(alloc, m, k, n, dtype, split_k=split)
+    for index, (m, k, n, dtype, *options) in enumerate(CASES):
+        op = GemmAllReduce(alloc, m, k, n, dtype, **op_options(options))
         for call in range(2):
             every = [rank_inputs(p, m, k, n, dtype, dev, 2 * index + call) for p in range(world)]
             a, b = (t.clone() for t in every[rank])
@@ -99,7 +111,7 @@ def cases(alloc, rank: int, world: int, rng=None) -> tuple:
             out = torch.full((m, n), float("nan"), dtype=dtype, device=dev)
             got = op(a, b) if call == 0 else op(a, b, out=out)
             torch.cuda.synchronize()
-            what = f"rank {rank}/{world} {(m, k, n)} {dtype} split_k {op.split_k} call {call}"
+            what = f"rank {rank}/{world} {(m, k, n)} {dtype} split_k {op.split_k} {op.reduction} call {call}"
             bad += compare(got, every, what)
             if not same_on_every_rank(got, world):
                 bad.append(f"{what}: the ranks' outputs differ")
@@ -115,8 +127,8 @@ def back_to_back(alloc, rank: int, world: int, rng) -> tuple:
 
     dev = torch.device(alloc.device)
     checks, bad, calls = 0, [], BACK_TO_BACK[world]
-    for index, (m, k, n, dtype, split) in enumerate(B2B_CASES):
-        op = GemmAllReduce(alloc, m, k, n, dtype, split_k=split)
+    for index, (m, k, n, dtype, *options) in enumerate(B2B_CASES):
+        op = GemmAllReduce(alloc, m, k, n, dtype, **op_options(options))
         every = [[rank_inputs(p, m, k, n, dtype, dev, 100 + 10 * index + v) for p in range(world)]
                  for v in range(VARIANTS)]
         slots = torch.full((calls, m, n), float("nan"), dtype=dtype, device=dev)
@@ -131,7 +143,8 @@ def back_to_back(alloc, rank: int, world: int, rng) -> tuple:
             slots[i].copy_(got)
         torch.cuda.synchronize()
         for i in range(calls):
-            bad += compare(slots[i], every[i % VARIANTS], f"rank {rank}/{world} back-to-back {(m, k, n)} call {i}")
+            bad += compare(slots[i], every[i % VARIANTS],
+                           f"rank {rank}/{world} back-to-back {(m, k, n)} {op.reduction} call {i}")
         checks += calls
         op.close()
     return checks, bad
@@ -146,8 +159,8 @@ def side_stream(alloc, rank: int, world: int, rng=None) -> tuple:
     dev = torch.device(alloc.device)
 
     def build(case):
-        m, k, n, dtype, split = case
-        op = GemmAllReduce(alloc, m, k, n, dtype, split_k=split)
+        m, k, n, dtype, *options = case
+        op = GemmAllReduce(alloc, m, k, n, dtype, **op_options(options))
         _poison_op(op)
         return op
 
@@ -176,8 +189,8 @@ def graphs(alloc, rank: int, world: int, rng) -> tuple:
 
     dev = torch.device(alloc.device)
     checks, bad = 0, []
-    for index, (m, k, n, dtype, split) in enumerate(GRAPH_CASES):
-        op = GemmAllReduce(alloc, m, k, n, dtype, split_k=split)
+    for index, (m, k, n, dtype, *options) in enumerate(GRAPH_CASES):
+        op = GemmAllReduce(alloc, m, k, n, dtype, **op_options(options))
         a, b = (t.clone() for t in _graph_inputs(m, k, n, dtype, dev, world, 0)[rank])
         count = REPLAYS[world] + 1
         slots = torch.full((count, m, n), float("nan"), dtype=dtype, device=dev)
@@ -190,7 +203,7 @@ def graphs(alloc, rank: int, world: int, rng) -> tuple:
                            rng)
         for i in range(count):
             every = _graph_inputs(m, k, n, dtype, dev, world, 1000 * index + i)
-            bad += compare(slots[i], every, f"rank {rank}/{world} graph {(m, k, n)} call {i}")
+            bad += compare(slots[i], every, f"rank {rank}/{world} graph {(m, k, n)} {op.reduction} call {i}")
         checks += count
         op.close()
     return checks, bad

@@ -2,7 +2,7 @@
 
 ``python -m tilescale_examples.benchmarks.gemm_allreduce [--ranks 1 2 4 8] [--m 1 2 4 ... 512]
 [--k 8192] [--n 8192] [--tiles BMxBNxBK[:STAGES[:THREADS]] ...] [--dtype bfloat16|float16] [--iters 20]
-[--split-k 1 auto ...] [--max-blocks B] [--out DIR]``
+[--split-k 1 auto ...] [--reduction auto one_shot two_shot ...] [--max-blocks B] [--out DIR]``
 
 The method of :mod:`tilescale_examples.benchmarks.emulated` (and of :mod:`.decode`): one
 process, no process group; ``N`` emulated ranks are ``N`` regions of one device buffer whose
@@ -26,12 +26,16 @@ over the ranks:
   (:func:`~tilescale_examples.decode.gemm_allreduce.default_tiles`) or each of ``--tiles``
   (a row each, the fields left out default as in ``GemmAllReduce``), followed by ``split S``
   where the kernel splits ``k`` (``--split-k``: a row for each value, ``1`` and ``auto`` by
-  default, the second left out where it resolves to the first).
+  default, the second left out where it resolves to the first) and by ``two-shot`` where it
+  runs the two-shot reduction (``--reduction``: a row for each value, ``auto`` by default;
+  values that resolve to the same kernel give one row; two-shot keeps ``k`` whole).
 
 Before timing, one round of fused calls is checked (every rank's partial ``a_p @ b_p`` staged
 beforehand by torch, so the ranks that run first read their peers' tiles; each rank's own tile
 is its kernel's) with :func:`~tilescale_examples.decode.gemm_allreduce.compare`; a failure is
-printed and makes the exit status 1.
+printed and makes the exit status 1. Two-shot rounds are run twice and the second is checked:
+in the first, the ranks that run before a peer read reduced rows that peer has not pushed
+yet (its waits are preset); in the second every rank's rows hold the first round's pushes.
 
 The goals (issue 43, one H200): ``fused/(mm+AR)`` at most 0.85 everywhere, and ``fused/mm``
 at most 1.05 at ``N = 1`` (printed at the end; with several ``--tiles``, each shape's fastest
@@ -46,7 +50,8 @@ from tilescale_examples.benchmarks import _fused, _harness, _timing
 from tilescale_examples.benchmarks._report import print_checked, ratio
 
 __all__ = ["HEADERS", "GOAL_RATIO", "GOAL_WORLD1", "M_SIZES", "preset_peer_flags", "check_round", "parse_tiles",
-           "tiles_label", "parse_split_k", "split_variants", "run_case", "goal_lines", "print_results", "run", "main"]
+           "tiles_label", "parse_split_k", "split_variants", "reduction_variants", "run_case", "goal_lines",
+           "print_results", "run", "main"]
 
 HEADERS = ["ranks", "m", "fused us", "mm+AR us", "mm us", "fused/(mm+AR)", "fused/mm", "tiles", "check"]
 #: The goals: fused / (matmul + all-reduce) at most GOAL_RATIO; at one rank fused / matmul at most GOAL_WORLD1.
@@ -72,20 +77,24 @@ def preset_peer_flags(ops) -> None:
 def check_round(ops, inputs) -> list:
     """One call of every emulated rank (rank order, peers' flags preset:
     :func:`preset_peer_flags`), every rank's partial staged by torch beforehand, compared with
-    the exact sum; failure messages."""
+    the exact sum; failure messages. Two-shot (several ranks): two rounds, the second checked
+    (see the module docstring)."""
     import torch
 
     from tilescale_examples.decode.gemm_allreduce import compare
     from tilescale_examples.testing.emulated import run_round
 
+    two_shot = ops[0].reduction == "two_shot"
     for op, (a, b) in zip(ops, inputs):
-        stage, exact = op.stages[(op.epoch + 1) % 2], a.float() @ b.float()
+        stage = op.stages[0] if two_shot else op.stages[(op.epoch + 1) % 2]  # where the next call's partial goes
+        exact = a.float() @ b.float()
         if op.split_k == 1:
             stage[:op.m].copy_(exact.to(op.dtype))
         else:  # float32 partials: the whole product in split 0, zeros in the others
             stage.zero_()
             stage[:op.m].copy_(exact)
-    results = run_round(ops, call=lambda op: op(*inputs[op.rank]), preset=preset_peer_flags)
+    for _ in range(2 if two_shot else 1):
+        results = run_round(ops, call=lambda op: op(*inputs[op.rank]), preset=preset_peer_flags)
     torch.cuda.synchronize()
     bad = []
     for op, got in zip(ops, results):
@@ -116,24 +125,43 @@ def parse_split_k(text: str):
     return int(text)
 
 
-def split_variants(splits, m: int, k: int, n: int, n_ranks: int, max_blocks: int, tiles: dict) -> list:
-    """The distinct ``split_k`` values among ``splits`` (``--split-k``) for one shape and tile
-    keywords, resolved as the op resolves them, in order."""
-    from tilescale_examples.decode.gemm_allreduce import default_tiles, resolve_split_k
+def reduction_variants(reductions, m: int, n: int, n_ranks: int, dtype: str) -> list:
+    """The distinct reductions among ``reductions`` (``--reduction``) for one shape, resolved
+    as the op resolves them (with ``split_k="auto"``), in order."""
+    import torch
 
-    t = default_tiles(m, n, max_blocks, **tiles)
+    from tilescale_examples.decode.gemm_allreduce import resolve_reduction
+
     resolved = []
-    for split in splits:
-        value = resolve_split_k(split, m, k, n, n_ranks, t, max_blocks)
+    for reduction in reductions:
+        value = resolve_reduction(reduction, m * n * getattr(torch, dtype).itemsize, n_ranks)
         if value not in resolved:
             resolved.append(value)
     return resolved
 
 
-def run_case(args, n_ranks: int, m: int, device, tiles: dict, split_k: int = 1) -> tuple:
+def split_variants(splits, m: int, k: int, n: int, n_ranks: int, max_blocks: int, tiles: dict,
+                   reduction: str = "one_shot") -> list:
+    """The distinct ``split_k`` values among ``splits`` (``--split-k``) for one shape, tile
+    keywords and (resolved) reduction, resolved as the op resolves them, in order; ``[1]``
+    for the two-shot reduction (it keeps ``k`` whole)."""
+    from tilescale_examples.decode.gemm_allreduce import default_tiles, resolve_split_k
+
+    if reduction == "two_shot":
+        return [1]
+    t = default_tiles(m, n, max_blocks, **tiles)
+    resolved = []
+    for split in splits:
+        value = resolve_split_k(split, m, k, n, n_ranks, t, max_blocks, reduction)
+        if value not in resolved:
+            resolved.append(value)
+    return resolved
+
+
+def run_case(args, n_ranks: int, m: int, device, tiles: dict, split_k: int = 1, reduction: str = "one_shot") -> tuple:
     """``(fused ms, matmul + all-reduce ms, failures, tiles label)`` of one case (built,
-    checked, timed, closed), the fused op built with the tile keywords ``tiles`` and
-    ``split_k``."""
+    checked, timed, closed), the fused op built with the tile keywords ``tiles``, ``split_k``
+    and ``reduction``."""
     import torch
 
     from tilescale_examples.collectives.allreduce import AllReduce
@@ -147,12 +175,13 @@ def run_case(args, n_ranks: int, m: int, device, tiles: dict, split_k: int = 1) 
     label = []
 
     def check(ops):
-        label.append(tiles_label(ops[0].tiles, ops[0].split_k))
+        two_shot = " two-shot" if ops[0].reduction == "two_shot" else ""
+        label.append(tiles_label(ops[0].tiles, ops[0].split_k) + two_shot)
         return check_round(ops, inputs)
 
     fused, bad = _fused.measure(GemmAllReduce, n_ranks, (m, args.k, args.n, dtype), device,
                                 lambda op: op(*inputs[op.rank]), args.iters, check=check, preset=preset_peer_flags,
-                                max_blocks=args.max_blocks, split_k=split_k, **tiles)
+                                max_blocks=args.max_blocks, split_k=split_k, reduction=reduction, **tiles)
     unfused, _ = _fused.measure(AllReduce, n_ranks, ((m, args.n), dtype), device,
                                 lambda ar: ar(torch.matmul(*inputs[ar.rank])), args.iters, algorithm="one_shot",
                                 max_blocks=args.max_blocks)
@@ -173,15 +202,21 @@ def run(args, device) -> tuple:
     for n_ranks in args.ranks:
         rows = tables.setdefault(n_ranks, [])
         for m in args.m:
-            for tiles in args.tiles or [{}]:
-                for split in split_variants(args.split_k, m, args.k, args.n, n_ranks, sms, tiles):
-                    with _harness.watchdog(args.case_timeout, f"gemm_allreduce: {n_ranks} ranks, m {m}, tiles "
-                                                              f"{tiles or 'default'}, split_k {split}"):
-                        fused, unfused, bad, label = run_case(args, n_ranks, m, device, tiles, split)
-                    failures += bad
-                    rows.append([n_ranks, m, fused * 1e3, unfused * 1e3, alone[m] * 1e3, ratio(fused, unfused),
-                                 ratio(fused, alone[m]), label, "ok" if not bad else "FAIL"])
+            for tiles, reduction, split in _variants(args, n_ranks, m, sms):
+                with _harness.watchdog(args.case_timeout, f"gemm_allreduce: {n_ranks} ranks, m {m}, tiles "
+                                                          f"{tiles or 'default'}, split_k {split}, {reduction}"):
+                    fused, unfused, bad, label = run_case(args, n_ranks, m, device, tiles, split, reduction)
+                failures += bad
+                rows.append([n_ranks, m, fused * 1e3, unfused * 1e3, alone[m] * 1e3, ratio(fused, unfused),
+                             ratio(fused, alone[m]), label, "ok" if not bad else "FAIL"])
     return tables, failures
+
+
+def _variants(args, n_ranks: int, m: int, sms: int) -> list:
+    """``(tile keywords, reduction, split_k)`` of every row of one shape, in order."""
+    return [(tiles, reduction, split) for tiles in args.tiles or [{}]
+            for reduction in reduction_variants(args.reduction, m, args.n, n_ranks, args.dtype)
+            for split in split_variants(args.split_k, m, args.k, args.n, n_ranks, sms, tiles, reduction)]
 
 
 def goal_lines(tables: dict) -> list:
@@ -223,6 +258,8 @@ def main(argv=None) -> int:
                    help="the fused kernel's tiles, each a row per case (default: the op's choice per shape)")
     p.add_argument("--split-k", nargs="+", default=["1", "auto"], metavar="S",
                    help="the fused kernel's split_k values (ints or auto), a row each where they differ")
+    p.add_argument("--reduction", nargs="+", default=["auto"], choices=["auto", "one_shot", "two_shot"],
+                   help="the fused kernel's reductions, a row each where they differ (default: the op's choice)")
     args = _harness.parse_args(p, argv)
     try:
         args.tiles = [parse_tiles(t) for t in args.tiles] if args.tiles else None
@@ -240,8 +277,9 @@ def main(argv=None) -> int:
     from tilescale_examples.testing.precompile import precompile, reduction_jobs
 
     sms = args.max_blocks or torch.cuda.get_device_properties(device).multi_processor_count
-    precompile([job for tiles in args.tiles or [{}] for split in args.split_k
-                for job in gemm_allreduce_jobs(args.m, args.k, args.n, args.dtype, args.ranks, sms, split, **tiles)]
+    jobs = [job for n_ranks in args.ranks for m in args.m for tiles, reduction, split in _variants(args, n_ranks, m, sms)
+            for job in gemm_allreduce_jobs([m], args.k, args.n, args.dtype, [n_ranks], sms, split, reduction, **tiles)]
+    precompile(jobs
                + reduction_jobs(["one_shot"], [args.dtype], args.ranks))  # in parallel: cache hits below
     tables, failures = run(args, device)
     print_results(tables, failures, args, torch.cuda.get_device_name(device))

@@ -33,9 +33,11 @@ One rank (``world_size = 1``) runs the kernels of :mod:`tilescale_examples.decod
 the same results with nothing exchanged (the GEMM's tile stored straight into ``out``; with a
 split, the tile's last unit adds the partials, no block waiting for another).
 
-One-shot only (every rank reads ``world_size x`` the output): right for decode's few rows.
-:data:`TWO_SHOT_FROM_BYTES` is the size table's hook for a two-shot reduction of large
-outputs (a later version); :func:`reduction_for` reads it.
+The one-shot reduction above has every rank read ``world_size x`` the output: right for
+decode's few rows. ``reduction="two_shot"`` (:mod:`tilescale_examples.decode.gemm_ar_two_shot`)
+has each rank reduce ``1 / world_size`` of every tile and push it to every rank, for larger
+outputs (same bits; ``split_k = 1``); ``"auto"`` picks by :data:`TWO_SHOT_FROM_BYTES`
+(:func:`reduction_for`).
 """
 
 # (no `from __future__ import annotations`: the kernel module defines TileLang kernels)
@@ -48,29 +50,45 @@ from tilescale_examples.base import (ClosedError, SymmetricOp, check_max_blocks,
                                      size_table_entry)
 from tilescale_examples.collectives.reduce_engine import overlaps
 from tilescale_examples.collectives.reduce_engine import torch_reference as rank_order_reduce
-from tilescale_examples.decode.gemm_ar_kernel import (FLAG_STRIDE, GEMM_AR_DTYPES, PASS_CONFIGS,
+from tilescale_examples.decode.gemm_ar_kernel import (FLAG_STRIDE, GEMM_AR_DTYPES, PASS_CONFIGS, REDUCTIONS,
                                                       build_gemm_ar_kernel, check_split_k, gemm_ar_jobs,
-                                                      padded_rows, tile_count)
+                                                      kernel_args, padded_rows, tile_count)
 from tilescale_examples.decode.gemm_ar_solo import solo_flag_words
 from tilescale_examples.overlap.gemm import MAX_ELEMENTS, GemmTiles, check_positive, count_outside
 
 __all__ = ["GemmAllReduce", "torch_reference", "partial_magnitudes", "compare", "default_tiles", "default_split_k",
-           "resolve_split_k", "reduction_for", "gemm_allreduce_jobs", "BLOCK_N_CHOICES", "SPLIT_K_CHOICES",
-           "TWO_SHOT_FROM_BYTES", "ClosedError"]
+           "resolve_split_k", "reduction_for", "resolve_reduction", "gemm_allreduce_jobs", "BLOCK_N_CHOICES",
+           "SPLIT_K_CHOICES", "TWO_SHOT_FROM_BYTES", "REDUCTIONS", "ClosedError"]
 
-#: Size table of the reduction, keyed by world size (:func:`~tilescale_examples.base.size_table_entry`):
-#: outputs of at least this many bytes would take a two-shot reduction. None everywhere: this
-#: version is one-shot at every size; the GemmAllReduce benchmark tunes the entries when a
-#: two-shot kernel exists.
+#: Size table of ``reduction="auto"``, keyed by world size
+#: (:func:`~tilescale_examples.base.size_table_entry`): outputs of at least this many bytes take
+#: the two-shot kernel. None everywhere (one-shot at every size) until the GemmAllReduce
+#: benchmark's ``--reduction one_shot two_shot`` rows across GPUs set them: one GPU's emulated
+#: peers read their partials from HBM, not over NVLink, which is where two-shot saves.
 TWO_SHOT_FROM_BYTES = {1: None, 2: None, 4: None, 8: None}
 
 
 def reduction_for(nbytes: int, world_size: int) -> str:
     """The reduction a call of ``nbytes`` output bytes on ``world_size`` ranks takes per
-    :data:`TWO_SHOT_FROM_BYTES`: ``"one_shot"`` (always, in this version) or ``"two_shot"``."""
+    :data:`TWO_SHOT_FROM_BYTES`: ``"one_shot"`` or ``"two_shot"`` (one rank: ``"one_shot"``,
+    there is nothing to reduce)."""
     check_positive("nbytes", nbytes)
     limit = size_table_entry(TWO_SHOT_FROM_BYTES, world_size)
-    return "two_shot" if limit is not None and nbytes >= limit else "one_shot"
+    return "two_shot" if world_size > 1 and limit is not None and nbytes >= limit else "one_shot"
+
+
+def resolve_reduction(reduction, nbytes: int, world_size: int, split_k="auto") -> str:
+    """The kernel ``GemmAllReduce(..., reduction=reduction, split_k=split_k)`` runs:
+    ``"auto"`` through :func:`reduction_for` (``"one_shot"`` where ``split_k`` is an int
+    above 1: the split asked for wins), else one of :data:`REDUCTIONS` (``ValueError`` naming
+    ``reduction``); ``"one_shot"`` on one rank whatever is asked (its kernels exchange
+    nothing)."""
+    if reduction == "auto":
+        split_asked = split_k != "auto" and not isinstance(split_k, bool) and isinstance(split_k, int) and split_k > 1
+        return "one_shot" if split_asked else reduction_for(nbytes, world_size)
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be 'auto' or one of {REDUCTIONS}, got {reduction!r}")
+    return "one_shot" if world_size == 1 else reduction
 
 
 #: The ``block_n`` candidates of :func:`default_tiles`, in order of preference.
@@ -122,10 +140,18 @@ def default_split_k(m: int, k: int, n: int, world_size: int, tiles: GemmTiles, m
     return 1
 
 
-def resolve_split_k(split_k, m: int, k: int, n: int, world_size: int, tiles: GemmTiles, max_blocks: int) -> int:
+def resolve_split_k(split_k, m: int, k: int, n: int, world_size: int, tiles: GemmTiles, max_blocks: int,
+                    reduction: str = "one_shot") -> int:
     """The ``split_k`` that ``GemmAllReduce(..., split_k=split_k)`` runs with for this problem:
     ``"auto"`` through :func:`default_split_k`, an int checked (``ValueError`` naming
-    ``split_k``, also when the grid cap ``max_blocks`` is below it)."""
+    ``split_k``, also when the grid cap ``max_blocks`` is below it); with the (resolved)
+    ``reduction`` ``"two_shot"`` always 1 (its kernel keeps every tile's ``k`` whole:
+    ``ValueError`` for a larger int)."""
+    if reduction == "two_shot":
+        if split_k != "auto" and check_split_k(split_k, k, world_size, tiles) != 1:
+            raise ValueError(f"split_k={split_k}: reduction='two_shot' keeps every tile's k whole; pass split_k=1 "
+                             "or 'auto'")
+        return 1
     if split_k == "auto":
         return default_split_k(m, k, n, world_size, tiles, max_blocks)
     split_k = check_split_k(split_k, k, world_size, tiles)
@@ -135,17 +161,21 @@ def resolve_split_k(split_k, m: int, k: int, n: int, world_size: int, tiles: Gem
 
 
 def gemm_allreduce_jobs(ms: Sequence[int], k: int, n: int, dtype: str, world_sizes: Sequence[int],
-                       max_blocks: int, split_k="auto", **tiles) -> list:
+                       max_blocks: int, split_k="auto", reduction="auto", **tiles) -> list:
     """:func:`~tilescale_examples.testing.precompile.precompile` jobs of the kernels
     ``GemmAllReduce(allocator, m, k, n, dtype, max_blocks=max_blocks, split_k=split_k,
-    **tiles)`` builds for every ``m`` in ``ms`` and world size; ``dtype`` a name
-    (``"bfloat16"``); ``max_blocks`` the grid cap (the op's default: the device's SM count);
-    ``tiles`` the op's tile keywords (``block_m`` ... ``threads``; none: the default tiles)."""
+    reduction=reduction, **tiles)`` builds for every ``m`` in ``ms`` and world size; ``dtype``
+    a name (``"bfloat16"``); ``max_blocks`` the grid cap (the op's default: the device's SM
+    count); ``tiles`` the op's tile keywords (``block_m`` ... ``threads``; none: the default
+    tiles)."""
+    itemsize = getattr(torch, dtype).itemsize
     jobs = []
     for m in ms:
         t = default_tiles(m, n, max_blocks, **tiles)
         for w in world_sizes:
-            jobs += gemm_ar_jobs([(m, k, n)], [dtype], [w], t, resolve_split_k(split_k, m, k, n, w, t, max_blocks))
+            r = resolve_reduction(reduction, m * n * itemsize, w, split_k)
+            jobs += gemm_ar_jobs([(m, k, n)], [dtype], [w], t, resolve_split_k(split_k, m, k, n, w, t, max_blocks, r),
+                                 r)
     return jobs
 
 
@@ -206,10 +236,15 @@ class GemmAllReduce(SymmetricOp):
             to a multiple of ``split_k`` (``units = tiles x split_k``).
         split_k: splits of ``k`` per tile (1: none), or ``"auto"`` (the default:
             :func:`default_split_k`, 2 or 4 where the tiles alone leave SMs idle, else 1);
-            ``k / split_k`` a multiple of ``block_k``.
+            ``k / split_k`` a multiple of ``block_k``; 1 with the two-shot reduction.
+        reduction: ``"one_shot"`` (every rank reads every rank's partial of each tile),
+            ``"two_shot"`` (each rank reduces ``1 / world_size`` of each tile and pushes it to
+            every rank: ``(W - 1) / W`` of the output read from peers instead of ``W - 1``
+            times it, one more flag round per tile) or ``"auto"`` (the default:
+            :func:`reduction_for`, :data:`TWO_SHOT_FROM_BYTES`); one rank: its own kernels.
         target: TileLang target (default sm_90a).
 
-    Attributes: ``m``, ``k``, ``n``, ``tiles``, ``split_k``, ``tile_count``, ``blocks``,
+    Attributes: ``m``, ``k``, ``n``, ``tiles``, ``split_k``, ``reduction``, ``tile_count``, ``blocks``,
     ``iters`` (units per block, at most), ``output`` (what a call without ``out`` returns; the
     next call overwrites it), ``stages`` (the two symmetric staging buffers, ``(mp, n)`` each
     of the dtype, or ``(split_k * mp, n)`` float32 with ``split_k > 1``; ``mp`` = ``m`` rounded
@@ -228,7 +263,7 @@ class GemmAllReduce(SymmetricOp):
                  world_size: Optional[int] = None, group=None, block_m: Optional[int] = None,
                  block_n: Optional[int] = None, block_k: Optional[int] = None, num_stages: Optional[int] = None,
                  threads: Optional[int] = None, max_blocks: Optional[int] = None, split_k: Union[int, str] = "auto",
-                 target=None):
+                 reduction: str = "auto", target=None):
         check_target(target)
         self._setup_op(allocator, dtype, world_size, group, GEMM_AR_DTYPES)
         for name, value in (("m", m), ("k", k), ("n", n)):
@@ -240,7 +275,8 @@ class GemmAllReduce(SymmetricOp):
         self.m, self.k, self.n = m, k, n
         self.mp = padded_rows(m, self.tiles.block_m)
         self.tile_count = tile_count(m, n, self.tiles)
-        self.split_k = resolve_split_k(split_k, m, k, n, self.world_size, self.tiles, self.max_blocks)
+        self.reduction = resolve_reduction(reduction, m * n * self.dtype.itemsize, self.world_size, split_k)
+        self.split_k = resolve_split_k(split_k, m, k, n, self.world_size, self.tiles, self.max_blocks, self.reduction)
         if 2 * self.split_k * self.mp * n >= MAX_ELEMENTS:
             raise ValueError(f"{type(self).__name__}: split_k={self.split_k}: the staging buffers "
                              f"({2 * self.split_k} x {self.mp} x {n}) exceed the kernel's int32 indexing; "
@@ -302,8 +338,8 @@ class GemmAllReduce(SymmetricOp):
         self.flags.zero_()
         self.state = torch.zeros((self.blocks,), dtype=torch.int64, device=self.device)
         self.output = torch.empty((self.m, self.n), dtype=self.dtype, device=self.device)
-        args = (self.m, self.k, self.n, self.world_size, GEMM_AR_DTYPES[self.dtype], self.tiles) + (
-            (split,) if split != 1 else ())
+        args = kernel_args(self.m, self.k, self.n, self.world_size, GEMM_AR_DTYPES[self.dtype], self.tiles, split,
+                           self.reduction)
         self.kernel = self._compile_kernel(lambda: build_gemm_ar_kernel(*args), target, PASS_CONFIGS,
                                            key=("gemm_allreduce",) + args)
         self.bind_table(force=True)
@@ -365,5 +401,6 @@ class GemmAllReduce(SymmetricOp):
         t = self.tiles
         return (f"{type(self).__name__}(m={self.m}, k={self.k}, n={self.n}, dtype={self.dtype}, "
                 f"world_size={self.world_size}, tiles={t.block_m}x{t.block_n}x{t.block_k}, split_k={self.split_k}, "
+                f"reduction={self.reduction!r}, "
                 f"blocks={self.blocks}, "
                 f"epoch={self.epoch}{', closed' if self.closed else ''})")

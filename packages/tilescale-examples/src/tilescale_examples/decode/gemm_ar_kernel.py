@@ -74,15 +74,20 @@ import torch
 from tilescale_examples.collectives.reduce_kernel import (FLAG_STRIDE, default_unroll, rank_order_sum, step_macros,
                                                           vector_elems)
 from tilescale_examples.decode.gemm_ar_solo import build_solo_kernel
+from tilescale_examples.decode.gemm_ar_two_shot import build_two_shot_kernel
 from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, check_positive, check_sync_pipeline, gemm_mainloop
 
-__all__ = ["GEMM_AR_DTYPES", "PASS_CONFIGS", "FLAG_STRIDE", "MAX_SPLIT_READS", "padded_rows", "tile_count",
+__all__ = ["GEMM_AR_DTYPES", "PASS_CONFIGS", "FLAG_STRIDE", "MAX_SPLIT_READS", "REDUCTIONS", "kernel_args",
+           "padded_rows", "tile_count",
            "check_split_k", "build_gemm_ar_kernel", "gemm_ar_jobs"]
 
 #: torch dtypes of ``a``, ``b`` and the output, with their TileLang names (float32 accumulation).
 GEMM_AR_DTYPES = DTYPES
 #: TileLang pass configs of the kernel (none: the GEMM's stock lowering, warp specialisation on).
 PASS_CONFIGS: dict = {}
+#: Values of the kernel's ``reduction``: ``one_shot`` (every rank reads every rank's tile) and
+#: ``two_shot`` (each rank reduces a shard of every tile and pushes it to every rank).
+REDUCTIONS = ("one_shot", "two_shot")
 #: The most 16-byte partial vectors (``world_size * split_k``) one thread of the split-``k``
 #: reduction loads before adding them (``4 *`` this float32 registers).
 MAX_SPLIT_READS = 32
@@ -247,7 +252,7 @@ def _reduce_macro(T, W: int, TH: int, V: int, BM: int, BN: int, m: int, dtype: s
 
 
 def build_gemm_ar_kernel(m: int, k: int, n: int, world_size: int, dtype: str = "bfloat16",
-                         tiles: Optional[GemmTiles] = None, split_k: int = 1):
+                         tiles: Optional[GemmTiles] = None, split_k: int = 1, reduction: str = "one_shot"):
     """The fused GEMM + all-reduce ``T.prim_func`` (see the module docstring; ``split_k > 1``:
     its "Split k", checked by :func:`check_split_k`, with ``Stage: (2 * split_k * mp, n)``
     float32 and a grid that is a multiple of ``split_k``).
@@ -266,7 +271,9 @@ def build_gemm_ar_kernel(m: int, k: int, n: int, world_size: int, dtype: str = "
         iters: int32          ceil(tiles / blocks)
 
     Needs ``kernel.initialize`` (it reads its rank and the peers' heap bases from the table).
-    With ``world_size = 1`` it is the one-rank kernel of
+    ``reduction="two_shot"`` (:data:`REDUCTIONS`; ``split_k = 1`` only) builds the kernel of
+    :mod:`~tilescale_examples.decode.gemm_ar_two_shot` (same signature). With ``world_size = 1``
+    it is the one-rank kernel of
     :mod:`~tilescale_examples.decode.gemm_ar_solo` (same signature and results; no flag round,
     no wait; with ``split_k > 1`` ``Flags`` holds :func:`~tilescale_examples.decode.
     gemm_ar_solo.solo_flag_words` words).
@@ -288,8 +295,14 @@ def build_gemm_ar_kernel(m: int, k: int, n: int, world_size: int, dtype: str = "
     V = vector_elems(torch.empty((), dtype=getattr(torch, dtype)).element_size())
     if BN % V:
         raise ValueError(f"block_n ({BN}) must be a multiple of {V} (16-byte vectors)")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if W == 1:  # nothing to exchange: the one-rank kernels
         return build_solo_kernel(m, k, n, dtype, tiles, check_split_k(split_k, k, W, tiles))
+    if reduction == "two_shot":
+        if split_k != 1:
+            raise ValueError(f"split_k={split_k!r}: the two-shot kernel keeps every tile's k whole (split_k=1)")
+        return build_two_shot_kernel(m, k, n, W, dtype, tiles)
     if check_split_k(split_k, k, W, tiles) > 1:
         return _build_split_kernel(m, k, n, W, dtype, tiles, split_k)
     mp = padded_rows(m, BM)
@@ -324,10 +337,19 @@ def build_gemm_ar_kernel(m: int, k: int, n: int, world_size: int, dtype: str = "
     return gemm_allreduce.with_attr("global_symbol", "gemm_allreduce")
 
 
-def gemm_ar_jobs(shapes, dtypes, world_sizes, tiles: Optional[GemmTiles] = None, split_k: int = 1) -> list:
+def kernel_args(m: int, k: int, n: int, world_size: int, dtype: str, tiles: Optional[GemmTiles], split_k: int = 1,
+                reduction: str = "one_shot") -> tuple:
+    """The positional arguments of :func:`build_gemm_ar_kernel` for this kernel, the defaults
+    left out (the op's compile key and the precompile jobs name a kernel the same way)."""
+    tail = (split_k, reduction) if reduction != "one_shot" else (split_k,) if split_k != 1 else ()
+    return (m, k, n, world_size, dtype, tiles) + tail
+
+
+def gemm_ar_jobs(shapes, dtypes, world_sizes, tiles: Optional[GemmTiles] = None, split_k: int = 1,
+                 reduction: str = "one_shot") -> list:
     """:func:`~tilescale_examples.testing.precompile.precompile` jobs of every kernel
     :func:`build_gemm_ar_kernel` makes for ``(m, k, n)`` in ``shapes`` x dtype name x world
     size (``tiles`` default: :class:`~tilescale_examples.overlap.gemm.GemmTiles`'s)."""
     return [("tilescale_examples.decode.gemm_ar_kernel:build_gemm_ar_kernel",
-             (m, k, n, w, d, tiles) + ((split_k,) if split_k != 1 else ()), PASS_CONFIGS)
+             kernel_args(m, k, n, w, d, tiles, split_k, reduction), PASS_CONFIGS)
             for (m, k, n) in shapes for d in dtypes for w in world_sizes]
