@@ -126,13 +126,15 @@ def test_real_compile_to_cubin(dtype, tmp_path, monkeypatch):
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "cache"))
     from tilescale_lang import headers
 
-    S, W = 1 << 20 | 3, 4  # odd size (unaligned slots, byte tails), chunks above 32768 elements
-    C, CH = plan_chunks(S, 2 if dtype == "float16" else 4, W, max_blocks=32, min_chunk_bytes=1024)
-    assert CH >= 32768
-    kernel = tilelang.compile(build_allgather_kernel(S, dtype, W, C, CH), target=ag_mod.TARGET, execution_backend="tvm_ffi")
-    assert f"-I{headers.include_dir()}" in kernel.compile_flags
-    assert kernel.adapter.rt_mod.imports[0].kind == "cuda"
-    assert "tilescale::put_signal<4," in kernel.get_kernel_source()
+    S = 1 << 20 | 3  # odd size (unaligned slots, byte tails), chunks above 32768 elements
+    for W, copy in ((4, "tilescale::put_signal<4,"), (1, "tilescale::put_block<4>(")):  # one rank: the copy alone
+        C, CH = plan_chunks(S, 2 if dtype == "float16" else 4, W, max_blocks=32, min_chunk_bytes=1024)
+        assert CH >= 32768
+        kernel = tilelang.compile(build_allgather_kernel(S, dtype, W, C, CH), target=ag_mod.TARGET,
+                                  execution_backend="tvm_ffi")
+        assert f"-I{headers.include_dir()}" in kernel.compile_flags
+        assert kernel.adapter.rt_mod.imports[0].kind == "cuda"
+        assert copy in kernel.get_kernel_source()
 
 
 # ------------------------------------------------------------------------------ the class
