@@ -21,7 +21,7 @@ from tilescale_examples.decode.gemm_allreduce import (compare, default_split_k, 
                                                       reduction_for, resolve_split_k, torch_reference)
 from tilescale_examples.decode.gemm_ar_kernel import (PASS_CONFIGS, build_gemm_ar_kernel, check_split_k, padded_rows,
                                                       tile_count)
-from tilescale_examples.decode.gemm_ar_solo import solo_flag_words
+from tilescale_examples.decode.gemm_ar_split import split_flag_words
 from tilescale_examples.decode.gemm_ar_two_shot import shard_vectors
 from tilescale_examples.overlap.gemm import GemmTiles
 
@@ -107,7 +107,7 @@ def test_split_k_choice_and_checks():
     tiles = default_tiles(1, 8192, 132)  # 64 x 128: 64 tiles of a decode row
     assert default_split_k(1, 8192, 8192, 8, tiles, 132) == 2  # 128 units in one wave; 4 would be 256
     assert default_split_k(1, 8192, 4096, 8, tiles, 132) == 4  # 32 tiles
-    assert default_split_k(1, 8192, 4096, 16, tiles, 132) == 2  # 16 ranks x 4 splits: too many partials a thread
+    assert default_split_k(1, 8192, 4096, 16, tiles, 132) == 4  # any world size: one rounded tile per rank read
     assert default_split_k(1, 512, 1024, 2, tiles, 132) == 2  # k / 4 = 128: shorter than the 4-stage pipeline
     assert default_split_k(1, 256, 1024, 2, tiles, 132) == 1
     assert default_split_k(256, 8192, 8192, 8, default_tiles(256, 8192, 132), 132) == 1  # 128 tiles fill the grid
@@ -116,10 +116,10 @@ def test_split_k_choice_and_checks():
     assert resolve_split_k(4, 1, 8192, 8192, 2, tiles, 132) == 4
     for split, match in ((0, "split_k must be an int >= 1"), (2.0, "split_k must be an int"), (True, "split_k must be"),
                          (3, r"k \(8192\) must be a multiple of split_k \* block_k \(192\)"),
-                         (64, r"block_n \(128\) must be a multiple of 4 \* split_k"),
-                         (8, r"world_size \* split_k \(64\) must be at most 32")):
+                         (256, r"k \(8192\) must be a multiple of split_k \* block_k \(16384\)")):
         with pytest.raises(ValueError, match=match):
             check_split_k(split, 8192, 8, tiles)
+    assert check_split_k(8, 8192, 8, tiles) == 8 and check_split_k(64, 8192, 32, tiles) == 64  # no world limit
     with pytest.raises(ValueError, match="split_k=4 exceeds max_blocks=2"):
         resolve_split_k(4, 1, 8192, 8192, 2, tiles, 2)
 
@@ -127,8 +127,10 @@ def test_split_k_choice_and_checks():
 # ------------------------------------------------------------------------------ host side on the CPU
 class FakeKernel(LaunchRecorder):
     """Stands in for the GPU launch (recording each call's arguments in ``calls``): stages the
-    rounded ``a @ b`` into the call's buffer (``e % 2``, ``e`` from the device counters) and
-    writes the reference of ``world_size`` ranks that all hold this rank's inputs."""
+    rounded ``a @ b`` into the call's buffer (``e % 2``, ``e`` from the device counters; with
+    ``k`` split, the exact product as split 0's partial and the rounded one, as float32, in the
+    call's buffer after the ``split_k`` partials) and writes the reference of ``world_size``
+    ranks that all hold this rank's inputs."""
 
     def __init__(self, op):
         super().__init__([])
@@ -138,8 +140,13 @@ class FakeKernel(LaunchRecorder):
         super().__call__(*args)
         a, b, stage, out, _, state = args[:6]
         op, epoch = self.op, int(args[5][0]) + 1
-        state += 1  # split k: the exact float32 product as split 0's partial
-        stage[(epoch % 2) * op.split_k * op.mp:][:op.m].copy_((a.float() @ b.float()).to(stage.dtype))
+        state += 1
+        exact = a.float() @ b.float()
+        if op.split_k == 1:
+            stage[(epoch % 2) * op.mp:][:op.m].copy_(exact.to(stage.dtype))
+        else:
+            stage[:op.m].copy_(exact)
+            stage[(op.split_k + epoch % 2) * op.mp:][:op.m].copy_(exact.to(op.dtype).float())
         out.copy_(op.torch_reference([(a, b)] * op.world_size, op.rank))
 
 
@@ -177,13 +184,15 @@ def test_buffers_arguments_and_call_numbers(compiles):
 def test_split_k_buffers_grid_and_calls(compiles):
     op = make(m=3, k=1024, n=512, max_blocks=7, block_n=64, split_k=2)  # 8 tiles x 2 splits on 6 blocks
     assert compiles == ["gemm_allreduce_split"] and (op.split_k, op.tile_count, op.blocks, op.iters) == (2, 8, 6, 3)
-    assert op.allocator.allocations == [((2 * 2 * 64, 512), torch.float32), ((2 * 6 * 4,), torch.uint64)]
+    # flags: a row per rank of the 8 tiles' ready flags and this rank's 8 counters
+    assert op.allocator.allocations == [((2 * 2 * 64, 512), torch.float32), ((2 * 2 * 8 * 4,), torch.uint64)]
     assert [s.shape for s in op.stages] == [(128, 512)] * 2 and op.stages[0].dtype == torch.float32
     a, b = normal_inputs(1, m=3, k=1024)[0]
     out = op(a, b)
     args = op.kernel.calls[-1]
     assert args[2] is op.stage_buffer and args[6:] == (6, 3) and torch.equal(out, torch_reference([(a, b)] * 2, 0))
-    assert torch.equal(op.stages[1][:3], a.float() @ b.float())  # call 1: buffer 1, split 0
+    assert torch.equal(op.stages[0][:3], a.float() @ b.float())  # split 0's partial
+    assert torch.equal(op.stages[1][64:67], (a.float() @ b.float()).to(BF16).float())  # call 1: its buffer 1
     assert "split_k=2" in repr(op)
     auto = make(m=1, k=8192, n=8192, max_blocks=132)  # the default: split_k="auto"
     assert (auto.split_k, auto.tile_count, auto.blocks, auto.iters) == (2, 64, 128, 1)
@@ -193,16 +202,17 @@ def test_split_k_buffers_grid_and_calls(compiles):
 
 
 def test_one_rank_builds_the_kernels_that_exchange_nothing(compiles):
-    """World 1: the one-rank kernels (gemm_ar_solo), the op's buffers and call unchanged except
-    the split kernel's tile counters (8 tiles on 6 blocks: 8 counters, more than the 6 flags)."""
+    """World 1: the one-rank kernels (gemm_ar_solo, gemm_ar_split's), the op's buffers and call
+    unchanged; the split kernel's flags: a row of 8 tile flags and 8 counters (8 tiles on 6
+    blocks)."""
     op = make(num_ranks=1, max_blocks=4, block_n=64)
     assert compiles == ["gemm_allreduce_solo"] and op.allocator.allocations[-1] == ((4 * 4,), torch.uint64)
     a, b = normal_inputs(1)[0]
     assert torch.equal(op(a, b), torch_reference([(a, b)], 0)) and op.kernel.calls[-1][6:] == (4, 2)
     split = make(m=3, k=1024, n=512, num_ranks=1, max_blocks=7, block_n=64, split_k=2)
     assert compiles[-1] == "gemm_allreduce_solo_split" and (split.tile_count, split.blocks, split.iters) == (8, 6, 3)
-    assert split.allocator.allocations == [((2 * 2 * 64, 512), torch.float32), ((8 * 4,), torch.uint64)]
-    assert solo_flag_words(8, 2) == 32 and solo_flag_words(8, 1) == 0
+    assert split.allocator.allocations == [((2 * 2 * 64, 512), torch.float32), ((2 * 8 * 4,), torch.uint64)]
+    assert split_flag_words(1, 8) == 64 and split_flag_words(4, 8) == 256  # a row of flags and counters per rank
     assert make(m=1, k=8192, n=8192, num_ranks=1, max_blocks=132).split_k == 2  # "auto" as on several ranks
 
 
@@ -407,25 +417,36 @@ def split_source(m, k, n, world, split, dtype="bfloat16", tiles=None):
 
 def test_split_k_protocol_order_on_one_decode_row():
     """m = 1, 2 ranks, k split in 2: per unit, the GEMM over this block's half of k (the TMA
-    coordinates: k0 = (block % 2) * 4096), the real row of the float32 partial stored into its
-    split, the group round (release to every rank; one wait per rank and group member, on the
-    group's block indices), then the peers' partials (rank 0 splits 0 and 1, rank 1 splits 0
-    and 1), each rank's splits added and rounded, the ranks added and rounded once, the store."""
+    coordinates: k0 = (block % 2) * 4096), the real row of the float32 partial into its split,
+    a barrier, one thread's acq_rel add on this rank's counter of the tile, a barrier; then
+    only the tile's last unit: the two partials added in split order, rounded to bfloat16 and
+    kept as float32 in the call's buffer (rows 128 + e % 2 * 64), the release round on the
+    tile's flag (one notify and one wait per rank), both ranks' rounded tiles added in rank
+    order and rounded once, the store; the call count after the loop."""
     body = split_source(1, 8192, 8192, 2, 2, tiles=default_tiles(1, 8192, 132))
+    assert "gemm_allreduce_split_kernel(" in body
     assert "(((((int)blockIdx.x) & 1) * 4096) + (kk * 64))" in body  # k0 of this unit's split
-    assert_protocol_order(body, "*(float2*)(Stage + ", "*(uint2*)(Out + ")
-    assert "< 65)" in body  # the real rows only (consumer threads from 128: row + 64 < 65)
-    assert re.findall(r"remap_ptr\(Stage, (\d)\)", body) == ["0", "0", "1", "1"]  # rank-major, then split
-    assert "lo = ((((int)(epoch & (int64_t)1)) * 128) + ((((int)blockIdx.x) & 1) * 64));" in body
-    assert "if (((int)threadIdx.x) < 130)" in body and "if (((int)threadIdx.x) < 132)" in body  # 2 notify, 4 waits
-    # the wait of thread tx: rank tx / 2, member tx % 2 of this block's group (block - block % 2)
-    assert ("(((((((((int64_t)((int)threadIdx.x)) >> (int64_t)1) - (int64_t)64) * ((int64_t)blocks)) * (int64_t)4) + "
-            "(((int64_t)((int)blockIdx.x)) * (int64_t)4)) + "
-            "((((int64_t)((int)threadIdx.x)) & (int64_t)1) * (int64_t)4)) - "
-            "((((int64_t)((int)blockIdx.x)) & (int64_t)1) * (int64_t)4))") in body
-    # (v0 + v1) rounded, (v2 + v3) rounded, their float32 sum rounded once
-    assert re.search(r"__5\.x = \(v_\.x\+v__1\.x\);.*__bfloat1622float2.*__8\.x = \(v__2\.x\+v__3\.x\);"
-                     r".*__2\.x = \(__3\.x\+__6\.x\);", body, re.S)
+    gemm, partial = body.index("tl::wgmma_ss<"), body.index("*(float2*)(Stage + ")
+    atomic = body.index("AtomicAddRet((&(Flags[")
+    last = body.index("& (uint64_t)1) == (uint64_t)1)")
+    rounded = body.index("__bfloat1622float2", last)  # the rank's product rounded, back to float32
+    ready, wait = body.index(NOTIFY), body.index(WAIT)
+    loads = [m.start() for m in re.finditer(r"tilescale::remap_ptr\(Stage, (\d)\)", body)]
+    out = body.index("*(uint2*)(Out + ")
+    assert gemm < partial < atomic < last < rounded < ready < wait < loads[0] < out
+    assert body.index("State[((int)blockIdx.x)] = epoch") > out
+    assert ", 1, 4);" in body[atomic:atomic + 400] and "fence_sys" not in body
+    # counter of tile t on this rank: row me (2 x 64 tiles x 4 words), after the 64 ready flags
+    assert "(int64_t)4)) + (int64_t)256)])), 1, 4);" in body[atomic:atomic + 400]
+    assert "lo = ((((int)(epoch & (int64_t)1)) * 64) + 128);" in body  # after the S * mp partial rows
+    assert re.findall(r"remap_ptr\(Stage, (\d)\)", body) == ["0", "1"]  # one rounded tile per rank
+    assert body.count(NOTIFY) == 1 and body.count(WAIT) == 1 and "if (((int)threadIdx.x) < 130)" in body
+    # ready[me, t] on every rank, then ready[p, t] here: rows of 2 x 64 flags, 4 words apart
+    assert "tilescale::notify<false>((&(Flags[((((int64_t)me) * (int64_t)512) + " in body
+    assert "* (int64_t)512) + " in body[wait:wait + 300]
+    # the last unit's sum: split 0 + split 1 (rows 64 apart), rounded; then rank 0 + rank 1, rounded once
+    assert re.search(r"__3\.x = \(v_\.x\+v__1\.x\);.*__float22bfloat162_rn", body[last:ready], re.S)
+    assert re.search(r"__5\.x = \(v__2\.x\+v__3\.x\);.*__float22bfloat162_rn", body[loads[0]:out], re.S)
 
 
 @needs_nvcc

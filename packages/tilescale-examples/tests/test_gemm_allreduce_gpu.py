@@ -78,10 +78,16 @@ def _poison_op(op) -> None:
     """Poison the op's output and, while the host knows it (not captured), the staging buffer
     of its next call (no peer reads it: every peer has finished the call before the last;
     two-shot: buffer 0 holds the partials and buffer 1 the reduced rows every call, and
-    neither is touched by a peer between this rank's calls)."""
+    neither is touched by a peer between this rank's calls; split ``k``: the partials, which
+    only this rank reads, and the next call's buffer of rounded products)."""
     poison(op.output)
-    if not op.captured:
+    if op.captured:
+        return
+    if op.split_k == 1:
         poison(op.stages[(op.epoch + 1) % 2])
+    else:  # the partials (this rank's alone) and the next call's rounded products
+        poison(op.stages[0])
+        poison(op.stage_buffer[(op.split_k + (op.epoch + 1) % 2) * op.mp:][:op.mp])
 
 
 def same_on_every_rank(out: torch.Tensor, world: int) -> bool:

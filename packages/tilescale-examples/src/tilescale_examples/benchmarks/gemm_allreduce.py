@@ -85,14 +85,12 @@ def check_round(ops, inputs) -> list:
     from tilescale_examples.testing.emulated import run_round
 
     two_shot = ops[0].reduction == "two_shot"
-    for op, (a, b) in zip(ops, inputs):
-        stage = op.stages[0] if two_shot else op.stages[(op.epoch + 1) % 2]  # where the next call's partial goes
-        exact = a.float() @ b.float()
-        if op.split_k == 1:
-            stage[:op.m].copy_(exact.to(op.dtype))
-        else:  # float32 partials: the whole product in split 0, zeros in the others
-            stage.zero_()
-            stage[:op.m].copy_(exact)
+    for op, (a, b) in zip(ops, inputs):  # where the next call's rounded product goes, the rows peers read
+        exact, parity = a.float() @ b.float(), (op.epoch + 1) % 2
+        if op.split_k > 1:  # as float32, after the split_k partials' rows
+            op.stage_buffer[(op.split_k + parity) * op.mp:][:op.m].copy_(exact.to(op.dtype).float())
+        else:
+            (op.stages[0] if two_shot else op.stages[parity])[:op.m].copy_(exact.to(op.dtype))
     for _ in range(2 if two_shot else 1):
         results = run_round(ops, call=lambda op: op(*inputs[op.rank]), preset=preset_peer_flags)
     torch.cuda.synchronize()
@@ -277,7 +275,8 @@ def main(argv=None) -> int:
     from tilescale_examples.testing.precompile import precompile, reduction_jobs
 
     sms = args.max_blocks or torch.cuda.get_device_properties(device).multi_processor_count
-    jobs = [job for n_ranks in args.ranks for m in args.m for tiles, reduction, split in _variants(args, n_ranks, m, sms)
+    jobs = [job for n_ranks in args.ranks for m in args.m
+            for tiles, reduction, split in _variants(args, n_ranks, m, sms)
             for job in gemm_allreduce_jobs([m], args.k, args.n, args.dtype, [n_ranks], sms, split, reduction, **tiles)]
     precompile(jobs
                + reduction_jobs(["one_shot"], [args.dtype], args.ranks))  # in parallel: cache hits below

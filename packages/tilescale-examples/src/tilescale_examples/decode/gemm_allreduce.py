@@ -25,13 +25,14 @@ starts before the GEMM ends). Call numbers live on the device, so back-to-back c
 host synchronisation and CUDA-graph replays are new calls.
 
 With ``split_k`` (``"auto"``, the default: :func:`default_split_k`; or an int) the GEMM is
-cut along ``k`` as well, so that the few tiles of a decode output keep every SM busy; each rank's partials
-are then staged in float32 and added in split order before the rank's product is rounded
-(the same semantics; see the kernel module's "Split k").
+cut along ``k`` as well, so that the few tiles of a decode output keep every SM busy; the
+tile's last unit adds the rank's partials in split order before the rank's product is
+rounded and takes part in the exchange alone (the same semantics;
+:mod:`tilescale_examples.decode.gemm_ar_split`).
 
-One rank (``world_size = 1``) runs the kernels of :mod:`tilescale_examples.decode.gemm_ar_solo`:
-the same results with nothing exchanged (the GEMM's tile stored straight into ``out``; with a
-split, the tile's last unit adds the partials, no block waiting for another).
+One rank (``world_size = 1``) exchanges nothing: the GEMM's tile (with a split, the tile's
+sum of partials) is stored straight into ``out``, no flag released, no block waiting
+(:mod:`tilescale_examples.decode.gemm_ar_solo`, :mod:`~tilescale_examples.decode.gemm_ar_split`).
 
 The one-shot reduction above has every rank read ``world_size x`` the output: right for
 decode's few rows. ``reduction="two_shot"`` (:mod:`tilescale_examples.decode.gemm_ar_two_shot`)
@@ -50,10 +51,9 @@ from tilescale_examples.base import (ClosedError, SymmetricOp, check_max_blocks,
                                      size_table_entry)
 from tilescale_examples.collectives.reduce_engine import overlaps
 from tilescale_examples.collectives.reduce_engine import torch_reference as rank_order_reduce
-from tilescale_examples.decode.gemm_ar_kernel import (FLAG_STRIDE, GEMM_AR_DTYPES, PASS_CONFIGS, REDUCTIONS,
-                                                      build_gemm_ar_kernel, check_split_k, gemm_ar_jobs,
-                                                      kernel_args, padded_rows, tile_count)
-from tilescale_examples.decode.gemm_ar_solo import solo_flag_words
+from tilescale_examples.decode.gemm_ar_kernel import (GEMM_AR_DTYPES, PASS_CONFIGS, REDUCTIONS, build_gemm_ar_kernel,
+                                                      check_split_k, flag_words, gemm_ar_jobs, kernel_args,
+                                                      padded_rows, tile_count)
 from tilescale_examples.overlap.gemm import MAX_ELEMENTS, GemmTiles, check_positive, count_outside
 
 __all__ = ["GemmAllReduce", "torch_reference", "partial_magnitudes", "compare", "default_tiles", "default_split_k",
@@ -246,14 +246,16 @@ class GemmAllReduce(SymmetricOp):
 
     Attributes: ``m``, ``k``, ``n``, ``tiles``, ``split_k``, ``reduction``, ``tile_count``, ``blocks``,
     ``iters`` (units per block, at most), ``output`` (what a call without ``out`` returns; the
-    next call overwrites it), ``stages`` (the two symmetric staging buffers, ``(mp, n)`` each
-    of the dtype, or ``(split_k * mp, n)`` float32 with ``split_k > 1``; ``mp`` = ``m`` rounded
-    up to ``block_m``), ``flags``, ``state`` (the device's call counts, one per block),
+    next call overwrites it), ``stages`` (the two halves of the symmetric staging buffer
+    ``stage_buffer``: ``(mp, n)`` each of the dtype, the calls' tiles by call parity (two-shot:
+    the partials, then the reduced tiles); or ``(split_k * mp, n)`` float32 with ``split_k >
+    1``, the partials, then the two calls' rounded products; ``mp`` = ``m`` rounded up to
+    ``block_m``), ``flags``, ``state`` (the device's call counts, one per block),
     ``kernel``, ``epoch`` (calls made from the host).
 
     Memory (symmetric, per rank): ``2 * mp * n`` elements of the dtype (``split_k > 1``:
-    ``2 * split_k * mp * n`` float32) and ``world_size * blocks * 4`` uint64 flags (one rank
-    with ``split_k > 1``: at least ``tile_count * 4``, the tiles' counters).
+    ``2 * split_k * mp * n`` float32) and ``world_size * blocks * 4`` uint64 flags
+    (``split_k > 1``: ``world_size * 2 * tile_count * 4``, the tiles' flags and counters).
     """
 
     _BUFFERS = ("stage_buffer", "stages", "flags", "state", "output")
@@ -332,9 +334,7 @@ class GemmAllReduce(SymmetricOp):
         split = self.split_k
         self.stage_buffer = self._symmetric((2 * split * self.mp, self.n), self.dtype if split == 1 else torch.float32)
         self.stages = list(self.stage_buffer.split(split * self.mp))
-        words = max(self.world_size * self.blocks * FLAG_STRIDE,
-                    solo_flag_words(self.tile_count, split) if self.world_size == 1 else 0)
-        self.flags = self._symmetric((words,), torch.uint64)
+        self.flags = self._symmetric((flag_words(self.world_size, self.blocks, self.tile_count, split),), torch.uint64)
         self.flags.zero_()
         self.state = torch.zeros((self.blocks,), dtype=torch.int64, device=self.device)
         self.output = torch.empty((self.m, self.n), dtype=self.dtype, device=self.device)

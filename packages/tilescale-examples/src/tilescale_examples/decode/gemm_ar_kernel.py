@@ -30,29 +30,17 @@ Rank ``me``, call ``epoch`` (``State[b] + 1``, read on the device), for each of 
    (:func:`~tilescale_examples.collectives.reduce_kernel.rank_order_sum`), rounded once and
    stored into ``Out``.
 
-Split ``k``
------------
-
-At decode a few rows make few tiles (``m = 1``, ``n = 8192``, 64 x 128 tiles: 64 blocks),
-and a memory-bound GEMM on half the SMs cannot draw the whole memory bandwidth. With
-``split_k = S > 1`` (:func:`build_gemm_ar_kernel`'s argument) every tile is cut along ``k``
-into ``S`` units of ``k / S`` columns, unit ``u`` of tile ``u // S`` and split ``s = u %
-S``; the grid is a multiple of ``S``, so the ``S`` units of a tile run in the same iteration
-on the neighbouring blocks ``g .. g + S - 1`` (a *group*, ``g = bx - s``). Each unit stores its
-float32 partial (the real rows only) into split ``s`` of the call's ``Stage`` buffer
-(``(2, S, mp, n)`` float32), then the group's flag round: ``ready[me, bx]`` on every rank, and
-a wait for ``ready[p, g + j]`` of every rank ``p`` and every member ``j`` (one thread each).
-Block ``g + s`` then reduces columns ``s * block_n / S ..`` of the tile: for every rank ``p``
-in rank order, its ``S`` partials added in split order in float32 and rounded to the dtype
-(``c_p``: a float32 accumulation of the same products in another order), then the rank-order
-float32 sum of the ``c_p``, rounded once: the module's semantics, bit-identical on every rank.
-Buffer reuse is the same argument as above: a rank's call ``e + 1`` completes only after each
-of its blocks saw a flag of call ``e + 1`` from every rank, which every peer writes after its
-call ``e`` (and so every read of this rank's buffer ``e % 2``) completed.
-
 So the reduction of the first tiles runs while the later tiles' GEMMs are still running on
 other SMs (and, with more tiles than blocks, on this block's next iterations): the reduction
 starts before the GEMM ends, with no second launch and no host round trip.
+
+Split ``k``
+-----------
+
+With ``split_k = S > 1`` (:func:`build_gemm_ar_kernel`'s argument) every tile is cut along
+``k`` into ``S`` units that run at once on neighbouring blocks, so that the few tiles of a
+decode output keep every SM busy; the tile's last unit adds the partials and takes part in
+the flag round alone: the kernel of :mod:`~tilescale_examples.decode.gemm_ar_split`.
 
 Call numbers, buffer reuse and deadlock freedom are the reduction engine's
 (:mod:`tilescale_examples.collectives.reduce_engine`, "Call numbers", "Reuse under
@@ -71,13 +59,14 @@ from typing import Optional
 
 import torch
 
-from tilescale_examples.collectives.reduce_kernel import (FLAG_STRIDE, default_unroll, rank_order_sum, step_macros,
-                                                          vector_elems)
+from tilescale_examples.collectives.reduce_kernel import FLAG_STRIDE, step_macros, vector_elems
+from tilescale_examples.decode.gemm_ar_common import padded_rows, reduce_tile_macro, tile_count
 from tilescale_examples.decode.gemm_ar_solo import build_solo_kernel
+from tilescale_examples.decode.gemm_ar_split import build_split_kernel, split_flag_words
 from tilescale_examples.decode.gemm_ar_two_shot import build_two_shot_kernel
 from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, check_positive, check_sync_pipeline, gemm_mainloop
 
-__all__ = ["GEMM_AR_DTYPES", "PASS_CONFIGS", "FLAG_STRIDE", "MAX_SPLIT_READS", "REDUCTIONS", "kernel_args",
+__all__ = ["GEMM_AR_DTYPES", "PASS_CONFIGS", "FLAG_STRIDE", "REDUCTIONS", "kernel_args", "flag_words",
            "padded_rows", "tile_count",
            "check_split_k", "build_gemm_ar_kernel", "gemm_ar_jobs"]
 
@@ -88,167 +77,18 @@ PASS_CONFIGS: dict = {}
 #: Values of the kernel's ``reduction``: ``one_shot`` (every rank reads every rank's tile) and
 #: ``two_shot`` (each rank reduces a shard of every tile and pushes it to every rank).
 REDUCTIONS = ("one_shot", "two_shot")
-#: The most 16-byte partial vectors (``world_size * split_k``) one thread of the split-``k``
-#: reduction loads before adding them (``4 *`` this float32 registers).
-MAX_SPLIT_READS = 32
-
-
-def padded_rows(m: int, block_m: int) -> int:
-    """``m`` rounded up to a multiple of ``block_m``: the rows of one staging buffer."""
-    return -(-m // block_m) * block_m
-
-
-def tile_count(m: int, n: int, tiles: GemmTiles) -> int:
-    """Output tiles of an ``(m, n)`` result: ``ceil(m / block_m) * n / block_n``."""
-    return padded_rows(m, tiles.block_m) // tiles.block_m * (n // tiles.block_n)
 
 
 def check_split_k(split_k, k: int, world_size: int, tiles: GemmTiles) -> int:
     """``split_k`` checked against the problem (``ValueError`` naming it): an int >= 1 with
-    ``k / split_k`` a multiple of ``block_k``, ``block_n / split_k`` a multiple of 4 (whole
-    float32 vectors per group member) and ``world_size * split_k`` at most
-    :data:`MAX_SPLIT_READS`."""
+    ``k / split_k`` a multiple of ``block_k``. (``world_size`` sets no limit: the split
+    kernel's reduction reads one rounded tile per rank, whatever the split.)"""
     if not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1:
         raise ValueError(f"split_k must be an int >= 1, got {split_k!r}")
-    if split_k == 1:
-        return 1
-    if k % (split_k * tiles.block_k):
+    if split_k > 1 and k % (split_k * tiles.block_k):
         raise ValueError(f"split_k={split_k}: k ({k}) must be a multiple of split_k * block_k "
                          f"({split_k * tiles.block_k})")
-    if tiles.block_n % (4 * split_k):
-        raise ValueError(f"split_k={split_k}: block_n ({tiles.block_n}) must be a multiple of 4 * split_k")
-    if world_size * split_k > MAX_SPLIT_READS:
-        raise ValueError(f"split_k={split_k}: world_size * split_k ({world_size * split_k}) must be at most "
-                         f"{MAX_SPLIT_READS} (the partials one thread adds)")
     return split_k
-
-
-def _group_round(T, W: int, S: int):
-    """``group_round(Flags, tx, me, bx, blocks, value)``: the split-``k`` flag round (a barrier,
-    ``ready[me, bx] = value`` on every rank with a system-scope release, then one thread per
-    rank and group member waits for that member's flag there to reach ``value``, a barrier)."""
-
-    @T.macro
-    def group_round(Flags, tx, me, bx, blocks, value):
-        T.sync_threads()
-        if tx < W:
-            T.notify(Flags[(me * blocks + bx) * FLAG_STRIDE], tx, value)
-        if tx < W * S:
-            T.wait_ge(Flags[(tx // S * blocks + bx - bx % S + tx % S) * FLAG_STRIDE], value)
-        T.sync_threads()
-
-    return group_round
-
-
-def _split_sum(T, vals, i, W: int, S: int, dtype: str):
-    """For each rank ``p`` in rank order, its ``S`` float32 partials ``vals[p * S + s, i]``
-    added in split order and rounded to ``dtype``; those added in float32 (an expression)."""
-    total = None
-    for p in range(W):
-        part = vals[p * S, i]
-        for j in range(1, S):
-            part = part + vals[p * S + j, i]
-        rounded = T.Cast("float32", T.Cast(dtype, part))
-        total = rounded if total is None else total + rounded
-    return total
-
-
-def _split_reduce_macro(T, W: int, S: int, TH: int, BM: int, BN: int, m: int, mp: int, dtype: str):
-    """``reduce_columns(Stage, Out, vals, res, lo, row, col, tx)``: the rows of the tile at
-    ``(row, col)``, columns ``col .. col + block_n / S``: every rank's ``S`` partials (float32
-    vectors of 4) from its ``Stage``, :func:`_split_sum`, into ``Out``."""
-    CV = BN // S // 4  # float32 vectors per row of a member's columns
-    STEPS = -(-BM * CV // TH)
-    READS = [(p, j) for p in range(W) for j in range(S)]
-
-    @T.macro
-    def reduce_columns(Stage, Out, vals, res, lo, row, col, tx):
-        nvec = T.min(BM, m - row) * CV
-        for step in T.serial(STEPS):
-            v = step * TH + tx
-            if v < nvec:
-                for p, j in READS:
-                    T.copy(Stage[lo + j * mp + row + v // CV, col + v % CV * 4:col + v % CV * 4 + 4],
-                           vals[p * S + j, 0:4], src_pe=p)
-                for i in T.vectorized(4):
-                    res[i] = T.Cast(dtype, _split_sum(T, vals, i, W, S, dtype))
-                for i in T.vectorized(4):
-                    Out[row + v // CV, col + v % CV * 4 + i] = res[i]
-
-    return reduce_columns
-
-
-def _build_split_kernel(m: int, k: int, n: int, W: int, dtype: str, tiles: GemmTiles, S: int):
-    """The split-``k`` ``T.prim_func`` (the module docstring's "Split k"); the signature of
-    :func:`build_gemm_ar_kernel` with ``Stage: (2 * S * mp, n)`` float32."""
-    import tilelang.language as T
-
-    TH, BM, BN = tiles.threads, tiles.block_m, tiles.block_n
-    mp = padded_rows(m, BM)
-    MT, NU = mp // BM, tile_count(m, n, tiles) * S
-    mainloop = gemm_mainloop(k // S, dtype, tiles, k_offset=True)
-    group_round = _group_round(T, W, S)
-    reduce_columns = _split_reduce_macro(T, W, S, TH, BM, BN, m, mp, dtype)
-    count_call = step_macros(T, W, TH, 1, 4, 1).count_call
-    nflags, nstate = T.dynamic("nflags"), T.dynamic("nstate")
-
-    @T.prim_func
-    def gemm_allreduce_split(A: T.Tensor((m, k), dtype), B: T.Tensor((k, n), dtype),
-                             Stage: T.Tensor((2 * S * mp, n), "float32"), Out: T.Tensor((m, n), dtype),
-                             Flags: T.Tensor((nflags,), "uint64"), State: T.Tensor((nstate,), "int64"),
-                             blocks: T.int32, iters: T.int32):
-        with T.Kernel(blocks, threads=TH) as bx:
-            tx = T.get_thread_binding()
-            me = T.get_rank()
-            C_f = T.alloc_fragment((BM, BN), "float32")
-            vals = T.alloc_local((W * S, 4), "float32")
-            res = T.alloc_local((4,), dtype)
-            epoch = T.alloc_var("int64")
-            epoch = State[bx] + 1
-            lo = T.alloc_var("int32")
-            lo = T.Cast("int32", epoch % 2) * (S * mp) + bx % S * mp  # this call's buffer, this unit's split
-            for i in T.serial((NU - bx + blocks - 1) // blocks):
-                t = (i * blocks + bx) // S  # the output tile of this unit
-                mainloop(A, B, C_f, t % MT * BM, t // MT * BN, bx % S * (k // S))
-                for r, c in T.Parallel(BM, BN):
-                    if r < m - t % MT * BM:  # the real rows only
-                        Stage[lo + t % MT * BM + r, t // MT * BN + c] = C_f[r, c]
-                group_round(Flags, tx, me, bx, blocks, epoch * iters + i)
-                reduce_columns(Stage, Out, vals, res, lo - bx % S * mp, t % MT * BM,
-                               t // MT * BN + bx % S * (BN // S), tx)
-            count_call(State, bx, tx, epoch)
-
-    return gemm_allreduce_split.with_attr("global_symbol", "gemm_allreduce_split")
-
-
-def _reduce_macro(T, W: int, TH: int, V: int, BM: int, BN: int, m: int, dtype: str):
-    """``reduce_tile(Stage, Out, vals, res, lo, row, col, tx)``: step 4 for the tile at
-    ``(row, col)``: its real rows from every rank's ``Stage`` (buffer rows from ``lo``),
-    rank-order float32 sum, one rounding, into ``Out``."""
-    U = default_unroll(W)
-    CV = BN // V  # vectors per tile row
-    STEPS = -(-BM * CV // (TH * U))
-    PEERS, ROWS = list(range(W)), list(range(U))
-
-    @T.macro
-    def reduce_tile(Stage, Out, vals, res, lo, row, col, tx):
-        nvec = T.min(BM, m - row) * CV
-        for j in T.serial(STEPS):
-            for u in ROWS:
-                v = (j * U + u) * TH + tx
-                if v < nvec:
-                    for p in PEERS:
-                        T.copy(Stage[lo + row + v // CV, col + v % CV * V:col + v % CV * V + V], vals[u, p, 0:V],
-                               src_pe=p)
-            for u in ROWS:
-                v = (j * U + u) * TH + tx
-                if v < nvec:
-                    for i in T.vectorized(V):
-                        res[u, i] = T.Cast(dtype, rank_order_sum(T, vals, u, i, W, "float32"))
-                    for i in T.vectorized(V):
-                        Out[row + v // CV, col + v % CV * V + i] = res[u, i]
-
-    return reduce_tile, U
 
 
 def build_gemm_ar_kernel(m: int, k: int, n: int, world_size: int, dtype: str = "bfloat16",
@@ -271,12 +111,11 @@ def build_gemm_ar_kernel(m: int, k: int, n: int, world_size: int, dtype: str = "
         iters: int32          ceil(tiles / blocks)
 
     Needs ``kernel.initialize`` (it reads its rank and the peers' heap bases from the table).
-    ``reduction="two_shot"`` (:data:`REDUCTIONS`; ``split_k = 1`` only) builds the kernel of
-    :mod:`~tilescale_examples.decode.gemm_ar_two_shot` (same signature). With ``world_size = 1``
-    it is the one-rank kernel of
-    :mod:`~tilescale_examples.decode.gemm_ar_solo` (same signature and results; no flag round,
-    no wait; with ``split_k > 1`` ``Flags`` holds :func:`~tilescale_examples.decode.
-    gemm_ar_solo.solo_flag_words` words).
+    ``split_k > 1`` builds the kernel of :mod:`~tilescale_examples.decode.gemm_ar_split`
+    (``Flags`` of :func:`flag_words` words), ``reduction="two_shot"`` (:data:`REDUCTIONS`;
+    ``split_k = 1`` only) that of :mod:`~tilescale_examples.decode.gemm_ar_two_shot` and one
+    rank unsplit that of :mod:`~tilescale_examples.decode.gemm_ar_solo`: the same signature
+    and results.
     """
     import tilelang.language as T
 
@@ -297,19 +136,20 @@ def build_gemm_ar_kernel(m: int, k: int, n: int, world_size: int, dtype: str = "
         raise ValueError(f"block_n ({BN}) must be a multiple of {V} (16-byte vectors)")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if W == 1:  # nothing to exchange: the one-rank kernels
-        return build_solo_kernel(m, k, n, dtype, tiles, check_split_k(split_k, k, W, tiles))
-    if reduction == "two_shot":
-        if split_k != 1:
+    split_k = check_split_k(split_k, k, W, tiles)
+    if split_k > 1:
+        if reduction == "two_shot" and W > 1:
             raise ValueError(f"split_k={split_k!r}: the two-shot kernel keeps every tile's k whole (split_k=1)")
+        return build_split_kernel(m, k, n, W, dtype, tiles, split_k)
+    if W == 1:  # nothing to exchange: the one-rank kernel
+        return build_solo_kernel(m, k, n, dtype, tiles)
+    if reduction == "two_shot":
         return build_two_shot_kernel(m, k, n, W, dtype, tiles)
-    if check_split_k(split_k, k, W, tiles) > 1:
-        return _build_split_kernel(m, k, n, W, dtype, tiles, split_k)
     mp = padded_rows(m, BM)
     MT, NT = mp // BM, tile_count(m, n, tiles)
     mainloop = gemm_mainloop(k, dtype, tiles)
     steps = step_macros(T, W, TH, 1, V, 1)
-    reduce_tile, U = _reduce_macro(T, W, TH, V, BM, BN, m, dtype)
+    reduce_tile, U = reduce_tile_macro(T, W, TH, V, BM, BN, m, dtype)
     nflags, nstate = T.dynamic("nflags"), T.dynamic("nstate")
 
     @T.prim_func
@@ -335,6 +175,13 @@ def build_gemm_ar_kernel(m: int, k: int, n: int, world_size: int, dtype: str = "
             steps.count_call(State, bx, tx, epoch)
 
     return gemm_allreduce.with_attr("global_symbol", "gemm_allreduce")
+
+
+def flag_words(world_size: int, blocks: int, tiles: int, split_k: int) -> int:
+    """``Flags`` words (uint64) the kernel of this problem needs: ``world_size * blocks *
+    FLAG_STRIDE`` (one flag per rank and block) without a split, the split kernel's
+    :func:`~tilescale_examples.decode.gemm_ar_split.split_flag_words` with one."""
+    return split_flag_words(world_size, tiles) if split_k > 1 else world_size * blocks * FLAG_STRIDE
 
 
 def kernel_args(m: int, k: int, n: int, world_size: int, dtype: str, tiles: Optional[GemmTiles], split_k: int = 1,

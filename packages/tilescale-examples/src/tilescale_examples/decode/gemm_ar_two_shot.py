@@ -35,6 +35,7 @@ argument holds (all blocks resident, one block per SM).
 import torch
 
 from tilescale_examples.collectives.reduce_kernel import default_unroll, rank_order_sum, step_macros, vector_elems
+from tilescale_examples.decode.gemm_ar_common import padded_rows
 from tilescale_examples.overlap.gemm import GemmTiles, gemm_mainloop
 
 __all__ = ["build_two_shot_kernel", "shard_vectors"]
@@ -58,7 +59,7 @@ def build_two_shot_kernel(m: int, k: int, n: int, world_size: int, dtype: str, t
 
     W, TH, BM, BN = world_size, tiles.threads, tiles.block_m, tiles.block_n
     V = vector_elems(torch.empty((), dtype=getattr(torch, dtype)).element_size())
-    mp = -(-m // BM) * BM
+    mp = padded_rows(m, BM)
     MT, NT, CV = mp // BM, mp // BM * (n // BN), BN // V  # CV: vectors per tile row
     U = default_unroll(W)
     longest = -(-BM * CV // W)  # vectors of the longest shard
