@@ -1,6 +1,7 @@
 """What the kernels of :class:`~tilescale_examples.decode.gemm_allreduce.GemmAllReduce` share:
-the tile arithmetic (:func:`padded_rows`, :func:`tile_count`), the one-shot reduction of a
-tile over the ranks (:func:`reduce_tile_macro`) and the float32 sum of a tile's ``k`` splits
+their signature and grid (:func:`gemm_ar_prim_func`), the tile arithmetic
+(:func:`padded_rows`, :func:`tile_count`), the one-shot reduction of a tile over the ranks
+(:func:`reduce_tile_macro`) and the float32 sum of a tile's ``k`` splits
 (:func:`split_order_sum`)."""
 
 # (no `from __future__ import annotations`: TileLang reads the macros' annotations)
@@ -8,7 +9,27 @@ tile over the ranks (:func:`reduce_tile_macro`) and the float32 sum of a tile's 
 from tilescale_examples.collectives.reduce_kernel import default_unroll, rank_order_sum
 from tilescale_examples.overlap.gemm import GemmTiles
 
-__all__ = ["padded_rows", "tile_count", "reduce_tile_macro", "split_order_sum"]
+__all__ = ["gemm_ar_prim_func", "padded_rows", "tile_count", "reduce_tile_macro", "split_order_sum"]
+
+
+def gemm_ar_prim_func(T, m: int, k: int, n: int, dtype: str, threads: int, stage_rows: int, stage_dtype: str, body,
+                      symbol: str):
+    """The ``T.prim_func`` of every GemmAllReduce kernel: the signature of
+    :func:`~tilescale_examples.decode.gemm_ar_kernel.build_gemm_ar_kernel` (``Stage:
+    (stage_rows, n)`` of ``stage_dtype``), a grid of ``blocks`` blocks of ``threads`` threads,
+    each running ``body(A, B, Stage, Out, Flags, State, blocks, iters, bx)`` (a ``T.macro``:
+    the kernel's own steps), under the global symbol ``symbol``."""
+    nflags, nstate = T.dynamic("nflags"), T.dynamic("nstate")
+
+    @T.prim_func
+    def gemm_allreduce(A: T.Tensor((m, k), dtype), B: T.Tensor((k, n), dtype),
+                       Stage: T.Tensor((stage_rows, n), stage_dtype), Out: T.Tensor((m, n), dtype),
+                       Flags: T.Tensor((nflags,), "uint64"), State: T.Tensor((nstate,), "int64"),
+                       blocks: T.int32, iters: T.int32):
+        with T.Kernel(blocks, threads=threads) as bx:
+            body(A, B, Stage, Out, Flags, State, blocks, iters, bx)
+
+    return gemm_allreduce.with_attr("global_symbol", symbol)
 
 
 def padded_rows(m: int, block_m: int) -> int:

@@ -60,7 +60,7 @@ from typing import Optional
 import torch
 
 from tilescale_examples.collectives.reduce_kernel import FLAG_STRIDE, step_macros, vector_elems
-from tilescale_examples.decode.gemm_ar_common import padded_rows, reduce_tile_macro, tile_count
+from tilescale_examples.decode.gemm_ar_common import gemm_ar_prim_func, padded_rows, reduce_tile_macro, tile_count
 from tilescale_examples.decode.gemm_ar_solo import build_solo_kernel
 from tilescale_examples.decode.gemm_ar_split import build_split_kernel, split_flag_words
 from tilescale_examples.decode.gemm_ar_two_shot import build_two_shot_kernel
@@ -150,31 +150,27 @@ def build_gemm_ar_kernel(m: int, k: int, n: int, world_size: int, dtype: str = "
     mainloop = gemm_mainloop(k, dtype, tiles)
     steps = step_macros(T, W, TH, 1, V, 1)
     reduce_tile, U = reduce_tile_macro(T, W, TH, V, BM, BN, m, dtype)
-    nflags, nstate = T.dynamic("nflags"), T.dynamic("nstate")
 
-    @T.prim_func
-    def gemm_allreduce(A: T.Tensor((m, k), dtype), B: T.Tensor((k, n), dtype), Stage: T.Tensor((2 * mp, n), dtype),
-                       Out: T.Tensor((m, n), dtype), Flags: T.Tensor((nflags,), "uint64"),
-                       State: T.Tensor((nstate,), "int64"), blocks: T.int32, iters: T.int32):
-        with T.Kernel(blocks, threads=TH) as bx:
-            tx = T.get_thread_binding()
-            me = T.get_rank()
-            C_f = T.alloc_fragment((BM, BN), "float32")
-            vals = T.alloc_local((U, W, V), dtype)
-            res = T.alloc_local((U, V), dtype)
-            epoch = T.alloc_var("int64")
-            epoch = State[bx] + 1  # this call's number: block bx's count of earlier calls + 1
-            lo = T.alloc_var("int32")
-            lo = T.Cast("int32", epoch % 2) * mp  # first row of this call's staging buffer
-            for i in T.serial((NT - bx + blocks - 1) // blocks):
-                t = i * blocks + bx
-                mainloop(A, B, C_f, t % MT * BM, t // MT * BN)
-                T.copy(C_f, Stage[lo + t % MT * BM, t // MT * BN])  # rounded to dtype, this rank's copy
-                steps.signal_and_wait(Flags, tx, me, bx, blocks, epoch * iters + i, 0)
-                reduce_tile(Stage, Out, vals, res, lo, t % MT * BM, t // MT * BN, tx)
-            steps.count_call(State, bx, tx, epoch)
+    @T.macro
+    def body(A, B, Stage, Out, Flags, State, blocks, iters, bx):
+        tx = T.get_thread_binding()
+        me = T.get_rank()
+        C_f = T.alloc_fragment((BM, BN), "float32")
+        vals = T.alloc_local((U, W, V), dtype)
+        res = T.alloc_local((U, V), dtype)
+        epoch = T.alloc_var("int64")
+        epoch = State[bx] + 1  # this call's number: block bx's count of earlier calls + 1
+        lo = T.alloc_var("int32")
+        lo = T.Cast("int32", epoch % 2) * mp  # first row of this call's staging buffer
+        for i in T.serial((NT - bx + blocks - 1) // blocks):
+            t = i * blocks + bx
+            mainloop(A, B, C_f, t % MT * BM, t // MT * BN)
+            T.copy(C_f, Stage[lo + t % MT * BM, t // MT * BN])  # rounded to dtype, this rank's copy
+            steps.signal_and_wait(Flags, tx, me, bx, blocks, epoch * iters + i, 0)
+            reduce_tile(Stage, Out, vals, res, lo, t % MT * BM, t // MT * BN, tx)
+        steps.count_call(State, bx, tx, epoch)
 
-    return gemm_allreduce.with_attr("global_symbol", "gemm_allreduce")
+    return gemm_ar_prim_func(T, m, k, n, dtype, TH, 2 * mp, dtype, body, "gemm_allreduce")
 
 
 def flag_words(world_size: int, blocks: int, tiles: int, split_k: int) -> int:

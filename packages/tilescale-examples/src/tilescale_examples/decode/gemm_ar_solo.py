@@ -12,7 +12,7 @@ the tile's sum of splits into ``Out`` the same way.)
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
 
 from tilescale_examples.collectives.reduce_kernel import step_macros
-from tilescale_examples.decode.gemm_ar_common import padded_rows
+from tilescale_examples.decode.gemm_ar_common import gemm_ar_prim_func, padded_rows
 from tilescale_examples.overlap.gemm import GemmTiles, gemm_mainloop
 
 __all__ = ["build_solo_kernel"]
@@ -24,34 +24,24 @@ def build_solo_kernel(m: int, k: int, n: int, dtype: str, tiles: GemmTiles):
     module docstring."""
     import tilelang.language as T
 
-    kernel, symbol = _build_unsplit(T, m, k, n, dtype, tiles)
-    return kernel.with_attr("global_symbol", symbol)
-
-
-def _build_unsplit(T, m: int, k: int, n: int, dtype: str, tiles: GemmTiles):
     TH, BM, BN = tiles.threads, tiles.block_m, tiles.block_n
     mp = padded_rows(m, BM)
     MT, NT = mp // BM, mp // BM * (n // BN)
     mainloop = gemm_mainloop(k, dtype, tiles)
     count_call = step_macros(T, 1, TH, 1, 4, 1).count_call
-    nflags, nstate = T.dynamic("nflags"), T.dynamic("nstate")
 
-    @T.prim_func
-    def gemm_allreduce_solo(A: T.Tensor((m, k), dtype), B: T.Tensor((k, n), dtype),
-                            Stage: T.Tensor((2 * mp, n), dtype), Out: T.Tensor((m, n), dtype),
-                            Flags: T.Tensor((nflags,), "uint64"), State: T.Tensor((nstate,), "int64"),
-                            blocks: T.int32, iters: T.int32):
-        with T.Kernel(blocks, threads=TH) as bx:
-            tx = T.get_thread_binding()
-            C_f = T.alloc_fragment((BM, BN), "float32")
-            epoch = T.alloc_var("int64")
-            epoch = State[bx] + 1
-            for i in T.serial((NT - bx + blocks - 1) // blocks):
-                t = i * blocks + bx
-                mainloop(A, B, C_f, t % MT * BM, t // MT * BN)
-                for r, c in T.Parallel(BM, BN):
-                    if r < m - t % MT * BM:  # the real rows only
-                        Out[t % MT * BM + r, t // MT * BN + c] = T.Cast(dtype, C_f[r, c])
-            count_call(State, bx, tx, epoch)
+    @T.macro
+    def body(A, B, Stage, Out, Flags, State, blocks, iters, bx):
+        tx = T.get_thread_binding()
+        C_f = T.alloc_fragment((BM, BN), "float32")
+        epoch = T.alloc_var("int64")
+        epoch = State[bx] + 1
+        for i in T.serial((NT - bx + blocks - 1) // blocks):
+            t = i * blocks + bx
+            mainloop(A, B, C_f, t % MT * BM, t // MT * BN)
+            for r, c in T.Parallel(BM, BN):
+                if r < m - t % MT * BM:  # the real rows only
+                    Out[t % MT * BM + r, t // MT * BN + c] = T.Cast(dtype, C_f[r, c])
+        count_call(State, bx, tx, epoch)
 
-    return gemm_allreduce_solo, "gemm_allreduce_solo"
+    return gemm_ar_prim_func(T, m, k, n, dtype, TH, 2 * mp, dtype, body, "gemm_allreduce_solo")

@@ -48,7 +48,8 @@ replays are calls like any other.
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
 
 from tilescale_examples.collectives.reduce_kernel import FLAG_STRIDE, step_macros
-from tilescale_examples.decode.gemm_ar_common import padded_rows, reduce_tile_macro, split_order_sum
+from tilescale_examples.decode.gemm_ar_common import (gemm_ar_prim_func, padded_rows, reduce_tile_macro,
+                                                      split_order_sum)
 from tilescale_examples.overlap.gemm import GemmTiles, gemm_mainloop
 
 __all__ = ["build_split_kernel", "split_flag_words"]
@@ -76,48 +77,43 @@ def build_split_kernel(m: int, k: int, n: int, world_size: int, dtype: str, tile
     steps = step_macros(T, W, TH, 1, 4, 1)
     reduce_tile, U = reduce_tile_macro(T, W, TH, 4, BM, BN, m, dtype)
     alone = W == 1
-    nflags, nstate = T.dynamic("nflags"), T.dynamic("nstate")
 
-    @T.prim_func
-    def gemm_allreduce_split(A: T.Tensor((m, k), dtype), B: T.Tensor((k, n), dtype),
-                             Stage: T.Tensor((2 * S * mp, n), "float32"), Out: T.Tensor((m, n), dtype),
-                             Flags: T.Tensor((nflags,), "uint64"), State: T.Tensor((nstate,), "int64"),
-                             blocks: T.int32, iters: T.int32):
-        with T.Kernel(blocks, threads=TH) as bx:
-            tx = T.get_thread_binding()
-            me = T.get_rank()
-            C_f = T.alloc_fragment((BM, BN), "float32")
-            before = T.alloc_shared((1,), "uint64")  # the tile counter's value before this unit's add
-            vals = T.alloc_local((U, W, 4), "float32")
-            res = T.alloc_local((U, 4), dtype)
-            epoch = T.alloc_var("int64")
-            epoch = State[bx] + 1
-            lo = T.alloc_var("int32")
-            lo = S * mp + T.Cast("int32", epoch % 2) * mp  # this call's buffer of rounded products
-            for i in T.serial((NU - bx + blocks - 1) // blocks):
-                t = (i * blocks + bx) // S  # the output tile of this unit
-                mainloop(A, B, C_f, t % MT * BM, t // MT * BN, bx % S * (k // S))
+    @T.macro
+    def body(A, B, Stage, Out, Flags, State, blocks, iters, bx):
+        tx = T.get_thread_binding()
+        me = T.get_rank()
+        C_f = T.alloc_fragment((BM, BN), "float32")
+        before = T.alloc_shared((1,), "uint64")  # the tile counter's value before this unit's add
+        vals = T.alloc_local((U, W, 4), "float32")
+        res = T.alloc_local((U, 4), dtype)
+        epoch = T.alloc_var("int64")
+        epoch = State[bx] + 1
+        lo = T.alloc_var("int32")
+        lo = S * mp + T.Cast("int32", epoch % 2) * mp  # this call's buffer of rounded products
+        for i in T.serial((NU - bx + blocks - 1) // blocks):
+            t = (i * blocks + bx) // S  # the output tile of this unit
+            mainloop(A, B, C_f, t % MT * BM, t // MT * BN, bx % S * (k // S))
+            for r, c in T.Parallel(BM, BN):
+                if r < m - t % MT * BM:  # the real rows only
+                    Stage[bx % S * mp + t % MT * BM + r, t // MT * BN + c] = C_f[r, c]
+            T.sync_threads()
+            if tx == 0:
+                before[0] = T.atomic_add(Flags[(me * 2 * TILES + TILES + t) * FLAG_STRIDE], 1,
+                                         memory_order="acq_rel", return_prev=True)
+            T.sync_threads()
+            if before[0] % S == S - 1:  # the tile's last unit: every partial is in Stage
                 for r, c in T.Parallel(BM, BN):
-                    if r < m - t % MT * BM:  # the real rows only
-                        Stage[bx % S * mp + t % MT * BM + r, t // MT * BN + c] = C_f[r, c]
-                T.sync_threads()
-                if tx == 0:
-                    before[0] = T.atomic_add(Flags[(me * 2 * TILES + TILES + t) * FLAG_STRIDE], 1,
-                                             memory_order="acq_rel", return_prev=True)
-                T.sync_threads()
-                if before[0] % S == S - 1:  # the tile's last unit: every partial is in Stage
-                    for r, c in T.Parallel(BM, BN):
-                        if r < m - t % MT * BM:
-                            if alone:
-                                Out[t % MT * BM + r, t // MT * BN + c] = T.Cast(
-                                    dtype, split_order_sum(Stage, mp, t % MT * BM + r, t // MT * BN + c, S))
-                            else:
-                                Stage[lo + t % MT * BM + r, t // MT * BN + c] = T.Cast("float32", T.Cast(
-                                    dtype, split_order_sum(Stage, mp, t % MT * BM + r, t // MT * BN + c, S)))
-                    if not alone:
-                        steps.signal_and_wait(Flags, tx, me, t, 2 * TILES, epoch, 0)
-                        reduce_tile(Stage, Out, vals, res, lo, t % MT * BM, t // MT * BN, tx)
-            steps.count_call(State, bx, tx, epoch)
+                    if r < m - t % MT * BM:
+                        if alone:
+                            Out[t % MT * BM + r, t // MT * BN + c] = T.Cast(
+                                dtype, split_order_sum(Stage, mp, t % MT * BM + r, t // MT * BN + c, S))
+                        else:
+                            Stage[lo + t % MT * BM + r, t // MT * BN + c] = T.Cast("float32", T.Cast(
+                                dtype, split_order_sum(Stage, mp, t % MT * BM + r, t // MT * BN + c, S)))
+                if not alone:
+                    steps.signal_and_wait(Flags, tx, me, t, 2 * TILES, epoch, 0)
+                    reduce_tile(Stage, Out, vals, res, lo, t % MT * BM, t // MT * BN, tx)
+        steps.count_call(State, bx, tx, epoch)
 
     symbol = "gemm_allreduce_solo_split" if alone else "gemm_allreduce_split"
-    return gemm_allreduce_split.with_attr("global_symbol", symbol)
+    return gemm_ar_prim_func(T, m, k, n, dtype, TH, 2 * S * mp, "float32", body, symbol)

@@ -35,7 +35,7 @@ argument holds (all blocks resident, one block per SM).
 import torch
 
 from tilescale_examples.collectives.reduce_kernel import default_unroll, rank_order_sum, step_macros, vector_elems
-from tilescale_examples.decode.gemm_ar_common import padded_rows
+from tilescale_examples.decode.gemm_ar_common import gemm_ar_prim_func, padded_rows
 from tilescale_examples.overlap.gemm import GemmTiles, gemm_mainloop
 
 __all__ = ["build_two_shot_kernel", "shard_vectors"]
@@ -68,7 +68,6 @@ def build_two_shot_kernel(m: int, k: int, n: int, world_size: int, dtype: str, t
     PEERS, ROWS = list(range(W)), list(range(U))
     mainloop = gemm_mainloop(k, dtype, tiles)
     steps = step_macros(T, W, TH, 1, V, 1)
-    nflags, nstate = T.dynamic("nflags"), T.dynamic("nstate")
 
     @T.macro
     def reduce_shard(Stage, vals, res, me, row, col, tx):
@@ -99,27 +98,23 @@ def build_two_shot_kernel(m: int, k: int, n: int, world_size: int, dtype: str, t
                 for i in T.vectorized(V):
                     Out[row + v // CV, col + v % CV * V + i] = Stage[mp + row + v // CV, col + v % CV * V + i]
 
-    @T.prim_func
-    def gemm_allreduce_two_shot(A: T.Tensor((m, k), dtype), B: T.Tensor((k, n), dtype),
-                                Stage: T.Tensor((2 * mp, n), dtype), Out: T.Tensor((m, n), dtype),
-                                Flags: T.Tensor((nflags,), "uint64"), State: T.Tensor((nstate,), "int64"),
-                                blocks: T.int32, iters: T.int32):
-        with T.Kernel(blocks, threads=TH) as bx:
-            tx = T.get_thread_binding()
-            me = T.get_rank()
-            C_f = T.alloc_fragment((BM, BN), "float32")
-            vals = T.alloc_local((U, W, V), dtype)
-            res = T.alloc_local((U, V), dtype)
-            epoch = T.alloc_var("int64")
-            epoch = State[bx] + 1
-            for i in T.serial((NT - bx + blocks - 1) // blocks):
-                t = i * blocks + bx
-                mainloop(A, B, C_f, t % MT * BM, t // MT * BN)
-                T.copy(C_f, Stage[t % MT * BM, t // MT * BN])  # this rank's partial, rounded
-                steps.signal_and_wait(Flags, tx, me, bx, blocks, 2 * (epoch * iters + i), 0)
-                reduce_shard(Stage, vals, res, me, t % MT * BM, t // MT * BN, tx)
-                steps.signal_and_wait(Flags, tx, me, bx, blocks, 2 * (epoch * iters + i) + 1, 0)
-                copy_out(Stage, Out, t % MT * BM, t // MT * BN, tx)
-            steps.count_call(State, bx, tx, epoch)
+    @T.macro
+    def body(A, B, Stage, Out, Flags, State, blocks, iters, bx):
+        tx = T.get_thread_binding()
+        me = T.get_rank()
+        C_f = T.alloc_fragment((BM, BN), "float32")
+        vals = T.alloc_local((U, W, V), dtype)
+        res = T.alloc_local((U, V), dtype)
+        epoch = T.alloc_var("int64")
+        epoch = State[bx] + 1
+        for i in T.serial((NT - bx + blocks - 1) // blocks):
+            t = i * blocks + bx
+            mainloop(A, B, C_f, t % MT * BM, t // MT * BN)
+            T.copy(C_f, Stage[t % MT * BM, t // MT * BN])  # this rank's partial, rounded
+            steps.signal_and_wait(Flags, tx, me, bx, blocks, 2 * (epoch * iters + i), 0)
+            reduce_shard(Stage, vals, res, me, t % MT * BM, t // MT * BN, tx)
+            steps.signal_and_wait(Flags, tx, me, bx, blocks, 2 * (epoch * iters + i) + 1, 0)
+            copy_out(Stage, Out, t % MT * BM, t // MT * BN, tx)
+        steps.count_call(State, bx, tx, epoch)
 
-    return gemm_allreduce_two_shot.with_attr("global_symbol", "gemm_allreduce_two_shot")
+    return gemm_ar_prim_func(T, m, k, n, dtype, TH, 2 * mp, dtype, body, "gemm_allreduce_two_shot")
