@@ -5,7 +5,7 @@
 # STEPs: doctor; demo (python -m tilescale_examples.demo: the README's main job); tests (GPU suite of every package, ranks sharing the GPUs); tests-4 (one
 # rank per GPU); tests-core, tests-host, tests-lang, tests-examples (one package, shared);
 # tests-moe (the MoE dispatch/combine GPU tests alone, shared); tests-reduce (the reduction and all-gather GPU tests, shared);
-# tests-decode (AllReduceResidualRMSNorm, GemmAllReduce), tests-gemm-ar (GemmAllReduce alone), tests-exchange (the put exchange's ops: AllGather, AllToAll, UlyssesAllToAll), tests-flash (the flash-attention kernel alone, both pipelines), tests-sp-async (SPAllGatherAttention's GPU test at 1, 2 and 4 ranks sharing a GPU, its async-pipeline cases among them), tests-sequence (UlyssesAllToAll, flash attention, SPAllGatherAttention, SPFlashDecode), tests-moe-ll (MoELowLatency), tests-overlap-emulated (the fused
+# tests-decode (AllReduceResidualRMSNorm, GemmAllReduce), tests-gemm-ar (GemmAllReduce alone), tests-norm (AllReduceResidualRMSNorm alone), tests-exchange (the put exchange's ops: AllGather, AllToAll, UlyssesAllToAll), tests-flash (the flash-attention kernel alone, both pipelines), tests-sp-async (SPAllGatherAttention's GPU test at 1, 2 and 4 ranks sharing a GPU, its async-pipeline cases among them), tests-sequence (UlyssesAllToAll, flash attention, SPAllGatherAttention, SPFlashDecode), tests-moe-ll (MoELowLatency), tests-overlap-emulated (the fused
 # plans of AllGatherGEMM and GemmReduceScatter on emulated peers), tests-overlap-async (those plans with the
 # async GEMM pipeline), tests-graphs (CUDA graphs and torch.compile),
 # tests-other (all-to-all, overlapped GEMMs, TMA all-reduce), tests-gemm (the async-pipeline and stream-K GEMMs), tests-tma (the lean launcher's TMA
@@ -53,14 +53,14 @@ done
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
 # first; each step fits one device call of 600 s: the put exchange's ops and UlyssesAllToAll, whose
 # one-rank kernels are copies without flags (tests-exchange); GemmAllReduce's one-rank and two-shot
-# kernels (tests-gemm-ar) and their tables (bench-gemm_allreduce-1, -2shot, bench-ulysses);
-# SPAllGatherAttention on the async attention
+# kernels (tests-gemm-ar), AllReduceResidualRMSNorm's one-rank kernel (tests-norm) and the
+# tables (bench-gemm_allreduce-1, -2shot, bench-ulysses); SPAllGatherAttention on the async attention
 # pipeline at 4 ranks sharing a GPU (its worlds 1 and 2 passed; the cases of tests-sp-async) and
 # the attention table at every length (bench-attention-pipelines); the low-latency MoE's grid at
 # decode sizes (bench-moe-ll-blocks); the GEMM kernels' SM clock and power under a sustained run;
 # the rest of the tilescale-lang GPU suite in two steps (the others, whose first 25 tests passed
 # before a shortened time limit cut the run, and upstream's programs, test_gpu_upstream.py, alone).
-unverified=(tests-exchange tests-gemm-ar bench-gemm_allreduce-1 bench-ulysses bench-gemm_allreduce-2shot tests-sp-async bench-attention-pipelines bench-moe-ll-blocks bench-gemm-sustain tests-lang-rest tests-upstream)
+unverified=(tests-exchange tests-gemm-ar tests-norm bench-gemm_allreduce-1 bench-ulysses bench-gemm_allreduce-2shot tests-sp-async bench-attention-pipelines bench-moe-ll-blocks bench-gemm-sustain tests-lang-rest tests-upstream)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
@@ -196,6 +196,9 @@ for step in "${steps[@]}"; do
     tests-exchange) run_step tests-exchange env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
                       packages/tilescale-examples/tests/test_{allgather,alltoall,ulysses}.py \
                       -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
+    tests-norm) run_step tests-norm env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
+                  packages/tilescale-examples/tests/test_decode_norm_gpu.py \
+                  -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-sequence) run_step tests-sequence env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
                       packages/tilescale-examples/tests/test_ulysses.py packages/tilescale-examples/tests/test_flash_attention.py packages/tilescale-examples/tests/test_flash_decode.py packages/tilescale-examples/tests/test_sp_attention.py \
                       -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;

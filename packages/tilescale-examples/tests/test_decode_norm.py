@@ -439,6 +439,22 @@ def test_lamport_exchange_order():
     assert source("float16", 2, 1024, 128, "per_block", "lamport").count("tilescale::lamport_put<2, 0x7e00ull>(") == 2
 
 
+
+@pytest.mark.parametrize("exchange", ["one_shot", "lamport"])
+def test_one_rank_reads_x_in_place_with_no_flag_or_wait(exchange):
+    """World 1, either exchange: the weight, the call count, then per row x's and the
+    residual's vectors read in place, x + residual rounded once into ResOut, the block's sum
+    (one barrier), y; nothing staged, no flag, no wait, no Lamport slot, no peer address."""
+    body = source("bfloat16", 1, 4096, 512, None, exchange)
+    weight = body.index("*(uint4*)(w + 0) = *(uint4*)(Wt + ")
+    write = body.index("State[((int)blockIdx.x)] = epoch")
+    x = body.index("*(uint4*)(vals + 0) = *(uint4*)(X + ")
+    res_out, y = body.index("*(uint4*)(ResOut + "), body.index("*(uint4*)(Y + ")
+    assert weight < write < x < res_out < y and body.count("__syncthreads();") == 1
+    for absent in ("Stage", "Flags", NOTIFY, WAIT, "lamport_", "remap_ptr", "fence"):
+        assert absent not in body, absent
+    assert len(re.findall(r"__\d+\.x = \(__\d+\.x\+__\d+\.x\);", body)) == 1  # x + residual: one vector a thread
+
 def test_sum_is_rank_order_then_the_residual():
     body = source("float16", 4, 1024, 128)
     adds = re.findall(r"(__\d+)\.x = \((__\d+)\.x\+(__\d+)\.x\);", body)

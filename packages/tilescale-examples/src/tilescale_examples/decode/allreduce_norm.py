@@ -60,9 +60,8 @@ __all__ = ["AllReduceResidualRMSNorm", "torch_reference", "quantize_fp8", "scale
 ALGORITHMS = ("auto", "one_shot", "lamport")
 #: Size table of ``algorithm="auto"``: the largest input (bytes of ``x`` per rank) exchanged by
 #: the Lamport protocol, by world size (:func:`~tilescale_examples.base.size_table_entry`).
-#: One rank (one H100, ``benchmarks.decode --algorithm lamport|one_shot``, bfloat16, hidden
-#: 4096 and 8192, 1 to 64 tokens): Lamport 3.89-4.96 us against the one-shot's 4.29-5.44 at
-#: every size, up to the largest measured (1 MiB). Several ranks (emulated ranks running at
+#: One rank: either algorithm runs the one-rank kernel (nothing exchanged; the entry only
+#: names the buffers the op allocates). Several ranks (emulated ranks running at
 #: once on one H100, ``benchmarks.concurrent --op norm``, bfloat16, hidden 4096, 8 to 128 KiB):
 #: Lamport 0.78-0.87 of the one-shot at 2 ranks and 0.86-0.89 at 4 at every size, 0.98-1.00
 #: at 8 up to 64 KiB (1.41 at 128 KiB); the entries stop at the largest size where it won.

@@ -48,6 +48,10 @@ completely in that call): the reuse argument of
 its first wait, and ``State[b] = epoch`` is written after the block's last row. ``Flags`` is
 not used.
 
+One rank (``world_size = 1``, either exchange): nothing to exchange, so steps 2 and 3 go
+(``x`` is read in place where step 4 reads ``Stage``, the call is counted right after the
+weight is loaded; no flag, no wait, no slot): the same results.
+
 FP8 (``fp8="per_token"`` or ``"per_block"``, the DeepSeek-V3 convention): ``scale = amax / 448``
 in float32, ``amax`` the largest ``|y|`` (float32, before rounding) of the token
 (``per_token``) or of each 128 channels of the token (``per_block``; 16 consecutive threads
@@ -125,10 +129,12 @@ def _check_builder(dtype: str, world_size: int, threads: int, fp8, exchange: str
         raise ValueError(f"fp8 must be None or one of {FP8_MODES}, got {fp8!r}")
 
 
-def _load_macros(T, W: int, TH: int, VPT: int, V: int, NV: int, dtype: str, lamport: bool = False):
+def _load_macros(T, W: int, TH: int, VPT: int, V: int, NV: int, dtype: str, lamport: bool = False,
+                 alone: bool = False):
     """The moves of rows: ``load_weight`` (step 1), ``stage_rows`` (step 2; Lamport: the puts
     to every rank) and ``sum_row`` (the loads and rank-order sums of step 4; Lamport: the polls
-    of the slots, then the clears of the previous call's)."""
+    of the slots, then the clears of the previous call's; ``alone``, one rank: the loads of
+    ``x`` itself, passed as ``Stage`` with ``lo = 0``)."""
     PEERS, VECS = list(range(W)), list(range(VPT))  # unrolled at trace time
     C = load_chunk(W, VPT)
     CHUNKS = [VECS[s:s + C] for s in range(0, VPT, C)]
@@ -171,6 +177,8 @@ def _load_macros(T, W: int, TH: int, VPT: int, V: int, NV: int, dtype: str, lamp
                         if lamport:
                             T.lamport_get(Stage[lo + p * tokens * NV + t * NV + u * TH + tx, 0:V],
                                           vals[u - chunk[0], p, 0:V])
+                        elif alone:
+                            T.copy(Stage[lo + t * NV + u * TH + tx, 0:V], vals[u - chunk[0], p, 0:V])
                         else:
                             T.copy(Stage[lo + t * NV + u * TH + tx, 0:V], vals[u - chunk[0], p, 0:V], src_pe=p)
                     for k in T.vectorized(V):
@@ -297,8 +305,9 @@ def build_norm_kernel(dtype: str, world_size: int, hidden: int, threads: int = 5
     V = vector_elems(itemsize)
     NV, VPT = row_vectors(hidden, itemsize, TH)
     C = load_chunk(W, VPT)
-    lamport = exchange == "lamport"
-    load_weight, stage_rows, sum_row = _load_macros(T, W, TH, VPT, V, NV, dtype, lamport)
+    alone = W == 1  # nothing to exchange (either exchange): x read in place, no flag, no wait
+    lamport = exchange == "lamport" and not alone
+    load_weight, stage_rows, sum_row = _load_macros(T, W, TH, VPT, V, NV, dtype, lamport, alone)
     row_stats, block_reduce = _norm_macros(T, TH, VPT, V, NV, fp8)
     store_row = _store_macro(T, TH, VPT, V, NV, dtype, fp8)
     steps = step_macros(T, W, TH, 1, V, 1)
@@ -323,16 +332,21 @@ def build_norm_kernel(dtype: str, world_size: int, hidden: int, threads: int = 5
             if lamport:  # this call's and the previous call's receive buffers
                 lo = T.Cast("int32", epoch % LAMPORT_BUFFERS) * (W * tokens * NV)
                 old = T.Cast("int32", (epoch + LAMPORT_BUFFERS - 1) % LAMPORT_BUFFERS) * (W * tokens * NV)
+            elif alone:
+                lo = 0  # x itself
             else:
                 lo = T.Cast("int32", epoch % 2) * (tokens * NV)  # first row of this call's buffer
             load_weight(Wt, w, tx)
-            stage_rows(X, Stage, bx, tx, blocks, iters, tokens, lo, xin, me)
-            if not lamport:
+            if alone:
+                steps.count_call(State, bx, tx, epoch)  # epoch: used by this thread alone
+            else:
+                stage_rows(X, Stage, bx, tx, blocks, iters, tokens, lo, xin, me)
+            if not lamport and not alone:
                 steps.signal_and_wait(Flags, tx, me, bx, blocks, epoch, 0)
                 steps.count_call(State, bx, tx, epoch)
             for i in T.serial(iters):
                 if i * blocks + bx < tokens:
-                    sum_row(Stage, Res, ResOut, vals, rin, h, i * blocks + bx, tx, lo, old, tokens)
+                    sum_row(X if alone else Stage, Res, ResOut, vals, rin, h, i * blocks + bx, tx, lo, old, tokens)
                     row_stats(h, w, acc, amax, tx)
                     block_reduce(acc, red, tx, i % 2)
                     store_row(Y, Scales, h, w, q, acc, amax, i * blocks + bx, tx, hidden, eps)
