@@ -53,7 +53,7 @@ from tilescale_examples.collectives.reduce_engine import overlaps
 from tilescale_examples.collectives.reduce_engine import torch_reference as rank_order_reduce
 from tilescale_examples.decode.gemm_ar_kernel import (GEMM_AR_DTYPES, PASS_CONFIGS, REDUCTIONS, build_gemm_ar_kernel,
                                                       check_split_k, flag_words, gemm_ar_jobs, kernel_args,
-                                                      padded_rows, tile_count)
+                                                      padded_rows, reads_table, tile_count)
 from tilescale_examples.overlap.gemm import MAX_ELEMENTS, GemmTiles, check_positive, count_outside
 
 __all__ = ["GemmAllReduce", "torch_reference", "partial_magnitudes", "compare", "default_tiles", "default_split_k",
@@ -340,9 +340,13 @@ class GemmAllReduce(SymmetricOp):
         self.output = torch.empty((self.m, self.n), dtype=self.dtype, device=self.device)
         args = kernel_args(self.m, self.k, self.n, self.world_size, GEMM_AR_DTYPES[self.dtype], self.tiles, split,
                            self.reduction)
-        self.kernel = self._compile_kernel(lambda: build_gemm_ar_kernel(*args), target, PASS_CONFIGS,
-                                           key=("gemm_allreduce",) + args)
-        self.bind_table(force=True)
+        self._has_table = reads_table(self.world_size, split)
+        if self._has_table:
+            self.kernel = self._compile_kernel(lambda: build_gemm_ar_kernel(*args), target, PASS_CONFIGS,
+                                               key=("gemm_allreduce",) + args)
+            self.bind_table(force=True)
+        else:  # one rank, unsplit: a kernel with no TileScale intrinsic, so no rank table to bind
+            self.kernel = self._compile_plain(lambda: build_gemm_ar_kernel(*args), target, PASS_CONFIGS)
         settle(self.device, self.group)
 
     # ------------------------------------------------------------------ calls
@@ -386,7 +390,8 @@ class GemmAllReduce(SymmetricOp):
         direct = result.data_ptr() % 16 == 0
         a, b = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (a, b))  # TMA needs 16-byte aligned bases
         self.epoch += 1
-        self.bind_table()
+        if self._has_table:
+            self.bind_table()
         self.kernel(a, b, self.stage_buffer, result if direct else self.output, self.flags, self.state,
                     self.blocks, self.iters)
         if not direct:

@@ -66,7 +66,7 @@ from tilescale_examples.decode.gemm_ar_split import build_split_kernel, split_fl
 from tilescale_examples.decode.gemm_ar_two_shot import build_two_shot_kernel
 from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, check_positive, check_sync_pipeline, gemm_mainloop
 
-__all__ = ["GEMM_AR_DTYPES", "PASS_CONFIGS", "FLAG_STRIDE", "REDUCTIONS", "kernel_args", "flag_words",
+__all__ = ["GEMM_AR_DTYPES", "PASS_CONFIGS", "FLAG_STRIDE", "REDUCTIONS", "kernel_args", "flag_words", "reads_table",
            "padded_rows", "tile_count",
            "check_split_k", "build_gemm_ar_kernel", "gemm_ar_jobs"]
 
@@ -171,6 +171,13 @@ def build_gemm_ar_kernel(m: int, k: int, n: int, world_size: int, dtype: str = "
         steps.count_call(State, bx, tx, epoch)
 
     return gemm_ar_prim_func(T, m, k, n, dtype, TH, 2 * mp, dtype, body, "gemm_allreduce")
+
+
+def reads_table(world_size: int, split_k: int) -> bool:
+    """Whether the kernel reads TileScale's rank table (its rank, the peers' heap bases), so
+    that its op binds the table before a launch: every kernel but the one-rank unsplit one
+    (:mod:`~tilescale_examples.decode.gemm_ar_solo`, a GEMM with no TileScale intrinsic)."""
+    return world_size > 1 or split_k > 1
 
 
 def flag_words(world_size: int, blocks: int, tiles: int, split_k: int) -> int:
