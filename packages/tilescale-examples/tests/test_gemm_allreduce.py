@@ -20,8 +20,7 @@ from tilescale_examples import ClosedError, GemmAllReduce
 from tilescale_examples.decode.gemm_allreduce import (compare, default_split_k, default_tiles, partial_magnitudes,
                                                       reduction_for, resolve_split_k, torch_reference)
 from tilescale_examples.decode.gemm_ar_kernel import (PASS_CONFIGS, build_gemm_ar_kernel, check_split_k, padded_rows,
-                                                      tile_count)
-from tilescale_examples.decode.gemm_ar_kernel import reads_table
+                                                      reads_table, tile_count)
 from tilescale_examples.decode.gemm_ar_split import split_flag_words
 from tilescale_examples.decode.gemm_ar_two_shot import shard_vectors
 from tilescale_examples.overlap.gemm import GemmTiles
