@@ -84,7 +84,7 @@ def resolve_reduction(reduction, nbytes: int, world_size: int, split_k="auto") -
     ``reduction``); ``"one_shot"`` on one rank whatever is asked (its kernels exchange
     nothing)."""
     if reduction == "auto":
-        split_asked = split_k != "auto" and not isinstance(split_k, bool) and isinstance(split_k, int) and split_k > 1
+        split_asked = isinstance(split_k, int) and not isinstance(split_k, bool) and split_k > 1
         return "one_shot" if split_asked else reduction_for(nbytes, world_size)
     if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be 'auto' or one of {REDUCTIONS}, got {reduction!r}")

@@ -63,7 +63,7 @@ from tilescale_examples.collectives.reduce_kernel import FLAG_STRIDE, step_macro
 from tilescale_examples.decode.gemm_ar_common import gemm_ar_prim_func, padded_rows, reduce_tile_macro, tile_count
 from tilescale_examples.decode.gemm_ar_solo import build_solo_kernel
 from tilescale_examples.decode.gemm_ar_split import build_split_kernel, split_flag_words
-from tilescale_examples.decode.gemm_ar_two_shot import build_two_shot_kernel
+from tilescale_examples.decode.gemm_ar_two_shot import two_shot_macros
 from tilescale_examples.overlap.gemm import DTYPES, GemmTiles, check_positive, check_sync_pipeline, gemm_mainloop
 
 __all__ = ["GEMM_AR_DTYPES", "PASS_CONFIGS", "FLAG_STRIDE", "REDUCTIONS", "kernel_args", "flag_words", "reads_table",
@@ -113,9 +113,9 @@ def build_gemm_ar_kernel(m: int, k: int, n: int, world_size: int, dtype: str = "
     Needs ``kernel.initialize`` (it reads its rank and the peers' heap bases from the table).
     ``split_k > 1`` builds the kernel of :mod:`~tilescale_examples.decode.gemm_ar_split`
     (``Flags`` of :func:`flag_words` words), ``reduction="two_shot"`` (:data:`REDUCTIONS`;
-    ``split_k = 1`` only) that of :mod:`~tilescale_examples.decode.gemm_ar_two_shot` and one
-    rank unsplit that of :mod:`~tilescale_examples.decode.gemm_ar_solo`: the same signature
-    and results.
+    ``split_k = 1`` only) the kernel :mod:`~tilescale_examples.decode.gemm_ar_two_shot`
+    describes (this builder, with its steps) and one rank unsplit that of
+    :mod:`~tilescale_examples.decode.gemm_ar_solo`: the same signature and results.
     """
     import tilelang.language as T
 
@@ -143,13 +143,13 @@ def build_gemm_ar_kernel(m: int, k: int, n: int, world_size: int, dtype: str = "
         return build_split_kernel(m, k, n, W, dtype, tiles, split_k)
     if W == 1:  # nothing to exchange: the one-rank kernel
         return build_solo_kernel(m, k, n, dtype, tiles)
-    if reduction == "two_shot":
-        return build_two_shot_kernel(m, k, n, W, dtype, tiles)
+    two_shot = reduction == "two_shot"
     mp = padded_rows(m, BM)
     MT, NT = mp // BM, tile_count(m, n, tiles)
     mainloop = gemm_mainloop(k, dtype, tiles)
     steps = step_macros(T, W, TH, 1, V, 1)
     reduce_tile, U = reduce_tile_macro(T, W, TH, V, BM, BN, m, dtype)
+    reduce_shard, copy_out = two_shot_macros(T, W, TH, V, BM, BN, m, mp, dtype) if two_shot else (None, None)
 
     @T.macro
     def body(A, B, Stage, Out, Flags, State, blocks, iters, bx):
@@ -160,17 +160,26 @@ def build_gemm_ar_kernel(m: int, k: int, n: int, world_size: int, dtype: str = "
         res = T.alloc_local((U, V), dtype)
         epoch = T.alloc_var("int64")
         epoch = State[bx] + 1  # this call's number: block bx's count of earlier calls + 1
-        lo = T.alloc_var("int32")
-        lo = T.Cast("int32", epoch % 2) * mp  # first row of this call's staging buffer
+        if not two_shot:  # one-shot: the staging buffers by call parity
+            lo = T.alloc_var("int32")
+            lo = T.Cast("int32", epoch % 2) * mp  # first row of this call's staging buffer
         for i in T.serial((NT - bx + blocks - 1) // blocks):
             t = i * blocks + bx
             mainloop(A, B, C_f, t % MT * BM, t // MT * BN)
-            T.copy(C_f, Stage[lo + t % MT * BM, t // MT * BN])  # rounded to dtype, this rank's copy
-            steps.signal_and_wait(Flags, tx, me, bx, blocks, epoch * iters + i, 0)
-            reduce_tile(Stage, Out, vals, res, lo, t % MT * BM, t // MT * BN, tx)
+            if two_shot:  # the gemm_ar_two_shot module's steps
+                T.copy(C_f, Stage[t % MT * BM, t // MT * BN])  # this rank's partial, rounded
+                steps.signal_and_wait(Flags, tx, me, bx, blocks, 2 * (epoch * iters + i), 0)
+                reduce_shard(Stage, vals, res, me, t % MT * BM, t // MT * BN, tx)
+                steps.signal_and_wait(Flags, tx, me, bx, blocks, 2 * (epoch * iters + i) + 1, 0)
+                copy_out(Stage, Out, t % MT * BM, t // MT * BN, tx)
+            else:
+                T.copy(C_f, Stage[lo + t % MT * BM, t // MT * BN])  # rounded to dtype, this rank's copy
+                steps.signal_and_wait(Flags, tx, me, bx, blocks, epoch * iters + i, 0)
+                reduce_tile(Stage, Out, vals, res, lo, t % MT * BM, t // MT * BN, tx)
         steps.count_call(State, bx, tx, epoch)
 
-    return gemm_ar_prim_func(T, m, k, n, dtype, TH, 2 * mp, dtype, body, "gemm_allreduce")
+    symbol = "gemm_allreduce_two_shot" if two_shot else "gemm_allreduce"
+    return gemm_ar_prim_func(T, m, k, n, dtype, TH, 2 * mp, dtype, body, symbol)
 
 
 def reads_table(world_size: int, split_k: int) -> bool:

@@ -5,7 +5,8 @@ W`` of the output from its peers instead of ``W - 1`` times it (the one-shot ker
 cost of a second flag round per tile.
 
 The GEMM, the tile order, the persistent grid and the call counter are the one-shot kernel's
-(:mod:`~tilescale_examples.decode.gemm_ar_kernel`). ``Stage`` (``(2 * mp, n)``, the one-shot
+(:mod:`~tilescale_examples.decode.gemm_ar_kernel`, whose builder assembles this kernel with
+the steps of :func:`two_shot_macros`). ``Stage`` (``(2 * mp, n)``, the one-shot
 kernel's allocation) holds this rank's rounded partials in rows ``0 .. mp`` and the reduced
 tiles in rows ``mp .. 2 mp``: buffer 0 and buffer 1 every call, not by call number (see
 "Reuse" below). Rank ``me``, call ``epoch``, tile ``t`` of iteration ``i`` (``v = epoch *
@@ -32,13 +33,9 @@ argument holds (all blocks resident, one block per SM).
 
 # (no `from __future__ import annotations`: TileLang reads the kernel's annotations)
 
-import torch
+from tilescale_examples.collectives.reduce_kernel import default_unroll, rank_order_sum
 
-from tilescale_examples.collectives.reduce_kernel import default_unroll, rank_order_sum, step_macros, vector_elems
-from tilescale_examples.decode.gemm_ar_common import gemm_ar_prim_func, padded_rows
-from tilescale_examples.overlap.gemm import GemmTiles, gemm_mainloop
-
-__all__ = ["build_two_shot_kernel", "shard_vectors"]
+__all__ = ["two_shot_macros", "shard_vectors"]
 
 
 def shard_vectors(rows: int, block_n: int, vector: int, world_size: int, rank: int) -> range:
@@ -51,23 +48,18 @@ def shard_vectors(rows: int, block_n: int, vector: int, world_size: int, rank: i
     return range(min(rank * per, nvec), min((rank + 1) * per, nvec))
 
 
-def build_two_shot_kernel(m: int, k: int, n: int, world_size: int, dtype: str, tiles: GemmTiles):
-    """The two-shot ``T.prim_func`` (see the module docstring); the signature of
-    :func:`~tilescale_examples.decode.gemm_ar_kernel.build_gemm_ar_kernel` with ``Stage:
-    (2 * mp, n)``, the arguments already checked there."""
-    import tilelang.language as T
-
-    W, TH, BM, BN = world_size, tiles.threads, tiles.block_m, tiles.block_n
-    V = vector_elems(torch.empty((), dtype=getattr(torch, dtype)).element_size())
-    mp = padded_rows(m, BM)
-    MT, NT, CV = mp // BM, mp // BM * (n // BN), BN // V  # CV: vectors per tile row
+def two_shot_macros(T, W: int, TH: int, V: int, BM: int, BN: int, m: int, mp: int, dtype: str):
+    """``(reduce_shard, copy_out)``, steps 3 and 5 of the module docstring (the rest of the
+    kernel is :func:`~tilescale_examples.decode.gemm_ar_kernel.build_gemm_ar_kernel`'s, with
+    ``reduction="two_shot"``): ``reduce_shard(Stage, vals, res, me, row, col, tx)`` (``vals``
+    ``(U, W, V)`` and ``res`` ``(U, V)`` of ``dtype``, ``U = default_unroll(W)``) and
+    ``copy_out(Stage, Out, row, col, tx)``, for the tile at ``(row, col)``."""
+    CV = BN // V  # vectors per tile row
     U = default_unroll(W)
     longest = -(-BM * CV // W)  # vectors of the longest shard
     SHARD_STEPS = -(-longest // (TH * U))
     COPY_STEPS = -(-BM * CV // TH)
     PEERS, ROWS = list(range(W)), list(range(U))
-    mainloop = gemm_mainloop(k, dtype, tiles)
-    steps = step_macros(T, W, TH, 1, V, 1)
 
     @T.macro
     def reduce_shard(Stage, vals, res, me, row, col, tx):
@@ -98,23 +90,4 @@ def build_two_shot_kernel(m: int, k: int, n: int, world_size: int, dtype: str, t
                 for i in T.vectorized(V):
                     Out[row + v // CV, col + v % CV * V + i] = Stage[mp + row + v // CV, col + v % CV * V + i]
 
-    @T.macro
-    def body(A, B, Stage, Out, Flags, State, blocks, iters, bx):
-        tx = T.get_thread_binding()
-        me = T.get_rank()
-        C_f = T.alloc_fragment((BM, BN), "float32")
-        vals = T.alloc_local((U, W, V), dtype)
-        res = T.alloc_local((U, V), dtype)
-        epoch = T.alloc_var("int64")
-        epoch = State[bx] + 1
-        for i in T.serial((NT - bx + blocks - 1) // blocks):
-            t = i * blocks + bx
-            mainloop(A, B, C_f, t % MT * BM, t // MT * BN)
-            T.copy(C_f, Stage[t % MT * BM, t // MT * BN])  # this rank's partial, rounded
-            steps.signal_and_wait(Flags, tx, me, bx, blocks, 2 * (epoch * iters + i), 0)
-            reduce_shard(Stage, vals, res, me, t % MT * BM, t // MT * BN, tx)
-            steps.signal_and_wait(Flags, tx, me, bx, blocks, 2 * (epoch * iters + i) + 1, 0)
-            copy_out(Stage, Out, t % MT * BM, t // MT * BN, tx)
-        steps.count_call(State, bx, tx, epoch)
-
-    return gemm_ar_prim_func(T, m, k, n, dtype, TH, 2 * mp, dtype, body, "gemm_allreduce_two_shot")
+    return reduce_shard, copy_out
