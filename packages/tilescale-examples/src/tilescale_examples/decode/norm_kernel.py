@@ -337,11 +337,12 @@ def build_norm_kernel(dtype: str, world_size: int, hidden: int, threads: int = 5
             else:
                 lo = T.Cast("int32", epoch % 2) * (tokens * NV)  # first row of this call's buffer
             load_weight(Wt, w, tx)
-            if alone:
+            if alone:  # nothing staged, no round
                 steps.count_call(State, bx, tx, epoch)  # epoch: used by this thread alone
+            elif lamport:
+                stage_rows(X, Stage, bx, tx, blocks, iters, tokens, lo, xin, me)
             else:
                 stage_rows(X, Stage, bx, tx, blocks, iters, tokens, lo, xin, me)
-            if not lamport and not alone:
                 steps.signal_and_wait(Flags, tx, me, bx, blocks, epoch, 0)
                 steps.count_call(State, bx, tx, epoch)
             for i in T.serial(iters):
