@@ -35,17 +35,22 @@ argument holds (all blocks resident, one block per SM).
 
 from tilescale_examples.collectives.reduce_kernel import default_unroll, rank_order_sum
 
-__all__ = ["two_shot_macros", "shard_vectors"]
+__all__ = ["two_shot_macros", "shard_bounds", "shard_vectors"]
+
+
+def shard_bounds(nvec, world_size: int, rank, minimum=min) -> tuple:
+    """``(first, end)``: the vectors ``first <= v < end`` that ``rank`` reduces of a tile's
+    ``nvec`` real 16-byte vectors, shard ``rank`` of ``world_size`` shards of ``ceil(nvec /
+    world_size)`` (the last shards short or empty: ``first >= end``). Ints, or TIR expressions
+    with ``minimum=T.min``: the kernel's bounds and the tests' are the same arithmetic."""
+    per = (nvec + world_size - 1) // world_size
+    return rank * per, minimum(rank * per + per, nvec)
 
 
 def shard_vectors(rows: int, block_n: int, vector: int, world_size: int, rank: int) -> range:
     """The 16-byte vectors (indices in the tile's row-major order of ``block_n / vector``
-    per row) that ``rank`` reduces in a tile of ``rows`` real rows: shard ``rank`` of
-    ``world_size`` shards of ``ceil(nvec / world_size)`` (the kernel's arithmetic; the last
-    shards may be short or empty)."""
-    nvec = rows * (block_n // vector)
-    per = -(-nvec // world_size)
-    return range(min(rank * per, nvec), min((rank + 1) * per, nvec))
+    per row) that ``rank`` reduces in a tile of ``rows`` real rows (:func:`shard_bounds`)."""
+    return range(*shard_bounds(rows * (block_n // vector), world_size, rank))
 
 
 def two_shot_macros(T, W: int, TH: int, V: int, BM: int, BN: int, m: int, mp: int, dtype: str):
@@ -64,17 +69,16 @@ def two_shot_macros(T, W: int, TH: int, V: int, BM: int, BN: int, m: int, mp: in
     @T.macro
     def reduce_shard(Stage, vals, res, me, row, col, tx):
         """Step 3: this rank's shard of the tile at ``(row, col)``."""
-        nvec = T.min(BM, m - row) * CV
-        per = (nvec + W - 1) // W
+        shard = shard_bounds(T.min(BM, m - row) * CV, W, me, T.min)  # (first, end): expressions
         for j in T.serial(SHARD_STEPS):
             for u in ROWS:
-                v = me * per + (j * U + u) * TH + tx
-                if v < T.min(me * per + per, nvec):
+                v = shard[0] + (j * U + u) * TH + tx
+                if v < shard[1]:
                     for p in PEERS:
                         T.copy(Stage[row + v // CV, col + v % CV * V:col + v % CV * V + V], vals[u, p, 0:V], src_pe=p)
             for u in ROWS:
-                v = me * per + (j * U + u) * TH + tx
-                if v < T.min(me * per + per, nvec):
+                v = shard[0] + (j * U + u) * TH + tx
+                if v < shard[1]:
                     for i in T.vectorized(V):
                         res[u, i] = T.Cast(dtype, rank_order_sum(T, vals, u, i, W, "float32"))
                     for p in PEERS:
