@@ -44,7 +44,8 @@ B2B_CASES = [(4, 1024, 2048, BF16, "auto"), (130, 256, 4096, BF16, 1), (130, 256
 REPLAYS = {1: 300, 2: 300, 4: 60}
 GRAPH_CASES = [(2, 512, 1024, BF16, "auto"), (96, 256, 2048, F16, 1), (96, 256, 2048, F16, 1, "two_shot")]
 #: The side-stream part: (the instance on a side stream, the one on the current stream).
-SIDE_CASES = [((4, 1024, 2048, BF16, 2), (4, 1024, 2048, BF16, 1))]
+SIDE_CASES = [((4, 1024, 2048, BF16, 2), (4, 1024, 2048, BF16, 1)),
+              ((130, 256, 4096, BF16, 1, "two_shot"), (4, 1024, 2048, BF16, 1))]
 VARIANTS = 8
 CACHE_NAME = "gemm_allreduce"
 
