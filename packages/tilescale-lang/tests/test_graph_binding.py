@@ -114,3 +114,52 @@ def test_bind_from_device_refuses_the_cython_backend():
     k.execution_backend = "cython"
     with pytest.raises(NotImplementedError, match="tvm_ffi and nvrtc"):
         metadata.bind_from_device(k, _FakeTable(), stream=0)
+
+
+class _TablelessDriver(_Driver):
+    """A driver whose modules have no ``meta_data`` (kernels without TileScale intrinsics)."""
+
+    def cuModuleGetGlobal(self, module, symbol):
+        self.calls.append(("global", module, symbol))
+        return (metadata.CUDA_ERROR_NOT_FOUND, None, None)
+
+    def cuMemcpyHtoDAsync(self, dst, src, nbytes, stream):
+        self.calls.append(("copy", dst, src, nbytes, stream))
+        return (0,)
+
+
+def _strict_check(result, what):
+    """The real check's contract: any status but success raises."""
+    if int(result[0]) != 0:
+        raise RuntimeError(f"{what} failed with {result[0]}")
+    return result[1:] if len(result) > 2 else None
+
+
+@pytest.mark.parametrize("bind", ["bind_from_device", "apply_to_module"])
+def test_a_module_without_a_table_is_left_alone(bind, monkeypatch):
+    """A plain TileLang kernel's module has no meta_data: binding skips it instead of failing
+    with CUDA_ERROR_NOT_FOUND, so code may bind every kernel it launches."""
+    drv = _TablelessDriver()
+    monkeypatch.setattr(metadata, "_driver", lambda: drv)
+    monkeypatch.setattr(metadata, "_check", _strict_check)
+    if bind == "bind_from_device":
+        k = _Kernel()
+        metadata._state(k)["modules"].extend([1, 2])
+        metadata.bind_from_device(k, _FakeTable(n=4), stream=0)
+    else:
+        metadata.apply_to_module(3, [0, 1, 0x1000], 0, {})
+    assert [c[0] for c in drv.calls] == ["global"] * (2 if bind == "bind_from_device" else 1)
+
+
+def test_another_symbol_failure_still_raises(monkeypatch):
+    class _Broken(_Driver):
+        def cuModuleGetGlobal(self, module, symbol):
+            return (1, None, None)  # CUDA_ERROR_INVALID_VALUE
+
+    drv = _Broken()
+    monkeypatch.setattr(metadata, "_driver", lambda: drv)
+    monkeypatch.setattr(metadata, "_check", _strict_check)
+    k = _Kernel()
+    metadata._state(k)["modules"].append(1)
+    with pytest.raises(RuntimeError, match="cuModuleGetGlobal"):
+        metadata.bind_from_device(k, _FakeTable(n=4), stream=0)

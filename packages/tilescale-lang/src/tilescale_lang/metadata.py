@@ -106,18 +106,37 @@ def _ensure_context() -> None:
         pass
 
 
+#: ``CUDA_ERROR_NOT_FOUND``: the module has no ``meta_data`` symbol.
+CUDA_ERROR_NOT_FOUND = 500
+
+
+def _table_symbol(result: Any, call_name: str) -> tuple | None:
+    """``(device pointer, size in bytes)`` of ``meta_data`` from a ``cuModuleGetGlobal`` or
+    ``cuLibraryGetGlobal`` result, or None when the module has none: its kernels read no rank
+    table (a kernel without TileScale intrinsics, compiled by stock TileLang's path), so there
+    is nothing to bind. Any other failure raises :class:`tilescale_core.CudaError`."""
+    if isinstance(result, tuple) and result and int(result[0]) == CUDA_ERROR_NOT_FOUND:
+        return None
+    return _check(result, call_name)
+
+
 def apply_to_module(module_handle: int, values: list[int], stream: int, keep: dict) -> None:
-    """Copy ``values`` into ``meta_data`` of the loaded ``CUmodule`` ``module_handle``."""
+    """Copy ``values`` into ``meta_data`` of the loaded ``CUmodule`` ``module_handle`` (nothing
+    when the module has no table)."""
     driver = _driver()
-    dptr, size = _check(driver.cuModuleGetGlobal(driver.CUmodule(module_handle), SYMBOL), "cuModuleGetGlobal(meta_data)")
-    _copy_to_global(dptr, int(size), values, stream, keep)
+    found = _table_symbol(driver.cuModuleGetGlobal(driver.CUmodule(module_handle), SYMBOL),
+                          "cuModuleGetGlobal(meta_data)")
+    if found is not None:
+        _copy_to_global(found[0], int(found[1]), values, stream, keep)
 
 
 def apply_to_library(culib: Any, values: list[int], stream: int, keep: dict) -> None:
-    """Copy ``values`` into ``meta_data`` of an NVRTC-backend ``CUlibrary``."""
+    """Copy ``values`` into ``meta_data`` of an NVRTC-backend ``CUlibrary`` (nothing when the
+    library has no table)."""
     driver = _driver()
-    dptr, size = _check(driver.cuLibraryGetGlobal(culib, SYMBOL), "cuLibraryGetGlobal(meta_data)")
-    _copy_to_global(dptr, int(size), values, stream, keep)
+    found = _table_symbol(driver.cuLibraryGetGlobal(culib, SYMBOL), "cuLibraryGetGlobal(meta_data)")
+    if found is not None:
+        _copy_to_global(found[0], int(found[1]), values, stream, keep)
 
 
 # ------------------------------------------------------------------------------ module hook
@@ -322,7 +341,9 @@ def initialize(kernel: Any, allocator: Any = None, stream: int | None = None) ->
         tilescale_core.CudaError: a CUDA call of the copy failed (call, code and name attached).
 
     Until it has run, a kernel that reads the table (rank queries, peer intrinsics) refuses
-    to launch with :class:`KernelNotInitializedError` (see :func:`guard_launch`).
+    to launch with :class:`KernelNotInitializedError` (see :func:`guard_launch`). A kernel
+    whose module has no table (one without TileScale intrinsics) is returned unchanged: the
+    same code may initialize every kernel it launches, whichever it is.
     """
     values = table_from_allocator(allocator)
     stream = check_stream(stream)
@@ -394,7 +415,8 @@ def bind_from_device(kernel: Any, table: Any, stream: int | None = None) -> None
 
     Unlike :func:`initialize` (a copy from host memory), this copy can be captured in a CUDA
     graph: every replay then binds the table the tensor holds at replay time, so a kernel
-    shared by several allocators launches with the right one in each graph.
+    shared by several allocators launches with the right one in each graph. A module without
+    a table (a kernel without TileScale intrinsics) is skipped.
 
     Raises:
         RuntimeError: the module is not loaded yet (a ``tvm_ffi`` kernel loads it at its first
@@ -415,16 +437,16 @@ def bind_from_device(kernel: Any, table: Any, stream: int | None = None) -> None
             raise RuntimeError(
                 f"kernel {_kernel_name(kernel)!r} has not been launched yet, so its module (and table) is not "
                 "loaded; call it once outside the CUDA graph capture first (a warm-up), then capture")
-        targets = [_check(driver.cuModuleGetGlobal(driver.CUmodule(m), SYMBOL), "cuModuleGetGlobal(meta_data)")
+        targets = [_table_symbol(driver.cuModuleGetGlobal(driver.CUmodule(m), SYMBOL), "cuModuleGetGlobal(meta_data)")
                    for m in handles]
     elif backend == "nvrtc":
         culib = getattr(getattr(getattr(kernel, "adapter", None), "lib_generator", None), "culib", None)
         if culib is None:
             raise RuntimeError("nvrtc kernel has no loaded CUlibrary (adapter.lib_generator.culib)")
-        targets = [_check(driver.cuLibraryGetGlobal(culib, SYMBOL), "cuLibraryGetGlobal(meta_data)")]
+        targets = [_table_symbol(driver.cuLibraryGetGlobal(culib, SYMBOL), "cuLibraryGetGlobal(meta_data)")]
     else:
         raise NotImplementedError(f"bind_from_device supports the tvm_ffi and nvrtc backends, not {backend!r}")
-    for dptr, size in targets:
+    for dptr, size in filter(None, targets):  # a module without a table has nothing to bind
         if nbytes > int(size):
             raise ValueError(f"table of {table.numel()} entries exceeds meta_data ({int(size)} bytes)")
         _check(driver.cuMemcpyDtoDAsync(dptr, table.data_ptr(), nbytes, driver.CUstream(stream)),
