@@ -7,7 +7,8 @@
 # tests-moe (the MoE dispatch/combine GPU tests alone, shared); tests-reduce (the reduction and all-gather GPU tests, shared);
 # tests-decode (AllReduceResidualRMSNorm, GemmAllReduce), tests-gemm-ar (GemmAllReduce alone), tests-norm (AllReduceResidualRMSNorm alone), tests-exchange (the put exchange's ops: AllGather, AllToAll, UlyssesAllToAll), tests-flash (the flash-attention kernel alone, both pipelines), tests-sp-async (SPAllGatherAttention's GPU test at 1, 2 and 4 ranks sharing a GPU, its async-pipeline cases among them), tests-sequence (UlyssesAllToAll, flash attention, SPAllGatherAttention, SPFlashDecode), tests-moe-ll (MoELowLatency), tests-overlap-emulated (the fused
 # plans of AllGatherGEMM and GemmReduceScatter on emulated peers), tests-overlap-async (those plans with the
-# async GEMM pipeline), tests-graphs (CUDA graphs and torch.compile),
+# async GEMM pipeline), tests-graphs (CUDA graphs and torch.compile), tests-compile-decode (torch.compile of a
+# decode block through matmul_all_reduce and the fused norm's operators, 1 and 2 ranks sharing a GPU),
 # tests-other (all-to-all, overlapped GEMMs, TMA all-reduce), tests-gemm (the async-pipeline and stream-K GEMMs), tests-tma (the lean launcher's TMA
 # descriptors and frozen launches), tests-lang-rest (tilescale-lang's GPU suite but upstream's
 # programs), tests-upstream (upstream's programs alone), tests-lang-new (AOT bundles, the lean launcher,
@@ -52,14 +53,15 @@ done
 [[ ${#steps[@]} -eq 0 || " ${steps[*]} " == *" all "* ]] && steps=(doctor demo tests bench)
 # unverified: the GPU checks written but not yet run on a GPU (or changed since), most important
 # first; each step fits one device call of 600 s: GemmAllReduce at one rank (tests-gemm-ar; its
-# worlds 2 and 4 passed) and the tables (bench-gemm_allreduce-1, -2shot, bench-ulysses);
+# worlds 2 and 4 passed), the decode ops' torch operators under torch.compile (tests-compile-decode) and the
+# tables (bench-gemm_allreduce-1, -2shot, bench-ulysses);
 # SPAllGatherAttention on the async attention
 # pipeline at 4 ranks sharing a GPU (its worlds 1 and 2 passed; the cases of tests-sp-async) and
 # the attention table at every length (bench-attention-pipelines); the low-latency MoE's grid at
 # decode sizes (bench-moe-ll-blocks); the GEMM kernels' SM clock and power under a sustained run;
 # the rest of the tilescale-lang GPU suite in two steps (the others, whose first 25 tests passed
 # before a shortened time limit cut the run, and upstream's programs, test_gpu_upstream.py, alone).
-unverified=(tests-gemm-ar bench-gemm_allreduce-1 bench-ulysses bench-gemm_allreduce-2shot tests-sp-async bench-attention-pipelines bench-moe-ll-blocks bench-gemm-sustain tests-lang-rest tests-upstream)
+unverified=(tests-gemm-ar tests-compile-decode bench-gemm_allreduce-1 bench-ulysses bench-gemm_allreduce-2shot tests-sp-async bench-attention-pipelines bench-moe-ll-blocks bench-gemm-sustain tests-lang-rest tests-upstream)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
@@ -208,6 +210,9 @@ for step in "${steps[@]}"; do
                    packages/tilescale-examples/tests/test_flash_attention.py \
                    packages/tilescale-examples/tests/test_flash_attention_async.py \
                    -m gpu -q -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
+    tests-compile-decode) run_step tests-compile-decode env TILESCALE_SHARE_GPUS=1 timeout -k 10 560 python3 -m pytest \
+                            packages/tilescale-examples/tests/test_graphs.py -k decode_block \
+                            -m gpu -q -s -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;
     tests-graphs) run_step tests-graphs env TILESCALE_SHARE_GPUS=1 timeout -k 10 560 python3 -m pytest \
                     packages/tilescale-examples/tests/test_graphs.py \
                     -m gpu -q -s -rfEs --tb=short -p no:cacheprovider --tilescale-record "$logs" "${pytest_args[@]}" ;;

@@ -267,7 +267,17 @@ def graph_jobs(worlds=(1, 2, 4), sms: int | None = None) -> list:
         jobs.append(("tilescale_examples.collectives.alltoall:build_alltoall_kernel", (1024, "bfloat16", w, c, ch), None))
         jobs.append(("tilescale_examples.overlap.gemm:build_gemm_kernel", (w * m, n, k, "bfloat16", *gemm), None))
     jobs.append(("tilescale_examples.overlap.gemm:build_gemm_kernel", (m, n, k, "bfloat16", *gemm), None))
-    return jobs
+    return jobs + decode_jobs(worlds, sms)
+
+
+def decode_jobs(worlds, sms: int) -> list:
+    """Precompile jobs of :func:`decode_ops`' kernels at these world sizes (grid cap ``sms``)."""
+    from tilescale_examples.decode.gemm_allreduce import gemm_allreduce_jobs
+    from tilescale_examples.decode.norm_kernel import norm_jobs
+
+    m, k, n = DECODE
+    return (gemm_allreduce_jobs([m], k, n, "bfloat16", worlds, sms)
+            + norm_jobs(["bfloat16"], worlds, [n], [None, "per_token"], exchanges=["one_shot", "lamport"]))
 
 
 def test_graph_jobs_hold_every_kernel_the_cases_build():
@@ -281,7 +291,8 @@ def test_graph_jobs_hold_every_kernel_the_cases_build():
     sms, missing, built = 132, [], 0
     for world in (1, 2, 4):
         jobs = {build_job(builder, args).script() for builder, args, _ in graph_jobs((world,), sms)}
-        builders = [(case.name, case.build) for case in _cases(world)] + [("torch.compile block", compile_ops)]
+        builders = [(case.name, case.build) for case in _cases(world)] + [("torch.compile block", compile_ops),
+                                                                          ("torch.compile decode block", decode_ops)]
         for name, make in builders:
             allocator = RecordingAllocator(world, sm_count=sms)
             make(allocator)
@@ -324,55 +335,117 @@ def compile_ops(alloc) -> tuple:
             AllReduce(alloc, (hidden,), torch.float32))
 
 
+#: ``(m, k, n)`` of the decode block: 8 tokens, a ``(512, 1024)`` row-parallel weight.
+DECODE = (8, 512, 1024)
+
+
+def decode_ops(alloc) -> tuple:
+    """The ops of the decode block of :func:`decode_compile_rank_body` on ``alloc``:
+    ``(GemmAllReduce, AllReduceResidualRMSNorm, the same norm with per-token FP8)``."""
+    from tilescale_examples.decode import AllReduceResidualRMSNorm, GemmAllReduce
+
+    m, k, n = DECODE
+    return (GemmAllReduce(alloc, m, k, n, torch.bfloat16), AllReduceResidualRMSNorm(alloc, (m, n), torch.bfloat16),
+            AllReduceResidualRMSNorm(alloc, (m, n), torch.bfloat16, fp8="per_token"))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as integers of its element size (a bit-for-bit comparison)."""
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def compiled_mismatches(block, step_inputs, names) -> tuple:
+    """``(mismatches, steps)`` of ``block`` (a function of ``step_inputs(step)`` calling
+    ``torch.ops.tilescale.*``, returning the tensors ``names`` name) compiled with
+    ``fullgraph=True`` (its first 3 steps) and ``mode="reduce-overhead"`` (CUDA graphs: the
+    rest of :data:`COMPILE_STEPS`), each step's result against the eager block's on the same
+    inputs, bit for bit."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    full = torch.compile(block, fullgraph=True)  # a graph break raises
+    fast = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    mismatches = []
+    for step in range(COMPILE_STEPS):
+        args = step_inputs(step)
+        want = [t.clone() for t in block(*args)]
+        got = [t.clone() for t in (full if step < 3 else fast)(*args)]
+        for name, a, b in zip(names, got, want, strict=True):
+            if not torch.equal(_bits(a), _bits(b)):
+                mismatches.append(f"step {step} ({'fullgraph' if step < 3 else 'reduce-overhead'}): {name}")
+    torch.cuda.synchronize()
+    return mismatches, COMPILE_STEPS
+
+
+def _compile_rank(rank: int, world: int, cache_dir: str, body) -> dict:
+    """A rank of a torch.compile test: its heap (512 MiB), ``body(alloc, device)`` (which
+    returns :func:`compiled_mismatches`' pair), the report with the first 20 failures."""
+    import os
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, f"inductor-{rank}"))
+    alloc = open_rank_heap(rank, world, cache_dir, 2**29)
+    mismatches, checks = body(alloc, torch.device(alloc.device))
+    report = close_rank_heap(alloc, rank, checks)
+    report["failures"] = mismatches[:20]
+    return report
+
+
 def compile_rank_body(rank: int, world: int, cache_dir: str) -> dict:
     """A tensor-parallel MLP block through the custom ops (AllGatherGEMM, ReLU,
     GemmReduceScatter, and an AllReduce of a bias gradient): ``torch.compile(fullgraph=True)``
     matches eager bit for bit, and ``mode="reduce-overhead"`` (CUDA graphs) matches eager over
     :data:`COMPILE_STEPS` steps of fresh inputs, eager and compiled steps interleaved."""
-    import os
-
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, f"inductor-{rank}"))
-    import torch._dynamo
-
     from tilescale_examples.torch_ops import handle_of
 
-    alloc = open_rank_heap(rank, world, cache_dir, 2**29)
-    dev = torch.device(alloc.device)
-    m, k, hidden = GEMM[0], GEMM[1], COMPILE_HIDDEN
-    ag, rs, ar = compile_ops(alloc)
-    h_ag, h_rs, h_ar = handle_of(ag), handle_of(rs), handle_of(ar)
-    w1 = _weights(k, hidden, rank, dev)
-    w2 = _weights(hidden, k, 100 + rank, dev)
+    def body(alloc, dev):
+        m, k, hidden = GEMM[0], GEMM[1], COMPILE_HIDDEN
+        h_ag, h_rs, h_ar = (handle_of(op) for op in compile_ops(alloc))
+        w1, w2 = _weights(k, hidden, rank, dev), _weights(hidden, k, 100 + rank, dev)
 
-    def block(x, grad):
-        h = torch.ops.tilescale.all_gather_matmul(x, w1, h_ag)
-        h = torch.relu(h)
-        y = torch.ops.tilescale.matmul_reduce_scatter(h, w2, h_rs)
-        return y, torch.ops.tilescale.all_reduce(grad, h_ar)
+        def block(x, grad):
+            h = torch.ops.tilescale.all_gather_matmul(x, w1, h_ag)
+            h = torch.relu(h)
+            y = torch.ops.tilescale.matmul_reduce_scatter(h, w2, h_rs)
+            return y, torch.ops.tilescale.all_reduce(grad, h_ar)
 
-    def step_inputs(step):
-        x = _fill(torch.empty((m, k), dtype=torch.bfloat16, device=dev), _seed(70, step, rank))
-        g = _fill(torch.empty((hidden,), dtype=torch.float32, device=dev), _seed(71, step, rank))
-        return x, g
+        def step_inputs(step):
+            return (_fill(torch.empty((m, k), dtype=torch.bfloat16, device=dev), _seed(70, step, rank)),
+                    _fill(torch.empty((hidden,), dtype=torch.float32, device=dev), _seed(71, step, rank)))
 
-    torch._dynamo.reset()
-    full = torch.compile(block, fullgraph=True)  # a graph break raises
-    fast = torch.compile(block, mode="reduce-overhead", fullgraph=True)
-    mismatches, checks = [], 0
-    for step in range(COMPILE_STEPS):
-        x, g = step_inputs(step)
-        want = [t.clone() for t in block(x, g)]
-        fn = full if step < 3 else fast
-        got = [t.clone() for t in fn(x, g)]
-        checks += 1
-        for name, a, b in zip(("mlp", "bias grad"), got, want):
-            if not torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
-                               b.view(torch.int16 if b.element_size() == 2 else torch.int32)):
-                mismatches.append(f"step {step} ({'fullgraph' if step < 3 else 'reduce-overhead'}): {name}")
-    torch.cuda.synchronize()
-    report = close_rank_heap(alloc, rank, checks)
-    report["failures"] = mismatches[:20]
-    return report
+        return compiled_mismatches(block, step_inputs, ("mlp", "bias grad"))
+
+    return _compile_rank(rank, world, cache_dir, body)
+
+
+def decode_compile_rank_body(rank: int, world: int, cache_dir: str) -> dict:
+    """A decode block through the custom ops: a row-parallel projection with its all-reduce
+    (``matmul_all_reduce``), the fused all-reduce + residual + RMSNorm
+    (``all_reduce_residual_rms_norm``), then its FP8 form on the ReLU of the result: compiled
+    (``fullgraph=True``, then ``mode="reduce-overhead"``) against eager, bit for bit, every
+    output (the FP8 rows and scales included), :data:`COMPILE_STEPS` steps of fresh inputs."""
+    from tilescale_examples.torch_ops import handle_of
+
+    def body(alloc, dev):
+        m, k, n = DECODE
+        h_gar, h_norm, h_fp8 = (handle_of(op) for op in decode_ops(alloc))
+        w = _weights(k, n, rank, dev)
+        weight = (_fill(torch.empty((n,), device=dev), _seed(72, 0, 0)).abs() + 0.5).to(torch.bfloat16)
+
+        def block(x, residual):
+            z = torch.ops.tilescale.matmul_all_reduce(x, w, h_gar)
+            y, residual = torch.ops.tilescale.all_reduce_residual_rms_norm(z, residual, weight, h_norm)
+            q, scales, residual2 = torch.ops.tilescale.all_reduce_residual_rms_norm_fp8(torch.relu(y), residual,
+                                                                                         weight, h_fp8)
+            return z, y, residual, q, scales, residual2
+
+        def step_inputs(step):
+            return tuple(_fill(torch.empty(shape, dtype=torch.bfloat16, device=dev), _seed(73 + i, step, rank))
+                         for i, shape in enumerate(((m, k), (m, n))))
+
+        return compiled_mismatches(block, step_inputs, ("matmul_all_reduce", "y", "residual_out", "y_fp8", "scales",
+                                                        "residual_out (fp8)"))
+
+    return _compile_rank(rank, world, cache_dir, body)
 
 
 @gpu_rank_test(1, 2, timeout=600, rank_timeout=560, cache=CACHE_NAME, jobs=graph_jobs)
@@ -384,3 +457,15 @@ def test_torch_compile_of_a_tensor_parallel_block(world, rank, world_size, kerne
     assert report["checks"] == COMPILE_STEPS
     if rank == 0:
         print(f"torch.compile world {world_size}: {COMPILE_STEPS} steps match eager on every rank")
+
+
+@gpu_rank_test(1, 2, timeout=600, rank_timeout=560, cache=CACHE_NAME, jobs=graph_jobs)
+def test_torch_compile_of_a_decode_block(world, rank, world_size, kernel_cache):
+    """``torch.compile(fullgraph=True)`` and ``mode="reduce-overhead"`` of a decode block
+    calling ``matmul_all_reduce`` and both fused-norm operators match the eager block bit for
+    bit, step by step."""
+    report = decode_compile_rank_body(rank, world_size, kernel_cache)
+    assert report["failures"] == [], f"rank {rank}/{world_size}: {report['failures']}"
+    assert report["checks"] == COMPILE_STEPS
+    if rank == 0:
+        print(f"torch.compile decode block world {world_size}: {COMPILE_STEPS} steps match eager on every rank")

@@ -19,6 +19,9 @@ from tilescale_examples.collectives.alltoall import AllToAll
 from tilescale_examples.overlap.gemm_rs import GemmReduceScatter
 from tilescale_examples.moe.dispatcher import DispatchHandle, MoEDispatcher, torch_combine_reference, torch_dispatch_reference
 from tilescale_examples.collectives.reducescatter import ReduceScatter
+from tilescale_examples.decode.allreduce_norm import AllReduceResidualRMSNorm
+from tilescale_examples.decode.gemm_allreduce import GemmAllReduce
+from tilescale_examples.decode.reference import scales_shape, torch_reference as norm_reference
 from tilescale_examples.sequence.flash_decode import SPFlashDecode, torch_reference as decode_reference
 from tilescale_examples.sequence.sp_attention import SPAllGatherAttention, torch_reference as sp_reference
 from tilescale_examples.sequence.ulysses import UlyssesAllToAll, output_shape, torch_reference as ulysses_reference
@@ -190,6 +193,38 @@ class StandInGemmReduceScatter(_Gemm, GemmReduceScatter):
         return (a @ b)[self.rank * m:(self.rank + 1) * m] * self.world_size
 
 
+class StandInGemmAllReduce(_Gemm, GemmAllReduce):
+    def __init__(self, m, k, n, dtype=torch.float32, world_size=W):
+        super().__init__(m, k, n, dtype, world_size)
+        self.m = m
+
+    def _stand_in_result(self, a, b):
+        return (a @ b) * self.world_size
+
+
+class StandInNorm(_Collective, AllReduceResidualRMSNorm):
+    """``world_size`` ranks holding the same ``x``, ``residual`` and ``weight`` (rank 0's
+    view): the module's float32 reference written into the outputs."""
+
+    def __init__(self, shape, fp8=None, dtype=torch.bfloat16, world_size=W):
+        self._init(dtype, world_size)
+        self.shape, self.fp8, self.eps = tuple(shape), fp8, 1e-6
+        self.output = torch.zeros(self.shape, dtype=torch.float8_e4m3fn if fp8 else dtype)
+        self.residual_output = torch.zeros(self.shape, dtype=dtype)
+        self.scales = None if fp8 is None else torch.zeros(scales_shape(*self.shape, fp8))
+
+    def _reference(self, x, residual, weight):
+        return norm_reference([(x, residual, weight)] * self.world_size, 0, eps=self.eps, fp8=self.fp8)
+
+    def __call__(self, x, residual, weight, *, out=None, residual_out=None, scales_out=None):
+        self._record()
+        got = self._reference(x, residual, weight)
+        outs = (out, scales_out, residual_out) if self.fp8 else (out, residual_out)
+        for dst, value in zip(outs, got):
+            dst.copy_(value)
+        return outs
+
+
 class StandInMoE(_Collective, MoEDispatcher):
     """One rank: dispatch and combine from the module's torch references, results in
     internal buffers (as the real dispatcher's are)."""
@@ -252,7 +287,8 @@ def test_every_op_is_registered_with_its_schema():
     assert tilescale_examples.torch_ops is torch_ops
     assert set(torch_ops.SCHEMAS) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_gather_matmul",
                                       "matmul_reduce_scatter", "moe_dispatch", "moe_combine", "ulysses_all_to_all",
-                                      "sp_attention", "sp_flash_decode"}
+                                      "sp_attention", "sp_flash_decode", "matmul_all_reduce",
+                                      "all_reduce_residual_rms_norm", "all_reduce_residual_rms_norm_fp8"}
     for name, schema in torch_ops.SCHEMAS.items():
         op = getattr(OPS, name)
         assert str(op.default._schema) == f"tilescale::{name}{schema}"
@@ -585,3 +621,80 @@ def test_sp_flash_decode_takes_cache_lengths():
     torch.testing.assert_close(compiled(q, lens)[1], op._reference(q, k, v, lens)[1])
     with pytest.raises(ValueError, match=r"cache_seqlens is \(2,\) torch.int64"):
         OPS.sp_flash_decode(q, k, v, h, lens.long())
+
+
+# ------------------------------------------------------------------------------ matmul_all_reduce
+def test_matmul_all_reduce_eager_fake_and_compiled():
+    op = StandInGemmAllReduce(3, 4, 5)
+    h = handle_of(op)
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(3, 4, generator=g), torch.randn(4, 5, generator=g)
+    got = OPS.matmul_all_reduce(a, b, h)
+    torch.testing.assert_close(got, (a @ b) * W)
+    assert got.data_ptr() not in (a.data_ptr(), b.data_ptr()) and op.calls == 1
+    with FakeTensorMode() as mode:
+        fake = OPS.matmul_all_reduce(mode.from_tensor(a), mode.from_tensor(b), h)
+        assert (tuple(fake.shape), fake.dtype) == ((3, 5), torch.float32)
+    assert op.calls == 1  # the fake never runs the op
+    compiled = torch.compile(lambda x, w: OPS.matmul_all_reduce(x.relu(), w, h) + 1, fullgraph=True,
+                             backend="aot_eager")
+    torch.testing.assert_close(compiled(a, b), (a.relu() @ b) * W + 1)
+    with pytest.raises(ValueError, match=r"matmul_all_reduce: a is \(2, 4\) torch.float32, .*a = \(m, k\) = \(3, 4\)"):
+        OPS.matmul_all_reduce(a[:2], b, h)
+    with pytest.raises(ValueError, match=r"names an AllReduce, but matmul_all_reduce takes the handle of a GemmAllReduce"):
+        OPS.matmul_all_reduce(a, b, handle_of(keep := StandInAllReduce((4,))))
+    del keep
+
+
+# ------------------------------------------------------------------------------ all_reduce_residual_rms_norm
+def _norm_inputs(shape=(3, 256), seed=6):
+    g = torch.Generator().manual_seed(seed)
+    x, residual = (torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(2))
+    return x, residual, (torch.rand(shape[1], generator=g) + 0.5).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fp8", [None, "per_token", "per_block"])
+def test_fused_norm_ops_eager_fake_and_compiled(fp8):
+    op = StandInNorm((3, 256), fp8)
+    h = handle_of(op)
+    kind = "all_reduce_residual_rms_norm" + ("_fp8" if fp8 else "")
+    fn = getattr(OPS, kind)
+    x, residual, weight = _norm_inputs()
+    want = op._reference(x, residual, weight)
+    got = fn(x, residual, weight, h)
+    assert len(got) == len(want) == (3 if fp8 else 2)
+    for g_, w_ in zip(got, want):
+        assert (g_.shape, g_.dtype) == (w_.shape, w_.dtype)
+        torch.testing.assert_close(g_.float(), w_.float())
+    own = {t.data_ptr() for t in (op.output, op.residual_output, x, residual, weight)}
+    assert not own & {t.data_ptr() for t in got} and op.calls == 1  # fresh results, the instance's left alone
+    with FakeTensorMode() as mode:
+        fakes = fn(*(mode.from_tensor(t) for t in (x, residual, weight)), h)
+        assert [(tuple(t.shape), t.dtype) for t in fakes] == [(tuple(t.shape), t.dtype) for t in want]
+    assert op.calls == 1
+
+    def block(x, residual, weight):
+        *y, h_out = fn(x * 2, residual, weight, h)
+        return (*y, h_out + 1)
+
+    *y_want, h_want = op._reference(x * 2, residual, weight)
+    for g_, w_ in zip(torch.compile(block, fullgraph=True, backend="aot_eager")(x, residual, weight),
+                      (*y_want, h_want + 1)):
+        torch.testing.assert_close(g_.float(), w_.float())
+
+
+def test_fused_norm_ops_refuse_the_other_mode_and_bad_shapes():
+    plain, quantised = StandInNorm((3, 256)), StandInNorm((3, 256), "per_token")
+    hp, hq = handle_of(plain), handle_of(quantised)
+    x, residual, weight = _norm_inputs()
+    with pytest.raises(ValueError, match=rf"handle {hp} names an AllReduceResidualRMSNorm built without fp8: call "
+                                         "torch.ops.tilescale.all_reduce_residual_rms_norm$"):
+        OPS.all_reduce_residual_rms_norm_fp8(x, residual, weight, hp)
+    with pytest.raises(ValueError, match=rf"handle {hq} names an AllReduceResidualRMSNorm built with "
+                                         "fp8='per_token': call torch.ops.tilescale.all_reduce_residual_rms_norm_fp8"):
+        OPS.all_reduce_residual_rms_norm(x, residual, weight, hq)
+    with pytest.raises(ValueError, match=r"residual is \(2, 256\) torch.bfloat16, .*residual = \(tokens, hidden\) ="):
+        OPS.all_reduce_residual_rms_norm(x, residual[:2], weight, hp)
+    with pytest.raises(ValueError, match=r"weight is \(256,\) torch.float32, .*weight = \(hidden,\) = \(256,\)"):
+        OPS.all_reduce_residual_rms_norm(x, residual, weight.float(), hp)
+    assert plain.calls == quantised.calls == 0

@@ -16,6 +16,11 @@ Importing :mod:`tilescale_examples` registers, with :func:`torch.library.custom_
     torch.ops.tilescale.sp_attention(Tensor q, Tensor k, Tensor v, int handle) -> (Tensor out, Tensor lse)
     torch.ops.tilescale.sp_flash_decode(Tensor q, Tensor k, Tensor v, int handle, Tensor? cache_seqlens=None)
         -> (Tensor out, Tensor lse)
+    torch.ops.tilescale.matmul_all_reduce(Tensor a, Tensor b, int handle) -> Tensor
+    torch.ops.tilescale.all_reduce_residual_rms_norm(Tensor x, Tensor residual, Tensor weight, int handle)
+        -> (Tensor y, Tensor residual_out)
+    torch.ops.tilescale.all_reduce_residual_rms_norm_fp8(Tensor x, Tensor residual, Tensor weight, int handle)
+        -> (Tensor y, Tensor scales, Tensor residual_out)
 
 (:data:`SCHEMAS` holds them; each op's docstring in :mod:`._impls` gives shapes and dtypes; the
 handle registry is :mod:`._registry`). Every op
@@ -100,6 +105,11 @@ SCHEMAS: Dict[str, str] = {
     "sp_attention": "(Tensor q, Tensor k, Tensor v, int handle) -> (Tensor out, Tensor lse)",
     "sp_flash_decode": ("(Tensor q, Tensor k, Tensor v, int handle, Tensor? cache_seqlens=None)"
                         " -> (Tensor out, Tensor lse)"),
+    "matmul_all_reduce": "(Tensor a, Tensor b, int handle) -> Tensor",
+    "all_reduce_residual_rms_norm": ("(Tensor x, Tensor residual, Tensor weight, int handle)"
+                                     " -> (Tensor y, Tensor residual_out)"),
+    "all_reduce_residual_rms_norm_fp8": ("(Tensor x, Tensor residual, Tensor weight, int handle)"
+                                         " -> (Tensor y, Tensor scales, Tensor residual_out)"),
 }
 
 

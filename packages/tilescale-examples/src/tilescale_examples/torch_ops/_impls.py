@@ -50,6 +50,14 @@ def _call_into(inst, out: torch.Tensor, *args) -> torch.Tensor:
     return out
 
 
+def _named(kind: str, implementation, fake) -> tuple:
+    """``(implementation, fake)`` of operator ``kind``, named ``_<kind>`` and ``_<kind>_fake``
+    (the names torch shows in traces and errors)."""
+    implementation.__name__, fake.__name__ = f"_{kind}", f"_{kind}_fake"
+    implementation.__qualname__, fake.__qualname__ = implementation.__name__, fake.__name__
+    return implementation, fake
+
+
 # ---------------------------------------------------------------------------- implementations
 #: The operators of the dense ops (collectives and GEMMs): operator -> ``(inputs, output)``;
 #: ``inputs``: for each tensor argument ``(name, its shape from the instance, how the error
@@ -69,7 +77,10 @@ def _call_into(inst, out: torch.Tensor, *args) -> torch.Tensor:
 #: * ``all_gather_matmul(a, b)``: ``all_gather(a) @ b``, ``a`` ``(m_local, k)`` on every rank,
 #:   ``b`` ``(k, n)``: ``(world_size * m_local, n)`` (rows ``r * m_local ..`` from rank ``r``'s ``a``);
 #: * ``matmul_reduce_scatter(a, b)``: ``reduce_scatter(a @ b)``, ``a`` ``(world_size * m_local,
-#:   k)``: ``(m_local, n)``, rows ``rank * m_local ..`` of the product summed over every rank.
+#:   k)``: ``(m_local, n)``, rows ``rank * m_local ..`` of the product summed over every rank;
+#: * ``matmul_all_reduce(a, b)``: ``all_reduce(a @ b)``
+#:   (:class:`~tilescale_examples.decode.gemm_allreduce.GemmAllReduce`), ``a`` ``(m, k)``, ``b``
+#:   ``(k, n)``: ``(m, n)``, the same bits on every rank.
 _ROWS = "shape = (world_size, *row) ="
 _B = ("b", lambda i: (i.k, i.n), "b = (k, n) =")
 DENSE = {
@@ -83,6 +94,7 @@ DENSE = {
                           lambda i: (i.world_size * i.m_local, i.n)),
     "matmul_reduce_scatter": ((("a", lambda i: (i.world_size * i.m_local, i.k), "a = (world_size * m_local, k) ="), _B),
                               lambda i: (i.m_local, i.n)),
+    "matmul_all_reduce": ((("a", lambda i: (i.m, i.k), "a = (m, k) ="), _B), lambda i: (i.m, i.n)),
 }
 
 
@@ -109,9 +121,7 @@ def _dense_impls(kind: str):
         _, tensors, shape = _dense_call(kind, args)
         return tensors[0].new_empty(shape)
 
-    implementation.__name__, fake.__name__ = f"_{kind}", f"_{kind}_fake"
-    implementation.__qualname__, fake.__qualname__ = implementation.__name__, fake.__name__
-    return implementation, fake
+    return _named(kind, implementation, fake)
 
 
 def _moe_token_checks(kind: str, h: int, inst, x, topk_idx, topk_weights) -> None:
@@ -227,15 +237,63 @@ def _attention_impls(kind: str):
         inst = checked(q, k, v, handle, *lengths)
         return q.new_empty(tuple(inst.output.shape)), q.new_empty(tuple(inst.lse.shape), dtype=torch.float32)
 
-    implementation.__name__, fake.__name__ = f"_{kind}", f"_{kind}_fake"
-    implementation.__qualname__, fake.__qualname__ = implementation.__name__, fake.__name__
-    return implementation, fake
+    return _named(kind, implementation, fake)
+
+
+#: The fused norm's operators, ``(x, residual, weight, handle)``: one call of an
+#: :class:`~tilescale_examples.decode.allreduce_norm.AllReduceResidualRMSNorm` into fresh
+#: tensors, ``h = all_reduce(x) + residual`` and ``y = rms_norm(h) * weight`` (``x`` and
+#: ``residual`` ``(tokens, hidden)``, ``weight`` ``(hidden,)``, the instance's dtype):
+#:
+#: * ``all_reduce_residual_rms_norm``: ``(y, residual_out)``, both in the instance's dtype
+#:   (an instance built without ``fp8``);
+#: * ``all_reduce_residual_rms_norm_fp8``: ``(y, scales, residual_out)``, ``y`` in
+#:   ``torch.float8_e4m3fn`` and the float32 ``scales`` of the instance's FP8 mode (``(tokens,
+#:   1)`` per token, ``(tokens, hidden / 128)`` per block) (an instance built with ``fp8``).
+#:
+#: ``residual_out`` is a new tensor: to update a residual stream in place, assign the result.
+NORM = {"all_reduce_residual_rms_norm": False, "all_reduce_residual_rms_norm_fp8": True}
+
+
+def _norm_impls(kind: str):
+    """``(implementation, fake)`` of fused-norm operator ``kind`` (see :data:`NORM`)."""
+    fp8 = NORM[kind]
+
+    def checked(x, residual, weight, handle):
+        h, _, inst = _lookup_entry(handle, kind)
+        if (inst.fp8 is not None) != fp8:
+            other = "all_reduce_residual_rms_norm" + ("" if fp8 else "_fp8")
+            mode = "without fp8" if inst.fp8 is None else f"with fp8={inst.fp8!r}"
+            raise ValueError(f"torch.ops.tilescale.{kind}: handle {h} names an AllReduceResidualRMSNorm built {mode}: "
+                             f"call torch.ops.tilescale.{other}")
+        for name, t in (("x", x), ("residual", residual)):
+            _fail_shape(kind, h, inst, name, t, inst.shape, inst.dtype, f"{name} = (tokens, hidden) =")
+        _fail_shape(kind, h, inst, "weight", weight, inst.shape[1:], inst.dtype, "weight = (hidden,) =")
+        return inst
+
+    def results(inst, like: torch.Tensor) -> tuple:
+        y = like.new_empty(inst.shape, dtype=inst.output.dtype)
+        h = like.new_empty(inst.shape)
+        return (y, like.new_empty(tuple(inst.scales.shape), dtype=torch.float32), h) if fp8 else (y, h)
+
+    def implementation(x, residual, weight, handle):
+        inst = checked(x, residual, weight, handle)
+        out = results(inst, x)
+        inst(x.contiguous(), residual.contiguous(), weight.contiguous(), out=out[0], residual_out=out[-1],
+             **({"scales_out": out[1]} if fp8 else {}))
+        return out
+
+    def fake(x, residual, weight, handle):
+        return results(checked(x, residual, weight, handle), x)
+
+    return _named(kind, implementation, fake)
 
 
 #: Operator name -> ``(implementation, fake)``.
 IMPLS = {
     **{kind: _dense_impls(kind) for kind in DENSE},
     **{kind: _attention_impls(kind) for kind in ATTENTION},
+    **{kind: _norm_impls(kind) for kind in NORM},
     "moe_dispatch": (_moe_dispatch, _moe_dispatch_fake),
     "moe_combine": (_moe_combine, _moe_combine_fake),
 }

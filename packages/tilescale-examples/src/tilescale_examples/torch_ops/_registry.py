@@ -25,6 +25,8 @@ _CLASSES: Dict[str, str] = {
     "tilescale_examples.sequence.ulysses.UlyssesAllToAll": "UlyssesAllToAll",
     "tilescale_examples.sequence.sp_attention.SPAllGatherAttention": "SPAllGatherAttention",
     "tilescale_examples.sequence.flash_decode.SPFlashDecode": "SPFlashDecode",
+    "tilescale_examples.decode.gemm_allreduce.GemmAllReduce": "GemmAllReduce",
+    "tilescale_examples.decode.allreduce_norm.AllReduceResidualRMSNorm": "AllReduceResidualRMSNorm",
 }
 
 #: Operator name -> the classes whose handles it takes (the ``kind`` of :func:`lookup`).
@@ -40,6 +42,9 @@ OP_CLASSES: Dict[str, Tuple[str, ...]] = {
     "moe_combine": ("MoEDispatcher",),
     "sp_attention": ("SPAllGatherAttention",),
     "sp_flash_decode": ("SPFlashDecode",),
+    "matmul_all_reduce": ("GemmAllReduce",),
+    "all_reduce_residual_rms_norm": ("AllReduceResidualRMSNorm",),
+    "all_reduce_residual_rms_norm_fp8": ("AllReduceResidualRMSNorm",),
 }
 
 
