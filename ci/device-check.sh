@@ -80,6 +80,10 @@ mkdir -p .tlcache
 [[ -f .tlcache.tar.xz ]] && tar -xJf .tlcache.tar.xz
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/.tlcache}
 export TILESCALE_TEST_KERNEL_CACHE=${TILESCALE_TEST_KERNEL_CACHE:-$TILELANG_CACHE_DIR}
+# Every cached file marked unread, so that the end of the call can list the kernels it used
+# ($logs/tlcache-used.txt: `python3 ci/kernel_cache_usage.py prune .tlcache USED.txt ...` keeps
+# only those, when the carried cache nears the 64 MiB a call carries).
+python3 ci/kernel_cache_usage.py stamp "$TILELANG_CACHE_DIR" > /dev/null || true
 cache_start=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-build-isolation \
   -e packages/tilescale-core -e packages/tilescale-host -e packages/tilescale-lang \
@@ -257,4 +261,5 @@ done
 # The kernels this call compiled, newest first up to 15 MiB, as $logs/tlcache-new.tar: unpack it
 # into .tlcache (tar -C .tlcache -xf tlcache-new.tar) to carry them to the next machine.
 python3 ci/pack_kernel_cache.py "$TILELANG_CACHE_DIR" "$cache_start" "$logs/tlcache-new.tar" || true
+python3 ci/kernel_cache_usage.py used "$TILELANG_CACHE_DIR" "$cache_start" > "$logs/tlcache-used.txt" || true
 echo; echo "=== summary"; printf '%s\n' "${summary[@]}"
