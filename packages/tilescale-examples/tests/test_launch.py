@@ -107,7 +107,7 @@ def test_the_ops_kernels_launch_lean(name):
     itself (no host-built argument, no unknown launch attribute, no cluster): otherwise its
     calls would fall back to TileLang's launcher and pay its cost (lowered on the CPU)."""
     from tilescale_lang.aot import launch_info
-    from tilescale_lang.lean import _unsupported
+    from tilescale_lang.lean_describe import _unsupported
 
     build, pass_configs = _kernels()[name]
     func = build()

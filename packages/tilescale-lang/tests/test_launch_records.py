@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from tilescale_lang import launch_records, lean
+from tilescale_lang import launch_records, lean_driver
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc)")
 
@@ -28,8 +28,8 @@ class Driver:
 
     def __init__(self, fail=None):
         self.calls, self.fail = [], fail or {}
-        self.launch = lean._LAUNCH(lambda *a: self._record("launch", a))
-        self.cooperative = lean._COOPERATIVE_LAUNCH(lambda *a: self._record("cooperative", a))
+        self.launch = lean_driver._LAUNCH(lambda *a: self._record("launch", a))
+        self.cooperative = lean_driver._COOPERATIVE_LAUNCH(lambda *a: self._record("cooperative", a))
 
     def _record(self, kind, args):
         fn, dims, smem, stream, params = args[0], args[1:7], args[7], args[8], args[9]

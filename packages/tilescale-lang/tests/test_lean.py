@@ -15,7 +15,7 @@ import pytest
 import torch
 from lang_helpers import TARGET, FakeAllocator, needs_nvcc
 
-from tilescale_lang import lean
+from tilescale_lang import lean, lean_describe, lean_driver
 from tilescale_lang.aot import launch_info
 from tilescale_lang.aot.packing import ArgPacker
 
@@ -100,7 +100,7 @@ def _go_lean(launch, monkeypatch, path="ctypes"):
         lambda stream, status: status.__setitem__(0, int(rec.capturing)) or 0)
     monkeypatch.setattr(lean, "_capture_query_address", lambda: ctypes.cast(rec.query, ctypes.c_void_p).value)
     if path == "records":
-        entry = (lean._LAUNCH(lambda fn, *rest: rec.launch(fn, *rest[:-1])), lean._COOPERATIVE_LAUNCH(rec.launch))
+        entry = (lean_driver._LAUNCH(lambda fn, *rest: rec.launch(fn, *rest[:-1])), lean_driver._COOPERATIVE_LAUNCH(rec.launch))
         rec.keep = entry  # the C function pointers live as long as the recorder
         monkeypatch.setattr(lean, "_driver_addresses", lambda: tuple(ctypes.cast(f, ctypes.c_void_p).value for f in entry))
         launch._records = launch._make_records()
@@ -173,10 +173,10 @@ def test_launch_metadata_is_kept_per_kernel_and_per_machine(scale_kernel, tmp_pa
 @needs_nvcc
 def test_unknown_launch_attributes_take_tilelangs_path():
     art = launch_info.lower(test_aot.build_put_signal(), TARGET["arch"])
-    assert lean._unsupported(art.device_mod) is None
+    assert lean_describe._unsupported(art.device_mod) is None
     fn = next(iter(art.device_mod.functions.values()))
     odd = SimpleNamespace(functions={Named("k"): fn.with_attr("tl.use_pdl", True)})
-    assert "tl.use_pdl" in lean._unsupported(odd)
+    assert "tl.use_pdl" in lean_describe._unsupported(odd)
 
 
 @needs_nvcc
@@ -541,6 +541,6 @@ def test_the_driver_entry_points_have_the_c_signatures():
     """cuLaunchKernel: the function, 7 unsigned ints, the stream, the parameter array and
     ``extra``; cuLaunchCooperativeKernel: the same without ``extra``. Without a driver the
     entry points are cuda-bindings' calls, with the same arguments."""
-    assert len(lean._LAUNCH._argtypes_) == 11 and len(lean._COOPERATIVE_LAUNCH._argtypes_) == 10
-    launch, cooperative = lean._driver_calls()
+    assert len(lean_driver._LAUNCH._argtypes_) == 11 and len(lean_driver._COOPERATIVE_LAUNCH._argtypes_) == 10
+    launch, cooperative = lean_driver._driver_calls()
     assert callable(launch) and callable(cooperative)

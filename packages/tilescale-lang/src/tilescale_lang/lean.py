@@ -34,140 +34,24 @@ from __future__ import annotations
 
 import ast
 import ctypes
-import functools
-import hashlib
-import json
 import logging
-import os
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from .aot import launch_info
 from .aot import packing
 from .aot.packing import ArgPacker, _compiled, evaluate, is_float_dtype, scalar_range, scalar_value
 from .launch_records import CAPTURING
+from .lean_describe import describe_kernel
+from .lean_driver import _capture_query_address, _current_stream_getter, _driver_addresses, _driver_calls
 
 __all__ = ["LeanLaunch", "FrozenLaunch", "describe_kernel", "prepare", "freeze"]
 
 log = logging.getLogger("tilescale_lang.lean")
-#: Version of the launch metadata kept in TileLang's cache directory (2: TMA descriptors
-#: described, where version 1 refused them).
-FORMAT = 2
-
-#: Device-function attributes whose meaning the lean launcher reproduces (or that do not
-#: affect a launch); a kernel with any other attribute launches through TileLang.
-KNOWN_ATTRS = frozenset({
-    "target", "tirx.noalias", "tl.non_restrict_params", "tirx.is_global_func", "calling_conv",
-    "tirx.kernel_launch_params", "global_symbol", "thread_extent", "dyn_shared_memory_buf",
-    "use_cooperative_groups", "cluster_dims", "tl.readonly_param_indices", "tl.smem_alignment_map",
-})
-#: Launch parameter tags of ``tirx.kernel_launch_params`` the lean launcher understands.
-KNOWN_LAUNCH_TAGS = frozenset({"blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x", "threadIdx.y",
-                               "threadIdx.z", "tirx.use_dyn_shared_memory"})
 _NOT_LOADED = "the kernel's module is not loaded yet (it loads at the first launch)"
 _LOADED_UNSEEN = ("the kernel's module loaded where TileScale could not see it (a kernel launched before TileScale "
                   "tracked it: compiled before the extension loaded)")
 #: Dynamic shared memory above this needs ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``.
 DEFAULT_SMEM_LIMIT = 48 * 1024
-
-
-def _unsupported(device_mod: Any) -> str | None:
-    """Why the lean launcher cannot launch ``device_mod``'s kernels itself, or None."""
-    for gvar, fn in device_mod.functions.items():
-        attrs = fn.attrs if fn.attrs is not None else {}
-        unknown = sorted(str(k) for k in attrs.keys() if str(k) not in KNOWN_ATTRS)
-        if unknown:
-            return f"kernel {gvar.name_hint!r} has launch attributes {unknown} the lean launcher does not make"
-        tags = sorted(str(t) for t in (attrs["tirx.kernel_launch_params"] if "tirx.kernel_launch_params" in attrs
-                                       else []) if str(t) not in KNOWN_LAUNCH_TAGS)
-        if tags:
-            return f"kernel {gvar.name_hint!r} has launch parameters {tags} the lean launcher does not make"
-    return None
-
-
-def _arch(kernel: Any) -> str:
-    target = getattr(kernel, "target", None)
-    attrs = getattr(target, "attrs", None)
-    if attrs is not None and "arch" in attrs:
-        return str(attrs["arch"])
-    if isinstance(target, dict) and "arch" in target:
-        return str(target["arch"])
-    raise ValueError(f"kernel target {target!r} names no CUDA arch (compile with target={{'kind': 'cuda', "
-                     "'arch': 'sm_90a'}} or 'auto' on a GPU)")
-
-
-def _disk_path(func: Any, arch: str, pass_configs: dict[str, Any]) -> Path | None:
-    """Where the launch metadata of ``func`` lowered for ``arch`` is kept between processes:
-    ``$TILELANG_CACHE_DIR/tilescale-launch/<key>.json``, the key hashing the PrimFunc's
-    structure, the arch, the pass configs and the TileLang and tilescale-lang versions;
-    None when TileLang names no cache directory."""
-    import tilelang
-    from tilelang import tvm
-    from tilelang.env import env
-
-    from . import __version__
-
-    cache = str(env.TILELANG_CACHE_DIR or "").strip()
-    if not cache:
-        return None
-    text = json.dumps([FORMAT, tvm.ir.structural_hash(func), arch, sorted((str(k), repr(v)) for k, v in
-                       pass_configs.items()), tilelang.__version__, __version__])
-    return Path(cache) / "tilescale-launch" / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.json"
-
-
-def _read(path: Path | None) -> dict[str, Any] | None:
-    try:
-        info = json.loads(path.read_text(encoding="utf-8")) if path is not None else None
-    except (OSError, ValueError):
-        return None
-    return info if isinstance(info, dict) and info.get("format") == FORMAT else None
-
-
-def _write(path: Path | None, info: dict[str, Any]) -> None:
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(info), encoding="utf-8")
-        os.replace(tmp, path)  # whole files only, whichever process writes last
-    except OSError as exc:  # a read-only cache: lowered again next time
-        log.debug("lean: cannot keep launch metadata in %s: %s", path, exc)
-
-
-def describe_kernel(kernel: Any) -> dict[str, Any]:
-    """The launch metadata of a compiled TileLang ``kernel``, in the shape of an AOT bundle
-    entry (:mod:`tilescale_lang.aot.launch_info`): ``id``, ``params``, ``dynamic_vars``,
-    ``launches`` and ``unsupported`` (why the lean launcher cannot launch it itself, or None).
-
-    The kernel keeps only compiled modules, so its PrimFunc is lowered again (no nvcc) for
-    its arch and pass configs: once per kernel and process (kept on the kernel), and once
-    per machine (kept in TileLang's cache directory: lowering a large kernel takes seconds).
-
-    Raises:
-        launch_info.UnsupportedKernelError: a device kernel takes an argument the metadata
-            cannot describe (a TMA descriptor built on the host at each call).
-    """
-    state = getattr(kernel, "__dict__", {})
-    info = state.get("_tilescale_launch_info")
-    if info is None:
-        func, arch = kernel.prim_func, _arch(kernel)
-        pass_configs = dict(getattr(kernel, "pass_configs", None) or {})
-        path = _disk_path(func, arch, pass_configs)
-        info = _read(path)
-        if info is None:
-            info = {"format": FORMAT, "id": launch_info.symbol_of(func)}
-            artifact = launch_info.lower(func, arch, pass_configs)
-            try:
-                info.update(launch_info.describe(func, artifact, tensormaps=True),
-                            unsupported=_unsupported(artifact.device_mod))
-            except launch_info.UnsupportedKernelError as exc:
-                info["error"] = str(exc)
-            _write(path, info)
-        state["_tilescale_launch_info"] = info
-    if "error" in info:
-        raise launch_info.UnsupportedKernelError(info["error"])
-    return info
 
 
 def _names(expr: int | str) -> set[str]:
@@ -187,106 +71,9 @@ def _fixed_vars(params: list[dict], args: Sequence[Any], changing: set[str]) -> 
     return fixed
 
 
-_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *(ctypes.c_uint,) * 7, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_void_p)
-_COOPERATIVE_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *(ctypes.c_uint,) * 7, ctypes.c_void_p,
-                                       ctypes.c_void_p)
-_calls: tuple | None = None
-
-
-def _with_no_extra(launch, fn, gx, gy, gz, bx, by, bz, smem, stream, params):
-    return launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, None)
-
-
-def _driver_calls() -> tuple:
-    """``(launch, cooperative_launch)``: each ``(function, gx, gy, gz, bx, by, bz,
-    shared_bytes, stream, params_address) -> CUresult`` (ints in, an int out).
-
-    The driver's ``cuLaunchKernel`` and ``cuLaunchCooperativeKernel`` entry points, found
-    through cuda-bindings' ``cuGetProcAddress`` and called through ctypes (a few hundred
-    nanoseconds, where a cuda-bindings call converts eleven Python arguments); cuda-bindings'
-    own calls when the driver does not give them. Their addresses are
-    :func:`_driver_addresses`'.
-    """
-    global _calls, _addresses
-    if _calls is None:
-        from tilescale_core import driver
-
-        drv = driver.driver_module()
-        found, addresses = [], []
-        for name, prototype in (("cuLaunchKernel", _LAUNCH), ("cuLaunchCooperativeKernel", _COOPERATIVE_LAUNCH)):
-            address = _proc_address(name)
-            found.append(prototype(address) if address else None)
-            addresses.append(address)
-        if found[0] is not None:
-            launch = functools.partial(_with_no_extra, found[0])
-        else:
-            def launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params):
-                return int(drv.cuLaunchKernel(drv.CUfunction(fn), gx, gy, gz, bx, by, bz, smem, drv.CUstream(stream),
-                                              params, 0)[0])
-        if found[1] is not None:
-            cooperative = found[1]
-        else:
-            def cooperative(fn, gx, gy, gz, bx, by, bz, smem, stream, params):
-                return int(drv.cuLaunchCooperativeKernel(drv.CUfunction(fn), gx, gy, gz, bx, by, bz, smem,
-                                                         drv.CUstream(stream), params)[0])
-        _calls, _addresses = (launch, cooperative), tuple(addresses)
-    return _calls
-
-
-def _driver_addresses() -> tuple:
-    """``(cuLaunchKernel, cuLaunchCooperativeKernel)``: the driver entry points' addresses
-    (ints), each None where the driver does not give it."""
-    _driver_calls()
-    return _addresses
-
-
-_addresses: tuple = (None, None)
-
-
 def _raw_stream(device_index: int) -> int:
     """The current torch stream's handle on ``device_index``."""
     return _current_stream_getter()(device_index)
-
-
-def _current_stream_getter() -> Callable[[int], int]:
-    """``(device_index) -> handle`` of the current torch stream: torch's own (what its
-    launchers use), found once."""
-    global _stream_getter
-    if _stream_getter is None:
-        import torch
-
-        getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        _stream_getter = getter or (lambda index: torch.cuda.current_stream(index).cuda_stream)
-    return _stream_getter
-
-
-_stream_getter: Any = None
-
-
-def _proc_address(name: str) -> int | None:
-    """The address of the driver entry point ``name`` (through cuda-bindings'
-    ``cuGetProcAddress``), or None where the driver does not give it."""
-    from tilescale_core import driver
-
-    try:
-        flags = driver.driver_module().CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
-        address = driver.call("cuGetProcAddress", name.encode(), driver.driver_version(), flags)
-        return int(address[0] if isinstance(address, tuple) else address) or None
-    except (driver.CudaError, AttributeError, TypeError, ValueError):
-        return None
-
-
-def _capture_query_address() -> int | None:
-    """The address of the driver's ``cuStreamIsCapturing``, or None where the driver does not
-    give it (:func:`_proc_address`); found once."""
-    global _capture_query
-    if _capture_query is None:
-        _capture_query = _proc_address("cuStreamIsCapturing") or 0
-    return _capture_query or None
-
-
-_capture_query: Any = None
 
 
 class _Slot:
