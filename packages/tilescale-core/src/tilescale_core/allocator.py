@@ -1,4 +1,5 @@
-"""The symmetric heap: :class:`BaseAllocator`, :func:`get_allocator` and memory-path selection.
+"""The symmetric heap: :class:`BaseAllocator` and :func:`get_allocator` (the memory path it
+takes: :mod:`~tilescale_core.heap_path`; its allocation log: :mod:`~tilescale_core.allocation_log`).
 
 Every rank owns one base allocation of ``size`` bytes; the ranks exchange handles so that
 each process can address every peer's base.  Allocations are bump allocations at the same
@@ -15,22 +16,21 @@ and on every allocation in check mode (``check_alloc=True`` or ``TILESCALE_CHECK
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
 import os
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import _driver_multicast, probes
+from .allocation_log import AllocationLog, AllocationMismatchError
+from .heap_path import PATHS, USE_VMM_ENV, VmmUnavailableError, check_multicast, select_path
 from .table import MAX_TABLE_ENTRIES, build_table, check_num_ranks
 from ._backends import HeapBackend, make_backend
 from ._comm import Comm, SetupError
 from ._deadline import call_with_deadline
-from .probes import Probe
 from ._dlpack import byte_view
 from .env import flag
 from .tensors import normalize_device, numel_of, resolve_dtype, slice_view, view_at
@@ -54,16 +54,12 @@ __all__ = [
     "select_path",
 ]
 
-#: Environment override of the VMM choice: present and ``1`` -> VMM, present otherwise -> IPC.
-USE_VMM_ENV = "TILESCALE_USE_VMM"
 #: Environment switch of the per-allocation cross-rank check (``1`` enables it).
 CHECK_ENV = "TILESCALE_CHECK_ALLOC"
 #: Default alignment of allocations, bytes.
 DEFAULT_ALIGNMENT = 256
 #: Seconds each step of :meth:`BaseAllocator.close` may take by default.
 DEFAULT_CLOSE_TIMEOUT_S = 60.0
-#: Memory path names, as found in :attr:`BaseAllocator.path`.
-PATHS = ("ipc", "vmm-fabric", "vmm-fd", "local")
 
 
 class HeapExhaustedError(MemoryError):
@@ -77,158 +73,6 @@ class HeapExhaustedError(MemoryError):
             f"symmetric {region} exhausted: requested {requested} bytes (alignment {alignment}) "
             f"with {used} of {capacity} bytes used; create the allocator with a larger size"
         )
-
-
-class AllocationMismatchError(RuntimeError):
-    """Ranks allocated different sizes or in a different order (raised on every rank).
-
-    Attributes: ``index`` (0-based allocation number), ``ranks`` (the ranks that differ from
-    rank 0), ``records`` (``{rank: (region, nbytes, alignment) or None}``).
-    """
-
-    def __init__(self, index: int, records: dict[int, tuple | None], when: str):
-        self.index = index
-        self.records = dict(records)
-        reference = records[0]
-        self.ranks = [r for r, rec in sorted(records.items()) if rec != reference]
-        lines = [
-            f"rank {r} {_describe_record(rec)}" + ("" if r == 0 or rec == reference else "  <- differs from rank 0")
-            for r, rec in sorted(records.items())
-        ]
-        super().__init__(
-            f"allocation sequence differs across ranks ({when}): first difference at allocation "
-            f"#{index}, on rank(s) {self.ranks}:\n  " + "\n  ".join(lines)
-            + "\nevery rank must allocate the same sizes in the same order"
-        )
-
-
-class VmmUnavailableError(RuntimeError):
-    """VMM was requested but neither fabric nor POSIX-fd handles work here (no IPC fallback)."""
-
-
-def _describe_record(record: tuple | None) -> str:
-    if record is None:
-        return "made no such allocation"
-    region, nbytes, alignment = record
-    return f"allocated {nbytes} bytes (alignment {alignment}) in the {region}"
-
-
-def parse_use_vmm_env(value: str) -> bool:
-    """``TILESCALE_USE_VMM``'s value: ``"1"`` selects VMM, ``"0"`` or empty CUDA IPC.
-
-    Raises:
-        ValueError: any other spelling (``"true"``, ``"1 "``, ``"yes"`` ...), naming the
-            variable, instead of silently selecting IPC.
-    """
-    if value == "1":
-        return True
-    if value in ("0", ""):
-        return False
-    raise ValueError(
-        f"{USE_VMM_ENV}={value!r} is not a recognised value: use 1 (VMM) or 0 (CUDA IPC), "
-        f"or unset it to let the allocator choose"
-    )
-
-
-def select_path(
-    *,
-    is_distributed: bool,
-    use_vmm: bool | None,
-    env_value: str | None,
-    fabric_probe: Callable[[], Probe],
-    fd_probe: Callable[[], Probe],
-) -> str:
-    """Choose the memory path; a pure function of its arguments (probes are called lazily).
-
-    Order (docs/core.md, "Memory paths and how one is chosen"): ``env_value`` (``TILESCALE_USE_VMM``) present -> ``"1"`` selects VMM,
-    ``"0"``/empty IPC, any other spelling is a ValueError; else an explicit ``use_vmm``
-    (a bool); else VMM only for a distributed
-    allocator whose fabric probe passes.  VMM uses fabric handles when the fabric probe
-    passes, else POSIX fds when their probe passes.  IPC is ``"local"`` for a
-    non-distributed allocator.
-
-    Returns:
-        one of :data:`PATHS`.
-
-    Raises:
-        VmmUnavailableError: VMM selected but neither handle kind works (no IPC fallback).
-        ValueError: ``env_value`` is not a recognised spelling.
-        TypeError: ``use_vmm`` is not a bool or None.
-    """
-    if env_value is not None:
-        want_vmm, why = parse_use_vmm_env(env_value), f"{USE_VMM_ENV}={env_value!r}"
-    elif use_vmm is not None:
-        if not isinstance(use_vmm, bool):
-            raise TypeError(f"use_vmm must be True, False or None, got {type(use_vmm).__name__} {use_vmm!r}")
-        want_vmm, why = use_vmm, f"use_vmm={use_vmm!r}"
-    else:
-        want_vmm, why = bool(is_distributed and fabric_probe()), "the fabric probe"
-    if not want_vmm:
-        return "ipc" if is_distributed else "local"
-    fabric = fabric_probe()
-    if fabric:
-        return "vmm-fabric"
-    fd = fd_probe()
-    if fd:
-        return "vmm-fd"
-    raise VmmUnavailableError(
-        f"VMM was selected by {why} but cannot be used here, and there is no fallback to CUDA IPC: "
-        f"fabric handles: {fabric.reason}; POSIX fd handles: {fd.reason}. "
-        f"Unset {USE_VMM_ENV} / use_vmm to use CUDA IPC."
-    )
-
-
-def check_multicast(mcast_size: int | None, path: str, is_distributed: bool, probe: Callable[[], Probe]) -> None:
-    """Raise ValueError unless ``mcast_size`` is None or multicast can be set up on ``path``.
-
-    Multicast needs a distributed allocator on the ``"vmm-fabric"`` path and a passing
-    multicast probe; the probe is consulted only when the rest holds.
-    """
-    if mcast_size is None:
-        return
-    if isinstance(mcast_size, bool) or not isinstance(mcast_size, int) or mcast_size <= 0:
-        raise ValueError(f"mcast_size must be a positive number of bytes, got {mcast_size!r}")
-    if not is_distributed:
-        raise ValueError("mcast_size needs a distributed allocator (is_distributed=True)")
-    if path != "vmm-fabric":
-        raise ValueError(
-            f"mcast_size needs a VMM allocator with fabric handles, but this allocator uses {path!r} "
-            f"(set use_vmm=True or {USE_VMM_ENV}=1 on a fabric-capable host)"
-        )
-    result = probe()
-    if not result:
-        raise ValueError(f"mcast_size was given but multicast is unavailable: {result.reason}")
-
-
-@dataclass
-class AllocationLog:
-    """The allocation sequence of one allocator: records and a running SHA-256 digest.
-
-    A record is ``(region, nbytes, alignment)``; region is ``"heap"`` or ``"multicast heap"``.
-    """
-
-    records: list[tuple[str, int, int]] = field(default_factory=list)
-    digest: str = hashlib.sha256(b"tilescale-allocations").hexdigest()
-
-    @staticmethod
-    def chain(digest: str, record: tuple[str, int, int]) -> str:
-        """The digest after appending ``record`` to a log whose digest is ``digest``."""
-        return hashlib.sha256(f"{digest}|{record[0]}:{record[1]}:{record[2]}".encode()).hexdigest()
-
-    def append(self, record: tuple[str, int, int]) -> None:
-        """Append ``record`` and advance the digest."""
-        self.records.append(record)
-        self.digest = self.chain(self.digest, record)
-
-    @staticmethod
-    def first_difference(logs: Sequence[Sequence[tuple]]) -> tuple[int, dict[int, tuple | None]]:
-        """Index of the first position where ``logs`` (one per rank) differ, and each rank's record there."""
-        longest = max(len(log) for log in logs)
-        for i in range(longest):
-            at = {r: (tuple(log[i]) if i < len(log) else None) for r, log in enumerate(logs)}
-            if len(set(at.values())) > 1:
-                return i, at
-        raise ValueError("the logs do not differ")
 
 
 @dataclass
