@@ -21,7 +21,7 @@ def test_host_imports_no_private_core_module():
 def test_parent_death_names_are_public():
     from tilescale_core import interface
 
-    from tilescale_host import launcher
+    from tilescale_host import launcher_env  # the ranks' environment of tilescale-run
 
-    assert launcher.PARENT_PID_ENV == interface.PARENT_PID_ENV == "TILESCALE_PARENT_PID"
+    assert launcher_env.PARENT_PID_ENV == interface.PARENT_PID_ENV == "TILESCALE_PARENT_PID"
     assert callable(interface.die_with_parent)

@@ -34,7 +34,6 @@ validated up front: a bad value is a one-line error, not a traceback (exit statu
 from __future__ import annotations
 
 import argparse
-import codecs
 import collections
 import os
 import shutil
@@ -48,10 +47,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from tilescale_core.interface import PARENT_PID_ENV, check_seconds
 
 from ._rank_main import ERROR_FILE_ENV
-from .dist_init import JOB_ID_ENV, _start_ticks, check_timeout, master_addr
+from .dist_init import check_timeout, master_addr
+from .launcher_env import build_rank_env, check_fd_budget, check_grace, check_port, check_port_free, default_port
+from .rank_output import TAIL_LINES, RankSink, cut_line, echo
 
 __all__ = ["EXIT_TIMEOUT", "FORWARDED_SIGNALS", "Interrupted", "LaunchResult", "check_fd_budget", "check_grace",
            "check_port", "check_port_free", "build_rank_env", "launch", "main", "parse_args"]
@@ -60,18 +60,6 @@ __all__ = ["EXIT_TIMEOUT", "FORWARDED_SIGNALS", "Interrupted", "LaunchResult", "
 EXIT_TIMEOUT = 124
 #: Signals that are forwarded to the ranks (the ones torchrun forwards).
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-#: Lines of each rank's output kept for the failure summary.
-TAIL_LINES = 60
-#: Characters of one line kept for the failure summary (a longer line is cut).
-TAIL_LINE_CHARS = 4096
-#: Most bytes read from a rank's output at once: memory stays bounded without newlines.
-READ_CHUNK = 1 << 16
-#: Seconds text without a newline waits for the rest of its line before it is shown.
-PARTIAL_DELAY_S = 0.2
-#: File descriptors the launcher holds per rank (the read end of its output pipe) and spares
-#: for everything else (standard streams, the pipes of the Popen under way, Python's own).
-FDS_PER_RANK = 1
-FDS_SPARE = 16
 _POLL_S = 0.05
 #: Forwarded signals received by :func:`main`'s handler, in order.  The handler only records
 #: them (it never raises), so a signal during start-up or during the grace period cannot end
@@ -98,37 +86,6 @@ class LaunchResult:
     timed_out: bool = False
 
 
-def build_rank_env(
-    rank: int,
-    nranks: int,
-    master_port: int,
-    *,
-    share_gpus: bool = False,
-    base: Mapping[str, str] | None = None,
-) -> dict[str, str]:
-    """Environment of rank ``rank`` of ``nranks``: ``base`` plus torchrun's single-node variables."""
-    env = dict(os.environ if base is None else base)
-    env.update(
-        LOCAL_RANK=str(rank),
-        RANK=str(rank),
-        GROUP_RANK="0",
-        ROLE_RANK=str(rank),
-        WORLD_SIZE=str(nranks),
-        LOCAL_WORLD_SIZE=str(nranks),
-        ROLE_WORLD_SIZE=str(nranks),
-        MASTER_ADDR=master_addr(env),
-        MASTER_PORT=str(master_port),
-        TILESCALE_MASTER_PORT=str(master_port),
-        PYTHONUNBUFFERED="1",
-    )
-    env[PARENT_PID_ENV] = str(os.getpid())  # the rank dies with this process
-    # This launch's own job id: one inherited from a job further up must not name this one.
-    env[JOB_ID_ENV] = f"tilescale-run pid {os.getpid()} started at tick {_start_ticks(os.getpid())}"
-    if share_gpus:
-        env["TILESCALE_SHARE_GPUS"] = "1"
-    return env
-
-
 class Interrupted(BaseException):
     """The launcher received one of :data:`FORWARDED_SIGNALS` (raised by callers' handlers;
     :func:`main`'s handler records the signal instead, see :data:`_received`)."""
@@ -138,162 +95,7 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
-def check_port(name: str, value) -> int:
-    """``value`` as a TCP port (1..65535); ValueError naming ``name`` and the value."""
-    try:
-        port = int(str(value).strip())
-    except ValueError:
-        raise ValueError(f"{name}={value!r} is not an integer port") from None
-    if not 0 < port < 65536:
-        raise ValueError(f"{name}={value!r} is not a TCP port (1..65535)")
-    return port
-
-
-def check_port_free(name: str, port: int, addr: str) -> None:
-    """ValueError naming ``name`` when ``port`` is already bound on this machine (rank 0 hosts
-    the rendezvous there; its ranks would otherwise fail one by one with a socket error).
-    Only checked when ``addr`` is this machine (a loopback address or this host's name)."""
-    import errno
-    import socket
-
-    if addr not in ("127.0.0.1", "localhost", "::1", "0.0.0.0", socket.gethostname()):
-        return
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("", port))
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                return
-            raise ValueError(f"{name}={port} is in use on this machine (another job, or one still shutting "
-                             f"down): pick another port, or leave it unset for a free one") from None
-
-
-def check_grace(grace) -> float:
-    """``grace`` as a non-negative, finite number of seconds; ValueError otherwise."""
-    return check_seconds("grace", grace, positive=False)
-
-
-def check_fd_budget(nranks: int) -> None:
-    """ValueError naming ``-n`` and ``ulimit -n`` when ``nranks`` ranks would exhaust this
-    process's file-descriptor limit (each rank holds :data:`FDS_PER_RANK` while it runs)."""
-    import resource
-
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return
-    try:
-        in_use = len(os.listdir("/proc/self/fd")) - 1  # less the descriptor listdir used
-    except OSError:
-        in_use = 3
-    need = in_use + nranks * FDS_PER_RANK + FDS_SPARE
-    if need > soft:
-        most = max(0, (soft - in_use - FDS_SPARE) // FDS_PER_RANK)
-        raise ValueError(
-            f"-n {nranks} needs about {need} file descriptors but this process may open {soft} "
-            f"(ulimit -n); raise the limit or start at most {most} ranks"
-        )
-
-
-def _default_port(base: Mapping[str, str]) -> int:
-    """TILESCALE_MASTER_PORT, MASTER_PORT (validated), else a free port."""
-    for name in ("TILESCALE_MASTER_PORT", "MASTER_PORT"):
-        if base.get(name):
-            port = check_port(name, base[name])
-            check_port_free(name, port, master_addr(base))
-            return port
-    from tilescale_core.multiprocess import find_free_port
-
-    return find_free_port()
-
-
-class _Sink:
-    """``out``, shared by the ranks' readers: ``[rank N] `` starts every line; text without a
-    newline yet (a progress bar) is written as it comes, and its line is ended before another
-    rank writes."""
-
-    def __init__(self, out: TextIO):
-        self.out = out
-        self.lock = threading.Lock()
-        self.open_rank: int | None = None  # the rank whose line on ``out`` is unfinished
-
-    def write(self, rank: int, text: str) -> None:
-        with self.lock:
-            pieces = text.split("\n")
-            for i, piece in enumerate(pieces):
-                if i < len(pieces) - 1:
-                    piece += "\n"
-                elif not piece:
-                    break
-                if self.open_rank not in (None, rank):
-                    self.out.write("\n")
-                    self.open_rank = None
-                if self.open_rank is None:
-                    self.out.write(f"[rank {rank}] ")
-                self.out.write(piece)
-                self.open_rank = None if piece.endswith("\n") else rank
-            self.out.flush()
-
-    def end(self, rank: int) -> None:
-        """End ``rank``'s unfinished line (its output closed without a newline)."""
-        with self.lock:
-            if self.open_rank == rank:
-                self.out.write("\n")
-                self.out.flush()
-                self.open_rank = None
-
-
-def _cut(line: str) -> str:
-    return line if len(line) <= TAIL_LINE_CHARS else line[:TAIL_LINE_CHARS] + " [line cut]"
-
-
-def _echo(rank: _Rank, sink: _Sink) -> None:
-    """Copy the rank's output to ``sink``, reading at most :data:`READ_CHUNK` bytes at once.
-
-    Whole lines go out as they come; text after the last newline waits at most
-    :data:`PARTIAL_DELAY_S` for the rest of its line (``print`` writes a line in pieces) and is
-    then shown as it is (a progress bar), or at once when it reaches :data:`READ_CHUNK`.  The
-    last lines, each cut to :data:`TAIL_LINE_CHARS`, are kept in ``rank.tail``.
-    """
-    import select
-
-    fd = rank.proc.stdout.fileno()
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    pending = ""  # read, not shown yet: the start of a line
-    shown_by = 0.0  # when ``pending`` is shown even without its newline
-    partial = ""  # the unfinished line of the tail
-    while True:
-        if pending:
-            wait = shown_by - time.monotonic()
-            if wait <= 0 or not poller.poll(wait * 1000):
-                sink.write(rank.rank, pending)
-                pending = ""
-                continue
-        data = os.read(fd, READ_CHUNK)
-        text = decoder.decode(data, final=not data)
-        *lines, partial = (partial + text).split("\n")
-        rank.tail.extend(_cut(line) for line in lines)
-        partial = partial[: TAIL_LINE_CHARS + 1]
-        waiting = bool(pending)
-        head, newline, pending = (pending + text).rpartition("\n")
-        if newline:
-            sink.write(rank.rank, head + newline)
-            waiting = False
-        if pending and not waiting:
-            shown_by = time.monotonic() + PARTIAL_DELAY_S
-        if pending and (not data or len(pending) >= READ_CHUNK):
-            sink.write(rank.rank, pending)
-            pending = ""
-        if not data:
-            break
-    if partial:
-        rank.tail.append(_cut(partial))
-    sink.end(rank.rank)
-    rank.proc.stdout.close()
-
-
-def _start(command: Sequence[str], nranks: int, port: int, share_gpus: bool, sink: _Sink, ranks: list[_Rank],
+def _start(command: Sequence[str], nranks: int, port: int, share_gpus: bool, sink: RankSink, ranks: list[_Rank],
            errors: str | None) -> None:
     """Start the ranks, appending each to ``ranks``; stop starting when a signal arrived.
     ``errors``: the directory where each rank writes the one-line summary of an exception."""
@@ -313,7 +115,7 @@ def _start(command: Sequence[str], nranks: int, port: int, share_gpus: bool, sin
         )
         rank = _Rank(r, proc)
         ranks.append(rank)
-        rank.reader = threading.Thread(target=_echo, args=(rank, sink), daemon=True)
+        rank.reader = threading.Thread(target=echo, args=(rank, sink), daemon=True)
         rank.reader.start()
 
 
@@ -360,7 +162,7 @@ def _raised(ranks: Sequence[_Rank], errors: str | None) -> dict[str, list[int]]:
     for r in ranks if errors is not None else ():
         try:
             with open(os.path.join(errors, f"rank-{r.rank}"), encoding="utf-8", errors="replace") as f:
-                line = _cut(f.readline().strip())
+                line = cut_line(f.readline().strip())
         except OSError:
             continue
         raised.setdefault(line, []).append(r.rank)
@@ -456,7 +258,7 @@ def launch(
         port = check_port("master_port", master_port)
         check_port_free("master_port", port, addr)
     else:
-        port = _default_port(os.environ)
+        port = default_port(os.environ)
     errors = None if verbose else tempfile.mkdtemp(prefix="tilescale-run-")
     try:
         return _launch(command, nranks, timeout, share_gpus, port, grace, out, err, errors)
@@ -470,7 +272,7 @@ def _launch(command: Sequence[str], nranks: int, timeout: float | None, share_gp
     ranks: list[_Rank] = []
     signum = None
     try:
-        _start(command, nranks, port, share_gpus, _Sink(out), ranks, errors)
+        _start(command, nranks, port, share_gpus, RankSink(out), ranks, errors)
         failed, timed_out = _wait(ranks, timeout)
     except (KeyboardInterrupt, Interrupted) as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
