@@ -31,12 +31,14 @@ from tilescale_examples.decode.gemm_allreduce import compare
 BF16, F16 = torch.bfloat16, torch.float16
 #: (m, k, n, dtype, split_k[, reduction]) of the checked cases: one row, a few, a full row
 #: block, more than one row block (padded), several waves of tiles (and of split units) per
-#: block; the two-shot kernel on one row, a few and more than a row block (reduction
-#: "auto" when left out).
+#: block; the two-shot kernel on one row, a few and more than a row block; and two decode
+#: shapes of the benchmark (k = n = 8192: the op's defaults at 16 rows, two-shot at 64)
+#: (reduction "auto" when left out).
 CASES = [(1, 1024, 2048, BF16, 1), (1, 1024, 2048, BF16, "auto"), (7, 512, 1024, F16, 2),
          (64, 2048, 4096, BF16, "auto"), (200, 1024, 2048, BF16, 1), (130, 1024, 2048, BF16, 2),
          (512, 512, 8192, F16, 1), (512, 512, 8192, F16, 2), (1, 1024, 2048, BF16, 1, "two_shot"),
-         (7, 512, 1024, F16, 1, "two_shot"), (200, 1024, 2048, BF16, 1, "two_shot")]
+         (7, 512, 1024, F16, 1, "two_shot"), (200, 1024, 2048, BF16, 1, "two_shot"),
+         (16, 8192, 8192, BF16, "auto"), (64, 8192, 8192, BF16, 1, "two_shot")]
 #: Back-to-back calls per world size and case (4 ranks time-slice one GPU: fewer).
 BACK_TO_BACK = {1: 1000, 2: 1000, 4: 200}
 B2B_CASES = [(4, 1024, 2048, BF16, "auto"), (130, 256, 4096, BF16, 1), (130, 256, 4096, BF16, 1, "two_shot")]
