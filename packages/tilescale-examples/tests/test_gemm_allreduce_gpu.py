@@ -12,6 +12,8 @@
   own: every result copied out on the stream, checked at the end;
 * two instances at once, one with ``k`` split called on a side stream beside an unsplit one on
   the current stream, fresh inputs, poisoned outputs, both checked;
+* repeated calls on the same buffers refilled in place (the op's kept and frozen launches),
+  a straggler, every result checked;
 * CUDA graphs: warm-up, two graphs of one call each replayed alternately with eager calls in
   between, fresh inputs written into the captured ones before each replay (made on the device
   from a per-replay seed, so every rank rebuilds every rank's inputs), poisoned outputs, a
@@ -59,7 +61,7 @@ def gemm_ar_kernels(worlds=(1, 2, 4)) -> list:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     names = {BF16: "bfloat16", F16: "float16"}
     sides = [case for pair in SIDE_CASES for case in pair]
-    return [job for m, k, n, d, *options in sorted(set(CASES + B2B_CASES + GRAPH_CASES + sides), key=str)
+    return [job for m, k, n, d, *options in sorted(set(CASES + B2B_CASES + GRAPH_CASES + REPEAT_CASES + sides), key=str)
             for job in gemm_allreduce_jobs([m], k, n, names[d], worlds, sms, **op_options(options))]
 
 
@@ -218,10 +220,44 @@ def graphs(alloc, rank: int, world: int, rng) -> tuple:
     return checks, bad
 
 
+def repeated(alloc, rank: int, world: int, rng) -> tuple:
+    """Per case of :data:`REPEAT_CASES`: :data:`REPEATED` calls on the same ``a`` and ``b``,
+    refilled in place with fresh inputs before each call (made on the device), without host
+    synchronisation, a straggler: the op's repeated call (its kept launch, then its frozen
+    launch); ``(checked calls, failures)``."""
+    from tilescale_examples.decode.gemm_allreduce import GemmAllReduce
+
+    dev = torch.device(alloc.device)
+    checks, bad, calls = 0, [], REPEATED[world]
+    for index, (m, k, n, dtype, *options) in enumerate(REPEAT_CASES):
+        op = GemmAllReduce(alloc, m, k, n, dtype, **op_options(options))
+        a, b = (t.clone() for t in _graph_inputs(m, k, n, dtype, dev, world, 0)[rank])
+        slots = torch.full((calls, m, n), float("nan"), dtype=dtype, device=dev)
+        for i in range(calls):
+            if rng.random() < 0.05:
+                torch.cuda._sleep(rng.randrange(1000, 200_000))  # stall this rank's stream
+            for dst, src in zip((a, b), _graph_inputs(m, k, n, dtype, dev, world, 5000 + 1000 * index + i)[rank]):
+                dst.copy_(src)
+            op.output.fill_(float("nan"))
+            slots[i].copy_(op(a, b))
+        torch.cuda.synchronize()
+        for i in range(calls):
+            every = _graph_inputs(m, k, n, dtype, dev, world, 5000 + 1000 * index + i)
+            bad += compare(slots[i], every, f"rank {rank}/{world} repeated {(m, k, n)} {op.reduction} call {i}")
+        if op._kept_launch is None or not op._kept_launch.frozen:
+            bad.append(f"rank {rank}/{world} repeated {(m, k, n)}: the calls did not take the frozen launch")
+        checks += calls
+        op.close()
+    return checks, bad
+
+
+#: Calls on the same buffers per world size and case of the repeated-call part.
+REPEATED = {1: 300, 2: 300, 4: 60}
+REPEAT_CASES = [(4, 1024, 2048, BF16, "auto"), (96, 256, 2048, F16, 1, "two_shot")]
 #: Checked calls per rank, by world size (the side-stream part: two per pair).
 _PART_CHECKS = case_part_checks(CASES, B2B_CASES, BACK_TO_BACK, GRAPH_CASES, REPLAYS)
-CHECKS = lambda world: _PART_CHECKS(world) + 2 * len(SIDE_CASES)  # noqa: E731
+CHECKS = lambda world: _PART_CHECKS(world) + 2 * len(SIDE_CASES) + REPEATED[world] * len(REPEAT_CASES)  # noqa: E731
 #: Worlds 1, 2, 4: the cases, two instances with a side stream, the back-to-back calls, the
-#: graphs; fails on any failure.
-test_gemm_allreduce_on_gpu = parts_gpu_test((cases, side_stream, back_to_back, graphs), CHECKS, gemm_ar_kernels,
-                                            CACHE_NAME, "GemmAllReduce", timeout=900)
+#: repeated calls on the same buffers, the graphs; fails on any failure.
+test_gemm_allreduce_on_gpu = parts_gpu_test((cases, side_stream, back_to_back, repeated, graphs), CHECKS,
+                                            gemm_ar_kernels, CACHE_NAME, "GemmAllReduce", timeout=900)

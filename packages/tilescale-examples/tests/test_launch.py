@@ -150,7 +150,7 @@ def test_the_launch_benchmark_times_the_serving_ops_the_moe_dispatch_and_the_ove
     GEMMs' shape fits their default tiles."""
     import torch
 
-    from tilescale_examples import AllGatherGEMM, GemmReduceScatter, MoEDispatcher
+    from tilescale_examples import AllGatherGEMM, GemmAllReduce, GemmReduceScatter, MoEDispatcher
     from tilescale_examples.benchmarks import launch
     from tilescale_examples.overlap.gemm import GemmTiles, check_gemm_dims
 
@@ -159,6 +159,7 @@ def test_the_launch_benchmark_times_the_serving_ops_the_moe_dispatch_and_the_ove
                           launch.MOE_DISPATCH_ROW, launch.MOE_ROW, *launch.GEMM_ROWS}
     assert specs[launch.MOE_DISPATCH_ROW][0] is MoEDispatcher and specs[launch.MOE_DISPATCH_ROW][2]["validate"] is False
     assert [specs[name][0] for name in launch.GEMM_ROWS] == [AllGatherGEMM, GemmReduceScatter]
+    assert specs[launch.GEMM_AR_ROW][0] is GemmAllReduce and specs[launch.GEMM_AR_ROW][1][:3] == launch.GEMM_AR_SHAPE
     m, k, n = launch.GEMM_SHAPE
     check_gemm_dims("launch", GemmTiles(), m_local=m, k=k, n=n)
     assert launch.heap_bytes(2048, torch.bfloat16) > 4 * MoEDispatcher.heap_bytes(

@@ -59,10 +59,10 @@ def specs(numel: int, dtype) -> dict:
     **kwargs)``), those of :func:`~tilescale_examples.benchmarks.launch.op_specs` for
     ``numel`` elements of ``dtype`` but its rows of the MoE dispatch alone and its decode-size
     GEMMs, and the demo's AllGatherGEMM."""
-    from tilescale_examples.benchmarks.launch import GEMM_ROWS, MOE_DISPATCH_ROW, op_specs
+    from tilescale_examples.benchmarks.launch import GEMM_AR_ROW, GEMM_ROWS, MOE_DISPATCH_ROW, op_specs
     from tilescale_examples.overlap.ag_gemm import AllGatherGEMM
 
-    launch_only = (MOE_DISPATCH_ROW, *GEMM_ROWS)  # the dispatch's kernel is the MoE row's; the demo's GEMM below
+    launch_only = (MOE_DISPATCH_ROW, *GEMM_ROWS, GEMM_AR_ROW)  # the dispatch's kernel is the MoE row's; the demo's GEMM below
     serving = {name: spec for name, spec in op_specs(numel, dtype).items() if name not in launch_only}
     return {**serving, AG_GEMM: (AllGatherGEMM, AG_SHAPE + (dtype,), {})}
 

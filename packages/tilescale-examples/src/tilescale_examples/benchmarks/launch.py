@@ -17,8 +17,8 @@ alternating rounds (:func:`~tilescale_examples.benchmarks._timing.host_us_rounds
   decode op ``AllReduceResidualRMSNorm`` (1 token of ``--bytes`` / itemsize channels), the
   ``MoEDispatcher``'s dispatch of 128 tokens alone and its dispatch + combine (hidden 7168,
   top-8 of 64 experts, ``validate=False`` as a serving loop calls it), and the overlapped
-  GEMMs ``AllGatherGEMM`` and ``GemmReduceScatter`` at a decode shape (128 x 1024 x 1024),
-  each through TileLang's launcher (the
+  GEMMs ``AllGatherGEMM`` and ``GemmReduceScatter`` at a decode shape (128 x 1024 x 1024)
+  and ``GemmAllReduce`` at 16 x 1024 x 1024, each through TileLang's launcher (the
   default) and through the lean launcher (:mod:`tilescale_lang.lean`,
   ``op.lean_launch = True``), one instance each. An op that relaunches a call laid out as its
   last (the same input buffer, as timed here: see docs/launch.md, "Repeated calls") launches,
@@ -55,7 +55,7 @@ from tilescale_examples.benchmarks import _harness
 from tilescale_examples.benchmarks._report import print_table, ratio
 
 __all__ = ["HEADERS", "GOAL_ADD", "GOAL_SYMM", "MOE", "MOE_ROW", "MOE_DISPATCH_ROW", "MOE_FROZEN_ROW", "GEMM_SHAPE",
-           "GEMM_ROWS", "op_specs", "gemm_run", "heap_bytes", "poison_outputs", "compare", "compare_gemm", "run",
+           "GEMM_ROWS", "GEMM_AR_SHAPE", "GEMM_AR_ROW", "op_specs", "gemm_run", "heap_bytes", "poison_outputs", "compare", "compare_gemm", "run",
            "goal_lines", "main"]
 
 HEADERS = ["call", "launcher", "host us", "vs torch.add", "vs symm one-shot", "check", "enqueue us", "enqueue vs add"]
@@ -84,6 +84,10 @@ MOE_DISPATCH_ROW, MOE_ROW = "MoE dispatch, 128 tokens", "MoE dispatch + combine,
 GEMM_SHAPE = (128, 1024, 1024)
 #: The overlapped GEMMs' rows, checked by their relative error (:func:`compare_gemm`).
 GEMM_ROWS = ("AllGatherGEMM 128x1024x1024", "GemmReduceScatter 128x1024x1024")
+#: ``GemmAllReduce``'s shape (m, k, n) and row (checked like the GEMMs: at world 1 the op is
+#: its GEMM, rounded once): a decode batch of 16 tokens through a row-parallel projection.
+GEMM_AR_SHAPE = (16, 1024, 1024)
+GEMM_AR_ROW = "GemmAllReduce 16x1024x1024"
 
 
 def op_specs(numel: int, dtype) -> dict:
@@ -94,6 +98,7 @@ def op_specs(numel: int, dtype) -> dict:
     from tilescale_examples import (AllGather, AllGatherGEMM, AllReduce, AllToAll, GemmReduceScatter, MoEDispatcher,
                                     ReduceScatter)
     from tilescale_examples.decode.allreduce_norm import AllReduceResidualRMSNorm
+    from tilescale_examples.decode.gemm_allreduce import GemmAllReduce
 
     moe = (MoEDispatcher, (), dict(dtype=dtype, validate=False, **MOE))
     return {
@@ -106,6 +111,7 @@ def op_specs(numel: int, dtype) -> dict:
         MOE_ROW: moe,
         GEMM_ROWS[0]: (AllGatherGEMM, GEMM_SHAPE + (dtype,), {}),
         GEMM_ROWS[1]: (GemmReduceScatter, GEMM_SHAPE + (dtype,), {}),
+        GEMM_AR_ROW: (GemmAllReduce, GEMM_AR_SHAPE + (dtype,), {}),
     }
 
 
@@ -158,6 +164,7 @@ def _ops(alloc, numel: int, dtype, group, device) -> dict:
         MOE_ROW: (moe_input, moe_call, moe_reference),
         GEMM_ROWS[0]: gemm_run(GEMM_SHAPE, dtype, device),
         GEMM_ROWS[1]: gemm_run(GEMM_SHAPE, dtype, device),
+        GEMM_AR_ROW: gemm_run(GEMM_AR_SHAPE, dtype, device),
     }
     ops = {}
     for name, (cls, args, kwargs) in op_specs(numel, dtype).items():
@@ -188,11 +195,13 @@ def gemm_run(shape: tuple, dtype, device) -> tuple:
 def heap_bytes(numel: int, dtype) -> int:
     """Heap bytes per rank for two instances of every op of :func:`_ops`."""
     from tilescale_examples import MoEDispatcher
+    from tilescale_examples.decode.gemm_allreduce import GemmAllReduce
     from tilescale_examples.overlap import ag_gemm, gemm_rs
 
     moe = MoEDispatcher.heap_bytes(dtype=dtype, world_size=1, **MOE)
     m, k, n = GEMM_SHAPE
-    gemms = ag_gemm.heap_bytes(1, m, k, dtype) + gemm_rs.heap_bytes(1, m, n, dtype)
+    gemms = (ag_gemm.heap_bytes(1, m, k, dtype) + gemm_rs.heap_bytes(1, m, n, dtype)
+             + GemmAllReduce.heap_bytes(*GEMM_AR_SHAPE, dtype, world_size=1, device="cpu"))
     return 4 * moe + 2 * gemms + (64 << 20)
 
 
@@ -298,7 +307,7 @@ def run(rank: int, world: int, group, device, args) -> list | None:
         lean_op.lean_launch = True
         x = make_input()
         call(lean_op, x), call(plain_op, x)  # first calls: module loads, the lean launcher prepared
-        check = compare_gemm if name in GEMM_ROWS else compare
+        check = compare_gemm if name in (*GEMM_ROWS, GEMM_AR_ROW) else compare
         checks[name, "lean"] = _check(lean_op, make_input, call, reference, device, check)
         checks[name, DEFAULT] = _check(plain_op, make_input, call, reference, device, check)
         ops.append(lean_op)

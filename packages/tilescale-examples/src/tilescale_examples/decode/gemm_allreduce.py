@@ -382,20 +382,33 @@ class GemmAllReduce(SymmetricOp):
         stream; the same bits on every rank. Every rank makes the same sequence of calls,
         eagerly or in CUDA graph replays (warm up with one eager call before capturing).
         Raises :class:`~tilescale_examples.base.ClosedError` after ``close()``.
+
+        A call without ``out`` on ``a`` and ``b`` laid out as the last such call's (same
+        addresses, shapes, strides, dtypes: every check that call made holds; a loop over the
+        same buffers, refilled in place) launches that call's launch again (docs/launch.md,
+        "Repeated calls"): from the second repeated call on, its frozen launch, whose TMA
+        descriptors of ``a`` and ``b`` were encoded once. The kernel keeps its call numbers on
+        the device, so a repeated launch is a new call like any other.
         """
+        if out is None and self._relaunch(a, b):
+            return self.output
         self._check_open()
         self.check_inputs(a, b, out)
         self._note_capture()
         result = self.output if out is None else out
         direct = result.data_ptr() % 16 == 0
-        a, b = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (a, b))  # TMA needs 16-byte aligned bases
+        ins = tuple(t if t.data_ptr() % 16 == 0 else t.clone() for t in (a, b))  # TMA needs 16-byte aligned bases
         self.epoch += 1
         if self._has_table:
             self.bind_table()
-        self.kernel(a, b, self.stage_buffer, result if direct else self.output, self.flags, self.state,
-                    self.blocks, self.iters)
+        args = (*ins, self.stage_buffer, result if direct else self.output, self.flags, self.state, self.blocks,
+                self.iters)
+        self._launch_kernel(args, (0, 1, 3))
         if not direct:
             result.copy_(self.output)  # not 16-byte aligned: through the op's own output
+        # kept when the kernel read a and b themselves (not aligned copies made for this call)
+        self._keep_launch(out is None and ins[0] is a and ins[1] is b, (a, b), args, (0, 1, 3),
+                          views=((0, 0), (1, 1)), plain=not self._has_table)
         return result
 
     def flops(self) -> float:
