@@ -115,3 +115,23 @@ def test_a_repeated_call_checks_what_its_layout_does_not_hold(frozen, compiles):
     with pytest.raises(ValueError, match="b"):
         op(a, b.view(b.shape[1], b.shape[0]).t())  # b's address, shape and dtype; other strides
     assert len(op.kernel.calls) == calls
+
+
+@pytest.mark.parametrize("world, split_k, reduction", [(1, 1, "one_shot"), (1, 2, "one_shot"), (2, 1, "one_shot"),
+                                                       (2, 2, "one_shot"), (4, 1, "two_shot")])
+def test_every_kernel_can_be_frozen(world, split_k, reduction):
+    """Every GemmAllReduce kernel is one the lean launcher launches itself (lowered on the
+    CPU): its TMA descriptors described for encoding once, no unknown launch attribute, no
+    cluster; so a repeated call gets its frozen launch (the GPU test requires it)."""
+    from tilescale_lang.aot import launch_info
+    from tilescale_lang.lean_describe import _unsupported
+
+    from tilescale_examples.decode.gemm_ar_kernel import PASS_CONFIGS, build_gemm_ar_kernel, kernel_args
+
+    func = build_gemm_ar_kernel(*kernel_args(16, 1024, 1024, world, "bfloat16", None, split_k, reduction))
+    artifact = launch_info.lower(func, "sm_90a", PASS_CONFIGS)
+    info = launch_info.describe(func, artifact, tensormaps=True)
+    assert _unsupported(artifact.device_mod) is None
+    assert len(info["launches"]) == 1 and info["launches"][0]["cluster"] is None
+    described = [arg["param"] for arg in info["launches"][0]["args"] if arg["kind"] == "tensormap"]
+    assert described == ["A", "B"]  # the descriptors over a and b: the frozen launch keeps them where they were
