@@ -21,6 +21,8 @@
 # bench-gemm_allreduce-2shot (GemmAllReduce's one-shot against its two-shot reduction, 2 and 4 emulated ranks);
 # bench-gemm_allreduce-ranks (GemmAllReduce across 2 real ranks against matmul + TileScale's and NCCL's all-reduce:
 # one rank per GPU on a 2-GPU machine, where it gives TWO_SHOT_FROM_BYTES[2]; ranks sharing one GPU check it only);
+# bench-decode-ranks (the fused norm across 2 real ranks against TileScale's, torch symmetric memory's and NCCL's
+# all-reduce then torch's add and rms_norm; likewise one rank per GPU on a 2-GPU machine);
 # bench-since-move (the benchmarks whose published tables predate the examples' restructuring);
 # bench-concurrent (the all-reduce algorithms with emulated ranks at once: the Lamport size table);
 # bench-concurrent-norm (the same for the fused norm's exchanges); bench-concurrent-eager (both at 4
@@ -57,14 +59,14 @@ done
 # first; each step fits one device call of 600 s: GemmAllReduce at one rank (tests-gemm-ar; its
 # worlds 2 and 4 passed), the decode ops' torch operators under torch.compile (tests-compile-decode) and the
 # tables (bench-gemm_allreduce-1, -2shot, bench-ulysses) and the real-rank GemmAllReduce benchmark's first run
-# (bench-gemm_allreduce-ranks, ranks sharing the GPU: its checks);
+# (bench-gemm_allreduce-ranks, ranks sharing the GPU: its checks) and the fused norm's (bench-decode-ranks);
 # SPAllGatherAttention on the async attention
 # pipeline at 4 ranks sharing a GPU (its worlds 1 and 2 passed; the cases of tests-sp-async) and
 # the attention table at every length (bench-attention-pipelines); the low-latency MoE's grid at
 # decode sizes (bench-moe-ll-blocks); the GEMM kernels' SM clock and power under a sustained run;
 # the rest of the tilescale-lang GPU suite in two steps (the others, whose first 25 tests passed
 # before a shortened time limit cut the run, and upstream's programs, test_gpu_upstream.py, alone).
-unverified=(tests-gemm-ar tests-compile-decode bench-gemm_allreduce-1 bench-ulysses bench-gemm_allreduce-2shot bench-gemm_allreduce-ranks tests-sp-async bench-attention-pipelines bench-moe-ll-blocks bench-gemm-sustain tests-lang-rest tests-upstream)
+unverified=(tests-gemm-ar tests-compile-decode bench-gemm_allreduce-1 bench-ulysses bench-gemm_allreduce-2shot bench-gemm_allreduce-ranks bench-decode-ranks tests-sp-async bench-attention-pipelines bench-moe-ll-blocks bench-gemm-sustain tests-lang-rest tests-upstream)
 if [[ " ${steps[*]} " == *" unverified "* ]]; then
   steps=("${unverified[@]}")
   [[ ${#steps[@]} -eq 0 ]] && echo "device-check: no unverified steps"
@@ -121,7 +123,7 @@ for step in "${steps[@]}"; do
     tests-4) gpu_tests tests-4 0 ;;
     chaos) run_step chaos env TILESCALE_SHARE_GPUS=1 timeout -k 10 540 python3 -m pytest \
              packages/tilescale-examples/tests/test_chaos.py -m chaos -q -s -rfEs --tb=short -p no:cacheprovider ;;
-    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs gemm overlap_emulated emulated reduce_ceiling moe moe_phases remote_tma gpu_barrier decode gemm_allreduce gemm_allreduce_ranks ulysses launch cold_start attention sp_attention concurrent; do
+    bench) for b in heap signals putget allgather reducescatter alltoall allreduce ag_gemm gemm_rs gemm overlap_emulated emulated reduce_ceiling moe moe_phases remote_tma gpu_barrier decode decode_ranks gemm_allreduce gemm_allreduce_ranks ulysses launch cold_start attention sp_attention concurrent; do
              run_step "bench-$b" timeout -k 10 300 python3 -m "tilescale_examples.benchmarks.$b"
            done ;;
     bench-overlap-1) for b in ag_gemm gemm_rs; do
@@ -147,6 +149,8 @@ for step in "${steps[@]}"; do
                                   tilescale_examples.benchmarks.gemm_allreduce --ranks 1 2 --m 1 4 16 64 128 --split-k 1 auto ;;
     bench-gemm_allreduce-ranks) run_step "$step" timeout -k 10 560 python3 -m \
                                   tilescale_examples.benchmarks.gemm_allreduce_ranks --ranks 2 ;;  # one rank per GPU where there are 2
+    bench-decode-ranks) run_step "$step" timeout -k 10 560 python3 -m tilescale_examples.benchmarks.decode_ranks \
+                          --ranks 2 ;;  # one rank per GPU where there are 2
     bench-gemm_allreduce-1) run_step "$step" timeout -k 10 560 python3 -m tilescale_examples.benchmarks.gemm_allreduce \
                               --ranks 1 --split-k 1 auto ;;
     bench-gemm_allreduce-2shot) run_step "$step" timeout -k 10 560 python3 -m \

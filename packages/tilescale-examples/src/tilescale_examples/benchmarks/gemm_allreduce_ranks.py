@@ -33,9 +33,7 @@ GPU run the same checks, but their times are no measurement (the title says so).
 
 from __future__ import annotations
 
-import os
-
-from tilescale_examples.benchmarks import _harness, _timing
+from tilescale_examples.benchmarks import _harness, _ranks, _timing
 from tilescale_examples.benchmarks._report import print_table, ratio
 
 __all__ = ["HEADERS", "M_SIZES", "COLUMNS", "two_shot_from_bytes", "jobs", "run", "main"]
@@ -82,7 +80,6 @@ def _inputs(p: int, m: int, k: int, n: int, dtype, device):
 
 def _measure(rank: int, world: int, group, device, m: int, args) -> tuple:
     """``(row, timings, failures)`` of one ``m`` (every rank makes the same collectives)."""
-    import tilelang
     import torch
     import torch.distributed as dist
 
@@ -93,9 +90,8 @@ def _measure(rank: int, world: int, group, device, m: int, args) -> tuple:
     dtype, k, n = getattr(torch, args.dtype), args.k, args.n
     specs = {"one-shot": dict(reduction="one_shot", split_k=1), "two-shot": dict(reduction="two_shot", split_k=1)}
     heap = sum(GemmAllReduce.heap_bytes(m, k, n, dtype, world_size=world, device=device, **kw) for kw in specs.values())
-    heap += AllReduce.heap_bytes((m, n), dtype, world_size=world, device=device) + (8 << 20)
-    alloc = tilelang.get_allocator(size=heap, device=device, is_distributed=True, local_rank=rank,
-                                   num_local_ranks=world, group=group)
+    heap += AllReduce.heap_bytes((m, n), dtype, world_size=world, device=device)
+    alloc = _ranks.open_heap(rank, world, group, device, heap)
     fused = {name: GemmAllReduce(alloc, m, k, n, dtype, group=group, **kw) for name, kw in specs.items()}
     ar = AllReduce(alloc, (m, n), dtype, group=group)
     every = [_inputs(p, m, k, n, dtype, device) for p in range(world)]
@@ -125,19 +121,12 @@ def _measure(rank: int, world: int, group, device, m: int, args) -> tuple:
             failures += [f"{what}: {bad} elements outside the error bound (worst {worst:.3g}x)"] if bad else []
     times = _timing.interleaved_ms({name: fn for name, fn in calls.items() if fn is not None}, args.iters,
                                    args.rounds, group, device)
-    gathered = [None] * world
-    dist.all_gather_object(gathered, failures, group=group)
-    failures = [f for part in gathered for f in part]
+    failures = _ranks.close_case((*fused.values(), ar), alloc, failures, group, device)
     us = {name: times[name] * 1e3 if name in times else "n/a" for name in COLUMNS}
     best = min(us["one-shot"], us["two-shot"])
     row = [m, m * n * dtype.itemsize, *(us[c] for c in COLUMNS), ratio(best, us["mm+AR"]),
            ratio(best, us["mm+NCCL"]) if nccl else "n/a", ratio(us["two-shot"], us["one-shot"]),
            "ok" if not failures else "FAIL"]
-    for op in (*fused.values(), ar):
-        op.close()
-    torch.cuda.synchronize(device)
-    dist.barrier(group=group)
-    alloc.close()
     return row, (m * n * dtype.itemsize, times["one-shot"], times["two-shot"]), failures
 
 
@@ -172,28 +161,17 @@ def main(argv=None) -> int:
         p.error("--m, --iters and --rounds must be positive")
     if args.k < 64 or args.k % 64 or args.n < 64 or args.n % 64:
         p.error("--k and --n must be positive multiples of 64")
-    gpus = _harness.visible_gpus("GemmAllReduce across ranks")
-    if gpus == 0:
-        return 0
     import torch
 
-    from tilescale_examples.testing.precompile import precompile
-
-    if "LOCAL_WORLD_SIZE" not in os.environ:  # spawned ranks: their kernels compiled first, in parallel
-        precompile(jobs(args, args.ranks, torch.cuda.get_device_properties(0).multi_processor_count))
-    result, backend, world = _harness.run_on_ranks(run, args.ranks, args)
-    if result is None:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 0
+    ran = _ranks.spawn(run, args, lambda world: jobs(args, world, sms), "GemmAllReduce across ranks")
+    if ran is None:
         return 0
-    rows, sizes, failures = result
-    mode = _harness.gpu_mode(world, backend, min(gpus, world), "NCCL all_reduce")
+    (rows, sizes, failures), world, mode = ran
     print_table(f"GEMM + all-reduce across {world} ranks, fused (one-shot and two-shot) vs torch.matmul + all-reduce, "
                 f"{args.dtype}, k {args.k}, n {args.n}; {mode}; GPU us per call", HEADERS, rows)
-    for failure in failures:
-        print(f"FAIL {failure}")
-    print(f"\ncorrectness (every column vs the exact float32 sum): {'ok' if not failures else 'FAILED'}")
     print(f"two-shot from bytes at {world} ranks (TWO_SHOT_FROM_BYTES[{world}]): {two_shot_from_bytes(sizes)}")
-    return 0 if not failures else 1
-
+    return _ranks.verdict(failures, "every column vs the exact float32 sum")
 
 if __name__ == "__main__":
     raise SystemExit(main())

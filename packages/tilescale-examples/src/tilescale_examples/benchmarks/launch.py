@@ -84,10 +84,8 @@ MOE_DISPATCH_ROW, MOE_ROW = "MoE dispatch, 128 tokens", "MoE dispatch + combine,
 GEMM_SHAPE = (128, 1024, 1024)
 #: The overlapped GEMMs' rows, checked by their relative error (:func:`compare_gemm`).
 GEMM_ROWS = ("AllGatherGEMM 128x1024x1024", "GemmReduceScatter 128x1024x1024")
-#: ``GemmAllReduce``'s shape (m, k, n) and row (checked like the GEMMs: at world 1 the op is
-#: its GEMM, rounded once): a decode batch of 16 tokens through a row-parallel projection.
-GEMM_AR_SHAPE = (16, 1024, 1024)
-GEMM_AR_ROW = "GemmAllReduce 16x1024x1024"
+#: ``GemmAllReduce``'s (m, k, n) and row: 16 tokens through a row-parallel projection (checked as the GEMMs).
+GEMM_AR_SHAPE, GEMM_AR_ROW = (16, 1024, 1024), "GemmAllReduce 16x1024x1024"
 
 
 def op_specs(numel: int, dtype) -> dict:
@@ -97,8 +95,7 @@ def op_specs(numel: int, dtype) -> dict:
     elements of ``dtype`` per call."""
     from tilescale_examples import (AllGather, AllGatherGEMM, AllReduce, AllToAll, GemmReduceScatter, MoEDispatcher,
                                     ReduceScatter)
-    from tilescale_examples.decode.allreduce_norm import AllReduceResidualRMSNorm
-    from tilescale_examples.decode.gemm_allreduce import GemmAllReduce
+    from tilescale_examples.decode import AllReduceResidualRMSNorm, GemmAllReduce
 
     moe = (MoEDispatcher, (), dict(dtype=dtype, validate=False, **MOE))
     return {
@@ -194,8 +191,7 @@ def gemm_run(shape: tuple, dtype, device) -> tuple:
 
 def heap_bytes(numel: int, dtype) -> int:
     """Heap bytes per rank for two instances of every op of :func:`_ops`."""
-    from tilescale_examples import MoEDispatcher
-    from tilescale_examples.decode.gemm_allreduce import GemmAllReduce
+    from tilescale_examples import GemmAllReduce, MoEDispatcher
     from tilescale_examples.overlap import ag_gemm, gemm_rs
 
     moe = MoEDispatcher.heap_bytes(dtype=dtype, world_size=1, **MOE)
