@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-KERNEL_MARK = "executable.so"
+from pack_kernel_cache import KERNEL_MARK, _size  # the same entries that script packs (ci/ is on sys.path)
 
 
 def kernel_entries(cache: Path) -> list:
@@ -66,7 +66,8 @@ def used_entries(cache: Path, since: float) -> list:
     since_ns = int(since * 10**9)
     used = []
     for entry in kernel_entries(cache):
-        if any(max(f.stat().st_atime_ns, f.stat().st_mtime_ns) >= since_ns for f in entry.iterdir() if f.is_file()):
+        stats = (f.stat() for f in entry.iterdir() if f.is_file())
+        if any(max(st.st_atime_ns, st.st_mtime_ns) >= since_ns for st in stats):
             used.append(entry.relative_to(cache).as_posix())
     return used
 
@@ -91,7 +92,7 @@ def prune(cache: Path, keep: set, dry_run: bool = False) -> tuple:
             kept += 1
             continue
         removed += 1
-        freed += sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+        freed += _size(entry)
         if not dry_run:
             shutil.rmtree(entry)
     return removed, kept, freed
