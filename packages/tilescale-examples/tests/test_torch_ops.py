@@ -641,7 +641,8 @@ def test_matmul_all_reduce_eager_fake_and_compiled():
     torch.testing.assert_close(compiled(a, b), (a.relu() @ b) * W + 1)
     with pytest.raises(ValueError, match=r"matmul_all_reduce: a is \(2, 4\) torch.float32, .*a = \(m, k\) = \(3, 4\)"):
         OPS.matmul_all_reduce(a[:2], b, h)
-    with pytest.raises(ValueError, match=r"names an AllReduce, but matmul_all_reduce takes the handle of a GemmAllReduce"):
+    with pytest.raises(ValueError, match=r"names an AllReduce, but matmul_all_reduce takes the handle of a "
+                                         r"GemmAllReduce"):
         OPS.matmul_all_reduce(a, b, handle_of(keep := StandInAllReduce((4,))))
     del keep
 

@@ -100,7 +100,8 @@ def _go_lean(launch, monkeypatch, path="ctypes"):
         lambda stream, status: status.__setitem__(0, int(rec.capturing)) or 0)
     monkeypatch.setattr(lean, "_capture_query_address", lambda: ctypes.cast(rec.query, ctypes.c_void_p).value)
     if path == "records":
-        entry = (lean_driver._LAUNCH(lambda fn, *rest: rec.launch(fn, *rest[:-1])), lean_driver._COOPERATIVE_LAUNCH(rec.launch))
+        entry = (lean_driver._LAUNCH(lambda fn, *rest: rec.launch(fn, *rest[:-1])),
+                 lean_driver._COOPERATIVE_LAUNCH(rec.launch))
         rec.keep = entry  # the C function pointers live as long as the recorder
         monkeypatch.setattr(lean, "_driver_addresses", lambda: tuple(ctypes.cast(f, ctypes.c_void_p).value for f in entry))
         launch._records = launch._make_records()

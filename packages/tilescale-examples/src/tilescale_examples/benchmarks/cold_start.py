@@ -62,7 +62,8 @@ def specs(numel: int, dtype) -> dict:
     from tilescale_examples.benchmarks.launch import GEMM_AR_ROW, GEMM_ROWS, MOE_DISPATCH_ROW, op_specs
     from tilescale_examples.overlap.ag_gemm import AllGatherGEMM
 
-    launch_only = (MOE_DISPATCH_ROW, *GEMM_ROWS, GEMM_AR_ROW)  # the dispatch's kernel is the MoE row's; the demo's GEMM below
+    # the dispatch's kernel is the MoE row's; the demo's GEMM below
+    launch_only = (MOE_DISPATCH_ROW, *GEMM_ROWS, GEMM_AR_ROW)
     serving = {name: spec for name, spec in op_specs(numel, dtype).items() if name not in launch_only}
     return {**serving, AG_GEMM: (AllGatherGEMM, AG_SHAPE + (dtype,), {})}
 

@@ -1,4 +1,4 @@
-"""The fused all-reduce + residual + RMSNorm across real ranks (one per GPU) against an all-reduce (TileScale's, torch symmetric memory's, NCCL's) then torch's add and rms_norm.
+"""The fused all-reduce + residual + RMSNorm across real ranks (one per GPU) against an all-reduce then torch's ops.
 
 ``python -m tilescale_examples.benchmarks.decode_ranks [--ranks 2] [--hidden 8192] [--tokens 1 4
 16 64 256] [--dtype bfloat16|float16] [--iters 50] [--rounds 5] [--eps 1e-6] [--out DIR]`` (under
@@ -122,7 +122,8 @@ def _measure(rank: int, world: int, group, device, tokens: int, args) -> tuple:
     symm = _symm_all_reduce(x, group)
     calls = {"one-shot": lambda: fused["one_shot"](x, residual, weight),
              "lamport": lambda: fused["lamport"](x, residual, weight),
-             "AR+torch": lambda: torch_tail(ar(x)), "symm+torch": (lambda: torch_tail(symm())) if callable(symm) else None,
+             "AR+torch": lambda: torch_tail(ar(x)),
+             "symm+torch": (lambda: torch_tail(symm())) if callable(symm) else None,
              "NCCL+torch": nccl if dist.get_backend(group) == "nccl" else None}
     notes = {} if callable(symm) else {"symm+torch": symm}
     want = torch_reference(every, rank, eps=eps)
@@ -184,7 +185,8 @@ def main(argv=None) -> int:
         return 0
     (rows, failures, notes), world, mode = ran
     print_table(f"All-reduce + residual + RMSNorm across {world} ranks, fused (one-shot and Lamport) vs an all-reduce "
-                f"then torch add + rms_norm, {args.dtype}, hidden {args.hidden}; {mode}; GPU us per call", HEADERS, rows)
+                f"then torch add + rms_norm, {args.dtype}, hidden {args.hidden}; {mode}; GPU us per call",
+                HEADERS, rows)
     for name, why in sorted(notes.items()):
         print(f"{name}: {why}")
     return _ranks.verdict(failures, f"fused: the float32 reference; baselines: within {BASELINE_RTOL} of it")

@@ -1,4 +1,4 @@
-"""GemmAllReduce across real ranks (one per GPU): the fused kernel with each reduction against torch.matmul + an all-reduce.
+"""GemmAllReduce across real ranks (one per GPU), with each reduction, against torch.matmul + an all-reduce.
 
 ``python -m tilescale_examples.benchmarks.gemm_allreduce_ranks [--ranks 2] [--m 1 16 64 128 256 512]
 [--k 8192] [--n 8192] [--dtype bfloat16|float16] [--iters 20] [--rounds 5] [--out DIR]`` (under
@@ -8,8 +8,8 @@ measures what the emulation leaves out: the flag latency between GPUs and the li
 which decide where the two-shot reduction (each rank reduces ``1 / W`` of every tile and pushes
 it) overtakes the one-shot one (each rank reads every peer's whole tile).
 
-For every ``m`` (``(m, k) @ (k, n)`` per rank, ``k`` split in the sense of ``row-parallel``:
-every rank holds its own ``a`` and ``b``), in rounds that time each column in turn (the median
+For every ``m`` (``(m, k) @ (k, n)`` per rank, a row-parallel layer: every rank holds its
+own ``a`` and ``b``), in rounds that time each column in turn (the median
 round, the slowest rank), GPU time per call of ``--iters`` back-to-back calls:
 
 * ``one-shot us``, ``two-shot us``: :class:`~tilescale_examples.decode.gemm_allreduce.GemmAllReduce`
@@ -22,9 +22,9 @@ round, the slowest rank), GPU time per call of ``--iters`` back-to-back calls:
 * the fused/baseline ratios and which reduction was the faster.
 
 Every column's output is checked once against the exact float32 sum of every rank's product
-(the bound of :func:`~tilescale_examples.decode.gemm_allreduce.compare`, made once per size; the
-baselines with ``world_size`` times the rounding allowance, as they may round each partial sum); a failure makes the exit
-status 1. The last line gives the value of
+(the bound of :func:`~tilescale_examples.decode.gemm_allreduce.compare`, made once per size;
+the baselines with ``world_size`` times the rounding allowance, as they may round each partial
+sum); a failure makes the exit status 1. The last line gives the value of
 :data:`~tilescale_examples.decode.gemm_allreduce.TWO_SHOT_FROM_BYTES` for this rank count that
 the table supports: the smallest output size (``m * n * itemsize``) from which two-shot was the
 faster at that and every larger ``m`` measured (``None`` where it never was). Ranks sharing a

@@ -55,8 +55,8 @@ from tilescale_examples.benchmarks import _harness
 from tilescale_examples.benchmarks._report import print_table, ratio
 
 __all__ = ["HEADERS", "GOAL_ADD", "GOAL_SYMM", "MOE", "MOE_ROW", "MOE_DISPATCH_ROW", "MOE_FROZEN_ROW", "GEMM_SHAPE",
-           "GEMM_ROWS", "GEMM_AR_SHAPE", "GEMM_AR_ROW", "op_specs", "gemm_run", "heap_bytes", "poison_outputs", "compare", "compare_gemm", "run",
-           "goal_lines", "main"]
+           "GEMM_ROWS", "GEMM_AR_SHAPE", "GEMM_AR_ROW", "op_specs", "gemm_run", "heap_bytes", "poison_outputs", "compare",
+           "compare_gemm", "run", "goal_lines", "main"]
 
 HEADERS = ["call", "launcher", "host us", "vs torch.add", "vs symm one-shot", "check", "enqueue us", "enqueue vs add"]
 #: The ops' default launcher (``op.lean_launch`` False): the goals are measured on it.
